@@ -1,0 +1,33 @@
+"""deepspeed_c: DeepSpeed's training API with cores written in C.
+
+`import deepspeed_c as deepspeed` in an existing DeepSpeed script. Importing is cheap: nothing is
+built, no subprocess starts, CUDA and torch.distributed are not initialised; public names resolve
+on first use.
+"""
+from deepspeed_c._lazy import lazy_exports
+from deepspeed_c.version import __version__, __version_major__, __version_minor__, __version_patch__
+
+__all__ = [
+    "__version__", "initialize", "add_config_arguments", "init_distributed", "DeepSpeedEngine",
+    "DeepSpeedConfig", "comm", "zero", "checkpointing", "ops", "utils", "accelerator",
+]
+
+__getattr__, __dir__ = lazy_exports(__name__, {
+    # the engine issue fills these modules in
+    "initialize": "deepspeed_c.runtime.initialize:initialize",
+    "add_config_arguments": "deepspeed_c.runtime.initialize:add_config_arguments",
+    "DeepSpeedEngine": "deepspeed_c.runtime.engine:DeepSpeedEngine",
+    "DeepSpeedConfig": "deepspeed_c.runtime.config:DeepSpeedConfig",
+    "init_distributed": "deepspeed_c.comm:init_distributed",
+    "comm": "deepspeed_c.comm",
+    "zero": "deepspeed_c.runtime.zero",
+    "checkpointing": "deepspeed_c.runtime.activation_checkpointing.checkpointing",
+    "ops": "deepspeed_c.ops",
+    "utils": "deepspeed_c.utils",
+    "accelerator": "deepspeed_c.accelerator",
+    "get_accelerator": "deepspeed_c.accelerator:get_accelerator",
+    "runtime": "deepspeed_c.runtime",
+    "launcher": "deepspeed_c.launcher",
+    "monitor": "deepspeed_c.monitor",
+    "checkpoint": "deepspeed_c.checkpoint",
+})

@@ -1,0 +1,30 @@
+"""deepspeed_c.ops: optimizer and kernel front ends, and the op builders
+(`deepspeed_c.ops.op_builder`, DeepSpeed's import path). `__compatible_ops__` maps each op name
+to whether it can be built here; it is computed on first access (it probes compilers)."""
+from __future__ import annotations
+
+from typing import Any
+
+from deepspeed_c._lazy import lazy_exports
+
+_lazy_getattr, __dir__ = lazy_exports(__name__, {
+    "op_builder": "deepspeed_c.ops.op_builder",
+    "adam": "deepspeed_c.ops.adam",
+    "adagrad": "deepspeed_c.ops.adagrad",
+    "lion": "deepspeed_c.ops.lion",
+    "lamb": "deepspeed_c.ops.lamb",
+})
+
+
+def _compatible_ops() -> dict[str, bool]:
+    from deepspeed_c.ops.op_builder import ALL_OPS
+
+    return {name: builder().is_compatible() for name, builder in ALL_OPS.items()}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "__compatible_ops__":
+        value = _compatible_ops()
+        globals()[name] = value
+        return value
+    return _lazy_getattr(name)

@@ -1,0 +1,19 @@
+"""The registry of op builders. Each op adds one import line below."""
+from __future__ import annotations
+
+from .builder import OpBuilder
+from .utils import UtilsBuilder
+
+# --- one import line per op (keep sorted by file) ---
+
+__all__ = [name for name, obj in dict(globals()).items()
+           if isinstance(obj, type) and issubclass(obj, OpBuilder) and obj.NAME]
+
+ALL_OPS: dict[str, type[OpBuilder]] = {globals()[name].NAME: globals()[name] for name in __all__}
+
+
+def get_builder(name: str) -> type[OpBuilder]:
+    try:
+        return ALL_OPS[name]
+    except KeyError:
+        raise KeyError(f"unknown op {name!r}; known ops: {sorted(ALL_OPS)}") from None

@@ -1,0 +1,60 @@
+"""Builds deepspeed_c with setuptools alone: no pybind11, no torch C++ headers, and torch is
+never imported here. The always-present core module `deepspeed_c._C` is plain C11 against the
+CPython limited API (abi3, one build for every Python >= 3.10). Every other op is JIT-built on
+first use by op_builder/; DS_BUILD_OPS=1 builds the compatible ones ahead of time instead."""
+import glob
+import os
+import shutil
+import sys
+
+from setuptools import Extension, setup
+from setuptools.command.build_py import build_py
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+LIMITED_API = 0x030A0000  # Python 3.10
+
+
+def core_sources() -> list[str]:
+    srcs = sorted(glob.glob("csrc/core/*.c")) + ["csrc/py/tensor_view.c"]
+    srcs += sorted(glob.glob("csrc/py/core_*.c"))
+    return srcs
+
+
+core = Extension(
+    "deepspeed_c._C",
+    sources=core_sources(),
+    include_dirs=["csrc/include"],
+    define_macros=[("Py_LIMITED_API", hex(LIMITED_API))],
+    extra_compile_args=["-std=c11", "-O2", "-Wall", "-Wextra", "-Wno-unused-parameter",
+                        "-fvisibility=hidden"],
+    py_limited_api=True,
+)
+
+
+class BuildPyWithSources(build_py):
+    """Ships csrc/ inside the package (the JIT builder compiles from it at run time) and, when
+    DS_BUILD_OPS=1, builds the compatible ops ahead of time into deepspeed_c/_prebuilt."""
+
+    def run(self) -> None:
+        super().run()
+        if self.editable_mode:
+            return  # an editable install compiles from the checkout's csrc/
+        target = os.path.join(self.build_lib, "deepspeed_c", "_csrc")
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(os.path.join(ROOT, "csrc"), target)
+        if os.environ.get("DS_BUILD_OPS", "0") == "1":
+            sys.path.insert(0, ROOT)
+            from op_builder.aot import build_all_ahead_of_time
+
+            build_all_ahead_of_time(os.path.join(self.build_lib, "deepspeed_c", "_prebuilt"),
+                                    csrc_root=target)
+
+
+setup(
+    packages=[p for p in __import__("setuptools").find_packages(include=["deepspeed_c", "deepspeed_c.*"])]
+    + ["deepspeed_c.ops.op_builder"],
+    package_dir={"deepspeed_c.ops.op_builder": "op_builder"},
+    ext_modules=[core],
+    cmdclass={"build_py": BuildPyWithSources},
+    options={"bdist_wheel": {"py_limited_api": "cp310"}},
+)
