@@ -7,10 +7,12 @@
 
 extern PyMethodDef dsc_view_methods[];
 extern PyMethodDef dsc_cpu_features_methods[];
+extern PyMethodDef dsc_bucket_methods[];
 
 static PyMethodDef *const dsc_core_tables[] = {
     dsc_view_methods,
     dsc_cpu_features_methods,
+    dsc_bucket_methods,
     NULL,
 };
 

@@ -56,3 +56,5 @@ COMMS_LOGGER_DEBUG = "debug"
 COMMS_LOGGER_DEBUG_DEFAULT = False
 COMMS_LOGGER_PROF_OPS = "prof_ops"
 COMMS_LOGGER_PROF_OPS_DEFAULT: list[str] = []
+
+__all__ = [n for n in dir() if n.isupper()] + ["default_pg_timeout", "timeout_from_env"]

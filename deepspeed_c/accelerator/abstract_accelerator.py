@@ -1,0 +1,195 @@
+"""The accelerator interface (DeepSpeed's `DeepSpeedAccelerator`): what the runtime asks of a
+device family. Implementations: cpu_accelerator.CPU_Accelerator, cuda_accelerator.CUDA_Accelerator."""
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+
+class DeepSpeedAccelerator(abc.ABC):
+    _name: str = ""
+    _communication_backend_name: str = ""
+
+    # --- identity -----------------------------------------------------------------------
+    def device_name(self, device_index: int | None = None) -> str:
+        return self._name if device_index is None else f"{self._name}:{device_index}"
+
+    def communication_backend_name(self) -> str:
+        return self._communication_backend_name
+
+    @abc.abstractmethod
+    def is_available(self) -> bool: ...
+
+    @abc.abstractmethod
+    def device_count(self) -> int: ...
+
+    @abc.abstractmethod
+    def current_device(self) -> int: ...
+
+    def current_device_name(self) -> str:
+        return self.device_name(self.current_device())
+
+    def device(self, device_index: int | None = None) -> Any:
+        import torch
+
+        return torch.device(self.device_name(device_index))
+
+    @abc.abstractmethod
+    def set_device(self, device_index: int) -> None: ...
+
+    @abc.abstractmethod
+    def synchronize(self, device_index: int | None = None) -> None: ...
+
+    def is_synchronized_device(self) -> bool:
+        return False
+
+    def use_host_timers(self) -> bool:
+        return self.is_synchronized_device()
+
+    def resolves_data_dependency(self) -> bool:
+        return self.is_synchronized_device()
+
+    def handles_memory_backpressure(self) -> bool:
+        return self.is_synchronized_device()
+
+    # --- RNG ----------------------------------------------------------------------------
+    def manual_seed(self, seed: int) -> None:
+        import torch
+
+        torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        self.manual_seed(seed)
+
+    def initial_seed(self) -> int:
+        import torch
+
+        return torch.initial_seed()
+
+    def get_rng_state(self, device_index: int | None = None) -> Any:
+        import torch
+
+        return torch.get_rng_state()
+
+    def set_rng_state(self, new_state: Any, device_index: int | None = None) -> None:
+        import torch
+
+        torch.set_rng_state(new_state)
+
+    def random(self) -> Any:
+        import torch
+
+        return torch.random
+
+    # --- dtypes -------------------------------------------------------------------------
+    @abc.abstractmethod
+    def is_bf16_supported(self) -> bool: ...
+
+    @abc.abstractmethod
+    def is_fp16_supported(self) -> bool: ...
+
+    def supported_dtypes(self) -> list[Any]:
+        import torch
+
+        dtypes = [torch.float32]
+        if self.is_fp16_supported():
+            dtypes.append(torch.float16)
+        if self.is_bf16_supported():
+            dtypes.append(torch.bfloat16)
+        return dtypes
+
+    # --- memory -------------------------------------------------------------------------
+    def pin_memory(self, tensor: Any, align_bytes: int = 1) -> Any:
+        return tensor
+
+    def is_pinned(self, tensor: Any) -> bool:
+        return False
+
+    def on_accelerator(self, tensor: Any) -> bool:
+        return tensor.device.type == self._name
+
+    def empty_cache(self) -> None:
+        return None
+
+    def memory_allocated(self, device_index: int | None = None) -> int:
+        return 0
+
+    def max_memory_allocated(self, device_index: int | None = None) -> int:
+        return 0
+
+    def reset_max_memory_allocated(self, device_index: int | None = None) -> None:
+        return None
+
+    def memory_reserved(self, device_index: int | None = None) -> int:
+        return 0
+
+    def max_memory_reserved(self, device_index: int | None = None) -> int:
+        return 0
+
+    def reset_peak_memory_stats(self, device_index: int | None = None) -> None:
+        return None
+
+    def memory_stats(self, device_index: int | None = None) -> dict[str, Any]:
+        return {}
+
+    @abc.abstractmethod
+    def total_memory(self, device_index: int | None = None) -> int: ...
+
+    @abc.abstractmethod
+    def available_memory(self, device_index: int | None = None) -> int: ...
+
+    # --- streams and events ---------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def Stream(self) -> Any: ...
+
+    @abc.abstractmethod
+    def stream(self, stream: Any) -> Any: ...
+
+    @abc.abstractmethod
+    def current_stream(self, device_index: int | None = None) -> Any: ...
+
+    @abc.abstractmethod
+    def default_stream(self, device_index: int | None = None) -> Any: ...
+
+    @property
+    @abc.abstractmethod
+    def Event(self) -> Any: ...
+
+    # --- tracing ------------------------------------------------------------------------
+    def range_push(self, msg: str) -> None:
+        return None
+
+    def range_pop(self) -> None:
+        return None
+
+    def lazy_call(self, callback: Any) -> None:
+        callback()
+
+    # --- environment --------------------------------------------------------------------
+    def visible_devices_envs(self) -> list[str]:
+        return []
+
+    def set_visible_devices_envs(self, current_env: dict[str, str], local_accelerator_ids: list[int]) -> None:
+        for env in self.visible_devices_envs():
+            current_env[env] = ",".join(map(str, local_accelerator_ids))
+
+    def export_envs(self) -> list[str]:
+        return []
+
+    # --- op builders --------------------------------------------------------------------
+    def op_builder_dir(self) -> str:
+        return "deepspeed_c.ops.op_builder"
+
+    def get_op_builder(self, class_name: str) -> type | None:
+        """The builder class by DeepSpeed's class name (e.g. "CPUAdamBuilder"), or None."""
+        from deepspeed_c.ops import op_builder
+
+        return getattr(op_builder, class_name, None)
+
+    def create_op_builder(self, class_name: str) -> Any:
+        builder = self.get_op_builder(class_name)
+        return builder() if builder is not None else None
+
+    def build_extension(self) -> Any:
+        raise NotImplementedError("deepspeed_c builds ops with op_builder, not torch's BuildExtension")

@@ -1,0 +1,186 @@
+"""The remaining typed sections (checkpoint, activation checkpointing, flops profiler, timers,
+compile, tensor parallel, eigenvalue, progressive layer drop) and the gate for sections whose
+capability is not built: those raise NotImplementedError naming their key path when they ask
+for the capability, and are accepted when they only restate "off"."""
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any, Optional
+
+from pydantic import Field, field_validator
+
+from deepspeed_c.runtime.config_utils import (DeepSpeedConfigError, DeepSpeedConfigModel, parse_section,
+                                              unbuilt)
+
+
+class ValidationMode(str, Enum):
+    WARN = "WARN"
+    IGNORE = "IGNORE"
+    FAIL = "FAIL"
+
+
+class ParallelWriteConfig(DeepSpeedConfigModel):
+    pipeline_stage: bool = False
+
+
+class CheckpointConfig(DeepSpeedConfigModel):
+    tag_validation: ValidationMode = ValidationMode.WARN
+    load_universal: bool = False
+    use_node_local_storage: bool = False
+    parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig)
+    checkpoint_serialization: bool = True
+    writer: Optional[dict[str, Any]] = None
+
+    @field_validator("tag_validation", mode="before")
+    @classmethod
+    def _upper(cls, v: Any) -> Any:
+        return v.upper() if isinstance(v, str) else v
+
+
+class ActivationCheckpointingConfig(DeepSpeedConfigModel):
+    partition_activations: bool = False
+    contiguous_memory_optimization: bool = False
+    cpu_checkpointing: bool = False
+    number_checkpoints: Optional[int] = None
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+
+
+class FlopsProfilerConfig(DeepSpeedConfigModel):
+    enabled: bool = False
+    recompute_fwd_factor: float = 0.0
+    profile_step: int = 1
+    module_depth: int = -1
+    top_modules: int = 1
+    detailed: bool = True
+    output_file: Optional[str] = None
+
+
+class ThroughputTimerConfig(DeepSpeedConfigModel):
+    enabled: bool = True
+    synchronized: bool = True
+
+
+class TimersConfig(DeepSpeedConfigModel):
+    throughput: ThroughputTimerConfig = Field(default_factory=ThroughputTimerConfig)
+
+
+class CompileConfig(DeepSpeedConfigModel):
+    deepcompile: bool = False
+    free_activation: bool = False
+    free_activation_threshold: int = 10 * 1024 * 1024
+    offload_activation: bool = False
+    offload_opt_states: bool = False
+    double_buffer: bool = True
+    symmetric_memory: bool = False
+    debug_log: bool = False
+    offload_parameters: bool = False
+    sync_before_reduce: bool = False
+    sync_after_reduce: bool = False
+    sync_before_allgather: bool = False
+    sync_after_allgather: bool = False
+    keep_int_input_tensors: bool = True
+    keep_all_input_tensors: bool = False
+    passes: Optional[list[str]] = None
+
+
+class TPTrainingConfig(DeepSpeedConfigModel):
+    dtype: Optional[str] = None
+    autotp_size: int = Field(0, ge=0)
+    tp_overlap_comm: bool = False
+    partition_config: Optional[dict[str, Any]] = None
+    preset_model: Optional[str] = None
+    keep_module_on_host: bool = False
+    tensor_parallel: Optional[dict[str, Any]] = None
+    injection_policy_tuple: Optional[Any] = None
+
+
+class EigenvalueConfig(DeepSpeedConfigModel):
+    enabled: bool = False
+    verbose: bool = False
+    max_iter: int = 100
+    tol: float = 1e-2
+    stability: float = 1e-6
+    gas_boundary_resolution: int = 1
+    layer_name: str = "bert.encoder.layer"
+    layer_num: int = 0
+
+
+class ProgressiveLayerDropConfig(DeepSpeedConfigModel):
+    enabled: bool = False
+    theta: float = 1.0
+    gamma: float = 0.001
+
+
+# Sections deepspeed_c does not build: (what, whether this raw section asks for it).
+def _enabled(raw: Any) -> bool:
+    return isinstance(raw, dict) and bool(raw.get("enabled", False))
+
+
+def _present(raw: Any) -> bool:
+    return raw is not None and raw != {} and raw is not False
+
+
+UNBUILT_SECTIONS: dict[str, tuple[str, Any]] = {
+    "pipeline": ("pipeline parallelism (use PipelineModule once deepspeed_c builds it)", _present),
+    "sparse_attention": ("sparse attention", _present),
+    "aio": ("NVMe offload through async I/O", _present),
+    "compression_training": ("compression training", _present),
+    "weight_quantization": ("weight quantization", _present),
+    "elasticity": ("elastic training", _enabled),
+    "autotuning": ("the autotuner", _enabled),
+    "expert_parallel": ("AutoEP expert parallelism (MoE)", _enabled),
+    "hybrid_engine": ("the hybrid engine", _enabled),
+    "nebula": ("Nebula checkpointing", _enabled),
+    "curriculum_learning": ("legacy curriculum learning", _enabled),
+    "data_efficiency": ("the data efficiency library", _enabled),
+    "quantize_training": ("MoQ quantized training", _enabled),
+    "datastates_ckpt": ("DataStates checkpointing", _present),
+}
+
+
+def check_unbuilt_sections(param_dict: dict[str, Any]) -> None:
+    for key, (what, asks) in UNBUILT_SECTIONS.items():
+        if key in param_dict and asks(param_dict[key]):
+            raise unbuilt(key, what)
+    if param_dict.get("sparse_gradients", False) is True:
+        raise unbuilt("sparse_gradients", "sparse gradient all-reduce")
+    sp = param_dict.get("sequence_parallel_size", 1)
+    if isinstance(sp, int) and not isinstance(sp, bool) and sp > 1:
+        raise unbuilt("sequence_parallel_size", "Ulysses sequence parallelism")
+
+
+def parse_misc_sections(param_dict: dict[str, Any]) -> dict[str, Any]:
+    check_unbuilt_sections(param_dict)
+    flops = parse_section(FlopsProfilerConfig, param_dict.get("flops_profiler"), "flops_profiler")
+    if flops.enabled:
+        raise unbuilt("flops_profiler.enabled", "the flops profiler")
+    eigen = parse_section(EigenvalueConfig, param_dict.get("eigenvalue"), "eigenvalue")
+    if eigen.enabled:
+        raise unbuilt("eigenvalue.enabled", "eigenvalue computation")
+    pld = parse_section(ProgressiveLayerDropConfig, param_dict.get("progressive_layer_drop"),
+                        "progressive_layer_drop")
+    if pld.enabled:
+        raise unbuilt("progressive_layer_drop.enabled", "progressive layer drop")
+    compile_cfg = parse_section(CompileConfig, param_dict.get("compile"), "compile")
+    if compile_cfg.deepcompile:
+        raise unbuilt("compile.deepcompile", "DeepCompile")
+    if compile_cfg.passes:
+        raise unbuilt("compile.passes", "DeepCompile passes (AutoSP)")
+    tp = parse_section(TPTrainingConfig, param_dict.get("tensor_parallel"), "tensor_parallel")
+    if tp.autotp_size > 1:
+        raise unbuilt("tensor_parallel.autotp_size", "AutoTP training")
+    checkpoint = parse_section(CheckpointConfig, param_dict.get("checkpoint"), "checkpoint")
+    if checkpoint.load_universal:
+        raise unbuilt("checkpoint.load_universal", "universal checkpoint loading")
+    act = parse_section(ActivationCheckpointingConfig, param_dict.get("activation_checkpointing"),
+                        "activation_checkpointing")
+    if act.number_checkpoints is not None and act.number_checkpoints < 0:
+        raise DeepSpeedConfigError(f"Invalid value {act.number_checkpoints!r} for config key "
+                                   f"'activation_checkpointing.number_checkpoints': expected an int >= 0")
+    timers = parse_section(TimersConfig, param_dict.get("timers"), "timers")
+    return {
+        "flops_profiler_config": flops, "eigenvalue_config": eigen, "pld_config": pld,
+        "compile_config": compile_cfg, "tensor_parallel_config": tp, "checkpoint_config": checkpoint,
+        "activation_checkpointing_config": act, "timers_config": timers,
+    }

@@ -1,0 +1,189 @@
+"""The typed `zero_optimization` section (DeepSpeedZeroConfig with its offload sub-sections),
+DeepSpeed 0.19's keys, aliases, defaults and legacy forms.
+
+Which stages run is decided here in one place: SUPPORTED_ZERO_STAGES. The ZeRO issues add their
+stage when its optimizer lands; until then a config asking for it raises NotImplementedError
+naming `zero_optimization.stage`."""
+from __future__ import annotations
+
+import sys
+from enum import Enum
+from typing import Any, Optional
+
+from pydantic import Field, model_validator
+
+from deepspeed_c.runtime.config_utils import (DeepSpeedConfigError, DeepSpeedConfigModel, config_warning,
+                                              parse_section, unbuilt)
+
+ZERO_OPTIMIZATION = "zero_optimization"
+SUPPORTED_ZERO_STAGES: set[int] = {0}
+
+
+class ZeroStageEnum(int, Enum):
+    disabled = 0
+    optimizer_states = 1
+    gradients = 2
+    weights = 3
+    max_stage = 3
+
+
+class OffloadDeviceEnum(str, Enum):
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
+
+
+class DeepSpeedZeroOffloadParamConfig(DeepSpeedConfigModel):
+    device: OffloadDeviceEnum = OffloadDeviceEnum.none
+    nvme_path: Optional[str] = None
+    buffer_count: int = Field(5, ge=0)
+    buffer_size: int = Field(int(1e8), ge=0)
+    max_in_cpu: int = Field(int(1e9), ge=0)
+    pin_memory: bool = False
+
+
+class DeepSpeedZeroOffloadOptimizerConfig(DeepSpeedConfigModel):
+    device: OffloadDeviceEnum = OffloadDeviceEnum.none
+    nvme_path: Optional[str] = None
+    buffer_count: int = Field(4, ge=0)
+    pin_memory: bool = False
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+    fast_init: bool = False
+    ratio: float = Field(1.0, ge=0.0, le=1.0)
+    super_offload: bool = False
+    cpuadam_cores_perc: float = Field(0.8, ge=0.0, le=1.0)
+
+
+class DeepSpeedZeroLeafModuleConfig(DeepSpeedConfigModel):
+    classes: list[str] = Field(default_factory=list)
+    names: list[str] = Field(default_factory=list)
+    name_suffixes: list[str] = Field(default_factory=list)
+
+
+class DeepSpeedZeroConfig(DeepSpeedConfigModel):
+    stage: int = Field(0, ge=0, le=3)
+    contiguous_gradients: bool = True
+    reduce_scatter: bool = True
+    reduce_bucket_size: int = Field(int(5e8), ge=0)
+    use_multi_rank_bucket_allreduce: bool = True
+    allgather_partitions: bool = True
+    allgather_bucket_size: int = Field(int(5e8), ge=0)
+    overlap_comm: Optional[bool] = None  # None: True for stage 3, else False
+    load_from_fp32_weights: bool = True
+    elastic_checkpoint: bool = False
+    offload_param: Optional[DeepSpeedZeroOffloadParamConfig] = None
+    offload_optimizer: Optional[DeepSpeedZeroOffloadOptimizerConfig] = None
+    zenflow: Optional[dict[str, Any]] = None
+    sub_group_size: int = Field(int(1e9), ge=0)
+    cpu_offload_param: Optional[bool] = None  # legacy: offload_param.device = cpu
+    cpu_offload_use_pin_memory: Optional[bool] = None  # legacy, ignored
+    cpu_offload: Optional[bool] = None  # legacy: offload_optimizer.device = cpu
+    prefetch_bucket_size: int = Field(int(5e7), ge=0, alias="stage3_prefetch_bucket_size")
+    param_persistence_threshold: int = Field(int(1e5), ge=0, alias="stage3_param_persistence_threshold")
+    model_persistence_threshold: int = Field(sys.maxsize, ge=0, alias="stage3_model_persistence_threshold")
+    max_live_parameters: int = Field(int(1e9), ge=0, alias="stage3_max_live_parameters")
+    max_reuse_distance: int = Field(int(1e9), ge=0, alias="stage3_max_reuse_distance")
+    gather_16bit_weights_on_model_save: bool = Field(False, alias="stage3_gather_16bit_weights_on_model_save")
+    module_granularity_threshold: int = Field(0, alias="stage3_module_granularity_threshold")
+    use_all_reduce_for_fetch_params: bool = Field(False, alias="stage3_use_all_reduce_for_fetch_params")
+    allgather_sequential: bool = Field(False, alias="stage3_allgather_sequential")
+    stage3_gather_fp16_weights_on_model_save: bool = False  # legacy name of the 16-bit save flag
+    ignore_unused_parameters: bool = True
+    legacy_stage1: bool = False
+    round_robin_gradients: bool = False
+    zero_hpz_partition_size: int = Field(1, ge=0)
+    zero_quantized_weights: bool = False
+    zero_quantized_nontrainable_weights: bool = False
+    zero_quantized_gradients: bool = False
+    zeropp_loco_param: Optional[dict[str, Any]] = None
+    mics_shard_size: int = -1
+    mics_hierarchical_params_gather: bool = False
+    memory_efficient_linear: bool = True
+    pipeline_loading_checkpoint: bool = False
+    override_module_apply: bool = True
+    log_trace_cache_warnings: bool = False
+    enable_sanity_checks: bool = False
+    save_muon_momentum_buffer_in_memory: bool = False
+    leaf_module: DeepSpeedZeroLeafModuleConfig = Field(default_factory=DeepSpeedZeroLeafModuleConfig)
+
+    @model_validator(mode="after")
+    def _dynamic_defaults(self) -> "DeepSpeedZeroConfig":
+        if self.overlap_comm is None:
+            object.__setattr__(self, "overlap_comm", self.stage == ZeroStageEnum.weights)
+        return self
+
+
+def _legacy_bool_form(param_dict: dict[str, Any], value: bool) -> dict[str, Any]:
+    config_warning("DeepSpeedConfig: \"zero_optimization\": true/false is a deprecated format; use "
+                   "\"zero_optimization\": {\"stage\": N}")
+    out: dict[str, Any] = {"stage": 1 if value else 0}
+    if value and "allgather_size" in param_dict:
+        out["allgather_bucket_size"] = int(param_dict["allgather_size"])
+    return out
+
+
+def _apply_legacy_keys(cfg: DeepSpeedZeroConfig) -> None:
+    path = ZERO_OPTIMIZATION
+    if cfg.cpu_offload is not None:
+        config_warning(f"Config key '{path}.cpu_offload' is deprecated; use '{path}.offload_optimizer'")
+        if cfg.offload_optimizer is not None and "offload_optimizer" in cfg.model_fields_set:
+            raise DeepSpeedConfigError(f"Config keys '{path}.cpu_offload' and '{path}.offload_optimizer' "
+                                       f"cannot be given together")
+        if cfg.cpu_offload:
+            cfg.offload_optimizer = DeepSpeedZeroOffloadOptimizerConfig(device="cpu")
+    if cfg.cpu_offload_param is not None:
+        config_warning(f"Config key '{path}.cpu_offload_param' is deprecated; use '{path}.offload_param'")
+        if cfg.offload_param is not None and "offload_param" in cfg.model_fields_set:
+            raise DeepSpeedConfigError(f"Config keys '{path}.cpu_offload_param' and '{path}.offload_param' "
+                                       f"cannot be given together")
+        if cfg.cpu_offload_param:
+            cfg.offload_param = DeepSpeedZeroOffloadParamConfig(device="cpu")
+    if cfg.cpu_offload_use_pin_memory is not None:
+        config_warning(f"Config key '{path}.cpu_offload_use_pin_memory' is deprecated; use "
+                       f"'{path}.offload_param.pin_memory' or '{path}.offload_optimizer.pin_memory'")
+    if cfg.stage3_gather_fp16_weights_on_model_save:
+        config_warning(f"Config key '{path}.stage3_gather_fp16_weights_on_model_save' is deprecated; use "
+                       f"'{path}.gather_16bit_weights_on_model_save'")
+        cfg.gather_16bit_weights_on_model_save = True
+
+
+def _check_built(cfg: DeepSpeedZeroConfig) -> None:
+    path = ZERO_OPTIMIZATION
+    if cfg.stage not in SUPPORTED_ZERO_STAGES:
+        raise unbuilt(f"{path}.stage", f"ZeRO stage {cfg.stage}")
+    for key, what in (("offload_param", "parameter offload"), ("offload_optimizer", "optimizer offload")):
+        sub = getattr(cfg, key)
+        if sub is not None and sub.device != OffloadDeviceEnum.none.value:
+            device_what = "NVMe offload" if sub.device == OffloadDeviceEnum.nvme.value else what
+            raise unbuilt(f"{path}.{key}.device", f"{device_what} to '{sub.device}'")
+    if cfg.offload_param is not None and cfg.offload_param.nvme_path:
+        raise unbuilt(f"{path}.offload_param.nvme_path", "NVMe offload")
+    if cfg.offload_optimizer is not None and cfg.offload_optimizer.nvme_path:
+        raise unbuilt(f"{path}.offload_optimizer.nvme_path", "NVMe offload")
+    flags = (("zenflow", cfg.zenflow is not None, "ZenFlow"),
+             ("zero_quantized_weights", cfg.zero_quantized_weights, "ZeRO++ quantized weights"),
+             ("zero_quantized_nontrainable_weights", cfg.zero_quantized_nontrainable_weights,
+              "ZeRO++ quantized non-trainable weights"),
+             ("zero_quantized_gradients", cfg.zero_quantized_gradients, "ZeRO++ quantized gradients"),
+             ("zero_hpz_partition_size", cfg.zero_hpz_partition_size > 1, "ZeRO++ hierarchical partitioning"),
+             ("zeropp_loco_param", cfg.zeropp_loco_param is not None, "ZeRO++ LoCo"),
+             ("mics_shard_size", cfg.mics_shard_size > 0, "MiCS sharding"))
+    for key, on, what in flags:
+        if on:
+            raise unbuilt(f"{path}.{key}", what)
+
+
+def parse_zero_config(param_dict: dict[str, Any]) -> DeepSpeedZeroConfig:
+    raw = param_dict.get(ZERO_OPTIMIZATION, {})
+    if isinstance(raw, bool):
+        raw = _legacy_bool_form(param_dict, raw)
+    cfg = parse_section(DeepSpeedZeroConfig, raw, ZERO_OPTIMIZATION)
+    _apply_legacy_keys(cfg)
+    _check_built(cfg)
+    return cfg
+
+
+def get_zero_config(param_dict: dict[str, Any]) -> DeepSpeedZeroConfig:
+    """DeepSpeed's name for the section parser."""
+    return parse_zero_config(param_dict)
