@@ -193,9 +193,11 @@ class TorchBackend:
         def native(o: Any, a: bool) -> Any:
             if self.reduce_scatter_function is None:
                 raise NotImplementedError("reduce_scatter_tensor is not available in this torch")
+            out_flat = _flat(output_tensor, "output_tensor")
+            in_flat = input_tensor.contiguous().view(-1)  # both input layouts, as for all-gather
             return self._native_or_fallback(
                 "reduce_scatter_tensor", group,
-                lambda: self.reduce_scatter_function(output_tensor, input_tensor, op=o, group=group, async_op=a),
+                lambda: self.reduce_scatter_function(out_flat, in_flat, op=o, group=group, async_op=a),
                 lambda: self._reduce_scatter_via_all_reduce(output_tensor, [input_tensor], o, group, a))
 
         return self._with_op(op, group, async_op, native, [output_tensor])
@@ -249,9 +251,13 @@ class TorchBackend:
 
         if self.all_gather_function is None:
             return fallback()
+        # flat views take both output layouts, (W*n, ...) and (W, n, ...), on every backend
+        # (gloo accepts only the first)
+        out_flat = _flat(output_tensor, "output_tensor")
+        in_flat = input_tensor.contiguous().view(-1)
         return self._native_or_fallback(
             "all_gather_into_tensor", group,
-            lambda: self.all_gather_function(output_tensor, input_tensor, group=group, async_op=async_op), fallback)
+            lambda: self.all_gather_function(out_flat, in_flat, group=group, async_op=async_op), fallback)
 
     # DeepSpeed's older name
     def all_gather_base(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None,

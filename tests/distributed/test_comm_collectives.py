@@ -1,0 +1,254 @@
+"""deepspeed_c.comm collectives on 2 and 4 real gloo ranks, values checked against float64 sums
+worked out here; then the same checks with every fallback forced (the native ops booby-trapped so
+a silent native call fails), and a simulated backend refusal that must switch to the fallback."""
+from __future__ import annotations
+
+import pytest
+
+from tests.harness import run_distributed
+
+
+def _eq(got, want, what):
+    import torch
+
+    assert torch.equal(got, want), f"{what}: got {got.tolist()}, want {want.tolist()}"
+
+
+def _check_all(rank: int, w: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import deepspeed_c.comm as dc
+
+    f64 = dict(dtype=torch.float64)
+    tri = w * (w - 1) / 2  # sum of ranks
+
+    t = torch.full((3, ), float(rank), **f64)
+    dc.broadcast(t, src=w - 1)
+    _eq(t, torch.full((3, ), float(w - 1), **f64), "broadcast")
+
+    t = torch.arange(5, **f64) + rank
+    dc.all_reduce(t)
+    _eq(t, torch.arange(5, **f64) * w + tri, "all_reduce sum")
+
+    t = torch.full((4, ), rank + 1.0, **f64)
+    dc.all_reduce(t, op=dc.ReduceOp.AVG)
+    _eq(t, torch.full((4, ), (w + 1) / 2, **f64), "all_reduce avg")
+
+    t = torch.tensor([float(rank), -float(rank)], **f64)
+    dc.all_reduce(t, op=dist.ReduceOp.MAX)  # torch's ReduceOp is accepted too
+    _eq(t, torch.tensor([w - 1.0, 0.0], **f64), "all_reduce max")
+
+    t = torch.full((2, ), rank + 1.0, **f64)
+    work = dc.all_reduce(t, async_op=True)
+    work.wait()
+    _eq(t, torch.full((2, ), w * (w + 1) / 2, **f64), "async all_reduce")
+
+    t = torch.full((2, ), rank + 1.0, **f64)
+    dc.reduce(t, dst=0)
+    if rank == 0:
+        _eq(t, torch.full((2, ), w * (w + 1) / 2, **f64), "reduce")
+    t = torch.full((2, ), rank + 1.0, **f64)
+    dc.reduce(t, dst=w - 1, op=dc.ReduceOp.AVG)
+    if rank == w - 1:
+        _eq(t, torch.full((2, ), (w + 1) / 2, **f64), "reduce avg")
+
+    outs = [torch.zeros(2, **f64) for _ in range(w)]
+    dc.all_gather(outs, torch.full((2, ), float(rank), **f64))
+    for k, o in enumerate(outs):
+        _eq(o, torch.full((2, ), float(k), **f64), "all_gather")
+
+    inp = torch.full((2, 3), float(rank), **f64)
+    want = torch.cat([torch.full((2, 3), float(k), **f64) for k in range(w)])
+    out = torch.zeros(2 * w, 3, **f64)
+    dc.all_gather_into_tensor(out, inp)
+    _eq(out, want, "all_gather_into_tensor (concatenated)")
+    out = torch.zeros(w, 2, 3, **f64)
+    dc.all_gather_into_tensor(out, inp)
+    _eq(out.view(2 * w, 3), want, "all_gather_into_tensor (stacked)")
+    out = torch.zeros(2 * w, 3, **f64)
+    dc.allgather_fn(out, inp)
+    _eq(out, want, "allgather_fn")
+
+    n = 4
+    inp = torch.arange(w * n, **f64) * (rank + 1)
+    keep = inp.clone()
+    full_sum = torch.arange(w * n, **f64) * (w * (w + 1) / 2)
+    out = torch.zeros(n, **f64)
+    dc.reduce_scatter_tensor(out, inp)
+    _eq(out, full_sum[rank * n:(rank + 1) * n], "reduce_scatter_tensor")
+    _eq(inp, keep, "reduce_scatter_tensor leaves its input alone")
+    out = torch.zeros(n, **f64)
+    dc.reduce_scatter_tensor(out, inp, op=dc.ReduceOp.AVG)
+    _eq(out, full_sum[rank * n:(rank + 1) * n] / w, "reduce_scatter_tensor avg")
+    out = torch.zeros(n, **f64)
+    dc.reduce_scatter_fn(out, inp)
+    _eq(out, full_sum[rank * n:(rank + 1) * n], "reduce_scatter_fn")
+
+    out = torch.zeros(3, **f64)
+    dc.reduce_scatter(out, [torch.full((3, ), rank * 10.0 + j, **f64) for j in range(w)])
+    _eq(out, torch.full((3, ), 10 * tri + w * rank, **f64), "reduce_scatter")
+
+    inp = torch.arange(w * 2, **f64) + 100 * rank
+    out = torch.zeros(w * 2, **f64)
+    dc.all_to_all_single(out, inp)
+    want = torch.cat([torch.arange(rank * 2, rank * 2 + 2, **f64) + 100 * j for j in range(w)])
+    _eq(out, want, "all_to_all_single")
+    # uneven: rank r sends j+1 values to rank j and so receives r+1 from everyone
+    inp = torch.cat([torch.full((j + 1, ), 100.0 * rank + j, **f64) for j in range(w)])
+    out = torch.zeros(w * (rank + 1), **f64)
+    dc.all_to_all_single(out, inp, output_split_sizes=[rank + 1] * w, input_split_sizes=[j + 1 for j in range(w)])
+    _eq(out, torch.cat([torch.full((rank + 1, ), 100.0 * j + rank, **f64) for j in range(w)]), "all_to_all_single v")
+
+    outs = [torch.zeros(2, **f64) for _ in range(w)]
+    dc.all_to_all(outs, [torch.full((2, ), 10.0 * rank + j, **f64) for j in range(w)])
+    for j, o in enumerate(outs):
+        _eq(o, torch.full((2, ), 10.0 * j + rank, **f64), "all_to_all")
+
+    ts = [torch.full((2, 2), rank + 1.0, **f64), torch.full((3, ), 2.0 * rank, **f64)]
+    dc.all_reduce_coalesced(ts)
+    _eq(ts[0], torch.full((2, 2), w * (w + 1) / 2, **f64), "all_reduce_coalesced[0]")
+    _eq(ts[1], torch.full((3, ), 2 * tri, **f64), "all_reduce_coalesced[1]")
+
+    t = torch.full((2, ), rank + 1.0, **f64)
+    dc.inference_all_reduce(t)
+    _eq(t, torch.full((2, ), w * (w + 1) / 2, **f64), "inference_all_reduce")
+
+
+def _check_p2p_groups_objects(rank: int, w: int) -> None:
+    import torch
+
+    import deepspeed_c.comm as dc
+
+    f64 = dict(dtype=torch.float64)
+    nxt, prv = (rank + 1) % w, (rank - 1) % w
+    buf = torch.zeros(4, **f64)
+    reqs = [dc.isend(torch.full((4, ), float(rank), **f64), nxt), dc.irecv(buf, prv)]
+    for r in reqs:
+        r.wait()
+    _eq(buf, torch.full((4, ), float(prv), **f64), "isend/irecv ring")
+
+    pair = rank ^ 1  # 0<->1, 2<->3
+    got = torch.zeros(2, **f64)
+    if rank % 2 == 0:
+        dc.send(torch.full((2, ), rank + 0.5, **f64), pair)
+        dc.recv(got, pair)
+    else:
+        dc.recv(got, pair)
+        dc.send(torch.full((2, ), rank + 0.5, **f64), pair)
+    _eq(got, torch.full((2, ), pair + 0.5, **f64), "send/recv")
+
+    members = list(range(1, w, 2))  # the odd ranks: [1] or [1, 3]
+    g = dc.new_group(members)  # every rank must call new_group
+    if rank in members:
+        assert dc.get_all_ranks_from_group(g) == members
+        assert dc.get_global_rank(g, len(members) - 1) == members[-1]
+        assert dc.get_rank(g) == members.index(rank) and dc.get_world_size(g) == len(members)
+        t = torch.full((1, ), float(rank), **f64)
+        dc.all_reduce(t, group=g)
+        _eq(t, torch.full((1, ), float(sum(members)), **f64), "all_reduce on a subgroup")
+    assert dc.get_all_ranks_from_group() == list(range(w))
+    assert dc.get_global_rank(None, w - 1) == w - 1
+
+    if rank == 0:
+        gathered = [torch.zeros(1, **f64) for _ in range(w)]
+        dc.gather(torch.full((1, ), rank * 3.0, **f64), gathered, dst=0)
+        assert [x.item() for x in gathered] == [3.0 * k for k in range(w)]
+        got = torch.zeros(1, **f64)
+        dc.scatter(got, [torch.full((1, ), 7.0 + k, **f64) for k in range(w)], src=0)
+    else:
+        dc.gather(torch.full((1, ), rank * 3.0, **f64), None, dst=0)
+        got = torch.zeros(1, **f64)
+        dc.scatter(got, None, src=0)
+    assert got.item() == 7.0 + rank
+
+    objs = [{"from": rank}] if rank == 0 else [None]
+    dc.broadcast_object_list(objs, src=0)
+    assert objs == [{"from": 0}]
+    everyone = [None] * w
+    dc.all_gather_object(everyone, ("r", rank))
+    assert everyone == [("r", k) for k in range(w)]
+    dc.barrier()
+    dc.monitored_barrier()
+
+
+def _body(rank: int, w: int) -> list[str]:
+    import torch.distributed as dist
+
+    import deepspeed_c.comm as dc
+    from deepspeed_c.comm.backend import FALLBACK_OPS
+
+    # the harness built the group with torch: deepspeed_c.comm adopts it
+    assert dc.is_initialized() and dc.get_rank() == rank and dc.get_world_size() == w
+    assert dc.get_local_rank() == rank and dc.get_backend() == "gloo"
+    assert dc.has_all_gather_into_tensor() and dc.has_reduce_scatter_tensor()
+    _check_all(rank, w)
+    _check_p2p_groups_objects(rank, w)
+    refused_natively = sorted(op for _, op in dc.cdb._refused)
+
+    # every fallback forced; native calls would now raise, so passing proves the fallbacks ran
+    def trap(name):
+        def boom(*args, **kwargs):
+            raise AssertionError(f"native {name} called while its fallback is forced")
+        return boom
+
+    cdb = dc.cdb
+    real_all_reduce = dist.all_reduce
+
+    def all_reduce_without_avg(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        assert op != dist.ReduceOp.AVG, "native AVG called while its fallback is forced"
+        return real_all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+    saved = (cdb.reduce_scatter_function, cdb.all_gather_function, dist.reduce_scatter, dist.all_to_all)
+    cdb._forced = set(FALLBACK_OPS)
+    cdb.reduce_scatter_function, cdb.all_gather_function = trap("reduce_scatter_tensor"), trap("all_gather_into_tensor")
+    dist.reduce_scatter, dist.all_to_all, dist.all_reduce = trap("reduce_scatter"), trap("all_to_all"), \
+        all_reduce_without_avg
+    try:
+        _check_all(rank, w)
+    finally:
+        cdb._forced = set()
+        cdb.reduce_scatter_function, cdb.all_gather_function, dist.reduce_scatter, dist.all_to_all = saved
+        dist.all_reduce = real_all_reduce
+
+    # a backend that refuses reduce_scatter_tensor: the refusal is caught, remembered, and routed
+    def refuse(*args, **kwargs):
+        raise RuntimeError("ProcessGroupGloo does not support reduce_scatter")
+
+    cdb.reduce_scatter_function = refuse
+    import torch
+
+    for _ in range(2):
+        out = torch.zeros(2, dtype=torch.float64)
+        dc.reduce_scatter_tensor(out, torch.arange(2.0 * w, dtype=torch.float64))
+        _eq(out, torch.arange(2.0 * rank, 2.0 * rank + 2, dtype=torch.float64) * w, "refused reduce_scatter_tensor")
+    assert ("gloo", "reduce_scatter_tensor") in cdb._refused
+
+    # any other error is the caller's to see, not swallowed by a fallback
+    def broken(*args, **kwargs):
+        raise RuntimeError("connection reset by peer")
+
+    cdb._refused.clear()
+    cdb.reduce_scatter_function = broken
+    try:
+        dc.reduce_scatter_tensor(torch.zeros(2), torch.zeros(2 * w))
+    except RuntimeError as err:
+        assert "connection reset" in str(err)
+    else:
+        raise AssertionError("a real backend error was swallowed")
+    cdb.reduce_scatter_function = saved[0]
+    try:
+        dc.reduce_scatter_tensor(torch.zeros(3), torch.zeros(2 * w))
+    except ValueError as err:
+        assert "expected" in str(err)
+    else:
+        raise AssertionError("a size mismatch was not reported")
+    return refused_natively
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_collectives_native_and_fallback(world_size):
+    results = run_distributed(_body, world_size, timeout=240)
+    # gloo (torch 2.11) refuses only the list all_to_all; every rank must agree on what it refused
+    assert all(r == results[0] for r in results)
+    assert set(results[0]) <= {"all_to_all"}
