@@ -164,15 +164,18 @@ class TorchBackend:
 
     def all_reduce_coalesced(self, tensors: list[torch.Tensor], op: Any = dist.ReduceOp.SUM, group: Any = None,
                              async_op: bool = False) -> Any:
-        # one flat buffer, one collective: what coalescing is for, and every backend can do it
-        if not tensors:
-            return CompletedWork() if async_op else None
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        self.all_reduce(flat, op, group, False)
-        offset = 0
+        # one flat buffer and one collective per (dtype, device): what coalescing is for, and every
+        # backend can do it; grouping keeps each tensor reduced in its own dtype
+        buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for t in tensors:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
+            buckets.setdefault((t.dtype, t.device), []).append(t)
+        for members in buckets.values():
+            flat = torch.cat([t.reshape(-1) for t in members])
+            self.all_reduce(flat, op, group, False)
+            offset = 0
+            for t in members:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
         return CompletedWork() if async_op else None
 
     def reduce(self, tensor: torch.Tensor, dst: int, op: Any = dist.ReduceOp.SUM, group: Any = None,

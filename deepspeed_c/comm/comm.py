@@ -21,7 +21,7 @@ import torch.distributed as dist
 from deepspeed_c.comm.backend import CompletedWork, Noop, TorchBackend  # noqa: F401  (public names)
 from deepspeed_c.comm.comms_logging import CommsLogger
 from deepspeed_c.comm.config import CommsLoggerConfig, DeepSpeedCommsConfig
-from deepspeed_c.comm.constants import COMMS_LOGGER, TORCH_DISTRIBUTED_DEFAULT_PORT, default_pg_timeout
+from deepspeed_c.comm.constants import COMMS_LOGGER, default_pg_timeout
 from deepspeed_c.comm.reduce_op import ReduceOp
 from deepspeed_c.comm.utils import get_caller_func, get_local_rank_from_launcher
 

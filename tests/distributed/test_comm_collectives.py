@@ -4,6 +4,7 @@ a silent native call fails), and a simulated backend refusal that must switch to
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.harness import run_distributed
 
@@ -14,13 +15,22 @@ def _eq(got, want, what):
     assert torch.equal(got, want), f"{what}: got {got.tolist()}, want {want.tolist()}"
 
 
+def _device():
+    import torch
+
+    import deepspeed_c.comm as dc
+
+    return torch.device("cuda", torch.cuda.current_device()) if dc.get_backend() == "nccl" else torch.device("cpu")
+
+
 def _check_all(rank: int, w: int) -> None:
     import torch
     import torch.distributed as dist
 
     import deepspeed_c.comm as dc
 
-    f64 = dict(dtype=torch.float64)
+    dev = _device()
+    f64 = dict(dtype=torch.float64, device=dev)
     tri = w * (w - 1) / 2  # sum of ranks
 
     t = torch.full((3, ), float(rank), **f64)
@@ -105,10 +115,12 @@ def _check_all(rank: int, w: int) -> None:
     for j, o in enumerate(outs):
         _eq(o, torch.full((2, ), 10.0 * j + rank, **f64), "all_to_all")
 
-    ts = [torch.full((2, 2), rank + 1.0, **f64), torch.full((3, ), 2.0 * rank, **f64)]
+    ts = [torch.full((2, 2), rank + 1.0, **f64), torch.full((3, ), 2 * rank, dtype=torch.int32, device=dev),
+          torch.full((3, ), 2.0 * rank, **f64)]
     dc.all_reduce_coalesced(ts)
     _eq(ts[0], torch.full((2, 2), w * (w + 1) / 2, **f64), "all_reduce_coalesced[0]")
-    _eq(ts[1], torch.full((3, ), 2 * tri, **f64), "all_reduce_coalesced[1]")
+    _eq(ts[1], torch.full((3, ), int(2 * tri), dtype=torch.int32, device=dev), "all_reduce_coalesced[1] (int32)")
+    _eq(ts[2], torch.full((3, ), 2 * tri, **f64), "all_reduce_coalesced[2]")
 
     t = torch.full((2, ), rank + 1.0, **f64)
     dc.inference_all_reduce(t)
@@ -120,7 +132,7 @@ def _check_p2p_groups_objects(rank: int, w: int) -> None:
 
     import deepspeed_c.comm as dc
 
-    f64 = dict(dtype=torch.float64)
+    f64 = dict(dtype=torch.float64, device=_device())
     nxt, prv = (rank + 1) % w, (rank - 1) % w
     buf = torch.zeros(4, **f64)
     reqs = [dc.isend(torch.full((4, ), float(rank), **f64), nxt), dc.irecv(buf, prv)]
@@ -169,10 +181,11 @@ def _check_p2p_groups_objects(rank: int, w: int) -> None:
     dc.all_gather_object(everyone, ("r", rank))
     assert everyone == [("r", k) for k in range(w)]
     dc.barrier()
-    dc.monitored_barrier()
+    if dc.get_backend() == "gloo":  # torch implements monitored_barrier for gloo only
+        dc.monitored_barrier()
 
 
-def _body(rank: int, w: int) -> list[str]:
+def _body(rank: int, w: int, backend: str) -> list[str]:
     import torch.distributed as dist
 
     import deepspeed_c.comm as dc
@@ -180,7 +193,7 @@ def _body(rank: int, w: int) -> list[str]:
 
     # the harness built the group with torch: deepspeed_c.comm adopts it
     assert dc.is_initialized() and dc.get_rank() == rank and dc.get_world_size() == w
-    assert dc.get_local_rank() == rank and dc.get_backend() == "gloo"
+    assert dc.get_local_rank() == rank and dc.get_backend() == backend
     assert dc.has_all_gather_into_tensor() and dc.has_reduce_scatter_tensor()
     _check_all(rank, w)
     _check_p2p_groups_objects(rank, w)
@@ -218,11 +231,12 @@ def _body(rank: int, w: int) -> list[str]:
     cdb.reduce_scatter_function = refuse
     import torch
 
+    f64 = dict(dtype=torch.float64, device=_device())
     for _ in range(2):
-        out = torch.zeros(2, dtype=torch.float64)
-        dc.reduce_scatter_tensor(out, torch.arange(2.0 * w, dtype=torch.float64))
-        _eq(out, torch.arange(2.0 * rank, 2.0 * rank + 2, dtype=torch.float64) * w, "refused reduce_scatter_tensor")
-    assert ("gloo", "reduce_scatter_tensor") in cdb._refused
+        out = torch.zeros(2, **f64)
+        dc.reduce_scatter_tensor(out, torch.arange(2.0 * w, **f64))
+        _eq(out, torch.arange(2.0 * rank, 2.0 * rank + 2, **f64) * w, "refused reduce_scatter_tensor")
+    assert (backend, "reduce_scatter_tensor") in cdb._refused
 
     # any other error is the caller's to see, not swallowed by a fallback
     def broken(*args, **kwargs):
@@ -231,14 +245,14 @@ def _body(rank: int, w: int) -> list[str]:
     cdb._refused.clear()
     cdb.reduce_scatter_function = broken
     try:
-        dc.reduce_scatter_tensor(torch.zeros(2), torch.zeros(2 * w))
+        dc.reduce_scatter_tensor(torch.zeros(2, **f64), torch.zeros(2 * w, **f64))
     except RuntimeError as err:
         assert "connection reset" in str(err)
     else:
         raise AssertionError("a real backend error was swallowed")
     cdb.reduce_scatter_function = saved[0]
     try:
-        dc.reduce_scatter_tensor(torch.zeros(3), torch.zeros(2 * w))
+        dc.reduce_scatter_tensor(torch.zeros(3, **f64), torch.zeros(2 * w, **f64))
     except ValueError as err:
         assert "expected" in str(err)
     else:
@@ -246,9 +260,14 @@ def _body(rank: int, w: int) -> list[str]:
     return refused_natively
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_collectives_native_and_fallback(world_size):
-    results = run_distributed(_body, world_size, timeout=240)
-    # gloo (torch 2.11) refuses only the list all_to_all; every rank must agree on what it refused
+@pytest.mark.parametrize("backend,world_size", [
+    ("gloo", 2), ("gloo", 4),
+    pytest.param("nccl", 2, marks=pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="NCCL run needs 2 GPUs")),
+])
+def test_collectives_native_and_fallback(backend, world_size):
+    results = run_distributed(_body, world_size, args=(backend, ), backend=backend, timeout=240)
+    # what the backend refused natively (gloo in torch 2.11: only the list all_to_all); every
+    # rank must agree, or ranks would take different paths through the same collective
     assert all(r == results[0] for r in results)
     assert set(results[0]) <= {"all_to_all"}

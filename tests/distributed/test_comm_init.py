@@ -18,7 +18,8 @@ def _pg_timeout() -> timedelta:
     import torch
     import torch.distributed as dist
 
-    return dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout
+    dev = torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
+    return dist.group.WORLD._get_backend(dev).options._timeout
 
 
 def _sum_of_ranks() -> float:
@@ -26,7 +27,8 @@ def _sum_of_ranks() -> float:
 
     import deepspeed_c.comm as dc
 
-    t = torch.full((1, ), float(dc.get_rank()), dtype=torch.float64)
+    dev = torch.device("cuda", dc.get_local_rank()) if dc.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.full((1, ), float(dc.get_rank()), dtype=torch.float64, device=dev)
     dc.all_reduce(t)
     return t.item()
 
@@ -38,8 +40,11 @@ def _from_launcher_env(rank: int, w: int) -> dict:
 
     assert not dist.is_initialized()
     dc.init_distributed(verbose=False)
+    from deepspeed_c.comm.bootstrap import default_backend
+
     out = {"rank": dc.get_rank(), "world": dc.get_world_size(), "local": dc.get_local_rank(),
-           "backend": dc.get_backend(), "sum": _sum_of_ranks(), "timeout": _pg_timeout()}
+           "backend": dc.get_backend(), "default": default_backend(), "sum": _sum_of_ranks(),
+           "timeout": _pg_timeout()}
     dc.init_distributed(verbose=False)  # a second call adopts the live group instead of failing
     dc.init_distributed(dist_init_required=False, verbose=False)
     out["same_after_reinit"] = dc.get_world_size() == w
@@ -69,7 +74,7 @@ def test_init_from_launcher_env():
     w = 2
     res = run_distributed(_from_launcher_env, w, backend="none", env={"DEEPSPEED_TIMEOUT": ""})
     for rank, r in enumerate(res):
-        assert (r["rank"], r["world"], r["local"], r["backend"]) == (rank, w, rank, "gloo")
+        assert (r["rank"], r["world"], r["local"], r["backend"]) == (rank, w, rank, r["default"])
         assert r["sum"] == w * (w - 1) / 2
         assert r["timeout"] == timedelta(minutes=10)  # DeepSpeed's default
         assert r["same_after_reinit"] and r["destroyed"]

@@ -1,0 +1,248 @@
+"""Mixed precision, as a collaborator of the engine.
+
+`Precision` decides from the config how parameters are stored (fp32, fp16, bf16), how the loss is
+scaled, and whether forward runs under torch.autocast. For fp16 and bf16 it wraps the optimizer
+in `MixedPrecisionOptimizer`: the optimizer steps fp32 master copies of the 16-bit parameters,
+gradients are unscaled and clipped on the masters, overflowing steps are skipped (fp16: the
+dynamic loss scaler lowers the scale, DeepSpeed's message is logged), and updated masters are
+copied back into the 16-bit parameters."""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Iterator, Optional
+
+import torch
+
+from deepspeed_c.runtime.fp16.loss_scaler import CreateLossScaler, DynamicLossScaler, LossScalerBase
+from deepspeed_c.runtime.grad_norm import clip_coefficient, global_norm, scale_
+from deepspeed_c.utils.logging import logger
+
+
+class MixedPrecisionOptimizer:
+    """Steps fp32 master weights for 16-bit model parameters (DeepSpeed's FP16 optimizer role).
+
+    The wrapped optimizer's param groups are rewired to the masters, so schedulers and
+    `param_groups[i]["lr"]` keep working through this object."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, low_precision_dtype: torch.dtype,
+                 loss_scaler: LossScalerBase, clip_grad: float = 0.0, check_overflow: bool = True) -> None:
+        self.optimizer = optimizer
+        self.low_precision_dtype = low_precision_dtype
+        self.loss_scaler = loss_scaler
+        self.clip_grad = clip_grad
+        self.check_overflow = check_overflow
+        self.overflow = False
+        self._global_grad_norm: Optional[float] = None
+        self.lp_groups: list[list[torch.nn.Parameter]] = []
+        self.fp32_groups: list[list[torch.nn.Parameter]] = []
+        for group in optimizer.param_groups:
+            lp = list(group["params"])
+            masters = [torch.nn.Parameter(p.detach().clone().float(), requires_grad=p.requires_grad) for p in lp]
+            self.lp_groups.append(lp)
+            self.fp32_groups.append(masters)
+            group["params"] = masters
+        self._lp_flat = [p for g in self.lp_groups for p in g]
+        self._master_flat = [p for g in self.fp32_groups for p in g]
+        self._grad_buffers: list[Optional[torch.Tensor]] = [None] * len(self._master_flat)
+
+    # -- the optimizer face ----------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @property
+    def cur_scale(self) -> float:
+        return self.loss_scaler.cur_scale
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.cur_scale
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        return isinstance(self.loss_scaler, DynamicLossScaler)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self._lp_flat:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.detach_()
+                p.grad.zero_()
+        for m in self._master_flat:
+            m.grad = None
+
+    def _gather_master_grads(self) -> list[torch.Tensor]:
+        dst, src = [], []
+        for k, (lp, master) in enumerate(zip(self._lp_flat, self._master_flat)):
+            if lp.grad is None:
+                master.grad = None
+                continue
+            buf = self._grad_buffers[k]
+            if buf is None:
+                buf = self._grad_buffers[k] = torch.empty_like(master)
+            master.grad = buf
+            dst.append(buf)
+            src.append(lp.grad.detach().view_as(buf))
+        if dst:
+            torch._foreach_copy_(dst, src)
+        return dst
+
+    def step(self, closure: Any = None) -> bool:
+        """Returns True when the step was skipped for overflow (DeepSpeed's convention)."""
+        grads = self._gather_master_grads()
+        scaled_norm = float(global_norm(grads)) if grads else 0.0
+        finite = math.isfinite(scaled_norm)
+        self.overflow = (not finite) and self.check_overflow
+        self.loss_scaler.update_scale(self.overflow)
+        if self.overflow:
+            self.zero_grad(set_to_none=True)
+            self._global_grad_norm = None
+            return True
+        # the scaler may have grown the scale in update_scale(); the grads carry the one they were made with
+        grad_scale = self._scale_used
+        unscaled_norm = scaled_norm / grad_scale
+        self._global_grad_norm = unscaled_norm
+        coef = 1.0 / grad_scale
+        if self.clip_grad > 0.0 and finite:
+            coef *= clip_coefficient(unscaled_norm, self.clip_grad)
+        scale_(grads, coef)
+        self.optimizer.step()
+        self._copy_masters_to_model()
+        for m in self._master_flat:
+            m.grad = None
+        return False
+
+    @property
+    def _scale_used(self) -> float:
+        return getattr(self, "_backward_scale", self.loss_scaler.cur_scale)
+
+    def note_backward_scale(self, scale: float) -> None:
+        """The scale the current gradients were produced with (set by Precision.scale_loss)."""
+        self._backward_scale = scale
+
+    @torch.no_grad()
+    def _copy_masters_to_model(self) -> None:
+        torch._foreach_copy_([p.data for p in self._lp_flat], [m.data for m in self._master_flat])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "optimizer_state_dict": self.optimizer.state_dict(),
+            "fp32_groups": [[m.detach().clone() for m in g] for g in self.fp32_groups],
+            "loss_scaler": self.loss_scaler.state_dict(),
+            "dynamic_loss_scale": self.dynamic_loss_scale,
+            "cur_scale": self.loss_scaler.cur_scale,
+            "overflow": self.overflow,
+            "clip_grad": self.clip_grad,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any], load_optimizer_states: bool = True) -> None:
+        if load_optimizer_states:
+            self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
+        self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+        self.overflow = state_dict.get("overflow", False)
+        self.clip_grad = state_dict.get("clip_grad", self.clip_grad)
+        with torch.no_grad():
+            for group, saved in zip(self.fp32_groups, state_dict["fp32_groups"]):
+                for master, value in zip(group, saved):
+                    master.copy_(value)
+        self._copy_masters_to_model()
+
+    def __repr__(self) -> str:
+        return f"MixedPrecisionOptimizer({self.low_precision_dtype}, {self.optimizer!r})"
+
+
+class Precision:
+    """How the engine stores parameters, scales the loss and runs forward."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.fp16 = config.float16_config
+        self.bf16 = config.bfloat16_config
+        self.model_dtype = config.model_dtype()
+        self.autocast_enabled = bool(config.torch_autocast_enabled)
+        self.autocast_dtype: Optional[torch.dtype] = config.torch_autocast_dtype
+        self.buffer_dtype = config.buffer_dtype
+        self.grad_scaler: Optional[Any] = None  # torch.amp.GradScaler for fp16 torch_autocast
+        self.mixed: Optional[MixedPrecisionOptimizer] = None
+
+    @property
+    def low_precision(self) -> bool:
+        return self.model_dtype in (torch.float16, torch.bfloat16)
+
+    def cast_module(self, module: torch.nn.Module) -> None:
+        """Floating parameters to the model dtype; buffers only when data_types.buffer_dtype says so."""
+        if self.model_dtype != torch.float32:
+            for p in module.parameters():
+                if p.is_floating_point() and p.dtype != self.model_dtype:
+                    p.data = p.data.to(self.model_dtype)
+        if self.buffer_dtype is not None:
+            for b in module.buffers():
+                if b.is_floating_point() and b.dtype != self.buffer_dtype:
+                    b.data = b.data.to(self.buffer_dtype)
+
+    def wrap_optimizer(self, optimizer: Optional[torch.optim.Optimizer], device: torch.device) -> Any:
+        if self.autocast_enabled and self.autocast_dtype == torch.float16:
+            self.grad_scaler = torch.amp.GradScaler(device=device.type)
+        if optimizer is None or not self.low_precision:
+            return optimizer
+        if self.model_dtype == torch.float16:
+            dynamic = self.fp16.loss_scale == 0
+            scaler = CreateLossScaler(torch.float16, self.fp16.loss_scale, dynamic,
+                                      self.fp16.dynamic_loss_scale_args() if dynamic else None)
+            kind = "dynamic loss scale" if dynamic else f"static loss scale: {scaler.cur_scale}"
+            logger.info(f"Creating fp16 optimizer with {kind}")
+            check = True
+        else:
+            scaler = CreateLossScaler(torch.bfloat16, 1.0, False, None)
+            logger.info("Creating BF16 optimizer")
+            check = bool(self.bf16.check_grad_overflow)
+        self.mixed = MixedPrecisionOptimizer(optimizer, self.model_dtype, scaler,
+                                             clip_grad=self.config.gradient_clipping, check_overflow=check)
+        return self.mixed
+
+    @property
+    def needs_scaler(self) -> bool:
+        """Whether gradients must come from a scaled loss (fp16, or fp16 torch autocast)."""
+        return self.model_dtype == torch.float16 or self.grad_scaler is not None
+
+    def loss_scale(self) -> float:
+        if self.mixed is not None:
+            return self.mixed.cur_scale
+        if self.grad_scaler is not None:
+            return float(self.grad_scaler.get_scale())
+        return 1.0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        if self.mixed is not None and self.model_dtype == torch.float16:
+            scale = self.mixed.cur_scale
+            self.mixed.note_backward_scale(scale)
+            return loss * scale
+        if self.grad_scaler is not None:
+            return self.grad_scaler.scale(loss)
+        return loss
+
+    @contextlib.contextmanager
+    def autocast(self, device_type: str) -> Iterator[None]:
+        """Forward under the configured torch_autocast, overriding (or disabling) an outer one."""
+        if self.autocast_enabled:
+            with torch.autocast(device_type=device_type, dtype=self.autocast_dtype, enabled=True):
+                yield
+        elif torch.is_autocast_enabled(device_type):
+            with torch.autocast(device_type=device_type, enabled=False):
+                yield
+        else:
+            yield

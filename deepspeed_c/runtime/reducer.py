@@ -1,0 +1,180 @@
+"""Data-parallel gradient reduction through the C bucket planner.
+
+Every trainable parameter gets a post-accumulate-grad hook. On a backward that must reduce (a
+gradient-accumulation boundary outside no_sync), each hook copies its gradient into its slot of a
+contiguous bucket buffer and tells the planner; every bucket the planner reports ready (in bucket
+order, identical on all ranks) is all-reduced asynchronously through deepspeed_c.comm while
+backward goes on. At the end of backward the parameters that got no gradient are filled with
+zeros (as DeepSpeed does), the remaining buckets go out, every reduction is awaited and averaged,
+and each parameter's .grad becomes a view of its slot. Other backwards only accumulate locally.
+
+After its first round the reducer adopts rank 0's observed gradient order (broadcast, so every
+rank plans identically) and re-plans once, so later buckets fill in true backward order."""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from deepspeed_c.runtime.bucket_plan import BucketPlan
+
+
+def _comm() -> Any:
+    import deepspeed_c.comm as dist
+
+    return dist
+
+
+class GradientReducer:
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], *, world_size: int, bucket_cap: int,
+                 should_reduce: Callable[[], bool], group: Any = None, comm_dtype: Optional[torch.dtype] = None,
+                 prescale_gradients: bool = False, gradient_predivide_factor: float = 1.0,
+                 rebuild_from_observed_order: bool = True) -> None:
+        self.params = list(params)
+        self.world_size = world_size
+        self.group = group
+        self.bucket_cap = max(1, int(bucket_cap))
+        self.comm_dtype = comm_dtype
+        self.should_reduce = should_reduce
+        if prescale_gradients:
+            self.pre_factor, self.post_factor = 1.0 / world_size, 1.0
+        else:
+            self.pre_factor = 1.0 / gradient_predivide_factor
+            self.post_factor = gradient_predivide_factor / world_size
+        self._rebuild_pending = rebuild_from_observed_order and world_size > 1
+        self._order = list(range(len(self.params) - 1, -1, -1))
+        kinds: dict[tuple[torch.dtype, torch.device], int] = {}
+        self._keys = [kinds.setdefault((p.dtype, p.device), len(kinds)) for p in self.params]
+        self._plan_buckets(None)
+        self._round_open = False
+        self._reducing = False
+        self._launched = 0
+        self._works: list[Any] = []
+        self.rounds = 0
+        self.collectives = 0  # all-reduces issued, for tests and the benchmark
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook_for(i)) for i, p in enumerate(self.params)]
+
+    # -- planning --------------------------------------------------------------------------------
+    def _plan_buckets(self, order: Optional[list[int]]) -> None:
+        self.plan = BucketPlan([p.numel() for p in self.params], self.bucket_cap, order=order, keys=self._keys)
+        self._mark = self.plan._mark
+        self._capsule = self.plan._plan
+        layout = self.plan.layout
+        self.buffers: list[torch.Tensor] = []
+        for b, numel in enumerate(layout.bucket_numels):
+            first = self.params[layout.members[b][0]]
+            dtype = self.comm_dtype or first.dtype
+            self.buffers.append(torch.zeros(numel, dtype=dtype, device=first.device))
+        self._views = []
+        for i, p in enumerate(self.params):
+            b, off = layout.bucket_of[i], layout.offset_of[i]
+            self._views.append(self.buffers[b][off:off + p.numel()].view(p.shape))
+        self._same_dtype = [v.dtype == p.dtype for v, p in zip(self._views, self.params)]
+
+    @property
+    def num_buckets(self) -> int:
+        return self.plan.num_buckets
+
+    # -- backward-time path ----------------------------------------------------------------------
+    def _hook_for(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            self._on_grad(index)
+
+        return hook
+
+    def _on_grad(self, index: int) -> None:
+        if not self._round_open:
+            self._open_round()
+        if not self._reducing:
+            return
+        grad = self.params[index].grad
+        self._views[index].copy_(grad)
+        frontier = self._mark(self._capsule, index)
+        while self._launched < frontier:
+            self._launch(self._launched)
+
+    def _open_round(self) -> None:
+        self._round_open = True
+        self._reducing = bool(self.should_reduce())
+        if self._reducing:
+            self.plan.reset()
+            self._launched = 0
+            self._works = []
+        # end_backward runs when this backward finishes, also for a direct loss.backward()
+        torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
+
+    def _launch(self, bucket: int) -> None:
+        buf = self.buffers[bucket]
+        if self.pre_factor != 1.0:
+            buf.mul_(self.pre_factor)
+        self._works.append(_comm().all_reduce(buf, group=self.group, async_op=True))
+        self.collectives += 1
+
+    def end_backward(self) -> None:
+        """Flush, await and write back (idempotent: a no-op outside a reducing backward)."""
+        if not self._round_open:
+            return
+        try:
+            if self._reducing:
+                self._finish_round()
+        finally:
+            self._round_open = False
+            self._reducing = False
+
+    def _finish_round(self) -> None:
+        for i in self.plan.pending():
+            grad = self.params[i].grad
+            if grad is None:
+                self._views[i].zero_()
+            else:
+                self._views[i].copy_(grad)
+        frontier = self.plan.mark_all()
+        while self._launched < frontier:
+            self._launch(self._launched)
+        for work in self._works:
+            if work is not None:
+                work.wait()
+        self._works = []
+        if self.post_factor != 1.0:
+            torch._foreach_mul_(self.buffers, self.post_factor)
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                view = self._views[i]
+                if self._same_dtype[i]:
+                    p.grad = view
+                elif p.grad is None:
+                    p.grad = view.to(p.dtype)
+                else:
+                    p.grad.copy_(view)
+        self.rounds += 1
+        if self._rebuild_pending:
+            self._rebuild_pending = False
+            self._adopt_observed_order()
+
+    def _adopt_observed_order(self) -> None:
+        """Re-plan in rank 0's observed gradient order (every rank receives the same order)."""
+        observed = self.plan.arrival()
+        if len(observed) != len(self.params):
+            return
+        device = self.params[0].device if self.params else torch.device("cpu")
+        order = torch.tensor(observed, dtype=torch.int64, device=device)
+        dist = _comm()
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        dist.broadcast(order, src=src, group=self.group)
+        new_order = order.tolist()
+        if new_order != self._order:
+            grads = [p.grad for p in self.params]
+            self._order = new_order
+            self._plan_buckets(new_order)
+            # the grads were views of the old buffers: keep their values in the new ones
+            with torch.no_grad():
+                for i, p in enumerate(self.params):
+                    if grads[i] is not None and self._same_dtype[i]:
+                        self._views[i].copy_(grads[i])
+                        p.grad = self._views[i]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

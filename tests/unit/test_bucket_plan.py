@@ -1,0 +1,153 @@
+"""The C bucket planner against an independent Python model of its contract."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from deepspeed_c import _C
+from deepspeed_c.runtime.bucket_plan import BucketPlan
+
+
+def reference_plan(numels, cap, order=None, keys=None, align=1):
+    """Greedy per-key buckets in arrival order: a bucket closes when the next member would pass cap."""
+    n = len(numels)
+    order = list(range(n - 1, -1, -1)) if order is None else list(order)
+    keys = [0] * n if keys is None else list(keys)
+    up = lambda v: (v + align - 1) // align * align  # noqa: E731
+    open_b: dict[int, list] = {}
+    bucket_of, offset_of, numel_b, key_b, members = [0] * n, [0] * n, [], [], []
+    for i in order:
+        k = keys[i]
+        cur = open_b.get(k)
+        if cur is not None and up(cur[1]) + numels[i] > cap:
+            numel_b[cur[0]] = up(cur[1])
+            cur = None
+        if cur is None:
+            cur = [len(numel_b), 0]
+            numel_b.append(0)
+            key_b.append(k)
+            members.append([])
+            open_b[k] = cur
+        at = up(cur[1]) if members[cur[0]] else 0
+        bucket_of[i], offset_of[i] = cur[0], at
+        members[cur[0]].append(i)
+        cur[1] = at + numels[i]
+    for b, fill in open_b.values():
+        numel_b[b] = up(fill)
+    return bucket_of, offset_of, numel_b, key_b, members
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_layout_matches_reference(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 40)
+    numels = [rng.choice([0, 1, 3, 7, 64, 100, 1000]) for _ in range(n)]
+    cap = rng.choice([1, 50, 128, 1000, 5000])
+    order = list(range(n))
+    rng.shuffle(order)
+    use_order = rng.random() < 0.5
+    keys = [rng.randint(0, 2) for _ in range(n)] if rng.random() < 0.5 else None
+    align = rng.choice([1, 4, 16])
+    plan = BucketPlan(numels, cap, order=order if use_order else None, keys=keys, align=align)
+    ref = reference_plan(numels, cap, order if use_order else None, keys, align)
+    got = plan.layout
+    assert (got.bucket_of, got.offset_of, got.bucket_numels, got.bucket_keys, got.members) == tuple(ref)
+    # invariants: aligned, non-overlapping slots inside their buffer, one key per bucket
+    for b, members in enumerate(got.members):
+        spans = sorted((got.offset_of[i], got.offset_of[i] + numels[i]) for i in members)
+        assert all(s % align == 0 for s, _ in spans)
+        assert all(a[1] <= b_[0] for a, b_ in zip(spans, spans[1:]))
+        assert spans[-1][1] <= got.bucket_numels[b]
+        assert len({(keys or [0] * n)[i] for i in members}) == 1
+        if len(members) > 1:
+            assert got.bucket_numels[b] <= max(cap, align * ((cap + align - 1) // align))
+
+
+def test_default_order_is_reverse_registration():
+    plan = BucketPlan([10, 20, 30, 40], cap=50)
+    assert plan.layout.members == [[3], [2, 1], [0]]
+    assert plan.layout.offset_of == [0, 30, 0, 0]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_readiness_frontier_is_in_bucket_order(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 30)
+    numels = [rng.randint(1, 50) for _ in range(n)]
+    plan = BucketPlan(numels, cap=60)
+    members = plan.layout.members
+    arrival = list(range(n))
+    rng.shuffle(arrival)
+    remaining = [len(m) for m in members]
+    launched = 0
+    plan.reset()
+    for i in arrival:
+        remaining[plan.layout.bucket_of[i]] -= 1
+        expected = 0
+        while expected < len(members) and remaining[expected] == 0:
+            expected += 1
+        assert plan.mark(i) == expected
+        assert expected >= launched
+        launched = expected
+    assert launched == plan.num_buckets
+    assert plan.arrival() == arrival
+    assert plan.pending() == []
+
+
+def test_mark_all_and_pending_and_reset():
+    plan = BucketPlan([5, 5, 5, 5], cap=10)  # buckets [3,2] and [1,0]
+    plan.reset()
+    assert plan.mark(3) == 0
+    assert sorted(plan.pending()) == [0, 1, 2]
+    assert plan.pending() == [2, 1, 0]
+    assert plan.mark_all() == 2
+    assert plan.arrival() == [3, 2, 1, 0]
+    plan.reset()
+    assert plan.frontier() == 0 and plan.arrival() == []
+    assert plan.mark(1) == 0 and plan.mark(0) == 0 and plan.mark(2) == 0 and plan.mark(3) == 2
+
+
+def test_errors():
+    plan = BucketPlan([1, 2], cap=10)
+    plan.reset()
+    plan.mark(0)
+    with pytest.raises(RuntimeError, match="twice"):
+        plan.mark(0)
+    with pytest.raises(IndexError, match="out of range"):
+        plan.mark(2)
+    with pytest.raises(IndexError):
+        plan.mark(-1)
+    with pytest.raises(ValueError, match="cap"):
+        _C.bucket_plan([1], 0)
+    with pytest.raises(ValueError, match="numels"):
+        _C.bucket_plan([-1], 10)
+    with pytest.raises(ValueError, match="permutation"):
+        _C.bucket_plan([1, 2], 10, [0, 0])
+    with pytest.raises(ValueError, match="order has"):
+        _C.bucket_plan([1, 2], 10, [0])
+    with pytest.raises(ValueError, match="keys has"):
+        _C.bucket_plan([1, 2], 10, None, [0])
+    with pytest.raises(ValueError, match="align"):
+        _C.bucket_plan([1, 2], 10, None, None, 0)
+    with pytest.raises(TypeError, match="numels"):
+        _C.bucket_plan("ab", 10)
+    with pytest.raises(TypeError, match="numels\\[1\\]"):
+        _C.bucket_plan([1, 2.5], 10)
+    with pytest.raises(TypeError, match="bucket plan"):
+        _C.bucket_plan_mark(object(), 0)
+    with pytest.raises(TypeError):
+        _C.bucket_plan_mark(plan._plan)
+
+
+def test_empty_plan():
+    plan = BucketPlan([], cap=10)
+    assert plan.num_buckets == 0
+    plan.reset()
+    assert plan.mark_all() == 0
+
+
+def test_oversized_param_gets_own_bucket():
+    plan = BucketPlan([5, 100, 5], cap=10)
+    assert plan.layout.members == [[2], [1], [0]]
+    assert plan.layout.bucket_numels == [5, 100, 5]
