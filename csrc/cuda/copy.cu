@@ -20,18 +20,21 @@ __global__ void __launch_bounds__(kBlock) scale_kernel(const __grid_constant__ M
     float s = a.scale;
     if (SCALE && a.scale_dev != nullptr) s *= *a.scale_dev;
     bool bad = false;
-    for_each_elem(w.n, vec_aligned<S>(src) && vec_aligned<D>(dst), [&](auto wc, int i) {
-        constexpr int W = decltype(wc)::value;
-        float r[W];
-        load<W>(src + i, r);
+    for_each_elem(w.n, vec_aligned<S>(src) && vec_aligned<D>(dst), [&](auto wc, auto uc, int i, int stride) {
+        constexpr int W = decltype(wc)::value, U = decltype(uc)::value;
+        float r[U][W];
+        load_u<U, W>(src, i, stride, r);
         if constexpr (SCALE) {
 #pragma unroll
-            for (int k = 0; k < W; k++) {
-                bad |= !isfinite(r[k]);
-                r[k] *= s;
+            for (int u = 0; u < U; u++) {
+#pragma unroll
+                for (int k = 0; k < W; k++) {
+                    bad |= !isfinite(r[u][k]);
+                    r[u][k] *= s;
+                }
             }
         }
-        store<W>(dst + i, r);
+        store_u<U, W>(dst, i, stride, r);
     });
     if (SCALE && a.found_inf != nullptr) {
         bad = __syncthreads_or(bad);

@@ -18,15 +18,18 @@ l2norm_kernel(const __grid_constant__ Meta<1> m, double *acc, int64_t n, int per
     const T *x = slot<const T>(m, 0, w);
     double sum[1] = {0.0};
     bool bad = false;
-    for_each_elem(w.n, vec_aligned<T>(x), [&](auto wc, int i) {
-        constexpr int W = decltype(wc)::value;
-        float r[W];
-        load<W>(x + i, r);
+    for_each_elem(w.n, vec_aligned<T>(x), [&](auto wc, auto uc, int i, int stride) {
+        constexpr int W = decltype(wc)::value, U = decltype(uc)::value;
+        float r[U][W];
+        load_u<U, W>(x, i, stride, r);
         float s = 0.f;
 #pragma unroll
-        for (int k = 0; k < W; k++) {
-            s = fmaf(r[k], r[k], s);
-            bad |= !isfinite(r[k]);
+        for (int u = 0; u < U; u++) {
+#pragma unroll
+            for (int k = 0; k < W; k++) {
+                s = fmaf(r[u][k], r[u][k], s);
+                bad |= !isfinite(r[u][k]);
+            }
         }
         sum[0] += static_cast<double>(s);
     });

@@ -126,20 +126,40 @@ __device__ __forceinline__ T *slot(const Meta<D> &m, int k, const Where &w) {
     return static_cast<T *>(m.ptr[k][w.seg]) + w.off;
 }
 
-// Calls body(std::integral_constant<int, W>, i) over the chunk: W == kVec at vector-aligned
-// indices when `vec`, then W == 1 for the remainder. Consecutive threads touch consecutive
-// vectors, so every warp access is coalesced.
+// Calls body(Wc, Uc, i, stride) over the chunk, where Wc/Uc are std::integral_constant: the
+// body handles U groups of W consecutive elements starting at i, i + stride, ... and should
+// load all of them before storing any (two vector groups per thread keep more bytes in flight,
+// which matters for kernels whose stores could alias their next loads). W == kVec at
+// vector-aligned indices when `vec`; W == 1 for the rest. Consecutive threads touch
+// consecutive vectors, so every warp access is coalesced.
 template <class Body>
 __device__ __forceinline__ void for_each_elem(int n, bool vec, Body &&body) {
+    using V = std::integral_constant<int, kVec>;
+    using One = std::integral_constant<int, 1>;
+    using Two = std::integral_constant<int, 2>;
     int start = 0;
     if (vec) {
+        constexpr int step = kBlock * kVec;
         const int nv = n & ~(kVec - 1);
-        for (int i = static_cast<int>(threadIdx.x) * kVec; i < nv; i += kBlock * kVec)
-            body(std::integral_constant<int, kVec>{}, i);
+        int i = static_cast<int>(threadIdx.x) * kVec;
+        for (; i + step < nv; i += 2 * step) body(V{}, Two{}, i, step);
+        for (; i < nv; i += step) body(V{}, One{}, i, step);
         start = nv;
     }
-    for (int i = start + static_cast<int>(threadIdx.x); i < n; i += kBlock)
-        body(std::integral_constant<int, 1>{}, i);
+    for (int i = start + static_cast<int>(threadIdx.x); i < n; i += kBlock) body(One{}, One{}, i, kBlock);
+}
+
+// U groups of W elements from p + i, p + i + stride, ...
+template <int U, int W, typename T>
+__device__ __forceinline__ void load_u(const T *p, int i, int stride, float (&out)[U][W]) {
+#pragma unroll
+    for (int u = 0; u < U; u++) load<W>(p + i + u * stride, out[u]);
+}
+
+template <int U, int W, typename T>
+__device__ __forceinline__ void store_u(T *p, int i, int stride, const float (&in)[U][W]) {
+#pragma unroll
+    for (int u = 0; u < U; u++) store<W>(p + i + u * stride, in[u]);
 }
 
 // Block-wide sums of N doubles; the result is valid in thread 0. One call per kernel (the

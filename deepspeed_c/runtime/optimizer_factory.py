@@ -1,0 +1,88 @@
+"""Optimizers from the config's `optimizer` section, by DeepSpeed's names.
+
+"Adam"/"AdamW" -> DeepSpeedCPUAdam (model on the CPU) or FusedAdam (on a GPU); "Adam" means AdamW
+unless `adam_w_mode` is false, and `torch_adam: true` picks torch.optim.Adam/AdamW instead.
+"Adagrad" -> DeepSpeedCPUAdagrad on the CPU, torch.optim.Adagrad on a GPU (as DeepSpeed does).
+"Lion" -> DeepSpeedCPULion / FusedLion. "Lamb" -> FusedLamb on a GPU, the torch CPULamb on the CPU.
+Any other name must be a torch.optim class (e.g. "SGD")."""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+from deepspeed_c.runtime.config_optim import (ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAM_W_MODE, ADAM_W_MODE_DEFAULT,
+                                              ADAMW_OPTIMIZER, LAMB_OPTIMIZER, LION_OPTIMIZER, TORCH_ADAM_PARAM)
+from deepspeed_c.runtime.config_utils import DeepSpeedConfigError, closest
+
+
+def _cls(path: str) -> type:
+    module_name, _, name = path.rpartition(".")
+    import importlib
+
+    return getattr(importlib.import_module(module_name), name)
+
+
+def _check_params(cls: type, params: dict[str, Any], extra_ok: Iterable[str] = ()) -> None:
+    """Every `optimizer.params` key must be a constructor argument of the class it goes to."""
+    signature = inspect.signature(cls.__init__)
+    if any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values()):
+        return
+    valid = [n for n in signature.parameters if n not in ("self", "params", "model_params")] + list(extra_ok)
+    for key in params:
+        if key not in valid:
+            near = closest(key, valid)
+            hint = f" Did you mean '{near}'?" if near else ""
+            raise DeepSpeedConfigError(
+                f"Unknown config key 'optimizer.params.{key}' for {cls.__name__}.{hint} "
+                f"Valid keys: {', '.join(sorted(valid))}")
+
+
+def _build(cls: type, model_parameters: Any, params: dict[str, Any]) -> torch.optim.Optimizer:
+    _check_params(cls, params)
+    try:
+        return cls(model_parameters, **params)
+    except (TypeError, ValueError) as e:
+        raise DeepSpeedConfigError(f"Invalid 'optimizer.params' for {cls.__name__}: {e}") from None
+
+
+def build_optimizer(name: str, params: Optional[dict[str, Any]], model_parameters: Any,
+                    device: torch.device) -> torch.optim.Optimizer:
+    """The basic optimizer for `optimizer.type` = name (already normalised by the config)."""
+    params = dict(params or {})
+    on_gpu = device.type == "cuda"
+    if name in (ADAM_OPTIMIZER, ADAMW_OPTIMIZER):
+        torch_adam = params.pop(TORCH_ADAM_PARAM, False)
+        adam_w_mode = params.pop(ADAM_W_MODE, ADAM_W_MODE_DEFAULT)
+        effective_w_mode = name == ADAMW_OPTIMIZER or bool(adam_w_mode)
+        if torch_adam:
+            cls = torch.optim.AdamW if effective_w_mode else torch.optim.Adam
+            return _build(cls, model_parameters, params)
+        if on_gpu:
+            cls = _cls("deepspeed_c.ops.adam.FusedAdam")
+            _check_params(cls, params)
+            return cls(model_parameters, **params, adam_w_mode=effective_w_mode)
+        cls = _cls("deepspeed_c.ops.adam.DeepSpeedCPUAdam")
+        _check_params(cls, params)
+        return cls(model_parameters, **params, adamw_mode=effective_w_mode)
+    if name == ADAGRAD_OPTIMIZER:
+        cls = torch.optim.Adagrad if on_gpu else _cls("deepspeed_c.ops.adagrad.DeepSpeedCPUAdagrad")
+        return _build(cls, model_parameters, params)
+    if name == LION_OPTIMIZER:
+        cls = _cls("deepspeed_c.ops.lion.FusedLion" if on_gpu else "deepspeed_c.ops.lion.DeepSpeedCPULion")
+        return _build(cls, model_parameters, params)
+    if name == LAMB_OPTIMIZER:
+        cls = _cls("deepspeed_c.ops.lamb.FusedLamb" if on_gpu else "deepspeed_c.ops.lamb.cpu_lamb.CPULamb")
+        return _build(cls, model_parameters, params)
+    cls = getattr(torch.optim, name, None)
+    if cls is None:
+        raise DeepSpeedConfigError(f"Invalid value {name!r} for config key 'optimizer.type'")
+    return _build(cls, model_parameters, params)
+
+
+def is_optimizer_callable(obj: Any) -> bool:
+    return callable(obj) and not isinstance(obj, torch.optim.Optimizer)
+
+
+OptimizerCallable = Callable[[Any], torch.optim.Optimizer]
