@@ -249,19 +249,16 @@ class _HydraRunner(MultiNodeRunner):
     def validate_args(self) -> None:
         self._reject_filters()
 
-    def _extra_genv(self, per_node: int) -> list[str]:
-        return []
-
-    def _mpirun_head(self, total: int, per_node: int) -> list[str]:
-        return ["mpirun", "-n", f"{total}", "-ppn", f"{per_node}"]
-
     def get_cmd(self, environment: MutableMapping[str, str], active_resources: Resources) -> list[str]:
         total, per_node = _slots_per_node(active_resources, self.name)
-        head = self._mpirun_head(total, per_node) + shlex.split(self.args.launcher_args)
+        # No global -n: the per-rank "-n 1" blocks below give the process count.
+        head = ["mpirun", "-ppn", f"{per_node}"] + shlex.split(self.args.launcher_args)
         genv: list[str] = []
         for k, v in self.exports.items():
             genv += ["-genv", k, v]
-        genv += self._extra_genv(per_node)
+        if self.args.bind_cores_to_rank:
+            cores_per_rank, _ = get_numactl_cmd(self.args.bind_core_list, per_node, 0)
+            genv += ["-genv", "OMP_NUM_THREADS", str(cores_per_rank)]
         for k, v in self._rendezvous_exports():
             genv += ["-genv", k, v]
         genv += ["-genv", "WORLD_SIZE", str(total), "-genv", "LOCAL_SIZE", str(per_node)]
@@ -293,15 +290,6 @@ class IMPIRunner(_HydraRunner):
     @property
     def name(self) -> str:
         return "impi"
-
-    def _mpirun_head(self, total: int, per_node: int) -> list[str]:
-        return ["mpirun", "-ppn", f"{per_node}"]
-
-    def _extra_genv(self, per_node: int) -> list[str]:
-        if not self.args.bind_cores_to_rank:
-            return []
-        cores_per_rank, _ = get_numactl_cmd(self.args.bind_core_list, per_node, 0)
-        return ["-genv", "OMP_NUM_THREADS", str(cores_per_rank)]
 
 
 class SlurmRunner(MultiNodeRunner):

@@ -100,7 +100,7 @@ def stop_ranks(procs: Sequence[subprocess.Popen], first_signal: int = signal.SIG
             except OSError:
                 pass
     for proc in procs:
-        pass
+        _signal_group(proc.pid, first_signal)
     _signal_procs(escaped, first_signal)
 
     deadline = time.monotonic() + grace
@@ -115,7 +115,7 @@ def stop_ranks(procs: Sequence[subprocess.Popen], first_signal: int = signal.SIG
     for proc in procs:
         if proc.poll() is None:
             late += _descendants(proc.pid)
-        proc.kill()
+        _signal_group(proc.pid, signal.SIGKILL)
     _signal_procs(late, signal.SIGKILL)
     for proc in procs:
         try:
