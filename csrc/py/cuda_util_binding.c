@@ -119,3 +119,18 @@ int dsc_flag_arg(PyObject *obj, const char *name, int *out) {
     *out = v;
     return 0;
 }
+
+int dsc_mt_check_master(const dsc_mt_tensor *t, int64_t n, PyObject *out_obj, int param_slot,
+                        const char *param_name, const char *out_name) {
+    if (out_obj == Py_None) return 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (t[i].dtype[param_slot] != DSC_CUDA_F32) {
+            PyErr_Format(PyExc_ValueError,
+                         "argument '%s' is a low-precision copy of float32 '%s', but '%s[%lld]' is %s",
+                         out_name, param_name, param_name, (long long)i,
+                         t[i].dtype[param_slot] == DSC_CUDA_F16 ? "float16" : "bfloat16");
+            return -1;
+        }
+    }
+    return 0;
+}

@@ -14,11 +14,11 @@ HCCL_BACKEND = "hccl"
 
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 DEEPSPEED_TIMEOUT_ENV = "DEEPSPEED_TIMEOUT"
-DEFAULT_TIMEOUT_MINUTES = 10
+DEFAULT_TIMEOUT_MINUTES = 30
 
 
 def timeout_from_env() -> timedelta:
-    """The process-group timeout: DEEPSPEED_TIMEOUT minutes, else 10 minutes."""
+    """The process-group timeout: DEEPSPEED_TIMEOUT minutes, else 30 (DeepSpeed's default)."""
     raw = os.getenv(DEEPSPEED_TIMEOUT_ENV)
     if raw is None or raw.strip() == "":
         return timedelta(minutes=DEFAULT_TIMEOUT_MINUTES)

@@ -135,7 +135,7 @@ def test_timeout_env(monkeypatch):
     from deepspeed_c.comm.constants import timeout_from_env
 
     monkeypatch.delenv("DEEPSPEED_TIMEOUT", raising=False)
-    assert timeout_from_env() == timedelta(minutes=10)
+    assert timeout_from_env() == timedelta(minutes=30)
     monkeypatch.setenv("DEEPSPEED_TIMEOUT", "25")
     assert timeout_from_env() == timedelta(minutes=25)
     monkeypatch.setenv("DEEPSPEED_TIMEOUT", "soon")

@@ -33,6 +33,11 @@ int dsc_flag_arg(PyObject *obj, const char *name, int *out);
 /* torch's current stream on `device`; 0, or -1 with an exception. */
 int dsc_cuda_stream_arg(int device, cudaStream_t *stream);
 
+/* When the optional out slot was given, every tensor's param slot must be float32 (the out list
+ * is the low-precision copy of an fp32 master); else ValueError naming both. */
+int dsc_mt_check_master(const dsc_mt_tensor *t, int64_t n, PyObject *out_obj, int param_slot,
+                        const char *param_name, const char *out_name);
+
 /* 0 for rc == 0; else RuntimeError naming the function and the CUDA error, and -1. */
 int dsc_cuda_check(int rc, const char *fname);
 
