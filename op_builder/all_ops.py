@@ -5,6 +5,10 @@ from .builder import OpBuilder
 from .utils import UtilsBuilder
 
 # --- one import line per op (keep sorted by file) ---
+from .fused_adam import FusedAdamBuilder
+from .fused_lamb import FusedLambBuilder
+from .fused_lion import FusedLionBuilder
+from .multi_tensor import MultiTensorOpsBuilder
 
 __all__ = [name for name, obj in dict(globals()).items()
            if isinstance(obj, type) and issubclass(obj, OpBuilder) and obj.NAME]

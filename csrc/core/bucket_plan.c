@@ -64,7 +64,7 @@ static int is_permutation(int64_t n, const int64_t *order, unsigned char *seen) 
 /* Assigns buckets and offsets in arrival order; fills bucket_of, offset_of and the per-bucket
  * numel and key (arrays sized n, the most buckets there can be). Returns the bucket count. */
 static int64_t assign(dsc_bucket_plan *p, const int64_t *numels, const int64_t *keys, int64_t cap,
-                      int64_t align, open_slot *slots) {
+                      int64_t first_cap, int64_t align, open_slot *slots) {
     int64_t nslots = 0, nb = 0;
     for (int64_t k = 0; k < p->n; k++) {
         int64_t i = p->order[k];
@@ -82,20 +82,20 @@ static int64_t assign(dsc_bucket_plan *p, const int64_t *numels, const int64_t *
             s->bucket = -1;
             s->fill = 0;
         }
-        int64_t at = align_up(s->fill, align);
-        if (s->bucket >= 0 && at + numels[i] > cap) {
-            p->bucket_numel[s->bucket] = align_up(s->fill, align);
-            s->bucket = -1;
-        }
         if (s->bucket < 0) {
             s->bucket = nb++;
             s->fill = 0;
-            at = 0;
             p->bucket_key[s->bucket] = key;
         }
+        int64_t at = align_up(s->fill, align);
         p->bucket_of[i] = s->bucket;
         p->offset_of[i] = at;
         s->fill = at + numels[i];
+        /* DeepSpeed's rule: a bucket is flushed once it holds more than cap elements */
+        if (s->fill > (s->bucket == 0 ? first_cap : cap)) {
+            p->bucket_numel[s->bucket] = align_up(s->fill, align);
+            s->bucket = -1;
+        }
     }
     for (int64_t j = 0; j < nslots; j++) {
         if (slots[j].bucket >= 0) p->bucket_numel[slots[j].bucket] = align_up(slots[j].fill, align);
@@ -104,7 +104,8 @@ static int64_t assign(dsc_bucket_plan *p, const int64_t *numels, const int64_t *
 }
 
 int dsc_bucket_plan_create(int64_t n, const int64_t *numels, const int64_t *keys, const int64_t *order,
-                           int64_t cap, int64_t align, dsc_bucket_plan **out, const char **why) {
+                           int64_t cap, int64_t first_cap, int64_t align, dsc_bucket_plan **out,
+                           const char **why) {
     if (!out) {
         set_why(why, "out must not be NULL");
         return DSC_BP_EINVAL;
@@ -122,6 +123,7 @@ int dsc_bucket_plan_create(int64_t n, const int64_t *numels, const int64_t *keys
         set_why(why, "cap must be > 0");
         return DSC_BP_EINVAL;
     }
+    if (first_cap <= 0 || first_cap > cap) first_cap = cap;
     if (align <= 0) {
         set_why(why, "align must be >= 1");
         return DSC_BP_EINVAL;
@@ -173,7 +175,7 @@ int dsc_bucket_plan_create(int64_t n, const int64_t *numels, const int64_t *keys
         for (int64_t k = 0; k < n; k++) p->order[k] = n - 1 - k;
     }
 
-    p->nb = assign(p, numels, keys, cap, align, slots);
+    p->nb = assign(p, numels, keys, cap, first_cap, align, slots);
     free(slots);
 
     /* CSR membership in arrival order: count, prefix-sum, scatter */

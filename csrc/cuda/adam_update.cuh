@@ -17,7 +17,7 @@ namespace dsc_adam {
 using namespace dsc_mt;
 
 struct AdamArgs {
-    float lr, beta1, beta2, eps, weight_decay;
+    float lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay;
     float inv_bc1;        // 1 / (1 - beta1^t), or 1 without bias correction
     float inv_sqrt_bc2;   // 1 / sqrt(1 - beta2^t), or 1
     float inv_grad_scale; // plain Adam: 1 / grad_scale
@@ -64,7 +64,8 @@ __global__ void __launch_bounds__(kBlock) adam_kernel(const __grid_constant__ Me
     OutT *o = kOut ? slot<OutT>(m, 4, w) : nullptr;
     const bool vec = vec_aligned<GT>(g) && vec_aligned<PT>(p) && vec_aligned<float>(em) &&
                      vec_aligned<float>(ev) && (!kOut || vec_aligned<OutT>(o));
-    const float b1 = a.beta1, b2 = a.beta2, lr = a.lr, wd = a.weight_decay, eps = a.eps;
+    const float b1 = a.beta1, b2 = a.beta2, ob1 = a.one_minus_beta1, ob2 = a.one_minus_beta2;
+    const float lr = a.lr, wd = a.weight_decay, eps = a.eps;
     const bool w_mode = a.adam_w_mode != 0;
     for_each_elem(w.n, vec, [&](auto wc, auto uc, int i, int stride) {
         constexpr int W = decltype(wc)::value, U = decltype(uc)::value;
@@ -79,8 +80,8 @@ __global__ void __launch_bounds__(kBlock) adam_kernel(const __grid_constant__ Me
             for (int k = 0; k < W; k++) {
                 float gk = rg[u][k] * inv_scale;
                 if (!w_mode) gk = fmaf(wd, rp[u][k], gk);
-                rm[u][k] = fmaf(b1, rm[u][k], (1.f - b1) * gk);
-                rv[u][k] = fmaf(b2, rv[u][k], (1.f - b2) * gk * gk);
+                rm[u][k] = fmaf(b1, rm[u][k], ob1 * gk);
+                rv[u][k] = fmaf(b2, rv[u][k], ob2 * gk * gk);
                 const float denom = fmaf(sqrtf(rv[u][k]), inv_sqrt_bc2, eps);
                 float upd = (rm[u][k] * inv_bc1) / denom;
                 if (w_mode) upd = fmaf(wd, rp[u][k], upd);

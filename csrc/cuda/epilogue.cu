@@ -19,8 +19,10 @@ extern "C" int dsc_cuda_adam_epilogue(const dsc_mt_tensor *tensors, int64_t n, c
     if (hp == nullptr || grad_norm == nullptr || step == nullptr || !(hp->loss_scale > 0.f)) return DSC_CUDA_EARG;
     dsc_adam::AdamArgs a{};
     a.lr = hp->adam.lr;
-    a.beta1 = hp->adam.beta1;
-    a.beta2 = hp->adam.beta2;
+    a.beta1 = static_cast<float>(hp->adam.beta1);
+    a.beta2 = static_cast<float>(hp->adam.beta2);
+    a.one_minus_beta1 = static_cast<float>(1.0 - hp->adam.beta1);
+    a.one_minus_beta2 = static_cast<float>(1.0 - hp->adam.beta2);
     a.eps = hp->adam.eps;
     a.weight_decay = hp->adam.weight_decay;
     a.adam_w_mode = hp->adam.adam_w_mode;

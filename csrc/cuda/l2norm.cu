@@ -1,6 +1,6 @@
 /* Multi-tensor L2 norm, global and per tensor, with an inf/nan flag, in one read of the data.
  *
- * Each block squares and sums its chunk (float per vector, double across the chunk), then adds
+ * Each block squares and sums its chunk in double, then adds
  * the chunk's sum with one double atomic to its tensor's slot and to the global slot of the
  * scratch; a chunk holding an inf or nan raises the flag slot. A last tiny kernel takes the
  * square roots. Float64 accumulation keeps the result within a few fp32 ulps of the exact norm
@@ -22,16 +22,15 @@ l2norm_kernel(const __grid_constant__ Meta<1> m, double *acc, int64_t n, int per
         constexpr int W = decltype(wc)::value, U = decltype(uc)::value;
         float r[U][W];
         load_u<U, W>(x, i, stride, r);
-        float s = 0.f;
 #pragma unroll
         for (int u = 0; u < U; u++) {
 #pragma unroll
             for (int k = 0; k < W; k++) {
-                s = fmaf(r[u][k], r[u][k], s);
+                const double d = r[u][k]; // squared in double: a finite 1e20 must not become inf
+                sum[0] = fma(d, d, sum[0]);
                 bad |= !isfinite(r[u][k]);
             }
         }
-        sum[0] += static_cast<double>(s);
     });
     bad = __syncthreads_or(bad);
     block_sum<1>(sum);

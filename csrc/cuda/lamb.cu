@@ -14,7 +14,7 @@ namespace {
 using namespace dsc_mt;
 
 struct LambArgs {
-    float beta1, beta2, eps, weight_decay, inv_grad_scale, step_size, max_coeff, min_coeff;
+    float beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, inv_grad_scale, step_size, max_coeff, min_coeff;
     int eps_inside_sqrt;
 };
 
@@ -45,8 +45,8 @@ __global__ void __launch_bounds__(kBlock) lamb_moments(const __grid_constant__ M
 #pragma unroll
             for (int k = 0; k < W; k++) {
                 const float gk = rg[u][k] * a.inv_grad_scale;
-                rm[u][k] = fmaf(a.beta1, rm[u][k], (1.f - a.beta1) * gk);
-                rv[u][k] = fmaf(a.beta2, rv[u][k], (1.f - a.beta2) * gk * gk);
+                rm[u][k] = fmaf(a.beta1, rm[u][k], a.one_minus_beta1 * gk);
+                rv[u][k] = fmaf(a.beta2, rv[u][k], a.one_minus_beta2 * gk * gk);
                 const float upd = lamb_update(rm[u][k], rv[u][k], rp[u][k], a);
                 sp = fmaf(rp[u][k], rp[u][k], sp);
                 su = fmaf(upd, upd, su);
@@ -121,8 +121,10 @@ extern "C" int dsc_cuda_lamb(const dsc_mt_tensor *tensors, int64_t n, const dsc_
     }
     if (n == 0) return DSC_CUDA_OK;
     LambArgs a{};
-    a.beta1 = hp->beta1;
-    a.beta2 = hp->beta2;
+    a.beta1 = static_cast<float>(hp->beta1);
+    a.beta2 = static_cast<float>(hp->beta2);
+    a.one_minus_beta1 = static_cast<float>(1.0 - hp->beta1);
+    a.one_minus_beta2 = static_cast<float>(1.0 - hp->beta2);
     a.eps = hp->eps;
     a.weight_decay = hp->weight_decay;
     a.inv_grad_scale = 1.f / hp->grad_scale;
@@ -132,8 +134,8 @@ extern "C" int dsc_cuda_lamb(const dsc_mt_tensor *tensors, int64_t n, const dsc_
     a.step_size = hp->lr;
     if (hp->bias_correction) {
         const double t = static_cast<double>(hp->step);
-        const double bc1 = 1.0 - std::pow(static_cast<double>(hp->beta1), t);
-        const double bc2 = 1.0 - std::pow(static_cast<double>(hp->beta2), t);
+        const double bc1 = 1.0 - std::pow(hp->beta1, t);
+        const double bc2 = 1.0 - std::pow(hp->beta2, t);
         a.step_size = static_cast<float>(hp->lr * std::sqrt(bc2) / bc1);
     }
     DeviceGuard guard(device);

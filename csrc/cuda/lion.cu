@@ -7,8 +7,12 @@
 namespace {
 using namespace dsc_mt;
 
+struct LionArgs {
+    float lr, beta1, beta2, one_minus_beta1, one_minus_beta2, weight_decay;
+};
+
 template <typename GT, typename PT, typename OT>
-__global__ void __launch_bounds__(kBlock) lion_kernel(const __grid_constant__ Meta<4> m, const dsc_lion_params a) {
+__global__ void __launch_bounds__(kBlock) lion_kernel(const __grid_constant__ Meta<4> m, const LionArgs a) {
     const Where w = locate(m);
     const GT *g = slot<const GT>(m, 0, w);
     PT *p = slot<PT>(m, 1, w);
@@ -28,10 +32,10 @@ __global__ void __launch_bounds__(kBlock) lion_kernel(const __grid_constant__ Me
         for (int u = 0; u < U; u++) {
 #pragma unroll
             for (int k = 0; k < W; k++) {
-                const float c = fmaf(a.beta1, rm[u][k], (1.f - a.beta1) * rg[u][k]);
+                const float c = fmaf(a.beta1, rm[u][k], a.one_minus_beta1 * rg[u][k]);
                 const float s = c > 0.f ? 1.f : (c < 0.f ? -1.f : 0.f);
                 rp[u][k] = fmaf(rp[u][k], decay, -a.lr * s);
-                rm[u][k] = fmaf(a.beta2, rm[u][k], (1.f - a.beta2) * rg[u][k]);
+                rm[u][k] = fmaf(a.beta2, rm[u][k], a.one_minus_beta2 * rg[u][k]);
             }
         }
         store_u<U, W>(p, i, stride, rp);
@@ -49,7 +53,12 @@ extern "C" int dsc_cuda_lion(const dsc_mt_tensor *tensors, int64_t n, const dsc_
     if (rc != 0) return rc;
     DeviceGuard guard(device);
     if ((rc = guard.error()) != 0) return rc;
-    const dsc_lion_params a = *hp;
+    const LionArgs a{hp->lr,
+                     static_cast<float>(hp->beta1),
+                     static_cast<float>(hp->beta2),
+                     static_cast<float>(1.0 - hp->beta1),
+                     static_cast<float>(1.0 - hp->beta2),
+                     hp->weight_decay};
     for (const Group &gr : groups) {
         if (!gr.present[0] || !gr.present[1] || !gr.present[2]) return DSC_CUDA_EARG;
         if (gr.dtype[2] != DSC_CUDA_F32) return DSC_CUDA_EDTYPE;

@@ -96,13 +96,13 @@ static PyObject *int64_list(const int64_t *a, int64_t n) {
     return list;
 }
 
-/* bucket_plan(numels, cap, order=None, keys=None, align=1) -> plan */
+/* bucket_plan(numels, cap, order=None, keys=None, align=1, first_cap=0) -> plan */
 static PyObject *bucket_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs_between("bucket_plan", nargs, 2, 5) < 0) return NULL;
+    if (nargs_between("bucket_plan", nargs, 2, 6) < 0) return NULL;
     int64_t *numels = NULL, *order = NULL, *keys = NULL;
     Py_ssize_t n = 0, n_order = 0, n_keys = 0;
-    int64_t cap = 0, align = 1;
+    int64_t cap = 0, align = 1, first_cap = 0;
     PyObject *result = NULL;
     if (int64_seq(args[0], "numels", &numels, &n) < 0) goto done;
     if (int64_arg(args[1], "cap", &cap) < 0) goto done;
@@ -121,10 +121,11 @@ static PyObject *bucket_plan(PyObject *self, PyObject *const *args, Py_ssize_t n
         }
     }
     if (nargs > 4 && int64_arg(args[4], "align", &align) < 0) goto done;
+    if (nargs > 5 && int64_arg(args[5], "first_cap", &first_cap) < 0) goto done;
 
     dsc_bucket_plan *plan = NULL;
     const char *why = "invalid argument";
-    int rc = dsc_bucket_plan_create((int64_t)n, numels, keys, order, cap, align, &plan, &why);
+    int rc = dsc_bucket_plan_create((int64_t)n, numels, keys, order, cap, first_cap, align, &plan, &why);
     if (rc == DSC_BP_ENOMEM) {
         PyErr_NoMemory();
         goto done;
@@ -257,9 +258,10 @@ static PyObject *bucket_plan_arrival(PyObject *self, PyObject *const *args, Py_s
 
 PyMethodDef dsc_bucket_methods[] = {
     {"bucket_plan", FASTCALL(bucket_plan),
-     "bucket_plan(numels, cap, order=None, keys=None, align=1) -> plan\n"
+     "bucket_plan(numels, cap, order=None, keys=None, align=1, first_cap=0) -> plan\n"
      "Plan gradient buckets: params in arrival order `order` (None: reverse registration),\n"
-     "at most `cap` elements per bucket, params with different `keys` never share a bucket."},
+     "a bucket closes once over `cap` elements (bucket 0: `first_cap`, 0 = cap), params with\n"
+     "different `keys` never share a bucket."},
     {"bucket_plan_layout", FASTCALL(bucket_plan_layout),
      "bucket_plan_layout(plan) -> (bucket_of, offset_of, bucket_numels, bucket_keys, members)"},
     {"bucket_plan_reset", FASTCALL(bucket_plan_reset), "bucket_plan_reset(plan): start a reduction round."},

@@ -33,7 +33,7 @@ static PyObject *multi_tensor_adam(PyObject *self, PyObject *const *args, Py_ssi
     if (n > 0) {
         cudaStream_t stream;
         if (dsc_cuda_stream_arg(dev, &stream) < 0) goto fail;
-        const dsc_adam_params hp = {(float)f[0], (float)f[1], (float)f[2], (float)f[3], (float)wd,
+        const dsc_adam_params hp = {(float)f[0], f[1], f[2], (float)f[3], (float)wd,
                                     w_mode, bc, step, (float)gs};
         rc = dsc_cuda_adam(t, n, &hp, dev, stream);
     }

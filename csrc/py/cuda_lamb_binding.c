@@ -38,7 +38,7 @@ static PyObject *multi_tensor_lamb(PyObject *self, PyObject *const *args, Py_ssi
             goto fail;
         cudaStream_t stream;
         if (dsc_cuda_stream_arg(dev, &stream) < 0) goto fail;
-        const dsc_lamb_params hp = {(float)f[0],  (float)f[1],  (float)f[2],  (float)f[3],
+        const dsc_lamb_params hp = {(float)f[0],  f[1],         f[2],         (float)f[3],
                                     (float)f2[0], (float)f2[1], (float)f2[2], eps_inside,
                                     bc,           step,         (float)f2[3]};
         rc = dsc_cuda_lamb(t, n, &hp, (float *)coeff, (double *)scratch, dev, stream);

@@ -28,7 +28,7 @@ static PyObject *multi_tensor_lion(PyObject *self, PyObject *const *args, Py_ssi
     if (n > 0) {
         cudaStream_t stream;
         if (dsc_cuda_stream_arg(dev, &stream) < 0) goto fail;
-        const dsc_lion_params hp = {(float)f[0], (float)f[1], (float)f[2], (float)f[3]};
+        const dsc_lion_params hp = {(float)f[0], f[1], f[2], (float)f[3]};
         rc = dsc_cuda_lion(t, n, &hp, dev, stream);
     }
     PyMem_Free(t);

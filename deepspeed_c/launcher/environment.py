@@ -52,9 +52,9 @@ def load_deepspeed_env(paths: Iterable[str], name: str | None = None) -> "Ordere
     return merged
 
 
-def forwarded_variables(env: Mapping[str, str], extra_prefixes: Iterable[str] = ()) -> "OrderedDict[str, str]":
+def forwarded_variables(env: Mapping[str, str], prefixes: Iterable[str] = EXPORT_ENVS) -> "OrderedDict[str, str]":
     """Variables of this shell that multi-node launches pass on (NCCL*, PYTHON*, MV2*, UCX*, MLFLOW*)."""
-    prefixes = tuple(EXPORT_ENVS) + tuple(extra_prefixes)
+    prefixes = tuple(prefixes)
     excluded: set[str] = set()
     for trigger, names in EXCLUDE_ENVS.items():
         if trigger in env:

@@ -147,9 +147,6 @@ def main(args: Sequence[str] | None = None) -> int:
                 raise ValueError(f"--enable_each_rank_log={log_dir} should be a directory, not a file.")
             os.makedirs(log_dir, exist_ok=True)
         stamp = time.strftime("%Y%m%d%H%M%S", time.localtime())
-        use_numactl = ns.bind_cores_to_rank and numa.numactl_available()
-        if ns.bind_cores_to_rank and not use_numactl:
-            logger.warning("numactl not found: binding rank cores with sched_setaffinity, without NUMA memory binding")
 
         for local_rank in range(num_local):
             rank = first_rank + local_rank
@@ -159,9 +156,11 @@ def main(args: Sequence[str] | None = None) -> int:
             if ns.bind_cores_to_rank:
                 per_rank, cores = numa.cores_for_rank(ns.bind_core_list, num_local, local_rank)
                 rank_env["OMP_NUM_THREADS"] = str(per_rank)
-                if use_numactl:
-                    prefix = numa.numactl_cmd(cores)
-                else:
+                prefix = numa.working_numactl_prefix(cores) or []
+                if not prefix:
+                    if local_rank == 0:
+                        logger.warning("numactl is not installed or not permitted here: binding cores with "
+                                       "sched_setaffinity, without NUMA memory binding")
                     affinity = cores
             cmd = _rank_command(ns, local_rank, prefix)
             out = None

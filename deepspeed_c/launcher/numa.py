@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import subprocess
 
 
 def parse_range(rng: str) -> range:
@@ -129,3 +130,23 @@ def get_numactl_cmd(bind_core_list: str | None, num_local_procs: int, local_rank
 
 def numactl_available() -> bool:
     return shutil.which("numactl") is not None
+
+
+def _runs(cmd: list[str]) -> bool:
+    try:
+        return subprocess.run(cmd + ["true"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def working_numactl_prefix(rank_cores: list[int]) -> list[str] | None:
+    """A numactl prefix that works here: with memory binding, else CPU binding only (containers
+    without CAP_SYS_NICE refuse -m), else None (the caller sets the CPU affinity itself)."""
+    if not numactl_available():
+        return None
+    full = numactl_cmd(rank_cores)
+    if _runs(full):
+        return full
+    cpu_only = ["numactl", "-C", format_range_list(rank_cores)]
+    return cpu_only if _runs(cpu_only) else None

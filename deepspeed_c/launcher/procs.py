@@ -133,7 +133,10 @@ class SignalLatch:
         self.count = 0
         self._previous = {}
         for sig in signals:
-            self._previous[sig] = signal.signal(sig, self._handle)
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: signals stay with whoever handles them there
+                break
 
     def _handle(self, signum: int, frame: object) -> None:
         self.count += 1

@@ -153,8 +153,15 @@ def decode_world_info(world_info_base64: str) -> "OrderedDict[str, list[int]]":
 
 
 def count_local_gpus() -> int:
-    """NVIDIA GPUs on this host, without creating a CUDA context (DS_ACCELERATOR=cpu means none)."""
+    """NVIDIA GPUs on this host, without creating a CUDA context.
+
+    DS_ACCELERATOR=cpu, or CUDA_VISIBLE_DEVICES set to "" or "-1" (CUDA's way of hiding every
+    device), means none: the job then runs as CPU processes.
+    """
     if os.environ.get("DS_ACCELERATOR", "").lower() == "cpu":
+        return 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.split(",")[0].strip() in ("", "-1"):
         return 0
     proc_dir = "/proc/driver/nvidia/gpus"
     if os.path.isdir(proc_dir):

@@ -33,9 +33,10 @@ import sys
 from collections import OrderedDict
 from typing import Callable, Mapping, Sequence
 
-from deepspeed_c.launcher.constants import (DEEPSPEED_ENVIRONMENT_PATHS, DLTS_HOSTFILE, IMPI_LAUNCHER,
+from deepspeed_c.launcher import constants
+from deepspeed_c.launcher.constants import (DEEPSPEED_ENVIRONMENT_PATHS, DLTS_HOSTFILE, IMPI_LAUNCHER,  # noqa: F401
                                             MPICH_LAUNCHER, MVAPICH_LAUNCHER, OPENMPI_LAUNCHER, PDSH_LAUNCHER,
-                                            POLL_INTERVAL_S, SLURM_LAUNCHER, SUPPORTED_LAUNCHERS,
+                                            PDSH_MAX_FAN_OUT, POLL_INTERVAL_S, SLURM_LAUNCHER, SUPPORTED_LAUNCHERS,
                                             TORCH_DISTRIBUTED_DEFAULT_PORT)
 from deepspeed_c.launcher.environment import forwarded_variables, load_deepspeed_env
 from deepspeed_c.launcher.multinode_runner import (IMPIRunner, MPICHRunner, MultiNodeRunner, MVAPICHRunner,
@@ -49,12 +50,13 @@ from deepspeed_c.launcher.resources import (_parse_hostfile, apply_num_nodes_and
 from deepspeed_c.utils.logging import logger
 
 DEEPSPEED_ENVIRONMENT_NAME = os.getenv("DS_ENV_FILE", ".deepspeed_env")
-EXPORT_ENVS = ["NCCL", "PYTHON", "MV2", "UCX", "MLFLOW"]
-PDSH_MAX_FAN_OUT = 1024
+# Prefixes of the variables passed to every node of a multi-node launch (a user may extend the list).
+EXPORT_ENVS = list(constants.EXPORT_ENVS)
 
 
 def parse_args(args: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="deepspeed_c",
+    invoked = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    parser = argparse.ArgumentParser(prog=invoked if invoked in ("deepspeed", "deepspeed_c") else "deepspeed_c",
                                      description="deepspeed_c runner: launch multi-process, multi-node "
                                      "training jobs (DeepSpeed's `deepspeed` flags).",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -287,7 +289,7 @@ def main(args: Sequence[str] | None = None) -> None:
             raise RuntimeError(f"launcher '{args.launcher}' not installed.")
         cwd = os.path.abspath(".")
         env["PYTHONPATH"] = cwd + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        for key, value in forwarded_variables(env).items():
+        for key, value in forwarded_variables(env, EXPORT_ENVS).items():
             runner.add_export(key, value)
         for key, value in env_file.items():
             runner.add_export(key, value)

@@ -28,7 +28,7 @@ class MonitorSectionModel(BaseModel):
             valid = list(cls.model_fields)
             for key in data:
                 if key not in valid:
-                    close = difflib.get_close_matches(str(key), valid, n=1)
+                    close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.5)
                     hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(valid)}"
                     raise ValueError(f"unknown key '{cls.section}.{key}'{hint}")
         elif data is not None and not isinstance(data, BaseModel):

@@ -22,16 +22,17 @@ class BucketLayout:
 
 
 class BucketPlan:
-    """Buckets of at most `cap` elements over params given by their numels (registration order),
-    filled in `order` (None: reverse registration order); params whose `keys` differ never share."""
+    """Buckets over params given by their numels (registration order), filled in `order` (None:
+    reverse registration order); a bucket closes once it holds more than `cap` elements (bucket 0:
+    `first_cap`, 0 meaning cap); params whose `keys` differ never share a bucket."""
 
     def __init__(self, numels: Sequence[int], cap: int, order: Optional[Sequence[int]] = None,
-                 keys: Optional[Sequence[int]] = None, align: int = 1) -> None:
+                 keys: Optional[Sequence[int]] = None, align: int = 1, first_cap: int = 0) -> None:
         core = _core()
         self._mark = core.bucket_plan_mark
         self._core = core
         self._plan = core.bucket_plan(list(numels), int(cap), None if order is None else list(order),
-                                      None if keys is None else list(keys), int(align))
+                                      None if keys is None else list(keys), int(align), int(first_cap))
         bucket_of, offset_of, numels_b, keys_b, members = core.bucket_plan_layout(self._plan)
         self.layout = BucketLayout(bucket_of, offset_of, numels_b, keys_b, members)
 

@@ -62,7 +62,7 @@ class EngineReport:
                 self.timers(name).stop()
 
     # -- per micro-step and per step -------------------------------------------------------------
-    def record_loss(self, loss: float) -> None:
+    def record_loss(self, loss: Any) -> None:
         self._losses.append(loss)
 
     def after_step(self, *, boundary: bool, global_steps: int, global_samples: int, skipped_steps: int,
@@ -75,10 +75,13 @@ class EngineReport:
                 self._update_cache()
                 self.timers.log(names=MICRO_TIMERS, memory_breakdown=self.memory_breakdown)
             return
-        loss = sum(self._losses) / len(self._losses) if self._losses else None
-        self._losses = []
+        losses, self._losses = self._losses, []
+        printing = self.steps_per_print is not None and global_steps % self.steps_per_print == 0
+        loss = None
+        if losses and (printing or self.monitor is not None):
+            loss = float(sum(float(x) for x in losses) / len(losses))
         self._samples_since_report += train_batch_size
-        if self.steps_per_print is not None and global_steps % self.steps_per_print == 0:
+        if printing:
             now = time.perf_counter()
             rate = self._samples_since_report / max(now - self._last_report, 1e-9)
             self._last_report, self._samples_since_report = now, 0

@@ -27,7 +27,7 @@ def _c_norm_fn(device_type: str) -> Optional[Callable[[list[torch.Tensor]], Any]
         module = importlib.import_module(module_name)
     except ImportError:
         return None
-    for name in ("multi_tensor_l2norm", "l2_norm", "global_norm"):
+    for name in ("multi_tensor_global_norm", "global_norm", "l2_norm"):
         fn = getattr(module, name, None)
         if callable(fn):
             return fn

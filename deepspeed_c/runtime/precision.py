@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -26,8 +26,11 @@ class MixedPrecisionOptimizer:
     `param_groups[i]["lr"]` keep working through this object."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, low_precision_dtype: torch.dtype,
-                 loss_scaler: LossScalerBase, clip_grad: float = 0.0, check_overflow: bool = True) -> None:
+                 loss_scaler: LossScalerBase, clip_grad: float = 0.0, check_overflow: bool = True,
+                 sync_overflow: Optional[Callable[[bool], bool]] = None) -> None:
         self.optimizer = optimizer
+        # agrees on overflow across data-parallel ranks, so every rank skips the same steps
+        self.sync_overflow = sync_overflow
         self.low_precision_dtype = low_precision_dtype
         self.loss_scaler = loss_scaler
         self.clip_grad = clip_grad
@@ -106,7 +109,10 @@ class MixedPrecisionOptimizer:
         grads = self._gather_master_grads()
         scaled_norm = float(global_norm(grads)) if grads else 0.0
         finite = math.isfinite(scaled_norm)
-        self.overflow = (not finite) and self.check_overflow
+        overflow = (not finite) and self.check_overflow
+        if self.check_overflow and self.sync_overflow is not None:
+            overflow = self.sync_overflow(overflow)
+        self.overflow = overflow
         self.loss_scaler.update_scale(self.overflow)
         if self.overflow:
             self.zero_grad(set_to_none=True)
@@ -194,7 +200,8 @@ class Precision:
                 if b.is_floating_point() and b.dtype != self.buffer_dtype:
                     b.data = b.data.to(self.buffer_dtype)
 
-    def wrap_optimizer(self, optimizer: Optional[torch.optim.Optimizer], device: torch.device) -> Any:
+    def wrap_optimizer(self, optimizer: Optional[torch.optim.Optimizer], device: torch.device,
+                       sync_overflow: Optional[Callable[[bool], bool]] = None) -> Any:
         if self.autocast_enabled and self.autocast_dtype == torch.float16:
             self.grad_scaler = torch.amp.GradScaler(device=device.type)
         if optimizer is None or not self.low_precision:
@@ -211,7 +218,8 @@ class Precision:
             logger.info("Creating BF16 optimizer")
             check = bool(self.bf16.check_grad_overflow)
         self.mixed = MixedPrecisionOptimizer(optimizer, self.model_dtype, scaler,
-                                             clip_grad=self.config.gradient_clipping, check_overflow=check)
+                                             clip_grad=self.config.gradient_clipping, check_overflow=check,
+                                             sync_overflow=sync_overflow)
         return self.mixed
 
     @property

@@ -19,6 +19,9 @@ import torch
 from deepspeed_c.runtime.bucket_plan import BucketPlan
 
 
+FIRST_BUCKET_BYTES = 1 << 20
+
+
 def _comm() -> Any:
     import deepspeed_c.comm as dist
 
@@ -57,7 +60,12 @@ class GradientReducer:
 
     # -- planning --------------------------------------------------------------------------------
     def _plan_buckets(self, order: Optional[list[int]]) -> None:
-        self.plan = BucketPlan([p.numel() for p in self.params], self.bucket_cap, order=order, keys=self._keys)
+        # a small first bucket (1 MiB, as torch DDP does) starts communication early in backward
+        itemsize = (torch.empty((), dtype=self.comm_dtype).element_size() if self.comm_dtype is not None
+                    else (self.params[0].element_size() if self.params else 4))
+        first_cap = min(self.bucket_cap, FIRST_BUCKET_BYTES // itemsize)
+        self.plan = BucketPlan([p.numel() for p in self.params], self.bucket_cap, order=order, keys=self._keys,
+                               first_cap=first_cap)
         self._mark = self.plan._mark
         self._capsule = self.plan._plan
         layout = self.plan.layout
@@ -109,6 +117,7 @@ class GradientReducer:
         if self.pre_factor != 1.0:
             buf.mul_(self.pre_factor)
         self._works.append(_comm().all_reduce(buf, group=self.group, async_op=True))
+        self._launched = bucket + 1
         self.collectives += 1
 
     def end_backward(self) -> None:

@@ -50,13 +50,17 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def _gib(fn_name: str) -> float:
+def _gib(*fn_names: str) -> float:
+    """GiB from the first of the accelerator's memory statistics that exists (0 without one)."""
     acc = _accelerator()
-    fn = getattr(acc, fn_name, None) if acc is not None else None
-    try:
-        return fn() / 1024**3 if fn is not None else 0.0
-    except Exception:  # a device without memory statistics
-        return 0.0
+    for name in fn_names:
+        fn = getattr(acc, name, None) if acc is not None else None
+        if fn is not None:
+            try:
+                return fn() / 1024**3
+            except Exception:  # a device without memory statistics
+                return 0.0
+    return 0.0
 
 
 def trim_mean(data: Sequence[float], trim_percent: float) -> float:
@@ -166,8 +170,8 @@ class SynchronizedWallClockTimer:
     def memory_usage() -> str:
         return (f" | mem_allocated: {_gib('memory_allocated'):.4f} GB"
                 f" | max_mem_allocated: {_gib('max_memory_allocated'):.4f} GB"
-                f" | cache_allocated: {_gib('memory_cached'):.4f} GB"
-                f" | max_cache_allocated: {_gib('max_memory_cached'):.4f} GB")
+                f" | cache_allocated: {_gib('memory_cached', 'memory_reserved'):.4f} GB"
+                f" | max_cache_allocated: {_gib('max_memory_cached', 'max_memory_reserved'):.4f} GB")
 
     def log(self, names: Iterable[str], normalizer: float = 1.0, reset: bool = True, memory_breakdown: bool = False,
             ranks: Sequence[int] | None = None) -> None:

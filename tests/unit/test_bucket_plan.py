@@ -9,8 +9,9 @@ from deepspeed_c import _C
 from deepspeed_c.runtime.bucket_plan import BucketPlan
 
 
-def reference_plan(numels, cap, order=None, keys=None, align=1):
-    """Greedy per-key buckets in arrival order: a bucket closes when the next member would pass cap."""
+def reference_plan(numels, cap, order=None, keys=None, align=1, first_cap=0):
+    """Per-key buckets filled in arrival order; as in DeepSpeed's bucketing, a bucket is closed as
+    soon as it holds more than cap elements."""
     n = len(numels)
     order = list(range(n - 1, -1, -1)) if order is None else list(order)
     keys = [0] * n if keys is None else list(keys)
@@ -20,21 +21,20 @@ def reference_plan(numels, cap, order=None, keys=None, align=1):
     for i in order:
         k = keys[i]
         cur = open_b.get(k)
-        if cur is not None and up(cur[1]) + numels[i] > cap:
-            numel_b[cur[0]] = up(cur[1])
-            cur = None
         if cur is None:
             cur = [len(numel_b), 0]
             numel_b.append(0)
             key_b.append(k)
             members.append([])
             open_b[k] = cur
-        at = up(cur[1]) if members[cur[0]] else 0
+        at = up(cur[1])
         bucket_of[i], offset_of[i] = cur[0], at
         members[cur[0]].append(i)
         cur[1] = at + numels[i]
-    for b, fill in open_b.values():
-        numel_b[b] = up(fill)
+        numel_b[cur[0]] = up(cur[1])
+        limit = first_cap if cur[0] == 0 and 0 < first_cap < cap else cap
+        if cur[1] > limit:
+            del open_b[k]
     return bucket_of, offset_of, numel_b, key_b, members
 
 
@@ -49,8 +49,9 @@ def test_layout_matches_reference(seed):
     use_order = rng.random() < 0.5
     keys = [rng.randint(0, 2) for _ in range(n)] if rng.random() < 0.5 else None
     align = rng.choice([1, 4, 16])
-    plan = BucketPlan(numels, cap, order=order if use_order else None, keys=keys, align=align)
-    ref = reference_plan(numels, cap, order if use_order else None, keys, align)
+    first_cap = rng.choice([0, 1, 30, 10**6])
+    plan = BucketPlan(numels, cap, order=order if use_order else None, keys=keys, align=align, first_cap=first_cap)
+    ref = reference_plan(numels, cap, order if use_order else None, keys, align, first_cap)
     got = plan.layout
     assert (got.bucket_of, got.offset_of, got.bucket_numels, got.bucket_keys, got.members) == tuple(ref)
     # invariants: aligned, non-overlapping slots inside their buffer, one key per bucket
@@ -60,14 +61,15 @@ def test_layout_matches_reference(seed):
         assert all(a[1] <= b_[0] for a, b_ in zip(spans, spans[1:]))
         assert spans[-1][1] <= got.bucket_numels[b]
         assert len({(keys or [0] * n)[i] for i in members}) == 1
-        if len(members) > 1:
-            assert got.bucket_numels[b] <= max(cap, align * ((cap + align - 1) // align))
+        # all but the last member fit under the cap: the last one is what closed the bucket
+        assert got.offset_of[members[-1]] <= cap + align
 
 
 def test_default_order_is_reverse_registration():
     plan = BucketPlan([10, 20, 30, 40], cap=50)
-    assert plan.layout.members == [[3], [2, 1], [0]]
-    assert plan.layout.offset_of == [0, 30, 0, 0]
+    assert plan.layout.members == [[3, 2], [1, 0]]
+    assert plan.layout.offset_of == [20, 0, 40, 0]
+    assert plan.layout.bucket_numels == [70, 30]
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -96,7 +98,7 @@ def test_readiness_frontier_is_in_bucket_order(seed):
 
 
 def test_mark_all_and_pending_and_reset():
-    plan = BucketPlan([5, 5, 5, 5], cap=10)  # buckets [3,2] and [1,0]
+    plan = BucketPlan([5, 5, 5, 5], cap=9)  # buckets [3,2] and [1,0]
     plan.reset()
     assert plan.mark(3) == 0
     assert sorted(plan.pending()) == [0, 1, 2]
@@ -132,6 +134,8 @@ def test_errors():
         _C.bucket_plan([1, 2], 10, None, None, 0)
     with pytest.raises(TypeError, match="numels"):
         _C.bucket_plan("ab", 10)
+    with pytest.raises(TypeError, match="first_cap"):
+        _C.bucket_plan([1], 10, None, None, 1, "x")
     with pytest.raises(TypeError, match="numels\\[1\\]"):
         _C.bucket_plan([1, 2.5], 10)
     with pytest.raises(TypeError, match="bucket plan"):
@@ -147,7 +151,12 @@ def test_empty_plan():
     assert plan.mark_all() == 0
 
 
-def test_oversized_param_gets_own_bucket():
-    plan = BucketPlan([5, 100, 5], cap=10)
-    assert plan.layout.members == [[2], [1], [0]]
-    assert plan.layout.bucket_numels == [5, 100, 5]
+def test_small_first_bucket():
+    plan = BucketPlan([4, 4, 4, 4, 4], cap=100, first_cap=3)
+    assert plan.layout.members == [[4], [3, 2, 1, 0]]
+
+
+def test_bucket_closes_once_over_cap():
+    plan = BucketPlan([5, 100, 5, 3], cap=10)
+    assert plan.layout.members == [[3, 2, 1], [0]]
+    assert plan.layout.bucket_numels == [108, 5]

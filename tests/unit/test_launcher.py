@@ -34,9 +34,9 @@ ALLREDUCE_SCRIPT = textwrap.dedent("""
     t = torch.tensor([float(rank + 1)], dtype=torch.float64)
     dist.all_reduce(t)
     dist.destroy_process_group()
-    keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK",
+    keys = ["OMP_NUM_THREADS", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK",
             "CROSS_SIZE", "FROM_ENV_FILE", "CUDA_VISIBLE_DEVICES"]
-    report = {"env": {k: os.environ.get(k) for k in keys}, "local_rank_arg": args.local_rank, "tag": args.tag,
+    report = {"env": {k: os.environ.get(k) for k in keys}, "affinity": sorted(os.sched_getaffinity(0)), "local_rank_arg": args.local_rank, "tag": args.tag,
               "dist_rank": rank, "dist_world": world, "sum": t.item(), "pid": os.getpid(), "argv": sys.argv[1:]}
     with open(os.path.join(os.environ["OUT_DIR"], f"rank{rank}.json"), "w") as fd:
         json.dump(report, fd)
@@ -88,6 +88,11 @@ ECHO_SCRIPT = textwrap.dedent("""
     with open(os.path.join(os.environ["OUT_DIR"], f"argv{rank}.json"), "w") as fd:
         json.dump({"argv": sys.argv[1:], "name": __name__}, fd)
 """)
+
+
+def _has_gpu() -> bool:
+    import torch
+    return torch.cuda.device_count() > 0
 
 
 def _env(out_dir: Path, **extra: str) -> dict[str, str]:
@@ -172,7 +177,8 @@ def test_cpu_launch_env_and_gloo_allreduce(tmp_path, world):
         assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", str(port))
         assert (env["CROSS_RANK"], env["CROSS_SIZE"]) == ("0", "1")
         assert env["FROM_ENV_FILE"] == "value with spaces"
-        assert env["CUDA_VISIBLE_DEVICES"] is None  # no GPU here: CPU processes
+        # GPUs: every local rank sees the node's slot list; no GPU: CPU processes, variable untouched
+        assert env["CUDA_VISIBLE_DEVICES"] == (",".join(map(str, range(world))) if _has_gpu() else None)
         assert rep["argv"] == [f"--local_rank={r}", "--tag", "x y"] and rep["tag"] == "x y"
         assert rep["sum"] == world * (world + 1) / 2
     _assert_all_gone([rep["pid"] for rep in reports])
@@ -270,3 +276,18 @@ def test_killed_launcher_leaves_no_rank(tmp_path, reap):
     # runner SIGKILLed -> launcher gets SIGTERM -> ranks and their children get SIGTERM from it
     _assert_all_gone(pids, timeout=5.0)
     assert [(tmp_path / f"got{r}").read_text() for r in range(world)] == ["SIGTERM"] * world
+
+
+def test_bind_cores_to_rank(tmp_path):
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs 2 usable CPUs to give each of 2 ranks its own core")
+    (tmp_path / "train.py").write_text(ALLREDUCE_SCRIPT)
+    core_list = f"{cpus[0]},{cpus[1]}"
+    done = subprocess.run(_runner_cmd("--num_gpus", "2", "--bind_cores_to_rank", "--bind_core_list", core_list,
+                                      "train.py", "--tag", "t"),
+                          cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [rep["affinity"] for rep in reports] == [[cpus[0]], [cpus[1]]]
+    assert [rep["env"]["OMP_NUM_THREADS"] for rep in reports] == ["1", "1"]

@@ -201,3 +201,19 @@ def test_cores_split_per_rank(monkeypatch):
     monkeypatch.setenv("KMP_AFFINITY", "compact")
     with pytest.raises(ValueError, match="KMP_AFFINITY"):
         cores_for_rank("0-7", 4, 0)
+
+
+@pytest.mark.parametrize("env, expected", [({"DS_ACCELERATOR": "cpu"}, 0), ({"CUDA_VISIBLE_DEVICES": ""}, 0),
+                                           ({"CUDA_VISIBLE_DEVICES": "-1"}, 0)])
+def test_gpus_hidden_means_cpu_processes(monkeypatch, env, expected):
+    from deepspeed_c.launcher.resources import count_local_gpus
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert count_local_gpus() == expected
+
+
+def test_visible_device_ids():
+    from deepspeed_c.launcher.resources import visible_device_ids
+    assert visible_device_ids("0,2, 3") == [0, 2, 3]
+    with pytest.raises(ValueError, match="--include"):
+        visible_device_ids("GPU-1234abcd")

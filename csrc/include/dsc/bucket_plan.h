@@ -9,7 +9,7 @@
  *
  *     dsc_bucket_plan *plan;
  *     const char *why;
- *     if (dsc_bucket_plan_create(n, numels, keys, NULL, cap, 1, &plan, &why) != DSC_BP_OK) ...
+ *     if (dsc_bucket_plan_create(n, numels, keys, NULL, cap, 0, 1, &plan, &why) != DSC_BP_OK) ...
  *     dsc_bucket_plan_reset(plan);
  *     int64_t frontier = dsc_bucket_plan_mark(plan, i);  // buckets [launched, frontier) go now
  *     ...
@@ -35,12 +35,15 @@ enum {
  *   keys[i]    parameters with different keys never share a bucket (dtype, device); NULL: all 0
  *   order      a permutation of 0..n-1: the expected gradient arrival order; NULL: reverse
  *              registration order (backward visits the last layer first)
- *   cap        bucket capacity in elements, > 0; a parameter larger than cap gets its own bucket
+ *   cap        a bucket closes as soon as it holds more than cap elements (DeepSpeed's rule), > 0
+ *   first_cap  the same for bucket 0 (<= 0 or > cap: cap); a small first bucket lets the first
+ *              reduction start early in backward
  *   align      every offset is a multiple of align elements, >= 1
  * Bucket ids follow the arrival position of each bucket's first member, so bucket 0 holds the
  * first gradient to arrive. On failure *why (if not NULL) names the offending argument. */
 int dsc_bucket_plan_create(int64_t n, const int64_t *numels, const int64_t *keys, const int64_t *order,
-                           int64_t cap, int64_t align, dsc_bucket_plan **out, const char **why);
+                           int64_t cap, int64_t first_cap, int64_t align, dsc_bucket_plan **out,
+                           const char **why);
 void dsc_bucket_plan_free(dsc_bucket_plan *plan);
 
 /* Layout queries (valid for the plan's lifetime). */

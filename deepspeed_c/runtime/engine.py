@@ -1,0 +1,551 @@
+"""DeepSpeedEngine: the training loop's state machine (micro-steps, accumulation boundaries,
+steps) with everything else delegated to collaborators:
+
+    precision   deepspeed_c.runtime.precision.Precision    dtype, loss scaling, fp32 masters
+    reducer     deepspeed_c.runtime.reducer.GradientReducer  data-parallel gradient all-reduce
+    report      deepspeed_c.runtime.engine_report.EngineReport  timers, progress line, monitors
+    optimizer   built by deepspeed_c.runtime.optimizer_factory (or the client's), wrapped by precision
+    zero / checkpointer  plugged in by the ZeRO and checkpoint issues (see _configure_zero)."""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch.nn import Module
+
+from deepspeed_c.runtime import engine_report as rep
+from deepspeed_c.runtime.config import DeepSpeedConfig
+from deepspeed_c.runtime.engine_accessors import EngineConfigAccessors
+from deepspeed_c.runtime.grad_norm import clip_coefficient, global_norm, scale_
+from deepspeed_c.runtime.optimizer_factory import build_optimizer
+from deepspeed_c.runtime.output_hooks import is_loss_for_backward, register_output_hooks
+from deepspeed_c.runtime.precision import MixedPrecisionOptimizer, Precision
+from deepspeed_c.utils.logging import log_dist
+
+ROUTE_TRAIN, ROUTE_EVAL, ROUTE_PREDICT, ROUTE_ENCODE = "train", "eval", "predict", "encode"
+
+
+def _comm() -> Any:
+    import deepspeed_c.comm as dist
+
+    return dist
+
+
+def _select_device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        index = local_rank if 0 <= local_rank < torch.cuda.device_count() else torch.cuda.current_device()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+class DeepSpeedEngine(Module, EngineConfigAccessors):
+    r"""DeepSpeed engine for training."""
+
+    def __init__(self, args: Any, model: Module, optimizer: Any = None, model_parameters: Any = None,
+                 training_data: Any = None, lr_scheduler: Any = None, mpu: Any = None,
+                 dist_init_required: Optional[bool] = None, collate_fn: Any = None, config: Any = None,
+                 config_class: Optional[DeepSpeedConfig] = None, mesh_device: Any = None,
+                 dont_change_device: bool = False) -> None:
+        super().__init__()
+        self.dont_change_device = dont_change_device
+        self.client_optimizer = optimizer
+        self.client_lr_scheduler = lr_scheduler
+        self.training_data = training_data
+        self.collate_fn = collate_fn
+        self.mpu = mpu
+        self.mesh_device = mesh_device
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self.gas_boundary_ctr = 0
+        self.gradient_average = True
+        self.warn_unscaled_loss = True
+        self.enable_backward_allreduce = True
+        self.inside_no_sync_ctxt = False
+        self.optimizer: Any = None
+        self.basic_optimizer: Optional[torch.optim.Optimizer] = None
+        self.lr_scheduler: Any = None
+        self.training_dataloader: Any = None
+        self.reducer: Any = None
+        self.checkpointer: Any = None  # the checkpoint issue plugs its collaborator in here
+        self._step_applied = False
+        self._global_grad_norm: Optional[float] = None
+        self._is_gradient_accumulation_boundary: Optional[bool] = None
+        self._running_engine_backward = False
+        self._manual_backward_expected = False
+        self._scale_wrt_gas = True
+        self._in_backward = False
+        self._destroyed = False
+
+        self.config = config
+        self._config = config_class if config_class is not None else DeepSpeedConfig(config, mpu, mesh_device)
+        self._configure_with_arguments(args)
+        self._set_distributed_vars()
+        _comm().configure(deepspeed_config=self._config)
+        self.report = rep.EngineReport(self._config, self.global_rank)
+        self.timers = self.report.timers
+        self.tput_timer = self.report.tput_timer
+        self.monitor = self.report.monitor
+        self.precision = Precision(self._config)
+        self._configure_distributed_model(model)
+        self.param_names = {param: name for name, param in model.named_parameters()}
+        if self.torch_autocast_enabled():
+            from deepspeed_c.runtime.torch_autocast import init_autocast_params
+
+            init_autocast_params(self, self.torch_autocast_dtype(), self._config.torch_autocast_lower_precision_safe_modules)
+
+        if training_data is not None:
+            self.training_dataloader = self.deepspeed_io(training_data)
+        if model_parameters is None:
+            model_parameters = self.module.parameters()
+        if not isinstance(model_parameters, list):
+            model_parameters = list(model_parameters)
+        if optimizer is not None or self._config.optimizer_name is not None:
+            self._configure_optimizer(optimizer, model_parameters)
+            self._configure_lr_scheduler()
+            self._report_progress(0)
+        self._configure_zero()
+        self._configure_reducer()
+        log_dist(f"DeepSpeed info: version={_version()}, deepspeed_c engine ready, world_size={self.world_size}, "
+                 f"device={self.device}", ranks=[0])
+
+    # -- setup -----------------------------------------------------------------------------------
+    def _configure_with_arguments(self, args: Any) -> None:
+        env_local = os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK"))
+        self.local_rank = int(env_local) if env_local is not None else 0
+        arg_local = getattr(args, "local_rank", None) if args is not None else None
+        if isinstance(arg_local, int) and arg_local >= 0 and env_local is not None and arg_local != self.local_rank:
+            raise AssertionError(f"Mismatch in local rank setting, args.local_rank={arg_local} but "
+                                 f"env['LOCAL_RANK']={self.local_rank}.")
+        if args is not None and hasattr(args, "local_rank"):
+            args.local_rank = self.local_rank
+
+    def _set_distributed_vars(self) -> None:
+        import torch.distributed as tdist
+
+        self.device = _select_device(self.local_rank)
+        if tdist.is_available() and tdist.is_initialized():
+            self.world_size = tdist.get_world_size()
+            self.global_rank = tdist.get_rank()
+        else:
+            self.world_size, self.global_rank = 1, 0
+        self.dp_world_size = self._config.world_size
+        self.data_parallel_group = self.mpu.get_data_parallel_group() if self.mpu is not None else None
+
+    def _configure_distributed_model(self, model: Module) -> None:
+        if not isinstance(model, Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self.module = model
+        self.precision.cast_module(model)
+        if not self.dont_change_device:
+            model.to(self.device)
+        if self.dp_world_size > 1:
+            dist = _comm()
+            src = dist.get_global_rank(self.data_parallel_group, 0) if self.data_parallel_group is not None else 0
+            with torch.no_grad():
+                for p in model.parameters():
+                    dist.broadcast(p.data, src, group=self.data_parallel_group)
+
+    def _configure_optimizer(self, client_optimizer: Any, model_parameters: list) -> None:
+        if client_optimizer is None:
+            basic = build_optimizer(self._config.optimizer_name, self._config.optimizer_params, model_parameters,
+                                    self.device)
+            log_dist(f"Using DeepSpeed Optimizer param name {self._config.optimizer_name} as basic optimizer",
+                     ranks=[0])
+        elif isinstance(client_optimizer, torch.optim.Optimizer):
+            basic = client_optimizer
+            log_dist("Using client Optimizer as basic optimizer", ranks=[0])
+        elif callable(client_optimizer):
+            basic = client_optimizer(model_parameters)
+            log_dist("Using client callable to create basic optimizer", ranks=[0])
+        else:
+            raise TypeError(f"Client Optimizer is of unexpected type {type(client_optimizer)}")
+        basic.param_groups[:] = [g for g in basic.param_groups if len(g["params"]) != 0]
+        seen: set[int] = set()
+        for group in basic.param_groups:
+            for p in group["params"]:
+                if id(p) in seen:
+                    raise ValueError("The optimizer has a parameter in more than one param group")
+                seen.add(id(p))
+        self.basic_optimizer = basic
+        self.optimizer = self.precision.wrap_optimizer(
+            basic, self.device, sync_overflow=self._any_rank_overflowed if self.dp_world_size > 1 else None)
+        log_dist(f"DeepSpeed Final Optimizer = {self.optimizer.__class__.__name__}", ranks=[0])
+
+    def _configure_lr_scheduler(self) -> None:
+        if self.client_lr_scheduler is not None:
+            if callable(self.client_lr_scheduler) and not hasattr(self.client_lr_scheduler, "step"):
+                self.lr_scheduler = self.client_lr_scheduler(self.basic_optimizer)
+            else:
+                self.lr_scheduler = self.client_lr_scheduler
+            return
+        name = self._config.scheduler_name
+        if name is None:
+            return
+        from deepspeed_c.runtime import lr_schedules
+
+        cls = getattr(lr_schedules, name, None) or getattr(torch.optim.lr_scheduler, name)
+        target = self.optimizer if hasattr(lr_schedules, name) else self.basic_optimizer
+        try:
+            self.lr_scheduler = cls(target, **(self._config.scheduler_params or {}))
+        except TypeError as e:
+            from deepspeed_c.runtime.config_utils import DeepSpeedConfigError
+
+            raise DeepSpeedConfigError(f"Invalid 'scheduler.params' for {name}: {e}") from None
+        log_dist(f"DeepSpeed using configured LR scheduler = {name}", ranks=[0])
+
+    def _configure_zero(self) -> None:
+        # Stage 0 is plain data parallel. The ZeRO issues add their optimizer here; the config
+        # already refuses any stage not listed in config_zero.SUPPORTED_ZERO_STAGES.
+        if self.zero_optimization_stage() != 0:
+            raise NotImplementedError(f"deepspeed_c: zero_optimization.stage={self.zero_optimization_stage()} "
+                                      f"has no engine collaborator yet")
+
+    def _configure_reducer(self) -> None:
+        if self.dp_world_size <= 1:
+            return
+        from deepspeed_c.runtime.reducer import GradientReducer
+
+        trainable = [p for p in self.module.parameters() if p.requires_grad]
+        comm_dtype = self.communication_data_type
+        self.reducer = GradientReducer(
+            trainable, world_size=self.dp_world_size, group=self.data_parallel_group,
+            bucket_cap=self.zero_reduce_bucket_size(),
+            comm_dtype=comm_dtype if any(p.dtype != comm_dtype for p in trainable) else None,
+            prescale_gradients=self._config.prescale_gradients,
+            gradient_predivide_factor=self._config.gradient_predivide_factor,
+            should_reduce=self._should_reduce)
+
+    def _any_rank_overflowed(self, overflow: bool) -> bool:
+        import torch.distributed as tdist
+
+        flag = torch.tensor([1.0 if overflow else 0.0], device=self.device)
+        _comm().all_reduce(flag, op=tdist.ReduceOp.MAX, group=self.data_parallel_group)
+        return bool(flag.item() > 0)
+
+    def _should_reduce(self) -> bool:
+        return (self.enable_backward_allreduce and not self.inside_no_sync_ctxt
+                and self.is_gradient_accumulation_boundary())
+
+    # -- forward ---------------------------------------------------------------------------------
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self.training_dataloader is None:
+            self.tput_timer.start()
+        self.report.start(rep.FORWARD_TIMERS)
+        if self.fp16_auto_cast():
+            inputs, kwargs = _cast_half(inputs), _cast_half(kwargs)
+        with self.precision.autocast(self.device.type):
+            outputs = self.module(*inputs, **kwargs)
+        register_output_hooks(outputs, self._output_grad_hook)
+        self.report.stop(rep.FORWARD_TIMERS)
+        return outputs
+
+    # -- backward --------------------------------------------------------------------------------
+    def _output_grad_hook(self, grad: torch.Tensor) -> torch.Tensor:
+        if not self._in_backward:
+            self._backward_prologue()
+        gas = self.gradient_accumulation_steps()
+        if self._scale_wrt_gas and gas != 1:
+            return grad / gas
+        return grad
+
+    def _backward_prologue(self) -> None:
+        self._in_backward = True
+        self.report.start(rep.BACKWARD_TIMERS)
+        self.report.start(rep.BACKWARD_INNER_TIMERS)
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_epilogue)
+
+    def _backward_epilogue(self) -> None:
+        if not self._in_backward:
+            return
+        self._in_backward = False
+        self.report.stop(rep.BACKWARD_INNER_TIMERS)
+        self.report.start(rep.BACKWARD_REDUCE_TIMERS)
+        if self.reducer is not None:
+            self.reducer.end_backward()
+        self.report.stop(rep.BACKWARD_REDUCE_TIMERS)
+        self.report.stop(rep.BACKWARD_TIMERS)
+        if not self._running_engine_backward:
+            if self.precision.needs_scaler and not self._manual_backward_expected:
+                raise RuntimeError("Loss scaling is required for this configuration, but backward() was called "
+                                   "directly without scaling the loss. Please use one of the following: "
+                                   "1. engine.backward(loss) 2. engine.scale(loss).backward()")
+            self._manual_backward_expected = False
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss scaled for a manual `.backward()` (unchanged unless fp16 loss scaling is on)."""
+        assert self.optimizer is not None, "must provide optimizer during init in order to use scale"
+        assert is_loss_for_backward(loss), \
+            "loss must be a scalar tensor with grad_fn. For non-scalar tensors, use tensor.backward(grad)"
+        self._manual_backward_expected = True
+        self.report.record_loss(loss.detach())
+        return self.precision.scale_loss(loss)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        assert self.optimizer is not None, "must provide optimizer during init in order to use backward"
+        assert is_loss_for_backward(loss), \
+            "loss must be a scalar tensor. If you need to pass output gradients, backward() of output tensors"
+        self._running_engine_backward = True
+        self._scale_wrt_gas = scale_wrt_gas
+        try:
+            gas_scaled_loss = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
+            self.report.record_loss(loss.detach())
+            self.precision.scale_loss(loss).backward(retain_graph=retain_graph)
+            self._backward_epilogue()
+            if self.reducer is not None:
+                self.reducer.end_backward()
+        finally:
+            self._running_engine_backward = False
+            self._scale_wrt_gas = True
+        return gas_scaled_loss
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._is_gradient_accumulation_boundary is None:
+            return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+        return self._is_gradient_accumulation_boundary
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        self._is_gradient_accumulation_boundary = is_boundary
+        if self.optimizer is not None:
+            self.optimizer.is_gradient_accumulation_boundary = is_boundary
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward inside skips gradient reduction; step() inside is illegal."""
+        assert not self.zero_optimization_partition_gradients(), \
+            f"no_sync context manager is incompatible with gradient partitioning logic of ZeRO stage " \
+            f"{self.zero_optimization_stage()}"
+        assert not self.inside_no_sync_ctxt, "no_sync context manager reentry is unsupported"
+        self.inside_no_sync_ctxt = True
+        try:
+            yield
+        finally:
+            self.inside_no_sync_ctxt = False
+
+    @contextlib.contextmanager
+    def coalesce_grad_reduction(self) -> Iterator[None]:
+        stage = self.zero_optimization_stage()
+        if stage not in (1, 2, 3):
+            raise NotImplementedError(f"coalesce_grad_reduction requires ZeRO stage 1/2/3, got stage {stage}")
+        yield  # pragma: no cover - reached once a ZeRO stage is plugged in
+
+    # -- step ------------------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        for p in self.module.parameters():
+            p.grad = None
+
+    def step(self, lr_kwargs: Optional[dict] = None) -> None:
+        assert not self.inside_no_sync_ctxt, "It is illegal to call Engine.step() inside no_sync context manager"
+        assert self.optimizer is not None, "must provide optimizer during init in order to use step"
+        self.report.start(rep.STEP_TIMERS)
+        self._step_applied = False
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
+            self.gas_boundary_ctr += 1
+            self._take_model_step(lr_kwargs)
+        self.report.stop(rep.STEP_TIMERS)
+        lr = self.get_lr()
+        self.report.after_step(boundary=boundary, global_steps=self.global_steps, global_samples=self.global_samples,
+                               skipped_steps=self.skipped_steps, lr=lr, mom=self.get_mom(),
+                               loss_scale=self.precision.loss_scale() if self.precision.needs_scaler else None,
+                               train_batch_size=self.train_batch_size())
+        self.micro_steps += 1
+
+    def _fill_missing_grads(self) -> None:
+        # DeepSpeed reduces a zero gradient for a trainable parameter that got none
+        for p in self.module.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+    def _take_model_step(self, lr_kwargs: Optional[dict]) -> None:
+        self._fill_missing_grads()
+        overflow = False
+        scaler = self.precision.grad_scaler
+        if isinstance(self.optimizer, MixedPrecisionOptimizer):
+            overflow = bool(self.optimizer.step())
+            self._global_grad_norm = self.optimizer._global_grad_norm
+            self.optimizer.zero_grad()
+        else:
+            if scaler is not None:
+                scaler.unscale_(self.optimizer)
+            if self.gradient_clipping() > 0.0:
+                self._clip_gradients()
+            if scaler is not None:
+                before = scaler.get_scale()
+                scaler.step(self.optimizer)
+                scaler.update()
+                overflow = scaler.get_scale() < before
+            else:
+                self.optimizer.step()
+            if hasattr(self.optimizer, "_global_grad_norm"):
+                self._global_grad_norm = self.optimizer._global_grad_norm
+            self.zero_grad()
+        self._step_applied = not overflow
+        if overflow:
+            self.skipped_steps += 1
+        elif self.lr_scheduler is not None:
+            try:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+            except TypeError:
+                self.lr_scheduler.step(self.train_batch_size())
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+
+    def _clip_gradients(self) -> None:
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        norm = float(global_norm(grads))
+        self._global_grad_norm = norm
+        scale_(grads, clip_coefficient(norm, self.gradient_clipping()))
+
+    def clip_fp32_gradients(self) -> None:
+        self._clip_gradients()
+
+    # -- state the user reads --------------------------------------------------------------------
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        return self._global_grad_norm
+
+    def _get_optimizer_param(self, name: str) -> list:
+        if self.optimizer is None:
+            return []
+        return [group.get(name, 0.0) for group in self.optimizer.param_groups]
+
+    def get_lr(self) -> list:
+        return self._get_optimizer_param("lr")
+
+    def get_type(self) -> list:
+        return self._get_optimizer_param("type")
+
+    def get_mom(self) -> list:
+        if self.optimizer_name() in ("SGD", "RMSprop"):
+            return self._get_optimizer_param("momentum")
+        return self._get_optimizer_param("betas")
+
+    def get_wall_clock_timers(self) -> dict:
+        return self.report.timer_cache
+
+    def _report_progress(self, step: int) -> None:
+        log_dist(f"step={step}, skipped={self.skipped_steps}, lr={self.get_lr()}, mom={self.get_mom()}", ranks=[0])
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        per = self.train_micro_batch_size_per_gpu() * self.dp_world_size
+        if train_batch_size % per != 0:
+            raise ValueError("Train batch size must be divisible by micro-batch data parallelism")
+        self._config.train_batch_size = train_batch_size
+        self._config.gradient_accumulation_steps = train_batch_size // per
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        self._config.train_batch_size = micro_batch_size * self.gradient_accumulation_steps() * self.dp_world_size
+        self._config.train_micro_batch_size_per_gpu = micro_batch_size
+
+    def get_data_parallel_rank(self) -> int:
+        if self.mpu is not None:
+            return self.mpu.get_data_parallel_rank()
+        return self.global_rank
+
+    def get_model_parallel_rank(self) -> int:
+        return self.mpu.get_model_parallel_rank() if self.mpu is not None else 0
+
+    get_tensor_parallel_rank = get_model_parallel_rank
+
+    # -- data ------------------------------------------------------------------------------------
+    def deepspeed_io(self, dataset: Any, batch_size: Optional[int] = None, route: str = ROUTE_TRAIN,
+                     pin_memory: bool = True, data_sampler: Any = None, collate_fn: Any = None,
+                     num_local_io_workers: Optional[int] = None) -> Any:
+        from deepspeed_c.runtime.dataloader import DeepSpeedDataLoader
+
+        if not isinstance(dataset, (torch.utils.data.Dataset, torch.utils.data.IterableDataset)):
+            raise ValueError("Training data must be a torch Dataset")
+        dp_world, dp_rank = self.dp_world_size, self.global_rank
+        if self.mpu is not None:
+            dp_world, dp_rank = self.mpu.get_data_parallel_world_size(), self.mpu.get_data_parallel_rank()
+        if data_sampler is None and route in (ROUTE_PREDICT, ROUTE_EVAL):
+            data_sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=dp_world, rank=dp_rank,
+                                                               shuffle=False)
+        return DeepSpeedDataLoader(dataset=dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
+                                   pin_memory=pin_memory and self.device.type == "cuda",
+                                   collate_fn=collate_fn or self.collate_fn, local_rank=self.local_rank,
+                                   tput_timer=self.tput_timer if route == ROUTE_TRAIN else None,
+                                   num_local_io_workers=num_local_io_workers, data_sampler=data_sampler,
+                                   data_parallel_world_size=dp_world, data_parallel_rank=dp_rank,
+                                   dataloader_drop_last=self.dataloader_drop_last())
+
+    # -- module plumbing -------------------------------------------------------------------------
+    def train(self, mode: bool = True) -> "DeepSpeedEngine":
+        self.warn_unscaled_loss = True
+        self.module.train(mode)
+        self.training = mode
+        return self
+
+    def eval(self) -> "DeepSpeedEngine":
+        return self.train(False)
+
+    def module_state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False,
+                          exclude_frozen_parameters: bool = False) -> dict:
+        sd = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if exclude_frozen_parameters:
+            for name, p in self.module.named_parameters():
+                if not p.requires_grad and (prefix + name) in sd:
+                    del sd[prefix + name]
+        return sd
+
+    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict = {},  # noqa: B006 (DeepSpeed's)
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        if self.checkpointer is None:
+            raise NotImplementedError("deepspeed_c: engine.save_checkpoint is not built yet (checkpoint issue)")
+        return self.checkpointer.save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Optional[Callable] = None) -> Any:
+        if self.checkpointer is None:
+            raise NotImplementedError("deepspeed_c: engine.load_checkpoint is not built yet (checkpoint issue)")
+        return self.checkpointer.load(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                                      load_lr_scheduler_states, load_module_only, custom_load_fn)
+
+    def destroy(self) -> None:
+        if self._destroyed:
+            return
+        self._destroyed = True
+        if self.reducer is not None:
+            self.reducer.remove()
+            self.reducer = None
+        if self.optimizer is not None and hasattr(self.optimizer, "destroy"):
+            self.optimizer.destroy()
+
+    def __getattr__(self, name: str) -> Any:
+        """Attributes the engine does not define come from the wrapped model."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            pass
+        module = self.__dict__.get("_modules", {}).get("module")
+        if module is not None and name != "module":
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                pass
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+
+def _cast_half(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.half() if value.is_floating_point() else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast_half(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_half(v) for k, v in value.items()}
+    return value
+
+
+def _version() -> str:
+    from deepspeed_c.version import __version__
+
+    return __version__
+

@@ -1,0 +1,97 @@
+"""deepspeed_c.initialize and add_config_arguments, with DeepSpeed's signatures and rules."""
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from deepspeed_c.runtime.config import DeepSpeedConfig, _load
+from deepspeed_c.utils.logging import log_dist, logger
+
+TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
+
+DeepSpeedOptimizerCallable = Callable[[Any], torch.optim.Optimizer]
+DeepSpeedSchedulerCallable = Callable[[torch.optim.Optimizer], Any]
+
+
+def initialize(args: Any = None,
+               model: Optional[torch.nn.Module] = None,
+               optimizer: Optional[Union[torch.optim.Optimizer, DeepSpeedOptimizerCallable]] = None,
+               model_parameters: Any = None,
+               training_data: Optional[torch.utils.data.Dataset] = None,
+               lr_scheduler: Optional[Union[Any, DeepSpeedSchedulerCallable]] = None,
+               distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT,
+               mpu: Any = None,
+               dist_init_required: Optional[bool] = None,
+               collate_fn: Any = None,
+               config: Any = None,
+               mesh_param: Any = None,
+               config_params: Any = None) -> tuple:
+    """Build the training engine. Returns (engine, optimizer, training_dataloader, lr_scheduler);
+    optimizer, dataloader and scheduler are None unless given or configured.
+
+    The config comes from `args.deepspeed_config`, `config` or `config_params` (a dict, a JSON path,
+    or base64 JSON); giving it both in args and as an argument is an error."""
+    from deepspeed_c.version import __version__
+
+    log_dist(f"DeepSpeed info: version={__version__}, git-hash=deepspeed_c, git-branch=deepspeed_c", ranks=[0])
+    assert model is not None, "deepspeed.initialize requires a model"
+
+    import deepspeed_c.comm as dist
+
+    dist.init_distributed(dist_backend=None, distributed_port=distributed_port, dist_init_required=dist_init_required)
+
+    if config is None and config_params is not None:
+        config = config_params
+    if getattr(args, "deepscale_config", None) is not None:
+        logger.warning("************ --deepscale_config is deprecated, please use --deepspeed_config ************")
+        if hasattr(args, "deepspeed_config"):
+            assert args.deepspeed_config is None, \
+                "Not sure how to proceed, we were given both a deepscale_config and deepspeed_config"
+        args.deepspeed_config = args.deepscale_config
+        args.deepscale_config = None
+    if getattr(args, "deepspeed_config", None) is not None:
+        assert config is None, ("Not sure how to proceed, we were given deepspeed configs in the deepspeed arguments "
+                                "and deepspeed.initialize() function call")
+        config = args.deepspeed_config
+    assert config is not None, "DeepSpeed requires --deepspeed_config to specify configuration file"
+    if not isinstance(config, dict):
+        config = _load(config)
+
+    if mesh_param:
+        from deepspeed_c.runtime.config_utils import unbuilt
+
+        raise unbuilt("mesh_param", "a (data, sequence) parallel device mesh")
+    if _is_pipeline_module(model):
+        raise NotImplementedError("deepspeed_c: PipelineModule / PipelineEngine is not built yet")
+
+    from deepspeed_c.runtime.engine import DeepSpeedEngine
+
+    config_class = DeepSpeedConfig(config, mpu)
+    engine = DeepSpeedEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                             training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
+                             dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
+                             config_class=config_class)
+    return (engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler)
+
+
+def _is_pipeline_module(model: Any) -> bool:
+    return any(cls.__name__ == "PipelineModule" for cls in type(model).__mro__)
+
+
+def _add_core_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="Enable DeepSpeed (helper flag for user code, no impact on DeepSpeed backend)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed json configuration file.")
+    group.add_argument("--deepscale", default=False, action="store_true",
+                       help="Deprecated enable DeepSpeed (helper flag for user code, no impact on DeepSpeed backend)")
+    group.add_argument("--deepscale_config", default=None, type=str,
+                       help="Deprecated DeepSpeed json configuration file.")
+    return parser
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Adds --deepspeed and --deepspeed_config (and the deprecated --deepscale forms) to parser."""
+    return _add_core_arguments(parser)
