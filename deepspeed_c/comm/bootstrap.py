@@ -83,9 +83,29 @@ def mpi_discovery(distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT, verbos
                     f"master_port={os.environ['MASTER_PORT']}")
 
 
+# (rank, world size, local rank) variables of the other launchers our multi-node runners use;
+# they export MASTER_ADDR/MASTER_PORT themselves.
+_LAUNCHER_ENV_FAMILIES = (
+    ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK"),  # MVAPICH
+    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),  # srun
+)
+
+
+def _map_launcher_env() -> None:
+    if os.environ.get("RANK", "") != "":
+        return
+    for rank_var, size_var, local_var in _LAUNCHER_ENV_FAMILIES:
+        if os.environ.get(rank_var, "") != "" and os.environ.get(size_var, "") != "":
+            os.environ["RANK"] = os.environ[rank_var]
+            os.environ["WORLD_SIZE"] = os.environ[size_var]
+            os.environ.setdefault("LOCAL_RANK", os.environ.get(local_var, os.environ[rank_var]))
+            return
+
+
 def _fill_env(auto_mpi_discovery: bool, distributed_port: int, verbose: bool, rank: int, world_size: int) -> None:
     if all(os.environ.get(v, "") != "" for v in REQUIRED_ENV):
         return
+    _map_launcher_env()
     if auto_mpi_discovery and os.environ.get("OMPI_COMM_WORLD_SIZE", "") != "" and os.environ.get("RANK", "") == "":
         if verbose:
             logger.info("Not using the DeepSpeed or dist launchers, attempting to detect MPI environment...")
@@ -112,7 +132,7 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
     """Initialise torch.distributed's default group (once) and deepspeed_c.comm's backend.
 
     dist_backend: torch backend name; None asks the accelerator (nccl on CUDA, gloo on CPU).
-    timeout: the process-group timeout; the default is DEEPSPEED_TIMEOUT minutes, else 10.
+    timeout: the process-group timeout; the default is DEEPSPEED_TIMEOUT minutes, else 30.
     config: a DeepSpeed config (dict or typed) whose comms_logger section configures the logger.
     rank, world_size: for init methods (tcp://, file://) that need them stated.
     """

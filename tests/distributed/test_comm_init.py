@@ -90,6 +90,26 @@ def test_init_from_open_mpi_env_with_timeout():
         assert r["addr"] == "127.0.0.1" and r["port"] == r["wanted_port"]
 
 
+def _from_slurm_or_mvapich_env(rank: int, w: int, family: str) -> dict:
+    import deepspeed_c.comm as dc
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        os.environ.pop(name, None)
+    names = {"slurm": ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+             "mvapich": ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK")}[family]
+    os.environ.update(dict(zip(names, (str(rank), str(w), str(rank)))))
+    dc.init_distributed(verbose=False)
+    out = (dc.get_rank(), dc.get_world_size(), dc.get_local_rank(), _sum_of_ranks())
+    dc.destroy_process_group()
+    return out
+
+
+def test_init_from_slurm_and_mvapich_env():
+    for family in ("slurm", "mvapich"):
+        res = run_distributed(_from_slurm_or_mvapich_env, 2, args=(family,), backend="none")
+        assert res == [(0, 2, 0, 1.0), (1, 2, 1, 1.0)], family
+
+
 def world_of_one_main() -> None:
     import torch.distributed as dist
 

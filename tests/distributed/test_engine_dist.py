@@ -134,6 +134,19 @@ def scenario_observed_order(rank: int) -> dict[str, Any]:
             "weights": {n: p.detach().numpy().copy() for n, p in engine.module.named_parameters()}}
 
 
+def scenario_overlap(rank: int) -> dict[str, Any]:
+    """How many buckets were already on the wire when backward reached the first layer's weight."""
+    torch.manual_seed(0)
+    engine = _engine(MLP())
+    seen: list[int] = []
+    first = next(engine.module.parameters())
+    first.register_post_accumulate_grad_hook(lambda p: seen.append(engine.reducer._launched))
+    x, y = rank_data(rank)
+    engine.backward(loss_fn(engine(x), y))
+    return {"launched_during_backward": seen, "buckets": engine.reducer.num_buckets,
+            "bucket_of_first": engine.reducer.plan.layout.bucket_of[0]}
+
+
 def scenario_fp16_overflow_on_one_rank(rank: int) -> dict[str, Any]:
     torch.manual_seed(0)
     engine = _engine(MLP(), fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 1})
@@ -152,7 +165,7 @@ def scenario_fp16_overflow_on_one_rank(rank: int) -> dict[str, Any]:
 
 
 SCENARIOS = {f.__name__: f for f in (scenario_unused_and_frozen, scenario_no_sync, scenario_direct_and_scale,
-                                     scenario_scaling_options, scenario_observed_order,
+                                     scenario_scaling_options, scenario_observed_order, scenario_overlap,
                                      scenario_fp16_overflow_on_one_rank)}
 
 
@@ -275,6 +288,13 @@ def test_replans_in_observed_order_and_stays_correct():
     for got in per_rank:
         for name, p in model.named_parameters():
             assert torch.allclose(torch.from_numpy(got["weights"][name]), p.detach(), rtol=1e-5, atol=1e-7), name
+
+
+def test_buckets_go_out_while_backward_runs():
+    for got in results("scenario_overlap"):
+        # the first layer's weight arrives last: every bucket before its own is already launched
+        assert got["buckets"] > 2 and got["bucket_of_first"] == got["buckets"] - 1
+        assert got["launched_during_backward"][0] >= got["buckets"] - 1
 
 
 def test_fp16_overflow_on_one_rank_skips_on_every_rank():
