@@ -1,8 +1,9 @@
 """Per-step overhead of the deepspeed_c engine against a hand-written torch DDP loop.
 
 Both train the same MLP with the same torch SGD on the same data, on N gloo ranks (CPU), in the
-same processes, with the same bucket cap (DDP's 25 MB). The two loops are first checked to produce
-the same weights, then timed in interleaved blocks; the script prints ms/step for each and the ratio.
+same processes, with the same bucket cap (DDP's default 25 MB unless --bucket-elems). The two
+loops are first checked to produce the same weights, then timed in interleaved blocks; the script
+prints ms/step for each and the ratio.
 
     python benchmarks/engine_overhead.py --world 2 --steps 30 --reps 5
 """
@@ -47,7 +48,8 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, out: "m
     import deepspeed_c
 
     base = make_model(args.width, args.depth)
-    bucket_elems = int(os.environ.get("BUCKET", 25 * 1024 * 1024 // 4))  # DDP default bucket_cap_mb=25, in fp32 elements
+    # both sides use the same cap: DDP's default 25 MB in fp32 elements, or --bucket-elems
+    bucket_elems = args.bucket_elems
     config = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "SGD", "params": {"lr": 0.01, "momentum": 0.9}},
               "zero_optimization": {"stage": 0, "reduce_bucket_size": bucket_elems}}
@@ -104,6 +106,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--bucket-elems", type=int, default=25 * 1024 * 1024 // 4)
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -221,7 +221,7 @@ done:
 static int check_is_tensor(PyObject *obj, const char *name) {
     if (ensure_torch_types() < 0) return -1;
     PyObject *type = (PyObject *)Py_TYPE(obj);
-    if (type == g_tensor_type) return 0;
+    if (type == g_tensor_type || type == g_parameter_type) return 0;
     int is_param = PyObject_IsSubclass(type, g_parameter_type);
     if (is_param < 0) return -1;
     if (is_param) return 0;
@@ -325,8 +325,18 @@ int dsc_view_list_from_object(PyObject *seq, const dsc_arg_spec *spec, dsc_view_
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PySequence_GetItem(seq, i); /* new ref; the sequence keeps it alive */
         if (!item) goto fail;
-        snprintf(name, sizeof(name), "%s[%zd]", spec->name, i);
-        int rc = view_named(item, spec, DSC_ROUTE_AUTO, name, &items[i]);
+        int rc = view_named(item, spec, DSC_ROUTE_AUTO, spec->name, &items[i]);
+        if (rc < 0) {
+            /* the item's indexed name is formatted only on failure (hot path: lists of
+             * thousands of tensors); re-run to raise with it */
+            PyErr_Clear();
+            snprintf(name, sizeof(name), "%s[%zd]", spec->name, i);
+            rc = view_named(item, spec, DSC_ROUTE_AUTO, name, &items[i]);
+            if (rc == 0) { /* cannot happen for a deterministic check; fail safe anyway */
+                PyErr_Format(PyExc_RuntimeError, "argument '%s': inconsistent validation", name);
+                rc = -1;
+            }
+        }
         Py_DECREF(item);
         if (rc < 0) goto fail;
         if (i > 0 && !items[i].is_none && !items[0].is_none &&

@@ -93,10 +93,12 @@ class DeepSpeedEngine(Module, EngineConfigAccessors):
         self.precision = Precision(self._config)
         self._configure_distributed_model(model)
         self.param_names = {param: name for name, param in model.named_parameters()}
+        self._params = list(model.parameters())  # walked every step: keep the list, not the module tree
         if self.torch_autocast_enabled():
             from deepspeed_c.runtime.torch_autocast import init_autocast_params
 
-            init_autocast_params(self, self.torch_autocast_dtype(), self._config.torch_autocast_lower_precision_safe_modules)
+            init_autocast_params(self, self.torch_autocast_dtype(),
+                                 self._config.torch_autocast_lower_precision_safe_modules)
 
         if training_data is not None:
             self.training_dataloader = self.deepspeed_io(training_data)
@@ -335,7 +337,7 @@ class DeepSpeedEngine(Module, EngineConfigAccessors):
 
     # -- step ------------------------------------------------------------------------------------
     def zero_grad(self) -> None:
-        for p in self.module.parameters():
+        for p in self._params:
             p.grad = None
 
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
@@ -357,7 +359,7 @@ class DeepSpeedEngine(Module, EngineConfigAccessors):
 
     def _fill_missing_grads(self) -> None:
         # DeepSpeed reduces a zero gradient for a trainable parameter that got none
-        for p in self.module.parameters():
+        for p in self._params:
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
 
@@ -396,7 +398,7 @@ class DeepSpeedEngine(Module, EngineConfigAccessors):
         self.global_samples += self.train_batch_size()
 
     def _clip_gradients(self) -> None:
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        grads = [p.grad for p in self._params if p.grad is not None]
         norm = float(global_norm(grads))
         self._global_grad_norm = norm
         scale_(grads, clip_coefficient(norm, self.gradient_clipping()))

@@ -52,7 +52,8 @@ def rank_data(rank: int, n: int = 4, seed: int = 5) -> tuple[torch.Tensor, torch
 
 
 def _np_grads(module: torch.nn.Module) -> dict[str, Any]:
-    return {n: (None if p.grad is None else p.grad.detach().float().numpy().copy()) for n, p in module.named_parameters()}
+    return {n: (None if p.grad is None else p.grad.detach().float().numpy().copy())
+            for n, p in module.named_parameters()}
 
 
 def _engine(model: torch.nn.Module, **cfg: Any):

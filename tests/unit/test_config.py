@@ -31,7 +31,8 @@ def test_defaults_follow_deepspeed():
     assert c.zero_config.reduce_bucket_size == 500_000_000 and c.zero_config.overlap_comm is False
     fp16 = c.float16_config
     assert (fp16.enabled, fp16.loss_scale, fp16.initial_scale_power, fp16.loss_scale_window, fp16.hysteresis,
-            fp16.consecutive_hysteresis, fp16.min_loss_scale, fp16.auto_cast) == (False, 0, 16, 1000, 2, False, 1, False)
+            fp16.consecutive_hysteresis, fp16.min_loss_scale, fp16.auto_cast) == \
+        (False, 0, 16, 1000, 2, False, 1, False)
     assert c.bfloat16_config.enabled is False and c.bfloat16_config.immediate_grad_update is False
     assert c.optimizer_name is None and c.scheduler_name is None
     assert c.zero_allow_untested_optimizer is False and c.zero_force_ds_cpu_optimizer is True
