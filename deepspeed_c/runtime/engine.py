@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch.nn import Module
@@ -18,13 +18,14 @@ from torch.nn import Module
 from deepspeed_c.runtime import engine_report as rep
 from deepspeed_c.runtime.config import DeepSpeedConfig
 from deepspeed_c.runtime.engine_accessors import EngineConfigAccessors
+from deepspeed_c.runtime.engine_io import ROUTE_ENCODE, ROUTE_EVAL, ROUTE_PREDICT, ROUTE_TRAIN, EngineIO
 from deepspeed_c.runtime.grad_norm import clip_coefficient, global_norm, scale_
 from deepspeed_c.runtime.optimizer_factory import build_optimizer
 from deepspeed_c.runtime.output_hooks import is_loss_for_backward, register_output_hooks
 from deepspeed_c.runtime.precision import MixedPrecisionOptimizer, Precision
 from deepspeed_c.utils.logging import log_dist
 
-ROUTE_TRAIN, ROUTE_EVAL, ROUTE_PREDICT, ROUTE_ENCODE = "train", "eval", "predict", "encode"
+__all__ = ["DeepSpeedEngine", "ROUTE_TRAIN", "ROUTE_EVAL", "ROUTE_PREDICT", "ROUTE_ENCODE"]
 
 
 def _comm() -> Any:
@@ -41,7 +42,7 @@ def _select_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-class DeepSpeedEngine(Module, EngineConfigAccessors):
+class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
     r"""DeepSpeed engine for training."""
 
     def __init__(self, args: Any, model: Module, optimizer: Any = None, model_parameters: Any = None,
@@ -235,6 +236,7 @@ class DeepSpeedEngine(Module, EngineConfigAccessors):
 
     # -- forward ---------------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self._in_backward = False  # a backward that raised never ran its epilogue
         if self.training_dataloader is None:
             self.tput_timer.start()
         self.report.start(rep.FORWARD_TIMERS)
@@ -456,28 +458,6 @@ class DeepSpeedEngine(Module, EngineConfigAccessors):
 
     get_tensor_parallel_rank = get_model_parallel_rank
 
-    # -- data ------------------------------------------------------------------------------------
-    def deepspeed_io(self, dataset: Any, batch_size: Optional[int] = None, route: str = ROUTE_TRAIN,
-                     pin_memory: bool = True, data_sampler: Any = None, collate_fn: Any = None,
-                     num_local_io_workers: Optional[int] = None) -> Any:
-        from deepspeed_c.runtime.dataloader import DeepSpeedDataLoader
-
-        if not isinstance(dataset, (torch.utils.data.Dataset, torch.utils.data.IterableDataset)):
-            raise ValueError("Training data must be a torch Dataset")
-        dp_world, dp_rank = self.dp_world_size, self.global_rank
-        if self.mpu is not None:
-            dp_world, dp_rank = self.mpu.get_data_parallel_world_size(), self.mpu.get_data_parallel_rank()
-        if data_sampler is None and route in (ROUTE_PREDICT, ROUTE_EVAL):
-            data_sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=dp_world, rank=dp_rank,
-                                                               shuffle=False)
-        return DeepSpeedDataLoader(dataset=dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
-                                   pin_memory=pin_memory and self.device.type == "cuda",
-                                   collate_fn=collate_fn or self.collate_fn, local_rank=self.local_rank,
-                                   tput_timer=self.tput_timer if route == ROUTE_TRAIN else None,
-                                   num_local_io_workers=num_local_io_workers, data_sampler=data_sampler,
-                                   data_parallel_world_size=dp_world, data_parallel_rank=dp_rank,
-                                   dataloader_drop_last=self.dataloader_drop_last())
-
     # -- module plumbing -------------------------------------------------------------------------
     def train(self, mode: bool = True) -> "DeepSpeedEngine":
         self.warn_unscaled_loss = True
@@ -487,29 +467,6 @@ class DeepSpeedEngine(Module, EngineConfigAccessors):
 
     def eval(self) -> "DeepSpeedEngine":
         return self.train(False)
-
-    def module_state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False,
-                          exclude_frozen_parameters: bool = False) -> dict:
-        sd = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
-        if exclude_frozen_parameters:
-            for name, p in self.module.named_parameters():
-                if not p.requires_grad and (prefix + name) in sd:
-                    del sd[prefix + name]
-        return sd
-
-    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict = {},  # noqa: B006 (DeepSpeed's)
-                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
-        if self.checkpointer is None:
-            raise NotImplementedError("deepspeed_c: engine.save_checkpoint is not built yet (checkpoint issue)")
-        return self.checkpointer.save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
-
-    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
-                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False, custom_load_fn: Optional[Callable] = None) -> Any:
-        if self.checkpointer is None:
-            raise NotImplementedError("deepspeed_c: engine.load_checkpoint is not built yet (checkpoint issue)")
-        return self.checkpointer.load(self, load_dir, tag, load_module_strict, load_optimizer_states,
-                                      load_lr_scheduler_states, load_module_only, custom_load_fn)
 
     def destroy(self) -> None:
         if self._destroyed:

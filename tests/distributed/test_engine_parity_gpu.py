@@ -95,11 +95,14 @@ def reference(case: dict[str, Any], bf16: bool) -> dict[str, Any]:
     return {"losses": losses, "weights": [m.detach().float().cpu() for m in masters]}
 
 
-def _errors(got: dict[str, Any], ref: dict[str, Any]) -> tuple[float, float]:
+def _errors(got: dict[str, Any], ref: dict[str, Any]) -> tuple[float, float, float]:
+    """(max relative loss difference, whole-model relative weight difference, worst tensor's)."""
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"]))
-    weight_err = max(float((torch.from_numpy(m) - w).norm() / w.norm()) for m, w in zip(got["masters"],
-                                                                                        ref["weights"]))
-    return loss_err, weight_err
+    pairs = [(torch.from_numpy(m).double(), w.double()) for m, w in zip(got["masters"], ref["weights"])]
+    worst = max(float((m - w).norm() / w.norm()) for m, w in pairs)
+    diff = torch.cat([(m - w).flatten() for m, w in pairs])
+    whole = float(diff.norm() / torch.cat([w.flatten() for _, w in pairs]).norm())
+    return loss_err, whole, worst
 
 
 def test_bf16_parity_on_two_gpus() -> None:
@@ -109,12 +112,12 @@ def test_bf16_parity_on_two_gpus() -> None:
         for other in results[1:]:
             for a, b in zip(got["masters"], other[name]["masters"]):
                 assert (a == b).all(), "ranks must hold identical master weights"
-        same_loss, same_weight = _errors(got, reference(case, bf16=True))
-        fp32_loss, fp32_weight = _errors(got, reference(case, bf16=False))
+        same = _errors(got, reference(case, bf16=True))
+        fp32 = _errors(got, reference(case, bf16=False))
         print(f"[bf16 2xGPU NCCL] {name}: optimizer {got['optimizer']}; loss {got['losses'][0]:.4f} -> "
-              f"{got['losses'][-1]:.4f}; max relative difference vs single-GPU bf16+fp32-master PyTorch: "
-              f"loss {same_loss:.3e}, master weights {same_weight:.3e}; vs single-GPU fp32 PyTorch: "
-              f"loss {fp32_loss:.3e}, weights {fp32_weight:.3e}")
-        assert same_loss < 1e-2 and same_weight < 2e-2
-        assert fp32_loss < 3e-2
+              f"{got['losses'][-1]:.4f}; relative differences (max loss / whole-model weights / worst tensor) "
+              f"vs single-GPU bf16+fp32-master PyTorch: {same[0]:.2e} / {same[1]:.2e} / {same[2]:.2e}; "
+              f"vs single-GPU fp32 PyTorch: {fp32[0]:.2e} / {fp32[1]:.2e} / {fp32[2]:.2e}")
+        assert same[0] < 1e-2 and same[1] < 1e-2 and same[2] < 1e-1
+        assert fp32[0] < 3e-2 and fp32[1] < 3e-2
         assert got["losses"][-1] < got["losses"][0]

@@ -160,3 +160,18 @@ def test_bucket_closes_once_over_cap():
     plan = BucketPlan([5, 100, 5, 3], cap=10)
     assert plan.layout.members == [[3, 2, 1], [0]]
     assert plan.layout.bucket_numels == [108, 5]
+
+
+@pytest.mark.skipif(__import__("shutil").which("gcc") is None, reason="needs gcc to build the sanitizer driver")
+def test_planner_clean_under_address_and_undefined_sanitizers(tmp_path):
+    import os
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    exe = tmp_path / "bucket_plan_fuzz"
+    subprocess.run(["gcc", "-std=c11", "-g", "-O1", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+                    "-Wall", "-Wextra", "-Werror", f"-I{root}/csrc/include",
+                    f"{root}/tests/unit/csrc/bucket_plan_fuzz.c", f"{root}/csrc/core/bucket_plan.c", "-o", str(exe)],
+                   check=True, capture_output=True)
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr

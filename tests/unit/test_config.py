@@ -60,11 +60,15 @@ def test_batch_triple(given, world, expected):
 
 
 def test_auto_is_unset_with_warning():
-    with pytest.warns(DeepSpeedConfigWarning, match="gradient_clipping"):
+    with pytest.warns(DeepSpeedConfigWarning) as record:
         c = DeepSpeedConfig({"train_batch_size": 16, "train_micro_batch_size_per_gpu": "auto",
                              "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
                              "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": 0.1}},
                              "fp16": {"enabled": "auto"}, "zero_optimization": {"reduce_bucket_size": "auto"}})
+    warned = " ".join(str(w.message) for w in record)
+    for key in ("'train_micro_batch_size_per_gpu'", "'gradient_clipping'", "'optimizer.params.lr'", "'fp16.enabled'",
+                "'zero_optimization.reduce_bucket_size'"):
+        assert key in warned
     assert (c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps) == (16, 1)
     assert c.gradient_clipping == 0.0
     assert c.optimizer_params == {"weight_decay": 0.1}

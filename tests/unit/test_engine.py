@@ -334,7 +334,7 @@ def test_bf16_run_trains():
         loss = loss_fn(engine(x), y)
         engine.backward(loss)
         engine.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     assert losses[-1] < 0.5 * losses[0]
     assert all(m.dtype == torch.float32 for g in engine.optimizer.fp32_groups for m in g)
     assert engine.get_global_grad_norm() is not None
@@ -414,3 +414,19 @@ def test_monitor_events_and_wall_clock_timers(tmp_path):
     assert any("elapsed_time_ms_forward" in name for name in files)
     timers = engine.get_wall_clock_timers()
     assert {"fwd_microstep", "bwd_microstep", "step_microstep", "fwd", "bwd", "step"} <= set(timers)
+
+
+def test_optimizer_and_scheduler_params_are_validated_against_their_class():
+    with pytest.raises(ValueError, match=r"optimizer\.params\.lrr.*Did you mean 'lr'"):
+        make({"train_batch_size": 4, "optimizer": {"type": "SGD", "params": {"lrr": 0.1}}})
+    with pytest.raises(ValueError, match=r"scheduler\.params"):
+        make(sgd_config(scheduler={"type": "WarmupLR", "params": {"warmup_max": 0.1}}))
+
+
+def test_lamb_on_cpu_is_the_torch_implementation():
+    engine, opt, _, _ = make({"train_batch_size": 4, "optimizer": {"type": "Lamb", "params": {"lr": 1e-2}}})
+    assert type(opt).__name__ == "CPULamb"
+    x, y = data()
+    engine.backward(loss_fn(engine(x), y))
+    engine.step()
+    assert len(opt.get_lamb_coeffs()) == len(list(engine.module.parameters()))

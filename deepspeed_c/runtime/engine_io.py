@@ -1,0 +1,59 @@
+"""The engine's data and checkpoint faces (DeepSpeed's signatures). Checkpointing is a
+collaborator: the checkpoint issue sets `engine.checkpointer`; until then save/load raise."""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+ROUTE_TRAIN, ROUTE_EVAL, ROUTE_PREDICT, ROUTE_ENCODE = "train", "eval", "predict", "encode"
+
+
+class EngineIO:
+    module: torch.nn.Module
+    checkpointer: Any
+
+    def deepspeed_io(self, dataset: Any, batch_size: Optional[int] = None, route: str = ROUTE_TRAIN,
+                     pin_memory: bool = True, data_sampler: Any = None, collate_fn: Any = None,
+                     num_local_io_workers: Optional[int] = None) -> Any:
+        from deepspeed_c.runtime.dataloader import DeepSpeedDataLoader
+
+        if not isinstance(dataset, (torch.utils.data.Dataset, torch.utils.data.IterableDataset)):
+            raise ValueError("Training data must be a torch Dataset")
+        dp_world, dp_rank = self.dp_world_size, self.global_rank
+        if self.mpu is not None:
+            dp_world, dp_rank = self.mpu.get_data_parallel_world_size(), self.mpu.get_data_parallel_rank()
+        if data_sampler is None and route in (ROUTE_PREDICT, ROUTE_EVAL):
+            data_sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=dp_world, rank=dp_rank,
+                                                               shuffle=False)
+        return DeepSpeedDataLoader(dataset=dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
+                                   pin_memory=pin_memory and self.device.type == "cuda",
+                                   collate_fn=collate_fn or self.collate_fn, local_rank=self.local_rank,
+                                   tput_timer=self.tput_timer if route == ROUTE_TRAIN else None,
+                                   num_local_io_workers=num_local_io_workers, data_sampler=data_sampler,
+                                   data_parallel_world_size=dp_world, data_parallel_rank=dp_rank,
+                                   dataloader_drop_last=self.dataloader_drop_last())
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def module_state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False,
+                          exclude_frozen_parameters: bool = False) -> dict:
+        sd = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if exclude_frozen_parameters:
+            for name, p in self.module.named_parameters():
+                if not p.requires_grad and (prefix + name) in sd:
+                    del sd[prefix + name]
+        return sd
+
+    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict = {},  # noqa: B006 (DeepSpeed's)
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        if self.checkpointer is None:
+            raise NotImplementedError("deepspeed_c: engine.save_checkpoint is not built yet (checkpoint issue)")
+        return self.checkpointer.save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Optional[Callable] = None) -> Any:
+        if self.checkpointer is None:
+            raise NotImplementedError("deepspeed_c: engine.load_checkpoint is not built yet (checkpoint issue)")
+        return self.checkpointer.load(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                                      load_lr_scheduler_states, load_module_only, custom_load_fn)
