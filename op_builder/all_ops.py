@@ -5,6 +5,10 @@ from .builder import OpBuilder
 from .utils import UtilsBuilder
 
 # --- one import line per op (keep sorted by file) ---
+from .cpu_adagrad import CPUAdagradBuilder
+from .cpu_adam import CPUAdamBuilder
+from .cpu_lion import CPULionBuilder
+from .cpu_multi_tensor import CPUMultiTensorBuilder
 from .fused_adam import FusedAdamBuilder
 from .fused_lamb import FusedLambBuilder
 from .fused_lion import FusedLionBuilder

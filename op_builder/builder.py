@@ -27,7 +27,7 @@ SIMD_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
                "-DDSC_SIMD_AVX512"],
     "avx2": ["-mavx2", "-mfma", "-mf16c", "-DDSC_SIMD_AVX2"],
-    "scalar": ["-DDSC_SIMD_SCALAR"],
+    "scalar": ["-DDSC_SIMD_SCALAR", "-fno-tree-vectorize"],
 }
 LIMITED_API_HEX = "0x030A0000"
 

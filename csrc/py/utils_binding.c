@@ -1,8 +1,8 @@
 /* Bindings of the `utils` op: flatten(tensors, out) and unflatten(flat, tensors), host only.
  * The shim allocates `out`; every tensor must share out's dtype and be contiguous. */
+#include "dsc/tensor_view.h" /* Python.h first */
 #include "dsc/flatten.h"
 #include "dsc/module.h"
-#include "dsc/tensor_view.h"
 
 static const dsc_arg_spec TENSORS = {"tensors", DSC_ANY_DTYPE, DSC_DEV_CPU, DSC_CONTIGUOUS};
 static const dsc_arg_spec FLAT = {"flat", DSC_ANY_DTYPE, DSC_DEV_CPU, DSC_CONTIGUOUS};

@@ -14,12 +14,11 @@
 #ifndef DSC_TENSOR_VIEW_H
 #define DSC_TENSOR_VIEW_H
 
-#include <stdint.h>
-
 #ifndef PY_SSIZE_T_CLEAN
 #define PY_SSIZE_T_CLEAN
 #endif
-#include <Python.h>
+#include <Python.h> /* first: it sets feature-test macros the C library headers read */
+#include <stdint.h>
 
 #define DSC_MAX_DIMS 16
 

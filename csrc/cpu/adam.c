@@ -1,0 +1,69 @@
+/* Adam / AdamW on the CPU. Per element, in fp32 (the update rule of torch.optim.Adam/AdamW):
+ *   g  = grad (+ weight_decay * p in Adam mode)
+ *   m  = beta1 * m + (1 - beta1) * g
+ *   v  = beta2 * v + (1 - beta2) * g * g
+ *   p  = p * (1 - lr * weight_decay) in AdamW mode
+ *   p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)      bc_i = 1 - beta_i^step
+ * The per-step scalars are computed once in double; the element loop is fp32 and vectorised
+ * (sqrtf needs -fno-math-errno to vectorise). */
+#include <math.h>
+
+#include "cpu_tiles.h"
+#include "dsc/cpu_optim.h"
+
+typedef struct {
+    float b1, one_minus_b1, b2, one_minus_b2, eps, step_size, inv_sqrt_bc2, decay_factor, l2;
+} adam_scalars;
+
+static adam_scalars adam_prepare(const dsc_adam_hparams *hp) {
+    double bc1 = 1.0, bc2 = 1.0;
+    if (hp->bias_correction) {
+        bc1 = 1.0 - pow(hp->beta1, (double)hp->step);
+        bc2 = 1.0 - pow(hp->beta2, (double)hp->step);
+    }
+    adam_scalars s;
+    s.b1 = (float)hp->beta1;
+    s.one_minus_b1 = (float)(1.0 - hp->beta1);
+    s.b2 = (float)hp->beta2;
+    s.one_minus_b2 = (float)(1.0 - hp->beta2);
+    s.eps = (float)hp->eps;
+    s.step_size = (float)(hp->lr / bc1);
+    s.inv_sqrt_bc2 = (float)(1.0 / sqrt(bc2));
+    s.decay_factor = hp->adamw_mode ? (float)(1.0 - hp->lr * hp->weight_decay) : 1.0f;
+    s.l2 = hp->adamw_mode ? 0.0f : (float)hp->weight_decay;
+    return s;
+}
+
+static void adam_tile(float *restrict p, const float *restrict g, float *restrict m, float *restrict v,
+                      int64_t len, const adam_scalars *s) {
+    const adam_scalars c = *s;
+    DSC_SIMD_LOOP
+    for (int64_t i = 0; i < len; i++) {
+        float grad = g[i] + c.l2 * p[i];
+        float mi = c.b1 * m[i] + c.one_minus_b1 * grad;
+        float vi = c.b2 * v[i] + c.one_minus_b2 * grad * grad;
+        float denom = sqrtf(vi) * c.inv_sqrt_bc2 + c.eps;
+        p[i] = p[i] * c.decay_factor - c.step_size * (mi / denom);
+        m[i] = mi;
+        v[i] = vi;
+    }
+}
+
+int dsc_cpu_adam_step(dsc_opt_tensor *tensors, int64_t n, const dsc_adam_hparams *hp) {
+    adam_scalars s = adam_prepare(hp);
+    dsc_tile_map map;
+    if (dsc_tile_map_init(&map, &tensors[0].numel, sizeof(dsc_opt_tensor), n) < 0) return -1;
+    DSC_FOR_EACH_TILE(tensors, n, map, {
+        float *p = dsc_load_tile(&t->param, start, len, tp);
+        float *g = dsc_load_tile(&t->grad, start, len, tg);
+        float *m = dsc_load_tile(&t->state0, start, len, ts0);
+        float *v = dsc_load_tile(&t->state1, start, len, ts1);
+        adam_tile(p, g, m, v, len, &s);
+        dsc_store_tile(&t->param, start, len, p);
+        dsc_store_tile(&t->state0, start, len, m);
+        dsc_store_tile(&t->state1, start, len, v);
+        if (t->copy.data) dsc_store_tile(&t->copy, start, len, p);
+    })
+    free(map.first_tile);
+    return 0;
+}

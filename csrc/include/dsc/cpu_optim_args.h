@@ -1,0 +1,18 @@
+/* Binding-side argument parsing shared by the CPU optimizer modules: tensor lists in, validated
+ * dsc_opt_tensor arrays out (names in every error). */
+#ifndef DSC_CPU_OPTIM_ARGS_H
+#define DSC_CPU_OPTIM_ARGS_H
+
+#include "dsc/tensor_view.h" /* Python.h first, as CPython requires */
+#include "dsc/cpu_optim.h"
+
+/* Operand lists of one step call; s1 and copies may be NULL (absent) and copies may be None.
+ * On success *out is PyMem-allocated (free with PyMem_Free) and *n its length. */
+int dsc_parse_opt_lists(PyObject *params, PyObject *grads, PyObject *s0, const char *s0_name, PyObject *s1,
+                        const char *s1_name, PyObject *copies, dsc_opt_tensor **out, Py_ssize_t *n);
+
+/* A list of float32/bfloat16/float16 CPU tensors as operands + numels (both PyMem-allocated). */
+int dsc_parse_operand_list(PyObject *tensors, const char *name, dsc_operand **ops, int64_t **numels,
+                           Py_ssize_t *n);
+
+#endif

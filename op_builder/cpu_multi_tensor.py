@@ -1,0 +1,11 @@
+from .builder import CPUOpBuilder
+from .cpu_adam import CPU_OPTIM_COMMON
+
+
+class CPUMultiTensorBuilder(CPUOpBuilder):
+    """Global L2 norm with inf/nan detection and in-place scale over host tensor lists."""
+
+    NAME = "cpu_multi_tensor"
+
+    def sources(self) -> list[str]:
+        return ["cpu/norm.c", *CPU_OPTIM_COMMON, "py/cpu_multi_tensor_binding.c"]
