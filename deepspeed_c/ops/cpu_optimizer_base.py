@@ -82,7 +82,8 @@ class CPUOptimizerBase(torch.optim.Optimizer):
                     continue
                 self._check(p, f"params[{gi}][{pi}]")
                 state = self._prepare_state(group, p)
-                state["step"] += 1
+                # a new tensor, not +=: a loaded state dict may share its step tensors with others
+                state["step"] = state["step"] + 1
                 by_step.setdefault(int(state["step"].item()), []).append(len(entries))
                 entries.append((p, state, None if copy_group is None else copy_group[pi]))
             for step, idx in by_step.items():
