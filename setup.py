@@ -42,12 +42,13 @@ class BuildPyWithSources(build_py):
         target = os.path.join(self.build_lib, "deepspeed_c", "_csrc")
         shutil.rmtree(target, ignore_errors=True)
         shutil.copytree(os.path.join(ROOT, "csrc"), target)
+        prebuilt = os.path.join(self.build_lib, "deepspeed_c", "_prebuilt")
+        shutil.rmtree(prebuilt, ignore_errors=True)  # an earlier build's binaries must not ship
         if os.environ.get("DS_BUILD_OPS", "0") == "1":
             sys.path.insert(0, ROOT)
             from op_builder.aot import build_all_ahead_of_time
 
-            build_all_ahead_of_time(os.path.join(self.build_lib, "deepspeed_c", "_prebuilt"),
-                                    csrc_root=target)
+            build_all_ahead_of_time(prebuilt, csrc_root=target)
 
 
 setup(
