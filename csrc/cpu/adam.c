@@ -49,11 +49,73 @@ static void adam_tile(float *restrict p, const float *restrict g, float *restric
     }
 }
 
+/* Hot dtype combinations get one fused loop that widens and narrows in registers (bf16 <-> fp32
+ * is integer shifts, so the loop still vectorises) instead of separate tile passes. */
+#define F32_LOAD(x) (x)
+#define F32_STORE(x) (x)
+#define FUSED_ADAM(NAME, PT, PLOAD, PSTORE, ST, SLOAD, SSTORE)                                        \
+    static void NAME(const dsc_opt_tensor *t, int64_t start, int64_t len, const adam_scalars *s) {   \
+        PT *restrict p = (PT *)t->param.data + start;                                                \
+        const uint16_t *restrict g = (const uint16_t *)t->grad.data + start;                         \
+        ST *restrict m = (ST *)t->state0.data + start;                                               \
+        ST *restrict v = (ST *)t->state1.data + start;                                               \
+        uint16_t *restrict c = t->copy.data ? (uint16_t *)t->copy.data + start : NULL;               \
+        const adam_scalars k = *s;                                                                   \
+        if (c) {                                                                                     \
+            DSC_SIMD_LOOP                                                                            \
+            for (int64_t i = 0; i < len; i++) {                                                      \
+                float pi = PLOAD(p[i]), grad = dsc_bf16_to_f32(g[i]) + k.l2 * pi;                    \
+                float mi = k.b1 * SLOAD(m[i]) + k.one_minus_b1 * grad;                               \
+                float vi = k.b2 * SLOAD(v[i]) + k.one_minus_b2 * grad * grad;                        \
+                pi = pi * k.decay_factor - k.step_size * (mi / (sqrtf(vi) * k.inv_sqrt_bc2 + k.eps)); \
+                p[i] = PSTORE(pi);                                                                   \
+                m[i] = SSTORE(mi);                                                                   \
+                v[i] = SSTORE(vi);                                                                   \
+                c[i] = dsc_f32_to_bf16(pi);                                                          \
+            }                                                                                        \
+        } else {                                                                                     \
+            DSC_SIMD_LOOP                                                                            \
+            for (int64_t i = 0; i < len; i++) {                                                      \
+                float pi = PLOAD(p[i]), grad = dsc_bf16_to_f32(g[i]) + k.l2 * pi;                    \
+                float mi = k.b1 * SLOAD(m[i]) + k.one_minus_b1 * grad;                               \
+                float vi = k.b2 * SLOAD(v[i]) + k.one_minus_b2 * grad * grad;                        \
+                pi = pi * k.decay_factor - k.step_size * (mi / (sqrtf(vi) * k.inv_sqrt_bc2 + k.eps)); \
+                p[i] = PSTORE(pi);                                                                   \
+                m[i] = SSTORE(mi);                                                                   \
+                v[i] = SSTORE(vi);                                                                   \
+            }                                                                                        \
+        }                                                                                            \
+    }
+
+/* bf16 params + bf16 grads + fp32 states (a bf16 model on the CPU) */
+FUSED_ADAM(adam_bf16p_f32s, uint16_t, dsc_bf16_to_f32, dsc_f32_to_bf16, float, F32_LOAD, F32_STORE)
+/* fp32 master + bf16 grads + fp32 states (+ bf16 copy): the ZeRO-Offload hot path */
+FUSED_ADAM(adam_f32p_f32s, float, F32_LOAD, F32_STORE, float, F32_LOAD, F32_STORE)
+/* fp32 master + bf16 grads + bf16 states (+ bf16 copy): the 20-bytes-per-parameter variant */
+FUSED_ADAM(adam_f32p_bf16s, float, F32_LOAD, F32_STORE, uint16_t, dsc_bf16_to_f32, dsc_f32_to_bf16)
+
+typedef void (*fused_fn)(const dsc_opt_tensor *, int64_t, int64_t, const adam_scalars *);
+
+/* The fused loop for this tensor's dtypes, or NULL for the general tile path. */
+static fused_fn pick_fused(const dsc_opt_tensor *t) {
+    if (t->grad.dtype != DSC_CPU_BF16 || t->state0.dtype != t->state1.dtype) return NULL;
+    if (t->copy.data && t->copy.dtype != DSC_CPU_BF16) return NULL;
+    if (t->param.dtype == DSC_CPU_BF16 && t->state0.dtype == DSC_CPU_F32 && !t->copy.data) return adam_bf16p_f32s;
+    if (t->param.dtype == DSC_CPU_F32 && t->state0.dtype == DSC_CPU_F32) return adam_f32p_f32s;
+    if (t->param.dtype == DSC_CPU_F32 && t->state0.dtype == DSC_CPU_BF16) return adam_f32p_bf16s;
+    return NULL;
+}
+
 int dsc_cpu_adam_step(dsc_opt_tensor *tensors, int64_t n, const dsc_adam_hparams *hp) {
     adam_scalars s = adam_prepare(hp);
     dsc_tile_map map;
     if (dsc_tile_map_init(&map, &tensors[0].numel, sizeof(dsc_opt_tensor), n) < 0) return -1;
     DSC_FOR_EACH_TILE(tensors, n, map, {
+        fused_fn fused = pick_fused(t);
+        if (fused) {
+            fused(t, start, len, &s);
+            continue;
+        }
         float *p = dsc_load_tile(&t->param, start, len, tp);
         float *g = dsc_load_tile(&t->grad, start, len, tg);
         float *m = dsc_load_tile(&t->state0, start, len, ts0);
