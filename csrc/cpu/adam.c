@@ -61,29 +61,17 @@ static void adam_tile(float *restrict p, const float *restrict g, float *restric
         ST *restrict v = (ST *)t->state1.data + start;                                               \
         uint16_t *restrict c = t->copy.data ? (uint16_t *)t->copy.data + start : NULL;               \
         const adam_scalars k = *s;                                                                   \
-        if (c) {                                                                                     \
-            DSC_SIMD_LOOP                                                                            \
-            for (int64_t i = 0; i < len; i++) {                                                      \
-                float pi = PLOAD(p[i]), grad = dsc_bf16_to_f32(g[i]) + k.l2 * pi;                    \
-                float mi = k.b1 * SLOAD(m[i]) + k.one_minus_b1 * grad;                               \
-                float vi = k.b2 * SLOAD(v[i]) + k.one_minus_b2 * grad * grad;                        \
-                pi = pi * k.decay_factor - k.step_size * (mi / (sqrtf(vi) * k.inv_sqrt_bc2 + k.eps)); \
-                p[i] = PSTORE(pi);                                                                   \
-                m[i] = SSTORE(mi);                                                                   \
-                v[i] = SSTORE(vi);                                                                   \
-                c[i] = dsc_f32_to_bf16(pi);                                                          \
-            }                                                                                        \
-        } else {                                                                                     \
-            DSC_SIMD_LOOP                                                                            \
-            for (int64_t i = 0; i < len; i++) {                                                      \
-                float pi = PLOAD(p[i]), grad = dsc_bf16_to_f32(g[i]) + k.l2 * pi;                    \
-                float mi = k.b1 * SLOAD(m[i]) + k.one_minus_b1 * grad;                               \
-                float vi = k.b2 * SLOAD(v[i]) + k.one_minus_b2 * grad * grad;                        \
-                pi = pi * k.decay_factor - k.step_size * (mi / (sqrtf(vi) * k.inv_sqrt_bc2 + k.eps)); \
-                p[i] = PSTORE(pi);                                                                   \
-                m[i] = SSTORE(mi);                                                                   \
-                v[i] = SSTORE(vi);                                                                   \
-            }                                                                                        \
+        /* `c` is loop-invariant: -O3 unswitches the branch and vectorises both versions */        \
+        DSC_SIMD_LOOP                                                                                \
+        for (int64_t i = 0; i < len; i++) {                                                          \
+            float pi = PLOAD(p[i]), grad = dsc_bf16_to_f32(g[i]) + k.l2 * pi;                        \
+            float mi = k.b1 * SLOAD(m[i]) + k.one_minus_b1 * grad;                                   \
+            float vi = k.b2 * SLOAD(v[i]) + k.one_minus_b2 * grad * grad;                            \
+            pi = pi * k.decay_factor - k.step_size * (mi / (sqrtf(vi) * k.inv_sqrt_bc2 + k.eps));   \
+            p[i] = PSTORE(pi);                                                                       \
+            m[i] = SSTORE(mi);                                                                       \
+            v[i] = SSTORE(vi);                                                                       \
+            if (c) c[i] = dsc_f32_to_bf16(pi);                                                       \
         }                                                                                            \
     }
 
