@@ -156,7 +156,7 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
     def _configure_optimizer(self, client_optimizer: Any, model_parameters: list) -> None:
         if client_optimizer is None:
             basic = build_optimizer(self._config.optimizer_name, self._config.optimizer_params, model_parameters,
-                                    self.device)
+                                    torch.device("cpu") if self.zero_cpu_offload() else self.device)
             log_dist(f"Using DeepSpeed Optimizer param name {self._config.optimizer_name} as basic optimizer",
                      ranks=[0])
         elif isinstance(client_optimizer, torch.optim.Optimizer):
@@ -202,13 +202,22 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
         log_dist(f"DeepSpeed using configured LR scheduler = {name}", ranks=[0])
 
     def _configure_zero(self) -> None:
-        # Stage 0 is plain data parallel. The ZeRO issues add their optimizer here; the config
-        # already refuses any stage not listed in config_zero.SUPPORTED_ZERO_STAGES.
-        if self.zero_optimization_stage() != 0:
-            raise NotImplementedError(f"deepspeed_c: zero_optimization.stage={self.zero_optimization_stage()} "
-                                      f"has no engine collaborator yet")
+        # Stage 0 is plain data parallel; stages 1 and 2 replace the optimizer by the partitioned one
+        # (which also brings its own gradient reducer). The config refuses unlisted stages.
+        stage = self.zero_optimization_stage()
+        if stage == 0 or self.optimizer is None:
+            return
+        if stage not in (1, 2):
+            raise NotImplementedError(f"deepspeed_c: zero_optimization.stage={stage} has no engine collaborator yet")
+        from deepspeed_c.runtime.zero.engine_glue import configure_zero_optimizer
+
+        self.optimizer = configure_zero_optimizer(self)
+        log_dist(f"DeepSpeed ZeRO stage {stage} optimizer = {self.optimizer!r}", ranks=[0])
 
     def _configure_reducer(self) -> None:
+        if getattr(self.optimizer, "is_zero_optimizer", False):
+            self.reducer = self.optimizer.reducer
+            return
         if self.dp_world_size <= 1:
             return
         from deepspeed_c.runtime.reducer import GradientReducer
@@ -366,10 +375,12 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
                 p.grad = torch.zeros_like(p)
 
     def _take_model_step(self, lr_kwargs: Optional[dict]) -> None:
-        self._fill_missing_grads()
+        zero = getattr(self.optimizer, "is_zero_optimizer", False)
+        if not zero:  # ZeRO's reducer already sent zeros for parameters without a gradient
+            self._fill_missing_grads()
         overflow = False
         scaler = self.precision.grad_scaler
-        if isinstance(self.optimizer, MixedPrecisionOptimizer):
+        if zero or isinstance(self.optimizer, MixedPrecisionOptimizer):
             overflow = bool(self.optimizer.step())
             self._global_grad_norm = self.optimizer._global_grad_norm
             self.optimizer.zero_grad()

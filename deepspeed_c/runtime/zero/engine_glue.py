@@ -1,0 +1,66 @@
+"""Builds the ZeRO stage 1/2 optimizer for an engine from its config (called by
+DeepSpeedEngine._configure_zero). Takes the engine as an argument; never imports it."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from deepspeed_c.runtime.precision import MixedPrecisionOptimizer
+from deepspeed_c.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+# DeepSpeed's ZERO_SUPPORTED_OPTIMIZERS, by class name (ours mirror DeepSpeed's)
+ZERO_SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam", "Adagrad", "DeepSpeedCPUAdagrad",
+                             "DeepSpeedCPULion", "FusedLion")
+
+
+def is_zero_supported_optimizer(optimizer: Any) -> bool:
+    return type(optimizer).__name__ in ZERO_SUPPORTED_OPTIMIZERS
+
+
+def _check_optimizer(engine: Any, basic: torch.optim.Optimizer) -> None:
+    if not is_zero_supported_optimizer(basic) and not engine.zero_allow_untested_optimizer():
+        raise AssertionError('You are using an untested ZeRO Optimizer. Please add <"zero_allow_untested_optimizer": '
+                             'true> in the configuration file to use it.')
+    if engine.zero_cpu_offload() and engine.client_optimizer is not None and engine.zero_force_ds_cpu_optimizer():
+        from deepspeed_c.ops.cpu_optimizer_base import CPUOptimizerBase
+
+        if not isinstance(basic, CPUOptimizerBase):
+            raise RuntimeError(f"You are using ZeRO-Offload with a client provided optimizer ({type(basic).__name__}) "
+                               f"which in most cases will yield poor performance. Please either use "
+                               f"deepspeed_c.ops.adam.DeepSpeedCPUAdam or set an optimizer in your ds-config. If you "
+                               f"really want to use a custom optimizer with ZeRO-Offload, set "
+                               f'<"zero_force_ds_cpu_optimizer": false> in your configuration file.')
+
+
+def configure_zero_optimizer(engine: Any) -> DeepSpeedZeroOptimizer:
+    """Replaces the engine's (possibly mixed-precision wrapped) optimizer by the ZeRO optimizer."""
+    stage = engine.zero_optimization_stage()
+    basic = engine.basic_optimizer
+    if engine.precision.grad_scaler is not None:
+        raise NotImplementedError("deepspeed_c: torch_autocast with fp16 is not supported together with "
+                                  f"zero_optimization.stage={stage}; use the fp16 section instead")
+    _check_optimizer(engine, basic)
+    loss_scaler, check_overflow = None, False
+    wrapped = engine.optimizer
+    if isinstance(wrapped, MixedPrecisionOptimizer):
+        # undo the stage-0 masters: ZeRO keeps its own, partitioned
+        for group, lp in zip(basic.param_groups, wrapped.lp_groups):
+            group["params"] = lp
+        loss_scaler, check_overflow = wrapped.loss_scaler, wrapped.check_overflow
+    zero_cfg = engine._config.zero_config
+    offload = zero_cfg.offload_optimizer
+    offload_device = "cpu" if engine.zero_cpu_offload() else None
+    cfg = engine._config
+    optimizer = DeepSpeedZeroOptimizer(
+        basic, stage=stage, rank=engine.get_data_parallel_rank() if engine.dp_world_size > 1 else 0,
+        world_size=engine.dp_world_size, should_reduce=engine._should_reduce,
+        dp_process_group=engine.data_parallel_group, reduce_bucket_size=zero_cfg.reduce_bucket_size,
+        allgather_bucket_size=zero_cfg.allgather_bucket_size, clip_grad=engine.gradient_clipping(),
+        loss_scaler=loss_scaler, check_overflow=check_overflow,
+        communication_dtype=engine.communication_data_type, offload_device=offload_device,
+        pin_memory=bool(offload is not None and offload.pin_memory), overlap_comm=bool(zero_cfg.overlap_comm),
+        prescale_gradients=cfg.prescale_gradients, gradient_predivide_factor=cfg.gradient_predivide_factor)
+    if engine.precision.mixed is not None:
+        engine.precision.mixed = optimizer  # loss scaling reads cur_scale / note_backward_scale from here
+    return optimizer

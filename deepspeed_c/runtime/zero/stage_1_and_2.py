@@ -1,0 +1,393 @@
+"""ZeRO stages 1 and 2: optimizer state (and, for stage 2, gradients) partitioned across the
+data-parallel ranks.
+
+Per parameter group, the trainable parameters get a PartitionPlan (deepspeed_c.ops.partition, runtime
+layout): rank r owns chunk r of every bucket. This rank keeps only its fp32 master partition (one flat
+tensor per group, on the device or, with offload_optimizer, in host memory), and the wrapped optimizer
+steps that flat tensor as its only parameter, so its state is partitioned too. Gradients arrive already
+reduce-scattered in the same layout (grad_partition.ZeroGradPartitioner); the step unscales, checks
+overflow and clips with one all-reduce of the partitions' squared norm, steps, and all-gathers the
+updated low-precision weights back into the model parameters, one collective per bucket.
+
+For checkpointing: `state_dict()` / `load_state_dict()`, `partition_plans` (one PartitionPlan per group),
+`fp32_partitions` (this rank's flat masters, runtime layout) and `local_optimizer_state(g)`."""
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from deepspeed_c.ops.partition import DEEPSPEED_ALIGNMENT, PartitionPlan
+from deepspeed_c.runtime.grad_norm import clip_coefficient, scale_
+from deepspeed_c.runtime.zero.grad_partition import ZeroGradPartitioner
+from deepspeed_c.utils.logging import logger
+
+__all__ = ["DeepSpeedZeroOptimizer", "estimate_zero2_model_states_mem_needs",
+           "estimate_zero2_model_states_mem_needs_all_live", "estimate_zero2_model_states_mem_needs_all_cold"]
+
+OWNER_ATTR = "_dsc_zero_owner"  # on each trainable param: (weakref to the optimizer, group, index)
+
+
+def _comm() -> Any:
+    import deepspeed_c.comm as dist
+
+    return dist
+
+
+class DeepSpeedZeroOptimizer:
+    """Wraps a torch optimizer built over the model's parameters; after construction the optimizer's
+    param groups hold one flat fp32 partition each (hyperparameters stay in the same group dicts, so
+    lr schedulers keep working)."""
+
+    is_zero_optimizer = True
+
+    def __init__(self, init_optimizer: torch.optim.Optimizer, *, stage: int, rank: int, world_size: int,
+                 should_reduce: Callable[[], bool], dp_process_group: Any = None,
+                 reduce_bucket_size: int = int(5e8), allgather_bucket_size: int = int(5e8),
+                 clip_grad: float = 0.0, loss_scaler: Any = None, check_overflow: bool = False,
+                 communication_dtype: Optional[torch.dtype] = None, offload_device: Optional[str] = None,
+                 pin_memory: bool = False, overlap_comm: bool = True, prescale_gradients: bool = False,
+                 gradient_predivide_factor: float = 1.0) -> None:
+        if stage not in (1, 2):
+            raise ValueError(f"DeepSpeedZeroOptimizer runs ZeRO stage 1 or 2, got stage={stage}")
+        self.optimizer = init_optimizer
+        self.stage = stage
+        self.rank = rank
+        self.world_size = world_size
+        self.dp_process_group = dp_process_group
+        self.clip_grad = clip_grad
+        self.loss_scaler = loss_scaler
+        self.check_overflow = check_overflow
+        self.allgather_bucket_size = int(allgather_bucket_size)
+        self.offload_device = offload_device
+        self.overflow = False
+        self._global_grad_norm: Optional[float] = None
+        self.is_gradient_accumulation_boundary = True
+        self.bit16_groups: list[list[torch.nn.Parameter]] = []
+        self.partition_plans: list[PartitionPlan] = []
+        self.fp32_partitions: list[torch.nn.Parameter] = []
+        self.frozen_params: list[torch.nn.Parameter] = []
+        cap = max(1, int(reduce_bucket_size))
+        for g, group in enumerate(init_optimizer.param_groups):
+            params = [p for p in group["params"] if p.requires_grad]
+            self.frozen_params += [p for p in group["params"] if not p.requires_grad]
+            if not params:
+                raise ValueError(f"param group {g} has no trainable parameters; ZeRO needs at least one")
+            # backward produces gradients roughly in reverse order: so should the buckets fill
+            order = list(range(len(params) - 1, -1, -1))
+            plan = PartitionPlan.build([p.numel() for p in params], world_size, cap, DEEPSPEED_ALIGNMENT, order)
+            master_device = torch.device(offload_device) if offload_device else params[0].device
+            with torch.no_grad():
+                flat = plan.scatter_params([p.detach().float() for p in params], "runtime", rank)
+            flat = flat.to(master_device)
+            if pin_memory and master_device.type == "cpu" and torch.cuda.is_available():
+                flat = flat.pin_memory()
+            master = torch.nn.Parameter(flat, requires_grad=True)
+            group["params"] = [master]
+            self.bit16_groups.append(params)
+            self.partition_plans.append(plan)
+            self.fp32_partitions.append(master)
+            for i, p in enumerate(params):
+                setattr(p, OWNER_ATTR, (weakref.ref(self), g, i))
+        self.reducer = ZeroGradPartitioner(
+            self.bit16_groups, self.partition_plans, rank=rank, world_size=world_size, should_reduce=should_reduce,
+            group=dp_process_group, comm_dtype=communication_dtype, free_grads=stage == 2,
+            overlap=overlap_comm or stage == 2, prescale_gradients=prescale_gradients,
+            gradient_predivide_factor=gradient_predivide_factor)
+        self._fused_copy = self._takes_fused_copy()
+        self._bucket_members: list[list[list[int]]] = []
+        for plan in self.partition_plans:
+            members: list[list[int]] = [[] for _ in range(plan.num_buckets)]
+            for i, b in enumerate(plan.param_bucket):
+                members[b].append(i)
+            self._bucket_members.append(members)
+
+    # -- the optimizer face ------------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @property
+    def cur_scale(self) -> float:
+        return self.loss_scaler.cur_scale if self.loss_scaler is not None else 1.0
+
+    @property
+    def loss_scale(self) -> float:
+        return self.cur_scale
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        from deepspeed_c.runtime.fp16.loss_scaler import DynamicLossScaler
+
+        return isinstance(self.loss_scaler, DynamicLossScaler)
+
+    def note_backward_scale(self, scale: float) -> None:
+        self._backward_scale = scale
+
+    @property
+    def _scale_used(self) -> float:
+        return getattr(self, "_backward_scale", self.cur_scale)
+
+    # DeepSpeed's attribute names, which user code and tools read
+    @property
+    def single_partition_of_fp32_groups(self) -> list[torch.nn.Parameter]:
+        return self.fp32_partitions
+
+    @property
+    def partition_count(self) -> int:
+        return self.world_size
+
+    # -- accessors for checkpointing and the safe_get_* helpers ---------------------------------------
+    def local_optimizer_state(self, g: int) -> dict[str, Any]:
+        """The wrapped optimizer's state for group g's flat partition (tensors in the runtime layout)."""
+        return self.optimizer.state[self.fp32_partitions[g]]
+
+    def param_slices(self, g: int, i: int, rank: Optional[int] = None) -> list[tuple[int, int, int]]:
+        """(param_start, local_start, length) of param i of group g inside `rank`'s partition."""
+        r = self.rank if rank is None else rank
+        return [(ps, ls, n) for param, _, ps, ls, n, _ in self.partition_plans[g].slices("runtime", r) if param == i]
+
+    def gather_partition(self, g: int, local: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's copy of a group-g partition-shaped tensor, cut back into whole flat params
+        (a collective: every rank must call it)."""
+        plan = self.partition_plans[g]
+        if self.world_size == 1:
+            return plan.gather_params([local.detach()], "runtime")
+        dev = self.bit16_groups[g][0].device
+        send = local.detach().to(dev).contiguous()
+        out = torch.empty(send.numel() * self.world_size, dtype=send.dtype, device=dev)
+        _comm().all_gather_into_tensor(out, send, group=self.dp_process_group)
+        return plan.gather_params(list(out.chunk(self.world_size)), "runtime")
+
+    # -- step ----------------------------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for params in self.bit16_groups:
+            for p in params:
+                p.grad = None
+        for m in self.fp32_partitions:
+            m.grad = None
+        self.reducer.clear()
+
+    def _attach_grads(self) -> list[torch.Tensor]:
+        grads = []
+        for g, master in enumerate(self.fp32_partitions):
+            part = self.reducer.grad_partitions[g]
+            if part is None:
+                grad = torch.zeros_like(master)
+            elif self._fused_copy and part.dtype != torch.float32 and hasattr(master, "grad_dtype"):
+                master.grad_dtype = None  # the C CPU optimizers read 16-bit gradients directly
+                grad = part.to(master.device)
+            else:
+                # a device-to-host copy must be complete before the host optimizer reads it: blocking
+                grad = part.to(device=master.device, dtype=torch.float32, non_blocking=master.device.type != "cpu")
+            master.grad = grad
+            grads.append(grad)
+        return grads
+
+    def _global_sq_norm(self, grads: Sequence[torch.Tensor]) -> float:
+        dev = self.bit16_groups[0][0].device
+        local = torch.zeros((), dtype=torch.float32, device=dev)
+        for t in grads:
+            local += torch.linalg.vector_norm(t.float(), 2.0).to(dev) ** 2
+        if self.world_size > 1:
+            _comm().all_reduce(local, group=self.dp_process_group)
+        return float(local.item())
+
+    def step(self, closure: Any = None) -> bool:
+        """Returns True when the step was skipped for overflow (DeepSpeed's convention)."""
+        grads = self._attach_grads()
+        scaled_norm = math.sqrt(self._global_sq_norm(grads))
+        finite = math.isfinite(scaled_norm)
+        self.overflow = (not finite) and self.check_overflow
+        if self.loss_scaler is not None:
+            self.loss_scaler.update_scale(self.overflow)
+        if self.overflow:
+            logger.info(f"[deepspeed_c] ZeRO stage {self.stage}: overflow, skipping step")
+            self.zero_grad()
+            self._global_grad_norm = None
+            return True
+        grad_scale = self._scale_used if self.loss_scaler is not None else 1.0
+        unscaled = scaled_norm / grad_scale
+        self._global_grad_norm = unscaled
+        coef = 1.0 / grad_scale
+        if self.clip_grad > 0.0 and finite:
+            coef *= clip_coefficient(unscaled, self.clip_grad)
+        if coef != 1.0:
+            fp32 = [g for g in grads if g.dtype == torch.float32]
+            scale_(fp32, coef)
+            for g in grads:
+                if g.dtype != torch.float32:
+                    g.mul_(coef)
+        lp_parts = self._step_inner()
+        self._all_gather_params(lp_parts)
+        for m in self.fp32_partitions:
+            m.grad = None
+        self.reducer.clear()
+        return False
+
+    def _takes_fused_copy(self) -> bool:
+        from deepspeed_c.ops.cpu_optimizer_base import CPUOptimizerBase
+
+        return isinstance(self.optimizer, CPUOptimizerBase) and all(m.device.type == "cpu"
+                                                                    for m in self.fp32_partitions)
+
+    def _step_inner(self) -> list[torch.Tensor]:
+        """Steps the partitions; returns each group's updated partition in the model dtype."""
+        lp_dtypes = [params[0].dtype for params in self.bit16_groups]
+        if self._fused_copy and any(dt != torch.float32 for dt in lp_dtypes):
+            # the C CPU optimizer writes the 16-bit copy in the same pass over memory
+            copies = [torch.empty(m.numel(), dtype=dt, device=m.device) for m, dt in zip(self.fp32_partitions,
+                                                                                            lp_dtypes)]
+            self.optimizer.step(fp16_param_groups=[[c] for c in copies])
+            for m, c, dt in zip(self.fp32_partitions, copies, lp_dtypes):
+                if dt == torch.float32:
+                    c.copy_(m.detach())
+            return copies
+        self.optimizer.step()
+        return [m.detach().to(dt) for m, dt in zip(self.fp32_partitions, lp_dtypes)]
+
+    @torch.no_grad()
+    def _all_gather_params(self, lp_parts: Sequence[torch.Tensor]) -> None:
+        """One all-gather per bucket into a bucket buffer, asynchronously, with at most
+        allgather_bucket_size elements in flight; each finished bucket is copied into the model params."""
+        pending: list[tuple[Any, torch.Tensor, int, int]] = []
+        in_flight = 0
+        for g, params in enumerate(self.bit16_groups):
+            plan = self.partition_plans[g]
+            part = lp_parts[g].to(params[0].device, non_blocking=True)
+            for b in range(plan.num_buckets):
+                start, end = self.reducer.chunk_range(g, b)
+                if self.world_size == 1:
+                    self._fill_bucket(g, b, part[start:end])
+                    continue
+                while pending and in_flight + plan.bucket_size[b] > self.allgather_bucket_size:
+                    work, full, pg, pb = pending.pop(0)
+                    in_flight -= full.numel()
+                    self._finish_gather(work, full, pg, pb)
+                full = torch.empty(plan.bucket_size[b], dtype=part.dtype, device=part.device)
+                work = _comm().all_gather_into_tensor(full, part[start:end], group=self.dp_process_group,
+                                                      async_op=True)
+                pending.append((work, full, g, b))
+                in_flight += full.numel()
+        for work, full, g, b in pending:
+            self._finish_gather(work, full, g, b)
+
+    def _finish_gather(self, work: Any, full: torch.Tensor, g: int, b: int) -> None:
+        if work is not None:
+            work.wait()
+        self._fill_bucket(g, b, full)
+
+    def _fill_bucket(self, g: int, b: int, full: torch.Tensor) -> None:
+        plan, params = self.partition_plans[g], self.bit16_groups[g]
+        dst, src = [], []
+        for i in self._bucket_members[g][b]:
+            off = plan.param_offset[i] - plan.bucket_offset[b]
+            dst.append(params[i].data)
+            src.append(full[off:off + params[i].numel()].view_as(params[i]))
+        if dst:
+            torch._foreach_copy_(dst, src)
+
+    def refresh_model_params(self) -> None:
+        """Model parameters re-filled from the fp32 masters of every rank (after loading a checkpoint)."""
+        lp = [m.detach().to(params[0].dtype) for m, params in zip(self.fp32_partitions, self.bit16_groups)]
+        self._all_gather_params(lp)
+
+    # -- checkpoint state ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state; partitions are in the runtime layout of `partition_plans` (convert with
+        PartitionPlan.convert(..., "runtime", "deepspeed") for DeepSpeed's on-disk layout)."""
+        return {
+            "zero_stage": self.stage,
+            "partition_count": self.world_size,
+            "rank": self.rank,
+            "layout": "runtime",
+            "group_numels": [list(plan.numels) for plan in self.partition_plans],
+            "base_optimizer_state": self.optimizer.state_dict(),
+            "single_partition_of_fp32_groups": [m.detach().clone() for m in self.fp32_partitions],
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+            "dynamic_loss_scale": self.dynamic_loss_scale,
+            "overflow": self.overflow,
+            "clip_grad": self.clip_grad,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any], load_optimizer_states: bool = True,
+                        load_from_fp32_weights: bool = True) -> None:
+        """Loads a state from this same world size and plan (resharding is the checkpoint layer's job:
+        it re-cuts partitions with PartitionPlan.convert before calling this)."""
+        numels = [list(plan.numels) for plan in self.partition_plans]
+        if state_dict.get("group_numels", numels) != numels or state_dict.get("partition_count",
+                                                                                 self.world_size) != self.world_size:
+            raise ValueError("ZeRO state_dict was saved for a different parameter layout or world size; "
+                             "re-cut it with PartitionPlan.convert before load_state_dict")
+        if load_optimizer_states:
+            self.optimizer.load_state_dict(state_dict["base_optimizer_state"])
+            # torch's load_state_dict may re-create the param groups; keep our masters in them
+            for group, master in zip(self.optimizer.param_groups, self.fp32_partitions):
+                group["params"] = [master]
+        if self.loss_scaler is not None and state_dict.get("loss_scaler") is not None:
+            self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+        self.overflow = state_dict.get("overflow", False)
+        self.clip_grad = state_dict.get("clip_grad", self.clip_grad)
+        if load_from_fp32_weights:
+            with torch.no_grad():
+                for master, saved in zip(self.fp32_partitions, state_dict["single_partition_of_fp32_groups"]):
+                    master.copy_(saved)
+        self.refresh_model_params()
+
+    def destroy(self) -> None:
+        self.reducer.remove()
+
+    def __repr__(self) -> str:
+        return f"DeepSpeedZeroOptimizer(stage={self.stage}, world_size={self.world_size}, {self.optimizer!r})"
+
+
+# -- memory estimators (DeepSpeed's formulas) ----------------------------------------------------------
+def estimate_zero2_model_states_mem_needs(total_params: int, num_gpus_per_node: int = 1, num_nodes: int = 1,
+                                          cpu_offload: bool = True,
+                                          additional_buffer_factor: float = 1.5) -> tuple[int, int]:
+    """(cpu bytes, gpu bytes) per device for params, gradients and optimizer states under ZeRO-2."""
+    total_gpus = num_nodes * num_gpus_per_node
+    if cpu_offload:
+        gpu_mem = 2 * total_params
+        cpu_mem = total_params * max(4 * total_gpus, 16) * additional_buffer_factor
+    else:
+        gpu_mem = 4 * total_params + int(16 * total_params / total_gpus)
+        cpu_mem = total_params * 4 * num_gpus_per_node * additional_buffer_factor
+    return int(cpu_mem), int(gpu_mem)
+
+
+def _print_table(total_params: int, num_gpus_per_node: int, num_nodes: int, additional_buffer_factor: float) -> None:
+    nodes = f"{num_nodes} node{'s' if num_nodes > 1 else ''}"
+    gpus = f"{num_gpus_per_node} GPU{'s' if num_gpus_per_node > 1 else ''} per node"
+    print("Estimated memory needed for params, optim states and gradients for a:\n"
+          f"HW: Setup with {nodes}, {gpus}.\n"
+          f"SW: Model with {int(total_params / 1e6)}M total params.")
+    print("  per CPU  |  per GPU |   Options")
+    for cpu_offload in (True, False):
+        cpu_mem, gpu_mem = estimate_zero2_model_states_mem_needs(total_params, num_gpus_per_node, num_nodes,
+                                                                 cpu_offload, additional_buffer_factor)
+        option = "cpu" if cpu_offload else "none"
+        print(f" {cpu_mem / 2**30:7.2f}GB | {gpu_mem / 2**30:6.2f}GB | offload_optimizer={option}")
+
+
+def estimate_zero2_model_states_mem_needs_all_live(model: torch.nn.Module, num_gpus_per_node: int = 1,
+                                                   num_nodes: int = 1, additional_buffer_factor: float = 1.5) -> None:
+    """Prints ZeRO-2 memory needs for `model` (its parameters must be materialised on this process)."""
+    total_params = sum(p.numel() for p in model.parameters())
+    _print_table(total_params, num_gpus_per_node, num_nodes, additional_buffer_factor)
+
+
+def estimate_zero2_model_states_mem_needs_all_cold(total_params: int, num_gpus_per_node: int = 1,
+                                                   num_nodes: int = 1, additional_buffer_factor: float = 1.5) -> None:
+    """Prints ZeRO-2 memory needs for a model of `total_params` parameters (no model needed)."""
+    _print_table(int(total_params), num_gpus_per_node, num_nodes, additional_buffer_factor)

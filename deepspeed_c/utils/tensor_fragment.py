@@ -1,0 +1,174 @@
+"""Access to the partitioned (ZeRO stage 1/2) state of a model parameter: its fp32 master, gradient
+and optimizer states, whole (`safe_get_full_*` / `safe_set_full_*`) or just the elements this rank
+owns (`safe_get_local_*` / `safe_set_local_*`), by DeepSpeed's names.
+
+The `full` getters are collectives (every data-parallel rank must call them, in the same order);
+the setters and the `local` functions are not. A parameter that ZeRO does not partition (stage 0, a
+frozen parameter) has no such state: the getters return None, as DeepSpeed's do.
+
+Gradients exist from the end of the backward of an accumulation boundary until the step, averaged
+over ranks (fp16: still multiplied by the loss scale)."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
+           "safe_set_full_fp32_param", "safe_set_full_optimizer_state", "safe_set_full_grad",
+           "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
+           "safe_set_local_fp32_param", "safe_set_local_optimizer_state", "safe_set_local_grad"]
+
+
+def _owner(param: torch.nn.Parameter) -> Optional[tuple[Any, int, int]]:
+    from deepspeed_c.runtime.zero.stage_1_and_2 import OWNER_ATTR
+
+    entry = getattr(param, OWNER_ATTR, None)
+    if entry is None:
+        return None
+    ref, g, i = entry
+    opt = ref()
+    return None if opt is None else (opt, g, i)
+
+
+def _grad_partition(opt: Any, g: int, create: bool = False) -> Optional[torch.Tensor]:
+    master = opt.fp32_partitions[g]
+    if master.grad is not None:
+        return master.grad
+    part = opt.reducer.grad_partitions[g]
+    if part is None and create:
+        part = torch.zeros(master.numel(), dtype=opt.reducer.comm_dtypes[g], device=opt.bit16_groups[g][0].device)
+        opt.reducer.grad_partitions[g] = part
+    return part
+
+
+def _state_partition(opt: Any, g: int, key: str) -> torch.Tensor:
+    state = opt.local_optimizer_state(g)
+    if key not in state:
+        raise KeyError(f"optimizer state has no key {key!r} for this parameter; keys: {sorted(state)} "
+                       f"(states appear after the first step)")
+    return state[key]
+
+
+def _full(param: torch.nn.Parameter, which: str, key: Optional[str] = None) -> Optional[torch.Tensor]:
+    found = _owner(param)
+    if found is None:
+        return None
+    opt, g, i = found
+    if which == "param":
+        part = opt.fp32_partitions[g]
+    elif which == "grad":
+        part = _grad_partition(opt, g)
+        if part is None:
+            return None
+    else:
+        part = _state_partition(opt, g, key or "")
+    flat = opt.gather_partition(g, part.detach().float())[i]
+    return flat.view(param.shape)
+
+
+def _write_full(param: torch.nn.Parameter, value: torch.Tensor, target: torch.Tensor, opt: Any, g: int,
+                i: int) -> None:
+    if value.numel() != param.numel():
+        raise ValueError(f"value has {value.numel()} elements; the parameter has {param.numel()} "
+                         f"(shape {tuple(param.shape)})")
+    src = value.detach().reshape(-1).to(device=target.device, dtype=target.dtype)
+    with torch.no_grad():
+        for pstart, lstart, n in opt.param_slices(g, i):
+            target[lstart:lstart + n].copy_(src[pstart:pstart + n])
+
+
+def _require(param: torch.nn.Parameter) -> tuple[Any, int, int]:
+    found = _owner(param)
+    if found is None:
+        raise ValueError("this parameter is not partitioned by a ZeRO stage 1/2 optimizer (stage 0, frozen, or "
+                         "not part of an engine)")
+    return found
+
+
+def safe_get_full_fp32_param(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    """The whole fp32 master of `param` (a collective)."""
+    return _full(param, "param")
+
+
+def safe_get_full_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    """The whole reduced gradient of `param` in fp32 (a collective); None outside backward..step."""
+    return _full(param, "grad")
+
+
+def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> Optional[torch.Tensor]:
+    """The whole optimizer state `optim_state_key` (e.g. "exp_avg") of `param` (a collective)."""
+    return _full(param, "state", optim_state_key)
+
+
+def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Sets the fp32 master from a whole tensor (each rank keeps its own part); the model parameter
+    follows at the next step's all-gather."""
+    opt, g, i = _require(param)
+    _write_full(param, value, opt.fp32_partitions[g].data, opt, g, i)
+
+
+def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
+    opt, g, i = _require(param)
+    _write_full(param, value, _state_partition(opt, g, optim_state_key), opt, g, i)
+
+
+def safe_set_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    opt, g, i = _require(param)
+    _write_full(param, value, _grad_partition(opt, g, create=True), opt, g, i)
+
+
+# -- local: this rank's elements of the parameter, in parameter order (a 1-D tensor) ----------------
+def _local(param: torch.nn.Parameter, target: Optional[torch.Tensor], opt: Any, g: int, i: int) -> Optional[
+        torch.Tensor]:
+    if target is None:
+        return None
+    pieces = [target[lstart:lstart + n] for _, lstart, n in opt.param_slices(g, i)]
+    if not pieces:
+        return torch.empty(0, dtype=torch.float32, device=target.device)
+    return torch.cat(pieces).detach().float()
+
+
+def _write_local(value: torch.Tensor, target: torch.Tensor, opt: Any, g: int, i: int) -> None:
+    slices = opt.param_slices(g, i)
+    total = sum(n for _, _, n in slices)
+    if value.numel() != total:
+        raise ValueError(f"value has {value.numel()} elements; this rank owns {total} of the parameter")
+    src = value.detach().reshape(-1).to(device=target.device, dtype=target.dtype)
+    pos = 0
+    with torch.no_grad():
+        for _, lstart, n in slices:
+            target[lstart:lstart + n].copy_(src[pos:pos + n])
+            pos += n
+
+
+def safe_get_local_fp32_param(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    found = _owner(param)
+    return None if found is None else _local(param, found[0].fp32_partitions[found[1]], *found)
+
+
+def safe_get_local_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    found = _owner(param)
+    return None if found is None else _local(param, _grad_partition(found[0], found[1]), *found)
+
+
+def safe_get_local_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> Optional[torch.Tensor]:
+    found = _owner(param)
+    if found is None:
+        return None
+    return _local(param, _state_partition(found[0], found[1], optim_state_key), *found)
+
+
+def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    opt, g, i = _require(param)
+    _write_local(value, opt.fp32_partitions[g].data, opt, g, i)
+
+
+def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    opt, g, i = _require(param)
+    _write_local(value, _grad_partition(opt, g, create=True), opt, g, i)
+
+
+def safe_set_local_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
+    opt, g, i = _require(param)
+    _write_local(value, _state_partition(opt, g, optim_state_key), opt, g, i)
