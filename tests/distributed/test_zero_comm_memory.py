@@ -63,7 +63,8 @@ def comm_body(rank: int, world: int, stage: int) -> dict[str, Any]:
         for k, (x, y) in enumerate(batches):
             del log[:]
             lo, hi = rank * MICRO, (rank + 1) * MICRO
-            engine.backward(loss_fn(engine(x[lo:hi]), y[lo:hi]))
+            xs, ys = x[lo:hi].to(engine.device), y[lo:hi].to(engine.device)
+            engine.backward(loss_fn(engine(xs), ys))
             if engine.is_gradient_accumulation_boundary():
                 grads_after_boundary_backward.append(any(p.grad is not None for p in model.parameters()))
             engine.step()
@@ -87,7 +88,7 @@ def memory_body(rank: int, world: int) -> dict[str, Any]:
                   "zero_optimization": {"stage": stage, "reduce_bucket_size": CAP}}
         engine, optimizer, _, _ = deepspeed_c.initialize(model=model, config=config)
         x, y = make_batches("transformer", 1, MICRO * world, seed=5)[0]
-        engine.backward(loss_fn(engine(x[:MICRO]), y[:MICRO]))
+        engine.backward(loss_fn(engine(x[:MICRO].to(engine.device)), y[:MICRO].to(engine.device)))
         engine.step()
         inner = getattr(optimizer, "optimizer", optimizer)
         masters = [p for g in inner.param_groups for p in g["params"]]
