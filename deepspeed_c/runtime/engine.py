@@ -72,7 +72,9 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
         self.lr_scheduler: Any = None
         self.training_dataloader: Any = None
         self.reducer: Any = None
-        self.checkpointer: Any = None  # the checkpoint issue plugs its collaborator in here
+        from deepspeed_c.runtime.checkpoint_engine import EngineCheckpointer
+
+        self.checkpointer: Any = EngineCheckpointer()
         self._step_applied = False
         self._global_grad_norm: Optional[float] = None
         self._is_gradient_accumulation_boundary: Optional[bool] = None

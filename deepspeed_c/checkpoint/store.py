@@ -1,0 +1,207 @@
+"""Crash-safe checkpoint files with a verified manifest.
+
+A checkpoint tag directory is written under a temporary name and renamed into place only after
+every file is fsynced and the manifest (name/shape/dtype/sha256 of every tensor, sha256 of every
+file) is written; `latest` is replaced last. A crash at any point therefore leaves the previous
+checkpoint and `latest` untouched. Imports only torch and the standard library (no runtime/)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import warnings
+from typing import Any
+
+import torch
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "dsc_manifest.json"
+LATEST_NAME = "latest"
+_SCALARS = (str, int, float, bool, type(None), torch.Size, torch.dtype)
+
+
+class CheckpointIntegrityError(RuntimeError):
+    """A checkpoint file or tensor is missing, truncated or does not match its manifest."""
+
+
+def check_plain(obj: Any, where: str = "state") -> None:
+    """Only tensors, dicts, lists/tuples, strings and numbers go into a pickle (loaded weights_only)."""
+    if isinstance(obj, torch.Tensor) or isinstance(obj, _SCALARS):
+        return
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if not isinstance(k, (str, int)):
+                raise TypeError(f"checkpoint {where}: key {k!r} has type {type(k).__name__}; use str or int keys")
+            check_plain(v, f"{where}[{k!r}]")
+        return
+    if isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            check_plain(v, f"{where}[{i}]")
+        return
+    raise TypeError(f"checkpoint {where} has type {type(obj).__name__}; checkpoints hold only tensors, dicts, "
+                    "lists, strings and numbers")
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+
+
+def tensor_entries(obj: Any, prefix: str = "") -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    if isinstance(obj, torch.Tensor):
+        out[prefix or "<root>"] = {"shape": list(obj.shape), "dtype": str(obj.dtype).replace("torch.", ""),
+                                   "sha256": hashlib.sha256(_tensor_bytes(obj)).hexdigest()}
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(tensor_entries(v, f"{prefix}.{k}" if prefix else str(k)))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            out.update(tensor_entries(v, f"{prefix}.{i}" if prefix else str(i)))
+    return out
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _file_sha(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_bytes_atomic(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def save_file(obj: dict, path: str) -> dict[str, Any]:
+    """torch.save `obj` to `path` (fsynced) and return its manifest entry."""
+    check_plain(obj, os.path.basename(path))
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"size": os.path.getsize(path), "sha256": _file_sha(path), "tensors": tensor_entries(obj)}
+
+
+def staging_dir(save_dir: str, tag: str) -> str:
+    return os.path.join(save_dir, f".{tag}.partial")
+
+
+def begin(save_dir: str, tag: str) -> str:
+    """A fresh, empty staging directory for `tag` (leftovers of a crashed save are discarded)."""
+    os.makedirs(save_dir, exist_ok=True)
+    stage = staging_dir(save_dir, tag)
+    shutil.rmtree(stage, ignore_errors=True)
+    os.makedirs(stage)
+    return stage
+
+
+def commit(save_dir: str, tag: str, files: dict[str, dict[str, Any]], save_latest: bool) -> str:
+    """Write the manifest, move the staging directory into place, then point `latest` at it."""
+    stage = staging_dir(save_dir, tag)
+    manifest = {"format_version": FORMAT_VERSION, "tag": tag, "files": files}
+    write_bytes_atomic(os.path.join(stage, MANIFEST_NAME), json.dumps(manifest, indent=1).encode())
+    _fsync_dir(stage)
+    final = os.path.join(save_dir, tag)
+    if os.path.exists(final):
+        # Re-saving a tag: the old copy stays whole until the new one is complete beside it.
+        old = os.path.join(save_dir, f".{tag}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(stage, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(stage, final)
+    _fsync_dir(save_dir)
+    if save_latest:
+        write_bytes_atomic(os.path.join(save_dir, LATEST_NAME), tag.encode())
+    return final
+
+
+def read_latest(load_dir: str) -> str | None:
+    path = os.path.join(load_dir, LATEST_NAME)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return f.read().strip()
+
+
+def listing(path: str) -> str:
+    try:
+        names = sorted(os.listdir(path))
+    except OSError as e:
+        return f"<cannot list {path}: {e.strerror}>"
+    return ", ".join(names) if names else "<empty>"
+
+
+def read_manifest(tag_dir: str) -> dict[str, Any] | None:
+    path = os.path.join(tag_dir, MANIFEST_NAME)
+    if not os.path.isfile(path):
+        warnings.warn(f"checkpoint {tag_dir} has no {MANIFEST_NAME}; loading without integrity checks")
+        return None
+    with open(path) as f:
+        try:
+            manifest = json.load(f)
+        except json.JSONDecodeError as e:
+            raise CheckpointIntegrityError(f"checkpoint manifest {path} is corrupted: {e}") from None
+    version = manifest.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointIntegrityError(f"checkpoint {tag_dir} has format_version {version!r}; this deepspeed_c "
+                                       f"reads format_version <= {FORMAT_VERSION}: upgrade deepspeed_c")
+    return manifest
+
+
+def load_file(tag_dir: str, name: str, manifest: dict[str, Any] | None) -> dict:
+    """Load one checkpoint file (weights_only) and verify it against the manifest."""
+    path = os.path.join(tag_dir, name)
+    entry = None
+    if manifest is not None:
+        entry = manifest["files"].get(name)
+        if entry is None:
+            raise CheckpointIntegrityError(f"checkpoint file {path} is not listed in the manifest")
+    if not os.path.isfile(path):
+        raise CheckpointIntegrityError(f"checkpoint file {path} is missing (directory holds: {listing(tag_dir)})")
+    if entry is not None and os.path.getsize(path) != entry["size"]:
+        raise CheckpointIntegrityError(f"checkpoint file {path} is truncated or altered: {os.path.getsize(path)} "
+                                       f"bytes, manifest says {entry['size']}")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 (any unpickling failure is corruption here)
+        raise CheckpointIntegrityError(f"checkpoint file {path} cannot be read (corrupted?): {e}") from None
+    if entry is None:
+        return obj
+    got = tensor_entries(obj)
+    for tname, want in entry["tensors"].items():
+        have = got.get(tname)
+        if have is None:
+            raise CheckpointIntegrityError(f"checkpoint file {path}: tensor {tname!r} is missing")
+        if have != want:
+            raise CheckpointIntegrityError(f"checkpoint file {path}: tensor {tname!r} does not match the manifest "
+                                           f"(saved {want['dtype']}{want['shape']} sha256 {want['sha256'][:12]}, "
+                                           f"found {have['dtype']}{have['shape']} sha256 {have['sha256'][:12]})")
+    extra = sorted(set(got) - set(entry["tensors"]))
+    if extra:
+        raise CheckpointIntegrityError(f"checkpoint file {path}: tensors {extra} are not in the manifest")
+    if _file_sha(path) != entry["sha256"]:
+        raise CheckpointIntegrityError(f"checkpoint file {path} is corrupted: sha256 does not match the manifest")
+    return obj

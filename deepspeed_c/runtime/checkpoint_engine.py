@@ -1,0 +1,260 @@
+"""The engine's checkpoint collaborator: gathers the engine's state into plain dicts in DeepSpeed's
+on-disk layout (tag dir, `latest`, mp_rank_00_model_states.pt, zero_pp_rank_*_optim_states.pt) and
+hands them to deepspeed_c.checkpoint.store, which writes them crash-safely with a manifest."""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from collections import OrderedDict
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from deepspeed_c.checkpoint import store
+from deepspeed_c.runtime.checkpoint_zero import from_deepspeed_layout, to_deepspeed_layout
+from deepspeed_c.utils.logging import logger
+from deepspeed_c.version import DEEPSPEED_API_VERSION
+
+MODEL_FILE = "mp_rank_00_model_states.pt"
+# Keys DeepSpeed's loader keeps for itself; everything else in the model-states file is client state.
+DS_KEYS = ("module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+           "lr_scheduler", "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples",
+           "dp_world_size", "mp_world_size", "ds_config", "ds_version", "data_sampler", "random_ltd",
+           "frozen_param_fragments", "ds_zero_stage")
+
+
+def zero_file(engine: Any, dp_rank: int) -> str:
+    # DeepSpeed runs bf16 with ZeRO <= 1 through its BF16_Optimizer, whose files carry a bf16_ prefix.
+    prefix = "bf16_" if engine.precision.bf16.enabled and engine.zero_optimization_stage() <= 1 else ""
+    return f"{prefix}zero_pp_rank_{dp_rank}_mp_rank_00_optim_states.pt"
+
+
+def _dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _barrier() -> None:
+    if _dist():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _dist() else 0
+
+
+def _param_names(module: torch.nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in module.named_parameters(remove_duplicate=True)}
+
+
+class EngineCheckpointer:
+    """save/load for engine.save_checkpoint / engine.load_checkpoint (DeepSpeed signatures)."""
+
+    # -- save -----------------------------------------------------------------------------------
+    def save(self, engine: Any, save_dir: str, tag: Any, client_state: dict, save_latest: bool,
+             exclude_frozen_parameters: bool) -> bool:
+        tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
+        if not tag or os.sep in tag or tag.startswith("."):
+            raise ValueError(f"save_checkpoint: tag {tag!r} must be a non-empty name without '{os.sep}' or a "
+                             "leading '.'")
+        if not isinstance(client_state, dict):
+            raise TypeError(f"save_checkpoint: client_state must be a dict, got {type(client_state).__name__}")
+        clash = sorted(set(client_state) & set(DS_KEYS))
+        if clash:
+            raise ValueError(f"save_checkpoint: client_state keys {clash} collide with DeepSpeed's own keys")
+        store.check_plain(client_state, "client_state")
+        self._validate_tag(engine, tag)
+        rank = _rank()
+        zero = getattr(engine.optimizer, "is_zero_optimizer", False)
+        if rank == 0:
+            stage = store.begin(save_dir, tag)
+        _barrier()
+        stage = store.staging_dir(save_dir, tag)
+        my_files: dict[str, dict] = {}
+        if zero:
+            name = zero_file(engine, engine.optimizer.rank)
+            state = {"optimizer_state_dict": to_deepspeed_layout(engine.optimizer),
+                     "ds_config": engine._config._param_dict, "ds_version": DEEPSPEED_API_VERSION}
+            my_files[name] = store.save_file(state, os.path.join(stage, name))
+        if rank == 0:
+            state = self._model_state(engine, client_state, exclude_frozen_parameters, zero)
+            my_files[MODEL_FILE] = store.save_file(state, os.path.join(stage, MODEL_FILE))
+        files = self._gather_files(my_files)
+        if rank == 0:
+            self._copy_recovery_script(stage)
+            store.commit(save_dir, tag, files, save_latest)
+        _barrier()
+        return True
+
+    def _validate_tag(self, engine: Any, tag: str) -> None:
+        if not _dist() or not engine.checkpoint_tag_validation_enabled():
+            return
+        digest = torch.tensor(list(hashlib.sha1(tag.encode()).digest()[:8]), dtype=torch.int64)
+        lo, hi = digest.clone(), digest.clone()
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+        if not torch.equal(lo, hi):
+            msg = f"checkpoint tag {tag!r} is not the same on every rank"
+            if engine.checkpoint_tag_validation_fail():
+                raise ValueError(msg)
+            logger.warning(msg)
+
+    def _gather_files(self, mine: dict[str, dict]) -> dict[str, dict]:
+        if not _dist():
+            return mine
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+        out: dict[str, dict] = {}
+        for part in parts:
+            out.update(part)
+        return out
+
+    def _model_state(self, engine: Any, client_state: dict, exclude_frozen: bool, zero: bool) -> dict:
+        module = engine.module
+        names = _param_names(module)
+        sd = engine.module_state_dict(exclude_frozen_parameters=exclude_frozen)
+        groups = engine.optimizer.param_groups if engine.optimizer is not None else []
+        if zero:  # ZeRO groups hold flat masters; DeepSpeed's param_shapes name the model's params per group
+            groups = [{"params": params} for params in engine.optimizer.bit16_groups]
+        param_shapes = []
+        for group in groups:
+            shapes: OrderedDict = OrderedDict()
+            for p in group["params"]:
+                if id(p) in names:
+                    shapes[names[id(p)]] = p.shape
+            param_shapes.append(shapes)
+        if engine.optimizer is not None and not any(param_shapes):
+            # Optimizer groups hold fp32 masters (mixed precision): name them through the module.
+            param_shapes = [OrderedDict((n, p.shape) for n, p in module.named_parameters() if p.requires_grad)]
+        frozen = OrderedDict((n, p.shape) for n, p in module.named_parameters() if not p.requires_grad)
+        shared: dict[str, str] = {}
+        first: dict[int, str] = {}
+        for n, p in module.named_parameters(remove_duplicate=False):
+            if id(p) in first:
+                shared[n] = first[id(p)]
+            else:
+                first[id(p)] = n
+        persistent = set(sd)
+        state = {
+            "module": {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in sd.items()},
+            "buffer_names": [n for n, _ in module.named_buffers() if n in persistent],
+            "optimizer": (engine.optimizer.state_dict() if engine.optimizer is not None and not zero else None),
+            "param_shapes": param_shapes,
+            "frozen_param_shapes": frozen if exclude_frozen else None,
+            "shared_params": shared,
+            "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+            "sparse_tensor_module_names": [],
+            "skipped_steps": engine.skipped_steps,
+            "global_steps": engine.global_steps,
+            "global_samples": engine.global_samples,
+            "dp_world_size": engine.dp_world_size,
+            "mp_world_size": 1,
+            "ds_config": engine._config._param_dict,
+            "ds_version": DEEPSPEED_API_VERSION,
+        }
+        state.update(client_state)
+        return state
+
+    def _copy_recovery_script(self, stage: str) -> None:
+        src = os.path.join(os.path.dirname(os.path.dirname(__file__)), "utils", "zero_to_fp32.py")
+        if os.path.isfile(src):
+            shutil.copyfile(src, os.path.join(stage, "zero_to_fp32.py"))
+
+    # -- load -----------------------------------------------------------------------------------
+    def load(self, engine: Any, load_dir: str, tag: Any, load_module_strict: bool, load_optimizer_states: bool,
+             load_lr_scheduler_states: bool, load_module_only: bool,
+             custom_load_fn: Optional[Callable]) -> tuple[Optional[str], Any]:
+        if tag is None:
+            tag = store.read_latest(load_dir)
+            if tag is None:
+                logger.warning(f"Unable to find latest file at {os.path.join(load_dir, store.LATEST_NAME)} "
+                               f"(directory holds: {store.listing(load_dir)}); pass an explicit tag or save a "
+                               "checkpoint with save_latest=True")
+                return None, None
+        tag = str(tag)
+        tag_dir = os.path.join(load_dir, tag)
+        previous = os.path.join(load_dir, f".{tag}.old")
+        if not os.path.isdir(tag_dir) and os.path.isdir(previous):
+            # A re-save of this tag was interrupted between its two renames: the old copy is whole.
+            logger.warning(f"checkpoint {tag_dir} is missing; loading the previous copy {previous}")
+            tag_dir = previous
+        if not os.path.isdir(tag_dir):
+            raise FileNotFoundError(f"load_checkpoint: checkpoint tag {tag!r} not found in {load_dir} "
+                                    f"(directory holds: {store.listing(load_dir)})")
+        manifest = store.read_manifest(tag_dir)
+        state = store.load_file(tag_dir, MODEL_FILE, manifest)
+        self._load_module(engine, state["module"], load_module_strict, custom_load_fn)
+        if not load_module_only:
+            self._load_optimizer(engine, state, tag_dir, manifest, load_optimizer_states)
+            if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("lr_scheduler"):
+                engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            engine.global_steps = state["global_steps"]
+            engine.global_samples = state.get("global_samples", engine.global_steps * engine.train_batch_size())
+            engine.skipped_steps = state["skipped_steps"]
+        elif engine.optimizer is not None:
+            self._refresh_masters(engine)
+        client = {k: v for k, v in state.items() if k not in DS_KEYS}
+        return os.path.join(tag_dir, MODEL_FILE), client
+
+    def _load_module(self, engine: Any, saved: dict, strict: bool, custom_load_fn: Optional[Callable]) -> None:
+        if custom_load_fn is not None:
+            custom_load_fn(src=saved, dst=engine.module)
+            return
+        own = engine.module.state_dict()
+        missing = sorted(set(own) - set(saved))
+        unexpected = sorted(set(saved) - set(own))
+        wrong = [f"{k}: checkpoint {tuple(saved[k].shape)} vs model {tuple(own[k].shape)}"
+                 for k in sorted(set(own) & set(saved))
+                 if isinstance(saved[k], torch.Tensor) and saved[k].shape != own[k].shape]
+        if wrong or (strict and (missing or unexpected)):
+            problems = []
+            if missing:
+                problems.append(f"missing in checkpoint: {missing}")
+            if unexpected:
+                problems.append(f"not in model: {unexpected}")
+            if wrong:
+                problems.append(f"shape mismatch: {wrong}")
+            if strict or wrong:
+                raise RuntimeError("load_checkpoint: checkpoint does not match the model (pass "
+                                   "load_module_strict=False to skip missing/unexpected names); " + "; ".join(problems))
+        engine.module.load_state_dict(saved, strict=strict)
+
+    def _load_optimizer(self, engine: Any, state: dict, tag_dir: str, manifest: Any, load_states: bool) -> None:
+        opt = engine.optimizer
+        if opt is None:
+            return
+        if getattr(opt, "is_zero_optimizer", False):
+            saved_world = state.get("dp_world_size") or 1
+            files = [zero_file(engine, r) for r in range(saved_world)]
+            parts = [store.load_file(tag_dir, f, manifest)["optimizer_state_dict"] for f in files]
+            if any(p.get("layout") != "deepspeed" for p in parts):
+                raise RuntimeError(f"load_checkpoint: ZeRO files in {tag_dir} are not in DeepSpeed's flat layout")
+            opt.load_state_dict(from_deepspeed_layout(opt, parts), load_optimizer_states=load_states)
+            return
+        saved = state.get("optimizer")
+        if saved is None:
+            self._refresh_masters(engine)
+            return
+        if hasattr(opt, "fp32_groups"):
+            if load_states:
+                opt.load_state_dict(saved, load_optimizer_states=True)
+            else:
+                self._refresh_masters(engine)
+        elif load_states:
+            opt.load_state_dict(saved)
+
+    def _refresh_masters(self, engine: Any) -> None:
+        """Masters follow the loaded model weights when optimizer state is not loaded."""
+        opt = engine.optimizer
+        if getattr(opt, "is_zero_optimizer", False):
+            with torch.no_grad():
+                for plan, params, master in zip(opt.partition_plans, opt.bit16_groups, opt.fp32_partitions):
+                    part = plan.scatter_params([p.detach().float() for p in params], "runtime", opt.rank)
+                    master.copy_(part.to(master.device))
+            return
+        if hasattr(opt, "fp32_groups") and hasattr(opt, "lp_groups"):
+            with torch.no_grad():
+                for lps, masters in zip(opt.lp_groups, opt.fp32_groups):
+                    for lp, m in zip(lps, masters):
+                        m.copy_(lp.detach().to(m.dtype))
