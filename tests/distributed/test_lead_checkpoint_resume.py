@@ -22,6 +22,10 @@ def _config(stage: int, dtype: str) -> dict:
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 500}}
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    if dtype == "fp32-offload":
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     return cfg
 
 
@@ -54,8 +58,8 @@ def train_body(rank: int, world: int, stage: int, dtype: str, ckpt_dir: str, mod
     return {"losses": losses, "weights": weights, "client": client, "lr": engine.get_lr()}
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("stage,dtype", [(0, "fp32"), (1, "fp32"), (2, "fp32"), (0, "bf16"), (1, "bf16"),
+                                         (2, "bf16"), (0, "fp16"), (2, "fp16"), (2, "fp32-offload")])
 def test_exact_resume(tmp_path, stage, dtype):
     world = 2
     full = run_distributed(train_body, world, args=(stage, dtype, str(tmp_path), "full"))
