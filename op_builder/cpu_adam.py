@@ -3,7 +3,15 @@ from .builder import CPUOpBuilder
 CPU_OPTIM_COMMON = ["py/cpu_optim_args.c"]
 
 
-class CPUAdamBuilder(CPUOpBuilder):
+class CPUOptimOpBuilder(CPUOpBuilder):
+    """The CPU optimizer ops' shared flags: no floating-point contraction, so the AVX-512, AVX2
+    and scalar builds compute identical bits (the kernels use no FMA either)."""
+
+    def cxx_args(self) -> list[str]:
+        return [*super().cxx_args(), "-ffp-contract=off"]
+
+
+class CPUAdamBuilder(CPUOptimOpBuilder):
     """Adam/AdamW for host tensors (DeepSpeedCPUAdam, ZeRO-Offload)."""
 
     NAME = "cpu_adam"

@@ -1,8 +1,7 @@
-from .builder import CPUOpBuilder
-from .cpu_adam import CPU_OPTIM_COMMON
+from .cpu_adam import CPU_OPTIM_COMMON, CPUOptimOpBuilder
 
 
-class CPUMultiTensorBuilder(CPUOpBuilder):
+class CPUMultiTensorBuilder(CPUOptimOpBuilder):
     """Global L2 norm with inf/nan detection and in-place scale over host tensor lists."""
 
     NAME = "cpu_multi_tensor"

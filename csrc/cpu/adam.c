@@ -4,116 +4,131 @@
  *   v  = beta2 * v + (1 - beta2) * g * g
  *   p  = p * (1 - lr * weight_decay) in AdamW mode
  *   p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)      bc_i = 1 - beta_i^step
- * The per-step scalars are computed once in double; the element loop is fp32 and vectorised
- * (sqrtf needs -fno-math-errno to vectorise). */
+ * The per-step scalars are computed once in double. Every operand is read once and written
+ * once, widened and narrowed in registers, and the optional low-precision copy of the updated
+ * parameter is written in the same pass (the ZeRO-Offload hot path). */
 #include <math.h>
 
-#include "cpu_tiles.h"
 #include "dsc/cpu_optim.h"
+#include "dsc/cpu_simd.h"
+#include "dsc/cpu_walk.h"
 
 typedef struct {
-    float b1, one_minus_b1, b2, one_minus_b2, eps, step_size, inv_sqrt_bc2, decay_factor, l2;
-} adam_scalars;
+    dsc_vf b1, omb1, b2, omb2, eps, step_size, inv_sqrt_bc2, decay, l2;
+    int use_l2;
+} adam_consts;
 
-static adam_scalars adam_prepare(const dsc_adam_hparams *hp) {
+static adam_consts adam_prepare(const dsc_adam_hparams *hp) {
     double bc1 = 1.0, bc2 = 1.0;
     if (hp->bias_correction) {
         bc1 = 1.0 - pow(hp->beta1, (double)hp->step);
         bc2 = 1.0 - pow(hp->beta2, (double)hp->step);
     }
-    adam_scalars s;
-    s.b1 = (float)hp->beta1;
-    s.one_minus_b1 = (float)(1.0 - hp->beta1);
-    s.b2 = (float)hp->beta2;
-    s.one_minus_b2 = (float)(1.0 - hp->beta2);
-    s.eps = (float)hp->eps;
-    s.step_size = (float)(hp->lr / bc1);
-    s.inv_sqrt_bc2 = (float)(1.0 / sqrt(bc2));
-    s.decay_factor = hp->adamw_mode ? (float)(1.0 - hp->lr * hp->weight_decay) : 1.0f;
-    s.l2 = hp->adamw_mode ? 0.0f : (float)hp->weight_decay;
-    return s;
+    adam_consts k;
+    k.b1 = dsc_vset1((float)hp->beta1);
+    k.omb1 = dsc_vset1((float)(1.0 - hp->beta1));
+    k.b2 = dsc_vset1((float)hp->beta2);
+    k.omb2 = dsc_vset1((float)(1.0 - hp->beta2));
+    k.eps = dsc_vset1((float)hp->eps);
+    k.step_size = dsc_vset1((float)(hp->lr / bc1));
+    k.inv_sqrt_bc2 = dsc_vset1((float)(1.0 / sqrt(bc2)));
+    k.decay = dsc_vset1(hp->adamw_mode ? (float)(1.0 - hp->lr * hp->weight_decay) : 1.0f);
+    k.l2 = dsc_vset1((float)hp->weight_decay);
+    k.use_l2 = !hp->adamw_mode && hp->weight_decay != 0.0;
+    return k;
 }
 
-static void adam_tile(float *restrict p, const float *restrict g, float *restrict m, float *restrict v,
-                      int64_t len, const adam_scalars *s) {
-    const adam_scalars c = *s;
-    DSC_SIMD_LOOP
-    for (int64_t i = 0; i < len; i++) {
-        float grad = g[i] + c.l2 * p[i];
-        float mi = c.b1 * m[i] + c.one_minus_b1 * grad;
-        float vi = c.b2 * v[i] + c.one_minus_b2 * grad * grad;
-        float denom = sqrtf(vi) * c.inv_sqrt_bc2 + c.eps;
-        p[i] = p[i] * c.decay_factor - c.step_size * (mi / denom);
-        m[i] = mi;
-        v[i] = vi;
+#define NO_COPY (-1)
+
+/* DSC_VW elements starting at i. The dtype arguments are constants in the specialised
+ * variants below, so every load/store branch folds away there. */
+DSC_INLINE void adam_lanes(void *P, const void *G, void *M, void *V, void *C, int64_t i, const adam_consts *k,
+                           int32_t pd, int32_t gd, int32_t md, int32_t vd, int32_t cd) {
+    dsc_vf p = dsc_vload(P, pd, i), g = dsc_vload(G, gd, i);
+    dsc_vf m = dsc_vload(M, md, i), v = dsc_vload(V, vd, i);
+    if (k->use_l2) g = dsc_vadd(g, dsc_vmul(k->l2, p));
+    m = dsc_vadd(dsc_vmul(k->b1, m), dsc_vmul(k->omb1, g));
+    v = dsc_vadd(dsc_vmul(k->b2, v), dsc_vmul(dsc_vmul(k->omb2, g), g));
+    dsc_vf denom = dsc_vadd(dsc_vmul(dsc_vsqrt(v), k->inv_sqrt_bc2), k->eps);
+    p = dsc_vsub(dsc_vmul(p, k->decay), dsc_vmul(k->step_size, dsc_vdiv(m, denom)));
+    dsc_vstore(P, pd, i, p);
+    dsc_vstore(M, md, i, m);
+    dsc_vstore(V, vd, i, v);
+    if (cd != NO_COPY) dsc_vstore(C, cd, i, dsc_vround(p, pd)); /* the copy is the stored param, converted */
+}
+
+DSC_INLINE void adam_range(const dsc_opt_tensor *t, int64_t i, int64_t end, const adam_consts *kp, int32_t pd,
+                           int32_t gd, int32_t md, int32_t vd, int32_t cd) {
+    const adam_consts k = *kp;
+    void *P = t->param.data, *M = t->state0.data, *V = t->state1.data, *C = t->copy.data;
+    const void *G = t->grad.data;
+    for (; i + DSC_VW <= end; i += DSC_VW) adam_lanes(P, G, M, V, C, i, &k, pd, gd, md, vd, cd);
+    if (i < end) {
+        int64_t rem = end - i;
+        dsc_lane_buf bp, bg, bm, bv, bc;
+        dsc_operand p = dsc_tail_in(&bp, &t->param, i, rem), g = dsc_tail_in(&bg, &t->grad, i, rem);
+        dsc_operand m = dsc_tail_in(&bm, &t->state0, i, rem), v = dsc_tail_in(&bv, &t->state1, i, rem);
+        dsc_operand c = dsc_tail_in(&bc, &t->copy, i, rem);
+        adam_lanes(p.data, g.data, m.data, v.data, c.data, 0, &k, pd, gd, md, vd, cd);
+        dsc_tail_out(&t->param, &bp, i, rem);
+        dsc_tail_out(&t->state0, &bm, i, rem);
+        dsc_tail_out(&t->state1, &bv, i, rem);
+        dsc_tail_out(&t->copy, &bc, i, rem);
     }
 }
 
-/* Hot dtype combinations get one fused loop that widens and narrows in registers (bf16 <-> fp32
- * is integer shifts, so the loop still vectorises) instead of separate tile passes. */
-#define F32_LOAD(x) (x)
-#define F32_STORE(x) (x)
-#define FUSED_ADAM(NAME, PT, PLOAD, PSTORE, ST, SLOAD, SSTORE)                                        \
-    static void NAME(const dsc_opt_tensor *t, int64_t start, int64_t len, const adam_scalars *s) {   \
-        PT *restrict p = (PT *)t->param.data + start;                                                \
-        const uint16_t *restrict g = (const uint16_t *)t->grad.data + start;                         \
-        ST *restrict m = (ST *)t->state0.data + start;                                               \
-        ST *restrict v = (ST *)t->state1.data + start;                                               \
-        uint16_t *restrict c = t->copy.data ? (uint16_t *)t->copy.data + start : NULL;               \
-        const adam_scalars k = *s;                                                                   \
-        /* `c` is loop-invariant: -O3 unswitches the branch and vectorises both versions */        \
-        DSC_SIMD_LOOP                                                                                \
-        for (int64_t i = 0; i < len; i++) {                                                          \
-            float pi = PLOAD(p[i]), grad = dsc_bf16_to_f32(g[i]) + k.l2 * pi;                        \
-            float mi = k.b1 * SLOAD(m[i]) + k.one_minus_b1 * grad;                                   \
-            float vi = k.b2 * SLOAD(v[i]) + k.one_minus_b2 * grad * grad;                            \
-            pi = pi * k.decay_factor - k.step_size * (mi / (sqrtf(vi) * k.inv_sqrt_bc2 + k.eps));   \
-            p[i] = PSTORE(pi);                                                                       \
-            m[i] = SSTORE(mi);                                                                       \
-            v[i] = SSTORE(vi);                                                                       \
-            if (c) c[i] = dsc_f32_to_bf16(pi);                                                       \
-        }                                                                                            \
+typedef void (*adam_fn)(const dsc_opt_tensor *, int64_t, int64_t, const adam_consts *);
+
+/* (param, grad, states, copy) combinations with their own compiled loop; others take the
+ * generic loop, which is as exact and branches per vector on the dtypes. */
+#define DT_F32 DSC_CPU_F32
+#define DT_BF16 DSC_CPU_BF16
+#define DT_F16 DSC_CPU_F16
+#define DT_NONE NO_COPY
+#define ADAM_VARIANTS(X)                                                                                  \
+    X(F32, F32, F32, NONE)    /* fp32 Adam */                                                            \
+    X(F32, F32, F32, BF16)    /* fp32 master and grads, 16-bit model copy */                              \
+    X(F32, F32, F32, F16)                                                                                 \
+    X(F32, BF16, F32, NONE)                                                                               \
+    X(F32, BF16, F32, BF16)   /* ZeRO-Offload: fp32 master, 16-bit grads read directly, 16-bit copy */   \
+    X(F32, F16, F32, NONE)                                                                                \
+    X(F32, F16, F32, F16)                                                                                 \
+    X(F32, BF16, BF16, NONE)  /* fp32 master with bf16 states (20 bytes per parameter) */                 \
+    X(F32, BF16, BF16, BF16)                                                                              \
+    X(F32, F32, BF16, NONE)                                                                               \
+    X(BF16, BF16, F32, NONE)  /* a bf16 model stepped on the CPU */                                       \
+    X(BF16, BF16, BF16, NONE)                                                                             \
+    X(F16, F16, F32, NONE)                                                                                \
+    X(F16, F16, F16, NONE)
+
+#define ADAM_DEFINE(P, G, S, C)                                                                          \
+    static void adam_##P##_##G##_##S##_##C(const dsc_opt_tensor *t, int64_t i, int64_t e, const adam_consts *k) { \
+        adam_range(t, i, e, k, DT_##P, DT_##G, DT_##S, DT_##S, DT_##C);                                  \
     }
+ADAM_VARIANTS(ADAM_DEFINE)
 
-/* bf16 params + bf16 grads + fp32 states (a bf16 model on the CPU) */
-FUSED_ADAM(adam_bf16p_f32s, uint16_t, dsc_bf16_to_f32, dsc_f32_to_bf16, float, F32_LOAD, F32_STORE)
-/* fp32 master + bf16 grads + fp32 states (+ bf16 copy): the ZeRO-Offload hot path */
-FUSED_ADAM(adam_f32p_f32s, float, F32_LOAD, F32_STORE, float, F32_LOAD, F32_STORE)
-/* fp32 master + bf16 grads + bf16 states (+ bf16 copy): the 20-bytes-per-parameter variant */
-FUSED_ADAM(adam_f32p_bf16s, float, F32_LOAD, F32_STORE, uint16_t, dsc_bf16_to_f32, dsc_f32_to_bf16)
+static void adam_generic(const dsc_opt_tensor *t, int64_t i, int64_t e, const adam_consts *k) {
+    adam_range(t, i, e, k, t->param.dtype, t->grad.dtype, t->state0.dtype, t->state1.dtype,
+               t->copy.data ? t->copy.dtype : NO_COPY);
+}
 
-typedef void (*fused_fn)(const dsc_opt_tensor *, int64_t, int64_t, const adam_scalars *);
-
-/* The fused loop for this tensor's dtypes, or NULL for the general tile path. */
-static fused_fn pick_fused(const dsc_opt_tensor *t) {
-    if (t->grad.dtype != DSC_CPU_BF16 || t->state0.dtype != t->state1.dtype) return NULL;
-    if (t->copy.data && t->copy.dtype != DSC_CPU_BF16) return NULL;
-    if (t->param.dtype == DSC_CPU_BF16 && t->state0.dtype == DSC_CPU_F32 && !t->copy.data) return adam_bf16p_f32s;
-    if (t->param.dtype == DSC_CPU_F32 && t->state0.dtype == DSC_CPU_F32) return adam_f32p_f32s;
-    if (t->param.dtype == DSC_CPU_F32 && t->state0.dtype == DSC_CPU_BF16) return adam_f32p_bf16s;
-    return NULL;
+static adam_fn adam_pick(const dsc_opt_tensor *t) {
+    int32_t c = t->copy.data ? t->copy.dtype : NO_COPY;
+    if (t->state0.dtype != t->state1.dtype) return adam_generic;
+#define ADAM_MATCH(P, G, S, C)                                                                           \
+    if (t->param.dtype == DT_##P && t->grad.dtype == DT_##G && t->state0.dtype == DT_##S && c == DT_##C) \
+        return adam_##P##_##G##_##S##_##C;
+    ADAM_VARIANTS(ADAM_MATCH)
+    return adam_generic;
 }
 
 int dsc_cpu_adam_step(dsc_opt_tensor *tensors, int64_t n, const dsc_adam_hparams *hp) {
-    adam_scalars s = adam_prepare(hp);
-    dsc_tile_map map;
-    if (dsc_tile_map_init(&map, &tensors[0].numel, sizeof(dsc_opt_tensor), n) < 0) return -1;
-    DSC_FOR_EACH_TILE(tensors, n, map, {
-        fused_fn fused = pick_fused(t);
-        if (fused) {
-            fused(t, start, len, &s);
-            continue;
-        }
-        float *p = dsc_load_tile(&t->param, start, len, tp);
-        float *g = dsc_load_tile(&t->grad, start, len, tg);
-        float *m = dsc_load_tile(&t->state0, start, len, ts0);
-        float *v = dsc_load_tile(&t->state1, start, len, ts1);
-        adam_tile(p, g, m, v, len, &s);
-        dsc_store_tile(&t->param, start, len, p);
-        dsc_store_tile(&t->state0, start, len, m);
-        dsc_store_tile(&t->state1, start, len, v);
-        if (t->copy.data) dsc_store_tile(&t->copy, start, len, p);
-    })
-    free(map.first_tile);
+    const adam_consts k = adam_prepare(hp);
+    dsc_chunk_map map;
+    if (dsc_chunk_map_init(&map, &tensors[0].numel, sizeof(dsc_opt_tensor), n) < 0) return -1;
+#define NUMEL(ti) tensors[ti].numel
+    DSC_FOR_EACH_CHUNK(map, NUMEL, { adam_pick(&tensors[ti])(&tensors[ti], start, end, &k); })
+#undef NUMEL
+    dsc_chunk_map_free(&map);
     return 0;
 }

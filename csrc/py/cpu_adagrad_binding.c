@@ -23,9 +23,18 @@ static PyObject *adagrad_step(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_RETURN_NONE;
 }
 
+static PyObject *simd(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    (void)args;
+    if (dsc_check_nargs("simd", nargs, 0) < 0) return NULL;
+    return PyUnicode_FromString(dsc_cpu_simd_name());
+}
+
 static PyMethodDef methods[] = {
     {"adagrad_step", (PyCFunction)(void (*)(void))adagrad_step, METH_FASTCALL,
      "adagrad_step(params, grads, sums, copies, lr, eps, weight_decay)"},
+    {"simd", (PyCFunction)(void (*)(void))simd, METH_FASTCALL, "simd() -> the SIMD path of this build."},
+    DSC_BUMP_STEPS_METHOD,
     {NULL, NULL, 0, NULL},
 };
 

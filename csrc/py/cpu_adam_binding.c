@@ -46,6 +46,7 @@ static PyMethodDef methods[] = {
      "bias_correction, adamw_mode): one Adam/AdamW step over lists of CPU tensors (copies: None or a list "
      "receiving the updated params in their own dtype)."},
     {"simd", (PyCFunction)(void (*)(void))simd, METH_FASTCALL, "simd() -> the SIMD path of this build."},
+    DSC_BUMP_STEPS_METHOD,
     {NULL, NULL, 0, NULL},
 };
 

@@ -24,9 +24,18 @@ static PyObject *lion_step(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
+static PyObject *simd(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    (void)args;
+    if (dsc_check_nargs("simd", nargs, 0) < 0) return NULL;
+    return PyUnicode_FromString(dsc_cpu_simd_name());
+}
+
 static PyMethodDef methods[] = {
     {"lion_step", (PyCFunction)(void (*)(void))lion_step, METH_FASTCALL,
      "lion_step(params, grads, exp_avgs, copies, lr, beta1, beta2, weight_decay)"},
+    {"simd", (PyCFunction)(void (*)(void))simd, METH_FASTCALL, "simd() -> the SIMD path of this build."},
+    DSC_BUMP_STEPS_METHOD,
     {NULL, NULL, 0, NULL},
 };
 

@@ -115,3 +115,33 @@ int dsc_parse_operand_list(PyObject *tensors, const char *name, dsc_operand **op
     dsc_view_list_release(&l);
     return 0;
 }
+
+PyObject *dsc_bump_steps(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (dsc_check_nargs("bump_steps", nargs, 1) < 0) return NULL;
+    dsc_arg_spec spec = {"steps", DSC_F32, DSC_DEV_CPU, 0};
+    dsc_view_list l;
+    if (dsc_view_list_from_object(args[0], &spec, &l) < 0) return NULL;
+    PyObject *out = NULL;
+    for (Py_ssize_t i = 0; i < l.len; i++) {
+        if (l.items[i].numel != 1) {
+            PyErr_Format(PyExc_ValueError, "'steps[%zd]' must hold one element (a step count), got %lld", i,
+                         (long long)l.items[i].numel);
+            goto done;
+        }
+    }
+    out = PyList_New(l.len);
+    if (!out) goto done;
+    for (Py_ssize_t i = 0; i < l.len; i++) {
+        float *step = l.items[i].data;
+        *step += 1.0f;
+        PyObject *count = PyLong_FromLongLong((long long)*step);
+        if (!count || PyList_SetItem(out, i, count) < 0) {
+            Py_CLEAR(out);
+            goto done;
+        }
+    }
+done:
+    dsc_view_list_release(&l);
+    return out;
+}

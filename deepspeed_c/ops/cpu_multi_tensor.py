@@ -2,13 +2,16 @@
 (float32/bfloat16/float16, contiguous host tensors)."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
 import torch
 
 
+@functools.lru_cache(maxsize=None)
 def _op():
+    # load() hashes the sources to find the cached build; once per process is enough
     from deepspeed_c.ops.op_builder import CPUMultiTensorBuilder
 
     return CPUMultiTensorBuilder().load()

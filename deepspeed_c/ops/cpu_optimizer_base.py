@@ -2,7 +2,12 @@
 whose step hands each parameter group's tensors to one C call (per distinct step count), state in
 torch's format (a float32 0-dim `step` tensor and moment tensors per parameter), and DeepSpeed's
 `fp16_param_groups` argument, whose tensors receive the updated parameters in their own dtype in
-the same pass over memory."""
+the same pass over memory (tensors on another device, such as the GPU copy of the model, are
+written through a host staging buffer and copied over).
+
+State dtypes: float32 (the default, fp32_optimizer_states=True), the parameter's dtype
+(fp32_optimizer_states=False), or bfloat16 beside float32 parameters when the caller puts
+bfloat16 moments into the state before the first step (the 20-bytes-per-parameter variant)."""
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -25,6 +30,7 @@ class CPUOptimizerBase(torch.optim.Optimizer):
             if group.get("amsgrad"):
                 raise ValueError(f"{type(self).__name__} does not support amsgrad=True (param group with amsgrad)")
         self.fp32_optimizer_states = fp32_optimizer_states
+        self._ready: set[int] = set()  # id() of params whose state has been checked and converted
         from deepspeed_c.ops import op_builder
 
         self.ds_opt_op = getattr(op_builder, self.OP_BUILDER)().load()
@@ -49,7 +55,7 @@ class CPUOptimizerBase(torch.optim.Optimizer):
             state["step"] = torch.tensor(float(step), dtype=torch.float32)
         for key in self.MOMENTS:
             m = state[key]
-            want = m.dtype if m.dtype in (torch.float32, p.dtype) else self._state_dtype(p)
+            want = m.dtype if m.dtype in _kernel_state_dtypes(p.dtype) else self._state_dtype(p)
             if m.dtype != want or m.device != p.device or not m.is_contiguous():
                 state[key] = m.to(device=p.device, dtype=want).contiguous()
         return state
@@ -66,6 +72,18 @@ class CPUOptimizerBase(torch.optim.Optimizer):
         if p.grad is not None and p.grad.is_sparse:
             raise RuntimeError(f"{name} has a sparse gradient, which the CPU optimizers do not support")
 
+    def _ready_state(self, group: dict[str, Any], p: torch.Tensor, name: str) -> dict[str, Any]:
+        """p's state, checked and converted on first use (after construction, add_param_group,
+        load_state_dict); later steps trust it, and the C binding still validates every tensor."""
+        if id(p) in self._ready:
+            state = self.state[p]
+            if state:  # else the user reset it: start afresh
+                return state
+        self._check(p, name)
+        state = self._prepare_state(group, p)
+        self._ready.add(id(p))
+        return state
+
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None,
              fp16_param_groups: Optional[Sequence[Any]] = None) -> Any:
@@ -75,24 +93,77 @@ class CPUOptimizerBase(torch.optim.Optimizer):
                 loss = closure()
         for gi, group in enumerate(self.param_groups):
             copy_group = _copy_group(fp16_param_groups, gi, len(group["params"]))
+            idx = [pi for pi, p in enumerate(group["params"]) if p.grad is not None]
+            if not idx:
+                continue
+            params = [group["params"][pi] for pi in idx]
+            states = [self._ready_state(group, p, f"params[{gi}][{pi}]") for pi, p in zip(idx, params)]
+            # in place, in one C call: ours alone, see __setstate__ and state_dict
+            counts = self.ds_opt_op.bump_steps([st["step"] for st in states])
             by_step: dict[int, list[int]] = {}
-            entries = []
-            for pi, p in enumerate(group["params"]):
-                if p.grad is None:
-                    continue
-                self._check(p, f"params[{gi}][{pi}]")
-                state = self._prepare_state(group, p)
-                # a new tensor, not +=: a loaded state dict may share its step tensors with others
-                state["step"] = state["step"] + 1
-                by_step.setdefault(int(state["step"].item()), []).append(len(entries))
-                entries.append((p, state, None if copy_group is None else copy_group[pi]))
-            for step, idx in by_step.items():
-                ps = [entries[i][0] for i in idx]
+            for j, count in enumerate(counts):
+                by_step.setdefault(count, []).append(j)
+            pending = dict(by_step)
+            for step, js in by_step.items():
+                ps = [params[j] for j in js]
                 grads = [p.grad if p.grad.is_contiguous() else p.grad.contiguous() for p in ps]
-                moments = [[entries[i][1][k] for i in idx] for k in self.MOMENTS]
-                copies = None if copy_group is None else [entries[i][2] for i in idx]
-                self._kernel(group, ps, grads, moments, copies, step)
+                moments = [[states[j][k] for j in js] for k in self.MOMENTS]
+                staged = None if copy_group is None else _stage([copy_group[idx[j]] for j in js])
+                try:
+                    self._kernel(group, ps, grads, moments, None if staged is None else staged[0], step)
+                except Exception:
+                    for left in pending.values():  # the buckets not stepped keep their step counts
+                        for j in left:
+                            states[j]["step"] -= 1
+                    for j in js:  # name the parameter the way users index it, when that is the cause
+                        self._check(params[j], f"params[{gi}][{idx[j]}]")
+                    raise
+                del pending[step]
+                if staged is not None:
+                    for dst, src in staged[1]:
+                        dst.copy_(src, non_blocking=True)
         return loss
+
+    # Steps are counted in place (a new tensor per parameter per step costs microseconds each),
+    # so no step tensor of ours may be shared with another optimizer: torch's load_state_dict
+    # keeps the step tensor objects it is given, in both directions, and torch counts in place.
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Also runs inside load_state_dict: loaded states are re-checked on their first step."""
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("amsgrad", False)
+        self._ready: set[int] = set()
+        for st in self.state.values():
+            if torch.is_tensor(st.get("step")):
+                st["step"] = st["step"].clone()
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        sd["state"] = {k: {**v, "step": v["step"].clone()} if torch.is_tensor(v.get("step")) else v
+                       for k, v in sd["state"].items()}
+        return sd
+
+
+def _kernel_state_dtypes(param_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The moment dtypes the C kernels take beside a parameter of param_dtype."""
+    if param_dtype == torch.float32:
+        return (torch.float32, torch.bfloat16)
+    return (torch.float32, param_dtype)
+
+
+def _stage(copies: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Kernel-ready copy targets: each copy itself when it is a contiguous host tensor, else a
+    host buffer (pinned when a GPU is present) whose contents go to the copy after the step."""
+    ready, pending = [], []
+    for c in copies:
+        if c.device.type == "cpu" and c.is_contiguous():
+            ready.append(c)
+            continue
+        pin = c.device.type != "cpu" and torch.cuda.is_available()
+        buf = torch.empty(c.shape, dtype=c.dtype, pin_memory=pin)
+        ready.append(buf)
+        pending.append((c, buf))
+    return ready, pending
 
 
 def _copy_group(fp16_param_groups: Optional[Sequence[Any]], gi: int, n: int) -> Optional[list[torch.Tensor]]:

@@ -1,12 +1,13 @@
 /* CPU optimizer cores: Adam/AdamW, Adagrad, Lion, and the multi-tensor L2 norm and scale the
  * engine uses for clipping and fp16 unscale. Pure C11 + OpenMP; the SIMD width comes from the
- * build (DSC_SIMD_AVX512 / DSC_SIMD_AVX2 / DSC_SIMD_SCALAR).
+ * build (DSC_SIMD_AVX512 / DSC_SIMD_AVX2 / DSC_SIMD_SCALAR, see dsc/cpu_simd.h).
  *
  * Every step kernel takes a list of tensors, each operand with its own storage dtype, reads
  * each element once and writes it once (one pass over memory): low-precision operands are
- * widened into an L1-sized fp32 tile, updated, and narrowed back with round-to-nearest-even.
- * The optional `copy` operand receives the updated parameter in its own (low) precision in the
- * same pass: the ZeRO-Offload "step and write the bf16/fp16 copy" hot path. */
+ * widened to fp32 in registers, updated, and narrowed back with round-to-nearest-even. The
+ * optional `copy` operand receives the updated parameter in its own (low) precision in the
+ * same pass: the ZeRO-Offload "step and write the bf16/fp16 copy" hot path. The three SIMD
+ * builds produce identical bits. */
 #ifndef DSC_CPU_OPTIM_H
 #define DSC_CPU_OPTIM_H
 

@@ -15,4 +15,13 @@ int dsc_parse_opt_lists(PyObject *params, PyObject *grads, PyObject *s0, const c
 int dsc_parse_operand_list(PyObject *tensors, const char *name, dsc_operand **ops, int64_t **numels,
                            Py_ssize_t *n);
 
+/* The METH_FASTCALL method bump_steps(steps): every tensor of `steps` (float32 CPU tensors of one
+ * element: torch's per-parameter step counts) += 1 in place; returns the new counts as a list of
+ * ints. Nothing changes unless every tensor is valid. */
+PyObject *dsc_bump_steps(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+
+#define DSC_BUMP_STEPS_METHOD                                                                          \
+    {"bump_steps", (PyCFunction)(void (*)(void))dsc_bump_steps, METH_FASTCALL,                         \
+     "bump_steps(steps) -> list[int]: each one-element float32 step tensor += 1, in place."}
+
 #endif

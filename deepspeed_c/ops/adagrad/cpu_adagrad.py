@@ -9,6 +9,10 @@ from deepspeed_c.ops.cpu_optimizer_base import CPUOptimizerBase
 
 
 class DeepSpeedCPUAdagrad(CPUOptimizerBase):
+    """Adagrad (torch.optim.Adagrad's rule, lr_decay 0, initial accumulator 0) for parameters in
+    host memory, stepped by a C kernel in one pass over memory. State dict as torch's (`step`,
+    `sum`); fp16_param_groups and dtypes as DeepSpeedCPUAdam. amsgrad is not supported."""
+
     MOMENTS = ("sum",)  # torch.optim.Adagrad's state key
     OP_BUILDER = "CPUAdagradBuilder"
     optimizer_id = 0

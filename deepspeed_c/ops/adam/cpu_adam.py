@@ -1,6 +1,7 @@
 """DeepSpeedCPUAdam: Adam/AdamW for host parameters on the C core (AVX-512/AVX2 + OpenMP)."""
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
@@ -9,6 +10,17 @@ from deepspeed_c.ops.cpu_optimizer_base import CPUOptimizerBase
 
 
 class DeepSpeedCPUAdam(CPUOptimizerBase):
+    """Adam (adamw_mode=False: weight decay added to the gradient, as torch.optim.Adam) or AdamW
+    (adamw_mode=True, the default: decoupled weight decay, as torch.optim.AdamW) for parameters in
+    host memory, stepped by a C kernel (AVX-512/AVX2/scalar, OpenMP) in one pass over memory.
+
+    Parameters may be float32, bfloat16 or float16; states are float32 unless
+    fp32_optimizer_states=False (then the parameter's dtype). The state dict is torch's
+    (`step`, `exp_avg`, `exp_avg_sq`), so torch.optim.Adam/AdamW states load here and back.
+    `step(closure=None, fp16_param_groups=None)`: fp16_param_groups (a list per param group,
+    matching its params) receive the updated parameters in their own dtype in the same pass, the
+    ZeRO-Offload hot path; see also `cpu_adam_step` for flat tensors. amsgrad is not supported."""
+
     MOMENTS = ("exp_avg", "exp_avg_sq")
     OP_BUILDER = "CPUAdamBuilder"
     optimizer_id = 0
@@ -35,12 +47,27 @@ def cpu_adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                   exp_avg_sqs: Sequence[torch.Tensor], *, lr: float, betas: tuple[float, float], eps: float,
                   weight_decay: float, step: int, bias_correction: bool = True, adamw_mode: bool = True,
                   copies: Optional[Sequence[torch.Tensor]] = None, simd: Optional[str] = None) -> None:
-    """One Adam step over tensor lists in one pass: the ZeRO-Offload hot path. params are typically
-    the fp32 master partition, grads may be bf16/fp16 (read directly, no up-cast buffer), states
-    fp32 or bf16, and `copies` (bf16/fp16) receive the updated weights in the same pass."""
+    """One Adam step over tensor lists in one pass over memory: the ZeRO-Offload hot path.
+
+    params: the fp32 master (typically one flat partition per group), updated in place.
+    grads: fp32, bf16 or fp16, read directly (no up-cast buffer).
+    exp_avgs, exp_avg_sqs: fp32 (DeepSpeed's default), or bf16 beside fp32 params (about 20
+        bytes per parameter per step instead of 28), updated in place.
+    copies: optional contiguous host tensors (bf16/fp16, or fp32) that receive the updated
+        params in their own dtype in the same pass: the model's low-precision weights.
+    step: the 1-based step count after this update (bias correction).
+    simd: force a narrower SIMD path ("avx2", "scalar"); default the widest this CPU runs.
+    Every list must have the same length and matching element counts; wrong dtypes, devices,
+    non-contiguous or overlapping tensors raise naming the argument and index."""
+    _adam_op(simd).adam_step(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
+                             None if copies is None else list(copies), float(lr), float(betas[0]),
+                             float(betas[1]), float(eps), float(weight_decay), int(step),
+                             int(bool(bias_correction)), int(bool(adamw_mode)))
+
+
+@functools.lru_cache(maxsize=None)
+def _adam_op(simd: Optional[str]):
+    # load() hashes the sources to find the cached build; once per process is enough
     from deepspeed_c.ops.op_builder import CPUAdamBuilder
 
-    op = CPUAdamBuilder(simd=simd).load()
-    op.adam_step(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
-                 None if copies is None else list(copies), float(lr), float(betas[0]), float(betas[1]), float(eps),
-                 float(weight_decay), int(step), int(bool(bias_correction)), int(bool(adamw_mode)))
+    return CPUAdamBuilder(simd=simd).load()

@@ -9,6 +9,11 @@ from deepspeed_c.ops.cpu_optimizer_base import CPUOptimizerBase
 
 
 class DeepSpeedCPULion(CPUOptimizerBase):
+    """Lion (Chen et al. 2023) for parameters in host memory, stepped by a C kernel in one pass
+    over memory: p = p * (1 - lr * wd) - lr * sign(beta1 * m + (1 - beta1) * g), then
+    m = beta2 * m + (1 - beta2) * g. State dict: `step`, `exp_avg`; fp16_param_groups and dtypes as
+    DeepSpeedCPUAdam."""
+
     MOMENTS = ("exp_avg",)
     OP_BUILDER = "CPULionBuilder"
     optimizer_id = 0
