@@ -164,6 +164,9 @@ def _check_built(cfg: DeepSpeedZeroConfig) -> None:
         raise unbuilt(f"{path}.offload_param.nvme_path", "NVMe offload")
     if cfg.offload_optimizer is not None and cfg.offload_optimizer.nvme_path:
         raise unbuilt(f"{path}.offload_optimizer.nvme_path", "NVMe offload")
+    if cfg.offload_optimizer is not None and cfg.offload_optimizer.device == OffloadDeviceEnum.cpu.value and \
+            cfg.offload_optimizer.ratio < 1.0:
+        raise unbuilt(f"{path}.offload_optimizer.ratio", "partial optimizer offload (ratio < 1)")
     flags = (("zenflow", cfg.zenflow is not None, "ZenFlow"),
              ("zero_quantized_weights", cfg.zero_quantized_weights, "ZeRO++ quantized weights"),
              ("zero_quantized_nontrainable_weights", cfg.zero_quantized_nontrainable_weights,

@@ -352,6 +352,8 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
     def zero_grad(self) -> None:
         for p in self._params:
             p.grad = None
+        if getattr(self.optimizer, "is_zero_optimizer", False):
+            self.optimizer.zero_grad()  # stage 2 keeps the gradients in its partitions
 
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
         assert not self.inside_no_sync_ctxt, "It is illegal to call Engine.step() inside no_sync context manager"

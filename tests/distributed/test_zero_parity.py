@@ -2,7 +2,7 @@
 PyTorch in test_engine_parity.py) on 1, 2 and 4 gloo ranks, through deepspeed_c.initialize with the
 same seed and data: losses and final weights agree to 1e-5 norm-wise relative (fp32), with gradient
 accumulation 4, clipping, frozen parameters, two parameter groups with their own hyperparameters,
-CPU optimizer offload, and (looser, as 16-bit rounding differs with the reduction order) bf16 and an
+CPU optimizer offload, `reduce_scatter: false`, and (looser, as 16-bit rounding differs with the reduction order) bf16 and an
 fp16 run whose first steps overflow and are skipped.
 
 One spawn per world size runs every case at stages 0, 1 and 2; each test then checks its case. The same
@@ -26,13 +26,17 @@ TOL = 1e-5
 ADAM = {"type": "Adam", "params": {"lr": 1e-3, "weight_decay": 0.01}}
 CASES: dict[str, dict[str, Any]] = {
     "mlp-adam": dict(model="mlp", gas=1, clip=0.0, opt=ADAM),
-    "transformer-adamw-gas4-clip": dict(model="transformer", gas=4, clip=0.05,
+    "transformer-adamw-gas4-clip": dict(model="transformer", gas=4, clip=0.05, steps=20,
                                         opt={"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.01}}),
+    "transformer-fp16-overflow-offload": dict(model="transformer", gas=4, clip=0.05, steps=20, opt=ADAM,
+                                              dtype="fp16", tol=2e-2, offload=True),
     "mlp-groups-frozen": dict(model="mlp", gas=2, clip=0.0, opt=None, groups=True),
     "mlp-sgd-untested": dict(model="mlp", gas=1, clip=0.0, untested=True,
                              opt={"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}),
     "mlp-adam-offload": dict(model="mlp", gas=2, clip=0.1, opt=ADAM, offload=True),
     "mlp-bf16": dict(model="mlp", gas=1, clip=0.0, opt=ADAM, dtype="bf16", tol=2e-2),
+    "mlp-bf16-offload-gas2": dict(model="mlp", gas=2, clip=0.0, opt=ADAM, dtype="bf16", tol=2e-2, offload=True),
+    "mlp-allreduce-gas2": dict(model="mlp", gas=2, clip=0.1, opt=ADAM, reduce_scatter=False),
     "mlp-fp16-overflow": dict(model="mlp", gas=1, clip=0.0, opt=ADAM, dtype="fp16", tol=2e-2),
 }
 WORLD_CASES = {
@@ -49,6 +53,8 @@ def _config(case: dict[str, Any], stage: int) -> dict[str, Any]:
                            "zero_optimization": {"stage": stage, "reduce_bucket_size": 300}}
     if case["opt"] is not None:
         cfg["optimizer"] = case["opt"]
+    if "reduce_scatter" in case and stage > 0:
+        cfg["zero_optimization"]["reduce_scatter"] = case["reduce_scatter"]
     if case.get("untested"):
         cfg["zero_allow_untested_optimizer"] = True
     if case.get("offload") and stage > 0:
@@ -79,9 +85,10 @@ def train(rank: int, world: int, case: dict[str, Any], stage: int) -> dict[str, 
     if case.get("groups"):
         kwargs["optimizer"] = torch.optim.AdamW(_two_groups(model), lr=1e-3)
     engine, _, _, _ = deepspeed_c.initialize(model=model, config=_config(case, stage), **kwargs)
-    batches = make_batches(case["model"], STEPS * case["gas"], MICRO * world, seed=99)
+    steps = case.get("steps", STEPS)
+    batches = make_batches(case["model"], steps * case["gas"], MICRO * world, seed=99)
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         total = torch.zeros((), device=engine.device)
         for k in range(case["gas"]):
             x, y = batches[step * case["gas"] + k]

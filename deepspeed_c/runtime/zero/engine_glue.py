@@ -52,9 +52,17 @@ def configure_zero_optimizer(engine: Any) -> DeepSpeedZeroOptimizer:
     offload = zero_cfg.offload_optimizer
     offload_device = "cpu" if engine.zero_cpu_offload() else None
     cfg = engine._config
+    if stage == 2:
+        # gradient partitioning: every micro-step's gradients are reduced into the partition (no_sync is
+        # refused at stage 2, as in DeepSpeed)
+        def should_reduce() -> bool:
+            return bool(engine.enable_backward_allreduce)
+    else:
+        should_reduce = engine._should_reduce
     optimizer = DeepSpeedZeroOptimizer(
         basic, stage=stage, rank=engine.get_data_parallel_rank() if engine.dp_world_size > 1 else 0,
-        world_size=engine.dp_world_size, should_reduce=engine._should_reduce,
+        world_size=engine.dp_world_size, should_reduce=should_reduce,
+        is_boundary=engine.is_gradient_accumulation_boundary, reduce_scatter=bool(zero_cfg.reduce_scatter),
         dp_process_group=engine.data_parallel_group, reduce_bucket_size=zero_cfg.reduce_bucket_size,
         allgather_bucket_size=zero_cfg.allgather_bucket_size, clip_grad=engine.gradient_clipping(),
         loss_scaler=loss_scaler, check_overflow=check_overflow,

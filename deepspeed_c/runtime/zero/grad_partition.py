@@ -4,16 +4,23 @@ Each parameter group's trainable parameters are laid out by a PartitionPlan: buc
 per-rank chunks, so one `reduce_scatter_tensor` per bucket leaves rank r holding the reduced
 chunk r of every bucket, which is exactly its slice of the group's fp32 master partition.
 
-Outside an accumulation boundary gradients simply accumulate in `param.grad` (no communication).
-On a reducing backward each post-accumulate-grad hook copies its gradient into its slot of the
-bucket buffer; a bucket whose members have all arrived is reduce-scattered asynchronously (stage 2,
-which then frees `param.grad`), while stage 1 keeps the full gradients and sends every bucket at the
-end of backward. Buckets go out in one fixed order on every rank (collectives must match).
-The reduced partition (`grad_partitions[g]`, communication dtype, already averaged) is what the
-ZeRO optimizer steps on. Same interface as runtime/reducer.GradientReducer (end_backward, remove),
-so the engine drives either one."""
+Stage 2 (the engine's should_reduce is true on every micro-step) reduces every micro-step, as
+DeepSpeed does: each post-accumulate-grad hook copies its gradient into its slot of the bucket
+buffer and frees `param.grad`; a bucket whose members have all arrived goes out at once, and its
+reduced chunk is added into the partition, so between steps a rank holds only 1/W of the gradients.
+Stage 1 lets gradients accumulate in `param.grad` and reduces once, on the accumulation boundary.
+Buckets go out in one fixed order on every rank (collectives must match).
+
+The reduced partition (`grad_partitions[g]`, communication dtype, averaged over ranks) is what the
+ZeRO optimizer steps on. With `reduce_scatter=False` a bucket is all-reduced instead and the local
+chunk kept (DeepSpeed's switch; twice the bytes). A `side_stream` (CUDA, set by the offload path)
+finishes each bucket there instead of at the end of backward, and `on_bucket_final(g, start, end)`
+then runs on that stream on the accumulation boundary: the device-to-host copy of the finished
+chunk overlaps the rest of backward. Same interface as runtime/reducer.GradientReducer
+(end_backward, remove), so the engine drives either one."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -27,11 +34,26 @@ def _comm() -> Any:
     return dist
 
 
+@dataclass
+class _InFlight:
+    """One bucket's collective: `recv` receives this rank's reduced chunk (the partition slice
+    itself on the first round of an accumulation window, else a temporary added into it)."""
+    g: int
+    b: int
+    work: Any
+    buf: torch.Tensor
+    recv: torch.Tensor
+    start: int
+    end: int
+
+
 class ZeroGradPartitioner:
 
     def __init__(self, groups: Sequence[Sequence[torch.nn.Parameter]], plans: Sequence[PartitionPlan], *,
-                 rank: int, world_size: int, should_reduce: Callable[[], bool], group: Any = None,
+                 rank: int, world_size: int, should_reduce: Callable[[], bool],
+                 is_boundary: Optional[Callable[[], bool]] = None, group: Any = None,
                  comm_dtype: Optional[torch.dtype] = None, free_grads: bool = True, overlap: bool = True,
+                 use_reduce_scatter: bool = True,
                  prescale_gradients: bool = False, gradient_predivide_factor: float = 1.0) -> None:
         self.groups = [list(g) for g in groups]
         self.plans = list(plans)
@@ -39,8 +61,10 @@ class ZeroGradPartitioner:
         self.world_size = world_size
         self.group = group
         self.should_reduce = should_reduce
+        self.is_boundary = is_boundary or (lambda: True)
         self.free_grads = free_grads
         self.overlap = overlap
+        self.use_reduce_scatter = use_reduce_scatter
         if prescale_gradients:
             self.pre_factor, self.post_factor = 1.0 / world_size, 1.0
         else:
@@ -58,15 +82,20 @@ class ZeroGradPartitioner:
         self._flat_params = [p for params in self.groups for p in params]
         self.comm_dtypes = [comm_dtype or (params[0].dtype if params else torch.float32) for params in self.groups]
         self.grad_partitions: list[Optional[torch.Tensor]] = [None] * len(self.groups)
+        self._fresh = [True] * len(self.groups)  # partition not yet written in this accumulation window
         self._bufs: list[Optional[torch.Tensor]] = [None] * len(self.order)
         self._remaining = [len(m) for m in self._members]
         self._arrived = [False] * len(self._flat_params)
         self._next = 0
-        self._works: list[tuple[Any, torch.Tensor]] = []
+        self._in_flight: list[_InFlight] = []
+        self._finished: list[_InFlight] = []  # finished on the side stream: kept alive until end of round
         self._round_open = False
         self._reducing = False
+        self._boundary = True
+        self.side_stream: Any = None
+        self.on_bucket_final: Optional[Callable[[int, int, int], None]] = None
         self.rounds = 0
-        self.collectives = 0  # reduce-scatters issued, for tests
+        self.collectives = 0  # reduce-scatters (or all-reduces) issued, for tests
         self._handles = [p.register_post_accumulate_grad_hook(self._hook_for(k))
                          for k, p in enumerate(self._flat_params)]
 
@@ -91,13 +120,18 @@ class ZeroGradPartitioner:
         self._round_open = True
         self._reducing = bool(self.should_reduce())
         if self._reducing:
+            self._boundary = bool(self.is_boundary())
             self._remaining = [len(m) for m in self._members]
             self._arrived = [False] * len(self._flat_params)
             self._next = 0
-            self._works = []
-            for g, params in enumerate(self.groups):
-                size = self.plans[g].runtime_partition_size
-                self.grad_partitions[g] = torch.zeros(size, dtype=self.comm_dtypes[g], device=self._device(g))
+            self._in_flight = []
+            self._finished = []
+            for g in range(len(self.groups)):
+                if self.grad_partitions[g] is None:
+                    size = self.plans[g].runtime_partition_size
+                    # every element is written by the first round's collectives (padding included)
+                    self.grad_partitions[g] = torch.empty(size, dtype=self.comm_dtypes[g], device=self._device(g))
+                    self._fresh[g] = True
         torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
 
     def _bucket(self, slot: int) -> torch.Tensor:
@@ -144,13 +178,46 @@ class ZeroGradPartitioner:
         if self.pre_factor != 1.0:
             buf.mul_(self.pre_factor)
         start, end = self.chunk_range(g, b)
-        out = self.grad_partitions[g][start:end]
+        part = self.grad_partitions[g]
+        assert part is not None
         if self.world_size == 1:
-            out.copy_(buf)
+            work, recv = None, buf
+        elif self.use_reduce_scatter:
+            recv = part[start:end] if self._fresh[g] else torch.empty(end - start, dtype=buf.dtype, device=buf.device)
+            work = _comm().reduce_scatter_tensor(recv, buf, group=self.group, async_op=True)
+            self.collectives += 1
+        else:
+            work = _comm().all_reduce(buf, group=self.group, async_op=True)
+            recv = buf[self.rank * (end - start):(self.rank + 1) * (end - start)]
+            self.collectives += 1
+        entry = _InFlight(g, b, work, buf, recv, start, end)
+        if self.side_stream is None:
+            self._in_flight.append(entry)
             return
-        work = _comm().reduce_scatter_tensor(out, buf, group=self.group, async_op=True)
-        self._works.append((work, buf))
-        self.collectives += 1
+        # finish this bucket on the side stream right away (queued, not waited for), so its
+        # device-to-host copy can run while backward goes on
+        with torch.cuda.stream(self.side_stream):
+            self._finish_bucket(entry)
+        self._finished.append(entry)
+
+    def _finish_bucket(self, e: _InFlight) -> None:
+        """Waits for the bucket's collective (on the current stream) and folds the chunk into the
+        partition, averaged; then hands the final chunk to on_bucket_final on the boundary."""
+        if e.work is not None:
+            e.work.wait()
+        part = self.grad_partitions[e.g]
+        assert part is not None
+        dst = part[e.start:e.end]
+        if self._fresh[e.g]:
+            if e.recv.data_ptr() == dst.data_ptr():
+                if self.post_factor != 1.0:
+                    dst.mul_(self.post_factor)
+            else:
+                torch.mul(e.recv, self.post_factor, out=dst)
+        else:
+            dst.add_(e.recv, alpha=self.post_factor)
+        if self._boundary and self.on_bucket_final is not None:
+            self.on_bucket_final(e.g, e.start, e.end)
 
     def end_backward(self) -> None:
         """Flush, await and average (idempotent: a no-op outside a reducing backward)."""
@@ -169,18 +236,25 @@ class ZeroGradPartitioner:
             if not self._arrived[k]:
                 self._deposit(k)
         self._launch_ready()
-        for work, _ in self._works:
-            if work is not None:
-                work.wait()
-        self._works = []
-        if self.post_factor != 1.0:
-            torch._foreach_mul_([t for t in self.grad_partitions if t is not None], self.post_factor)
+        for entry in self._in_flight:
+            self._finish_bucket(entry)
+        self._in_flight = []
+        if self.side_stream is not None:
+            # later work on the current stream (the norm, freeing the buckets) comes after the side stream's
+            torch.cuda.current_stream().wait_stream(self.side_stream)
+        self._finished = []
+        self._fresh = [False] * len(self.groups)
         self.rounds += 1
+
+    def has_gradients(self) -> bool:
+        return any(p is not None for p in self.grad_partitions)
 
     def clear(self) -> None:
         self.grad_partitions = [None] * len(self.groups)
+        self._fresh = [True] * len(self.groups)
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+

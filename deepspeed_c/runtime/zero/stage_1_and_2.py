@@ -5,12 +5,18 @@ Per parameter group, the trainable parameters get a PartitionPlan (deepspeed_c.o
 layout): rank r owns chunk r of every bucket. This rank keeps only its fp32 master partition (one flat
 tensor per group, on the device or, with offload_optimizer, in host memory), and the wrapped optimizer
 steps that flat tensor as its only parameter, so its state is partitioned too. Gradients arrive already
-reduce-scattered in the same layout (grad_partition.ZeroGradPartitioner); the step unscales, checks
-overflow and clips with one all-reduce of the partitions' squared norm, steps, and all-gathers the
-updated low-precision weights back into the model parameters, one collective per bucket.
+reduce-scattered in the same layout (grad_partition.ZeroGradPartitioner: stage 2 every micro-step,
+stage 1 on the accumulation boundary); the step checks overflow and computes the clipping coefficient
+from one all-reduce of the partitions' squared norm, steps, and all-gathers the updated weights in the
+model's dtype back into the model parameters, one collective per bucket (param_gather.BucketGatherer).
+With offload_optimizer the host side is offload.CPUOffload: gradients staged to pinned host memory as
+their buckets finish, the C CPU optimizer stepping in sub-chunks whose results go back to the device
+and into their bucket's all-gather while it steps the next.
 
 For checkpointing: `state_dict()` / `load_state_dict()`, `partition_plans` (one PartitionPlan per group),
-`fp32_partitions` (this rank's flat masters, runtime layout) and `local_optimizer_state(g)`."""
+`fp32_partitions` / `single_partition_of_fp32_groups` (this rank's flat masters, runtime layout),
+`local_optimizer_state(g)`, `bit16_groups` (the model parameters of each group, in plan order) and
+`refresh_model_params()` (model weights re-gathered from the masters)."""
 from __future__ import annotations
 
 import math
@@ -22,6 +28,9 @@ import torch
 from deepspeed_c.ops.partition import DEEPSPEED_ALIGNMENT, PartitionPlan
 from deepspeed_c.runtime.grad_norm import clip_coefficient, scale_
 from deepspeed_c.runtime.zero.grad_partition import ZeroGradPartitioner
+from deepspeed_c.runtime.zero.offload import SUB_CHUNK as OFFLOAD_SUB_CHUNK
+from deepspeed_c.runtime.zero.offload import CPUOffload
+from deepspeed_c.runtime.zero.param_gather import BucketGatherer
 from deepspeed_c.utils.logging import logger
 
 __all__ = ["DeepSpeedZeroOptimizer", "estimate_zero2_model_states_mem_needs",
@@ -49,7 +58,9 @@ class DeepSpeedZeroOptimizer:
                  clip_grad: float = 0.0, loss_scaler: Any = None, check_overflow: bool = False,
                  communication_dtype: Optional[torch.dtype] = None, offload_device: Optional[str] = None,
                  pin_memory: bool = False, overlap_comm: bool = True, prescale_gradients: bool = False,
-                 gradient_predivide_factor: float = 1.0) -> None:
+                 gradient_predivide_factor: float = 1.0, reduce_scatter: bool = True,
+                 is_boundary: Optional[Callable[[], bool]] = None, offload_sub_chunk: Optional[int] = None,
+                 offload_stage_on_host: Optional[bool] = None) -> None:
         if stage not in (1, 2):
             raise ValueError(f"DeepSpeedZeroOptimizer runs ZeRO stage 1 or 2, got stage={stage}")
         self.optimizer = init_optimizer
@@ -91,18 +102,21 @@ class DeepSpeedZeroOptimizer:
             self.fp32_partitions.append(master)
             for i, p in enumerate(params):
                 setattr(p, OWNER_ATTR, (weakref.ref(self), g, i))
+        # stage 2 reduces every micro-step into the partition (the full gradient is freed as its bucket
+        # goes out); stage 1 keeps full gradients and reduces once per accumulation boundary
         self.reducer = ZeroGradPartitioner(
             self.bit16_groups, self.partition_plans, rank=rank, world_size=world_size, should_reduce=should_reduce,
-            group=dp_process_group, comm_dtype=communication_dtype, free_grads=stage == 2,
-            overlap=overlap_comm or stage == 2, prescale_gradients=prescale_gradients,
+            is_boundary=is_boundary, group=dp_process_group, comm_dtype=communication_dtype,
+            free_grads=stage == 2, overlap=overlap_comm or stage == 2,
+            use_reduce_scatter=reduce_scatter, prescale_gradients=prescale_gradients,
             gradient_predivide_factor=gradient_predivide_factor)
-        self._fused_copy = self._takes_fused_copy()
-        self._bucket_members: list[list[list[int]]] = []
-        for plan in self.partition_plans:
-            members: list[list[int]] = [[] for _ in range(plan.num_buckets)]
-            for i, b in enumerate(plan.param_bucket):
-                members[b].append(i)
-            self._bucket_members.append(members)
+        self.gatherer = BucketGatherer(self.partition_plans, self.bit16_groups, world_size=world_size,
+                                       group=dp_process_group, cap=self.allgather_bucket_size)
+        self.offload: Optional[CPUOffload] = None
+        if offload_device == "cpu":
+            self.offload = CPUOffload(init_optimizer, self.fp32_partitions, self.bit16_groups, self.reducer,
+                                      stage_on_host=offload_stage_on_host,
+                                      sub_chunk=offload_sub_chunk or OFFLOAD_SUB_CHUNK)
 
     # -- the optimizer face ------------------------------------------------------------------------
     @property
@@ -177,36 +191,36 @@ class DeepSpeedZeroOptimizer:
         for m in self.fp32_partitions:
             m.grad = None
         self.reducer.clear()
+        if self.offload is not None:
+            self.offload.reset()
 
-    def _attach_grads(self) -> list[torch.Tensor]:
-        grads = []
-        for g, master in enumerate(self.fp32_partitions):
-            part = self.reducer.grad_partitions[g]
+    def _grad_partitions(self) -> list[torch.Tensor]:
+        """Each group's reduced (averaged) gradient partition on the model's device; zeros for a group
+        that had no reducing backward since the last step."""
+        out = []
+        for g, part in enumerate(self.reducer.grad_partitions):
             if part is None:
-                grad = torch.zeros_like(master)
-            elif self._fused_copy and part.dtype != torch.float32 and hasattr(master, "grad_dtype"):
-                master.grad_dtype = None  # the C CPU optimizers read 16-bit gradients directly
-                grad = part.to(master.device)
-            else:
-                # a device-to-host copy must be complete before the host optimizer reads it: blocking
-                grad = part.to(device=master.device, dtype=torch.float32, non_blocking=master.device.type != "cpu")
-            master.grad = grad
-            grads.append(grad)
-        return grads
+                part = torch.zeros(self.fp32_partitions[g].numel(), dtype=self.reducer.comm_dtypes[g],
+                                   device=self.bit16_groups[g][0].device)
+                self.reducer.grad_partitions[g] = part
+            out.append(part)
+        return out
 
-    def _global_sq_norm(self, grads: Sequence[torch.Tensor]) -> float:
+    def _global_sq_norm(self, parts: Sequence[torch.Tensor]) -> float:
+        """Squared L2 norm of the whole reduced gradient: each rank's partitions, then one scalar
+        all-reduce (padding is zero, so it adds nothing)."""
         dev = self.bit16_groups[0][0].device
         local = torch.zeros((), dtype=torch.float32, device=dev)
-        for t in grads:
-            local += torch.linalg.vector_norm(t.float(), 2.0).to(dev) ** 2
+        for t in parts:
+            local += torch.linalg.vector_norm(t, 2.0, dtype=torch.float32).to(dev) ** 2
         if self.world_size > 1:
             _comm().all_reduce(local, group=self.dp_process_group)
         return float(local.item())
 
     def step(self, closure: Any = None) -> bool:
         """Returns True when the step was skipped for overflow (DeepSpeed's convention)."""
-        grads = self._attach_grads()
-        scaled_norm = math.sqrt(self._global_sq_norm(grads))
+        parts = self._grad_partitions()
+        scaled_norm = math.sqrt(self._global_sq_norm(parts))
         finite = math.isfinite(scaled_norm)
         self.overflow = (not finite) and self.check_overflow
         if self.loss_scaler is not None:
@@ -222,85 +236,44 @@ class DeepSpeedZeroOptimizer:
         coef = 1.0 / grad_scale
         if self.clip_grad > 0.0 and finite:
             coef *= clip_coefficient(unscaled, self.clip_grad)
-        if coef != 1.0:
-            fp32 = [g for g in grads if g.dtype == torch.float32]
-            scale_(fp32, coef)
-            for g in grads:
-                if g.dtype != torch.float32:
-                    g.mul_(coef)
-        lp_parts = self._step_inner()
-        self._all_gather_params(lp_parts)
+        if self.offload is not None:
+            # host step in sub-chunks; each chunk goes back to the device and into its all-gather as it is done
+            self.offload.step(coef, self.gatherer)
+        else:
+            grads = self._attach_grads(parts)
+            if coef != 1.0:
+                scale_(grads, coef)
+            self.optimizer.step()
+            self._gather_from_masters()
         for m in self.fp32_partitions:
             m.grad = None
         self.reducer.clear()
         return False
 
-    def _takes_fused_copy(self) -> bool:
-        from deepspeed_c.ops.cpu_optimizer_base import CPUOptimizerBase
-
-        return isinstance(self.optimizer, CPUOptimizerBase) and all(m.device.type == "cpu"
-                                                                    for m in self.fp32_partitions)
-
-    def _step_inner(self) -> list[torch.Tensor]:
-        """Steps the partitions; returns each group's updated partition in the model dtype."""
-        lp_dtypes = [params[0].dtype for params in self.bit16_groups]
-        if self._fused_copy and any(dt != torch.float32 for dt in lp_dtypes):
-            # the C CPU optimizer writes the 16-bit copy in the same pass over memory
-            copies = [torch.empty(m.numel(), dtype=dt, device=m.device) for m, dt in zip(self.fp32_partitions,
-                                                                                            lp_dtypes)]
-            self.optimizer.step(fp16_param_groups=[[c] for c in copies])
-            for m, c, dt in zip(self.fp32_partitions, copies, lp_dtypes):
-                if dt == torch.float32:
-                    c.copy_(m.detach())
-            return copies
-        self.optimizer.step()
-        return [m.detach().to(dt) for m, dt in zip(self.fp32_partitions, lp_dtypes)]
+    def _attach_grads(self, parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        grads = []
+        for master, part in zip(self.fp32_partitions, parts):
+            master.grad = part.to(device=master.device, dtype=torch.float32)
+            grads.append(master.grad)
+        return grads
 
     @torch.no_grad()
-    def _all_gather_params(self, lp_parts: Sequence[torch.Tensor]) -> None:
-        """One all-gather per bucket into a bucket buffer, asynchronously, with at most
-        allgather_bucket_size elements in flight; each finished bucket is copied into the model params."""
-        pending: list[tuple[Any, torch.Tensor, int, int]] = []
-        in_flight = 0
-        for g, params in enumerate(self.bit16_groups):
-            plan = self.partition_plans[g]
-            part = lp_parts[g].to(params[0].device, non_blocking=True)
-            for b in range(plan.num_buckets):
+    def _gather_from_masters(self) -> None:
+        """The updated masters, in the model dtype on the model device, all-gathered bucket by bucket."""
+        for g, (master, params) in enumerate(zip(self.fp32_partitions, self.bit16_groups)):
+            lp = master.detach().to(device=params[0].device, dtype=params[0].dtype, non_blocking=True)
+            for b in range(self.partition_plans[g].num_buckets):
                 start, end = self.reducer.chunk_range(g, b)
-                if self.world_size == 1:
-                    self._fill_bucket(g, b, part[start:end])
-                    continue
-                while pending and in_flight + plan.bucket_size[b] > self.allgather_bucket_size:
-                    work, full, pg, pb = pending.pop(0)
-                    in_flight -= full.numel()
-                    self._finish_gather(work, full, pg, pb)
-                full = torch.empty(plan.bucket_size[b], dtype=part.dtype, device=part.device)
-                work = _comm().all_gather_into_tensor(full, part[start:end], group=self.dp_process_group,
-                                                      async_op=True)
-                pending.append((work, full, g, b))
-                in_flight += full.numel()
-        for work, full, g, b in pending:
-            self._finish_gather(work, full, g, b)
-
-    def _finish_gather(self, work: Any, full: torch.Tensor, g: int, b: int) -> None:
-        if work is not None:
-            work.wait()
-        self._fill_bucket(g, b, full)
-
-    def _fill_bucket(self, g: int, b: int, full: torch.Tensor) -> None:
-        plan, params = self.partition_plans[g], self.bit16_groups[g]
-        dst, src = [], []
-        for i in self._bucket_members[g][b]:
-            off = plan.param_offset[i] - plan.bucket_offset[b]
-            dst.append(params[i].data)
-            src.append(full[off:off + params[i].numel()].view_as(params[i]))
-        if dst:
-            torch._foreach_copy_(dst, src)
+                self.gatherer.submit(g, b, lp[start:end])
+        self.gatherer.finish()
 
     def refresh_model_params(self) -> None:
         """Model parameters re-filled from the fp32 masters of every rank (after loading a checkpoint)."""
-        lp = [m.detach().to(params[0].dtype) for m, params in zip(self.fp32_partitions, self.bit16_groups)]
-        self._all_gather_params(lp)
+        self._gather_from_masters()
+
+    def offload_stats(self) -> Optional[dict[str, float]]:
+        """Accumulated offload pipeline timings and bytes (None without offload_optimizer)."""
+        return None if self.offload is None else self.offload.stats.as_dict()
 
     # -- checkpoint state ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,242 @@
+"""ZeRO-Offload for stages 1 and 2 (`offload_optimizer: {device: cpu}`): the fp32 master partition
+and the optimizer states live in host memory and the C CPU optimizer steps them.
+
+The pipeline, per step, on a GPU:
+1. backward: as each bucket's reduce-scatter finishes, its averaged chunk is copied to a pinned
+   host buffer on a side stream (grad_partition.ZeroGradPartitioner.on_bucket_final), while
+   backward goes on;
+2. step: the host waits only for copies still running, then steps the partition in sub-chunks
+   (`sub_chunk` elements) with the C kernel, which reads 16-bit gradients directly and writes the
+   updated weights in the model's dtype into a pinned buffer in the same pass; each sub-chunk is
+   copied to the device on the side stream as soon as it is written, while the CPU steps the next;
+3. a bucket whose chunk has arrived is all-gathered at once (param_gather.BucketGatherer).
+On a CPU-only run the partition already is host memory: no copies, and step 3 still overlaps the
+CPU step with the (asynchronous) all-gathers.
+
+`stats` counts how long the host waited for device-to-host copies at the step, how long the CPU
+step took, how long the all-gather tail took after it, and (GPU) the copies' own durations from
+CUDA events, so a run can say how much of the copying was hidden. Optimizers other than the C CPU
+ones (zero_force_ds_cpu_optimizer=false) step the whole partition at once: the same copies, no
+sub-chunk overlap."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+
+from deepspeed_c.runtime.zero.grad_partition import ZeroGradPartitioner
+from deepspeed_c.runtime.zero.param_gather import BucketGatherer
+
+SUB_CHUNK = 1 << 22  # elements per C-kernel call / host-to-device copy in the pipelined step
+
+
+@dataclass
+class OffloadStats:
+    steps: int = 0
+    d2h_bytes: int = 0
+    h2d_bytes: int = 0
+    d2h_wait_s: float = 0.0  # host blocked at step() on device-to-host copies
+    cpu_step_s: float = 0.0  # the CPU optimizer over the partition (H2D copies and gathers run meanwhile)
+    tail_s: float = 0.0  # after the CPU step: waiting for the last copies and all-gathers
+    d2h_copy_ms: float = 0.0  # sum of the device-to-host copies' own durations (CUDA events)
+    h2d_copy_ms: float = 0.0
+    _events: list[tuple[str, Any, Any]] = field(default_factory=list, repr=False)
+
+    def collect(self) -> None:
+        """Folds the finished copies' CUDA event timings into the totals (synchronises them)."""
+        for kind, start, end in self._events:
+            end.synchronize()
+            ms = start.elapsed_time(end)
+            if kind == "d2h":
+                self.d2h_copy_ms += ms
+            else:
+                self.h2d_copy_ms += ms
+        self._events = []
+
+    def as_dict(self) -> dict[str, float]:
+        self.collect()
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+
+class CPUOffload:
+    """Host buffers, the side stream and the pipelined host step of one ZeRO optimizer."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, masters: Sequence[torch.Tensor],
+                 groups: Sequence[Sequence[torch.nn.Parameter]], reducer: ZeroGradPartitioner, *,
+                 stage_on_host: Optional[bool] = None, sub_chunk: int = SUB_CHUNK) -> None:
+        from deepspeed_c.ops.cpu_optimizer_base import CPUOptimizerBase
+
+        self.optimizer = optimizer
+        self.masters = list(masters)
+        self.reducer = reducer
+        self.device = groups[0][0].device
+        self.cuda = self.device.type == "cuda"
+        self.sub_chunk = max(1, int(sub_chunk))
+        self.lp_dtypes = [params[0].dtype for params in groups]
+        self.fused = isinstance(optimizer, CPUOptimizerBase)
+        # a separate host copy of the gradients: needed when they are reduced on a GPU; forced on a
+        # CPU-only run by tests, to exercise the per-bucket staging
+        self.staging = self.cuda if stage_on_host is None else bool(stage_on_host)
+        pin = self.cuda
+        sizes = [m.numel() for m in self.masters]
+        self.host_grads: list[Optional[torch.Tensor]] = [
+            torch.empty(n, dtype=reducer.comm_dtypes[g], pin_memory=pin) if self.staging else None
+            for g, n in enumerate(sizes)]
+        # the model-dtype result of the step, in host memory, read by the copy to the device (pinned,
+        # so that copy is asynchronous); an fp32 model on a CPU-only run gathers the master itself
+        self.host_lp: list[Optional[torch.Tensor]] = []
+        for m, dt in zip(self.masters, self.lp_dtypes):
+            direct = dt == torch.float32 and (not self.cuda or m.is_pinned())
+            self.host_lp.append(None if direct else torch.empty(m.numel(), dtype=dt, pin_memory=pin))
+        self._staged = [0] * len(sizes)
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._last_d2h: Any = None
+        self._last_h2d: Any = None
+        self.stats = OffloadStats()
+        if self.staging:
+            reducer.on_bucket_final = self._stage_chunk
+        if self.cuda:
+            reducer.side_stream = self.stream
+
+    def reset(self) -> None:
+        """Gradients dropped (zero_grad, a skipped step): nothing staged for the next step yet."""
+        self._staged = [0] * len(self.masters)
+
+    # -- backward: gradients to the host, bucket by bucket ----------------------------------------------
+    def _event(self) -> Any:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def _stage_chunk(self, g: int, start: int, end: int) -> None:
+        """Runs on the side stream (GPU) as soon as the chunk is final."""
+        part = self.reducer.grad_partitions[g]
+        host = self.host_grads[g]
+        assert part is not None and host is not None
+        if self.cuda:
+            t0 = self._event()
+            host[start:end].copy_(part[start:end], non_blocking=True)
+            t1 = self._event()
+            self.stats._events.append(("d2h", t0, t1))
+            self._last_d2h = t1
+        else:
+            host[start:end].copy_(part[start:end])
+        self._staged[g] += end - start
+        self.stats.d2h_bytes += (end - start) * host.element_size()
+
+    def _host_grads(self) -> list[torch.Tensor]:
+        """Every group's reduced gradient partition in host memory, complete."""
+        t0 = time.perf_counter()
+        if self._last_d2h is not None:
+            self._last_d2h.synchronize()
+            self._last_d2h = None
+        out = []
+        for g, m in enumerate(self.masters):
+            part = self.reducer.grad_partitions[g]
+            if not self.staging:
+                out.append(part if part is not None else torch.zeros(m.numel(), dtype=self.reducer.comm_dtypes[g]))
+                continue
+            host = self.host_grads[g]
+            assert host is not None
+            if part is None:
+                host.zero_()
+            elif self._staged[g] != m.numel():  # not (all) staged during backward: copy now
+                host.copy_(part)
+                self.stats.d2h_bytes += host.numel() * host.element_size()
+            out.append(host)
+        self._staged = [0] * len(self.masters)
+        self.stats.d2h_wait_s += time.perf_counter() - t0
+        return out
+
+    # -- step: C CPU optimizer in sub-chunks, each copied to the device as it is done ------------------
+    @torch.no_grad()
+    def step(self, coef: float, gatherer: BucketGatherer) -> None:
+        grads = self._host_grads()
+        if self._last_h2d is not None:  # the pinned lp buffers are about to be rewritten
+            self._last_h2d.synchronize()
+            self._last_h2d = None
+        self.stats.collect()
+        t0 = time.perf_counter()
+        dev_lps: list[Optional[torch.Tensor]] = [None] * len(self.masters)
+        if self.cuda:
+            # the device copies of the updated weights: allocated before the side stream waits for the
+            # compute stream, since their memory may have been in use there until now
+            dev_lps = [torch.empty(m.numel(), dtype=dt, device=self.device) for m, dt in zip(self.masters,
+                                                                                            self.lp_dtypes)]
+            self.stream.wait_stream(torch.cuda.current_stream())
+        if not self.fused:
+            self._step_whole(grads, coef)
+        for g, master in enumerate(self.masters):
+            self._step_group(g, master, grads[g], coef, gatherer, dev_lps[g])
+        t1 = time.perf_counter()
+        if self.cuda:
+            with torch.cuda.stream(self.stream):
+                self._last_h2d = self._event()
+        gatherer.finish()
+        self.stats.cpu_step_s += t1 - t0
+        self.stats.tail_s += time.perf_counter() - t1
+        self.stats.steps += 1
+
+    def _step_whole(self, grads: list[torch.Tensor], coef: float) -> None:
+        """A torch optimizer on host tensors: fp32 gradients attached, one step over everything."""
+        for master, grad in zip(self.masters, grads):
+            grad32 = grad.float() if grad.dtype != torch.float32 else grad
+            if coef != 1.0:
+                grad32 = grad32.mul(coef) if grad32 is grad else grad32.mul_(coef)
+            master.grad = grad32
+        self.optimizer.step()
+        for master in self.masters:
+            master.grad = None
+
+    def _step_group(self, g: int, master: torch.Tensor, grad: torch.Tensor, coef: float, gatherer: BucketGatherer,
+                    dev_lp: Optional[torch.Tensor]) -> None:
+        opt = self.optimizer
+        group = opt.param_groups[g]
+        lp = self.host_lp[g]
+        src = lp if lp is not None else master.detach()
+        step, state = 0, None
+        if self.fused:
+            state = opt._ready_state(group, master, f"params[{g}][0]")
+            step = int(opt.ds_opt_op.bump_steps([state["step"]])[0])
+        try:
+            for b in range(gatherer.plans[g].num_buckets):
+                start, end = self.reducer.chunk_range(g, b)
+                for lo in range(start, end, self.sub_chunk):
+                    hi = min(end, lo + self.sub_chunk)
+                    if self.fused:
+                        self._kernel(group, state, master, grad, lp, lo, hi, coef, step)
+                    elif lp is not None:
+                        lp[lo:hi].copy_(master.detach()[lo:hi])
+                    if dev_lp is not None:
+                        self._to_device(dev_lp[lo:hi], src[lo:hi])
+                if dev_lp is not None:
+                    with torch.cuda.stream(self.stream):
+                        arrived = torch.cuda.Event()
+                        arrived.record()
+                    torch.cuda.current_stream().wait_event(arrived)
+                    gatherer.submit(g, b, dev_lp[start:end])
+                else:
+                    gatherer.submit(g, b, src[start:end])
+        except Exception:
+            if state is not None:
+                state["step"] -= 1
+            raise
+
+    def _kernel(self, group: dict[str, Any], state: Any, master: torch.Tensor, grad: torch.Tensor,
+                lp: Optional[torch.Tensor], lo: int, hi: int, coef: float, step: int) -> None:
+        g = grad[lo:hi]
+        if coef != 1.0:
+            g.mul_(coef)
+        moments = [[state[k][lo:hi]] for k in self.optimizer.MOMENTS]
+        copies = None if lp is None else [lp[lo:hi]]
+        self.optimizer._kernel(group, [master.detach()[lo:hi]], [g], moments, copies, step)
+
+    def _to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with torch.cuda.stream(self.stream):
+            t0 = self._event()
+            dst.copy_(src, non_blocking=True)
+            t1 = self._event()
+        self.stats._events.append(("h2d", t0, t1))
+        self.stats.h2d_bytes += src.numel() * src.element_size()
