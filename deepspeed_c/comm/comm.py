@@ -220,6 +220,15 @@ def get_backend(group: Any = None) -> str:
     return _backend().get_backend(group)
 
 
+def collective_device(group: Any = None) -> torch.device:
+    """Where a tensor handed to this group's collectives must live: NCCL only takes CUDA tensors
+    (host-side state such as offloaded masters is staged through the current device), gloo takes
+    host tensors."""
+    if dist.is_initialized() and "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def has_all_gather_into_tensor() -> bool:
     return _backend().has_all_gather_into_tensor()
 

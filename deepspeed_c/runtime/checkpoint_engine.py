@@ -90,7 +90,10 @@ class EngineCheckpointer:
     def _validate_tag(self, engine: Any, tag: str) -> None:
         if not _dist() or not engine.checkpoint_tag_validation_enabled():
             return
-        digest = torch.tensor(list(hashlib.sha1(tag.encode()).digest()[:8]), dtype=torch.int64)
+        from deepspeed_c.comm import collective_device
+
+        digest = torch.tensor(list(hashlib.sha1(tag.encode()).digest()[:8]), dtype=torch.int64,
+                              device=collective_device())
         lo, hi = digest.clone(), digest.clone()
         dist.all_reduce(lo, op=dist.ReduceOp.MIN)
         dist.all_reduce(hi, op=dist.ReduceOp.MAX)

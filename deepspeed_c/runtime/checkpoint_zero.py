@@ -27,9 +27,13 @@ def _flat_state_keys(base: dict, g: int, numel: int) -> list[str]:
 def _gather(t: torch.Tensor, world: int, group: Any) -> list[torch.Tensor]:
     if world == 1:
         return [t]
-    parts = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return parts
+    from deepspeed_c.comm import collective_device
+
+    dev = collective_device(group)
+    send = t.detach().to(dev).contiguous()
+    parts = [torch.empty_like(send) for _ in range(world)]
+    dist.all_gather(parts, send, group=group)
+    return [p.to(t.device) for p in parts]
 
 
 def to_deepspeed_layout(opt: Any) -> dict:

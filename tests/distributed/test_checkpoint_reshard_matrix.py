@@ -24,7 +24,7 @@ def body(rank: int, world: int, stage: int, src: str | None, dst: str) -> int:
         for _ in range(3):
             x, y = torch.randn(2 * world, 12, generator=g), torch.randn(2 * world, 3, generator=g)
             sl = slice(2 * rank, 2 * rank + 2)
-            engine.backward(loss_fn(engine(x[sl]), y[sl]))
+            engine.backward(loss_fn(engine(x[sl].to(engine.device)), y[sl].to(engine.device)))
             engine.step()
     else:
         engine.load_checkpoint(src)

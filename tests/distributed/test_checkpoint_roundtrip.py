@@ -44,7 +44,7 @@ def body(rank: int, world: int, root: str, mode: str) -> dict:
         losses = []
         for x, y in data[start:stop]:
             sl = slice(rank * MICRO, (rank + 1) * MICRO)
-            loss = loss_fn(engine(x[sl]), y[sl])
+            loss = loss_fn(engine(x[sl].to(engine.device)), y[sl].to(engine.device))
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
@@ -57,7 +57,7 @@ def body(rank: int, world: int, root: str, mode: str) -> dict:
                 refused = str(e)
         out[dtype] = {"losses": losses, "client": client, "refused": refused, "lr": engine.get_lr(),
                       "steps": engine.global_steps,
-                      "weights": {k: v.float().numpy().copy() for k, v in engine.module.state_dict().items()}}
+                      "weights": {k: v.float().cpu().numpy().copy() for k, v in engine.module.state_dict().items()}}
     return out
 
 

@@ -32,7 +32,7 @@ def body(rank: int, world: int, src: str | None, dst: str, module_only: bool = F
         for _ in range(4):
             x, y = torch.randn(2 * world, 12, generator=g), torch.randn(2 * world, 3, generator=g)
             sl = slice(2 * rank, 2 * rank + 2)
-            engine.backward(loss_fn(engine(x[sl]), y[sl]))
+            engine.backward(loss_fn(engine(x[sl].to(engine.device)), y[sl].to(engine.device)))
             engine.step()
     elif module_only:
         engine.load_checkpoint(src, load_module_only=True)
@@ -41,14 +41,14 @@ def body(rank: int, world: int, src: str | None, dst: str, module_only: bool = F
         engine.load_checkpoint(src)
         assert engine.global_steps == 4
     engine.save_checkpoint(dst)
-    return {k: v.numpy().copy() for k, v in engine.module.state_dict().items()}
+    return {k: v.cpu().numpy().copy() for k, v in engine.module.state_dict().items()}
 
 
 def consolidated_moments(ckpt: str) -> dict[str, torch.Tensor]:
     tag = open(os.path.join(ckpt, "latest")).read()
     files = sorted(glob.glob(os.path.join(ckpt, tag, "zero_pp_rank_*_optim_states.pt")),
                    key=lambda f: int(re.search(r"rank_(\d+)_", f).group(1)))
-    parts = [torch.load(f, weights_only=True)["optimizer_state_dict"] for f in files]
+    parts = [torch.load(f, weights_only=True, map_location="cpu")["optimizer_state_dict"] for f in files]
     numel = sum(parts[0]["group_numels"][0])
     out = {}
     for key in ("exp_avg", "exp_avg_sq"):

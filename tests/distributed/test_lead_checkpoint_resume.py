@@ -54,7 +54,7 @@ def train_body(rank: int, world: int, stage: int, dtype: str, ckpt_dir: str, mod
     if mode == "first":
         assert engine.save_checkpoint(ckpt_dir, client_state={"epoch": 3, "note": "hello"})
     # numpy arrays travel back by value (torch tensors would go through shared-memory handles)
-    weights = {k: v.detach().float().numpy().copy() for k, v in engine.module.state_dict().items()}
+    weights = {k: v.detach().float().cpu().numpy().copy() for k, v in engine.module.state_dict().items()}
     return {"losses": losses, "weights": weights, "client": client, "lr": engine.get_lr()}
 
 
