@@ -121,7 +121,11 @@ class OpBuilder:
         for rel in self.all_sources():
             h.update(rel.encode())
             h.update((root / rel).read_bytes())
-        for header in sorted((root / "include").rglob("*.h*")):
+        # shared headers, and headers kept beside the sources (csrc/cpu/*.h, csrc/cuda/*.cuh): a change to
+        # any of them must rebuild, never reuse a stale binary
+        dirs = {root / "include"} | {(root / rel).parent for rel in self.all_sources()}
+        headers = {f for d in dirs for pat in ("*.h", "*.cuh", "*.hpp") for f in d.rglob(pat)}
+        for header in sorted(headers):
             h.update(str(header.relative_to(root)).encode())
             h.update(header.read_bytes())
         for part in (self.NAME, self.variant(), self.module_name(), " ".join(self.cxx_args()),

@@ -46,6 +46,26 @@ def test_cache_hit_does_not_rebuild_and_key_tracks_flags(cache):
     assert len(keys) == 2
 
 
+def test_key_tracks_headers_beside_the_sources(tmp_path, monkeypatch):
+    import shutil
+
+    from deepspeed_c.ops.op_builder import FusedAdamBuilder
+
+    src = builder_mod.csrc_root()
+    copy = tmp_path / "csrc"
+    shutil.copytree(src, copy)
+    monkeypatch.setenv("DSC_CSRC_ROOT", str(copy))
+    before = FusedAdamBuilder().build_key()
+    assert FusedAdamBuilder().build_key() == before
+    cuh = copy / "cuda" / "adam_update.cuh"
+    cuh.write_text(cuh.read_text() + "\n// edited\n")
+    after = FusedAdamBuilder().build_key()
+    assert after != before
+    header = copy / "include" / "dsc" / "tensor_view.h"
+    header.write_text(header.read_text() + "\n/* edited */\n")
+    assert FusedAdamBuilder().build_key() != after
+
+
 def test_simd_selection_env_and_validation(monkeypatch):
     monkeypatch.setenv("DSC_SIMD", "scalar")
     assert UtilsBuilder().simd == "scalar"
