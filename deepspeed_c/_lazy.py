@@ -4,6 +4,7 @@ to the real objects on first use."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any, Callable
 
 
@@ -13,7 +14,11 @@ def lazy_exports(module_name: str, table: dict[str, str]) -> tuple[Callable[[str
     def __getattr__(name: str) -> Any:
         target = table.get(name)
         if target is None:
-            raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+            # a submodule, as after DeepSpeed's eager imports: accelerate reads
+            # `deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES` having only imported `deepspeed`
+            if name.startswith("_") or importlib.util.find_spec(f"{module_name}.{name}") is None:
+                raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+            target = f"{module_name}.{name}"
         mod_name, _, attr = target.partition(":")
         mod = importlib.import_module(mod_name)
         value = getattr(mod, attr) if attr else mod

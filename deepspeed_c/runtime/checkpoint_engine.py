@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 from collections import OrderedDict
 from typing import Any, Callable, Optional
 
@@ -82,8 +81,8 @@ class EngineCheckpointer:
             my_files[MODEL_FILE] = store.save_file(state, os.path.join(stage, MODEL_FILE))
         files = self._gather_files(my_files)
         if rank == 0:
-            self._copy_recovery_script(stage)
             store.commit(save_dir, tag, files, save_latest)
+            self._copy_recovery_script(save_dir)
         _barrier()
         return True
 
@@ -159,10 +158,13 @@ class EngineCheckpointer:
         state.update(client_state)
         return state
 
-    def _copy_recovery_script(self, stage: str) -> None:
+    def _copy_recovery_script(self, save_dir: str) -> None:
+        """zero_to_fp32.py into the top-level checkpoint directory, where DeepSpeed puts it (users run
+        `python zero_to_fp32.py . out` there; it follows `latest`); written atomically."""
         src = os.path.join(os.path.dirname(os.path.dirname(__file__)), "utils", "zero_to_fp32.py")
         if os.path.isfile(src):
-            shutil.copyfile(src, os.path.join(stage, "zero_to_fp32.py"))
+            with open(src, "rb") as f:
+                store.write_bytes_atomic(os.path.join(save_dir, "zero_to_fp32.py"), f.read())
 
     # -- load -----------------------------------------------------------------------------------
     def load(self, engine: Any, load_dir: str, tag: Any, load_module_strict: bool, load_optimizer_states: bool,

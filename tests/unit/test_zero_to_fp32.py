@@ -85,8 +85,8 @@ def test_deepspeed_layout_partitions_reassemble(tmp_path):
 
 def test_convert_and_cli_copy_runs_with_only_torch(tmp_path):
     engine = trained(tmp_path / "ckpt", False)
-    copy = tmp_path / "ckpt" / "global_step3" / "zero_to_fp32.py"
-    assert copy.exists()
+    copy = tmp_path / "ckpt" / "zero_to_fp32.py"  # DeepSpeed's place: the top-level checkpoint directory
+    assert copy.exists() and not (tmp_path / "ckpt" / "global_step3" / "zero_to_fp32.py").exists()
     out = tmp_path / "out"
     # -I (isolated) keeps the repo off sys.path; a stub finder refuses any deepspeed_c import.
     guard = ("import sys, runpy\n"

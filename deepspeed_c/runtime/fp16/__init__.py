@@ -1,1 +1,6 @@
 """fp16 support: DeepSpeed's loss scalers (`deepspeed.runtime.fp16.loss_scaler`)."""
+
+from deepspeed_c._lazy import lazy_exports as _lazy_exports
+
+# submodules resolve on attribute access, as after DeepSpeed's eager imports
+__getattr__, __dir__ = _lazy_exports(__name__, {})

@@ -46,3 +46,8 @@ def unregister_external_parameter(module: Any, parameter: Any) -> None:
 
     if not isinstance(parameter, torch.nn.Parameter):
         raise RuntimeError("Parameter is not a torch.nn.Parameter")
+
+from deepspeed_c._lazy import lazy_exports as _lazy_exports
+
+# submodules resolve on attribute access, as after DeepSpeed's eager imports
+__getattr__, __dir__ = _lazy_exports(__name__, {})
