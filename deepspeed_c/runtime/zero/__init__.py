@@ -1,7 +1,7 @@
 """deepspeed_c.zero (alias of deepspeed_c.runtime.zero): ZeRO's public names.
 
-Only stage 0 runs today. The ZeRO issues replace these with the real partitioners; until then
-`GatheredParameters` is what DeepSpeed does for parameters that are not ZeRO-3 partitioned (a
+Stages 1 and 2 (with CPU optimizer offload) run: see stage_1_and_2.py. Stage 3 is not built, so
+`GatheredParameters` does what DeepSpeed does for parameters that are not ZeRO-3 partitioned (a
 no-op context), and `Init` is a no-op when disabled and refuses to partition when enabled."""
 from __future__ import annotations
 
