@@ -98,6 +98,18 @@ class DeepSpeedAccelerator(abc.ABC):
             dtypes.append(torch.bfloat16)
         return dtypes
 
+    # --- torch.compile ----------------------------------------------------------------------
+    def get_compile_backend(self) -> str:
+        return getattr(self, "_compile_backend", "inductor")
+
+    def set_compile_backend(self, backend: str) -> None:
+        import torch
+
+        supported = torch._dynamo.list_backends(exclude_tags=())
+        if backend not in supported:
+            raise ValueError(f"{backend} not supported by {self._name}. Supported Backends are {supported}")
+        self._compile_backend = backend
+
     # --- memory -------------------------------------------------------------------------
     def pin_memory(self, tensor: Any, align_bytes: int = 1) -> Any:
         return tensor

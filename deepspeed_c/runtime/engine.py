@@ -15,6 +15,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch.nn import Module
 
+from deepspeed_c.accelerator import get_accelerator
 from deepspeed_c.runtime import engine_report as rep
 from deepspeed_c.runtime.config import DeepSpeedConfig
 from deepspeed_c.runtime.engine_accessors import EngineConfigAccessors
@@ -67,6 +68,7 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
         self.warn_unscaled_loss = True
         self.enable_backward_allreduce = True
         self.inside_no_sync_ctxt = False
+        self._is_compiled = False
         self.optimizer: Any = None
         self.basic_optimizer: Optional[torch.optim.Optimizer] = None
         self.lr_scheduler: Any = None
@@ -474,6 +476,31 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
     get_tensor_parallel_rank = get_model_parallel_rank
 
     # -- module plumbing -------------------------------------------------------------------------
+    def compile(self, backend: Optional[str] = None, compile_kwargs: Optional[dict] = None, schedule: Any = None,
+                compiled_autograd_enabled: bool = False) -> None:
+        """torch.compile the wrapped module in place (DeepSpeed's signature; the gradient hooks live on
+        the parameters, so reduction and ZeRO are unaffected)."""
+        if schedule is not None or compiled_autograd_enabled:
+            raise NotImplementedError("deepspeed_c: engine.compile(schedule=..., compiled_autograd_enabled=True) "
+                                      "(DeepCompile) is not built; call engine.compile(backend, compile_kwargs)")
+        if self._is_compiled:
+            return
+        if backend is None:
+            backend = get_accelerator().get_compile_backend()
+        self.module.compile(backend=backend, **(compile_kwargs or {}))
+        self._is_compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        return self._is_compiled
+
+    def empty_partition_cache(self) -> None:
+        """Nothing is cached for partitioned parameters below ZeRO-3; frees the allocator's cache."""
+        import gc
+
+        gc.collect()
+        get_accelerator().empty_cache()
+
     def train(self, mode: bool = True) -> "DeepSpeedEngine":
         self.warn_unscaled_loss = True
         self.module.train(mode)

@@ -50,6 +50,39 @@ class EngineIO:
             raise NotImplementedError("deepspeed_c: engine.save_checkpoint is not built yet (checkpoint issue)")
         return self.checkpointer.save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """The model's weights in the model's dtype (16-bit under fp16/bf16), copied to CPU tensors,
+        rank 0 writing save_dir/save_filename with torch.save. Below ZeRO-3 every rank holds the whole model, but
+        every rank must still call it (a barrier keeps the ranks together, as in DeepSpeed)."""
+        import os
+
+        import torch.distributed as dist
+
+        from deepspeed_c.checkpoint.utils import clone_tensors_for_torch_save
+
+        if not isinstance(save_filename, str) or not save_filename or os.sep in save_filename:
+            raise ValueError(f"save_16bit_model: save_filename must be a plain file name, got {save_filename!r}")
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if rank == 0:
+            state = clone_tensors_for_torch_save(self.module_state_dict(
+                exclude_frozen_parameters=exclude_frozen_parameters))
+            # written beside, then renamed: an interrupted save never leaves a truncated file under the name
+            os.makedirs(save_dir, exist_ok=True)
+            path = os.path.join(save_dir, save_filename)
+            tmp = f"{path}.tmp{os.getpid()}"
+            torch.save(state, tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        if dist.is_initialized():
+            dist.barrier()
+        return True
+
+    def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        """The former name of save_16bit_model."""
+        return self.save_16bit_model(save_dir, save_filename)
+
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn: Optional[Callable] = None) -> Any:
