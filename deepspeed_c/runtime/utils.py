@@ -1,0 +1,94 @@
+"""deepspeed.runtime.utils helpers that training scripts import directly: `see_memory_usage`,
+`move_to_device`, `clip_grad_norm_` (with a model-parallel `mpu`) and `get_global_norm`."""
+from __future__ import annotations
+
+import gc
+import math
+from typing import Any, Iterable, Union
+
+import torch
+
+from deepspeed_c.runtime.grad_norm import clip_coefficient, global_norm, scale_
+from deepspeed_c.utils.logging import logger
+
+_GIB = float(1 << 30)
+
+
+def see_memory_usage(message: str, force: bool = False) -> None:
+    """Logs `message` and the accelerator's allocated / peak / reserved memory and the host's used
+    memory, on rank 0 only and only with force=True (DeepSpeed's behaviour); then resets the peaks."""
+    if not force:
+        return
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    import psutil
+
+    from deepspeed_c.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    gc.collect()
+    logger.info(message)
+    logger.info(f"MA {acc.memory_allocated() / _GIB:.2f} GB         Max_MA {acc.max_memory_allocated() / _GIB:.2f} GB "
+                f"        CA {acc.memory_reserved() / _GIB:.2f} GB         Max_CA {acc.max_memory_reserved() / _GIB:.0f} GB ")
+    vm = psutil.virtual_memory()
+    logger.info(f"CPU Virtual Memory:  used = {(vm.total - vm.available) / _GIB:.2f} GB, percent = {vm.percent}%")
+    acc.reset_peak_memory_stats()
+
+
+def move_to_device(item: Any, device: Union[str, torch.device]) -> Any:
+    """`item` with every tensor inside it (lists, tuples, dicts, nested) moved to `device`."""
+    if torch.is_tensor(item):
+        return item.to(device)
+    if isinstance(item, (list, tuple)):
+        return type(item)(move_to_device(v, device) for v in item)
+    if isinstance(item, dict):
+        return type(item)({k: move_to_device(v, device) for k, v in item.items()})
+    return item
+
+
+def get_global_norm(norm_list: Iterable[float]) -> float:
+    """The L2 norm of several L2 norms (e.g. one per parameter group)."""
+    return math.sqrt(sum(float(n) ** 2 for n in norm_list))
+
+
+def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max_norm: float,
+                    norm_type: float = 2, mpu: Any = None) -> float:
+    """Clips the gradients of `parameters` in place so their global norm is at most max_norm, and
+    returns the norm before clipping. With an `mpu`, the norm covers every model-parallel rank's
+    shard (one all-reduce over the model-parallel group)."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = [p.grad.detach() for p in parameters if p.grad is not None]
+    norm_type = float(norm_type)
+    if norm_type not in (2.0, math.inf):
+        raise ValueError(f"clip_grad_norm_: norm_type must be 2 or inf, got {norm_type}")
+    dev = grads[0].device if grads else torch.device("cpu")
+    if norm_type == math.inf:
+        local = torch.stack([g.abs().max().float() for g in grads]).max() if grads else torch.zeros((), device=dev)
+    else:
+        local = global_norm(grads).float().to(dev) ** 2 if grads else torch.zeros((), device=dev)
+    local = local.reshape(1)
+    if mpu is not None:
+        import torch.distributed as dist
+
+        op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+        dist.all_reduce(local, op=op, group=mpu.get_model_parallel_group())
+    total = float(local.item()) if norm_type == math.inf else math.sqrt(float(local.item()))
+    coef = clip_coefficient(total, float(max_norm)) if math.isfinite(total) else 1.0
+    if coef < 1.0 and grads:
+        scale_(grads, coef)
+    return total
+
+
+def noop_decorator(func: Any) -> Any:
+    return func
+
+
+def is_model_parallel_parameter(p: torch.Tensor) -> bool:
+    return bool(getattr(p, "model_parallel", False) or getattr(p, "tensor_model_parallel", False))
+
+
+__all__ = ["see_memory_usage", "move_to_device", "get_global_norm", "clip_grad_norm_", "noop_decorator",
+           "is_model_parallel_parameter"]
