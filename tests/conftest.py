@@ -1,7 +1,23 @@
 import os
+import pathlib
+import subprocess
 import sys
+
+import pytest
 
 # Ranks spawned by tests/harness.py import test modules by their package path.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+
+@pytest.fixture(scope="session")
+def compat_alias(tmp_path_factory) -> pathlib.Path:
+    """The opt-in `deepspeed` distribution (compat/deepspeed) pip-installed into a private target
+    directory: put it first on PYTHONPATH to run as a user who installed the alias."""
+    tgt = tmp_path_factory.mktemp("compat")
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                           "--target", str(tgt), os.path.join(ROOT, "compat", "deepspeed")],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout
+    return tgt
