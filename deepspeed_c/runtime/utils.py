@@ -73,8 +73,12 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
     if mpu is not None:
         import torch.distributed as dist
 
+        from deepspeed_c.comm import collective_device
+
+        group = mpu.get_model_parallel_group()
         op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
-        dist.all_reduce(local, op=op, group=mpu.get_model_parallel_group())
+        local = local.to(collective_device(group))
+        dist.all_reduce(local, op=op, group=group)
     total = float(local.item()) if norm_type == math.inf else math.sqrt(float(local.item()))
     coef = clip_coefficient(total, float(max_norm)) if math.isfinite(total) else 1.0
     if coef < 1.0 and grads:
