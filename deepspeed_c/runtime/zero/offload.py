@@ -65,7 +65,7 @@ class CPUOffload:
 
     def __init__(self, optimizer: torch.optim.Optimizer, masters: Sequence[torch.Tensor],
                  groups: Sequence[Sequence[torch.nn.Parameter]], reducer: ZeroGradPartitioner, *,
-                 stage_on_host: Optional[bool] = None, sub_chunk: int = SUB_CHUNK) -> None:
+                 stage_on_host: Optional[bool] = None, sub_chunk: int = SUB_CHUNK, pin_memory: bool = True) -> None:
         from deepspeed_c.ops.cpu_optimizer_base import CPUOptimizerBase
 
         self.optimizer = optimizer
@@ -79,7 +79,9 @@ class CPUOffload:
         # a separate host copy of the gradients: needed when they are reduced on a GPU; forced on a
         # CPU-only run by tests, to exercise the per-bucket staging
         self.staging = self.cuda if stage_on_host is None else bool(stage_on_host)
-        pin = self.cuda
+        # pinned staging makes the copies asynchronous; offload_optimizer.pin_memory=false (e.g. under a
+        # locked-memory limit) keeps pageable buffers, whose copies block the host instead
+        pin = self.cuda and pin_memory
         sizes = [m.numel() for m in self.masters]
         self.host_grads: list[Optional[torch.Tensor]] = [
             torch.empty(n, dtype=reducer.comm_dtypes[g], pin_memory=pin) if self.staging else None

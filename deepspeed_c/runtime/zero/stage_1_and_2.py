@@ -116,7 +116,7 @@ class DeepSpeedZeroOptimizer:
         if offload_device == "cpu":
             self.offload = CPUOffload(init_optimizer, self.fp32_partitions, self.bit16_groups, self.reducer,
                                       stage_on_host=offload_stage_on_host,
-                                      sub_chunk=offload_sub_chunk or OFFLOAD_SUB_CHUNK)
+                                      sub_chunk=offload_sub_chunk or OFFLOAD_SUB_CHUNK, pin_memory=pin_memory)
 
     # -- the optimizer face ------------------------------------------------------------------------
     @property
