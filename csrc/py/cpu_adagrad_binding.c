@@ -2,6 +2,11 @@
 #include "dsc/cpu_optim_args.h"
 #include "dsc/module.h"
 
+/* the typed entry point behind dsc_run_opt_step */
+static int run_adagrad(dsc_opt_tensor *ts, int64_t n, const void *hp) {
+    return dsc_cpu_adagrad_step(ts, n, (const dsc_adagrad_hparams *)hp);
+}
+
 static PyObject *adagrad_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (dsc_check_nargs("adagrad_step", nargs, 7) < 0) return NULL;
@@ -12,28 +17,13 @@ static PyObject *adagrad_step(PyObject *self, PyObject *const *args, Py_ssize_t 
     dsc_opt_tensor *ts;
     Py_ssize_t n;
     if (dsc_parse_opt_lists(args[0], args[1], args[2], "sums", NULL, NULL, args[3], &ts, &n) < 0) return NULL;
-    int rc = 0;
-    if (n > 0) {
-        Py_BEGIN_ALLOW_THREADS
-        rc = dsc_cpu_adagrad_step(ts, n, &hp);
-        Py_END_ALLOW_THREADS
-    }
-    PyMem_Free(ts);
-    if (rc < 0) return PyErr_NoMemory();
-    Py_RETURN_NONE;
-}
-
-static PyObject *simd(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    (void)args;
-    if (dsc_check_nargs("simd", nargs, 0) < 0) return NULL;
-    return PyUnicode_FromString(dsc_cpu_simd_name());
+    return dsc_run_opt_step(ts, n, run_adagrad, &hp);
 }
 
 static PyMethodDef methods[] = {
     {"adagrad_step", (PyCFunction)(void (*)(void))adagrad_step, METH_FASTCALL,
      "adagrad_step(params, grads, sums, copies, lr, eps, weight_decay)"},
-    {"simd", (PyCFunction)(void (*)(void))simd, METH_FASTCALL, "simd() -> the SIMD path of this build."},
+    DSC_SIMD_METHOD,
     DSC_BUMP_STEPS_METHOD,
     {NULL, NULL, 0, NULL},
 };

@@ -3,6 +3,11 @@
 #include "dsc/cpu_optim_args.h"
 #include "dsc/module.h"
 
+/* the typed entry point behind dsc_run_opt_step */
+static int run_adam(dsc_opt_tensor *ts, int64_t n, const void *hp) {
+    return dsc_cpu_adam_step(ts, n, (const dsc_adam_hparams *)hp);
+}
+
 static PyObject *adam_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (dsc_check_nargs("adam_step", nargs, 13) < 0) return NULL;
@@ -22,22 +27,7 @@ static PyObject *adam_step(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_ssize_t n;
     if (dsc_parse_opt_lists(args[0], args[1], args[2], "exp_avgs", args[3], "exp_avg_sqs", args[4], &ts, &n) < 0)
         return NULL;
-    int rc = 0;
-    if (n > 0) {
-        Py_BEGIN_ALLOW_THREADS
-        rc = dsc_cpu_adam_step(ts, n, &hp);
-        Py_END_ALLOW_THREADS
-    }
-    PyMem_Free(ts);
-    if (rc < 0) return PyErr_NoMemory();
-    Py_RETURN_NONE;
-}
-
-static PyObject *simd(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    (void)args;
-    if (dsc_check_nargs("simd", nargs, 0) < 0) return NULL;
-    return PyUnicode_FromString(dsc_cpu_simd_name());
+    return dsc_run_opt_step(ts, n, run_adam, &hp);
 }
 
 static PyMethodDef methods[] = {
@@ -45,7 +35,7 @@ static PyMethodDef methods[] = {
      "adam_step(params, grads, exp_avgs, exp_avg_sqs, copies, lr, beta1, beta2, eps, weight_decay, step, "
      "bias_correction, adamw_mode): one Adam/AdamW step over lists of CPU tensors (copies: None or a list "
      "receiving the updated params in their own dtype)."},
-    {"simd", (PyCFunction)(void (*)(void))simd, METH_FASTCALL, "simd() -> the SIMD path of this build."},
+    DSC_SIMD_METHOD,
     DSC_BUMP_STEPS_METHOD,
     {NULL, NULL, 0, NULL},
 };

@@ -43,18 +43,11 @@ static PyObject *scale_(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
-static PyObject *simd(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    (void)args;
-    if (dsc_check_nargs("simd", nargs, 0) < 0) return NULL;
-    return PyUnicode_FromString(dsc_cpu_simd_name());
-}
-
 static PyMethodDef methods[] = {
     {"sumsq", (PyCFunction)(void (*)(void))sumsq, METH_FASTCALL,
      "sumsq(tensors) -> (sum of squares, found_inf_or_nan) over float32/bfloat16/float16 CPU tensors."},
     {"scale_", (PyCFunction)(void (*)(void))scale_, METH_FASTCALL, "scale_(tensors, factor): x *= factor in place."},
-    {"simd", (PyCFunction)(void (*)(void))simd, METH_FASTCALL, "simd() -> the SIMD path of this build."},
+    DSC_SIMD_METHOD,
     {NULL, NULL, 0, NULL},
 };
 

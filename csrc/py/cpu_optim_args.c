@@ -145,3 +145,22 @@ done:
     dsc_view_list_release(&l);
     return out;
 }
+
+PyObject *dsc_simd_method(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    (void)args;
+    if (dsc_check_nargs("simd", nargs, 0) < 0) return NULL;
+    return PyUnicode_FromString(dsc_cpu_simd_name());
+}
+
+PyObject *dsc_run_opt_step(dsc_opt_tensor *ts, Py_ssize_t n, dsc_opt_step_fn step, const void *hparams) {
+    int rc = 0;
+    if (n > 0) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = step(ts, (int64_t)n, hparams);
+        Py_END_ALLOW_THREADS
+    }
+    PyMem_Free(ts);
+    if (rc < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}

@@ -20,6 +20,18 @@ int dsc_parse_operand_list(PyObject *tensors, const char *name, dsc_operand **op
  * ints. Nothing changes unless every tensor is valid. */
 PyObject *dsc_bump_steps(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
+/* The METH_FASTCALL method simd() -> the SIMD path this op was built for ("avx512", "avx2", "scalar"). */
+PyObject *dsc_simd_method(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+
+#define DSC_SIMD_METHOD                                                                                \
+    {"simd", (PyCFunction)(void (*)(void))dsc_simd_method, METH_FASTCALL,                              \
+     "simd() -> the SIMD path of this build."}
+
+/* Runs one optimizer step over the parsed operands with the GIL released, then frees `ts`.
+ * `step` adapts the op's typed entry point; returns None, or NULL with MemoryError set. */
+typedef int (*dsc_opt_step_fn)(dsc_opt_tensor *ts, int64_t n, const void *hparams);
+PyObject *dsc_run_opt_step(dsc_opt_tensor *ts, Py_ssize_t n, dsc_opt_step_fn step, const void *hparams);
+
 #define DSC_BUMP_STEPS_METHOD                                                                          \
     {"bump_steps", (PyCFunction)(void (*)(void))dsc_bump_steps, METH_FASTCALL,                         \
      "bump_steps(steps) -> list[int]: each one-element float32 step tensor += 1, in place."}
