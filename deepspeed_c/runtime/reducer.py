@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from deepspeed_c.runtime.backward_round import BackwardRound
 from deepspeed_c.runtime.bucket_plan import BucketPlan
 
 
@@ -28,7 +29,7 @@ def _comm() -> Any:
     return dist
 
 
-class GradientReducer:
+class GradientReducer(BackwardRound):
 
     def __init__(self, params: Sequence[torch.nn.Parameter], *, world_size: int, bucket_cap: int,
                  should_reduce: Callable[[], bool], group: Any = None, comm_dtype: Optional[torch.dtype] = None,
@@ -50,13 +51,11 @@ class GradientReducer:
         kinds: dict[tuple[torch.dtype, torch.device], int] = {}
         self._keys = [kinds.setdefault((p.dtype, p.device), len(kinds)) for p in self.params]
         self._plan_buckets(None)
-        self._round_open = False
-        self._reducing = False
         self._launched = 0
         self._works: list[Any] = []
         self.rounds = 0
         self.collectives = 0  # all-reduces issued, for tests and the benchmark
-        self._handles = [p.register_post_accumulate_grad_hook(self._hook_for(i)) for i, p in enumerate(self.params)]
+        self._attach_hooks(self.params)
 
     # -- planning --------------------------------------------------------------------------------
     def _plan_buckets(self, order: Optional[list[int]]) -> None:
@@ -85,32 +84,17 @@ class GradientReducer:
         return self.plan.num_buckets
 
     # -- backward-time path ----------------------------------------------------------------------
-    def _hook_for(self, index: int) -> Callable[[torch.Tensor], None]:
-        def hook(param: torch.Tensor) -> None:
-            self._on_grad(index)
-
-        return hook
-
     def _on_grad(self, index: int) -> None:
-        if not self._round_open:
-            self._open_round()
-        if not self._reducing:
-            return
         grad = self.params[index].grad
         self._views[index].copy_(grad)
         frontier = self._mark(self._capsule, index)
         while self._launched < frontier:
             self._launch(self._launched)
 
-    def _open_round(self) -> None:
-        self._round_open = True
-        self._reducing = bool(self.should_reduce())
-        if self._reducing:
-            self.plan.reset()
-            self._launched = 0
-            self._works = []
-        # end_backward runs when this backward finishes, also for a direct loss.backward()
-        torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
+    def _start_reducing(self) -> None:
+        self.plan.reset()
+        self._launched = 0
+        self._works = []
 
     def _launch(self, bucket: int) -> None:
         buf = self.buffers[bucket]
@@ -119,17 +103,6 @@ class GradientReducer:
         self._works.append(_comm().all_reduce(buf, group=self.group, async_op=True))
         self._launched = bucket + 1
         self.collectives += 1
-
-    def end_backward(self) -> None:
-        """Flush, await and write back (idempotent: a no-op outside a reducing backward)."""
-        if not self._round_open:
-            return
-        try:
-            if self._reducing:
-                self._finish_round()
-        finally:
-            self._round_open = False
-            self._reducing = False
 
     def _finish_round(self) -> None:
         for i in self.plan.pending():
@@ -182,8 +155,3 @@ class GradientReducer:
                     if grads[i] is not None and self._same_dtype[i]:
                         self._views[i].copy_(grads[i])
                         p.grad = self._views[i]
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []

@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from deepspeed_c.ops.partition import PartitionPlan
+from deepspeed_c.runtime.backward_round import BackwardRound
 
 
 def _comm() -> Any:
@@ -47,7 +48,7 @@ class _InFlight:
     end: int
 
 
-class ZeroGradPartitioner:
+class ZeroGradPartitioner(BackwardRound):
 
     def __init__(self, groups: Sequence[Sequence[torch.nn.Parameter]], plans: Sequence[PartitionPlan], *,
                  rank: int, world_size: int, should_reduce: Callable[[], bool],
@@ -89,15 +90,12 @@ class ZeroGradPartitioner:
         self._next = 0
         self._in_flight: list[_InFlight] = []
         self._finished: list[_InFlight] = []  # finished on the side stream: kept alive until end of round
-        self._round_open = False
-        self._reducing = False
         self._boundary = True
         self.side_stream: Any = None
         self.on_bucket_final: Optional[Callable[[int, int, int], None]] = None
         self.rounds = 0
         self.collectives = 0  # reduce-scatters (or all-reduces) issued, for tests
-        self._handles = [p.register_post_accumulate_grad_hook(self._hook_for(k))
-                         for k, p in enumerate(self._flat_params)]
+        self._attach_hooks(self._flat_params)
 
     # -- layout helpers ----------------------------------------------------------------------------
     def _device(self, g: int) -> torch.device:
@@ -110,29 +108,19 @@ class ZeroGradPartitioner:
         return start, start + plan.bucket_size[b] // self.world_size
 
     # -- backward-time path ------------------------------------------------------------------------
-    def _hook_for(self, k: int) -> Callable[[torch.Tensor], None]:
-        def hook(param: torch.Tensor) -> None:
-            self._on_grad(k)
-
-        return hook
-
-    def _open_round(self) -> None:
-        self._round_open = True
-        self._reducing = bool(self.should_reduce())
-        if self._reducing:
-            self._boundary = bool(self.is_boundary())
-            self._remaining = [len(m) for m in self._members]
-            self._arrived = [False] * len(self._flat_params)
-            self._next = 0
-            self._in_flight = []
-            self._finished = []
-            for g in range(len(self.groups)):
-                if self.grad_partitions[g] is None:
-                    size = self.plans[g].runtime_partition_size
-                    # every element is written by the first round's collectives (padding included)
-                    self.grad_partitions[g] = torch.empty(size, dtype=self.comm_dtypes[g], device=self._device(g))
-                    self._fresh[g] = True
-        torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
+    def _start_reducing(self) -> None:
+        self._boundary = bool(self.is_boundary())
+        self._remaining = [len(m) for m in self._members]
+        self._arrived = [False] * len(self._flat_params)
+        self._next = 0
+        self._in_flight = []
+        self._finished = []
+        for g in range(len(self.groups)):
+            if self.grad_partitions[g] is None:
+                size = self.plans[g].runtime_partition_size
+                # every element is written by the first round's collectives (padding included)
+                self.grad_partitions[g] = torch.empty(size, dtype=self.comm_dtypes[g], device=self._device(g))
+                self._fresh[g] = True
 
     def _bucket(self, slot: int) -> torch.Tensor:
         buf = self._bufs[slot]
@@ -158,9 +146,7 @@ class ZeroGradPartitioner:
         return slot
 
     def _on_grad(self, k: int) -> None:
-        if not self._round_open:
-            self._open_round()
-        if not self._reducing or self._arrived[k]:
+        if self._arrived[k]:
             return
         self._deposit(k)
         if self.overlap:
@@ -219,17 +205,6 @@ class ZeroGradPartitioner:
         if self._boundary and self.on_bucket_final is not None:
             self.on_bucket_final(e.g, e.start, e.end)
 
-    def end_backward(self) -> None:
-        """Flush, await and average (idempotent: a no-op outside a reducing backward)."""
-        if not self._round_open:
-            return
-        try:
-            if self._reducing:
-                self._finish_round()
-        finally:
-            self._round_open = False
-            self._reducing = False
-
     def _finish_round(self) -> None:
         # parameters whose hook did not fire this backward (unused, or grads from earlier micro-steps)
         for k in range(len(self._flat_params)):
@@ -252,9 +227,4 @@ class ZeroGradPartitioner:
     def clear(self) -> None:
         self.grad_partitions = [None] * len(self.groups)
         self._fresh = [True] * len(self.groups)
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
 

@@ -1,0 +1,65 @@
+"""The per-backward "round" that both gradient reducers run (runtime/reducer.py at stage 0,
+runtime/zero/grad_partition.py at ZeRO stages 1 and 2).
+
+The first post-accumulate-grad hook of a backward opens the round and asks `should_reduce()`
+once, so every parameter of that backward is treated alike; the autograd engine's end-of-backward
+callback closes it, also for a direct `loss.backward()` that never passes through the engine.
+Subclasses say what a reducing round does: `_start_reducing` (reset per-round state),
+`_on_grad(index)` (a parameter's gradient is ready) and `_finish_round` (flush and wait)."""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+
+class BackwardRound:
+    should_reduce: Callable[[], bool]
+
+    def _attach_hooks(self, params: Sequence[torch.nn.Parameter]) -> None:
+        self._round_open = False
+        self._reducing = False
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook_for(i)) for i, p in enumerate(params)]
+
+    def _hook_for(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            if self._enter_round():
+                self._on_grad(index)
+
+        return hook
+
+    def _enter_round(self) -> bool:
+        """Opens the round on its first hook; True when this backward reduces."""
+        if not self._round_open:
+            self._round_open = True
+            self._reducing = bool(self.should_reduce())
+            if self._reducing:
+                self._start_reducing()
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
+        return self._reducing
+
+    def end_backward(self) -> None:
+        """Flush and await the round (idempotent: a no-op outside a reducing backward)."""
+        if not self._round_open:
+            return
+        try:
+            if self._reducing:
+                self._finish_round()
+        finally:
+            self._round_open = False
+            self._reducing = False
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # -- what a reducing round does ------------------------------------------------------------
+    def _start_reducing(self) -> None:
+        raise NotImplementedError
+
+    def _on_grad(self, index: int) -> None:
+        raise NotImplementedError
+
+    def _finish_round(self) -> None:
+        raise NotImplementedError
