@@ -46,8 +46,14 @@ def alias(compat_alias) -> pathlib.Path:
     return compat_alias
 
 
+DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "CROSS_RANK", "CROSS_SIZE")
+
+
 def _run(cmd: list[str], alias: pathlib.Path, cwd: pathlib.Path) -> str:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(alias), str(ROOT)]), OMP_NUM_THREADS="1",
+    # a fresh user shell: no rank variables inherited from whatever ran in this process before
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
+    env.update(PYTHONPATH=os.pathsep.join([str(alias), str(ROOT)]), OMP_NUM_THREADS="1",
                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     proc = subprocess.run(cmd, cwd=str(cwd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=600)
