@@ -83,14 +83,25 @@ def _file_sha(path: str) -> str:
     return h.hexdigest()
 
 
-def write_bytes_atomic(path: str, data: bytes) -> None:
+def _replace_atomic(path: str, write: Callable[[Any], None]) -> None:
+    """`write(file)` into a temporary beside `path`, fsynced, then renamed over it: a crash leaves
+    the old file or the new one, never a truncated one."""
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "wb") as f:
-        f.write(data)
+        write(f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def write_bytes_atomic(path: str, data: bytes) -> None:
+    _replace_atomic(path, lambda f: f.write(data))
+
+
+def torch_save_atomic(obj: Any, path: str) -> None:
+    """torch.save `obj` to `path`, atomically (see _replace_atomic)."""
+    _replace_atomic(path, lambda f: torch.save(obj, f))
 
 
 def save_file(obj: dict, path: str) -> dict[str, Any]:
