@@ -10,8 +10,11 @@ Sections (all on 2^log2n parameters, as 1 tensor and as 256 tensors):
             + fused epilogue vs torch's cast, unscale + inf check, clip, fused AdamW, cast sequence
   norm      global L2 norm of 2^log2n fp32 elements vs torch.linalg.vector_norm and a plain sum
             (the read ceiling), and of 2,000 tensors of 64K elements vs _foreach_norm + stack + norm
-Every pair is checked for agreement before it is timed; repetitions are interleaved and each
-time is the median of CUDA-event timings with the queue kept busy (host work overlaps).
+Every pair is checked for agreement before it is timed; repetitions are interleaved. Each row
+has two times, both medians: `ms` from CUDA events with the queue kept busy (host work overlaps
+the previous launch's kernels: the kernel time), and `idle ms` from an idle queue (synchronise,
+call, synchronise, host clock: what a training step that waits for its optimizer sees, host work
+before the first launch included).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from collections.abc import Callable
 
 import torch
@@ -29,8 +33,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ROWS: list[dict] = []
 
 
+IDLE: dict[str, float] = {}  # idle-queue medians of the last timed() call, by name
+
+
 def timed(fns: dict[str, Callable[[], object]], reps: int, warmup: int = 3) -> dict[str, float]:
-    """Median milliseconds per function, repetitions interleaved across the functions."""
+    """Median milliseconds per function with the queue kept busy (CUDA events), repetitions
+    interleaved across the functions; the idle-queue medians of the same functions go to IDLE."""
     for _ in range(warmup):
         for f in fns.values():
             f()
@@ -44,6 +52,16 @@ def timed(fns: dict[str, Callable[[], object]], reps: int, warmup: int = 3) -> d
             end.record()
             marks[k].append((start, end))
     torch.cuda.synchronize()
+    idle: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, f in fns.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            f()
+            torch.cuda.synchronize()
+            idle[k].append((time.perf_counter() - t0) * 1e3)
+    IDLE.clear()
+    IDLE.update({k: statistics.median(v) for k, v in idle.items()})
     return {k: statistics.median(s.elapsed_time(e) for s, e in v) for k, v in marks.items()}
 
 
@@ -54,23 +72,34 @@ def rel_err(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 def row(section: str, shape: str, name: str, ms: float, nbytes: float, ceiling: float | None,
-        ref_ms: float | None = None, ref_name: str = "") -> None:
+        ref_ms: float | None = None, ref_name: str = "", idle_ms: float | None = None,
+        ref_idle_ms: float | None = None) -> None:
+    """One printed row; idle_ms defaults to the IDLE median recorded under `name`."""
+    idle_ms = IDLE.get(name) if idle_ms is None else idle_ms
     gbs = nbytes / ms / 1e6
     r = {"section": section, "shape": shape, "impl": name, "ms": round(ms, 4), "GB/s": round(gbs, 1)}
+    if idle_ms is not None:
+        r["idle ms"] = round(idle_ms, 4)
+        r["idle/busy"] = round(idle_ms / ms, 3)
     if ceiling:
         r["% ceiling"] = round(100 * gbs / ceiling, 1)
     if ref_ms:
         r[f"speedup vs {ref_name}"] = round(ref_ms / ms, 3)
+    if ref_idle_ms and idle_ms:
+        r[f"idle speedup vs {ref_name}"] = round(ref_idle_ms / idle_ms, 3)
     ROWS.append(r)
     extra = f"  {r['% ceiling']:5.1f}%" if ceiling else "        "
     speed = f"  x{ref_ms / ms:5.2f} vs {ref_name}" if ref_ms else ""
-    print(f"{section:9s} {shape:14s} {name:34s} {ms:9.3f} ms {gbs:8.1f} GB/s{extra}{speed}", flush=True)
+    idle = f"  idle {idle_ms:8.3f} ms ({idle_ms / ms:4.2f}x busy)" if idle_ms is not None else ""
+    if ref_idle_ms and idle_ms:
+        idle += f" x{ref_idle_ms / idle_ms:5.2f} idle vs {ref_name}"
+    print(f"{section:9s} {shape:14s} {name:34s} {ms:9.3f} ms {gbs:8.1f} GB/s{extra}{speed}{idle}", flush=True)
 
 
 def bench_copy(n: int, reps: int) -> float:
     src = torch.randn(n, device="cuda")
     dst = torch.empty_like(src)
-    t = timed({"copy": lambda: dst.copy_(src)}, reps)["copy"]
+    t = timed({"dst.copy_(src)": lambda: dst.copy_(src)}, reps)["dst.copy_(src)"]
     row("copy", "1 tensor", "dst.copy_(src)", t, 8 * n, None)
     return 8 * n / t / 1e6
 
@@ -103,9 +132,11 @@ def bench_adam(n: int, parts: int, copy_gbs: float, reps: int) -> None:
     print(f"check     {shape:14s} FusedAdam vs torch fused AdamW after 1 step: rel err {err:.2e}", flush=True)
     assert err < 1e-5, err
     times = timed({k: o.step for k, o in opts.items()}, reps)
-    ref = times["torch AdamW fused"]
+    ref, ref_idle = times["torch AdamW fused"], IDLE["torch AdamW fused"]
     for k, t in times.items():
-        row("adam", shape, k, t, 28 * n, copy_gbs, ref if k != "torch AdamW fused" else None, "torch fused")
+        is_ref = k == "torch AdamW fused"
+        row("adam", shape, k, t, 28 * n, copy_gbs, None if is_ref else ref, "torch fused",
+            ref_idle_ms=None if is_ref else ref_idle)
     del sets, opts, grads
     torch.cuda.empty_cache()
 
@@ -165,7 +196,7 @@ def bench_epilogue(n: int, parts: int, copy_gbs: float, reps: int) -> None:
     times = timed({"deepspeed_c norm + epilogue": ours, "torch cast+unscale+clip+AdamW+cast": theirs}, reps)
     ref = times["torch cast+unscale+clip+AdamW+cast"]
     row("epilogue", shape, "deepspeed_c norm + epilogue", times["deepspeed_c norm + epilogue"], 30 * n, copy_gbs,
-        ref, "torch seq")
+        ref, "torch seq", ref_idle_ms=IDLE["torch cast+unscale+clip+AdamW+cast"])
     row("epilogue", shape, "torch cast+unscale+clip+AdamW+cast", ref, 60 * n, copy_gbs)
     del masters_a, m_a, v_a, model_a, masters_b, master_grads, model_b, opt, grads
     torch.cuda.empty_cache()
@@ -182,7 +213,7 @@ def bench_norm(n: int, reps: int) -> None:
                    "deepspeed_c l2norm (+inf flag)": lambda: mt.multi_tensor_l2norm([x]),
                    "torch.linalg.vector_norm": lambda: torch.linalg.vector_norm(x)}, reps)
     read_gbs = 4 * n / times["plain sum"] / 1e6
-    row("norm", "1 tensor", "plain sum (read ceiling)", times["plain sum"], 4 * n, None)
+    row("norm", "1 tensor", "plain sum (read ceiling)", times["plain sum"], 4 * n, None, idle_ms=IDLE["plain sum"])
     row("norm", "1 tensor", "deepspeed_c l2norm (+inf flag)", times["deepspeed_c l2norm (+inf flag)"], 4 * n,
         read_gbs, times["torch.linalg.vector_norm"], "vector_norm")
     row("norm", "1 tensor", "torch.linalg.vector_norm", times["torch.linalg.vector_norm"], 4 * n, read_gbs)

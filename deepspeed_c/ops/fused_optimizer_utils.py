@@ -4,7 +4,7 @@ but launched per bucket of equal step, and state dicts that keep float32 moments
 (torch casts loaded state to the parameter's dtype, which would round bf16 moments)."""
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -49,18 +49,30 @@ def bucket(keys: Iterable[Any]) -> dict[Any, list[int]]:
     return out
 
 
-def check_param(p: torch.Tensor, grad: torch.Tensor, name: str) -> None:
+def check_param(p: torch.Tensor, grad: torch.Tensor, name: str,
+                sparse_error: type[Exception] = RuntimeError, require_cuda: bool = True) -> None:
     if grad.is_sparse:
-        raise RuntimeError(f"{name} does not support sparse gradients")
+        raise sparse_error(f"{name} does not support sparse gradients")
     if p.dtype not in SUPPORTED_DTYPES:
         raise RuntimeError(f"{name} only support fp16, bf16 and fp32, got a {p.dtype} parameter")
-    if p.device.type != "cuda":
+    if require_cuda and p.device.type != "cuda":
         raise ValueError(f"{name} runs on CUDA tensors, got a parameter on {p.device}; use the CPU "
                          f"optimizers (DeepSpeedCPUAdam, DeepSpeedCPULion) for host parameters")
 
 
 def contiguous_grad(grad: torch.Tensor) -> torch.Tensor:
     return grad if grad.is_contiguous() else grad.contiguous()
+
+
+def launch_with_contiguous_retry(launch: Callable[[list[torch.Tensor]], Any], grads: list[torch.Tensor]) -> None:
+    """launch(grads); the kernels need contiguous gradients, which they nearly always are, so the
+    check is left to the binding and a refused launch is retried with contiguous copies."""
+    try:
+        launch(grads)
+    except ValueError:
+        if all(g.is_contiguous() for g in grads):
+            raise
+        launch([contiguous_grad(g) for g in grads])
 
 
 def restore_fp32_moments(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any],

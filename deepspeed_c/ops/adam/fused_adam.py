@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from deepspeed_c.ops import fused_optimizer_utils as fu
+from deepspeed_c.ops.fused_step_plan import PlanCache
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _op = None
@@ -52,11 +53,13 @@ class FusedAdam(torch.optim.Optimizer):
         self.adam_w_mode = 1 if adam_w_mode else 0
         self.set_grad_none = set_grad_none
         self._op = _load_op()
+        self._plans = PlanCache()
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         fu.zero_grads(self, self.set_grad_none if set_to_none is None else set_to_none)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._plans.clear()
         super().load_state_dict(state_dict)
         fu.restore_fp32_moments(self, state_dict, _MOMENTS)
 
@@ -72,28 +75,15 @@ class FusedAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            params, states = [], []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                fu.check_param(p, p.grad, "FusedAdam")
-                state = self.state[p]
-                if len(state) == 0:
-                    fu.init_state(state, group, p, _MOMENTS)
-                else:
-                    fu.normalize_state(state, p, _MOMENTS)
-                params.append(p)
-                states.append(state)
-            if not params:
-                continue
-            steps = fu.advance_steps(states)
+        for index, group in enumerate(self.param_groups):
+            group_grads = [p.grad for p in group["params"]]
+            plan = self._plans.plan(self, index, group, group_grads, _MOMENTS, "FusedAdam")
             beta1, beta2 = group["betas"]
-            for (device, step), idx in fu.bucket(zip((p.device for p in params), steps)).items():
-                self._op.multi_tensor_adam(
-                    [fu.contiguous_grad(params[i].grad) for i in idx], [params[i] for i in idx],
-                    [states[i]["exp_avg"] for i in idx], [states[i]["exp_avg_sq"] for i in idx], None,
-                    float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), step,
-                    bool(self.adam_w_mode), bool(group.get("bias_correction", True)),
-                    float(group["weight_decay"]), 1.0)
+            hyper = (float(group["lr"]), float(beta1), float(beta2), float(group["eps"]))
+            for b, b_grads in plan.launches(group_grads):
+                fu.launch_with_contiguous_retry(
+                    lambda gl: self._op.multi_tensor_adam(
+                        gl, b.params, b.moments[0], b.moments[1], None, *hyper, b.step + 1, bool(self.adam_w_mode),
+                        bool(group.get("bias_correction", True)), float(group["weight_decay"]), 1.0), b_grads)
+                plan.advance(b)
         return loss

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from deepspeed_c.ops import fused_optimizer_utils as fu
+from deepspeed_c.ops.fused_step_plan import PlanCache
 
 _MOMENTS = ("exp_avg",)
 _op = None
@@ -40,11 +41,13 @@ class FusedLion(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.set_grad_none = set_grad_none
         self._op = _load_op()
+        self._plans = PlanCache()
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         fu.zero_grads(self, self.set_grad_none if set_to_none is None else set_to_none)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._plans.clear()
         super().load_state_dict(state_dict)
         fu.restore_fp32_moments(self, state_dict, _MOMENTS)
 
@@ -58,28 +61,15 @@ class FusedLion(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            params, states = [], []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise NotImplementedError("FusedLion does not support sparse gradients")
-                fu.check_param(p, p.grad, "FusedLion")
-                state = self.state[p]
-                if len(state) == 0:
-                    fu.init_state(state, group, p, _MOMENTS)
-                else:
-                    fu.normalize_state(state, p, _MOMENTS)
-                params.append(p)
-                states.append(state)
-            if not params:
-                continue
-            fu.advance_steps(states)  # Lion has no bias correction; the count is kept for checkpoints
+        for index, group in enumerate(self.param_groups):
+            group_grads = [p.grad for p in group["params"]]
+            plan = self._plans.plan(self, index, group, group_grads, _MOMENTS, "FusedLion",
+                                     sparse_error=NotImplementedError)
             beta1, beta2 = group["betas"]
-            for _, idx in fu.bucket(p.device for p in params).items():
-                self._op.multi_tensor_lion(
-                    [fu.contiguous_grad(params[i].grad) for i in idx], [params[i] for i in idx],
-                    [states[i]["exp_avg"] for i in idx], None, float(group["lr"]), float(beta1), float(beta2),
-                    float(group["weight_decay"]))
+            hyper = (float(group["lr"]), float(beta1), float(beta2), float(group["weight_decay"]))
+            # Lion has no bias correction; the step count is kept for checkpoints
+            for b, b_grads in plan.launches(group_grads):
+                fu.launch_with_contiguous_retry(
+                    lambda gl: self._op.multi_tensor_lion(gl, b.params, b.moments[0], None, *hyper), b_grads)
+                plan.advance(b)
         return loss
