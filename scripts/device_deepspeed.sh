@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# For a GPU machine without network: install the real DeepSpeed (the competitor in benchmarks/)
+# from an sdist carried in .dsref/ (downloaded beforehand with
+# `pip download --no-deps --no-binary :all: deepspeed==0.19.8 -d .dsref`) into /tmp/ds_real, outside
+# the project, with its ops left to its own JIT. Source it after scripts/device_setup.sh.
+if ls .dsref/deepspeed-*.tar.gz >/dev/null 2>&1; then
+    DS_BUILD_OPS=0 python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir --target /tmp/ds_real \
+        .dsref/deepspeed-*.tar.gz >/tmp/ds_install.log 2>&1 || { tail -20 /tmp/ds_install.log; return 1 2>/dev/null || exit 1; }
+    export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/ds_real
+fi
