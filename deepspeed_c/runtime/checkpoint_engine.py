@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_c.checkpoint import store
+from deepspeed_c.runtime.collective_guard import check_dir_arg, rank_local_step
 from deepspeed_c.runtime.checkpoint_zero import from_deepspeed_layout, to_deepspeed_layout
 from deepspeed_c.utils.logging import logger
 from deepspeed_c.version import DEEPSPEED_API_VERSION
@@ -34,11 +35,6 @@ def _dist() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _barrier() -> None:
-    if _dist():
-        dist.barrier()
-
-
 def _rank() -> int:
     return dist.get_rank() if _dist() else 0
 
@@ -53,6 +49,8 @@ class EngineCheckpointer:
     # -- save -----------------------------------------------------------------------------------
     def save(self, engine: Any, save_dir: str, tag: Any, client_state: dict, save_latest: bool,
              exclude_frozen_parameters: bool) -> bool:
+        # every check before the first collective, on every rank: a bad argument raises everywhere
+        save_dir = check_dir_arg("save_checkpoint", "save_dir", save_dir)
         tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
         if not tag or os.sep in tag or tag.startswith("."):
             raise ValueError(f"save_checkpoint: tag {tag!r} must be a non-empty name without '{os.sep}' or a "
@@ -66,24 +64,26 @@ class EngineCheckpointer:
         self._validate_tag(engine, tag)
         rank = _rank()
         zero = getattr(engine.optimizer, "is_zero_optimizer", False)
-        if rank == 0:
-            stage = store.begin(save_dir, tag)
-        _barrier()
+        with rank_local_step("save_checkpoint (creating the checkpoint directory)"):
+            if rank == 0:
+                store.begin(save_dir, tag)
         stage = store.staging_dir(save_dir, tag)
         my_files: dict[str, dict] = {}
-        if zero:
+        if zero:  # the layout conversion is collective: outside the rank-local step
             name = zero_file(engine, engine.optimizer.rank)
             state = {"optimizer_state_dict": to_deepspeed_layout(engine.optimizer),
                      "ds_config": engine._config._param_dict, "ds_version": DEEPSPEED_API_VERSION}
-            my_files[name] = store.save_file(state, os.path.join(stage, name))
-        if rank == 0:
-            state = self._model_state(engine, client_state, exclude_frozen_parameters, zero)
-            my_files[MODEL_FILE] = store.save_file(state, os.path.join(stage, MODEL_FILE))
+        with rank_local_step("save_checkpoint (writing this rank's files)"):
+            if zero:
+                my_files[name] = store.save_file(state, os.path.join(stage, name))
+            if rank == 0:
+                model_state = self._model_state(engine, client_state, exclude_frozen_parameters, zero)
+                my_files[MODEL_FILE] = store.save_file(model_state, os.path.join(stage, MODEL_FILE))
         files = self._gather_files(my_files)
-        if rank == 0:
-            store.commit(save_dir, tag, files, save_latest)
-            self._copy_recovery_script(save_dir)
-        _barrier()
+        with rank_local_step("save_checkpoint (committing the checkpoint)"):
+            if rank == 0:
+                store.commit(save_dir, tag, files, save_latest)
+                self._copy_recovery_script(save_dir)
         return True
 
     def _validate_tag(self, engine: Any, tag: str) -> None:
@@ -170,6 +170,9 @@ class EngineCheckpointer:
     def load(self, engine: Any, load_dir: str, tag: Any, load_module_strict: bool, load_optimizer_states: bool,
              load_lr_scheduler_states: bool, load_module_only: bool,
              custom_load_fn: Optional[Callable]) -> tuple[Optional[str], Any]:
+        load_dir = check_dir_arg("load_checkpoint", "load_dir", load_dir)
+        if custom_load_fn is not None and not callable(custom_load_fn):
+            raise TypeError(f"load_checkpoint: custom_load_fn must be callable, got {type(custom_load_fn).__name__}")
         if tag is None:
             tag = store.read_latest(load_dir)
             if tag is None:

@@ -59,24 +59,22 @@ class EngineIO:
 
         import torch.distributed as dist
 
+        from deepspeed_c.checkpoint.store import torch_save_atomic
         from deepspeed_c.checkpoint.utils import clone_tensors_for_torch_save
+        from deepspeed_c.runtime.collective_guard import check_dir_arg, rank_local_step
 
+        # checked on every rank before anything collective: a bad argument raises everywhere
+        save_dir = check_dir_arg("save_16bit_model", "save_dir", save_dir)
         if not isinstance(save_filename, str) or not save_filename or os.sep in save_filename:
             raise ValueError(f"save_16bit_model: save_filename must be a plain file name, got {save_filename!r}")
         rank = dist.get_rank() if dist.is_initialized() else 0
-        if rank == 0:
-            state = clone_tensors_for_torch_save(self.module_state_dict(
-                exclude_frozen_parameters=exclude_frozen_parameters))
-            # written beside, then renamed: an interrupted save never leaves a truncated file under the name
-            os.makedirs(save_dir, exist_ok=True)
-            path = os.path.join(save_dir, save_filename)
-            tmp = f"{path}.tmp{os.getpid()}"
-            torch.save(state, tmp)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        if dist.is_initialized():
-            dist.barrier()
+        # rank 0 writes; a failure there (unwritable directory, full disk) raises on every rank
+        with rank_local_step("save_16bit_model (rank 0 writing the file)"):
+            if rank == 0:
+                state = clone_tensors_for_torch_save(self.module_state_dict(
+                    exclude_frozen_parameters=exclude_frozen_parameters))
+                os.makedirs(save_dir, exist_ok=True)
+                torch_save_atomic(state, os.path.join(save_dir, save_filename))
         return True
 
     def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:

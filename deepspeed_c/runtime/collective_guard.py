@@ -1,0 +1,53 @@
+"""Keeping the ranks of a collective entry point together when one of them fails.
+
+Entry points that every rank must call (save_checkpoint, load_checkpoint, save_16bit_model) check
+their arguments on every rank before any collective, so a bad argument raises the same error
+everywhere instead of leaving the other ranks at a barrier. Work that only some ranks do (rank 0
+writing a file) runs under `rank_local_step`: its outcome is shared with one all-reduce, and a
+failure on any rank raises on every rank."""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+
+def check_dir_arg(entry_point: str, name: str, value: Any) -> str:
+    """`value` as a directory path, or ValueError naming the entry point and the argument."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{entry_point}: {name} must be a non-empty directory path (str or os.PathLike), "
+                         f"got {value!r}")
+    return value
+
+
+class RankFailed(RuntimeError):
+    """Raised on the ranks whose own part succeeded when another rank's part failed."""
+
+
+@contextlib.contextmanager
+def rank_local_step(what: str, group: Any = None) -> Iterator[None]:
+    """Run the body (which may do nothing on this rank); then every rank learns whether any rank's
+    body raised, and all of them raise: the failing rank its own exception, the others RankFailed."""
+    error: BaseException | None = None
+    try:
+        yield
+    except Exception as e:  # re-raised below, after the other ranks have heard of it
+        error = e
+    if dist.is_available() and dist.is_initialized():
+        from deepspeed_c.comm import collective_device
+
+        flag = torch.tensor([dist.get_rank() + 1 if error is not None else 0], dtype=torch.int64,
+                            device=collective_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        failed = int(flag.item())
+    else:
+        failed = 1 if error is not None else 0
+    if error is not None:
+        raise error
+    if failed:
+        raise RankFailed(f"{what} failed on rank {failed - 1}; see that rank's error")

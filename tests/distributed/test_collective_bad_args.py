@@ -1,0 +1,74 @@
+"""Collective entry points with a bad argument on 2 ranks raise on every rank, in bounded time.
+
+DeepSpeed's behaviour: `save_checkpoint`, `load_checkpoint` and `save_16bit_model` must be called
+by every rank ("all processes must call this method", its docs say); a bad argument there is a
+user error to be reported, not a reason for the other ranks to wait forever. Before this fix
+`save_checkpoint(save_dir=None)` raised on rank 0 inside and left rank 1 at a barrier. Each case
+runs under the harness timeout (60 s), so a hang fails the test instead of the suite."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.distributed.test_engine_save16_compile import _engine, _train
+from tests.harness import run_distributed
+
+
+def bad_args_body(rank: int, world: int, root: str) -> dict:
+    from deepspeed_c.runtime.collective_guard import RankFailed
+
+    engine = _engine(2, False)
+    _train(engine, rank, world, steps=1)
+    outcome = {}
+    cases = {
+        "save_none": lambda: engine.save_checkpoint(None),
+        "save_empty": lambda: engine.save_checkpoint(""),
+        "load_none": lambda: engine.load_checkpoint(None),
+        "save16_none": lambda: engine.save_16bit_model(None),
+        # only rank 0 writes, and its directory is a regular file: rank 1's part cannot fail
+        "save16_unwritable": lambda: engine.save_16bit_model(os.path.join(root, "a_file", "sub")),
+        "save_unwritable": lambda: engine.save_checkpoint(os.path.join(root, "a_file", "ckpt")),
+    }
+    if rank == 0:
+        with open(os.path.join(root, "a_file"), "w") as f:
+            f.write("not a directory")
+    import torch.distributed as dist
+
+    dist.barrier()
+    for name, call in cases.items():
+        try:
+            call()
+            outcome[name] = "returned"
+        except RankFailed as e:
+            outcome[name] = f"RankFailed: {e}"
+        except (ValueError, TypeError, OSError) as e:
+            outcome[name] = f"{type(e).__name__}: {e}"
+    # the ranks are still in step: a good save afterwards works
+    engine.save_checkpoint(os.path.join(root, "good"))
+    outcome["good_load"] = engine.load_checkpoint(os.path.join(root, "good"))[0] is not None
+    return outcome
+
+
+def test_bad_arguments_raise_on_every_rank(tmp_path):
+    res = run_distributed(bad_args_body, 2, args=(str(tmp_path),), timeout=90)
+    for rank, out in enumerate(res):
+        for name in ("save_none", "save_empty"):
+            assert out[name].startswith("ValueError") and "save_dir" in out[name], (rank, name, out[name])
+        assert out["load_none"].startswith("ValueError") and "load_dir" in out["load_none"], out
+        assert out["save16_none"].startswith("ValueError") and "save_dir" in out["save16_none"], out
+        for name in ("save16_unwritable", "save_unwritable"):
+            if rank == 0:
+                assert out[name].startswith(("OSError", "FileExistsError", "NotADirectoryError")) or \
+                    "Error" in out[name].split(":")[0], (name, out[name])
+            else:
+                assert out[name].startswith("RankFailed") and "rank 0" in out[name], (name, out[name])
+        assert out["good_load"] is True
+
+
+@pytest.mark.parametrize("value", [None, "", 3])
+def test_check_dir_arg_names_the_argument(value):
+    from deepspeed_c.runtime.collective_guard import check_dir_arg
+
+    with pytest.raises(ValueError, match="save_dir"):
+        check_dir_arg("save_checkpoint", "save_dir", value)
