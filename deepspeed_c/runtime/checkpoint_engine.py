@@ -64,7 +64,7 @@ class EngineCheckpointer:
         self._validate_tag(engine, tag)
         rank = _rank()
         zero = getattr(engine.optimizer, "is_zero_optimizer", False)
-        with rank_local_step("save_checkpoint (creating the checkpoint directory)"):
+        with rank_local_step("save_checkpoint (creating the checkpoint directory)", distributed=_dist()):
             if rank == 0:
                 store.begin(save_dir, tag)
         stage = store.staging_dir(save_dir, tag)
@@ -73,14 +73,14 @@ class EngineCheckpointer:
             name = zero_file(engine, engine.optimizer.rank)
             state = {"optimizer_state_dict": to_deepspeed_layout(engine.optimizer),
                      "ds_config": engine._config._param_dict, "ds_version": DEEPSPEED_API_VERSION}
-        with rank_local_step("save_checkpoint (writing this rank's files)"):
+        with rank_local_step("save_checkpoint (writing this rank's files)", distributed=_dist()):
             if zero:
                 my_files[name] = store.save_file(state, os.path.join(stage, name))
             if rank == 0:
                 model_state = self._model_state(engine, client_state, exclude_frozen_parameters, zero)
                 my_files[MODEL_FILE] = store.save_file(model_state, os.path.join(stage, MODEL_FILE))
         files = self._gather_files(my_files)
-        with rank_local_step("save_checkpoint (committing the checkpoint)"):
+        with rank_local_step("save_checkpoint (committing the checkpoint)", distributed=_dist()):
             if rank == 0:
                 store.commit(save_dir, tag, files, save_latest)
                 self._copy_recovery_script(save_dir)

@@ -30,15 +30,19 @@ class RankFailed(RuntimeError):
 
 
 @contextlib.contextmanager
-def rank_local_step(what: str, group: Any = None) -> Iterator[None]:
+def rank_local_step(what: str, group: Any = None, distributed: bool | None = None) -> Iterator[None]:
     """Run the body (which may do nothing on this rank); then every rank learns whether any rank's
-    body raised, and all of them raise: the failing rank its own exception, the others RankFailed."""
+    body raised, and all of them raise: the failing rank its own exception, the others RankFailed.
+    `distributed` (default: whether torch.distributed is initialised) says whether there are other
+    ranks to tell."""
     error: BaseException | None = None
     try:
         yield
     except Exception as e:  # re-raised below, after the other ranks have heard of it
         error = e
-    if dist.is_available() and dist.is_initialized():
+    if distributed is None:
+        distributed = dist.is_available() and dist.is_initialized()
+    if distributed:
         from deepspeed_c.comm import collective_device
 
         flag = torch.tensor([dist.get_rank() + 1 if error is not None else 0], dtype=torch.int64,
