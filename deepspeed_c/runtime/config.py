@@ -43,7 +43,7 @@ KNOWN_TOP_LEVEL_KEYS = frozenset({
     "progressive_layer_drop", "curriculum_learning", "data_efficiency", "checkpoint", "data_types", "aio",
     "dataloader_drop_last", "nebula", "weight_quantization", "compile", "timers", "tensor_parallel",
     "expert_parallel", "elasticity", "vocabulary_size", "sequence_parallel_size", "data_parallel_size",
-    "allgather_size", "datastates_ckpt", "trackio",
+    "allgather_size", "datastates_ckpt", "trackio", "gradient_allreduce_op",
 })
 
 _MONITOR_SECTIONS = (("tensorboard", "TensorBoardConfig"), ("wandb", "WandbConfig"),
@@ -138,6 +138,12 @@ class DeepSpeedConfig:
         self.gradient_predivide_factor = float(scalar(pd, "gradient_predivide_factor", (int, float), 1.0,
                                                       check=lambda v: v > 0, allowed="a number > 0"))
         self.sparse_gradients_enabled = scalar(pd, "sparse_gradients", bool, False)
+        # DeepSpeed >= 0.19.6: "mean" averages gradients over the data-parallel ranks, "sum" adds them
+        op = scalar(pd, "gradient_allreduce_op", str, "mean", allowed="'mean' or 'sum'")
+        if op.lower() not in ("mean", "sum"):
+            raise DeepSpeedConfigError(f"Invalid value {op!r} for config key 'gradient_allreduce_op': "
+                                       "supported operations are ['mean', 'sum']")
+        self.gradient_allreduce_op = op.lower()
         self.gradient_clipping = float(scalar(pd, "gradient_clipping", (int, float), 0.0,
                                               check=lambda v: v >= 0 and math.isfinite(v), allowed="a number >= 0"))
         self.graph_harvesting = scalar(pd, "graph_harvesting", bool, False)

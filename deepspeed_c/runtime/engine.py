@@ -88,6 +88,7 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
 
         self.config = config
         self._config = config_class if config_class is not None else DeepSpeedConfig(config, mpu, mesh_device)
+        self.gradient_average = self._config.gradient_allreduce_op == "mean"
         self._configure_with_arguments(args)
         self._set_distributed_vars()
         _comm().configure(deepspeed_config=self._config)
@@ -234,7 +235,7 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
             comm_dtype=comm_dtype if any(p.dtype != comm_dtype for p in trainable) else None,
             prescale_gradients=self._config.prescale_gradients,
             gradient_predivide_factor=self._config.gradient_predivide_factor,
-            should_reduce=self._should_reduce)
+            gradient_average=self.gradient_average, should_reduce=self._should_reduce)
 
     def _any_rank_overflowed(self, overflow: bool) -> bool:
         import torch.distributed as tdist

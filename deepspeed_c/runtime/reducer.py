@@ -34,6 +34,7 @@ class GradientReducer(BackwardRound):
     def __init__(self, params: Sequence[torch.nn.Parameter], *, world_size: int, bucket_cap: int,
                  should_reduce: Callable[[], bool], group: Any = None, comm_dtype: Optional[torch.dtype] = None,
                  prescale_gradients: bool = False, gradient_predivide_factor: float = 1.0,
+                 gradient_average: bool = True,
                  rebuild_from_observed_order: bool = True) -> None:
         self.params = list(params)
         self.world_size = world_size
@@ -41,7 +42,9 @@ class GradientReducer(BackwardRound):
         self.bucket_cap = max(1, int(bucket_cap))
         self.comm_dtype = comm_dtype
         self.should_reduce = should_reduce
-        if prescale_gradients:
+        if not gradient_average:  # gradient_allreduce_op "sum": a plain sum, no scaling either side
+            self.pre_factor, self.post_factor = 1.0, 1.0
+        elif prescale_gradients:
             self.pre_factor, self.post_factor = 1.0 / world_size, 1.0
         else:
             self.pre_factor = 1.0 / gradient_predivide_factor

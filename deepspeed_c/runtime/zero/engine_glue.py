@@ -68,7 +68,8 @@ def configure_zero_optimizer(engine: Any) -> DeepSpeedZeroOptimizer:
         loss_scaler=loss_scaler, check_overflow=check_overflow,
         communication_dtype=engine.communication_data_type, offload_device=offload_device,
         pin_memory=bool(offload is not None and offload.pin_memory), overlap_comm=bool(zero_cfg.overlap_comm),
-        prescale_gradients=cfg.prescale_gradients, gradient_predivide_factor=cfg.gradient_predivide_factor)
+        prescale_gradients=cfg.prescale_gradients, gradient_predivide_factor=cfg.gradient_predivide_factor,
+        gradient_average=engine.gradient_average)
     if engine.precision.mixed is not None:
         engine.precision.mixed = optimizer  # loss scaling reads cur_scale / note_backward_scale from here
     return optimizer

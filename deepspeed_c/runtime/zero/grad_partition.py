@@ -55,7 +55,8 @@ class ZeroGradPartitioner(BackwardRound):
                  is_boundary: Optional[Callable[[], bool]] = None, group: Any = None,
                  comm_dtype: Optional[torch.dtype] = None, free_grads: bool = True, overlap: bool = True,
                  use_reduce_scatter: bool = True,
-                 prescale_gradients: bool = False, gradient_predivide_factor: float = 1.0) -> None:
+                 prescale_gradients: bool = False, gradient_predivide_factor: float = 1.0,
+                 gradient_average: bool = True) -> None:
         self.groups = [list(g) for g in groups]
         self.plans = list(plans)
         self.rank = rank
@@ -66,7 +67,9 @@ class ZeroGradPartitioner(BackwardRound):
         self.free_grads = free_grads
         self.overlap = overlap
         self.use_reduce_scatter = use_reduce_scatter
-        if prescale_gradients:
+        if not gradient_average:  # gradient_allreduce_op "sum": a plain sum, no scaling either side
+            self.pre_factor, self.post_factor = 1.0, 1.0
+        elif prescale_gradients:
             self.pre_factor, self.post_factor = 1.0 / world_size, 1.0
         else:
             self.pre_factor = 1.0 / gradient_predivide_factor

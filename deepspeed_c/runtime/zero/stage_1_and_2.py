@@ -59,6 +59,7 @@ class DeepSpeedZeroOptimizer:
                  communication_dtype: Optional[torch.dtype] = None, offload_device: Optional[str] = None,
                  pin_memory: bool = False, overlap_comm: bool = True, prescale_gradients: bool = False,
                  gradient_predivide_factor: float = 1.0, reduce_scatter: bool = True,
+                 gradient_average: bool = True,
                  is_boundary: Optional[Callable[[], bool]] = None, offload_sub_chunk: Optional[int] = None,
                  offload_stage_on_host: Optional[bool] = None) -> None:
         if stage not in (1, 2):
@@ -109,7 +110,7 @@ class DeepSpeedZeroOptimizer:
             is_boundary=is_boundary, group=dp_process_group, comm_dtype=communication_dtype,
             free_grads=stage == 2, overlap=overlap_comm or stage == 2,
             use_reduce_scatter=reduce_scatter, prescale_gradients=prescale_gradients,
-            gradient_predivide_factor=gradient_predivide_factor)
+            gradient_predivide_factor=gradient_predivide_factor, gradient_average=gradient_average)
         self.gatherer = BucketGatherer(self.partition_plans, self.bit16_groups, world_size=world_size,
                                        group=dp_process_group, cap=self.allgather_bucket_size)
         self.offload: Optional[CPUOffload] = None
