@@ -5,10 +5,11 @@ built, no subprocess starts, CUDA and torch.distributed are not initialised; pub
 on first use.
 """
 from deepspeed_c._lazy import lazy_exports
-from deepspeed_c.version import __version__, __version_major__, __version_minor__, __version_patch__
+from deepspeed_c.version import (__git_branch__, __git_hash__, __version__, __version_major__, __version_minor__,
+                                 __version_patch__)
 
 __all__ = [
-    "__version__", "initialize", "add_config_arguments", "init_distributed", "DeepSpeedEngine",
+    "__version__", "__git_hash__", "__git_branch__", "initialize", "OnDevice", "DeepSpeedConfigError", "add_config_arguments", "init_distributed", "DeepSpeedEngine",
     "DeepSpeedConfig", "comm", "zero", "checkpointing", "ops", "utils", "accelerator",
 ]
 
@@ -30,4 +31,8 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "launcher": "deepspeed_c.launcher",
     "monitor": "deepspeed_c.monitor",
     "checkpoint": "deepspeed_c.checkpoint",
+    "OnDevice": "deepspeed_c.utils.init_on_device:OnDevice",
+    "DeepSpeedConfigError": "deepspeed_c.runtime.config_utils:DeepSpeedConfigError",
+    "log_dist": "deepspeed_c.utils.logging:log_dist",
+    "logger": "deepspeed_c.utils.logging:logger",
 })

@@ -97,9 +97,10 @@ class EngineCheckpointer:
         dist.all_reduce(lo, op=dist.ReduceOp.MIN)
         dist.all_reduce(hi, op=dist.ReduceOp.MAX)
         if not torch.equal(lo, hi):
-            msg = f"checkpoint tag {tag!r} is not the same on every rank"
+            msg = (f"[rank={dist.get_rank()}] The checkpoint tag name {tag!r} is not consistent across all ranks "
+                   "(checkpoint.tag_validation); a rank-specific tag breaks restoring with another world size")
             if engine.checkpoint_tag_validation_fail():
-                raise ValueError(msg)
+                raise AssertionError(msg)  # DeepSpeed asserts here
             logger.warning(msg)
 
     def _gather_files(self, mine: dict[str, dict]) -> dict[str, dict]:

@@ -33,9 +33,9 @@ def initialize(args: Any = None,
 
     The config comes from `args.deepspeed_config`, `config` or `config_params` (a dict, a JSON path,
     or base64 JSON); giving it both in args and as an argument is an error."""
-    from deepspeed_c.version import __version__
+    from deepspeed_c.version import __git_branch__, __git_hash__, __version__
 
-    log_dist(f"DeepSpeed info: version={__version__}, git-hash=deepspeed_c, git-branch=deepspeed_c", ranks=[0])
+    log_dist(f"DeepSpeed info: version={__version__}, git-hash={__git_hash__}, git-branch={__git_branch__}", ranks=[0])
     assert model is not None, "deepspeed.initialize requires a model"
 
     import deepspeed_c.comm as dist

@@ -5,6 +5,7 @@ from deepspeed_c.utils.logging import logger, log_dist
 __getattr__, __dir__ = lazy_exports(__name__, {
     "RepeatingLoader": "deepspeed_c.runtime.dataloader:RepeatingLoader",
     "groups": "deepspeed_c.utils.groups",
+    "OnDevice": "deepspeed_c.utils.init_on_device:OnDevice",
     "zero_to_fp32": "deepspeed_c.utils.zero_to_fp32",
     "safe_get_full_fp32_param": "deepspeed_c.utils.tensor_fragment:safe_get_full_fp32_param",
     "safe_get_full_grad": "deepspeed_c.utils.tensor_fragment:safe_get_full_grad",

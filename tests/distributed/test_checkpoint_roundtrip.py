@@ -53,7 +53,7 @@ def body(rank: int, world: int, root: str, mode: str) -> dict:
             engine.save_checkpoint(ckpt_dir, client_state={"epoch": 7, "rank_saved": 0})
             try:
                 engine.save_checkpoint(ckpt_dir, tag=f"rank{rank}")
-            except ValueError as e:
+            except AssertionError as e:  # DeepSpeed asserts on an inconsistent tag under "Fail"
                 refused = str(e)
         out[dtype] = {"losses": losses, "client": client, "refused": refused, "lr": engine.get_lr(),
                       "steps": engine.global_steps,
@@ -87,5 +87,5 @@ def test_tag_mismatch_refused_and_nothing_written(runs):
     import os
 
     for r in range(WORLD):
-        assert "not the same on every rank" in first[r]["fp32"]["refused"]
+        assert "not consistent across all ranks" in first[r]["fp32"]["refused"]
     assert not any(n.startswith("rank") for n in os.listdir(f"{root}/fp32"))
