@@ -65,17 +65,21 @@ def _load(config: Union[str, dict, os.PathLike]) -> dict:
             out[k] = v
         return out
 
+    # DeepSpeed reads config files and base64 configs with hjson (a superset of JSON: comments,
+    # unquoted keys, trailing commas); the dicts it returns are plain dicts
+    import hjson
+
     path = os.fspath(config)
     if os.path.exists(path):
         with open(path, "r", encoding="utf-8") as f:
             try:
-                loaded = json.load(f, object_pairs_hook=no_duplicates)
-            except json.JSONDecodeError as e:
-                raise DeepSpeedConfigError(f"DeepSpeed config file {path} is not valid JSON: {e}") from None
+                loaded = hjson.load(f, object_pairs_hook=no_duplicates)
+            except hjson.HjsonDecodeError as e:
+                raise DeepSpeedConfigError(f"DeepSpeed config file {path} is neither JSON nor HJSON: {e}") from None
     else:
         try:
-            loaded = json.loads(base64.urlsafe_b64decode(path).decode("utf-8"), object_pairs_hook=no_duplicates)
-        except (binascii.Error, UnicodeDecodeError, ValueError):
+            loaded = hjson.loads(base64.urlsafe_b64decode(path).decode("utf-8"), object_pairs_hook=no_duplicates)
+        except (binascii.Error, UnicodeDecodeError, ValueError, hjson.HjsonDecodeError):
             raise ValueError(f"Expected a string path to an existing deepspeed config, or a dictionary or a valid "
                              f"base64. Received: {path}") from None
     if not isinstance(loaded, dict):
@@ -147,7 +151,8 @@ class DeepSpeedConfig:
         self.gradient_clipping = float(scalar(pd, "gradient_clipping", (int, float), 0.0,
                                               check=lambda v: v >= 0 and math.isfinite(v), allowed="a number >= 0"))
         self.graph_harvesting = scalar(pd, "graph_harvesting", bool, False)
-        self.zero_allow_untested_optimizer = scalar(pd, "zero_allow_untested_optimizer", bool, False)
+        # DeepSpeed reads this one without a type check: any truthy value (1, "yes") allows
+        self.zero_allow_untested_optimizer = bool(pd.get("zero_allow_untested_optimizer", False))
         self.zero_force_ds_cpu_optimizer = scalar(pd, "zero_force_ds_cpu_optimizer", bool, True)
         self.wall_clock_breakdown = scalar(pd, "wall_clock_breakdown", bool, False)
         self.memory_breakdown = scalar(pd, "memory_breakdown", bool, False)

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-from deepspeed_c.runtime.config_utils import (DeepSpeedConfigError, DeepSpeedConfigModel, closest,
+from deepspeed_c.runtime.config_utils import (DeepSpeedConfigError, DeepSpeedConfigModel, closest, model_keys,
+                                              unknown_key_error,
                                               parse_section, unbuilt)
 
 ADAGRAD_OPTIMIZER = "adagrad"
@@ -75,8 +76,28 @@ def normalize_optimizer_name(name: str) -> str:
         f"class.{hint} Allowed: Adam, AdamW, Lamb, Lion, Adagrad, or a torch.optim class name such as SGD")
 
 
+def _drop_unread_optimizer_keys(raw: Any) -> Any:
+    """DeepSpeed reads only `type`, `params` and `legacy_fusion` of this section and ignores any other
+    key beside them (e.g. a misplaced `torch_adam`); so do we, with a warning naming it. A near miss of
+    a key it reads (`parms`) is still refused: silently training without the user's params is worse."""
+    if not isinstance(raw, dict):
+        return raw
+    known = model_keys(OptimizerSection)
+    for key in raw:
+        if key not in known and closest(str(key), known) is not None:
+            raise unknown_key_error("optimizer", str(key), known)
+    extra = sorted(k for k in raw if k not in known)
+    if not extra:
+        return raw
+    from deepspeed_c.utils.logging import logger
+
+    logger.warning(f"Config keys {', '.join(f'optimizer.{k}' for k in extra)} are not read (DeepSpeed ignores "
+                   "keys beside 'type' and 'params' in this section; optimizer arguments go in 'optimizer.params')")
+    return {k: v for k, v in raw.items() if k in known}
+
+
 def parse_optimizer(param_dict: dict[str, Any]) -> OptimizerSection:
-    section = parse_section(OptimizerSection, param_dict.get("optimizer"), "optimizer")
+    section = parse_section(OptimizerSection, _drop_unread_optimizer_keys(param_dict.get("optimizer")), "optimizer")
     if section.type is None:
         if section.params:
             raise DeepSpeedConfigError("Config key 'optimizer.params' is given without 'optimizer.type'")

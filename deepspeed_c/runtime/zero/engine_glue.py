@@ -41,6 +41,12 @@ def configure_zero_optimizer(engine: Any) -> DeepSpeedZeroOptimizer:
         raise NotImplementedError("deepspeed_c: torch_autocast with fp16 is not supported together with "
                                   f"zero_optimization.stage={stage}; use the fp16 section instead")
     _check_optimizer(engine, basic)
+    # DeepSpeed's stage 1/2 optimizer starts each all-gather on a 4-byte boundary of 16-bit elements
+    nccl_start_alignment_factor = 2
+    if engine._config.zero_config.allgather_bucket_size % nccl_start_alignment_factor != 0:
+        raise AssertionError(f"allgather_bucket_size must be a multiple of nccl_start_alignment_factor, "
+                             f"{nccl_start_alignment_factor} (zero_optimization.allgather_bucket_size="
+                             f"{engine._config.zero_config.allgather_bucket_size})")
     loss_scaler, check_overflow = None, False
     wrapped = engine.optimizer
     if isinstance(wrapped, MixedPrecisionOptimizer):
