@@ -24,6 +24,7 @@ from deepspeed_c.runtime.config_utils import (DeepSpeedConfigError, DeepSpeedCon
                                               strip_auto)
 from deepspeed_c.runtime.config_zero import ZeroStageEnum, parse_zero_config
 from deepspeed_c.utils.logging import logger
+from deepspeed_c.version import DEEPSPEED_API_VERSION
 
 __all__ = [
     "DeepSpeedConfig", "DeepSpeedConfigError", "DeepSpeedConfigModel", "DeepSpeedConfigWarning",
@@ -48,6 +49,20 @@ KNOWN_TOP_LEVEL_KEYS = frozenset({
 
 _MONITOR_SECTIONS = (("tensorboard", "TensorBoardConfig"), ("wandb", "WandbConfig"),
                      ("csv_monitor", "CSVConfig"), ("comet", "CometConfig"), ("trackio", "TrackioConfig"))
+
+
+_NOTED_DEFAULTS: set[str] = set()
+
+
+def note_changed_default(key: str, old: str, new: str) -> None:
+    """Once per process: a config relies on a default that changed between DeepSpeed releases."""
+    if key in _NOTED_DEFAULTS:
+        return
+    _NOTED_DEFAULTS.add(key)
+    from deepspeed_c.utils.logging import logger
+
+    logger.warning(f"Config key '{key}' is not set: using the default of DeepSpeed {DEEPSPEED_API_VERSION}, {new} "
+                   f"(it was {old}); set '{key}' explicitly to silence this note")
 
 
 def _load(config: Union[str, dict, os.PathLike]) -> dict:
@@ -148,8 +163,12 @@ class DeepSpeedConfig:
             raise DeepSpeedConfigError(f"Invalid value {op!r} for config key 'gradient_allreduce_op': "
                                        "supported operations are ['mean', 'sum']")
         self.gradient_allreduce_op = op.lower()
-        self.gradient_clipping = float(scalar(pd, "gradient_clipping", (int, float), 0.0,
+        # DeepSpeed 0.19.3 changed this default from 0.0 (no clipping) to 1.0
+        self.gradient_clipping = float(scalar(pd, "gradient_clipping", (int, float), 1.0,
                                               check=lambda v: v >= 0 and math.isfinite(v), allowed="a number >= 0"))
+        if "gradient_clipping" not in pd:
+            note_changed_default("gradient_clipping", old="0.0 (no clipping) before DeepSpeed 0.19.3",
+                                 new="1.0 since DeepSpeed 0.19.3")
         self.graph_harvesting = scalar(pd, "graph_harvesting", bool, False)
         # DeepSpeed reads this one without a type check: any truthy value (1, "yes") allows
         self.zero_allow_untested_optimizer = bool(pd.get("zero_allow_untested_optimizer", False))

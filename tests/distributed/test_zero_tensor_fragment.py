@@ -24,7 +24,7 @@ def body(rank: int, world: int, stage: int) -> dict[str, Any]:
 
     model = make_model("mlp", seed=7)
     ref = make_model("mlp", seed=7).double()
-    config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**9,
+    config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**9, "gradient_clipping": 0.0,
               "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "betas": [0.9, 0.999]}},
               "zero_optimization": {"stage": stage, "reduce_bucket_size": 100}}
     engine, _, _, _ = deepspeed_c.initialize(model=model, config=config)

@@ -24,7 +24,7 @@ def test_defaults_follow_deepspeed():
     c = DeepSpeedConfig({"train_micro_batch_size_per_gpu": 2})
     assert (c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps) == (2, 2, 1)
     assert c.steps_per_print is None
-    assert c.gradient_clipping == 0.0
+    assert c.gradient_clipping == 1.0  # DeepSpeed >= 0.19.3 (was 0.0)
     assert c.prescale_gradients is False and c.gradient_predivide_factor == 1.0
     assert c.communication_data_type is None
     assert c.zero_optimization_stage == 0 and c.zero_enabled is False
@@ -70,7 +70,7 @@ def test_auto_is_unset_with_warning():
                 "'zero_optimization.reduce_bucket_size'"):
         assert key in warned
     assert (c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps) == (16, 1)
-    assert c.gradient_clipping == 0.0
+    assert c.gradient_clipping == 1.0  # DeepSpeed >= 0.19.3 (was 0.0)
     assert c.optimizer_params == {"weight_decay": 0.1}
     assert c.float16_config.enabled is False
     assert c.zero_config.reduce_bucket_size == 500_000_000

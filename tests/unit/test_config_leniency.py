@@ -55,3 +55,19 @@ def test_odd_allgather_bucket_size_refused():
            "zero_optimization": {"stage": 1, "allgather_bucket_size": 5001}}
     with pytest.raises(AssertionError, match="allgather_bucket_size must be a multiple"):
         deepspeed_c.initialize(model=model, config=cfg, model_parameters=model.parameters())
+
+
+def test_gradient_clipping_default_follows_0_19_8_with_a_note(caplog):
+    """DeepSpeed 0.19.3 changed `gradient_clipping`'s default from 0.0 to 1.0; a config that leaves it
+    out gets 1.0 and one note naming the key and both defaults."""
+    import logging
+
+    import deepspeed_c.runtime.config as config_module
+
+    config_module._NOTED_DEFAULTS.discard("gradient_clipping")
+    with caplog.at_level(logging.WARNING):
+        assert DeepSpeedConfig(dict(BASE)).gradient_clipping == 1.0
+        DeepSpeedConfig(dict(BASE))
+    notes = [r.getMessage() for r in caplog.records if "'gradient_clipping'" in r.getMessage()]
+    assert len(notes) == 1 and "1.0" in notes[0] and "0.0" in notes[0]
+    assert DeepSpeedConfig({**BASE, "gradient_clipping": 0.0}).gradient_clipping == 0.0

@@ -26,7 +26,9 @@ def world_of_one():
 
 
 def sgd_config(**kw):
-    cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    # clipping off: the references below are plain SGD (DeepSpeed >= 0.19.3 clips at 1.0 by default)
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
     cfg.update(kw)
     return cfg
 
