@@ -60,6 +60,11 @@ def check_param(p: torch.Tensor, grad: torch.Tensor, name: str,
                          f"optimizers (DeepSpeedCPUAdam, DeepSpeedCPULion) for host parameters")
 
 
+def check_cuda(p: torch.Tensor, name: str) -> None:
+    if p.device.type != "cuda":
+        raise ValueError(f"{name} runs on CUDA or host tensors, got a parameter on {p.device}")
+
+
 def contiguous_grad(grad: torch.Tensor) -> torch.Tensor:
     return grad if grad.is_contiguous() else grad.contiguous()
 

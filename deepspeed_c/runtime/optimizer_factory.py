@@ -1,9 +1,10 @@
 """Optimizers from the config's `optimizer` section, by DeepSpeed's names.
 
-"Adam"/"AdamW" -> DeepSpeedCPUAdam (model on the CPU) or FusedAdam (on a GPU); "Adam" means AdamW
-unless `adam_w_mode` is false, and `torch_adam: true` picks torch.optim.Adam/AdamW instead.
-"Adagrad" -> DeepSpeedCPUAdagrad on the CPU, torch.optim.Adagrad on a GPU (as DeepSpeed does).
-"Lion" -> DeepSpeedCPULion / FusedLion. "Lamb" -> FusedLamb on a GPU, the torch CPULamb on the CPU.
+As DeepSpeed's `_configure_basic_optimizer`: the DeepSpeedCPU* optimizers only with
+`offload_optimizer` (cpu_optimizer=True); otherwise "Adam"/"AdamW" -> FusedAdam and "Lion" ->
+FusedLion on every device (they step host tensors with the C CPU kernels), "Adagrad" ->
+torch.optim.Adagrad. "Adam" means AdamW unless `adam_w_mode` is false, and `torch_adam: true` picks
+torch.optim.Adam/AdamW instead. "Lamb" -> FusedLamb on a GPU, the torch CPULamb on the CPU.
 Any other name must be a torch.optim class (e.g. "SGD")."""
 from __future__ import annotations
 
@@ -48,10 +49,13 @@ def _build(cls: type, model_parameters: Any, params: dict[str, Any]) -> torch.op
 
 
 def build_optimizer(name: str, params: Optional[dict[str, Any]], model_parameters: Any,
-                    device: torch.device) -> torch.optim.Optimizer:
-    """The basic optimizer for `optimizer.type` = name (already normalised by the config)."""
+                    device: torch.device, cpu_optimizer: Optional[bool] = None) -> torch.optim.Optimizer:
+    """The basic optimizer for `optimizer.type` = name (already normalised by the config).
+    cpu_optimizer: ZeRO-Offload's host optimizer is wanted (the engine passes whether offload_optimizer is
+    on); None means "whenever device is the host"."""
     params = dict(params or {})
     on_gpu = device.type == "cuda"
+    use_cpu_optimizer = (not on_gpu) if cpu_optimizer is None else bool(cpu_optimizer)
     if name in (ADAM_OPTIMIZER, ADAMW_OPTIMIZER):
         torch_adam = params.pop(TORCH_ADAM_PARAM, False)
         adam_w_mode = params.pop(ADAM_W_MODE, ADAM_W_MODE_DEFAULT)
@@ -59,7 +63,7 @@ def build_optimizer(name: str, params: Optional[dict[str, Any]], model_parameter
         if torch_adam:
             cls = torch.optim.AdamW if effective_w_mode else torch.optim.Adam
             return _build(cls, model_parameters, params)
-        if on_gpu:
+        if not use_cpu_optimizer:
             cls = _cls("deepspeed_c.ops.adam.FusedAdam")
             _check_params(cls, params)
             return cls(model_parameters, **params, adam_w_mode=effective_w_mode)
@@ -67,10 +71,10 @@ def build_optimizer(name: str, params: Optional[dict[str, Any]], model_parameter
         _check_params(cls, params)
         return cls(model_parameters, **params, adamw_mode=effective_w_mode)
     if name == ADAGRAD_OPTIMIZER:
-        cls = torch.optim.Adagrad if on_gpu else _cls("deepspeed_c.ops.adagrad.DeepSpeedCPUAdagrad")
+        cls = _cls("deepspeed_c.ops.adagrad.DeepSpeedCPUAdagrad") if use_cpu_optimizer else torch.optim.Adagrad
         return _build(cls, model_parameters, params)
     if name == LION_OPTIMIZER:
-        cls = _cls("deepspeed_c.ops.lion.FusedLion" if on_gpu else "deepspeed_c.ops.lion.DeepSpeedCPULion")
+        cls = _cls("deepspeed_c.ops.lion.DeepSpeedCPULion" if use_cpu_optimizer else "deepspeed_c.ops.lion.FusedLion")
         return _build(cls, model_parameters, params)
     if name == LAMB_OPTIMIZER:
         cls = _cls("deepspeed_c.ops.lamb.FusedLamb" if on_gpu else "deepspeed_c.ops.lamb.cpu_lamb.CPULamb")

@@ -8,6 +8,8 @@ with torch.optim.AdamW (norm-wise relative 1e-5 per tensor, fp32) or a float64 L
 The plan's invalidation rules themselves are pure Python and are checked on CPU tensors."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -81,17 +83,17 @@ def test_swapped_group_params_rebuild():
     assert plan2 is not plan and plan2.buckets[0].params[0] is group["params"][0]
 
 
-# -- end to end on the GPU ------------------------------------------------------------------------
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason=NEEDS_GPU)
+# -- end to end: host tensors (the C CPU kernels) and, where there is one, the GPU ------------------
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason=NEEDS_GPU))]
 
 
-@gpu
-def test_fused_adam_with_every_invalidation_matches_torch_adamw():
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_adam_with_every_invalidation_matches_torch_adamw(device):
     from deepspeed_c.ops.adam import FusedAdam
 
     torch.manual_seed(0)
     sizes = [1000, 17, 65537, 3, 4096]
-    ours = [torch.nn.Parameter(torch.randn(n, device="cuda")) for n in sizes]
+    ours = [torch.nn.Parameter(torch.randn(n, device=device)) for n in sizes]
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
     hp = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.05)
     a, b = FusedAdam(ours, **hp), torch.optim.AdamW(theirs, foreach=False, **hp)
@@ -101,7 +103,7 @@ def test_fused_adam_with_every_invalidation_matches_torch_adamw():
             if i in skip:
                 p.grad = q.grad = None
                 continue
-            g = torch.randn(p.numel() * 2, device="cuda")
+            g = torch.randn(p.numel() * 2, device=device)
             p.grad = g[::2] if non_contiguous else g[: p.numel()].clone()
             q.grad = p.grad.clone()
         a.step()
@@ -121,20 +123,21 @@ def test_fused_adam_with_every_invalidation_matches_torch_adamw():
         assert a.state[p]["step"].item() == b.state[q]["step"].item()
     # the cached counters load into torch's AdamW and keep training in agreement
     b2 = torch.optim.AdamW(theirs, **hp)
-    b2.load_state_dict(a.state_dict())
+    # deep-copied, as through torch.save/load (torch's state_dict hands out its live tensors)
+    b2.load_state_dict(copy.deepcopy(a.state_dict()))
     b = b2
     step()
     assert_rel([p.detach() for p in ours], [q.detach().double() for q in theirs], 1e-5, "after exchange")
 
 
-@gpu
-def test_fused_lion_with_skipped_params_matches_reference():
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_lion_with_skipped_params_matches_reference(device):
     from deepspeed_c.ops.lion import FusedLion
     from tests.unit.cuda_reference import lion_ref
 
     torch.manual_seed(1)
     sizes = [300, 5, 1025]
-    ours = [torch.nn.Parameter(torch.randn(n, device="cuda")) for n in sizes]
+    ours = [torch.nn.Parameter(torch.randn(n, device=device)) for n in sizes]
     ref_p = [p.detach().double().clone() for p in ours]
     ref_m = [torch.zeros_like(r) for r in ref_p]
     hp = dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from deepspeed_c.ops import fused_optimizer_utils as fu
+from deepspeed_c.ops.adam.cpu_adam import cpu_adam_step
 from deepspeed_c.ops.fused_step_plan import PlanCache
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -40,7 +41,8 @@ def multi_tensor_adam(grads: list[torch.Tensor], params: list[torch.Tensor], exp
 
 class FusedAdam(torch.optim.Optimizer):
     """Implements Adam (adam_w_mode=False: L2 decay added to the gradient) and AdamW (default)
-    with multi-tensor CUDA kernels. Same signature and defaults as DeepSpeed's FusedAdam; AMSGrad
+    with multi-tensor CUDA kernels; parameters in host memory are stepped by the C CPU Adam kernel
+    (DeepSpeed's FusedAdam runs on its CPU accelerator too). Same signature and defaults as DeepSpeed's FusedAdam; AMSGrad
     is not supported."""
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
@@ -52,7 +54,6 @@ class FusedAdam(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.adam_w_mode = 1 if adam_w_mode else 0
         self.set_grad_none = set_grad_none
-        self._op = _load_op()
         self._plans = PlanCache()
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
@@ -77,13 +78,22 @@ class FusedAdam(torch.optim.Optimizer):
                 loss = closure()
         for index, group in enumerate(self.param_groups):
             group_grads = [p.grad for p in group["params"]]
-            plan = self._plans.plan(self, index, group, group_grads, _MOMENTS, "FusedAdam")
+            plan = self._plans.plan(self, index, group, group_grads, _MOMENTS, "FusedAdam", require_cuda=False)
             beta1, beta2 = group["betas"]
             hyper = (float(group["lr"]), float(beta1), float(beta2), float(group["eps"]))
+            bc, wd = bool(group.get("bias_correction", True)), float(group["weight_decay"])
             for b, b_grads in plan.launches(group_grads):
-                fu.launch_with_contiguous_retry(
-                    lambda gl: self._op.multi_tensor_adam(
-                        gl, b.params, b.moments[0], b.moments[1], None, *hyper, b.step + 1, bool(self.adam_w_mode),
-                        bool(group.get("bias_correction", True)), float(group["weight_decay"]), 1.0), b_grads)
+                if b.params[0].device.type == "cpu":  # as DeepSpeed's FusedAdam on its CPU accelerator
+                    fu.launch_with_contiguous_retry(
+                        lambda gl: cpu_adam_step(b.params, gl, b.moments[0], b.moments[1], lr=hyper[0],
+                                                 betas=(hyper[1], hyper[2]), eps=hyper[3], weight_decay=wd,
+                                                 step=b.step + 1, bias_correction=bc,
+                                                 adamw_mode=bool(self.adam_w_mode)), b_grads)
+                else:
+                    fu.check_cuda(b.params[0], "FusedAdam")
+                    fu.launch_with_contiguous_retry(
+                        lambda gl: _load_op().multi_tensor_adam(
+                            gl, b.params, b.moments[0], b.moments[1], None, *hyper, b.step + 1,
+                            bool(self.adam_w_mode), bc, wd, 1.0), b_grads)
                 plan.advance(b)
         return loss

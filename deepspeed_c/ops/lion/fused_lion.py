@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import functools
+
 import torch
 
 from deepspeed_c.ops import fused_optimizer_utils as fu
@@ -31,6 +33,13 @@ def multi_tensor_lion(grads: list[torch.Tensor], params: list[torch.Tensor], exp
                                  float(betas[1]), float(weight_decay))
 
 
+@functools.lru_cache(maxsize=None)
+def _cpu_op() -> Any:
+    from deepspeed_c.ops.op_builder import CPULionBuilder
+
+    return CPULionBuilder().load()
+
+
 class FusedLion(torch.optim.Optimizer):
     """Implements Lion (Chen et al., 2023, "Symbolic Discovery of Optimization Algorithms")
     with multi-tensor CUDA kernels; DeepSpeed's signature and defaults."""
@@ -40,7 +49,6 @@ class FusedLion(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay)
         super().__init__(params, defaults)
         self.set_grad_none = set_grad_none
-        self._op = _load_op()
         self._plans = PlanCache()
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
@@ -64,12 +72,17 @@ class FusedLion(torch.optim.Optimizer):
         for index, group in enumerate(self.param_groups):
             group_grads = [p.grad for p in group["params"]]
             plan = self._plans.plan(self, index, group, group_grads, _MOMENTS, "FusedLion",
-                                     sparse_error=NotImplementedError)
+                                    sparse_error=NotImplementedError, require_cuda=False)
             beta1, beta2 = group["betas"]
             hyper = (float(group["lr"]), float(beta1), float(beta2), float(group["weight_decay"]))
             # Lion has no bias correction; the step count is kept for checkpoints
             for b, b_grads in plan.launches(group_grads):
-                fu.launch_with_contiguous_retry(
-                    lambda gl: self._op.multi_tensor_lion(gl, b.params, b.moments[0], None, *hyper), b_grads)
+                if b.params[0].device.type == "cpu":  # the C CPU Lion kernel, as DeepSpeed on CPU
+                    fu.launch_with_contiguous_retry(
+                        lambda gl: _cpu_op().lion_step(b.params, gl, b.moments[0], None, *hyper), b_grads)
+                else:
+                    fu.check_cuda(b.params[0], "FusedLion")
+                    fu.launch_with_contiguous_retry(
+                        lambda gl: _load_op().multi_tensor_lion(gl, b.params, b.moments[0], None, *hyper), b_grads)
                 plan.advance(b)
         return loss
