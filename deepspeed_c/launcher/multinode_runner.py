@@ -18,13 +18,27 @@ import subprocess
 import sys
 import warnings
 from abc import ABC, abstractmethod
-from typing import Mapping, MutableMapping
+from typing import Any, Mapping, MutableMapping
 
 from deepspeed_c.launcher.constants import MVAPICH_TMP_HOSTFILE, PDSH_MAX_FAN_OUT
 from deepspeed_c.launcher.launch import LAUNCH_PID_FILE
 from deepspeed_c.launcher.numa import get_numactl_cmd
 
 Resources = Mapping[str, list[int]]
+
+
+def as_slot_lists(resources: Mapping[str, Any]) -> dict[str, list[int]]:
+    """Host -> slot ids. DeepSpeed's callers pass either that or its resource pool form, host -> slot
+    count (its runners read only the hosts and the counts), so both are accepted."""
+    out: dict[str, list[int]] = {}
+    for host, slots in resources.items():
+        if isinstance(slots, int) and not isinstance(slots, bool):
+            if slots < 0:
+                raise ValueError(f"host {host!r}: slot count must be >= 0, got {slots}")
+            out[host] = list(range(slots))
+        else:
+            out[host] = [int(s) for s in slots]
+    return out
 
 
 def _python_exec(args: argparse.Namespace) -> list[str]:
@@ -120,6 +134,7 @@ class PDSHRunner(MultiNodeRunner):
         return "".join(f"export {k}={q(v)}; " for k, v in self.exports.items())
 
     def get_cmd(self, environment: MutableMapping[str, str], active_resources: Resources):
+        active_resources = as_slot_lists(active_resources)
         environment["PDSH_RCMD_TYPE"] = "ssh"
         if getattr(self.args, "ssh_port", None) is not None:
             environment["PDSH_SSH_ARGS_APPEND"] = (environment.get("PDSH_SSH_ARGS_APPEND", "") +
@@ -174,6 +189,7 @@ class OpenMPIRunner(MultiNodeRunner):
         self._reject_filters()
 
     def get_cmd(self, environment: MutableMapping[str, str], active_resources: Resources) -> list[str]:
+        active_resources = as_slot_lists(active_resources)
         total = sum(len(s) for s in active_resources.values())
         launcher_args = shlex.split(self.args.launcher_args)
         # eth0 unless the user chose the TCP interface in --launcher_args.
@@ -225,6 +241,7 @@ class MVAPICHRunner(MultiNodeRunner):
         self._reject_filters()
 
     def get_cmd(self, environment: MutableMapping[str, str], active_resources: Resources) -> list[str]:
+        active_resources = as_slot_lists(active_resources)
         total, per_node = _slots_per_node(active_resources, self.name)
         with open(self.hostfile_path, "w") as fd:
             fd.writelines(f"{host}\n" for host in active_resources)
@@ -250,6 +267,7 @@ class _HydraRunner(MultiNodeRunner):
         self._reject_filters()
 
     def get_cmd(self, environment: MutableMapping[str, str], active_resources: Resources) -> list[str]:
+        active_resources = as_slot_lists(active_resources)
         total, per_node = _slots_per_node(active_resources, self.name)
         # No global -n: the per-rank "-n 1" blocks below give the process count.
         head = ["mpirun", "-ppn", f"{per_node}"] + shlex.split(self.args.launcher_args)
@@ -321,6 +339,7 @@ class SlurmRunner(MultiNodeRunner):
 
     @staticmethod
     def validate_active_resources(active_resources: Resources) -> None:
+        active_resources = as_slot_lists(active_resources)
         for host, slots in active_resources.items():
             if list(slots) != list(range(len(slots))):
                 raise ValueError(f"the slurm launcher cannot pin tasks to specific device ids (host {host!r} "
@@ -330,6 +349,7 @@ class SlurmRunner(MultiNodeRunner):
             raise ValueError(f"the slurm launcher needs the same slot count on every node, got {counts}")
 
     def get_cmd(self, environment: MutableMapping[str, str], active_resources: Resources) -> list[str]:
+        active_resources = as_slot_lists(active_resources)
         self.validate_active_resources(active_resources)
         total = sum(len(s) for s in active_resources.values())
         srun = ["srun", "-n", f"{total}"] + shlex.split(self.args.launcher_args)
