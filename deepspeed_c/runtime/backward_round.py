@@ -2,8 +2,12 @@
 runtime/zero/grad_partition.py at ZeRO stages 1 and 2).
 
 The first post-accumulate-grad hook of a backward opens the round and asks `should_reduce()`
-once, so every parameter of that backward is treated alike; the autograd engine's end-of-backward
-callback closes it, also for a direct `loss.backward()` that never passes through the engine.
+once, so every parameter of that backward is treated alike. Who closes it: the engine, when it has
+claimed the round (`claim_round()`, from engine.backward or when a direct backward reaches the
+model's outputs, i.e. in the outermost autograd graph task); otherwise the end-of-backward callback
+of the graph task that opened it. The difference matters for reentrant activation checkpointing:
+its recomputation runs a nested graph task, and a round closed at the end of that inner task would
+reduce a partial set of gradients and open a second round for the rest.
 Subclasses say what a reducing round does: `_start_reducing` (reset per-round state),
 `_on_grad(index)` (a parameter's gradient is ready) and `_finish_round` (flush and wait)."""
 from __future__ import annotations
@@ -19,6 +23,7 @@ class BackwardRound:
     def _attach_hooks(self, params: Sequence[torch.nn.Parameter]) -> None:
         self._round_open = False
         self._reducing = False
+        self._claimed = False
         self._handles = [p.register_post_accumulate_grad_hook(self._hook_for(i)) for i, p in enumerate(params)]
 
     def _hook_for(self, index: int) -> Callable[[torch.Tensor], None]:
@@ -35,11 +40,17 @@ class BackwardRound:
             self._reducing = bool(self.should_reduce())
             if self._reducing:
                 self._start_reducing()
-            torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
+            if not self._claimed:
+                torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
         return self._reducing
+
+    def claim_round(self) -> None:
+        """The caller will call end_backward() once this backward is over (no callback is queued)."""
+        self._claimed = True
 
     def end_backward(self) -> None:
         """Flush and await the round (idempotent: a no-op outside a reducing backward)."""
+        self._claimed = False
         if not self._round_open:
             return
         try:

@@ -85,6 +85,7 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
         self._scale_wrt_gas = True
         self._in_backward = False
         self._destroyed = False
+        self._direct_scaler: Any = None
 
         self.config = config
         self._config = config_class if config_class is not None else DeepSpeedConfig(config, mpu, mesh_device)
@@ -142,6 +143,7 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
         else:
             self.world_size, self.global_rank = 1, 0
         self.dp_world_size = self._config.world_size
+        _refuse_model_parallel(self.mpu)
         self.data_parallel_group = self.mpu.get_data_parallel_group() if self.mpu is not None else None
 
     def _configure_distributed_model(self, model: Module) -> None:
@@ -260,20 +262,28 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
         with self.precision.autocast(self.device.type):
             outputs = self.module(*inputs, **kwargs)
         register_output_hooks(outputs, self._output_grad_hook)
+        if self._direct_scaler is None and self.gradient_accumulation_steps() != 1 and torch.is_grad_enabled():
+            from deepspeed_c.runtime.gas_scaling import DirectBackwardScaler
+
+            self._direct_scaler = DirectBackwardScaler(
+                self._params, self.gradient_accumulation_steps,
+                active=lambda: not self._running_engine_backward and self._scale_wrt_gas)
         self.report.stop(rep.FORWARD_TIMERS)
         return outputs
 
     # -- backward --------------------------------------------------------------------------------
     def _output_grad_hook(self, grad: torch.Tensor) -> torch.Tensor:
+        """Backward reached the model's outputs: the outermost graph task of this backward (the
+        recomputation of a reentrant checkpoint runs later, in nested tasks). Scaling is not done
+        here; see engine.backward and runtime/gas_scaling.py."""
         if not self._in_backward:
             self._backward_prologue()
-        gas = self.gradient_accumulation_steps()
-        if self._scale_wrt_gas and gas != 1:
-            return grad / gas
         return grad
 
     def _backward_prologue(self) -> None:
         self._in_backward = True
+        if self.reducer is not None:
+            self.reducer.claim_round()  # the engine, not an inner graph task, closes this round
         self.report.start(rep.BACKWARD_TIMERS)
         self.report.start(rep.BACKWARD_INNER_TIMERS)
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_epilogue)
@@ -310,10 +320,13 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
             "loss must be a scalar tensor. If you need to pass output gradients, backward() of output tensors"
         self._running_engine_backward = True
         self._scale_wrt_gas = scale_wrt_gas
+        if self.reducer is not None:
+            self.reducer.claim_round()
         try:
             gas_scaled_loss = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
             self.report.record_loss(loss.detach())
-            self.precision.scale_loss(loss).backward(retain_graph=retain_graph)
+            # exactly the loss given is scaled, whatever else the model returned
+            self.precision.scale_loss(gas_scaled_loss).backward(retain_graph=retain_graph)
             self._backward_epilogue()
             if self.reducer is not None:
                 self.reducer.end_backward()
@@ -354,10 +367,10 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
 
     # -- step ------------------------------------------------------------------------------------
     def zero_grad(self) -> None:
+        """Clears param.grad only, as DeepSpeed's: gradients ZeRO already reduced into its partitions
+        during an accumulation window stay there until the step."""
         for p in self._params:
             p.grad = None
-        if getattr(self.optimizer, "is_zero_optimizer", False):
-            self.optimizer.zero_grad()  # stage 2 keeps the gradients in its partitions
 
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
         assert not self.inside_no_sync_ctxt, "It is illegal to call Engine.step() inside no_sync context manager"
@@ -519,6 +532,9 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
         if self.reducer is not None:
             self.reducer.remove()
             self.reducer = None
+        if self._direct_scaler is not None:
+            self._direct_scaler.remove()
+            self._direct_scaler = None
         if self.optimizer is not None and hasattr(self.optimizer, "destroy"):
             self.optimizer.destroy()
 
@@ -535,6 +551,21 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
             except AttributeError:
                 pass
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+
+def _refuse_model_parallel(mpu: Any) -> None:
+    """Until tensor parallelism lands, an mpu that splits the model across ranks is refused: norms,
+    overflow checks and checkpoint names (mp_rank_XX) would ignore the model-parallel group."""
+    if mpu is None:
+        return
+    for getter in ("get_model_parallel_world_size", "get_tensor_model_parallel_world_size"):
+        size = getattr(mpu, getter, None)
+        if callable(size) and int(size()) > 1:
+            raise NotImplementedError(
+                f"deepspeed_c: initialize(mpu=...) with a model-parallel world size of {int(size())} "
+                f"(mpu.{getter}()) is not supported yet: gradient norms, overflow checks and checkpoints "
+                "(mp_rank_XX files) would cover only the data-parallel group. Tensor parallelism is a "
+                "separate issue; an mpu with model-parallel size 1 works.")
 
 
 def _cast_half(value: Any) -> Any:

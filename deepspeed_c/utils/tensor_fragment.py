@@ -92,7 +92,11 @@ def safe_get_full_fp32_param(param: torch.nn.Parameter) -> Optional[torch.Tensor
 
 
 def safe_get_full_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
-    """The whole reduced gradient of `param` in fp32 (a collective); None outside backward..step."""
+    """`param.grad` when the parameter holds one (stage 0, ZeRO-1 between reductions or inside
+    no_sync, as DeepSpeed); otherwise the whole reduced gradient from ZeRO's partitions in fp32 (a
+    collective); None when there is none."""
+    if param.grad is not None:
+        return param.grad
     return _full(param, "grad")
 
 

@@ -184,7 +184,13 @@ class ZeroGradPartitioner(BackwardRound):
             self._in_flight.append(entry)
             return
         # finish this bucket on the side stream right away (queued, not waited for), so its
-        # device-to-host copy can run while backward goes on
+        # device-to-host copy can run while backward goes on. The side stream first waits for the
+        # compute stream, which zero-filled and wrote the bucket (and, at world size 1, nothing else
+        # orders the two: no collective stands between them); the buffers it reads are recorded on
+        # it, so the caching allocator does not hand them out again before it is done.
+        self.side_stream.wait_stream(torch.cuda.current_stream())
+        buf.record_stream(self.side_stream)
+        recv.record_stream(self.side_stream)
         with torch.cuda.stream(self.side_stream):
             self._finish_bucket(entry)
         self._finished.append(entry)

@@ -104,11 +104,13 @@ class DeepSpeedZeroOptimizer:
             for i, p in enumerate(params):
                 setattr(p, OWNER_ATTR, (weakref.ref(self), g, i))
         # stage 2 reduces every micro-step into the partition (the full gradient is freed as its bucket
-        # goes out); stage 1 keeps full gradients and reduces once per accumulation boundary
+        # goes out); stage 1 keeps full gradients between boundaries and reduces once per accumulation
+        # boundary, freeing them then too (the reduced gradient lives in the partition; param.grad
+        # would be the rank's unreduced one, which safe_get_full_grad would return)
         self.reducer = ZeroGradPartitioner(
             self.bit16_groups, self.partition_plans, rank=rank, world_size=world_size, should_reduce=should_reduce,
             is_boundary=is_boundary, group=dp_process_group, comm_dtype=communication_dtype,
-            free_grads=stage == 2, overlap=overlap_comm or stage == 2,
+            free_grads=True, overlap=overlap_comm or stage == 2,
             use_reduce_scatter=reduce_scatter, prescale_gradients=prescale_gradients,
             gradient_predivide_factor=gradient_predivide_factor, gradient_average=gradient_average)
         self.gatherer = BucketGatherer(self.partition_plans, self.bit16_groups, world_size=world_size,

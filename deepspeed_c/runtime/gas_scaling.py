@@ -1,0 +1,36 @@
+"""Gradient-accumulation scaling for backwards that do not go through `engine.backward`.
+
+`engine.backward(loss)` divides exactly the loss it is given by gradient_accumulation_steps (as
+DeepSpeed does). A direct `loss.backward()` or `tensor.backward(g)` (DeepSpeed >= 0.18.3 accepts
+them) has no loss to divide, so the division is applied where every gradient of that backward
+arrives exactly once, whatever the model returned and however the user combined its outputs: at
+the trainable parameters, by a hook on each that runs before the gradient is accumulated into
+`.grad`. (Dividing at the model's outputs instead scales some paths twice and others never when
+one output is computed from another, e.g. a loss from the logits beside the logits.) Since the
+scaling is linear, both routes give the gradients of loss / gradient_accumulation_steps."""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+
+class DirectBackwardScaler:
+    """Per-parameter pre-accumulation hooks that divide by `gas()` while `active()` says so."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], gas: Callable[[], int],
+                 active: Callable[[], bool]) -> None:
+        self._gas = gas
+        self._active = active
+        self._handles = [p.register_hook(self._scale) for p in params if p.requires_grad]
+
+    def _scale(self, grad: torch.Tensor) -> torch.Tensor:
+        if not self._active():
+            return grad
+        gas = self._gas()
+        return grad if gas == 1 else grad / gas
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
