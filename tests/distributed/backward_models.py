@@ -101,6 +101,6 @@ def run_model(kind: str, model: torch.nn.Module, batch: Any) -> Any:
     return model(batch[0])
 
 
-def shard(kind: str, batch: Any, rank: int, micro: int) -> Any:
+def shard(kind: str, batch: Any, rank: int, micro: int, device: Any = "cpu") -> Any:
     sl = slice(rank * micro, (rank + 1) * micro)
-    return batch[sl] if kind == "hf" else (batch[0][sl], batch[1][sl])
+    return batch[sl].to(device) if kind == "hf" else (batch[0][sl].to(device), batch[1][sl].to(device))

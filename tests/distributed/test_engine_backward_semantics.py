@@ -45,8 +45,8 @@ def body(rank: int, world: int) -> dict:
             rounds = []
             for batch in bm.batches(kind, STEPS * gas, MICRO * world, seed=5):
                 before = engine.reducer.rounds
-                loss = bm.user_loss(kind, bm.run_model(kind, engine, bm.shard(kind, batch, rank, MICRO)),
-                                    bm.shard(kind, batch, rank, MICRO))
+                local = bm.shard(kind, batch, rank, MICRO, engine.device)
+                loss = bm.user_loss(kind, bm.run_model(kind, engine, local), local)
                 if route == "engine":
                     engine.backward(loss)
                 else:
@@ -55,7 +55,7 @@ def body(rank: int, world: int) -> dict:
                 engine.step()
             out[(kind, gas, route, stage)] = {
                 "rounds": rounds,
-                "weights": {n: p.detach().double().numpy().copy() for n, p in engine.module.named_parameters()}}
+                "weights": {n: p.detach().double().cpu().numpy().copy() for n, p in engine.module.named_parameters()}}
             engine.destroy()
     return out
 

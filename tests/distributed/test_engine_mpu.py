@@ -50,7 +50,8 @@ def body(rank: int, world: int) -> dict:
         out["mp2"] = str(e)
     engine, *_ = deepspeed_c.initialize(model=make_model("mlp", seed=0), config=cfg, mpu=_MPU(1))
     (x, y), = make_batches("mlp", 1, 2 * world, seed=1)
-    engine.backward(loss_fn(engine(x[2 * rank:2 * rank + 2]), y[2 * rank:2 * rank + 2]))
+    dev = engine.device
+    engine.backward(loss_fn(engine(x[2 * rank:2 * rank + 2].to(dev)), y[2 * rank:2 * rank + 2].to(dev)))
     engine.step()
     out["mp1_steps"] = engine.global_steps
     return out

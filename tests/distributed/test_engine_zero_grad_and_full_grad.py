@@ -36,22 +36,22 @@ def body(rank: int, world: int) -> dict:
     engine = _engine(2, 2)
     for i, (x, y) in enumerate(make_batches("mlp", 2, MICRO * world, seed=3)):
         sl = slice(rank * MICRO, (rank + 1) * MICRO)
-        engine.backward(loss_fn(engine(x[sl]), y[sl]))
+        engine.backward(loss_fn(engine(x[sl].to(engine.device)), y[sl].to(engine.device)))
         if i == 0:
             engine.zero_grad()  # mid-accumulation, as a user loop might
         engine.step()
-    out["zero2"] = {n: p.detach().double().numpy().copy() for n, p in engine.module.named_parameters()}
+    out["zero2"] = {n: p.detach().double().cpu().numpy().copy() for n, p in engine.module.named_parameters()}
 
     (x, y), = make_batches("mlp", 1, MICRO * world, seed=4)
     sl = slice(rank * MICRO, (rank + 1) * MICRO)
     e0 = _engine(0, 1)
-    e0.backward(loss_fn(e0(x[sl]), y[sl]))
+    e0.backward(loss_fn(e0(x[sl].to(e0.device)), y[sl].to(e0.device)))
     p0 = next(e0.module.parameters())
     got0 = safe_get_full_grad(p0)
     out["stage0_is_grad"] = got0 is not None and got0 is p0.grad
     e1 = _engine(1, 2)
     with e1.no_sync():
-        e1.backward(loss_fn(e1(x[sl]), y[sl]))
+        e1.backward(loss_fn(e1(x[sl].to(e1.device)), y[sl].to(e1.device)))
     p1 = next(e1.module.parameters())
     got1 = safe_get_full_grad(p1)
     out["stage1_no_sync_is_grad"] = got1 is not None and got1 is p1.grad

@@ -27,9 +27,9 @@ def body(rank: int, world: int, op: str) -> dict:
         engine, *_ = deepspeed_c.initialize(model=model, config=cfg, model_parameters=model.parameters())
         for x, y in make_batches("mlp", STEPS, MICRO * world, seed=5):
             sl = slice(MICRO * rank, MICRO * rank + MICRO)
-            engine.backward(loss_fn(engine(x[sl]), y[sl]))
+            engine.backward(loss_fn(engine(x[sl].to(engine.device)), y[sl].to(engine.device)))
             engine.step()
-        out[stage] = {n: p.detach().double().numpy().copy() for n, p in engine.module.named_parameters()}
+        out[stage] = {n: p.detach().double().cpu().numpy().copy() for n, p in engine.module.named_parameters()}
     return out
 
 

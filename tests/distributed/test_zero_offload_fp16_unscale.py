@@ -32,12 +32,12 @@ def body(rank: int, world: int, stage: int) -> dict:
     engine, *_ = deepspeed_c.initialize(model=model, config=cfg, model_parameters=model.parameters())
     g = torch.Generator().manual_seed(1)
     x = torch.rand(N * world, 16, generator=g) + 0.5
-    out = engine(x[rank * N:(rank + 1) * N].half())
+    out = engine(x[rank * N:(rank + 1) * N].half().to(engine.device))
     engine.backward(out.float().sum() * SCALE / N)  # mean over the micro-batch of SCALE * row sums
     engine.step()
     from deepspeed_c.utils import safe_get_full_fp32_param
 
-    w1 = safe_get_full_fp32_param(engine.module.weight).double().numpy()
+    w1 = safe_get_full_fp32_param(engine.module.weight).double().cpu().numpy()
     return {"w0": w0, "w1": w1, "x": x.double().numpy()}
 
 

@@ -143,10 +143,7 @@ def test_fused_adam_deepspeed_arguments():
     _set_grads(params)
     opt.zero_grad()
     assert params[0].grad is not None and not params[0].grad.any()
-    with pytest.raises(ValueError, match="CUDA"):
-        q = torch.nn.Parameter(torch.zeros(4))
-        q.grad = torch.zeros(4)
-        FusedAdam([q]).step()
+    # host parameters are stepped by the C CPU kernel (tests/unit/test_fused_on_cpu.py)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
