@@ -25,6 +25,7 @@ static PyMethodDef methods[] = {
      "adagrad_step(params, grads, sums, copies, lr, eps, weight_decay)"},
     DSC_SIMD_METHOD,
     DSC_BUMP_STEPS_METHOD,
+    DSC_NUM_THREADS_METHOD,
     {NULL, NULL, 0, NULL},
 };
 

@@ -37,6 +37,7 @@ static PyMethodDef methods[] = {
      "receiving the updated params in their own dtype)."},
     DSC_SIMD_METHOD,
     DSC_BUMP_STEPS_METHOD,
+    DSC_NUM_THREADS_METHOD,
     {NULL, NULL, 0, NULL},
 };
 

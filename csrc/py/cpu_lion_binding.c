@@ -26,6 +26,7 @@ static PyMethodDef methods[] = {
      "lion_step(params, grads, exp_avgs, copies, lr, beta1, beta2, weight_decay)"},
     DSC_SIMD_METHOD,
     DSC_BUMP_STEPS_METHOD,
+    DSC_NUM_THREADS_METHOD,
     {NULL, NULL, 0, NULL},
 };
 

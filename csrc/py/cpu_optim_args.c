@@ -1,5 +1,9 @@
 #include "dsc/cpu_optim_args.h"
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #define FLOAT_DTYPES (DSC_F32 | DSC_BF16 | DSC_F16)
 
 static int32_t cpu_dtype(uint32_t dsc) {
@@ -151,6 +155,24 @@ PyObject *dsc_simd_method(PyObject *self, PyObject *const *args, Py_ssize_t narg
     (void)args;
     if (dsc_check_nargs("simd", nargs, 0) < 0) return NULL;
     return PyUnicode_FromString(dsc_cpu_simd_name());
+}
+
+PyObject *dsc_num_threads_method(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs > 1) return PyErr_Format(PyExc_TypeError, "num_threads() takes at most 1 argument (%zd given)", nargs);
+    if (nargs == 1) {
+        long n = PyLong_AsLong(args[0]);
+        if (n == -1 && PyErr_Occurred()) return NULL;
+        if (n < 0) return PyErr_Format(PyExc_ValueError, "argument 'n' must be >= 0, got %ld", n);
+#ifdef _OPENMP
+        if (n > 0) omp_set_num_threads((int)n);
+#endif
+    }
+#ifdef _OPENMP
+    return PyLong_FromLong((long)omp_get_max_threads());
+#else
+    return PyLong_FromLong(1L);
+#endif
 }
 
 PyObject *dsc_run_opt_step(dsc_opt_tensor *ts, Py_ssize_t n, dsc_opt_step_fn step, const void *hparams) {

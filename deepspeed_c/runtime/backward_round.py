@@ -24,10 +24,12 @@ class BackwardRound:
         self._round_open = False
         self._reducing = False
         self._claimed = False
+        self.touched: set[int] = set()  # parameters that got a gradient since the last clear (step)
         self._handles = [p.register_post_accumulate_grad_hook(self._hook_for(i)) for i, p in enumerate(params)]
 
     def _hook_for(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
+            self.touched.add(index)
             if self._enter_round():
                 self._on_grad(index)
 

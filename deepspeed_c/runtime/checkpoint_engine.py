@@ -239,7 +239,8 @@ class EngineCheckpointer:
             parts = [store.load_file(tag_dir, f, manifest)["optimizer_state_dict"] for f in files]
             if any(p.get("layout") != "deepspeed" for p in parts):
                 raise RuntimeError(f"load_checkpoint: ZeRO files in {tag_dir} are not in DeepSpeed's flat layout")
-            opt.load_state_dict(from_deepspeed_layout(opt, parts), load_optimizer_states=load_states)
+            opt.load_state_dict(from_deepspeed_layout(opt, parts), load_optimizer_states=load_states,
+                                load_from_fp32_weights=bool(engine._config.zero_config.load_from_fp32_weights))
             return
         saved = state.get("optimizer")
         if saved is None:
@@ -257,10 +258,7 @@ class EngineCheckpointer:
         """Masters follow the loaded model weights when optimizer state is not loaded."""
         opt = engine.optimizer
         if getattr(opt, "is_zero_optimizer", False):
-            with torch.no_grad():
-                for plan, params, master in zip(opt.partition_plans, opt.bit16_groups, opt.fp32_partitions):
-                    part = plan.scatter_params([p.detach().float() for p in params], "runtime", opt.rank)
-                    master.copy_(part.to(master.device))
+            opt.masters_from_model()
             return
         if hasattr(opt, "fp32_groups") and hasattr(opt, "lp_groups"):
             with torch.no_grad():

@@ -77,7 +77,7 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     zenflow: Optional[dict[str, Any]] = None
     sub_group_size: int = Field(int(1e9), ge=0)
     cpu_offload_param: Optional[bool] = None  # legacy: offload_param.device = cpu
-    cpu_offload_use_pin_memory: Optional[bool] = None  # legacy, ignored
+    cpu_offload_use_pin_memory: Optional[bool] = None  # legacy: pin_memory of both offload sections
     cpu_offload: Optional[bool] = None  # legacy: offload_optimizer.device = cpu
     prefetch_bucket_size: int = Field(int(5e7), ge=0, alias="stage3_prefetch_bucket_size")
     param_persistence_threshold: int = Field(int(1e5), ge=0, alias="stage3_param_persistence_threshold")
@@ -142,6 +142,9 @@ def _apply_legacy_keys(cfg: DeepSpeedZeroConfig) -> None:
     if cfg.cpu_offload_use_pin_memory is not None:
         config_warning(f"Config key '{path}.cpu_offload_use_pin_memory' is deprecated; use "
                        f"'{path}.offload_param.pin_memory' or '{path}.offload_optimizer.pin_memory'")
+        for sub in (cfg.offload_optimizer, cfg.offload_param):  # DeepSpeed applies it to both
+            if sub is not None:
+                sub.pin_memory = bool(cfg.cpu_offload_use_pin_memory)
     if cfg.stage3_gather_fp16_weights_on_model_save:
         config_warning(f"Config key '{path}.stage3_gather_fp16_weights_on_model_save' is deprecated; use "
                        f"'{path}.gather_16bit_weights_on_model_save'")

@@ -89,6 +89,9 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
 
         self.config = config
         self._config = config_class if config_class is not None else DeepSpeedConfig(config, mpu, mesh_device)
+        from deepspeed_c.runtime.config_no_effect import warn_keys_without_effect
+
+        warn_keys_without_effect(self._config._param_dict)
         self.gradient_average = self._config.gradient_allreduce_op == "mean"
         self._configure_with_arguments(args)
         self._set_distributed_vars()

@@ -32,6 +32,14 @@ PyObject *dsc_simd_method(PyObject *self, PyObject *const *args, Py_ssize_t narg
 typedef int (*dsc_opt_step_fn)(dsc_opt_tensor *ts, int64_t n, const void *hparams);
 PyObject *dsc_run_opt_step(dsc_opt_tensor *ts, Py_ssize_t n, dsc_opt_step_fn step, const void *hparams);
 
+/* The METH_FASTCALL method num_threads(n=0) -> int: with n > 0, the OpenMP threads this op's steps
+ * use from now on (offload_optimizer.cpuadam_cores_perc); returns the count in force. */
+PyObject *dsc_num_threads_method(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+
+#define DSC_NUM_THREADS_METHOD                                                                         \
+    {"num_threads", (PyCFunction)(void (*)(void))dsc_num_threads_method, METH_FASTCALL,                \
+     "num_threads(n=0) -> int: set (n > 0) and return the OpenMP threads of this op's steps."}
+
 #define DSC_BUMP_STEPS_METHOD                                                                          \
     {"bump_steps", (PyCFunction)(void (*)(void))dsc_bump_steps, METH_FASTCALL,                         \
      "bump_steps(steps) -> list[int]: each one-element float32 step tensor += 1, in place."}

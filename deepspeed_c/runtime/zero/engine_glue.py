@@ -2,7 +2,7 @@
 DeepSpeedEngine._configure_zero). Takes the engine as an argument; never imports it."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -31,6 +31,22 @@ def _check_optimizer(engine: Any, basic: torch.optim.Optimizer) -> None:
                                f"deepspeed_c.ops.adam.DeepSpeedCPUAdam or set an optimizer in your ds-config. If you "
                                f"really want to use a custom optimizer with ZeRO-Offload, set "
                                f'<"zero_force_ds_cpu_optimizer": false> in your configuration file.')
+
+
+def _offload_threads(zero_cfg: Any) -> Optional[int]:
+    """OpenMP threads of the host optimizer when offload_optimizer.cpuadam_cores_perc is set: that share
+    of the cores this rank may run on (its affinity set, split among the node's ranks unless the
+    launcher bound cores per rank)."""
+    offload = zero_cfg.offload_optimizer
+    if offload is None or "cpuadam_cores_perc" not in offload.model_fields_set:
+        return None
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")) or 1)
+    if cores >= (os.cpu_count() or cores) and local > 1:
+        cores //= local  # not bound per rank: the node's ranks share the cores
+    return max(1, int(cores * float(offload.cpuadam_cores_perc)))
 
 
 def configure_zero_optimizer(engine: Any) -> DeepSpeedZeroOptimizer:
@@ -73,7 +89,8 @@ def configure_zero_optimizer(engine: Any) -> DeepSpeedZeroOptimizer:
         allgather_bucket_size=zero_cfg.allgather_bucket_size, clip_grad=engine.gradient_clipping(),
         loss_scaler=loss_scaler, check_overflow=check_overflow,
         communication_dtype=engine.communication_data_type, offload_device=offload_device,
-        pin_memory=bool(offload is not None and offload.pin_memory), overlap_comm=bool(zero_cfg.overlap_comm),
+        pin_memory=bool(offload is not None and offload.pin_memory), overlap_comm=zero_cfg.overlap_comm if "overlap_comm" in zero_cfg.model_fields_set else None,
+        ignore_unused_parameters=bool(zero_cfg.ignore_unused_parameters), offload_threads=_offload_threads(zero_cfg),
         prescale_gradients=cfg.prescale_gradients, gradient_predivide_factor=cfg.gradient_predivide_factor,
         gradient_average=engine.gradient_average)
     if engine.precision.mixed is not None:

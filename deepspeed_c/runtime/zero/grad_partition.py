@@ -56,7 +56,7 @@ class ZeroGradPartitioner(BackwardRound):
                  comm_dtype: Optional[torch.dtype] = None, free_grads: bool = True, overlap: bool = True,
                  use_reduce_scatter: bool = True,
                  prescale_gradients: bool = False, gradient_predivide_factor: float = 1.0,
-                 gradient_average: bool = True) -> None:
+                 gradient_average: bool = True, wait_each_bucket: bool = False) -> None:
         self.groups = [list(g) for g in groups]
         self.plans = list(plans)
         self.rank = rank
@@ -66,6 +66,7 @@ class ZeroGradPartitioner(BackwardRound):
         self.is_boundary = is_boundary or (lambda: True)
         self.free_grads = free_grads
         self.overlap = overlap
+        self.wait_each_bucket = wait_each_bucket
         self.use_reduce_scatter = use_reduce_scatter
         if not gradient_average:  # gradient_allreduce_op "sum": a plain sum, no scaling either side
             self.pre_factor, self.post_factor = 1.0, 1.0
@@ -181,6 +182,9 @@ class ZeroGradPartitioner(BackwardRound):
             self.collectives += 1
         entry = _InFlight(g, b, work, buf, recv, start, end)
         if self.side_stream is None:
+            if self.wait_each_bucket:  # overlap_comm false: the reduction completes before backward goes on
+                self._finish_bucket(entry)
+                return
             self._in_flight.append(entry)
             return
         # finish this bucket on the side stream right away (queued, not waited for), so its
@@ -234,6 +238,7 @@ class ZeroGradPartitioner(BackwardRound):
         return any(p is not None for p in self.grad_partitions)
 
     def clear(self) -> None:
+        self.touched.clear()
         self.grad_partitions = [None] * len(self.groups)
         self._fresh = [True] * len(self.groups)
 

@@ -65,7 +65,8 @@ class CPUOffload:
 
     def __init__(self, optimizer: torch.optim.Optimizer, masters: Sequence[torch.Tensor],
                  groups: Sequence[Sequence[torch.nn.Parameter]], reducer: ZeroGradPartitioner, *,
-                 stage_on_host: Optional[bool] = None, sub_chunk: int = SUB_CHUNK, pin_memory: bool = True) -> None:
+                 stage_on_host: Optional[bool] = None, sub_chunk: int = SUB_CHUNK, pin_memory: bool = True,
+                 threads: Optional[int] = None) -> None:
         from deepspeed_c.ops.cpu_optimizer_base import CPUOptimizerBase
 
         self.optimizer = optimizer
@@ -76,6 +77,8 @@ class CPUOffload:
         self.sub_chunk = max(1, int(sub_chunk))
         self.lp_dtypes = [params[0].dtype for params in groups]
         self.fused = isinstance(optimizer, CPUOptimizerBase)
+        if threads is not None and self.fused:  # offload_optimizer.cpuadam_cores_perc
+            optimizer.ds_opt_op.num_threads(int(threads))
         # a separate host copy of the gradients: needed when they are reduced on a GPU; forced on a
         # CPU-only run by tests, to exercise the per-bucket staging
         self.staging = self.cuda if stage_on_host is None else bool(stage_on_host)

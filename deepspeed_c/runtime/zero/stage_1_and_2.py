@@ -57,7 +57,8 @@ class DeepSpeedZeroOptimizer:
                  reduce_bucket_size: int = int(5e8), allgather_bucket_size: int = int(5e8),
                  clip_grad: float = 0.0, loss_scaler: Any = None, check_overflow: bool = False,
                  communication_dtype: Optional[torch.dtype] = None, offload_device: Optional[str] = None,
-                 pin_memory: bool = False, overlap_comm: bool = True, prescale_gradients: bool = False,
+                 pin_memory: bool = False, overlap_comm: Optional[bool] = True, prescale_gradients: bool = False,
+                 ignore_unused_parameters: bool = True, offload_threads: Optional[int] = None,
                  gradient_predivide_factor: float = 1.0, reduce_scatter: bool = True,
                  gradient_average: bool = True,
                  is_boundary: Optional[Callable[[], bool]] = None, offload_sub_chunk: Optional[int] = None,
@@ -91,11 +92,13 @@ class DeepSpeedZeroOptimizer:
             order = list(range(len(params) - 1, -1, -1))
             plan = PartitionPlan.build([p.numel() for p in params], world_size, cap, DEEPSPEED_ALIGNMENT, order)
             master_device = torch.device(offload_device) if offload_device else params[0].device
+            # this rank's fp32 partition is cut straight from the (16-bit) parameters slice by slice: no
+            # fp32 copy of the whole model is ever made
+            pin = pin_memory and master_device.type == "cpu" and torch.cuda.is_available()
+            flat = torch.zeros(plan.partition_size("runtime"), dtype=torch.float32, device=master_device,
+                               pin_memory=pin)
             with torch.no_grad():
-                flat = plan.scatter_params([p.detach().float() for p in params], "runtime", rank)
-            flat = flat.to(master_device)
-            if pin_memory and master_device.type == "cpu" and torch.cuda.is_available():
-                flat = flat.pin_memory()
+                plan.scatter_params([p.detach() for p in params], "runtime", rank, out=flat)
             master = torch.nn.Parameter(flat, requires_grad=True)
             group["params"] = [master]
             self.bit16_groups.append(params)
@@ -110,7 +113,10 @@ class DeepSpeedZeroOptimizer:
         self.reducer = ZeroGradPartitioner(
             self.bit16_groups, self.partition_plans, rank=rank, world_size=world_size, should_reduce=should_reduce,
             is_boundary=is_boundary, group=dp_process_group, comm_dtype=communication_dtype,
-            free_grads=True, overlap=overlap_comm or stage == 2,
+            free_grads=True, overlap=bool(overlap_comm) or stage == 2,
+            # stage 2 overlaps unless overlap_comm is false explicitly: then each bucket's reduction is
+            # awaited as soon as it is issued, as DeepSpeed's non-overlapped stage 2 does
+            wait_each_bucket=stage == 2 and overlap_comm is False,
             use_reduce_scatter=reduce_scatter, prescale_gradients=prescale_gradients,
             gradient_predivide_factor=gradient_predivide_factor, gradient_average=gradient_average)
         self.gatherer = BucketGatherer(self.partition_plans, self.bit16_groups, world_size=world_size,
@@ -119,7 +125,9 @@ class DeepSpeedZeroOptimizer:
         if offload_device == "cpu":
             self.offload = CPUOffload(init_optimizer, self.fp32_partitions, self.bit16_groups, self.reducer,
                                       stage_on_host=offload_stage_on_host,
-                                      sub_chunk=offload_sub_chunk or OFFLOAD_SUB_CHUNK, pin_memory=pin_memory)
+                                      sub_chunk=offload_sub_chunk or OFFLOAD_SUB_CHUNK, pin_memory=pin_memory,
+                                      threads=offload_threads)
+        self.ignore_unused_parameters = ignore_unused_parameters
 
     # -- the optimizer face ------------------------------------------------------------------------
     @property
@@ -222,6 +230,8 @@ class DeepSpeedZeroOptimizer:
 
     def step(self, closure: Any = None) -> bool:
         """Returns True when the step was skipped for overflow (DeepSpeed's convention)."""
+        if not self.ignore_unused_parameters:
+            self._refuse_unused_parameters()
         parts = self._grad_partitions()
         scaled_norm = math.sqrt(self._global_sq_norm(parts))
         finite = math.isfinite(scaled_norm)
@@ -253,6 +263,18 @@ class DeepSpeedZeroOptimizer:
         self.reducer.clear()
         return False
 
+    def _refuse_unused_parameters(self) -> None:
+        """zero_optimization.ignore_unused_parameters=false: DeepSpeed asserts when a trainable
+        parameter got no gradient in the backwards of this step."""
+        touched = self.reducer.touched
+        unused = [k for k in range(len(self.reducer._flat_params)) if k not in touched]
+        if unused:
+            shapes = [tuple(self.reducer._flat_params[k].shape) for k in unused[:8]]
+            raise AssertionError(
+                f"{len(unused)} trainable parameter(s) (shapes {shapes}{'...' if len(unused) > 8 else ''}) were not "
+                "used in producing the loss. Enable zero_optimization.ignore_unused_parameters (the default), or "
+                "make every trainable parameter and the forward's outputs take part in the loss.")
+
     def _attach_grads(self, parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         grads = []
         for master, part in zip(self.fp32_partitions, parts):
@@ -269,6 +291,13 @@ class DeepSpeedZeroOptimizer:
                 start, end = self.reducer.chunk_range(g, b)
                 self.gatherer.submit(g, b, lp[start:end])
         self.gatherer.finish()
+
+    @torch.no_grad()
+    def masters_from_model(self) -> None:
+        """This rank's fp32 masters re-cut from the model's current (16-bit) parameters."""
+        for plan, params, master in zip(self.partition_plans, self.bit16_groups, self.fp32_partitions):
+            out = torch.zeros(master.numel(), dtype=torch.float32, device=params[0].device)
+            master.copy_(plan.scatter_params([p.detach() for p in params], "runtime", self.rank, out=out))
 
     def refresh_model_params(self) -> None:
         """Model parameters re-filled from the fp32 masters of every rank (after loading a checkpoint)."""
@@ -318,6 +347,8 @@ class DeepSpeedZeroOptimizer:
             with torch.no_grad():
                 for master, saved in zip(self.fp32_partitions, state_dict["single_partition_of_fp32_groups"]):
                     master.copy_(saved)
+        else:  # zero_optimization.load_from_fp32_weights=false: masters from the loaded 16-bit weights
+            self.masters_from_model()
         self.refresh_model_params()
 
     def destroy(self) -> None:

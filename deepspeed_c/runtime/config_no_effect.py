@@ -1,0 +1,69 @@
+"""Config keys deepspeed_c accepts but that change nothing here, each with the reason.
+
+`initialize` warns once per key (per process) when a config sets one of them to a value other
+than its default; the README's table lists the same entries. Keys whose behaviour is built are not
+here: zero_optimization.overlap_comm=false (stage 2 awaits each bucket's reduction),
+load_from_fp32_weights=false, ignore_unused_parameters=false, cpu_offload_use_pin_memory,
+offload_optimizer.cpuadam_cores_perc (threads of the host optimizer)."""
+from __future__ import annotations
+
+from typing import Any, Iterable, NamedTuple
+
+from deepspeed_c.utils.logging import logger
+
+
+class NoEffect(NamedTuple):
+    path: tuple[str, ...]  # keys from the top of the config
+    default: Any
+    reason: str
+
+
+NO_EFFECT: tuple[NoEffect, ...] = (
+    NoEffect(("zero_optimization", "allgather_partitions"), True,
+             "every rank all-gathers its updated partition, one collective per bucket (no broadcast path)"),
+    NoEffect(("zero_optimization", "use_multi_rank_bucket_allreduce"), True,
+             "each gradient bucket is one reduce-scatter (or one all-reduce with reduce_scatter=false)"),
+    NoEffect(("zero_optimization", "elastic_checkpoint"), False,
+             "checkpoints reshard to any world size on load without it"),
+    NoEffect(("zero_optimization", "offload_optimizer", "super_offload"), False,
+             "SuperOffload is a ZeRO-3 feature in DeepSpeed; stages 1 and 2 use the pipelined ZeRO-Offload"),
+    NoEffect(("bf16", "immediate_grad_update"), False,
+             "bf16 gradients are accumulated by the precision collaborator at the step"),
+    NoEffect(("optimizer", "legacy_fusion"), False, "the fused optimizers have one implementation"),
+    NoEffect(("graph_harvesting",), False, "CUDA-graph capture of the optimizer step is not built"),
+    NoEffect(("dump_state",), False, "the engine state is not printed at initialize"),
+    NoEffect(("disable_allgather",), False, "ZeRO 1/2 always all-gathers the updated weights"),
+    NoEffect(("checkpoint", "use_node_local_storage"), False,
+             "every rank writes its own files into save_dir, which must be a shared filesystem for multi-node"),
+    NoEffect(("checkpoint", "writer"), None, "checkpoints are written by deepspeed_c's crash-safe store"),
+    NoEffect(("checkpoint", "checkpoint_serialization"), True, "files are written with torch.save's zip format"),
+    NoEffect(("activation_checkpointing", "partition_activations"), False,
+             "partitioning saved activations needs a model-parallel group (mpu), which is not built yet"),
+    NoEffect(("activation_checkpointing", "contiguous_memory_optimization"), False,
+             "it only applies to partitioned activations (partition_activations), which need an mpu"),
+)
+
+_WARNED: set[tuple[str, ...]] = set()
+
+
+def _lookup(params: dict, path: Iterable[str]) -> tuple[bool, Any]:
+    node: Any = params
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return False, None
+        node = node[key]
+    return True, node
+
+
+def warn_keys_without_effect(params: dict) -> list[str]:
+    """One warning per key set to a non-default value; returns the dotted keys warned about now."""
+    warned = []
+    for entry in NO_EFFECT:
+        found, value = _lookup(params, entry.path)
+        if not found or value == entry.default or value == "auto" or entry.path in _WARNED:
+            continue
+        _WARNED.add(entry.path)
+        key = ".".join(entry.path)
+        logger.warning(f"Config key '{key}' = {value!r} has no effect in deepspeed_c: {entry.reason}.")
+        warned.append(key)
+    return warned
