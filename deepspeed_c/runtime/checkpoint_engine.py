@@ -25,10 +25,21 @@ DS_KEYS = ("module", "buffer_names", "optimizer", "param_shapes", "frozen_param_
            "frozen_param_fragments", "ds_zero_stage")
 
 
-def zero_file(engine: Any, dp_rank: int) -> str:
-    # DeepSpeed runs bf16 with ZeRO <= 1 through its BF16_Optimizer, whose files carry a bf16_ prefix.
-    prefix = "bf16_" if engine.precision.bf16.enabled and engine.zero_optimization_stage() <= 1 else ""
-    return f"{prefix}zero_pp_rank_{dp_rank}_mp_rank_00_optim_states.pt"
+def zero_file(engine: Any, dp_rank: int, bf16_mode: Optional[bool] = None) -> str:
+    """DeepSpeed 0.19.8's name: a bf16_ prefix whenever bf16 is enabled (any stage)."""
+    bf16 = bool(engine.precision.bf16.enabled) if bf16_mode is None else bf16_mode
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_00_optim_states.pt"
+
+
+def _existing_zero_files(engine: Any, tag_dir: str, world: int) -> list[str]:
+    """The ZeRO files of a checkpoint: this precision's names first, then the other's (as DeepSpeed's
+    loader does; also reads deepspeed_c checkpoints written before the bf16_ prefix covered stage 2)."""
+    mine = bool(engine.precision.bf16.enabled)
+    for bf16_mode in (mine, not mine):
+        names = [zero_file(engine, r, bf16_mode) for r in range(world)]
+        if all(os.path.isfile(os.path.join(tag_dir, n)) for n in names):
+            return names
+    return [zero_file(engine, r) for r in range(world)]  # missing: the store's error names them
 
 
 def _dist() -> bool:
@@ -235,7 +246,7 @@ class EngineCheckpointer:
             return
         if getattr(opt, "is_zero_optimizer", False):
             saved_world = state.get("dp_world_size") or 1
-            files = [zero_file(engine, r) for r in range(saved_world)]
+            files = _existing_zero_files(engine, tag_dir, saved_world)
             parts = [store.load_file(tag_dir, f, manifest)["optimizer_state_dict"] for f in files]
             if any(p.get("layout") != "deepspeed" for p in parts):
                 raise RuntimeError(f"load_checkpoint: ZeRO files in {tag_dir} are not in DeepSpeed's flat layout")

@@ -51,6 +51,9 @@ def to_deepspeed_layout(opt: Any) -> dict:
             parts = _gather(base["state"][g][key].detach().cpu(), opt.world_size, opt.dp_process_group)
             base["state"][g][key] = plan.convert(parts, "runtime", "deepspeed")[opt.rank].clone()
     out["layout"] = "deepspeed"
+    from deepspeed_c.version import DEEPSPEED_API_VERSION
+
+    out["ds_version"] = DEEPSPEED_API_VERSION  # DeepSpeed's ZeRO loader asserts on it inside this dict
     out["ds_partition_sizes"] = [plan.ds_partition_size for plan in opt.partition_plans]
     return out
 
