@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from deepspeed_c.runtime.config_utils import parse_dtype
 from deepspeed_c.runtime.fp16.loss_scaler import CreateLossScaler, DynamicLossScaler, LossScalerBase
 from deepspeed_c.runtime.grad_norm import clip_coefficient, global_norm, scale_
 from deepspeed_c.utils.logging import logger
@@ -181,7 +182,8 @@ class Precision:
         self.model_dtype = config.model_dtype()
         self.autocast_enabled = bool(config.torch_autocast_enabled)
         self.autocast_dtype: Optional[torch.dtype] = config.torch_autocast_dtype
-        self.buffer_dtype = config.buffer_dtype
+        # the config keeps DeepSpeed's raw string ("bf16", "fp32", ...); torch wants a dtype
+        self.buffer_dtype: Optional[torch.dtype] = parse_dtype(config.buffer_dtype, "data_types.buffer_dtype")
         self.grad_scaler: Optional[Any] = None  # torch.amp.GradScaler for fp16 torch_autocast
         self.mixed: Optional[MixedPrecisionOptimizer] = None
 

@@ -181,7 +181,9 @@ class ZeroGradPartitioner(BackwardRound):
             self._in_flight.append(entry)
             return
         # finish this bucket on the side stream right away (queued, not waited for), so its
-        # device-to-host copy can run while backward goes on
+        # device-to-host copy can run while backward goes on. The side stream must first wait for the
+        # compute stream that zero-filled and wrote the bucket: at world size 1 no collective orders them
+        self.side_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.side_stream):
             self._finish_bucket(entry)
         self._finished.append(entry)
