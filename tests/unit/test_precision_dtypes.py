@@ -46,3 +46,43 @@ def test_buffer_dtype_casts_buffers(name, dtype):
     loss = engine(torch.randn(2, 12).bfloat16()).float().square().mean()
     engine.backward(loss)
     engine.step()
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_fp16_offload_unscales_in_fp32(offload):
+    """DeepSpeed's ZeRO-Offload unscales fp16 gradients in fp32 (the CPU Adam reads the fp16 gradient
+    and divides by the loss scale in fp32): gradients of 1e-9..1e-6 scaled by 2**16 are representable
+    in fp16, but unscaled in fp16 they flush to zero or lose up to ~19%. Reference: float64 Adam on the
+    fp32 master with grad = fp16(scaled grad) / scale. Tolerance: 1e-5 norm-wise relative on the update
+    (eps = 1e-6 keeps the Adam update nearly linear in each gradient, so a 1e-3 relative gradient error
+    shows as ~1e-3 in the update; the small fp32 masters keep their rounding near 1e-7)."""
+    from deepspeed_c.ops.adam import DeepSpeedCPUAdam
+    from deepspeed_c.runtime.fp16.loss_scaler import CreateLossScaler
+    from deepspeed_c.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    scale = 2.0 ** 16
+    n = 64
+    w = torch.nn.Parameter(torch.linspace(-0.01, 0.01, n).half())
+    tiny = torch.logspace(-9, -6, n, dtype=torch.float64) * torch.where(torch.arange(n) % 2 == 0, 1.0, -1.0)
+    lr, eps = 1e-2, 1e-6  # eps above every |g|: the update is ~linear in g, so gradient errors show
+    if offload:
+        opt = DeepSpeedCPUAdam([w], lr=lr, eps=eps, adamw_mode=False)
+    else:
+        opt = torch.optim.Adam([w], lr=lr, eps=eps)
+    zopt = DeepSpeedZeroOptimizer(
+        opt, stage=2, rank=0, world_size=1, should_reduce=lambda: True, is_boundary=lambda: True,
+        loss_scaler=CreateLossScaler(torch.float16, scale, False, None), check_overflow=True,
+        offload_device="cpu" if offload else None, offload_sub_chunk=16, offload_stage_on_host=offload)
+    zopt.note_backward_scale(scale)
+    start = zopt.fp32_partitions[0].detach().double()[:n].clone()
+    (w.float() * (tiny * scale).float()).sum().backward()
+    g16 = (tiny * scale).half()  # the fp16 gradient autograd produced
+    zopt.step()
+    ref_master = start.clone().requires_grad_(True)
+    ref = torch.optim.Adam([ref_master], lr=lr, eps=eps)
+    ref_master.grad = g16.double() / scale
+    ref.step()
+    got = zopt.fp32_partitions[0].detach().double()[:n] - start
+    want = ref_master.detach() - start
+    rel = float((got - want).norm() / want.norm())
+    assert rel < 1e-5, (rel, got[:6].tolist(), want[:6].tolist(), got[-4:].tolist(), want[-4:].tolist())

@@ -230,7 +230,9 @@ class CPUOffload:
                 lp: Optional[torch.Tensor], lo: int, hi: int, coef: float, step: int) -> None:
         g = grad[lo:hi]
         if coef != 1.0:
-            g.mul_(coef)
+            # unscale (and clip) in fp32, as DeepSpeed does: in fp16 a loss-scaled tiny gradient
+            # flushes to zero or loses precision once divided by the scale
+            g = g.float().mul_(coef) if g.dtype != torch.float32 else g.mul_(coef)
         moments = [[state[k][lo:hi]] for k in self.optimizer.MOMENTS]
         copies = None if lp is None else [lp[lo:hi]]
         self.optimizer._kernel(group, [master.detach()[lo:hi]], [g], moments, copies, step)
