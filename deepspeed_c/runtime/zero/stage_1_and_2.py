@@ -60,7 +60,7 @@ class DeepSpeedZeroOptimizer:
                  pin_memory: bool = False, overlap_comm: bool = True, prescale_gradients: bool = False,
                  gradient_predivide_factor: float = 1.0, reduce_scatter: bool = True,
                  is_boundary: Optional[Callable[[], bool]] = None, offload_sub_chunk: Optional[int] = None,
-                 offload_stage_on_host: Optional[bool] = None) -> None:
+                 offload_stage_on_host: Optional[bool] = None, master_dtype: torch.dtype = torch.float32) -> None:
         if stage not in (1, 2):
             raise ValueError(f"DeepSpeedZeroOptimizer runs ZeRO stage 1 or 2, got stage={stage}")
         self.optimizer = init_optimizer
@@ -92,7 +92,9 @@ class DeepSpeedZeroOptimizer:
             master_device = torch.device(offload_device) if offload_device else params[0].device
             with torch.no_grad():
                 flat = plan.scatter_params([p.detach().float() for p in params], "runtime", rank)
-            flat = flat.to(master_device)
+            # master_dtype is the model dtype under {bf16,fp16}_master_weights_and_grads (DeepSpeed keeps
+            # the partition's master weights and its gradients in 16 bits then)
+            flat = flat.to(device=master_device, dtype=master_dtype)
             if pin_memory and master_device.type == "cpu" and torch.cuda.is_available():
                 flat = flat.pin_memory()
             master = torch.nn.Parameter(flat, requires_grad=True)
@@ -253,7 +255,7 @@ class DeepSpeedZeroOptimizer:
     def _attach_grads(self, parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         grads = []
         for master, part in zip(self.fp32_partitions, parts):
-            master.grad = part.to(device=master.device, dtype=torch.float32)
+            master.grad = part.to(device=master.device, dtype=master.dtype)
             grads.append(master.grad)
         return grads
 
