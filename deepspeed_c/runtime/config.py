@@ -186,7 +186,7 @@ class DeepSpeedConfig:
         self.mics_shard_size = self.zero_config.mics_shard_size
         self.mics_hierarchial_params_gather = self.zero_config.mics_hierarchical_params_gather
 
-        precision = parse_precision(pd)
+        precision = parse_precision(pd, zero_stage=self.zero_optimization_stage)
         self.float16_config = precision["float16_config"]
         self.bfloat16_config = precision["bfloat16_config"]
         self.torch_autocast_config = precision["torch_autocast_config"]

@@ -89,7 +89,7 @@ class DataTypesConfig(DeepSpeedConfigModel):
     buffer_dtype: Optional[str] = None
 
 
-def parse_precision(param_dict: dict[str, Any]) -> dict[str, Any]:
+def parse_precision(param_dict: dict[str, Any], zero_stage: int = 0) -> dict[str, Any]:
     """The precision sections of a whole config, validated and cross-checked."""
     fp16 = parse_section(DeepSpeedFP16Config, param_dict.get("fp16"), "fp16")
     if "bf16" in param_dict and "bfloat16" in param_dict:
@@ -123,20 +123,32 @@ def parse_precision(param_dict: dict[str, Any]) -> dict[str, Any]:
             raise DeepSpeedConfigError(f"Config key 'amp' must be a JSON object (dict), got {amp!r}")
         if amp.get("enabled", False) is True:
             raise unbuilt("amp.enabled", "NVIDIA Apex AMP (use fp16/bf16 or torch_autocast instead)")
-    if fp16.fp16_master_weights_and_grads:
+    if fp16.fp16_master_weights_and_grads and zero_stage not in (1, 2, 3):
         raise DeepSpeedConfigError(
             "Config key 'fp16.fp16_master_weights_and_grads' is only supported with ZeRO stage 1, 2 or 3")
-    if bf16.bf16_master_weights_and_grads:
+    if bf16.bf16_master_weights_and_grads and zero_stage not in (1, 2, 3):
         raise DeepSpeedConfigError(
             f"Config key '{bf16_key}.bf16_master_weights_and_grads' is only supported with ZeRO stage 1, 2 or 3")
-    if bf16.bf16_optimizer_states:
+    if bf16.bf16_optimizer_states and (zero_stage not in (1, 2, 3) or not bf16.bf16_master_weights_and_grads):
         raise DeepSpeedConfigError(
             f"Config key '{bf16_key}.bf16_optimizer_states' is only supported with ZeRO stage 1, 2 or 3 and "
             f"'{bf16_key}.bf16_master_weights_and_grads'")
-    if grad_accum is not None and grad_accum != model_dtype:
+    # DeepSpeed 0.19's optimizer selection: under ZeRO every (model, grad_accum) pair is accepted; without
+    # ZeRO the accumulation dtype must be the model dtype, except bf16 parameters with fp32 accumulation
+    # (its BF16_Optimizer)
+    if (grad_accum is not None and zero_stage == 0 and grad_accum != model_dtype
+            and not (model_dtype == torch.bfloat16 and grad_accum == torch.float32)):
         raise unbuilt("data_types.grad_accum_dtype",
                       f"gradient accumulation in {grad_accum} with {model_dtype} parameters without ZeRO "
-                      f"(without ZeRO, gradients accumulate in the parameter dtype)")
+                      f"(DeepSpeed refuses this mix too; only bf16 parameters may accumulate in fp32)")
+    offload = ((param_dict.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device")
+    if (zero_stage == 1 and model_dtype == torch.bfloat16 and grad_accum == torch.float32
+            and offload in (None, "none")):
+        # DeepSpeed routes exactly this case to its BF16_Optimizer (fp32 accumulation per micro-step);
+        # its ZeRO optimizer, which every other ZeRO case gets, accumulates in the model dtype
+        raise unbuilt("data_types.grad_accum_dtype",
+                      "fp32 gradient accumulation with bf16 parameters at ZeRO stage 1 (DeepSpeed's "
+                      "BF16_Optimizer); use stage 2, CPU offload, or stage 0 on one rank")
     return {
         "float16_config": fp16, "bfloat16_config": bf16, "torch_autocast_config": autocast,
         "data_types_config": data_types, "grad_accum_dtype": grad_accum, "param_dtype": param_dtype,

@@ -187,7 +187,8 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
                 seen.add(id(p))
         self.basic_optimizer = basic
         self.optimizer = self.precision.wrap_optimizer(
-            basic, self.device, sync_overflow=self._any_rank_overflowed if self.dp_world_size > 1 else None)
+            basic, self.device, sync_overflow=self._any_rank_overflowed if self.dp_world_size > 1 else None,
+            dp_world_size=self.dp_world_size)
         log_dist(f"DeepSpeed Final Optimizer = {self.optimizer.__class__.__name__}", ranks=[0])
 
     def _configure_lr_scheduler(self) -> None:

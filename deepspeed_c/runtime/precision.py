@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from deepspeed_c.runtime.config_utils import parse_dtype
 from deepspeed_c.runtime.fp16.loss_scaler import CreateLossScaler, DynamicLossScaler, LossScalerBase
 from deepspeed_c.runtime.grad_norm import clip_coefficient, global_norm, scale_
 from deepspeed_c.utils.logging import logger
@@ -27,7 +28,8 @@ class MixedPrecisionOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, low_precision_dtype: torch.dtype,
                  loss_scaler: LossScalerBase, clip_grad: float = 0.0, check_overflow: bool = True,
-                 sync_overflow: Optional[Callable[[bool], bool]] = None) -> None:
+                 sync_overflow: Optional[Callable[[bool], bool]] = None,
+                 grad_accum_dtype: Optional[torch.dtype] = None) -> None:
         self.optimizer = optimizer
         # agrees on overflow across data-parallel ranks, so every rank skips the same steps
         self.sync_overflow = sync_overflow
@@ -47,7 +49,39 @@ class MixedPrecisionOptimizer:
             group["params"] = masters
         self._lp_flat = [p for g in self.lp_groups for p in g]
         self._master_flat = [p for g in self.fp32_groups for p in g]
+        # DeepSpeed's two stage-0 paths: gradients accumulate in the model dtype on the parameters
+        # (FP16_Optimizer; the fp32 copies exist only inside step()), or in fp32 buffers that every
+        # micro-step's gradient is folded into as soon as autograd has accumulated it (BF16_Optimizer,
+        # data_types.grad_accum_dtype "fp32")
+        self.grad_accum_dtype = grad_accum_dtype or low_precision_dtype
+        self.accumulate_fp32 = self.grad_accum_dtype == torch.float32 and low_precision_dtype != torch.float32
         self._grad_buffers: list[Optional[torch.Tensor]] = [None] * len(self._master_flat)
+        self._hooks: list[Any] = []
+        if self.accumulate_fp32:
+            for k, p in enumerate(self._lp_flat):
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._fold_hook(k)))
+
+    def _fold_hook(self, k: int) -> Callable[[torch.Tensor], None]:
+        def fold(p: torch.Tensor) -> None:
+            self._fold(k, p)
+        return fold
+
+    @torch.no_grad()
+    def _fold(self, k: int, p: torch.Tensor) -> None:
+        """Adds the parameter's fresh 16-bit gradient into its fp32 accumulator and frees it."""
+        if p.grad is None:
+            return
+        buf = self._grad_buffers[k]
+        if buf is None:
+            buf = self._grad_buffers[k] = torch.zeros_like(self._master_flat[k])
+        buf.add_(p.grad.detach().view_as(buf))
+        p.grad = None
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
     # -- the optimizer face ----------------------------------------------------------------------
     @property
@@ -87,19 +121,31 @@ class MixedPrecisionOptimizer:
                 p.grad.zero_()
         for m in self._master_flat:
             m.grad = None
+        if self.accumulate_fp32:
+            for buf in self._grad_buffers:
+                if buf is not None:
+                    buf.zero_()
 
     def _gather_master_grads(self) -> list[torch.Tensor]:
+        """fp32 gradients on the masters for this step. In model-dtype accumulation they are fresh
+        up-casts, dropped after the step (no fp32 gradient bytes live between micro-steps)."""
+        if self.accumulate_fp32:
+            out = []
+            for k, (lp, master) in enumerate(zip(self._lp_flat, self._master_flat)):
+                if lp.grad is not None:  # a gradient set outside backward (e.g. zeros for an unused parameter)
+                    self._fold(k, lp)
+                master.grad = self._grad_buffers[k]
+                if master.grad is not None:
+                    out.append(master.grad)
+            return out
         dst, src = [], []
-        for k, (lp, master) in enumerate(zip(self._lp_flat, self._master_flat)):
+        for lp, master in zip(self._lp_flat, self._master_flat):
             if lp.grad is None:
                 master.grad = None
                 continue
-            buf = self._grad_buffers[k]
-            if buf is None:
-                buf = self._grad_buffers[k] = torch.empty_like(master)
-            master.grad = buf
-            dst.append(buf)
-            src.append(lp.grad.detach().view_as(buf))
+            master.grad = torch.empty_like(master)
+            dst.append(master.grad)
+            src.append(lp.grad.detach().view_as(master.grad))
         if dst:
             torch._foreach_copy_(dst, src)
         return dst
@@ -130,6 +176,10 @@ class MixedPrecisionOptimizer:
         self._copy_masters_to_model()
         for m in self._master_flat:
             m.grad = None
+        if self.accumulate_fp32:
+            for buf in self._grad_buffers:
+                if buf is not None:
+                    buf.zero_()
         return False
 
     @property
@@ -181,7 +231,12 @@ class Precision:
         self.model_dtype = config.model_dtype()
         self.autocast_enabled = bool(config.torch_autocast_enabled)
         self.autocast_dtype: Optional[torch.dtype] = config.torch_autocast_dtype
-        self.buffer_dtype = config.buffer_dtype
+        # the config keeps DeepSpeed's raw string ("bf16", "fp32", ...); torch wants a dtype
+        self.buffer_dtype: Optional[torch.dtype] = parse_dtype(config.buffer_dtype, "data_types.buffer_dtype")
+        # the stage-0 accumulation dtype (ZeRO builds its own optimizer and ignores this one's hooks)
+        stage0 = int(getattr(config, "zero_optimization_stage", 0) or 0) == 0
+        accum = parse_dtype(config.grad_accum_dtype, "data_types.grad_accum_dtype")
+        self.grad_accum_dtype: Optional[torch.dtype] = accum if stage0 else None
         self.grad_scaler: Optional[Any] = None  # torch.amp.GradScaler for fp16 torch_autocast
         self.mixed: Optional[MixedPrecisionOptimizer] = None
 
@@ -201,7 +256,7 @@ class Precision:
                     b.data = b.data.to(self.buffer_dtype)
 
     def wrap_optimizer(self, optimizer: Optional[torch.optim.Optimizer], device: torch.device,
-                       sync_overflow: Optional[Callable[[bool], bool]] = None) -> Any:
+                       sync_overflow: Optional[Callable[[bool], bool]] = None, dp_world_size: int = 1) -> Any:
         if self.autocast_enabled and self.autocast_dtype == torch.float16:
             self.grad_scaler = torch.amp.GradScaler(device=device.type)
         if optimizer is None or not self.low_precision:
@@ -217,9 +272,15 @@ class Precision:
             scaler = CreateLossScaler(torch.bfloat16, 1.0, False, None)
             logger.info("Creating BF16 optimizer")
             check = bool(self.bf16.check_grad_overflow)
+        accum = self.grad_accum_dtype
+        if accum == torch.float32 and dp_world_size > 1:
+            raise NotImplementedError(
+                "deepspeed_c: data_types.grad_accum_dtype='fp32' with bf16 parameters and no ZeRO (DeepSpeed's "
+                f"BF16_Optimizer) runs on one data-parallel rank only, found {dp_world_size}; use ZeRO stage 1 or 2, "
+                "or leave grad_accum_dtype unset (bf16 accumulation)")
         self.mixed = MixedPrecisionOptimizer(optimizer, self.model_dtype, scaler,
                                              clip_grad=self.config.gradient_clipping, check_overflow=check,
-                                             sync_overflow=sync_overflow)
+                                             sync_overflow=sync_overflow, grad_accum_dtype=accum)
         return self.mixed
 
     @property

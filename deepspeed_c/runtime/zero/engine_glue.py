@@ -49,6 +49,17 @@ def _offload_threads(zero_cfg: Any) -> Optional[int]:
     return max(1, int(cores * float(offload.cpuadam_cores_perc)))
 
 
+def _master_dtype(cfg: Any) -> torch.dtype:
+    """fp32 masters, or the model dtype under fp16/bf16 `*_master_weights_and_grads` (DeepSpeed: master
+    weights and gradients of the partition kept in 16 bits; optimizer states follow the optimizer: torch
+    optimizers keep them in the parameter dtype, DeepSpeedCPUAdam in fp32 unless told otherwise)."""
+    if cfg.float16_config.enabled and cfg.float16_config.fp16_master_weights_and_grads:
+        return torch.float16
+    if cfg.bfloat16_config.enabled and cfg.bfloat16_config.bf16_master_weights_and_grads:
+        return torch.bfloat16
+    return torch.float32
+
+
 def configure_zero_optimizer(engine: Any) -> DeepSpeedZeroOptimizer:
     """Replaces the engine's (possibly mixed-precision wrapped) optimizer by the ZeRO optimizer."""
     stage = engine.zero_optimization_stage()
@@ -89,10 +100,11 @@ def configure_zero_optimizer(engine: Any) -> DeepSpeedZeroOptimizer:
         allgather_bucket_size=zero_cfg.allgather_bucket_size, clip_grad=engine.gradient_clipping(),
         loss_scaler=loss_scaler, check_overflow=check_overflow,
         communication_dtype=engine.communication_data_type, offload_device=offload_device,
-        pin_memory=bool(offload is not None and offload.pin_memory), overlap_comm=zero_cfg.overlap_comm if "overlap_comm" in zero_cfg.model_fields_set else None,
+        pin_memory=bool(offload is not None and offload.pin_memory),
+        overlap_comm=zero_cfg.overlap_comm if "overlap_comm" in zero_cfg.model_fields_set else None,
         ignore_unused_parameters=bool(zero_cfg.ignore_unused_parameters), offload_threads=_offload_threads(zero_cfg),
         prescale_gradients=cfg.prescale_gradients, gradient_predivide_factor=cfg.gradient_predivide_factor,
-        gradient_average=engine.gradient_average)
+        gradient_average=engine.gradient_average, master_dtype=_master_dtype(cfg))
     if engine.precision.mixed is not None:
         engine.precision.mixed = optimizer  # loss scaling reads cur_scale / note_backward_scale from here
     return optimizer

@@ -190,7 +190,7 @@ class CPUOffload:
             grad32 = grad.float() if grad.dtype != torch.float32 else grad
             if coef != 1.0:
                 grad32 = grad32.mul(coef) if grad32 is grad else grad32.mul_(coef)
-            master.grad = grad32
+            master.grad = grad32 if master.dtype == torch.float32 else grad32.to(master.dtype)
         self.optimizer.step()
         for master in self.masters:
             master.grad = None
@@ -233,9 +233,11 @@ class CPUOffload:
                 lp: Optional[torch.Tensor], lo: int, hi: int, coef: float, step: int) -> None:
         g = grad[lo:hi]
         if coef != 1.0:
-            # unscale/clip in fp32, as DeepSpeed does: in fp16 storage small gradients of a scaled loss
-            # flush to zero and the rest lose up to an ulp of the scaled value per multiply
-            g = g.mul_(coef) if g.dtype == torch.float32 else g.float().mul_(coef)
+            # unscale (and clip) in fp32, as DeepSpeed does: in fp16 a loss-scaled tiny gradient
+            # flushes to zero or loses precision once divided by the scale
+            g = g.float().mul_(coef) if g.dtype != torch.float32 else g.mul_(coef)
+            if master.dtype != torch.float32:  # 16-bit masters (*_master_weights_and_grads) take 16-bit grads
+                g = g.to(master.dtype)
         moments = [[state[k][lo:hi]] for k in self.optimizer.MOMENTS]
         copies = None if lp is None else [lp[lo:hi]]
         self.optimizer._kernel(group, [master.detach()[lo:hi]], [g], moments, copies, step)

@@ -62,7 +62,7 @@ class DeepSpeedZeroOptimizer:
                  gradient_predivide_factor: float = 1.0, reduce_scatter: bool = True,
                  gradient_average: bool = True,
                  is_boundary: Optional[Callable[[], bool]] = None, offload_sub_chunk: Optional[int] = None,
-                 offload_stage_on_host: Optional[bool] = None) -> None:
+                 offload_stage_on_host: Optional[bool] = None, master_dtype: torch.dtype = torch.float32) -> None:
         if stage not in (1, 2):
             raise ValueError(f"DeepSpeedZeroOptimizer runs ZeRO stage 1 or 2, got stage={stage}")
         self.optimizer = init_optimizer
@@ -92,10 +92,12 @@ class DeepSpeedZeroOptimizer:
             order = list(range(len(params) - 1, -1, -1))
             plan = PartitionPlan.build([p.numel() for p in params], world_size, cap, DEEPSPEED_ALIGNMENT, order)
             master_device = torch.device(offload_device) if offload_device else params[0].device
-            # this rank's fp32 partition is cut straight from the (16-bit) parameters slice by slice: no
-            # fp32 copy of the whole model is ever made
+            # this rank's master partition is cut straight from the (16-bit) parameters slice by slice: no
+            # fp32 copy of the whole model is ever made. master_dtype is fp32, or the model dtype under
+            # {bf16,fp16}_master_weights_and_grads (DeepSpeed keeps the partition's masters and gradients
+            # in 16 bits then)
             pin = pin_memory and master_device.type == "cpu" and torch.cuda.is_available()
-            flat = torch.zeros(plan.partition_size("runtime"), dtype=torch.float32, device=master_device,
+            flat = torch.zeros(plan.partition_size("runtime"), dtype=master_dtype, device=master_device,
                                pin_memory=pin)
             with torch.no_grad():
                 plan.scatter_params([p.detach() for p in params], "runtime", rank, out=flat)
@@ -278,7 +280,7 @@ class DeepSpeedZeroOptimizer:
     def _attach_grads(self, parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         grads = []
         for master, part in zip(self.fp32_partitions, parts):
-            master.grad = part.to(device=master.device, dtype=torch.float32)
+            master.grad = part.to(device=master.device, dtype=master.dtype)
             grads.append(master.grad)
         return grads
 
@@ -294,9 +296,9 @@ class DeepSpeedZeroOptimizer:
 
     @torch.no_grad()
     def masters_from_model(self) -> None:
-        """This rank's fp32 masters re-cut from the model's current (16-bit) parameters."""
+        """This rank's masters (fp32, or 16-bit under *_master_weights_and_grads) re-cut from the model's current (16-bit) parameters."""
         for plan, params, master in zip(self.partition_plans, self.bit16_groups, self.fp32_partitions):
-            out = torch.zeros(master.numel(), dtype=torch.float32, device=params[0].device)
+            out = torch.zeros(master.numel(), dtype=master.dtype, device=params[0].device)
             master.copy_(plan.scatter_params([p.detach() for p in params], "runtime", self.rank, out=out))
 
     def refresh_model_params(self) -> None:
