@@ -7,4 +7,6 @@ if ls .dsref/deepspeed-*.tar.gz >/dev/null 2>&1; then
     DS_BUILD_OPS=0 python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir --target /tmp/ds_real \
         .dsref/deepspeed-*.tar.gz >/tmp/ds_install.log 2>&1 || { tail -20 /tmp/ds_install.log; return 1 2>/dev/null || exit 1; }
     export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/ds_real
+    # DeepSpeed's op builder cannot parse arch suffixes such as "9.0a"
+    case "${TORCH_CUDA_ARCH_LIST:-}" in *a*) export TORCH_CUDA_ARCH_LIST=9.0 ;; esac
 fi

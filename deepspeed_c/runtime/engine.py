@@ -188,7 +188,7 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
         self.basic_optimizer = basic
         self.optimizer = self.precision.wrap_optimizer(
             basic, self.device, sync_overflow=self._any_rank_overflowed if self.dp_world_size > 1 else None,
-            dp_world_size=self.dp_world_size)
+            dp_world_size=self.dp_world_size, zero_owns_masters=self.zero_optimization_stage() > 0)
         log_dist(f"DeepSpeed Final Optimizer = {self.optimizer.__class__.__name__}", ranks=[0])
 
     def _configure_lr_scheduler(self) -> None:

@@ -256,11 +256,34 @@ class Precision:
                     b.data = b.data.to(self.buffer_dtype)
 
     def wrap_optimizer(self, optimizer: Optional[torch.optim.Optimizer], device: torch.device,
-                       sync_overflow: Optional[Callable[[bool], bool]] = None, dp_world_size: int = 1) -> Any:
+                       sync_overflow: Optional[Callable[[bool], bool]] = None, dp_world_size: int = 1,
+                       zero_owns_masters: bool = False) -> Any:
+        """The optimizer the engine steps: the 16-bit model wrapped by MixedPrecisionOptimizer (fp32
+        masters of the whole model), or, when ZeRO owns the masters (zero_owns_masters), the optimizer
+        unwrapped: ZeRO builds its own partitioned masters and takes the loss scaler from
+        zero_loss_scaling(), so no full-model fp32 copy is ever allocated."""
         if self.autocast_enabled and self.autocast_dtype == torch.float16:
             self.grad_scaler = torch.amp.GradScaler(device=device.type)
         if optimizer is None or not self.low_precision:
             return optimizer
+        if zero_owns_masters:
+            return optimizer
+        scaler, check = self.zero_loss_scaling()
+        accum = self.grad_accum_dtype
+        if accum == torch.float32 and dp_world_size > 1:
+            raise NotImplementedError(
+                "deepspeed_c: data_types.grad_accum_dtype='fp32' with bf16 parameters and no ZeRO (DeepSpeed's "
+                f"BF16_Optimizer) runs on one data-parallel rank only, found {dp_world_size}; use ZeRO stage 1 or 2, "
+                "or leave grad_accum_dtype unset (bf16 accumulation)")
+        self.mixed = MixedPrecisionOptimizer(optimizer, self.model_dtype, scaler,
+                                             clip_grad=self.config.gradient_clipping, check_overflow=check,
+                                             sync_overflow=sync_overflow, grad_accum_dtype=accum)
+        return self.mixed
+
+    def zero_loss_scaling(self) -> tuple[Optional[LossScalerBase], bool]:
+        """(loss scaler, check overflow) for the configured 16-bit dtype; (None, False) in fp32."""
+        if not self.low_precision:
+            return None, False
         if self.model_dtype == torch.float16:
             dynamic = self.fp16.loss_scale == 0
             scaler = CreateLossScaler(torch.float16, self.fp16.loss_scale, dynamic,
@@ -272,16 +295,13 @@ class Precision:
             scaler = CreateLossScaler(torch.bfloat16, 1.0, False, None)
             logger.info("Creating BF16 optimizer")
             check = bool(self.bf16.check_grad_overflow)
-        accum = self.grad_accum_dtype
-        if accum == torch.float32 and dp_world_size > 1:
-            raise NotImplementedError(
-                "deepspeed_c: data_types.grad_accum_dtype='fp32' with bf16 parameters and no ZeRO (DeepSpeed's "
-                f"BF16_Optimizer) runs on one data-parallel rank only, found {dp_world_size}; use ZeRO stage 1 or 2, "
-                "or leave grad_accum_dtype unset (bf16 accumulation)")
-        self.mixed = MixedPrecisionOptimizer(optimizer, self.model_dtype, scaler,
-                                             clip_grad=self.config.gradient_clipping, check_overflow=check,
-                                             sync_overflow=sync_overflow, grad_accum_dtype=accum)
-        return self.mixed
+        return scaler, check
+
+    def set_scaling_owner(self, owner: Any) -> None:
+        """The optimizer whose cur_scale / note_backward_scale the loss scaling uses (ZeRO's, when it
+        owns the masters)."""
+        if self.low_precision:
+            self.mixed = owner
 
     @property
     def needs_scaler(self) -> bool:

@@ -6,7 +6,6 @@ from typing import Any, Optional
 
 import torch
 
-from deepspeed_c.runtime.precision import MixedPrecisionOptimizer
 from deepspeed_c.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 # DeepSpeed's ZERO_SUPPORTED_OPTIMIZERS, by class name (ours mirror DeepSpeed's)
@@ -74,13 +73,8 @@ def configure_zero_optimizer(engine: Any) -> DeepSpeedZeroOptimizer:
         raise AssertionError(f"allgather_bucket_size must be a multiple of nccl_start_alignment_factor, "
                              f"{nccl_start_alignment_factor} (zero_optimization.allgather_bucket_size="
                              f"{engine._config.zero_config.allgather_bucket_size})")
-    loss_scaler, check_overflow = None, False
-    wrapped = engine.optimizer
-    if isinstance(wrapped, MixedPrecisionOptimizer):
-        # undo the stage-0 masters: ZeRO keeps its own, partitioned
-        for group, lp in zip(basic.param_groups, wrapped.lp_groups):
-            group["params"] = lp
-        loss_scaler, check_overflow = wrapped.loss_scaler, wrapped.check_overflow
+    # the precision collaborator left the optimizer unwrapped (ZeRO owns the masters): only its scaling
+    loss_scaler, check_overflow = engine.precision.zero_loss_scaling()
     zero_cfg = engine._config.zero_config
     offload = zero_cfg.offload_optimizer
     offload_device = "cpu" if engine.zero_cpu_offload() else None
@@ -105,6 +99,5 @@ def configure_zero_optimizer(engine: Any) -> DeepSpeedZeroOptimizer:
         ignore_unused_parameters=bool(zero_cfg.ignore_unused_parameters), offload_threads=_offload_threads(zero_cfg),
         prescale_gradients=cfg.prescale_gradients, gradient_predivide_factor=cfg.gradient_predivide_factor,
         gradient_average=engine.gradient_average, master_dtype=_master_dtype(cfg))
-    if engine.precision.mixed is not None:
-        engine.precision.mixed = optimizer  # loss scaling reads cur_scale / note_backward_scale from here
+    engine.precision.set_scaling_owner(optimizer)  # loss scaling reads cur_scale / note_backward_scale here
     return optimizer
