@@ -1,4 +1,4 @@
-"""FusedAdam and FusedLion on host tensors, as DeepSpeed's run on its CPU accelerator: the step goes
+"""FusedAdam, FusedLion and FusedLamb on host tensors, as DeepSpeed's run on its CPU accelerator: the step goes
 to the C CPU kernels. Checked over 5 steps (with a parameter that misses one step) against
 torch.optim.AdamW / Adam and a float64 Lion reference, 1e-6 norm-wise relative per tensor (fp32).
 And the config's `optimizer.type` on CPU ranks without offload builds them, as DeepSpeed's
@@ -53,6 +53,29 @@ def test_fused_lion_on_cpu_matches_float64():
         opt.step()
     for p, r in zip(ours, ref):
         assert _rel(p, r) < 1e-6
+
+
+def test_fused_lamb_on_cpu_matches_float64():
+    from deepspeed_c.ops.lamb import FusedLamb
+    from tests.unit.cuda_reference import lamb_ref
+
+    torch.manual_seed(2)
+    ours = [torch.nn.Parameter(torch.randn(n)) for n in (9, 257)]
+    ps = [p.detach().double().clone() for p in ours]
+    ms = [torch.zeros_like(p) for p in ps]
+    vs = [torch.zeros_like(p) for p in ps]
+    hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01, max_coeff=10.0, min_coeff=0.01)
+    opt = FusedLamb(ours, lr=1e-2, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01)
+    for step in range(1, 4):
+        for p in ours:
+            p.grad = torch.randn_like(p)
+        ps, ms, vs, coeffs = lamb_ref(ps, [p.grad for p in ours], ms, vs, step=step, **hp)
+        opt.step()
+        assert opt.get_lamb_coeffs() == pytest.approx(coeffs, rel=1e-5)
+    for p, r in zip(ours, ps):
+        assert _rel(p, r) < 1e-6
+    with pytest.raises(NotImplementedError, match="scale"):
+        opt.step(scale=2.0)
 
 
 @pytest.mark.parametrize("name,offload,want", [

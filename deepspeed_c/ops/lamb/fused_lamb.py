@@ -75,6 +75,21 @@ class FusedLamb(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         fu.restore_fp32_moments(self, state_dict, _MOMENTS)
 
+    def _host_step(self, closure: Any, grads: Any, output_params: Any, scale: float, grad_norms: Any) -> Any:
+        """Host parameters, as DeepSpeed's FusedLamb on its CPU accelerator: the same arithmetic in torch
+        (ops/lamb/cpu_lamb.py). DeepSpeed's deprecated per-call arguments are CUDA-only here."""
+        for name, value in (("grads", grads), ("output_params", output_params), ("grad_norms", grad_norms)):
+            if value is not None:
+                raise NotImplementedError(f"FusedLamb.step({name}=...) on host parameters is not supported; "
+                                          "set .grad and call step()")
+        if float(scale) != 1.0:
+            raise NotImplementedError("FusedLamb.step(scale=...) on host parameters is not supported")
+        from deepspeed_c.ops.lamb.cpu_lamb import CPULamb
+
+        loss = CPULamb.step(self, closure)
+        self.lamb_coeffs = [torch.tensor(float(c)) for c in self.lamb_coeffs]
+        return loss
+
     def get_lamb_coeffs(self) -> list[float]:
         return [c.item() for c in self.lamb_coeffs]
 
@@ -84,6 +99,9 @@ class FusedLamb(torch.optim.Optimizer):
         """grads: gradients to use instead of p.grad; output_params: fp16/bf16 copies of fp32
         params written in the same pass; scale: gradients are divided by it; grad_norms: the
         (scaled) gradient norm per group (a number, or one per parameter) for max_grad_norm."""
+        with_grads = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if with_grads and all(p.device.type == "cpu" for p in with_grads):
+            return self._host_step(closure, grads, output_params, scale, grad_norms)
         loss = None
         if closure is not None:
             with torch.enable_grad():
