@@ -32,6 +32,8 @@ class BackwardRound:
             self.touched.add(index)
             if self._enter_round():
                 self._on_grad(index)
+            else:
+                self._on_local_grad(index)
 
         return hook
 
@@ -73,6 +75,9 @@ class BackwardRound:
 
     def _on_grad(self, index: int) -> None:
         raise NotImplementedError
+
+    def _on_local_grad(self, index: int) -> None:
+        """A parameter's gradient arrived in a backward that does not reduce (accumulation only)."""
 
     def _finish_round(self) -> None:
         raise NotImplementedError

@@ -141,14 +141,6 @@ def parse_precision(param_dict: dict[str, Any], zero_stage: int = 0) -> dict[str
         raise unbuilt("data_types.grad_accum_dtype",
                       f"gradient accumulation in {grad_accum} with {model_dtype} parameters without ZeRO "
                       f"(DeepSpeed refuses this mix too; only bf16 parameters may accumulate in fp32)")
-    offload = ((param_dict.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device")
-    if (zero_stage == 1 and model_dtype == torch.bfloat16 and grad_accum == torch.float32
-            and offload in (None, "none")):
-        # DeepSpeed routes exactly this case to its BF16_Optimizer (fp32 accumulation per micro-step);
-        # its ZeRO optimizer, which every other ZeRO case gets, accumulates in the model dtype
-        raise unbuilt("data_types.grad_accum_dtype",
-                      "fp32 gradient accumulation with bf16 parameters at ZeRO stage 1 (DeepSpeed's "
-                      "BF16_Optimizer); use stage 2, CPU offload, or stage 0 on one rank")
     return {
         "float16_config": fp16, "bfloat16_config": bf16, "torch_autocast_config": autocast,
         "data_types_config": data_types, "grad_accum_dtype": grad_accum, "param_dtype": param_dtype,

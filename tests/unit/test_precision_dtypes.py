@@ -181,18 +181,13 @@ def _zero_run(stage, model_dtype, extra, steps=3):
                                                      (2, torch.float16, "fp32"), (1, torch.float16, "fp32")])
 def test_zero_accepts_grad_accum_dtype(stage, model_dtype, accum):
     """DeepSpeed 0.19.8 accepts every data_types.grad_accum_dtype under ZeRO 1/2 (its ZeRO optimizer
-    then accumulates in the model dtype; only stage 1 + bf16 + fp32 without offload switches to its
-    BF16_Optimizer, refused here by name). Was NotImplementedError. Reference: the same ZeRO run without
+    then accumulates in the model dtype; stage 1 + bf16 + fp32 without offload switches to its
+    BF16_Optimizer: tests/distributed/test_zero1_fp32_accumulation.py). Was NotImplementedError. Reference: the same ZeRO run without
     the key; the masters must agree exactly (torch.equal)."""
     with_key = _zero_run(stage, model_dtype, {"data_types": {"grad_accum_dtype": accum}})
     without = _zero_run(stage, model_dtype, {})
     for a, b in zip(with_key.optimizer.fp32_partitions, without.optimizer.fp32_partitions):
         assert torch.equal(a, b)
-
-
-def test_zero1_bf16_fp32_accum_refused_by_name():
-    with pytest.raises(NotImplementedError, match="data_types.grad_accum_dtype"):
-        _zero_run(1, torch.bfloat16, {"data_types": {"grad_accum_dtype": "fp32"}}, steps=0)
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -6,6 +6,8 @@ from typing import Any, Optional
 
 import torch
 
+from deepspeed_c.runtime.config_utils import parse_dtype
+
 from deepspeed_c.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 # DeepSpeed's ZERO_SUPPORTED_OPTIMIZERS, by class name (ours mirror DeepSpeed's)
@@ -98,6 +100,9 @@ def configure_zero_optimizer(engine: Any) -> DeepSpeedZeroOptimizer:
         overlap_comm=zero_cfg.overlap_comm if "overlap_comm" in zero_cfg.model_fields_set else None,
         ignore_unused_parameters=bool(zero_cfg.ignore_unused_parameters), offload_threads=_offload_threads(zero_cfg),
         prescale_gradients=cfg.prescale_gradients, gradient_predivide_factor=cfg.gradient_predivide_factor,
-        gradient_average=engine.gradient_average, master_dtype=_master_dtype(cfg))
+        gradient_average=engine.gradient_average, master_dtype=_master_dtype(cfg),
+        # DeepSpeed's BF16_Optimizer case: stage 1, bf16 model, fp32 accumulation, no offload
+        accumulate_fp32=(stage == 1 and engine.precision.model_dtype == torch.bfloat16 and offload_device is None
+                         and parse_dtype(cfg.grad_accum_dtype, "data_types.grad_accum_dtype") == torch.float32))
     engine.precision.set_scaling_owner(optimizer)  # loss scaling reads cur_scale / note_backward_scale here
     return optimizer

@@ -56,7 +56,8 @@ class ZeroGradPartitioner(BackwardRound):
                  comm_dtype: Optional[torch.dtype] = None, free_grads: bool = True, overlap: bool = True,
                  use_reduce_scatter: bool = True,
                  prescale_gradients: bool = False, gradient_predivide_factor: float = 1.0,
-                 gradient_average: bool = True, wait_each_bucket: bool = False) -> None:
+                 gradient_average: bool = True, wait_each_bucket: bool = False,
+                 accumulate_fp32: bool = False) -> None:
         self.groups = [list(g) for g in groups]
         self.plans = list(plans)
         self.rank = rank
@@ -85,6 +86,13 @@ class ZeroGradPartitioner(BackwardRound):
         for k, (g, i) in enumerate(self._where):
             self._members[self._slot_of[(g, self.plans[g].param_bucket[i])]].append(k)
         self._flat_params = [p for params in self.groups for p in params]
+        # accumulate_fp32 (stage 1, bf16 model, data_types.grad_accum_dtype "fp32": DeepSpeed's
+        # BF16_Optimizer): each micro-step's gradient is folded into an fp32 accumulator as soon as
+        # autograd has produced it, and the fp32 sums are what the boundary reduces
+        self.accumulate_fp32 = accumulate_fp32
+        self._acc: list[Optional[torch.Tensor]] = [None] * len(self._flat_params)
+        if accumulate_fp32:
+            comm_dtype = torch.float32
         self.comm_dtypes = [comm_dtype or (params[0].dtype if params else torch.float32) for params in self.groups]
         self.grad_partitions: list[Optional[torch.Tensor]] = [None] * len(self.groups)
         self._fresh = [True] * len(self.groups)  # partition not yet written in this accumulation window
@@ -140,7 +148,13 @@ class ZeroGradPartitioner(BackwardRound):
         b = plan.param_bucket[i]
         slot = self._slot_of[(g, b)]
         p = self._flat_params[k]
-        if p.grad is not None:
+        if self.accumulate_fp32:
+            self._fold(k)
+            acc, self._acc[k] = self._acc[k], None
+            if acc is not None:
+                off = plan.param_offset[i] - plan.bucket_offset[b]
+                self._bucket(slot)[off:off + p.numel()].copy_(acc)
+        elif p.grad is not None:
             off = plan.param_offset[i] - plan.bucket_offset[b]
             self._bucket(slot)[off:off + p.numel()].copy_(p.grad.detach().reshape(-1))
             if self.free_grads:
@@ -148,6 +162,21 @@ class ZeroGradPartitioner(BackwardRound):
         self._arrived[k] = True
         self._remaining[slot] -= 1
         return slot
+
+    @torch.no_grad()
+    def _fold(self, k: int) -> None:
+        """The parameter's fresh 16-bit gradient added into its fp32 accumulator, then freed."""
+        p = self._flat_params[k]
+        if p.grad is None:
+            return
+        if self._acc[k] is None:
+            self._acc[k] = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+        self._acc[k].add_(p.grad.detach().reshape(-1))
+        p.grad = None
+
+    def _on_local_grad(self, k: int) -> None:
+        if self.accumulate_fp32:
+            self._fold(k)
 
     def _on_grad(self, k: int) -> None:
         if self._arrived[k]:
@@ -239,6 +268,7 @@ class ZeroGradPartitioner(BackwardRound):
 
     def clear(self) -> None:
         self.touched.clear()
+        self._acc = [None] * len(self._flat_params)
         self.grad_partitions = [None] * len(self.groups)
         self._fresh = [True] * len(self.groups)
 

@@ -62,7 +62,8 @@ class DeepSpeedZeroOptimizer:
                  gradient_predivide_factor: float = 1.0, reduce_scatter: bool = True,
                  gradient_average: bool = True,
                  is_boundary: Optional[Callable[[], bool]] = None, offload_sub_chunk: Optional[int] = None,
-                 offload_stage_on_host: Optional[bool] = None, master_dtype: torch.dtype = torch.float32) -> None:
+                 offload_stage_on_host: Optional[bool] = None, master_dtype: torch.dtype = torch.float32,
+                 accumulate_fp32: bool = False) -> None:
         if stage not in (1, 2):
             raise ValueError(f"DeepSpeedZeroOptimizer runs ZeRO stage 1 or 2, got stage={stage}")
         self.optimizer = init_optimizer
@@ -118,7 +119,7 @@ class DeepSpeedZeroOptimizer:
             free_grads=True, overlap=bool(overlap_comm) or stage == 2,
             # stage 2 overlaps unless overlap_comm is false explicitly: then each bucket's reduction is
             # awaited as soon as it is issued, as DeepSpeed's non-overlapped stage 2 does
-            wait_each_bucket=stage == 2 and overlap_comm is False,
+            wait_each_bucket=stage == 2 and overlap_comm is False, accumulate_fp32=accumulate_fp32 and stage == 1,
             use_reduce_scatter=reduce_scatter, prescale_gradients=prescale_gradients,
             gradient_predivide_factor=gradient_predivide_factor, gradient_average=gradient_average)
         self.gatherer = BucketGatherer(self.partition_plans, self.bit16_groups, world_size=world_size,
