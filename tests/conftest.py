@@ -21,3 +21,15 @@ def compat_alias(tmp_path_factory) -> pathlib.Path:
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout
     return tgt
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    """For test modules that call deepspeed_c.initialize in-process: initialize starts a process group
+    of one; it is destroyed after the module so later modules see none."""
+    import torch.distributed as dist
+
+    started = not dist.is_initialized()
+    yield
+    if started and dist.is_initialized():
+        dist.destroy_process_group()

@@ -28,14 +28,7 @@ BASE = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "gradient
         "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def world_of_one():
-    import torch.distributed as dist
-
-    started = not dist.is_initialized()
-    yield
-    if started and dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("world_of_one")
 
 
 def _init(cfg: dict, model: torch.nn.Module | None = None):

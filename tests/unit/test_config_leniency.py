@@ -20,15 +20,7 @@ from tests.distributed.engine_models import make_model
 BASE = {"train_batch_size": 2, "steps_per_print": 10**9}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def world_of_one():
-    """initialize() starts a process group of one; later test modules expect none."""
-    import torch.distributed as dist
-
-    started = not dist.is_initialized()
-    yield
-    if started and dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("world_of_one")
 
 
 def test_unknown_key_beside_params_is_accepted():
