@@ -82,6 +82,8 @@ def scaler_state(obj: Any) -> dict[str, Any] | None:
     if obj is None or isinstance(obj, dict):
         return obj
     if isinstance(obj, LossScalerStandIn):
-        return obj.state_dict()
+        # the attributes deepspeed_c's scalers restore; the rest (window, minimum) come from the config
+        kept = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+        return {k: v for k, v in obj.state_dict().items() if k in kept}
     raise TypeError(f"checkpoint loss_scaler has type {type(obj).__name__}; expected a dict or DeepSpeed's "
                     "LossScaler")
