@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from deepspeed_c.checkpoint import safe_load
+
 FORMAT_VERSION = 1
 MANIFEST_NAME = "dsc_manifest.json"
 LATEST_NAME = "latest"
@@ -196,8 +198,10 @@ def load_file(tag_dir: str, name: str, manifest: dict[str, Any] | None) -> dict:
         raise CheckpointIntegrityError(f"checkpoint file {path} is truncated or altered: {os.path.getsize(path)} "
                                        f"bytes, manifest says {entry['size']}")
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 (any unpickling failure is corruption here)
+        obj = safe_load.load(path)
+    except safe_load.UntrustedPickleError:
+        raise
+    except Exception as e:  # noqa: BLE001 (any other unpickling failure is corruption here)
         raise CheckpointIntegrityError(f"checkpoint file {path} cannot be read (corrupted?): {e}") from None
     if entry is None:
         return obj

@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from deepspeed_c.checkpoint import store
+from deepspeed_c.checkpoint import deepspeed_format, store
 from deepspeed_c.runtime.collective_guard import check_dir_arg, rank_local_step
 from deepspeed_c.runtime.checkpoint_zero import from_deepspeed_layout, to_deepspeed_layout
 from deepspeed_c.utils.logging import logger
@@ -22,24 +22,12 @@ MODEL_FILE = "mp_rank_00_model_states.pt"
 DS_KEYS = ("module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
            "lr_scheduler", "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples",
            "dp_world_size", "mp_world_size", "ds_config", "ds_version", "data_sampler", "random_ltd",
-           "frozen_param_fragments", "ds_zero_stage")
+           "frozen_param_fragments", "ds_zero_stage", "checkpoint_parallel_dimensions")
 
 
-def zero_file(engine: Any, dp_rank: int, bf16_mode: Optional[bool] = None) -> str:
-    """DeepSpeed 0.19.8's name: a bf16_ prefix whenever bf16 is enabled (any stage)."""
-    bf16 = bool(engine.precision.bf16.enabled) if bf16_mode is None else bf16_mode
-    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_00_optim_states.pt"
-
-
-def _existing_zero_files(engine: Any, tag_dir: str, world: int) -> list[str]:
-    """The ZeRO files of a checkpoint: this precision's names first, then the other's (as DeepSpeed's
-    loader does; also reads deepspeed_c checkpoints written before the bf16_ prefix covered stage 2)."""
-    mine = bool(engine.precision.bf16.enabled)
-    for bf16_mode in (mine, not mine):
-        names = [zero_file(engine, r, bf16_mode) for r in range(world)]
-        if all(os.path.isfile(os.path.join(tag_dir, n)) for n in names):
-            return names
-    return [zero_file(engine, r) for r in range(world)]  # missing: the store's error names them
+def zero_file(engine: Any, dp_rank: int) -> str:
+    # DeepSpeed names ZeRO files with a bf16_ prefix whenever bf16 is enabled (any stage).
+    return deepspeed_format.zero_file_name(dp_rank, engine.precision.bf16.enabled)
 
 
 def _dist() -> bool:
@@ -246,8 +234,11 @@ class EngineCheckpointer:
             return
         if getattr(opt, "is_zero_optimizer", False):
             saved_world = state.get("dp_world_size") or 1
-            files = _existing_zero_files(engine, tag_dir, saved_world)
-            parts = [store.load_file(tag_dir, f, manifest)["optimizer_state_dict"] for f in files]
+            bf16 = engine.precision.bf16.enabled
+            files = [deepspeed_format.find_zero_file(tag_dir, r, bf16) for r in range(saved_world)]
+            numels = deepspeed_format.group_numels_from_shapes(state.get("param_shapes"))
+            parts = [deepspeed_format.normalize_zero_state(store.load_file(tag_dir, f, manifest)["optimizer_state_dict"],
+                                                           numels, saved_world) for f in files]
             if any(p.get("layout") != "deepspeed" for p in parts):
                 raise RuntimeError(f"load_checkpoint: ZeRO files in {tag_dir} are not in DeepSpeed's flat layout")
             opt.load_state_dict(from_deepspeed_layout(opt, parts), load_optimizer_states=load_states,
@@ -259,7 +250,7 @@ class EngineCheckpointer:
             return
         if hasattr(opt, "fp32_groups"):
             if load_states:
-                opt.load_state_dict(saved, load_optimizer_states=True)
+                opt.load_state_dict(deepspeed_format.normalize_mixed_state(saved), load_optimizer_states=True)
             else:
                 self._refresh_masters(engine)
         elif load_states:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from deepspeed_c.version import DEEPSPEED_API_VERSION
 from deepspeed_c.ops.partition import DEEPSPEED_ALIGNMENT, PartitionPlan
 
 FP32_KEY = "single_partition_of_fp32_groups"
@@ -50,10 +51,8 @@ def to_deepspeed_layout(opt: Any) -> dict:
         for key in _flat_state_keys(base, g, master.numel()):
             parts = _gather(base["state"][g][key].detach().cpu(), opt.world_size, opt.dp_process_group)
             base["state"][g][key] = plan.convert(parts, "runtime", "deepspeed")[opt.rank].clone()
+    out["ds_version"] = DEEPSPEED_API_VERSION  # DeepSpeed's ZeRO loader asserts it is present
     out["layout"] = "deepspeed"
-    from deepspeed_c.version import DEEPSPEED_API_VERSION
-
-    out["ds_version"] = DEEPSPEED_API_VERSION  # DeepSpeed's ZeRO loader asserts on it inside this dict
     out["ds_partition_sizes"] = [plan.ds_partition_size for plan in opt.partition_plans]
     return out
 
