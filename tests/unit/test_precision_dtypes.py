@@ -10,14 +10,7 @@ import deepspeed_c
 from tests.distributed.engine_models import MLP
 
 
-@pytest.fixture(scope="module", autouse=True)
-def world_of_one():
-    import torch.distributed as dist
-
-    started = not dist.is_initialized()
-    yield
-    if started and dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("world_of_one")
 
 
 class WithBuffer(MLP):
