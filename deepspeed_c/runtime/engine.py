@@ -242,7 +242,8 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
             comm_dtype=comm_dtype if any(p.dtype != comm_dtype for p in trainable) else None,
             prescale_gradients=self._config.prescale_gradients,
             gradient_predivide_factor=self._config.gradient_predivide_factor,
-            gradient_average=self.gradient_average, should_reduce=self._should_reduce)
+            gradient_average=self.gradient_average, should_reduce=self._should_reduce,
+            slots=self.precision.mixed.reduction_slots() if self.precision.mixed is not None else None)
 
     def _any_rank_overflowed(self, overflow: bool) -> bool:
         import torch.distributed as tdist

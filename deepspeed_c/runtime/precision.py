@@ -20,6 +20,31 @@ from deepspeed_c.runtime.grad_norm import clip_coefficient, global_norm, scale_
 from deepspeed_c.utils.logging import logger
 
 
+class Fp32AccumulatorSlots:
+    """The stage-0 reducer's gradient source and sink for fp32 accumulation (DeepSpeed's
+    BF16_Optimizer): it reduces the fp32 accumulators, not the 16-bit param.grad (which the fold
+    hooks free), and writes the averaged sums back into them, as DeepSpeed's engine all-reduces the
+    grads its BF16_Optimizer hands it for reduction (cast to communication_data_type on the wire)."""
+
+    def __init__(self, owner: "MixedPrecisionOptimizer") -> None:
+        self.owner = owner
+        self.index = {id(p): k for k, p in enumerate(owner._lp_flat)}
+
+    def read(self, param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+        k = self.index[id(param)]
+        self.owner._fold(k, param)  # no-op when the fold hook already ran
+        return self.owner._grad_buffers[k]
+
+    @torch.no_grad()
+    def write(self, param: torch.nn.Parameter, reduced: torch.Tensor) -> None:
+        k = self.index[id(param)]
+        buf = self.owner._grad_buffers[k]
+        if buf is None:
+            self.owner._grad_buffers[k] = reduced.detach().to(torch.float32).view(param.shape).clone()
+        else:
+            buf.copy_(reduced.view_as(buf))
+
+
 class MixedPrecisionOptimizer:
     """Steps fp32 master weights for 16-bit model parameters (DeepSpeed's FP16 optimizer role).
 
@@ -77,6 +102,11 @@ class MixedPrecisionOptimizer:
             buf = self._grad_buffers[k] = torch.zeros_like(self._master_flat[k])
         buf.add_(p.grad.detach().view_as(buf))
         p.grad = None
+
+    def reduction_slots(self) -> Optional["Fp32AccumulatorSlots"]:
+        """Where the data-parallel reducer reads and writes gradients: the fp32 accumulators when
+        gradients accumulate in fp32 (None: param.grad)."""
+        return Fp32AccumulatorSlots(self) if self.accumulate_fp32 else None
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
@@ -270,11 +300,6 @@ class Precision:
             return optimizer
         scaler, check = self.zero_loss_scaling()
         accum = self.grad_accum_dtype
-        if accum == torch.float32 and dp_world_size > 1:
-            raise NotImplementedError(
-                "deepspeed_c: data_types.grad_accum_dtype='fp32' with bf16 parameters and no ZeRO (DeepSpeed's "
-                f"BF16_Optimizer) runs on one data-parallel rank only, found {dp_world_size}; use ZeRO stage 1 or 2, "
-                "or leave grad_accum_dtype unset (bf16 accumulation)")
         self.mixed = MixedPrecisionOptimizer(optimizer, self.model_dtype, scaler,
                                              clip_grad=self.config.gradient_clipping, check_overflow=check,
                                              sync_overflow=sync_overflow, grad_accum_dtype=accum)

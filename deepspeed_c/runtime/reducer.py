@@ -8,6 +8,15 @@ backward goes on. At the end of backward the parameters that got no gradient are
 zeros (as DeepSpeed does), the remaining buckets go out, every reduction is awaited and averaged,
 and each parameter's .grad becomes a view of its slot. Other backwards only accumulate locally.
 
+A parameter whose gradient arrives twice in one backward (a weight shared by two reentrant
+activation-checkpoint segments: each segment's recomputation runs its own nested backward) is
+copied again while its bucket has not gone out; after that it is "late", and once the round's
+buckets are in, the late parameters' whole local gradients are all-reduced once more and replace
+their slots. Every rank runs the same graph, so the late set and that extra collective match.
+
+Where a gradient is read from and where the reduced one goes is a `GradSlots` policy: `param.grad`
+by default, or the fp32 accumulators of the bf16 stage-0 optimizer (grad_accum_dtype fp32).
+
 After its first round the reducer adopts rank 0's observed gradient order (broadcast, so every
 rank plans identically) and re-plans once, so later buckets fill in true backward order."""
 from __future__ import annotations
@@ -29,14 +38,31 @@ def _comm() -> Any:
     return dist
 
 
+class ParamGradSlots:
+    """Gradients are read from and reduced results written back to `param.grad`."""
+
+    def read(self, param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+        return param.grad
+
+    @torch.no_grad()
+    def write(self, param: torch.nn.Parameter, reduced: torch.Tensor) -> None:
+        if reduced.dtype == param.dtype:
+            param.grad = reduced  # a view of the bucket: no copy
+        elif param.grad is None:
+            param.grad = reduced.to(param.dtype)
+        else:
+            param.grad.copy_(reduced)
+
+
 class GradientReducer(BackwardRound):
 
     def __init__(self, params: Sequence[torch.nn.Parameter], *, world_size: int, bucket_cap: int,
                  should_reduce: Callable[[], bool], group: Any = None, comm_dtype: Optional[torch.dtype] = None,
                  prescale_gradients: bool = False, gradient_predivide_factor: float = 1.0,
                  gradient_average: bool = True,
-                 rebuild_from_observed_order: bool = True) -> None:
+                 rebuild_from_observed_order: bool = True, slots: Any = None) -> None:
         self.params = list(params)
+        self.slots = slots or ParamGradSlots()
         self.world_size = world_size
         self.group = group
         self.bucket_cap = max(1, int(bucket_cap))
@@ -56,6 +82,8 @@ class GradientReducer(BackwardRound):
         self._plan_buckets(None)
         self._launched = 0
         self._works: list[Any] = []
+        self._seen = [False] * len(self.params)
+        self._late: set[int] = set()
         self.rounds = 0
         self.collectives = 0  # all-reduces issued, for tests and the benchmark
         self._attach_hooks(self.params)
@@ -88,8 +116,18 @@ class GradientReducer(BackwardRound):
 
     # -- backward-time path ----------------------------------------------------------------------
     def _on_grad(self, index: int) -> None:
-        grad = self.params[index].grad
-        self._views[index].copy_(grad)
+        grad = self.slots.read(self.params[index])
+        if self._seen[index]:  # a second contribution in this backward (shared weight, reentrant segments)
+            if self.plan.layout.bucket_of[index] < self._launched:
+                self._late.add(index)  # its bucket is on the wire: re-reduced at the end of the round
+            elif grad is not None:
+                self._views[index].copy_(grad)
+            return
+        self._seen[index] = True
+        if grad is not None:
+            self._views[index].copy_(grad)
+        else:
+            self._views[index].zero_()
         frontier = self._mark(self._capsule, index)
         while self._launched < frontier:
             self._launch(self._launched)
@@ -98,6 +136,8 @@ class GradientReducer(BackwardRound):
         self.plan.reset()
         self._launched = 0
         self._works = []
+        self._seen = [False] * len(self.params)
+        self._late = set()
 
     def _launch(self, bucket: int) -> None:
         buf = self.buffers[bucket]
@@ -109,7 +149,7 @@ class GradientReducer(BackwardRound):
 
     def _finish_round(self) -> None:
         for i in self.plan.pending():
-            grad = self.params[i].grad
+            grad = self.slots.read(self.params[i])
             if grad is None:
                 self._views[i].zero_()
             else:
@@ -121,21 +161,33 @@ class GradientReducer(BackwardRound):
             if work is not None:
                 work.wait()
         self._works = []
+        if self._late:
+            self._reduce_late()
         if self.post_factor != 1.0:
             torch._foreach_mul_(self.buffers, self.post_factor)
-        with torch.no_grad():
-            for i, p in enumerate(self.params):
-                view = self._views[i]
-                if self._same_dtype[i]:
-                    p.grad = view
-                elif p.grad is None:
-                    p.grad = view.to(p.dtype)
-                else:
-                    p.grad.copy_(view)
+        for i, p in enumerate(self.params):
+            self.slots.write(p, self._views[i])
         self.rounds += 1
         if self._rebuild_pending:
             self._rebuild_pending = False
             self._adopt_observed_order()
+
+    @torch.no_grad()
+    def _reduce_late(self) -> None:
+        """The late parameters' whole local gradients, all-reduced together, replace their slots."""
+        late = sorted(self._late)
+        self._late = set()
+        grads = [self.slots.read(self.params[i]) for i in late]
+        flat = torch.cat([g.reshape(-1).to(self._views[i].dtype) for i, g in zip(late, grads)])
+        if self.pre_factor != 1.0:
+            flat.mul_(self.pre_factor)
+        _comm().all_reduce(flat, group=self.group)
+        self.collectives += 1
+        off = 0
+        for i in late:
+            n = self._views[i].numel()
+            self._views[i].copy_(flat[off:off + n].view_as(self._views[i]))
+            off += n
 
     def _adopt_observed_order(self) -> None:
         """Re-plan in rank 0's observed gradient order (every rank receives the same order)."""

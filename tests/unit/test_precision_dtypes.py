@@ -206,17 +206,3 @@ def test_bf16_master_weights_and_grads_at_zero(stage):
     for p, q in zip(engine.module.parameters(), ref.parameters()):
         rel = float((p.double() - q.double()).norm() / q.double().norm())
         assert rel < 1e-2, rel
-
-
-def test_stage0_fp32_accum_refused_on_several_ranks():
-    """fp32 accumulation at stage 0 is built for one data-parallel rank: with more, the Precision
-    collaborator refuses by the config key rather than all-reducing partial (bf16) sums."""
-    from deepspeed_c.runtime.config import DeepSpeedConfig
-    from deepspeed_c.runtime.precision import Precision
-
-    cfg = DeepSpeedConfig({"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
-                           "data_types": {"grad_accum_dtype": "fp32"}})
-    model = MLP().bfloat16()
-    with pytest.raises(NotImplementedError, match="data_types.grad_accum_dtype"):
-        Precision(cfg).wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"),
-                                      dp_world_size=2)

@@ -11,6 +11,12 @@ reduced chunk is added into the partition, so between steps a rank holds only 1/
 Stage 1 lets gradients accumulate in `param.grad` and reduces once, on the accumulation boundary.
 Buckets go out in one fixed order on every rank (collectives must match).
 
+A parameter's gradient can arrive twice in one backward: a weight shared by two reentrant
+activation-checkpoint segments gets one hook per segment's nested backward. The second part is
+added into the bucket if it has not gone out yet; otherwise into a "late" copy of the bucket, which
+goes out once more at the end of the round and is added into the partition. Every rank runs the
+same graph, so the late buckets, and their collectives, match across ranks.
+
 The reduced partition (`grad_partitions[g]`, communication dtype, averaged over ranks) is what the
 ZeRO optimizer steps on. With `reduce_scatter=False` a bucket is all-reduced instead and the local
 chunk kept (DeepSpeed's switch; twice the bytes). A `side_stream` (CUDA, set by the offload path)
@@ -46,6 +52,7 @@ class _InFlight:
     recv: torch.Tensor
     start: int
     end: int
+    fresh: bool  # the first write into this chunk in the accumulation window: overwrite, not add
 
 
 class ZeroGradPartitioner(BackwardRound):
@@ -53,7 +60,7 @@ class ZeroGradPartitioner(BackwardRound):
     def __init__(self, groups: Sequence[Sequence[torch.nn.Parameter]], plans: Sequence[PartitionPlan], *,
                  rank: int, world_size: int, should_reduce: Callable[[], bool],
                  is_boundary: Optional[Callable[[], bool]] = None, group: Any = None,
-                 comm_dtype: Optional[torch.dtype] = None, free_grads: bool = True, overlap: bool = True,
+                 comm_dtype: Optional[torch.dtype] = None, overlap: bool = True,
                  use_reduce_scatter: bool = True,
                  prescale_gradients: bool = False, gradient_predivide_factor: float = 1.0,
                  gradient_average: bool = True, wait_each_bucket: bool = False,
@@ -65,7 +72,6 @@ class ZeroGradPartitioner(BackwardRound):
         self.group = group
         self.should_reduce = should_reduce
         self.is_boundary = is_boundary or (lambda: True)
-        self.free_grads = free_grads
         self.overlap = overlap
         self.wait_each_bucket = wait_each_bucket
         self.use_reduce_scatter = use_reduce_scatter
@@ -99,6 +105,7 @@ class ZeroGradPartitioner(BackwardRound):
         self._bufs: list[Optional[torch.Tensor]] = [None] * len(self.order)
         self._remaining = [len(m) for m in self._members]
         self._arrived = [False] * len(self._flat_params)
+        self._late: dict[int, torch.Tensor] = {}  # slot -> second contributions after its bucket went out
         self._next = 0
         self._in_flight: list[_InFlight] = []
         self._finished: list[_InFlight] = []  # finished on the side stream: kept alive until end of round
@@ -124,6 +131,7 @@ class ZeroGradPartitioner(BackwardRound):
         self._boundary = bool(self.is_boundary())
         self._remaining = [len(m) for m in self._members]
         self._arrived = [False] * len(self._flat_params)
+        self._late = {}
         self._next = 0
         self._in_flight = []
         self._finished = []
@@ -142,26 +150,49 @@ class ZeroGradPartitioner(BackwardRound):
             self._bufs[slot] = buf
         return buf
 
-    def _deposit(self, k: int) -> int:
+    def _slot_and_offset(self, k: int) -> tuple[int, int]:
         g, i = self._where[k]
         plan = self.plans[g]
         b = plan.param_bucket[i]
-        slot = self._slot_of[(g, b)]
+        return self._slot_of[(g, b)], plan.param_offset[i] - plan.bucket_offset[b]
+
+    @torch.no_grad()
+    def _take_grad(self, k: int) -> Optional[torch.Tensor]:
+        """The parameter's gradient since it was last taken, flat; `param.grad` is freed."""
         p = self._flat_params[k]
         if self.accumulate_fp32:
             self._fold(k)
             acc, self._acc[k] = self._acc[k], None
-            if acc is not None:
-                off = plan.param_offset[i] - plan.bucket_offset[b]
-                self._bucket(slot)[off:off + p.numel()].copy_(acc)
-        elif p.grad is not None:
-            off = plan.param_offset[i] - plan.bucket_offset[b]
-            self._bucket(slot)[off:off + p.numel()].copy_(p.grad.detach().reshape(-1))
-            if self.free_grads:
-                p.grad = None
+            return acc
+        if p.grad is None:
+            return None
+        grad = p.grad.detach().reshape(-1)
+        p.grad = None
+        return grad
+
+    def _deposit(self, k: int) -> int:
+        slot, off = self._slot_and_offset(k)
+        grad = self._take_grad(k)
+        if grad is not None:
+            self._bucket(slot)[off:off + grad.numel()].copy_(grad)
         self._arrived[k] = True
         self._remaining[slot] -= 1
         return slot
+
+    def _deposit_again(self, k: int) -> None:
+        slot, off = self._slot_and_offset(k)
+        grad = self._take_grad(k)
+        if grad is None:
+            return
+        if slot >= self._next:  # its bucket has not gone out yet
+            dst = self._bucket(slot)
+        else:
+            dst = self._late.get(slot)
+            if dst is None:
+                g, b = self.order[slot]
+                dst = self._late[slot] = torch.zeros(self.plans[g].bucket_size[b], dtype=self.comm_dtypes[g],
+                                                     device=self._device(g))
+        dst[off:off + grad.numel()].add_(grad)
 
     @torch.no_grad()
     def _fold(self, k: int) -> None:
@@ -180,6 +211,7 @@ class ZeroGradPartitioner(BackwardRound):
 
     def _on_grad(self, k: int) -> None:
         if self._arrived[k]:
+            self._deposit_again(k)
             return
         self._deposit(k)
         if self.overlap:
@@ -190,10 +222,15 @@ class ZeroGradPartitioner(BackwardRound):
             self._launch(self._next)
             self._next += 1
 
-    def _launch(self, slot: int) -> None:
+    def _launch(self, slot: int, late: Optional[torch.Tensor] = None) -> None:
+        """Sends bucket `slot` (or its late second contributions, which add into the partition)."""
         g, b = self.order[slot]
-        buf = self._bucket(slot)
-        self._bufs[slot] = None
+        fresh = self._fresh[g] and late is None
+        if late is None:
+            buf = self._bucket(slot)
+            self._bufs[slot] = None
+        else:
+            buf = late
         if self.pre_factor != 1.0:
             buf.mul_(self.pre_factor)
         start, end = self.chunk_range(g, b)
@@ -202,14 +239,14 @@ class ZeroGradPartitioner(BackwardRound):
         if self.world_size == 1:
             work, recv = None, buf
         elif self.use_reduce_scatter:
-            recv = part[start:end] if self._fresh[g] else torch.empty(end - start, dtype=buf.dtype, device=buf.device)
+            recv = part[start:end] if fresh else torch.empty(end - start, dtype=buf.dtype, device=buf.device)
             work = _comm().reduce_scatter_tensor(recv, buf, group=self.group, async_op=True)
             self.collectives += 1
         else:
             work = _comm().all_reduce(buf, group=self.group, async_op=True)
             recv = buf[self.rank * (end - start):(self.rank + 1) * (end - start)]
             self.collectives += 1
-        entry = _InFlight(g, b, work, buf, recv, start, end)
+        entry = _InFlight(g, b, work, buf, recv, start, end, fresh)
         if self.side_stream is None:
             if self.wait_each_bucket:  # overlap_comm false: the reduction completes before backward goes on
                 self._finish_bucket(entry)
@@ -236,7 +273,7 @@ class ZeroGradPartitioner(BackwardRound):
         part = self.grad_partitions[e.g]
         assert part is not None
         dst = part[e.start:e.end]
-        if self._fresh[e.g]:
+        if e.fresh:
             if e.recv.data_ptr() == dst.data_ptr():
                 if self.post_factor != 1.0:
                     dst.mul_(self.post_factor)
@@ -253,6 +290,9 @@ class ZeroGradPartitioner(BackwardRound):
             if not self._arrived[k]:
                 self._deposit(k)
         self._launch_ready()
+        late, self._late = self._late, {}
+        for slot in sorted(late):
+            self._launch(slot, late[slot])
         for entry in self._in_flight:
             self._finish_bucket(entry)
         self._in_flight = []

@@ -116,7 +116,7 @@ class DeepSpeedZeroOptimizer:
         self.reducer = ZeroGradPartitioner(
             self.bit16_groups, self.partition_plans, rank=rank, world_size=world_size, should_reduce=should_reduce,
             is_boundary=is_boundary, group=dp_process_group, comm_dtype=communication_dtype,
-            free_grads=True, overlap=bool(overlap_comm) or stage == 2,
+            overlap=bool(overlap_comm) or stage == 2,
             # stage 2 overlaps unless overlap_comm is false explicitly: then each bucket's reduction is
             # awaited as soon as it is issued, as DeepSpeed's non-overlapped stage 2 does
             wait_each_bucket=stage == 2 and overlap_comm is False, accumulate_fp32=accumulate_fp32 and stage == 1,
