@@ -450,7 +450,8 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
         return self._step_applied
 
     def get_global_grad_norm(self) -> Optional[float]:
-        return self._global_grad_norm
+        norm = self._global_grad_norm  # a device scalar after a fused step: read only when asked for
+        return float(norm) if isinstance(norm, torch.Tensor) else norm
 
     def _get_optimizer_param(self, name: str) -> list:
         if self.optimizer is None:

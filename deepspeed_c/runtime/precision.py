@@ -17,6 +17,7 @@ import torch
 from deepspeed_c.runtime.config_utils import parse_dtype
 from deepspeed_c.runtime.fp16.loss_scaler import CreateLossScaler, DynamicLossScaler, LossScalerBase
 from deepspeed_c.runtime.grad_norm import clip_coefficient, global_norm, scale_
+from deepspeed_c.runtime.fused_epilogue import AdamEpilogue, device_global_norm
 from deepspeed_c.utils.logging import logger
 
 
@@ -82,6 +83,8 @@ class MixedPrecisionOptimizer:
         self.accumulate_fp32 = self.grad_accum_dtype == torch.float32 and low_precision_dtype != torch.float32
         self._grad_buffers: list[Optional[torch.Tensor]] = [None] * len(self._master_flat)
         self._hooks: list[Any] = []
+        device = self._master_flat[0].device if self._master_flat else torch.device("cpu")
+        self.epilogue = AdamEpilogue.for_optimizer(optimizer, device)
         if self.accumulate_fp32:
             for k, p in enumerate(self._lp_flat):
                 if p.requires_grad:
@@ -182,6 +185,10 @@ class MixedPrecisionOptimizer:
 
     def step(self, closure: Any = None) -> bool:
         """Returns True when the step was skipped for overflow (DeepSpeed's convention)."""
+        if self.epilogue is not None:
+            fused = self._fused_inputs()
+            if fused is not None:
+                return self._fused_step(*fused)
         grads = self._gather_master_grads()
         scaled_norm = float(global_norm(grads)) if grads else 0.0
         finite = math.isfinite(scaled_norm)
@@ -204,6 +211,65 @@ class MixedPrecisionOptimizer:
         scale_(grads, coef)
         self.optimizer.step()
         self._copy_masters_to_model()
+        for m in self._master_flat:
+            m.grad = None
+        if self.accumulate_fp32:
+            for buf in self._grad_buffers:
+                if buf is not None:
+                    buf.zero_()
+        return False
+
+    def _fused_inputs(self) -> Optional[tuple[list[list[torch.Tensor]], ...]]:
+        """Per group: the gradients (16-bit param.grad, or the fp32 accumulators), their masters and
+        model parameters; None when a tensor is not contiguous (the separate passes handle it)."""
+        grads, masters, outs = [], [], []
+        k = 0
+        for lps, ms in zip(self.lp_groups, self.fp32_groups):
+            gs, mm, oo = [], [], []
+            for lp, m in zip(lps, ms):
+                if self.accumulate_fp32:
+                    self._fold(k, lp)
+                    g = self._grad_buffers[k]
+                else:
+                    g = lp.grad
+                k += 1
+                if g is None:
+                    continue
+                if not (g.is_contiguous() and lp.is_contiguous()):
+                    return None
+                gs.append(g)
+                mm.append(m)
+                oo.append(lp.data)
+            grads.append(gs)
+            masters.append(mm)
+            outs.append(oo)
+        return grads, masters, outs
+
+    def _fused_step(self, grads: list[list[torch.Tensor]], masters: list[list[torch.Tensor]],
+                    outs: list[list[torch.Tensor]]) -> bool:
+        """One epilogue pass per group from the 16-bit gradients into masters, moments and model; the
+        norm stays on the device unless an overflow check needs it on the host (fp16)."""
+        flat = [g for gs in grads for g in gs]
+        if not flat:
+            self.loss_scaler.update_scale(False)
+            self._global_grad_norm = 0.0
+            return False
+        norm = device_global_norm(flat)
+        overflow = False
+        if self.check_overflow:
+            overflow = not math.isfinite(float(norm))
+            if self.sync_overflow is not None:
+                overflow = self.sync_overflow(overflow)
+        self.overflow = overflow
+        self.loss_scaler.update_scale(overflow)
+        if overflow:
+            self.zero_grad(set_to_none=True)
+            self._global_grad_norm = None
+            return True
+        grad_scale = self._scale_used
+        self._global_grad_norm = norm[0] / grad_scale  # a device scalar: read lazily
+        assert self.epilogue is not None
+        self.epilogue.step(grads, outs, norm, grad_scale, self.clip_grad, params=masters)
         for m in self._master_flat:
             m.grad = None
         if self.accumulate_fp32:

@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from deepspeed_c.ops.partition import DEEPSPEED_ALIGNMENT, PartitionPlan
+from deepspeed_c.runtime.fused_epilogue import AdamEpilogue, device_global_norm
 from deepspeed_c.runtime.grad_norm import clip_coefficient, scale_
 from deepspeed_c.runtime.zero.grad_partition import ZeroGradPartitioner
 from deepspeed_c.runtime.zero.offload import SUB_CHUNK as OFFLOAD_SUB_CHUNK
@@ -131,6 +132,11 @@ class DeepSpeedZeroOptimizer:
                                       sub_chunk=offload_sub_chunk or OFFLOAD_SUB_CHUNK, pin_memory=pin_memory,
                                       threads=offload_threads)
         self.ignore_unused_parameters = ignore_unused_parameters
+        # on CUDA with Adam/AdamW and fp32 masters on the device: the one-pass epilogue kernel
+        self.epilogue: Optional[AdamEpilogue] = None
+        if self.offload is None and master_dtype == torch.float32:
+            self.epilogue = AdamEpilogue.for_optimizer(init_optimizer, self.fp32_partitions[0].device)
+        self._lp_out: Optional[list[torch.Tensor]] = None
 
     # -- the optimizer face ------------------------------------------------------------------------
     @property
@@ -236,6 +242,8 @@ class DeepSpeedZeroOptimizer:
         if not self.ignore_unused_parameters:
             self._refuse_unused_parameters()
         parts = self._grad_partitions()
+        if self.epilogue is not None:
+            return self._fused_step(parts)
         scaled_norm = math.sqrt(self._global_sq_norm(parts))
         finite = math.isfinite(scaled_norm)
         self.overflow = (not finite) and self.check_overflow
@@ -266,6 +274,37 @@ class DeepSpeedZeroOptimizer:
         self.reducer.clear()
         return False
 
+    def _fused_step(self, parts: Sequence[torch.Tensor]) -> bool:
+        """The step as one epilogue pass per group; the norm stays on the device, so a bf16 step never
+        waits for the host (fp16 reads it once: the loss scaler decides on the host, as DeepSpeed's)."""
+        norm = device_global_norm(parts, self.dp_process_group, self.world_size)
+        if self.check_overflow:
+            self.overflow = not math.isfinite(float(norm))
+        if self.loss_scaler is not None:
+            self.loss_scaler.update_scale(self.overflow)
+        if self.overflow:
+            logger.info(f"[deepspeed_c] ZeRO stage {self.stage}: overflow, skipping step")
+            self.zero_grad()
+            self._global_grad_norm = None
+            return True
+        grad_scale = self._scale_used if self.loss_scaler is not None else 1.0
+        self._global_grad_norm = norm[0] / grad_scale  # a device scalar: read lazily
+        lp_dtype = self.bit16_groups[0][0].dtype
+        if lp_dtype in (torch.float16, torch.bfloat16):
+            if self._lp_out is None:
+                self._lp_out = [torch.empty(m.numel(), dtype=lp_dtype, device=m.device) for m in self.fp32_partitions]
+            out = self._lp_out
+        else:
+            out = None
+        assert self.epilogue is not None
+        self.epilogue.step([[p] for p in parts], None if out is None else [[t] for t in out], norm, grad_scale,
+                           self.clip_grad)
+        self._gather_chunks(out if out is not None else [m.detach() for m in self.fp32_partitions])
+        for m in self.fp32_partitions:
+            m.grad = None
+        self.reducer.clear()
+        return False
+
     def _refuse_unused_parameters(self) -> None:
         """zero_optimization.ignore_unused_parameters=false: DeepSpeed asserts when a trainable
         parameter got no gradient in the backwards of this step."""
@@ -288,8 +327,13 @@ class DeepSpeedZeroOptimizer:
     @torch.no_grad()
     def _gather_from_masters(self) -> None:
         """The updated masters, in the model dtype on the model device, all-gathered bucket by bucket."""
-        for g, (master, params) in enumerate(zip(self.fp32_partitions, self.bit16_groups)):
-            lp = master.detach().to(device=params[0].device, dtype=params[0].dtype, non_blocking=True)
+        self._gather_chunks([master.detach().to(device=params[0].device, dtype=params[0].dtype, non_blocking=True)
+                             for master, params in zip(self.fp32_partitions, self.bit16_groups)])
+
+    @torch.no_grad()
+    def _gather_chunks(self, partitions: Sequence[torch.Tensor]) -> None:
+        """Each group's updated partition (model dtype, model device) into the model, bucket by bucket."""
+        for g, lp in enumerate(partitions):
             for b in range(self.partition_plans[g].num_buckets):
                 start, end = self.reducer.chunk_range(g, b)
                 self.gatherer.submit(g, b, lp[start:end])
