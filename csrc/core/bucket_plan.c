@@ -103,9 +103,50 @@ static int64_t assign(dsc_bucket_plan *p, const int64_t *numels, const int64_t *
     return nb;
 }
 
+/* Buckets given per parameter: offsets follow the arrival order inside each bucket. Returns the
+ * bucket count, or -1 when the ids are not 0..nb-1 with every bucket non-empty. */
+static int64_t assign_fixed(dsc_bucket_plan *p, const int64_t *numels, const int64_t *fixed, int64_t align) {
+    int64_t nb = 0;
+    for (int64_t i = 0; i < p->n; i++) {
+        if (fixed[i] < 0 || fixed[i] >= p->n) return -1;
+        if (fixed[i] + 1 > nb) nb = fixed[i] + 1;
+    }
+    for (int64_t b = 0; b < nb; b++) p->bucket_numel[b] = -1; /* "empty" until a member lands */
+    for (int64_t k = 0; k < p->n; k++) {
+        int64_t i = p->order[k], b = fixed[i];
+        int64_t at = p->bucket_numel[b] < 0 ? 0 : align_up(p->bucket_numel[b], align);
+        p->bucket_of[i] = b;
+        p->offset_of[i] = at;
+        p->bucket_numel[b] = at + numels[i];
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        if (p->bucket_numel[b] < 0) return -1;
+        p->bucket_numel[b] = align_up(p->bucket_numel[b], align);
+    }
+    return nb;
+}
+
+static int create(int64_t n, const int64_t *numels, const int64_t *keys, const int64_t *order, int64_t cap,
+                  int64_t first_cap, int64_t align, const int64_t *fixed, dsc_bucket_plan **out, const char **why);
+
 int dsc_bucket_plan_create(int64_t n, const int64_t *numels, const int64_t *keys, const int64_t *order,
                            int64_t cap, int64_t first_cap, int64_t align, dsc_bucket_plan **out,
                            const char **why) {
+    return create(n, numels, keys, order, cap, first_cap, align, NULL, out, why);
+}
+
+int dsc_bucket_plan_create_assigned(int64_t n, const int64_t *numels, const int64_t *order, const int64_t *bucket_of,
+                                    int64_t align, dsc_bucket_plan **out, const char **why) {
+    if (n > 0 && !bucket_of) {
+        set_why(why, "bucket_of must not be NULL");
+        if (out) *out = NULL;
+        return DSC_BP_EINVAL;
+    }
+    return create(n, numels, NULL, order, 1, 0, align, bucket_of, out, why);
+}
+
+static int create(int64_t n, const int64_t *numels, const int64_t *keys, const int64_t *order, int64_t cap,
+                  int64_t first_cap, int64_t align, const int64_t *fixed, dsc_bucket_plan **out, const char **why) {
     if (!out) {
         set_why(why, "out must not be NULL");
         return DSC_BP_EINVAL;
@@ -175,8 +216,13 @@ int dsc_bucket_plan_create(int64_t n, const int64_t *numels, const int64_t *keys
         for (int64_t k = 0; k < n; k++) p->order[k] = n - 1 - k;
     }
 
-    p->nb = assign(p, numels, keys, cap, first_cap, align, slots);
+    p->nb = fixed ? assign_fixed(p, numels, fixed, align) : assign(p, numels, keys, cap, first_cap, align, slots);
     free(slots);
+    if (p->nb < 0) {
+        dsc_bucket_plan_free(p);
+        set_why(why, "bucket_of must number the buckets 0..nb-1, each with at least one parameter");
+        return DSC_BP_EINVAL;
+    }
 
     /* CSR membership in arrival order: count, prefix-sum, scatter */
     for (int64_t i = 0; i < n; i++) p->member_start[p->bucket_of[i] + 1]++;

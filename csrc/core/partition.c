@@ -49,13 +49,24 @@ static int valid_order(const int64_t *order, int64_t n) {
 static int64_t *alloc_i64(int64_t n) { return malloc(sizeof(int64_t) * (size_t)(n > 0 ? n : 1)); }
 
 /* Runtime layout: bucket packing, offsets, then slices. */
+/* Whether the param at position i of the order opens a new bucket: by the cap (a bucket closes
+ * before the param that would take it past cap elements), or where the given bucket ids change. */
+static int opens_bucket(int64_t pos, int64_t idx, int64_t fill, int64_t numel, int64_t cap, const int64_t *fixed,
+                        int64_t prev_idx) {
+    if (pos == 0) return 1;
+    if (fixed) return fixed[idx] != fixed[prev_idx];
+    return fill > 0 && fill + numel > cap;
+}
+
 static dsc_partition_status build_runtime(const int64_t *numels, int64_t n, const int64_t *order,
-                                          int64_t W, int64_t cap, int64_t align, dsc_partition_plan *p) {
+                                          int64_t W, int64_t cap, int64_t align, const int64_t *fixed,
+                                          dsc_partition_plan *p) {
     /* pass 1: bucket count */
     int64_t buckets = 0, fill = 0;
     for (int64_t i = 0; i < n; i++) {
-        int64_t numel = numels[order ? order[i] : i];
-        if (buckets == 0 || (fill > 0 && fill + numel > cap)) {
+        int64_t idx = order ? order[i] : i;
+        int64_t numel = numels[idx];
+        if (opens_bucket(i, idx, fill, numel, cap, fixed, i > 0 ? (order ? order[i - 1] : i - 1) : 0)) {
             buckets++;
             fill = 0;
         }
@@ -71,7 +82,7 @@ static dsc_partition_status build_runtime(const int64_t *numels, int64_t n, cons
     fill = 0;
     for (int64_t i = 0; i < n; i++) {
         int64_t idx = order ? order[i] : i;
-        if (b < 0 || (fill > 0 && fill + numels[idx] > cap)) {
+        if (opens_bucket(i, idx, fill, numels[idx], cap, fixed, i > 0 ? (order ? order[i - 1] : i - 1) : 0)) {
             b++;
             fill = 0;
             p->bucket_numel[b] = 0;
@@ -139,9 +150,35 @@ static dsc_partition_status build_deepspeed(const int64_t *numels, int64_t n, in
     return DSC_PARTITION_OK;
 }
 
+/* Given bucket ids must number the buckets 0, 1, ... in the order's sequence, each a contiguous run. */
+static int valid_buckets(const int64_t *fixed, const int64_t *order, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        int64_t b = fixed[order ? order[i] : i];
+        int64_t prev = i > 0 ? fixed[order ? order[i - 1] : i - 1] : 0;
+        if (b < 0 || (i == 0 && b != 0) || (i > 0 && b != prev && b != prev + 1)) return 0;
+    }
+    return 1;
+}
+
+static dsc_partition_status build(const int64_t *numels, int64_t n, const int64_t *order, int64_t W, int64_t cap,
+                                  int64_t align, const int64_t *fixed, dsc_partition_plan *p);
+
 dsc_partition_status dsc_partition_plan_build(const int64_t *numels, int64_t n, const int64_t *order,
                                               int64_t W, int64_t cap, int64_t align,
                                               dsc_partition_plan *p) {
+    return build(numels, n, order, W, cap, align, NULL, p);
+}
+
+dsc_partition_status dsc_partition_plan_build_bucketed(const int64_t *numels, int64_t n, const int64_t *order,
+                                                       int64_t W, int64_t align, const int64_t *param_bucket,
+                                                       dsc_partition_plan *p) {
+    memset(p, 0, sizeof(*p));
+    if (!param_bucket && n > 0) return DSC_PARTITION_BAD_ARG;
+    return build(numels, n, order, W, 1, align, param_bucket, p);
+}
+
+static dsc_partition_status build(const int64_t *numels, int64_t n, const int64_t *order, int64_t W, int64_t cap,
+                                  int64_t align, const int64_t *fixed, dsc_partition_plan *p) {
     memset(p, 0, sizeof(*p));
     if (n < 0 || W < 1 || cap < 1 || align < 1) return DSC_PARTITION_BAD_ARG;
     for (int64_t i = 0; i < n; i++)
@@ -151,6 +188,7 @@ dsc_partition_status dsc_partition_plan_build(const int64_t *numels, int64_t n, 
         if (ok < 0) return DSC_PARTITION_NO_MEMORY;
         if (!ok) return DSC_PARTITION_BAD_ARG;
     }
+    if (fixed && !valid_buckets(fixed, order, n)) return DSC_PARTITION_BAD_ARG;
     p->num_params = n;
     p->world_size = W;
     p->param_bucket = alloc_i64(n);
@@ -158,7 +196,7 @@ dsc_partition_status dsc_partition_plan_build(const int64_t *numels, int64_t n, 
     p->ds_param_offset = alloc_i64(n);
     dsc_partition_status st = DSC_PARTITION_NO_MEMORY;
     if (p->param_bucket && p->param_offset && p->ds_param_offset) {
-        st = build_runtime(numels, n, order, W, cap, align, p);
+        st = build_runtime(numels, n, order, W, cap, align, fixed, p);
         if (st == DSC_PARTITION_OK) st = build_deepspeed(numels, n, W, align, p);
     }
     if (st != DSC_PARTITION_OK) dsc_partition_plan_free(p);

@@ -96,12 +96,12 @@ static PyObject *int64_list(const int64_t *a, int64_t n) {
     return list;
 }
 
-/* bucket_plan(numels, cap, order=None, keys=None, align=1, first_cap=0) -> plan */
+/* bucket_plan(numels, cap, order=None, keys=None, align=1, first_cap=0, assignment=None) -> plan */
 static PyObject *bucket_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs_between("bucket_plan", nargs, 2, 6) < 0) return NULL;
-    int64_t *numels = NULL, *order = NULL, *keys = NULL;
-    Py_ssize_t n = 0, n_order = 0, n_keys = 0;
+    if (nargs_between("bucket_plan", nargs, 2, 7) < 0) return NULL;
+    int64_t *numels = NULL, *order = NULL, *keys = NULL, *assigned = NULL;
+    Py_ssize_t n = 0, n_order = 0, n_keys = 0, n_assigned = 0;
     int64_t cap = 0, align = 1, first_cap = 0;
     PyObject *result = NULL;
     if (int64_seq(args[0], "numels", &numels, &n) < 0) goto done;
@@ -122,10 +122,18 @@ static PyObject *bucket_plan(PyObject *self, PyObject *const *args, Py_ssize_t n
     }
     if (nargs > 4 && int64_arg(args[4], "align", &align) < 0) goto done;
     if (nargs > 5 && int64_arg(args[5], "first_cap", &first_cap) < 0) goto done;
+    if (nargs > 6 && args[6] != Py_None) {
+        if (int64_seq(args[6], "assignment", &assigned, &n_assigned) < 0) goto done;
+        if (n_assigned != n) {
+            PyErr_Format(PyExc_ValueError, "assignment has %zd entries but numels has %zd", n_assigned, n);
+            goto done;
+        }
+    }
 
     dsc_bucket_plan *plan = NULL;
     const char *why = "invalid argument";
-    int rc = dsc_bucket_plan_create((int64_t)n, numels, keys, order, cap, first_cap, align, &plan, &why);
+    int rc = assigned ? dsc_bucket_plan_create_assigned((int64_t)n, numels, order, assigned, align, &plan, &why)
+                      : dsc_bucket_plan_create((int64_t)n, numels, keys, order, cap, first_cap, align, &plan, &why);
     if (rc == DSC_BP_ENOMEM) {
         PyErr_NoMemory();
         goto done;
@@ -140,6 +148,7 @@ done:
     PyMem_Free(numels);
     PyMem_Free(order);
     PyMem_Free(keys);
+    PyMem_Free(assigned);
     return result;
 }
 
@@ -258,10 +267,10 @@ static PyObject *bucket_plan_arrival(PyObject *self, PyObject *const *args, Py_s
 
 PyMethodDef dsc_bucket_methods[] = {
     {"bucket_plan", FASTCALL(bucket_plan),
-     "bucket_plan(numels, cap, order=None, keys=None, align=1, first_cap=0) -> plan\n"
+     "bucket_plan(numels, cap, order=None, keys=None, align=1, first_cap=0, assignment=None) -> plan\n"
      "Plan gradient buckets: params in arrival order `order` (None: reverse registration),\n"
      "a bucket closes once over `cap` elements (bucket 0: `first_cap`, 0 = cap), params with\n"
-     "different `keys` never share a bucket."},
+     "different `keys` never share a bucket; or, with `assignment`, each param's bucket as given."},
     {"bucket_plan_layout", FASTCALL(bucket_plan_layout),
      "bucket_plan_layout(plan) -> (bucket_of, offset_of, bucket_numels, bucket_keys, members)"},
     {"bucket_plan_reset", FASTCALL(bucket_plan_reset), "bucket_plan_reset(plan): start a reduction round."},

@@ -97,9 +97,9 @@ done:
 
 static PyObject *partition_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs < 4 || nargs > 5)
-        return PyErr_Format(PyExc_TypeError,
-                            "partition_plan(numels, world_size, bucket_cap, align, runtime_order=None)");
+    if (nargs < 4 || nargs > 6)
+        return PyErr_Format(PyExc_TypeError, "partition_plan(numels, world_size, bucket_cap, align, "
+                                             "runtime_order=None, param_bucket=None)");
     int64_t world, cap, align;
     if (dsc_arg_int64(args[1], "world_size", &world) < 0 || dsc_arg_int64(args[2], "bucket_cap", &cap) < 0 ||
         dsc_arg_int64(args[3], "align", &align) < 0)
@@ -110,7 +110,7 @@ static PyObject *partition_plan(PyObject *self, PyObject *const *args, Py_ssize_
     Py_ssize_t n = 0, norder = 0;
     int64_t *numels = int_list(args[0], "numels", &n);
     if (!numels) return NULL;
-    int64_t *order = NULL;
+    int64_t *order = NULL, *buckets = NULL;
     PyObject *result = NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (numels[i] < 0) {
@@ -118,7 +118,7 @@ static PyObject *partition_plan(PyObject *self, PyObject *const *args, Py_ssize_
             goto done;
         }
     }
-    if (nargs == 5 && args[4] != Py_None) {
+    if (nargs >= 5 && args[4] != Py_None) {
         order = int_list(args[4], "runtime_order", &norder);
         if (!order) goto done;
         if (norder != n) {
@@ -126,15 +126,30 @@ static PyObject *partition_plan(PyObject *self, PyObject *const *args, Py_ssize_
             goto done;
         }
     }
+    if (nargs == 6 && args[5] != Py_None) {
+        Py_ssize_t nb = 0;
+        buckets = int_list(args[5], "param_bucket", &nb);
+        if (!buckets) goto done;
+        if (nb != n) {
+            PyErr_Format(PyExc_ValueError, "param_bucket has %zd entries but numels has %zd", nb, n);
+            goto done;
+        }
+    }
     dsc_partition_plan plan;
     dsc_partition_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = dsc_partition_plan_build(numels, n, order, world, cap, align, &plan);
+    if (buckets)
+        st = dsc_partition_plan_build_bucketed(numels, n, order, world, align, buckets, &plan);
+    else
+        st = dsc_partition_plan_build(numels, n, order, world, cap, align, &plan);
     Py_END_ALLOW_THREADS
     if (st == DSC_PARTITION_NO_MEMORY) {
         PyErr_NoMemory();
     } else if (st == DSC_PARTITION_BAD_ARG) {
-        PyErr_SetString(PyExc_ValueError, "runtime_order must be a permutation of range(len(numels))");
+        PyErr_SetString(PyExc_ValueError, buckets ? "runtime_order must be a permutation of range(len(numels)) and "
+                                                    "param_bucket must number the buckets 0, 1, ... along it, each "
+                                                    "bucket one contiguous run"
+                                                  : "runtime_order must be a permutation of range(len(numels))");
     } else {
         result = plan_to_dict(&plan);
         dsc_partition_plan_free(&plan);
@@ -142,12 +157,14 @@ static PyObject *partition_plan(PyObject *self, PyObject *const *args, Py_ssize_
 done:
     PyMem_Free(numels);
     PyMem_Free(order);
+    PyMem_Free(buckets);
     return result;
 }
 
 PyMethodDef dsc_partition_methods[] = {
     {"partition_plan", (PyCFunction)(void (*)(void))partition_plan, METH_FASTCALL,
-     "partition_plan(numels, world_size, bucket_cap, align, runtime_order=None) -> dict: the ZeRO "
-     "runtime (bucketed) and DeepSpeed (contiguous) partition maps of one parameter group."},
+     "partition_plan(numels, world_size, bucket_cap, align, runtime_order=None, param_bucket=None) -> dict: "
+     "the ZeRO runtime (bucketed: by bucket_cap, or as param_bucket gives them) and DeepSpeed (contiguous) "
+     "partition maps of one parameter group."},
     {NULL, NULL, 0, NULL},
 };

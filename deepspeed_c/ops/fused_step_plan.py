@@ -13,6 +13,7 @@ tensor through views, so a step advances all of them with one in-place add."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import itemgetter
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from deepspeed_c.ops import fused_optimizer_utils as fu
 
 
 class _Bucket:
-    __slots__ = ("positions", "params", "moments", "counters", "step", "ids")
+    __slots__ = ("positions", "params", "moments", "counters", "step", "states", "ids")
 
     def __init__(self, positions: list[int], params: list[torch.Tensor], states: list[dict[str, Any]],
                  moment_keys: Sequence[str], step: int) -> None:
@@ -32,11 +33,14 @@ class _Bucket:
         self.counters = torch.full((len(params),), float(step), dtype=torch.float32)
         for i, s in enumerate(states):
             s["step"] = self.counters[i]
+        self.states = states
         self.ids = _state_ids(states, moment_keys)
 
 
-def _state_ids(states: Sequence[dict[str, Any]], moment_keys: Sequence[str]) -> list[int]:
-    return [id(s[k]) for s in states for k in ("step", *moment_keys)]
+def _state_ids(states: Sequence[dict[str, Any]], moment_keys: Sequence[str]) -> list[list[int]]:
+    # map/itemgetter run in C: ~30 ns a tensor, where a per-parameter `optimizer.state[p]` lookup goes
+    # through torch.Tensor.__hash__ in Python (the idle-queue step over 256 tensors felt each one)
+    return [list(map(id, map(itemgetter(k), states))) for k in ("step", *moment_keys)]
 
 
 class FusedStepPlan:
@@ -62,18 +66,23 @@ class FusedStepPlan:
         for (_, step), idx in fu.bucket(keys).items():
             self.buckets.append(_Bucket([self.present[j] for j in idx], [params[self.present[j]] for j in idx],
                                         [states[j] for j in idx], moment_keys, step))
-        self.param_ids = [id(p) for p in params]
+        self.param_ids = list(map(id, params))
+        self.present_mask = [p.grad is not None for p in params]
+        self.state_obj = optimizer.state
+        self.state_len = len(optimizer.state)
 
     def still_holds(self, optimizer: torch.optim.Optimizer, group: dict[str, Any],
                     grads: list[torch.Tensor | None]) -> bool:
-        if [id(p) for p in group["params"]] != self.param_ids:
+        # a state dict replaced as a whole (torch's load_state_dict) or grown; the same parameters;
+        # the same ones holding gradients; then every recorded state tensor still the one in place
+        if optimizer.state is not self.state_obj or len(self.state_obj) != self.state_len:
             return False
-        if [i for i, g in enumerate(grads) if g is not None] != self.present:
+        if list(map(id, group["params"])) != self.param_ids:
             return False
-        state = optimizer.state
+        if [g is not None for g in grads] != self.present_mask:
+            return False
         for b in self.buckets:
-            states = [state[p] for p in b.params]
-            if _state_ids(states, self.moment_keys) != b.ids:
+            if _state_ids(b.states, self.moment_keys) != b.ids:
                 return False
             counters = b.counters.tolist()
             if min(counters) != max(counters) or counters[0] != b.step:

@@ -39,11 +39,16 @@ class PartitionPlan:
 
     @staticmethod
     def build(numels: Sequence[int], world_size: int, bucket_cap: int, align: int = DEEPSPEED_ALIGNMENT,
-              runtime_order: Sequence[int] | None = None) -> "PartitionPlan":
+              runtime_order: Sequence[int] | None = None,
+              param_bucket: Sequence[int] | None = None) -> "PartitionPlan":
+        """Buckets cut by `bucket_cap` along `runtime_order`, or, with `param_bucket`, as given (a
+        bucket id per parameter, numbered 0, 1, ... along the order, each bucket one contiguous run:
+        e.g. module-aligned buckets)."""
         from deepspeed_c import _C
 
         raw = _C.partition_plan([int(n) for n in numels], int(world_size), int(bucket_cap), int(align),
-                                None if runtime_order is None else [int(i) for i in runtime_order])
+                                None if runtime_order is None else [int(i) for i in runtime_order],
+                                None if param_bucket is None else [int(b) for b in param_bucket])
         fields = dict(raw)
         for key in ("runtime_slices", "ds_slices"):
             fields[key] = torch.tensor(fields[key], dtype=torch.int64).view(-1, 6)

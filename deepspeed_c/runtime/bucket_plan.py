@@ -24,15 +24,19 @@ class BucketLayout:
 class BucketPlan:
     """Buckets over params given by their numels (registration order), filled in `order` (None:
     reverse registration order); a bucket closes once it holds more than `cap` elements (bucket 0:
-    `first_cap`, 0 meaning cap); params whose `keys` differ never share a bucket."""
+    `first_cap`, 0 meaning cap); params whose `keys` differ never share a bucket. With
+    `assignment` (a bucket id per param, 0..nb-1) the buckets are given instead, e.g. those of a
+    ZeRO partition plan: the planner then only counts readiness and reports the frontier."""
 
     def __init__(self, numels: Sequence[int], cap: int, order: Optional[Sequence[int]] = None,
-                 keys: Optional[Sequence[int]] = None, align: int = 1, first_cap: int = 0) -> None:
+                 keys: Optional[Sequence[int]] = None, align: int = 1, first_cap: int = 0,
+                 assignment: Optional[Sequence[int]] = None) -> None:
         core = _core()
         self._mark = core.bucket_plan_mark
         self._core = core
         self._plan = core.bucket_plan(list(numels), int(cap), None if order is None else list(order),
-                                      None if keys is None else list(keys), int(align), int(first_cap))
+                                      None if keys is None else list(keys), int(align), int(first_cap),
+                                      None if assignment is None else [int(b) for b in assignment])
         bucket_of, offset_of, numels_b, keys_b, members = core.bucket_plan_layout(self._plan)
         self.layout = BucketLayout(bucket_of, offset_of, numels_b, keys_b, members)
 

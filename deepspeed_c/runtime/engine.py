@@ -22,8 +22,9 @@ from deepspeed_c.runtime.engine_accessors import EngineConfigAccessors
 from deepspeed_c.runtime.engine_io import ROUTE_ENCODE, ROUTE_EVAL, ROUTE_PREDICT, ROUTE_TRAIN, EngineIO
 from deepspeed_c.runtime.grad_norm import clip_coefficient, global_norm, scale_
 from deepspeed_c.runtime.optimizer_factory import build_optimizer
+from deepspeed_c.runtime.optimizer_seam import engine_optimizer
 from deepspeed_c.runtime.output_hooks import is_loss_for_backward, register_output_hooks
-from deepspeed_c.runtime.precision import MixedPrecisionOptimizer, Precision
+from deepspeed_c.runtime.precision import Precision
 from deepspeed_c.utils.logging import log_dist
 
 __all__ = ["DeepSpeedEngine", "ROUTE_TRAIN", "ROUTE_EVAL", "ROUTE_PREDICT", "ROUTE_ENCODE"]
@@ -70,6 +71,7 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
         self.inside_no_sync_ctxt = False
         self._is_compiled = False
         self.optimizer: Any = None
+        self.stepper: Any = None  # the optimizer seam (runtime/optimizer_seam.py) the engine steps through
         self.basic_optimizer: Optional[torch.optim.Optimizer] = None
         self.lr_scheduler: Any = None
         self.training_dataloader: Any = None
@@ -227,8 +229,11 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
         log_dist(f"DeepSpeed ZeRO stage {stage} optimizer = {self.optimizer!r}", ranks=[0])
 
     def _configure_reducer(self) -> None:
-        if getattr(self.optimizer, "is_zero_optimizer", False):
-            self.reducer = self.optimizer.reducer
+        self.stepper = engine_optimizer(self.optimizer, self._params, self.gradient_clipping(),
+                                        self.precision.grad_scaler)
+        owned = self.stepper.owned_reducer() if self.stepper is not None else None
+        if owned is not None:
+            self.reducer = owned
             return
         if self.dp_world_size <= 1:
             return
@@ -243,7 +248,7 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
             prescale_gradients=self._config.prescale_gradients,
             gradient_predivide_factor=self._config.gradient_predivide_factor,
             gradient_average=self.gradient_average, should_reduce=self._should_reduce,
-            slots=self.precision.mixed.reduction_slots() if self.precision.mixed is not None else None)
+            slots=self.stepper.reduction_slots() if self.stepper is not None else None)
 
     def _any_rank_overflowed(self, overflow: bool) -> bool:
         import torch.distributed as tdist
@@ -394,37 +399,12 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
                                train_batch_size=self.train_batch_size())
         self.micro_steps += 1
 
-    def _fill_missing_grads(self) -> None:
-        # DeepSpeed reduces a zero gradient for a trainable parameter that got none
-        for p in self._params:
-            if p.requires_grad and p.grad is None:
-                p.grad = torch.zeros_like(p)
-
     def _take_model_step(self, lr_kwargs: Optional[dict]) -> None:
-        zero = getattr(self.optimizer, "is_zero_optimizer", False)
-        if not zero:  # ZeRO's reducer already sent zeros for parameters without a gradient
-            self._fill_missing_grads()
-        overflow = False
-        scaler = self.precision.grad_scaler
-        if zero or isinstance(self.optimizer, MixedPrecisionOptimizer):
-            overflow = bool(self.optimizer.step())
-            self._global_grad_norm = self.optimizer._global_grad_norm
-            self.optimizer.zero_grad()
-        else:
-            if scaler is not None:
-                scaler.unscale_(self.optimizer)
-            if self.gradient_clipping() > 0.0:
-                self._clip_gradients()
-            if scaler is not None:
-                before = scaler.get_scale()
-                scaler.step(self.optimizer)
-                scaler.update()
-                overflow = scaler.get_scale() < before
-            else:
-                self.optimizer.step()
-            if hasattr(self.optimizer, "_global_grad_norm"):
-                self._global_grad_norm = self.optimizer._global_grad_norm
-            self.zero_grad()
+        assert self.stepper is not None
+        self.stepper.before_step(self._params)
+        overflow = bool(self.stepper.step())
+        self._global_grad_norm = self.stepper.global_grad_norm
+        self.stepper.zero_grad()
         self._step_applied = not overflow
         if overflow:
             self.skipped_steps += 1
@@ -541,8 +521,8 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
         if self._direct_scaler is not None:
             self._direct_scaler.remove()
             self._direct_scaler = None
-        if self.optimizer is not None and hasattr(self.optimizer, "destroy"):
-            self.optimizer.destroy()
+        if self.stepper is not None:
+            self.stepper.destroy()
 
     def __getattr__(self, name: str) -> Any:
         """Attributes the engine does not define come from the wrapped model."""

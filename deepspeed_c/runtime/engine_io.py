@@ -12,6 +12,7 @@ ROUTE_TRAIN, ROUTE_EVAL, ROUTE_PREDICT, ROUTE_ENCODE = "train", "eval", "predict
 class EngineIO:
     module: torch.nn.Module
     checkpointer: Any
+    stepper: Any
 
     def deepspeed_io(self, dataset: Any, batch_size: Optional[int] = None, route: str = ROUTE_TRAIN,
                      pin_memory: bool = True, data_sampler: Any = None, collate_fn: Any = None,
@@ -33,6 +34,26 @@ class EngineIO:
                                    num_local_io_workers=num_local_io_workers, data_sampler=data_sampler,
                                    data_parallel_world_size=dp_world, data_parallel_rank=dp_rank,
                                    dataloader_drop_last=self.dataloader_drop_last())
+
+    # -- moving states between devices (DeepSpeed 0.19's offload_states / reload_states) -----------
+    def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True,
+                       non_blocking: bool = False) -> None:
+        """Moves the ZeRO optimizer's states (OffloadStateTypeEnum: optim_states, hp_params, lp_params,
+        lp_grads, contiguous_grad_buffer; default all) to host memory until reload_states()."""
+        dev = str(getattr(device, "value", device))
+        if dev == "none":
+            return
+        if dev == "nvme":
+            raise ValueError("NVMe offload is not supported for offloading states.")
+        if dev != "cpu":
+            raise ValueError(f"offload_states: device must be 'cpu' (OffloadDeviceEnum.cpu), got {device!r}")
+        assert self.stepper is not None, "offload_states needs an optimizer"
+        self.stepper.offload_states(include=include, device=dev, pin_memory=pin_memory, non_blocking=non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Moves the states offload_states() moved back to where they were."""
+        assert self.stepper is not None, "reload_states needs an optimizer"
+        self.stepper.reload_states(non_blocking=non_blocking)
 
     # -- checkpoints -----------------------------------------------------------------------------
     def module_state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False,

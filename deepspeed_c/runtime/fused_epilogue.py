@@ -74,6 +74,10 @@ class AdamEpilogue:
         self.adam_w_mode = adam_w_mode
         self._counters: dict[int, _GroupCounters] = {}
 
+    def reset(self) -> None:
+        """Forget the device step counters (rebuilt from the host ones at the next step)."""
+        self._counters = {}
+
     @staticmethod
     def for_optimizer(optimizer: Any, device: torch.device) -> Optional["AdamEpilogue"]:
         if device.type != "cuda" or os.environ.get("DSC_FUSED_EPILOGUE", "1") == "0":

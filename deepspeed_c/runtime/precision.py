@@ -9,15 +9,16 @@ copied back into the 16-bit parameters."""
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 from deepspeed_c.runtime.config_utils import parse_dtype
 from deepspeed_c.runtime.fp16.loss_scaler import CreateLossScaler, DynamicLossScaler, LossScalerBase
-from deepspeed_c.runtime.grad_norm import clip_coefficient, global_norm, scale_
+from deepspeed_c.runtime.grad_norm import global_norm, scale_
 from deepspeed_c.runtime.fused_epilogue import AdamEpilogue, device_global_norm
+from deepspeed_c.runtime.optimizer_seam import EngineOptimizer
+from deepspeed_c.runtime.step_sequence import StepOutcome, overflow_checked_step
 from deepspeed_c.utils.logging import logger
 
 
@@ -46,7 +47,7 @@ class Fp32AccumulatorSlots:
             buf.copy_(reduced.view_as(buf))
 
 
-class MixedPrecisionOptimizer:
+class MixedPrecisionOptimizer(EngineOptimizer):
     """Steps fp32 master weights for 16-bit model parameters (DeepSpeed's FP16 optimizer role).
 
     The wrapped optimizer's param groups are rewired to the masters, so schedulers and
@@ -185,32 +186,31 @@ class MixedPrecisionOptimizer:
 
     def step(self, closure: Any = None) -> bool:
         """Returns True when the step was skipped for overflow (DeepSpeed's convention)."""
-        if self.epilogue is not None:
-            fused = self._fused_inputs()
-            if fused is not None:
-                return self._fused_step(*fused)
-        grads = self._gather_master_grads()
-        scaled_norm = float(global_norm(grads)) if grads else 0.0
-        finite = math.isfinite(scaled_norm)
-        overflow = (not finite) and self.check_overflow
-        if self.check_overflow and self.sync_overflow is not None:
-            overflow = self.sync_overflow(overflow)
-        self.overflow = overflow
-        self.loss_scaler.update_scale(self.overflow)
-        if self.overflow:
+        fused = self._fused_inputs() if self.epilogue is not None else None
+        if fused is not None:
+            grads, masters, outs = fused
+            flat = [g for gs in grads for g in gs]
+            norm: Any = device_global_norm(flat) if flat else 0.0
+
+            def apply_fused(norm_t: torch.Tensor, loss_scale: float) -> None:
+                assert self.epilogue is not None
+                self.epilogue.step(grads, outs, norm_t, loss_scale, self.clip_grad, params=masters)
+
+            outcome = self._decide(norm, apply_fused=apply_fused, apply_coef=lambda coef: None)
+        else:
+            master_grads = self._gather_master_grads()
+
+            def apply_coef(coef: float) -> None:
+                scale_(master_grads, coef)
+                self.optimizer.step()
+                self._copy_masters_to_model()
+
+            outcome = self._decide(float(global_norm(master_grads)) if master_grads else 0.0, apply_coef=apply_coef)
+        self.overflow = outcome.skipped
+        self._global_grad_norm = outcome.grad_norm
+        if outcome.skipped:
             self.zero_grad(set_to_none=True)
-            self._global_grad_norm = None
             return True
-        # the scaler may have grown the scale in update_scale(); the grads carry the one they were made with
-        grad_scale = self._scale_used
-        unscaled_norm = scaled_norm / grad_scale
-        self._global_grad_norm = unscaled_norm
-        coef = 1.0 / grad_scale
-        if self.clip_grad > 0.0 and finite:
-            coef *= clip_coefficient(unscaled_norm, self.clip_grad)
-        scale_(grads, coef)
-        self.optimizer.step()
-        self._copy_masters_to_model()
         for m in self._master_flat:
             m.grad = None
         if self.accumulate_fp32:
@@ -218,6 +218,11 @@ class MixedPrecisionOptimizer:
                 if buf is not None:
                     buf.zero_()
         return False
+
+    def _decide(self, norm: Any, **apply: Any) -> StepOutcome:
+        return overflow_checked_step(norm, check_overflow=self.check_overflow, sync_overflow=self.sync_overflow,
+                                     loss_scaler=self.loss_scaler, grad_scale=lambda: self._scale_used,
+                                     clip_grad=self.clip_grad, **apply)
 
     def _fused_inputs(self) -> Optional[tuple[list[list[torch.Tensor]], ...]]:
         """Per group: the gradients (16-bit param.grad, or the fp32 accumulators), their masters and
@@ -244,39 +249,6 @@ class MixedPrecisionOptimizer:
             masters.append(mm)
             outs.append(oo)
         return grads, masters, outs
-
-    def _fused_step(self, grads: list[list[torch.Tensor]], masters: list[list[torch.Tensor]],
-                    outs: list[list[torch.Tensor]]) -> bool:
-        """One epilogue pass per group from the 16-bit gradients into masters, moments and model; the
-        norm stays on the device unless an overflow check needs it on the host (fp16)."""
-        flat = [g for gs in grads for g in gs]
-        if not flat:
-            self.loss_scaler.update_scale(False)
-            self._global_grad_norm = 0.0
-            return False
-        norm = device_global_norm(flat)
-        overflow = False
-        if self.check_overflow:
-            overflow = not math.isfinite(float(norm))
-            if self.sync_overflow is not None:
-                overflow = self.sync_overflow(overflow)
-        self.overflow = overflow
-        self.loss_scaler.update_scale(overflow)
-        if overflow:
-            self.zero_grad(set_to_none=True)
-            self._global_grad_norm = None
-            return True
-        grad_scale = self._scale_used
-        self._global_grad_norm = norm[0] / grad_scale  # a device scalar: read lazily
-        assert self.epilogue is not None
-        self.epilogue.step(grads, outs, norm, grad_scale, self.clip_grad, params=masters)
-        for m in self._master_flat:
-            m.grad = None
-        if self.accumulate_fp32:
-            for buf in self._grad_buffers:
-                if buf is not None:
-                    buf.zero_()
-        return False
 
     @property
     def _scale_used(self) -> float:

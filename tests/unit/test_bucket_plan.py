@@ -97,6 +97,39 @@ def test_readiness_frontier_is_in_bucket_order(seed):
     assert plan.pending() == []
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_given_buckets_readiness(seed):
+    """assignment= (the ZeRO partition plans' buckets): the frontier is the first bucket with a
+    member still missing, whatever order gradients arrive in; offsets follow the arrival order."""
+    rng = random.Random(500 + seed)
+    n = rng.randint(1, 25)
+    numels = [rng.randint(0, 40) for _ in range(n)]
+    nb = rng.randint(1, n)
+    assignment = list(range(nb)) + [rng.randrange(nb) for _ in range(n - nb)]
+    rng.shuffle(assignment)
+    plan = BucketPlan(numels, 1, assignment=assignment)
+    assert plan.layout.bucket_of == assignment and plan.num_buckets == nb
+    for b in range(nb):
+        members = [i for i in range(n - 1, -1, -1) if assignment[i] == b]  # default order: reverse
+        assert plan.layout.members[b] == members
+        assert [plan.layout.offset_of[i] for i in members] == [sum(numels[j] for j in members[:k])
+                                                              for k in range(len(members))]
+    arrival = list(range(n))
+    rng.shuffle(arrival)
+    remaining = [assignment.count(b) for b in range(nb)]
+    plan.reset()
+    for i in arrival:
+        remaining[assignment[i]] -= 1
+        expected = 0
+        while expected < nb and remaining[expected] == 0:
+            expected += 1
+        assert plan.mark(i) == expected
+    with pytest.raises(ValueError, match="bucket_of must number the buckets"):
+        BucketPlan([1, 2], 1, assignment=[0, 2])
+    with pytest.raises(ValueError, match="assignment has 1 entries"):
+        BucketPlan([1, 2], 1, assignment=[0])
+
+
 def test_mark_all_and_pending_and_reset():
     plan = BucketPlan([5, 5, 5, 5], cap=9)  # buckets [3,2] and [1,0]
     plan.reset()

@@ -13,13 +13,18 @@ def ceil_to(x, m):
     return -(-x // m) * m
 
 
-def reference(numels, world, cap, align, order):
-    """Written from the layout's definition, independently of the C code."""
+def reference(numels, world, cap, align, order, given=None):
+    """Written from the layout's definition, independently of the C code. given: a bucket id per
+    parameter instead of the cap."""
     order = list(range(len(numels))) if order is None else list(order)
     buckets = []  # lists of param indices
     for idx in order:
         filled = sum(numels[i] for i in buckets[-1]) if buckets else 0
-        if not buckets or (filled > 0 and filled + numels[idx] > cap):
+        if given is not None:
+            opens = not buckets or given[idx] != given[buckets[-1][-1]]
+        else:
+            opens = not buckets or (filled > 0 and filled + numels[idx] > cap)
+        if opens:
             buckets.append([])
         buckets[-1].append(idx)
     runtime = []
@@ -89,6 +94,42 @@ def test_matches_reference_and_properties(seed):
         assert size % (world * align) == 0 and plan.bucket_offset[b] % (world * align) == 0
         assert plan.bucket_numel[b] <= size
     assert plan.ds_total % (world * align) == 0
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_given_buckets_match_reference(seed):
+    """Buckets given per parameter (ZeRO-3's module-aligned buckets), any sizes, instead of a cap."""
+    rng = random.Random(1000 + seed)
+    world = rng.choice([1, 2, 3, 4, 8])
+    n = rng.randint(1, 12)
+    numels = [rng.choice([0, 1, 3, 17, 64, 333]) for _ in range(n)]
+    align = rng.choice([1, 2])
+    order = list(range(n))
+    rng.shuffle(order)
+    given, b = [0] * n, 0
+    for pos, idx in enumerate(order):  # contiguous runs along the order, numbered 0, 1, ...
+        if pos > 0 and rng.random() < 0.4:
+            b += 1
+        given[idx] = b
+    plan = PartitionPlan.build(numels, world, 1, align, order, param_bucket=given)
+    assert list(plan.param_bucket) == given
+    ref_runtime, ref_ds, ref_rt_part, ref_ds_part = reference(numels, world, 1, align, order, given)
+    assert expand(plan.slices("runtime")) == sorted(ref_runtime)
+    assert expand(plan.slices("deepspeed")) == sorted(ref_ds)
+    assert plan.runtime_partition_size == ref_rt_part and plan.ds_partition_size == ref_ds_part
+    # the cap-cut buckets, handed back as given buckets, give the same plan
+    cut = PartitionPlan.build(numels, world, 50, align, order)
+    again = PartitionPlan.build(numels, world, 1, align, order, param_bucket=list(cut.param_bucket))
+    assert again.param_offset == cut.param_offset and torch.equal(again.runtime_slices, cut.runtime_slices)
+
+
+def test_given_buckets_must_be_contiguous_runs():
+    with pytest.raises(ValueError, match="param_bucket must number the buckets"):
+        PartitionPlan.build([4, 4, 4], 2, 1, 2, [0, 1, 2], param_bucket=[0, 1, 0])
+    with pytest.raises(ValueError, match="param_bucket must number the buckets"):
+        PartitionPlan.build([4, 4], 2, 1, 2, [0, 1], param_bucket=[1, 2])
+    with pytest.raises(ValueError, match="param_bucket has 1 entries"):
+        PartitionPlan.build([4, 4], 2, 1, 2, [0, 1], param_bucket=[0])
 
 
 def test_round_trips_between_layouts_and_world_sizes():

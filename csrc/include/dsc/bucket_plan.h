@@ -44,6 +44,11 @@ enum {
 int dsc_bucket_plan_create(int64_t n, const int64_t *numels, const int64_t *keys, const int64_t *order,
                            int64_t cap, int64_t first_cap, int64_t align, dsc_bucket_plan **out,
                            const char **why);
+/* The same readiness counting over buckets given per parameter (bucket_of[i] in 0..nb-1, every
+ * bucket non-empty), e.g. the buckets of a ZeRO partition plan; offsets inside a bucket follow the
+ * arrival order, aligned to align. */
+int dsc_bucket_plan_create_assigned(int64_t n, const int64_t *numels, const int64_t *order, const int64_t *bucket_of,
+                                    int64_t align, dsc_bucket_plan **out, const char **why);
 void dsc_bucket_plan_free(dsc_bucket_plan *plan);
 
 /* Layout queries (valid for the plan's lifetime). */

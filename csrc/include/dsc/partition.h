@@ -61,6 +61,13 @@ dsc_partition_status dsc_partition_plan_build(const int64_t *numels, int64_t num
                                               const int64_t *runtime_order, int64_t world_size,
                                               int64_t bucket_cap, int64_t align,
                                               dsc_partition_plan *plan);
+/* The same with the runtime buckets given instead of cut by a cap (e.g. aligned to modules for
+ * ZeRO-3): param_bucket[i] is parameter i's bucket; along runtime_order the ids must run 0, 1, ...
+ * with each bucket one contiguous run (else DSC_PARTITION_BAD_ARG). */
+dsc_partition_status dsc_partition_plan_build_bucketed(const int64_t *numels, int64_t num_params,
+                                                       const int64_t *runtime_order, int64_t world_size,
+                                                       int64_t align, const int64_t *param_bucket,
+                                                       dsc_partition_plan *plan);
 void dsc_partition_plan_free(dsc_partition_plan *plan);
 
 #endif

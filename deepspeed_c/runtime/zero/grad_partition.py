@@ -9,7 +9,9 @@ DeepSpeed does: each post-accumulate-grad hook copies its gradient into its slot
 buffer and frees `param.grad`; a bucket whose members have all arrived goes out at once, and its
 reduced chunk is added into the partition, so between steps a rank holds only 1/W of the gradients.
 Stage 1 lets gradients accumulate in `param.grad` and reduces once, on the accumulation boundary.
-Buckets go out in one fixed order on every rank (collectives must match).
+Buckets go out in one fixed order on every rank (collectives must match): readiness is counted
+by the C bucket planner (runtime/bucket_plan.py, the one stage 0 uses) over the partition plans'
+buckets, which reports the frontier below which every bucket may go.
 
 A parameter's gradient can arrive twice in one backward: a weight shared by two reentrant
 activation-checkpoint segments gets one hook per segment's nested backward. The second part is
@@ -33,6 +35,7 @@ import torch
 
 from deepspeed_c.ops.partition import PartitionPlan
 from deepspeed_c.runtime.backward_round import BackwardRound
+from deepspeed_c.runtime.bucket_plan import BucketPlan
 
 
 def _comm() -> Any:
@@ -88,10 +91,15 @@ class ZeroGradPartitioner(BackwardRound):
         self._slot_of = {(g, b): k for k, (g, b) in enumerate(self.order)}
         self._where: list[tuple[int, int]] = [(g, i) for g, params in enumerate(self.groups)
                                               for i in range(len(params))]
-        self._members: list[list[int]] = [[] for _ in self.order]
-        for k, (g, i) in enumerate(self._where):
-            self._members[self._slot_of[(g, self.plans[g].param_bucket[i])]].append(k)
         self._flat_params = [p for params in self.groups for p in params]
+        # readiness and launch order on the C bucket planner, over the partition plans' buckets (one
+        # planner slot per (group, bucket), in the order every rank sends them)
+        self.readiness = BucketPlan([p.numel() for p in self._flat_params], 1,
+                                    assignment=[self._slot_of[(g, self.plans[g].param_bucket[i])]
+                                                for g, i in self._where])
+        self._mark = self.readiness._mark
+        self._capsule = self.readiness._plan
+        self._frontier = 0
         # accumulate_fp32 (stage 1, bf16 model, data_types.grad_accum_dtype "fp32": DeepSpeed's
         # BF16_Optimizer): each micro-step's gradient is folded into an fp32 accumulator as soon as
         # autograd has produced it, and the fp32 sums are what the boundary reduces
@@ -103,7 +111,6 @@ class ZeroGradPartitioner(BackwardRound):
         self.grad_partitions: list[Optional[torch.Tensor]] = [None] * len(self.groups)
         self._fresh = [True] * len(self.groups)  # partition not yet written in this accumulation window
         self._bufs: list[Optional[torch.Tensor]] = [None] * len(self.order)
-        self._remaining = [len(m) for m in self._members]
         self._arrived = [False] * len(self._flat_params)
         self._late: dict[int, torch.Tensor] = {}  # slot -> second contributions after its bucket went out
         self._next = 0
@@ -129,7 +136,8 @@ class ZeroGradPartitioner(BackwardRound):
     # -- backward-time path ------------------------------------------------------------------------
     def _start_reducing(self) -> None:
         self._boundary = bool(self.is_boundary())
-        self._remaining = [len(m) for m in self._members]
+        self.readiness.reset()
+        self._frontier = 0
         self._arrived = [False] * len(self._flat_params)
         self._late = {}
         self._next = 0
@@ -176,7 +184,7 @@ class ZeroGradPartitioner(BackwardRound):
         if grad is not None:
             self._bucket(slot)[off:off + grad.numel()].copy_(grad)
         self._arrived[k] = True
-        self._remaining[slot] -= 1
+        self._frontier = self._mark(self._capsule, k)
         return slot
 
     def _deposit_again(self, k: int) -> None:
@@ -218,7 +226,7 @@ class ZeroGradPartitioner(BackwardRound):
             self._launch_ready()
 
     def _launch_ready(self) -> None:
-        while self._next < len(self.order) and self._remaining[self._next] == 0:
+        while self._next < self._frontier:
             self._launch(self._next)
             self._next += 1
 

@@ -27,11 +27,14 @@ import torch
 
 from deepspeed_c.ops.partition import DEEPSPEED_ALIGNMENT, PartitionPlan
 from deepspeed_c.runtime.fused_epilogue import AdamEpilogue, device_global_norm
-from deepspeed_c.runtime.grad_norm import clip_coefficient, scale_
+from deepspeed_c.runtime.grad_norm import scale_
+from deepspeed_c.runtime.optimizer_seam import EngineOptimizer
+from deepspeed_c.runtime.step_sequence import StepOutcome, overflow_checked_step
 from deepspeed_c.runtime.zero.grad_partition import ZeroGradPartitioner
 from deepspeed_c.runtime.zero.offload import SUB_CHUNK as OFFLOAD_SUB_CHUNK
 from deepspeed_c.runtime.zero.offload import CPUOffload
 from deepspeed_c.runtime.zero.param_gather import BucketGatherer
+from deepspeed_c.runtime.zero.state_offload import ZeroStateOffload
 from deepspeed_c.utils.logging import logger
 
 __all__ = ["DeepSpeedZeroOptimizer", "estimate_zero2_model_states_mem_needs",
@@ -46,7 +49,7 @@ def _comm() -> Any:
     return dist
 
 
-class DeepSpeedZeroOptimizer:
+class DeepSpeedZeroOptimizer(EngineOptimizer):
     """Wraps a torch optimizer built over the model's parameters; after construction the optimizer's
     param groups hold one flat fp32 partition each (hyperparameters stay in the same group dicts, so
     lr schedulers keep working)."""
@@ -137,6 +140,7 @@ class DeepSpeedZeroOptimizer:
         if self.offload is None and master_dtype == torch.float32:
             self.epilogue = AdamEpilogue.for_optimizer(init_optimizer, self.fp32_partitions[0].device)
         self._lp_out: Optional[list[torch.Tensor]] = None
+        self.state_offload = ZeroStateOffload(self)
 
     # -- the optimizer face ------------------------------------------------------------------------
     @property
@@ -203,6 +207,26 @@ class DeepSpeedZeroOptimizer:
         _comm().all_gather_into_tensor(out, send, group=self.dp_process_group)
         return plan.gather_params(list(out.chunk(self.world_size)), "runtime")
 
+    # -- the engine seam (runtime/optimizer_seam.EngineOptimizer) ------------------------------------
+    def before_step(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Nothing to fill: the reducer already sent zeros for parameters that got no gradient."""
+
+    def owned_reducer(self) -> ZeroGradPartitioner:
+        return self.reducer
+
+    def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True,
+                       non_blocking: bool = False) -> None:
+        self.state_offload.offload(include, device, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        self.state_offload.reload(non_blocking)
+
+    def drop_device_scratch(self) -> None:
+        """Device buffers rebuilt on demand (after states moved between devices)."""
+        self._lp_out = None
+        if self.epilogue is not None:
+            self.epilogue.reset()
+
     # -- step ----------------------------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
         for params in self.bit16_groups:
@@ -243,67 +267,52 @@ class DeepSpeedZeroOptimizer:
             self._refuse_unused_parameters()
         parts = self._grad_partitions()
         if self.epilogue is not None:
-            return self._fused_step(parts)
-        scaled_norm = math.sqrt(self._global_sq_norm(parts))
-        finite = math.isfinite(scaled_norm)
-        self.overflow = (not finite) and self.check_overflow
-        if self.loss_scaler is not None:
-            self.loss_scaler.update_scale(self.overflow)
-        if self.overflow:
+            # one epilogue pass per group; the norm stays on the device, so a bf16 step never waits for the
+            # host (fp16 reads it once: the loss scaler decides on the host, as DeepSpeed's does)
+            norm: Any = device_global_norm(parts, self.dp_process_group, self.world_size)
+            outcome = self._decide(norm, apply_fused=lambda n, scale: self._fused_apply(parts, n, scale))
+        else:
+            outcome = self._decide(math.sqrt(self._global_sq_norm(parts)),
+                                   apply_coef=lambda coef: self._separate_apply(parts, coef))
+        self.overflow = outcome.skipped
+        self._global_grad_norm = outcome.grad_norm
+        if outcome.skipped:
             logger.info(f"[deepspeed_c] ZeRO stage {self.stage}: overflow, skipping step")
             self.zero_grad()
-            self._global_grad_norm = None
             return True
-        grad_scale = self._scale_used if self.loss_scaler is not None else 1.0
-        unscaled = scaled_norm / grad_scale
-        self._global_grad_norm = unscaled
-        coef = 1.0 / grad_scale
-        if self.clip_grad > 0.0 and finite:
-            coef *= clip_coefficient(unscaled, self.clip_grad)
-        if self.offload is not None:
-            # host step in sub-chunks; each chunk goes back to the device and into its all-gather as it is done
-            self.offload.step(coef, self.gatherer)
-        else:
-            grads = self._attach_grads(parts)
-            if coef != 1.0:
-                scale_(grads, coef)
-            self.optimizer.step()
-            self._gather_from_masters()
         for m in self.fp32_partitions:
             m.grad = None
         self.reducer.clear()
         return False
 
-    def _fused_step(self, parts: Sequence[torch.Tensor]) -> bool:
-        """The step as one epilogue pass per group; the norm stays on the device, so a bf16 step never
-        waits for the host (fp16 reads it once: the loss scaler decides on the host, as DeepSpeed's)."""
-        norm = device_global_norm(parts, self.dp_process_group, self.world_size)
-        if self.check_overflow:
-            self.overflow = not math.isfinite(float(norm))
-        if self.loss_scaler is not None:
-            self.loss_scaler.update_scale(self.overflow)
-        if self.overflow:
-            logger.info(f"[deepspeed_c] ZeRO stage {self.stage}: overflow, skipping step")
-            self.zero_grad()
-            self._global_grad_norm = None
-            return True
-        grad_scale = self._scale_used if self.loss_scaler is not None else 1.0
-        self._global_grad_norm = norm[0] / grad_scale  # a device scalar: read lazily
+    def _decide(self, norm: Any, **apply: Any) -> StepOutcome:
+        return overflow_checked_step(norm, check_overflow=self.check_overflow, sync_overflow=None,
+                                     loss_scaler=self.loss_scaler,
+                                     grad_scale=lambda: self._scale_used if self.loss_scaler is not None else 1.0,
+                                     clip_grad=self.clip_grad, **apply)
+
+    def _separate_apply(self, parts: Sequence[torch.Tensor], coef: float) -> None:
+        if self.offload is not None:
+            # host step in sub-chunks; each chunk goes back to the device and into its all-gather as it is done
+            self.offload.step(coef, self.gatherer)
+            return
+        grads = self._attach_grads(parts)
+        if coef != 1.0:
+            scale_(grads, coef)
+        self.optimizer.step()
+        self._gather_from_masters()
+
+    def _fused_apply(self, parts: Sequence[torch.Tensor], norm: torch.Tensor, loss_scale: float) -> None:
         lp_dtype = self.bit16_groups[0][0].dtype
+        out = None
         if lp_dtype in (torch.float16, torch.bfloat16):
             if self._lp_out is None:
                 self._lp_out = [torch.empty(m.numel(), dtype=lp_dtype, device=m.device) for m in self.fp32_partitions]
             out = self._lp_out
-        else:
-            out = None
         assert self.epilogue is not None
-        self.epilogue.step([[p] for p in parts], None if out is None else [[t] for t in out], norm, grad_scale,
+        self.epilogue.step([[p] for p in parts], None if out is None else [[t] for t in out], norm, loss_scale,
                            self.clip_grad)
         self._gather_chunks(out if out is not None else [m.detach() for m in self.fp32_partitions])
-        for m in self.fp32_partitions:
-            m.grad = None
-        self.reducer.clear()
-        return False
 
     def _refuse_unused_parameters(self) -> None:
         """zero_optimization.ignore_unused_parameters=false: DeepSpeed asserts when a trainable

@@ -1,0 +1,110 @@
+"""The one seam between the engine and the optimizer it steps.
+
+The engine holds an `EngineOptimizer` and calls only this protocol: it never asks which kind it
+holds. DeepSpeed's roles map onto it: the plain torch optimizer (`PlainOptimizer`, an adapter that
+keeps the user's optimizer as `engine.optimizer`), its FP16/BF16 mixed-precision optimizer
+(runtime/precision.MixedPrecisionOptimizer) and the ZeRO 1/2 optimizer
+(runtime/zero/stage_1_and_2.DeepSpeedZeroOptimizer); ZeRO 3, pipeline and MoE optimizers implement
+the same methods. Checkpoint state goes through the same objects (runtime/checkpoint_engine.py)."""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+from deepspeed_c.runtime.grad_norm import clip_coefficient, global_norm, scale_
+
+
+class EngineOptimizer:
+    """What the engine needs; the defaults suit an optimizer over whole (unpartitioned) gradients."""
+
+    _global_grad_norm: Any = None
+
+    def before_step(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """DeepSpeed reduces and steps a zero gradient for a trainable parameter that got none."""
+        for p in params:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+    def step(self, closure: Any = None) -> bool:
+        """One optimizer step; True when it was skipped (overflow), DeepSpeed's convention."""
+        raise NotImplementedError
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        raise NotImplementedError
+
+    @property
+    def global_grad_norm(self) -> Any:
+        """The last step's unscaled global gradient norm (float, device scalar or None)."""
+        return self._global_grad_norm
+
+    def owned_reducer(self) -> Any:
+        """The gradient reducer this optimizer brings (ZeRO's partitioner), or None for the engine's."""
+        return None
+
+    def reduction_slots(self) -> Any:
+        """Where the engine's reducer reads and writes gradients (None: param.grad)."""
+        return None
+
+    def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True,
+                       non_blocking: bool = False) -> None:
+        """Moves the optimizer's states to host memory (engine.offload_states); ZeRO optimizers only."""
+        raise RuntimeError(f"offload_states needs a ZeRO optimizer (zero_optimization.stage 1 or 2); this engine "
+                           f"steps {type(self).__name__}, which DeepSpeed cannot offload either")
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        raise RuntimeError(f"reload_states needs a ZeRO optimizer (zero_optimization.stage 1 or 2); this engine "
+                           f"steps {type(self).__name__}")
+
+    def destroy(self) -> None:
+        """Drops hooks and buffers (engine.destroy)."""
+
+
+class PlainOptimizer(EngineOptimizer):
+    """A torch optimizer stepping the model's parameters directly (fp32, or torch autocast): global
+    norm clipping and, with fp16 autocast, torch's GradScaler."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter], clip_grad: float,
+                 grad_scaler: Any = None) -> None:
+        self.optimizer = optimizer
+        self.params = list(params)
+        self.clip_grad = clip_grad
+        self.grad_scaler = grad_scaler
+
+    def _clip(self) -> None:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norm = float(global_norm(grads))
+        self._global_grad_norm = norm
+        scale_(grads, clip_coefficient(norm, self.clip_grad))
+
+    def step(self, closure: Any = None) -> bool:
+        self._global_grad_norm = None
+        scaler = self.grad_scaler
+        if scaler is not None:
+            scaler.unscale_(self.optimizer)
+        if self.clip_grad > 0.0:
+            self._clip()
+        if scaler is None:
+            self.optimizer.step()
+            client_norm = getattr(self.optimizer, "_global_grad_norm", None)  # a client optimizer may report one
+            if client_norm is not None:
+                self._global_grad_norm = client_norm
+            return False
+        before = scaler.get_scale()
+        scaler.step(self.optimizer)
+        scaler.update()
+        return scaler.get_scale() < before
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+
+def engine_optimizer(optimizer: Any, params: Sequence[torch.nn.Parameter], clip_grad: float,
+                     grad_scaler: Any = None) -> Optional[EngineOptimizer]:
+    """The seam object for whatever optimizer the engine ended up with."""
+    if optimizer is None:
+        return None
+    if isinstance(optimizer, EngineOptimizer):
+        return optimizer
+    return PlainOptimizer(optimizer, params, clip_grad, grad_scaler)
