@@ -3,7 +3,9 @@ against single-process float64 PyTorch on the global batch.
 
 DeepSpeed behaviour checked: `engine.backward(loss)` divides the loss it is given by
 gradient_accumulation_steps (scale_wrt_gas=True), whatever else the model returned; a direct
-`loss.backward()` (DeepSpeed >= 0.18.3) gives the same gradients; one gradient reduction per
+`loss.backward()` or `tensor.backward(g)` on non-scalar outputs (DeepSpeed >= 0.18.3) gives the
+same gradients; a weight shared by two reentrant checkpoint segments gets its whole gradient; one
+gradient reduction per
 backward (one round of the reducer), also when the first gradient arrives inside a reentrant
 activation checkpoint with a frozen head (LoRA-style).
 
@@ -160,7 +162,9 @@ CASES = [("aux", "engine", 4), ("aux", "direct", 2), ("dict", "engine", 2), ("di
          # every parameter in one bucket (the second arrival lands before the bucket goes out), the
          # default 200-element buckets send the shared weight's bucket before its second arrival
          ("shared-reentrant", "engine", 2), ("shared-reentrant", "direct", 2), ("shared-reentrant-big", "engine", 2),
-         ("shared-ds", "engine", 1), ("shared-nonreentrant", "engine", 2)]
+         ("shared-ds", "engine", 1), ("shared-nonreentrant", "engine", 2),
+         # tensor.backward(g) on non-scalar outputs (DeepSpeed >= 0.18.3 accepts it as a direct backward)
+         ("aux", "tensor", 2), ("lora-reentrant", "tensor", 4)]
 # engine.zero_grad() after every backward: DeepSpeed's zero_grad sets param.grad = None only, so at
 # stage 2 (gradients already reduced into the partitions) the accumulated gradient survives
 ZERO_GRAD_CASES = [("aux", "zero_grad", 2)]
@@ -208,8 +212,17 @@ def run_case(rank: int, world: int, kind: str, path: str, gas: int, stage: int) 
             xs, ys = x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO]
             rounds, colls, nb = engine.reducer.rounds, engine.reducer.collectives, _buckets(engine.reducer)
             reduces = stage == 2 or k == gas - 1
-            loss = user_loss(kind, forward(kind, engine, xs), ys, xs)
-            if path == "direct":
+            out = forward(kind, engine, xs)
+            if path == "tensor":  # out.backward(g) on non-scalar outputs, g = dloss/dout computed outside
+                outs = list(out) if isinstance(out, tuple) else [out]
+                leaves = [t.detach().requires_grad_() for t in outs]
+                detached = tuple(leaves) if isinstance(out, tuple) else leaves[0]
+                grads = torch.autograd.grad(user_loss(kind, detached, ys, xs), leaves)
+                torch.autograd.backward(outs, grads)
+            loss = None if path == "tensor" else user_loss(kind, out, ys, xs)
+            if path == "tensor":
+                pass
+            elif path == "direct":
                 loss.backward()
             else:
                 engine.backward(loss)
