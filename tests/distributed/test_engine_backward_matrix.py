@@ -5,8 +5,7 @@ DeepSpeed behaviour checked: `engine.backward(loss)` divides the loss it is give
 gradient_accumulation_steps (scale_wrt_gas=True), whatever else the model returned; a direct
 `loss.backward()` or `tensor.backward(g)` on non-scalar outputs (DeepSpeed >= 0.18.3) gives the
 same gradients; a weight shared by two reentrant checkpoint segments gets its whole gradient; one
-gradient reduction per
-backward (one round of the reducer), also when the first gradient arrives inside a reentrant
+gradient reduction per backward (one round of the reducer), also when the first gradient arrives inside a reentrant
 activation checkpoint with a frozen head (LoRA-style).
 
 Each case runs SGD(lr=1) for two optimizer steps; at each accumulation boundary the reduced gradient
