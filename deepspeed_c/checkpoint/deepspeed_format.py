@@ -13,8 +13,9 @@ from typing import Any, Sequence
 
 import torch
 
+from deepspeed_c.checkpoint import ds_pickle
 from deepspeed_c.checkpoint.safe_load import scaler_state
-from deepspeed_c.ops.partition import DEEPSPEED_ALIGNMENT
+from deepspeed_c.ops.partition import DEEPSPEED_ALIGNMENT, PartitionPlan
 
 FP32_KEY = "single_partition_of_fp32_groups"
 
@@ -52,8 +53,10 @@ def normalize_zero_state(part: dict, group_numels: Sequence[Sequence[int]] | Non
     """One saved rank's `optimizer_state_dict` in the form from_deepspeed_layout applies. Files written by
     deepspeed_c (layout == "deepspeed") pass through; DeepSpeed's own get padded partitions, their group
     sizes and a dict loss-scaler state."""
-    if part.get("layout") == "deepspeed":
-        return part
+    if part.get("layout") == "deepspeed":  # written by deepspeed_c: padded already; DeepSpeed's object fields
+        count = part.get("partition_count", world)
+        return dict(part, loss_scaler=scaler_state(part.get("loss_scaler")),
+                    partition_count=count[0] if isinstance(count, (list, tuple)) else count)
     if group_numels is None:
         raise ValueError("a DeepSpeed-written ZeRO checkpoint needs the model file's param_shapes to know its "
                          "parameter groups; mp_rank_00_model_states.pt has none")
@@ -92,4 +95,27 @@ def normalize_mixed_state(saved: dict) -> dict:
         if key in saved:
             scaler[key] = saved[key]
     out["loss_scaler"] = scaler
+    return out
+
+
+def with_deepspeed_fields(part: dict, *, stage: int, scaler: Any, plans: Sequence[PartitionPlan],
+                          names: Sequence[Sequence[str]], rank: int) -> dict:
+    """One rank's ZeRO-1/2 `optimizer_state_dict` (deepspeed_c's, in DeepSpeed's flat layout) with the
+    fields DeepSpeed 0.19.8's loader and tools read, in the types DeepSpeed writes them: the loss
+    scaler as a LossScaler/DynamicLossScaler object (its loader calls it), the stage as ZeroStageEnum,
+    per-group partition counts, the group padding this rank holds, per-parameter alignment paddings
+    (none: deepspeed_c has no parameter_alignment) and param_slice_mappings (universal checkpoints).
+    The partitions stay padded (DeepSpeed trims its own and pads them back on load)."""
+    out = dict(part)
+    out["loss_scaler"] = ds_pickle.loss_scaler_record(scaler)
+    out["zero_stage"] = ds_pickle.zero_stage_record(stage)
+    out["partition_count"] = [plan.world_size for plan in plans]
+    paddings, slices = [], []
+    for plan in plans:
+        size, total = plan.ds_partition_size, sum(plan.numels)
+        paddings.append(max(0, min(size, (rank + 1) * size - total)))
+        slices.append([(param, lstart, length) for param, _, _, lstart, length, _ in plan.slices("deepspeed", rank)])
+    out["group_paddings"] = paddings
+    out["param_alignment_paddings"] = [[0] * len(plan.numels) for plan in plans]
+    out["param_slice_mappings"] = ds_pickle.param_slice_mappings(names, slices)
     return out

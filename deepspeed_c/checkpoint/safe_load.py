@@ -16,10 +16,18 @@ import torch
 
 
 class LossScalerStandIn:
-    """What a DeepSpeed LossScaler/DynamicLossScaler object becomes on load: its attributes only."""
+    """What a DeepSpeed LossScaler object becomes on load: its attributes only. deepspeed_c writes its
+    ZeRO files' loss scaler as one of these too, pickled under DeepSpeed's class name (checkpoint.ds_pickle),
+    so DeepSpeed's unpickler builds its own LossScaler from the same attributes."""
 
     cur_scale: float = 1.0
     dynamic: bool = False
+
+    def __init__(self, **attrs: Any) -> None:
+        vars(self).update(attrs)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and vars(other) == vars(self)
 
     def state_dict(self) -> dict[str, Any]:
         return {k: v for k, v in vars(self).items() if isinstance(v, (int, float, bool, str, type(None)))}
@@ -27,6 +35,12 @@ class LossScalerStandIn:
     @property
     def loss_scale(self) -> float:
         return self.cur_scale
+
+
+class DynamicLossScalerStandIn(LossScalerStandIn):
+    """DeepSpeed's DynamicLossScaler (fp16 with dynamic loss scaling), attributes only."""
+
+    dynamic: bool = True
 
 
 class ZeroStageStandIn(enum.IntEnum):
@@ -43,9 +57,10 @@ class FragmentAddressStandIn:
     start: int
 
 
+# one stand-in per DeepSpeed name, so the table also tells ds_pickle which name each stand-in is written as
 DEEPSPEED_GLOBALS: list[tuple[Any, str]] = [
     (LossScalerStandIn, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
-    (LossScalerStandIn, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
+    (DynamicLossScalerStandIn, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
     (ZeroStageStandIn, "deepspeed.runtime.zero.config.ZeroStageEnum"),
     (FragmentAddressStandIn, "deepspeed.utils.tensor_fragment.fragment_address"),
 ]

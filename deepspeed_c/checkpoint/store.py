@@ -6,6 +6,7 @@ file) is written; `latest` is replaced last. A crash at any point therefore leav
 checkpoint and `latest` untouched. Imports only torch and the standard library (no runtime/)."""
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import os
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 
-from deepspeed_c.checkpoint import safe_load
+from deepspeed_c.checkpoint import ds_pickle, safe_load
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "dsc_manifest.json"
@@ -30,6 +31,10 @@ class CheckpointIntegrityError(RuntimeError):
 def check_plain(obj: Any, where: str = "state") -> None:
     """Only tensors, dicts, lists/tuples, strings and numbers go into a pickle (loaded weights_only)."""
     if isinstance(obj, torch.Tensor) or isinstance(obj, _SCALARS):
+        return
+    if isinstance(obj, ds_pickle.STAND_IN_TYPES):  # DeepSpeed's own objects, allow-listed on load
+        if not isinstance(obj, enum.Enum):  # an enum member pickles as its value
+            check_plain(dict(vars(obj)), where)
         return
     if isinstance(obj, dict):
         for k, v in obj.items():
@@ -109,8 +114,10 @@ def torch_save_atomic(obj: Any, path: str) -> None:
 def save_file(obj: dict, path: str) -> dict[str, Any]:
     """torch.save `obj` to `path` (fsynced) and return its manifest entry."""
     check_plain(obj, os.path.basename(path))
+    # DeepSpeed's objects need the pickler that writes them under DeepSpeed's names (slower: only then)
+    pickler = {"pickle_module": ds_pickle} if ds_pickle.contains_stand_ins(obj) else {}
     with open(path, "wb") as f:
-        torch.save(obj, f)
+        torch.save(obj, f, **pickler)
         f.flush()
         os.fsync(f.fileno())
     return {"size": os.path.getsize(path), "sha256": _file_sha(path), "tensors": tensor_entries(obj)}

@@ -70,7 +70,7 @@ class EngineCheckpointer:
         my_files: dict[str, dict] = {}
         if zero:  # the layout conversion is collective: outside the rank-local step
             name = zero_file(engine, engine.optimizer.rank)
-            state = {"optimizer_state_dict": to_deepspeed_layout(engine.optimizer),
+            state = {"optimizer_state_dict": self._zero_state(engine),
                      "ds_config": engine._config._param_dict, "ds_version": DEEPSPEED_API_VERSION}
         with rank_local_step("save_checkpoint (writing this rank's files)", distributed=_dist()):
             if zero:
@@ -84,6 +84,14 @@ class EngineCheckpointer:
                 store.commit(save_dir, tag, files, save_latest)
                 self._copy_recovery_script(save_dir)
         return True
+
+    def _zero_state(self, engine: Any) -> dict:
+        """This rank's ZeRO optimizer state in DeepSpeed's flat layout and field types (collective)."""
+        opt = engine.optimizer
+        names = _param_names(engine.module)
+        return deepspeed_format.with_deepspeed_fields(
+            to_deepspeed_layout(opt), stage=opt.stage, scaler=opt.loss_scaler, plans=opt.partition_plans,
+            names=[[names[id(p)] for p in params] for params in opt.bit16_groups], rank=opt.rank)
 
     def _validate_tag(self, engine: Any, tag: str) -> None:
         if not _dist() or not engine.checkpoint_tag_validation_enabled():
@@ -113,6 +121,9 @@ class EngineCheckpointer:
         return out
 
     def _model_state(self, engine: Any, client_state: dict, exclude_frozen: bool, zero: bool) -> dict:
+        """The model-states file as DeepSpeed 0.19.8's engine writes it (_save_checkpoint), key for key.
+        One addition: `param_shapes` at stage 0 too (DeepSpeed writes None there and ignores the key on
+        load), so zero_to_fp32 can name a stage-0 checkpoint's fp32 masters."""
         module = engine.module
         names = _param_names(module)
         sd = engine.module_state_dict(exclude_frozen_parameters=exclude_frozen)
@@ -129,7 +140,40 @@ class EngineCheckpointer:
         if engine.optimizer is not None and not any(param_shapes):
             # Optimizer groups hold fp32 masters (mixed precision): name them through the module.
             param_shapes = [OrderedDict((n, p.shape) for n, p in module.named_parameters() if p.requires_grad)]
-        frozen = OrderedDict((n, p.shape) for n, p in module.named_parameters() if not p.requires_grad)
+        # DeepSpeed writes the parameters its optimizer does not own (frozen ones) whole into the model
+        # file at the stages that partition gradients, unless they are excluded
+        stage = int(engine.zero_optimization_stage())
+        save_frozen = zero and stage >= 2 and not exclude_frozen
+        owned = {id(p) for group in groups for p in group["params"]}
+        frozen = [(n, p) for n, p in module.named_parameters() if id(p) not in owned]
+        persistent = set(sd)
+        state = {
+            "module": {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in sd.items()},
+            "buffer_names": [n for n, _ in module.named_buffers() if n in persistent],
+            "optimizer": (engine.optimizer.state_dict() if engine.optimizer is not None and not zero else None),
+            "param_shapes": param_shapes,
+            "frozen_param_shapes": OrderedDict((n, p.shape) for n, p in frozen) if save_frozen else None,
+            "shared_params": self._shared_params(module) if zero else None,
+            "frozen_param_fragments": (OrderedDict((n, p.detach().cpu().clone()) for n, p in frozen)
+                                       if save_frozen else None),
+            "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+            "data_sampler": None,
+            "random_ltd": None,
+            "skipped_steps": engine.skipped_steps,
+            "global_steps": engine.global_steps,
+            "global_samples": engine.global_samples,
+            "dp_world_size": engine.dp_world_size,
+            "mp_world_size": 1,
+            "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+            "ds_config": engine._config._param_dict,
+            "ds_version": DEEPSPEED_API_VERSION,
+        }
+        state.update(client_state)
+        return state
+
+    @staticmethod
+    def _shared_params(module: torch.nn.Module) -> dict[str, str]:
+        """name -> the name of the parameter it is the same tensor as (first occurrence)."""
         shared: dict[str, str] = {}
         first: dict[int, str] = {}
         for n, p in module.named_parameters(remove_duplicate=False):
@@ -137,26 +181,7 @@ class EngineCheckpointer:
                 shared[n] = first[id(p)]
             else:
                 first[id(p)] = n
-        persistent = set(sd)
-        state = {
-            "module": {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in sd.items()},
-            "buffer_names": [n for n, _ in module.named_buffers() if n in persistent],
-            "optimizer": (engine.optimizer.state_dict() if engine.optimizer is not None and not zero else None),
-            "param_shapes": param_shapes,
-            "frozen_param_shapes": frozen if exclude_frozen else None,
-            "shared_params": shared,
-            "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-            "sparse_tensor_module_names": [],
-            "skipped_steps": engine.skipped_steps,
-            "global_steps": engine.global_steps,
-            "global_samples": engine.global_samples,
-            "dp_world_size": engine.dp_world_size,
-            "mp_world_size": 1,
-            "ds_config": engine._config._param_dict,
-            "ds_version": DEEPSPEED_API_VERSION,
-        }
-        state.update(client_state)
-        return state
+        return shared
 
     def _copy_recovery_script(self, save_dir: str) -> None:
         """zero_to_fp32.py into the top-level checkpoint directory, where DeepSpeed puts it (users run

@@ -65,6 +65,7 @@ class MixedPrecisionOptimizer(EngineOptimizer):
         self.clip_grad = clip_grad
         self.check_overflow = check_overflow
         self.overflow = False
+        self.cur_iter = 0  # steps taken or skipped (DeepSpeed's FP16 optimizers checkpoint it)
         self._global_grad_norm: Optional[float] = None
         self.lp_groups: list[list[torch.nn.Parameter]] = []
         self.fp32_groups: list[list[torch.nn.Parameter]] = []
@@ -208,6 +209,7 @@ class MixedPrecisionOptimizer(EngineOptimizer):
             outcome = self._decide(float(global_norm(master_grads)) if master_grads else 0.0, apply_coef=apply_coef)
         self.overflow = outcome.skipped
         self._global_grad_norm = outcome.grad_norm
+        self.cur_iter += 1
         if outcome.skipped:
             self.zero_grad(set_to_none=True)
             return True
@@ -263,20 +265,31 @@ class MixedPrecisionOptimizer(EngineOptimizer):
         torch._foreach_copy_([p.data for p in self._lp_flat], [m.data for m in self._master_flat])
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        """DeepSpeed's FP16_UnfusedOptimizer fields (dynamic_loss_scale, cur_scale, cur_iter, and with
+        dynamic scaling last_overflow_iter/scale_factor/scale_window; optimizer_state_dict; fp32_groups),
+        which DeepSpeed's stage-0 fp16/bf16 loader reads, plus deepspeed_c's loss_scaler/overflow/clip_grad."""
+        out = {
+            "dynamic_loss_scale": self.dynamic_loss_scale,
+            "cur_scale": self.loss_scaler.cur_scale,
+            "cur_iter": self.cur_iter,
+        }
+        if self.dynamic_loss_scale:
+            out.update(last_overflow_iter=self.loss_scaler.last_overflow_iter,
+                       scale_factor=self.loss_scaler.scale_factor, scale_window=self.loss_scaler.scale_window)
+        out.update({
             "optimizer_state_dict": self.optimizer.state_dict(),
             "fp32_groups": [[m.detach().clone() for m in g] for g in self.fp32_groups],
             "loss_scaler": self.loss_scaler.state_dict(),
-            "dynamic_loss_scale": self.dynamic_loss_scale,
-            "cur_scale": self.loss_scaler.cur_scale,
             "overflow": self.overflow,
             "clip_grad": self.clip_grad,
-        }
+        })
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any], load_optimizer_states: bool = True) -> None:
         if load_optimizer_states:
             self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
         self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+        self.cur_iter = int(state_dict.get("cur_iter", self.cur_iter))
         self.overflow = state_dict.get("overflow", False)
         self.clip_grad = state_dict.get("clip_grad", self.clip_grad)
         with torch.no_grad():

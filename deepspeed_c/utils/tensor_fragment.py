@@ -2,14 +2,17 @@
 and optimizer states, whole (`safe_get_full_*` / `safe_set_full_*`) or just the elements this rank
 owns (`safe_get_local_*` / `safe_set_local_*`), by DeepSpeed's names.
 
-The `full` getters are collectives (every data-parallel rank must call them, in the same order);
-the setters and the `local` functions are not. A parameter that ZeRO does not partition (stage 0, a
+The `full` getters are collectives (every data-parallel rank must call them, in the same order) that
+move only the parameter's own elements (each rank its slices of it), so walking a whole model costs
+O(model) communication, not O(parameters x model); the setters and the `local` functions are not
+collectives. A parameter that ZeRO does not partition (stage 0, a
 frozen parameter) has no such state: the getters return None, as DeepSpeed's do.
 
 Gradients exist from the end of the backward of an accumulation boundary until the step, averaged
 over ranks (fp16: still multiplied by the loss scale)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -17,7 +20,15 @@ import torch
 __all__ = ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
            "safe_set_full_fp32_param", "safe_set_full_optimizer_state", "safe_set_full_grad",
            "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
-           "safe_set_local_fp32_param", "safe_set_local_optimizer_state", "safe_set_local_grad"]
+           "safe_set_local_fp32_param", "safe_set_local_optimizer_state", "safe_set_local_grad", "fragment_address"]
+
+
+@dataclass
+class fragment_address:  # noqa: N801 (DeepSpeed's name; its ZeRO checkpoints pickle it under this path)
+    """Where a parameter's elements sit in a rank's flat partition: `numel` of them from `start`."""
+
+    numel: int
+    start: int
 
 
 def _owner(param: torch.nn.Parameter) -> Optional[tuple[Any, int, int]]:
@@ -50,6 +61,43 @@ def _state_partition(opt: Any, g: int, key: str) -> torch.Tensor:
     return state[key]
 
 
+def _gather_param(opt: Any, g: int, i: int, part: torch.Tensor, numel: int, device: torch.device) -> torch.Tensor:
+    """Param i of group g, whole in fp32, from every rank's slices of it in `part` (this rank's
+    partition-shaped tensor). Each rank hands the collective only its own elements of this parameter
+    (padded to the largest rank's count): O(param numel) moved, not the group's partition."""
+    rows = opt.partition_plans[g].runtime_slices
+    rows = rows[rows[:, 0] == i]  # columns: param, rank, param_start, local_start, length, bucket
+    world = opt.world_size
+    out = torch.empty(numel, dtype=torch.float32, device=device)
+    local = part.detach()
+    if world == 1:
+        for _, _, pstart, lstart, n, _ in rows.tolist():
+            out[pstart:pstart + n].copy_(local[lstart:lstart + n])
+        return out
+    import deepspeed_c.comm as dist
+
+    counts = torch.zeros(world, dtype=torch.int64).index_add_(0, rows[:, 1], rows[:, 4])
+    width = max(int(counts.max()), 1)
+    dev = dist.collective_device(opt.dp_process_group)
+    send = torch.zeros(width, dtype=torch.float32, device=dev)
+    by_rank: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
+    for _, r, pstart, lstart, n, _ in rows.tolist():
+        by_rank[r].append((pstart, lstart, n))
+    pos = 0
+    for _, lstart, n in by_rank[opt.rank]:
+        send[pos:pos + n].copy_(local[lstart:lstart + n])
+        pos += n
+    recv = torch.empty(width * world, dtype=torch.float32, device=dev)
+    dist.all_gather_into_tensor(recv, send, group=opt.dp_process_group)
+    recv = recv.to(device)
+    for r, pieces in enumerate(by_rank):
+        pos = r * width
+        for pstart, _, n in pieces:
+            out[pstart:pstart + n].copy_(recv[pos:pos + n])
+            pos += n
+    return out
+
+
 def _full(param: torch.nn.Parameter, which: str, key: Optional[str] = None) -> Optional[torch.Tensor]:
     found = _owner(param)
     if found is None:
@@ -63,8 +111,7 @@ def _full(param: torch.nn.Parameter, which: str, key: Optional[str] = None) -> O
             return None
     else:
         part = _state_partition(opt, g, key or "")
-    flat = opt.gather_partition(g, part.detach().float())[i]
-    return flat.view(param.shape)
+    return _gather_param(opt, g, i, part, param.numel(), param.device).view(param.shape)
 
 
 def _write_full(param: torch.nn.Parameter, value: torch.Tensor, target: torch.Tensor, opt: Any, g: int,
@@ -118,6 +165,15 @@ def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor
 
 
 def safe_set_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Writes `param.grad` when the parameter holds one (stage 0, ZeRO-1 between reductions or inside
+    no_sync), as DeepSpeed does; otherwise this rank's part of ZeRO's reduced gradient partition."""
+    if param.grad is not None:
+        if value.numel() != param.numel():
+            raise ValueError(f"value has {value.numel()} elements; the parameter has {param.numel()} "
+                             f"(shape {tuple(param.shape)})")
+        with torch.no_grad():
+            param.grad.copy_(value.detach().reshape(param.grad.shape))
+        return
     opt, g, i = _require(param)
     _write_full(param, value, _grad_partition(opt, g, create=True), opt, g, i)
 

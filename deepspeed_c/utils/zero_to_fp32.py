@@ -14,6 +14,7 @@ concatenated over ranks they are the group's parameters in param_shapes order, p
 from __future__ import annotations
 
 import argparse
+import enum
 import glob
 import json
 import os
@@ -26,8 +27,28 @@ import torch
 MODEL_FILE = "mp_rank_00_model_states.pt"
 
 
+class _Attrs:
+    """Stands in for the objects DeepSpeed (and deepspeed_c, for DeepSpeed's sake) pickle into ZeRO files:
+    the loss scaler and fragment_address records; only their attributes are kept."""
+
+
+class _ZeroStage(enum.IntEnum):
+    disabled = 0
+    optimizer_states = 1
+    gradients = 2
+    weights = 3
+
+
+# weights_only loading with exactly these of DeepSpeed's globals allowed (nothing they name is run)
+_DEEPSPEED_GLOBALS = [(_Attrs, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
+                      (_Attrs, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
+                      (_ZeroStage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
+                      (_Attrs, "deepspeed.utils.tensor_fragment.fragment_address")]
+
+
 def _load(path: str) -> Any:
-    return torch.load(path, map_location="cpu", weights_only=True)
+    with torch.serialization.safe_globals(_DEEPSPEED_GLOBALS):
+        return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def _tag_dir(checkpoint_dir: str, tag: str | None) -> str:

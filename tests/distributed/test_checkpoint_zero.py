@@ -48,7 +48,9 @@ def consolidated_moments(ckpt: str) -> dict[str, torch.Tensor]:
     tag = open(os.path.join(ckpt, "latest")).read()
     files = sorted(glob.glob(os.path.join(ckpt, tag, "zero_pp_rank_*_optim_states.pt")),
                    key=lambda f: int(re.search(r"rank_(\d+)_", f).group(1)))
-    parts = [torch.load(f, weights_only=True, map_location="cpu")["optimizer_state_dict"] for f in files]
+    from deepspeed_c.checkpoint import safe_load  # the files hold DeepSpeed's pickled loss scaler and stage
+
+    parts = [safe_load.load(f)["optimizer_state_dict"] for f in files]
     numel = sum(parts[0]["group_numels"][0])
     out = {}
     for key in ("exp_avg", "exp_avg_sq"):

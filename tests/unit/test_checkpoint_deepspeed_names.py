@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import deepspeed_c
+from deepspeed_c.checkpoint import safe_load
 from tests.distributed.engine_models import MLP
 
 CFG = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "gradient_clipping": 0.0,
@@ -37,7 +38,8 @@ def test_bf16_stage2_names_and_ds_version(tmp_path):
     e.save_checkpoint(str(tmp_path), tag="t")
     name = "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
     assert os.path.isfile(tmp_path / "t" / name)
-    sd = torch.load(tmp_path / "t" / name, weights_only=False)
+    # holds DeepSpeed's pickled objects (loss scaler, stage enum): loaded as DeepSpeed's own files are
+    sd = safe_load.load(str(tmp_path / "t" / name))
     assert sd["optimizer_state_dict"]["ds_version"] == "0.19.8"
     # the other name (no prefix) loads too, as DeepSpeed's loader tries both
     os.rename(tmp_path / "t" / name, tmp_path / "t" / name.removeprefix("bf16_"))

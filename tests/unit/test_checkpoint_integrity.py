@@ -67,9 +67,11 @@ def test_resume_is_bit_exact_and_layout_is_deepspeeds(tmp_path, dtype):
     tag_dir = tmp_path / "global_step6"
     assert (tmp_path / "latest").read_text() == "global_step6"
     sd = torch.load(tag_dir / "mp_rank_00_model_states.pt", weights_only=True)
+    # DeepSpeed 0.19.8's _common_checkpoint_state keys, then the client's
     for key in ("module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-                "lr_scheduler", "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples",
-                "dp_world_size", "mp_world_size", "ds_config", "ds_version", "epoch", "note"):
+                "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "skipped_steps",
+                "global_steps", "global_samples", "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions",
+                "ds_config", "ds_version", "epoch", "note"):
         assert key in sd, key
     assert sd["global_steps"] == 6 and sd["global_samples"] == 24 and sd["dp_world_size"] == 1
     assert list(sd["param_shapes"][0]) == [n for n, _ in first.module.named_parameters()]
