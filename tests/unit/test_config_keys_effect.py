@@ -145,3 +145,14 @@ def test_use_node_local_storage_is_built_and_no_longer_warns(caplog):
         engine = _init(dict(BASE, checkpoint={"use_node_local_storage": True}))
     assert engine.use_node_local_storage() is True
     assert not any("use_node_local_storage" in r.getMessage() for r in caplog.records)
+
+
+def test_use_node_local_storage_on_one_rank_saves_and_resumes(tmp_path):
+    cfg = dict(BASE, zero_optimization={"stage": 2}, checkpoint={"use_node_local_storage": True})
+    a = _init(cfg)
+    _train(a, 2)
+    a.save_checkpoint(str(tmp_path))
+    want = _train(a, 2)
+    b = _init(cfg)
+    b.load_checkpoint(str(tmp_path))
+    assert _train(b, 2) == want
