@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_c.checkpoint import deepspeed_format, store
+from deepspeed_c.runtime import checkpoint_nodes as nodes
 from deepspeed_c.runtime.collective_guard import check_dir_arg, rank_local_step
 from deepspeed_c.runtime.checkpoint_zero import from_deepspeed_layout, to_deepspeed_layout
 from deepspeed_c.utils.logging import logger
@@ -32,10 +33,6 @@ def zero_file(engine: Any, dp_rank: int) -> str:
 
 def _dist() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _dist() else 0
 
 
 def _param_names(module: torch.nn.Module) -> dict[int, str]:
@@ -61,10 +58,11 @@ class EngineCheckpointer:
             raise ValueError(f"save_checkpoint: client_state keys {clash} collide with DeepSpeed's own keys")
         store.check_plain(client_state, "client_state")
         self._validate_tag(engine, tag)
-        rank = _rank()
+        # the writer of this rank's directory: global rank 0, or its node's local rank 0 (node-local storage)
+        scope = nodes.save_scope(engine, save_dir)
         zero = getattr(engine.optimizer, "is_zero_optimizer", False)
         with rank_local_step("save_checkpoint (creating the checkpoint directory)", distributed=_dist()):
-            if rank == 0:
+            if scope.writer:
                 store.begin(save_dir, tag)
         stage = store.staging_dir(save_dir, tag)
         my_files: dict[str, dict] = {}
@@ -75,12 +73,12 @@ class EngineCheckpointer:
         with rank_local_step("save_checkpoint (writing this rank's files)", distributed=_dist()):
             if zero:
                 my_files[name] = store.save_file(state, os.path.join(stage, name))
-            if rank == 0:
+            if scope.writer:
                 model_state = self._model_state(engine, client_state, exclude_frozen_parameters, zero)
                 my_files[MODEL_FILE] = store.save_file(model_state, os.path.join(stage, MODEL_FILE))
-        files = self._gather_files(my_files)
+        files = self._gather_files(my_files, scope.members)
         with rank_local_step("save_checkpoint (committing the checkpoint)", distributed=_dist()):
-            if rank == 0:
+            if scope.writer:
                 store.commit(save_dir, tag, files, save_latest)
                 self._copy_recovery_script(save_dir)
         return True
@@ -110,14 +108,15 @@ class EngineCheckpointer:
                 raise AssertionError(msg)  # DeepSpeed asserts here
             logger.warning(msg)
 
-    def _gather_files(self, mine: dict[str, dict]) -> dict[str, dict]:
+    def _gather_files(self, mine: dict[str, dict], members: tuple[int, ...]) -> dict[str, dict]:
+        """The manifest entries of the files in this rank's directory (those of `members`)."""
         if not _dist():
             return mine
         parts: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(parts, mine)
         out: dict[str, dict] = {}
-        for part in parts:
-            out.update(part)
+        for rank in members:
+            out.update(parts[rank])
         return out
 
     def _model_state(self, engine: Any, client_state: dict, exclude_frozen: bool, zero: bool) -> dict:
@@ -200,23 +199,18 @@ class EngineCheckpointer:
             raise TypeError(f"load_checkpoint: custom_load_fn must be callable, got {type(custom_load_fn).__name__}")
         if tag is None:
             tag = store.read_latest(load_dir)
+            if nodes.node_local_enabled(engine):  # each node read its own `latest`
+                tag = nodes.agree_on_latest(tag, load_dir)
             if tag is None:
                 logger.warning(f"Unable to find latest file at {os.path.join(load_dir, store.LATEST_NAME)} "
                                f"(directory holds: {store.listing(load_dir)}); pass an explicit tag or save a "
                                "checkpoint with save_latest=True")
                 return None, None
         tag = str(tag)
-        tag_dir = os.path.join(load_dir, tag)
-        previous = os.path.join(load_dir, f".{tag}.old")
-        if not os.path.isdir(tag_dir) and os.path.isdir(previous):
-            # A re-save of this tag was interrupted between its two renames: the old copy is whole.
-            logger.warning(f"checkpoint {tag_dir} is missing; loading the previous copy {previous}")
-            tag_dir = previous
-        if not os.path.isdir(tag_dir):
-            raise FileNotFoundError(f"load_checkpoint: checkpoint tag {tag!r} not found in {load_dir} "
-                                    f"(directory holds: {store.listing(load_dir)})")
-        manifest = store.read_manifest(tag_dir)
-        state = store.load_file(tag_dir, MODEL_FILE, manifest)
+        # node-local: a node lacking the tag must fail every rank, not leave the others in a collective
+        with rank_local_step("load_checkpoint (reading this node's checkpoint)",
+                             distributed=nodes.node_local_enabled(engine)):
+            tag_dir, manifest, state = self._open_tag(load_dir, tag)
         self._load_module(engine, state["module"], load_module_strict, custom_load_fn)
         if not load_module_only:
             self._load_optimizer(engine, state, tag_dir, manifest, load_optimizer_states)
@@ -229,6 +223,21 @@ class EngineCheckpointer:
             self._refresh_masters(engine)
         client = {k: v for k, v in state.items() if k not in DS_KEYS}
         return os.path.join(tag_dir, MODEL_FILE), client
+
+    def _open_tag(self, load_dir: str, tag: str) -> tuple[str, Any, dict]:
+        """The tag's directory, its manifest and its model-states file."""
+        tag_dir = os.path.join(load_dir, tag)
+        previous = os.path.join(load_dir, f".{tag}.old")
+        if not os.path.isdir(tag_dir) and os.path.isdir(previous):
+            # A re-save of this tag was interrupted between its two renames: the old copy is whole.
+            logger.warning(f"checkpoint {tag_dir} is missing; loading the previous copy {previous}")
+            tag_dir = previous
+        if not os.path.isdir(tag_dir):
+            raise FileNotFoundError(f"load_checkpoint: checkpoint tag {tag!r} not found in {load_dir} "
+                                    f"(directory holds: {store.listing(load_dir)})")
+        manifest = store.read_manifest(tag_dir)
+        state = store.load_file(tag_dir, MODEL_FILE, manifest)
+        return tag_dir, manifest, state
 
     def _load_module(self, engine: Any, saved: dict, strict: bool, custom_load_fn: Optional[Callable]) -> None:
         if custom_load_fn is not None:
@@ -257,6 +266,9 @@ class EngineCheckpointer:
         opt = engine.optimizer
         if opt is None:
             return
+        if getattr(opt, "is_zero_optimizer", False) and nodes.node_local_enabled(engine):
+            self._load_zero_node_local(engine, state, tag_dir, manifest, load_states)
+            return
         if getattr(opt, "is_zero_optimizer", False):
             saved_world = state.get("dp_world_size") or 1
             bf16 = engine.precision.bf16.enabled
@@ -280,6 +292,30 @@ class EngineCheckpointer:
                 self._refresh_masters(engine)
         elif load_states:
             opt.load_state_dict(saved)
+
+    def _load_zero_node_local(self, engine: Any, state: dict, tag_dir: str, manifest: Any, load_states: bool) -> None:
+        """ZeRO state when each node holds only its own ranks' files: a rank reads the files
+        `zero_ranks_this_rank_reads` names and gets the other partitions from their owners."""
+        opt = engine.optimizer
+        saved_world = state.get("dp_world_size") or 1
+        if saved_world != engine.dp_world_size:
+            raise RuntimeError(f"load_checkpoint: checkpoint.use_node_local_storage: the checkpoint in {tag_dir} was "
+                               f"saved by {saved_world} data-parallel ranks and {engine.dp_world_size} load it; each node "
+                               "holds only its own ranks' ZeRO files, so resharding needs them all: copy every node's "
+                               "files into one directory and load with use_node_local_storage off")
+        bf16 = engine.precision.bf16.enabled
+        numels = deepspeed_format.group_numels_from_shapes(state.get("param_shapes"))
+        mine: dict[int, Any] = {}
+        with rank_local_step("load_checkpoint (reading this rank's ZeRO file)"):
+            for r in nodes.zero_ranks_this_rank_reads(engine, saved_world):
+                name = deepspeed_format.find_zero_file(tag_dir, r, bf16)
+                mine[r] = deepspeed_format.normalize_zero_state(store.load_file(tag_dir, name, manifest)
+                                                                ["optimizer_state_dict"], numels, saved_world)
+        parts = nodes.exchange_zero_parts(mine, saved_world)
+        if any(p.get("layout") != "deepspeed" for p in parts):
+            raise RuntimeError(f"load_checkpoint: ZeRO files in {tag_dir} are not in DeepSpeed's flat layout")
+        opt.load_state_dict(from_deepspeed_layout(opt, parts), load_optimizer_states=load_states,
+                            load_from_fp32_weights=bool(engine._config.zero_config.load_from_fp32_weights))
 
     def _refresh_masters(self, engine: Any) -> None:
         """Masters follow the loaded model weights when optimizer state is not loaded."""

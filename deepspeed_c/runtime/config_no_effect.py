@@ -4,7 +4,8 @@
 than its default; the README's table lists the same entries. Keys whose behaviour is built are not
 here: zero_optimization.overlap_comm=false (stage 2 awaits each bucket's reduction),
 load_from_fp32_weights=false, ignore_unused_parameters=false, cpu_offload_use_pin_memory,
-offload_optimizer.cpuadam_cores_perc (threads of the host optimizer)."""
+offload_optimizer.cpuadam_cores_perc (threads of the host optimizer),
+checkpoint.use_node_local_storage (runtime/checkpoint_nodes.py)."""
 from __future__ import annotations
 
 from typing import Any, Iterable, NamedTuple
@@ -33,8 +34,6 @@ NO_EFFECT: tuple[NoEffect, ...] = (
     NoEffect(("graph_harvesting",), False, "CUDA-graph capture of the optimizer step is not built"),
     NoEffect(("dump_state",), False, "the engine state is not printed at initialize"),
     NoEffect(("disable_allgather",), False, "ZeRO 1/2 always all-gathers the updated weights"),
-    NoEffect(("checkpoint", "use_node_local_storage"), False,
-             "every rank writes its own files into save_dir, which must be a shared filesystem for multi-node"),
     NoEffect(("checkpoint", "writer"), None, "checkpoints are written by deepspeed_c's crash-safe store"),
     NoEffect(("checkpoint", "checkpoint_serialization"), True, "files are written with torch.save's zip format"),
     NoEffect(("activation_checkpointing", "partition_activations"), False,

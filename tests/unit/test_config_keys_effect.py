@@ -133,3 +133,26 @@ def test_cpuadam_cores_perc_sets_the_host_optimizer_threads():
         assert e.optimizer.optimizer.ds_opt_op.num_threads() == max(1, int(cores * 0.5))
     finally:
         e.optimizer.optimizer.ds_opt_op.num_threads(cores)
+
+
+def test_use_node_local_storage_is_built_and_no_longer_warns(caplog):
+    """checkpoint.use_node_local_storage is honoured (tests/distributed/test_checkpoint_node_local.py)."""
+    path = ("checkpoint", "use_node_local_storage")
+    assert path not in {e.path for e in config_no_effect.NO_EFFECT}
+    config_no_effect._WARNED.discard(path)
+    with caplog.at_level(logging.WARNING):
+        assert config_no_effect.warn_keys_without_effect({"checkpoint": {"use_node_local_storage": True}}) == []
+        engine = _init(dict(BASE, checkpoint={"use_node_local_storage": True}))
+    assert engine.use_node_local_storage() is True
+    assert not any("use_node_local_storage" in r.getMessage() for r in caplog.records)
+
+
+def test_use_node_local_storage_on_one_rank_saves_and_resumes(tmp_path):
+    cfg = dict(BASE, zero_optimization={"stage": 2}, checkpoint={"use_node_local_storage": True})
+    a = _init(cfg)
+    _train(a, 2)
+    a.save_checkpoint(str(tmp_path))
+    want = _train(a, 2)
+    b = _init(cfg)
+    b.load_checkpoint(str(tmp_path))
+    assert _train(b, 2) == want
