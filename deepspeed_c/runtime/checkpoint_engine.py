@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from deepspeed_c.checkpoint import deepspeed_format, store
 from deepspeed_c.runtime.collective_guard import check_dir_arg, rank_local_step
-from deepspeed_c.runtime.checkpoint_zero import from_deepspeed_layout, to_deepspeed_layout
+from deepspeed_c.runtime.checkpoint_zero import load_zero_checkpoint, to_deepspeed_layout
 from deepspeed_c.utils.logging import logger
 from deepspeed_c.version import DEEPSPEED_API_VERSION
 
@@ -233,16 +233,8 @@ class EngineCheckpointer:
         if opt is None:
             return
         if getattr(opt, "is_zero_optimizer", False):
-            saved_world = state.get("dp_world_size") or 1
-            bf16 = engine.precision.bf16.enabled
-            files = [deepspeed_format.find_zero_file(tag_dir, r, bf16) for r in range(saved_world)]
-            numels = deepspeed_format.group_numels_from_shapes(state.get("param_shapes"))
-            parts = [deepspeed_format.normalize_zero_state(store.load_file(tag_dir, f, manifest)["optimizer_state_dict"],
-                                                           numels, saved_world) for f in files]
-            if any(p.get("layout") != "deepspeed" for p in parts):
-                raise RuntimeError(f"load_checkpoint: ZeRO files in {tag_dir} are not in DeepSpeed's flat layout")
-            opt.load_state_dict(from_deepspeed_layout(opt, parts), load_optimizer_states=load_states,
-                                load_from_fp32_weights=bool(engine._config.zero_config.load_from_fp32_weights))
+            load_zero_checkpoint(opt, tag_dir, manifest, state, engine.precision.bf16.enabled, load_states,
+                                 bool(engine._config.zero_config.load_from_fp32_weights))
             return
         saved = state.get("optimizer")
         if saved is None:
