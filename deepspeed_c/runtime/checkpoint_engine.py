@@ -38,6 +38,15 @@ def _rank() -> int:
     return dist.get_rank() if _dist() else 0
 
 
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """`t` for torch.save, copied only when it views part of a larger storage (torch.save writes whole
+    storages): the file is written before training resumes, so the weights need no snapshot copy."""
+    t = t.detach()
+    whole = t.is_contiguous() and t.storage_offset() == 0 and \
+        t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return t if whole else t.clone()
+
+
 def _param_names(module: torch.nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in module.named_parameters(remove_duplicate=True)}
 
@@ -139,7 +148,7 @@ class EngineCheckpointer:
                 first[id(p)] = n
         persistent = set(sd)
         state = {
-            "module": {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in sd.items()},
+            "module": {k: _own_storage(v) if isinstance(v, torch.Tensor) else v for k, v in sd.items()},
             "buffer_names": [n for n, _ in module.named_buffers() if n in persistent],
             "optimizer": (engine.optimizer.state_dict() if engine.optimizer is not None and not zero else None),
             "param_shapes": param_shapes,
