@@ -50,22 +50,27 @@ def check_plain(obj: Any, where: str = "state") -> None:
                     "lists, strings and numbers")
 
 
-def _tensor_bytes(t: torch.Tensor) -> bytes:
+def _tensor_digest(t: torch.Tensor) -> str:
+    # hashed through the buffer protocol: a host tensor is not copied (a checkpoint's partitions can be
+    # most of a rank's memory)
     flat = t.detach().cpu().contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    return hashlib.sha256(flat.view(torch.uint8).numpy() if flat.numel() else b"").hexdigest()
 
 
-def tensor_entries(obj: Any, prefix: str = "") -> dict[str, dict[str, Any]]:
+def tensor_entries(obj: Any, prefix: str = "", digest: bool = True) -> dict[str, dict[str, Any]]:
+    """name -> shape, dtype (and sha256 unless digest=False) of every tensor in `obj`."""
     out: dict[str, dict[str, Any]] = {}
     if isinstance(obj, torch.Tensor):
-        out[prefix or "<root>"] = {"shape": list(obj.shape), "dtype": str(obj.dtype).replace("torch.", ""),
-                                   "sha256": hashlib.sha256(_tensor_bytes(obj)).hexdigest()}
+        entry = {"shape": list(obj.shape), "dtype": str(obj.dtype).replace("torch.", "")}
+        if digest:
+            entry["sha256"] = _tensor_digest(obj)
+        out[prefix or "<root>"] = entry
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            out.update(tensor_entries(v, f"{prefix}.{k}" if prefix else str(k)))
+            out.update(tensor_entries(v, f"{prefix}.{k}" if prefix else str(k), digest))
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
-            out.update(tensor_entries(v, f"{prefix}.{i}" if prefix else str(i)))
+            out.update(tensor_entries(v, f"{prefix}.{i}" if prefix else str(i), digest))
     return out
 
 
@@ -191,8 +196,8 @@ def read_manifest(tag_dir: str) -> dict[str, Any] | None:
     return manifest
 
 
-def load_file(tag_dir: str, name: str, manifest: dict[str, Any] | None) -> dict:
-    """Load one checkpoint file (weights_only) and verify it against the manifest."""
+def _manifest_entry(tag_dir: str, name: str, manifest: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The file's manifest entry (None without a manifest), after checking it exists with its size."""
     path = os.path.join(tag_dir, name)
     entry = None
     if manifest is not None:
@@ -204,26 +209,67 @@ def load_file(tag_dir: str, name: str, manifest: dict[str, Any] | None) -> dict:
     if entry is not None and os.path.getsize(path) != entry["size"]:
         raise CheckpointIntegrityError(f"checkpoint file {path} is truncated or altered: {os.path.getsize(path)} "
                                        f"bytes, manifest says {entry['size']}")
+    return entry
+
+
+def _unpickle(path: str, mmap: bool = False) -> Any:
     try:
-        obj = safe_load.load(path)
+        return safe_load.load(path, mmap=mmap)
     except safe_load.UntrustedPickleError:
         raise
     except Exception as e:  # noqa: BLE001 (any other unpickling failure is corruption here)
         raise CheckpointIntegrityError(f"checkpoint file {path} cannot be read (corrupted?): {e}") from None
+
+
+def load_file(tag_dir: str, name: str, manifest: dict[str, Any] | None) -> dict:
+    """Load one checkpoint file (weights_only) and verify it against the manifest."""
+    path = os.path.join(tag_dir, name)
+    entry = _manifest_entry(tag_dir, name, manifest)
+    obj = _unpickle(path)
     if entry is None:
         return obj
-    got = tensor_entries(obj)
+    _check_tensors(path, entry, tensor_entries(obj))
+    if _file_sha(path) != entry["sha256"]:
+        raise CheckpointIntegrityError(f"checkpoint file {path} is corrupted: sha256 does not match the manifest")
+    return obj
+
+
+def load_file_mapped(tag_dir: str, name: str, manifest: dict[str, Any] | None) -> tuple[dict, bool]:
+    """Like load_file, but the tensors map the file (torch.load mmap=True): only the byte ranges a caller
+    reads are paged in. The file is verified by its sha256, streamed before unpickling, and by the
+    manifest's tensor names, shapes and dtypes; per-tensor digests are computed only to name the damaged
+    tensor when the file's does not match. Returns (obj, mapped); mapped is False when the file's format
+    cannot be mapped (torch's legacy, non-zip format) and it was read whole by load_file."""
+    path = os.path.join(tag_dir, name)
+    entry = _manifest_entry(tag_dir, name, manifest)
+    if entry is not None and _file_sha(path) != entry["sha256"]:
+        load_file(tag_dir, name, manifest)  # raises, naming the damaged tensor where it can
+        raise CheckpointIntegrityError(f"checkpoint file {path} is corrupted: sha256 does not match the manifest")
+    try:
+        with open(path, "rb") as f:
+            zipped = f.read(4) == b"PK\x03\x04"
+    except OSError as e:
+        raise CheckpointIntegrityError(f"checkpoint file {path} cannot be read: {e.strerror}") from None
+    if not zipped:
+        return load_file(tag_dir, name, manifest), False
+    obj = _unpickle(path, mmap=True)
+    if entry is not None:
+        shapes = {k: {f: v[f] for f in ("shape", "dtype")} for k, v in entry["tensors"].items()}
+        _check_tensors(path, {"tensors": shapes}, tensor_entries(obj, digest=False))
+    return obj, True
+
+
+def _check_tensors(path: str, entry: dict[str, Any], got: dict[str, dict[str, Any]]) -> None:
     for tname, want in entry["tensors"].items():
         have = got.get(tname)
         if have is None:
             raise CheckpointIntegrityError(f"checkpoint file {path}: tensor {tname!r} is missing")
         if have != want:
+            def show(e: dict[str, Any]) -> str:
+                return f"{e['dtype']}{e['shape']}" + (f" sha256 {e['sha256'][:12]}" if "sha256" in e else "")
+
             raise CheckpointIntegrityError(f"checkpoint file {path}: tensor {tname!r} does not match the manifest "
-                                           f"(saved {want['dtype']}{want['shape']} sha256 {want['sha256'][:12]}, "
-                                           f"found {have['dtype']}{have['shape']} sha256 {have['sha256'][:12]})")
+                                           f"(saved {show(want)}, found {show(have)})")
     extra = sorted(set(got) - set(entry["tensors"]))
     if extra:
         raise CheckpointIntegrityError(f"checkpoint file {path}: tensors {extra} are not in the manifest")
-    if _file_sha(path) != entry["sha256"]:
-        raise CheckpointIntegrityError(f"checkpoint file {path} is corrupted: sha256 does not match the manifest")
-    return obj

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from deepspeed_c.checkpoint import deepspeed_format, store
 from deepspeed_c.runtime import checkpoint_nodes as nodes
 from deepspeed_c.runtime.collective_guard import check_dir_arg, rank_local_step
-from deepspeed_c.runtime.checkpoint_zero import from_deepspeed_layout, to_deepspeed_layout
+from deepspeed_c.runtime.checkpoint_zero import load_zero_checkpoint, to_deepspeed_layout
 from deepspeed_c.utils.logging import logger
 from deepspeed_c.version import DEEPSPEED_API_VERSION
 
@@ -33,6 +33,15 @@ def zero_file(engine: Any, dp_rank: int) -> str:
 
 def _dist() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """`t` for torch.save, copied only when it views part of a larger storage (torch.save writes whole
+    storages): the file is written before training resumes, so the weights need no snapshot copy."""
+    t = t.detach()
+    whole = t.is_contiguous() and t.storage_offset() == 0 and \
+        t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return t if whole else t.clone()
 
 
 def _param_names(module: torch.nn.Module) -> dict[int, str]:
@@ -147,7 +156,7 @@ class EngineCheckpointer:
         frozen = [(n, p) for n, p in module.named_parameters() if id(p) not in owned]
         persistent = set(sd)
         state = {
-            "module": {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in sd.items()},
+            "module": {k: _own_storage(v) if isinstance(v, torch.Tensor) else v for k, v in sd.items()},
             "buffer_names": [n for n, _ in module.named_buffers() if n in persistent],
             "optimizer": (engine.optimizer.state_dict() if engine.optimizer is not None and not zero else None),
             "param_shapes": param_shapes,
@@ -266,20 +275,17 @@ class EngineCheckpointer:
         opt = engine.optimizer
         if opt is None:
             return
-        if getattr(opt, "is_zero_optimizer", False) and nodes.node_local_enabled(engine):
-            self._load_zero_node_local(engine, state, tag_dir, manifest, load_states)
-            return
         if getattr(opt, "is_zero_optimizer", False):
             saved_world = state.get("dp_world_size") or 1
-            bf16 = engine.precision.bf16.enabled
-            files = [deepspeed_format.find_zero_file(tag_dir, r, bf16) for r in range(saved_world)]
-            numels = deepspeed_format.group_numels_from_shapes(state.get("param_shapes"))
-            parts = [deepspeed_format.normalize_zero_state(store.load_file(tag_dir, f, manifest)["optimizer_state_dict"],
-                                                           numels, saved_world) for f in files]
-            if any(p.get("layout") != "deepspeed" for p in parts):
-                raise RuntimeError(f"load_checkpoint: ZeRO files in {tag_dir} are not in DeepSpeed's flat layout")
-            opt.load_state_dict(from_deepspeed_layout(opt, parts), load_optimizer_states=load_states,
-                                load_from_fp32_weights=bool(engine._config.zero_config.load_from_fp32_weights))
+            if nodes.node_local_enabled(engine) and saved_world != engine.dp_world_size:
+                raise RuntimeError(
+                    f"load_checkpoint: checkpoint.use_node_local_storage: the checkpoint in {tag_dir} was saved by "
+                    f"{saved_world} data-parallel ranks and {engine.dp_world_size} load it; each node holds only its "
+                    "own ranks' ZeRO files, so resharding needs them all: copy every node's files into one directory "
+                    "and load with use_node_local_storage off")
+            # at the saved world size each rank reads only its own ZeRO file (all a node-local checkpoint holds)
+            load_zero_checkpoint(opt, tag_dir, manifest, state, engine.precision.bf16.enabled, load_states,
+                                 bool(engine._config.zero_config.load_from_fp32_weights))
             return
         saved = state.get("optimizer")
         if saved is None:
@@ -292,30 +298,6 @@ class EngineCheckpointer:
                 self._refresh_masters(engine)
         elif load_states:
             opt.load_state_dict(saved)
-
-    def _load_zero_node_local(self, engine: Any, state: dict, tag_dir: str, manifest: Any, load_states: bool) -> None:
-        """ZeRO state when each node holds only its own ranks' files: a rank reads the files
-        `zero_ranks_this_rank_reads` names and gets the other partitions from their owners."""
-        opt = engine.optimizer
-        saved_world = state.get("dp_world_size") or 1
-        if saved_world != engine.dp_world_size:
-            raise RuntimeError(f"load_checkpoint: checkpoint.use_node_local_storage: the checkpoint in {tag_dir} was "
-                               f"saved by {saved_world} data-parallel ranks and {engine.dp_world_size} load it; each node "
-                               "holds only its own ranks' ZeRO files, so resharding needs them all: copy every node's "
-                               "files into one directory and load with use_node_local_storage off")
-        bf16 = engine.precision.bf16.enabled
-        numels = deepspeed_format.group_numels_from_shapes(state.get("param_shapes"))
-        mine: dict[int, Any] = {}
-        with rank_local_step("load_checkpoint (reading this rank's ZeRO file)"):
-            for r in nodes.zero_ranks_this_rank_reads(engine, saved_world):
-                name = deepspeed_format.find_zero_file(tag_dir, r, bf16)
-                mine[r] = deepspeed_format.normalize_zero_state(store.load_file(tag_dir, name, manifest)
-                                                                ["optimizer_state_dict"], numels, saved_world)
-        parts = nodes.exchange_zero_parts(mine, saved_world)
-        if any(p.get("layout") != "deepspeed" for p in parts):
-            raise RuntimeError(f"load_checkpoint: ZeRO files in {tag_dir} are not in DeepSpeed's flat layout")
-        opt.load_state_dict(from_deepspeed_layout(opt, parts), load_optimizer_states=load_states,
-                            load_from_fp32_weights=bool(engine._config.zero_config.load_from_fp32_weights))
 
     def _refresh_masters(self, engine: Any) -> None:
         """Masters follow the loaded model weights when optimizer state is not loaded."""

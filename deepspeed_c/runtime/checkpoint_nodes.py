@@ -124,25 +124,3 @@ def agree_on_latest(tag: Optional[str], load_dir: str) -> Optional[str]:
         raise RuntimeError(f"load_checkpoint: checkpoint.use_node_local_storage: the nodes' {load_dir}/latest name "
                            f"different tags (tag: ranks) {by_tag}; pass the tag to load explicitly")
     return tag
-
-
-def zero_ranks_this_rank_reads(engine: Any, saved_world: int) -> list[int]:
-    """The ranks whose ZeRO files this rank reads on load. Node-local: its own file only (the others
-    may live on other nodes); the other ranks' partitions reach it through the process group."""
-    if node_local_enabled(engine):
-        return [int(engine.optimizer.rank)]
-    return list(range(saved_world))
-
-
-def exchange_zero_parts(mine: dict[int, Any], saved_world: int) -> list[Any]:
-    """Every saved rank's ZeRO state on every rank, each rank contributing the files it read."""
-    parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, mine)
-    merged: dict[int, Any] = {}
-    for part in parts:
-        merged.update(part)
-    missing = [r for r in range(saved_world) if r not in merged]
-    if missing:
-        raise RuntimeError(f"load_checkpoint: no rank could read the ZeRO files of ranks {missing} "
-                           "(checkpoint.use_node_local_storage)")
-    return [merged[r] for r in range(saved_world)]

@@ -364,9 +364,10 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
         return None if self.offload is None else self.offload.stats.as_dict()
 
     # -- checkpoint state ----------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, clone_masters: bool = True) -> dict[str, Any]:
         """This rank's state; partitions are in the runtime layout of `partition_plans` (convert with
-        PartitionPlan.convert(..., "runtime", "deepspeed") for DeepSpeed's on-disk layout)."""
+        PartitionPlan.convert(..., "runtime", "deepspeed") for DeepSpeed's on-disk layout). With
+        clone_masters=False the fp32 partitions are the live masters (for a caller that only reads them)."""
         return {
             "zero_stage": self.stage,
             "partition_count": self.world_size,
@@ -374,7 +375,8 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
             "layout": "runtime",
             "group_numels": [list(plan.numels) for plan in self.partition_plans],
             "base_optimizer_state": self.optimizer.state_dict(),
-            "single_partition_of_fp32_groups": [m.detach().clone() for m in self.fp32_partitions],
+            "single_partition_of_fp32_groups": [m.detach().clone() if clone_masters else m.detach()
+                                                for m in self.fp32_partitions],
             "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
             "dynamic_loss_scale": self.dynamic_loss_scale,
             "overflow": self.overflow,
