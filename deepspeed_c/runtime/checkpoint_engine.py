@@ -14,7 +14,7 @@ import torch.distributed as dist
 from deepspeed_c.checkpoint import deepspeed_format, store
 from deepspeed_c.runtime import checkpoint_nodes as nodes
 from deepspeed_c.runtime.collective_guard import check_dir_arg, rank_local_step
-from deepspeed_c.runtime.checkpoint_zero import load_zero_checkpoint, to_deepspeed_layout
+from deepspeed_c.runtime.optimizer_seam import SavedCheckpoint
 from deepspeed_c.utils.logging import logger
 from deepspeed_c.version import DEEPSPEED_API_VERSION
 
@@ -69,21 +69,24 @@ class EngineCheckpointer:
         self._validate_tag(engine, tag)
         # the writer of this rank's directory: global rank 0, or its node's local rank 0 (node-local storage)
         scope = nodes.save_scope(engine, save_dir)
-        zero = getattr(engine.optimizer, "is_zero_optimizer", False)
         with rank_local_step("save_checkpoint (creating the checkpoint directory)", distributed=_dist()):
             if scope.writer:
                 store.begin(save_dir, tag)
         stage = store.staging_dir(save_dir, tag)
         my_files: dict[str, dict] = {}
-        if zero:  # the layout conversion is collective: outside the rank-local step
-            name = zero_file(engine, engine.optimizer.rank)
-            state = {"optimizer_state_dict": self._zero_state(engine),
-                     "ds_config": engine._config._param_dict, "ds_version": DEEPSPEED_API_VERSION}
+        # a partitioned optimizer's state (ZeRO) goes to one file per rank; building it is collective,
+        # so it happens outside the rank-local step
+        names = _param_names(engine.module)
+        part = (engine.stepper.partition_checkpoint_state(lambda p: names[id(p)])
+                if engine.stepper is not None else None)
         with rank_local_step("save_checkpoint (writing this rank's files)", distributed=_dist()):
-            if zero:
+            if part is not None:
+                name = zero_file(engine, part[0])
+                state = {"optimizer_state_dict": part[1], "ds_config": engine._config._param_dict,
+                         "ds_version": DEEPSPEED_API_VERSION}
                 my_files[name] = store.save_file(state, os.path.join(stage, name))
             if scope.writer:
-                model_state = self._model_state(engine, client_state, exclude_frozen_parameters, zero)
+                model_state = self._model_state(engine, client_state, exclude_frozen_parameters, part is not None)
                 my_files[MODEL_FILE] = store.save_file(model_state, os.path.join(stage, MODEL_FILE))
         files = self._gather_files(my_files, scope.members)
         with rank_local_step("save_checkpoint (committing the checkpoint)", distributed=_dist()):
@@ -91,14 +94,6 @@ class EngineCheckpointer:
                 store.commit(save_dir, tag, files, save_latest)
                 self._copy_recovery_script(save_dir)
         return True
-
-    def _zero_state(self, engine: Any) -> dict:
-        """This rank's ZeRO optimizer state in DeepSpeed's flat layout and field types (collective)."""
-        opt = engine.optimizer
-        names = _param_names(engine.module)
-        return deepspeed_format.with_deepspeed_fields(
-            to_deepspeed_layout(opt), stage=opt.stage, scaler=opt.loss_scaler, plans=opt.partition_plans,
-            names=[[names[id(p)] for p in params] for params in opt.bit16_groups], rank=opt.rank)
 
     def _validate_tag(self, engine: Any, tag: str) -> None:
         if not _dist() or not engine.checkpoint_tag_validation_enabled():
@@ -128,40 +123,30 @@ class EngineCheckpointer:
             out.update(parts[rank])
         return out
 
-    def _model_state(self, engine: Any, client_state: dict, exclude_frozen: bool, zero: bool) -> dict:
+    def _model_state(self, engine: Any, client_state: dict, exclude_frozen: bool, partitioned: bool) -> dict:
         """The model-states file as DeepSpeed 0.19.8's engine writes it (_save_checkpoint), key for key.
         One addition: `param_shapes` at stage 0 too (DeepSpeed writes None there and ignores the key on
         load), so zero_to_fp32 can name a stage-0 checkpoint's fp32 masters."""
         module = engine.module
         names = _param_names(module)
         sd = engine.module_state_dict(exclude_frozen_parameters=exclude_frozen)
-        groups = engine.optimizer.param_groups if engine.optimizer is not None else []
-        if zero:  # ZeRO groups hold flat masters; DeepSpeed's param_shapes name the model's params per group
-            groups = [{"params": params} for params in engine.optimizer.bit16_groups]
-        param_shapes = []
-        for group in groups:
-            shapes: OrderedDict = OrderedDict()
-            for p in group["params"]:
-                if id(p) in names:
-                    shapes[names[id(p)]] = p.shape
-            param_shapes.append(shapes)
-        if engine.optimizer is not None and not any(param_shapes):
-            # Optimizer groups hold fp32 masters (mixed precision): name them through the module.
-            param_shapes = [OrderedDict((n, p.shape) for n, p in module.named_parameters() if p.requires_grad)]
+        # DeepSpeed's param_shapes name, per param group, the model parameters the optimizer steps
+        groups = engine.stepper.model_param_groups() if engine.stepper is not None else []
+        param_shapes = [OrderedDict((names[id(p)], p.shape) for p in params if id(p) in names) for params in groups]
         # DeepSpeed writes the parameters its optimizer does not own (frozen ones) whole into the model
         # file at the stages that partition gradients, unless they are excluded
         stage = int(engine.zero_optimization_stage())
-        save_frozen = zero and stage >= 2 and not exclude_frozen
-        owned = {id(p) for group in groups for p in group["params"]}
+        save_frozen = partitioned and stage >= 2 and not exclude_frozen
+        owned = {id(p) for params in groups for p in params}
         frozen = [(n, p) for n, p in module.named_parameters() if id(p) not in owned]
         persistent = set(sd)
         state = {
             "module": {k: _own_storage(v) if isinstance(v, torch.Tensor) else v for k, v in sd.items()},
             "buffer_names": [n for n, _ in module.named_buffers() if n in persistent],
-            "optimizer": (engine.optimizer.state_dict() if engine.optimizer is not None and not zero else None),
+            "optimizer": engine.stepper.model_file_state() if engine.stepper is not None else None,
             "param_shapes": param_shapes,
             "frozen_param_shapes": OrderedDict((n, p.shape) for n, p in frozen) if save_frozen else None,
-            "shared_params": self._shared_params(module) if zero else None,
+            "shared_params": self._shared_params(module) if partitioned else None,
             "frozen_param_fragments": (OrderedDict((n, p.detach().cpu().clone()) for n, p in frozen)
                                        if save_frozen else None),
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
@@ -272,41 +257,14 @@ class EngineCheckpointer:
         engine.module.load_state_dict(saved, strict=strict)
 
     def _load_optimizer(self, engine: Any, state: dict, tag_dir: str, manifest: Any, load_states: bool) -> None:
-        opt = engine.optimizer
-        if opt is None:
+        if engine.stepper is None:
             return
-        if getattr(opt, "is_zero_optimizer", False):
-            saved_world = state.get("dp_world_size") or 1
-            if nodes.node_local_enabled(engine) and saved_world != engine.dp_world_size:
-                raise RuntimeError(
-                    f"load_checkpoint: checkpoint.use_node_local_storage: the checkpoint in {tag_dir} was saved by "
-                    f"{saved_world} data-parallel ranks and {engine.dp_world_size} load it; each node holds only its "
-                    "own ranks' ZeRO files, so resharding needs them all: copy every node's files into one directory "
-                    "and load with use_node_local_storage off")
-            # at the saved world size each rank reads only its own ZeRO file (all a node-local checkpoint holds)
-            load_zero_checkpoint(opt, tag_dir, manifest, state, engine.precision.bf16.enabled, load_states,
-                                 bool(engine._config.zero_config.load_from_fp32_weights))
-            return
-        saved = state.get("optimizer")
-        if saved is None:
-            self._refresh_masters(engine)
-            return
-        if hasattr(opt, "fp32_groups"):
-            if load_states:
-                opt.load_state_dict(deepspeed_format.normalize_mixed_state(saved), load_optimizer_states=True)
-            else:
-                self._refresh_masters(engine)
-        elif load_states:
-            opt.load_state_dict(saved)
+        engine.stepper.load_checkpoint_state(
+            SavedCheckpoint(tag_dir=tag_dir, manifest=manifest, model_state=state, bf16=engine.precision.bf16.enabled,
+                            load_from_fp32_weights=bool(engine._config.zero_config.load_from_fp32_weights),
+                            node_local=nodes.node_local_enabled(engine)), load_states)
 
     def _refresh_masters(self, engine: Any) -> None:
         """Masters follow the loaded model weights when optimizer state is not loaded."""
-        opt = engine.optimizer
-        if getattr(opt, "is_zero_optimizer", False):
-            opt.masters_from_model()
-            return
-        if hasattr(opt, "fp32_groups") and hasattr(opt, "lp_groups"):
-            with torch.no_grad():
-                for lps, masters in zip(opt.lp_groups, opt.fp32_groups):
-                    for lp, m in zip(lps, masters):
-                        m.copy_(lp.detach().to(m.dtype))
+        if engine.stepper is not None:
+            engine.stepper.refresh_masters()

@@ -8,11 +8,23 @@ keeps the user's optimizer as `engine.optimizer`), its FP16/BF16 mixed-precision
 the same methods. Checkpoint state goes through the same objects (runtime/checkpoint_engine.py)."""
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from deepspeed_c.runtime.grad_norm import clip_coefficient, global_norm, scale_
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """What an optimizer's load_checkpoint_state reads from: one tag directory of a checkpoint."""
+    tag_dir: str
+    manifest: Any
+    model_state: dict  # the model-states file (mp_rank_00_model_states.pt)
+    bf16: bool  # names of ZeRO files carry DeepSpeed's bf16_ prefix
+    load_from_fp32_weights: bool
+    node_local: bool  # checkpoint.use_node_local_storage: only this node's files are readable
 
 
 class EngineOptimizer:
@@ -59,6 +71,29 @@ class EngineOptimizer:
     def destroy(self) -> None:
         """Drops hooks and buffers (engine.destroy)."""
 
+    # -- checkpoint state (runtime/checkpoint_engine.py writes DeepSpeed's layout from these) ----------
+    def model_param_groups(self) -> list[list[torch.nn.Parameter]]:
+        """The model parameters each param group steps (the model file's param_shapes)."""
+        raise NotImplementedError
+
+    def model_file_state(self) -> Optional[dict]:
+        """What the model-states file holds under "optimizer" (None: the state is in per-rank files)."""
+        return self.state_dict()
+
+    def partition_checkpoint_state(self, param_name: Callable[[torch.nn.Parameter], str]) -> Optional[tuple[int, dict]]:
+        """(data-parallel rank, its ZeRO file's optimizer_state_dict) for optimizers whose state is
+        partitioned over ranks; None otherwise. A collective where it is not None."""
+        return None
+
+    def load_checkpoint_state(self, saved: SavedCheckpoint, load_optimizer_states: bool) -> None:
+        raise NotImplementedError
+
+    def refresh_masters(self) -> None:
+        """The optimizer's own copy of the weights (fp32 masters) re-read from the model's."""
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError
+
 
 class PlainOptimizer(EngineOptimizer):
     """A torch optimizer stepping the model's parameters directly (fp32, or torch autocast): global
@@ -98,6 +133,17 @@ class PlainOptimizer(EngineOptimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
             p.grad = None
+
+    def model_param_groups(self) -> list[list[torch.nn.Parameter]]:
+        return [list(g["params"]) for g in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_checkpoint_state(self, saved: SavedCheckpoint, load_optimizer_states: bool) -> None:
+        state = saved.model_state.get("optimizer")
+        if state is not None and load_optimizer_states:
+            self.optimizer.load_state_dict(state)
 
 
 def engine_optimizer(optimizer: Any, params: Sequence[torch.nn.Parameter], clip_grad: float,

@@ -17,7 +17,7 @@ from deepspeed_c.runtime.config_utils import parse_dtype
 from deepspeed_c.runtime.fp16.loss_scaler import CreateLossScaler, DynamicLossScaler, LossScalerBase
 from deepspeed_c.runtime.grad_norm import global_norm, scale_
 from deepspeed_c.runtime.fused_epilogue import AdamEpilogue, device_global_norm
-from deepspeed_c.runtime.optimizer_seam import EngineOptimizer
+from deepspeed_c.runtime.optimizer_seam import EngineOptimizer, SavedCheckpoint
 from deepspeed_c.runtime.step_sequence import StepOutcome, overflow_checked_step
 from deepspeed_c.utils.logging import logger
 
@@ -284,6 +284,25 @@ class MixedPrecisionOptimizer(EngineOptimizer):
             "clip_grad": self.clip_grad,
         })
         return out
+
+    # -- checkpoint seam (runtime/optimizer_seam.EngineOptimizer) --------------------------------
+    def model_param_groups(self) -> list[list[torch.nn.Parameter]]:
+        return [list(g) for g in self.lp_groups]
+
+    def load_checkpoint_state(self, saved: SavedCheckpoint, load_optimizer_states: bool) -> None:
+        from deepspeed_c.checkpoint.deepspeed_format import normalize_mixed_state
+
+        state = saved.model_state.get("optimizer")
+        if state is not None and load_optimizer_states:
+            self.load_state_dict(normalize_mixed_state(state), load_optimizer_states=True)
+        else:
+            self.refresh_masters()
+
+    @torch.no_grad()
+    def refresh_masters(self) -> None:
+        for lps, masters in zip(self.lp_groups, self.fp32_groups):
+            for lp, m in zip(lps, masters):
+                m.copy_(lp.detach().to(m.dtype))
 
     def load_state_dict(self, state_dict: dict[str, Any], load_optimizer_states: bool = True) -> None:
         if load_optimizer_states:

@@ -28,7 +28,7 @@ import torch
 from deepspeed_c.ops.partition import DEEPSPEED_ALIGNMENT, PartitionPlan
 from deepspeed_c.runtime.fused_epilogue import AdamEpilogue, device_global_norm
 from deepspeed_c.runtime.grad_norm import scale_
-from deepspeed_c.runtime.optimizer_seam import EngineOptimizer
+from deepspeed_c.runtime.optimizer_seam import EngineOptimizer, SavedCheckpoint
 from deepspeed_c.runtime.step_sequence import StepOutcome, overflow_checked_step
 from deepspeed_c.runtime.zero.grad_partition import ZeroGradPartitioner
 from deepspeed_c.runtime.zero.offload import SUB_CHUNK as OFFLOAD_SUB_CHUNK
@@ -53,8 +53,6 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
     """Wraps a torch optimizer built over the model's parameters; after construction the optimizer's
     param groups hold one flat fp32 partition each (hyperparameters stay in the same group dicts, so
     lr schedulers keep working)."""
-
-    is_zero_optimizer = True
 
     def __init__(self, init_optimizer: torch.optim.Optimizer, *, stage: int, rank: int, world_size: int,
                  should_reduce: Callable[[], bool], dp_process_group: Any = None,
@@ -213,6 +211,38 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
 
     def owned_reducer(self) -> ZeroGradPartitioner:
         return self.reducer
+
+    def model_param_groups(self) -> list[list[torch.nn.Parameter]]:
+        return [list(g) for g in self.bit16_groups]
+
+    def model_file_state(self) -> Optional[dict]:
+        return None  # each rank's partition goes to its own ZeRO file
+
+    def partition_checkpoint_state(self, param_name: Callable[[torch.nn.Parameter], str]) -> tuple[int, dict]:
+        from deepspeed_c.checkpoint.deepspeed_format import with_deepspeed_fields
+        from deepspeed_c.runtime.checkpoint_zero import to_deepspeed_layout
+
+        state = with_deepspeed_fields(to_deepspeed_layout(self), stage=self.stage, scaler=self.loss_scaler,
+                                      plans=self.partition_plans, rank=self.rank,
+                                      names=[[param_name(p) for p in params] for params in self.bit16_groups])
+        return self.rank, state
+
+    def load_checkpoint_state(self, saved: SavedCheckpoint, load_optimizer_states: bool) -> None:
+        from deepspeed_c.runtime.checkpoint_zero import load_zero_checkpoint
+
+        saved_world = saved.model_state.get("dp_world_size") or 1
+        if saved.node_local and saved_world != self.world_size:
+            raise RuntimeError(
+                f"load_checkpoint: checkpoint.use_node_local_storage: the checkpoint in {saved.tag_dir} was saved by "
+                f"{saved_world} data-parallel ranks and {self.world_size} load it; each node holds only its own "
+                "ranks' ZeRO files, so resharding needs them all: copy every node's files into one directory and "
+                "load with use_node_local_storage off")
+        # at the saved world size each rank reads only its own ZeRO file (all a node-local checkpoint holds)
+        load_zero_checkpoint(self, saved.tag_dir, saved.manifest, saved.model_state, saved.bf16,
+                             load_optimizer_states, saved.load_from_fp32_weights)
+
+    def refresh_masters(self) -> None:
+        self.masters_from_model()
 
     def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True,
                        non_blocking: bool = False) -> None:
