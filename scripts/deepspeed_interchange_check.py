@@ -82,8 +82,9 @@ def _trainable(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
 
 
 def _state(engine: Any, stage: int, bf16: bool, get_fp32: Any, get_opt: Any) -> dict[str, torch.Tensor]:
-    """fp32 masters and Adam moments by parameter name (collective at stages 1/2). The same code reads
-    both engines: DeepSpeed's and deepspeed_c's share these attribute and function names."""
+    """fp32 masters and Adam moments by parameter name (collective at stages 1/2): deepspeed_c's at any
+    stage, DeepSpeed's at stage 0 (both name the wrapper's masters `fp32_groups`, its torch optimizer
+    `optimizer`)."""
     out: dict[str, torch.Tensor] = {}
     params = _trainable(engine.module)
     if stage > 0:
@@ -109,8 +110,8 @@ def _ours(case: tuple, rank: int, world: int, ckpt: str) -> tuple[list[float], d
 
     stage, bf16, frozen, _, exclude = case
     model = common.build_model(frozen).to(_device())
-    engine, *_ = deepspeed_c.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                        config=common.config(stage, bf16, world))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed_c.initialize(model=model, model_parameters=trainable, config=common.config(stage, bf16, world))
     for step in range(common.STEPS_BEFORE_SAVE):
         _step(engine, step, rank, world, bf16)
     engine.save_checkpoint(ckpt, tag=common.TAG, exclude_frozen_parameters=exclude)

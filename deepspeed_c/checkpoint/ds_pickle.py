@@ -11,6 +11,7 @@ library."""
 from __future__ import annotations
 
 import pickle
+from collections import OrderedDict
 from typing import Any, Mapping, Sequence
 
 from deepspeed_c.checkpoint.safe_load import (DEEPSPEED_GLOBALS, DynamicLossScalerStandIn, FragmentAddressStandIn,
@@ -87,13 +88,13 @@ def fragment_record(numel: int, start: int) -> FragmentAddressStandIn:
 
 
 def param_slice_mappings(names: Sequence[Sequence[str]], slices: Sequence[Sequence[tuple[int, int, int]]]
-                         ) -> list[dict[str, FragmentAddressStandIn]]:
+                         ) -> list[OrderedDict[str, FragmentAddressStandIn]]:
     """DeepSpeed's `param_slice_mappings`: per group, for each parameter with elements in this rank's
     partition (in parameter order), where they start in the partition and how many there are.
     `slices[g]` lists (param index, local start, length) of group g on this rank."""
     out = []
     for group_names, group_slices in zip(names, slices):
-        mapping: dict[str, FragmentAddressStandIn] = {}
+        mapping: OrderedDict[str, FragmentAddressStandIn] = OrderedDict()  # DeepSpeed's container
         for index, start, length in sorted(group_slices, key=lambda s: s[1]):
             if length > 0:
                 mapping[group_names[index]] = fragment_record(length, start)

@@ -177,3 +177,26 @@ def test_exclude_frozen_parameters_writes_no_frozen_state(saved: str, world: int
     assert "fc1.bias" not in sd["module"] and "fc1.weight" in sd["module"]
     assert sd["frozen_param_shapes"] is None and sd["frozen_param_fragments"] is None
     assert list(sd["param_shapes"][0]) == ["fc1.weight", "fc2.weight", "fc2.bias"]
+
+
+def test_pickled_objects_resolve_to_working_classes_under_the_deepspeed_alias(saved: str) -> None:
+    """With `import deepspeed` served by deepspeed_c (compat/deepspeed), a plain torch.load(weights_only=False)
+    of our ZeRO file builds real objects from DeepSpeed's names, as DeepSpeed's loader does with its own."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.path.join(saved, common.case_name(2, True, True, 2), common.TAG,
+                        "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    code = ("import sys, torch, deepspeed\n"
+            f"sd = torch.load({path!r}, weights_only=False)['optimizer_state_dict']\n"
+            "s = sd['loss_scaler']\n"
+            "print(type(s).__module__, type(s).__name__, float(s.scale_loss(torch.tensor(3.0))), s.dynamic,\n"
+            "      int(sd['zero_stage']), [(k, v.numel, v.start) for k, v in sd['param_slice_mappings'][0].items()])\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, "compat", "deepspeed")]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    ds = _load(os.path.join(HERE, common.case_name(2, True, True, 2), common.TAG,
+                            "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"))["optimizer_state_dict"]
+    want = [(k, v.numel, v.start) for k, v in ds["param_slice_mappings"][0].items()]
+    assert out.stdout.strip().splitlines()[-1] == (
+        f"deepspeed_c.runtime.fp16.loss_scaler LossScaler 3.0 False 2 {want}")

@@ -29,6 +29,18 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+# what a checkpoint restores of a scaler; the rest (window, minimum, factor) comes from the config
+_RESTORED = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+def _as_state(state: Any) -> dict[str, Any]:
+    """A scaler state dict from a dict or from a loss-scaler object as DeepSpeed pickles it into ZeRO
+    checkpoints (any object with the attributes: DeepSpeed's class or deepspeed_c's stand-in)."""
+    if isinstance(state, dict):
+        return state
+    return {k: v for k, v in vars(state).items() if k in _RESTORED}
+
+
 class LossScalerBase:
     def __init__(self, cur_scale: float) -> None:
         self.cur_scale = cur_scale
@@ -53,8 +65,8 @@ class LossScalerBase:
     def state_dict(self) -> dict[str, Any]:
         return {"cur_scale": self.cur_scale}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.cur_scale = state["cur_scale"]
+    def load_state_dict(self, state: Any) -> None:
+        self.cur_scale = _as_state(state)["cur_scale"]
 
 
 class LossScaler(LossScalerBase):
@@ -128,8 +140,8 @@ class DynamicLossScaler(LossScalerBase):
         return {"cur_scale": self.cur_scale, "cur_iter": self.cur_iter, "last_overflow_iter": self.last_overflow_iter,
                 "cur_hysteresis": self.cur_hysteresis}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key, value in state.items():
+    def load_state_dict(self, state: Any) -> None:
+        for key, value in _as_state(state).items():
             setattr(self, key, value)
 
 
