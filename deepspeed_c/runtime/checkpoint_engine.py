@@ -268,16 +268,17 @@ class EngineCheckpointer:
         elif load_states:
             opt.load_state_dict(saved)
 
-    def _load_zero_node_local(self, engine: Any, state: dict, tag_dir: str, manifest: Any, load_states: bool) -> None:
+    def _load_zero_node_local(self, engine: Any, state: dict, tag_dir: str, manifest: Any,
+                              load_states: bool) -> None:
         """ZeRO state when each node holds only its own ranks' files: a rank reads the files
         `zero_ranks_this_rank_reads` names and gets the other partitions from their owners."""
         opt = engine.optimizer
         saved_world = state.get("dp_world_size") or 1
         if saved_world != engine.dp_world_size:
-            raise RuntimeError(f"load_checkpoint: checkpoint.use_node_local_storage: the checkpoint in {tag_dir} was "
-                               f"saved by {saved_world} data-parallel ranks and {engine.dp_world_size} load it; each node "
-                               "holds only its own ranks' ZeRO files, so resharding needs them all: copy every node's "
-                               "files into one directory and load with use_node_local_storage off")
+            raise RuntimeError(f"load_checkpoint: checkpoint.use_node_local_storage: the checkpoint in {tag_dir} "
+                               f"was saved by {saved_world} data-parallel ranks and {engine.dp_world_size} load it; "
+                               "each node holds only its own ranks' ZeRO files, so resharding needs them all: copy "
+                               "every node's files into one directory and load with use_node_local_storage off")
         bf16 = engine.precision.bf16.enabled
         numels = deepspeed_format.group_numels_from_shapes(state.get("param_shapes"))
         mine: dict[int, Any] = {}
