@@ -101,7 +101,35 @@ def body(rank: int, world: int, root: str) -> dict:
     again = _engine(2, True)
     again.load_checkpoint(os.path.join(root, "shared"))
     out["resumed"]["shared"] = _train(again, rank, HALF, STEPS)
+    out["errors"] = _node_disagreement_raises_everywhere(again, rank, os.path.join(root, "stage2", f"node{node}"))
     return out
+
+
+def _node_disagreement_raises_everywhere(engine, rank: int, node_dir: str) -> dict:
+    """One node's directory lacks what the other's holds: every rank raises (none waits in a collective)."""
+    import torch.distributed as dist
+
+    from deepspeed_c.checkpoint import store
+
+    errors = {}
+    tag_dir, hidden = os.path.join(node_dir, f"global_step{HALF}"), os.path.join(node_dir, "hidden")
+    latest = os.path.join(node_dir, store.LATEST_NAME)
+    if rank == PER_NODE:  # node 1's lead: its `latest` names another tag, and its copy of the tag is gone
+        store.write_bytes_atomic(latest, b"global_step999")
+        os.rename(tag_dir, hidden)
+    dist.barrier()
+    for case, tag in (("latest", None), ("explicit", f"global_step{HALF}")):
+        try:
+            engine.load_checkpoint(node_dir, tag=tag)
+            errors[case] = None
+        except Exception as e:  # noqa: BLE001 (the test compares the kinds and messages)
+            errors[case] = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    if rank == PER_NODE:
+        os.rename(hidden, tag_dir)
+        store.write_bytes_atomic(latest, f"global_step{HALF}".encode())
+    dist.barrier()
+    return errors
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +138,11 @@ def run(tmp_path_factory):
     return root, run_distributed(body, world_size=WORLD, args=(root,), timeout=240)
 
 
+ZERO_NAME = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+
+
 def _zero_ranks(names: list[str]) -> list[int]:
-    return sorted(int(m.group(1)) for n in names if (m := re.match(r"zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$", n)))
+    return sorted(int(m.group(1)) for n in names if (m := ZERO_NAME.match(n)))
 
 
 def _verify_node_dir(node_dir: str) -> set[str]:
@@ -181,3 +212,13 @@ def test_manifest_is_json_per_node(run):
         with open(os.path.join(tag_dir, store.MANIFEST_NAME)) as f:
             files = json.load(f)["files"]
         assert _zero_ranks(sorted(files)) == [node * PER_NODE, node * PER_NODE + 1]
+
+
+def test_nodes_that_disagree_fail_every_rank(run):
+    _, results = run
+    for rank, res in enumerate(results):
+        latest, explicit = res["errors"]["latest"], res["errors"]["explicit"]
+        assert latest is not None and "different tags" in latest and "global_step999" in latest
+        # node 1 lacks the tag: its ranks name the missing directory, node 0's ranks hear of the failure
+        want = "FileNotFoundError" if rank >= PER_NODE else "RankFailed"
+        assert explicit is not None and explicit.startswith(want), (rank, explicit)
