@@ -11,7 +11,7 @@ import json
 import os
 import shutil
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
