@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 

@@ -5,8 +5,9 @@ stands out) trains with Adam at ZeRO stages 1 and 2 on 2 and 4 gloo ranks, saves
 same world size and at the other one (4 -> 2, 2 -> 4).
 
 Memory: each rank's host RSS high-water (Linux VmHWM, reset through /proc/self/clear_refs; allocations of
-1 MiB and more made straight from mmap so freed memory leaves RSS, see _precise_malloc) is measured after a
-warm-up initialize of a tiny model (first-use imports are not the checkpoint's) around deepspeed_c.initialize, save_checkpoint, load_checkpoint, and the ZeRO part of loading on its own.
+1 MiB and more made straight from mmap so freed memory leaves RSS, see _precise_malloc) is measured, after
+a warm-up initialize of a tiny model (first-use imports are not the checkpoint's), around
+deepspeed_c.initialize, save_checkpoint, load_checkpoint, and the ZeRO part of loading on its own.
 With own = this rank's fp32 master + Adam moment partitions (bytes, read from the optimizer), bucket =
 the largest bucket's fp32 bytes (reduce_bucket_size = allgather_bucket_size; a bucket holds at least one
 whole parameter) and SLACK (Python objects, pickling, gloo's staging copy of an all-gathered bucket):
@@ -14,7 +15,8 @@ whole parameter) and SLACK (Python objects, pickling, gloo's staging copy of an 
   whole load_checkpoint:  growth <= own + model + bucket + SLACK, model = the module's fp32 weights, which
   every rank reads whole from mp_rank_00_model_states.pt (as DeepSpeed does at ZeRO-1/2).
 A full-state copy (what gathering every rank's partitions adds) is full = 3 x 4 bytes x every trainable
-element; the test checks own + bucket + SLACK <= FULL_FRACTION x full, so the bound tells the two apart.
+element; the test checks own + bucket + SLACK <= FULL_FRACTION x full, so the bound tells the two apart
+(measured here: the former all-gather save grew each of 2 ranks by ~71 MB against a ~32 MB bound).
 
 Correctness: the ZeRO files equal what the former all-gather path wrote (every rank's runtime partitions
 gathered and re-cut with PartitionPlan.convert: same keys, same tensors); after loading, the model weights
