@@ -18,7 +18,8 @@ A full-state copy (what gathering every rank's partitions adds) is full = 3 x 4 
 element; the test checks own + bucket + SLACK <= FULL_FRACTION x full, so the bound tells the two apart
 (measured here: the former all-gather save grew each of 2 ranks by ~71 MB against a ~32 MB bound).
 
-Correctness: the ZeRO files equal what the former all-gather path wrote (every rank's runtime partitions
+Correctness: loading at the saved world size opens only this rank's own ZeRO file; at another, only the
+saved files whose DeepSpeed-layout slice overlaps this rank's new partition. The ZeRO files equal what the former all-gather path wrote (every rank's runtime partitions
 gathered and re-cut with PartitionPlan.convert: same keys, same tensors); after loading, the model weights
 and the consolidated Adam moments are bit-identical to the saved run's, and the next losses equal the
 uninterrupted run's (exactly at the same world size; relative 1e-4 at another, where gradients are
@@ -134,14 +135,12 @@ def _batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def _warm_up(world: int) -> None:
-    """One initialize/step/destroy of a tiny model, so the measured ones do not count first-use imports."""
+    """One initialize of a tiny model, so the measured ones do not count first-use imports."""
     import deepspeed_c
 
     cfg = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9,
            "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 1}}
     engine, *_ = deepspeed_c.initialize(model=torch.nn.Linear(4, 4), config=cfg)
-    engine.backward(engine(torch.ones(1, 4)).sum())
-    engine.step()
     engine.destroy()
 
 
@@ -269,14 +268,45 @@ def _save_phase(rank: int, world: int, root: str, stage: int) -> dict:
     return out
 
 
+def _overlapping_files(opt: Any, rank: int, saved_world: int) -> list[int]:
+    """The saved ranks whose DeepSpeed-layout slice holds an element of this rank's runtime partition, from
+    the plan's runtime slices and DeepSpeed's padding rule alone."""
+    owners: set[int] = set()
+    for plan in opt.partition_plans:
+        total = sum(plan.numels)
+        align = 2 * saved_world
+        size = (-(-total // align) * align) // saved_world
+        offsets = [sum(plan.numels[:i]) for i in range(len(plan.numels))]
+        for param, r, pstart, _, length, _ in plan.runtime_slices.tolist():
+            if r == rank and length > 0:
+                start = offsets[param] + pstart
+                owners.update(range(start // size, (start + length - 1) // size + 1))
+    return sorted(owners)
+
+
 def _load_phase(rank: int, world: int, root: str, stage: int, src: int, box: dict) -> dict:
+    from deepspeed_c.checkpoint import store
+
     engine, init = _engine(stage, world)
-    with Peak() as load:
-        path, _ = engine.load_checkpoint(os.path.join(root, f"s{stage}w{src}"), tag="t")
+    opened: list[str] = []
+    original = store.load_file_mapped
+
+    def recorded(tag_dir: str, name: str, manifest: Any) -> Any:
+        opened.append(name)
+        return original(tag_dir, name, manifest)
+
+    store.load_file_mapped = recorded
+    try:
+        with Peak() as load:
+            path, _ = engine.load_checkpoint(os.path.join(root, f"s{stage}w{src}"), tag="t")
+    finally:
+        store.load_file_mapped = original
     assert path is not None
     model = sum(t.numel() * t.element_size() for t in engine.module.state_dict().values())
     out = {"init": init.growth, "load": load.growth, "zero": box.pop("zero"), "model": model,
            "own": _own_bytes(engine.optimizer), "bucket": _bucket_bytes(engine.optimizer),
+           "opened": opened, "overlapping": [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+                                             for r in _overlapping_files(engine.optimizer, rank, src)],
            "digests": _digests(engine), "next": _train(engine, STEPS_BEFORE, rank, world)}
     engine.destroy()
     return out
@@ -344,8 +374,11 @@ def test_load_restores_state_and_next_losses(runs, world, src):
     for stage in STAGES:
         ref = runs["saved"][src][0][stage]
         assert len({str(r[stage]["digests"]) for r in runs["saved"][src]}) == 1
-        for per_rank in runs["loaded"][world]:
+        for rank, per_rank in enumerate(runs["loaded"][world]):
             got = per_rank[(stage, src)]
+            # the same world size reads this rank's own file only; another reads the files it overlaps
+            own_file = [f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"]
+            assert got["opened"] == (own_file if world == src else got["overlapping"]), (stage, rank, got["opened"])
             assert got["digests"] == ref["digests"], (stage, got["digests"], ref["digests"])
             if world == src:
                 assert got["next"] == ref["next"], (stage, got["next"], ref["next"])
