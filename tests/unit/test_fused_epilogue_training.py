@@ -21,6 +21,8 @@ import torch
 
 from deepspeed_c.runtime.fused_epilogue import AdamEpilogue, adam_w_mode_of
 
+pytestmark = pytest.mark.usefixtures("world_of_one")  # in-process initialize: no process group leaks
+
 
 def test_which_optimizers_take_the_epilogue() -> None:
     from deepspeed_c.ops.adam.fused_adam import FusedAdam

@@ -18,6 +18,8 @@ import deepspeed_c
 from deepspeed_c.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 from tests.distributed.engine_models import MLP
 
+pytestmark = pytest.mark.usefixtures("world_of_one")  # in-process initialize: no process group leaks
+
 
 def _engine(stage: int, dtype: str = "bf16") -> Any:
     torch.manual_seed(0)

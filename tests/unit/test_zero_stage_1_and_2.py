@@ -16,6 +16,8 @@ from deepspeed_c.runtime.zero.stage_1_and_2 import (DeepSpeedZeroOptimizer, esti
                                                     estimate_zero2_model_states_mem_needs_all_live)
 from tests.distributed.engine_models import loss_fn, make_batches, make_model
 
+pytestmark = pytest.mark.usefixtures("world_of_one")  # in-process initialize: no process group leaks
+
 
 def cfg(stage: int = 2, **extra):
     out = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
