@@ -1,6 +1,7 @@
 """Run a test body on N real processes (gloo on CPU, NCCL when GPUs are present).
 
-Each rank is a fresh interpreter (spawn) with MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE set and
+Each rank is a new process (forked from a server that preloaded torch, see _context) with
+MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE set and
 the default process group initialised before the body runs. A hang fails in bounded time: on
 timeout every rank's whole process tree is killed, and no child outlives the call.
 
@@ -62,6 +63,16 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, ba
         results.put((rank, False, traceback.format_exc()))
 
 
+def _context() -> Any:
+    """Rank processes fork from a server that has already imported torch and deepspeed_c (a fresh
+    interpreter importing torch costs seconds, on every rank of every distributed test). The server
+    is a clean single-threaded interpreter that never touched CUDA, so each rank still starts
+    fresh where it matters; it is started with the test process's environment at first use."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "deepspeed_c", "tests.harness"])
+    return ctx
+
+
 def _kill_tree(proc: mp.process.BaseProcess) -> None:
     try:
         parent = psutil.Process(proc.pid)
@@ -84,7 +95,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: Sequence[Any]
     backend: None picks nccl when enough GPUs are visible, else gloo; "none" skips
     init_process_group (for bodies that initialise the group themselves).
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results: "mp.Queue[Any]" = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_main,

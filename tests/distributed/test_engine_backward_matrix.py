@@ -46,6 +46,21 @@ class AuxModel(torch.nn.Module):
         return logits, aux
 
 
+def checkpointed_blocks(mode: str, blocks: Any, h: torch.Tensor) -> torch.Tensor:
+    """tanh(block(h)) for each block, each one an activation-checkpoint segment: "ds"
+    (deepspeed_c.checkpointing), "reentrant" or "nonreentrant" (torch.utils.checkpoint)."""
+    for block in blocks:
+        def fn(t: torch.Tensor, block: torch.nn.Module = block) -> torch.Tensor:
+            return torch.tanh(block(t))
+        if mode == "ds":
+            import deepspeed_c
+
+            h = deepspeed_c.checkpointing.checkpoint(fn, h)
+        else:
+            h = torch.utils.checkpoint.checkpoint(fn, h, use_reentrant=mode == "reentrant")
+    return h
+
+
 class LoraCkpt(torch.nn.Module):
     """Frozen embedding and head; trainable blocks under activation checkpointing."""
 
@@ -58,16 +73,7 @@ class LoraCkpt(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x).requires_grad_(True)  # as HF's enable_input_require_grads does for LoRA
-        for block in self.blocks:
-            def fn(t: torch.Tensor, block: torch.nn.Module = block) -> torch.Tensor:
-                return torch.tanh(block(t))
-            if self.mode == "ds":
-                import deepspeed_c
-
-                h = deepspeed_c.checkpointing.checkpoint(fn, h)
-            else:
-                h = torch.utils.checkpoint.checkpoint(fn, h, use_reentrant=self.mode == "reentrant")
-        return self.head(h)
+        return self.head(checkpointed_blocks(self.mode, self.blocks, h))
 
 
 class SharedCkpt(torch.nn.Module):
@@ -84,17 +90,7 @@ class SharedCkpt(torch.nn.Module):
         self.head = torch.nn.Linear(16, 3).requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
-        for block in (self.shared, self.mid, self.shared):
-            def fn(t: torch.Tensor, block: torch.nn.Module = block) -> torch.Tensor:
-                return torch.tanh(block(t))
-            if self.mode == "ds":
-                import deepspeed_c
-
-                h = deepspeed_c.checkpointing.checkpoint(fn, h)
-            else:
-                h = torch.utils.checkpoint.checkpoint(fn, h, use_reentrant=self.mode == "reentrant")
-        return self.head(h)
+        return self.head(checkpointed_blocks(self.mode, (self.shared, self.mid, self.shared), self.embed(x)))
 
 
 def _hf_model(gc: bool) -> torch.nn.Module:
