@@ -64,12 +64,13 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, ba
 
 
 def _context() -> Any:
-    """Rank processes fork from a server that has already imported torch and deepspeed_c (a fresh
-    interpreter importing torch costs seconds, on every rank of every distributed test). The server
-    is a clean single-threaded interpreter that never touched CUDA, so each rank still starts
-    fresh where it matters; it is started with the test process's environment at first use."""
+    """Rank processes fork from a server that has already imported torch (a fresh interpreter
+    importing torch costs seconds, on every rank of every distributed test). The server is a clean
+    single-threaded interpreter that imports nothing that touches CUDA (not even deepspeed_c, whose
+    accelerator probe may), so each forked rank can still initialise CUDA; it is started with the
+    test process's environment at first use."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "deepspeed_c", "tests.harness"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "tests.harness"])
     return ctx
 
 
@@ -89,13 +90,15 @@ def _kill_tree(proc: mp.process.BaseProcess) -> None:
 
 def run_distributed(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
                     timeout: float = 120.0, backend: str | None = None,
-                    env: dict[str, str] | None = None) -> list[Any]:
+                    env: dict[str, str] | None = None, start_method: str = "forkserver") -> list[Any]:
     """Run fn(rank, world_size, *args) on world_size processes; return the per-rank results.
 
     backend: None picks nccl when enough GPUs are visible, else gloo; "none" skips
-    init_process_group (for bodies that initialise the group themselves).
+    init_process_group (for bodies that initialise the group themselves). start_method "spawn"
+    gives each rank a fresh interpreter (memory tests: a forked rank's first writes to the
+    server's preloaded pages count as its own resident growth).
     """
-    ctx = _context()
+    ctx = _context() if start_method == "forkserver" else mp.get_context(start_method)
     results: "mp.Queue[Any]" = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_main,

@@ -345,9 +345,9 @@ def runs(tmp_path_factory) -> dict:
     root = str(tmp_path_factory.mktemp("zero_mem"))
     measure = _clear_refs_reason() is None
     # three spawns: each checkpoint exists before a run loads it
-    a = run_distributed(body, 2, args=(root, True, (2,), measure), timeout=600)
-    b = run_distributed(body, 4, args=(root, True, (4, 2), measure), timeout=600)
-    c = run_distributed(body, 2, args=(root, False, (4,), measure), timeout=600)
+    a = run_distributed(body, 2, args=(root, True, (2,), measure), timeout=600, start_method="spawn")
+    b = run_distributed(body, 4, args=(root, True, (4, 2), measure), timeout=600, start_method="spawn")
+    c = run_distributed(body, 2, args=(root, False, (4,), measure), timeout=600, start_method="spawn")
     loaded = {2: [{**x["loaded"], **y["loaded"]} for x, y in zip(a, c)], 4: [x["loaded"] for x in b]}
     return {"saved": {2: [x["saved"] for x in a], 4: [x["saved"] for x in b]}, "loaded": loaded}
 
