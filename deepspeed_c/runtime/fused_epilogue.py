@@ -87,7 +87,7 @@ class AdamEpilogue:
         mode = adam_w_mode_of(optimizer)
         return None if mode is None else AdamEpilogue(optimizer, mode)
 
-    def _states(self, params: Sequence[torch.Tensor], group: dict[str, Any]) -> list[dict[str, Any]]:  # noqa: ARG002
+    def _states(self, params: Sequence[torch.Tensor]) -> list[dict[str, Any]]:
         out = []
         for p in params:
             state = self.optimizer.state[p]
@@ -118,7 +118,7 @@ class AdamEpilogue:
             params_g = group["params"] if params is None else params[g]
             if not params_g:
                 continue
-            states = self._states(params_g, group)
+            states = self._states(params_g)
             counters = self._counter(g, states, params_g[0].device)
             beta1, beta2 = group["betas"]
             fused_adam_epilogue_(
