@@ -12,6 +12,8 @@ backends that misbehave rather than refuse.
 """
 from __future__ import annotations
 
+import atexit
+
 import inspect
 import os
 import re
@@ -77,6 +79,18 @@ def _divide_(t: torch.Tensor, n: int) -> None:
     t.div_(n)
 
 
+def _destroy_gloo_group_at_exit() -> None:
+    # Gloo's worker threads may still hold finished work (and its tensors) when the interpreter is torn
+    # down; freeing them then aborts the process (SIGABRT, "terminate called without an active
+    # exception") after training succeeded. Destroying the group while Python is alive avoids it.
+    # Scripts (the Hugging Face Trainer among them) rarely call destroy_process_group themselves.
+    try:
+        if dist.is_initialized() and "gloo" in str(dist.get_backend()):
+            dist.destroy_process_group()
+    except Exception:  # exit path: a failure here must not turn a finished run into a failed one
+        pass
+
+
 class TorchBackend:
     """deepspeed_c.comm's backend object (DeepSpeed calls it `cdb`)."""
 
@@ -107,6 +121,7 @@ class TorchBackend:
                     torch.cuda.set_device(local_rank)
                     kwargs["device_id"] = torch.device("cuda", local_rank)
             dist.init_process_group(backend, **kwargs)
+            atexit.register(_destroy_gloo_group_at_exit)
         self.using_mpi = dist.get_backend() == "mpi"
 
     def is_initialized(self) -> bool:
