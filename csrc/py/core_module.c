@@ -9,12 +9,14 @@ extern PyMethodDef dsc_view_methods[];
 extern PyMethodDef dsc_cpu_features_methods[];
 extern PyMethodDef dsc_bucket_methods[];
 extern PyMethodDef dsc_partition_methods[];
+extern PyMethodDef dsc_fetch_plan_methods[];
 
 static PyMethodDef *const dsc_core_tables[] = {
     dsc_view_methods,
     dsc_cpu_features_methods,
     dsc_bucket_methods,
     dsc_partition_methods,
+    dsc_fetch_plan_methods,
     NULL,
 };
 
