@@ -16,7 +16,7 @@ from deepspeed_c.runtime.config_utils import (DeepSpeedConfigError, DeepSpeedCon
                                               parse_section, unbuilt)
 
 ZERO_OPTIMIZATION = "zero_optimization"
-SUPPORTED_ZERO_STAGES: set[int] = {0, 1, 2}
+SUPPORTED_ZERO_STAGES: set[int] = {0, 1, 2, 3}
 
 
 class ZeroStageEnum(int, Enum):
@@ -157,9 +157,11 @@ def _check_built(cfg: DeepSpeedZeroConfig) -> None:
         raise unbuilt(f"{path}.stage", f"ZeRO stage {cfg.stage}")
     for key, what in (("offload_param", "parameter offload"), ("offload_optimizer", "optimizer offload")):
         sub = getattr(cfg, key)
-        if key == "offload_optimizer" and cfg.stage in (1, 2) and sub is not None and \
+        if key == "offload_optimizer" and cfg.stage in (1, 2, 3) and sub is not None and \
                 sub.device == OffloadDeviceEnum.cpu.value:
-            continue  # ZeRO-Offload of the optimizer to the host runs for stages 1 and 2
+            continue  # ZeRO-Offload of the optimizer to the host runs for stages 1, 2 and 3
+        if key == "offload_param" and cfg.stage == 3 and sub is not None and sub.device == OffloadDeviceEnum.cpu.value:
+            continue  # ZeRO-3 keeps the parameter shards in host memory
         if sub is not None and sub.device != OffloadDeviceEnum.none.value:
             device_what = "NVMe offload" if sub.device == OffloadDeviceEnum.nvme.value else what
             raise unbuilt(f"{path}.{key}.device", f"{device_what} to '{sub.device}'")

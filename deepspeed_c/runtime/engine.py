@@ -161,9 +161,12 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
         if self.dp_world_size > 1:
             dist = _comm()
             src = dist.get_global_rank(self.data_parallel_group, 0) if self.data_parallel_group is not None else 0
+            from deepspeed_c.runtime.zero.partition_parameters import is_zero_param
+
             with torch.no_grad():
                 for p in model.parameters():
-                    dist.broadcast(p.data, src, group=self.data_parallel_group)
+                    if not is_zero_param(p):  # zero.Init made every rank's shards from rank 0's values
+                        dist.broadcast(p.data, src, group=self.data_parallel_group)
 
     def _configure_optimizer(self, client_optimizer: Any, model_parameters: list) -> None:
         if client_optimizer is None:
@@ -219,10 +222,13 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
         # Stage 0 is plain data parallel; stages 1 and 2 replace the optimizer by the partitioned one
         # (which also brings its own gradient reducer). The config refuses unlisted stages.
         stage = self.zero_optimization_stage()
+        if stage == 3 and self.optimizer is None:
+            from deepspeed_c.runtime.zero.engine_glue import configure_zero3_params
+
+            self.optimizer = configure_zero3_params(self)  # a partitioned model for evaluation only
+            return
         if stage == 0 or self.optimizer is None:
             return
-        if stage not in (1, 2):
-            raise NotImplementedError(f"deepspeed_c: zero_optimization.stage={stage} has no engine collaborator yet")
         from deepspeed_c.runtime.zero.engine_glue import configure_zero_optimizer
 
         self.optimizer = configure_zero_optimizer(self)
@@ -496,9 +502,11 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
         return self._is_compiled
 
     def empty_partition_cache(self) -> None:
-        """Nothing is cached for partitioned parameters below ZeRO-3; frees the allocator's cache."""
+        """Releases every gathered ZeRO-3 parameter (persistent ones too) and frees the allocator's cache."""
         import gc
 
+        if self.stepper is not None:
+            self.stepper.release_gathered_params()
         gc.collect()
         get_accelerator().empty_cache()
 

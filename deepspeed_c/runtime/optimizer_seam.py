@@ -71,6 +71,9 @@ class EngineOptimizer:
     def destroy(self) -> None:
         """Drops hooks and buffers (engine.destroy)."""
 
+    def release_gathered_params(self) -> None:
+        """ZeRO-3: every gathered parameter released (engine.empty_partition_cache); nothing below."""
+
     # -- checkpoint state (runtime/checkpoint_engine.py writes DeepSpeed's layout from these) ----------
     def model_param_groups(self) -> list[list[torch.nn.Parameter]]:
         """The model parameters each param group steps (the model file's param_shapes)."""

@@ -1,4 +1,4 @@
-"""Builds the ZeRO stage 1/2 optimizer for an engine from its config (called by
+"""Builds the ZeRO stage 1/2/3 optimizer for an engine from its config (called by
 DeepSpeedEngine._configure_zero). Takes the engine as an argument; never imports it."""
 from __future__ import annotations
 
@@ -81,15 +81,15 @@ def configure_zero_optimizer(engine: Any) -> DeepSpeedZeroOptimizer:
     offload = zero_cfg.offload_optimizer
     offload_device = "cpu" if engine.zero_cpu_offload() else None
     cfg = engine._config
-    if stage == 2:
+    if stage >= 2:
         # gradient partitioning: every micro-step's gradients are reduced into the partition (no_sync is
         # refused at stage 2, as in DeepSpeed)
         def should_reduce() -> bool:
             return bool(engine.enable_backward_allreduce)
     else:
         should_reduce = engine._should_reduce
-    optimizer = DeepSpeedZeroOptimizer(
-        basic, stage=stage, rank=engine.get_data_parallel_rank() if engine.dp_world_size > 1 else 0,
+    common = dict(
+        rank=engine.get_data_parallel_rank() if engine.dp_world_size > 1 else 0,
         world_size=engine.dp_world_size, should_reduce=should_reduce,
         is_boundary=engine.is_gradient_accumulation_boundary, reduce_scatter=bool(zero_cfg.reduce_scatter),
         dp_process_group=engine.data_parallel_group, reduce_bucket_size=zero_cfg.reduce_bucket_size,
@@ -104,5 +104,33 @@ def configure_zero_optimizer(engine: Any) -> DeepSpeedZeroOptimizer:
         # DeepSpeed's BF16_Optimizer case: stage 1, bf16 model, fp32 accumulation, no offload
         accumulate_fp32=(stage == 1 and engine.precision.model_dtype == torch.bfloat16 and offload_device is None
                          and parse_dtype(cfg.grad_accum_dtype, "data_types.grad_accum_dtype") == torch.float32))
+    if stage == 3:
+        from deepspeed_c.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+        optimizer = DeepSpeedZeroOptimizer_Stage3(engine.module, basic, store_args=zero3_store_args(engine),
+                                                  zero_cfg=zero_cfg, **common)
+    else:
+        optimizer = DeepSpeedZeroOptimizer(basic, stage=stage, **common)
     engine.precision.set_scaling_owner(optimizer)  # loss scaling reads cur_scale / note_backward_scale here
     return optimizer
+
+
+def zero3_store_args(engine: Any) -> dict:
+    """How the engine's ZeRO-3 parameter store keeps its shards."""
+    zero_cfg = engine._config.zero_config
+    offload = zero_cfg.offload_param
+    on_host = offload is not None and offload.device == "cpu"
+    return dict(dtype=engine.precision.model_dtype, compute_device=engine.device,
+                home_device=torch.device("cpu") if on_host else None,
+                pin_memory=bool(on_host and offload.pin_memory),
+                persistence_threshold=zero_cfg.param_persistence_threshold,
+                model_persistence_threshold=zero_cfg.model_persistence_threshold)
+
+
+def configure_zero3_params(engine: Any) -> Any:
+    """Stage 3 without an optimizer: the model partitioned and gathered on use."""
+    from deepspeed_c.runtime.zero.stage3 import Zero3Params
+
+    return Zero3Params(engine.module, rank=engine.get_data_parallel_rank() if engine.dp_world_size > 1 else 0,
+                       world_size=engine.dp_world_size, group=engine.data_parallel_group,
+                       store_args=zero3_store_args(engine), zero_cfg=engine._config.zero_config)

@@ -94,7 +94,7 @@ class ZeroGradPartitioner(BackwardRound):
         self._flat_params = [p for params in self.groups for p in params]
         # readiness and launch order on the C bucket planner, over the partition plans' buckets (one
         # planner slot per (group, bucket), in the order every rank sends them)
-        self.readiness = BucketPlan([p.numel() for p in self._flat_params], 1,
+        self.readiness = BucketPlan([self.plans[g].numels[i] for g, i in self._where], 1,
                                     assignment=[self._slot_of[(g, self.plans[g].param_bucket[i])]
                                                 for g, i in self._where])
         self._mark = self.readiness._mark

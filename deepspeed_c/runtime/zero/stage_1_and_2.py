@@ -54,6 +54,8 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
     param groups hold one flat fp32 partition each (hyperparameters stay in the same group dicts, so
     lr schedulers keep working)."""
 
+    STAGES: tuple[int, ...] = (1, 2)
+
     def __init__(self, init_optimizer: torch.optim.Optimizer, *, stage: int, rank: int, world_size: int,
                  should_reduce: Callable[[], bool], dp_process_group: Any = None,
                  reduce_bucket_size: int = int(5e8), allgather_bucket_size: int = int(5e8),
@@ -66,8 +68,9 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
                  is_boundary: Optional[Callable[[], bool]] = None, offload_sub_chunk: Optional[int] = None,
                  offload_stage_on_host: Optional[bool] = None, master_dtype: torch.dtype = torch.float32,
                  accumulate_fp32: bool = False) -> None:
-        if stage not in (1, 2):
-            raise ValueError(f"DeepSpeedZeroOptimizer runs ZeRO stage 1 or 2, got stage={stage}")
+        if stage not in self.STAGES:
+            raise ValueError(f"{type(self).__name__} runs ZeRO stage {' or '.join(map(str, self.STAGES))}, "
+                             f"got stage={stage}")
         self.optimizer = init_optimizer
         self.stage = stage
         self.rank = rank
@@ -91,19 +94,9 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
             self.frozen_params += [p for p in group["params"] if not p.requires_grad]
             if not params:
                 raise ValueError(f"param group {g} has no trainable parameters; ZeRO needs at least one")
-            # backward produces gradients roughly in reverse order: so should the buckets fill
-            order = list(range(len(params) - 1, -1, -1))
-            plan = PartitionPlan.build([p.numel() for p in params], world_size, cap, DEEPSPEED_ALIGNMENT, order)
             master_device = torch.device(offload_device) if offload_device else params[0].device
-            # this rank's master partition is cut straight from the (16-bit) parameters slice by slice: no
-            # fp32 copy of the whole model is ever made. master_dtype is fp32, or the model dtype under
-            # {bf16,fp16}_master_weights_and_grads (DeepSpeed keeps the partition's masters and gradients
-            # in 16 bits then)
             pin = pin_memory and master_device.type == "cpu" and torch.cuda.is_available()
-            flat = torch.zeros(plan.partition_size("runtime"), dtype=master_dtype, device=master_device,
-                               pin_memory=pin)
-            with torch.no_grad():
-                plan.scatter_params([p.detach() for p in params], "runtime", rank, out=flat)
+            plan, flat = self._cut_group(g, params, cap, master_dtype, master_device, pin)
             master = torch.nn.Parameter(flat, requires_grad=True)
             group["params"] = [master]
             self.bit16_groups.append(params)
@@ -118,14 +111,13 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
         self.reducer = ZeroGradPartitioner(
             self.bit16_groups, self.partition_plans, rank=rank, world_size=world_size, should_reduce=should_reduce,
             is_boundary=is_boundary, group=dp_process_group, comm_dtype=communication_dtype,
-            overlap=bool(overlap_comm) or stage == 2,
+            overlap=bool(overlap_comm) or stage >= 2,
             # stage 2 overlaps unless overlap_comm is false explicitly: then each bucket's reduction is
             # awaited as soon as it is issued, as DeepSpeed's non-overlapped stage 2 does
-            wait_each_bucket=stage == 2 and overlap_comm is False, accumulate_fp32=accumulate_fp32 and stage == 1,
+            wait_each_bucket=stage >= 2 and overlap_comm is False, accumulate_fp32=accumulate_fp32 and stage == 1,
             use_reduce_scatter=reduce_scatter, prescale_gradients=prescale_gradients,
             gradient_predivide_factor=gradient_predivide_factor, gradient_average=gradient_average)
-        self.gatherer = BucketGatherer(self.partition_plans, self.bit16_groups, world_size=world_size,
-                                       group=dp_process_group, cap=self.allgather_bucket_size)
+        self.gatherer = self._weights_writer()
         self.offload: Optional[CPUOffload] = None
         if offload_device == "cpu":
             self.offload = CPUOffload(init_optimizer, self.fp32_partitions, self.bit16_groups, self.reducer,
@@ -139,6 +131,26 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
             self.epilogue = AdamEpilogue.for_optimizer(init_optimizer, self.fp32_partitions[0].device)
         self._lp_out: Optional[list[torch.Tensor]] = None
         self.state_offload = ZeroStateOffload(self)
+
+    def _cut_group(self, g: int, params: list[torch.nn.Parameter], cap: int, master_dtype: torch.dtype,
+                   master_device: torch.device, pin: bool) -> tuple[PartitionPlan, torch.Tensor]:
+        """Group g's partition plan and this rank's master partition."""
+        # backward produces gradients roughly in reverse order: so should the buckets fill
+        order = list(range(len(params) - 1, -1, -1))
+        plan = PartitionPlan.build([p.numel() for p in params], self.world_size, cap, DEEPSPEED_ALIGNMENT, order)
+        # this rank's master partition is cut straight from the (16-bit) parameters slice by slice: no
+        # fp32 copy of the whole model is ever made. master_dtype is fp32, or the model dtype under
+        # {bf16,fp16}_master_weights_and_grads (DeepSpeed keeps the partition's masters and gradients
+        # in 16 bits then)
+        flat = torch.zeros(plan.partition_size("runtime"), dtype=master_dtype, device=master_device, pin_memory=pin)
+        with torch.no_grad():
+            plan.scatter_params([p.detach() for p in params], "runtime", self.rank, out=flat)
+        return plan, flat
+
+    def _weights_writer(self) -> Any:
+        """Where updated partitions go, bucket by bucket (submit/finish): all-gathered into the model."""
+        return BucketGatherer(self.partition_plans, self.bit16_groups, world_size=self.world_size,
+                              group=self.dp_process_group, cap=self.allgather_bucket_size)
 
     # -- the optimizer face ------------------------------------------------------------------------
     @property

@@ -1,0 +1,337 @@
+"""ZeRO-3 gather-on-use: module hooks that gather a module's parameters before its forward and its
+backward and release them after, driven by a fetch plan.
+
+Every module with parameters (its own, registered external ones, or all below it for a z3 leaf module)
+is a *step* when its forward starts and again when its backward starts (an identity autograd function
+on its outputs); the end of its backward is seen by an identity function on its inputs. The first
+iteration runs on demand and records the trace of steps (each step: the units it needs). From the
+trace the C fetch planner (ops/fetch_plan.py) computes which units to gather at each step (its own,
+and prefetches of the next steps' within stage3_prefetch_bucket_size and stage3_max_live_parameters)
+and which to release after it (kept when reused within stage3_max_reuse_distance). Later iterations
+follow the plan while their steps match it; the first step that differs (control flow changed, a
+layer skipped, a generate-style loop) switches the rest of the iteration back to on demand, and the
+newly recorded trace gives the next plan. A unit in use (a module running, GatheredParameters) is
+pinned and never released under it. At the end of each backward (and of a forward that will have no
+backward) every unit still gathered is released except persistent ones.
+
+Collectives must match across ranks: the plan is a pure function of the trace, and every rank's
+trace is checked against rank 0's when a plan is built (an error naming the first module that
+differs, instead of mismatched gathers)."""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Optional, Sequence
+
+import torch
+
+from deepspeed_c.runtime.zero.param_store import ParamStore
+from deepspeed_c.runtime.zero.partition_parameters import drop_guard, external_parameters, is_zero_param
+
+_Z3_LEAF_ATTR = "_z3_leaf"
+
+
+def _is_leaf(module: torch.nn.Module) -> bool:
+    return bool(getattr(module, _Z3_LEAF_ATTR, False))
+
+
+class _PreBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, coord: "ParamCoordinator", key: int, fired: list, *outputs: torch.Tensor) -> Any:
+        ctx.coord, ctx.key, ctx.fired = coord, key, fired
+        return outputs if len(outputs) > 1 else outputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        if not ctx.fired[0]:
+            ctx.fired[0] = True
+            ctx.coord.begin_step(ctx.key, "b")
+        return (None, None, None) + grads
+
+
+class _PostBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, coord: "ParamCoordinator", key: int, fired: list, *inputs: torch.Tensor) -> Any:
+        ctx.coord, ctx.key, ctx.fired = coord, key, fired
+        return inputs if len(inputs) > 1 else inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        if ctx.fired[0] and not ctx.fired[1]:
+            ctx.fired[1] = True
+            ctx.coord.end_step(ctx.key, "b")
+        return (None, None, None) + grads
+
+
+def _wrap_tensors(fn: Any, coord: "ParamCoordinator", key: int, fired: list, value: Any) -> Any:
+    """`value` with its grad-requiring tensors passed through `fn` (one node for all of them)."""
+    flat: list[torch.Tensor] = []
+
+    def collect(v: Any) -> None:
+        if isinstance(v, torch.Tensor):
+            if v.requires_grad:
+                flat.append(v)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                collect(x)
+        elif isinstance(v, dict):
+            for x in v.values():
+                collect(x)
+
+    collect(value)
+    if not flat:
+        return value
+    out = fn.apply(coord, key, fired, *flat)
+    new = dict(zip(map(id, flat), out if len(flat) > 1 else (out,)))
+
+    def rebuild(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return new.get(id(v), v)
+        if isinstance(v, tuple) and hasattr(v, "_fields"):
+            return type(v)(*(rebuild(x) for x in v))
+        if isinstance(v, (list, tuple)):
+            return type(v)(rebuild(x) for x in v)
+        if isinstance(v, dict):  # a fresh output or kwargs (a ModelOutput too): updated in place
+            for k in list(v.keys()):
+                v[k] = rebuild(v[k])
+            return v
+        return v
+
+    return rebuild(value)
+
+
+class ZeroParamDict(dict):
+    """A module's `_parameters` that gathers a partitioned parameter read through the module attribute while
+    some module's forward runs (as torch's MultiheadAttention reads its out_proj's weight): the parameter
+    joins the running module's step, so later iterations gather it up front."""
+
+    coordinator: "ParamCoordinator"
+
+    def __getitem__(self, key: str) -> Any:
+        p = dict.__getitem__(self, key)
+        if p is not None and getattr(p, "ds_status", None) is not None and p.ds_status.value != 1:
+            self.coordinator.fetch_on_access(p)
+        return p
+
+
+class ParamCoordinator:
+    def __init__(self, module: torch.nn.Module, store: ParamStore, *, prefetch_bucket_size: int,
+                 max_live_parameters: int, max_reuse_distance: int, use_plan: bool = True) -> None:
+        self.module = module
+        self.store = store
+        self.limits = dict(prefetch_bucket_size=int(prefetch_bucket_size),
+                           max_live_parameters=int(max_live_parameters), max_reuse_distance=int(max_reuse_distance))
+        self.use_plan = use_plan
+        self.modules: list[torch.nn.Module] = []
+        self.names: list[str] = []
+        self.units: list[tuple[int, ...]] = []
+        self._handles: list[Any] = []
+        names = {id(m): n for n, m in module.named_modules()}
+        self._leaf_children: set[int] = set()
+        for m in module.modules():
+            if id(m) in self._leaf_children:
+                continue
+            if _is_leaf(m):
+                self._leaf_children.update(id(c) for c in m.modules() if c is not m)
+                params = list(m.parameters())
+            else:
+                params = [p for p in m._parameters.values() if p is not None]
+            params += external_parameters(m)
+            drop_guard(m)
+            if any(is_zero_param(p) for p in m._parameters.values()) and type(m._parameters) is dict:
+                zd = ZeroParamDict(m._parameters)
+                zd.coordinator = self
+                m.__dict__["_parameters"] = zd
+            units = tuple(sorted({getattr(p, "_dsc_z3")[1] for p in params if is_zero_param(p)}))
+            # every module gets hooks: one without parameters of its own may still read another's through
+            # an attribute (a tied head), which then joins its steps
+            key = len(self.modules)
+            self.modules.append(m)
+            self.names.append(names.get(id(m), type(m).__name__) or "<root>")
+            self.units.append(units)
+            self._handles.append(m.register_forward_pre_hook(self._pre_hook(key), with_kwargs=True))
+            self._handles.append(m.register_forward_hook(self._post_hook(key), with_kwargs=True))
+        self._handles.append(module.register_forward_pre_hook(self._root_pre, prepend=True))
+        self._handles.append(module.register_forward_hook(self._root_post))
+        # the trace being recorded and the plan being followed
+        self.trace: list[tuple[int, str]] = []
+        self.plan: Any = None
+        self.plan_trace: Optional[list[tuple[int, str]]] = None
+        self.following = False
+        self.step_index = 0
+        self._open: dict[int, list[int]] = {}  # key -> stack of step indices of its running steps
+        self._running: list[int] = []  # keys of the forwards running now, innermost last
+        self._access_pins: dict[int, list[int]] = {}  # key -> units gathered on attribute access in its forward
+        self.plans_built = 0
+
+    # -- hooks ---------------------------------------------------------------------------------------
+    def _root_pre(self, module: torch.nn.Module, args: Any) -> None:
+        if not self._in_backward_round():
+            self.new_iteration()
+
+    def _root_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled() or not _requires_grad(output):
+            # no backward will follow this forward: its iteration ends here
+            self.end_iteration()
+
+    def _in_backward_round(self) -> bool:
+        return torch._C._current_autograd_node() is not None
+
+    def _pre_hook(self, key: int) -> Any:
+        def hook(m: torch.nn.Module, args: Any, kwargs: Any) -> Any:
+            self._running.append(key)
+            if not self.units[key]:
+                return None
+            self.begin_step(key, "f")
+            if torch.is_grad_enabled():
+                fired = [False, False]
+                self._fired_stack(key).append(fired)
+                return _wrap_tensors(_PostBackward, self, key, fired, (args, dict(kwargs)))
+            return None
+
+        return hook
+
+    def _post_hook(self, key: int) -> Any:
+        def hook(m: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+            if self._running and self._running[-1] == key:
+                self._running.pop()
+            if not self.units[key]:
+                return None
+            self.end_step(key, "f")  # also drops the units its attribute reads gathered
+            if torch.is_grad_enabled():
+                stack = self._fired_stack(key)
+                fired = stack.pop() if stack else [False, False]
+                return _wrap_tensors(_PreBackward, self, key, fired, output)
+            return None
+
+        return hook
+
+    def _fired_stack(self, key: int) -> list:
+        return self.__dict__.setdefault("_fired", {}).setdefault(key, [])
+
+    # -- steps ---------------------------------------------------------------------------------------
+    def begin_step(self, key: int, phase: str) -> None:
+        i = self.step_index
+        self.step_index += 1
+        self.trace.append((key, phase))
+        store = self.store
+        if self.following:
+            assert self.plan_trace is not None
+            if i < len(self.plan_trace) and self.plan_trace[i] == (key, phase):
+                for group in self.plan.fetch_at(i):
+                    store.fetch(group)
+            else:
+                self.following = False  # the model took another path: on demand for the rest of it
+        units = self.units[key]
+        store.wait(units)
+        for u in units:
+            store.pins[u] += 1
+        self._open.setdefault(key, []).append((i, units))
+
+    def end_step(self, key: int, phase: str) -> None:
+        store = self.store
+        extra = self._access_pins.pop(key, ()) if phase == "f" else ()
+        for u in extra:
+            store.pins[u] -= 1
+        stack = self._open.get(key)
+        if not stack:
+            store.release([u for u in extra if not store.persistent[u]])
+            return
+        i, units = stack.pop()
+        for u in units:
+            store.pins[u] -= 1
+        if self.following:
+            store.release([u for u in self.plan.release_at(i) if not store.persistent[u]])
+        else:
+            store.release([u for u in set(units) | set(extra) if not store.persistent[u]])
+
+    def fetch_on_access(self, p: torch.nn.Parameter) -> None:
+        if not self._running:
+            return  # outside a forward a placeholder is what DeepSpeed returns too
+        key = self._running[-1]
+        u = getattr(p, "_dsc_z3")[1]
+        if u not in self.units[key]:
+            self.units[key] = tuple(sorted(self.units[key] + (u,)))
+        self.store.wait([u])
+        self.store.pins[u] += 1  # until the end of this forward
+        self._access_pins.setdefault(key, []).append(u)
+
+    # -- iterations ----------------------------------------------------------------------------------
+    def new_iteration(self) -> None:
+        if self.trace:
+            self.end_iteration()
+        self.step_index = 0
+        self.following = self.plan is not None
+
+    def end_iteration(self) -> None:
+        """Everything still gathered is released (persistent units stay); the trace becomes the plan."""
+        self._open.clear()
+        self._running.clear()
+        self._access_pins.clear()
+        self.__dict__.pop("_fired", None)
+        self.store.pins = [0] * len(self.store.pins)
+        self.store.release_all(keep_persistent=True)
+        trace, self.trace = self.trace, []
+        self.step_index = 0
+        self.following = False
+        if not trace or not self.use_plan or trace == self.plan_trace:
+            return
+        self._check_same_trace(trace)
+        self.plan = self._build_plan(trace)
+        self.plan_trace = trace
+
+    def _build_plan(self, trace: Sequence[tuple[int, str]]) -> Any:
+        from deepspeed_c.ops.fetch_plan import FetchPlan
+
+        self.plans_built += 1
+        return FetchPlan.build([list(self.units[k]) for k, _ in trace], self.store.unit_numel,
+                               self.store.persistent, **self.limits)
+
+    def _check_same_trace(self, trace: Sequence[tuple[int, str]]) -> None:
+        if self.store.world_size == 1:
+            return
+        import torch.distributed as dist
+
+        digest = hashlib.sha1(repr(list(trace)).encode()).digest()[:8]
+        mine = torch.tensor(list(digest), dtype=torch.uint8, device=self.store.compute_device)
+        every = [torch.empty_like(mine) for _ in range(self.store.world_size)]
+        dist.all_gather(every, mine, group=self.store.group)
+        if all(torch.equal(e, mine) for e in every):
+            return
+        traces: list[Any] = [None] * self.store.world_size
+        dist.all_gather_object(traces, list(trace), group=self.store.group)
+        ref = traces[0]
+        k = next((k for k in range(min(len(ref), len(trace))) if ref[k] != trace[k]), min(len(ref), len(trace)))
+        mine_s = self._describe(trace, k)
+        theirs = self._describe(ref, k)
+        raise RuntimeError(f"ZeRO-3: the ranks ran different modules (step {k} of the iteration: this rank ran "
+                           f"{mine_s}, rank 0 ran {theirs}); every rank must run the same modules in the same order "
+                           "so that their parameter gathers match")
+
+    def _describe(self, trace: Sequence[tuple[int, str]], k: int) -> str:
+        if k >= len(trace):
+            return "nothing (its iteration ended)"
+        key, phase = trace[k]
+        return f"the {'forward' if phase == 'f' else 'backward'} of module '{self.names[key]}'"
+
+    def invalidate(self) -> None:
+        """The weights changed (an optimizer step, a load): every gathered copy is stale."""
+        self.store.release_all(keep_persistent=False)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for m in self.modules:
+            if type(m._parameters) is ZeroParamDict:
+                m.__dict__["_parameters"] = dict(m._parameters)
+
+
+def _requires_grad(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.requires_grad
+    if isinstance(value, (list, tuple)):
+        return any(_requires_grad(v) for v in value)
+    if isinstance(value, dict):
+        return any(_requires_grad(v) for v in value.values())
+    return hasattr(value, "__dataclass_fields__") and any(
+        _requires_grad(getattr(value, f)) for f in value.__dataclass_fields__)

@@ -1,0 +1,204 @@
+"""Where ZeRO-3 parameters live between uses: the sharded 16-bit (model dtype) storage and the
+gather/release of *units*.
+
+Parameters are held in groups (one per optimizer param group, plus one for parameters no optimizer
+steps). Each group has a PartitionPlan whose buckets are runs of one module's parameters; a bucket is
+the unit the runtime all-gathers: it is split into W equal chunks and rank r keeps chunk r, so the
+rank's whole storage of the group is one flat tensor (`shard`), laid out exactly like the fp32 master
+partition of the ZeRO optimizer (the plan's runtime layout) and like the gradient partition the
+reduce-scatter fills. Gathering a unit is one all_gather_into_tensor of its chunk into a buffer of the
+bucket's size; the parameters become views into that buffer (no copy out). Releasing a unit points the
+parameters back at empty placeholders and drops the buffer.
+
+A parameter's placeholder keeps DeepSpeed's contract (numel() == 0, ds_* attributes, see
+partition_parameters.py). Units are numbered globally: unit ids run over the groups' buckets in order."""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+from deepspeed_c.ops.partition import PartitionPlan
+
+UNIT_ATTR = "_dsc_z3"  # on each parameter: (store, unit id, offset in the unit's bucket)
+
+
+def _comm() -> Any:
+    import deepspeed_c.comm as dist
+
+    return dist
+
+
+def module_runs(params: Sequence[torch.nn.Parameter], owner: dict[int, int]) -> list[int]:
+    """A bucket id per parameter: consecutive parameters of the same owning module share a bucket."""
+    out: list[int] = []
+    last: Optional[int] = None
+    for p in params:
+        m = owner.get(id(p), -1)
+        if not out:
+            out.append(0)
+        else:
+            out.append(out[-1] if m == last else out[-1] + 1)
+        last = m
+    return out
+
+
+class ParamStore:
+    """The sharded storage of every ZeRO-3 parameter of one model, and its gathered units."""
+
+    def __init__(self, groups: Sequence[Sequence[torch.nn.Parameter]], owner: dict[int, int], *, rank: int,
+                 world_size: int, group: Any, dtype: torch.dtype, compute_device: torch.device,
+                 home_device: Optional[torch.device] = None, pin_memory: bool = False,
+                 persistence_threshold: int = 0, model_persistence_threshold: Optional[int] = None) -> None:
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.dtype = dtype
+        self.compute_device = compute_device
+        self.home_device = home_device or compute_device
+        self.groups: list[list[torch.nn.Parameter]] = [list(g) for g in groups]
+        self.plans: list[PartitionPlan] = []
+        self.shards: list[torch.Tensor] = []
+        self.unit_of: list[tuple[int, int]] = []  # unit -> (group, bucket)
+        self.unit_params: list[list[tuple[torch.nn.Parameter, int]]] = []  # unit -> [(param, offset in bucket)]
+        self.unit_numel: list[int] = []
+        self.first_unit: list[int] = []
+        pin = pin_memory and self.home_device.type == "cpu" and torch.cuda.is_available()
+        for g, params in enumerate(self.groups):
+            numels = [full_numel(p) for p in params]
+            plan = PartitionPlan.build(numels, world_size, 1, 1, None, module_runs(params, owner)) if params else None
+            self.plans.append(plan)  # type: ignore[arg-type]
+            size = plan.runtime_partition_size if plan is not None else 0
+            self.shards.append(torch.zeros(size, dtype=dtype, device=self.home_device, pin_memory=pin))
+            self.first_unit.append(len(self.unit_of))
+            if plan is None:
+                continue
+            for b in range(plan.num_buckets):
+                self.unit_of.append((g, b))
+                self.unit_params.append([])
+                self.unit_numel.append(plan.bucket_size[b])
+            for i, p in enumerate(params):
+                b = plan.param_bucket[i]
+                u = self.first_unit[g] + b
+                self.unit_params[u].append((p, plan.param_offset[i] - plan.bucket_offset[b]))
+        n_units = len(self.unit_of)
+        self.full: list[Optional[torch.Tensor]] = [None] * n_units
+        self.works: list[Any] = [None] * n_units
+        self.pins = [0] * n_units  # users of a live unit (running modules, GatheredParameters): not released
+        # DeepSpeed's persistence: small units stay gathered between uses (until the weights change),
+        # as long as the persistent total stays under the model threshold
+        budget = model_persistence_threshold if model_persistence_threshold is not None else 1 << 62
+        self.persistent = [False] * n_units
+        for u in sorted(range(n_units), key=lambda u: self.unit_numel[u]):
+            real = sum(full_numel(p) for p, _ in self.unit_params[u])
+            if real < persistence_threshold and real <= budget:
+                self.persistent[u] = True
+                budget -= real
+        self.live_numel = 0
+        self.peak_live_numel = 0
+        self.gathers = 0
+
+    # -- layout --------------------------------------------------------------------------------------
+    def chunk_range(self, u: int) -> tuple[int, int]:
+        g, b = self.unit_of[u]
+        plan = self.plans[g]
+        start = plan.bucket_offset[b] // self.world_size
+        return start, start + plan.bucket_size[b] // self.world_size
+
+    def local_pieces(self, g: int, i: int) -> list[tuple[int, int, int]]:
+        """(param_start, local_start, length) of param i of group g inside this rank's shard."""
+        return [(ps, ls, n) for param, _, ps, ls, n, _ in self.plans[g].slices("runtime", self.rank) if param == i]
+
+    @torch.no_grad()
+    def load_full(self, g: int, i: int, value: torch.Tensor) -> None:
+        """This rank's pieces of param i of group g cut from its whole value."""
+        flat = value.detach().reshape(-1)
+        for ps, ls, n in self.local_pieces(g, i):
+            self.shards[g][ls:ls + n].copy_(flat[ps:ps + n])
+
+    # -- gather / release ----------------------------------------------------------------------------
+    def is_live(self, u: int) -> bool:
+        return self.full[u] is not None
+
+    @torch.no_grad()
+    def fetch(self, units: Sequence[int]) -> None:
+        """Starts gathering the units not already live or in flight (asynchronous where the backend is)."""
+        for u in units:
+            if self.full[u] is not None:
+                continue
+            start, end = self.chunk_range(u)
+            chunk = self.shards[self.unit_of[u][0]][start:end]
+            if chunk.device != self.compute_device:
+                chunk = chunk.to(self.compute_device, non_blocking=True)
+            if self.world_size == 1:
+                full = chunk.clone()
+                self.works[u] = None
+            else:
+                full = torch.empty((end - start) * self.world_size, dtype=self.dtype, device=self.compute_device)
+                self.works[u] = _comm().all_gather_into_tensor(full, chunk, group=self.group, async_op=True)
+            self.full[u] = full
+            self.gathers += 1
+            self.live_numel += full.numel()
+            self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
+            for p, _ in self.unit_params[u]:
+                p.ds_status = _status().INFLIGHT
+
+    def wait(self, units: Sequence[int]) -> None:
+        """The units' parameters point at their gathered values (fetching any not started)."""
+        self.fetch(units)
+        for u in units:
+            work = self.works[u]
+            if work is not None:
+                work.wait()
+                self.works[u] = None
+            full = self.full[u]
+            assert full is not None
+            for p, off in self.unit_params[u]:
+                if p.ds_status is not _status().AVAILABLE:
+                    p.data = full[off:off + p.ds_numel].view(p.ds_shape)
+                    p.ds_status = _status().AVAILABLE
+
+    def release(self, units: Sequence[int]) -> None:
+        """Drops the units' gathered values (a unit still pinned by a user stays)."""
+        for u in units:
+            full = self.full[u]
+            if full is None or self.pins[u] > 0:
+                continue
+            if self.works[u] is not None:  # never leave a collective behind: it writes into `full`
+                self.works[u].wait()
+                self.works[u] = None
+            for p, _ in self.unit_params[u]:
+                p.data = placeholder(p.dtype, self.compute_device)
+                p.ds_status = _status().NOT_AVAILABLE
+            self.full[u] = None
+            self.live_numel -= full.numel()
+
+    def release_all(self, keep_persistent: bool = True) -> None:
+        """Every unit released (after a step the gathered values are stale: persistent ones go too)."""
+        if not keep_persistent:
+            self.pins = [0] * len(self.pins)
+        self.release([u for u in range(len(self.full)) if not (keep_persistent and self.persistent[u])])
+
+    # -- writes back ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def write_back(self, u: int) -> None:
+        """A live unit's (possibly modified) values written into this rank's chunk."""
+        full = self.full[u]
+        assert full is not None
+        start, end = self.chunk_range(u)
+        g = self.unit_of[u][0]
+        n = end - start
+        self.shards[g][start:end].copy_(full[self.rank * n:(self.rank + 1) * n])
+
+
+def full_numel(p: torch.nn.Parameter) -> int:
+    return int(getattr(p, "ds_numel", p.numel()))
+
+
+def placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty tensor (DeepSpeed's partitioned parameter data: numel() == 0)."""
+    return torch.empty(0, dtype=dtype, device=device)
+
+
+def _status() -> Any:
+    from deepspeed_c.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return ZeroParamStatus

@@ -1,0 +1,199 @@
+"""ZeRO stage 3: parameters, gradients and optimizer states partitioned across the data-parallel ranks.
+
+The model's parameters live in a ParamStore (param_store.py): per optimizer param group one flat shard
+in the model dtype, laid out by a PartitionPlan whose buckets are runs of one module's parameters, so
+a module's parameters are all-gathered by one collective per group it spans, and the same plan is the
+ZeRO optimizer's: the fp32 master partition, the reduce-scattered gradient partition and the 16-bit
+shard are one layout. Parameters nobody steps (frozen, or left out of the optimizer) are stored the
+same way in a last group that is never reduced.
+
+The optimizer is the stage 1/2 one (stage_1_and_2.DeepSpeedZeroOptimizer: reduce-scatter per bucket
+into the partition on every micro-step, overflow check, clipping, fused epilogue or CPU offload) with
+two differences: its masters come from the shards instead of whole parameters, and its updated
+partitions are written into this rank's shard instead of all-gathered into the model (the next
+forward gathers what it uses). Gather-on-use is param_hooks.ParamCoordinator."""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+from deepspeed_c.ops.partition import PartitionPlan
+from deepspeed_c.runtime.optimizer_seam import EngineOptimizer
+from deepspeed_c.runtime.zero.param_hooks import ParamCoordinator
+from deepspeed_c.runtime.zero.param_store import ParamStore, placeholder
+from deepspeed_c.runtime.zero.partition_parameters import adopt, is_zero_param
+from deepspeed_c.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+__all__ = ["DeepSpeedZeroOptimizer_Stage3", "build_param_store", "Zero3Params",
+           "estimate_zero3_model_states_mem_needs", "estimate_zero3_model_states_mem_needs_all_live",
+           "estimate_zero3_model_states_mem_needs_all_cold", "model_to_params"]
+
+
+def _owners(module: torch.nn.Module) -> dict[int, int]:
+    owner: dict[int, int] = {}
+    for k, m in enumerate(module.modules()):
+        for p in m._parameters.values():
+            if p is not None:
+                owner.setdefault(id(p), k)
+    return owner
+
+
+@torch.no_grad()
+def build_param_store(module: torch.nn.Module, groups: Sequence[Sequence[torch.nn.Parameter]], *, rank: int,
+                      world_size: int, group: Any, dtype: torch.dtype, compute_device: torch.device,
+                      home_device: Optional[torch.device], pin_memory: bool, persistence_threshold: int,
+                      model_persistence_threshold: int) -> ParamStore:
+    """The engine's store over `groups` plus a last group of every other parameter of `module`. Values come
+    from whole parameters (then freed) or, for a model built under zero.Init, from its shards, one old
+    unit gathered at a time (never the whole model)."""
+    seen = {id(p) for g in groups for p in g}
+    rest = []
+    for p in module.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            rest.append(p)
+    all_groups = [list(g) for g in groups] + [rest]
+    for params in all_groups:
+        for p in params:
+            if not is_zero_param(p):
+                p.ds_shape, p.ds_numel = p.shape, p.numel()
+    store = ParamStore(all_groups, _owners(module), rank=rank, world_size=world_size, group=group, dtype=dtype,
+                       compute_device=compute_device, home_device=home_device, pin_memory=pin_memory,
+                       persistence_threshold=persistence_threshold,
+                       model_persistence_threshold=model_persistence_threshold)
+    where = {id(p): (g, i) for g, params in enumerate(all_groups) for i, p in enumerate(params)}
+    old_units: dict[tuple[int, int], tuple[ParamStore, int]] = {}
+    for params in all_groups:
+        for p in params:
+            if is_zero_param(p):
+                old, u = getattr(p, "_dsc_z3")
+                old_units.setdefault((id(old), u), (old, u))
+            else:
+                store.load_full(*where[id(p)], p.data)
+                p.data = placeholder(p.dtype, compute_device)
+    for old, u in old_units.values():
+        old.wait([u])
+        for p, _ in old.unit_params[u]:
+            if id(p) in where:
+                store.load_full(*where[id(p)], p.data)
+        old.pins[u] = 0
+        old.release([u])
+    adopt(store)
+    return store
+
+
+class ShardWriter:
+    """The stage-3 stand-in for the stage 1/2 all-gather of updated weights: each updated partition chunk
+    is written into this rank's shard; once all are in, every gathered copy is stale and released."""
+
+    def __init__(self, store: ParamStore) -> None:
+        self.store = store
+        self.plans = store.plans
+
+    def submit(self, g: int, b: int, chunk: torch.Tensor) -> None:
+        plan = self.store.plans[g]
+        start = plan.bucket_offset[b] // self.store.world_size
+        self.store.shards[g][start:start + chunk.numel()].copy_(chunk, non_blocking=True)
+
+    def finish(self) -> None:
+        self.store.release_all(keep_persistent=False)
+
+
+class _Stage3Round:
+    """What the engine drives each backward: the gradient reduce-scatter, then the end of the parameters'
+    iteration (everything still gathered released, the recorded trace becoming the fetch plan)."""
+
+    def __init__(self, partitioner: Any, coordinator: Optional[ParamCoordinator]) -> None:
+        self.partitioner, self.coordinator = partitioner, coordinator
+
+    def claim_round(self) -> None:
+        if self.partitioner is not None:
+            self.partitioner.claim_round()
+
+    def end_backward(self) -> None:
+        if self.partitioner is not None:
+            self.partitioner.end_backward()
+        if self.coordinator is not None:
+            self.coordinator.end_iteration()
+
+    def remove(self) -> None:
+        if self.partitioner is not None:
+            self.partitioner.remove()
+        if self.coordinator is not None:
+            self.coordinator.remove()
+
+
+def _coordinator(module: torch.nn.Module, store: ParamStore, zero_cfg: Any) -> ParamCoordinator:
+    return ParamCoordinator(module, store, prefetch_bucket_size=zero_cfg.prefetch_bucket_size,
+                            max_live_parameters=zero_cfg.max_live_parameters,
+                            max_reuse_distance=zero_cfg.max_reuse_distance)
+
+
+class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (DeepSpeed's class name)
+    STAGES = (3,)
+
+    def __init__(self, module: torch.nn.Module, init_optimizer: torch.optim.Optimizer, *, store_args: dict,
+                 zero_cfg: Any, **kwargs: Any) -> None:
+        groups = [[p for p in g["params"] if p.requires_grad] for g in init_optimizer.param_groups]
+        self.store = build_param_store(module, groups, rank=kwargs["rank"], world_size=kwargs["world_size"],
+                                       group=kwargs.get("dp_process_group"), **store_args)
+        super().__init__(init_optimizer, stage=3, **kwargs)
+        self.coordinator = _coordinator(module, self.store, zero_cfg)
+        self._round = _Stage3Round(self.reducer, self.coordinator)
+
+    def _cut_group(self, g: int, params: list[torch.nn.Parameter], cap: int, master_dtype: torch.dtype,
+                   master_device: torch.device, pin: bool) -> tuple[PartitionPlan, torch.Tensor]:
+        shard = self.store.shards[g]
+        flat = torch.empty(shard.numel(), dtype=master_dtype, device=master_device, pin_memory=pin)
+        flat.copy_(shard)
+        return self.store.plans[g], flat
+
+    def _weights_writer(self) -> Any:
+        return ShardWriter(self.store)
+
+    def owned_reducer(self) -> Any:
+        return self._round
+
+    @torch.no_grad()
+    def masters_from_model(self) -> None:
+        for g, master in enumerate(self.fp32_partitions):
+            master.copy_(self.store.shards[g])
+
+    def release_gathered_params(self) -> None:
+        self.store.release_all(keep_persistent=False)
+
+    def destroy(self) -> None:
+        self._round.remove()
+
+    def __repr__(self) -> str:
+        return f"DeepSpeedZeroOptimizer_Stage3(world_size={self.world_size}, {self.optimizer!r})"
+
+
+class Zero3Params(EngineOptimizer):
+    """Stage 3 without an optimizer (evaluation or inference of a partitioned model): the store and the
+    gather-on-use hooks only."""
+
+    def __init__(self, module: torch.nn.Module, *, rank: int, world_size: int, group: Any, store_args: dict,
+                 zero_cfg: Any) -> None:
+        self.store = build_param_store(module, [], rank=rank, world_size=world_size, group=group, **store_args)
+        self.coordinator = _coordinator(module, self.store, zero_cfg)
+        self._round = _Stage3Round(None, self.coordinator)
+
+    def owned_reducer(self) -> Any:
+        return self._round
+
+    def release_gathered_params(self) -> None:
+        self.store.release_all(keep_persistent=False)
+
+    def destroy(self) -> None:
+        self._round.remove()
+
+
+def __getattr__(name: str) -> Any:
+    # the memory estimators live in stage3_estimators.py (DeepSpeed exposes them here)
+    if name.startswith("estimate_zero3") or name == "model_to_params":
+        from deepspeed_c.runtime.zero import stage3_estimators
+
+        return getattr(stage3_estimators, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
