@@ -10,6 +10,28 @@ ZeRO stage 0 checkpoints hold the weights in mp_rank_00_model_states.pt (the fp3
 optimizer state when training in bf16/fp16). ZeRO stage 1/2 checkpoints in DeepSpeed's flat layout
 hold each rank's slice of every parameter group in [bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt;
 concatenated over ranks they are the group's parameters in param_shapes order, padded at the end.
+
+ZeRO stage 3 checkpoints (DeepSpeed's layout) have no mp_rank_00_model_states.pt; each rank r of the
+W data-parallel ranks writes two files, and these fields of them are read:
+
+* zero_pp_rank_{r}_mp_rank_00_model_states.pt (rank 0's copy unless said otherwise):
+  ``buffer_names`` (persistent buffer names; their values are taken from ``module``, whose parameter
+  entries are empty placeholders), ``param_shapes`` (one ordered name -> shape mapping per optimizer
+  sub-group; taken together, in order, they list the trainable parameters as laid out in
+  fp32_flat_groups), ``frozen_param_shapes`` (ordered name -> full shape of every parameter the
+  optimizer does not own, or None) with ``frozen_param_fragments`` read from EVERY rank's file (name ->
+  that rank's 1-D shard of the parameter), ``shared_params`` (tied name -> name holding the data;
+  only rank 0's file fills it).
+* [bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt: ``optimizer_state_dict`` with ``zero_stage`` == 3,
+  ``partition_count`` (W; a list means its max) and ``fp32_flat_groups`` (rank r's flat fp32 tensor
+  per sub-group).
+
+Every parameter p (trainable or frozen) of n elements is cut into W shards of s = ceil(n / W)
+elements: rank r holds elements [r*s, (r+1)*s) of the flattened p, the last rank's shard zero-padded
+to s. A rank's fp32_flat_groups, concatenated, are its shards of the trainable parameters in
+param_shapes order (a parameter's shard may straddle two sub-groups' tensors); so every rank's
+concatenation has sum(s) elements. The result holds the buffers, then the frozen parameters, then the
+trainable ones, then tied names aliasing their targets, as DeepSpeed's zero_to_fp32 orders them.
 """
 from __future__ import annotations
 
@@ -17,6 +39,7 @@ import argparse
 import enum
 import glob
 import json
+import math
 import os
 import re
 from collections import OrderedDict
@@ -46,9 +69,18 @@ _DEEPSPEED_GLOBALS = [(_Attrs, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
                       (_Attrs, "deepspeed.utils.tensor_fragment.fragment_address")]
 
 
-def _load(path: str) -> Any:
+def _load(path: str, mmap: bool = False) -> Any:
     with torch.serialization.safe_globals(_DEEPSPEED_GLOBALS):
+        if mmap:  # tensors read only when touched (the optimizer moments never are)
+            try:
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError:  # a file in torch's legacy (non-zip) format cannot be mapped
+                pass
         return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _rank(path: str) -> int:
+    return int(re.search(r"zero_pp_rank_(\d+)_", os.path.basename(path)).group(1))
 
 
 def _tag_dir(checkpoint_dir: str, tag: str | None) -> str:
@@ -67,7 +99,11 @@ def _tag_dir(checkpoint_dir: str, tag: str | None) -> str:
 
 def _zero_files(tag_dir: str) -> list[str]:
     files = glob.glob(os.path.join(tag_dir, "*zero_pp_rank_*_mp_rank_00_optim_states.pt"))
-    return sorted(files, key=lambda f: int(re.search(r"zero_pp_rank_(\d+)_", os.path.basename(f)).group(1)))
+    return sorted(files, key=_rank)
+
+
+def _zero3_model_files(tag_dir: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(tag_dir, "zero_pp_rank_*_mp_rank_00_model_states.pt")), key=_rank)
 
 
 def _stage0_fp32(states: dict) -> "OrderedDict[str, torch.Tensor]":
@@ -87,8 +123,7 @@ def _stage0_fp32(states: dict) -> "OrderedDict[str, torch.Tensor]":
     return out
 
 
-def _zero_fp32(states: dict, files: list[str]) -> "OrderedDict[str, torch.Tensor]":
-    parts = [_load(f)["optimizer_state_dict"] for f in files]
+def _zero_fp32(states: dict, parts: list[dict]) -> "OrderedDict[str, torch.Tensor]":
     if any(p.get("layout") == "runtime" for p in parts):
         raise NotImplementedError("this ZeRO checkpoint stores partitions in deepspeed_c's runtime layout; "
                                   "load it with engine.load_checkpoint (same world size) and save a stage-0 copy")
@@ -109,14 +144,109 @@ def _zero_fp32(states: dict, files: list[str]) -> "OrderedDict[str, torch.Tensor
     return out
 
 
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.is_floating_point() else t
+
+
+def _zero3_world(parts: list[dict], files: list[str], model_files: list[str], tag_dir: str) -> int:
+    world = parts[0].get("partition_count")
+    world = max(world) if isinstance(world, (list, tuple)) else int(world)
+    for what, found in (("*_optim_states.pt", files), ("zero_pp_rank_*_mp_rank_00_model_states.pt", model_files)):
+        ranks = [_rank(f) for f in found]
+        if ranks != list(range(world)):
+            raise ValueError(f"ZeRO-3 checkpoint {tag_dir} was saved by {world} ranks (partition_count) but holds "
+                             f"{what} files of ranks {ranks}; a rank's files are missing or another save's are left "
+                             "over: re-save the checkpoint or remove the strays")
+    return world
+
+
+def _zero3_fp32(model_states: list[dict], parts: list[dict], world: int,
+                exclude_frozen_parameters: bool) -> "OrderedDict[str, torch.Tensor]":
+    """Stage 3: every parameter is rebuilt from its ceil(numel / world)-element shard on each rank."""
+    states = model_states[0]
+    out: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+    buffer_names = set(states.get("buffer_names") or [])
+    for name, value in states["module"].items():
+        if name in buffer_names and isinstance(value, torch.Tensor):
+            out[name] = _fp32(value)
+
+    def unshard(name: str, shape: Any, shards: list[torch.Tensor]) -> torch.Tensor:
+        shape = torch.Size(shape)
+        numel = shape.numel()
+        per_rank = math.ceil(numel / world)
+        if any(t.numel() != per_rank for t in shards):
+            raise ValueError(f"parameter {name} of shape {tuple(shape)} over {world} ranks needs {per_rank}-element "
+                             f"shards, found {[t.numel() for t in shards]}")
+        full = torch.cat([t.reshape(-1) for t in shards]) if shards else torch.empty(0)
+        return full[:numel].view(shape) if full.numel() == numel else full[:numel].clone().view(shape)
+
+    frozen_shapes = states.get("frozen_param_shapes") or {}
+    if not exclude_frozen_parameters:
+        for name, shape in frozen_shapes.items():
+            try:
+                shards = [ms["frozen_param_fragments"][name] for ms in model_states]
+            except (KeyError, TypeError):
+                raise ValueError(f"frozen parameter {name} is in frozen_param_shapes but a rank's model-states file "
+                                 "holds no frozen_param_fragments entry for it") from None
+            out[name] = _fp32(unshard(name, shape, shards))
+
+    # each rank's sub-group tensors, read as one concatenation
+    flats = [[t.reshape(-1) for t in p["fp32_flat_groups"]] for p in parts]
+    sizes = [t.numel() for t in flats[0]]
+    for r, groups in enumerate(flats):
+        if [t.numel() for t in groups] != sizes:
+            raise ValueError(f"rank {r}'s fp32_flat_groups have sizes {[t.numel() for t in groups]}, rank 0's {sizes}: "
+                             "the files come from different saves")
+    bounds = [0]
+    for n in sizes:
+        bounds.append(bounds[-1] + n)
+
+    def rank_slice(groups: list[torch.Tensor], start: int, length: int) -> list[torch.Tensor]:
+        pieces, end = [], start + length
+        for g, tensor in enumerate(groups):
+            lo, hi = max(start, bounds[g]), min(end, bounds[g + 1])
+            if lo < hi:
+                pieces.append(tensor[lo - bounds[g]:hi - bounds[g]])
+        return pieces
+
+    offset = 0
+    for shapes in states["param_shapes"]:
+        for name, shape in shapes.items():
+            per_rank = math.ceil(torch.Size(shape).numel() / world)
+            if offset + per_rank > bounds[-1]:
+                raise ValueError(f"fp32_flat_groups hold {bounds[-1]} elements a rank, too few for parameter {name} "
+                                 f"(its shard starts at {offset} and has {per_rank})")
+            shards = [torch.cat(rank_slice(groups, offset, per_rank)) if per_rank else torch.empty(0)
+                      for groups in flats]
+            out[name] = unshard(name, shape, [t.float() for t in shards])
+            offset += per_rank
+    if offset != bounds[-1]:
+        raise ValueError(f"param_shapes account for {offset} of the {bounds[-1]} elements each rank's fp32_flat_groups "
+                         "hold: the model-states and optimizer files do not belong together")
+    return out
+
+
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | None = None,
                                              exclude_frozen_parameters: bool = False,
                                              lazy_mode: bool = False) -> "OrderedDict[str, torch.Tensor]":
-    """The consolidated fp32 state_dict (lazy_mode is accepted; tensors are always materialised)."""
+    """The consolidated fp32 state_dict of a stage 0-3 checkpoint (lazy_mode is accepted; tensors are
+    always materialised, and each has the `.contiguous()` that DeepSpeed's lazy tensors offer)."""
     tag_dir = _tag_dir(checkpoint_dir, tag)
-    states = _load(os.path.join(tag_dir, MODEL_FILE))
     files = _zero_files(tag_dir)
-    sd = _zero_fp32(states, files) if files else _stage0_fp32(states)
+    parts = []
+    for f in files:
+        part = _load(f, mmap=True)["optimizer_state_dict"]
+        part.pop("optimizer_state_dict", None)  # the wrapped optimizer's moments are not needed
+        parts.append(part)
+    if parts and int(parts[0].get("zero_stage", 0)) == 3:
+        model_files = _zero3_model_files(tag_dir)
+        world = _zero3_world(parts, files, model_files, tag_dir)
+        model_states = [_load(f) for f in model_files]
+        states = model_states[0]
+        sd = _zero3_fp32(model_states, parts, world, exclude_frozen_parameters)
+    else:
+        states = _load(os.path.join(tag_dir, MODEL_FILE))
+        sd = _zero_fp32(states, parts) if parts else _stage0_fp32(states)
     if exclude_frozen_parameters:
         trainable = {n for shapes in states.get("param_shapes") or [] for n in shapes}
         buffers = set(states.get("buffer_names") or [])
