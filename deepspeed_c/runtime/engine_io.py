@@ -89,14 +89,36 @@ class EngineIO:
         if not isinstance(save_filename, str) or not save_filename or os.sep in save_filename:
             raise ValueError(f"save_16bit_model: save_filename must be a plain file name, got {save_filename!r}")
         rank = dist.get_rank() if dist.is_initialized() else 0
+        if self.zero_optimization_partition_weights():
+            if not self.zero_gather_16bit_weights_on_model_save():
+                from deepspeed_c.utils.logging import logger
+
+                logger.info("Did not save the model %s because stage3_gather_16bit_weights_on_model_save is "
+                            "False", os.path.join(save_dir, save_filename))
+                return False
+            consolidated = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
         # rank 0 writes; a failure there (unwritable directory, full disk) raises on every rank
         with rank_local_step("save_16bit_model (rank 0 writing the file)"):
             if rank == 0:
-                state = clone_tensors_for_torch_save(self.module_state_dict(
-                    exclude_frozen_parameters=exclude_frozen_parameters))
+                state = consolidated if self.zero_optimization_partition_weights() else \
+                    clone_tensors_for_torch_save(self.module_state_dict(
+                        exclude_frozen_parameters=exclude_frozen_parameters))
                 os.makedirs(save_dir, exist_ok=True)
                 torch_save_atomic(state, os.path.join(save_dir, save_filename))
         return True
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
+        """ZeRO-3: the whole model's 16-bit weights (and persistent buffers) on rank 0's host, one module
+        gathered at a time; every rank must call it (empty on the others)."""
+        import torch.distributed as dist
+
+        from deepspeed_c.runtime.zero.consolidate import consolidated_16bit_state_dict
+
+        if not self.zero_optimization_partition_weights():
+            raise ValueError("this method supports only ZeRO-3 with "
+                             "zero_optimization.stage3_gather_16bit_weights_on_model_save")
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return consolidated_16bit_state_dict(self.module, rank, exclude_frozen_parameters)
 
     def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
         """The former name of save_16bit_model."""

@@ -28,6 +28,7 @@ from deepspeed_c.runtime.zero.param_store import ParamStore
 from deepspeed_c.runtime.zero.partition_parameters import drop_guard, external_parameters, is_zero_param
 
 _Z3_LEAF_ATTR = "_z3_leaf"
+PLAN_CACHE = 8  # plans kept for models whose path changes between iterations
 
 
 def _is_leaf(module: torch.nn.Module) -> bool:
@@ -162,6 +163,7 @@ class ParamCoordinator:
         self._running: list[int] = []  # keys of the forwards running now, innermost last
         self._access_pins: dict[int, list[int]] = {}  # key -> units gathered on attribute access in its forward
         self.plans_built = 0
+        self._plans: dict[tuple, Any] = {}  # trace -> plan, the paths this model has taken lately
 
     # -- hooks ---------------------------------------------------------------------------------------
     def _root_pre(self, module: torch.nn.Module, args: Any) -> None:
@@ -216,16 +218,49 @@ class ParamCoordinator:
         store = self.store
         if self.following:
             assert self.plan_trace is not None
-            if i < len(self.plan_trace) and self.plan_trace[i] == (key, phase):
-                for group in self.plan.fetch_at(i):
-                    store.fetch(group)
-            else:
-                self.following = False  # the model took another path: on demand for the rest of it
+            if not (i < len(self.plan_trace) and self.plan_trace[i] == (key, phase)):
+                self._switch_plan(i)
         units = self.units[key]
+        self._make_room(units)
+        if self.following:
+            for n, group in enumerate(self.plan.fetch_at(i)):
+                if n == 0 or self._fits(group):  # a prefetch never pushes past the live limit
+                    store.fetch(group)
         store.wait(units)
         for u in units:
             store.pins[u] += 1
         self._open.setdefault(key, []).append((i, units))
+
+    def _missing(self, units: Sequence[int]) -> int:
+        store = self.store
+        return sum(store.unit_numel[u] for u in units if not store.is_live(u) and not store.persistent[u])
+
+    def _fits(self, units: Sequence[int]) -> bool:
+        return self.store.live_numel + self._missing(units) <= self.limits["max_live_parameters"]
+
+    def _make_room(self, units: Sequence[int]) -> None:
+        """Releases gathered units nobody is using (prefetched or kept for reuse) when gathering this step's
+        would pass stage3_max_live_parameters: the limit holds whenever the running modules allow it."""
+        if self._fits(units):
+            return
+        store = self.store
+        mine = set(units)
+        for u in range(len(store.full)):
+            if store.is_live(u) and store.pins[u] == 0 and not store.persistent[u] and u not in mine:
+                store.release([u])
+                if self._fits(units):
+                    return
+
+    def _switch_plan(self, i: int) -> None:
+        """The model left the plan at step i: follow a cached plan whose trace starts the same way, else go on
+        on demand (first dropping what the old plan prefetched, so the live limit holds)."""
+        prefix = tuple(self.trace)
+        for trace, plan in reversed(list(self._plans.items())):
+            if trace[:i + 1] == prefix:
+                self.plan, self.plan_trace = plan, list(trace)
+                return
+        self.following = False
+        self.store.release([u for u in range(len(self.store.full)) if not self.store.persistent[u]])
 
     def end_step(self, key: int, phase: str) -> None:
         store = self.store
@@ -251,6 +286,7 @@ class ParamCoordinator:
         u = getattr(p, "_dsc_z3")[1]
         if u not in self.units[key]:
             self.units[key] = tuple(sorted(self.units[key] + (u,)))
+            self._plans.clear()  # their steps lack this unit
         self.store.wait([u])
         self.store.pins[u] += 1  # until the end of this forward
         self._access_pins.setdefault(key, []).append(u)
@@ -275,9 +311,15 @@ class ParamCoordinator:
         self.following = False
         if not trace or not self.use_plan or trace == self.plan_trace:
             return
-        self._check_same_trace(trace)
-        self.plan = self._build_plan(trace)
-        self.plan_trace = trace
+        key = tuple(trace)
+        plan = self._plans.pop(key, None)
+        if plan is None:
+            self._check_same_trace(trace)
+            plan = self._build_plan(trace)
+            while len(self._plans) >= PLAN_CACHE:
+                self._plans.pop(next(iter(self._plans)))
+        self._plans[key] = plan  # most recently used last
+        self.plan, self.plan_trace = plan, trace
 
     def _build_plan(self, trace: Sequence[tuple[int, str]]) -> Any:
         from deepspeed_c.ops.fetch_plan import FetchPlan

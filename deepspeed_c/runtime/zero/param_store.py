@@ -136,8 +136,9 @@ class ParamStore:
                 self.works[u] = _comm().all_gather_into_tensor(full, chunk, group=self.group, async_op=True)
             self.full[u] = full
             self.gathers += 1
-            self.live_numel += full.numel()
-            self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
+            if not self.persistent[u]:  # stage3_max_live_parameters counts the units that come and go
+                self.live_numel += full.numel()
+                self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
             for p, _ in self.unit_params[u]:
                 p.ds_status = _status().INFLIGHT
 
@@ -169,7 +170,8 @@ class ParamStore:
                 p.data = placeholder(p.dtype, self.compute_device)
                 p.ds_status = _status().NOT_AVAILABLE
             self.full[u] = None
-            self.live_numel -= full.numel()
+            if not self.persistent[u]:
+                self.live_numel -= full.numel()
 
     def release_all(self, keep_persistent: bool = True) -> None:
         """Every unit released (after a step the gathered values are stale: persistent ones go too)."""
