@@ -195,6 +195,31 @@ _init_depth = 0
 _init_stack: list["Init"] = []
 _patched: dict[type, Any] = {}
 
+# DeepSpeed's Init also swaps torch's tensor constructors for wrappers made by the function below, so
+# tensors a constructor creates land on the device in the config's dtype. Ours does not (it casts and
+# moves parameters when their module is partitioned; buffers keep the dtype they were built with), but
+# callers reach for these names: transformers' prevent_arange_dtype_change swaps the wrapper factory
+# around zero.Init and compares against the original arange.
+_orig_torch_arange = torch.arange
+
+
+def zero_wrapper_for_fp_tensor_constructor(fn: Any, target_fp_dtype: torch.dtype,
+                                           target_device: Any = None) -> Any:
+    """`fn` (a tensor constructor) returning its floating-point results in `target_fp_dtype` on
+    `target_device` (default: the accelerator's current device) when no device was passed."""
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("device") is None:
+            from deepspeed_c.accelerator import get_accelerator
+
+            kwargs["device"] = torch.device(target_device if target_device is not None
+                                            else get_accelerator().current_device_name())
+        tensor = fn(*args, **kwargs)
+        return tensor.to(target_fp_dtype) if tensor.is_floating_point() else tensor
+
+    return wrapped
+
 
 def _config_dict(config_dict_or_path: Any, config: Any) -> Optional[dict]:
     cfg = config_dict_or_path if config_dict_or_path is not None else config
