@@ -221,6 +221,8 @@ class ParamCoordinator:
             if not (i < len(self.plan_trace) and self.plan_trace[i] == (key, phase)):
                 self._switch_plan(i)
         units = self.units[key]
+        if not self.following and store.world_size > 1:
+            self._check_same_step(i, key, phase, units)
         self._make_room(units)
         if self.following:
             for n, group in enumerate(self.plan.fetch_at(i)):
@@ -348,6 +350,26 @@ class ParamCoordinator:
         raise RuntimeError(f"ZeRO-3: the ranks ran different modules (step {k} of the iteration: this rank ran "
                            f"{mine_s}, rank 0 ran {theirs}); every rank must run the same modules in the same order "
                            "so that their parameter gathers match")
+
+    def _check_same_step(self, i: int, key: int, phase: str, units: Sequence[int]) -> None:
+        """On demand (recording a trace) every step's gathers are checked against every rank's first: ranks
+        that run different modules get an error naming them instead of mismatched collectives."""
+        import torch.distributed as dist
+
+        mine = torch.tensor([i, key, 0 if phase == "f" else 1, len(units), sum(units)], dtype=torch.int64,
+                            device=self.store.compute_device)
+        every = torch.empty(self.store.world_size * mine.numel(), dtype=torch.int64, device=mine.device)
+        dist.all_gather_into_tensor(every, mine, group=self.store.group)
+        rows = every.view(self.store.world_size, -1).tolist()
+        odd = [r for r, row in enumerate(rows) if row != rows[0]]
+        if not odd:
+            return
+
+        def name(row: list[int]) -> str:
+            return f"the {'forward' if row[2] == 0 else 'backward'} of module '{self.names[row[1]]}'"
+        raise RuntimeError(f"ZeRO-3: the ranks ran different modules at step {i} of the iteration: rank 0 ran "
+                           f"{name(rows[0])}, rank {odd[0]} ran {name(rows[odd[0]])}; every rank must run the same "
+                           "modules in the same order so that their parameter gathers match")
 
     def _describe(self, trace: Sequence[tuple[int, str]], k: int) -> str:
         if k >= len(trace):

@@ -82,6 +82,7 @@ class ParamStore:
         n_units = len(self.unit_of)
         self.full: list[Optional[torch.Tensor]] = [None] * n_units
         self.works: list[Any] = [None] * n_units
+        self.on_write_back: Optional[Any] = None  # (group, start, end) -> None: the optimizer's masters follow
         self.pins = [0] * n_units  # users of a live unit (running modules, GatheredParameters): not released
         # DeepSpeed's persistence: small units stay gathered between uses (until the weights change),
         # as long as the persistent total stays under the model threshold
@@ -189,6 +190,8 @@ class ParamStore:
         g = self.unit_of[u][0]
         n = end - start
         self.shards[g][start:end].copy_(full[self.rank * n:(self.rank + 1) * n])
+        if self.on_write_back is not None:
+            self.on_write_back(g, start, end)
 
 
 def full_numel(p: torch.nn.Parameter) -> int:
