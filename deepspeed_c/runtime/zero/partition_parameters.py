@@ -297,6 +297,13 @@ class Init:
         from deepspeed_c.accelerator import get_accelerator
 
         self.compute_device = torch.device(get_accelerator().current_device_name())
+        offload = ((cfg or {}).get("zero_optimization") or {}).get("offload_param") or {}
+        if remote_device is None and isinstance(offload, dict) and offload.get("device") in ("cpu", "nvme"):
+            remote_device = offload["device"]  # DeepSpeed takes them from the config's offload_param
+            pin_memory = pin_memory or offload.get("pin_memory") is True
+            if remote_device == "nvme":
+                raise NotImplementedError("deepspeed_c: zero_optimization.offload_param.device 'nvme' (NVMe "
+                                          "parameter offload) is not built yet; use 'cpu'")
         if remote_device is not None and str(remote_device) not in ("cpu", "none"):
             raise ValueError(f"zero.Init: remote_device must be None, 'cpu' or 'nvme', got {remote_device!r}")
         self.home_device = torch.device("cpu") if str(remote_device) == "cpu" else self.compute_device
