@@ -100,6 +100,21 @@ def _wrap_tensors(fn: Any, coord: "ParamCoordinator", key: int, fired: list, val
     return rebuild(value)
 
 
+def mark_leaf_modules(module: torch.nn.Module, spec: Any) -> None:
+    """zero_optimization.leaf_module: modules whose class name (or qualified name), module name or name
+    suffix is listed are gathered whole, like set_z3_leaf_modules."""
+    classes = set(getattr(spec, "classes", []) or [])
+    names = set(getattr(spec, "names", []) or [])
+    suffixes = tuple(getattr(spec, "name_suffixes", []) or [])
+    if not (classes or names or suffixes):
+        return
+    for name, m in module.named_modules():
+        cls = type(m)
+        if (cls.__name__ in classes or f"{cls.__module__}.{cls.__qualname__}" in classes or name in names
+                or (suffixes and name.endswith(suffixes))):
+            setattr(m, _Z3_LEAF_ATTR, True)
+
+
 class ZeroParamDict(dict):
     """A module's `_parameters` that gathers a partitioned parameter read through the module attribute while
     some module's forward runs (as torch's MultiheadAttention reads its out_proj's weight): the parameter
@@ -116,7 +131,8 @@ class ZeroParamDict(dict):
 
 class ParamCoordinator:
     def __init__(self, module: torch.nn.Module, store: ParamStore, *, prefetch_bucket_size: int,
-                 max_live_parameters: int, max_reuse_distance: int, use_plan: bool = True) -> None:
+                 max_live_parameters: int, max_reuse_distance: int, use_plan: bool = True,
+                 leaf_modules: Any = None) -> None:
         self.module = module
         self.store = store
         self.limits = dict(prefetch_bucket_size=int(prefetch_bucket_size),
@@ -127,6 +143,8 @@ class ParamCoordinator:
         self.units: list[tuple[int, ...]] = []
         self._handles: list[Any] = []
         names = {id(m): n for n, m in module.named_modules()}
+        if leaf_modules is not None:
+            mark_leaf_modules(module, leaf_modules)
         self._leaf_children: set[int] = set()
         for m in module.modules():
             if id(m) in self._leaf_children:
