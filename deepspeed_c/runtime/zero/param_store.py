@@ -88,6 +88,10 @@ class ParamStore:
         # as long as the persistent total stays under the model threshold
         budget = model_persistence_threshold if model_persistence_threshold is not None else 1 << 62
         self.persistent = [False] * n_units
+        if world_size == 1 and self.home_device == compute_device:
+            # one rank holding its shards on the compute device: a gathered unit is a view of its shard,
+            # so keeping every unit gathered costs nothing
+            persistence_threshold, budget = 1 << 62, 1 << 62
         for u in sorted(range(n_units), key=lambda u: self.unit_numel[u]):
             real = sum(full_numel(p) for p, _ in self.unit_params[u])
             if real < persistence_threshold and real <= budget:
@@ -119,9 +123,15 @@ class ParamStore:
     def is_live(self, u: int) -> bool:
         return self.full[u] is not None
 
+    @property
+    def aliased(self) -> bool:
+        """Gathered units are views of the shards (one rank, shards on the compute device)."""
+        return self.world_size == 1 and self.home_device == self.compute_device
+
     @torch.no_grad()
-    def fetch(self, units: Sequence[int]) -> None:
-        """Starts gathering the units not already live or in flight (asynchronous where the backend is)."""
+    def fetch(self, units: Sequence[int], private: bool = False) -> None:
+        """Starts gathering the units not already live or in flight (asynchronous where the backend is);
+        `private`: copies even where a view of the shard would do (edits must not reach the shard)."""
         for u in units:
             if self.full[u] is not None:
                 continue
@@ -129,8 +139,9 @@ class ParamStore:
             chunk = self.shards[self.unit_of[u][0]][start:end]
             if chunk.device != self.compute_device:
                 chunk = chunk.to(self.compute_device, non_blocking=True)
-            if self.world_size == 1:
-                full = chunk.clone()
+            if self.world_size == 1:  # the shard is the whole unit: its parameters view it (or its device copy)
+                full = chunk.clone() if private and chunk.data_ptr() == self.shards[self.unit_of[u][0]].data_ptr() \
+                    + start * chunk.element_size() else chunk
                 self.works[u] = None
             else:
                 full = torch.empty((end - start) * self.world_size, dtype=self.dtype, device=self.compute_device)
@@ -143,9 +154,9 @@ class ParamStore:
             for p, _ in self.unit_params[u]:
                 p.ds_status = _status().INFLIGHT
 
-    def wait(self, units: Sequence[int]) -> None:
+    def wait(self, units: Sequence[int], private: bool = False) -> None:
         """The units' parameters point at their gathered values (fetching any not started)."""
-        self.fetch(units)
+        self.fetch(units, private)
         for u in units:
             work = self.works[u]
             if work is not None:

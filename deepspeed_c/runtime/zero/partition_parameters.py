@@ -145,8 +145,11 @@ class GatheredParameters:
         if not self.enabled:
             return self
         for store, units in _units(self.params).items():
-            self._was_live[store] = {u for u in units if store.is_live(u)}
-            store.wait(units)
+            private = self.modifier_rank is None and store.aliased
+            if private:  # a view of the shard would keep edits DeepSpeed drops: gather copies, drop them on exit
+                store.release(units)
+            self._was_live[store] = set() if private else {u for u in units if store.is_live(u)}
+            store.wait(units, private)
             for u in units:
                 store.pins[u] += 1
         return self
