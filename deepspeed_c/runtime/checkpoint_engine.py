@@ -26,6 +26,11 @@ DS_KEYS = ("module", "buffer_names", "optimizer", "param_shapes", "frozen_param_
            "frozen_param_fragments", "ds_zero_stage", "checkpoint_parallel_dimensions")
 
 
+def zero3_model_file(dp_rank: int) -> str:
+    """ZeRO-3 writes one model-states file per data-parallel rank, named like DeepSpeed's."""
+    return f"zero_pp_rank_{dp_rank}_mp_rank_00_model_states.pt"
+
+
 def zero_file(engine: Any, dp_rank: int) -> str:
     # DeepSpeed names ZeRO files with a bf16_ prefix whenever bf16 is enabled (any stage).
     return deepspeed_format.zero_file_name(dp_rank, engine.precision.bf16.enabled)
@@ -77,15 +82,25 @@ class EngineCheckpointer:
         # a partitioned optimizer's state (ZeRO) goes to one file per rank; building it is collective,
         # so it happens outside the rank-local step
         names = _param_names(engine.module)
-        part = (engine.stepper.partition_checkpoint_state(lambda p: names[id(p)])
-                if engine.stepper is not None else None)
+
+        def name_of(p: torch.nn.Parameter) -> str:
+            return names[id(p)]
+
+        part = engine.stepper.partition_checkpoint_state(name_of) if engine.stepper is not None else None
+        # ZeRO-3: every rank writes its own model-states file, with its shards of the frozen parameters
+        shards = (engine.stepper.partitioned_model_state(name_of, exclude_frozen_parameters)
+                  if engine.stepper is not None else None)
         with rank_local_step("save_checkpoint (writing this rank's files)", distributed=_dist()):
             if part is not None:
                 name = zero_file(engine, part[0])
                 state = {"optimizer_state_dict": part[1], "ds_config": engine._config._param_dict,
                          "ds_version": DEEPSPEED_API_VERSION}
                 my_files[name] = store.save_file(state, os.path.join(stage, name))
-            if scope.writer:
+            if shards is not None:
+                model_state = self._model_state(engine, client_state, exclude_frozen_parameters, True, shards)
+                name = zero3_model_file(shards[0])
+                my_files[name] = store.save_file(model_state, os.path.join(stage, name))
+            elif scope.writer:
                 model_state = self._model_state(engine, client_state, exclude_frozen_parameters, part is not None)
                 my_files[MODEL_FILE] = store.save_file(model_state, os.path.join(stage, MODEL_FILE))
         files = self._gather_files(my_files, scope.members)
@@ -123,10 +138,13 @@ class EngineCheckpointer:
             out.update(parts[rank])
         return out
 
-    def _model_state(self, engine: Any, client_state: dict, exclude_frozen: bool, partitioned: bool) -> dict:
+    def _model_state(self, engine: Any, client_state: dict, exclude_frozen: bool, partitioned: bool,
+                     shards: Optional[tuple[int, dict]] = None) -> dict:
         """The model-states file as DeepSpeed 0.19.8's engine writes it (_save_checkpoint), key for key.
         One addition: `param_shapes` at stage 0 too (DeepSpeed writes None there and ignores the key on
-        load), so zero_to_fp32 can name a stage-0 checkpoint's fp32 masters."""
+        load), so zero_to_fp32 can name a stage-0 checkpoint's fp32 masters. `shards`: ZeRO-3's
+        (dp rank, per-rank fields) from partitioned_model_state; then `module` holds placeholders and
+        shared_params is filled only in rank 0's file, as DeepSpeed's stage 3 writes them."""
         module = engine.module
         names = _param_names(module)
         sd = engine.module_state_dict(exclude_frozen_parameters=exclude_frozen)
@@ -136,7 +154,7 @@ class EngineCheckpointer:
         # DeepSpeed writes the parameters its optimizer does not own (frozen ones) whole into the model
         # file at the stages that partition gradients, unless they are excluded
         stage = int(engine.zero_optimization_stage())
-        save_frozen = partitioned and stage >= 2 and not exclude_frozen
+        save_frozen = partitioned and stage >= 2 and not exclude_frozen and shards is None
         owned = {id(p) for params in groups for p in params}
         frozen = [(n, p) for n, p in module.named_parameters() if id(p) not in owned]
         persistent = set(sd)
@@ -161,6 +179,10 @@ class EngineCheckpointer:
             "ds_config": engine._config._param_dict,
             "ds_version": DEEPSPEED_API_VERSION,
         }
+        if shards is not None:
+            state.update(shards[1])
+            if shards[0] != 0:
+                state["shared_params"] = {}
         state.update(client_state)
         return state
 
@@ -202,24 +224,45 @@ class EngineCheckpointer:
                 return None, None
         tag = str(tag)
         # node-local: a node lacking the tag must fail every rank, not leave the others in a collective
+        dp_rank = engine.get_data_parallel_rank() if engine.dp_world_size > 1 else 0
         with rank_local_step("load_checkpoint (reading this node's checkpoint)",
                              distributed=nodes.node_local_enabled(engine)):
-            tag_dir, manifest, state = self._open_tag(load_dir, tag)
-        self._load_module(engine, state["module"], load_module_strict, custom_load_fn)
+            tag_dir, manifest, state, model_file, model_rank = self._open_tag(load_dir, tag, dp_rank)
+        saved = SavedCheckpoint(tag_dir=tag_dir, manifest=manifest, model_state=state,
+                                bf16=engine.precision.bf16.enabled,
+                                load_from_fp32_weights=bool(engine._config.zero_config.load_from_fp32_weights),
+                                node_local=nodes.node_local_enabled(engine),
+                                partitioned_weights=model_rank is not None, model_rank=model_rank)
+        module_state = state["module"]
+        if saved.partitioned_weights:
+            if not engine.zero_optimization():
+                raise NotImplementedError(
+                    f"load_checkpoint: {tag_dir} is a ZeRO stage-3 checkpoint (its weights are partitioned over its "
+                    "ZeRO files) and this engine runs without ZeRO; load it into a ZeRO engine, or recover whole "
+                    "weights with zero_to_fp32 and load those")
+            if not engine.zero_optimization_partition_weights() and custom_load_fn is None:
+                # an engine keeping whole parameters gets each frozen one from every rank's fragments
+                from deepspeed_c.runtime.checkpoint_zero3 import whole_frozen_params
+
+                module_state = dict(module_state)
+                module_state.update(whole_frozen_params(tag_dir, manifest, state, model_rank))
+        self._load_module(engine, module_state, load_module_strict, custom_load_fn)
         if not load_module_only:
-            self._load_optimizer(engine, state, tag_dir, manifest, load_optimizer_states)
+            self._load_optimizer(engine, saved, load_optimizer_states)
             if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("lr_scheduler"):
                 engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
             engine.global_steps = state["global_steps"]
             engine.global_samples = state.get("global_samples", engine.global_steps * engine.train_batch_size())
             engine.skipped_steps = state["skipped_steps"]
-        elif engine.optimizer is not None:
-            self._refresh_masters(engine)
+        elif engine.optimizer is not None and engine.stepper is not None:
+            # masters follow the loaded weights (a stage-3 checkpoint's weights are its fp32 partitions)
+            engine.stepper.load_checkpoint_weights(saved)
         client = {k: v for k, v in state.items() if k not in DS_KEYS}
-        return os.path.join(tag_dir, MODEL_FILE), client
+        return os.path.join(tag_dir, model_file), client
 
-    def _open_tag(self, load_dir: str, tag: str) -> tuple[str, Any, dict]:
-        """The tag's directory, its manifest and its model-states file."""
+    def _open_tag(self, load_dir: str, tag: str, dp_rank: int = 0) -> tuple[str, Any, dict, str, Optional[int]]:
+        """The tag's directory, its manifest, its model-states file, that file's name and, for a ZeRO-3
+        checkpoint (per-rank model-states files), whose file it is (this rank's, else rank 0's)."""
         tag_dir = os.path.join(load_dir, tag)
         previous = os.path.join(load_dir, f".{tag}.old")
         if not os.path.isdir(tag_dir) and os.path.isdir(previous):
@@ -230,19 +273,31 @@ class EngineCheckpointer:
             raise FileNotFoundError(f"load_checkpoint: checkpoint tag {tag!r} not found in {load_dir} "
                                     f"(directory holds: {store.listing(load_dir)})")
         manifest = store.read_manifest(tag_dir)
-        state = store.load_file(tag_dir, MODEL_FILE, manifest)
-        return tag_dir, manifest, state
+        from deepspeed_c.runtime.checkpoint_zero3 import is_stage3_checkpoint
+
+        if is_stage3_checkpoint(tag_dir, dp_rank):
+            rank = dp_rank if os.path.isfile(os.path.join(tag_dir, zero3_model_file(dp_rank))) else 0
+            name = zero3_model_file(rank)
+            return tag_dir, manifest, store.load_file(tag_dir, name, manifest), name, rank
+        return tag_dir, manifest, store.load_file(tag_dir, MODEL_FILE, manifest), MODEL_FILE, None
 
     def _load_module(self, engine: Any, saved: dict, strict: bool, custom_load_fn: Optional[Callable]) -> None:
         if custom_load_fn is not None:
             custom_load_fn(src=saved, dst=engine.module)
             return
-        own = engine.module.state_dict()
+        # full shapes: a ZeRO-3 parameter's data is a placeholder, its ds_shape the real shape
+        own = {k: torch.Size(v.shape) for k, v in engine.module.state_dict().items()}
+        for n, p in engine.module.named_parameters(remove_duplicate=False):
+            if n in own:
+                own[n] = torch.Size(getattr(p, "ds_shape", p.shape))
+        # a ZeRO-3 checkpoint's parameters are placeholders: their values come from its ZeRO files
+        placeholders = {k for k, v in saved.items() if isinstance(v, torch.Tensor) and v.numel() == 0
+                        and k in own and own[k].numel() > 0}
         missing = sorted(set(own) - set(saved))
         unexpected = sorted(set(saved) - set(own))
-        wrong = [f"{k}: checkpoint {tuple(saved[k].shape)} vs model {tuple(own[k].shape)}"
-                 for k in sorted(set(own) & set(saved))
-                 if isinstance(saved[k], torch.Tensor) and saved[k].shape != own[k].shape]
+        wrong = [f"{k}: checkpoint {tuple(saved[k].shape)} vs model {tuple(own[k])}"
+                 for k in sorted(set(own) & set(saved) - placeholders)
+                 if isinstance(saved[k], torch.Tensor) and saved[k].shape != own[k]]
         if wrong or (strict and (missing or unexpected)):
             problems = []
             if missing:
@@ -254,17 +309,13 @@ class EngineCheckpointer:
             if strict or wrong:
                 raise RuntimeError("load_checkpoint: checkpoint does not match the model (pass "
                                    "load_module_strict=False to skip missing/unexpected names); " + "; ".join(problems))
-        engine.module.load_state_dict(saved, strict=strict)
+        values = {k: v for k, v in saved.items() if k not in placeholders}
+        if engine.stepper is not None:  # checked above: strict's complaints were raised already
+            engine.stepper.load_module_state(engine.module, values)
+        else:
+            engine.module.load_state_dict(values, strict=False)
 
-    def _load_optimizer(self, engine: Any, state: dict, tag_dir: str, manifest: Any, load_states: bool) -> None:
+    def _load_optimizer(self, engine: Any, saved: SavedCheckpoint, load_states: bool) -> None:
         if engine.stepper is None:
             return
-        engine.stepper.load_checkpoint_state(
-            SavedCheckpoint(tag_dir=tag_dir, manifest=manifest, model_state=state, bf16=engine.precision.bf16.enabled,
-                            load_from_fp32_weights=bool(engine._config.zero_config.load_from_fp32_weights),
-                            node_local=nodes.node_local_enabled(engine)), load_states)
-
-    def _refresh_masters(self, engine: Any) -> None:
-        """Masters follow the loaded model weights when optimizer state is not loaded."""
-        if engine.stepper is not None:
-            engine.stepper.refresh_masters()
+        engine.stepper.load_checkpoint_state(saved, load_states)

@@ -68,7 +68,10 @@ def to_deepspeed_layout(opt: Any) -> dict:
 
 
 class _SavedFiles:
-    """The ZeRO files of one checkpoint tag, opened one at a time, mapped and validated."""
+    """The ZeRO-1/2 files of one checkpoint tag, opened one at a time, mapped and validated. Each saved
+    group's partition is in `layout` of `plans[g]` (the interface checkpoint_zero3.Stage3Files shares)."""
+
+    layout = "deepspeed"
 
     def __init__(self, opt: Any, tag_dir: str, manifest: Any, model_state: dict, bf16: bool) -> None:
         self.tag_dir, self.manifest, self.bf16 = tag_dir, manifest, bf16
@@ -158,7 +161,7 @@ def _load_same_world(opt: Any, files: _SavedFiles, masters: bool, states: bool) 
                              f"{every}")
     moments = _new_moments(opt, part, keys) if states else None
     for g, plan in enumerate(opt.partition_plans):
-        routes = layout_route(plan, "deepspeed", plan, "runtime")
+        routes = layout_route(files.plans[g], files.layout, plan, "runtime")
         for src, dst in _pairs(opt, part, g, keys[g], moments, masters):
             exchange(routes, src, dst, opt.rank, opt.dp_process_group, _round_cap(plan))
             pages.release(src)
@@ -168,7 +171,7 @@ def _load_same_world(opt: Any, files: _SavedFiles, masters: bool, states: bool) 
 def _load_resharded(opt: Any, files: _SavedFiles, masters: bool, states: bool) -> dict:
     routes = []
     for old, plan in zip(files.plans, opt.partition_plans):
-        r = layout_route(old, "deepspeed", plan, "runtime")
+        r = layout_route(old, files.layout, plan, "runtime")
         routes.append(r[r[:, 2] == opt.rank])
     needed = sorted({int(s) for r in routes for s in r[:, 0].tolist()}) or [min(opt.rank, files.world - 1)]
     with rank_local_step("load_checkpoint (reading the ZeRO files this rank's partition overlaps)",
@@ -196,13 +199,25 @@ def _load_resharded(opt: Any, files: _SavedFiles, masters: bool, states: bool) -
 
 
 def load_zero_checkpoint(opt: Any, tag_dir: str, manifest: Any, model_state: dict, bf16: bool,
-                         load_optimizer_states: bool, load_from_fp32_weights: bool) -> None:
-    """Load a tag's ZeRO-1/2 files (ours or DeepSpeed's) into `opt`, at the saved world size or another
-    (collective over opt's data-parallel group)."""
-    files = _SavedFiles(opt, tag_dir, manifest, model_state, bf16)
-    masters, states = bool(load_from_fp32_weights), bool(load_optimizer_states)
+                         load_optimizer_states: bool, load_from_fp32_weights: bool, saved_stage3: bool = False,
+                         module_only: bool = False) -> None:
+    """Load a tag's ZeRO files (ours or DeepSpeed's; stage 1/2, or stage 3 with `saved_stage3`) into `opt`
+    (a stage 1/2 or 3 optimizer), at the saved world size or another (collective over opt's data-parallel
+    group). A stage-3 checkpoint's weights exist only as its fp32 partitions: they are always loaded.
+    `module_only` (load_module_only): the masters only, then the model weights from them."""
+    if saved_stage3:
+        from deepspeed_c.runtime.checkpoint_zero3 import Stage3Files
+
+        files: Any = Stage3Files(opt, tag_dir, manifest, model_state, bf16)
+    else:
+        files = _SavedFiles(opt, tag_dir, manifest, model_state, bf16)
+    masters = bool(load_from_fp32_weights) or saved_stage3 or module_only
+    states = bool(load_optimizer_states) and not module_only
     if files.world == opt.world_size:
         state = _load_same_world(opt, files, masters, states)
     else:
         state = _load_resharded(opt, files, masters, states)
+    if module_only:
+        opt.refresh_model_params()
+        return
     opt.load_state_dict(state, load_optimizer_states=states, load_from_fp32_weights=masters)

@@ -21,10 +21,14 @@ class SavedCheckpoint:
     """What an optimizer's load_checkpoint_state reads from: one tag directory of a checkpoint."""
     tag_dir: str
     manifest: Any
-    model_state: dict  # the model-states file (mp_rank_00_model_states.pt)
+    model_state: dict  # the model-states file (mp_rank_00_model_states.pt, or a stage-3 rank's own)
     bf16: bool  # names of ZeRO files carry DeepSpeed's bf16_ prefix
     load_from_fp32_weights: bool
     node_local: bool  # checkpoint.use_node_local_storage: only this node's files are readable
+    # a ZeRO-3 checkpoint: per-rank zero_pp_rank_{r}_mp_rank_00_model_states.pt whose `module` holds
+    # placeholders; the weights are the ZeRO files' fp32 partitions and the frozen_param_fragments
+    partitioned_weights: bool = False
+    model_rank: Optional[int] = None  # whose per-rank model-states file model_state is (stage 3)
 
 
 class EngineOptimizer:
@@ -90,6 +94,27 @@ class EngineOptimizer:
 
     def load_checkpoint_state(self, saved: SavedCheckpoint, load_optimizer_states: bool) -> None:
         raise NotImplementedError
+
+    def partitioned_model_state(self, param_name: Callable[[torch.nn.Parameter], str],
+                                exclude_frozen_parameters: bool) -> Optional[tuple[int, dict]]:
+        """ZeRO-3: (data-parallel rank, the fields of its own model-states file that depend on the weight
+        shards: param_shapes per sub-group, frozen_param_shapes, frozen_param_fragments); None where one
+        model-states file holds whole weights. A collective where it is not None."""
+        return None
+
+    def load_module_state(self, module: torch.nn.Module, state_dict: dict) -> None:
+        """A checked module state_dict (parameters a partitioned checkpoint left as placeholders removed)
+        applied to the model; ZeRO-3 cuts whole parameter values into its shards."""
+        module.load_state_dict(state_dict, strict=False)
+
+    def load_checkpoint_weights(self, saved: SavedCheckpoint) -> None:
+        """load_module_only: the weights the model-states file does not hold (a ZeRO-3 checkpoint's are its
+        fp32 partitions), then the optimizer's own copy (masters) follows the model's weights."""
+        if saved.partitioned_weights:
+            raise NotImplementedError(f"load_checkpoint: {saved.tag_dir} is a ZeRO stage-3 checkpoint (its weights are "
+                                      "partitioned over its ZeRO files); load it into a ZeRO engine, or recover "
+                                      "whole weights with zero_to_fp32 and load those")
+        self.refresh_masters()
 
     def refresh_masters(self) -> None:
         """The optimizer's own copy of the weights (fp32 masters) re-read from the model's."""

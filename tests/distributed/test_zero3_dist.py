@@ -154,3 +154,45 @@ def test_save_16bit_model_at_stage3(tmp_path) -> None:
     assert set(sd) == set(live)  # named_parameters lists emb.weight once; the tied head reads it
     for n, t in live.items():
         assert sd[n].dtype == torch.bfloat16 and torch.equal(sd[n].float(), torch.from_numpy(t)), n
+
+
+def _generate_body(rank: int, world: int, stage: int) -> dict[str, Any]:
+    """Training steps interleaved with a generate-style loop on engine.module (eval, no_grad, a longer
+    input each call, the path changing as the sequence grows): the fetch plan is switched or rebuilt,
+    never followed into a wrong gather."""
+    import deepspeed_c
+    from tests.distributed.zero3_models import make_tied, tied_batches, tied_loss
+
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "gradient_clipping": 0.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
+                                 "stage3_prefetch_bucket_size": 300, "stage3_max_live_parameters": 1200}}
+    model = make_tied(5)
+    engine, *_ = deepspeed_c.initialize(model=model, config=cfg)
+    batches = tied_batches(4, 2 * world, 2)
+    losses, generated = [], []
+    for step, ids in enumerate(batches):
+        mine = ids[rank * 2:(rank + 1) * 2]
+        model.step_no = step
+        loss = tied_loss(engine(mine), mine)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+        engine.eval()
+        with torch.no_grad():
+            seq = mine[:, :2]
+            for t in range(4):
+                model.step_no = t  # the path changes with the length
+                nxt = engine.module(seq)[:, -1].argmax(-1, keepdim=True)
+                seq = torch.cat([seq, nxt], dim=1)
+        generated.append(seq.tolist())
+        engine.train()
+    return {"losses": losses, "generated": generated}
+
+
+def test_generate_loops_between_training_steps() -> None:
+    ref = run_distributed(_generate_body, 2, args=(0,), timeout=180)
+    got = run_distributed(_generate_body, 2, args=(3,), timeout=180)
+    for r in range(2):
+        assert got[r]["generated"] == ref[r]["generated"]
+        assert max(abs(a - b) for a, b in zip(got[r]["losses"], ref[r]["losses"])) < 1e-5

@@ -187,12 +187,14 @@ def test_zero3_matches_stage0(world: int, name: str) -> None:
         assert _rel(got["losses"], ref["losses"]) < tol, (got["losses"], ref["losses"])
         for pname, w in ref["weights"].items():
             assert _rel(got["weights"][pname], w) < tol, (rank, pname, _rel(got["weights"][pname], w))
-        # between steps a rank holds placeholders (persistent units excepted) and its shard: about 1/W
-        if not case["z3"].get("stage3_param_persistence_threshold"):
+        # between steps a rank holds placeholders (persistent units excepted) and its shard: about 1/W (one
+        # rank's gathered units are views of its shards, so they stay)
+        if world > 1 and not case["z3"].get("stage3_param_persistence_threshold"):
             assert max(got["local_numel"]) == 0
         assert got["shard_numel"] <= got["full_numel"] / world + 64 * world
         if got["max_live"] is not None:
             assert got["peak_live"] <= got["max_live"], (got["peak_live"], got["max_live"])
-        assert got["plans"] >= 1  # the fetch plan was built from the recorded trace
+        if world > 1:  # (one rank keeps every unit gathered: nothing to plan)
+            assert got["plans"] >= 1  # the fetch plan was built from the recorded trace
     if case.get("dtype") == "fp16":
         assert per_rank[0][name][3]["skipped"] >= 1  # the overflow steps really happened

@@ -141,6 +141,7 @@ class ParamCoordinator:
         self.modules: list[torch.nn.Module] = []
         self.names: list[str] = []
         self.units: list[tuple[int, ...]] = []
+        self.steady: list[bool] = []  # every unit of the module persistent: no steps, no backward hooks
         self._handles: list[Any] = []
         names = {id(m): n for n, m in module.named_modules()}
         if leaf_modules is not None:
@@ -161,12 +162,15 @@ class ParamCoordinator:
                 zd.coordinator = self
                 m.__dict__["_parameters"] = zd
             units = tuple(sorted({getattr(p, "_dsc_z3")[1] for p in params if is_zero_param(p)}))
-            # every module gets hooks: one without parameters of its own may still read another's through
-            # an attribute (a tied head), which then joins its steps
+            if not units and m is not module:
+                # no parameters: no hooks (a parameter it reads through another module's attribute joins
+                # the nearest running module with hooks, at worst the root)
+                continue
             key = len(self.modules)
             self.modules.append(m)
             self.names.append(names.get(id(m), type(m).__name__) or "<root>")
             self.units.append(units)
+            self.steady.append(self._steady(units))
             self._handles.append(m.register_forward_pre_hook(self._pre_hook(key), with_kwargs=True))
             self._handles.append(m.register_forward_hook(self._post_hook(key), with_kwargs=True))
         self._handles.append(module.register_forward_pre_hook(self._root_pre, prepend=True))
@@ -196,15 +200,25 @@ class ParamCoordinator:
     def _in_backward_round(self) -> bool:
         return torch._C._current_autograd_node() is not None
 
+    def _steady(self, units: Sequence[int]) -> bool:
+        return bool(units) and all(self.store.persistent[u] for u in units)
+
     def _pre_hook(self, key: int) -> Any:
         def hook(m: torch.nn.Module, args: Any, kwargs: Any) -> Any:
             self._running.append(key)
             if not self.units[key]:
                 return None
+            if self.steady[key]:  # persistent units stay gathered until the weights change
+                self.store.wait(self.units[key])
+                return None
             self.begin_step(key, "f")
             if torch.is_grad_enabled():
                 fired = [False, False]
                 self._fired_stack(key).append(fired)
+                if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
+                    if not args[0].requires_grad:
+                        return None
+                    return (_PostBackward.apply(self, key, fired, args[0]),), kwargs
                 return _wrap_tensors(_PostBackward, self, key, fired, (args, dict(kwargs)))
             return None
 
@@ -216,10 +230,16 @@ class ParamCoordinator:
                 self._running.pop()
             if not self.units[key]:
                 return None
+            if self.steady[key]:
+                if key in self._access_pins:
+                    self.end_step(key, "f")
+                return None
             self.end_step(key, "f")  # also drops the units its attribute reads gathered
             if torch.is_grad_enabled():
                 stack = self._fired_stack(key)
                 fired = stack.pop() if stack else [False, False]
+                if isinstance(output, torch.Tensor):
+                    return _PreBackward.apply(self, key, fired, output) if output.requires_grad else None
                 return _wrap_tensors(_PreBackward, self, key, fired, output)
             return None
 
@@ -306,6 +326,7 @@ class ParamCoordinator:
         u = getattr(p, "_dsc_z3")[1]
         if u not in self.units[key]:
             self.units[key] = tuple(sorted(self.units[key] + (u,)))
+            self.steady[key] = self._steady(self.units[key])
             self._plans.clear()  # their steps lack this unit
         self.store.wait([u])
         self.store.pins[u] += 1  # until the end of this forward

@@ -14,6 +14,7 @@ A parameter's placeholder keeps DeepSpeed's contract (numel() == 0, ds_* attribu
 partition_parameters.py). Units are numbered globally: unit ids run over the groups' buckets in order."""
 from __future__ import annotations
 
+from enum import Enum
 from typing import Any, Optional, Sequence
 
 import torch
@@ -21,6 +22,13 @@ import torch
 from deepspeed_c.ops.partition import PartitionPlan
 
 UNIT_ATTR = "_dsc_z3"  # on each parameter: (store, unit id, offset in the unit's bucket)
+
+
+class ZeroParamStatus(Enum):
+    """DeepSpeed's ds_status values (public as deepspeed_c.runtime.zero.partition_parameters.ZeroParamStatus)."""
+    AVAILABLE = 1  # gathered: the whole value is present on this rank
+    NOT_AVAILABLE = 2  # partitioned: only ds_tensor holds this rank's shard
+    INFLIGHT = 3  # being gathered
 
 
 def _comm() -> Any:
@@ -82,6 +90,7 @@ class ParamStore:
         n_units = len(self.unit_of)
         self.full: list[Optional[torch.Tensor]] = [None] * n_units
         self.works: list[Any] = [None] * n_units
+        self.ready = [False] * n_units  # gathered and its parameters point at the gathered values
         self.on_write_back: Optional[Any] = None  # (group, start, end) -> None: the optimizer's masters follow
         self.pins = [0] * n_units  # users of a live unit (running modules, GatheredParameters): not released
         # DeepSpeed's persistence: small units stay gathered between uses (until the weights change),
@@ -152,7 +161,7 @@ class ParamStore:
                 self.live_numel += full.numel()
                 self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
             for p, _ in self.unit_params[u]:
-                p.ds_status = _status().INFLIGHT
+                p.ds_status = ZeroParamStatus.INFLIGHT
 
     def wait(self, units: Sequence[int], private: bool = False) -> None:
         """The units' parameters point at their gathered values (fetching any not started)."""
@@ -162,12 +171,14 @@ class ParamStore:
             if work is not None:
                 work.wait()
                 self.works[u] = None
+            if self.ready[u]:
+                continue
             full = self.full[u]
             assert full is not None
             for p, off in self.unit_params[u]:
-                if p.ds_status is not _status().AVAILABLE:
-                    p.data = full[off:off + p.ds_numel].view(p.ds_shape)
-                    p.ds_status = _status().AVAILABLE
+                p.data = full[off:off + p.ds_numel].view(p.ds_shape)
+                p.ds_status = ZeroParamStatus.AVAILABLE
+            self.ready[u] = True
 
     def release(self, units: Sequence[int]) -> None:
         """Drops the units' gathered values (a unit still pinned by a user stays)."""
@@ -180,8 +191,9 @@ class ParamStore:
                 self.works[u] = None
             for p, _ in self.unit_params[u]:
                 p.data = placeholder(p.dtype, self.compute_device)
-                p.ds_status = _status().NOT_AVAILABLE
+                p.ds_status = ZeroParamStatus.NOT_AVAILABLE
             self.full[u] = None
+            self.ready[u] = False
             if not self.persistent[u]:
                 self.live_numel -= full.numel()
 
@@ -212,9 +224,3 @@ def full_numel(p: torch.nn.Parameter) -> int:
 def placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An empty tensor (DeepSpeed's partitioned parameter data: numel() == 0)."""
     return torch.empty(0, dtype=dtype, device=device)
-
-
-def _status() -> Any:
-    from deepspeed_c.runtime.zero.partition_parameters import ZeroParamStatus
-
-    return ZeroParamStatus

@@ -15,24 +15,17 @@ import functools
 import itertools
 import json
 import os
-from enum import Enum
 from typing import Any, Iterable, Optional
 
 import torch
 
-from deepspeed_c.runtime.zero.param_store import UNIT_ATTR, ParamStore
+from deepspeed_c.runtime.zero.param_store import UNIT_ATTR, ParamStore, ZeroParamStatus
 
 __all__ = ["ZeroParamStatus", "Init", "GatheredParameters", "register_external_parameter",
            "unregister_external_parameter", "is_zero_param"]
 
 EXTERNAL_ATTR = "_dsc_external_params"
 _ds_ids = itertools.count()
-
-
-class ZeroParamStatus(Enum):
-    AVAILABLE = 1  # gathered: the whole value is present on this rank
-    NOT_AVAILABLE = 2  # partitioned: only ds_tensor holds this rank's shard
-    INFLIGHT = 3  # being gathered
 
 
 def is_zero_param(p: Any) -> bool:

@@ -14,12 +14,12 @@ partitions are written into this rank's shard instead of all-gathered into the m
 forward gathers what it uses). Gather-on-use is param_hooks.ParamCoordinator."""
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from deepspeed_c.ops.partition import PartitionPlan
-from deepspeed_c.runtime.optimizer_seam import EngineOptimizer
+from deepspeed_c.runtime.optimizer_seam import EngineOptimizer, SavedCheckpoint
 from deepspeed_c.runtime.zero.param_hooks import ParamCoordinator
 from deepspeed_c.runtime.zero.param_store import ParamStore, placeholder
 from deepspeed_c.runtime.zero.partition_parameters import adopt, is_zero_param
@@ -139,6 +139,7 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (Deep
         self.store = build_param_store(module, groups, rank=kwargs["rank"], world_size=kwargs["world_size"],
                                        group=kwargs.get("dp_process_group"), **store_args)
         super().__init__(init_optimizer, stage=3, **kwargs)
+        self.sub_group_size = int(zero_cfg.sub_group_size)  # DeepSpeed's checkpoint sub-groups
         self.coordinator = _coordinator(module, self.store, zero_cfg)
         self._round = _Stage3Round(self.reducer, self.coordinator)
 
@@ -163,6 +164,41 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (Deep
     def release_gathered_params(self) -> None:
         self.store.release_all(keep_persistent=False)
 
+    # -- checkpoints in DeepSpeed's stage-3 layout (runtime/checkpoint_zero3.py) -----------------------
+    def partition_checkpoint_state(self, param_name: Callable[[torch.nn.Parameter], str]) -> tuple[int, dict]:
+        from deepspeed_c.runtime.checkpoint_zero3 import optimizer_file_state
+
+        return self.rank, optimizer_file_state(self, self.sub_group_size)
+
+    def partitioned_model_state(self, param_name: Callable[[torch.nn.Parameter], str],
+                                exclude_frozen_parameters: bool) -> tuple[int, dict]:
+        from deepspeed_c.runtime.checkpoint_zero3 import model_file_fields
+
+        return self.rank, model_file_fields(self.store, self.bit16_groups, self.sub_group_size, param_name,
+                                            exclude_frozen_parameters)
+
+    def load_module_state(self, module: torch.nn.Module, state_dict: dict) -> None:
+        from deepspeed_c.runtime.checkpoint_zero3 import load_module_into_store
+
+        load_module_into_store(self.store, module, state_dict)
+
+    def _load_frozen(self, saved: SavedCheckpoint) -> None:
+        from deepspeed_c.runtime.checkpoint_zero3 import load_frozen_shards
+
+        if saved.partitioned_weights:  # a stage 1/2 checkpoint's frozen weights came whole with the module
+            load_frozen_shards(self.store, saved.tag_dir, saved.manifest, saved.model_state, saved.model_rank,
+                               saved.node_local)
+
+    def load_checkpoint_state(self, saved: SavedCheckpoint, load_optimizer_states: bool) -> None:
+        self._check_node_local(saved)
+        self._load_frozen(saved)
+        super().load_checkpoint_state(saved, load_optimizer_states)
+
+    def load_checkpoint_weights(self, saved: SavedCheckpoint) -> None:
+        self._check_node_local(saved)
+        self._load_frozen(saved)
+        super().load_checkpoint_weights(saved)
+
     def destroy(self) -> None:
         self._round.remove()
 
@@ -185,6 +221,24 @@ class Zero3Params(EngineOptimizer):
 
     def release_gathered_params(self) -> None:
         self.store.release_all(keep_persistent=False)
+
+    def model_file_state(self) -> Optional[dict]:
+        raise NotImplementedError("deepspeed_c: save_checkpoint at ZeRO stage 3 without an optimizer is not built yet; "
+                                  "save the weights with save_16bit_model (stage3_gather_16bit_weights_on_model_save)")
+
+    def load_module_state(self, module: torch.nn.Module, state_dict: dict) -> None:
+        from deepspeed_c.runtime.checkpoint_zero3 import load_module_into_store
+
+        load_module_into_store(self.store, module, state_dict)
+
+    def load_checkpoint_state(self, saved: SavedCheckpoint, load_optimizer_states: bool) -> None:
+        if saved.partitioned_weights:
+            raise NotImplementedError("deepspeed_c: loading a ZeRO stage-3 checkpoint into a stage-3 engine without an "
+                                      "optimizer is not built yet; build the engine with its optimizer, or load whole "
+                                      "weights (zero_to_fp32, or a stage 0-2 checkpoint)")
+
+    def load_checkpoint_weights(self, saved: SavedCheckpoint) -> None:
+        self.load_checkpoint_state(saved, False)
 
     def destroy(self) -> None:
         self._round.remove()

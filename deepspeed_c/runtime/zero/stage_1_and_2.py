@@ -242,6 +242,13 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
     def load_checkpoint_state(self, saved: SavedCheckpoint, load_optimizer_states: bool) -> None:
         from deepspeed_c.runtime.checkpoint_zero import load_zero_checkpoint
 
+        self._check_node_local(saved)
+        # at the saved world size each rank reads only its own ZeRO file (all a node-local checkpoint holds)
+        load_zero_checkpoint(self, saved.tag_dir, saved.manifest, saved.model_state, saved.bf16,
+                             load_optimizer_states, saved.load_from_fp32_weights,
+                             saved_stage3=saved.partitioned_weights)
+
+    def _check_node_local(self, saved: SavedCheckpoint) -> None:
         saved_world = saved.model_state.get("dp_world_size") or 1
         if saved.node_local and saved_world != self.world_size:
             raise RuntimeError(
@@ -249,9 +256,17 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
                 f"{saved_world} data-parallel ranks and {self.world_size} load it; each node holds only its own "
                 "ranks' ZeRO files, so resharding needs them all: copy every node's files into one directory and "
                 "load with use_node_local_storage off")
-        # at the saved world size each rank reads only its own ZeRO file (all a node-local checkpoint holds)
-        load_zero_checkpoint(self, saved.tag_dir, saved.manifest, saved.model_state, saved.bf16,
-                             load_optimizer_states, saved.load_from_fp32_weights)
+
+    def load_checkpoint_weights(self, saved: SavedCheckpoint) -> None:
+        if not saved.partitioned_weights:
+            self.refresh_masters()
+            return
+        # a stage-3 checkpoint: the weights are its fp32 partitions (masters), the model follows them
+        from deepspeed_c.runtime.checkpoint_zero import load_zero_checkpoint
+
+        self._check_node_local(saved)
+        load_zero_checkpoint(self, saved.tag_dir, saved.manifest, saved.model_state, saved.bf16, False, True,
+                             saved_stage3=True, module_only=True)
 
     def refresh_masters(self) -> None:
         self.masters_from_model()
