@@ -46,7 +46,7 @@ def _train(engine: Any, steps: int, seed: int) -> list[float]:
     return out
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_offload_reload_cycle_keeps_training_exact(stage: int) -> None:
     ref = _engine(stage)
     want = _train(ref, 3, 1) + _train(ref, 3, 2)
@@ -54,7 +54,7 @@ def test_offload_reload_cycle_keeps_training_exact(stage: int) -> None:
     engine = _engine(stage)
     got = _train(engine, 3, 1)
     opt = engine.optimizer
-    tensors = list(opt.fp32_partitions) + [p for g in opt.bit16_groups for p in g]
+    tensors = list(opt.fp32_partitions) + opt.lp_storage()
     ids = [id(t) for t in tensors]
     before = torch.cuda.memory_allocated() if engine.device.type == "cuda" else 0
     engine.offload_states()

@@ -97,7 +97,8 @@ class ShardWriter:
         self.store.shards[g][start:start + chunk.numel()].copy_(chunk, non_blocking=True)
 
     def finish(self) -> None:
-        self.store.release_all(keep_persistent=False)
+        # gathered copies are stale now (views of the shards, on one rank, are not)
+        self.store.release_all(keep_persistent=self.store.aliased)
 
 
 class _Stage3Round:
@@ -127,7 +128,7 @@ class _Stage3Round:
 def _coordinator(module: torch.nn.Module, store: ParamStore, zero_cfg: Any) -> ParamCoordinator:
     return ParamCoordinator(module, store, prefetch_bucket_size=zero_cfg.prefetch_bucket_size,
                             max_live_parameters=zero_cfg.max_live_parameters,
-                            max_reuse_distance=zero_cfg.max_reuse_distance)
+                            max_reuse_distance=zero_cfg.max_reuse_distance, leaf_modules=zero_cfg.leaf_module)
 
 
 class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (DeepSpeed's class name)
@@ -142,6 +143,13 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (Deep
         self.sub_group_size = int(zero_cfg.sub_group_size)  # DeepSpeed's checkpoint sub-groups
         self.coordinator = _coordinator(module, self.store, zero_cfg)
         self._round = _Stage3Round(self.reducer, self.coordinator)
+        self.store.on_write_back = self._master_follows_shard
+
+    @torch.no_grad()
+    def _master_follows_shard(self, g: int, start: int, end: int) -> None:
+        """Weights edited through GatheredParameters(modifier_rank=...) stay edited: the masters take them."""
+        if g < len(self.fp32_partitions):
+            self.fp32_partitions[g].detach()[start:end].copy_(self.store.shards[g][start:end])
 
     def _cut_group(self, g: int, params: list[torch.nn.Parameter], cap: int, master_dtype: torch.dtype,
                    master_device: torch.device, pin: bool) -> tuple[PartitionPlan, torch.Tensor]:
@@ -163,6 +171,15 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (Deep
 
     def release_gathered_params(self) -> None:
         self.store.release_all(keep_persistent=False)
+
+    def lp_storage(self) -> list[torch.Tensor]:
+        """At stage 3 the 16-bit weights are the shards (gathered copies are dropped first)."""
+        self.store.release_all(keep_persistent=False)
+        return list(self.store.shards)
+
+    def drop_device_scratch(self) -> None:
+        super().drop_device_scratch()
+        adopt(self.store)  # ds_tensor views follow the shards to wherever they moved
 
     # -- checkpoints in DeepSpeed's stage-3 layout (runtime/checkpoint_zero3.py) -----------------------
     def partition_checkpoint_state(self, param_name: Callable[[torch.nn.Parameter], str]) -> tuple[int, dict]:

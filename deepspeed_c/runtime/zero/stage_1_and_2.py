@@ -278,6 +278,10 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
     def reload_states(self, non_blocking: bool = False) -> None:
         self.state_offload.reload(non_blocking)
 
+    def lp_storage(self) -> list[torch.Tensor]:
+        """The tensors holding the model's 16-bit weights (offload_states' lp_params)."""
+        return [p for params in self.bit16_groups for p in params] + list(self.frozen_params)
+
     def drop_device_scratch(self) -> None:
         """Device buffers rebuilt on demand (after states moved between devices)."""
         self._lp_out = None

@@ -52,7 +52,7 @@ class ZeroStateOffload:
             return [v for m in opt.fp32_partitions for v in opt.optimizer.state.get(m, {}).values()
                     if torch.is_tensor(v) and v.device.type != "cpu"]
         if kind == OffloadStateTypeEnum.lp_params:
-            return [p for params in opt.bit16_groups for p in params] + list(opt.frozen_params)
+            return opt.lp_storage()
         if kind == OffloadStateTypeEnum.lp_grads:
             return [t for t in opt.reducer.grad_partitions if t is not None]
         return []  # contiguous_grad_buffer: the bucket buffers only live inside a backward
