@@ -60,11 +60,11 @@ def test_placeholder_contract_from_the_library_side() -> None:
         p.peft_tag = name  # libraries set their own attributes on parameters
     assert len(ids) == len(names)
     # buffers are not partitioned
-    assert torch.equal(model.scale, ref.scale)
+    assert torch.equal(model.scale.cpu(), ref.scale)
     for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
         p.all_gather()
         assert p.ds_status is ZeroParamStatus.AVAILABLE
-        assert torch.equal(p.data, r.data), name
+        assert torch.equal(p.data.cpu(), r.data), name
         p.partition()
         assert p.numel() == 0 and p.ds_status is ZeroParamStatus.NOT_AVAILABLE
         assert p.peft_tag == name
@@ -83,13 +83,13 @@ def test_gathered_parameters_modifier_edits_stick_and_others_pass_through() -> N
     assert torch.equal(plain, torch.full((3,), 3.0))
     # a generator is accepted too, and the edit is in the shard
     with deepspeed_c.zero.GatheredParameters(p for p in [model.fc1.weight]):
-        assert torch.equal(model.fc1.weight, torch.full((6, 8), 0.5))
+        assert torch.equal(model.fc1.weight.cpu(), torch.full((6, 8), 0.5))
     # without modifier_rank, edits are dropped (as in DeepSpeed)
     with deepspeed_c.zero.GatheredParameters(model.fc1.bias):
-        before = model.fc1.bias.detach().clone()
+        before = model.fc1.bias.detach().cpu().clone()
         model.fc1.bias.data.zero_()
     with deepspeed_c.zero.GatheredParameters(model.fc1.bias):
-        assert torch.equal(model.fc1.bias, before)
+        assert torch.equal(model.fc1.bias.cpu(), before)
     # a single tensor, and enabled=False
     with deepspeed_c.zero.GatheredParameters(model.fc1.bias, enabled=False):
         assert model.fc1.bias.numel() == 0
@@ -111,7 +111,7 @@ def test_nested_init_and_init_of_an_existing_module_and_auto_config() -> None:
     deepspeed_c.zero.Init(module=existing, config_dict_or_path={"bf16": {"enabled": True}})
     assert existing.weight.numel() == 0 and existing.weight.dtype == torch.bfloat16
     with deepspeed_c.zero.GatheredParameters(existing.weight):
-        assert torch.equal(existing.weight, value.to(torch.bfloat16))
+        assert torch.equal(existing.weight.cpu(), value.to(torch.bfloat16))
 
 
 def test_remote_device_cpu_keeps_shards_on_the_host() -> None:
@@ -128,9 +128,9 @@ def test_init_disabled_builds_a_plain_module() -> None:
 def test_forward_before_initialize_names_the_parameter() -> None:
     model = _built_under_init(config_dict_or_path={"zero_optimization": {"stage": 3}})
     with pytest.raises(RuntimeError, match=r"Linear\.weight.*ZeRO-3 partitioned.*initialize"):
-        model(torch.randn(2, 8))
+        model(torch.randn(2, 8, device=model.fc1.weight.device))
     with deepspeed_c.zero.GatheredParameters(list(model.parameters())):
-        out = model(torch.randn(2, 8))  # inside GatheredParameters it runs
+        out = model(torch.randn(2, 8, device=model.fc1.weight.device))  # inside GatheredParameters it runs
     assert out.shape == (2, 3)
 
 
@@ -163,7 +163,7 @@ def test_engine_trains_and_gathered_edits_reach_the_masters() -> None:
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
         x = torch.randn(2, 8, generator=g)
-        loss = engine(x).pow(2).mean()
+        loss = engine(x.to(engine.device)).pow(2).mean()
         engine.backward(loss)
         engine.step()
         opt.zero_grad()
@@ -171,14 +171,14 @@ def test_engine_trains_and_gathered_edits_reach_the_masters() -> None:
         opt.step()
     for (name, p), (_, r) in zip(engine.module.named_parameters(), ref.named_parameters()):
         with deepspeed_c.zero.GatheredParameters(p):
-            assert float((p.detach().double() - r.detach()).norm() / r.detach().norm()) < 1e-5, name
+            assert float((p.detach().double().cpu() - r.detach()).norm() / r.detach().norm()) < 1e-5, name
     with deepspeed_c.zero.GatheredParameters(engine.module.fc1.bias, modifier_rank=0):
         engine.module.fc1.bias.data.fill_(7.0)
-    x = torch.zeros(2, 8)
+    x = torch.zeros(2, 8, device=engine.device)
     engine.backward(engine(x).sum() * 0.0)  # a zero gradient: SGD leaves the edited value
     engine.step()
     with deepspeed_c.zero.GatheredParameters(engine.module.fc1.bias):
-        assert torch.equal(engine.module.fc1.bias, torch.full((6,), 7.0))
+        assert torch.equal(engine.module.fc1.bias.cpu(), torch.full((6,), 7.0))
     engine.destroy()
 
 
@@ -205,11 +205,11 @@ def test_leaf_modules_are_gathered_whole(how: str) -> None:
     ref = _reference().double()
     opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
     x = torch.randn(2, 8)
-    engine.backward(engine(x).pow(2).mean())
+    engine.backward(engine(x.to(engine.device)).pow(2).mean())
     engine.step()
     ref(x.double()).pow(2).mean().backward()
     opt.step()
     for (name, p), (_, r) in zip(engine.module.named_parameters(), ref.named_parameters()):
         with deepspeed_c.zero.GatheredParameters(p):
-            assert float((p.detach().double() - r.detach()).norm() / r.detach().norm()) < 1e-5, name
+            assert float((p.detach().double().cpu() - r.detach()).norm() / r.detach().norm()) < 1e-5, name
     engine.destroy()

@@ -330,6 +330,9 @@ class Init:
 
     @torch.no_grad()
     def partition_module(self, module: torch.nn.Module) -> None:
+        for name, buf in module._buffers.items():  # buffers live on the compute device, as DeepSpeed's do
+            if buf is not None and buf.device != self.compute_device:
+                module._buffers[name] = buf.to(self.compute_device)
         params = [p for p in module._parameters.values() if p is not None and not is_zero_param(p)]
         if not params:
             return
