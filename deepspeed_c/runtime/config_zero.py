@@ -39,14 +39,14 @@ class DeepSpeedZeroOffloadParamConfig(DeepSpeedConfigModel):
     buffer_count: int = Field(5, ge=0)
     buffer_size: int = Field(int(1e8), ge=0)
     max_in_cpu: int = Field(int(1e9), ge=0)
-    pin_memory: bool = False
+    pin_memory: bool = True  # DeepSpeed 0.19.8 pins by default
 
 
 class DeepSpeedZeroOffloadOptimizerConfig(DeepSpeedConfigModel):
     device: OffloadDeviceEnum = OffloadDeviceEnum.none
     nvme_path: Optional[str] = None
     buffer_count: int = Field(4, ge=0)
-    pin_memory: bool = False
+    pin_memory: bool = True  # DeepSpeed 0.19.8 pins by default
     pipeline_read: bool = False
     pipeline_write: bool = False
     fast_init: bool = False

@@ -167,7 +167,8 @@ BAD_CONFIGS = [
      "activation_checkpointing.partition_activation"),
     (cfg(data_types={"grad_accum_dtype": "fp64"}), ValueError, "data_types.grad_accum_dtype"),
     # capabilities not built yet
-    (cfg(zero_optimization={"stage": 3}), NotImplementedError, "zero_optimization.stage"),
+    (cfg(zero_optimization={"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}), NotImplementedError,
+     "zero_optimization.offload_param.device"),
     (cfg(zero_optimization={"stage": 0, "offload_param": {"device": "cpu"}}), NotImplementedError,
      "zero_optimization.offload_param.device"),
     (cfg(zero_optimization={"stage": 0, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}),
