@@ -12,9 +12,7 @@ Without a GPU, accelerate needs `--use_cpu` to run several processes (its rule, 
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
@@ -23,6 +21,8 @@ import torch
 pytest.importorskip("transformers", reason="transformers is in requirements-lock.txt; install it to run this test")
 pytest.importorskip("accelerate", reason="accelerate is in requirements-lock.txt; install it to run this test")
 from safetensors.torch import load_file  # noqa: E402
+
+from tests.distributed.hf_launch import run_user_command  # noqa: E402
 
 from deepspeed_c.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # noqa: E402
 
@@ -46,19 +46,7 @@ def alias(compat_alias) -> pathlib.Path:
     return compat_alias
 
 
-DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-            "CROSS_RANK", "CROSS_SIZE")
-
-
-def _run(cmd: list[str], alias: pathlib.Path, cwd: pathlib.Path) -> str:
-    # a fresh user shell: no rank variables inherited from whatever ran in this process before
-    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
-    env.update(PYTHONPATH=os.pathsep.join([str(alias), str(ROOT)]), OMP_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    proc = subprocess.run(cmd, cwd=str(cwd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:]
-    return proc.stdout
+_run = run_user_command
 
 
 @pytest.fixture(scope="module")

@@ -23,10 +23,7 @@ stage-3 layout yet (its module states hold the placeholders; zero_to_fp32 refuse
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import socket
-import subprocess
 import sys
 
 import pytest
@@ -35,6 +32,9 @@ import torch
 pytest.importorskip("transformers", reason="transformers is in requirements-lock.txt; install it to run this test")
 pytest.importorskip("accelerate", reason="accelerate is in requirements-lock.txt; install it to run this test")
 from safetensors.torch import load_file  # noqa: E402
+
+from tests.distributed.hf_launch import run_user_command  # noqa: E402
+from tests.harness import free_port  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "distributed" / "hf_zero3_script.py"
@@ -56,24 +56,7 @@ DS_TRAIN = {
 # the config HfDeepSpeedConfig holds while loading (also the one the load script initializes an engine with)
 DS_LOAD = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "fp16": {"enabled": False},
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "steps_per_print": 2000}
-DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-            "CROSS_RANK", "CROSS_SIZE")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run(cmd: list[str], alias: pathlib.Path, cwd: pathlib.Path) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
-    env.update(PYTHONPATH=os.pathsep.join([str(alias), str(ROOT)]), OMP_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    proc = subprocess.run(cmd, cwd=str(cwd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:]
-    return proc.stdout
+_run = run_user_command
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +67,7 @@ def work(compat_alias, tmp_path_factory) -> pathlib.Path:
     (work / "ds_load.json").write_text(json.dumps(DS_LOAD))
 
     def launcher() -> list[str]:
-        return [str(alias / "bin" / "deepspeed"), "--num_gpus", "2", "--master_port", str(_free_port()), str(SCRIPT)]
+        return [str(alias / "bin" / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), str(SCRIPT)]
 
     _run([sys.executable, str(SCRIPT), "make", "model"], alias, work)
     _run([*launcher(), "load", "model", "load", "ds_load.json"], alias, work)
