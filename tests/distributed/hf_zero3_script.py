@@ -149,7 +149,7 @@ def train(model_dir: str, argv: list) -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     partitioned = any(hasattr(p, "ds_id") and p.numel() == 0 for p in model.parameters())
     trainer = Trainer(model=model, args=args, train_dataset=RandomTokens(), eval_dataset=RandomTokens(16, seed=1))
-    trainer.train()
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     eval_loss = trainer.evaluate()["eval_loss"]
     trainer.save_model(args.output_dir + "/final")
     live = {}
