@@ -9,6 +9,7 @@ import importlib.util
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from typing import Any
@@ -21,7 +22,8 @@ from deepspeed_c.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpo
 from tests.harness import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DS_REAL, DS_DEPS = "/tmp/ds_real", "/tmp/ds_deps"
+DS_REAL = os.environ.get("DSC_DEEPSPEED_REAL", "/tmp/ds_real")
+DS_DEPS = os.environ.get("DSC_DEEPSPEED_DEPS", "/tmp/ds_deps")
 STEPS = 6
 
 
@@ -266,10 +268,16 @@ def _deepspeed_importable() -> bool:
 
 @pytest.fixture(scope="module")
 def deepspeed_zero3(tmp_path_factory):
-    if not _deepspeed_importable():
-        pytest.skip(f"the real DeepSpeed is not importable from {DS_REAL} (with deps {DS_DEPS}): cannot write a "
-                    "DeepSpeed stage-3 checkpoint to load")
+    """A stage-3 checkpoint the real DeepSpeed 0.19.8 wrote: the committed fixture
+    (tests/fixtures/deepspeed_written/z3_fp32_w2, from scripts/make_deepspeed_zero3_checkpoint.py), or,
+    with DSC_DEEPSPEED_REAL set, a fresh one from the DeepSpeed installed there."""
     out = str(tmp_path_factory.mktemp("ds_zero3"))
+    if not os.environ.get("DSC_DEEPSPEED_REAL"):
+        shutil.copytree(os.path.join(ROOT, "tests", "fixtures", "deepspeed_written", "z3_fp32_w2"), out,
+                        dirs_exist_ok=True)
+        return out
+    if not _deepspeed_importable():
+        pytest.fail(f"DSC_DEEPSPEED_REAL={DS_REAL}: the real DeepSpeed is not importable there")
     env = dict(os.environ, PYTHONPATH=f"{DS_REAL}:{DS_DEPS}", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_deepspeed_zero3_checkpoint.py"), out,
                     "--world", "2"], env=env, check=True, capture_output=True, timeout=600)
@@ -320,8 +328,10 @@ def test_loads_deepspeed_written_stage3(deepspeed_zero3, world):
 
 
 def test_deepspeed_zero_to_fp32_reads_ours(tmp_path):
-    if not _deepspeed_importable():
-        pytest.skip(f"the real DeepSpeed is not importable from {DS_REAL} (with deps {DS_DEPS})")
+    if not os.environ.get("DSC_DEEPSPEED_REAL") or not _deepspeed_importable():
+        pytest.skip("runs the real DeepSpeed's zero_to_fp32 when DSC_DEEPSPEED_REAL names a directory it is "
+                    "installed in (not a project dependency); our reading of its layout is tested with the "
+                    "committed DeepSpeed-written fixture above")
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "ds_fp32.pt")
     saved = run_distributed(body, 2, args=(3, None, ckpt, 0, 3), timeout=300)
     env = dict(os.environ, PYTHONPATH=f"{DS_REAL}:{DS_DEPS}", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")

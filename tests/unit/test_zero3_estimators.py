@@ -170,9 +170,9 @@ s.estimate_zero3_model_states_mem_needs_all_live(Tied(), 4, 2, 1.25)
 
 
 def test_same_output_as_deepspeed():
-    if not _deepspeed_importable():
-        pytest.skip(f"the real DeepSpeed is not importable from {DS_REAL} (install the 0.19.8 sdist there with "
-                    "pip --target, see the brief) -- the formula tests above still check every figure")
+    if not os.environ.get("DSC_DEEPSPEED_REAL") or not _deepspeed_importable():
+        pytest.skip("runs the real DeepSpeed 0.19.8 when DSC_DEEPSPEED_REAL names a directory it is installed in "
+                    "(pip --target; not a project dependency) -- the formula tests above check every figure")
     res = subprocess.run([sys.executable, "-c", f"SIZES = {SIZES!r}\n" + DS_SCRIPT], env=_ds_env(),
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
