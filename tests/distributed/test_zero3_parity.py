@@ -4,9 +4,9 @@ weights within 1e-5 norm-wise relative in fp32 (bf16/fp16 within their precision
 
 The models carry what gather-on-use must survive: a tied input/output embedding read through another
 module's attribute, a block applied twice in one forward, a layer unused on some steps, block order
-changing between steps (the fetch plan is invalidated and rebuilt or switched), reentrant activation
-checkpointing, torch's MultiheadAttention (it reads its out_proj's weight without calling out_proj),
-frozen parameters and two parameter groups. Variants: prefetch off and on with small live/reuse
+changing between steps (the fetch plan is invalidated and rebuilt or switched), reentrant and
+non-reentrant activation checkpointing, torch's MultiheadAttention (it reads its out_proj's weight
+without calling out_proj), frozen parameters and two parameter groups. Variants: prefetch off and on with small live/reuse
 limits, persistence thresholds, parameter + optimizer offload to the host, gradient accumulation 4,
 clipping, an fp16 run whose first steps overflow, models built under zero.Init. Each rank also checks
 that it holds only its shard between steps and that the live gathered elements stayed within
@@ -33,7 +33,8 @@ CASES: dict[str, dict[str, Any]] = {
     "tied-init-noprefetch": dict(model="tied", gas=1, clip=0.0, init=True,
                                  z3={"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0}),
     "tied-persistent": dict(model="tied", gas=1, clip=0.0, z3={"stage3_param_persistence_threshold": 200}),
-    "tied-ckpt-gas4": dict(model="tied-ckpt", gas=4, clip=0.5, z3=Z3_SMALL, steps=6),
+    "tied-ckpt-gas4": dict(model="tied", ckpt="reentrant", gas=4, clip=0.5, z3=Z3_SMALL, steps=6),
+    "tied-ckpt-nonreentrant": dict(model="tied", ckpt="non-reentrant", gas=2, clip=0.5, z3=Z3_SMALL, steps=4),
     "tied-init-offload": dict(model="tied", gas=2, clip=0.5, init=True, z3=Z3_SMALL, offload=True),
     "tied-bf16": dict(model="tied", gas=1, clip=0.0, z3=Z3_SMALL, dtype="bf16", tol=3e-2),
     "transformer-fp16-overflow": dict(model="transformer", gas=2, clip=0.1, dtype="fp16", tol=3e-2, steps=10,
@@ -44,7 +45,7 @@ CASES: dict[str, dict[str, Any]] = {
 WORLD_CASES = {
     1: ["tied-gas2-clip", "tied-init-offload"],
     2: list(CASES),
-    4: ["tied-gas2-clip", "tied-init-noprefetch", "tied-ckpt-gas4", "mlp-groups-frozen"],
+    4: ["tied-gas2-clip", "tied-ckpt-gas4", "mlp-groups-frozen"],
 }
 
 
@@ -71,7 +72,7 @@ def _build(case: dict[str, Any]) -> torch.nn.Module:
     from tests.distributed.zero3_models import make_tied
 
     if case["model"].startswith("tied"):
-        return make_tied(11, ckpt=case["model"] == "tied-ckpt")
+        return make_tied(11, ckpt=case.get("ckpt", ""))
     return make_model(case["model"], seed=1234)
 
 
@@ -141,6 +142,7 @@ def train(rank: int, world: int, case: dict[str, Any], stage: int) -> dict[str, 
                       shard_numel=sum(p.ds_tensor.numel() for p in engine.module.parameters()),
                       full_numel=sum(p.ds_numel for p in engine.module.parameters()),
                       peak_live=store.peak_live_numel, plans=engine.optimizer.coordinator.plans_built,
+                      largest_unit=max(store.unit_numel),
                       max_live=cfg["zero_optimization"].get("stage3_max_live_parameters"))
     engine.destroy()
     return result
@@ -193,7 +195,10 @@ def test_zero3_matches_stage0(world: int, name: str) -> None:
             assert max(got["local_numel"]) == 0
         assert got["shard_numel"] <= got["full_numel"] / world + 64 * world
         if got["max_live"] is not None:
-            assert got["peak_live"] <= got["max_live"], (got["peak_live"], got["max_live"])
+            # non-reentrant checkpointing recomputes a block's forward inside its backward: the module being
+            # recomputed and the one whose backward asked for it are gathered at once, whatever the limit
+            slack = 2 * got["largest_unit"] if case.get("ckpt") == "non-reentrant" else 0
+            assert got["peak_live"] <= got["max_live"] + slack, (got["peak_live"], got["max_live"], slack)
         if world > 1:  # (one rank keeps every unit gathered: nothing to plan)
             assert got["plans"] >= 1  # the fetch plan was built from the recorded trace
     if case.get("dtype") == "fp16":

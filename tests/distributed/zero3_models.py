@@ -20,9 +20,9 @@ class Block(torch.nn.Module):
 class TiedLM(torch.nn.Module):
     """Tied input/output embedding (the head reads the embedding's weight: an external parameter), a
     block applied twice in one forward, a layer skipped on odd steps, block order permuted per step,
-    optional reentrant activation checkpointing."""
+    optional (reentrant or non-reentrant) activation checkpointing."""
 
-    def __init__(self, vocab: int = 23, d: int = 12, n: int = 3, ckpt: bool = False) -> None:
+    def __init__(self, vocab: int = 23, d: int = 12, n: int = 3, ckpt: str = "") -> None:
         super().__init__()
         self.emb = torch.nn.Embedding(vocab, d)
         self.blocks = torch.nn.ModuleList([Block(d) for _ in range(n)])
@@ -39,7 +39,7 @@ class TiedLM(torch.nn.Module):
             order.reverse()  # the layer order changes between steps
         for i in order:
             if self.ckpt and self.training:
-                x = checkpoint(self.blocks[i], x, use_reentrant=True)
+                x = checkpoint(self.blocks[i], x, use_reentrant=self.ckpt == "reentrant")
             else:
                 x = self.blocks[i](x)
         x = self.twice(self.twice(x))  # one parameter used twice in one forward
@@ -49,7 +49,8 @@ class TiedLM(torch.nn.Module):
         return F.linear(h, self.emb.weight)  # tied head
 
 
-def make_tied(seed: int, ckpt: bool = False) -> TiedLM:
+def make_tied(seed: int, ckpt: str = "") -> TiedLM:
+    """ckpt: "" (none), "reentrant" or "non-reentrant" activation checkpointing of the blocks."""
     torch.manual_seed(seed)
     return TiedLM(ckpt=ckpt)
 
