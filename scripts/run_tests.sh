@@ -6,4 +6,10 @@ bash scripts/setup.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # A private op cache, so the suite also proves cold builds (and never trusts a stale one).
 export DSC_CACHE_DIR=${DSC_CACHE_DIR:-$(mktemp -d -t dsc-cache-XXXXXX)}
+# Two workers where there are two cores or more; each test file stays whole on one worker (--dist
+# loadfile), so a module's shared multi-rank run happens once. Distributed tests start up to four
+# ranks each: more workers would only oversubscribe the cores.
+if [ "$(nproc)" -ge 2 ]; then
+    exec .venv/bin/python -m pytest -q --timeout=900 -n 2 --dist loadfile tests "$@"
+fi
 exec .venv/bin/python -m pytest -q --timeout=900 tests "$@"
