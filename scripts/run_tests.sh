@@ -9,7 +9,8 @@ export DSC_CACHE_DIR=${DSC_CACHE_DIR:-$(mktemp -d -t dsc-cache-XXXXXX)}
 # Two workers where there are two cores or more; each test file stays whole on one worker (--dist
 # loadfile), so a module's shared multi-rank run happens once. Distributed tests start up to four
 # ranks each: more workers would only oversubscribe the cores.
-if [ "$(nproc)" -ge 2 ]; then
+# (getconf, not nproc: nproc obeys the OMP_NUM_THREADS=1 set above)
+if [ "$(getconf _NPROCESSORS_ONLN)" -ge 2 ]; then
     exec .venv/bin/python -m pytest -q --timeout=900 -n 2 --dist loadfile tests "$@"
 fi
 exec .venv/bin/python -m pytest -q --timeout=900 tests "$@"
