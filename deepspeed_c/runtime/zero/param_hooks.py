@@ -35,11 +35,17 @@ def _is_leaf(module: torch.nn.Module) -> bool:
     return bool(getattr(module, _Z3_LEAF_ATTR, False))
 
 
-class _PreBackward(torch.autograd.Function):
+class _BackwardMark(torch.autograd.Function):
+    """An identity node whose backward tells the coordinator where a module's backward stands."""
+
     @staticmethod
-    def forward(ctx: Any, coord: "ParamCoordinator", key: int, fired: list, *outputs: torch.Tensor) -> Any:
+    def forward(ctx: Any, coord: "ParamCoordinator", key: int, fired: list, *tensors: torch.Tensor) -> Any:
         ctx.coord, ctx.key, ctx.fired = coord, key, fired
-        return outputs if len(outputs) > 1 else outputs[0]
+        return tensors if len(tensors) > 1 else tensors[0]
+
+
+class _PreBackward(_BackwardMark):
+    """On a module's outputs: their gradients arrived, its backward starts (gather its units)."""
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
@@ -49,11 +55,8 @@ class _PreBackward(torch.autograd.Function):
         return (None, None, None) + grads
 
 
-class _PostBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, coord: "ParamCoordinator", key: int, fired: list, *inputs: torch.Tensor) -> Any:
-        ctx.coord, ctx.key, ctx.fired = coord, key, fired
-        return inputs if len(inputs) > 1 else inputs[0]
+class _PostBackward(_BackwardMark):
+    """On a module's inputs: their gradients are computed, its backward is over (release its units)."""
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
