@@ -10,6 +10,7 @@ extern PyMethodDef dsc_cpu_features_methods[];
 extern PyMethodDef dsc_bucket_methods[];
 extern PyMethodDef dsc_partition_methods[];
 extern PyMethodDef dsc_fetch_plan_methods[];
+extern PyMethodDef dsc_pipe_schedule_methods[];
 
 static PyMethodDef *const dsc_core_tables[] = {
     dsc_view_methods,
@@ -17,6 +18,7 @@ static PyMethodDef *const dsc_core_tables[] = {
     dsc_bucket_methods,
     dsc_partition_methods,
     dsc_fetch_plan_methods,
+    dsc_pipe_schedule_methods,
     NULL,
 };
 

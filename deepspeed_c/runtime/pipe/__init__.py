@@ -1,0 +1,1 @@
+"""Pipeline parallelism (`deepspeed.runtime.pipe`)."""
