@@ -5,6 +5,7 @@ from .builder import OpBuilder
 from .utils import UtilsBuilder
 
 # --- one import line per op (keep sorted by file) ---
+from .async_io import AsyncIOBuilder, GDSBuilder
 from .cpu_adagrad import CPUAdagradBuilder
 from .cpu_adam import CPUAdamBuilder
 from .cpu_lion import CPULionBuilder

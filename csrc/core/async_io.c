@@ -1,0 +1,443 @@
+/* The async I/O core: see dsc/async_io.h for the contract.
+ *
+ * Engine: a pool of worker threads over one FIFO of ops. An op is cut into blocks of
+ * block_size bytes (the O_DIRECT-able prefix) plus the unaligned tail; each worker takes the next
+ * block of the oldest op that still has blocks, moves it with pread/pwrite, and the worker that
+ * completes the last block of an op finishes it (closes, renames or removes the temporary) and
+ * wakes the waiters. No block is ever padded, so files hold exactly the bytes written. */
+#define _GNU_SOURCE
+#include "dsc/async_io.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+typedef struct aio_op {
+    int64_t id;
+    int is_write, is_async;
+    char *buf;
+    int64_t nbytes, file_offset;
+    int fd_direct, fd_buf; /* fd_direct is -1 when O_DIRECT is refused or not asked for */
+    char *path, *tmp_path; /* tmp_path: the temporary a replacing write goes to, else NULL */
+    int64_t direct_len;    /* bytes [0, direct_len) move through fd_direct */
+    int64_t n_direct, n_blocks, next_block, blocks_done;
+    int failed, done;
+    char err[DSC_AIO_ERRLEN];
+    struct aio_op *next;
+} aio_op;
+
+typedef struct worker {
+    struct dsc_aio_ctx *ctx;
+    pthread_t thread;
+    char *bounce; /* block_size bytes, DSC_AIO_ALIGNMENT-aligned */
+    int started;
+} worker;
+
+struct dsc_aio_ctx {
+    dsc_aio_config cfg;
+    pthread_mutex_t mu;
+    pthread_cond_t work_cv, done_cv;
+    aio_op *head, *tail;
+    int64_t next_id;
+    int stop;
+    worker *workers;
+    dsc_aio_stats stats;
+};
+
+static void fmt(char *err, size_t errlen, const char *f, ...) {
+    if (!err || !errlen) return;
+    va_list ap;
+    va_start(ap, f);
+    vsnprintf(err, errlen, f, ap);
+    va_end(ap);
+}
+
+const char *dsc_aio_backend(void) { return "pread/pwrite thread pool (O_DIRECT when the filesystem allows)"; }
+
+/* Move len bytes; 0 on success, an errno value, or -1 for end of file on a read. */
+static int io_full(int fd, int is_write, char *p, int64_t len, int64_t off) {
+    while (len > 0) {
+        ssize_t r = is_write ? pwrite(fd, p, (size_t)len, (off_t)off) : pread(fd, p, (size_t)len, (off_t)off);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            return errno;
+        }
+        if (r == 0) return is_write ? EIO : -1;
+        p += r;
+        off += r;
+        len -= r;
+    }
+    return 0;
+}
+
+static int aligned(int64_t v) { return v % DSC_AIO_ALIGNMENT == 0; }
+
+/* One block of an op; 0 or an error code as io_full. Sets *kind: 0 buffered, 1 direct, 2 bounced. */
+static int do_block(worker *w, aio_op *op, int64_t b, int *kind) {
+    int64_t bs = w->ctx->cfg.block_size, off, len;
+    if (b < op->n_direct) {
+        off = b * bs;
+        len = op->direct_len - off < bs ? op->direct_len - off : bs;
+    } else {
+        off = op->direct_len + (b - op->n_direct) * bs;
+        len = op->nbytes - off < bs ? op->nbytes - off : bs;
+    }
+    char *mem = op->buf + off;
+    int64_t foff = op->file_offset + off;
+    if (b >= op->n_direct) {
+        *kind = 0;
+        return io_full(op->fd_buf, op->is_write, mem, len, foff);
+    }
+    if (((uintptr_t)mem % DSC_AIO_ALIGNMENT) == 0) {
+        *kind = 1;
+        int rc = io_full(op->fd_direct, op->is_write, mem, len, foff);
+        /* a short direct transfer leaves an unaligned remainder: the page cache takes it */
+        return rc == EINVAL ? io_full(op->fd_buf, op->is_write, mem, len, foff) : rc;
+    }
+    *kind = 2; /* the caller's memory is not aligned: stage through this worker's bounce buffer */
+    if (op->is_write) {
+        memcpy(w->bounce, mem, (size_t)len);
+        return io_full(op->fd_direct, 1, w->bounce, len, foff);
+    }
+    int rc = io_full(op->fd_direct, 0, w->bounce, len, foff);
+    if (rc == 0) memcpy(mem, w->bounce, (size_t)len);
+    return rc;
+}
+
+static void block_error(aio_op *op, int rc, int64_t b) {
+    if (rc == -1)
+        fmt(op->err, sizeof op->err, "read past the end of %s (the file shrank while being read)", op->path);
+    else
+        fmt(op->err, sizeof op->err, "%s %s failed (block %lld): %s", op->is_write ? "writing" : "reading",
+            op->path, (long long)b, strerror(rc));
+}
+
+/* Close the op's files; a replacing write renames its temporary over the target or removes it. */
+static void finish_files(aio_op *op) {
+    if (op->fd_direct >= 0) close(op->fd_direct);
+    if (op->fd_buf >= 0 && close(op->fd_buf) != 0 && op->is_write && !op->failed) {
+        op->failed = 1;
+        fmt(op->err, sizeof op->err, "writing %s failed at close: %s", op->path, strerror(errno));
+    }
+    op->fd_direct = op->fd_buf = -1;
+    if (op->tmp_path) {
+        if (!op->failed && rename(op->tmp_path, op->path) != 0) {
+            op->failed = 1;
+            fmt(op->err, sizeof op->err, "cannot rename %s to %s: %s", op->tmp_path, op->path, strerror(errno));
+        }
+        if (op->failed) unlink(op->tmp_path);
+    }
+}
+
+static void *worker_main(void *arg) {
+    worker *w = arg;
+    dsc_aio_ctx *ctx = w->ctx;
+    pthread_mutex_lock(&ctx->mu);
+    for (;;) {
+        aio_op *op = ctx->head;
+        while (op && op->next_block >= op->n_blocks) op = op->next;
+        if (!op) {
+            if (ctx->stop) break;
+            pthread_cond_wait(&ctx->work_cv, &ctx->mu);
+            continue;
+        }
+        int64_t b = op->next_block++;
+        pthread_mutex_unlock(&ctx->mu);
+        int kind = 0;
+        int rc = do_block(w, op, b, &kind);
+        pthread_mutex_lock(&ctx->mu);
+        if (kind == 0) ctx->stats.blocks_buffered++;
+        else ctx->stats.blocks_direct++;
+        if (kind == 2) ctx->stats.blocks_bounced++;
+        op->blocks_done++;
+        if (rc != 0 && !op->failed) {
+            op->failed = 1;
+            block_error(op, rc, b);
+            /* hand out no more of this op: count the blocks never started as done */
+            op->blocks_done += op->n_blocks - op->next_block;
+            op->next_block = op->n_blocks;
+        }
+        if (op->blocks_done == op->n_blocks) {
+            pthread_mutex_unlock(&ctx->mu);
+            finish_files(op);
+            pthread_mutex_lock(&ctx->mu);
+            op->done = 1;
+            ctx->stats.ops_completed++;
+            pthread_cond_broadcast(&ctx->done_cv);
+        }
+    }
+    pthread_mutex_unlock(&ctx->mu);
+    return NULL;
+}
+
+dsc_aio_ctx *dsc_aio_create(const dsc_aio_config *cfg, char *err, size_t errlen) {
+    if (cfg->block_size <= 0 || !aligned(cfg->block_size)) {
+        fmt(err, errlen, "block_size must be a positive multiple of %d bytes, got %lld", DSC_AIO_ALIGNMENT,
+            (long long)cfg->block_size);
+        return NULL;
+    }
+    if (cfg->queue_depth < 1) {
+        fmt(err, errlen, "queue_depth must be >= 1, got %d", cfg->queue_depth);
+        return NULL;
+    }
+    if (cfg->threads < 1 || cfg->threads > 1024) {
+        fmt(err, errlen, "intra_op_parallelism must be in [1, 1024], got %d", cfg->threads);
+        return NULL;
+    }
+    dsc_aio_ctx *ctx = calloc(1, sizeof *ctx);
+    if (!ctx) goto oom;
+    ctx->cfg = *cfg;
+    ctx->next_id = 1;
+    ctx->workers = calloc((size_t)cfg->threads, sizeof *ctx->workers);
+    if (!ctx->workers) {
+        free(ctx);
+        goto oom;
+    }
+    pthread_mutex_init(&ctx->mu, NULL);
+    pthread_cond_init(&ctx->work_cv, NULL);
+    pthread_cond_init(&ctx->done_cv, NULL);
+    for (int i = 0; i < cfg->threads; i++) {
+        worker *w = &ctx->workers[i];
+        w->ctx = ctx;
+        if (posix_memalign((void **)&w->bounce, DSC_AIO_ALIGNMENT, (size_t)cfg->block_size) != 0) {
+            w->bounce = NULL;
+            dsc_aio_destroy(ctx);
+            goto oom;
+        }
+        int rc = pthread_create(&w->thread, NULL, worker_main, w);
+        if (rc != 0) {
+            dsc_aio_destroy(ctx);
+            fmt(err, errlen, "cannot start I/O worker thread %d: %s", i, strerror(rc));
+            return NULL;
+        }
+        w->started = 1;
+    }
+    return ctx;
+oom:
+    fmt(err, errlen, "out of memory creating an I/O context (%d threads x %lld-byte bounce buffers)", cfg->threads,
+        (long long)cfg->block_size);
+    return NULL;
+}
+
+static void free_op(aio_op *op) {
+    free(op->path);
+    free(op->tmp_path);
+    free(op);
+}
+
+static void unlink_op(dsc_aio_ctx *ctx, aio_op *op) {
+    aio_op **pp = &ctx->head, *prev = NULL;
+    while (*pp && *pp != op) {
+        prev = *pp;
+        pp = &(*pp)->next;
+    }
+    if (!*pp) return;
+    *pp = op->next;
+    if (ctx->tail == op) ctx->tail = prev;
+}
+
+void dsc_aio_destroy(dsc_aio_ctx *ctx) {
+    if (!ctx) return;
+    pthread_mutex_lock(&ctx->mu);
+    for (;;) { /* never free memory a worker is still moving: drain first */
+        int busy = 0;
+        for (aio_op *op = ctx->head; op; op = op->next) busy |= !op->done;
+        if (!busy) break;
+        pthread_cond_wait(&ctx->done_cv, &ctx->mu);
+    }
+    ctx->stop = 1;
+    pthread_cond_broadcast(&ctx->work_cv);
+    pthread_mutex_unlock(&ctx->mu);
+    for (int i = 0; i < ctx->cfg.threads; i++) {
+        if (ctx->workers[i].started) pthread_join(ctx->workers[i].thread, NULL);
+        free(ctx->workers[i].bounce);
+    }
+    while (ctx->head) {
+        aio_op *op = ctx->head;
+        ctx->head = op->next;
+        free_op(op);
+    }
+    pthread_mutex_destroy(&ctx->mu);
+    pthread_cond_destroy(&ctx->work_cv);
+    pthread_cond_destroy(&ctx->done_cv);
+    free(ctx->workers);
+    free(ctx);
+}
+
+static char *dupstr(const char *s) {
+    size_t n = strlen(s) + 1;
+    char *d = malloc(n);
+    if (d) memcpy(d, s, n);
+    return d;
+}
+
+/* Open the op's descriptors; 0 or -1 with err filled. */
+static int open_files(dsc_aio_ctx *ctx, aio_op *op, char *err, size_t errlen) {
+    int want_direct = ctx->cfg.use_direct && aligned(op->file_offset) && op->nbytes >= DSC_AIO_ALIGNMENT;
+    if (!op->is_write) {
+        op->fd_buf = open(op->path, O_RDONLY | O_CLOEXEC);
+        if (op->fd_buf < 0) {
+            fmt(err, errlen, "cannot open %s for reading: %s", op->path, strerror(errno));
+            return -1;
+        }
+        struct stat st;
+        if (fstat(op->fd_buf, &st) != 0) {
+            fmt(err, errlen, "cannot stat %s: %s", op->path, strerror(errno));
+            return -1;
+        }
+        if (!S_ISREG(st.st_mode) && !S_ISBLK(st.st_mode)) {
+            fmt(err, errlen, "%s is not a regular file", op->path);
+            return -1;
+        }
+        if (S_ISREG(st.st_mode) && (int64_t)st.st_size < op->file_offset + op->nbytes) {
+            fmt(err, errlen,
+                "read past the end of %s: the file has %lld bytes, the read wants bytes [%lld, %lld) "
+                "(buffer of %lld bytes at file_offset %lld)",
+                op->path, (long long)st.st_size, (long long)op->file_offset,
+                (long long)(op->file_offset + op->nbytes), (long long)op->nbytes, (long long)op->file_offset);
+            return -1;
+        }
+        if (want_direct) op->fd_direct = open(op->path, O_RDONLY | O_DIRECT | O_CLOEXEC);
+        return 0;
+    }
+    const char *target = op->path;
+    if (op->is_write != DSC_AIO_WRITE_IN_PLACE && op->file_offset == 0) {
+        /* replacing write: temporary beside the target, renamed at the end */
+        size_t n = strlen(op->path) + 64;
+        op->tmp_path = malloc(n);
+        if (!op->tmp_path) {
+            fmt(err, errlen, "out of memory");
+            return -1;
+        }
+        snprintf(op->tmp_path, n, "%s.dsc-tmp-%ld-%lld", op->path, (long)getpid(), (long long)op->id);
+        target = op->tmp_path;
+        op->fd_buf = open(target, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    } else {
+        op->fd_buf = open(target, O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+    }
+    if (op->fd_buf < 0) {
+        fmt(err, errlen, "cannot open %s for writing: %s", op->path, strerror(errno));
+        free(op->tmp_path);
+        op->tmp_path = NULL;
+        return -1;
+    }
+    if (op->nbytes > 0) { /* reserve the space now: a full filesystem fails here, not half-way */
+        int rc = posix_fallocate(op->fd_buf, (off_t)op->file_offset, (off_t)op->nbytes);
+        if (rc != 0 && rc != EOPNOTSUPP && rc != EINVAL) {
+            fmt(err, errlen, "no room to write %lld bytes to %s: %s", (long long)op->nbytes, op->path, strerror(rc));
+            return -1;
+        }
+    }
+    if (want_direct) op->fd_direct = open(target, O_WRONLY | O_DIRECT | O_CLOEXEC);
+    return 0;
+}
+
+int64_t dsc_aio_submit(dsc_aio_ctx *ctx, int is_write, int is_async, void *buf, int64_t nbytes,
+                       const char *filename, int64_t file_offset, char *err, size_t errlen) {
+    if (nbytes < 0 || file_offset < 0) {
+        fmt(err, errlen, "negative size or file_offset (%lld, %lld) for %s", (long long)nbytes,
+            (long long)file_offset, filename);
+        return -1;
+    }
+    if (nbytes > 0 && !buf) {
+        fmt(err, errlen, "null buffer for %s", filename);
+        return -1;
+    }
+    aio_op *op = calloc(1, sizeof *op);
+    if (!op || !(op->path = dupstr(filename))) {
+        free(op);
+        fmt(err, errlen, "out of memory");
+        return -1;
+    }
+    op->is_write = is_write;
+    op->is_async = is_async;
+    op->buf = buf;
+    op->nbytes = nbytes;
+    op->file_offset = file_offset;
+    op->fd_direct = op->fd_buf = -1;
+    pthread_mutex_lock(&ctx->mu);
+    op->id = ctx->next_id++;
+    pthread_mutex_unlock(&ctx->mu);
+    if (open_files(ctx, op, err, errlen) != 0) {
+        op->failed = 1; /* removes a temporary already created */
+        finish_files(op);
+        free_op(op);
+        return -1;
+    }
+    int64_t bs = ctx->cfg.block_size;
+    op->direct_len = op->fd_direct >= 0 ? nbytes - nbytes % DSC_AIO_ALIGNMENT : 0;
+    op->n_direct = (op->direct_len + bs - 1) / bs;
+    op->n_blocks = op->n_direct + (nbytes - op->direct_len + bs - 1) / bs;
+    if (op->n_blocks == 0) finish_files(op); /* nothing to move (0 bytes): finish inline */
+    pthread_mutex_lock(&ctx->mu);
+    op->done = op->n_blocks == 0;
+    if (op->done && op->failed) fmt(err, errlen, "%s", op->err);
+    if (ctx->tail) ctx->tail->next = op;
+    else ctx->head = op;
+    ctx->tail = op;
+    ctx->stats.ops_submitted++;
+    if (op->done) ctx->stats.ops_completed++;
+    else pthread_cond_broadcast(&ctx->work_cv);
+    int64_t id = op->id;
+    pthread_mutex_unlock(&ctx->mu);
+    return id;
+}
+
+int dsc_aio_wait_op(dsc_aio_ctx *ctx, int64_t op_id, char *err, size_t errlen) {
+    pthread_mutex_lock(&ctx->mu);
+    aio_op *op = ctx->head;
+    while (op && op->id != op_id) op = op->next;
+    if (!op) {
+        pthread_mutex_unlock(&ctx->mu);
+        fmt(err, errlen, "no pending I/O op with id %lld", (long long)op_id);
+        return -1;
+    }
+    while (!op->done) pthread_cond_wait(&ctx->done_cv, &ctx->mu);
+    unlink_op(ctx, op);
+    pthread_mutex_unlock(&ctx->mu);
+    int failed = op->failed;
+    if (failed) fmt(err, errlen, "%s", op->err);
+    free_op(op);
+    return failed ? -1 : 1;
+}
+
+int64_t dsc_aio_wait_all(dsc_aio_ctx *ctx, int64_t *n_failed, char *err, size_t errlen) {
+    int64_t count = 0, failed = 0;
+    pthread_mutex_lock(&ctx->mu);
+    for (;;) {
+        aio_op *op = ctx->head; /* the oldest async op; sync ops belong to their submitters */
+        while (op && !op->is_async) op = op->next;
+        if (!op) break;
+        if (!op->done) {
+            pthread_cond_wait(&ctx->done_cv, &ctx->mu);
+            continue;
+        }
+        unlink_op(ctx, op);
+        count++;
+        if (op->failed && failed++ == 0) fmt(err, errlen, "%s", op->err);
+        free_op(op);
+    }
+    pthread_mutex_unlock(&ctx->mu);
+    if (n_failed) *n_failed = failed;
+    return failed ? -1 : count;
+}
+
+int64_t dsc_aio_pending(dsc_aio_ctx *ctx) {
+    int64_t n = 0;
+    pthread_mutex_lock(&ctx->mu);
+    for (aio_op *op = ctx->head; op; op = op->next) n += op->is_async;
+    pthread_mutex_unlock(&ctx->mu);
+    return n;
+}
+
+void dsc_aio_get_stats(dsc_aio_ctx *ctx, dsc_aio_stats *out) {
+    pthread_mutex_lock(&ctx->mu);
+    *out = ctx->stats;
+    pthread_mutex_unlock(&ctx->mu);
+}
