@@ -23,6 +23,7 @@ from deepspeed_c.runtime.config_utils import (DeepSpeedConfigError, DeepSpeedCon
                                               closest, config_warning, parse_dtype, parse_section, scalar,
                                               strip_auto)
 from deepspeed_c.runtime.config_zero import ZeroStageEnum, parse_zero_config
+from deepspeed_c.runtime.swap_tensor.aio_config import get_aio_config
 from deepspeed_c.utils.logging import logger
 from deepspeed_c.version import DEEPSPEED_API_VERSION
 
@@ -185,6 +186,7 @@ class DeepSpeedConfig:
         self.zero_enabled = self.zero_optimization_stage > 0
         self.mics_shard_size = self.zero_config.mics_shard_size
         self.mics_hierarchial_params_gather = self.zero_config.mics_hierarchical_params_gather
+        self.aio_config = get_aio_config(pd)  # DeepNVMe handle settings for NVMe offload
 
         precision = parse_precision(pd, zero_stage=self.zero_optimization_stage)
         self.float16_config = precision["float16_config"]

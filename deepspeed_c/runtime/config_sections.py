@@ -124,7 +124,6 @@ def _present(raw: Any) -> bool:
 UNBUILT_SECTIONS: dict[str, tuple[str, Any]] = {
     "pipeline": ("pipeline parallelism (use PipelineModule once deepspeed_c builds it)", _present),
     "sparse_attention": ("sparse attention", _present),
-    "aio": ("NVMe offload through async I/O", _present),
     "compression_training": ("compression training", _present),
     "weight_quantization": ("weight quantization", _present),
     "elasticity": ("elastic training", _enabled),
