@@ -117,17 +117,26 @@ def bench_adam(n: int, parts: int, copy_gbs: float, reps: int) -> None:
     grads = [torch.randn(s, device="cuda") * 1e-2 for s in sizes]
     hp = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     sets, opts = {}, {}
-    for name in ("deepspeed_c FusedAdam", "torch AdamW fused", "torch AdamW foreach"):
+    names = ("deepspeed_c FusedAdam", "deepspeed_c FusedAdam one launch", "torch AdamW fused", "torch AdamW foreach")
+    for name in names:
         ps = [torch.nn.Parameter(b.clone()) for b in base]
         for p, g in zip(ps, grads):
             p.grad = g
         sets[name] = ps
     del base
     opts["deepspeed_c FusedAdam"] = FusedAdam(sets["deepspeed_c FusedAdam"], **hp)
+    opts["deepspeed_c FusedAdam one launch"] = FusedAdam(sets["deepspeed_c FusedAdam one launch"], **hp)
     opts["torch AdamW fused"] = torch.optim.AdamW(sets["torch AdamW fused"], fused=True, **hp)
     opts["torch AdamW foreach"] = torch.optim.AdamW(sets["torch AdamW foreach"], foreach=True, **hp)
-    for o in opts.values():
-        o.step()
+    from deepspeed_c.ops import fused_step_plan
+
+    for k, o in opts.items():
+        if k.endswith("one launch"):  # the plan before pipelined launches: a bucket is one launch
+            saved, fused_step_plan.PIPELINED_DEVICES = fused_step_plan.PIPELINED_DEVICES, frozenset()
+            o.step()
+            fused_step_plan.PIPELINED_DEVICES = saved
+        else:
+            o.step()
     err = rel_err(sets["deepspeed_c FusedAdam"], sets["torch AdamW fused"])
     print(f"check     {shape:14s} FusedAdam vs torch fused AdamW after 1 step: rel err {err:.2e}", flush=True)
     assert err < 1e-5, err

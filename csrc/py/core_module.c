@@ -11,6 +11,7 @@ extern PyMethodDef dsc_bucket_methods[];
 extern PyMethodDef dsc_partition_methods[];
 extern PyMethodDef dsc_fetch_plan_methods[];
 extern PyMethodDef dsc_pipe_schedule_methods[];
+extern PyMethodDef dsc_identity_methods[];
 
 static PyMethodDef *const dsc_core_tables[] = {
     dsc_view_methods,
@@ -19,6 +20,7 @@ static PyMethodDef *const dsc_core_tables[] = {
     dsc_partition_methods,
     dsc_fetch_plan_methods,
     dsc_pipe_schedule_methods,
+    dsc_identity_methods,
     NULL,
 };
 

@@ -153,3 +153,64 @@ def test_fused_lion_with_skipped_params_matches_reference(device):
                                                  weight_decay=hp["weight_decay"])
     assert_rel([p.detach() for p in ours], ref_p, 1e-5, "FusedLion")
     assert [opt.state[p]["step"].item() for p in ours] == [5.0, 4.0, 5.0]
+
+
+def test_chunk_bounds_grow_geometrically():
+    from deepspeed_c.ops.fused_step_plan import chunk_bounds
+
+    assert chunk_bounds(256, True) == [(0, 8), (8, 40), (40, 168), (168, 256)]
+    assert chunk_bounds(5, True) == [(0, 5)]
+    assert chunk_bounds(256, False) == [(0, 256)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_chunked_launch_stopped_mid_plan_matches_torch_adamw(device, monkeypatch):
+    """Launches are verified chunk by chunk: a stale chunk past the first launch (a gradient gone,
+    a state tensor replaced, a step counter the plan does not know) must leave the earlier chunks
+    stepped once and the rest stepped by a fresh plan, never twice and never skipped."""
+    from deepspeed_c.ops import fused_step_plan
+    from deepspeed_c.ops.adam import FusedAdam
+
+    monkeypatch.setattr(fused_step_plan, "PIPELINED_DEVICES", frozenset({"cuda", "cpu"}))
+    torch.manual_seed(2)
+    sizes = [33 + 7 * i for i in range(45)]  # chunks of 8, 32, 5 tensors
+    ours = [torch.nn.Parameter(torch.randn(n, device=device)) for n in sizes]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    hp = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
+    a, b = FusedAdam(ours, **hp), torch.optim.AdamW(theirs, foreach=False, **hp)
+
+    def step(skip=()):
+        for i, (p, q) in enumerate(zip(ours, theirs)):
+            p.grad = q.grad = None
+            if i not in skip:
+                p.grad = torch.randn_like(p)
+                q.grad = p.grad.clone()
+        a.step()
+        b.step()
+
+    step()
+    step()
+    assert [len(c.params) for c in a._plans._plans[0].buckets[0].chunks] == [8, 32, 5]
+    step(skip={20})                                   # second chunk loses a gradient
+    step()                                            # ... regains it: two step values
+    step()
+    a.state[ours[43]]["exp_avg_sq"] = a.state[ours[43]]["exp_avg_sq"].clone()  # third chunk's state replaced
+    step()
+    step(skip={3, 44})                                # first and last chunk
+    step()
+    assert_rel([p.detach() for p in ours], [q.detach().double() for q in theirs], 1e-5, "chunked FusedAdam")
+    assert [a.state[p]["step"].item() for p in ours] == [b.state[q]["step"].item() for q in theirs]
+
+
+def test_identity_helpers_compare_objects_not_values():
+    from deepspeed_c import _C
+
+    a, b = torch.zeros(2), torch.zeros(2)
+    assert _C.same_objects([a, b], (a, b)) and not _C.same_objects([a, b], [a, a]) and not _C.same_objects([a], [a, b])
+    assert _C.entries_are([{"k": a}, {"k": b}], "k", [a, b]) and not _C.entries_are([{"k": a}], "k", [b])
+    assert not _C.entries_are([{}], "k", [a])  # a missing key is not the recorded object
+    assert _C.any_none([a, None]) and not _C.any_none((a, b)) and not _C.any_none([])
+    with pytest.raises(TypeError, match="dicts\\[0\\]"):
+        _C.entries_are([a], "k", [a])
+    with pytest.raises(TypeError, match="'seq' must be a list or tuple"):
+        _C.any_none(a)

@@ -76,24 +76,24 @@ class FusedAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        w_mode = bool(self.adam_w_mode)
         for index, group in enumerate(self.param_groups):
-            group_grads = [p.grad for p in group["params"]]
-            plan = self._plans.plan(self, index, group, group_grads, _MOMENTS, "FusedAdam", require_cuda=False)
             beta1, beta2 = group["betas"]
-            hyper = (float(group["lr"]), float(beta1), float(beta2), float(group["eps"]))
+            lr, b1, b2, eps = float(group["lr"]), float(beta1), float(beta2), float(group["eps"])
             bc, wd = bool(group.get("bias_correction", True)), float(group["weight_decay"])
-            for b, b_grads in plan.launches(group_grads):
-                if b.params[0].device.type == "cpu":  # as DeepSpeed's FusedAdam on its CPU accelerator
+
+            def launch(params: list[torch.Tensor], grads: list[torch.Tensor], moments: list[list[torch.Tensor]],
+                       step: int) -> None:
+                if params[0].device.type == "cpu":  # as DeepSpeed's FusedAdam on its CPU accelerator
                     fu.launch_with_contiguous_retry(
-                        lambda gl: cpu_adam_step(b.params, gl, b.moments[0], b.moments[1], lr=hyper[0],
-                                                 betas=(hyper[1], hyper[2]), eps=hyper[3], weight_decay=wd,
-                                                 step=b.step + 1, bias_correction=bc,
-                                                 adamw_mode=bool(self.adam_w_mode)), b_grads)
+                        lambda gl: cpu_adam_step(params, gl, moments[0], moments[1], lr=lr, betas=(b1, b2), eps=eps,
+                                                 weight_decay=wd, step=step, bias_correction=bc, adamw_mode=w_mode),
+                        grads)
                 else:
-                    fu.check_cuda(b.params[0], "FusedAdam")
+                    fu.check_cuda(params[0], "FusedAdam")
                     fu.launch_with_contiguous_retry(
-                        lambda gl: _load_op().multi_tensor_adam(
-                            gl, b.params, b.moments[0], b.moments[1], None, *hyper, b.step + 1,
-                            bool(self.adam_w_mode), bc, wd, 1.0), b_grads)
-                plan.advance(b)
+                        lambda gl: _load_op().multi_tensor_adam(gl, params, moments[0], moments[1], None, lr, b1, b2,
+                                                                eps, step, w_mode, bc, wd, 1.0), grads)
+
+            self._plans.step(self, index, group, _MOMENTS, "FusedAdam", launch, require_cuda=False)
         return loss

@@ -70,19 +70,20 @@ class FusedLion(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for index, group in enumerate(self.param_groups):
-            group_grads = [p.grad for p in group["params"]]
-            plan = self._plans.plan(self, index, group, group_grads, _MOMENTS, "FusedLion",
-                                    sparse_error=NotImplementedError, require_cuda=False)
             beta1, beta2 = group["betas"]
             hyper = (float(group["lr"]), float(beta1), float(beta2), float(group["weight_decay"]))
+
             # Lion has no bias correction; the step count is kept for checkpoints
-            for b, b_grads in plan.launches(group_grads):
-                if b.params[0].device.type == "cpu":  # the C CPU Lion kernel, as DeepSpeed on CPU
+            def launch(params: list[torch.Tensor], grads: list[torch.Tensor], moments: list[list[torch.Tensor]],
+                       step: int) -> None:
+                if params[0].device.type == "cpu":  # the C CPU Lion kernel, as DeepSpeed on CPU
                     fu.launch_with_contiguous_retry(
-                        lambda gl: _cpu_op().lion_step(b.params, gl, b.moments[0], None, *hyper), b_grads)
+                        lambda gl: _cpu_op().lion_step(params, gl, moments[0], None, *hyper), grads)
                 else:
-                    fu.check_cuda(b.params[0], "FusedLion")
+                    fu.check_cuda(params[0], "FusedLion")
                     fu.launch_with_contiguous_retry(
-                        lambda gl: _load_op().multi_tensor_lion(gl, b.params, b.moments[0], None, *hyper), b_grads)
-                plan.advance(b)
+                        lambda gl: _load_op().multi_tensor_lion(gl, params, moments[0], None, *hyper), grads)
+
+            self._plans.step(self, index, group, _MOMENTS, "FusedLion", launch, sparse_error=NotImplementedError,
+                             require_cuda=False)
         return loss
