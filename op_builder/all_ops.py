@@ -13,6 +13,7 @@ from .cpu_multi_tensor import CPUMultiTensorBuilder
 from .fused_adam import FusedAdamBuilder
 from .fused_lamb import FusedLambBuilder
 from .fused_lion import FusedLionBuilder
+from .moe_gating import MoEGatingBuilder, MoEGatingCUDABuilder
 from .multi_tensor import MultiTensorOpsBuilder
 
 __all__ = [name for name, obj in dict(globals()).items()

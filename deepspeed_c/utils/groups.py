@@ -1,9 +1,7 @@
 """deepspeed.utils.groups: the process groups DeepSpeed's code and users query.
 
-Until tensor, sequence and expert parallelism land there is one kind of group: data parallel over
-the whole world (model, tensor and sequence parallel worlds are of size 1). The expert-parallel
-entry points raise NotImplementedError naming MoE instead of answering for groups that do not
-exist."""
+Data parallel runs over the whole world (model, tensor and sequence parallel worlds are of size 1
+until those land); MoE layers add expert-parallel and expert-data-parallel groups named ep_size_{n}."""
 from __future__ import annotations
 
 from typing import Any
@@ -16,9 +14,10 @@ def _initialized() -> bool:
 
 
 def initialize(ep_size: int = 1, mpu: Any = None) -> None:
-    if ep_size != 1 or mpu is not None:
-        raise NotImplementedError("deepspeed_c.utils.groups.initialize(ep_size > 1 or mpu=...): expert and model "
-                                  "parallel groups are not built yet (MoE / tensor parallel issues)")
+    if mpu is not None:
+        raise NotImplementedError("deepspeed_c.utils.groups.initialize(mpu=...): model parallel groups are not built "
+                                  "yet (tensor parallel issue)")
+    _create_expert_and_data_parallel(ep_size)
 
 
 def get_data_parallel_group() -> Any:
@@ -88,10 +87,134 @@ _get_sequence_data_parallel_rank = get_data_parallel_rank
 _get_sequence_data_parallel_group = get_data_parallel_group
 
 
-def _expert_groups(*_: Any, **__: Any) -> Any:
-    raise NotImplementedError("deepspeed_c.utils.groups: expert-parallel groups are not built yet (MoE issue)")
+# -- expert parallelism (MoE) ------------------------------------------------------------------------
+# Named by ep_size ("ep_size_{n}"). With world size W and ep size n (E + D order, DeepSpeed's default):
+# expert-parallel groups are consecutive ranks [i*n, (i+1)*n) (the all-to-all runs there); the
+# expert-data-parallel groups are the strided ranks [j, j+n, j+2n, ...] (ranks holding the same
+# experts: their expert gradients are reduced there). use_data_before_expert_parallel_ swaps the two.
+_EXPERT_PARALLEL_GROUP: dict[str, Any] = {}
+_EXPERT_PARALLEL_GROUP_RANKS: dict[str, list[int]] = {}
+_EXPERT_DATA_PARALLEL_GROUP: dict[str, Any] = {}
+_EXPERT_DATA_PARALLEL_GROUP_RANKS: dict[str, list[int]] = {}
 
 
-_create_expert_and_data_parallel = _get_expert_parallel_group = _get_expert_data_parallel_group = _expert_groups
-_get_expert_parallel_world_size = _get_expert_parallel_rank = _get_expert_data_parallel_world_size = _expert_groups
-_get_expert_data_parallel_rank = _get_max_expert_size = _expert_groups
+def _ensure_divisibility(numerator: int, denominator: int) -> None:
+    if denominator <= 0 or numerator % denominator != 0:
+        raise ValueError(f"{numerator} is not divisible by {denominator}")
+
+
+def expert_layout(world_size: int, ep_size: int, use_data_before_expert_parallel_: bool = False
+                  ) -> tuple[list[list[int]], list[list[int]]]:
+    """(expert-parallel groups, expert-data-parallel groups) as rank lists; pure arithmetic."""
+    if ep_size > world_size:
+        raise ValueError(f"ep_size={ep_size} is larger than the world size ({world_size}): an expert-parallel group "
+                         "cannot have more ranks than there are")
+    if world_size % ep_size != 0:
+        raise ValueError(f"ep_size={ep_size} does not divide the world size ({world_size}): every rank must belong to "
+                         "one expert-parallel group of ep_size ranks")
+    dp = world_size // ep_size
+    if use_data_before_expert_parallel_:
+        edp = [list(range(i * dp, (i + 1) * dp)) for i in range(ep_size)]
+        ep = [list(range(i, world_size, dp)) for i in range(dp)]
+    else:
+        ep = [list(range(i * ep_size, (i + 1) * ep_size)) for i in range(dp)]
+        edp = [list(range(i, world_size, ep_size)) for i in range(ep_size)]
+    return ep, edp
+
+
+def _create_expert_and_data_parallel(expert_parallel_size_: int, mp_size: Any = None, pp_size: Any = None,
+                                     mp_mode: str = "tp", use_data_before_expert_parallel_: bool = False,
+                                     folding_spec: Any = None) -> None:
+    """Creates the ep_size_{n} expert and expert-data-parallel groups (every rank must call it)."""
+    if not _initialized():
+        raise RuntimeError("expert-parallel groups need torch.distributed initialized (deepspeed.init_distributed())")
+    if (mp_size or 1) > 1 or (pp_size or 1) > 1 or folding_spec is not None:
+        raise NotImplementedError("expert parallelism combined with tensor/pipeline parallelism is not built yet")
+    name = f"ep_size_{expert_parallel_size_}"
+    if name in _EXPERT_PARALLEL_GROUP:
+        return
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ep, edp = expert_layout(world, expert_parallel_size_, use_data_before_expert_parallel_)
+    for ranks in edp:  # every rank creates every group, in the same order
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            _EXPERT_DATA_PARALLEL_GROUP[name], _EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = group, ranks
+    for ranks in ep:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            _EXPERT_PARALLEL_GROUP[name], _EXPERT_PARALLEL_GROUP_RANKS[name] = group, ranks
+
+
+def _lookup(table: dict[str, Any], group_name: str, what: str) -> Any:
+    if group_name not in table:
+        raise AssertionError(f"{what} group {group_name!r} is not initialized (known: {sorted(table)}); "
+                             "deepspeed.initialize creates the groups of the model's MoE layers")
+    return table[group_name]
+
+
+def _get_expert_parallel_group(group_name: str) -> Any:
+    return _lookup(_EXPERT_PARALLEL_GROUP, group_name, "expert parallel")
+
+
+def _get_expert_parallel_group_ranks(group_name: str) -> list[int]:
+    return _lookup(_EXPERT_PARALLEL_GROUP_RANKS, group_name, "expert parallel")
+
+
+def _get_expert_parallel_group_dict() -> dict[str, Any]:
+    return _EXPERT_PARALLEL_GROUP
+
+
+def _get_expert_data_parallel_group(group_name: str) -> Any:
+    return _lookup(_EXPERT_DATA_PARALLEL_GROUP, group_name, "expert data parallel")
+
+
+def _get_expert_data_parallel_group_ranks(group_name: str) -> list[int]:
+    return _lookup(_EXPERT_DATA_PARALLEL_GROUP_RANKS, group_name, "expert data parallel")
+
+
+def _get_expert_data_parallel_group_dict() -> dict[str, Any]:
+    return _EXPERT_DATA_PARALLEL_GROUP
+
+
+def _get_expert_parallel_world_size(group_name: str) -> int:
+    return dist.get_world_size(group=_get_expert_parallel_group(group_name))
+
+
+def _get_expert_parallel_rank(group_name: str) -> int:
+    return dist.get_rank(group=_get_expert_parallel_group(group_name))
+
+
+def _get_expert_parallel_src_rank(group_name: str) -> int:
+    return _get_expert_parallel_group_ranks(group_name)[0]
+
+
+def _get_expert_data_parallel_world_size(group_name: str) -> int:
+    return dist.get_world_size(group=_get_expert_data_parallel_group(group_name))
+
+
+def _get_expert_data_parallel_rank(group_name: str) -> int:
+    return dist.get_rank(group=_get_expert_data_parallel_group(group_name))
+
+
+def _get_max_expert_size() -> Any:
+    sizes = [int(k.split("_")[2]) for k in _EXPERT_PARALLEL_GROUP]
+    return max(sizes) if sizes else None
+
+
+def _get_max_expert_size_name() -> str:
+    return f"ep_size_{_get_max_expert_size()}"
+
+
+def _get_max_expert_parallel_group() -> Any:
+    return _get_expert_parallel_group(_get_max_expert_size_name())
+
+
+def _get_expert_model_parallel_world_size() -> int:
+    return 1  # no expert tensor parallelism
+
+
+def _reset_expert_groups() -> None:
+    """Forget every expert group (tests that re-initialise torch.distributed in one process)."""
+    for table in (_EXPERT_PARALLEL_GROUP, _EXPERT_PARALLEL_GROUP_RANKS, _EXPERT_DATA_PARALLEL_GROUP,
+                  _EXPERT_DATA_PARALLEL_GROUP_RANKS):
+        table.clear()

@@ -10,15 +10,17 @@ from op_builder.builder import csrc_root
 from op_builder.fused_adam import FusedAdamBuilder
 from op_builder.fused_lamb import FusedLambBuilder
 from op_builder.fused_lion import FusedLionBuilder
+from op_builder.moe_gating import MoEGatingCUDABuilder
 from op_builder.multi_tensor import MultiTensorOpsBuilder
 
-CUDA_BUILDERS = [MultiTensorOpsBuilder, FusedAdamBuilder, FusedLambBuilder, FusedLionBuilder]
+CUDA_BUILDERS = [MultiTensorOpsBuilder, FusedAdamBuilder, FusedLambBuilder, FusedLionBuilder, MoEGatingCUDABuilder]
 EXPECTED = {
     "multi_tensor_ops": {"l2norm", "scale", "copy", "flatten", "unflatten", "adam_epilogue",
                          "tensors_per_launch", "chunk_elems"},
     "fused_adam": {"multi_tensor_adam"},
     "fused_lamb": {"multi_tensor_lamb"},
     "fused_lion": {"multi_tensor_lion"},
+    "moe_gating_cuda": {"select", "counts", "plan", "dispatch", "combine", "route_dots"},
 }
 no_nvcc = pytest.mark.skipif(toolchain.nvcc() is None or not toolchain.cudart_static_available(),
                              reason="nvcc and libcudart_static are needed to compile the CUDA ops")
