@@ -112,6 +112,19 @@ class ProgressiveLayerDropConfig(DeepSpeedConfigModel):
     gamma: float = 0.001
 
 
+class PipelineConfig(DeepSpeedConfigModel):
+    """The `pipeline` section (DeepSpeed's keys, plus schedule/virtual_stages of deepspeed_c)."""
+    stages: Any = "auto"
+    partition: str = "best"
+    seed_layers: bool = False
+    activation_checkpoint_interval: int = 0
+    pipe_partitioned: bool = True
+    grad_partitioned: bool = True
+    use_reentrant: bool = True
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+
+
 # Sections deepspeed_c does not build: (what, whether this raw section asks for it).
 def _enabled(raw: Any) -> bool:
     return isinstance(raw, dict) and bool(raw.get("enabled", False))
@@ -122,7 +135,6 @@ def _present(raw: Any) -> bool:
 
 
 UNBUILT_SECTIONS: dict[str, tuple[str, Any]] = {
-    "pipeline": ("pipeline parallelism (use PipelineModule once deepspeed_c builds it)", _present),
     "sparse_attention": ("sparse attention", _present),
     "compression_training": ("compression training", _present),
     "weight_quantization": ("weight quantization", _present),
@@ -178,7 +190,12 @@ def parse_misc_sections(param_dict: dict[str, Any]) -> dict[str, Any]:
         raise DeepSpeedConfigError(f"Invalid value {act.number_checkpoints!r} for config key "
                                    f"'activation_checkpointing.number_checkpoints': expected an int >= 0")
     timers = parse_section(TimersConfig, param_dict.get("timers"), "timers")
+    pipeline = parse_section(PipelineConfig, param_dict.get("pipeline"), "pipeline")
+    if pipeline.schedule not in ("1f1b", "interleaved", "zb_h1"):
+        raise DeepSpeedConfigError(f"Invalid value {pipeline.schedule!r} for config key 'pipeline.schedule': "
+                                   "expected '1f1b', 'interleaved' or 'zb_h1'")
     return {
+        "pipeline_config": pipeline,
         "flops_profiler_config": flops, "eigenvalue_config": eigen, "pld_config": pld,
         "compile_config": compile_cfg, "tensor_parallel_config": tp, "checkpoint_config": checkpoint,
         "activation_checkpointing_config": act, "timers_config": timers,

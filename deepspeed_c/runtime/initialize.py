@@ -64,7 +64,15 @@ def initialize(args: Any = None,
 
         raise unbuilt("mesh_param", "a (data, sequence) parallel device mesh")
     if _is_pipeline_module(model):
-        raise NotImplementedError("deepspeed_c: PipelineModule / PipelineEngine is not built yet")
+        from deepspeed_c.runtime.pipe.engine import DataParallelView, PipelineEngine
+
+        assert mpu is None, "mpu must be None with pipeline parallelism"
+        view = DataParallelView(model.mpu())  # the stage's data-parallel group
+        engine = PipelineEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                                training_data=training_data, lr_scheduler=lr_scheduler, mpu=view,
+                                dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
+                                config_class=DeepSpeedConfig(config, view))
+        return (engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler)
 
     from deepspeed_c.runtime.engine import DeepSpeedEngine
 

@@ -1,0 +1,187 @@
+"""PipelineEngine (`deepspeed.runtime.pipe.engine`): what initialize returns for a PipelineModule.
+
+train_batch() runs one batch of gradient_accumulation_steps micro-batches through the stages by
+executing the schedule's instructions (runtime/pipe/schedule.py, generated in C) with the
+executor in runtime/pipe/executor.py; precision, the optimizer (plain, bf16/fp16 or ZeRO-1 over
+the stage's data-parallel group), LR scheduling and checkpoint plumbing are the DeepSpeedEngine's.
+engine.forward/backward/step raise, as DeepSpeed's: the pipeline drives them itself.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from deepspeed_c.runtime.engine import DeepSpeedEngine
+
+from .executor import PipeExecutor
+from .module import PipelineModule
+from .schedule import InferenceSchedule, schedule_for
+
+
+class PipelineError(Exception):
+    """Errors related to the use of deepspeed.PipelineEngine."""
+
+
+class DataParallelView:
+    """The slice of a PipelineParallelGrid the base engine sees: only the stage's data-parallel
+    group (its reducer, ZeRO partitions and batch arithmetic are per stage)."""
+
+    def __init__(self, grid: Any) -> None:
+        self.grid = grid
+
+    def get_data_parallel_group(self) -> Any:
+        return self.grid.get_data_parallel_group()
+
+    def get_data_parallel_rank(self) -> int:
+        return self.grid.get_data_parallel_rank()
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.grid.get_data_parallel_world_size()
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+
+class PipelineEngine(DeepSpeedEngine):
+    """A training engine for PipelineModules: train_batch / eval_batch."""
+
+    ID_TO_DTYPE = [torch.float32, torch.float64, torch.complex64, torch.complex128, torch.float16, torch.bfloat16,
+                   torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool]
+    DTYPE_TO_ID = {dtype: i for i, dtype in enumerate(ID_TO_DTYPE)}
+
+    def __init__(self, has_bool_tensors: bool = False, *super_args: Any, **super_kwargs: Any) -> None:
+        model = super_kwargs.get("model")
+        if not isinstance(model, PipelineModule):
+            raise TypeError(f"model must be a PipelineModule, got {type(model).__name__}")
+        self.grid = model.mpu()
+        super_kwargs["mpu"] = DataParallelView(self.grid)
+        super().__init__(*super_args, **super_kwargs)
+        self.has_bool_tensors = has_bool_tensors
+        self.pipeline_enable_backward_allreduce = True
+        self.num_stages = self.grid.get_pipe_parallel_world_size()
+        self.stage_id = self.grid.get_stage_id()
+        self.prev_stage, self.next_stage = self.stage_id - 1, self.stage_id + 1
+        self.data_iterator: Optional[Iterator] = None
+        self.micro_batches = self.gradient_accumulation_steps()
+        self.micro_batch_size = self.train_micro_batch_size_per_gpu()
+        self.is_pipe_parallel = self.num_stages > 1
+        self.is_data_parallel = self.grid.data_parallel_size > 1
+        self.is_model_parallel = self.grid.model_parallel_size > 1
+        self.total_loss: Optional[torch.Tensor] = None
+        self.agg_train_loss: Optional[torch.Tensor] = None
+        self.dynamic_shape = bool(getattr(model, "dynamic_shape", False))
+        self._schedule_name = self._config.pipeline_config.schedule
+        if self._schedule_name != "1f1b":
+            raise NotImplementedError(
+                f"pipeline.schedule={self._schedule_name!r}: the engine runs the 1F1B schedule; the interleaved and "
+                "zero-bubble schedules are generated (deepspeed_c.runtime.pipe.schedule) but not executed yet")
+        if self.num_stages > 1 and self.gradient_clipping() > 0 and (
+                self.zero_optimization_stage() > 0 or self.precision.low_precision):
+            raise NotImplementedError(
+                "gradient_clipping across pipeline stages is built for fp32 without ZeRO; with "
+                f"zero_optimization.stage={self.zero_optimization_stage()} / bf16 / fp16 it is not yet")
+        if self.zero_optimization_stage() > 1:
+            raise NotImplementedError(
+                f"zero_optimization.stage={self.zero_optimization_stage()}: pipeline parallelism works with "
+                "ZeRO stage 0 and 1 (as DeepSpeed)")
+        self.executor = PipeExecutor(self)
+
+    # -- DeepSpeed's refusals --------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise PipelineError("Only train_batch() is accessible in pipeline mode.")
+
+    def backward(self, *args: Any, **kwargs: Any) -> Any:
+        raise PipelineError("Only train_batch() is accessible in pipeline mode.")
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        raise PipelineError("Only train_batch() is accessible in pipeline mode.")
+
+    # -- what the executor calls back --------------------------------------------------------------
+    def _engine_backward(self, loss: torch.Tensor) -> Any:
+        return DeepSpeedEngine.backward(self, loss)
+
+    def _engine_step(self) -> None:
+        DeepSpeedEngine.step(self)
+
+    # -- public API -------------------------------------------------------------------------------
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.num_stages - 1
+
+    def set_dataiterator(self, iterator: Iterator) -> None:
+        """Where the first and last stages read micro-batches from."""
+        if self.is_first_stage() or self.is_last_stage():
+            self.data_iterator = iterator
+
+    def set_batch_fn(self, fn: Any) -> None:
+        self.batch_fn = fn
+
+    def reset_activation_shape(self) -> None:
+        self.executor.reset_links()
+
+    def train_batch(self, data_iter: Optional[Iterator] = None) -> torch.Tensor:
+        """One batch (gradient_accumulation_steps micro-batches) forward, backward and step; returns
+        the loss averaged over micro-batches and data-parallel ranks, on every stage."""
+        if not torch._C.is_grad_enabled():
+            raise RuntimeError("train_batch() requires gradients enabled. Use eval_batch() instead.")
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
+        self.module.train()
+        self.total_loss = None
+        sched = schedule_for(self._schedule_name, self.micro_batches, self.num_stages, self.stage_id)
+        self.executor.run(sched, training=True)
+        self.agg_train_loss = self._aggregate_total_loss()
+        return self.agg_train_loss
+
+    def eval_batch(self, data_iter: Iterator, return_logits: bool = False, compute_loss: bool = True,
+                   reduce_output: Optional[str] = "avg", bcast_loss: bool = True,
+                   num_micro_batches: Optional[int] = None) -> Any:
+        """Forward only over num_micro_batches (default gradient_accumulation_steps) micro-batches;
+        returns the loss (averaged when reduce_output='avg'), and the last stage's logits if asked."""
+        if reduce_output not in ("avg", None):
+            raise ValueError(f"reduce_output must be 'avg' or None, got {reduce_output!r}")
+        self.module.eval()
+        self.set_dataiterator(data_iter)
+        micro = num_micro_batches or self.micro_batches
+        outputs = self.executor.run(InferenceSchedule(micro, self.num_stages, self.stage_id), training=False,
+                                    compute_loss=compute_loss)
+        result = None
+        if self.is_last_stage():
+            losses = outputs["losses"]
+            if reduce_output == "avg" and losses:
+                result = torch.stack([torch.as_tensor(l, dtype=torch.float32) for l in losses]).mean()
+                if self.is_data_parallel:
+                    dist.all_reduce(result, group=self.grid.get_data_parallel_group())
+                    result /= self.grid.get_data_parallel_world_size()
+            else:
+                result = losses
+        if bcast_loss and reduce_output == "avg":
+            result = self._bcast_from_last(result)
+        self.module.train()
+        if return_logits:
+            return result, outputs.get("logits")
+        return result
+
+    # -- loss bookkeeping --------------------------------------------------------------------------
+    def _bcast_from_last(self, value: Optional[torch.Tensor]) -> torch.Tensor:
+        if not self.is_pipe_parallel:
+            return value
+        buf = value.detach().clone().float().reshape(1) if value is not None else torch.zeros(1, device=self.device)
+        dist.broadcast(buf, src=self.grid.stage_to_global(self.num_stages - 1), group=self.grid.get_pipe_parallel_group())
+        return buf[0]
+
+    def _aggregate_total_loss(self) -> torch.Tensor:
+        loss = None
+        if self.is_last_stage():
+            loss = (self.total_loss / self.micro_batches).detach().float()
+            if self.is_data_parallel:
+                dist.all_reduce(loss, group=self.grid.get_data_parallel_group())
+                loss /= self.grid.get_data_parallel_world_size()
+        return self._bcast_from_last(loss) if self.is_pipe_parallel else loss

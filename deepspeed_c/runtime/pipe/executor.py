@@ -1,0 +1,228 @@
+"""Executes a pipeline schedule's instructions for one stage: buffers, loads, forward and backward
+passes, transfers (runtime/pipe/p2p.py), tied and data-parallel gradient reduction and the step.
+
+Every micro-batch's backward is a non-boundary round of the engine's reducer (gradients only
+accumulate); ReduceTiedGrads sums the tied weights' gradients over their stages; ReduceGrads then
+runs one boundary round (a zero-valued backward through every trainable parameter), so the
+engine's own reducer / ZeRO-1 partitioner reduces the accumulated gradients exactly as after a
+plain engine's last micro-batch.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import instructions as I
+from .p2p import PipeLink
+
+
+def _tup(x: Any) -> tuple:
+    return x if isinstance(x, tuple) else tuple(x) if isinstance(x, list) else (x,)
+
+
+def _untup(xs: tuple) -> Any:
+    return xs[0] if len(xs) == 1 else xs
+
+
+class PipeExecutor:
+    def __init__(self, engine: Any) -> None:
+        self.e = engine
+        grid, s, dev, dyn = engine.grid, engine.stage_id, engine.device, engine.dynamic_shape
+        last = engine.num_stages - 1
+        self.act_out = PipeLink(grid.stage_to_global(s + 1), s + 1, s, "activations", dev, dyn) if s < last else None
+        self.grad_in = PipeLink(grid.stage_to_global(s + 1), s + 1, s, "gradients", dev, dyn) if s < last else None
+        self.act_in = PipeLink(grid.stage_to_global(s - 1), s - 1, s, "activations", dev, dyn) if s > 0 else None
+        self.grad_out = PipeLink(grid.stage_to_global(s - 1), s - 1, s, "gradients", dev, dyn) if s > 0 else None
+        self.handlers = {
+            I.LoadMicroBatch: self._load, I.ForwardPass: self._forward, I.BackwardPass: self._backward,
+            I.SendActivation: self._send_act, I.RecvActivation: self._recv_act, I.SendGrad: self._send_grad,
+            I.RecvGrad: self._recv_grad, I.ReduceTiedGrads: self._reduce_tied, I.ReduceGrads: self._reduce_grads,
+            I.OptimizerStep: self._step,
+        }
+
+    def links(self) -> list[PipeLink]:
+        return [l for l in (self.act_out, self.grad_in, self.act_in, self.grad_out) if l is not None]
+
+    def reset_links(self) -> None:
+        for l in self.links():
+            l.meta = None
+
+    # -- driver ---------------------------------------------------------------------------------
+    def run(self, sched: Any, training: bool, compute_loss: bool = True) -> dict:
+        self.training, self.compute_loss = training, compute_loss
+        self.n_micro, self.loaded = sched.micro_batches, 0
+        self.inputs: dict = {}
+        self.labels: dict = {}
+        self.outputs: dict = {}
+        self.out_grads: dict = {}
+        self.losses: list = []
+        self.logits: list = []
+        if training:
+            self.e.set_gradient_accumulation_boundary(False)
+        for step in sched.steps():
+            for ins in step:
+                handler = self.handlers.get(type(ins))
+                if handler is None:
+                    raise NotImplementedError(f"the PipelineEngine cannot execute {ins!r}")
+                handler(ins)
+        for l in self.links():
+            l.wait_sends()
+        return {"losses": self.losses, "logits": self.logits}
+
+    # -- data -----------------------------------------------------------------------------------
+    def _to_device(self, x: Any, cast: bool) -> Any:
+        if isinstance(x, torch.Tensor):
+            x = x.to(self.e.device)
+            if cast and x.is_floating_point():
+                x = x.to(self.e.precision.model_dtype)
+            return x
+        if isinstance(x, (tuple, list)):
+            return tuple(self._to_device(t, cast) for t in x)
+        return x
+
+    def _load(self, ins: Any) -> None:
+        it = self.e.data_iterator
+        if it is None:
+            raise RuntimeError(f"stage {self.e.stage_id} has no data iterator: pass train_batch(data_iter=...) "
+                               "or call set_dataiterator() on the first and last stages")
+        try:
+            batch = next(it)
+        except StopIteration:
+            raise RuntimeError(f"the data iterator ran out after {self.loaded} of {self.n_micro} micro-batches "
+                               f"(gradient_accumulation_steps={self.n_micro}) on stage {self.e.stage_id}") from None
+        self.loaded += 1
+        fn = getattr(self.e, "batch_fn", None)
+        if fn:
+            batch = fn(batch)
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise TypeError(f"a pipeline micro-batch must be an (inputs, labels) pair, got {type(batch).__name__}"
+                            + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""))
+        b = ins.buffer_id
+        if self.e.is_first_stage():
+            x = self._to_device(batch[0], cast=True)
+            if self.training and self.e.module.activation_checkpoint_interval > 0:
+                # a reentrant checkpoint passes gradients to its parameters only when an input needs one
+                x = _untup(tuple(t.detach().requires_grad_(t.is_floating_point()) for t in _tup(x)))
+            self.inputs[b] = x
+        if self.e.is_last_stage():
+            self.labels[b] = self._to_device(batch[1], cast=False)
+
+    # -- compute --------------------------------------------------------------------------------
+    def _forward(self, ins: Any) -> None:
+        b = ins.buffer_id
+        module = self.e.module
+        x = self.inputs[b]
+        if self.training:
+            out = module(x)
+        else:
+            with torch.no_grad():
+                out = module(x)
+        if self.e.is_last_stage():
+            if self.compute_loss and module.loss_fn is not None:
+                loss = module.loss_fn(out, self.labels.pop(b))
+            else:
+                loss = out
+            if self.training:
+                self.outputs[b] = loss
+                d = loss.detach()
+                self.e.total_loss = d.clone() if self.e.total_loss is None else self.e.total_loss + d
+            else:
+                self.losses.append(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+                self.logits.append(out.detach() if isinstance(out, torch.Tensor) else out)
+            if not self.training:
+                self.inputs.pop(b, None)
+        else:
+            self.outputs[b] = out
+
+    def _backward_round(self, run: Any) -> None:
+        """One non-boundary backward of the engine's reducer (see the module docstring)."""
+        e = self.e
+        e._running_engine_backward = True
+        if e.reducer is not None:
+            e.reducer.claim_round()
+        try:
+            run()
+            e._backward_epilogue()
+            if e.reducer is not None:
+                e.reducer.end_backward()
+        finally:
+            e._running_engine_backward = False
+
+    def _backward(self, ins: Any) -> None:
+        b = ins.buffer_id
+        e = self.e
+        if e.is_last_stage():
+            loss = self.outputs.pop(b)
+            scaled = e.precision.scale_loss(loss / e.gradient_accumulation_steps())
+            self._backward_round(lambda: scaled.backward())
+        else:
+            outs = _tup(self.outputs.pop(b))
+            grads = self.out_grads.pop(b)
+            pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
+            self._backward_round(lambda: torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs]))
+
+    # -- transfers ------------------------------------------------------------------------------
+    def _send_act(self, ins: Any) -> None:
+        out = self.outputs[ins.buffer_id]
+        self.act_out.send(out)
+        if not self.training:
+            self.outputs.pop(ins.buffer_id)
+
+    def _recv_act(self, ins: Any) -> None:
+        xs = self.act_in.recv()
+        if self.training:
+            xs = tuple(t.requires_grad_() if t.is_floating_point() else t for t in xs)
+        self.inputs[ins.buffer_id] = _untup(xs)
+
+    def _send_grad(self, ins: Any) -> None:
+        xs = _tup(self.inputs.pop(ins.buffer_id))
+        grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in xs if t.is_floating_point())
+        self.grad_out.send(grads)
+
+    def _recv_grad(self, ins: Any) -> None:
+        self.out_grads[ins.buffer_id] = self.grad_in.recv()
+
+    # -- reductions and step --------------------------------------------------------------------
+    def _reduce_tied(self, ins: Any) -> None:
+        slots = self.e.stepper.reduction_slots() if self.e.stepper is not None else None
+        for weight, group in self.e.module.get_tied_weights_and_groups():
+            g = slots.read(weight) if slots is not None else weight.grad
+            if g is None:  # every stage of the group must join the collective
+                weight.grad = torch.zeros_like(weight)
+                g = slots.read(weight) if slots is not None else weight.grad
+            dist.all_reduce(g, group=group)
+
+    def _reduce_grads(self, ins: Any) -> None:
+        e = self.e
+        e.set_gradient_accumulation_boundary(True)
+        params = [p for p in e.module.parameters() if p.requires_grad]
+        if not params:
+            return
+        zero = sum((p.reshape(-1)[:1].float() * 0.0).sum() for p in params)
+        e._engine_backward(zero * e.gradient_accumulation_steps())
+
+    def _step(self, ins: Any) -> None:
+        e = self.e
+        clip = e.gradient_clipping()
+        if clip > 0 and e.num_stages > 1:
+            self._clip_across_stages(clip)
+        e._engine_step()
+
+    def _clip_across_stages(self, max_norm: float) -> None:
+        """Global L2 norm over every stage's (data-parallel reduced) gradients, tied copies counted
+        once; the stage-local clip that follows in the optimizer then finds nothing to do."""
+        e = self.e
+        grads = [p.grad for p in e.module.parameters()
+                 if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)]
+        sq = torch.zeros(1, dtype=torch.float64, device=e.device)
+        for g in grads:
+            sq += g.double().pow(2).sum()
+        dist.all_reduce(sq, group=e.grid.get_pipe_parallel_group())
+        norm = float(sq.sqrt())
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for p in e.module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
