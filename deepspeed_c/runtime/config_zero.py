@@ -158,8 +158,8 @@ def _check_built(cfg: DeepSpeedZeroConfig) -> None:
     for key, what in (("offload_param", "parameter offload"), ("offload_optimizer", "optimizer offload")):
         sub = getattr(cfg, key)
         if key == "offload_optimizer" and cfg.stage in (1, 2, 3) and sub is not None and \
-                sub.device == OffloadDeviceEnum.cpu.value:
-            continue  # ZeRO-Offload of the optimizer to the host runs for stages 1, 2 and 3
+                sub.device in (OffloadDeviceEnum.cpu.value, OffloadDeviceEnum.nvme.value):
+            continue  # ZeRO-Offload of the optimizer to the host (or ZeRO-Infinity's to NVMe): stages 1, 2, 3
         if key == "offload_param" and cfg.stage == 3 and sub is not None and sub.device == OffloadDeviceEnum.cpu.value:
             continue  # ZeRO-3 keeps the parameter shards in host memory
         if sub is not None and sub.device != OffloadDeviceEnum.none.value:
@@ -167,8 +167,13 @@ def _check_built(cfg: DeepSpeedZeroConfig) -> None:
             raise unbuilt(f"{path}.{key}.device", f"{device_what} to '{sub.device}'")
     if cfg.offload_param is not None and cfg.offload_param.nvme_path:
         raise unbuilt(f"{path}.offload_param.nvme_path", "NVMe offload")
-    if cfg.offload_optimizer is not None and cfg.offload_optimizer.nvme_path:
-        raise unbuilt(f"{path}.offload_optimizer.nvme_path", "NVMe offload")
+    if cfg.offload_optimizer is not None and cfg.offload_optimizer.device == OffloadDeviceEnum.nvme.value and \
+            not cfg.offload_optimizer.nvme_path:
+        raise DeepSpeedConfigError(f"Config key '{path}.offload_optimizer.nvme_path' must name a directory when "
+                                   f"'{path}.offload_optimizer.device' is 'nvme'")
+    if cfg.offload_optimizer is not None and cfg.offload_optimizer.device == OffloadDeviceEnum.nvme.value and \
+            cfg.offload_optimizer.ratio < 1.0:
+        raise unbuilt(f"{path}.offload_optimizer.ratio", "partial optimizer offload (ratio < 1)")
     if cfg.offload_optimizer is not None and cfg.offload_optimizer.device == OffloadDeviceEnum.cpu.value and \
             cfg.offload_optimizer.ratio < 1.0:
         raise unbuilt(f"{path}.offload_optimizer.ratio", "partial optimizer offload (ratio < 1)")

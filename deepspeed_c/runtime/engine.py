@@ -171,8 +171,8 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
     def _configure_optimizer(self, client_optimizer: Any, model_parameters: list) -> None:
         if client_optimizer is None:
             basic = build_optimizer(self._config.optimizer_name, self._config.optimizer_params, model_parameters,
-                                    torch.device("cpu") if self.zero_cpu_offload() else self.device,
-                                    cpu_optimizer=bool(self.zero_cpu_offload()))
+                                    torch.device("cpu") if self.zero_use_cpu_optimizer() else self.device,
+                                    cpu_optimizer=bool(self.zero_use_cpu_optimizer()))  # cpu or nvme offload
             log_dist(f"Using DeepSpeed Optimizer param name {self._config.optimizer_name} as basic optimizer",
                      ranks=[0])
         elif isinstance(client_optimizer, torch.optim.Optimizer):

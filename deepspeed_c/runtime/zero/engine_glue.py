@@ -23,7 +23,7 @@ def _check_optimizer(engine: Any, basic: torch.optim.Optimizer) -> None:
     if not is_zero_supported_optimizer(basic) and not engine.zero_allow_untested_optimizer():
         raise AssertionError('You are using an untested ZeRO Optimizer. Please add <"zero_allow_untested_optimizer": '
                              'true> in the configuration file to use it.')
-    if engine.zero_cpu_offload() and engine.client_optimizer is not None and engine.zero_force_ds_cpu_optimizer():
+    if engine.zero_use_cpu_optimizer() and engine.client_optimizer is not None and engine.zero_force_ds_cpu_optimizer():
         from deepspeed_c.ops.cpu_optimizer_base import CPUOptimizerBase
 
         if not isinstance(basic, CPUOptimizerBase):
@@ -61,6 +61,18 @@ def _master_dtype(cfg: Any) -> torch.dtype:
     return torch.float32
 
 
+def _nvme_offload_args(engine: Any, stage: int) -> Optional[dict]:
+    """offload_optimizer.device 'nvme': where and how the optimizer state is swapped (None otherwise)."""
+    zero_cfg = engine._config.zero_config
+    offload = zero_cfg.offload_optimizer
+    if offload is None or offload.device != "nvme":
+        return None
+    return dict(nvme_path=offload.nvme_path, stage=stage,
+                rank=engine.get_data_parallel_rank() if engine.dp_world_size > 1 else 0,
+                aio=engine._config.aio_config, buffer_count=offload.buffer_count,
+                sub_group_size=zero_cfg.sub_group_size)
+
+
 def configure_zero_optimizer(engine: Any) -> DeepSpeedZeroOptimizer:
     """Replaces the engine's (possibly mixed-precision wrapped) optimizer by the ZeRO optimizer."""
     stage = engine.zero_optimization_stage()
@@ -79,7 +91,7 @@ def configure_zero_optimizer(engine: Any) -> DeepSpeedZeroOptimizer:
     loss_scaler, check_overflow = engine.precision.zero_loss_scaling()
     zero_cfg = engine._config.zero_config
     offload = zero_cfg.offload_optimizer
-    offload_device = "cpu" if engine.zero_cpu_offload() else None
+    offload_device = "cpu" if engine.zero_use_cpu_optimizer() else None  # nvme: the host steps, files hold state
     cfg = engine._config
     if stage >= 2:
         # gradient partitioning: every micro-step's gradients are reduced into the partition (no_sync is
@@ -103,7 +115,8 @@ def configure_zero_optimizer(engine: Any) -> DeepSpeedZeroOptimizer:
         gradient_average=engine.gradient_average, master_dtype=_master_dtype(cfg),
         # DeepSpeed's BF16_Optimizer case: stage 1, bf16 model, fp32 accumulation, no offload
         accumulate_fp32=(stage == 1 and engine.precision.model_dtype == torch.bfloat16 and offload_device is None
-                         and parse_dtype(cfg.grad_accum_dtype, "data_types.grad_accum_dtype") == torch.float32))
+                         and parse_dtype(cfg.grad_accum_dtype, "data_types.grad_accum_dtype") == torch.float32),
+        nvme_offload=_nvme_offload_args(engine, stage))
     if stage == 3:
         from deepspeed_c.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 

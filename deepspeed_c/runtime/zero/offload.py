@@ -20,6 +20,7 @@ ones (zero_force_ds_cpu_optimizer=false) step the whole partition at once: the s
 sub-chunk overlap."""
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -86,6 +87,7 @@ class CPUOffload:
         # locked-memory limit) keeps pageable buffers, whose copies block the host instead
         pin = self.cuda and pin_memory
         sizes = [m.numel() for m in self.masters]
+        self.sizes = sizes  # kept: an NVMe subclass empties the masters between steps
         self.host_grads: list[Optional[torch.Tensor]] = [
             torch.empty(n, dtype=reducer.comm_dtypes[g], pin_memory=pin) if self.staging else None
             for g, n in enumerate(sizes)]
@@ -104,6 +106,10 @@ class CPUOffload:
             reducer.on_bucket_final = self._stage_chunk
         if self.cuda:
             reducer.side_stream = self.stream
+
+    def resident(self) -> contextlib.AbstractContextManager:
+        """Masters and optimizer state are in host memory already (NVMeOffload reads them back)."""
+        return contextlib.nullcontext()
 
     def reset(self) -> None:
         """Gradients dropped (zero_grad, a skipped step): nothing staged for the next step yet."""
@@ -141,13 +147,13 @@ class CPUOffload:
         for g, m in enumerate(self.masters):
             part = self.reducer.grad_partitions[g]
             if not self.staging:
-                out.append(part if part is not None else torch.zeros(m.numel(), dtype=self.reducer.comm_dtypes[g]))
+                out.append(part if part is not None else torch.zeros(self.sizes[g], dtype=self.reducer.comm_dtypes[g]))
                 continue
             host = self.host_grads[g]
             assert host is not None
             if part is None:
                 host.zero_()
-            elif self._staged[g] != m.numel():  # not (all) staged during backward: copy now
+            elif self._staged[g] != self.sizes[g]:  # not (all) staged during backward: copy now
                 host.copy_(part)
                 self.stats.d2h_bytes += host.numel() * host.element_size()
             out.append(host)

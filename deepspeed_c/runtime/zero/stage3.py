@@ -23,7 +23,7 @@ from deepspeed_c.runtime.optimizer_seam import EngineOptimizer, SavedCheckpoint
 from deepspeed_c.runtime.zero.param_hooks import ParamCoordinator
 from deepspeed_c.runtime.zero.param_store import ParamStore, placeholder
 from deepspeed_c.runtime.zero.partition_parameters import adopt, is_zero_param
-from deepspeed_c.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+from deepspeed_c.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer, _states_resident
 
 __all__ = ["DeepSpeedZeroOptimizer_Stage3", "build_param_store", "Zero3Params",
            "estimate_zero3_model_states_mem_needs", "estimate_zero3_model_states_mem_needs_all_live",
@@ -145,6 +145,7 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (Deep
         self._round = _Stage3Round(self.reducer, self.coordinator)
         self.store.on_write_back = self._master_follows_shard
 
+    @_states_resident
     @torch.no_grad()
     def _master_follows_shard(self, g: int, start: int, end: int) -> None:
         """Weights edited through GatheredParameters(modifier_rank=...) stay edited: the masters take them."""
@@ -164,6 +165,7 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (Deep
     def owned_reducer(self) -> Any:
         return self._round
 
+    @_states_resident
     @torch.no_grad()
     def masters_from_model(self) -> None:
         for g, master in enumerate(self.fp32_partitions):
@@ -182,6 +184,7 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (Deep
         adopt(self.store)  # ds_tensor views follow the shards to wherever they moved
 
     # -- checkpoints in DeepSpeed's stage-3 layout (runtime/checkpoint_zero3.py) -----------------------
+    @_states_resident
     def partition_checkpoint_state(self, param_name: Callable[[torch.nn.Parameter], str]) -> tuple[int, dict]:
         from deepspeed_c.runtime.checkpoint_zero3 import optimizer_file_state
 

@@ -19,6 +19,8 @@ For checkpointing: `state_dict()` / `load_state_dict()`, `partition_plans` (one 
 `refresh_model_params()` (model weights re-gathered from the masters)."""
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import weakref
 from typing import Any, Callable, Optional, Sequence
@@ -41,6 +43,16 @@ __all__ = ["DeepSpeedZeroOptimizer", "estimate_zero2_model_states_mem_needs",
            "estimate_zero2_model_states_mem_needs_all_live", "estimate_zero2_model_states_mem_needs_all_cold"]
 
 OWNER_ATTR = "_dsc_zero_owner"  # on each trainable param: (weakref to the optimizer, group, index)
+
+
+def _states_resident(fn: Callable) -> Callable:
+    """fn runs with the masters and optimizer state in memory (NVMe offload reads them back first
+    and writes them out after)."""
+    @functools.wraps(fn)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._resident():
+            return fn(self, *args, **kwargs)
+    return wrapper
 
 
 def _comm() -> Any:
@@ -67,7 +79,7 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
                  gradient_average: bool = True,
                  is_boundary: Optional[Callable[[], bool]] = None, offload_sub_chunk: Optional[int] = None,
                  offload_stage_on_host: Optional[bool] = None, master_dtype: torch.dtype = torch.float32,
-                 accumulate_fp32: bool = False) -> None:
+                 accumulate_fp32: bool = False, nvme_offload: Optional[dict[str, Any]] = None) -> None:
         if stage not in self.STAGES:
             raise ValueError(f"{type(self).__name__} runs ZeRO stage {' or '.join(map(str, self.STAGES))}, "
                              f"got stage={stage}")
@@ -104,6 +116,7 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
             self.fp32_partitions.append(master)
             for i, p in enumerate(params):
                 setattr(p, OWNER_ATTR, (weakref.ref(self), g, i))
+        self.partition_numels = [m.numel() for m in self.fp32_partitions]  # masters may be emptied (NVMe)
         # stage 2 reduces every micro-step into the partition (the full gradient is freed as its bucket
         # goes out); stage 1 keeps full gradients between boundaries and reduces once per accumulation
         # boundary, freeing them then too (the reduced gradient lives in the partition; param.grad
@@ -120,10 +133,13 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
         self.gatherer = self._weights_writer()
         self.offload: Optional[CPUOffload] = None
         if offload_device == "cpu":
-            self.offload = CPUOffload(init_optimizer, self.fp32_partitions, self.bit16_groups, self.reducer,
-                                      stage_on_host=offload_stage_on_host,
-                                      sub_chunk=offload_sub_chunk or OFFLOAD_SUB_CHUNK, pin_memory=pin_memory,
-                                      threads=offload_threads)
+            offload_cls: Any = CPUOffload
+            if nvme_offload is not None:  # ZeRO-Infinity: masters and moments in files under nvme_path
+                from deepspeed_c.runtime.swap_tensor.pipelined_optimizer_swapper import NVMeOffload as offload_cls
+            self.offload = offload_cls(init_optimizer, self.fp32_partitions, self.bit16_groups, self.reducer,
+                                       stage_on_host=offload_stage_on_host,
+                                       sub_chunk=offload_sub_chunk or OFFLOAD_SUB_CHUNK, pin_memory=pin_memory,
+                                       threads=offload_threads, **(nvme_offload or {}))
         self.ignore_unused_parameters = ignore_unused_parameters
         # on CUDA with Adam/AdamW and fp32 masters on the device: the one-pass epilogue kernel
         self.epilogue: Optional[AdamEpilogue] = None
@@ -217,6 +233,9 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
         _comm().all_gather_into_tensor(out, send, group=self.dp_process_group)
         return plan.gather_params(list(out.chunk(self.world_size)), "runtime")
 
+    def _resident(self) -> contextlib.AbstractContextManager:
+        return self.offload.resident() if self.offload is not None else contextlib.nullcontext()
+
     # -- the engine seam (runtime/optimizer_seam.EngineOptimizer) ------------------------------------
     def before_step(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Nothing to fill: the reducer already sent zeros for parameters that got no gradient."""
@@ -230,6 +249,7 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
     def model_file_state(self) -> Optional[dict]:
         return None  # each rank's partition goes to its own ZeRO file
 
+    @_states_resident
     def partition_checkpoint_state(self, param_name: Callable[[torch.nn.Parameter], str]) -> tuple[int, dict]:
         from deepspeed_c.checkpoint.deepspeed_format import with_deepspeed_fields
         from deepspeed_c.runtime.checkpoint_zero import to_deepspeed_layout
@@ -239,6 +259,7 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
                                       names=[[param_name(p) for p in params] for params in self.bit16_groups])
         return self.rank, state
 
+    @_states_resident
     def load_checkpoint_state(self, saved: SavedCheckpoint, load_optimizer_states: bool) -> None:
         from deepspeed_c.runtime.checkpoint_zero import load_zero_checkpoint
 
@@ -257,6 +278,7 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
                 "ranks' ZeRO files, so resharding needs them all: copy every node's files into one directory and "
                 "load with use_node_local_storage off")
 
+    @_states_resident
     def load_checkpoint_weights(self, saved: SavedCheckpoint) -> None:
         if not saved.partitioned_weights:
             self.refresh_masters()
@@ -305,7 +327,7 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
         out = []
         for g, part in enumerate(self.reducer.grad_partitions):
             if part is None:
-                part = torch.zeros(self.fp32_partitions[g].numel(), dtype=self.reducer.comm_dtypes[g],
+                part = torch.zeros(self.partition_numels[g], dtype=self.reducer.comm_dtypes[g],
                                    device=self.bit16_groups[g][0].device)
                 self.reducer.grad_partitions[g] = part
             out.append(part)
@@ -410,12 +432,14 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
         self.gatherer.finish()
 
     @torch.no_grad()
+    @_states_resident
     def masters_from_model(self) -> None:
         """This rank's masters (fp32, or 16-bit under *_master_weights_and_grads) re-cut from the model's current (16-bit) parameters."""
         for plan, params, master in zip(self.partition_plans, self.bit16_groups, self.fp32_partitions):
             out = torch.zeros(master.numel(), dtype=master.dtype, device=params[0].device)
             master.copy_(plan.scatter_params([p.detach() for p in params], "runtime", self.rank, out=out))
 
+    @_states_resident
     def refresh_model_params(self) -> None:
         """Model parameters re-filled from the fp32 masters of every rank (after loading a checkpoint)."""
         self._gather_from_masters()
@@ -425,6 +449,7 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
         return None if self.offload is None else self.offload.stats.as_dict()
 
     # -- checkpoint state ----------------------------------------------------------------------------
+    @_states_resident
     def state_dict(self, clone_masters: bool = True) -> dict[str, Any]:
         """This rank's state; partitions are in the runtime layout of `partition_plans` (convert with
         PartitionPlan.convert(..., "runtime", "deepspeed") for DeepSpeed's on-disk layout). With
@@ -444,6 +469,7 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
             "clip_grad": self.clip_grad,
         }
 
+    @_states_resident
     def load_state_dict(self, state_dict: dict[str, Any], load_optimizer_states: bool = True,
                         load_from_fp32_weights: bool = True) -> None:
         """Loads a state from this same world size and plan (resharding is the checkpoint layer's job:

@@ -1,0 +1,62 @@
+"""Checks and helpers the swappers share: the nvme_path is usable and has room, swap folders."""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+from deepspeed_c.runtime.swap_tensor.aio_config import AioConfig
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return f"{n} B"
+
+
+def local_ranks_sharing_disk() -> int:
+    """The ranks of this node, which write to the same nvme_path."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")) or 1))
+    except ValueError:
+        return 1
+
+
+def check_nvme_path(key: str, path: Any, bytes_needed: int) -> str:
+    """`path` (config key `key`) exists, is a writable directory and its filesystem has room for
+    bytes_needed on each of this node's ranks; else ValueError/OSError naming the path and the bytes."""
+    need = f"{bytes_needed} bytes ({human_bytes(bytes_needed)}) per rank"
+    if path is None or str(path) == "":
+        raise ValueError(f"config key '{key}' must name a directory for the swap files when device is 'nvme' "
+                         f"(they need {need})")
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"config key '{key}': {path} does not exist (the swap files need {need}); create it "
+                                f"or point '{key}' at a directory on a fast local disk")
+    if not os.path.isdir(path):
+        raise NotADirectoryError(f"config key '{key}': {path} is not a directory (the swap files need {need})")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise PermissionError(f"config key '{key}': {path} is not writable by this process (the swap files need "
+                              f"{need})")
+    ranks = local_ranks_sharing_disk()
+    free = shutil.disk_usage(path).free
+    if free < bytes_needed * ranks:
+        raise OSError(f"config key '{key}': {path} has {free} bytes ({human_bytes(free)}) free, but the swap files "
+                      f"need {need} x {ranks} local rank(s) = {bytes_needed * ranks} bytes "
+                      f"({human_bytes(bytes_needed * ranks)})")
+    return path
+
+
+def fresh_folder(path: str) -> str:
+    """An empty folder for this rank's swap files (left over files of an earlier run are removed)."""
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def new_handle(aio: AioConfig) -> Any:
+    from deepspeed_c.ops.op_builder import AsyncIOBuilder
+
+    return AsyncIOBuilder().load().aio_handle(**aio.handle_kwargs())
