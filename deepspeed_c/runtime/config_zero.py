@@ -160,13 +160,16 @@ def _check_built(cfg: DeepSpeedZeroConfig) -> None:
         if key == "offload_optimizer" and cfg.stage in (1, 2, 3) and sub is not None and \
                 sub.device in (OffloadDeviceEnum.cpu.value, OffloadDeviceEnum.nvme.value):
             continue  # ZeRO-Offload of the optimizer to the host (or ZeRO-Infinity's to NVMe): stages 1, 2, 3
-        if key == "offload_param" and cfg.stage == 3 and sub is not None and sub.device == OffloadDeviceEnum.cpu.value:
-            continue  # ZeRO-3 keeps the parameter shards in host memory
+        if key == "offload_param" and cfg.stage == 3 and sub is not None and \
+                sub.device in (OffloadDeviceEnum.cpu.value, OffloadDeviceEnum.nvme.value):
+            continue  # ZeRO-3 keeps the parameter shards in host memory (or in swap files on NVMe)
         if sub is not None and sub.device != OffloadDeviceEnum.none.value:
             device_what = "NVMe offload" if sub.device == OffloadDeviceEnum.nvme.value else what
             raise unbuilt(f"{path}.{key}.device", f"{device_what} to '{sub.device}'")
-    if cfg.offload_param is not None and cfg.offload_param.nvme_path:
-        raise unbuilt(f"{path}.offload_param.nvme_path", "NVMe offload")
+    if cfg.offload_param is not None and cfg.offload_param.device == OffloadDeviceEnum.nvme.value and \
+            not cfg.offload_param.nvme_path:
+        raise DeepSpeedConfigError(f"Config key '{path}.offload_param.nvme_path' must name a directory when "
+                                   f"'{path}.offload_param.device' is 'nvme'")
     if cfg.offload_optimizer is not None and cfg.offload_optimizer.device == OffloadDeviceEnum.nvme.value and \
             not cfg.offload_optimizer.nvme_path:
         raise DeepSpeedConfigError(f"Config key '{path}.offload_optimizer.nvme_path' must name a directory when "

@@ -167,7 +167,9 @@ BAD_CONFIGS = [
      "activation_checkpointing.partition_activation"),
     (cfg(data_types={"grad_accum_dtype": "fp64"}), ValueError, "data_types.grad_accum_dtype"),
     # capabilities not built yet
-    (cfg(zero_optimization={"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}), NotImplementedError,
+    (cfg(zero_optimization={"stage": 3, "offload_param": {"device": "nvme"}}), ValueError,
+     "zero_optimization.offload_param.nvme_path"),
+    (cfg(zero_optimization={"stage": 2, "offload_param": {"device": "nvme", "nvme_path": "/x"}}), NotImplementedError,
      "zero_optimization.offload_param.device"),
     (cfg(zero_optimization={"stage": 0, "offload_param": {"device": "cpu"}}), NotImplementedError,
      "zero_optimization.offload_param.device"),

@@ -43,9 +43,11 @@ def test_config_accepts_stages_1_2_3_and_cpu_offload():
         assert c.zero_optimization_stage == stage
         c = DeepSpeedConfig(cfg(stage, zero_optimization={"stage": stage, "offload_optimizer": {"device": "cpu"}}))
         assert c.zero_config.offload_optimizer.device == "cpu"
-    with pytest.raises(NotImplementedError, match="offload_optimizer"):
-        DeepSpeedConfig(cfg(2, zero_optimization={"stage": 2, "offload_optimizer": {"device": "nvme",
-                                                                                     "nvme_path": "/x"}}))
+    c = DeepSpeedConfig(cfg(2, zero_optimization={"stage": 2, "offload_optimizer": {"device": "nvme",
+                                                                                    "nvme_path": "/x"}}))
+    assert c.zero_config.offload_optimizer.device == "nvme"  # ZeRO-Infinity (the path is checked at initialize)
+    with pytest.raises(ValueError, match="offload_optimizer.nvme_path"):
+        DeepSpeedConfig(cfg(2, zero_optimization={"stage": 2, "offload_optimizer": {"device": "nvme"}}))
     with pytest.raises(NotImplementedError, match="offload_param"):  # parameter offload is stage 3's only
         DeepSpeedConfig(cfg(2, zero_optimization={"stage": 2, "offload_param": {"device": "cpu"}}))
 

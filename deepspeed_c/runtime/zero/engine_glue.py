@@ -133,11 +133,13 @@ def zero3_store_args(engine: Any) -> dict:
     zero_cfg = engine._config.zero_config
     offload = zero_cfg.offload_param
     on_host = offload is not None and offload.device == "cpu"
+    on_nvme = offload is not None and offload.device == "nvme"
     return dict(dtype=engine.precision.model_dtype, compute_device=engine.device,
                 home_device=torch.device("cpu") if on_host else None,
                 pin_memory=bool(on_host and offload.pin_memory),
                 persistence_threshold=zero_cfg.param_persistence_threshold,
-                model_persistence_threshold=zero_cfg.model_persistence_threshold)
+                model_persistence_threshold=zero_cfg.model_persistence_threshold,
+                param_swap={"nvme_path": offload.nvme_path} if on_nvme else None)
 
 
 def configure_zero3_params(engine: Any) -> Any:

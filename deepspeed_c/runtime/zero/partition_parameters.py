@@ -274,9 +274,9 @@ class Init:
             if on:
                 raise NotImplementedError(f"deepspeed_c: zero.Init({name}=True) (ZeRO++ quantized weights) is not "
                                           "built yet")
-        if param_swapper is not None or (remote_device is not None and str(remote_device) == "nvme"):
-            raise NotImplementedError("deepspeed_c: zero.Init(remote_device='nvme') (NVMe parameter offload) is not "
-                                      "built yet; use remote_device='cpu' or None")
+        if param_swapper is not None:
+            raise NotImplementedError("deepspeed_c: zero.Init(param_swapper=...) is not supported; NVMe parameter "
+                                      "offload comes from the config's offload_param section")
         import deepspeed_c.comm as dist
 
         if not dist.is_initialized():
@@ -297,9 +297,9 @@ class Init:
         if remote_device is None and isinstance(offload, dict) and offload.get("device") in ("cpu", "nvme"):
             remote_device = offload["device"]  # DeepSpeed takes them from the config's offload_param
             pin_memory = pin_memory or offload.get("pin_memory") is True
-            if remote_device == "nvme":
-                raise NotImplementedError("deepspeed_c: zero_optimization.offload_param.device 'nvme' (NVMe "
-                                          "parameter offload) is not built yet; use 'cpu'")
+        if remote_device is not None and str(remote_device) == "nvme":
+            # the shards wait in host memory until initialize moves them into the swap files
+            remote_device = "cpu"
         if remote_device is not None and str(remote_device) not in ("cpu", "none"):
             raise ValueError(f"zero.Init: remote_device must be None, 'cpu' or 'nvme', got {remote_device!r}")
         self.home_device = torch.device("cpu") if str(remote_device) == "cpu" else self.compute_device

@@ -43,7 +43,7 @@ def _owners(module: torch.nn.Module) -> dict[int, int]:
 def build_param_store(module: torch.nn.Module, groups: Sequence[Sequence[torch.nn.Parameter]], *, rank: int,
                       world_size: int, group: Any, dtype: torch.dtype, compute_device: torch.device,
                       home_device: Optional[torch.device], pin_memory: bool, persistence_threshold: int,
-                      model_persistence_threshold: int) -> ParamStore:
+                      model_persistence_threshold: int, param_swap: Optional[dict] = None) -> ParamStore:
     """The engine's store over `groups` plus a last group of every other parameter of `module`. Values come
     from whole parameters (then freed) or, for a model built under zero.Init, from its shards, one old
     unit gathered at a time (never the whole model)."""
@@ -58,10 +58,13 @@ def build_param_store(module: torch.nn.Module, groups: Sequence[Sequence[torch.n
         for p in params:
             if not is_zero_param(p):
                 p.ds_shape, p.ds_numel = p.shape, p.numel()
-    store = ParamStore(all_groups, _owners(module), rank=rank, world_size=world_size, group=group, dtype=dtype,
-                       compute_device=compute_device, home_device=home_device, pin_memory=pin_memory,
-                       persistence_threshold=persistence_threshold,
-                       model_persistence_threshold=model_persistence_threshold)
+    store_cls: Any = ParamStore
+    if param_swap is not None:  # offload_param.device nvme: the shards are mappings of swap files
+        from deepspeed_c.runtime.swap_tensor.partitioned_param_swapper import NVMeParamStore as store_cls
+    store = store_cls(all_groups, _owners(module), rank=rank, world_size=world_size, group=group, dtype=dtype,
+                      compute_device=compute_device, home_device=home_device, pin_memory=pin_memory,
+                      persistence_threshold=persistence_threshold,
+                      model_persistence_threshold=model_persistence_threshold, **(param_swap or {}))
     where = {id(p): (g, i) for g, params in enumerate(all_groups) for i, p in enumerate(params)}
     old_units: dict[tuple[int, int], tuple[ParamStore, int]] = {}
     for params in all_groups:
