@@ -4,13 +4,13 @@ run it where DeepSpeed is importable, e.g. on CPU
     PYTHONPATH=.:/tmp/ds_real:/tmp/ds_deps DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 \\
         python scripts/deepspeed_interchange_check.py [case-name ...]
 
-(on a GPU box with CUDA it runs the same cases on the GPUs, NCCL). For every case (ZeRO stage 0/1/2 x
+(on a GPU box with CUDA it runs the same cases on the GPUs, NCCL). For every case (ZeRO stage 0/1/2/3 x
 fp32/bf16 x frozen parameter or not, 1 and 2 ranks; frozen cases also saved with
 exclude_frozen_parameters=True) it trains tests/fixtures/deepspeed_written/common.py's TinyNet with
 deepspeed_c for a few steps, saves, and goes on training (the uninterrupted reference). Then:
   1. a real DeepSpeed engine with the same config loads the checkpoint: its fp32 masters and Adam
      moments must equal ours at the save and its next losses must equal our next losses;
-  2. (stage 1/2) DeepSpeed's zero_to_fp32 consolidates the checkpoint: each tensor must equal
+  2. (stages 1-3) DeepSpeed's zero_to_fp32 consolidates the checkpoint: each tensor must equal
      deepspeed_c's zero_to_fp32 of it and the live model's, and it must give the names DeepSpeed gives
      its own checkpoints (trainable + buffers, frozen ones at stage 2 unless excluded).
 Tolerances: the loaded state must be bit-exact (both keep fp32 masters); next losses relative 1e-5
@@ -41,8 +41,10 @@ STATE_TOL = 0.0  # loaded masters and moments: bit-exact
 
 def cases() -> list[tuple[int, bool, bool, int, bool]]:
     """(stage, bf16, frozen, world, exclude_frozen_parameters)."""
-    out = [(*c, False) for c in common.cases()]
-    out += [(*c, True) for c in common.cases() if c[2]]
+    base = common.cases() + [(3, bf16, frozen, world) for bf16 in (False, True) for frozen in (False, True)
+                              for world in (1, 2)]
+    out = [(*c, False) for c in base]
+    out += [(*c, True) for c in base if c[2]]
     return out
 
 
@@ -117,8 +119,9 @@ def _ours(case: tuple, rank: int, world: int, ckpt: str) -> tuple[list[float], d
     engine.save_checkpoint(ckpt, tag=common.TAG, exclude_frozen_parameters=exclude)
     state = _state(engine, stage, bf16, safe_get_full_fp32_param, safe_get_full_optimizer_state)
     live = {n: state[n] for n, _ in _trainable(engine.module)}
-    live.update({n: p.detach().float().cpu().clone() for n, p in engine.module.named_parameters()
-                 if not p.requires_grad})
+    frozen = [(n, p) for n, p in engine.module.named_parameters() if not p.requires_grad]
+    with deepspeed_c.zero.GatheredParameters([p for _, p in frozen], enabled=stage == 3):
+        live.update({n: p.detach().float().cpu().clone() for n, p in frozen})
     losses = [_step(engine, common.STEPS_BEFORE_SAVE + i, rank, world, bf16) for i in range(NEXT_STEPS)]
     _destroy(engine)
     return losses, state, live
@@ -136,7 +139,12 @@ def _theirs(case: tuple, rank: int, world: int, ckpt: str) -> tuple[list[float],
         raise RuntimeError("DeepSpeed's load_checkpoint returned no path")
     if engine.global_steps != common.STEPS_BEFORE_SAVE:
         raise RuntimeError(f"DeepSpeed restored global_steps={engine.global_steps}")
-    state = _ds_zero_state(engine, world) if stage > 0 else _state(engine, stage, bf16, None, None)
+    if stage == 3:
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        state = _state(engine, stage, bf16, safe_get_full_fp32_param, safe_get_full_optimizer_state)
+    else:
+        state = _ds_zero_state(engine, world) if stage > 0 else _state(engine, stage, bf16, None, None)
     losses = [_step(engine, common.STEPS_BEFORE_SAVE + i, rank, world, bf16) for i in range(NEXT_STEPS)]
     _destroy(engine)
     return losses, state

@@ -148,6 +148,13 @@ class EngineCheckpointer:
         module = engine.module
         names = _param_names(module)
         sd = engine.module_state_dict(exclude_frozen_parameters=exclude_frozen)
+        if shards is not None:
+            # DeepSpeed's stage-3 engine loads `module` into its still-partitioned parameters, so each
+            # parameter must be an empty placeholder there, also one that is whole here (one rank,
+            # persistence): a whole value fails its load_state_dict with a size mismatch
+            for n, p in module.named_parameters():
+                if n in sd:
+                    sd[n] = torch.empty(0, dtype=p.dtype)
         # DeepSpeed's param_shapes name, per param group, the model parameters the optimizer steps
         groups = engine.stepper.model_param_groups() if engine.stepper is not None else []
         param_shapes = [OrderedDict((names[id(p)], p.shape) for p in params if id(p) in names) for params in groups]

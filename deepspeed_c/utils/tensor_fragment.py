@@ -98,6 +98,11 @@ def _gather_param(opt: Any, g: int, i: int, part: torch.Tensor, numel: int, devi
     return out
 
 
+def _whole_shape(param: torch.nn.Parameter) -> torch.Size:
+    """The parameter's real shape: under ZeRO-3 its data is a placeholder and ds_shape the shape."""
+    return torch.Size(getattr(param, "ds_shape", param.shape))
+
+
 def _full(param: torch.nn.Parameter, which: str, key: Optional[str] = None) -> Optional[torch.Tensor]:
     found = _owner(param)
     if found is None:
@@ -111,14 +116,16 @@ def _full(param: torch.nn.Parameter, which: str, key: Optional[str] = None) -> O
             return None
     else:
         part = _state_partition(opt, g, key or "")
-    return _gather_param(opt, g, i, part, param.numel(), param.device).view(param.shape)
+    shape = _whole_shape(param)
+    return _gather_param(opt, g, i, part, shape.numel(), param.device).view(shape)
 
 
 def _write_full(param: torch.nn.Parameter, value: torch.Tensor, target: torch.Tensor, opt: Any, g: int,
                 i: int) -> None:
-    if value.numel() != param.numel():
-        raise ValueError(f"value has {value.numel()} elements; the parameter has {param.numel()} "
-                         f"(shape {tuple(param.shape)})")
+    shape = _whole_shape(param)
+    if value.numel() != shape.numel():
+        raise ValueError(f"value has {value.numel()} elements; the parameter has {shape.numel()} "
+                         f"(shape {tuple(shape)})")
     src = value.detach().reshape(-1).to(device=target.device, dtype=target.dtype)
     with torch.no_grad():
         for pstart, lstart, n in opt.param_slices(g, i):
