@@ -158,15 +158,23 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
         self.precision.cast_module(model)
         if not self.dont_change_device:
             model.to(self.device)
+        import torch.distributed as tdist
+        from deepspeed_c.runtime.moe_reduction import ExpertParallelism
+
+        # MoE layers get their expert groups; expert parameters are replicated only over those
+        self.moe = ExpertParallelism(model, self._config.use_data_before_expert_parallel_,
+                                     distributed=tdist.is_available() and tdist.is_initialized())
+        self.has_moe_layers, self.num_experts = self.moe.has_moe_layers, self.moe.num_experts
         if self.dp_world_size > 1:
             dist = _comm()
-            src = dist.get_global_rank(self.data_parallel_group, 0) if self.data_parallel_group is not None else 0
             from deepspeed_c.runtime.zero.partition_parameters import is_zero_param
 
             with torch.no_grad():
                 for p in model.parameters():
                     if not is_zero_param(p):  # zero.Init made every rank's shards from rank 0's values
-                        dist.broadcast(p.data, src, group=self.data_parallel_group)
+                        group = self.moe.broadcast_group(p, self.data_parallel_group)
+                        src = dist.get_global_rank(group, 0) if group is not None else 0
+                        dist.broadcast(p.data, src, group=group)
 
     def _configure_optimizer(self, client_optimizer: Any, model_parameters: list) -> None:
         if client_optimizer is None:
@@ -235,26 +243,31 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
         log_dist(f"DeepSpeed ZeRO stage {stage} optimizer = {self.optimizer!r}", ranks=[0])
 
     def _configure_reducer(self) -> None:
+        moe_norm = self.moe.norm_across_ranks(self.data_parallel_group, self.dp_world_size, self.device)
         self.stepper = engine_optimizer(self.optimizer, self._params, self.gradient_clipping(),
-                                        self.precision.grad_scaler)
+                                        self.precision.grad_scaler, moe_norm)
         owned = self.stepper.owned_reducer() if self.stepper is not None else None
         if owned is not None:
             self.reducer = owned
             return
         if self.dp_world_size <= 1:
             return
+        from deepspeed_c.runtime.moe_reduction import build_reducers
         from deepspeed_c.runtime.reducer import GradientReducer
 
         trainable = [p for p in self.module.parameters() if p.requires_grad]
         comm_dtype = self.communication_data_type
-        self.reducer = GradientReducer(
-            trainable, world_size=self.dp_world_size, group=self.data_parallel_group,
-            bucket_cap=self.zero_reduce_bucket_size(),
-            comm_dtype=comm_dtype if any(p.dtype != comm_dtype for p in trainable) else None,
-            prescale_gradients=self._config.prescale_gradients,
-            gradient_predivide_factor=self._config.gradient_predivide_factor,
-            gradient_average=self.gradient_average, should_reduce=self._should_reduce,
-            slots=self.stepper.reduction_slots() if self.stepper is not None else None)
+
+        def reducer_for(s: Any) -> GradientReducer:  # expert sets reduce over their expert-data-parallel group
+            return GradientReducer(
+                s.params, world_size=self.dp_world_size, group=s.group, bucket_cap=self.zero_reduce_bucket_size(),
+                comm_dtype=comm_dtype if any(p.dtype != comm_dtype for p in s.params) else None,
+                prescale_gradients=self._config.prescale_gradients,
+                gradient_predivide_factor=self._config.gradient_predivide_factor,
+                gradient_average=self.gradient_average, should_reduce=self._should_reduce,
+                slots=self.stepper.reduction_slots() if self.stepper is not None else None)
+
+        self.reducer = build_reducers(self.moe.reduction_sets(trainable, self.data_parallel_group), reducer_for)
 
     def _any_rank_overflowed(self, overflow: bool) -> bool:
         import torch.distributed as tdist

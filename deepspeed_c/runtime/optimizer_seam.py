@@ -128,15 +128,19 @@ class PlainOptimizer(EngineOptimizer):
     norm clipping and, with fp16 autocast, torch's GradScaler."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter], clip_grad: float,
-                 grad_scaler: Any = None) -> None:
+                 grad_scaler: Any = None, norm_across_ranks: Optional[Callable[[float], float]] = None) -> None:
         self.optimizer = optimizer
         self.params = list(params)
         self.clip_grad = clip_grad
         self.grad_scaler = grad_scaler
+        # MoE: ranks hold different experts, so local norms differ; DeepSpeed averages them over the ranks
+        self.norm_across_ranks = norm_across_ranks
 
     def _clip(self) -> None:
         grads = [p.grad for p in self.params if p.grad is not None]
         norm = float(global_norm(grads))
+        if self.norm_across_ranks is not None:
+            norm = self.norm_across_ranks(norm)
         self._global_grad_norm = norm
         scale_(grads, clip_coefficient(norm, self.clip_grad))
 
@@ -175,10 +179,11 @@ class PlainOptimizer(EngineOptimizer):
 
 
 def engine_optimizer(optimizer: Any, params: Sequence[torch.nn.Parameter], clip_grad: float,
-                     grad_scaler: Any = None) -> Optional[EngineOptimizer]:
+                     grad_scaler: Any = None,
+                     norm_across_ranks: Optional[Callable[[float], float]] = None) -> Optional[EngineOptimizer]:
     """The seam object for whatever optimizer the engine ended up with."""
     if optimizer is None:
         return None
     if isinstance(optimizer, EngineOptimizer):
         return optimizer
-    return PlainOptimizer(optimizer, params, clip_grad, grad_scaler)
+    return PlainOptimizer(optimizer, params, clip_grad, grad_scaler, norm_across_ranks)

@@ -1,0 +1,98 @@
+"""A small transformer with two MoE layers (each with its own ep_size), its data, and the mapping
+from the one-process model (every expert local) to an expert-parallel rank's slice of it."""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from deepspeed_c.moe.layer import MoE
+
+H, V, T = 16, 23, 6  # hidden, vocabulary, tokens per sample
+EXPERTS = 4
+
+
+def expert() -> nn.Module:
+    return nn.Sequential(nn.Linear(H, 24), nn.GELU(), nn.Linear(24, H))
+
+
+class Block(nn.Module):
+
+    def __init__(self, ep_size: int, k: int, residual: bool) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(H), nn.LayerNorm(H)
+        self.attn = nn.MultiheadAttention(H, 2, batch_first=True, bias=False)  # key bias: zero gradient, Adam noise
+        self.moe = MoE(H, expert(), num_experts=EXPERTS, ep_size=ep_size, k=k, capacity_factor=1.0, min_capacity=2,
+                       use_residual=residual, use_rts=False, top2_2nd_expert_sampling=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        out, l_aux, _ = self.moe(self.ln2(x))
+        return x + out, l_aux
+
+
+class MoENet(nn.Module):
+
+    def __init__(self, ep_sizes: tuple[int, int], residual: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, H)
+        self.blocks = nn.ModuleList([Block(ep_sizes[0], 2, residual), Block(ep_sizes[1], 1, False)])
+        self.head = nn.Linear(H, V)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        aux = torch.zeros(())
+        for b in self.blocks:
+            x, l_aux = b(x)
+            aux = aux + l_aux
+        logits = self.head(x)
+        return nn.functional.cross_entropy(logits.reshape(-1, V), targets.reshape(-1)) + 0.01 * aux
+
+
+def make_full(seed: int, residual: bool = False) -> MoENet:
+    torch.manual_seed(seed)
+    model = MoENet((1, 1), residual)
+    if residual:  # the residual MLP starts as a copy of the experts: make it differ, or its coefficient's
+        with torch.no_grad():  # gradient is round-off only
+            for b in model.blocks:
+                if b.moe.use_residual:
+                    for p in b.moe.mlp.parameters():
+                        p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+EXPERT_KEY = re.compile(r"^(blocks\.(\d+)\.moe\.deepspeed_moe\.experts\.deepspeed_experts\.)(\d+)(\..*)$")
+
+
+def local_name(full_name: str, rank: int, ep_sizes: tuple[int, int]) -> Any:
+    """The name a full-model parameter has on `rank` of an expert-parallel model (None when
+    another rank holds that expert)."""
+    m = EXPERT_KEY.match(full_name)
+    if not m:
+        return full_name
+    layer, global_id = int(m.group(2)), int(m.group(3))
+    ep = ep_sizes[layer]
+    per_rank = EXPERTS // ep
+    if global_id // per_rank != rank % ep:
+        return None
+    return f"{m.group(1)}{global_id % per_rank}{m.group(4)}"
+
+
+def make_sharded(full: MoENet, rank: int, ep_sizes: tuple[int, int], residual: bool = False) -> MoENet:
+    model = MoENet(ep_sizes, residual)
+    state = {}
+    for name, value in full.state_dict().items():
+        mine = local_name(name, rank, ep_sizes)
+        if mine is not None:
+            state[mine] = value.clone()
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+def make_batches(steps: int, per_rank: int, world: int, seed: int = 5) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, V, (world, per_rank, T), generator=g), torch.randint(0, V, (world, per_rank, T), generator=g))
+            for _ in range(steps)]

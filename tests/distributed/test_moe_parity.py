@@ -1,0 +1,153 @@
+"""MoE with expert parallelism on gloo: a small transformer with two MoE layers of different ep_size,
+trained 20 steps through deepspeed_c.initialize, against the same model trained in one process with
+every expert local (each step: every rank's micro-batch run separately, as the ranks gate their own
+tokens, and their losses averaged). Losses and every weight (each rank's experts against their
+global counterparts) within fp32 tolerance. The same runs check the expert groups and that after the
+first backward each expert's gradient is the one-process gradient (summed over its
+expert-data-parallel group only, divided by the data-parallel world size, as DeepSpeed).
+
+One spawn per world size runs every case."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tests.distributed.moe_models import local_name, make_batches, make_full, make_sharded
+from tests.harness import run_distributed
+
+STEPS = 20
+MICRO = 2
+LR = 2e-3
+TOL = 2e-5
+
+CASES: dict[str, dict[str, Any]] = {
+    # name: ep sizes of the two MoE layers, ZeRO stage, PR-MoE, gradient clipping
+    "ep4-ep2-z0-clip": dict(ep=(4, 2), stage=0, residual=False, clip=0.05),
+    "dp2xep2-z0-prmoe": dict(ep=(2, 2), stage=0, residual=True, clip=0.0),
+    "ep1-ep4-z0": dict(ep=(1, 4), stage=0, residual=False, clip=0.0),
+    "ep2-ep1-z0-prmoe-clip": dict(ep=(2, 1), stage=0, residual=True, clip=0.3),
+}
+WORLD_CASES = {4: ["ep4-ep2-z0-clip", "dp2xep2-z0-prmoe", "ep1-ep4-z0"], 2: ["ep2-ep1-z0-prmoe-clip"]}
+
+
+def _config(stage: int, clip: float) -> dict[str, Any]:
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": clip,
+            "optimizer": {"type": "Adam", "params": {"lr": LR}}, "zero_optimization": {"stage": stage},
+            "steps_per_print": 10**9}
+
+
+def _train(rank: int, world: int, name: str) -> dict[str, Any]:
+    import deepspeed_c
+    import torch.distributed as dist
+    from deepspeed_c.utils import groups
+
+    case = CASES[name]
+    model = make_sharded(make_full(7, case["residual"]), rank, case["ep"], case["residual"])
+    engine, _, _, _ = deepspeed_c.initialize(model=model, config=_config(case["stage"], case["clip"]))
+    batches = make_batches(STEPS, MICRO, world)
+    losses, first_grads = [], {}
+    for step, (tokens, targets) in enumerate(batches):
+        loss = engine(tokens[rank], targets[rank])
+        engine.backward(loss)
+        if step == 0:
+            first_grads = {n: p.grad.detach().numpy().copy() for n, p in engine.module.named_parameters()
+                           if p.grad is not None}
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / world)
+    names = {f"ep_size_{n}" for n in case["ep"]}
+    out = {"losses": losses, "first_grads": first_grads,
+           "weights": {n: p.detach().numpy().copy() for n, p in engine.module.named_parameters()},
+           "ep_ranks": {n: list(groups._get_expert_parallel_group_ranks(n)) for n in names},
+           "edp_ranks": {n: list(groups._get_expert_data_parallel_group_ranks(n)) for n in names}}
+    engine.destroy()
+    return out
+
+
+def body(rank: int, world: int, names: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in names:
+        try:
+            out[name] = _train(rank, world, name)
+        except Exception as e:  # one broken case must not hide the others
+            import traceback
+
+            out[name] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
+    return out
+
+
+def _clip_as_deepspeed_moe(model: torch.nn.Module, clip: float, world: int, ep_sizes: tuple[int, int]) -> None:
+    """DeepSpeed's clipping with MoE layers: each rank's gradient norm over the parameters it holds
+    (its own experts), averaged over the ranks; every gradient scaled by min(1, clip / (avg + 1e-6))."""
+    norms = []
+    for r in range(world):
+        sq = sum(float(p.grad.double().norm() ** 2) for n, p in model.named_parameters()
+                 if local_name(n, r, ep_sizes) is not None)
+        norms.append(math.sqrt(sq))
+    coef = min(1.0, clip / (sum(norms) / world + 1e-6))
+    for p in model.parameters():
+        p.grad.mul_(coef)
+
+
+def reference(name: str, world: int) -> dict[str, Any]:
+    case = CASES[name]
+    model = make_full(7, case["residual"])
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    losses, first_grads = [], {}
+    for step, (tokens, targets) in enumerate(make_batches(STEPS, MICRO, world)):
+        total = sum(model(tokens[r], targets[r]) for r in range(world)) / world
+        total.backward()
+        if step == 0:
+            first_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        if case["clip"] > 0:
+            _clip_as_deepspeed_moe(model, case["clip"], world, case["ep"])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(total.detach()))
+    return {"losses": losses, "first_grads": first_grads,
+            "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+_RESULTS: dict[int, list[dict[str, Any]]] = {}
+
+
+def _results(world: int) -> list[dict[str, Any]]:
+    if world not in _RESULTS:
+        _RESULTS[world] = run_distributed(body, world_size=world, args=(WORLD_CASES[world],), timeout=600)
+    return _RESULTS[world]
+
+
+def _close(a: np.ndarray, b: torch.Tensor, what: str) -> None:
+    a64, b64 = torch.from_numpy(a).double(), b.double()
+    rel = float((a64 - b64).norm() / b64.norm().clamp_min(1e-12))
+    assert rel < TOL, f"{what}: relative difference {rel:.3g}"
+
+
+@pytest.mark.parametrize("world,name", [(w, n) for w, names in WORLD_CASES.items() for n in names])
+def test_expert_parallel_training_matches_one_process(world: int, name: str) -> None:
+    results = _results(world)
+    for r in results:
+        assert "error" not in r[name], r[name].get("error")
+    ref = reference(name, world)
+    ep_sizes = CASES[name]["ep"]
+    for rank, res in enumerate(results):
+        np.testing.assert_allclose(res[name]["losses"], ref["losses"], rtol=TOL, atol=0)
+        seen = 0
+        for full_name, ref_w in ref["weights"].items():
+            mine = local_name(full_name, rank, ep_sizes)
+            if mine is None:
+                continue
+            seen += 1
+            _close(res[name]["first_grads"][mine], ref["first_grads"][full_name], f"rank {rank} grad {mine}")
+            _close(res[name]["weights"][mine], ref_w, f"rank {rank} weight {mine} (full {full_name})")
+        assert seen == len(res[name]["weights"])
+        # DeepSpeed's E + D layout: expert-parallel groups are consecutive ranks, expert-data-parallel strided
+        for n in sorted({f"ep_size_{e}" for e in ep_sizes}):
+            ep = int(n.split("_")[2])
+            assert res[name]["ep_ranks"][n] == [rank // ep * ep + i for i in range(ep)]
+            assert res[name]["edp_ranks"][n] == list(range(rank % ep, world, ep))
