@@ -517,7 +517,7 @@ def run_offload(args: argparse.Namespace, libs: dict[str, Any], make_model: Call
                 nparams: int) -> None:
     bench = Bench(args)
     tokens = args.micro * args.seq
-    names = [n for n in ("dsc-z3", "ds-z3") if n.startswith("dsc") or "deepspeed" in libs]
+    names = [n for n in args.engines.split(",") if n.startswith("dsc") or "deepspeed" in libs]
     torch_linear = torch.nn.functional.linear
     for name in names:
         lib = libs["deepspeed_c" if name.startswith("dsc") else "deepspeed"]
@@ -569,6 +569,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="where dsc-z3's step goes (after the timing)")
     ap.add_argument("--offload", action="store_true", help="stage 3 with param + optimizer offload: ours vs DeepSpeed")
     ap.add_argument("--zero_init", action="store_true", help="--offload: build the model under zero.Init")
+    ap.add_argument("--engines", default="dsc-z3,ds-z3", help="--offload: which engines run, in order")
     args = ap.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29535")
