@@ -1,7 +1,10 @@
-"""PipelineEngine parity on gloo: 2 stages (tied layers, activation checkpointing, clipping across
-stages), 4 stages, and 2 stages x 2 data-parallel (plain and ZeRO-1) train the same layers as
-single-process PyTorch (tests/distributed/pipe_models.py): losses and final weights equal within
-1e-5 norm-wise. Each world size is one multi-rank run that builds several engines in turn."""
+"""PipelineEngine on gloo against single-process PyTorch training of the same layers
+(tests/distributed/pipe_models.py): losses and final weights equal within 1e-5 norm-wise for
+2 stages (tied layers with clipping across stages, activation checkpointing, bf16 with clipping),
+4 stages (tied; and with 8 micro-batches, where the activations held stay bounded by the stages),
+2 stages x 2 data-parallel (ZeRO-1 with tied layers; ZeRO-1 with clipping; activation
+checkpointing); per-layer checkpoint files written by 4 stages and read by 2; eval_batch; the
+bad-input errors. One multi-rank run per world size builds the engines in turn."""
 from __future__ import annotations
 
 import os
@@ -16,42 +19,158 @@ from tests.harness import run_distributed
 STEPS, LR = 3, 1e-2
 
 
-def _train(world: int, stages: int, zero: int, clip: float, ckpt_interval: int, method: str,
-           save_to: str = "") -> dict:
+def _layer_weights(model) -> dict:
+    out = {}
+    for local, f in enumerate(model.forward_funcs):
+        if isinstance(f, torch.nn.Module):
+            for n, p in f.named_parameters():
+                out[f"{local + model._local_start}.{n}"] = p.detach().float().numpy().copy()
+    return out
+
+
+def _engine(world: int, stages: int, zero: int = 0, clip: float = 0.0, ckpt: int = 0, method: str = "parameters",
+            tied: bool = True, bf16: bool = False, gas: int = pm.GAS, accum32: bool = False):
     import deepspeed_c as deepspeed
     from deepspeed_c.pipe import PipelineModule
 
+    model = PipelineModule(pm.specs(tied), num_stages=stages, loss_fn=pm.loss_fn,
+                           seed_layers=True, partition_method=method, activation_checkpoint_interval=ckpt)
+    cfg = {"train_micro_batch_size_per_gpu": pm.MBS, "gradient_accumulation_steps": gas,
+           "gradient_clipping": clip, "zero_optimization": {"stage": zero}, "zero_allow_untested_optimizer": True,
+           "bf16": {"enabled": bf16}}
+    if accum32:
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+    engine, *_ = deepspeed.initialize(model=model, config=cfg, optimizer=lambda ps: torch.optim.Adam(ps, lr=LR))
+    return model, engine
+
+
+def _train(world: int, stages: int, save_to: str = "", evaluate: bool = False, **kw) -> dict:
+    model, engine = _engine(world, stages, **kw)
+    gas = kw.get("gas", pm.GAS)
     dp = world // stages
-    model = PipelineModule(pm.specs(), num_stages=stages, loss_fn=torch.nn.functional.mse_loss, seed_layers=True,
-                           partition_method=method, activation_checkpoint_interval=ckpt_interval)
-    cfg = {"train_micro_batch_size_per_gpu": pm.MBS, "gradient_accumulation_steps": pm.GAS,
-           "gradient_clipping": clip, "zero_optimization": {"stage": zero}, "zero_allow_untested_optimizer": True}
-    engine, *_ = deepspeed.initialize(model=model, config=cfg,
-                                      optimizer=lambda ps: torch.optim.Adam(ps, lr=LR))
     d = engine.grid.get_data_parallel_rank()
-    losses = []
-    for step in pm.batches(STEPS, dp):
-        losses.append(float(engine.train_batch(iter(step[d * pm.GAS:(d + 1) * pm.GAS]))))
+    losses, peaks = [], []
+    for step in pm.batches(STEPS, dp, gas):
+        losses.append(float(engine.train_batch(iter(step[d * gas:(d + 1) * gas]))))
+        peaks.append(engine.executor.peak_in_flight)
+    out = {"losses": np.array(losses), "weights": _layer_weights(model) if d == 0 else {}, "parts": model.parts,
+           "stage": engine.stage_id, "peak": max(peaks)}
+    if evaluate:
+        first = pm.batches(1, dp, gas)[0][d * gas:(d + 1) * gas]
+        out["eval"] = float(engine.eval_batch(iter(first)))
     if save_to:
         import torch.distributed as dist
 
         model.save_state_dict(save_to)
         dist.barrier()
-    weights = {}
-    if d == 0:
-        for local, f in enumerate(model.forward_funcs):
-            idx = local + model._local_start
-            mod = f if isinstance(f, torch.nn.Module) else None
-            if mod is None or any(k == idx and False for k in ()):
-                continue
-            for n, p in mod.named_parameters():
-                weights[f"{idx}.{n}"] = p.detach().float().numpy().copy()
-    return {"losses": np.array(losses), "weights": weights, "parts": model.parts,
-            "first": engine.is_first_stage(), "last": engine.is_last_stage()}
+    return out
+
+
+class _OwnRank:
+    """An mpu whose data-parallel group is this rank alone: a single-process plain engine."""
+
+    def __init__(self, groups: list) -> None:
+        import torch.distributed as dist
+
+        self.group = groups[dist.get_rank()]
+
+    def get_data_parallel_group(self):
+        return self.group
+
+    def get_data_parallel_world_size(self) -> int:
+        return 1
+
+    def get_data_parallel_rank(self) -> int:
+        return 0
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+
+class _Whole(torch.nn.Module):
+    """The untied layers as one module (same seeds as seed_layers), loss included."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        mods = []
+        for i, s in enumerate(pm.specs(tied=False)):
+            torch.manual_seed(1234 + i)
+            mods.append(s.build())
+        self.layers = torch.nn.Sequential(*mods)
+
+    def forward(self, x, y):
+        return pm.loss_fn(self.layers(x), y)
+
+
+def _plain_engine_bf16(world: int, clip: float) -> dict:
+    """bf16 reference: the non-pipeline engine on one rank (same optimizer path and epilogue)."""
+    import torch.distributed as dist
+
+    import deepspeed_c as deepspeed
+
+    groups = [dist.new_group([r]) for r in range(world)]
+    cfg = {"train_micro_batch_size_per_gpu": pm.MBS, "gradient_accumulation_steps": pm.GAS,
+           "gradient_clipping": clip, "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}
+    model = _Whole()
+    engine, *_ = deepspeed.initialize(model=model, config=cfg, mpu=_OwnRank(groups),
+                                      optimizer=lambda ps: torch.optim.Adam(ps, lr=LR))
+    losses = []
+    for step in pm.batches(STEPS, 1):
+        total = 0.0
+        for x, y in step:
+            loss = engine(x.to(torch.bfloat16), y)
+            engine.backward(loss)
+            engine.step()
+            total += loss.item()
+        losses.append(total / len(step))
+    weights = {f"{i}.{n}": p.detach().float().numpy().copy() for i, l in enumerate(model.layers)
+               for n, p in l.named_parameters()}
+    return {"losses": np.array(losses), "weights": weights}
+
+
+def _bad_inputs(world: int) -> dict:
+    """Errors raised on every rank at the same point (no rank left waiting)."""
+    from deepspeed_c.pipe import PipelineModule
+    from deepspeed_c.runtime.pipe.engine import PipelineError
+
+    seen = {}
+    for name, make, exc in [
+        ("divide", lambda: PipelineModule(pm.specs(), num_stages=3), RuntimeError),
+        ("layers", lambda: PipelineModule(pm.specs()[:1], num_stages=2), ValueError),
+        ("method", lambda: PipelineModule(pm.specs(), num_stages=2, partition_method="bogus"), NotImplementedError),
+    ]:
+        with pytest.raises(exc) as e:
+            make()
+        seen[name] = str(e.value)
+    model, engine = _engine(world, 1)  # one stage, two data-parallel replicas
+    for call in (engine.forward, engine.backward, engine.step):
+        with pytest.raises(PipelineError, match="train_batch"):
+            call(torch.zeros(1))
+    with pytest.raises(RuntimeError) as e:
+        engine.train_batch(iter(pm.batches(1, 1)[0][:2]))
+    seen["dry"] = str(e.value)
+    return seen
+
+
+def _shape_change(world: int) -> str:
+    """A micro-batch shape change without dynamic_shape: the sender raises, naming the shapes; the
+    receiver's wait times out naming the stage it waited for. Last in its run."""
+    model, engine = _engine(world, 2)
+    step = pm.batches(1, 1)[0]
+    engine.train_batch(iter(step))
+    os.environ["DSC_PIPE_RECV_TIMEOUT"] = "4"
+    smaller = [(x[:2], y[:2]) for x, y in step]
+    try:
+        engine.train_batch(iter(smaller))
+    except RuntimeError as e:
+        return str(e)
+    return ""
 
 
 def body2(rank: int, world: int) -> list:
-    return [_train(world, 2, 0, 0.05, 0, "parameters"), _train(world, 2, 0, 0.0, 2, "uniform")]
+    return [_train(world, 2, clip=0.05, evaluate=True), _train(world, 2, ckpt=2, method="uniform"),
+            _train(world, 2, bf16=True, tied=False, clip=0.05, accum32=True), _bad_inputs(world),
+            _plain_engine_bf16(world, 0.05), _shape_change(world)]
 
 
 def _load_on_two_stages(world: int, ckpt_dir: str) -> dict:
@@ -60,51 +179,81 @@ def _load_on_two_stages(world: int, ckpt_dir: str) -> dict:
 
     model = PipelineModule(pm.specs(), num_stages=2, loss_fn=torch.nn.functional.mse_loss, seed_layers=False)
     model.load_state_dir(ckpt_dir)
-    weights = {}
-    for local, f in enumerate(model.forward_funcs):
-        if isinstance(f, torch.nn.Module):
-            for n, p in f.named_parameters():
-                weights[f"{local + model._local_start}.{n}"] = p.detach().numpy().copy()
-    return {"weights": weights, "files": sorted(os.listdir(ckpt_dir))}
+    return {"weights": _layer_weights(model), "files": sorted(os.listdir(ckpt_dir))}
 
 
 def body4(rank: int, world: int, ckpt_dir: str) -> list:
-    return [_train(world, 4, 0, 0.0, 0, "parameters", save_to=ckpt_dir), _train(world, 2, 1, 0.0, 0, "type:linear"),
-            _train(world, 2, 0, 0.0, 1, "parameters"), _load_on_two_stages(world, ckpt_dir)]
+    return [_train(world, 4, save_to=ckpt_dir), _train(world, 2, zero=1, method="type:linear"),
+            _train(world, 2, ckpt=1), _load_on_two_stages(world, ckpt_dir),
+            _train(world, 2, zero=1, tied=False, clip=0.05), _train(world, 4, gas=8)]
 
 
-def _check(results: list, case: int, dp: int, clip: float) -> None:
-    want_losses, want_w = pm.reference(STEPS, dp, LR, clip)
+def _check(results: list, case: int, dp: int, clip: float = 0.0, **kw) -> None:
+    want_losses, want_w = pm.reference(STEPS, dp, LR, clip, **kw)
     got_w: dict = {}
     for r in results:
         res = r[case]
         np.testing.assert_allclose(res["losses"], want_losses, rtol=1e-5, atol=1e-6)
         got_w.update(res["weights"])
-    # the tied weight lives in layer 0 (first stage); the last stage's copy must equal it too
     for key, want in want_w.items():
-        if key.startswith("7."):
-            continue
+        if kw.get("tied", True) and key.startswith("7."):
+            continue  # the tied projection is layer 0's weight (checked there)
         got = got_w[key]
         assert np.linalg.norm(got - want) <= 1e-5 * max(np.linalg.norm(want), 1e-12), key
 
 
-def test_two_stages_tied_clipping_and_activation_checkpointing():
-    results = run_distributed(body2, world_size=2, timeout=180)
-    assert results[0][0]["first"] and results[1][0]["last"]
-    _check(results, 0, 1, 0.05)
-    _check(results, 1, 1, 0.0)
+def test_two_stages_tied_clipping_checkpointing_bf16_and_bad_inputs():
+    results = run_distributed(body2, world_size=2, timeout=240)
+    assert results[0][0]["stage"] == 0 and results[1][0]["stage"] == 1
+    _check(results, 0, 1, clip=0.05)
+    _check(results, 1, 1)
+    # bf16: against the non-pipeline engine on one rank (bit-level rounding of bf16 weights depends on
+    # the optimizer's arithmetic, so the reference runs the same optimizer path)
+    ref = results[0][4]
+    np.testing.assert_allclose(results[0][2]["losses"], ref["losses"], rtol=1e-5)
+    got_w = {**results[0][2]["weights"], **results[1][2]["weights"]}
+    assert sorted(got_w) == sorted(ref["weights"])
+    for key, want in ref["weights"].items():
+        assert np.linalg.norm(got_w[key] - want) <= 1e-5 * np.linalg.norm(want), key
+    # eval_batch after training: the mean loss of the final model over those micro-batches, on both stages
+    _, want_w = pm.reference(STEPS, 1, LR, 0.05)
+    layers = [torch.nn.Linear(pm.IN, pm.H, bias=False)] + [torch.nn.Linear(pm.H, pm.H) for _ in range(3)]
+    with torch.no_grad():
+        for l, i in zip(layers, (0, 1, 3, 5)):
+            for n, p in l.named_parameters():
+                p.copy_(torch.from_numpy(want_w[f"{i}.{n}"]))
+        want_eval = []
+        for x, y in pm.batches(1, 1)[0]:
+            h = layers[0](x)
+            for l in layers[1:]:
+                h = torch.tanh(l(h))
+            want_eval.append(torch.nn.functional.mse_loss(pm.tied_out(layers[0], h), y).item())
+    for r in results:
+        assert r[0]["eval"] == pytest.approx(np.mean(want_eval), rel=1e-5)
+    bad = results[0][3]
+    assert "num_stages (3) must divide distributed world size (2)" in bad["divide"]
+    assert "num_stages (2)" in bad["layers"] and "1 layers" in bad["layers"]
+    assert "bogus" in bad["method"]
+    assert "ran out after 2 of 4 micro-batches" in bad["dry"]
+    assert "changed from" in results[0][5] and "dynamic_shape=True" in results[0][5]
+    assert "waiting for the activations of stage 0" in results[1][5]
 
 
-def test_four_stages_and_pipe_by_data_with_zero1(tmp_path):
-    results = run_distributed(body4, world_size=4, args=(str(tmp_path),), timeout=240)
-    _check(results, 0, 1, 0.0)
-    # checkpoint saved on 4 stages, loaded on 2: every layer with parameters has its file, and the
-    # loaded weights are the trained ones (the reference's)
+def test_four_stages_pipe_by_data_zero1_and_layer_checkpoints(tmp_path):
+    results = run_distributed(body4, world_size=4, args=(str(tmp_path),), timeout=300)
+    _check(results, 0, 1)
+    _check(results, 1, 2)
+    _check(results, 2, 2)
+    _check(results, 4, 2, clip=0.05, tied=False)
+    _check(results, 5, 1, gas=8)
+    # activations held by a stage: at most stages - stage_id micro-batches, with 4 or 8 micro-batches
+    for r in results:
+        assert r[0]["peak"] == r[5]["peak"] == 4 - r[0]["stage"]
+    # layer files written by 4 stages (every module layer; layer 7 is a forward_fn: no file, as in
+    # DeepSpeed), read by 2 stages: the trained weights
     _, want_w = pm.reference(STEPS, 1, LR, 0.0)
-    assert results[0][3]["files"] == [f"layer_{i:02d}-model_states.pt" for i in range(7)]  # layer 7 is a forward_fn: no file, as in DeepSpeed
+    assert results[0][3]["files"] == [f"layer_{i:02d}-model_states.pt" for i in range(7)]
     for r in results:
         for key, got in r[3]["weights"].items():
             want = want_w[key] if not key.startswith("7.") else want_w["0.weight"]
             assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want), key
-    _check(results, 1, 2, 0.0)
-    _check(results, 2, 2, 0.0)

@@ -60,7 +60,20 @@ class PipelineEngine(DeepSpeedEngine):
             raise TypeError(f"model must be a PipelineModule, got {type(model).__name__}")
         self.grid = model.mpu()
         super_kwargs["mpu"] = DataParallelView(self.grid)
+        cfg = super_kwargs.get("config_class")
+        if cfg is None:
+            from deepspeed_c.runtime.config import DeepSpeedConfig
+
+            cfg = super_kwargs["config_class"] = DeepSpeedConfig(super_kwargs.get("config"), super_kwargs["mpu"])
+        # Across stages the norm covers every stage's gradients: the optimizers are built without
+        # clipping, and the executor clips with the pipeline-wide norm before each step.
+        self._pipe_max_norm = float(cfg.gradient_clipping or 0.0)
+        self._pipe_clips = self.grid.get_pipe_parallel_world_size() > 1 and self._pipe_max_norm > 0
+        if self._pipe_clips:
+            cfg.gradient_clipping = 0.0
         super().__init__(*super_args, **super_kwargs)
+        if self._pipe_clips:
+            cfg.gradient_clipping = self._pipe_max_norm
         self.has_bool_tensors = has_bool_tensors
         self.pipeline_enable_backward_allreduce = True
         self.num_stages = self.grid.get_pipe_parallel_world_size()
@@ -80,11 +93,12 @@ class PipelineEngine(DeepSpeedEngine):
             raise NotImplementedError(
                 f"pipeline.schedule={self._schedule_name!r}: the engine runs the 1F1B schedule; the interleaved and "
                 "zero-bubble schedules are generated (deepspeed_c.runtime.pipe.schedule) but not executed yet")
-        if self.num_stages > 1 and self.gradient_clipping() > 0 and (
-                self.zero_optimization_stage() > 0 or self.precision.low_precision):
+        if self._pipe_clips and self.zero_optimization_stage() > 0 and any(
+                getattr(p, "ds_pipe_replicated", False) for p in model.parameters()):
             raise NotImplementedError(
-                "gradient_clipping across pipeline stages is built for fp32 without ZeRO; with "
-                f"zero_optimization.stage={self.zero_optimization_stage()} / bf16 / fp16 it is not yet")
+                "gradient_clipping with ZeRO stage 1 and tied layers across pipeline stages: the flat gradient "
+                "partitions cannot leave the tied copies out of the norm yet; set gradient_clipping to 0 or use "
+                "zero_optimization.stage 0")
         if self.zero_optimization_stage() > 1:
             raise NotImplementedError(
                 f"zero_optimization.stage={self.zero_optimization_stage()}: pipeline parallelism works with "
@@ -101,12 +115,18 @@ class PipelineEngine(DeepSpeedEngine):
     def step(self, *args: Any, **kwargs: Any) -> Any:
         raise PipelineError("Only train_batch() is accessible in pipeline mode.")
 
+    def gradient_clipping(self) -> float:
+        return self._pipe_max_norm if getattr(self, "_pipe_clips", False) and hasattr(self, "executor") \
+            else super().gradient_clipping()
+
     # -- what the executor calls back --------------------------------------------------------------
     def _engine_backward(self, loss: torch.Tensor) -> Any:
         return DeepSpeedEngine.backward(self, loss)
 
-    def _engine_step(self) -> None:
+    def _engine_step(self, grad_norm: Optional[float] = None) -> None:
         DeepSpeedEngine.step(self)
+        if grad_norm is not None:
+            self._global_grad_norm = grad_norm  # the pipeline-wide norm, not the optimizer's local one
 
     # -- public API -------------------------------------------------------------------------------
     def is_first_stage(self) -> bool:

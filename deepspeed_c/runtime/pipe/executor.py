@@ -59,6 +59,7 @@ class PipeExecutor:
         self.out_grads: dict = {}
         self.losses: list = []
         self.logits: list = []
+        self.peak_in_flight = 0  # micro-batches whose activations are held for their backward
         if training:
             self.e.set_gradient_accumulation_boundary(False)
         for step in sched.steps():
@@ -135,6 +136,8 @@ class PipeExecutor:
                 self.inputs.pop(b, None)
         else:
             self.outputs[b] = out
+        if self.training:
+            self.peak_in_flight = max(self.peak_in_flight, len(self.outputs))
 
     def _backward_round(self, run: Any) -> None:
         """One non-boundary backward of the engine's reducer (see the module docstring)."""
@@ -205,24 +208,50 @@ class PipeExecutor:
 
     def _step(self, ins: Any) -> None:
         e = self.e
-        clip = e.gradient_clipping()
-        if clip > 0 and e.num_stages > 1:
-            self._clip_across_stages(clip)
-        e._engine_step()
+        norm = self._clip_across_stages(e._pipe_max_norm) if e._pipe_clips else None
+        e._engine_step(norm)
 
-    def _clip_across_stages(self, max_norm: float) -> None:
-        """Global L2 norm over every stage's (data-parallel reduced) gradients, tied copies counted
-        once; the stage-local clip that follows in the optimizer then finds nothing to do."""
+    def _step_gradients(self) -> tuple[list, list]:
+        """(tensors counted in the norm, tensors to scale): where the optimizer will read this
+        stage's reduced gradients from. ZeRO-1: this rank's flat partitions (the norm then also
+        sums over the data-parallel group); else each parameter's slot (param.grad or its fp32
+        accumulator), tied copies on later stages scaled but not counted."""
         e = self.e
-        grads = [p.grad for p in e.module.parameters()
-                 if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)]
+        owned = e.stepper.owned_reducer() if e.stepper is not None else None
+        parts = getattr(owned, "grad_partitions", None)
+        if parts is not None:
+            parts = [t for t in parts if t is not None]
+            return parts, parts
+        slots = e.stepper.reduction_slots() if e.stepper is not None else None
+        counted, scaled = [], []
+        for p in e.module.parameters():
+            if not p.requires_grad:
+                continue
+            g = slots.read(p) if slots is not None else p.grad
+            if g is None:
+                continue
+            scaled.append(g)
+            if not getattr(p, "ds_pipe_replicated", False):
+                counted.append(g)
+        return counted, scaled
+
+    def _clip_across_stages(self, max_norm: float) -> float:
+        """Clip with the L2 norm of every stage's gradients (the optimizers were built without
+        clipping); returns that norm."""
+        e = self.e
+        counted, scaled = self._step_gradients()
         sq = torch.zeros(1, dtype=torch.float64, device=e.device)
-        for g in grads:
+        for g in counted:
             sq += g.double().pow(2).sum()
+        if self.e.zero_optimization_stage() > 0 and e.grid.get_data_parallel_world_size() > 1:
+            dist.all_reduce(sq, group=e.grid.get_data_parallel_group())
         dist.all_reduce(sq, group=e.grid.get_pipe_parallel_group())
         norm = float(sq.sqrt())
+        if e.precision.needs_scaler:
+            norm /= float(e.precision.loss_scale())
+        if not torch.isfinite(torch.tensor(norm)):
+            return norm  # an overflow: the optimizer skips the step
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
-            for p in e.module.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+            torch._foreach_mul_(scaled, coef)
+        return norm
