@@ -117,6 +117,15 @@ def configure_zero_optimizer(engine: Any) -> DeepSpeedZeroOptimizer:
         accumulate_fp32=(stage == 1 and engine.precision.model_dtype == torch.bfloat16 and offload_device is None
                          and parse_dtype(cfg.grad_accum_dtype, "data_types.grad_accum_dtype") == torch.float32),
         nvme_offload=_nvme_offload_args(engine, stage))
+    if engine.has_moe_layers:
+        if stage == 3:
+            raise NotImplementedError("zero_optimization.stage 3 with MoE layers is not built (DeepSpeed 0.19.8 refuses "
+                                      "its native MoE layers at stage 3 too); use stage 0, 1 or 2")
+        from deepspeed_c.runtime.zero.moe_zero import configure_moe_zero_optimizer
+
+        optimizer = configure_moe_zero_optimizer(engine, basic, stage, common)
+        engine.precision.set_scaling_owner(optimizer)
+        return optimizer
     if stage == 3:
         from deepspeed_c.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
