@@ -39,7 +39,7 @@ def batches(steps: int, dp: int, gas: int = GAS) -> list:
 
 
 def reference(steps: int, dp: int, lr: float, clip: float, gas: int = GAS, tied: bool = True,
-              bf16: bool = False, accum32: bool = False) -> tuple[list, dict]:
+              bf16: bool = False, accum32: bool = False, sgd: bool = False) -> tuple[list, dict]:
     """Losses per step and final weights (by 'layer_idx.name', as float32) of single-process training."""
     layers, tied_mod = [], None
     for i, s in enumerate(specs(tied)):
@@ -63,7 +63,7 @@ def reference(steps: int, dp: int, lr: float, clip: float, gas: int = GAS, tied:
         lp_params = [p for m in lp_modules for p in m.parameters()]
     else:
         run_layers, lp_params = layers, masters
-    opt = torch.optim.Adam(masters, lr=lr)
+    opt = torch.optim.SGD(masters, lr=lr) if sgd else torch.optim.Adam(masters, lr=lr)
     losses = []
     for step in batches(steps, dp, gas):
         opt.zero_grad()

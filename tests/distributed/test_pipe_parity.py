@@ -16,7 +16,7 @@ import torch
 from tests.distributed import pipe_models as pm
 from tests.harness import run_distributed
 
-STEPS, LR = 3, 1e-2
+STEPS, LR, SGD_LR = 3, 1e-2, 0.05
 
 
 def _layer_weights(model) -> dict:
@@ -29,7 +29,7 @@ def _layer_weights(model) -> dict:
 
 
 def _engine(world: int, stages: int, zero: int = 0, clip: float = 0.0, ckpt: int = 0, method: str = "parameters",
-            tied: bool = True, bf16: bool = False, gas: int = pm.GAS, accum32: bool = False):
+            tied: bool = True, bf16: bool = False, gas: int = pm.GAS, accum32: bool = False, sgd: bool = False):
     import deepspeed_c as deepspeed
     from deepspeed_c.pipe import PipelineModule
 
@@ -40,7 +40,8 @@ def _engine(world: int, stages: int, zero: int = 0, clip: float = 0.0, ckpt: int
            "bf16": {"enabled": bf16}}
     if accum32:
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
-    engine, *_ = deepspeed.initialize(model=model, config=cfg, optimizer=lambda ps: torch.optim.Adam(ps, lr=LR))
+    make = (lambda ps: torch.optim.SGD(ps, lr=SGD_LR)) if sgd else (lambda ps: torch.optim.Adam(ps, lr=LR))
+    engine, *_ = deepspeed.initialize(model=model, config=cfg, optimizer=make)
     return model, engine
 
 
@@ -182,10 +183,34 @@ def _load_on_two_stages(world: int, ckpt_dir: str) -> dict:
     return {"weights": _layer_weights(model), "files": sorted(os.listdir(ckpt_dir))}
 
 
+def _resume(world: int, ckpt_dir: str) -> dict:
+    """engine.save_checkpoint after 2 of 4 steps on 4 stages, load_checkpoint, 2 more steps: on 4
+    stages with Adam (optimizer states restored), and on 2 stages x 2 data-parallel with SGD (layers
+    re-partitioned; the same 4 micro-batches a step, 2 per replica)."""
+    data = pm.batches(4, 1)
+    out = {}
+    for name, sgd, stages in (("adam4", False, 4), ("sgd2", True, 2)):
+        path = os.path.join(ckpt_dir, name)
+        _, engine = _engine(world, 4, sgd=sgd)
+        for step in data[:2]:
+            engine.train_batch(iter(step))
+        engine.save_checkpoint(path, client_state={"note": name})
+        dp = world // stages
+        gas = pm.GAS // dp
+        _, engine = _engine(world, stages, sgd=sgd, gas=gas)
+        _, client = engine.load_checkpoint(path)
+        d = engine.grid.get_data_parallel_rank()
+        out[name] = [float(engine.train_batch(iter(step[d * gas:(d + 1) * gas]))) for step in data[2:]]
+        out[name + "_steps"] = engine.global_steps
+        out[name + "_client"] = client.get("note")
+        out[name + "_files"] = sorted(os.listdir(os.path.join(path, "global_step2")))
+    return out
+
+
 def body4(rank: int, world: int, ckpt_dir: str) -> list:
     return [_train(world, 4, save_to=ckpt_dir), _train(world, 2, zero=1, method="type:linear"),
             _train(world, 2, ckpt=1), _load_on_two_stages(world, ckpt_dir),
-            _train(world, 2, zero=1, tied=False, clip=0.05), _train(world, 4, gas=8)]
+            _train(world, 2, zero=1, tied=False, clip=0.05), _train(world, 4, gas=8), _resume(world, ckpt_dir)]
 
 
 def _check(results: list, case: int, dp: int, clip: float = 0.0, **kw) -> None:
@@ -239,7 +264,7 @@ def test_two_stages_tied_clipping_checkpointing_bf16_and_bad_inputs():
     assert "waiting for the activations of stage 0" in results[1][5]
 
 
-def test_four_stages_pipe_by_data_zero1_and_layer_checkpoints(tmp_path):
+def test_four_stages_pipe_by_data_zero1_and_checkpoints(tmp_path):
     results = run_distributed(body4, world_size=4, args=(str(tmp_path),), timeout=300)
     _check(results, 0, 1)
     _check(results, 1, 2)
@@ -257,3 +282,14 @@ def test_four_stages_pipe_by_data_zero1_and_layer_checkpoints(tmp_path):
         for key, got in r[3]["weights"].items():
             want = want_w[key] if not key.startswith("7.") else want_w["0.weight"]
             assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want), key
+    # engine checkpoints: saved on 4 stages, resumed on 4 (Adam) and on 2 x 2 (SGD): the losses of the
+    # uninterrupted single-process run
+    adam, _ = pm.reference(4, 1, LR, 0.0)
+    sgd, _ = pm.reference(4, 1, SGD_LR, 0.0, sgd=True)
+    for r in results:
+        res = r[6]
+        np.testing.assert_allclose(res["adam4"], adam[2:], rtol=1e-5)
+        np.testing.assert_allclose(res["sgd2"], sgd[2:], rtol=1e-5)
+        assert res["adam4_steps"] == res["sgd2_steps"] == 4 and res["adam4_client"] == "adam4"
+    assert results[0][6]["adam4_files"] == [f"layer_{i:02d}-model_states.pt" for i in range(7)] + \
+        [f"mp_rank_{s:02d}_model_states.pt" for s in range(4)]

@@ -43,3 +43,120 @@ def load_layer_files(module: Any, load_dir: str, strict: bool = True) -> None:
         path = files[rank] if len(files) > 1 else files[0]
         sd = torch.load(path, map_location="cpu", weights_only=True)
         layer.load_state_dict(sd, strict=strict)
+
+
+def _state_file(stage: int) -> str:
+    return f"mp_rank_{stage:02d}_model_states.pt"
+
+
+class PipeCheckpointer:
+    """engine.save_checkpoint / load_checkpoint of a PipelineEngine, in DeepSpeed's pipeline layout:
+    tag/layer_XX-model_states.pt (weights, per layer, so another pipeline degree can read them),
+    tag/mp_rank_{stage}_model_states.pt (module None; the stage's optimizer state, LR scheduler and
+    counters), ZeRO-1 tag/[bf16_]zero_pp_rank_{dp}_mp_rank_{stage}_optim_states.pt, and `latest`.
+    Optimizer states come back when the pipeline degree and ZeRO stage 0 match what was saved;
+    with another degree the layers are re-partitioned and the optimizer starts fresh (a warning)."""
+
+    def save(self, engine: Any, save_dir: str, tag: Any, client_state: dict, save_latest: bool,
+             exclude_frozen_parameters: bool) -> bool:
+        import torch.distributed as dist
+
+        from deepspeed_c.version import DEEPSPEED_API_VERSION
+
+        if not isinstance(save_dir, (str, os.PathLike)):
+            raise TypeError(f"save_checkpoint: save_dir must be a path, got {type(save_dir).__name__}")
+        if not isinstance(client_state, dict):
+            raise TypeError(f"save_checkpoint: client_state must be a dict, got {type(client_state).__name__}")
+        tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
+        if not tag or os.sep in tag:
+            raise ValueError(f"save_checkpoint: tag {tag!r} must be a non-empty name without '{os.sep}'")
+        tag_dir = os.path.join(str(save_dir), tag)
+        os.makedirs(tag_dir, exist_ok=True)
+        module, stepper = engine.module, engine.stepper
+        module.save_state_dict(tag_dir, exclude_frozen_params=exclude_frozen_parameters)
+        names = {id(p): n for n, p in module.named_parameters()}
+        part = stepper.partition_checkpoint_state(lambda p: names[id(p)]) if stepper is not None else None
+        stage, dp_rank = engine.stage_id, engine.grid.get_data_parallel_rank()
+        if part is not None:
+            prefix = "bf16_" if engine.precision.bf16.enabled else ""
+            _save(os.path.join(tag_dir, f"{prefix}zero_pp_rank_{part[0]}_mp_rank_{stage:02d}_optim_states.pt"),
+                  {"optimizer_state_dict": part[1], "ds_config": engine._config._param_dict,
+                   "ds_version": DEEPSPEED_API_VERSION})
+        if dp_rank == 0:
+            state = {
+                "module": None,
+                "optimizer": stepper.model_file_state() if stepper is not None and part is None else None,
+                "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+                "sparse_tensor_module_names": set(),
+                "skipped_steps": engine.skipped_steps,
+                "global_steps": engine.global_steps,
+                "global_samples": engine.global_samples,
+                "dp_world_size": engine.dp_world_size,
+                "mp_world_size": engine.num_stages,
+                "ds_config": engine._config._param_dict,
+                "ds_version": DEEPSPEED_API_VERSION,
+                **client_state,
+            }
+            _save(os.path.join(tag_dir, _state_file(stage)), state)
+        dist.barrier()
+        if save_latest and dist.get_rank() == 0:
+            with open(os.path.join(str(save_dir), "latest"), "w") as f:
+                f.write(tag)
+        dist.barrier()
+        return True
+
+    def load(self, engine: Any, load_dir: str, tag: Any, load_module_strict: bool, load_optimizer_states: bool,
+             load_lr_scheduler_states: bool, load_module_only: bool, custom_load_fn: Any) -> tuple:
+        from deepspeed_c.runtime.optimizer_seam import SavedCheckpoint
+        from deepspeed_c.utils.logging import logger
+
+        if custom_load_fn is not None:
+            raise ValueError("custom_load_fn not supported w. pipeline parallelism")
+        if tag is None:
+            latest = os.path.join(str(load_dir), "latest")
+            if not os.path.isfile(latest):
+                logger.warning(f"Unable to find latest file at {latest}, if trying to load latest checkpoint please "
+                               "ensure this file exists or pass an explicit checkpoint tag when loading a checkpoint.")
+                return None, None
+            with open(latest) as f:
+                tag = f.read().strip()
+        tag_dir = os.path.join(str(load_dir), str(tag))
+        if not os.path.isdir(tag_dir):
+            raise FileNotFoundError(f"load_checkpoint: checkpoint tag {tag!r} not found in {load_dir}")
+        engine.module.load_state_dir(tag_dir, strict=load_module_strict)
+        path = os.path.join(tag_dir, _state_file(engine.stage_id))
+        if not os.path.isfile(path):
+            path = os.path.join(tag_dir, _state_file(0))  # fewer stages saved than now: counters are shared
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        same_layout = state.get("mp_world_size") == engine.num_stages
+        stepper = engine.stepper
+        if stepper is not None:
+            if load_module_only or not load_optimizer_states or state.get("optimizer") is None or not same_layout:
+                if load_optimizer_states and not load_module_only and not same_layout:
+                    logger.warning(f"load_checkpoint: {tag_dir} was saved with {state.get('mp_world_size')} pipeline "
+                                   f"stages, this engine has {engine.num_stages}: weights re-partitioned, optimizer "
+                                   "states not restored")
+                if load_optimizer_states and not load_module_only and same_layout and state.get("optimizer") is None:
+                    raise NotImplementedError("load_checkpoint: restoring ZeRO-1 optimizer states of a pipeline "
+                                              "checkpoint is not built yet; pass load_optimizer_states=False")
+                stepper.refresh_masters()
+            else:
+                saved = SavedCheckpoint(tag_dir=tag_dir, manifest=None, model_state=state,
+                                        bf16=engine.precision.bf16.enabled, load_from_fp32_weights=False,
+                                        node_local=False)
+                stepper.load_checkpoint_state(saved, True)
+        if not load_module_only:
+            if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("lr_scheduler"):
+                engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            engine.global_steps = state["global_steps"]
+            engine.global_samples = state.get("global_samples", 0)
+            engine.skipped_steps = state["skipped_steps"]
+        ds_keys = {"module", "optimizer", "lr_scheduler", "sparse_tensor_module_names", "skipped_steps",
+                   "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version"}
+        return path, {k: v for k, v in state.items() if k not in ds_keys}
+
+
+def _save(path: str, obj: Any) -> None:
+    tmp = path + ".tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)

@@ -103,6 +103,9 @@ class PipelineEngine(DeepSpeedEngine):
             raise NotImplementedError(
                 f"zero_optimization.stage={self.zero_optimization_stage()}: pipeline parallelism works with "
                 "ZeRO stage 0 and 1 (as DeepSpeed)")
+        from .checkpoint import PipeCheckpointer
+
+        self.checkpointer = PipeCheckpointer()
         self.executor = PipeExecutor(self)
 
     # -- DeepSpeed's refusals --------------------------------------------------------------------
