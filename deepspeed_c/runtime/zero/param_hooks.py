@@ -41,7 +41,9 @@ class _BackwardMark(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, coord: "ParamCoordinator", key: int, fired: list, *tensors: torch.Tensor) -> Any:
         ctx.coord, ctx.key, ctx.fired = coord, key, fired
-        return tensors if len(tensors) > 1 else tensors[0]
+        # detached aliases, not the inputs: a Function returning several of its inputs makes them views that
+        # refuse in-place updates (the HF Trainer scales a PEFT model's loss with `loss *= ...`)
+        return tuple(t.detach() for t in tensors) if len(tensors) > 1 else tensors[0].detach()
 
 
 class _PreBackward(_BackwardMark):
