@@ -121,6 +121,12 @@ static void block_error(aio_op *op, int rc, int64_t b) {
 /* Close the op's files; a replacing write renames its temporary over the target or removes it. */
 static void finish_files(aio_op *op) {
     if (op->fd_direct >= 0) close(op->fd_direct);
+    if (op->is_write == DSC_AIO_WRITE_OVERWRITE && !op->failed && op->fd_buf >= 0 &&
+        ftruncate(op->fd_buf, (off_t)(op->file_offset + op->nbytes)) != 0) {
+        op->failed = 1;
+        fmt(op->err, sizeof op->err, "cannot truncate %s to %lld bytes: %s", op->path,
+            (long long)(op->file_offset + op->nbytes), strerror(errno));
+    }
     if (op->fd_buf >= 0 && close(op->fd_buf) != 0 && op->is_write && !op->failed) {
         op->failed = 1;
         fmt(op->err, sizeof op->err, "writing %s failed at close: %s", op->path, strerror(errno));
@@ -307,7 +313,7 @@ static int open_files(dsc_aio_ctx *ctx, aio_op *op, char *err, size_t errlen) {
         return 0;
     }
     const char *target = op->path;
-    if (op->is_write != DSC_AIO_WRITE_IN_PLACE && op->file_offset == 0) {
+    if (op->is_write == DSC_AIO_WRITE && op->file_offset == 0) {
         /* replacing write: temporary beside the target, renamed at the end */
         size_t n = strlen(op->path) + 64;
         op->tmp_path = malloc(n);

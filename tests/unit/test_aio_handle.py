@@ -289,3 +289,20 @@ def test_locked_tensors_and_builders():
     import deepspeed_c.ops.op_builder as ob
 
     assert ob.AsyncIOBuilder is AsyncIOBuilder and "pread" in aio.backend()
+
+
+def test_in_place_writes_for_scratch_files(tmp_path):
+    """atomic_writes=False (the swappers' handles): the file is rewritten in place, same inode, and
+    truncated to exactly the buffer's bytes."""
+    h = aio.aio_handle(block_size=BS, intra_op_parallelism=2, atomic_writes=False)
+    path = str(tmp_path / "swap")
+    big = _rand_bytes(3 * BS + 5, 1)
+    assert h.sync_pwrite(big, path) == 1 and _disk_bytes(path) == big.numpy().tobytes()
+    inode = os.stat(path).st_ino
+    small = _rand_bytes(BS + 1, 2)
+    assert h.async_pwrite(small, path) == 0 and h.wait() == 1
+    assert _disk_bytes(path) == small.numpy().tobytes() and os.stat(path).st_ino == inode
+    y = torch.empty_like(small)
+    assert h.sync_pread(y, path) == 1 and torch.equal(y, small)
+    atomic = aio.aio_handle(block_size=BS)
+    assert atomic.sync_pwrite(big, path) == 1 and os.stat(path).st_ino != inode  # a new file renamed over

@@ -49,7 +49,7 @@ dsc_aio_ctx *dsc_aio_create(const dsc_aio_config *cfg, char *err, size_t errlen)
 /* Waits for every op in flight, then stops and joins the workers and frees everything. */
 void dsc_aio_destroy(dsc_aio_ctx *ctx);
 
-enum { DSC_AIO_READ = 0, DSC_AIO_WRITE = 1, DSC_AIO_WRITE_IN_PLACE = 2 };
+enum { DSC_AIO_READ = 0, DSC_AIO_WRITE = 1, DSC_AIO_WRITE_IN_PLACE = 2, DSC_AIO_WRITE_OVERWRITE = 3 };
 
 /* Submit one op: read nbytes from (is_write=0) or write nbytes to (is_write=1) filename at
  * file_offset, from/into buf. Returns an op id (> 0), or -1 with err filled when the op cannot
@@ -58,7 +58,9 @@ enum { DSC_AIO_READ = 0, DSC_AIO_WRITE = 1, DSC_AIO_WRITE_IN_PLACE = 2 };
  * by dsc_aio_wait_all (or dsc_aio_wait_op); a sync one only by dsc_aio_wait_op, so a
  * synchronous call never swallows another caller's async completions. is_write ==
  * DSC_AIO_WRITE_IN_PLACE writes into the existing file even at offset 0 (a descriptor the caller
- * opened, reached through /proc/self/fd). */
+ * opened, reached through /proc/self/fd). DSC_AIO_WRITE_OVERWRITE rewrites the file in place and
+ * truncates it to file_offset + nbytes (no temporary: the swappers' scratch files, where rewriting
+ * the same blocks is cheaper than allocating new ones and freeing the old). */
 int64_t dsc_aio_submit(dsc_aio_ctx *ctx, int is_write, int is_async, void *buf, int64_t nbytes,
                        const char *filename, int64_t file_offset, char *err, size_t errlen);
 

@@ -22,7 +22,7 @@ from deepspeed_c.ops.op_builder.async_io import AsyncIOBuilder
 
 _core = AsyncIOBuilder().load_core()
 
-_READ, _WRITE, _WRITE_IN_PLACE = 0, 1, 2
+_READ, _WRITE, _WRITE_IN_PLACE, _OVERWRITE = 0, 1, 2, 3
 ALIGNMENT = 4096
 # tensors from new_cpu_locked_tensor: data_ptr -> whether mlock succeeded
 _locked: dict[int, bool] = {}
@@ -37,7 +37,10 @@ class aio_handle:  # noqa: N801  (DeepSpeed's class name)
     """Reads and writes whole tensors to files, synchronously or in the background."""
 
     def __init__(self, block_size: int = 1048576, queue_depth: int = 128, single_submit: bool = False,
-                 overlap_events: bool = False, intra_op_parallelism: int = 1) -> None:
+                 overlap_events: bool = False, intra_op_parallelism: int = 1, *, atomic_writes: bool = True) -> None:
+        """atomic_writes (ours, keyword-only): a write at file_offset 0 goes to a temporary renamed over
+        the file when complete; False rewrites the file in place and truncates it to the buffer's size
+        (cheaper for scratch files rewritten every step, such as the swappers')."""
         for name, value in (("block_size", block_size), ("queue_depth", queue_depth),
                             ("intra_op_parallelism", intra_op_parallelism)):
             if isinstance(value, bool) or not isinstance(value, int):
@@ -47,6 +50,7 @@ class aio_handle:  # noqa: N801  (DeepSpeed's class name)
         self._single_submit = bool(single_submit)
         self._overlap_events = bool(overlap_events)
         self._threads = intra_op_parallelism
+        self._replace_mode = _WRITE if atomic_writes else _OVERWRITE
         use_direct = os.environ.get("DSC_AIO_DIRECT", "1") != "0"
         self._ctx = _core.create(block_size, queue_depth, int(single_submit), int(overlap_events),
                                  intra_op_parallelism, int(use_direct))
@@ -151,7 +155,7 @@ class aio_handle:  # noqa: N801  (DeepSpeed's class name)
     # --- the one path every call takes ---------------------------------------------------------
     def _run(self, mode: int, buffer: torch.Tensor, filename: Any, validate: bool, is_async: bool,
              file_offset: int) -> int:
-        path, mode = _path_of(filename, mode)
+        path, mode = _path_of(filename, self._replace_mode if mode == _WRITE else mode)
         host, post = _host_buffer(buffer, path, mode)
         if not isinstance(file_offset, int) or file_offset < 0:
             raise ValueError(f"file_offset for {path} must be a non-negative int, got {file_offset!r}")
@@ -183,7 +187,7 @@ def _async_args(fn: str, args: tuple, kwargs: dict) -> tuple[bool, int]:
 def _path_of(filename: Any, mode: int) -> tuple[str, int]:
     if isinstance(filename, int) and not isinstance(filename, bool):
         # an open descriptor: reach its file through /proc and write into it in place
-        return f"/proc/self/fd/{filename}", (_WRITE_IN_PLACE if mode == _WRITE else mode)
+        return f"/proc/self/fd/{filename}", (_WRITE_IN_PLACE if mode != _READ else mode)
     return os.fspath(filename), mode
 
 

@@ -57,6 +57,7 @@ def fresh_folder(path: str) -> str:
 
 
 def new_handle(aio: AioConfig) -> Any:
+    """A handle for swap files: rewritten in place every step (no temporary and rename)."""
     from deepspeed_c.ops.op_builder import AsyncIOBuilder
 
-    return AsyncIOBuilder().load().aio_handle(**aio.handle_kwargs())
+    return AsyncIOBuilder().load().aio_handle(**aio.handle_kwargs(), atomic_writes=False)
