@@ -1,10 +1,12 @@
 """PipelineEngine on gloo against single-process PyTorch training of the same layers
 (tests/distributed/pipe_models.py): losses and final weights equal within 1e-5 norm-wise for
-2 stages (tied layers with clipping across stages, activation checkpointing, bf16 with clipping),
-4 stages (tied; and with 8 micro-batches, where the activations held stay bounded by the stages),
+2 stages (tied layers with clipping across stages, activation checkpointing, bf16 with clipping
+(against the non-pipeline engine), zero-bubble ZB-H1 with clipping, interleaved 1F1B), 4 stages
+(tied; 8 micro-batches, where the activations held stay bounded by the stages; ZB-H1),
 2 stages x 2 data-parallel (ZeRO-1 with tied layers; ZeRO-1 with clipping; activation
-checkpointing); per-layer checkpoint files written by 4 stages and read by 2; eval_batch; the
-bad-input errors. One multi-rank run per world size builds the engines in turn."""
+checkpointing; interleaved with ZeRO-1); per-layer files written by 4 stages and read by 2;
+engine checkpoints resumed on 4 and on 2 x 2 stages; eval_batch; the bad-input errors. One
+multi-rank run per world size builds the engines in turn."""
 from __future__ import annotations
 
 import os
@@ -24,12 +26,13 @@ def _layer_weights(model) -> dict:
     for local, f in enumerate(model.forward_funcs):
         if isinstance(f, torch.nn.Module):
             for n, p in f.named_parameters():
-                out[f"{local + model._local_start}.{n}"] = p.detach().float().numpy().copy()
+                out[f"{model._layer_ids[local]}.{n}"] = p.detach().float().numpy().copy()
     return out
 
 
 def _engine(world: int, stages: int, zero: int = 0, clip: float = 0.0, ckpt: int = 0, method: str = "parameters",
-            tied: bool = True, bf16: bool = False, gas: int = pm.GAS, accum32: bool = False, sgd: bool = False):
+            tied: bool = True, bf16: bool = False, gas: int = pm.GAS, accum32: bool = False, sgd: bool = False,
+            schedule: str = "1f1b", virtual: int = 1):
     import deepspeed_c as deepspeed
     from deepspeed_c.pipe import PipelineModule
 
@@ -37,7 +40,7 @@ def _engine(world: int, stages: int, zero: int = 0, clip: float = 0.0, ckpt: int
                            seed_layers=True, partition_method=method, activation_checkpoint_interval=ckpt)
     cfg = {"train_micro_batch_size_per_gpu": pm.MBS, "gradient_accumulation_steps": gas,
            "gradient_clipping": clip, "zero_optimization": {"stage": zero}, "zero_allow_untested_optimizer": True,
-           "bf16": {"enabled": bf16}}
+           "bf16": {"enabled": bf16}, "pipeline": {"schedule": schedule, "virtual_stages": virtual}}
     if accum32:
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     make = (lambda ps: torch.optim.SGD(ps, lr=SGD_LR)) if sgd else (lambda ps: torch.optim.Adam(ps, lr=LR))
@@ -171,7 +174,8 @@ def _shape_change(world: int) -> str:
 def body2(rank: int, world: int) -> list:
     return [_train(world, 2, clip=0.05, evaluate=True), _train(world, 2, ckpt=2, method="uniform"),
             _train(world, 2, bf16=True, tied=False, clip=0.05, accum32=True), _bad_inputs(world),
-            _plain_engine_bf16(world, 0.05), _shape_change(world)]
+            _plain_engine_bf16(world, 0.05), _train(world, 2, clip=0.05, schedule="zb_h1"),
+            _train(world, 2, schedule="interleaved", virtual=2), _shape_change(world)]
 
 
 def _load_on_two_stages(world: int, ckpt_dir: str) -> dict:
@@ -210,7 +214,8 @@ def _resume(world: int, ckpt_dir: str) -> dict:
 def body4(rank: int, world: int, ckpt_dir: str) -> list:
     return [_train(world, 4, save_to=ckpt_dir), _train(world, 2, zero=1, method="type:linear"),
             _train(world, 2, ckpt=1), _load_on_two_stages(world, ckpt_dir),
-            _train(world, 2, zero=1, tied=False, clip=0.05), _train(world, 4, gas=8), _resume(world, ckpt_dir)]
+            _train(world, 2, zero=1, tied=False, clip=0.05), _train(world, 4, gas=8), _resume(world, ckpt_dir),
+            _train(world, 4, schedule="zb_h1"), _train(world, 2, zero=1, schedule="interleaved", virtual=2)]
 
 
 def _check(results: list, case: int, dp: int, clip: float = 0.0, **kw) -> None:
@@ -260,8 +265,14 @@ def test_two_stages_tied_clipping_checkpointing_bf16_and_bad_inputs():
     assert "num_stages (2)" in bad["layers"] and "1 layers" in bad["layers"]
     assert "bogus" in bad["method"]
     assert "ran out after 2 of 4 micro-batches" in bad["dry"]
-    assert "changed from" in results[0][5] and "dynamic_shape=True" in results[0][5]
-    assert "waiting for the activations of stage 0" in results[1][5]
+    assert "changed from" in results[0][7] and "dynamic_shape=True" in results[0][7]
+    assert "waiting for the activations of stage 0" in results[1][7]
+    # zero-bubble (split backward) with clipping across stages, and interleaved 1F1B (2 chunks a rank)
+    _check(results, 5, 1, clip=0.05)
+    _check(results, 6, 1)
+    assert sorted(k for r in results for k in r[6]["weights"]) == sorted(
+        f"{i}.{n}" for i, n in [(0, "weight"), (1, "weight"), (1, "bias"), (3, "weight"), (3, "bias"),
+                                (5, "weight"), (5, "bias")])
 
 
 def test_four_stages_pipe_by_data_zero1_and_checkpoints(tmp_path):
@@ -271,6 +282,8 @@ def test_four_stages_pipe_by_data_zero1_and_checkpoints(tmp_path):
     _check(results, 2, 2)
     _check(results, 4, 2, clip=0.05, tied=False)
     _check(results, 5, 1, gas=8)
+    _check(results, 7, 1)  # zero-bubble on 4 stages
+    _check(results, 8, 2)  # interleaved on 2 stages x 2 data-parallel, ZeRO-1
     # activations held by a stage: at most stages - stage_id micro-batches, with 4 or 8 micro-batches
     for r in results:
         assert r[0]["peak"] == r[5]["peak"] == 4 - r[0]["stage"]

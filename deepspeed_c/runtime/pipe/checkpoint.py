@@ -37,8 +37,9 @@ def load_layer_files(module: Any, load_dir: str, strict: bool = True) -> None:
             continue
         files = module.ckpt_layer_path_list(load_dir, idx)
         if not files:
-            raise FileNotFoundError(f"no checkpoint file for layer {idx + module._local_start} in {load_dir} "
-                                    f"(expected layer_{idx + module._local_start:02d}-*model_states.pt)")
+            layer_id = module._layer_ids[idx]
+            raise FileNotFoundError(f"no checkpoint file for layer {layer_id} in {load_dir} "
+                                    f"(expected layer_{layer_id:02d}-*model_states.pt)")
         rank = module._grid.get_slice_parallel_rank()
         path = files[rank] if len(files) > 1 else files[0]
         sd = torch.load(path, map_location="cpu", weights_only=True)

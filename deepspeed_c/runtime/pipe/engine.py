@@ -67,6 +67,9 @@ class PipelineEngine(DeepSpeedEngine):
             cfg = super_kwargs["config_class"] = DeepSpeedConfig(super_kwargs.get("config"), super_kwargs["mpu"])
         # Across stages the norm covers every stage's gradients: the optimizers are built without
         # clipping, and the executor clips with the pipeline-wide norm before each step.
+        self._schedule_name, self.virtual_stages = _schedule_choice(cfg, model)
+        if self.virtual_stages > 1:
+            model.set_virtual_stages(self.virtual_stages)  # before the optimizer sees the parameters
         self._pipe_max_norm = float(cfg.gradient_clipping or 0.0)
         self._pipe_clips = self.grid.get_pipe_parallel_world_size() > 1 and self._pipe_max_norm > 0
         if self._pipe_clips:
@@ -88,11 +91,6 @@ class PipelineEngine(DeepSpeedEngine):
         self.total_loss: Optional[torch.Tensor] = None
         self.agg_train_loss: Optional[torch.Tensor] = None
         self.dynamic_shape = bool(getattr(model, "dynamic_shape", False))
-        self._schedule_name = self._config.pipeline_config.schedule
-        if self._schedule_name != "1f1b":
-            raise NotImplementedError(
-                f"pipeline.schedule={self._schedule_name!r}: the engine runs the 1F1B schedule; the interleaved and "
-                "zero-bubble schedules are generated (deepspeed_c.runtime.pipe.schedule) but not executed yet")
         if self._pipe_clips and self.zero_optimization_stage() > 0 and any(
                 getattr(p, "ds_pipe_replicated", False) for p in model.parameters()):
             raise NotImplementedError(
@@ -158,7 +156,8 @@ class PipelineEngine(DeepSpeedEngine):
             self.set_dataiterator(data_iter)
         self.module.train()
         self.total_loss = None
-        sched = schedule_for(self._schedule_name, self.micro_batches, self.num_stages, self.stage_id)
+        sched = schedule_for(self._schedule_name, self.micro_batches, self.num_stages, self.stage_id,
+                             self.virtual_stages)
         self.executor.run(sched, training=True)
         self.agg_train_loss = self._aggregate_total_loss()
         return self.agg_train_loss
@@ -168,6 +167,9 @@ class PipelineEngine(DeepSpeedEngine):
                    num_micro_batches: Optional[int] = None) -> Any:
         """Forward only over num_micro_batches (default gradient_accumulation_steps) micro-batches;
         returns the loss (averaged when reduce_output='avg'), and the last stage's logits if asked."""
+        if self.virtual_stages > 1:
+            raise NotImplementedError("eval_batch with pipeline.schedule='interleaved' (model chunks) is not built "
+                                      "yet; evaluate with the 1f1b or zb_h1 schedule")
         if reduce_output not in ("avg", None):
             raise ValueError(f"reduce_output must be 'avg' or None, got {reduce_output!r}")
         self.module.eval()
@@ -208,3 +210,26 @@ class PipelineEngine(DeepSpeedEngine):
                 dist.all_reduce(loss, group=self.grid.get_data_parallel_group())
                 loss /= self.grid.get_data_parallel_world_size()
         return self._bcast_from_last(loss) if self.is_pipe_parallel else loss
+
+
+def _schedule_choice(cfg: Any, model: PipelineModule) -> tuple[str, int]:
+    """(schedule name, model chunks per rank) from the `pipeline` section, checked against the model
+    and batch before anything is built."""
+    pc = cfg.pipeline_config
+    name, v = pc.schedule, int(pc.virtual_stages)
+    stages = model.num_stages
+    gas = int(cfg.gradient_accumulation_steps)
+    if name != "interleaved":
+        if v != 1:
+            raise ValueError(f"pipeline.virtual_stages={v} needs pipeline.schedule='interleaved', got {name!r}")
+        if name == "zb_h1" and model.activation_checkpoint_interval > 0:
+            raise NotImplementedError("pipeline.schedule='zb_h1' with activation_checkpoint_interval > 0: a "
+                                      "reentrant checkpoint cannot split its backward into input and weight passes")
+        return name, 1
+    v = v if v > 1 else 2
+    if stages < 2:
+        raise ValueError("pipeline.schedule='interleaved' needs at least 2 pipeline stages, got 1")
+    if gas % stages:
+        raise ValueError(f"pipeline.schedule='interleaved' needs gradient_accumulation_steps ({gas}) to be a multiple "
+                         f"of the {stages} pipeline stages")
+    return name, v

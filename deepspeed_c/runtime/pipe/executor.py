@@ -30,16 +30,21 @@ class PipeExecutor:
     def __init__(self, engine: Any) -> None:
         self.e = engine
         grid, s, dev, dyn = engine.grid, engine.stage_id, engine.device, engine.dynamic_shape
-        last = engine.num_stages - 1
-        self.act_out = PipeLink(grid.stage_to_global(s + 1), s + 1, s, "activations", dev, dyn) if s < last else None
-        self.grad_in = PipeLink(grid.stage_to_global(s + 1), s + 1, s, "gradients", dev, dyn) if s < last else None
-        self.act_in = PipeLink(grid.stage_to_global(s - 1), s - 1, s, "activations", dev, dyn) if s > 0 else None
-        self.grad_out = PipeLink(grid.stage_to_global(s - 1), s - 1, s, "gradients", dev, dyn) if s > 0 else None
+        S, V = engine.num_stages, engine.virtual_stages
+        self.S, self.V = S, V
+        # with model chunks the last rank feeds the first rank's next chunk: neighbours wrap around
+        has_next, has_prev = (S > 1, S > 1) if V > 1 else (s < S - 1, s > 0)
+        nxt, prv = (s + 1) % S, (s - 1) % S
+        self.act_out = PipeLink(grid.stage_to_global(nxt), nxt, s, "activations", dev, dyn) if has_next else None
+        self.grad_in = PipeLink(grid.stage_to_global(nxt), nxt, s, "gradients", dev, dyn) if has_next else None
+        self.act_in = PipeLink(grid.stage_to_global(prv), prv, s, "activations", dev, dyn) if has_prev else None
+        self.grad_out = PipeLink(grid.stage_to_global(prv), prv, s, "gradients", dev, dyn) if has_prev else None
         self.handlers = {
             I.LoadMicroBatch: self._load, I.ForwardPass: self._forward, I.BackwardPass: self._backward,
             I.SendActivation: self._send_act, I.RecvActivation: self._recv_act, I.SendGrad: self._send_grad,
             I.RecvGrad: self._recv_grad, I.ReduceTiedGrads: self._reduce_tied, I.ReduceGrads: self._reduce_grads,
-            I.OptimizerStep: self._step,
+            I.OptimizerStep: self._step, I.BackwardInputPass: self._backward_input,
+            I.BackwardWeightPass: self._backward_weight,
         }
 
     def links(self) -> list[PipeLink]:
@@ -47,7 +52,17 @@ class PipeExecutor:
 
     def reset_links(self) -> None:
         for l in self.links():
-            l.meta = None
+            l.reset()
+
+    # virtual stage of an instruction: chunk c of stage s is c * stages + s
+    def _vs(self, ins: Any) -> int:
+        return getattr(ins, "chunk", 0) * self.S + self.e.stage_id
+
+    def _first(self, ins: Any) -> bool:
+        return self._vs(ins) == 0
+
+    def _last(self, ins: Any) -> bool:
+        return self._vs(ins) == self.S * self.V - 1
 
     # -- driver ---------------------------------------------------------------------------------
     def run(self, sched: Any, training: bool, compute_loss: bool = True) -> dict:
@@ -60,6 +75,9 @@ class PipeExecutor:
         self.losses: list = []
         self.logits: list = []
         self.peak_in_flight = 0  # micro-batches whose activations are held for their backward
+        self.batches: dict = {}  # micro-batch id -> its (inputs, labels), read from the iterator once
+        self.in_grads: dict = {}  # split backward: input gradients computed by BackwardInputPass
+        self.weight_pending: dict = {}  # split backward: (outputs, grads) awaiting BackwardWeightPass
         if training:
             self.e.set_gradient_accumulation_boundary(False)
         for step in sched.steps():
@@ -83,7 +101,7 @@ class PipeExecutor:
             return tuple(self._to_device(t, cast) for t in x)
         return x
 
-    def _load(self, ins: Any) -> None:
+    def _next_batch(self) -> Any:
         it = self.e.data_iterator
         if it is None:
             raise RuntimeError(f"stage {self.e.stage_id} has no data iterator: pass train_batch(data_iter=...) "
@@ -100,14 +118,24 @@ class PipeExecutor:
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise TypeError(f"a pipeline micro-batch must be an (inputs, labels) pair, got {type(batch).__name__}"
                             + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""))
+        return batch
+
+    def _load(self, ins: Any) -> None:
+        mb = ins.micro_batch_id
+        if mb < 0:  # a user schedule's instruction: one micro-batch per load
+            batch = self._next_batch()
+        else:  # one rank may load a micro-batch twice (inputs for its first chunk, labels for its last)
+            if mb not in self.batches:
+                self.batches[mb] = self._next_batch()
+            batch = self.batches[mb]
         b = ins.buffer_id
-        if self.e.is_first_stage():
+        if self._first(ins):
             x = self._to_device(batch[0], cast=True)
             if self.training and self.e.module.activation_checkpoint_interval > 0:
                 # a reentrant checkpoint passes gradients to its parameters only when an input needs one
                 x = _untup(tuple(t.detach().requires_grad_(t.is_floating_point()) for t in _tup(x)))
             self.inputs[b] = x
-        if self.e.is_last_stage():
+        if self._last(ins):
             self.labels[b] = self._to_device(batch[1], cast=False)
 
     # -- compute --------------------------------------------------------------------------------
@@ -115,12 +143,13 @@ class PipeExecutor:
         b = ins.buffer_id
         module = self.e.module
         x = self.inputs[b]
+        chunk = getattr(ins, "chunk", 0)
         if self.training:
-            out = module(x)
+            out = module.forward_chunk(x, chunk)
         else:
             with torch.no_grad():
-                out = module(x)
-        if self.e.is_last_stage():
+                out = module.forward_chunk(x, chunk)
+        if self._last(ins):
             if self.compute_loss and module.loss_fn is not None:
                 loss = module.loss_fn(out, self.labels.pop(b))
             else:
@@ -153,39 +182,65 @@ class PipeExecutor:
         finally:
             e._running_engine_backward = False
 
-    def _backward(self, ins: Any) -> None:
-        b = ins.buffer_id
-        e = self.e
-        if e.is_last_stage():
+    def _backward_targets(self, ins: Any) -> tuple[list, list]:
+        """(tensors, their gradients) a micro-batch's backward starts from: the scaled loss on the
+        last virtual stage, else the outputs that need grads with the received gradients."""
+        b, e = ins.buffer_id, self.e
+        if self._last(ins):
             loss = self.outputs.pop(b)
-            scaled = e.precision.scale_loss(loss / e.gradient_accumulation_steps())
-            self._backward_round(lambda: scaled.backward())
-        else:
-            outs = _tup(self.outputs.pop(b))
-            grads = self.out_grads.pop(b)
-            pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
-            self._backward_round(lambda: torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs]))
+            return [e.precision.scale_loss(loss / e.gradient_accumulation_steps())], [None]
+        outs = _tup(self.outputs.pop(b))
+        grads = self.out_grads.pop(b)
+        pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
+        return [o for o, _ in pairs], [g for _, g in pairs]
+
+    def _backward(self, ins: Any) -> None:
+        outs, grads = self._backward_targets(ins)
+        self._backward_round(lambda: torch.autograd.backward(outs, grads))
+
+    def _backward_input(self, ins: Any) -> None:
+        """Zero bubble, B: only the gradients of the stage's inputs (sent upstream next); the graph is
+        kept for the weight pass."""
+        b = ins.buffer_id
+        outs, grads = self._backward_targets(ins)
+        ins_req = [t for t in _tup(self.inputs.get(b, ())) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if ins_req and not self._first(ins):
+            self.in_grads[b] = torch.autograd.grad(outs, ins_req, grads, retain_graph=True, allow_unused=True)
+        self.weight_pending[b] = (outs, grads)
+
+    def _backward_weight(self, ins: Any) -> None:
+        """Zero bubble, W: the weight gradients of a micro-batch whose input gradients went upstream."""
+        outs, grads = self.weight_pending.pop(ins.buffer_id)
+        params = [p for p in self.e.module.parameters() if p.requires_grad]
+        self._backward_round(lambda: torch.autograd.backward(outs, grads, inputs=params))
 
     # -- transfers ------------------------------------------------------------------------------
+    # a boundary between virtual stages v and v + 1 is named v on both sides
     def _send_act(self, ins: Any) -> None:
         out = self.outputs[ins.buffer_id]
-        self.act_out.send(out)
+        self.act_out.send(out, self._vs(ins))
         if not self.training:
             self.outputs.pop(ins.buffer_id)
 
     def _recv_act(self, ins: Any) -> None:
-        xs = self.act_in.recv()
+        xs = self.act_in.recv(self._vs(ins) - 1)
         if self.training:
             xs = tuple(t.requires_grad_() if t.is_floating_point() else t for t in xs)
         self.inputs[ins.buffer_id] = _untup(xs)
 
     def _send_grad(self, ins: Any) -> None:
-        xs = _tup(self.inputs.pop(ins.buffer_id))
-        grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in xs if t.is_floating_point())
-        self.grad_out.send(grads)
+        b = ins.buffer_id
+        xs = [t for t in _tup(self.inputs.pop(b)) if t.is_floating_point()]
+        if b in self.in_grads:  # split backward: computed by BackwardInputPass
+            got = iter(self.in_grads.pop(b))
+            grads = tuple((next(got) if t.requires_grad else None) for t in xs)
+            grads = tuple(g if g is not None else torch.zeros_like(t) for g, t in zip(grads, xs))
+        else:
+            grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in xs)
+        self.grad_out.send(grads, self._vs(ins) - 1)
 
     def _recv_grad(self, ins: Any) -> None:
-        self.out_grads[ins.buffer_id] = self.grad_in.recv()
+        self.out_grads[ins.buffer_id] = self.grad_in.recv(self._vs(ins))
 
     # -- reductions and step --------------------------------------------------------------------
     def _reduce_tied(self, ins: Any) -> None:

@@ -104,21 +104,49 @@ class PipelineModule(nn.Module):
         if self.num_stages > self._num_layers:
             raise ValueError(f"num_stages ({self.num_stages}) is more than the {self._num_layers} layers: "
                              "every stage needs at least one layer")
-        self.parts = partition_layers(self._layer_specs, self.num_stages, partition_method, self._count_params)
-        self._local_start, self._local_stop = self.parts[self.stage_id], self.parts[self.stage_id + 1]
+        self.partition_method = partition_method
+        self.activation_checkpoint_interval = activation_checkpoint_interval
+        self.activation_checkpoint_func = activation_checkpoint_func
+        self.dynamic_shape = dynamic_shape
+        self.virtual_stages = 1
+        self._partition_and_build(1)
+
+    def _partition_and_build(self, virtual_stages: int) -> None:
+        """Cut the layers into stages x virtual_stages parts and build this rank's: chunk c is
+        virtual stage c * stages + stage_id (one chunk without interleaving)."""
+        parts_n = self.num_stages * virtual_stages
+        if parts_n > self._num_layers:
+            raise ValueError(f"num_stages ({self.num_stages}) x virtual_stages ({virtual_stages}) is more than the "
+                             f"{self._num_layers} layers: every stage needs at least one layer")
+        self.parts = partition_layers(self._layer_specs, parts_n, self.partition_method, self._count_params)
+        self.virtual_stages = virtual_stages
+        for name in list(self._modules):
+            del self._modules[name]
         self.forward_funcs: list = []
         self.fwd_map: dict[str, int] = {}
         self.tied_modules = nn.ModuleDict()
         self.tied_weight_attrs: dict[str, list[str]] = {}
-        self.activation_checkpoint_interval = activation_checkpoint_interval
-        self.activation_checkpoint_func = activation_checkpoint_func
-        self._build()
+        self._layer_ids: list[int] = []  # global layer index of each forward_funcs entry
+        self._chunk_ranges: list[tuple[int, int]] = []  # per chunk, its slice of forward_funcs
+        for c in range(virtual_stages):
+            vs = c * self.num_stages + self.stage_id
+            first = len(self.forward_funcs)
+            self._build(self.parts[vs], self.parts[vs + 1])
+            self._chunk_ranges.append((first, len(self.forward_funcs)))
+        self._local_start, self._local_stop = self.parts[self.stage_id], self.parts[self.stage_id + 1]
         from deepspeed_c.accelerator import get_accelerator
 
         self.to(get_accelerator().device_name(self.local_rank))
         self.tied_comms = self._index_tied_modules()
         self._synchronize_tied_weights()
-        self.dynamic_shape = dynamic_shape
+
+    def set_virtual_stages(self, virtual_stages: int) -> None:
+        """Re-partition for an interleaved schedule (every rank calls it, as the engine does at
+        initialize): this rank then holds `virtual_stages` chunks, built anew from the layer specs."""
+        if not isinstance(virtual_stages, int) or virtual_stages < 1:
+            raise ValueError(f"pipeline.virtual_stages must be an int >= 1, got {virtual_stages!r}")
+        if virtual_stages != self.virtual_stages:
+            self._partition_and_build(virtual_stages)
 
     # -- building -------------------------------------------------------------------------------
     @staticmethod
@@ -136,9 +164,10 @@ class PipelineModule(nn.Module):
         else:
             torch.manual_seed(seed)
 
-    def _build(self) -> None:
-        for local_idx, layer in enumerate(self._layer_specs[self._local_start:self._local_stop]):
-            idx = local_idx + self._local_start
+    def _build(self, start: int, stop: int) -> None:
+        for local_idx, layer in enumerate(self._layer_specs[start:stop]):
+            idx = local_idx + start
+            self._layer_ids.append(idx)
             if self.seed_layers:
                 self._set_seed(self.base_seed + idx)
             if isinstance(layer, PipelineModule):
@@ -214,7 +243,7 @@ class PipelineModule(nn.Module):
         def run(*inputs: Any) -> Any:
             x = inputs[0] if len(inputs) == 1 else inputs
             for i, layer in enumerate(self.forward_funcs[start:end]):
-                self.curr_layer = i + start + self._local_start
+                self.curr_layer = self._layer_ids[i + start]
                 if self.seed_layers:
                     self._set_seed(self.base_seed * offset + self.curr_layer)
                 x = layer(x)
@@ -223,13 +252,18 @@ class PipelineModule(nn.Module):
         return run
 
     def forward(self, forward_input: Any) -> Any:
+        return self.forward_chunk(forward_input, 0)
+
+    def forward_chunk(self, forward_input: Any, chunk_id: int) -> Any:
+        """Run model chunk `chunk_id` of this rank (the whole stage without interleaving)."""
         self.micro_offset += 1
-        n, k = len(self.forward_funcs), self.activation_checkpoint_interval
+        lo, hi = self._chunk_ranges[chunk_id]
+        k = self.activation_checkpoint_interval
         if k == 0:
-            return self._exec_range(0, n)(forward_input)
+            return self._exec_range(lo, hi)(forward_input)
         x = forward_input
-        for start in range(0, n, k):
-            end = min(start + k, n)
+        for start in range(lo, hi, k):
+            end = min(start + k, hi)
             if not isinstance(x, tuple):
                 x = (x,)
             if self._is_checkpointable(self.forward_funcs[start:end]):
@@ -250,9 +284,9 @@ class PipelineModule(nn.Module):
     def stage_owner(self, layer_idx: int) -> int:
         if not 0 <= layer_idx < self._num_layers:
             raise ValueError(f"layer_idx {layer_idx} out of range [0, {self._num_layers})")
-        for stage in range(self.num_stages):
-            if self.parts[stage] <= layer_idx < self.parts[stage + 1]:
-                return stage
+        for vs in range(len(self.parts) - 1):
+            if self.parts[vs] <= layer_idx < self.parts[vs + 1]:
+                return vs % self.num_stages
         raise RuntimeError(f"Layer {layer_idx} not owned? parts={self.parts}")
 
     def set_checkpoint_interval(self, interval: int) -> None:
@@ -282,7 +316,7 @@ class PipelineModule(nn.Module):
         return os.path.join(checkpoints_path, str(tag), name)
 
     def ckpt_layer_path(self, ckpt_dir: str, local_layer_idx: int) -> str:
-        path = os.path.join(ckpt_dir, f"layer_{local_layer_idx + self._local_start:02d}")
+        path = os.path.join(ckpt_dir, f"layer_{self._layer_ids[local_layer_idx]:02d}")
         rank_repr = self._topo.get_rank_repr(rank=self.global_rank)
         if rank_repr:
             path += f"-{rank_repr}"
@@ -291,7 +325,8 @@ class PipelineModule(nn.Module):
     def ckpt_layer_path_list(self, ckpt_dir: str, local_layer_idx: int) -> list[str]:
         import glob
 
-        return sorted(glob.glob(os.path.join(ckpt_dir, f"layer_{local_layer_idx + self._local_start:02d}-*model_states.pt")))
+        layer = self._layer_ids[local_layer_idx]
+        return sorted(glob.glob(os.path.join(ckpt_dir, f"layer_{layer:02d}-*model_states.pt")))
 
     def save_state_dict(self, save_dir: str, checkpoint_engine: Any = None, exclude_frozen_params: bool = False) -> None:
         """Data-parallel rank 0 of each stage writes one file per layer that has a state_dict."""

@@ -79,7 +79,13 @@ class PipeLink:
         self.peer, self.peer_stage, self.my_stage, self.kind = peer, peer_stage, my_stage, kind
         self.device = device
         self.dynamic = dynamic_shape
-        self.meta: Optional[list] = None  # agreed (dtype, requires_grad, shape) per tensor
+        # activations and gradients may travel between the same two ranks (interleaved schedules
+        # wrap around): each kind has its own tag, so their messages never cross
+        self.tag = 0 if kind == "activations" else 1
+        # agreed (dtype, requires_grad, shape) per tensor, per boundary (a model chunk's output can
+        # differ from another's)
+        self.metas: dict = {}
+        self.meta: Optional[list] = None
         self.pending: list = []  # (work, tensor) of sends in flight
 
     def _check_static(self, meta: list) -> None:
@@ -89,16 +95,17 @@ class PipeLink:
                 f"{[(str(d), s) for d, _, s in self.meta]} to {[(str(d), s) for d, _, s in meta]} between "
                 "micro-batches; build the PipelineModule with dynamic_shape=True for varying shapes")
 
-    def send(self, x: Any) -> None:
+    def send(self, x: Any, boundary: int = 0) -> None:
         tensors = [t.detach().contiguous() for t in _as_tuple(x)]
         meta = [(t.dtype, bool(t.requires_grad or t.is_floating_point()), tuple(t.shape)) for t in _as_tuple(x)]
+        self.meta = self.metas.get(boundary)
         self._check_static(meta)
         if self.meta is None or self.dynamic:
             h = _header(tensors).to(self.device)
-            self.pending.append((dist.isend(h, self.peer), h))
-            self.meta = meta
+            self.pending.append((dist.isend(h, self.peer, tag=self.tag), h))
+            self.metas[boundary] = meta
         for t in tensors:
-            self.pending.append((dist.isend(t, self.peer), t))
+            self.pending.append((dist.isend(t, self.peer, tag=self.tag), t))
 
     def _wait(self, work: Any, what: str) -> None:
         timeout = recv_timeout()
@@ -111,17 +118,22 @@ class PipeLink:
             raise RuntimeError(f"stage {self.my_stage} timed out after {timeout} waiting for the {what} of "
                                f"stage {self.peer_stage} (rank {self.peer})")
 
-    def recv(self) -> tuple[torch.Tensor, ...]:
-        if self.meta is None or self.dynamic:
+    def recv(self, boundary: int = 0) -> tuple[torch.Tensor, ...]:
+        meta = self.metas.get(boundary)
+        if meta is None or self.dynamic:
             h = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-            self._wait(dist.irecv(h, self.peer), f"{self.kind} handshake")
-            self.meta = _parse(h.cpu())
+            self._wait(dist.irecv(h, self.peer, tag=self.tag), f"{self.kind} handshake")
+            meta = self.metas[boundary] = _parse(h.cpu())
         out = []
-        for dtype, _, shape in self.meta:
+        for dtype, _, shape in meta:
             t = torch.empty(shape, dtype=dtype, device=self.device)
-            self._wait(dist.irecv(t, self.peer), self.kind)
+            self._wait(dist.irecv(t, self.peer, tag=self.tag), self.kind)
             out.append(t)
         return tuple(out)
+
+    def reset(self) -> None:
+        self.metas.clear()
+        self.meta = None
 
     def wait_sends(self) -> None:
         for work, _ in self.pending:
