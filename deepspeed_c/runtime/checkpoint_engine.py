@@ -23,7 +23,7 @@ MODEL_FILE = "mp_rank_00_model_states.pt"
 DS_KEYS = ("module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
            "lr_scheduler", "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples",
            "dp_world_size", "mp_world_size", "ds_config", "ds_version", "data_sampler", "random_ltd",
-           "frozen_param_fragments", "ds_zero_stage", "checkpoint_parallel_dimensions")
+           "frozen_param_fragments", "ds_zero_stage", "checkpoint_parallel_dimensions", "num_experts")
 
 
 def zero3_model_file(dp_rank: int) -> str:
@@ -86,11 +86,17 @@ class EngineCheckpointer:
         def name_of(p: torch.nn.Parameter) -> str:
             return names[id(p)]
 
+        if engine.has_moe_layers:  # DeepSpeed's MoE layout: experts and optimizer states in files of their own
+            from deepspeed_c.runtime import checkpoint_moe
+
+            checkpoint_moe.check_supported(engine)
         part = engine.stepper.partition_checkpoint_state(name_of) if engine.stepper is not None else None
         # ZeRO-3: every rank writes its own model-states file, with its shards of the frozen parameters
         shards = (engine.stepper.partitioned_model_state(name_of, exclude_frozen_parameters)
                   if engine.stepper is not None else None)
         with rank_local_step("save_checkpoint (writing this rank's files)", distributed=_dist()):
+            if engine.has_moe_layers:
+                my_files.update(checkpoint_moe.save_files(engine, stage))
             if part is not None:
                 name = zero_file(engine, part[0])
                 state = {"optimizer_state_dict": part[1], "ds_config": engine._config._param_dict,
@@ -148,6 +154,10 @@ class EngineCheckpointer:
         module = engine.module
         names = _param_names(module)
         sd = engine.module_state_dict(exclude_frozen_parameters=exclude_frozen)
+        if engine.has_moe_layers:
+            from deepspeed_c.runtime.checkpoint_moe import non_expert_state
+
+            sd = non_expert_state(module, sd)
         if shards is not None:
             # DeepSpeed's stage-3 engine loads `module` into its still-partitioned parameters, so each
             # parameter must be an empty placeholder there, also one that is whole here (one rank,
@@ -186,6 +196,9 @@ class EngineCheckpointer:
             "ds_config": engine._config._param_dict,
             "ds_version": DEEPSPEED_API_VERSION,
         }
+        if engine.has_moe_layers:
+            state["num_experts"] = engine.num_experts
+            state["optimizer"] = None  # in the expp_rank_* files
         if shards is not None:
             state.update(shards[1])
             if shards[0] != 0:
@@ -241,6 +254,11 @@ class EngineCheckpointer:
                                 node_local=nodes.node_local_enabled(engine),
                                 partitioned_weights=model_rank is not None, model_rank=model_rank)
         module_state = state["module"]
+        if engine.has_moe_layers:  # the experts this rank holds now, from the expert files
+            from deepspeed_c.runtime import checkpoint_moe
+
+            checkpoint_moe.check_supported(engine)
+            module_state = {**module_state, **checkpoint_moe.load_experts(engine, tag_dir, manifest)}
         if saved.partitioned_weights:
             if not engine.zero_optimization():
                 raise NotImplementedError(
@@ -255,7 +273,10 @@ class EngineCheckpointer:
                 module_state.update(whole_frozen_params(tag_dir, manifest, state, model_rank))
         self._load_module(engine, module_state, load_module_strict, custom_load_fn)
         if not load_module_only:
-            self._load_optimizer(engine, saved, load_optimizer_states)
+            if not engine.has_moe_layers:
+                self._load_optimizer(engine, saved, load_optimizer_states)
+            elif load_optimizer_states and engine.stepper is not None:
+                checkpoint_moe.load_optimizer(engine, tag_dir, manifest)
             if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("lr_scheduler"):
                 engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
             engine.global_steps = state["global_steps"]

@@ -106,6 +106,44 @@ def _zero3_model_files(tag_dir: str) -> list[str]:
     return sorted(glob.glob(os.path.join(tag_dir, "zero_pp_rank_*_mp_rank_00_model_states.pt")), key=_rank)
 
 
+def _expert_files(tag_dir: str) -> list[str]:
+    """MoE checkpoints (DeepSpeed's layout): one file per expert of each MoE layer, keys in global ids."""
+    return sorted(glob.glob(os.path.join(tag_dir, "layer_*_expert_*_mp_rank_*_model_states.pt")))
+
+
+# DeepSpeed's public file helpers (PyTorch Lightning's convert_zero_checkpoint_to_fp32_state_dict calls
+# get_optim_files and get_model_state_file on a tag directory)
+def _numbers_in_order(name: str) -> list:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def get_checkpoint_files(checkpoint_dir: str, glob_pattern: str) -> list[str]:
+    """The files of a tag directory that match glob_pattern, rank 10 after rank 9; raises when none do."""
+    files = sorted(glob.glob(os.path.join(checkpoint_dir, glob_pattern)), key=_numbers_in_order)
+    if not files:
+        raise FileNotFoundError(f"no {glob_pattern} files in directory '{checkpoint_dir}'")
+    return files
+
+
+def get_optim_files(checkpoint_dir: str) -> list[str]:
+    return get_checkpoint_files(checkpoint_dir, "*_optim_states.pt")
+
+
+def get_model_state_files(checkpoint_dir: str) -> list[str]:
+    return get_checkpoint_files(checkpoint_dir, "*_model_states.pt")
+
+
+def get_model_state_file(checkpoint_dir: str, zero_stage: int) -> str:
+    """The one model-states file that holds the client state: mp_rank_00 at stages 0-2, rank 0's at stage 3."""
+    if not os.path.isdir(checkpoint_dir):
+        raise FileNotFoundError(f"Directory '{checkpoint_dir}' doesn't exist")
+    name = MODEL_FILE if int(zero_stage) <= 2 else "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    path = os.path.join(checkpoint_dir, name)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"can't find model states file at '{path}'")
+    return path
+
+
 def _stage0_fp32(states: dict) -> "OrderedDict[str, torch.Tensor]":
     module = states["module"]
     out: "OrderedDict[str, torch.Tensor]" = OrderedDict((k, v.float()) for k, v in module.items()
@@ -251,6 +289,9 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
         trainable = {n for shapes in states.get("param_shapes") or [] for n in shapes}
         buffers = set(states.get("buffer_names") or [])
         sd = OrderedDict((k, v) for k, v in sd.items() if k in trainable or k in buffers)
+    for f in _expert_files(tag_dir):  # MoE: the model file holds the non-expert weights only
+        for k, v in _load(f).items():
+            sd[k] = v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
     for alias, target in (states.get("shared_params") or {}).items():
         if target in sd:
             sd[alias] = sd[target]

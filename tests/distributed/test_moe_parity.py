@@ -6,17 +6,27 @@ global counterparts) within fp32 tolerance. The same runs check the expert group
 first backward each expert's gradient is the one-process gradient (summed over its
 expert-data-parallel group only, divided by the data-parallel world size, as DeepSpeed).
 
+At 4 ranks the same spawn also checks MoE checkpoints in DeepSpeed's layout: saved at ep_size 2
+(dp 2 x ep 2), loaded into a differently initialised model at ep_size 4, training continues with the
+losses of the run that never stopped (Adam's moments followed each expert to its new rank); the files
+are DeepSpeed's (mp_rank_00 without experts, layer_{L}_expert_{E}, expp_rank_{R} optimizer files) and
+zero_to_fp32 consolidates every expert into the one-process model's state dict.
+
 One spawn per world size runs every case."""
 from __future__ import annotations
 
+import atexit
 import math
+import os
+import shutil
+import tempfile
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from tests.distributed.moe_models import local_name, make_batches, make_full, make_sharded
+from tests.distributed.moe_models import EXPERTS, local_name, make_batches, make_full, make_sharded
 from tests.harness import run_distributed
 
 STEPS = 20
@@ -73,11 +83,61 @@ def _train(rank: int, world: int, name: str) -> dict[str, Any]:
     return out
 
 
-def body(rank: int, world: int, names: list[str]) -> dict[str, Any]:
+CKPT_CONFIG = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+          "optimizer": {"type": "Adam", "params": {"lr": 2e-3}}, "steps_per_print": 10**9}
+
+
+def _steps(engine: Any, rank: int, world: int, batches: list) -> list[float]:
+    import torch.distributed as dist
+
+    losses = []
+    for tokens, targets in batches:
+        loss = engine(tokens[rank], targets[rank])
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / world)
+    return losses
+
+
+def _checkpoint_run(rank: int, world: int, ckpt: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    import deepspeed_c
+    from deepspeed_c.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    batches = make_batches(6, MICRO, world, seed=11)  # 3 steps, save, 3 more
+    engine, _, _, _ = deepspeed_c.initialize(model=make_sharded(make_full(7), rank, (2, 2)), config=CKPT_CONFIG)
+    _steps(engine, rank, world, batches[:3])
+    engine.save_checkpoint(ckpt, tag="ep2")
+    saved = {n: p.detach().numpy().copy() for n, p in engine.module.named_parameters()}
+    straight = _steps(engine, rank, world, batches[3:])
+    engine.destroy()
+    dist.barrier()
+    out: dict[str, Any] = {"straight": straight, "saved": saved}
+    if rank == 0:
+        out["files"] = sorted(os.listdir(os.path.join(ckpt, "ep2")))
+        out["model_keys"] = sorted(torch.load(os.path.join(ckpt, "ep2", "mp_rank_00_model_states.pt"),
+                                              weights_only=False)["module"])
+        out["fp32"] = {k: v.numpy().copy() for k, v in get_fp32_state_dict_from_zero_checkpoint(ckpt, "ep2").items()}
+    # resume at ep_size 4 into a model initialised differently
+    engine, _, _, _ = deepspeed_c.initialize(model=make_sharded(make_full(99), rank, (4, 4)), config=CKPT_CONFIG)
+    engine.load_checkpoint(ckpt, tag="ep2")
+    out["global_steps"] = engine.global_steps
+    out["resumed"] = _steps(engine, rank, world, batches[3:])
+    engine.destroy()
+    return out
+
+
+def body(rank: int, world: int, names: list[str], ckpt: str | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for name in names:
+    runs = [(name, lambda name=name: _train(rank, world, name)) for name in names]
+    if ckpt is not None:
+        runs.append(("checkpoint", lambda: _checkpoint_run(rank, world, ckpt)))
+    for name, run in runs:
         try:
-            out[name] = _train(rank, world, name)
+            out[name] = run()
         except Exception as e:  # one broken case must not hide the others
             import traceback
 
@@ -124,7 +184,10 @@ _RESULTS: dict[int, list[dict[str, Any]]] = {}
 
 def _results(world: int) -> list[dict[str, Any]]:
     if world not in _RESULTS:
-        _RESULTS[world] = run_distributed(body, world_size=world, args=(WORLD_CASES[world],), timeout=600)
+        ckpt = tempfile.mkdtemp(prefix="dsc_moe_ckpt_") if world == 4 else None
+        if ckpt is not None:
+            atexit.register(shutil.rmtree, ckpt, True)
+        _RESULTS[world] = run_distributed(body, world_size=world, args=(WORLD_CASES[world], ckpt), timeout=600)
     return _RESULTS[world]
 
 
@@ -158,3 +221,50 @@ def test_expert_parallel_training_matches_one_process(world: int, name: str) -> 
             ep = int(n.split("_")[2])
             assert res[name]["ep_ranks"][n] == [rank // ep * ep + i for i in range(ep)]
             assert res[name]["edp_ranks"][n] == list(range(rank % ep, world, ep))
+
+
+def _checkpoint_results() -> list[dict[str, Any]]:
+    results = [r["checkpoint"] for r in _results(4)]
+    for r in results:
+        assert "error" not in r, r.get("error")
+    return results
+
+
+def test_moe_checkpoint_resumes_at_another_ep_size_with_the_same_losses() -> None:
+    for r in _checkpoint_results():
+        assert r["global_steps"] == 3
+        np.testing.assert_allclose(r["resumed"], r["straight"], rtol=1e-5, atol=0)
+
+
+def test_moe_checkpoint_files_are_deepspeeds_layout_and_zero_to_fp32_consolidates_them() -> None:
+    results = _checkpoint_results()
+    files = results[0]["files"]
+    experts = [f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt" for layer in (0, 1) for e in range(EXPERTS)]
+    assert set(experts) <= set(files)
+    assert {"expp_rank_0_mp_rank_00_optim_states.pt", "expp_rank_1_mp_rank_00_optim_states.pt",
+            "mp_rank_00_model_states.pt"} <= set(files)
+    assert not any("deepspeed_experts" in k for k in results[0]["model_keys"])
+    full_names = set(make_full(7).state_dict())
+    fp32 = results[0]["fp32"]
+    assert set(fp32) == full_names
+    for rank, r in enumerate(results):
+        for full_name in full_names:
+            mine = local_name(full_name, rank, (2, 2))
+            if mine is not None:
+                np.testing.assert_array_equal(r["saved"][mine], fp32[full_name], err_msg=f"rank {rank} {mine}")
+
+
+def test_moe_checkpoint_refused_where_not_built() -> None:
+    from deepspeed_c.runtime.checkpoint_moe import check_supported
+
+    class Fake:
+        def __init__(self, stage: int, low: bool) -> None:
+            self.stage, self.precision = stage, type("P", (), {"low_precision": low})()
+
+        def zero_optimization_stage(self) -> int:
+            return self.stage
+
+    with pytest.raises(NotImplementedError, match="zero_optimization.stage 2"):
+        check_supported(Fake(2, False))
+    with pytest.raises(NotImplementedError, match="bf16"):
+        check_supported(Fake(0, True))

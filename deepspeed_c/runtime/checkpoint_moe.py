@@ -1,0 +1,161 @@
+"""Checkpoints of models with MoE layers in DeepSpeed's MoE layout (stage 0):
+
+    mp_rank_00_model_states.pt                       the non-expert weights (rank 0), num_experts
+    layer_{L}_expert_{E}_mp_rank_00_model_states.pt  expert E (global id) of the L-th MoE layer, its keys
+                                                     named with the global id; written by the first rank of
+                                                     the expert-data-parallel group that holds it
+    expp_rank_{R}_mp_rank_00_optim_states.pt         {'optimizer': the optimizer state_dict} of expert-parallel
+                                                     rank R of the largest expert group
+
+Loading reads the experts a rank holds now (its ep_size may differ from the saver's): global expert
+ep_rank * num_local_experts + j becomes local expert j. The optimizer files also carry `param_names`
+(the model's name of every parameter index, with expert names in global ids; DeepSpeed's loader
+ignores the key), so Adam's moments follow each expert to whichever rank holds it after a change of
+ep_size or world size."""
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import torch
+
+from deepspeed_c.checkpoint import store
+
+EXPERTS_INFIX = ".deepspeed_moe.experts.deepspeed_experts."
+
+
+def expert_file(layer: int, expert: int) -> str:
+    return f"layer_{layer}_expert_{expert}_mp_rank_00_model_states.pt"
+
+
+def optim_file(expp_rank: int) -> str:
+    return f"expp_rank_{expp_rank}_mp_rank_00_optim_states.pt"
+
+
+def moe_layers(module: torch.nn.Module) -> list[tuple[str, Any]]:
+    return [(n, m) for n, m in module.named_modules() if hasattr(m, "expert_group_name")
+            and hasattr(m, "num_local_experts") and hasattr(m, "deepspeed_moe")]
+
+
+def _ranks(group_name: str) -> tuple[int, int]:
+    """(expert-parallel rank, expert-data-parallel rank) of this rank in group_name (0, 0 undistributed)."""
+    from deepspeed_c.utils import groups
+
+    if not groups._get_expert_parallel_group_dict():
+        return 0, 0
+    return groups._get_expert_parallel_rank(group_name), groups._get_expert_data_parallel_rank(group_name)
+
+
+def global_names(module: torch.nn.Module) -> dict[int, str]:
+    """id(param) -> its name with expert ids global (local id + ep_rank * num_local_experts)."""
+    out = {id(p): n for n, p in module.named_parameters()}
+    for prefix, layer in moe_layers(module):
+        ep_rank, _ = _ranks(layer.expert_group_name)
+        head = f"{prefix}{EXPERTS_INFIX}" if prefix else EXPERTS_INFIX[1:]
+        for n, p in module.named_parameters():
+            if n.startswith(head):
+                local, rest = n[len(head):].split(".", 1)
+                out[id(p)] = f"{head}{ep_rank * layer.num_local_experts + int(local)}.{rest}"
+    return out
+
+
+def non_expert_state(module: torch.nn.Module, sd: dict) -> dict:
+    """The module state dict without the experts' entries (DeepSpeed's _get_non_moe_state_dict)."""
+    heads = [f"{prefix}{EXPERTS_INFIX}" if prefix else EXPERTS_INFIX[1:] for prefix, _ in moe_layers(module)]
+    return {k: v for k, v in sd.items() if not any(k.startswith(h) for h in heads)}
+
+
+def save_files(engine: Any, stage_dir: str) -> dict[str, dict]:
+    """This rank's expert and optimizer files (manifest entries by name)."""
+    from deepspeed_c.utils import groups
+
+    module = engine.module
+    sd = module.state_dict()
+    files: dict[str, dict] = {}
+    for layer_id, (prefix, layer) in enumerate(moe_layers(module)):
+        ep_rank, edp_rank = _ranks(layer.expert_group_name)
+        if edp_rank != 0:
+            continue
+        head = f"{prefix}{EXPERTS_INFIX}" if prefix else EXPERTS_INFIX[1:]
+        for j in range(layer.num_local_experts):
+            g = ep_rank * layer.num_local_experts + j
+            mine = {f"{head}{g}.{k[len(f'{head}{j}.'):]}": v.detach().clone() for k, v in sd.items()
+                    if k.startswith(f"{head}{j}.")}
+            name = expert_file(layer_id, g)
+            files[name] = store.save_file(mine, os.path.join(stage_dir, name))
+    if engine.stepper is not None:
+        largest = groups._get_max_expert_size_name() if groups._get_expert_parallel_group_dict() else None
+        ep_rank, edp_rank = _ranks(largest) if largest else (0, 0)
+        if edp_rank == 0:
+            names = global_names(module)
+            opt_sd = engine.stepper.state_dict()  # the torch optimizer's (fp32 stage 0)
+            params = [p for g in engine.stepper.model_param_groups() for p in g]
+            state = {"optimizer": opt_sd, "param_names": [names[id(p)] for p in params]}
+            name = optim_file(ep_rank)
+            files[name] = store.save_file(state, os.path.join(stage_dir, name))
+    return files
+
+
+def load_experts(engine: Any, tag_dir: str, manifest: Any) -> dict:
+    """The state-dict entries of the experts this rank holds, read from the expert files."""
+    out: dict = {}
+    for layer_id, (prefix, layer) in enumerate(moe_layers(engine.module)):
+        ep_rank, _ = _ranks(layer.expert_group_name)
+        head = f"{prefix}{EXPERTS_INFIX}" if prefix else EXPERTS_INFIX[1:]
+        for j in range(layer.num_local_experts):
+            g = ep_rank * layer.num_local_experts + j
+            name = expert_file(layer_id, g)
+            if not os.path.isfile(os.path.join(tag_dir, name)):
+                raise FileNotFoundError(f"load_checkpoint: {tag_dir} has no {name} (MoE layer {layer_id} "
+                                        f"'{prefix}' expert {g}); was it saved with as many experts?")
+            for k, v in store.load_file(tag_dir, name, manifest).items():
+                out[f"{head}{j}.{k[len(f'{head}{g}.'):]}"] = v
+    return out
+
+
+def load_optimizer(engine: Any, tag_dir: str, manifest: Any) -> None:
+    """This rank's optimizer state gathered by parameter name from every expp_rank file."""
+    pattern = re.compile(r"^expp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+    saved = sorted((int(m.group(1)), f) for f in os.listdir(tag_dir) if (m := pattern.match(f)))
+    if not saved:
+        raise FileNotFoundError(f"load_checkpoint: {tag_dir} has no expp_rank_*_optim_states.pt files")
+    by_name: dict[str, Any] = {}
+    groups_saved = None
+    for _, f in saved:
+        blob = store.load_file(tag_dir, f, manifest)
+        opt, names = blob["optimizer"], blob.get("param_names")
+        if names is None:
+            raise ValueError(f"load_checkpoint: {f} has no param_names (not written by deepspeed_c); load it with "
+                             "the same ep_size and world size through load_optimizer_states=False, or re-save")
+        order = [i for g in opt["param_groups"] for i in g["params"]]
+        for pos, idx in enumerate(order):
+            if idx in opt["state"]:
+                by_name.setdefault(names[pos], opt["state"][idx])
+        groups_saved = groups_saved or opt["param_groups"]
+    names = global_names(engine.module)
+    mine = engine.stepper.optimizer.state_dict()
+    params = [p for g in engine.stepper.model_param_groups() for p in g]
+    order = [i for g in mine["param_groups"] for i in g["params"]]
+    state = {}
+    for pos, idx in enumerate(order):
+        entry = by_name.get(names[id(params[pos])])
+        if entry is not None:
+            state[idx] = entry
+    if groups_saved is not None and len(groups_saved) == len(mine["param_groups"]):
+        mine["param_groups"] = [{**old, "params": cur["params"]} for old, cur in zip(groups_saved, mine["param_groups"])]
+    mine["state"] = state
+    engine.stepper.optimizer.load_state_dict(mine)
+
+
+def check_supported(engine: Any) -> None:
+    """DeepSpeed's MoE layout is built for fp32 at stage 0; anything else raises before any file is written."""
+    if engine.zero_optimization_stage() > 0:
+        raise NotImplementedError("save_checkpoint/load_checkpoint of a model with MoE layers at "
+                                  f"zero_optimization.stage {engine.zero_optimization_stage()} is not built yet "
+                                  "(DeepSpeed's MoE layout is built for fp32 at stage 0)")
+    if engine.precision.low_precision:
+        raise NotImplementedError("save_checkpoint/load_checkpoint of a model with MoE layers in fp16/bf16 is not "
+                                  "built yet (DeepSpeed's MoE layout is built for fp32 at stage 0)")
+
+
