@@ -35,4 +35,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "DeepSpeedConfigError": "deepspeed_c.runtime.config_utils:DeepSpeedConfigError",
     "log_dist": "deepspeed_c.utils.logging:log_dist",
     "logger": "deepspeed_c.utils.logging:logger",
+    "pipe": "deepspeed_c.pipe",
+    "PipelineModule": "deepspeed_c.pipe:PipelineModule",
+    "PipelineEngine": "deepspeed_c.runtime.pipe.engine:PipelineEngine",
 })
