@@ -98,3 +98,52 @@ def reference(steps: int, dp: int, lr: float, clip: float, gas: int = GAS, tied:
             for n, p in l.named_parameters():
                 weights[f"{i}.{n}"] = p.detach().float().numpy().copy()
     return losses, weights
+
+
+class Split(torch.nn.Module):
+    """Emits a tuple with an integer tensor: (h, mask) crosses the stage boundary."""
+
+    def forward(self, h: torch.Tensor) -> tuple:
+        return (h.detach() > -10).to(torch.int64), torch.tanh(h)  # the integer tensor first
+
+
+class Merge(torch.nn.Module):
+    def forward(self, pair: tuple) -> torch.Tensor:
+        mask, h = pair
+        return h * mask.to(h.dtype)
+
+
+def tuple_specs() -> list:
+    from deepspeed_c.pipe import LayerSpec
+
+    return [LayerSpec(torch.nn.Linear, IN, H), LayerSpec(Split), LayerSpec(Merge), LayerSpec(torch.nn.Linear, H, IN)]
+
+
+def varying_batches(steps: int) -> list:
+    """Micro-batch sizes change from step to step (dynamic_shape)."""
+    g = torch.Generator().manual_seed(11)
+    return [[(torch.randn(2 + (s + j) % 3, IN, generator=g), torch.randn(2 + (s + j) % 3, IN, generator=g))
+             for j in range(GAS)] for s in range(steps)]
+
+
+def tuple_reference(steps: int, lr: float) -> list:
+    layers = []
+    for i, s in enumerate(tuple_specs()):
+        torch.manual_seed(1234 + i)
+        layers.append(s.build())
+    params = [p for l in layers for p in l.parameters()]
+    opt = torch.optim.Adam(params, lr=lr)
+    losses = []
+    for step in varying_batches(steps):
+        opt.zero_grad()
+        total = 0.0
+        for x, y in step:
+            h = x
+            for l in layers:
+                h = l(h)
+            loss = loss_fn(h, y)
+            (loss / len(step)).backward()
+            total += loss.item()
+        opt.step()
+        losses.append(total / len(step))
+    return losses

@@ -156,6 +156,19 @@ def _bad_inputs(world: int) -> dict:
     return seen
 
 
+def _tuples_dynamic(world: int) -> np.ndarray:
+    """A tuple (float, int64) crosses the stages, micro-batch sizes vary (dynamic_shape=True)."""
+    import deepspeed_c as deepspeed
+    from deepspeed_c.pipe import PipelineModule
+
+    model = PipelineModule(pm.tuple_specs(), num_stages=2, loss_fn=pm.loss_fn, seed_layers=True,
+                           partition_method="uniform", dynamic_shape=True)
+    cfg = {"train_micro_batch_size_per_gpu": pm.MBS, "gradient_accumulation_steps": pm.GAS,
+           "gradient_clipping": 0.0}
+    engine, *_ = deepspeed.initialize(model=model, config=cfg, optimizer=lambda ps: torch.optim.Adam(ps, lr=LR))
+    return np.array([float(engine.train_batch(iter(step))) for step in pm.varying_batches(STEPS)])
+
+
 def _shape_change(world: int) -> str:
     """A micro-batch shape change without dynamic_shape: the sender raises, naming the shapes; the
     receiver's wait times out naming the stage it waited for. Last in its run."""
@@ -175,7 +188,7 @@ def body2(rank: int, world: int) -> list:
     return [_train(world, 2, clip=0.05, evaluate=True), _train(world, 2, ckpt=2, method="uniform"),
             _train(world, 2, bf16=True, tied=False, clip=0.05, accum32=True), _bad_inputs(world),
             _plain_engine_bf16(world, 0.05), _train(world, 2, clip=0.05, schedule="zb_h1"),
-            _train(world, 2, schedule="interleaved", virtual=2), _shape_change(world)]
+            _train(world, 2, schedule="interleaved", virtual=2), _tuples_dynamic(world), _shape_change(world)]
 
 
 def _load_on_two_stages(world: int, ckpt_dir: str) -> dict:
@@ -265,8 +278,10 @@ def test_two_stages_tied_clipping_checkpointing_bf16_and_bad_inputs():
     assert "num_stages (2)" in bad["layers"] and "1 layers" in bad["layers"]
     assert "bogus" in bad["method"]
     assert "ran out after 2 of 4 micro-batches" in bad["dry"]
-    assert "changed from" in results[0][7] and "dynamic_shape=True" in results[0][7]
-    assert "waiting for the activations of stage 0" in results[1][7]
+    assert "changed from" in results[0][8] and "dynamic_shape=True" in results[0][8]
+    assert "waiting for the activations of stage 0" in results[1][8]
+    for r in results:
+        np.testing.assert_allclose(r[7], pm.tuple_reference(STEPS, LR), rtol=1e-5)
     # zero-bubble (split backward) with clipping across stages, and interleaved 1F1B (2 chunks a rank)
     _check(results, 5, 1, clip=0.05)
     _check(results, 6, 1)

@@ -190,8 +190,13 @@ class PipeExecutor:
             loss = self.outputs.pop(b)
             return [e.precision.scale_loss(loss / e.gradient_accumulation_steps())], [None]
         outs = _tup(self.outputs.pop(b))
-        grads = self.out_grads.pop(b)
-        pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
+        received = iter(self.out_grads.pop(b))  # one per floating-point output, in order (see _send_grad)
+        pairs = []
+        for o in outs:
+            if isinstance(o, torch.Tensor) and o.is_floating_point():
+                g = next(received)
+                if o.requires_grad:
+                    pairs.append((o, g))
         return [o for o, _ in pairs], [g for _, g in pairs]
 
     def _backward(self, ins: Any) -> None:
