@@ -67,15 +67,20 @@ class ExpertParallelism:
 
 
     def norm_across_ranks(self, dp_group: Any, dp_world_size: int,
-                          device: Any = None) -> Optional[Callable[[float], float]]:
-        """DeepSpeed's gradient norm with MoE layers: each rank's norm (its own experts included)
-        averaged over the data-parallel group; None without MoE layers (every rank's norm is equal)."""
+                          device: Any = None) -> Optional[Callable[[Any], Any]]:
+        """DeepSpeed's stage-0 gradient norm with MoE layers: each rank's norm (its own experts included)
+        averaged over the data-parallel group (a float, or a device tensor kept on the device); None
+        without MoE layers (every rank's norm is equal)."""
         if not self.has_moe_layers or dp_world_size <= 1:
             return None
 
-        def average(norm: float) -> float:
+        def average(norm: Any) -> Any:
             import deepspeed_c.comm as dist
 
+            if isinstance(norm, torch.Tensor):
+                t = norm.detach().to(torch.float32).reshape(1) / dp_world_size
+                dist.all_reduce(t, group=dp_group)
+                return t.reshape(norm.shape)
             t = torch.tensor([norm / dp_world_size], dtype=torch.float64, device=device)
             dist.all_reduce(t, group=dp_group)
             return float(t.item())

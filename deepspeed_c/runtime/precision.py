@@ -56,8 +56,11 @@ class MixedPrecisionOptimizer(EngineOptimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, low_precision_dtype: torch.dtype,
                  loss_scaler: LossScalerBase, clip_grad: float = 0.0, check_overflow: bool = True,
                  sync_overflow: Optional[Callable[[bool], bool]] = None,
-                 grad_accum_dtype: Optional[torch.dtype] = None) -> None:
+                 grad_accum_dtype: Optional[torch.dtype] = None,
+                 norm_across_ranks: Optional[Callable[[Any], Any]] = None) -> None:
         self.optimizer = optimizer
+        # MoE: ranks hold different experts, so their norms differ; DeepSpeed averages them over the ranks
+        self.norm_across_ranks = norm_across_ranks
         # agrees on overflow across data-parallel ranks, so every rank skips the same steps
         self.sync_overflow = sync_overflow
         self.low_precision_dtype = low_precision_dtype
@@ -197,6 +200,8 @@ class MixedPrecisionOptimizer(EngineOptimizer):
                 assert self.epilogue is not None
                 self.epilogue.step(grads, outs, norm_t, loss_scale, self.clip_grad, params=masters)
 
+            if self.norm_across_ranks is not None:
+                norm = self.norm_across_ranks(norm)
             outcome = self._decide(norm, apply_fused=apply_fused, apply_coef=lambda coef: None)
         else:
             master_grads = self._gather_master_grads()
@@ -206,7 +211,10 @@ class MixedPrecisionOptimizer(EngineOptimizer):
                 self.optimizer.step()
                 self._copy_masters_to_model()
 
-            outcome = self._decide(float(global_norm(master_grads)) if master_grads else 0.0, apply_coef=apply_coef)
+            norm = float(global_norm(master_grads)) if master_grads else 0.0
+            if self.norm_across_ranks is not None:
+                norm = self.norm_across_ranks(norm)
+            outcome = self._decide(norm, apply_coef=apply_coef)
         self.overflow = outcome.skipped
         self._global_grad_norm = outcome.grad_norm
         self.cur_iter += 1
@@ -357,7 +365,8 @@ class Precision:
 
     def wrap_optimizer(self, optimizer: Optional[torch.optim.Optimizer], device: torch.device,
                        sync_overflow: Optional[Callable[[bool], bool]] = None, dp_world_size: int = 1,
-                       zero_owns_masters: bool = False) -> Any:
+                       zero_owns_masters: bool = False,
+                       norm_across_ranks: Optional[Callable[[Any], Any]] = None) -> Any:
         """The optimizer the engine steps: the 16-bit model wrapped by MixedPrecisionOptimizer (fp32
         masters of the whole model), or, when ZeRO owns the masters (zero_owns_masters), the optimizer
         unwrapped: ZeRO builds its own partitioned masters and takes the loss scaler from
@@ -372,7 +381,8 @@ class Precision:
         accum = self.grad_accum_dtype
         self.mixed = MixedPrecisionOptimizer(optimizer, self.model_dtype, scaler,
                                              clip_grad=self.config.gradient_clipping, check_overflow=check,
-                                             sync_overflow=sync_overflow, grad_accum_dtype=accum)
+                                             sync_overflow=sync_overflow, grad_accum_dtype=accum,
+                                             norm_across_ranks=norm_across_ranks)
         return self.mixed
 
     def zero_loss_scaling(self) -> tuple[Optional[LossScalerBase], bool]:

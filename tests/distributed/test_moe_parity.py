@@ -43,13 +43,15 @@ CASES: dict[str, dict[str, Any]] = {
     "dp2xep2-z1-clip": dict(ep=(2, 2), stage=1, residual=False, clip=0.05),
     "ep4-ep2-z2-prmoe": dict(ep=(4, 2), stage=2, residual=True, clip=0.0),
     "ep2-ep1-z2-clip": dict(ep=(2, 1), stage=2, residual=False, clip=0.05),
+    # bf16 at stage 0: the clipping norm is averaged over the ranks, so replicas stay identical
+    "ep2-ep1-z0-bf16-clip": dict(ep=(2, 1), stage=0, residual=False, clip=0.05, bf16=True),
 }
 WORLD_CASES = {4: ["ep4-ep2-z0-clip", "dp2xep2-z0-prmoe", "ep1-ep4-z0", "dp2xep2-z1-clip", "ep4-ep2-z2-prmoe"],
-               2: ["ep2-ep1-z0-prmoe-clip", "ep2-ep1-z2-clip"]}
+               2: ["ep2-ep1-z0-prmoe-clip", "ep2-ep1-z2-clip", "ep2-ep1-z0-bf16-clip"]}
 
 
-def _config(stage: int, clip: float) -> dict[str, Any]:
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": clip,
+def _config(stage: int, clip: float, bf16: bool = False) -> dict[str, Any]:
+    return {"bf16": {"enabled": bf16}, "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": clip,
             "optimizer": {"type": "Adam", "params": {"lr": LR}}, "zero_optimization": {"stage": stage},
             "steps_per_print": 10**9}
 
@@ -61,14 +63,14 @@ def _train(rank: int, world: int, name: str) -> dict[str, Any]:
 
     case = CASES[name]
     model = make_sharded(make_full(7, case["residual"]), rank, case["ep"], case["residual"])
-    engine, _, _, _ = deepspeed_c.initialize(model=model, config=_config(case["stage"], case["clip"]))
+    engine, _, _, _ = deepspeed_c.initialize(model=model, config=_config(case["stage"], case["clip"], case.get("bf16", False)))
     batches = make_batches(STEPS, MICRO, world)
     losses, first_grads = [], {}
     for step, (tokens, targets) in enumerate(batches):
         loss = engine(tokens[rank], targets[rank])
         engine.backward(loss)
         if step == 0:
-            first_grads = {n: p.grad.detach().numpy().copy() for n, p in engine.module.named_parameters()
+            first_grads = {n: p.grad.detach().float().numpy().copy() for n, p in engine.module.named_parameters()
                            if p.grad is not None}
         engine.step()
         total = loss.detach().clone()
@@ -76,7 +78,7 @@ def _train(rank: int, world: int, name: str) -> dict[str, Any]:
         losses.append(float(total) / world)
     names = {f"ep_size_{n}" for n in case["ep"]}
     out = {"losses": losses, "first_grads": first_grads,
-           "weights": {n: p.detach().numpy().copy() for n, p in engine.module.named_parameters()},
+           "weights": {n: p.detach().float().numpy().copy() for n, p in engine.module.named_parameters()},
            "ep_ranks": {n: list(groups._get_expert_parallel_group_ranks(n)) for n in names},
            "edp_ranks": {n: list(groups._get_expert_data_parallel_group_ranks(n)) for n in names}}
     engine.destroy()
@@ -204,6 +206,9 @@ def test_expert_parallel_training_matches_one_process(world: int, name: str) -> 
         assert "error" not in r[name], r[name].get("error")
     ref = reference(name, world)
     ep_sizes = CASES[name]["ep"]
+    if CASES[name].get("bf16"):
+        _check_bf16_replicas(results, name, ref, world, ep_sizes)
+        return
     for rank, res in enumerate(results):
         np.testing.assert_allclose(res[name]["losses"], ref["losses"], rtol=TOL, atol=0)
         seen = 0
@@ -221,6 +226,18 @@ def test_expert_parallel_training_matches_one_process(world: int, name: str) -> 
             ep = int(n.split("_")[2])
             assert res[name]["ep_ranks"][n] == [rank // ep * ep + i for i in range(ep)]
             assert res[name]["edp_ranks"][n] == list(range(rank % ep, world, ep))
+
+
+def _check_bf16_replicas(results: list, name: str, ref: dict, world: int, ep_sizes: tuple[int, int]) -> None:
+    """bf16: losses near the fp32 one-process run; every replica of a parameter (all ranks for ordinary
+    ones, the expert-data-parallel group for experts) bit-identical after 20 clipped steps."""
+    for res in results:
+        np.testing.assert_allclose(res[name]["losses"], ref["losses"], rtol=3e-2, atol=0)
+    for full_name in ref["weights"]:
+        holders = [(r, local_name(full_name, r, ep_sizes)) for r in range(world)]
+        values = [results[r][name]["weights"][mine] for r, mine in holders if mine is not None]
+        for v in values[1:]:
+            np.testing.assert_array_equal(v, values[0], err_msg=f"{full_name}: replicas differ")
 
 
 def _checkpoint_results() -> list[dict[str, Any]]:
