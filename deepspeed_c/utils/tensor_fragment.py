@@ -239,3 +239,22 @@ def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
 def safe_set_local_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
     opt, g, i = _require(param)
     _write_local(value, _state_partition(opt, g, optim_state_key), opt, g, i)
+
+
+def _states_in_memory(fn: Any) -> Any:
+    """The owning optimizer's masters and optimizer state are in memory while fn runs (under NVMe
+    offload they live in swap files between steps: read back for the call, written out after)."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(param: torch.nn.Parameter, *args: Any, **kwargs: Any) -> Any:
+        found = _owner(param)
+        if found is None:
+            return fn(param, *args, **kwargs)
+        with found[0]._resident():
+            return fn(param, *args, **kwargs)
+    return wrapper
+
+
+for _name in [n for n in __all__ if n.startswith("safe_")]:
+    globals()[_name] = _states_in_memory(globals()[_name])

@@ -141,6 +141,11 @@ def parity_body(rank: int, world: int, root: str) -> dict[str, Any]:
                 runs["files"] = len(os.listdir(folder))
                 runs["file_bytes"] = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
                 runs["state_bytes"] = sum(opt.partition_numels) * 4 * 3
+            from deepspeed_c.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+            first = next(engine.module.parameters())  # the partitioned state by DeepSpeed's accessors
+            runs[f"accessors_{device}"] = [safe_get_full_fp32_param(first).numpy().copy(),
+                                           safe_get_full_optimizer_state(first, "exp_avg_sq").numpy().copy()]
             ckpt = os.path.join(root, name, f"ckpt_{device}")
             engine.save_checkpoint(ckpt, tag="t")
             snaps += _train(engine, rank, world, batches, gas, EXTRA, first=STEPS)
@@ -208,6 +213,8 @@ def test_nvme_matches_cpu_offload_bit_for_bit(name: str) -> None:
             assert np.array_equal(got, want), f"rank {rank} step {step}: nvme differs from cpu offload"
         assert not np.array_equal(runs["cpu"][0], runs["cpu"][-1])  # it trained
         assert runs["emptied"] and runs["files"] > 3
+        for got, want in zip(runs["accessors_nvme"], runs["accessors_cpu"]):
+            assert got.size > 0 and np.array_equal(got, want)
         assert runs["file_bytes"] == runs["state_bytes"]
 
 
