@@ -31,6 +31,12 @@ int dsc_pipe_partition_balanced(const double *w, int64_t n, int64_t m, int64_t *
         }
     }
     if (n <= m) return dsc_pipe_partition_uniform(n, m, parts);
+    if (n >= (1 << 20) || (n + 1) * (m + 1) > (1 << 22)) { /* the tables are (n + 1) x (m + 1) */
+        if (err && err_len)
+            snprintf(err, err_len, "partition_balanced: %lld layers x %lld parts is too large (at most 4M cells)",
+                     (long long)n, (long long)m);
+        return DSC_PS_EINVAL;
+    }
     /* best[i][j]: splitting the first i items into j parts with the smallest spread
      * (largest - smallest part); hi/lo are that split's largest and smallest part. An empty prefix
      * in zero parts has largest 0 and smallest +inf, so the first part sets the smallest. */

@@ -179,7 +179,15 @@ static int zb_h1_orders(int64_t M, int64_t S, compute_op *ops) {
     }
     for (size_t i = 0; i < cells; i++) fdone[i] = bdone[i] = NEVER;
     int64_t *nf = cnt, *nb = cnt + S, *nw = cnt + 2 * S, *n = cnt + 3 * S;
+    /* every step runs at least one op somewhere while work remains (a stage can always run its
+     * next B or W once its neighbours caught up), so 3 M S steps bound the loop; the guard turns a
+     * violation into an error instead of a hang */
+    int64_t bound = 3 * M * S + 2 * S + 8;
     for (int64_t t = 0;; t++) {
+        if (t > bound) {
+            free(fdone), free(bdone), free(cnt);
+            return DSC_PS_EDEADLOCK;
+        }
         int all_done = 1;
         for (int64_t r = 0; r < S; r++) all_done &= nw[r] == M;
         if (all_done) break;
@@ -287,7 +295,7 @@ static int check_args(int kind, int64_t M, int64_t S, int64_t s, int64_t V, char
                 (long long)S, (long long)M);
         return DSC_PS_EINVAL;
     }
-    if (M > INT32_MAX / 4 || S > INT32_MAX / 4 || V > 1024 || M * V > INT32_MAX / 4) {
+    if (M > (1 << 24) || S > (1 << 16) || V > 1024 || M * V > (1 << 24) || M * S > (1 << 26)) {
         set_err(err, len, "micro_batches x stages x virtual_stages too large");
         return DSC_PS_EINVAL;
     }
@@ -322,6 +330,7 @@ int dsc_pipe_plan_build(int kind, int64_t M, int64_t S, int64_t s, int64_t V, ds
         ops = malloc(sizeof *ops * (size_t)(3 * M * S));
         if (!ops) rc = DSC_PS_ENOMEM;
         if (!rc) rc = zb_h1_orders(M, S, ops);
+        if (rc == DSC_PS_EDEADLOCK) set_err(err, err_len, "ZB-H1 list scheduling made no progress (a bug)");
         if (!rc) rc = expand_order(&e, ops + s * 3 * M, 3 * M, M, S, 1, s, 1, &nbuf);
     }
     free(ops);
