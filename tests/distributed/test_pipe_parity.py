@@ -310,6 +310,14 @@ def test_four_stages_pipe_by_data_zero1_and_checkpoints(tmp_path):
         for key, got in r[3]["weights"].items():
             want = want_w[key] if not key.startswith("7.") else want_w["0.weight"]
             assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want), key
+    # the same files into a non-pipeline model of the same layers (torch.nn.Sequential keys)
+    from deepspeed_c.runtime.pipe.checkpoint import state_dict_from_layer_files
+
+    seq = torch.nn.Sequential(torch.nn.Linear(pm.IN, pm.H, bias=False), torch.nn.Linear(pm.H, pm.H), torch.nn.Tanh(),
+                              torch.nn.Linear(pm.H, pm.H), torch.nn.Tanh(), torch.nn.Linear(pm.H, pm.H), torch.nn.Tanh())
+    seq.load_state_dict(state_dict_from_layer_files(str(tmp_path)))
+    for key, p in seq.state_dict().items():
+        np.testing.assert_allclose(p.numpy(), want_w[key], rtol=1e-5, atol=1e-7)
     # engine checkpoints: saved on 4 stages, resumed on 4 (Adam) and on 2 x 2 (SGD): the losses of the
     # uninterrupted single-process run
     adam, _ = pm.reference(4, 1, LR, 0.0)

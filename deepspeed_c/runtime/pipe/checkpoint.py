@@ -46,6 +46,22 @@ def load_layer_files(module: Any, load_dir: str, strict: bool = True) -> None:
         layer.load_state_dict(sd, strict=strict)
 
 
+def state_dict_from_layer_files(ckpt_dir: str) -> dict:
+    """The layer files of a pipeline checkpoint as one state_dict keyed like torch.nn.Sequential's
+    ('<layer index>.<name>'), for loading into a non-pipeline model of the same layers."""
+    import glob
+    import re
+
+    out: dict = {}
+    for path in sorted(glob.glob(os.path.join(str(ckpt_dir), "layer_*-model_states.pt"))):
+        m = re.match(r"layer_(\d+)-", os.path.basename(path))
+        if m is None:
+            continue
+        for k, v in torch.load(path, map_location="cpu", weights_only=True).items():
+            out[f"{int(m.group(1))}.{k}"] = v
+    return out
+
+
 def _state_file(stage: int) -> str:
     return f"mp_rank_{stage:02d}_model_states.pt"
 
