@@ -394,3 +394,13 @@ extern "C" const char *dsc_moe_cuda_strerror(int code) {
     if (code == DSC_MOE_EINVAL) return "invalid sizes";
     return code > 0 ? cudaGetErrorString(static_cast<cudaError_t>(code)) : "unknown deepspeed_c MoE error";
 }
+
+extern "C" int dsc_moe_cuda_enter(int device, int *prev) {
+    cudaError_t err = cudaGetDevice(prev);
+    if (err == cudaSuccess && *prev != device) err = cudaSetDevice(device);
+    return static_cast<int>(err);
+}
+
+extern "C" void dsc_moe_cuda_leave(int device, int prev) {
+    if (prev >= 0 && prev != device) (void)cudaSetDevice(prev);
+}

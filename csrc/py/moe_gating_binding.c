@@ -96,12 +96,22 @@ static PyObject *core_error(int rc, const char *fname) {
 }
 
 #ifdef DSC_MOE_ON_CUDA
+/* the tensors' device is made current around the launch (and the caller's restored after) */
 #define STREAM_OF(view, var)                                                                       \
-    void *var = dsc_current_cuda_stream((view).device_id);                                        \
-    if (!var && PyErr_Occurred()) return NULL
+    int prev_device_ = -1;                                                                          \
+    const int device_ = (view).device_id;                                                           \
+    const int enter_rc_ = dsc_moe_cuda_enter(device_, &prev_device_);                               \
+    if (enter_rc_ != 0) return core_error(enter_rc_, "set device");                                \
+    void *var = dsc_current_cuda_stream(device_);                                                   \
+    if (!var && PyErr_Occurred()) {                                                                 \
+        dsc_moe_cuda_leave(device_, prev_device_);                                                  \
+        return NULL;                                                                                \
+    }
+#define LEAVE_DEVICE() dsc_moe_cuda_leave(device_, prev_device_)
 #define CALL(fn, ...) fn##_cuda(__VA_ARGS__, (cudaStream_t)stream)
 #else
 #define STREAM_OF(view, var) (void)0
+#define LEAVE_DEVICE() (void)0
 #define CALL(fn, ...) fn(__VA_ARGS__)
 #endif
 
@@ -124,6 +134,7 @@ static PyObject *py_select(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_BEGIN_ALLOW_THREADS
     rc = CALL(dsc_moe_select, p.data, q.is_none ? NULL : q.data, S, E, k, idx.data);
     Py_END_ALLOW_THREADS
+    LEAVE_DEVICE();
     if (rc != DSC_MOE_OK) return core_error(rc, "select");
     Py_RETURN_NONE;
 }
@@ -147,6 +158,7 @@ static PyObject *py_counts(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_BEGIN_ALLOW_THREADS
     rc = CALL(dsc_moe_counts, idx.data, used.is_none ? NULL : used.data, S, k, E, counts.data);
     Py_END_ALLOW_THREADS
+    LEAVE_DEVICE();
     if (rc != DSC_MOE_OK) return core_error(rc, "counts");
     Py_RETURN_NONE;
 }
@@ -176,6 +188,7 @@ static PyObject *py_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     rc = CALL(dsc_moe_plan, idx.data, score.is_none ? NULL : score.data, used.is_none ? NULL : used.data, S, k, E, C,
               (int)order, rs.data, sr.data);
     Py_END_ALLOW_THREADS
+    LEAVE_DEVICE();
     if (rc != DSC_MOE_OK) return core_error(rc, "plan");
     Py_RETURN_NONE;
 }
@@ -202,6 +215,7 @@ static PyObject *py_dispatch(PyObject *self, PyObject *const *args, Py_ssize_t n
     Py_BEGIN_ALLOW_THREADS
     rc = CALL(dsc_moe_dispatch, x.data, moe_dtype(x.dtype), S, M, sr.data, nslots, k, w.is_none ? NULL : w.data, out.data);
     Py_END_ALLOW_THREADS
+    LEAVE_DEVICE();
     if (rc != DSC_MOE_OK) return core_error(rc, "dispatch");
     Py_RETURN_NONE;
 }
@@ -226,6 +240,7 @@ static PyObject *py_combine(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_BEGIN_ALLOW_THREADS
     rc = CALL(dsc_moe_combine, y.data, moe_dtype(y.dtype), nslots, M, rs.data, S, k, w.is_none ? NULL : w.data, out.data);
     Py_END_ALLOW_THREADS
+    LEAVE_DEVICE();
     if (rc != DSC_MOE_OK) return core_error(rc, "combine");
     Py_RETURN_NONE;
 }
@@ -249,6 +264,7 @@ static PyObject *py_route_dots(PyObject *self, PyObject *const *args, Py_ssize_t
     Py_BEGIN_ALLOW_THREADS
     rc = CALL(dsc_moe_route_dots, g.data, y.data, moe_dtype(g.dtype), S, M, nslots, rs.data, rs.shape[1], out.data);
     Py_END_ALLOW_THREADS
+    LEAVE_DEVICE();
     if (rc != DSC_MOE_OK) return core_error(rc, "route_dots");
     Py_RETURN_NONE;
 }

@@ -208,3 +208,17 @@ def test_equals_real_deepspeed_gating(tmp_path):
         np.testing.assert_array_equal(counts.numpy(), theirs[name + "_counts"])
         np.testing.assert_allclose(cw.detach().numpy(), theirs[name + "_cw"], rtol=1e-6, atol=1e-7)
         np.testing.assert_allclose(float(l_aux), float(theirs[name + "_l_aux"]), rtol=1e-6)
+
+
+def test_cuda_binding_refuses_host_tensors_before_any_cuda_call():
+    from op_builder import toolchain
+
+    if toolchain.nvcc() is None or not toolchain.cudart_static_available():
+        pytest.skip("nvcc and libcudart_static are needed to build the CUDA gating op")
+    from deepspeed_c.ops.op_builder import MoEGatingCUDABuilder
+
+    op = MoEGatingCUDABuilder().load()
+    with pytest.raises(ValueError, match="'x' must be on the cuda device"):
+        op.dispatch(torch.zeros(4, 3), torch.full((6,), -1, dtype=torch.int64), 2, None, torch.zeros(6, 3))
+    with pytest.raises(ValueError, match="'primary' must be on the cuda device"):
+        op.select(torch.zeros(4, 3), None, 1, torch.zeros(4, 1, dtype=torch.int64))

@@ -33,6 +33,9 @@ int dsc_moe_combine_cuda(const void *y, int dtype, int64_t nslots, int64_t M, co
 int dsc_moe_route_dots_cuda(const void *g, const void *y, int dtype, int64_t S, int64_t M, int64_t nslots,
                             const int64_t *route_slot, int64_t k, void *out, cudaStream_t stream);
 const char *dsc_moe_cuda_strerror(int code);
+/* Make `device` current (*prev gets the caller's); leave restores it. enter returns a cudaError_t. */
+int dsc_moe_cuda_enter(int device, int *prev);
+void dsc_moe_cuda_leave(int device, int prev);
 
 #ifdef __cplusplus
 }
