@@ -8,9 +8,10 @@ from deepspeed_c.runtime.config_zero import ZeroStageEnum  # noqa: F401  (DeepSp
 from deepspeed_c.runtime.zero.partition_parameters import (GatheredParameters, Init, ZeroParamStatus,  # noqa: F401
                                                            register_external_parameter,
                                                            unregister_external_parameter)
+from deepspeed_c.runtime.zero.tiling import TiledLinear, TiledLinearReturnBias  # noqa: F401
 
 __all__ = ["Init", "GatheredParameters", "register_external_parameter", "unregister_external_parameter",
-           "ZeroParamStatus"]
+           "ZeroParamStatus", "TiledLinear", "TiledLinearReturnBias"]
 
 from deepspeed_c._lazy import lazy_exports as _lazy_exports
 
