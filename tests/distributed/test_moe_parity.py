@@ -45,13 +45,14 @@ CASES: dict[str, dict[str, Any]] = {
     "ep2-ep1-z2-clip": dict(ep=(2, 1), stage=2, residual=False, clip=0.05),
     # bf16 at stage 0: the clipping norm is averaged over the ranks, so replicas stay identical
     "ep2-ep1-z0-bf16-clip": dict(ep=(2, 1), stage=0, residual=False, clip=0.05, bf16=True),
+    "ep2-ep1-z2-fp16-clip": dict(ep=(2, 1), stage=2, residual=False, clip=0.05, fp16=True),
 }
 WORLD_CASES = {4: ["ep4-ep2-z0-clip", "dp2xep2-z0-prmoe", "ep1-ep4-z0", "dp2xep2-z1-clip", "ep4-ep2-z2-prmoe"],
-               2: ["ep2-ep1-z0-prmoe-clip", "ep2-ep1-z2-clip", "ep2-ep1-z0-bf16-clip"]}
+               2: ["ep2-ep1-z0-prmoe-clip", "ep2-ep1-z2-clip", "ep2-ep1-z0-bf16-clip", "ep2-ep1-z2-fp16-clip"]}
 
 
-def _config(stage: int, clip: float, bf16: bool = False) -> dict[str, Any]:
-    return {"bf16": {"enabled": bf16}, "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": clip,
+def _config(stage: int, clip: float, bf16: bool = False, fp16: bool = False) -> dict[str, Any]:
+    return {"bf16": {"enabled": bf16}, "fp16": {"enabled": fp16, "loss_scale": 0, "initial_scale_power": 8},"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": clip,
             "optimizer": {"type": "Adam", "params": {"lr": LR}}, "zero_optimization": {"stage": stage},
             "steps_per_print": 10**9}
 
@@ -63,7 +64,8 @@ def _train(rank: int, world: int, name: str) -> dict[str, Any]:
 
     case = CASES[name]
     model = make_sharded(make_full(7, case["residual"]), rank, case["ep"], case["residual"])
-    engine, _, _, _ = deepspeed_c.initialize(model=model, config=_config(case["stage"], case["clip"], case.get("bf16", False)))
+    config = _config(case["stage"], case["clip"], case.get("bf16", False), case.get("fp16", False))
+    engine, _, _, _ = deepspeed_c.initialize(model=model, config=config)
     batches = make_batches(STEPS, MICRO, world)
     losses, first_grads = [], {}
     for step, (tokens, targets) in enumerate(batches):
@@ -206,7 +208,7 @@ def test_expert_parallel_training_matches_one_process(world: int, name: str) -> 
         assert "error" not in r[name], r[name].get("error")
     ref = reference(name, world)
     ep_sizes = CASES[name]["ep"]
-    if CASES[name].get("bf16"):
+    if CASES[name].get("bf16") or CASES[name].get("fp16"):
         _check_bf16_replicas(results, name, ref, world, ep_sizes)
         return
     for rank, res in enumerate(results):
@@ -229,7 +231,7 @@ def test_expert_parallel_training_matches_one_process(world: int, name: str) -> 
 
 
 def _check_bf16_replicas(results: list, name: str, ref: dict, world: int, ep_sizes: tuple[int, int]) -> None:
-    """bf16: losses near the fp32 one-process run; every replica of a parameter (all ranks for ordinary
+    """bf16/fp16: losses near the fp32 one-process run; every replica of a parameter (all ranks for ordinary
     ones, the expert-data-parallel group for experts) bit-identical after 20 clipped steps."""
     for res in results:
         np.testing.assert_allclose(res[name]["losses"], ref["losses"], rtol=3e-2, atol=0)

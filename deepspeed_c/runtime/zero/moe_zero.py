@@ -6,10 +6,11 @@ Ordinary parameters are partitioned over the data-parallel group; each expert gr
 divided by the data-parallel world size (DeepSpeed's averaging, so an expert's gradient does not
 depend on ep_size). The gradient norm for clipping and overflow is DeepSpeed's ZeRO one: every
 rank's partitions of every set, squared and summed over the data-parallel group, which counts each
-expert once. All members share the user's param-group dicts, so lr schedulers and
-`param_groups[i]["lr"]` keep working; each member steps a shallow copy of the user's optimizer that
-sees only its own groups. fp16 (a dynamic loss scale shared by the members), offload and
-checkpoints are not built for MoE yet and raise."""
+expert once, so every member takes the same overflow decision; fp16's dynamic loss scale is the first
+member's, which the others only read. All members share the user's param-group dicts, so lr
+schedulers and `param_groups[i]["lr"]` keep working; each member steps a shallow copy of the user's
+optimizer that sees only its own groups. offload_optimizer and checkpoints are not built for MoE
+at these stages yet and raise."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -38,6 +39,28 @@ class _Member(DeepSpeedZeroOptimizer):
 
     def _global_sq_norm(self, parts: Sequence[torch.Tensor]) -> float:
         return self.norm_sq
+
+
+class _FollowerScaler:
+    """A member's view of the leader member's loss scaler: it reads the scale and never updates it,
+    so a dynamic scale moves once a step however many members there are."""
+
+    def __init__(self, leader: Any) -> None:
+        self.leader = leader
+
+    @property
+    def cur_scale(self) -> float:
+        return self.leader.cur_scale
+
+    @property
+    def loss_scale(self) -> float:
+        return self.leader.cur_scale
+
+    def update_scale(self, overflow: bool) -> None:
+        """The leader (the first member, stepped first) has updated it for this step."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.leader, name)
 
 
 def _split_groups(basic: torch.optim.Optimizer) -> None:
@@ -96,6 +119,8 @@ class MoEZeroOptimizer(EngineOptimizer):
                           world_size=ds_groups._get_expert_data_parallel_world_size(name),
                           dp_process_group=ds_groups._get_expert_data_parallel_group(name),
                           gradient_average=False, prescale_gradients=False, gradient_predivide_factor=1.0)
+            if self.members and kw.get("loss_scaler") is not None:
+                kw["loss_scaler"] = _FollowerScaler(kw["loss_scaler"])
             self.members.append(make(_member_optimizer(basic, groups), stage=stage, **kw))
             # expert gradients: summed over the expert-data-parallel group, divided by the dp world size
             self.scales.append(1.0 / dp_world_size if name is not None and gradient_average else 1.0)
@@ -196,9 +221,6 @@ class MoEZeroOptimizer(EngineOptimizer):
 
 def configure_moe_zero_optimizer(engine: Any, basic: torch.optim.Optimizer, stage: int, common: dict) -> Any:
     """Called by engine_glue.configure_zero_optimizer for a model with MoE layers."""
-    if engine.precision.model_dtype == torch.float16:
-        raise NotImplementedError("fp16 with MoE layers at zero_optimization.stage 1/2 is not built yet (a dynamic "
-                                  "loss scale shared by the expert and non-expert partitions); use bf16 or fp32")
     if common.get("offload_device"):
         raise NotImplementedError("zero_optimization.offload_optimizer with MoE layers is not built yet")
     return MoEZeroOptimizer(basic, engine.moe, stage=stage, make=_Member, common=common,
