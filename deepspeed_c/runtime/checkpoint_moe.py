@@ -143,7 +143,8 @@ def load_optimizer(engine: Any, tag_dir: str, manifest: Any) -> None:
         if entry is not None:
             state[idx] = entry
     if groups_saved is not None and len(groups_saved) == len(mine["param_groups"]):
-        mine["param_groups"] = [{**old, "params": cur["params"]} for old, cur in zip(groups_saved, mine["param_groups"])]
+        mine["param_groups"] = [{**old, "params": cur["params"]}
+                                for old, cur in zip(groups_saved, mine["param_groups"])]
     mine["state"] = state
     engine.stepper.optimizer.load_state_dict(mine)
 

@@ -94,5 +94,5 @@ def make_sharded(full: MoENet, rank: int, ep_sizes: tuple[int, int], residual: b
 
 def make_batches(steps: int, per_rank: int, world: int, seed: int = 5) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, V, (world, per_rank, T), generator=g), torch.randint(0, V, (world, per_rank, T), generator=g))
-            for _ in range(steps)]
+    shape = (world, per_rank, T)
+    return [(torch.randint(0, V, shape, generator=g), torch.randint(0, V, shape, generator=g)) for _ in range(steps)]

@@ -1,7 +1,7 @@
 """MoE with expert parallelism on gloo: a small transformer with two MoE layers of different ep_size,
-trained 20 steps through deepspeed_c.initialize at ZeRO stage 0, 1 and 2, against the same model trained in one process with
-every expert local (each step: every rank's micro-batch run separately, as the ranks gate their own
-tokens, and their losses averaged). Losses and every weight (each rank's experts against their
+trained 20 steps through deepspeed_c.initialize at ZeRO stage 0, 1 and 2, against the same model
+trained in one process with every expert local (each step: every rank's micro-batch run separately,
+as the ranks gate their own tokens, and their losses averaged). Losses and every weight (each rank's experts against their
 global counterparts) within fp32 tolerance. The same runs check the expert groups and that after the
 first backward each expert's gradient is the one-process gradient (summed over its
 expert-data-parallel group only, divided by the data-parallel world size, as DeepSpeed).
@@ -52,7 +52,8 @@ WORLD_CASES = {4: ["ep4-ep2-z0-clip", "dp2xep2-z0-prmoe", "ep1-ep4-z0", "dp2xep2
 
 
 def _config(stage: int, clip: float, bf16: bool = False, fp16: bool = False) -> dict[str, Any]:
-    return {"bf16": {"enabled": bf16}, "fp16": {"enabled": fp16, "loss_scale": 0, "initial_scale_power": 8},"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": clip,
+    return {"bf16": {"enabled": bf16}, "fp16": {"enabled": fp16, "loss_scale": 0, "initial_scale_power": 8},
+            "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": clip,
             "optimizer": {"type": "Adam", "params": {"lr": LR}}, "zero_optimization": {"stage": stage},
             "steps_per_print": 10**9}
 
