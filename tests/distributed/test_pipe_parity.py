@@ -32,7 +32,7 @@ def _layer_weights(model) -> dict:
 
 def _engine(world: int, stages: int, zero: int = 0, clip: float = 0.0, ckpt: int = 0, method: str = "parameters",
             tied: bool = True, bf16: bool = False, gas: int = pm.GAS, accum32: bool = False, sgd: bool = False,
-            schedule: str = "1f1b", virtual: int = 1):
+            schedule: str = "1f1b", virtual: int = 1, fp16: bool = False):
     import deepspeed_c as deepspeed
     from deepspeed_c.pipe import PipelineModule
 
@@ -43,6 +43,8 @@ def _engine(world: int, stages: int, zero: int = 0, clip: float = 0.0, ckpt: int
            "bf16": {"enabled": bf16}, "pipeline": {"schedule": schedule, "virtual_stages": virtual}}
     if accum32:
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+    if fp16:
+        cfg["fp16"] = FP16
     make = (lambda ps: torch.optim.SGD(ps, lr=SGD_LR)) if sgd else (lambda ps: torch.optim.Adam(ps, lr=LR))
     engine, *_ = deepspeed.initialize(model=model, config=cfg, optimizer=make)
     return model, engine
@@ -58,7 +60,7 @@ def _train(world: int, stages: int, save_to: str = "", evaluate: bool = False, *
         losses.append(float(engine.train_batch(iter(step[d * gas:(d + 1) * gas]))))
         peaks.append(engine.executor.peak_in_flight)
     out = {"losses": np.array(losses), "weights": _layer_weights(model) if d == 0 else {}, "parts": model.parts,
-           "stage": engine.stage_id, "peak": max(peaks)}
+           "stage": engine.stage_id, "peak": max(peaks), "skipped": engine.skipped_steps}
     if evaluate:
         first = pm.batches(1, dp, gas)[0][d * gas:(d + 1) * gas]
         out["eval"] = float(engine.eval_batch(iter(first)))
@@ -106,15 +108,19 @@ class _Whole(torch.nn.Module):
         return pm.loss_fn(self.layers(x), y)
 
 
-def _plain_engine_bf16(world: int, clip: float) -> dict:
-    """bf16 reference: the non-pipeline engine on one rank (same optimizer path and epilogue)."""
+FP16 = {"enabled": True, "initial_scale_power": 18, "loss_scale_window": 2, "hysteresis": 1}  # skips step 1
+
+
+def _plain_engine_bf16(world: int, clip: float, fp16: bool = False) -> dict:
+    """bf16 (fp16) reference: the non-pipeline engine on one rank (same optimizer path and epilogue)."""
     import torch.distributed as dist
 
     import deepspeed_c as deepspeed
 
     groups = [dist.new_group([r]) for r in range(world)]
     cfg = {"train_micro_batch_size_per_gpu": pm.MBS, "gradient_accumulation_steps": pm.GAS,
-           "gradient_clipping": clip, "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}
+           "gradient_clipping": clip}
+    cfg.update({"fp16": FP16} if fp16 else {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}})
     model = _Whole()
     engine, *_ = deepspeed.initialize(model=model, config=cfg, mpu=_OwnRank(groups),
                                       optimizer=lambda ps: torch.optim.Adam(ps, lr=LR))
@@ -122,14 +128,14 @@ def _plain_engine_bf16(world: int, clip: float) -> dict:
     for step in pm.batches(STEPS, 1):
         total = 0.0
         for x, y in step:
-            loss = engine(x.to(torch.bfloat16), y)
+            loss = engine(x.to(torch.float16 if fp16 else torch.bfloat16), y)
             engine.backward(loss)
             engine.step()
             total += loss.item()
         losses.append(total / len(step))
     weights = {f"{i}.{n}": p.detach().float().numpy().copy() for i, l in enumerate(model.layers)
                for n, p in l.named_parameters()}
-    return {"losses": np.array(losses), "weights": weights}
+    return {"losses": np.array(losses), "weights": weights, "skipped": engine.skipped_steps}
 
 
 def _bad_inputs(world: int) -> dict:
@@ -188,7 +194,9 @@ def body2(rank: int, world: int) -> list:
     return [_train(world, 2, clip=0.05, evaluate=True), _train(world, 2, ckpt=2, method="uniform"),
             _train(world, 2, bf16=True, tied=False, clip=0.05, accum32=True), _bad_inputs(world),
             _plain_engine_bf16(world, 0.05), _train(world, 2, clip=0.05, schedule="zb_h1"),
-            _train(world, 2, schedule="interleaved", virtual=2), _tuples_dynamic(world), _shape_change(world)]
+            _train(world, 2, schedule="interleaved", virtual=2), _tuples_dynamic(world),
+            _train(world, 2, fp16=True, tied=False), _plain_engine_bf16(world, 0.0, fp16=True),
+            _shape_change(world)]
 
 
 def _load_on_two_stages(world: int, ckpt_dir: str) -> dict:
@@ -278,8 +286,16 @@ def test_two_stages_tied_clipping_checkpointing_bf16_and_bad_inputs():
     assert "num_stages (2)" in bad["layers"] and "1 layers" in bad["layers"]
     assert "bogus" in bad["method"]
     assert "ran out after 2 of 4 micro-batches" in bad["dry"]
-    assert "changed from" in results[0][8] and "dynamic_shape=True" in results[0][8]
-    assert "waiting for the activations of stage 0" in results[1][8]
+    assert "changed from" in results[0][10] and "dynamic_shape=True" in results[0][10]
+    assert "waiting for the activations of stage 0" in results[1][10]
+    # fp16 with a loss scale that overflows at first: every stage skips the same steps, as the
+    # non-pipeline engine on one rank does, and the weights match it
+    ref = results[0][9]
+    assert ref["skipped"] > 0 and results[0][8]["skipped"] == results[1][8]["skipped"] == ref["skipped"]
+    np.testing.assert_allclose(results[0][8]["losses"], ref["losses"], rtol=1e-5)
+    got_w = {**results[0][8]["weights"], **results[1][8]["weights"]}
+    for key, want in ref["weights"].items():
+        assert np.linalg.norm(got_w[key] - want) <= 1e-5 * np.linalg.norm(want), key
     for r in results:
         np.testing.assert_allclose(r[7], pm.tuple_reference(STEPS, LR), rtol=1e-5)
     # zero-bubble (split backward) with clipping across stages, and interleaved 1F1B (2 chunks a rank)

@@ -67,10 +67,6 @@ class PipelineEngine(DeepSpeedEngine):
             cfg = super_kwargs["config_class"] = DeepSpeedConfig(super_kwargs.get("config"), super_kwargs["mpu"])
         # Across stages the norm covers every stage's gradients: the optimizers are built without
         # clipping, and the executor clips with the pipeline-wide norm before each step.
-        if self.grid.get_pipe_parallel_world_size() > 1 and cfg.float16_config.enabled:
-            raise NotImplementedError(
-                "fp16.enabled with pipeline parallelism: loss-scale overflow is not yet agreed across the stages "
-                "(a stage could skip a step the others take); use bf16")
         self._schedule_name, self.virtual_stages = _schedule_choice(cfg, model)
         if self.virtual_stages > 1:
             model.set_virtual_stages(self.virtual_stages)  # before the optimizer sees the parameters

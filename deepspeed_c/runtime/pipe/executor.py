@@ -268,8 +268,21 @@ class PipeExecutor:
 
     def _step(self, ins: Any) -> None:
         e = self.e
+        if e.precision.needs_scaler and e.num_stages > 1:
+            self._agree_on_overflow()
         norm = self._clip_across_stages(e._pipe_max_norm) if e._pipe_clips else None
         e._engine_step(norm)
+
+    def _agree_on_overflow(self) -> None:
+        """fp16: a step skipped for overflow on one stage is skipped on all (each stage's loss scaler
+        then moves the same way, so the scale the last stage multiplies the loss by is the one every
+        stage divides by). A stage that saw no inf/nan gets one planted in its gradients."""
+        _, scaled = self._step_gradients()
+        local = any(not bool(torch.isfinite(g).all()) for g in scaled)
+        flag = torch.tensor([1.0 if local else 0.0], device=self.e.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank steps once per batch: the world agrees
+        if flag.item() > 0 and not local and scaled:
+            scaled[0].view(-1)[0] = float("inf")
 
     def _step_gradients(self) -> tuple[list, list]:
         """(tensors counted in the norm, tensors to scale): where the optimizer will read this
