@@ -1,10 +1,9 @@
 """DeepNVMe's aio_handle against fio, torch.save/torch.load and plain file reads on the same disk.
 
 For one file size (default 1 GiB) in --dir, in one process, repetitions interleaved:
-- the handle (O_DIRECT, page-aligned locked buffer) over block sizes x thread counts, writes in place
-  (atomic_writes=False, as the swappers write) and atomic (temporary + rename, the default) (the
-  queue_depth argument is recorded but does not change this engine: each worker thread keeps one
-  request in flight);
+- the handle (O_DIRECT, page-aligned locked buffer) over block sizes x thread counts x engines
+  (io_uring: each worker thread keeps --queue_depth requests in flight; pread: one each), writes in
+  place (atomic_writes=False, as the swappers write) and atomic (temporary + rename, the default);
 - fio on the same file path and size, direct=1, 1 MiB blocks: libaio and io_uring at iodepth 32,
   psync (one request at a time);
 - torch.save / torch.load of the same bytes as a uint8 tensor (fsync'ed; the page cache dropped for
@@ -14,7 +13,7 @@ bit for bit. Then the medians, the best handle configuration (printed as an `aio
 dsc_nvme_tune), and the ratio handle/fio-best for reads and writes.
 
     python benchmarks/aio.py --dir /path/on/nvme [--size 1G] [--reps 3] [--block_sizes 256K,1M,8M]
-                             [--threads 1,2,4,8] [--swap_size 64M]
+                             [--threads 1,2,4,8] [--engines io_uring,pread] [--queue_depth 32] [--swap_size 64M]
 
 --swap_size adds the same comparison for a typical swap file (one sub-group's fp32 tensor)."""
 from __future__ import annotations
@@ -50,8 +49,10 @@ def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
-def handle_run(bs: int, threads: int, buf: torch.Tensor, path: str, atomic: bool) -> dict[str, float]:
-    h = aio.aio_handle(block_size=bs, queue_depth=32, intra_op_parallelism=threads, atomic_writes=atomic)
+def handle_run(bs: int, threads: int, buf: torch.Tensor, path: str, atomic: bool, engine: str,
+               depth: int) -> dict[str, float]:
+    os.environ["DSC_AIO_ENGINE"] = engine
+    h = aio.aio_handle(block_size=bs, queue_depth=depth, intra_op_parallelism=threads, atomic_writes=atomic)
     n = buf.numel()
     t = time.perf_counter()
     h.sync_pwrite(buf, path)
@@ -121,7 +122,8 @@ def bench(args: argparse.Namespace, size: int, label: str) -> None:
     buf = h0.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
     buf.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)))
     check_correct(buf, path)
-    configs = [(parse_size(b), int(t)) for b in args.block_sizes.split(",") for t in args.threads.split(",")]
+    configs = [(parse_size(b), int(t), e) for b in args.block_sizes.split(",") for t in args.threads.split(",")
+               for e in args.engines.split(",")]
     fio_jobs = [] if args.no_fio or not shutil.which("fio") else \
         [(e, d) for e, d in (("libaio", 32), ("io_uring", 32), ("psync", 1))]
     rec: dict[str, dict[str, list[float]]] = {}
@@ -130,11 +132,11 @@ def bench(args: argparse.Namespace, size: int, label: str) -> None:
         rec.setdefault(name, {}).setdefault(kind, []).append(v)
 
     runs: list[tuple[str, Callable[[], None]]] = []
-    for bs, th in configs:
+    for bs, th, eng in configs:
         for atomic in (False, True):
-            name = f"handle bs={bs >> 10}K threads={th}" + (" atomic" if atomic else "")
-            runs.append((name, lambda bs=bs, th=th, name=name, atomic=atomic: [
-                add(name, k, v) for k, v in handle_run(bs, th, buf, path, atomic).items()]))
+            name = f"handle {eng} bs={bs >> 10}K threads={th}" + (" atomic" if atomic else "")
+            runs.append((name, lambda bs=bs, th=th, name=name, atomic=atomic, eng=eng: [
+                add(name, k, v) for k, v in handle_run(bs, th, buf, path, atomic, eng, args.queue_depth).items()]))
     for eng, depth in fio_jobs:
         name = f"fio {eng} iodepth={depth}"
         runs.append((name, lambda eng=eng, depth=depth, name=name: [
@@ -149,9 +151,9 @@ def bench(args: argparse.Namespace, size: int, label: str) -> None:
 
     med = {n: {k: statistics.median(v) for k, v in d.items()} for n, d in rec.items()}
     print(f"\n== {label}: {size / 2**20:.0f} MiB in {args.dir}, median of {args.reps} interleaved reps (GB/s) ==")
-    print(f"{'':34s} {'write':>8s} {'read':>8s}")
+    print(f"{'':44s} {'write':>8s} {'read':>8s}")
     for n, d in med.items():
-        print(f"{n:34s} {d.get('write', float('nan')):8.3f} {d.get('read', float('nan')):8.3f}")
+        print(f"{n:44s} {d.get('write', float('nan')):8.3f} {d.get('read', float('nan')):8.3f}")
     handles = {n: d for n, d in med.items() if n.startswith("handle")}
     best_r = max(handles, key=lambda n: handles[n]["read"])
     best_w = max(handles, key=lambda n: handles[n]["write"])
@@ -165,7 +167,8 @@ def bench(args: argparse.Namespace, size: int, label: str) -> None:
     t = med["torch.save/load"]
     print(f"handle/torch: read {handles[best_r]['read'] / t['read']:.2f}x, write {handles[best_w]['write'] / t['write']:.2f}x")
     bs, th = best_r.split("bs=")[1].split(" atomic")[0].split("K threads=")
-    print(json.dumps({"aio": {"block_size": int(bs) << 10, "queue_depth": 32, "intra_op_parallelism": int(th),
+    print(json.dumps({"aio": {"block_size": int(bs) << 10, "queue_depth": args.queue_depth,
+                              "intra_op_parallelism": int(th),
                               "single_submit": False, "overlap_events": True, "use_gds": False}}))
 
 
@@ -177,6 +180,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--block_sizes", default="256K,1M,8M")
     ap.add_argument("--threads", default="1,2,4,8")
+    ap.add_argument("--engines", default="io_uring,pread", help="the handle's engines (DSC_AIO_ENGINE)")
+    ap.add_argument("--queue_depth", type=int, default=32, help="the handle's queue_depth (io_uring per thread)")
     ap.add_argument("--no_fio", action="store_true")
     args = ap.parse_args()
     print(f"engine: {aio.backend()}; fio: {shutil.which('fio') or 'not installed'}")

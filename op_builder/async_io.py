@@ -10,13 +10,13 @@ from .builder import OpBuilder
 
 class AsyncIOBuilder(OpBuilder):
     """`AsyncIOBuilder().load().aio_handle(...)` as in DeepSpeed. The C core needs no library
-    (no libaio/liburing): worker threads move blocks with pread/pwrite, O_DIRECT where the
-    filesystem allows it."""
+    (no libaio/liburing): worker threads keep queue_depth blocks in flight each through io_uring's
+    system calls (pread/pwrite where io_uring is unavailable), O_DIRECT where the filesystem allows."""
 
     NAME = "async_io"
 
     def sources(self) -> list[str]:
-        return ["core/async_io.c", "py/aio_binding.c"]
+        return ["core/async_io.c", "core/async_io_uring.c", "py/aio_binding.c"]
 
     def cxx_args(self) -> list[str]:
         return [*super().cxx_args(), "-pthread"]

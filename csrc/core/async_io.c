@@ -7,6 +7,7 @@
  * wakes the waiters. No block is ever padded, so files hold exactly the bytes written. */
 #define _GNU_SOURCE
 #include "dsc/async_io.h"
+#include "dsc/async_io_uring.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -32,11 +33,21 @@ typedef struct aio_op {
     struct aio_op *next;
 } aio_op;
 
+/* One block of an op taken by a worker. */
+typedef struct {
+    aio_op *op;
+    int64_t b;
+    int rc, kind;
+} taken_block;
+
 typedef struct worker {
     struct dsc_aio_ctx *ctx;
     pthread_t thread;
     char *bounce; /* block_size bytes, DSC_AIO_ALIGNMENT-aligned */
     int started;
+    dsc_uring *ring;      /* NULL: one block at a time with pread/pwrite */
+    taken_block *batch;   /* ring capacity entries */
+    dsc_uring_req *reqs;
 } worker;
 
 struct dsc_aio_ctx {
@@ -58,7 +69,10 @@ static void fmt(char *err, size_t errlen, const char *f, ...) {
     va_end(ap);
 }
 
-const char *dsc_aio_backend(void) { return "pread/pwrite thread pool (O_DIRECT when the filesystem allows)"; }
+const char *dsc_aio_backend(void) {
+    return "io_uring per worker thread (raw system calls), pread/pwrite where io_uring is unavailable or "
+           "DSC_AIO_ENGINE=pread; O_DIRECT when the filesystem allows";
+}
 
 /* Move len bytes; 0 on success, an errno value, or -1 for end of file on a read. */
 static int io_full(int fd, int is_write, char *p, int64_t len, int64_t off) {
@@ -78,29 +92,35 @@ static int io_full(int fd, int is_write, char *p, int64_t len, int64_t off) {
 
 static int aligned(int64_t v) { return v % DSC_AIO_ALIGNMENT == 0; }
 
-/* One block of an op; 0 or an error code as io_full. Sets *kind: 0 buffered, 1 direct, 2 bounced. */
-static int do_block(worker *w, aio_op *op, int64_t b, int *kind) {
-    int64_t bs = w->ctx->cfg.block_size, off, len;
+/* Where block b of an op goes: memory, length, file offset, and its kind: 0 through the page cache
+ * (fd_buf), 1 direct from the caller's memory (fd_direct), 2 direct through the bounce buffer. */
+static void block_geometry(const worker *w, const aio_op *op, int64_t b, char **mem, int64_t *len, int64_t *foff,
+                           int *kind) {
+    int64_t bs = w->ctx->cfg.block_size, off;
     if (b < op->n_direct) {
         off = b * bs;
-        len = op->direct_len - off < bs ? op->direct_len - off : bs;
+        *len = op->direct_len - off < bs ? op->direct_len - off : bs;
     } else {
         off = op->direct_len + (b - op->n_direct) * bs;
-        len = op->nbytes - off < bs ? op->nbytes - off : bs;
+        *len = op->nbytes - off < bs ? op->nbytes - off : bs;
     }
-    char *mem = op->buf + off;
-    int64_t foff = op->file_offset + off;
-    if (b >= op->n_direct) {
-        *kind = 0;
-        return io_full(op->fd_buf, op->is_write, mem, len, foff);
-    }
-    if (((uintptr_t)mem % DSC_AIO_ALIGNMENT) == 0) {
-        *kind = 1;
+    *mem = op->buf + off;
+    *foff = op->file_offset + off;
+    *kind = b >= op->n_direct ? 0 : (((uintptr_t)*mem % DSC_AIO_ALIGNMENT) == 0 ? 1 : 2);
+}
+
+/* One block of an op; 0 or an error code as io_full. Sets *kind: 0 buffered, 1 direct, 2 bounced. */
+static int do_block(worker *w, aio_op *op, int64_t b, int *kind) {
+    char *mem;
+    int64_t len, foff;
+    block_geometry(w, op, b, &mem, &len, &foff, kind);
+    if (*kind == 0) return io_full(op->fd_buf, op->is_write, mem, len, foff);
+    if (*kind == 1) {
         int rc = io_full(op->fd_direct, op->is_write, mem, len, foff);
         /* a short direct transfer leaves an unaligned remainder: the page cache takes it */
         return rc == EINVAL ? io_full(op->fd_buf, op->is_write, mem, len, foff) : rc;
     }
-    *kind = 2; /* the caller's memory is not aligned: stage through this worker's bounce buffer */
+    /* the caller's memory is not aligned: stage through this worker's bounce buffer */
     if (op->is_write) {
         memcpy(w->bounce, mem, (size_t)len);
         return io_full(op->fd_direct, 1, w->bounce, len, foff);
@@ -141,41 +161,99 @@ static void finish_files(aio_op *op) {
     }
 }
 
+/* A batch through the worker's ring: bounced blocks (one bounce buffer) go synchronously, the rest
+ * are in flight together; a short transfer is completed through the page cache. */
+static void run_batch_ring(worker *w, taken_block *t, int n) {
+    int nr = 0;
+    int idx[n > 0 ? n : 1];
+    for (int i = 0; i < n; i++) {
+        char *mem;
+        int64_t len, foff;
+        block_geometry(w, t[i].op, t[i].b, &mem, &len, &foff, &t[i].kind);
+        if (t[i].kind == 2) {
+            t[i].rc = do_block(w, t[i].op, t[i].b, &t[i].kind);
+            continue;
+        }
+        dsc_uring_req *r = &w->reqs[nr];
+        r->fd = t[i].kind == 1 ? t[i].op->fd_direct : t[i].op->fd_buf;
+        r->is_write = t[i].op->is_write != DSC_AIO_READ;
+        r->buf = mem;
+        r->len = len;
+        r->off = foff;
+        idx[nr++] = i;
+    }
+    if (nr == 0) return;
+    if (dsc_uring_run(w->ring, w->reqs, (unsigned)nr) != 0) { /* the ring failed: every request by hand */
+        for (int k = 0; k < nr; k++) t[idx[k]].rc = do_block(w, t[idx[k]].op, t[idx[k]].b, &t[idx[k]].kind);
+        return;
+    }
+    for (int k = 0; k < nr; k++) {
+        dsc_uring_req *r = &w->reqs[k];
+        taken_block *tb = &t[idx[k]];
+        int wr = tb->op->is_write != DSC_AIO_READ;
+        if (r->res == r->len) {
+            tb->rc = 0;
+        } else if (r->res < 0 && -r->res == EINVAL && tb->kind == 1) {
+            tb->rc = io_full(tb->op->fd_buf, wr, r->buf, r->len, r->off); /* O_DIRECT refused this one */
+        } else if (r->res < 0) {
+            tb->rc = (int)-r->res;
+        } else if (r->res == 0 && !wr) {
+            tb->rc = -1; /* end of file */
+        } else { /* short: the remainder through the page cache (no alignment needed there) */
+            tb->rc = io_full(tb->op->fd_buf, wr, (char *)r->buf + r->res, r->len - r->res, r->off + r->res);
+        }
+    }
+}
+
 static void *worker_main(void *arg) {
     worker *w = arg;
     dsc_aio_ctx *ctx = w->ctx;
+    int cap = w->ring ? (int)dsc_uring_capacity(w->ring) : 1;
+    taken_block one;
+    taken_block *batch = w->ring ? w->batch : &one;
     pthread_mutex_lock(&ctx->mu);
     for (;;) {
-        aio_op *op = ctx->head;
-        while (op && op->next_block >= op->n_blocks) op = op->next;
-        if (!op) {
+        int n = 0;
+        for (aio_op *op = ctx->head; op && n < cap; op = op->next)
+            while (op->next_block < op->n_blocks && n < cap) {
+                batch[n].op = op;
+                batch[n].b = op->next_block++;
+                n++;
+            }
+        if (n == 0) {
             if (ctx->stop) break;
             pthread_cond_wait(&ctx->work_cv, &ctx->mu);
             continue;
         }
-        int64_t b = op->next_block++;
         pthread_mutex_unlock(&ctx->mu);
-        int kind = 0;
-        int rc = do_block(w, op, b, &kind);
-        pthread_mutex_lock(&ctx->mu);
-        if (kind == 0) ctx->stats.blocks_buffered++;
-        else ctx->stats.blocks_direct++;
-        if (kind == 2) ctx->stats.blocks_bounced++;
-        op->blocks_done++;
-        if (rc != 0 && !op->failed) {
-            op->failed = 1;
-            block_error(op, rc, b);
-            /* hand out no more of this op: count the blocks never started as done */
-            op->blocks_done += op->n_blocks - op->next_block;
-            op->next_block = op->n_blocks;
+        if (w->ring && n > 1) {
+            run_batch_ring(w, batch, n);
+        } else {
+            for (int i = 0; i < n; i++) batch[i].rc = do_block(w, batch[i].op, batch[i].b, &batch[i].kind);
         }
-        if (op->blocks_done == op->n_blocks) {
-            pthread_mutex_unlock(&ctx->mu);
-            finish_files(op);
-            pthread_mutex_lock(&ctx->mu);
-            op->done = 1;
-            ctx->stats.ops_completed++;
-            pthread_cond_broadcast(&ctx->done_cv);
+        pthread_mutex_lock(&ctx->mu);
+        for (int i = 0; i < n; i++) {
+            aio_op *op = batch[i].op;
+            int kind = batch[i].kind, rc = batch[i].rc;
+            if (kind == 0) ctx->stats.blocks_buffered++;
+            else ctx->stats.blocks_direct++;
+            if (kind == 2) ctx->stats.blocks_bounced++;
+            op->blocks_done++;
+            if (rc != 0 && !op->failed) {
+                op->failed = 1;
+                block_error(op, rc, batch[i].b);
+                /* hand out no more of this op: count the blocks never started as done */
+                op->blocks_done += op->n_blocks - op->next_block;
+                op->next_block = op->n_blocks;
+            }
+            if (op->blocks_done == op->n_blocks) {
+                pthread_mutex_unlock(&ctx->mu);
+                finish_files(op);
+                pthread_mutex_lock(&ctx->mu);
+                op->done = 1;
+                ctx->stats.ops_completed++;
+                pthread_cond_broadcast(&ctx->done_cv);
+            }
         }
     }
     pthread_mutex_unlock(&ctx->mu);
@@ -215,6 +293,16 @@ dsc_aio_ctx *dsc_aio_create(const dsc_aio_config *cfg, char *err, size_t errlen)
             w->bounce = NULL;
             dsc_aio_destroy(ctx);
             goto oom;
+        }
+        if (cfg->use_uring && cfg->queue_depth > 1 && (w->ring = dsc_uring_create((unsigned)cfg->queue_depth))) {
+            unsigned cap = dsc_uring_capacity(w->ring);
+            w->batch = calloc(cap, sizeof *w->batch);
+            w->reqs = calloc(cap, sizeof *w->reqs);
+            if (!w->batch || !w->reqs) {
+                dsc_aio_destroy(ctx);
+                goto oom;
+            }
+            ctx->stats.uring_workers++;
         }
         int rc = pthread_create(&w->thread, NULL, worker_main, w);
         if (rc != 0) {
@@ -263,6 +351,9 @@ void dsc_aio_destroy(dsc_aio_ctx *ctx) {
     for (int i = 0; i < ctx->cfg.threads; i++) {
         if (ctx->workers[i].started) pthread_join(ctx->workers[i].thread, NULL);
         free(ctx->workers[i].bounce);
+        dsc_uring_destroy(ctx->workers[i].ring);
+        free(ctx->workers[i].batch);
+        free(ctx->workers[i].reqs);
     }
     while (ctx->head) {
         aio_op *op = ctx->head;

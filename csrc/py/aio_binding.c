@@ -28,15 +28,16 @@ static dsc_aio_ctx *get_ctx(PyObject *cap) {
 
 static PyObject *create(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (dsc_check_nargs("create", nargs, 6) < 0) return NULL;
-    int64_t bs, qd, ss, oe, th, direct;
+    if (dsc_check_nargs("create", nargs, 7) < 0) return NULL;
+    int64_t bs, qd, ss, oe, th, direct, uring;
     if (dsc_arg_int64(args[0], "block_size", &bs) < 0 || dsc_arg_int64(args[1], "queue_depth", &qd) < 0 ||
         dsc_arg_int64(args[2], "single_submit", &ss) < 0 || dsc_arg_int64(args[3], "overlap_events", &oe) < 0 ||
-        dsc_arg_int64(args[4], "intra_op_parallelism", &th) < 0 || dsc_arg_int64(args[5], "use_direct", &direct) < 0)
+        dsc_arg_int64(args[4], "intra_op_parallelism", &th) < 0 || dsc_arg_int64(args[5], "use_direct", &direct) < 0 ||
+        dsc_arg_int64(args[6], "use_uring", &uring) < 0)
         return NULL;
     if (qd > INT32_MAX || th > INT32_MAX || qd < INT32_MIN || th < INT32_MIN)
         return PyErr_Format(PyExc_ValueError, "queue_depth/intra_op_parallelism out of range");
-    dsc_aio_config cfg = {bs, (int32_t)qd, (int32_t)th, ss != 0, oe != 0, direct != 0};
+    dsc_aio_config cfg = {bs, (int32_t)qd, (int32_t)th, ss != 0, oe != 0, direct != 0, uring != 0};
     char err[DSC_AIO_ERRLEN] = "";
     dsc_aio_ctx *ctx;
     Py_BEGIN_ALLOW_THREADS
@@ -121,9 +122,10 @@ static PyObject *stats(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     if (!ctx) return NULL;
     dsc_aio_stats s;
     dsc_aio_get_stats(ctx, &s);
-    return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L}", "ops_submitted", (long long)s.ops_submitted, "ops_completed",
+    return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L}", "ops_submitted", (long long)s.ops_submitted, "ops_completed",
                          (long long)s.ops_completed, "blocks_direct", (long long)s.blocks_direct, "blocks_bounced",
-                         (long long)s.blocks_bounced, "blocks_buffered", (long long)s.blocks_buffered);
+                         (long long)s.blocks_bounced, "blocks_buffered", (long long)s.blocks_buffered,
+                         "uring_workers", (long long)s.uring_workers);
 }
 
 static PyObject *backend(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -149,7 +151,8 @@ static PyObject *lock_memory(PyObject *self, PyObject *const *args, Py_ssize_t n
 
 static PyMethodDef methods[] = {
     {"create", (PyCFunction)(void (*)(void))create, METH_FASTCALL,
-     "create(block_size, queue_depth, single_submit, overlap_events, intra_op_parallelism, use_direct) -> context"},
+     "create(block_size, queue_depth, single_submit, overlap_events, intra_op_parallelism, use_direct, use_uring) "
+     "-> context"},
     {"submit", (PyCFunction)(void (*)(void))submit, METH_FASTCALL,
      "submit(ctx, is_write, is_async, buffer, filename_bytes, file_offset) -> op id"},
     {"wait_op", (PyCFunction)(void (*)(void))wait_op, METH_FASTCALL, "wait_op(ctx, op_id) -> 1"},

@@ -41,8 +41,10 @@ def _accepts_o_direct(directory: str) -> bool:
 SIZES = [0, 1, 4095, 4096, 4097, BS - 1, BS, BS + 1, 3 * BS + 4096 * 5 + 7]
 
 
+@pytest.mark.parametrize("engine", ["io_uring", "pread"])
 @pytest.mark.parametrize("where", ["disk", "shm", "page_cache_only"])
-def test_round_trips_bit_exact(tmp_path, where, monkeypatch):
+def test_round_trips_bit_exact(tmp_path, where, engine, monkeypatch):
+    monkeypatch.setenv("DSC_AIO_ENGINE", engine)
     if where == "shm":
         if not os.path.isdir("/dev/shm"):
             pytest.skip("no /dev/shm here")
@@ -74,6 +76,8 @@ def test_round_trips_bit_exact(tmp_path, where, monkeypatch):
                 f.write(bytes(reversed(x.numpy().tobytes())))
             assert h.sync_pread(y, path) == 1 and torch.equal(y, x.flip(0)), n
         stats = h.stats()
+        # io_uring where the kernel lets this process have it (each worker its own ring), never when told not to
+        assert stats["uring_workers"] in ((0, 3) if engine == "io_uring" else (0,))
         if where == "page_cache_only" or not _accepts_o_direct(directory):
             assert stats["blocks_direct"] == 0
         else:
@@ -182,6 +186,8 @@ def test_errors_name_the_file_and_leave_no_partial_file(tmp_path):
         aio.aio_handle(block_size=1000)
     with pytest.raises(ValueError, match="intra_op_parallelism"):
         aio.aio_handle(intra_op_parallelism=0)
+    with pytest.raises(ValueError, match="queue_depth"):
+        aio.aio_handle(queue_depth=0)
 
 
 def test_a_write_that_does_not_fit_keeps_the_old_file(tmp_path):
@@ -244,7 +250,9 @@ def test_gil_is_released_during_io(tmp_path):
     assert errors and "not a regular file" in str(errors[0])
 
 
-def test_many_handles_and_threads_at_once(tmp_path):
+@pytest.mark.parametrize("engine", ["io_uring", "pread"])
+def test_many_handles_and_threads_at_once(tmp_path, engine, monkeypatch):
+    monkeypatch.setenv("DSC_AIO_ENGINE", engine)
     shared = aio.aio_handle(block_size=BS, intra_op_parallelism=2)
     failures: list[str] = []
 

@@ -34,6 +34,8 @@ typedef struct {
     int32_t single_submit; /* recorded for the API (submission is per request here) */
     int32_t overlap_events;
     int32_t use_direct;    /* 0: never ask for O_DIRECT (benchmarks of the page-cache path) */
+    int32_t use_uring;     /* 1: each worker keeps up to queue_depth requests in flight through its own
+                              io_uring (falls back to pread/pwrite where io_uring is unavailable) */
 } dsc_aio_config;
 
 typedef struct {
@@ -42,6 +44,7 @@ typedef struct {
     int64_t blocks_direct;   /* blocks moved through an O_DIRECT descriptor */
     int64_t blocks_bounced;  /* of those, blocks staged through a bounce buffer */
     int64_t blocks_buffered; /* blocks moved through the page cache */
+    int64_t uring_workers;   /* workers that got an io_uring */
 } dsc_aio_stats;
 
 /* NULL with err filled on invalid configuration or resource failure. */

@@ -52,8 +52,11 @@ class aio_handle:  # noqa: N801  (DeepSpeed's class name)
         self._threads = intra_op_parallelism
         self._replace_mode = _WRITE if atomic_writes else _OVERWRITE
         use_direct = os.environ.get("DSC_AIO_DIRECT", "1") != "0"
+        engine = os.environ.get("DSC_AIO_ENGINE", "io_uring")
+        if engine not in ("io_uring", "pread"):
+            raise ValueError(f"DSC_AIO_ENGINE must be 'io_uring' or 'pread', got {engine!r}")
         self._ctx = _core.create(block_size, queue_depth, int(single_submit), int(overlap_events),
-                                 intra_op_parallelism, int(use_direct))
+                                 intra_op_parallelism, int(use_direct), int(engine == "io_uring"))
         # async ops not yet waited for: keeps their buffers alive and runs their post-actions
         self._pending: list[tuple[torch.Tensor, Optional[Callable[[], None]]]] = []
 
