@@ -194,7 +194,7 @@ def body2(rank: int, world: int) -> list:
     return [_train(world, 2, clip=0.05, evaluate=True), _train(world, 2, ckpt=2, method="uniform"),
             _train(world, 2, bf16=True, tied=False, clip=0.05, accum32=True), _bad_inputs(world),
             _plain_engine_bf16(world, 0.05), _train(world, 2, clip=0.05, schedule="zb_h1"),
-            _train(world, 2, schedule="interleaved", virtual=2), _tuples_dynamic(world),
+            _train(world, 2, schedule="interleaved", virtual=2, evaluate=True), _tuples_dynamic(world),
             _train(world, 2, fp16=True, tied=False), _plain_engine_bf16(world, 0.0, fp16=True),
             _shape_change(world)]
 
@@ -266,21 +266,23 @@ def test_two_stages_tied_clipping_checkpointing_bf16_and_bad_inputs():
     assert sorted(got_w) == sorted(ref["weights"])
     for key, want in ref["weights"].items():
         assert np.linalg.norm(got_w[key] - want) <= 1e-5 * np.linalg.norm(want), key
-    # eval_batch after training: the mean loss of the final model over those micro-batches, on both stages
-    _, want_w = pm.reference(STEPS, 1, LR, 0.05)
-    layers = [torch.nn.Linear(pm.IN, pm.H, bias=False)] + [torch.nn.Linear(pm.H, pm.H) for _ in range(3)]
-    with torch.no_grad():
-        for l, i in zip(layers, (0, 1, 3, 5)):
-            for n, p in l.named_parameters():
-                p.copy_(torch.from_numpy(want_w[f"{i}.{n}"]))
-        want_eval = []
-        for x, y in pm.batches(1, 1)[0]:
-            h = layers[0](x)
-            for l in layers[1:]:
-                h = torch.tanh(l(h))
-            want_eval.append(torch.nn.functional.mse_loss(pm.tied_out(layers[0], h), y).item())
-    for r in results:
-        assert r[0]["eval"] == pytest.approx(np.mean(want_eval), rel=1e-5)
+    # eval_batch after training (1F1B engine: the inference schedule; interleaved: the forward part of
+    # its schedule): the mean loss of the final model over those micro-batches, on both stages
+    for case, clip in ((0, 0.05), (6, 0.0)):
+        _, want_w = pm.reference(STEPS, 1, LR, clip)
+        layers = [torch.nn.Linear(pm.IN, pm.H, bias=False)] + [torch.nn.Linear(pm.H, pm.H) for _ in range(3)]
+        with torch.no_grad():
+            for l, i in zip(layers, (0, 1, 3, 5)):
+                for n, p in l.named_parameters():
+                    p.copy_(torch.from_numpy(want_w[f"{i}.{n}"]))
+            want_eval = []
+            for x, y in pm.batches(1, 1)[0]:
+                h = layers[0](x)
+                for l in layers[1:]:
+                    h = torch.tanh(l(h))
+                want_eval.append(torch.nn.functional.mse_loss(pm.tied_out(layers[0], h), y).item())
+        for r in results:
+            assert r[case]["eval"] == pytest.approx(np.mean(want_eval), rel=1e-5), case
     bad = results[0][3]
     assert "num_stages (3) must divide distributed world size (2)" in bad["divide"]
     assert "num_stages (2)" in bad["layers"] and "1 layers" in bad["layers"]

@@ -17,7 +17,7 @@ from deepspeed_c.runtime.engine import DeepSpeedEngine
 
 from .executor import PipeExecutor
 from .module import PipelineModule
-from .schedule import InferenceSchedule, schedule_for
+from .schedule import ForwardOnlySchedule, InferenceSchedule, schedule_for
 
 
 class PipelineError(Exception):
@@ -167,16 +167,20 @@ class PipelineEngine(DeepSpeedEngine):
                    num_micro_batches: Optional[int] = None) -> Any:
         """Forward only over num_micro_batches (default gradient_accumulation_steps) micro-batches;
         returns the loss (averaged when reduce_output='avg'), and the last stage's logits if asked."""
-        if self.virtual_stages > 1:
-            raise NotImplementedError("eval_batch with pipeline.schedule='interleaved' (model chunks) is not built "
-                                      "yet; evaluate with the 1f1b or zb_h1 schedule")
         if reduce_output not in ("avg", None):
             raise ValueError(f"reduce_output must be 'avg' or None, got {reduce_output!r}")
         self.module.eval()
         self.set_dataiterator(data_iter)
         micro = num_micro_batches or self.micro_batches
-        outputs = self.executor.run(InferenceSchedule(micro, self.num_stages, self.stage_id), training=False,
-                                    compute_loss=compute_loss)
+        if self.virtual_stages > 1:  # model chunks: the forward part of the interleaved schedule
+            if micro % self.num_stages:
+                raise ValueError(f"eval_batch with the interleaved schedule needs num_micro_batches ({micro}) to be "
+                                 f"a multiple of the {self.num_stages} pipeline stages")
+            sched: Any = ForwardOnlySchedule(schedule_for("interleaved", micro, self.num_stages, self.stage_id,
+                                                          self.virtual_stages))
+        else:
+            sched = InferenceSchedule(micro, self.num_stages, self.stage_id)
+        outputs = self.executor.run(sched, training=False, compute_loss=compute_loss)
         result = None
         if self.is_last_stage():
             losses = outputs["losses"]

@@ -16,7 +16,7 @@ from .instructions import (OPCODES, BackwardInputPass, BackwardPass, BackwardWei
 
 __all__ = [
     "PipeSchedule", "TrainSchedule", "InferenceSchedule", "DataParallelSchedule", "InterleavedSchedule",
-    "ZeroBubbleH1Schedule", "PipeInstruction", "OptimizerStep", "ReduceGrads", "ReduceTiedGrads",
+    "ZeroBubbleH1Schedule", "ForwardOnlySchedule", "PipeInstruction", "OptimizerStep", "ReduceGrads", "ReduceTiedGrads",
     "BufferOpInstruction", "LoadMicroBatch", "ForwardPass", "BackwardPass", "BackwardInputPass",
     "BackwardWeightPass", "SendActivation", "RecvActivation", "SendGrad", "RecvGrad", "bubble_fraction",
 ]
@@ -165,6 +165,27 @@ class ZeroBubbleH1Schedule(_CoreSchedule):
     BackwardWeightPass (deferred into the idle slots), activation memory about 1F1B's."""
 
     KIND = KIND_ZB_H1
+
+
+class ForwardOnlySchedule(PipeSchedule):
+    """The forward part of a training schedule (loads, activation transfers, forward passes), for
+    evaluating with model chunks: a receive never waits longer than in the training schedule, so
+    it cannot deadlock either; buffers are those of the training schedule."""
+
+    KEEP = (LoadMicroBatch, RecvActivation, ForwardPass, SendActivation)
+
+    def __init__(self, train: PipeSchedule) -> None:
+        super().__init__(train.micro_batches, train.stages, train.stage_id)
+        self.train = train
+
+    def steps(self) -> Iterator[list[PipeInstruction]]:
+        for step in self.train.steps():
+            kept = [i for i in step if isinstance(i, self.KEEP)]
+            if kept:
+                yield kept
+
+    def num_pipe_buffers(self) -> int:
+        return self.train.num_pipe_buffers()
 
 
 def bubble_fraction(kind: int, micro_batches: int, stages: int, virtual_stages: int = 1) -> float:
