@@ -46,9 +46,11 @@ CASES: dict[str, dict[str, Any]] = {
     # bf16 at stage 0: the clipping norm is averaged over the ranks, so replicas stay identical
     "ep2-ep1-z0-bf16-clip": dict(ep=(2, 1), stage=0, residual=False, clip=0.05, bf16=True),
     "ep2-ep1-z2-fp16-clip": dict(ep=(2, 1), stage=2, residual=False, clip=0.05, fp16=True),
+    "ep2-ep1-z2-offload-clip": dict(ep=(2, 1), stage=2, residual=True, clip=0.05, offload=True),
 }
 WORLD_CASES = {4: ["ep4-ep2-z0-clip", "dp2xep2-z0-prmoe", "ep1-ep4-z0", "dp2xep2-z1-clip", "ep4-ep2-z2-prmoe"],
-               2: ["ep2-ep1-z0-prmoe-clip", "ep2-ep1-z2-clip", "ep2-ep1-z0-bf16-clip", "ep2-ep1-z2-fp16-clip"]}
+               2: ["ep2-ep1-z0-prmoe-clip", "ep2-ep1-z2-clip", "ep2-ep1-z0-bf16-clip", "ep2-ep1-z2-fp16-clip",
+                   "ep2-ep1-z2-offload-clip"]}
 
 
 def _config(stage: int, clip: float, bf16: bool = False, fp16: bool = False) -> dict[str, Any]:
@@ -66,6 +68,8 @@ def _train(rank: int, world: int, name: str) -> dict[str, Any]:
     case = CASES[name]
     model = make_sharded(make_full(7, case["residual"]), rank, case["ep"], case["residual"])
     config = _config(case["stage"], case["clip"], case.get("bf16", False), case.get("fp16", False))
+    if case.get("offload"):
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     engine, _, _, _ = deepspeed_c.initialize(model=model, config=config)
     batches = make_batches(STEPS, MICRO, world)
     losses, first_grads = [], {}

@@ -9,8 +9,8 @@ rank's partitions of every set, squared and summed over the data-parallel group,
 expert once, so every member takes the same overflow decision; fp16's dynamic loss scale is the first
 member's, which the others only read. All members share the user's param-group dicts, so lr
 schedulers and `param_groups[i]["lr"]` keep working; each member steps a shallow copy of the user's
-optimizer that sees only its own groups. offload_optimizer and checkpoints are not built for MoE
-at these stages yet and raise."""
+optimizer that sees only its own groups (with offload_optimizer, each member offloads its own
+partitions). Checkpoints are not built for MoE at these stages yet and raise."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -88,9 +88,9 @@ def _member_optimizer(basic: torch.optim.Optimizer, groups: list[dict]) -> torch
     opt.__dict__.update(vars(basic))
     opt.param_groups = groups
     opt.state = defaultdict(dict)
-    for name, value in list(vars(opt).items()):
-        if name.startswith("_plans"):  # per-instance caches keyed by the parameters it steps
-            setattr(opt, name, type(value)())
+    for name in ("_plans", "_ready"):  # per-instance caches keyed by the parameters it steps (FusedAdam, CPU Adam)
+        if name in vars(opt):
+            setattr(opt, name, type(vars(opt)[name])())
     return opt
 
 
@@ -221,8 +221,6 @@ class MoEZeroOptimizer(EngineOptimizer):
 
 def configure_moe_zero_optimizer(engine: Any, basic: torch.optim.Optimizer, stage: int, common: dict) -> Any:
     """Called by engine_glue.configure_zero_optimizer for a model with MoE layers."""
-    if common.get("offload_device"):
-        raise NotImplementedError("zero_optimization.offload_optimizer with MoE layers is not built yet")
     return MoEZeroOptimizer(basic, engine.moe, stage=stage, make=_Member, common=common,
                             dp_group=engine.data_parallel_group, dp_world_size=engine.dp_world_size,
                             gradient_average=engine.gradient_average)
