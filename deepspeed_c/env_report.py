@@ -48,6 +48,9 @@ def environment() -> dict[str, str]:
         "CUDA archs for builds": ";".join(toolchain.cuda_archs()),
         "op cache dir": str(builder.cache_root()),
     }
+    from deepspeed_c.ops.op_builder.async_io import engine_description
+
+    info["async_io engine"] = engine_description()
     try:
         import torch
 

@@ -2,10 +2,41 @@
 (GPUDirect Storage, which deepspeed_c does not provide: it always reports itself incompatible)."""
 from __future__ import annotations
 
+import os
 import sys
 from types import ModuleType
 
 from .builder import OpBuilder
+
+
+def io_uring_available() -> bool:
+    """Whether this process may create an io_uring (the kernel has it and no seccomp profile or
+    sysctl refuses it): one tiny ring is set up and closed through the raw system call."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+    import os
+
+    nr_setup = 425  # io_uring_setup: the same number on x86-64 and aarch64 (the generic table)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        params = ctypes.create_string_buffer(120)  # struct io_uring_params, zeroed
+        fd = libc.syscall(nr_setup, 1, params)
+    except (OSError, AttributeError):
+        return False
+    if fd < 0:
+        return False
+    os.close(fd)
+    return True
+
+
+def engine_description() -> str:
+    """The async I/O engine a handle gets here (for the env report)."""
+    if os.environ.get("DSC_AIO_ENGINE") == "pread":
+        return "pread/pwrite worker threads (DSC_AIO_ENGINE=pread)"
+    if io_uring_available():
+        return "io_uring per worker thread (raw system calls), O_DIRECT where the filesystem allows"
+    return "pread/pwrite worker threads (io_uring refused here), O_DIRECT where the filesystem allows"
 
 
 class AsyncIOBuilder(OpBuilder):

@@ -314,3 +314,14 @@ def test_in_place_writes_for_scratch_files(tmp_path):
     assert h.sync_pread(y, path) == 1 and torch.equal(y, small)
     atomic = aio.aio_handle(block_size=BS)
     assert atomic.sync_pwrite(big, path) == 1 and os.stat(path).st_ino != inode  # a new file renamed over
+
+
+def test_engine_matches_the_env_report(monkeypatch):
+    """The env report's io_uring probe (ctypes, Python) and the C core's rings agree."""
+    from deepspeed_c.ops.op_builder.async_io import engine_description, io_uring_available
+
+    monkeypatch.delenv("DSC_AIO_ENGINE", raising=False)
+    h = aio.aio_handle(queue_depth=4, intra_op_parallelism=3)
+    assert h.stats()["uring_workers"] == (3 if io_uring_available() else 0)
+    assert ("io_uring per worker" in engine_description()) == io_uring_available()
+    assert aio.aio_handle(queue_depth=1).stats()["uring_workers"] == 0  # one request at a time: no ring
