@@ -56,9 +56,10 @@ def build_accelerator(mode: str):
 
 def train_steps(accelerator, model, optimizer, batches, first: int, last: int) -> list:
     losses = []
+    dtype = next(accelerator.unwrap_model(model).parameters()).dtype  # bf16 under DeepSpeed's bf16 mode
     for x, y in batches[first * GAS:last * GAS]:
         with accelerator.accumulate(model):
-            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss = torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y.float())
             accelerator.backward(loss)
             if accelerator.sync_gradients:
                 accelerator.clip_grad_norm_(model.parameters(), 1.0)
