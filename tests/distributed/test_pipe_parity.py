@@ -32,7 +32,8 @@ def _layer_weights(model) -> dict:
 
 def _engine(world: int, stages: int, zero: int = 0, clip: float = 0.0, ckpt: int = 0, method: str = "parameters",
             tied: bool = True, bf16: bool = False, gas: int = pm.GAS, accum32: bool = False, sgd: bool = False,
-            schedule: str = "1f1b", virtual: int = 1, fp16: bool = False):
+            schedule: str = "1f1b", virtual: int = 1, fp16: bool = False, reentrant: bool = True,
+            parallel_write: bool = False):
     import deepspeed_c as deepspeed
     from deepspeed_c.pipe import PipelineModule
 
@@ -40,7 +41,9 @@ def _engine(world: int, stages: int, zero: int = 0, clip: float = 0.0, ckpt: int
                            seed_layers=True, partition_method=method, activation_checkpoint_interval=ckpt)
     cfg = {"train_micro_batch_size_per_gpu": pm.MBS, "gradient_accumulation_steps": gas,
            "gradient_clipping": clip, "zero_optimization": {"stage": zero}, "zero_allow_untested_optimizer": True,
-           "bf16": {"enabled": bf16}, "pipeline": {"schedule": schedule, "virtual_stages": virtual}}
+           "bf16": {"enabled": bf16},
+           "pipeline": {"schedule": schedule, "virtual_stages": virtual, "use_reentrant": reentrant},
+           "checkpoint": {"parallel_write": {"pipeline_stage": parallel_write}}}
     if accum32:
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     if fp16:
@@ -69,6 +72,9 @@ def _train(world: int, stages: int, save_to: str = "", evaluate: bool = False, *
 
         model.save_state_dict(save_to)
         dist.barrier()
+    if kw.get("parallel_write"):
+        engine.save_checkpoint(kw_dir() + "_parallel", tag="t")
+        out["files"] = sorted(os.listdir(os.path.join(kw_dir() + "_parallel", "t")))
     return out
 
 
@@ -136,6 +142,10 @@ def _plain_engine_bf16(world: int, clip: float, fp16: bool = False) -> dict:
     weights = {f"{i}.{n}": p.detach().float().numpy().copy() for i, l in enumerate(model.layers)
                for n, p in l.named_parameters()}
     return {"losses": np.array(losses), "weights": weights, "skipped": engine.skipped_steps}
+
+
+def kw_dir() -> str:
+    return os.environ["PIPE_TEST_DIR"]
 
 
 def _bad_inputs(world: int) -> dict:
@@ -233,10 +243,12 @@ def _resume(world: int, ckpt_dir: str) -> dict:
 
 
 def body4(rank: int, world: int, ckpt_dir: str) -> list:
-    return [_train(world, 4, save_to=ckpt_dir), _train(world, 2, zero=1, method="type:linear"),
+    os.environ["PIPE_TEST_DIR"] = ckpt_dir
+    return [_train(world, 4, save_to=ckpt_dir), _train(world, 2, zero=1, method="type:linear", parallel_write=True),
             _train(world, 2, ckpt=1), _load_on_two_stages(world, ckpt_dir),
             _train(world, 2, zero=1, tied=False, clip=0.05), _train(world, 4, gas=8), _resume(world, ckpt_dir),
-            _train(world, 4, schedule="zb_h1"), _train(world, 2, zero=1, schedule="interleaved", virtual=2)]
+            _train(world, 4, schedule="zb_h1", ckpt=1, reentrant=False),
+            _train(world, 2, zero=1, schedule="interleaved", virtual=2)]
 
 
 def _check(results: list, case: int, dp: int, clip: float = 0.0, **kw) -> None:
@@ -315,7 +327,12 @@ def test_four_stages_pipe_by_data_zero1_and_checkpoints(tmp_path):
     _check(results, 2, 2)
     _check(results, 4, 2, clip=0.05, tied=False)
     _check(results, 5, 1, gas=8)
-    _check(results, 7, 1)  # zero-bubble on 4 stages
+    _check(results, 7, 1)  # zero-bubble on 4 stages, non-reentrant activation checkpointing
+    # a ZeRO-1 pipe x data checkpoint with checkpoint.parallel_write.pipeline_stage: both replicas
+    # share the layer files, each rank writes its optimizer partition
+    assert results[0][1]["files"] == sorted(
+        [f"layer_{i:02d}-model_states.pt" for i in range(7)] + ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]
+        + [f"zero_pp_rank_{d}_mp_rank_{s:02d}_optim_states.pt" for d in range(2) for s in range(2)])
     _check(results, 8, 2)  # interleaved on 2 stages x 2 data-parallel, ZeRO-1
     # activations held by a stage: at most stages - stage_id micro-batches, with 4 or 8 micro-batches
     for r in results:

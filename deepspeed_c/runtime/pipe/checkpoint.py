@@ -9,13 +9,25 @@ from typing import Any
 import torch
 
 
-def save_layer_files(module: Any, save_dir: str, exclude_frozen_params: bool = False) -> None:
+def save_layer_files(module: Any, save_dir: str, exclude_frozen_params: bool = False,
+                     parallel_write: bool = False) -> None:
     """Data-parallel rank 0 of each stage writes its layers that have a state_dict (a tied module
-    used through a forward_fn is saved by the stage where it appears as a plain module)."""
-    if module._grid.data_parallel_id != 0:
+    used through a forward_fn is saved by the stage where it appears as a plain module); with
+    checkpoint.parallel_write.pipeline_stage the stage's data-parallel ranks split the layers."""
+    dp_rank, dp = module._grid.data_parallel_id, module._grid.data_parallel_size
+    n = len(module.forward_funcs)
+    if parallel_write:
+        from .partition import partition_uniform
+
+        bounds = partition_uniform(n, dp)
+        start, stop = bounds[dp_rank], bounds[dp_rank + 1]
+    elif dp_rank != 0:
         return
+    else:
+        start, stop = 0, n
     os.makedirs(save_dir, exist_ok=True)
-    for idx, layer in enumerate(module.forward_funcs):
+    for idx in range(start, stop):
+        layer = module.forward_funcs[idx]
         if not hasattr(layer, "state_dict"):
             continue
         sd = layer.state_dict()
@@ -90,7 +102,8 @@ class PipeCheckpointer:
         tag_dir = os.path.join(str(save_dir), tag)
         os.makedirs(tag_dir, exist_ok=True)
         module, stepper = engine.module, engine.stepper
-        module.save_state_dict(tag_dir, exclude_frozen_params=exclude_frozen_parameters)
+        save_layer_files(module, tag_dir, exclude_frozen_parameters,
+                         parallel_write=bool(engine._config.checkpoint_parallel_write_pipeline))
         names = {id(p): n for n, p in module.named_parameters()}
         part = stepper.partition_checkpoint_state(lambda p: names[id(p)]) if stepper is not None else None
         stage, dp_rank = engine.stage_id, engine.grid.get_data_parallel_rank()

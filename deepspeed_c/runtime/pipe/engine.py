@@ -67,6 +67,7 @@ class PipelineEngine(DeepSpeedEngine):
             cfg = super_kwargs["config_class"] = DeepSpeedConfig(super_kwargs.get("config"), super_kwargs["mpu"])
         # Across stages the norm covers every stage's gradients: the optimizers are built without
         # clipping, and the executor clips with the pipeline-wide norm before each step.
+        _apply_pipeline_section(cfg.pipeline_config, model)
         self._schedule_name, self.virtual_stages = _schedule_choice(cfg, model)
         if self.virtual_stages > 1:
             model.set_virtual_stages(self.virtual_stages)  # before the optimizer sees the parameters
@@ -101,6 +102,7 @@ class PipelineEngine(DeepSpeedEngine):
             raise NotImplementedError(
                 f"zero_optimization.stage={self.zero_optimization_stage()}: pipeline parallelism works with "
                 "ZeRO stage 0 and 1 (as DeepSpeed)")
+        model.checkpoint_parallel_write_pipeline = bool(self._config.checkpoint_parallel_write_pipeline)
         from .checkpoint import PipeCheckpointer
 
         self.checkpointer = PipeCheckpointer()
@@ -226,9 +228,13 @@ def _schedule_choice(cfg: Any, model: PipelineModule) -> tuple[str, int]:
     if name != "interleaved":
         if v != 1:
             raise ValueError(f"pipeline.virtual_stages={v} needs pipeline.schedule='interleaved', got {name!r}")
-        if name == "zb_h1" and model.activation_checkpoint_interval > 0:
-            raise NotImplementedError("pipeline.schedule='zb_h1' with activation_checkpoint_interval > 0: a "
-                                      "reentrant checkpoint cannot split its backward into input and weight passes")
+        from deepspeed_c.runtime.activation_checkpointing.checkpointing import non_reentrant_checkpoint
+
+        if name == "zb_h1" and model.activation_checkpoint_interval > 0 and \
+                model.activation_checkpoint_func is not non_reentrant_checkpoint:
+            raise NotImplementedError("pipeline.schedule='zb_h1' with activation_checkpoint_interval > 0 needs "
+                                      "pipeline.use_reentrant=false: a reentrant checkpoint cannot split its "
+                                      "backward into input and weight passes")
         return name, 1
     v = v if v > 1 else 2
     if stages < 2:
@@ -237,3 +243,14 @@ def _schedule_choice(cfg: Any, model: PipelineModule) -> tuple[str, int]:
         raise ValueError(f"pipeline.schedule='interleaved' needs gradient_accumulation_steps ({gas}) to be a multiple "
                          f"of the {stages} pipeline stages")
     return name, v
+
+
+def _apply_pipeline_section(pc: Any, model: PipelineModule) -> None:
+    """What DeepSpeed's engine takes from the `pipeline` section: the checkpoint function
+    (use_reentrant) and a non-zero activation_checkpoint_interval override the module's."""
+    from deepspeed_c.runtime.activation_checkpointing.checkpointing import non_reentrant_checkpoint
+
+    if pc.use_reentrant is False:
+        model.activation_checkpoint_func = non_reentrant_checkpoint
+    if pc.activation_checkpoint_interval > 0:
+        model.set_checkpoint_interval(pc.activation_checkpoint_interval)

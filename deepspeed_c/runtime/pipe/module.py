@@ -332,7 +332,8 @@ class PipelineModule(nn.Module):
         """Data-parallel rank 0 of each stage writes one file per layer that has a state_dict."""
         from .checkpoint import save_layer_files
 
-        save_layer_files(self, save_dir, exclude_frozen_params)
+        save_layer_files(self, save_dir, exclude_frozen_params,
+                         parallel_write=bool(getattr(self, "checkpoint_parallel_write_pipeline", False)))
 
     def load_state_dir(self, load_dir: str, checkpoint_engine: Any = None, strict: bool = True) -> None:
         """Loads every local layer from its layer file (whatever stage wrote it), then re-ties."""
