@@ -40,7 +40,7 @@ CASES: dict[str, dict[str, Any]] = {
     "dp2xep2-z0-prmoe": dict(ep=(2, 2), stage=0, residual=True, clip=0.0),
     "ep1-ep4-z0": dict(ep=(1, 4), stage=0, residual=False, clip=0.0),
     "ep2-ep1-z0-prmoe-clip": dict(ep=(2, 1), stage=0, residual=True, clip=0.3),
-    "dp2xep2-z1-clip": dict(ep=(2, 2), stage=1, residual=False, clip=0.05),
+    "dp2xep2-z1-clip-gas2": dict(ep=(2, 2), stage=1, residual=False, clip=0.05, gas=2),
     "ep4-ep2-z2-prmoe": dict(ep=(4, 2), stage=2, residual=True, clip=0.0),
     "ep2-ep1-z2-clip": dict(ep=(2, 1), stage=2, residual=False, clip=0.05),
     # bf16 at stage 0: the clipping norm is averaged over the ranks, so replicas stay identical
@@ -48,14 +48,14 @@ CASES: dict[str, dict[str, Any]] = {
     "ep2-ep1-z2-fp16-clip": dict(ep=(2, 1), stage=2, residual=False, clip=0.05, fp16=True),
     "ep2-ep1-z2-offload-clip": dict(ep=(2, 1), stage=2, residual=True, clip=0.05, offload=True),
 }
-WORLD_CASES = {4: ["ep4-ep2-z0-clip", "dp2xep2-z0-prmoe", "ep1-ep4-z0", "dp2xep2-z1-clip", "ep4-ep2-z2-prmoe"],
+WORLD_CASES = {4: ["ep4-ep2-z0-clip", "dp2xep2-z0-prmoe", "ep1-ep4-z0", "dp2xep2-z1-clip-gas2", "ep4-ep2-z2-prmoe"],
                2: ["ep2-ep1-z0-prmoe-clip", "ep2-ep1-z2-clip", "ep2-ep1-z0-bf16-clip", "ep2-ep1-z2-fp16-clip",
                    "ep2-ep1-z2-offload-clip"]}
 
 
-def _config(stage: int, clip: float, bf16: bool = False, fp16: bool = False) -> dict[str, Any]:
+def _config(stage: int, clip: float, bf16: bool = False, fp16: bool = False, gas: int = 1) -> dict[str, Any]:
     return {"bf16": {"enabled": bf16}, "fp16": {"enabled": fp16, "loss_scale": 0, "initial_scale_power": 8},
-            "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": clip,
+            "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
             "optimizer": {"type": "Adam", "params": {"lr": LR}}, "zero_optimization": {"stage": stage},
             "steps_per_print": 10**9}
 
@@ -67,20 +67,24 @@ def _train(rank: int, world: int, name: str) -> dict[str, Any]:
 
     case = CASES[name]
     model = make_sharded(make_full(7, case["residual"]), rank, case["ep"], case["residual"])
-    config = _config(case["stage"], case["clip"], case.get("bf16", False), case.get("fp16", False))
+    gas = case.get("gas", 1)
+    config = _config(case["stage"], case["clip"], case.get("bf16", False), case.get("fp16", False), gas)
     if case.get("offload"):
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     engine, _, _, _ = deepspeed_c.initialize(model=model, config=config)
-    batches = make_batches(STEPS, MICRO, world)
+    batches = make_batches(STEPS * gas, MICRO, world)
     losses, first_grads = [], {}
-    for step, (tokens, targets) in enumerate(batches):
-        loss = engine(tokens[rank], targets[rank])
-        engine.backward(loss)
-        if step == 0:
-            first_grads = {n: p.grad.detach().float().numpy().copy() for n, p in engine.module.named_parameters()
-                           if p.grad is not None}
-        engine.step()
-        total = loss.detach().clone()
+    for step in range(STEPS):
+        total = torch.zeros(())
+        for m in range(gas):
+            tokens, targets = batches[step * gas + m]
+            loss = engine(tokens[rank], targets[rank])
+            engine.backward(loss)
+            if step == 0 and m == gas - 1:
+                first_grads = {n: p.grad.detach().float().numpy().copy()
+                               for n, p in engine.module.named_parameters() if p.grad is not None}
+            engine.step()
+            total += loss.detach().float() / gas
         dist.all_reduce(total)
         losses.append(float(total) / world)
     names = {f"ep_size_{n}" for n in case["ep"]}
@@ -172,8 +176,11 @@ def reference(name: str, world: int) -> dict[str, Any]:
     model = make_full(7, case["residual"])
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     losses, first_grads = [], {}
-    for step, (tokens, targets) in enumerate(make_batches(STEPS, MICRO, world)):
-        total = sum(model(tokens[r], targets[r]) for r in range(world)) / world
+    gas = case.get("gas", 1)
+    batches = make_batches(STEPS * gas, MICRO, world)
+    for step in range(STEPS):
+        micro = batches[step * gas:(step + 1) * gas]
+        total = sum(model(tokens[r], targets[r]) for tokens, targets in micro for r in range(world)) / (world * gas)
         total.backward()
         if step == 0:
             first_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
