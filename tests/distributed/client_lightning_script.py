@@ -44,10 +44,17 @@ def lightning_module():
     class Regressor(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            torch.manual_seed(0)
-            self.body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),
-                                            torch.nn.Tanh(), torch.nn.Linear(32, 4))
+            self.body = None
             self.losses: list = []
+
+        def configure_model(self) -> None:
+            # built in Lightning's model_sharded_context: under ZeRO-3 inside deepspeed.zero.Init (partitioned
+            # as constructed); the other strategies build it plainly
+            if self.body is None:
+                torch.manual_seed(0)
+                self.body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),
+                                                torch.nn.Tanh(), torch.nn.Linear(32, 4))
+                self.built_partitioned = all(hasattr(p, "ds_id") and p.numel() == 0 for p in self.body.parameters())
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.body(x)
@@ -147,7 +154,7 @@ def fit(run: str, out: str, args) -> None:
 
     trainer = pl.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy(name, args.gate_lifted),
                          precision=args.precision, max_steps=STEPS, gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[SaveAtStep()], use_distributed_sampler=True)
+                         enable_model_summary=True, callbacks=[SaveAtStep()], use_distributed_sampler=True)
     module = lightning_module()()
     ckpt = os.path.join(os.path.dirname(out), name, "ckpt") if resume else None
     if name == "refuse":
@@ -164,6 +171,7 @@ def fit(run: str, out: str, args) -> None:
     os.makedirs(out, exist_ok=True)
     record = {"losses": module.losses, "world": trainer.world_size, "global_step": trainer.global_step,
               "strategy": type(trainer.strategy).__name__, "saved": state["saved"],
+              "built_partitioned": module.built_partitioned,
               **{k: state.get(k) for k in ("engine", "zero_stage", "offload", "optimizer")}}
     if name != "ddp" and state["saved"] and trainer.is_global_zero:
         from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict

@@ -4,8 +4,8 @@ parameter contract and external parameters.
 A partitioned parameter stays the same `nn.Parameter` object; its data is an empty placeholder
 (`numel() == 0`) except while gathered, and it carries DeepSpeed's attributes: `ds_id`, `ds_numel`,
 `ds_shape`, `ds_status` (ZeroParamStatus), `ds_tensor` (this rank's shard, a view into the flat
-storage of runtime/zero/param_store.ParamStore), `ds_persist`, and the methods `all_gather()` and
-`partition()`. Under `zero.Init` each module's own parameters are partitioned as soon as its
+storage of runtime/zero/param_store.ParamStore), `ds_persist`, and the methods `all_gather()`,
+`partition()` and `partition_numel()`. Under `zero.Init` each module's own parameters are partitioned as soon as its
 constructor returns (broadcast from rank 0 first, so every rank holds the same model), so the whole
 model never exists on one rank; `deepspeed_c.initialize` then moves the shards into the engine's
 layout (runtime/zero/stage3.py)."""
@@ -48,6 +48,7 @@ def adopt(store: ParamStore) -> None:
                 p.ds_id = next(_ds_ids)
                 p.all_gather = functools.partial(_param_all_gather, p)
                 p.partition = functools.partial(_param_partition, p)
+                p.partition_numel = functools.partial(_param_partition_numel, p)  # Lightning's model summary
             setattr(p, UNIT_ATTR, (store, u))
             p.ds_persist = store.persistent[u]
             p.ds_status = status if store.is_live(u) else ZeroParamStatus.NOT_AVAILABLE
@@ -61,6 +62,11 @@ def adopt(store: ParamStore) -> None:
 def _param_all_gather(p: torch.nn.Parameter, param_list: Optional[list] = None, async_op: bool = False,
                       hierarchy: int = 0) -> None:
     _gather(param_list if param_list is not None else [p])
+
+
+def _param_partition_numel(p: torch.nn.Parameter) -> int:
+    """This rank's share of the parameter's elements."""
+    return int(p.ds_tensor.numel())
 
 
 def _param_partition(p: torch.nn.Parameter, param_list: Optional[list] = None, hierarchy: int = 0,
