@@ -1,4 +1,4 @@
-"""Checkpoints of models with MoE layers in DeepSpeed's MoE layout (stage 0):
+"""Checkpoints of models with MoE layers in DeepSpeed's MoE layout (stage 0; fp32, bf16, fp16):
 
     mp_rank_00_model_states.pt                       the non-expert weights (rank 0), num_experts
     layer_{L}_expert_{E}_mp_rank_00_model_states.pt  expert E (global id) of the L-th MoE layer, its keys
@@ -89,7 +89,7 @@ def save_files(engine: Any, stage_dir: str) -> dict[str, dict]:
         ep_rank, edp_rank = _ranks(largest) if largest else (0, 0)
         if edp_rank == 0:
             names = global_names(module)
-            opt_sd = engine.stepper.state_dict()  # the torch optimizer's (fp32 stage 0)
+            opt_sd = engine.stepper.state_dict()  # torch's; in fp16/bf16 DeepSpeed's FP16 optimizer fields
             params = [p for g in engine.stepper.model_param_groups() for p in g]
             state = {"optimizer": opt_sd, "param_names": [names[id(p)] for p in params]}
             name = optim_file(ep_rank)
@@ -114,49 +114,74 @@ def load_experts(engine: Any, tag_dir: str, manifest: Any) -> dict:
     return out
 
 
-def load_optimizer(engine: Any, tag_dir: str, manifest: Any) -> None:
-    """This rank's optimizer state gathered by parameter name from every expp_rank file."""
-    pattern = re.compile(r"^expp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
-    saved = sorted((int(m.group(1)), f) for f in os.listdir(tag_dir) if (m := pattern.match(f)))
-    if not saved:
-        raise FileNotFoundError(f"load_checkpoint: {tag_dir} has no expp_rank_*_optim_states.pt files")
+def _remap(saved_inner: list[tuple[dict, list[str]]], mine: dict, my_names: list[str]) -> dict:
+    """A torch optimizer state_dict shaped as `mine` whose per-parameter states come, by name, from
+    the saved ones (each with the model names of its parameter order)."""
     by_name: dict[str, Any] = {}
-    groups_saved = None
-    for _, f in saved:
-        blob = store.load_file(tag_dir, f, manifest)
-        opt, names = blob["optimizer"], blob.get("param_names")
-        if names is None:
-            raise ValueError(f"load_checkpoint: {f} has no param_names (not written by deepspeed_c); load it with "
-                             "the same ep_size and world size through load_optimizer_states=False, or re-save")
+    for opt, names in saved_inner:
         order = [i for g in opt["param_groups"] for i in g["params"]]
         for pos, idx in enumerate(order):
             if idx in opt["state"]:
                 by_name.setdefault(names[pos], opt["state"][idx])
-        groups_saved = groups_saved or opt["param_groups"]
-    names = global_names(engine.module)
-    mine = engine.stepper.optimizer.state_dict()
-    params = [p for g in engine.stepper.model_param_groups() for p in g]
     order = [i for g in mine["param_groups"] for i in g["params"]]
-    state = {}
-    for pos, idx in enumerate(order):
-        entry = by_name.get(names[id(params[pos])])
-        if entry is not None:
-            state[idx] = entry
-    if groups_saved is not None and len(groups_saved) == len(mine["param_groups"]):
+    state = {idx: by_name[my_names[pos]] for pos, idx in enumerate(order) if my_names[pos] in by_name}
+    groups_saved = saved_inner[0][0]["param_groups"]
+    if len(groups_saved) == len(mine["param_groups"]):  # hyperparameters (lr, betas, ...) as saved
         mine["param_groups"] = [{**old, "params": cur["params"]}
                                 for old, cur in zip(groups_saved, mine["param_groups"])]
     mine["state"] = state
-    engine.stepper.optimizer.load_state_dict(mine)
+    return mine
+
+
+def load_optimizer(engine: Any, tag_dir: str, manifest: Any) -> None:
+    """This rank's optimizer state gathered by parameter name from every expp_rank file: the torch
+    optimizer's moments and, in fp16/bf16, the fp32 masters and the loss scaler."""
+    pattern = re.compile(r"^expp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+    saved = sorted((int(m.group(1)), f) for f in os.listdir(tag_dir) if (m := pattern.match(f)))
+    if not saved:
+        raise FileNotFoundError(f"load_checkpoint: {tag_dir} has no expp_rank_*_optim_states.pt files")
+    blobs = []
+    for _, f in saved:
+        blob = store.load_file(tag_dir, f, manifest)
+        if blob.get("param_names") is None:
+            raise ValueError(f"load_checkpoint: {f} has no param_names (not written by deepspeed_c); load it with "
+                             "the same ep_size and world size through load_optimizer_states=False, or re-save")
+        blobs.append(blob)
+    names = global_names(engine.module)
+    my_names = [names[id(p)] for g in engine.stepper.model_param_groups() for p in g]
+    stepper = engine.stepper
+    mixed = "optimizer_state_dict" in blobs[0]["optimizer"]  # MixedPrecisionOptimizer's (DeepSpeed FP16 fields)
+    if not mixed:
+        inner = [(b["optimizer"], b["param_names"]) for b in blobs]
+        stepper.optimizer.load_state_dict(_remap(inner, stepper.optimizer.state_dict(), my_names))
+        return
+    from deepspeed_c.checkpoint.deepspeed_format import normalize_mixed_state
+
+    states = [normalize_mixed_state(b["optimizer"]) for b in blobs]
+    inner = [(st["optimizer_state_dict"], b["param_names"]) for st, b in zip(states, blobs)]
+    masters: dict[str, torch.Tensor] = {}
+    for st, b in zip(states, blobs):
+        flat = [t for g in st["fp32_groups"] for t in g]
+        for name, value in zip(b["param_names"], flat):
+            masters.setdefault(name, value)
+    mine = stepper.state_dict()
+    mine["optimizer_state_dict"] = _remap(inner, mine["optimizer_state_dict"], my_names)
+    pos = 0
+    for group in mine["fp32_groups"]:
+        for i in range(len(group)):
+            group[i] = masters[my_names[pos]]
+            pos += 1
+    for key, value in states[0].items():  # loss scaler, cur_iter: one value for every rank
+        if key not in ("optimizer_state_dict", "fp32_groups"):
+            mine[key] = value
+    stepper.load_state_dict(mine, load_optimizer_states=True)
 
 
 def check_supported(engine: Any) -> None:
-    """DeepSpeed's MoE layout is built for fp32 at stage 0; anything else raises before any file is written."""
+    """DeepSpeed's MoE layout is built for stage 0; ZeRO 1/2 raise before any file is written."""
     if engine.zero_optimization_stage() > 0:
         raise NotImplementedError("save_checkpoint/load_checkpoint of a model with MoE layers at "
                                   f"zero_optimization.stage {engine.zero_optimization_stage()} is not built yet "
-                                  "(DeepSpeed's MoE layout is built for fp32 at stage 0)")
-    if engine.precision.low_precision:
-        raise NotImplementedError("save_checkpoint/load_checkpoint of a model with MoE layers in fp16/bf16 is not "
-                                  "built yet (DeepSpeed's MoE layout is built for fp32 at stage 0)")
+                                  "(DeepSpeed's MoE layout is built for stage 0)")
 
 
