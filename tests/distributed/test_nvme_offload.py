@@ -295,6 +295,21 @@ def bad_path_body(rank: int, world: int, root: str) -> dict[str, str]:
             out[name] = "no error"
         except Exception as e:  # noqa: BLE001  (the message is what is checked)
             out[name] = f"{type(e).__name__}: {e}"
+    # two live engines on one nvme_path (an actor and a critic): separate files, the same training
+    shared = os.path.join(root, "shared")
+    os.makedirs(shared)
+    a, b = (_engine(_config(2, "nvme", shared, 1, 0.0, 2)) for _ in range(2))
+    batches = _batches(4, world)
+    for step in range(4):  # interleaved steps: each engine's state must stay its own
+        _train(a, rank, world, batches, 1, 1, first=step)
+        _train(b, rank, world, batches, 1, 1, first=step)
+    folders = {a.optimizer.offload.swapper.folder, b.optimizer.offload.swapper.folder}
+    out["two_engines"] = [len(folders), bool(np.array_equal(_weights(a), _weights(b)))]
+    out["cpu_weights_after"] = _train(_engine(_config(2, "cpu", shared, 1, 0.0, 2)), rank, world, batches, 1, 4)[-1]
+    out["nvme_weights_after"] = _weights(a)
+    a.destroy()
+    b.destroy()
+    out["left"] = sorted(os.listdir(os.path.join(shared, "zero_stage_2", "optimizer")))
     return out
 
 
@@ -309,6 +324,10 @@ def test_bad_nvme_path_fails_at_initialize(tmp_path) -> None:
         assert n * 12 <= need < (n + 4096) * 12, msg
     assert "FileNotFoundError" in res["missing"] and "NotADirectoryError" in res["file"]
     assert "nvme_path" in res["none"]
+    n_folders, same = res["two_engines"]
+    assert n_folders == 2 and same
+    assert np.array_equal(res["nvme_weights_after"], res["cpu_weights_after"])
+    assert res["left"] == []  # each engine's swap folder goes with it
 
 
 def test_nvme_parameters_match_stage3() -> None:

@@ -2,7 +2,7 @@
 
 Each group's flat fp32 master partition and its optimizer moments (exp_avg, exp_avg_sq for Adam)
 are cut into sub-groups of at most `sub_group_size` elements; every (group, sub-group, tensor) is
-one file under `<nvme_path>/zero_stage_<s>/optimizer/rank<r>/`. Between steps nothing of them is
+one file under `<nvme_path>/zero_stage_<s>/optimizer/rank<r>.<pid>.<n>/` (removed with the swapper). Between steps nothing of them is
 in host memory: the master Parameters keep their identity (the optimizer's state is keyed by them)
 but hold an empty tensor, and the moments in the optimizer's state are empty placeholders; only
 the step counters stay. The step streams sub-groups through `buffer_count` page-aligned slots
@@ -57,7 +57,8 @@ class PartitionedOptimizerSwapper:
         need = sum(swap_bytes_needed([n], md, sd, len(self.moments))
                    for n, md, sd in zip(self.sizes, self.master_dtypes, self.state_dtypes))
         base = check_nvme_path(config_key, nvme_path, need)
-        self.folder = fresh_folder(os.path.join(base, f"zero_stage_{stage}", "optimizer", f"rank{rank}"))
+        self.folder, self._finalizer = fresh_folder(
+            os.path.join(base, f"zero_stage_{stage}", "optimizer", f"rank{rank}"), self)
         self.bounds = [sub_group_bounds(n, sub_group_size) for n in self.sizes]
         self.read_handle = new_handle(aio)
         self.write_handle = new_handle(aio)
@@ -166,6 +167,12 @@ class PartitionedOptimizerSwapper:
                     self.write_handle.async_pwrite(flat[lo:hi], self.path(g, s, key))
             self.write_handle.wait()
         self._release()
+
+    def close(self) -> None:
+        """The swap files go (the engine is destroyed); the state is gone with them."""
+        for h in (self.read_handle, self.write_handle):
+            h.wait()
+        self._finalizer()
 
     def slot_bytes_total(self) -> int:
         """Host bytes of the pipeline's slots: the optimizer state's resident bound."""

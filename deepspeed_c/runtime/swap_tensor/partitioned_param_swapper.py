@@ -1,7 +1,7 @@
 """ZeRO-3 parameters on NVMe (`offload_param: {device: nvme, nvme_path}`).
 
 Each parameter group's shard (this rank's model-dtype partition, runtime/zero/param_store.py) is a
-shared memory mapping of one swap file under `<nvme_path>/zero_stage_3/<dtype>params/rank<r>/`:
+shared memory mapping of one swap file under `<nvme_path>/zero_stage_3/<dtype>params/rank<r>.<pid>.<n>/`:
 the bytes live in the file; host memory holds only the pages in use, which the kernel reads on
 demand, writes back when they change and evicts under memory pressure. Everything the store does
 with its shards (gather chunks, write-backs after a step, checkpoints, ds_tensor views) works on
@@ -34,7 +34,8 @@ class NVMeParamStore(ParamStore):
         need = sum(s.numel() * s.element_size() for s in self.shards)
         base = check_nvme_path(CONFIG_KEY, nvme_path, need)
         kind = str(self.dtype).replace("torch.", "")
-        self.folder = fresh_folder(os.path.join(base, "zero_stage_3", f"{kind}params", f"rank{self.rank}"))
+        self.folder, self._finalizer = fresh_folder(
+            os.path.join(base, "zero_stage_3", f"{kind}params", f"rank{self.rank}"), self)
         self._fds: list[int] = []
         for g, shard in enumerate(self.shards):
             path = os.path.join(self.folder, f"g{g}.tensor.swp")

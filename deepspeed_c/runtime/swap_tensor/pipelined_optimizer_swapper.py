@@ -46,6 +46,9 @@ class NVMeOffload(CPUOffload):
     def resident(self) -> contextlib.AbstractContextManager:
         return self.swapper.resident()
 
+    def close(self) -> None:
+        self.swapper.close()
+
     def _step_group(self, g: int, master: torch.Tensor, grad: torch.Tensor, coef: float, gatherer: BucketGatherer,
                     dev_lp: Optional[torch.Tensor]) -> None:
         opt, sw = self.optimizer, self.swapper

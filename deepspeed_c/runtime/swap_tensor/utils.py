@@ -1,8 +1,10 @@
 """Checks and helpers the swappers share: the nvme_path is usable and has room, swap folders."""
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
+import weakref
 from typing import Any
 
 from deepspeed_c.runtime.swap_tensor.aio_config import AioConfig
@@ -49,11 +51,17 @@ def check_nvme_path(key: str, path: Any, bytes_needed: int) -> str:
     return path
 
 
-def fresh_folder(path: str) -> str:
-    """An empty folder for this rank's swap files (left over files of an earlier run are removed)."""
-    shutil.rmtree(path, ignore_errors=True)
-    os.makedirs(path, exist_ok=True)
-    return path
+_instances = itertools.count()
+
+
+def fresh_folder(path: str, owner: Any) -> tuple[str, Any]:
+    """A new empty folder `<path>.<pid>.<n>` for one swapper's files, so two engines of one process
+    (or two runs) sharing an nvme_path never write each other's files, and its remover: called by
+    the owner's close(), else when the owner is garbage collected or the process exits."""
+    folder = f"{path}.{os.getpid()}.{next(_instances)}"
+    shutil.rmtree(folder, ignore_errors=True)
+    os.makedirs(folder, exist_ok=True)
+    return folder, weakref.finalize(owner, shutil.rmtree, folder, True)
 
 
 def new_handle(aio: AioConfig) -> Any:

@@ -111,6 +111,9 @@ class CPUOffload:
         """Masters and optimizer state are in host memory already (NVMeOffload reads them back)."""
         return contextlib.nullcontext()
 
+    def close(self) -> None:
+        """The optimizer is destroyed (NVMeOffload removes its swap files)."""
+
     def reset(self) -> None:
         """Gradients dropped (zero_grad, a skipped step): nothing staged for the next step yet."""
         self._staged = [0] * len(self.masters)

@@ -498,6 +498,8 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
 
     def destroy(self) -> None:
         self.reducer.remove()
+        if self.offload is not None:
+            self.offload.close()
 
     def __repr__(self) -> str:
         return f"DeepSpeedZeroOptimizer(stage={self.stage}, world_size={self.world_size}, {self.optimizer!r})"
