@@ -153,8 +153,9 @@ def fit(run: str, out: str, args) -> None:
                 state["saved"] = True
 
     trainer = pl.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy(name, args.gate_lifted),
-                         precision=args.precision, max_steps=STEPS, gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=True, callbacks=[SaveAtStep()], use_distributed_sampler=True)
+                         precision=args.precision, max_steps=STEPS, gradient_clip_val=1.0, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=True,
+                         callbacks=[SaveAtStep()], use_distributed_sampler=True)
     module = lightning_module()()
     ckpt = os.path.join(os.path.dirname(out), name, "ckpt") if resume else None
     if name == "refuse":

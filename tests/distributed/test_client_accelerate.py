@@ -13,8 +13,8 @@ Each DeepSpeed run: our engine ran it (accelerate's DistributedType.DEEPSPEED, t
 deepspeed_c), its 20 micro-batch losses equal the reference's within fp32 rounding (1e-5 relative), the
 loss falls, the losses after load_state equal those the straight run had, get_state_dict equals the live
 weights, and zero_to_fp32 recovers the weights at save_state from the directory accelerate wrote.
-Bad input: a plugin option we have not built (parameter offload at stage 2) is refused with NotImplementedError naming
-the DeepSpeed key it maps to."""
+Bad input: a plugin option we have not built (parameter offload at stage 2) is refused with
+NotImplementedError naming the DeepSpeed key it maps to."""
 from __future__ import annotations
 
 import json

@@ -5,8 +5,9 @@ rank on the first fit):
 - strategy="deepspeed_stage_1" | "deepspeed_stage_2" | "deepspeed_stage_2_offload" | "deepspeed_stage_3" |
   "deepspeed_stage_3_offload" and DeepSpeedStrategy(config={...}) (stage 2, AdamW in the config) train a
   LightningModule whose layers configure_model builds (at stage 3 inside Lightning's deepspeed.zero.Init,
-  partitioned as constructed; the model summary reads partition_numel()): our engine ran each, at the stage and offload the name asks for, and every rank's 10
-  losses equal those of strategy="ddp" within fp32 rounding (1e-5 relative); the loss falls;
+  partitioned as constructed; the model summary reads partition_numel()): our engine ran each, at the
+  stage and offload the name asks for, and every rank's 10 losses equal those of strategy="ddp" within
+  fp32 rounding (1e-5 relative); the loss falls;
 - trainer.save_checkpoint at step 6 writes a DeepSpeed checkpoint directory that Lightning's
   convert_zero_checkpoint_to_fp32_state_dict turns into the weights the model had then (bit for bit, ZeRO-3
   included) plus Lightning's own state; trainer.fit(ckpt_path=...) from it continues with the straight run's
