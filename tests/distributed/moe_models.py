@@ -20,12 +20,12 @@ def expert() -> nn.Module:
 
 class Block(nn.Module):
 
-    def __init__(self, ep_size: int, k: int, residual: bool) -> None:
+    def __init__(self, ep_size: int, k: int, residual: bool, drop_tokens: bool = True) -> None:
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(H), nn.LayerNorm(H)
         self.attn = nn.MultiheadAttention(H, 2, batch_first=True, bias=False)  # key bias: zero gradient, Adam noise
         self.moe = MoE(H, expert(), num_experts=EXPERTS, ep_size=ep_size, k=k, capacity_factor=1.0, min_capacity=2,
-                       use_residual=residual, use_rts=False, top2_2nd_expert_sampling=False)
+                       use_residual=residual, use_rts=False, top2_2nd_expert_sampling=False, drop_tokens=drop_tokens)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.ln1(x)
@@ -36,10 +36,11 @@ class Block(nn.Module):
 
 class MoENet(nn.Module):
 
-    def __init__(self, ep_sizes: tuple[int, int], residual: bool = False) -> None:
+    def __init__(self, ep_sizes: tuple[int, int], residual: bool = False, drop_tokens: bool = True) -> None:
         super().__init__()
         self.emb = nn.Embedding(V, H)
-        self.blocks = nn.ModuleList([Block(ep_sizes[0], 2, residual), Block(ep_sizes[1], 1, False)])
+        self.blocks = nn.ModuleList([Block(ep_sizes[0], 2, residual, drop_tokens),
+                                     Block(ep_sizes[1], 1, False, drop_tokens)])
         self.head = nn.Linear(H, V)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -52,9 +53,9 @@ class MoENet(nn.Module):
         return nn.functional.cross_entropy(logits.reshape(-1, V), targets.reshape(-1)) + 0.01 * aux
 
 
-def make_full(seed: int, residual: bool = False) -> MoENet:
+def make_full(seed: int, residual: bool = False, drop_tokens: bool = True) -> MoENet:
     torch.manual_seed(seed)
-    model = MoENet((1, 1), residual)
+    model = MoENet((1, 1), residual, drop_tokens)
     if residual:  # the residual MLP starts as a copy of the experts: make it differ, or its coefficient's
         with torch.no_grad():  # gradient is round-off only
             for b in model.blocks:
@@ -81,8 +82,9 @@ def local_name(full_name: str, rank: int, ep_sizes: tuple[int, int]) -> Any:
     return f"{m.group(1)}{global_id % per_rank}{m.group(4)}"
 
 
-def make_sharded(full: MoENet, rank: int, ep_sizes: tuple[int, int], residual: bool = False) -> MoENet:
-    model = MoENet(ep_sizes, residual)
+def make_sharded(full: MoENet, rank: int, ep_sizes: tuple[int, int], residual: bool = False,
+                 drop_tokens: bool = True) -> MoENet:
+    model = MoENet(ep_sizes, residual, drop_tokens)
     state = {}
     for name, value in full.state_dict().items():
         mine = local_name(name, rank, ep_sizes)

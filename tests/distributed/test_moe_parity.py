@@ -1,16 +1,18 @@
 """MoE with expert parallelism on gloo: a small transformer with two MoE layers of different ep_size,
 trained 20 steps through deepspeed_c.initialize at ZeRO stage 0, 1 and 2, against the same model
 trained in one process with every expert local (each step: every rank's micro-batch run separately,
-as the ranks gate their own tokens, and their losses averaged). Losses and every weight (each rank's experts against their
-global counterparts) within fp32 tolerance. The same runs check the expert groups and that after the
-first backward each expert's gradient is the one-process gradient (summed over its
-expert-data-parallel group only, divided by the data-parallel world size, as DeepSpeed).
+as the ranks gate their own tokens, and their losses averaged). Losses and every weight (each rank's
+experts against their global counterparts) within fp32 tolerance. The same runs check the expert
+groups and that after the first backward each expert's gradient is the one-process gradient (summed
+over its expert-data-parallel group only, divided by the data-parallel world size, as DeepSpeed).
+The cases also cover PR-MoE, drop_tokens=False, gradient accumulation, clipping (DeepSpeed's norms),
+offload_optimizer, and bf16/fp16 (there: losses near fp32, replicas bit-identical).
 
-At 4 ranks the same spawn also checks MoE checkpoints in DeepSpeed's layout: saved at ep_size 2
-(dp 2 x ep 2), loaded into a differently initialised model at ep_size 4, training continues with the
-losses of the run that never stopped (Adam's moments followed each expert to its new rank); the files
-are DeepSpeed's (mp_rank_00 without experts, layer_{L}_expert_{E}, expp_rank_{R} optimizer files) and
-zero_to_fp32 consolidates every expert into the one-process model's state dict.
+At 4 ranks the same spawn also checks MoE checkpoints in DeepSpeed's layout: saved at ep_size 2 (dp
+2 x ep 2), loaded into a differently initialised model at ep_size 4, training continues with the
+losses of the run that never stopped (Adam's moments followed each expert to its new rank); the
+files are DeepSpeed's (mp_rank_00 without experts, layer_{L}_expert_{E}, expp_rank_{R} optimizer
+files) and zero_to_fp32 consolidates every expert into the one-process model's state dict.
 
 One spawn per world size runs every case."""
 from __future__ import annotations
@@ -38,7 +40,7 @@ CASES: dict[str, dict[str, Any]] = {
     # name: ep sizes of the two MoE layers, ZeRO stage, PR-MoE, gradient clipping
     "ep4-ep2-z0-clip": dict(ep=(4, 2), stage=0, residual=False, clip=0.05),
     "dp2xep2-z0-prmoe": dict(ep=(2, 2), stage=0, residual=True, clip=0.0),
-    "ep1-ep4-z0": dict(ep=(1, 4), stage=0, residual=False, clip=0.0),
+    "ep1-ep4-z0-nodrop": dict(ep=(1, 4), stage=0, residual=False, clip=0.0, drop=False),
     "ep2-ep1-z0-prmoe-clip": dict(ep=(2, 1), stage=0, residual=True, clip=0.3),
     "dp2xep2-z1-clip-gas2": dict(ep=(2, 2), stage=1, residual=False, clip=0.05, gas=2),
     "ep4-ep2-z2-prmoe": dict(ep=(4, 2), stage=2, residual=True, clip=0.0),
@@ -48,7 +50,8 @@ CASES: dict[str, dict[str, Any]] = {
     "ep2-ep1-z2-fp16-clip": dict(ep=(2, 1), stage=2, residual=False, clip=0.05, fp16=True),
     "ep2-ep1-z2-offload-clip": dict(ep=(2, 1), stage=2, residual=True, clip=0.05, offload=True),
 }
-WORLD_CASES = {4: ["ep4-ep2-z0-clip", "dp2xep2-z0-prmoe", "ep1-ep4-z0", "dp2xep2-z1-clip-gas2", "ep4-ep2-z2-prmoe"],
+WORLD_CASES = {4: ["ep4-ep2-z0-clip", "dp2xep2-z0-prmoe", "ep1-ep4-z0-nodrop", "dp2xep2-z1-clip-gas2",
+                   "ep4-ep2-z2-prmoe"],
                2: ["ep2-ep1-z0-prmoe-clip", "ep2-ep1-z2-clip", "ep2-ep1-z0-bf16-clip", "ep2-ep1-z2-fp16-clip",
                    "ep2-ep1-z2-offload-clip"]}
 
@@ -66,7 +69,8 @@ def _train(rank: int, world: int, name: str) -> dict[str, Any]:
     from deepspeed_c.utils import groups
 
     case = CASES[name]
-    model = make_sharded(make_full(7, case["residual"]), rank, case["ep"], case["residual"])
+    drop = case.get("drop", True)  # drop_tokens=False: capacity maximised over each expert-parallel group
+    model = make_sharded(make_full(7, case["residual"], drop), rank, case["ep"], case["residual"], drop)
     gas = case.get("gas", 1)
     config = _config(case["stage"], case["clip"], case.get("bf16", False), case.get("fp16", False), gas)
     if case.get("offload"):
@@ -184,7 +188,7 @@ def _clip_as_deepspeed_moe(model: torch.nn.Module, clip: float, world: int, ep_s
 
 def reference(name: str, world: int) -> dict[str, Any]:
     case = CASES[name]
-    model = make_full(7, case["residual"])
+    model = make_full(7, case["residual"], case.get("drop", True))
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     losses, first_grads = [], {}
     gas = case.get("gas", 1)
