@@ -54,7 +54,7 @@ def build_accelerator(mode: str):
     return Accelerator(gradient_accumulation_steps=GAS)
 
 
-def train_steps(accelerator, model, optimizer, batches, first: int, last: int) -> list:
+def train_steps(accelerator, model, optimizer, batches, first: int, last: int, norms: list | None = None) -> list:
     losses = []
     dtype = next(accelerator.unwrap_model(model).parameters()).dtype  # bf16 under DeepSpeed's bf16 mode
     for x, y in batches[first * GAS:last * GAS]:
@@ -62,7 +62,10 @@ def train_steps(accelerator, model, optimizer, batches, first: int, last: int) -
             loss = torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y.float())
             accelerator.backward(loss)
             if accelerator.sync_gradients:
-                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                # the pre-clipping norm: torch's here, the engine's get_global_grad_norm() under DeepSpeed
+                norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                if norms is not None:
+                    norms.append(float(norm))
             optimizer.step()
             optimizer.zero_grad()
         losses.append(float(accelerator.gather(loss.detach()[None]).double().mean()))
@@ -80,7 +83,8 @@ def run(mode: str, out: str, batch: int) -> None:
     batches = list(loader)
     assert len(batches) == STEPS * GAS, len(batches)
 
-    losses = train_steps(accelerator, model, optimizer, batches, 0, SAVE_AT)
+    norms: list = []
+    losses = train_steps(accelerator, model, optimizer, batches, 0, SAVE_AT, norms)
     ckpt = os.path.join(out, "state")
     accelerator.save_state(ckpt)
     if accelerator.is_main_process:  # the weights the checkpoint holds, for zero_to_fp32 to recover
@@ -99,7 +103,7 @@ def run(mode: str, out: str, batch: int) -> None:
     if accelerator.is_main_process:
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump({
-                "losses": losses, "resumed": resumed, "consolidated_equal": consolidated_equal,
+                "losses": losses, "resumed": resumed, "consolidated_equal": consolidated_equal, "grad_norms": norms,
                 "num_processes": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type),
                 "zero_stage": ds_config["zero_optimization"]["stage"] if ds_config else None,
                 "offload_optimizer": (ds_config["zero_optimization"].get("offload_optimizer", {}).get("device")

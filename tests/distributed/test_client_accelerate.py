@@ -10,7 +10,8 @@ one training loop with accumulate / backward / clip_grad_norm_ / save_state / lo
 - the reference: the same script without DeepSpeed (Accelerator(gradient_accumulation_steps=2), torch
   AdamW, one process with the global batch, which is the 2-rank DDP arithmetic).
 Each DeepSpeed run: our engine ran it (accelerate's DistributedType.DEEPSPEED, the engine class from
-deepspeed_c), its 20 micro-batch losses equal the reference's within fp32 rounding (1e-5 relative), the
+deepspeed_c), its 20 micro-batch losses and the gradient norms clip_grad_norm_ returns (the engine's
+get_global_grad_norm) equal the reference's within fp32 rounding (1e-5 relative), the
 loss falls, the losses after load_state equal those the straight run had, get_state_dict equals the live
 weights, and zero_to_fp32 recovers the weights at save_state from the directory accelerate wrote.
 Bad input: a plugin option we have not built (parameter offload at stage 2) is refused with
@@ -30,6 +31,7 @@ from tests.distributed.hf_launch import run_user_command  # noqa: E402
 from tests.harness import free_port  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+SAVE_AT = 6  # optimizer steps before save_state (client_accelerate_script.SAVE_AT)
 SCRIPT = str(ROOT / "tests" / "distributed" / "client_accelerate_script.py")
 DS_FILE = {
     "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 2,
@@ -85,6 +87,10 @@ def test_deepspeed_run_matches_plain(runs, name, procs, offload, optimizer):
     assert run["num_processes"] == procs and run["zero_stage"] == 2 and run["gradient_accumulation_steps"] == 2
     assert run["offload_optimizer"] == offload and run["optimizer"] == optimizer, run
     assert _close(run["losses"], ref["losses"]), (run["losses"], ref["losses"])
+    # clip_grad_norm_ returns the engine's get_global_grad_norm(): the norm before clipping, as torch's
+    assert len(ref["grad_norms"]) == SAVE_AT and _close(run["grad_norms"], ref["grad_norms"]), \
+        (run["grad_norms"], ref["grad_norms"])
+    assert max(ref["grad_norms"]) > 1.0  # clipping at 1.0 acted
     # load_state brings back the step-6 model and optimizer: steps 7-10 again give the same losses
     assert run["resumed"] == run["losses"][12:], (run["resumed"], run["losses"][12:])
     assert run["consolidated_equal"]
