@@ -273,9 +273,9 @@ class EngineCheckpointer:
                 module_state.update(whole_frozen_params(tag_dir, manifest, state, model_rank))
         self._load_module(engine, module_state, load_module_strict, custom_load_fn)
         if not load_module_only:
-            if not engine.has_moe_layers:
+            if not engine.has_moe_layers or engine.zero_optimization():
                 self._load_optimizer(engine, saved, load_optimizer_states)
-            elif load_optimizer_states and engine.stepper is not None:
+            elif load_optimizer_states and engine.stepper is not None:  # stage 0: the expp_rank files
                 checkpoint_moe.load_optimizer(engine, tag_dir, manifest)
             if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("lr_scheduler"):
                 engine.lr_scheduler.load_state_dict(state["lr_scheduler"])

@@ -1,4 +1,5 @@
-"""Checkpoints of models with MoE layers in DeepSpeed's MoE layout (stage 0; fp32, bf16, fp16):
+"""Checkpoints of models with MoE layers in DeepSpeed's MoE layout (stage 0; fp32, bf16, fp16; the ZeRO
+1/2 optimizer files are runtime/zero/moe_zero_files.py's):
 
     mp_rank_00_model_states.pt                       the non-expert weights (rank 0), num_experts
     layer_{L}_expert_{E}_mp_rank_00_model_states.pt  expert E (global id) of the L-th MoE layer, its keys
@@ -84,7 +85,7 @@ def save_files(engine: Any, stage_dir: str) -> dict[str, dict]:
                     if k.startswith(f"{head}{j}.")}
             name = expert_file(layer_id, g)
             files[name] = store.save_file(mine, os.path.join(stage_dir, name))
-    if engine.stepper is not None:
+    if engine.stepper is not None and not engine.zero_optimization():  # ZeRO: states in the ZeRO files
         largest = groups._get_max_expert_size_name() if groups._get_expert_parallel_group_dict() else None
         ep_rank, edp_rank = _ranks(largest) if largest else (0, 0)
         if edp_rank == 0:
@@ -178,10 +179,9 @@ def load_optimizer(engine: Any, tag_dir: str, manifest: Any) -> None:
 
 
 def check_supported(engine: Any) -> None:
-    """DeepSpeed's MoE layout is built for stage 0; ZeRO 1/2 raise before any file is written."""
-    if engine.zero_optimization_stage() > 0:
+    """MoE checkpoints are built for stages 0, 1 and 2; others raise before any file is written."""
+    if engine.zero_optimization_stage() > 2:
         raise NotImplementedError("save_checkpoint/load_checkpoint of a model with MoE layers at "
-                                  f"zero_optimization.stage {engine.zero_optimization_stage()} is not built yet "
-                                  "(DeepSpeed's MoE layout is built for stage 0)")
+                                  f"zero_optimization.stage {engine.zero_optimization_stage()} is not built")
 
 

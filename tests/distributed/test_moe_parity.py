@@ -12,7 +12,8 @@ At 4 ranks the same spawn also checks MoE checkpoints in DeepSpeed's layout: sav
 2 x ep 2), loaded into a differently initialised model at ep_size 4, training continues with the
 losses of the run that never stopped (Adam's moments followed each expert to its new rank); the
 files are DeepSpeed's (mp_rank_00 without experts, layer_{L}_expert_{E}, expp_rank_{R} optimizer
-files) and zero_to_fp32 consolidates every expert into the one-process model's state dict.
+files) and zero_to_fp32 consolidates every expert into the one-process model's state dict; bf16 and
+ZeRO-2 checkpoints resume bit-equal at the same layout, and ZeRO-2 ones are refused at another ep_size.
 
 One spawn per world size runs every case."""
 from __future__ import annotations
@@ -155,6 +156,29 @@ def _checkpoint_run(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     engine.load_checkpoint(ckpt, tag="bf16")
     out["resumed_bf16"] = _steps(engine, rank, world, batches[3:])
     engine.destroy()
+    # ZeRO stage 2: one ZeRO file per rank (expert groups partitioned over their expert-data-parallel group),
+    # resumed at the same layout bit-equal; at another ep_size refused, as DeepSpeed
+    z2 = dict(CKPT_CONFIG, zero_optimization={"stage": 2})
+    engine, _, _, _ = deepspeed_c.initialize(model=make_sharded(make_full(7), rank, (2, 2)), config=z2)
+    _steps(engine, rank, world, batches[:3])
+    engine.save_checkpoint(ckpt, tag="z2")
+    out["saved_z2"] = {n: p.detach().numpy().copy() for n, p in engine.module.named_parameters()}
+    dist.barrier()
+    if rank == 0:
+        out["fp32_z2"] = {k: v.numpy().copy() for k, v in get_fp32_state_dict_from_zero_checkpoint(ckpt, "z2").items()}
+    out["straight_z2"] = _steps(engine, rank, world, batches[3:])
+    engine.destroy()
+    engine, _, _, _ = deepspeed_c.initialize(model=make_sharded(make_full(99), rank, (2, 2)), config=z2)
+    engine.load_checkpoint(ckpt, tag="z2")
+    out["resumed_z2"] = _steps(engine, rank, world, batches[3:])
+    engine.destroy()
+    engine, _, _, _ = deepspeed_c.initialize(model=make_sharded(make_full(99), rank, (4, 4)), config=z2)
+    try:
+        engine.load_checkpoint(ckpt, tag="z2")
+        out["z2_ep4"] = "loaded"
+    except NotImplementedError as e:
+        out["z2_ep4"] = str(e)
+    engine.destroy()
     return out
 
 
@@ -281,6 +305,8 @@ def test_moe_checkpoint_resumes_at_another_ep_size_with_the_same_losses() -> Non
         assert r["global_steps"] == 3
         np.testing.assert_allclose(r["resumed"], r["straight"], rtol=1e-5, atol=0)
         assert r["resumed_bf16"] == r["straight_bf16"]
+        assert r["resumed_z2"] == r["straight_z2"]
+        assert "same world size and ep_size" in r["z2_ep4"], r["z2_ep4"]
 
 
 def test_moe_checkpoint_files_are_deepspeeds_layout_and_zero_to_fp32_consolidates_them() -> None:
@@ -292,13 +318,14 @@ def test_moe_checkpoint_files_are_deepspeeds_layout_and_zero_to_fp32_consolidate
             "mp_rank_00_model_states.pt"} <= set(files)
     assert not any("deepspeed_experts" in k for k in results[0]["model_keys"])
     full_names = set(make_full(7).state_dict())
-    fp32 = results[0]["fp32"]
-    assert set(fp32) == full_names
-    for rank, r in enumerate(results):
-        for full_name in full_names:
-            mine = local_name(full_name, rank, (2, 2))
-            if mine is not None:
-                np.testing.assert_array_equal(r["saved"][mine], fp32[full_name], err_msg=f"rank {rank} {mine}")
+    for saved, fp32 in (("saved", results[0]["fp32"]), ("saved_z2", results[0]["fp32_z2"])):  # stage 0, ZeRO-2
+        assert set(fp32) == full_names
+        for rank, r in enumerate(results):
+            for full_name in full_names:
+                mine = local_name(full_name, rank, (2, 2))
+                if mine is not None:
+                    np.testing.assert_array_equal(r[saved][mine], fp32[full_name],
+                                                  err_msg=f"{saved} rank {rank} {mine}")
 
 
 def test_moe_checkpoint_refused_where_not_built() -> None:
@@ -311,6 +338,7 @@ def test_moe_checkpoint_refused_where_not_built() -> None:
         def zero_optimization_stage(self) -> int:
             return self.stage
 
-    with pytest.raises(NotImplementedError, match="zero_optimization.stage 2"):
-        check_supported(Fake(2, False))
+    with pytest.raises(NotImplementedError, match="zero_optimization.stage 3"):
+        check_supported(Fake(3, False))
+    check_supported(Fake(2, True))  # ZeRO 1/2 (same world size and ep_size, as DeepSpeed): built
     check_supported(Fake(0, True))  # fp16/bf16 at stage 0: built

@@ -10,7 +10,7 @@ expert once, so every member takes the same overflow decision; fp16's dynamic lo
 member's, which the others only read. All members share the user's param-group dicts, so lr
 schedulers and `param_groups[i]["lr"]` keep working; each member steps a shallow copy of the user's
 optimizer that sees only its own groups (with offload_optimizer, each member offloads its own
-partitions). Checkpoints are not built for MoE at these stages yet and raise."""
+partitions). Checkpoints: runtime/zero/moe_zero_files.py."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -104,9 +104,11 @@ class MoEZeroOptimizer(EngineOptimizer):
         self.optimizer = basic
         self.stage = stage
         self.dp_group = dp_group
+        self.dp_rank = common["rank"]  # names this rank's ZeRO file
         self.dp_world_size = dp_world_size
         _split_groups(basic)
         self.members: list[_Member] = []
+        self.member_names: list[Optional[str]] = []  # None: the ordinary parameters; else the expert group
         self.scales: list[float] = []
         by_set: dict[Optional[str], list[dict]] = {}
         for g in basic.param_groups:
@@ -122,6 +124,7 @@ class MoEZeroOptimizer(EngineOptimizer):
             if self.members and kw.get("loss_scaler") is not None:
                 kw["loss_scaler"] = _FollowerScaler(kw["loss_scaler"])
             self.members.append(make(_member_optimizer(basic, groups), stage=stage, **kw))
+            self.member_names.append(name)
             # expert gradients: summed over the expert-data-parallel group, divided by the dp world size
             self.scales.append(1.0 / dp_world_size if name is not None and gradient_average else 1.0)
         self.loss_scaler = self.members[0].loss_scaler
@@ -199,13 +202,18 @@ class MoEZeroOptimizer(EngineOptimizer):
     def model_file_state(self) -> Optional[dict]:
         return None
 
-    def partition_checkpoint_state(self, param_name: Callable[[torch.nn.Parameter], str]) -> Any:
-        raise NotImplementedError("save_checkpoint of a model with MoE layers at zero_optimization.stage 1/2 is not "
-                                  "built yet (DeepSpeed's expp_rank_* optimizer files)")
+    def partition_checkpoint_state(self, param_name: Callable[[torch.nn.Parameter], str]) -> tuple[int, dict]:
+        """(data-parallel rank, its ZeRO file): every member's groups in DeepSpeed's flat layout, one after
+        the other (expert groups partitioned over their expert-data-parallel group, partition_count
+        saying so, as DeepSpeed's MoE ZeRO files do). Collective over each member's group."""
+        from deepspeed_c.runtime.zero.moe_zero_files import member_state, merge_member_states
+
+        return self.dp_rank, merge_member_states([member_state(m, param_name) for m in self.members])
 
     def load_checkpoint_state(self, saved: SavedCheckpoint, load_optimizer_states: bool) -> None:
-        raise NotImplementedError("load_checkpoint of a model with MoE layers at zero_optimization.stage 1/2 is not "
-                                  "built yet")
+        from deepspeed_c.runtime.zero.moe_zero_files import load_members
+
+        load_members(self, saved, load_optimizer_states)
 
     def refresh_masters(self) -> None:
         for m in self.members:
