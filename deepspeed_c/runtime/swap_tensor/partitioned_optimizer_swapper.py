@@ -99,8 +99,10 @@ class PartitionedOptimizerSwapper:
 
     def _state(self, g: int) -> dict[str, Any]:
         state = self.optimizer.state[self.masters[g]]
-        if "step" not in state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        step = state.get("step", 0)
+        if not torch.is_tensor(step) or step.dtype != torch.float32 or step.device.type != "cpu":
+            # the C optimizers count steps in a float32 host scalar (a loaded checkpoint may hold an int)
+            state["step"] = torch.tensor(float(step), dtype=torch.float32)
         return state
 
     def _write_initial_state(self) -> None:
