@@ -11,7 +11,9 @@ run with `device: cpu` (ZeRO-Offload, itself tested against torch.optim.Adam in 
 - stage 3 with `offload_param.device: nvme` (and the optimizer state on NVMe too), 8 steps: bit for bit
   the run with both on the host, within 1e-5 of stage 3 without offload; the shards are the swap
   files' bytes and the fetch plan's gathers issued read-ahead;
-- bad nvme_path values fail at initialize naming the path and the bytes needed."""
+- bad nvme_path values fail at initialize naming the path and the bytes needed; two live NVMe engines
+  on one path keep their own files (and remove them on destroy); a stage-2 checkpoint written by the
+  real DeepSpeed 0.19.8 (tests/fixtures) resumes with NVMe offload and continues as DeepSpeed did."""
 from __future__ import annotations
 
 import functools
@@ -310,10 +312,42 @@ def bad_path_body(rank: int, world: int, root: str) -> dict[str, str]:
     a.destroy()
     b.destroy()
     out["left"] = sorted(os.listdir(os.path.join(shared, "zero_stage_2", "optimizer")))
+    out["deepspeed_written"] = _resume_deepspeed_fixture(rank, world, shared)
     return out
 
 
-def test_bad_nvme_path_fails_at_initialize(tmp_path) -> None:
+def _resume_deepspeed_fixture(rank: int, world: int, nvme_path: str) -> list[float]:
+    """A stage-2 checkpoint written by the real DeepSpeed 0.19.8 (tests/fixtures) resumed with the
+    optimizer state on NVMe: the next losses, to compare with DeepSpeed's own continuation."""
+    import sys
+
+    import deepspeed_c
+
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "deepspeed_written")
+    sys.path.insert(0, here)
+    import common
+
+    cfg = common.config(2, False, world)
+    cfg["optimizer"]["params"].pop("torch_adam")  # NVMe offload steps with the C CPU Adam (AdamW mode)
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path}
+    model = common.build_model(False)
+    engine, *_ = deepspeed_c.initialize(model=model, model_parameters=list(model.parameters()), config=cfg)
+    path, _ = engine.load_checkpoint(os.path.join(here, common.case_name(2, False, False, 1)), tag=common.TAG)
+    assert path is not None
+    losses = []
+    for i in range(common.STEPS_AFTER_RESUME):
+        x, y = common.batch(common.STEPS_BEFORE_SAVE + i, rank, world)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    engine.destroy()
+    return losses
+
+
+def test_bad_nvme_path_two_engines_and_a_deepspeed_checkpoint(tmp_path) -> None:
+    """One single-rank run: bad nvme_path values fail at initialize naming the path and the bytes;
+    two live engines on one path keep their own files; a DeepSpeed-written checkpoint resumes."""
     res = run_distributed(bad_path_body, 1, args=(str(tmp_path),), timeout=120)[0]
     n = sum(p.numel() for p in Wide().parameters())
     for name in ("missing", "file"):
@@ -328,6 +362,11 @@ def test_bad_nvme_path_fails_at_initialize(tmp_path) -> None:
     assert n_folders == 2 and same
     assert np.array_equal(res["nvme_weights_after"], res["cpu_weights_after"])
     assert res["left"] == []  # each engine's swap folder goes with it
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "deepspeed_written")
+    expected = torch.load(os.path.join(here, "z2_fp32_train_w1", "expected.pt"), weights_only=True)["next_losses"]
+    assert len(res["deepspeed_written"]) == len(expected)
+    for ours, theirs in zip(res["deepspeed_written"], expected):
+        assert abs(ours - theirs) <= 1e-5 * abs(theirs), (res["deepspeed_written"], expected)
 
 
 def test_nvme_parameters_match_stage3() -> None:
