@@ -177,8 +177,7 @@ class CPUOffload:
         if self.cuda:
             # the device copies of the updated weights: allocated before the side stream waits for the
             # compute stream, since their memory may have been in use there until now
-            dev_lps = [torch.empty(m.numel(), dtype=dt, device=self.device) for m, dt in zip(self.masters,
-                                                                                            self.lp_dtypes)]
+            dev_lps = [torch.empty(n, dtype=dt, device=self.device) for n, dt in zip(self.sizes, self.lp_dtypes)]
             self.stream.wait_stream(torch.cuda.current_stream())
         if not self.fused:
             self._step_whole(grads, coef)

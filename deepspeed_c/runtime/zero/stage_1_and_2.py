@@ -107,7 +107,9 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
             if not params:
                 raise ValueError(f"param group {g} has no trainable parameters; ZeRO needs at least one")
             master_device = torch.device(offload_device) if offload_device else params[0].device
-            pin = pin_memory and master_device.type == "cpu" and torch.cuda.is_available()
+            # NVMe offload empties the masters after writing them out: pinned, their memory would stay in
+            # torch's pinned-memory cache
+            pin = pin_memory and master_device.type == "cpu" and torch.cuda.is_available() and nvme_offload is None
             plan, flat = self._cut_group(g, params, cap, master_dtype, master_device, pin)
             master = torch.nn.Parameter(flat, requires_grad=True)
             group["params"] = [master]
