@@ -304,8 +304,9 @@ class Init:
             remote_device = offload["device"]  # DeepSpeed takes them from the config's offload_param
             pin_memory = pin_memory or offload.get("pin_memory") is True
         if remote_device is not None and str(remote_device) == "nvme":
-            # the shards wait in host memory until initialize moves them into the swap files
-            remote_device = "cpu"
+            # the shards wait in host memory until initialize moves them into the swap files (unpinned:
+            # freed pinned memory would stay in torch's pinned-memory cache)
+            remote_device, pin_memory = "cpu", False
         if remote_device is not None and str(remote_device) not in ("cpu", "none"):
             raise ValueError(f"zero.Init: remote_device must be None, 'cpu' or 'nvme', got {remote_device!r}")
         self.home_device = torch.device("cpu") if str(remote_device) == "cpu" else self.compute_device
