@@ -20,17 +20,18 @@ from deepspeed_c.ops.partition import DEEPSPEED_ALIGNMENT, PartitionPlan
 FP32_KEY = "single_partition_of_fp32_groups"
 
 
-def zero_file_name(dp_rank: int, bf16: bool) -> str:
-    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_00_optim_states.pt"
+def zero_file_name(dp_rank: int, bf16: bool, mp_rank: int = 0) -> str:
+    """mp_rank: the pipeline stage in a pipeline checkpoint (00 otherwise)."""
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
 
 
-def find_zero_file(tag_dir: str, dp_rank: int, bf16: bool) -> str:
+def find_zero_file(tag_dir: str, dp_rank: int, bf16: bool, mp_rank: int = 0) -> str:
     """The name of rank `dp_rank`'s ZeRO file in `tag_dir`: the one this precision writes first, else the
     other (as DeepSpeed's loader does, so a bf16 run loads an fp32 run's files and back)."""
-    for name in (zero_file_name(dp_rank, bf16), zero_file_name(dp_rank, not bf16)):
+    for name in (zero_file_name(dp_rank, bf16, mp_rank), zero_file_name(dp_rank, not bf16, mp_rank)):
         if os.path.isfile(os.path.join(tag_dir, name)):
             return name
-    return zero_file_name(dp_rank, bf16)
+    return zero_file_name(dp_rank, bf16, mp_rank)
 
 
 def group_numels_from_shapes(param_shapes: Any) -> list[list[int]] | None:

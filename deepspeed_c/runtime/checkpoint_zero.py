@@ -73,8 +73,9 @@ class _SavedFiles:
 
     layout = "deepspeed"
 
-    def __init__(self, opt: Any, tag_dir: str, manifest: Any, model_state: dict, bf16: bool) -> None:
-        self.tag_dir, self.manifest, self.bf16 = tag_dir, manifest, bf16
+    def __init__(self, opt: Any, tag_dir: str, manifest: Any, model_state: dict, bf16: bool,
+                 mp_rank: int = 0) -> None:
+        self.tag_dir, self.manifest, self.bf16, self.mp_rank = tag_dir, manifest, bf16, mp_rank
         self.world = model_state.get("dp_world_size") or 1
         self.shape_numels = deepspeed_format.group_numels_from_shapes(model_state.get("param_shapes"))
         self.numels = [list(plan.numels) for plan in opt.partition_plans]
@@ -82,7 +83,7 @@ class _SavedFiles:
                                           DEEPSPEED_ALIGNMENT) for plan in opt.partition_plans]
 
     def open(self, r: int) -> tuple[dict, MappedPages]:
-        name = deepspeed_format.find_zero_file(self.tag_dir, r, self.bf16)
+        name = deepspeed_format.find_zero_file(self.tag_dir, r, self.bf16, self.mp_rank)
         obj, mapped = store.load_file_mapped(self.tag_dir, name, self.manifest)
         part = deepspeed_format.normalize_zero_state(obj["optimizer_state_dict"], self.shape_numels, self.world)
         if part.get("layout") != "deepspeed":
@@ -200,17 +201,18 @@ def _load_resharded(opt: Any, files: _SavedFiles, masters: bool, states: bool) -
 
 def load_zero_checkpoint(opt: Any, tag_dir: str, manifest: Any, model_state: dict, bf16: bool,
                          load_optimizer_states: bool, load_from_fp32_weights: bool, saved_stage3: bool = False,
-                         module_only: bool = False) -> None:
+                         module_only: bool = False, mp_rank: int = 0) -> None:
     """Load a tag's ZeRO files (ours or DeepSpeed's; stage 1/2, or stage 3 with `saved_stage3`) into `opt`
     (a stage 1/2 or 3 optimizer), at the saved world size or another (collective over opt's data-parallel
     group). A stage-3 checkpoint's weights exist only as its fp32 partitions: they are always loaded.
-    `module_only` (load_module_only): the masters only, then the model weights from them."""
+    `module_only` (load_module_only): the masters only, then the model weights from them. `mp_rank`: the
+    pipeline stage whose files to read (zero_pp_rank_{r}_mp_rank_{stage:02d}_optim_states.pt)."""
     if saved_stage3:
         from deepspeed_c.runtime.checkpoint_zero3 import Stage3Files
 
         files: Any = Stage3Files(opt, tag_dir, manifest, model_state, bf16)
     else:
-        files = _SavedFiles(opt, tag_dir, manifest, model_state, bf16)
+        files = _SavedFiles(opt, tag_dir, manifest, model_state, bf16, mp_rank)
     masters = bool(load_from_fp32_weights) or saved_stage3 or module_only
     states = bool(load_optimizer_states) and not module_only
     if files.world == opt.world_size:

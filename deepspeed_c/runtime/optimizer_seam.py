@@ -29,6 +29,7 @@ class SavedCheckpoint:
     # placeholders; the weights are the ZeRO files' fp32 partitions and the frozen_param_fragments
     partitioned_weights: bool = False
     model_rank: Optional[int] = None  # whose per-rank model-states file model_state is (stage 3)
+    mp_rank: int = 0  # a pipeline checkpoint: the stage whose ZeRO files (..._mp_rank_{stage:02d}_...) to read
 
 
 class EngineOptimizer:

@@ -18,7 +18,7 @@ import torch
 from tests.distributed import pipe_models as pm
 from tests.harness import run_distributed
 
-STEPS, LR, SGD_LR = 3, 1e-2, 0.05
+STEPS, LR, SGD_LR, CLIP = 3, 1e-2, 0.05, 0.05
 
 
 def _layer_weights(model) -> dict:
@@ -219,20 +219,25 @@ def _load_on_two_stages(world: int, ckpt_dir: str) -> dict:
 
 
 def _resume(world: int, ckpt_dir: str) -> dict:
-    """engine.save_checkpoint after 2 of 4 steps on 4 stages, load_checkpoint, 2 more steps: on 4
-    stages with Adam (optimizer states restored), and on 2 stages x 2 data-parallel with SGD (layers
-    re-partitioned; the same 4 micro-batches a step, 2 per replica)."""
+    """engine.save_checkpoint after 2 of 4 steps, load_checkpoint, 2 more steps, all with Adam: 4
+    stages -> 4 stages (optimizer states restored); 4 stages -> 2 stages x 2 data-parallel (layers
+    re-partitioned, Adam states found by parameter name; the same 4 micro-batches a step, 2 per
+    replica); 2 x 2 -> 2 x 2 with ZeRO-1, tied layers and clipping across stages (the ZeRO files'
+    partitions restored)."""
     data = pm.batches(4, 1)
     out = {}
-    for name, sgd, stages in (("adam4", False, 4), ("sgd2", True, 2)):
+    for name, saved_stages, stages, kw in (("adam4", 4, 4, {}), ("adam2", 4, 2, {}),
+                                          ("zero1", 2, 2, {"zero": 1, "clip": CLIP})):
         path = os.path.join(ckpt_dir, name)
-        _, engine = _engine(world, 4, sgd=sgd)
+        sgas = pm.GAS // (world // saved_stages)
+        _, engine = _engine(world, saved_stages, gas=sgas, **kw)
+        d = engine.grid.get_data_parallel_rank()
         for step in data[:2]:
-            engine.train_batch(iter(step))
+            engine.train_batch(iter(step[d * sgas:(d + 1) * sgas]))
         engine.save_checkpoint(path, client_state={"note": name})
         dp = world // stages
         gas = pm.GAS // dp
-        _, engine = _engine(world, stages, sgd=sgd, gas=gas)
+        _, engine = _engine(world, stages, gas=gas, **kw)
         _, client = engine.load_checkpoint(path)
         d = engine.grid.get_data_parallel_rank()
         out[name] = [float(engine.train_batch(iter(step[d * gas:(d + 1) * gas]))) for step in data[2:]]
@@ -246,7 +251,7 @@ def body4(rank: int, world: int, ckpt_dir: str) -> list:
     os.environ["PIPE_TEST_DIR"] = ckpt_dir
     return [_train(world, 4, save_to=ckpt_dir), _train(world, 2, zero=1, method="type:linear", parallel_write=True),
             _train(world, 2, ckpt=1), _load_on_two_stages(world, ckpt_dir),
-            _train(world, 2, zero=1, tied=False, clip=0.05), _train(world, 4, gas=8), _resume(world, ckpt_dir),
+            _train(world, 2, zero=1, tied=True, clip=CLIP), _train(world, 4, gas=8), _resume(world, ckpt_dir),
             _train(world, 4, schedule="zb_h1", ckpt=1, reentrant=False),
             _train(world, 2, zero=1, schedule="interleaved", virtual=2)]
 
@@ -325,7 +330,7 @@ def test_four_stages_pipe_by_data_zero1_and_checkpoints(tmp_path):
     _check(results, 0, 1)
     _check(results, 1, 2)
     _check(results, 2, 2)
-    _check(results, 4, 2, clip=0.05, tied=False)
+    _check(results, 4, 2, clip=CLIP)  # ZeRO-1, tied layers across stages, clipping: each tied weight counted once
     _check(results, 5, 1, gas=8)
     _check(results, 7, 1)  # zero-bubble on 4 stages, non-reentrant activation checkpointing
     # a ZeRO-1 pipe x data checkpoint with checkpoint.parallel_write.pipeline_stage: both replicas
@@ -353,14 +358,19 @@ def test_four_stages_pipe_by_data_zero1_and_checkpoints(tmp_path):
     seq.load_state_dict(state_dict_from_layer_files(str(tmp_path)))
     for key, p in seq.state_dict().items():
         np.testing.assert_allclose(p.numpy(), want_w[key], rtol=1e-5, atol=1e-7)
-    # engine checkpoints: saved on 4 stages, resumed on 4 (Adam) and on 2 x 2 (SGD): the losses of the
-    # uninterrupted single-process run
+    # engine checkpoints with Adam: saved on 4 stages, resumed on 4 and on 2 x 2; saved and resumed on 2 x 2
+    # with ZeRO-1 and clipping: the losses of the uninterrupted single-process run
     adam, _ = pm.reference(4, 1, LR, 0.0)
-    sgd, _ = pm.reference(4, 1, SGD_LR, 0.0, sgd=True)
+    clipped, _ = pm.reference(4, 1, LR, CLIP)
     for r in results:
         res = r[6]
         np.testing.assert_allclose(res["adam4"], adam[2:], rtol=1e-5)
-        np.testing.assert_allclose(res["sgd2"], sgd[2:], rtol=1e-5)
-        assert res["adam4_steps"] == res["sgd2_steps"] == 4 and res["adam4_client"] == "adam4"
+        np.testing.assert_allclose(res["adam2"], adam[2:], rtol=1e-5)
+        np.testing.assert_allclose(res["zero1"], clipped[2:], rtol=1e-5)
+        assert res["adam4_steps"] == res["adam2_steps"] == res["zero1_steps"] == 4
+        assert res["adam4_client"] == "adam4" and res["zero1_client"] == "zero1"
     assert results[0][6]["adam4_files"] == [f"layer_{i:02d}-model_states.pt" for i in range(7)] + \
         [f"mp_rank_{s:02d}_model_states.pt" for s in range(4)]
+    assert results[0][6]["zero1_files"] == sorted(
+        [f"layer_{i:02d}-model_states.pt" for i in range(7)] + [f"mp_rank_{s:02d}_model_states.pt" for s in range(2)]
+        + [f"zero_pp_rank_{d}_mp_rank_{s:02d}_optim_states.pt" for d in range(2) for s in range(2)])

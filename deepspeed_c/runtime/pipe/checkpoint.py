@@ -4,6 +4,7 @@ model of the same layers) can load them: each stage reads the files of the layer
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -83,8 +84,10 @@ class PipeCheckpointer:
     tag/layer_XX-model_states.pt (weights, per layer, so another pipeline degree can read them),
     tag/mp_rank_{stage}_model_states.pt (module None; the stage's optimizer state, LR scheduler and
     counters), ZeRO-1 tag/[bf16_]zero_pp_rank_{dp}_mp_rank_{stage}_optim_states.pt, and `latest`.
-    Optimizer states come back when the pipeline degree and ZeRO stage 0 match what was saved;
-    with another degree the layers are re-partitioned and the optimizer starts fresh (a warning)."""
+    Optimizer states come back when the number of stages matches what was saved (ZeRO-1 from the
+    stage's ZeRO files, re-cut if the data-parallel degree differs); with another number of stages
+    the layers are re-partitioned, a torch optimizer stepped directly (fp32, ZeRO stage 0) gets its
+    states by parameter name (optim_reshard.py) and any other starts fresh (a warning)."""
 
     def save(self, engine: Any, save_dir: str, tag: Any, client_state: dict, save_latest: bool,
              exclude_frozen_parameters: bool) -> bool:
@@ -113,9 +116,13 @@ class PipeCheckpointer:
                   {"optimizer_state_dict": part[1], "ds_config": engine._config._param_dict,
                    "ds_version": DEEPSPEED_API_VERSION})
         if dp_rank == 0:
+            # DeepSpeed's param_shapes: per param group, the names the optimizer's positions stand for
+            # (what lets another pipeline degree find each layer's optimizer state, optim_reshard.py)
+            groups = stepper.model_param_groups() if stepper is not None else []
             state = {
                 "module": None,
                 "optimizer": stepper.model_file_state() if stepper is not None and part is None else None,
+                "param_shapes": [OrderedDict((names[id(p)], p.shape) for p in ps if id(p) in names) for ps in groups],
                 "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
                 "sparse_tensor_module_names": set(),
                 "skipped_steps": engine.skipped_steps,
@@ -137,7 +144,6 @@ class PipeCheckpointer:
 
     def load(self, engine: Any, load_dir: str, tag: Any, load_module_strict: bool, load_optimizer_states: bool,
              load_lr_scheduler_states: bool, load_module_only: bool, custom_load_fn: Any) -> tuple:
-        from deepspeed_c.runtime.optimizer_seam import SavedCheckpoint
         from deepspeed_c.utils.logging import logger
 
         if custom_load_fn is not None:
@@ -158,35 +164,67 @@ class PipeCheckpointer:
         if not os.path.isfile(path):
             path = os.path.join(tag_dir, _state_file(0))  # fewer stages saved than now: counters are shared
         state = torch.load(path, map_location="cpu", weights_only=False)
-        same_layout = state.get("mp_world_size") == engine.num_stages
         stepper = engine.stepper
         if stepper is not None:
-            if load_module_only or not load_optimizer_states or state.get("optimizer") is None or not same_layout:
-                if load_optimizer_states and not load_module_only and not same_layout:
-                    logger.warning(f"load_checkpoint: {tag_dir} was saved with {state.get('mp_world_size')} pipeline "
-                                   f"stages, this engine has {engine.num_stages}: weights re-partitioned, optimizer "
-                                   "states not restored")
-                if load_optimizer_states and not load_module_only and same_layout and state.get("optimizer") is None:
-                    raise NotImplementedError("load_checkpoint: restoring ZeRO-1 optimizer states of a pipeline "
-                                              "checkpoint is not built yet; pass load_optimizer_states=False")
+            if load_module_only or not load_optimizer_states:
                 stepper.refresh_masters()
             else:
-                saved = SavedCheckpoint(tag_dir=tag_dir, manifest=None, model_state=state,
-                                        bf16=engine.precision.bf16.enabled, load_from_fp32_weights=False,
-                                        node_local=False)
-                stepper.load_checkpoint_state(saved, True)
+                self._load_optimizer(engine, tag_dir, state)
         if not load_module_only:
             if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("lr_scheduler"):
                 engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
             engine.global_steps = state["global_steps"]
             engine.global_samples = state.get("global_samples", 0)
             engine.skipped_steps = state["skipped_steps"]
-        ds_keys = {"module", "optimizer", "lr_scheduler", "sparse_tensor_module_names", "skipped_steps",
+        ds_keys = {"module", "optimizer", "param_shapes", "lr_scheduler", "sparse_tensor_module_names", "skipped_steps",
                    "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version"}
         return path, {k: v for k, v in state.items() if k not in ds_keys}
 
 
+    @staticmethod
+    def _load_optimizer(engine: Any, tag_dir: str, state: dict) -> None:
+        """The optimizer states: from this stage's files when the checkpoint has as many stages
+        (ZeRO-1: the zero_pp_rank_{dp}_mp_rank_{stage} files, re-cut if the data-parallel degree
+        differs); with another number of stages, a torch optimizer's states by parameter name
+        (optim_reshard.py); otherwise the optimizer starts fresh, with a warning."""
+        from deepspeed_c.runtime.optimizer_seam import PlainOptimizer, SavedCheckpoint
+        from deepspeed_c.utils.logging import logger
+
+        stepper, saved_stages = engine.stepper, state.get("mp_world_size")
+        zero = engine.zero_optimization_stage() > 0
+        saved_zero = state.get("optimizer") is None and any(
+            n.endswith("_mp_rank_00_optim_states.pt") and "zero_pp_rank_" in n for n in os.listdir(tag_dir))
+        if zero != saved_zero:
+            raise ValueError(f"load_checkpoint: {tag_dir} was saved with {'ZeRO' if saved_zero else 'no ZeRO'} "
+                             f"optimizer states, this engine runs zero_optimization.stage "
+                             f"{engine.zero_optimization_stage()}; pass load_optimizer_states=False")
+        if saved_stages == engine.num_stages:
+            saved = SavedCheckpoint(tag_dir=tag_dir, manifest=None, model_state=state,
+                                    bf16=engine.precision.bf16.enabled,
+                                    load_from_fp32_weights=bool(engine._config.zero_config.load_from_fp32_weights),
+                                    node_local=False, mp_rank=engine.stage_id)
+            stepper.load_checkpoint_state(saved, True)
+            return
+        why = "ZeRO-1 partitions and bf16/fp16 masters are not re-partitioned across stages"
+        if isinstance(stepper, PlainOptimizer):
+            from .optim_reshard import restore_by_name
+
+            names = {id(p): n for n, p in engine.module.named_parameters()}
+            why = restore_by_name(stepper.optimizer, [[names[id(p)] for p in ps] for ps in stepper.model_param_groups()],
+                                  tag_dir, int(saved_stages))
+            if why is None:
+                return
+        logger.warning(f"load_checkpoint: {tag_dir} was saved with {saved_stages} pipeline stages, this engine has "
+                       f"{engine.num_stages}: weights re-partitioned, optimizer states not restored ({why})")
+        stepper.refresh_masters()
+
+
 def _save(path: str, obj: Any) -> None:
+    from deepspeed_c.checkpoint import ds_pickle
+
+    # a ZeRO file's loss scaler and stage are DeepSpeed objects: written under DeepSpeed's class names,
+    # which the weights_only loaders (DeepSpeed's and checkpoint_zero's) accept
+    pickler = {"pickle_module": ds_pickle} if ds_pickle.contains_stand_ins(obj) else {}
     tmp = path + ".tmp"
-    torch.save(obj, tmp)
+    torch.save(obj, tmp, **pickler)
     os.replace(tmp, path)

@@ -92,12 +92,6 @@ class PipelineEngine(DeepSpeedEngine):
         self.total_loss: Optional[torch.Tensor] = None
         self.agg_train_loss: Optional[torch.Tensor] = None
         self.dynamic_shape = bool(getattr(model, "dynamic_shape", False))
-        if self._pipe_clips and self.zero_optimization_stage() > 0 and any(
-                getattr(p, "ds_pipe_replicated", False) for p in model.parameters()):
-            raise NotImplementedError(
-                "gradient_clipping with ZeRO stage 1 and tied layers across pipeline stages: the flat gradient "
-                "partitions cannot leave the tied copies out of the norm yet; set gradient_clipping to 0 or use "
-                "zero_optimization.stage 0")
         if self.zero_optimization_stage() > 1:
             raise NotImplementedError(
                 f"zero_optimization.stage={self.zero_optimization_stage()}: pipeline parallelism works with "

@@ -287,14 +287,20 @@ class PipeExecutor:
     def _step_gradients(self) -> tuple[list, list]:
         """(tensors counted in the norm, tensors to scale): where the optimizer will read this
         stage's reduced gradients from. ZeRO-1: this rank's flat partitions (the norm then also
-        sums over the data-parallel group); else each parameter's slot (param.grad or its fp32
-        accumulator), tied copies on later stages scaled but not counted."""
+        sums over the data-parallel group), counted without the elements of tied copies on later
+        stages; else each parameter's slot (param.grad or its fp32 accumulator), tied copies on
+        later stages scaled but not counted."""
         e = self.e
         owned = e.stepper.owned_reducer() if e.stepper is not None else None
         parts = getattr(owned, "grad_partitions", None)
         if parts is not None:
-            parts = [t for t in parts if t is not None]
-            return parts, parts
+            counted, scaled = [], []
+            for g, t in enumerate(parts):
+                if t is None:
+                    continue
+                scaled.append(t)
+                counted += [t[a:b] for a, b in self._counted_ranges(g, t.numel())]
+            return counted, scaled
         slots = e.stepper.reduction_slots() if e.stepper is not None else None
         counted, scaled = [], []
         for p in e.module.parameters():
@@ -307,6 +313,25 @@ class PipeExecutor:
             if not getattr(p, "ds_pipe_replicated", False):
                 counted.append(g)
         return counted, scaled
+
+    def _counted_ranges(self, g: int, numel: int) -> list[tuple[int, int]]:
+        """[start, end) ranges of this rank's group-g gradient partition that count in the norm:
+        all but the slices of tied weights a later stage holds (the first stage of the tie counts
+        them once). The partition plan is fixed, so the ranges are worked out once."""
+        cache = self.__dict__.setdefault("_ranges", {})
+        if g not in cache:
+            opt = self.e.stepper
+            dup = sorted((local, local + n) for i, p in enumerate(opt.bit16_groups[g])
+                         if getattr(p, "ds_pipe_replicated", False) for _, local, n in opt.param_slices(g, i))
+            out, pos = [], 0
+            for a, b in dup:
+                if a > pos:
+                    out.append((pos, a))
+                pos = max(pos, b)
+            if pos < numel:
+                out.append((pos, numel))
+            cache[g] = out
+        return cache[g]
 
     def _clip_across_stages(self, max_norm: float) -> float:
         """Clip with the L2 norm of every stage's gradients (the optimizers were built without

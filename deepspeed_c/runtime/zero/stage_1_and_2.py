@@ -269,7 +269,7 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
         # at the saved world size each rank reads only its own ZeRO file (all a node-local checkpoint holds)
         load_zero_checkpoint(self, saved.tag_dir, saved.manifest, saved.model_state, saved.bf16,
                              load_optimizer_states, saved.load_from_fp32_weights,
-                             saved_stage3=saved.partitioned_weights)
+                             saved_stage3=saved.partitioned_weights, mp_rank=saved.mp_rank)
 
     def _check_node_local(self, saved: SavedCheckpoint) -> None:
         saved_world = saved.model_state.get("dp_world_size") or 1
