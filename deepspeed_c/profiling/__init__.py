@@ -1,0 +1,1 @@
+"""deepspeed_c.profiling: the flops profiler (deepspeed.profiling's module path)."""
