@@ -1,0 +1,1 @@
+"""deepspeed.sequence: sequence parallelism (DeepSpeed-Ulysses) -- `layer.DistributedAttention`."""
