@@ -219,15 +219,15 @@ def _load_on_two_stages(world: int, ckpt_dir: str) -> dict:
 
 
 def _resume(world: int, ckpt_dir: str) -> dict:
-    """engine.save_checkpoint after 2 of 4 steps, load_checkpoint, 2 more steps, all with Adam: 4
-    stages -> 4 stages (optimizer states restored); 4 stages -> 2 stages x 2 data-parallel (layers
+    """engine.save_checkpoint after 2 of 4 steps, load_checkpoint, 2 more steps, all with Adam: saved
+    on 4 stages, resumed on 4 (this stage's states) and on 2 stages x 2 data-parallel (layers
     re-partitioned, Adam states found by parameter name; the same 4 micro-batches a step, 2 per
-    replica); 2 x 2 -> 2 x 2 with ZeRO-1, tied layers and clipping across stages (the ZeRO files'
-    partitions restored)."""
+    replica); saved on 2 x 2 with ZeRO-1, tied layers and clipping across stages, resumed on 2 x 2
+    (each rank's ZeRO file) and on 4 stages x 1 (ZeRO partitions rebuilt by parameter name)."""
     data = pm.batches(4, 1)
     out = {}
-    for name, saved_stages, stages, kw in (("adam4", 4, 4, {}), ("adam2", 4, 2, {}),
-                                          ("zero1", 2, 2, {"zero": 1, "clip": CLIP})):
+    for name, saved_stages, load_stages, kw in (("adam", 4, (4, 2), {}),
+                                                ("zero1_", 2, (2, 4), {"zero": 1, "clip": CLIP})):
         path = os.path.join(ckpt_dir, name)
         sgas = pm.GAS // (world // saved_stages)
         _, engine = _engine(world, saved_stages, gas=sgas, **kw)
@@ -235,15 +235,16 @@ def _resume(world: int, ckpt_dir: str) -> dict:
         for step in data[:2]:
             engine.train_batch(iter(step[d * sgas:(d + 1) * sgas]))
         engine.save_checkpoint(path, client_state={"note": name})
-        dp = world // stages
-        gas = pm.GAS // dp
-        _, engine = _engine(world, stages, gas=gas, **kw)
-        _, client = engine.load_checkpoint(path)
-        d = engine.grid.get_data_parallel_rank()
-        out[name] = [float(engine.train_batch(iter(step[d * gas:(d + 1) * gas]))) for step in data[2:]]
-        out[name + "_steps"] = engine.global_steps
-        out[name + "_client"] = client.get("note")
-        out[name + "_files"] = sorted(os.listdir(os.path.join(path, "global_step2")))
+        out[name + "files"] = sorted(os.listdir(os.path.join(path, "global_step2")))
+        for stages in load_stages:
+            gas = pm.GAS // (world // stages)
+            _, engine = _engine(world, stages, gas=gas, **kw)
+            _, client = engine.load_checkpoint(path)
+            d = engine.grid.get_data_parallel_rank()
+            key = f"{name}{stages}"
+            out[key] = [float(engine.train_batch(iter(step[d * gas:(d + 1) * gas]))) for step in data[2:]]
+            out[key + "_steps"] = engine.global_steps
+            out[key + "_client"] = client.get("note")
     return out
 
 
@@ -358,18 +359,16 @@ def test_four_stages_pipe_by_data_zero1_and_checkpoints(tmp_path):
     seq.load_state_dict(state_dict_from_layer_files(str(tmp_path)))
     for key, p in seq.state_dict().items():
         np.testing.assert_allclose(p.numpy(), want_w[key], rtol=1e-5, atol=1e-7)
-    # engine checkpoints with Adam: saved on 4 stages, resumed on 4 and on 2 x 2; saved and resumed on 2 x 2
-    # with ZeRO-1 and clipping: the losses of the uninterrupted single-process run
+    # engine checkpoints with Adam: saved on 4 stages, resumed on 4 and on 2 x 2; saved on 2 x 2 with ZeRO-1
+    # and clipping, resumed on 2 x 2 and on 4: the losses of the uninterrupted single-process run
     adam, _ = pm.reference(4, 1, LR, 0.0)
     clipped, _ = pm.reference(4, 1, LR, CLIP)
     for r in results:
         res = r[6]
-        np.testing.assert_allclose(res["adam4"], adam[2:], rtol=1e-5)
-        np.testing.assert_allclose(res["adam2"], adam[2:], rtol=1e-5)
-        np.testing.assert_allclose(res["zero1"], clipped[2:], rtol=1e-5)
-        assert res["adam4_steps"] == res["adam2_steps"] == res["zero1_steps"] == 4
-        assert res["adam4_client"] == "adam4" and res["zero1_client"] == "zero1"
-    assert results[0][6]["adam4_files"] == [f"layer_{i:02d}-model_states.pt" for i in range(7)] + \
+        for key, want in (("adam4", adam), ("adam2", adam), ("zero1_2", clipped), ("zero1_4", clipped)):
+            np.testing.assert_allclose(res[key], want[2:], rtol=1e-5, err_msg=key)
+            assert res[key + "_steps"] == 4 and res[key + "_client"] == key[:-1], key
+    assert results[0][6]["adamfiles"] == [f"layer_{i:02d}-model_states.pt" for i in range(7)] + \
         [f"mp_rank_{s:02d}_model_states.pt" for s in range(4)]
     assert results[0][6]["zero1_files"] == sorted(
         [f"layer_{i:02d}-model_states.pt" for i in range(7)] + [f"mp_rank_{s:02d}_model_states.pt" for s in range(2)]

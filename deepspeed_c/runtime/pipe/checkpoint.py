@@ -86,8 +86,9 @@ class PipeCheckpointer:
     counters), ZeRO-1 tag/[bf16_]zero_pp_rank_{dp}_mp_rank_{stage}_optim_states.pt, and `latest`.
     Optimizer states come back when the number of stages matches what was saved (ZeRO-1 from the
     stage's ZeRO files, re-cut if the data-parallel degree differs); with another number of stages
-    the layers are re-partitioned, a torch optimizer stepped directly (fp32, ZeRO stage 0) gets its
-    states by parameter name (optim_reshard.py) and any other starts fresh (a warning)."""
+    the layers are re-partitioned and the optimizer states found by parameter name (optim_reshard.py:
+    a torch optimizer stepped directly, ZeRO-1); the bf16/fp16 optimizers of ZeRO stage 0 start
+    fresh (a warning)."""
 
     def save(self, engine: Any, save_dir: str, tag: Any, client_state: dict, save_latest: bool,
              exclude_frozen_parameters: bool) -> bool:
@@ -180,13 +181,12 @@ class PipeCheckpointer:
                    "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version"}
         return path, {k: v for k, v in state.items() if k not in ds_keys}
 
-
     @staticmethod
     def _load_optimizer(engine: Any, tag_dir: str, state: dict) -> None:
         """The optimizer states: from this stage's files when the checkpoint has as many stages
         (ZeRO-1: the zero_pp_rank_{dp}_mp_rank_{stage} files, re-cut if the data-parallel degree
-        differs); with another number of stages, a torch optimizer's states by parameter name
-        (optim_reshard.py); otherwise the optimizer starts fresh, with a warning."""
+        differs); with another number of stages, by parameter name (optim_reshard.py); where that
+        cannot be done the optimizer starts fresh, with a warning."""
         from deepspeed_c.runtime.optimizer_seam import PlainOptimizer, SavedCheckpoint
         from deepspeed_c.utils.logging import logger
 
@@ -205,15 +205,19 @@ class PipeCheckpointer:
                                     node_local=False, mp_rank=engine.stage_id)
             stepper.load_checkpoint_state(saved, True)
             return
-        why = "ZeRO-1 partitions and bf16/fp16 masters are not re-partitioned across stages"
+        why = "the bf16/fp16 optimizers' masters are not re-partitioned across stages"
+        names = {id(p): n for n, p in engine.module.named_parameters()}
+        groups = [[names[id(p)] for p in ps] for ps in stepper.model_param_groups()]
         if isinstance(stepper, PlainOptimizer):
             from .optim_reshard import restore_by_name
 
-            names = {id(p): n for n, p in engine.module.named_parameters()}
-            why = restore_by_name(stepper.optimizer, [[names[id(p)] for p in ps] for ps in stepper.model_param_groups()],
-                                  tag_dir, int(saved_stages))
-            if why is None:
-                return
+            why = restore_by_name(stepper.optimizer, groups, tag_dir, int(saved_stages))
+        elif zero:
+            from .optim_reshard import restore_zero_by_name
+
+            why = restore_zero_by_name(stepper, groups, tag_dir, int(saved_stages), engine.precision.bf16.enabled)
+        if why is None:
+            return
         logger.warning(f"load_checkpoint: {tag_dir} was saved with {saved_stages} pipeline stages, this engine has "
                        f"{engine.num_stages}: weights re-partitioned, optimizer states not restored ({why})")
         stepper.refresh_masters()

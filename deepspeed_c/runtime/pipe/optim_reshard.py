@@ -8,15 +8,22 @@ field: per param group, name -> shape, in the order the optimizer steps them), w
 positions of its `optimizer` state_dict. Loading on another degree reads every saved stage's
 file, collects the per-parameter state by name and lays it out in this stage's optimizer order.
 
-Built for a torch optimizer stepped directly (fp32, zero_optimization.stage 0): its state is
-per parameter. ZeRO-1 (flat partitions) and the bf16/fp16 optimizers (masters held beside the
-state) are not re-partitioned here; the caller says so and starts them fresh."""
+A torch optimizer stepped directly (fp32, zero_optimization.stage 0) keeps its state per
+parameter (restore_by_name). ZeRO-1 keeps flat partitions (restore_zero_by_name): each saved
+stage's ZeRO files, one per data-parallel rank, are put back together into whole parameters'
+masters and moments (DeepSpeed's layout of that stage's groups, named by its param_shapes), and
+this rank's partitions are cut from them, whatever the new data-parallel degree. The bf16/fp16
+optimizers of ZeRO stage 0 (masters held beside the state) are not re-partitioned here; the
+caller says so and starts them fresh."""
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Optional
 
 import torch
+
+FP32_KEY = "single_partition_of_fp32_groups"
 
 
 def saved_state_by_name(tag_dir: str, stages: int) -> Optional[tuple[dict, list]]:
@@ -69,4 +76,78 @@ def restore_by_name(optimizer: torch.optim.Optimizer, names: list[list[str]], ta
                 state[idx] = st
     param_groups = [dict(saved_hp, params=group["params"]) for saved_hp, group in zip(groups, current["param_groups"])]
     optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+    return None
+
+
+def _zero_stage_by_name(tag_dir: str, stage: int, bf16: bool, out: dict) -> Optional[str]:
+    """Adds one saved stage's ZeRO-1 state to `out` (masters, flat moments and per-group scalars by
+    parameter name; the stage's param groups' hyperparameters and loss scaler)."""
+    from deepspeed_c.checkpoint import deepspeed_format, store
+    from deepspeed_c.ops.partition import DEEPSPEED_ALIGNMENT, PartitionPlan
+    from deepspeed_c.runtime.checkpoint_zero import _flat_state_keys
+
+    model_file = f"mp_rank_{stage:02d}_model_states.pt"
+    if not os.path.isfile(os.path.join(tag_dir, model_file)):
+        return f"{model_file} is missing"
+    st = torch.load(os.path.join(tag_dir, model_file), map_location="cpu", weights_only=False)
+    shapes, world = st.get("param_shapes"), int(st.get("dp_world_size") or 1)
+    if not shapes:
+        return f"{model_file} does not name its parameters (param_shapes)"
+    parts = []
+    for r in range(world):
+        name = deepspeed_format.find_zero_file(tag_dir, r, bf16, stage)
+        if not os.path.isfile(os.path.join(tag_dir, name)):
+            return f"{name} is missing"
+        obj = store.load_file(tag_dir, name, None)
+        parts.append(deepspeed_format.normalize_zero_state(obj["optimizer_state_dict"], None, world))
+    if parts[0].get("layout") != "deepspeed":
+        return f"the ZeRO files of stage {stage} are not in DeepSpeed's flat layout"
+    out.setdefault("loss_scaler", parts[0].get("loss_scaler"))
+    base0 = parts[0]["base_optimizer_state"]
+    for g, group_names in enumerate(shapes):
+        numels = [math.prod(tuple(shape)) for shape in group_names.values()]
+        plan = PartitionPlan.build(numels, world, max(max(numels, default=1), 1), DEEPSPEED_ALIGNMENT)
+        keys = _flat_state_keys(base0, g, parts[0][FP32_KEY][g].numel())
+        whole = {FP32_KEY: plan.gather_params([p[FP32_KEY][g].reshape(-1) for p in parts], "deepspeed")}
+        for k in keys:
+            whole[k] = plan.gather_params([p["base_optimizer_state"]["state"][g][k] for p in parts], "deepspeed")
+        scalars = {k: v for k, v in base0["state"].get(g, {}).items() if k not in keys}
+        if g >= len(out["groups"]):
+            out["groups"].append({k: v for k, v in base0["param_groups"][g].items() if k != "params"})
+        for i, name in enumerate(group_names):
+            out["params"].setdefault(name, (g, {k: t[i] for k, t in whole.items()}, scalars))
+    return None
+
+
+def restore_zero_by_name(opt: Any, names: list[list[str]], tag_dir: str, stages: int, bf16: bool) -> Optional[str]:
+    """Loads a ZeRO-1 optimizer (`names[g]` names its group g's parameters, in plan order) from the
+    ZeRO files of a `stages`-stage checkpoint. Returns None when done, else why it could not (the
+    optimizer is then untouched)."""
+    saved: dict = {"params": {}, "groups": []}
+    for s in range(stages):
+        why = _zero_stage_by_name(tag_dir, s, bf16, saved)
+        if why is not None:
+            return why
+    if len(saved["groups"]) != len(opt.partition_plans):
+        return f"the checkpoint has {len(saved['groups'])} param groups, this optimizer {len(opt.partition_plans)}"
+    masters, state = [], {}
+    for g, (plan, group_names) in enumerate(zip(opt.partition_plans, names)):
+        found = []
+        for name in group_names:
+            if name not in saved["params"] or saved["params"][name][0] != g:
+                return f"parameter {name!r} has no saved optimizer state in param group {g}"
+            found.append(saved["params"][name])
+        dev = opt.fp32_partitions[g].device
+        keys = sorted(found[0][1])
+
+        def cut(k: str) -> torch.Tensor:
+            return plan.scatter_params([f[1][k] for f in found], "runtime", opt.rank).to(dev)
+
+        masters.append(cut(FP32_KEY))
+        state[g] = {**found[0][2], **{k: cut(k) for k in keys if k != FP32_KEY}}
+    base = {"state": state, "param_groups": [dict(hp, params=[g]) for g, hp in enumerate(saved["groups"])]}
+    opt.load_state_dict({"group_numels": [list(p.numels) for p in opt.partition_plans],
+                         "partition_count": opt.world_size, "base_optimizer_state": base, FP32_KEY: masters,
+                         "loss_scaler": saved.get("loss_scaler"), "overflow": False, "clip_grad": opt.clip_grad},
+                        load_optimizer_states=True, load_from_fp32_weights=True)
     return None
