@@ -1,7 +1,8 @@
 """ZeRO-Infinity optimizer offload (`offload_optimizer.device: nvme`) on 2 gloo ranks, against the same
 run with `device: cpu` (ZeRO-Offload, itself tested against torch.optim.Adam in test_zero_offload):
-- stage 2 (2 slots, gradient accumulation, clipping), stage 1 (one slot), stage 2 with a bf16 model
-  and stage 3, 20 steps each: every step's weights equal bit for bit;
+- stage 2 (2 slots, gradient accumulation, clipping), stage 1 (one slot), stage 2 with a bf16 model,
+  stage 2 fp16 with overflow-skipped steps, and stage 3, 20 steps each: every step's weights equal
+  bit for bit;
 - the NVMe run's checkpoint is an ordinary one: its optimizer files hold the same tensors as the CPU
   run's, a `device: cpu` engine resumes from it and an NVMe engine resumes from the CPU run's, and both
   continue exactly as the uninterrupted CPU run;
@@ -57,6 +58,8 @@ def _config(stage: int, device: str, nvme_path: str, gas: int, clip: float, buff
            "aio": {"block_size": 65536, "queue_depth": 4, "intra_op_parallelism": 2}}
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if dtype == "fp16":  # a first scale of 2**24 overflows: the first steps are skipped, the scale drops
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 24, "loss_scale_window": 4, "hysteresis": 1}
     if param_device:
         cfg["zero_optimization"]["offload_param"] = {"device": param_device, "nvme_path": nvme_path}
     return cfg
@@ -126,6 +129,7 @@ def parity_body(rank: int, world: int, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, stage, gas, clip, slots, dtype in (("stage2", 2, 2, 0.05, 2, "fp32"), ("stage1", 1, 1, 0.0, 1, "fp32"),
                                                  ("stage2-bf16", 2, 1, 0.1, 3, "bf16"),
+                                                 ("stage2-fp16", 2, 1, 0.1, 2, "fp16"),
                                                  ("stage3", 3, 2, 0.05, 2, "fp32")):
         nvme_path = os.path.join(root, name, "swap")
         if rank == 0:
@@ -136,6 +140,7 @@ def parity_body(rank: int, world: int, root: str) -> dict[str, Any]:
         for device in ("cpu", "nvme"):
             engine = _engine(_config(stage, device, nvme_path, gas, clip, slots, dtype))
             snaps = _train(engine, rank, world, batches, gas, STEPS)
+            runs[f"skipped_{device}"] = engine.skipped_steps
             if device == "nvme":  # between steps the state is in the files only
                 opt = engine.optimizer
                 folder = opt.offload.swapper.folder
@@ -203,7 +208,7 @@ def _parity() -> list[dict[str, Any]]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-CASES = ["stage2", "stage1", "stage2-bf16", "stage3"]
+CASES = ["stage2", "stage1", "stage2-bf16", "stage2-fp16", "stage3"]
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -214,6 +219,7 @@ def test_nvme_matches_cpu_offload_bit_for_bit(name: str) -> None:
         for step, (got, want) in enumerate(zip(runs["nvme"], runs["cpu"])):
             assert np.array_equal(got, want), f"rank {rank} step {step}: nvme differs from cpu offload"
         assert not np.array_equal(runs["cpu"][0], runs["cpu"][-1])  # it trained
+        assert runs["skipped_nvme"] == runs["skipped_cpu"] and (runs["skipped_cpu"] > 0) == (name == "stage2-fp16")
         assert runs["emptied"] and runs["files"] > 3
         for got, want in zip(runs["accessors_nvme"], runs["accessors_cpu"]):
             assert got.size > 0 and np.array_equal(got, want)
