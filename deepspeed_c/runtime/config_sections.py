@@ -164,8 +164,6 @@ def check_unbuilt_sections(param_dict: dict[str, Any]) -> None:
 def parse_misc_sections(param_dict: dict[str, Any]) -> dict[str, Any]:
     check_unbuilt_sections(param_dict)
     flops = parse_section(FlopsProfilerConfig, param_dict.get("flops_profiler"), "flops_profiler")
-    if flops.enabled:
-        raise unbuilt("flops_profiler.enabled", "the flops profiler")
     eigen = parse_section(EigenvalueConfig, param_dict.get("eigenvalue"), "eigenvalue")
     if eigen.enabled:
         raise unbuilt("eigenvalue.enabled", "eigenvalue computation")

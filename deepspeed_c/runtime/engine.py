@@ -124,6 +124,10 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
             self._report_progress(0)
         self._configure_zero()
         self._configure_reducer()
+        from deepspeed_c.profiling.flops_profiler.engine_glue import EngineFlopsProfile
+
+        self.flops_profile = EngineFlopsProfile(self, self._config.flops_profiler_config)
+        self.flops_profiler = self.flops_profile.profiler  # DeepSpeed's attribute (None when disabled)
         log_dist(f"DeepSpeed info: version={_version()}, deepspeed_c engine ready, world_size={self.world_size}, "
                  f"device={self.device}", ranks=[0])
 
@@ -289,7 +293,7 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
         self.report.start(rep.FORWARD_TIMERS)
         if self.fp16_auto_cast():
             inputs, kwargs = _cast_half(inputs), _cast_half(kwargs)
-        with self.precision.autocast(self.device.type):
+        with self.precision.autocast(self.device.type), self.flops_profile.forward(self.global_steps):
             outputs = self.module(*inputs, **kwargs)
         register_output_hooks(outputs, self._output_grad_hook)
         if self._direct_scaler is None and self.gradient_accumulation_steps() != 1 and torch.is_grad_enabled():
@@ -407,11 +411,13 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
         assert self.optimizer is not None, "must provide optimizer during init in order to use step"
         self.report.start(rep.STEP_TIMERS)
         self._step_applied = False
+        profiled = self.flops_profile.active(self.global_steps)  # before the step advances global_steps
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
             self.gas_boundary_ctr += 1
             self._take_model_step(lr_kwargs)
         self.report.stop(rep.STEP_TIMERS)
+        self.flops_profile.after_step(profiled, boundary, self.global_steps)  # reads the timers before their reset
         lr = self.get_lr()
         self.report.after_step(boundary=boundary, global_steps=self.global_steps, global_samples=self.global_samples,
                                skipped_steps=self.skipped_steps, lr=lr, mom=self.get_mom(),

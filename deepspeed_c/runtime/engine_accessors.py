@@ -245,6 +245,24 @@ class EngineConfigAccessors:
     def flops_profiler_enabled(self) -> bool:
         return self._config.flops_profiler_config.enabled
 
+    def flops_profiler_recompute_fwd_factor(self) -> float:
+        return self._config.flops_profiler_config.recompute_fwd_factor
+
+    def flops_profiler_profile_step(self) -> int:
+        return self._config.flops_profiler_config.profile_step
+
+    def flops_profiler_module_depth(self) -> int:
+        return self._config.flops_profiler_config.module_depth
+
+    def flops_profiler_top_modules(self) -> int:
+        return self._config.flops_profiler_config.top_modules
+
+    def flops_profiler_detailed(self) -> bool:
+        return self._config.flops_profiler_config.detailed
+
+    def flops_profiler_output_file(self) -> Optional[str]:
+        return self._config.flops_profiler_config.output_file
+
     def dump_state(self) -> bool:
         return self._config.dump_state
 

@@ -182,7 +182,6 @@ BAD_CONFIGS = [
     (cfg(aio={"block_sise": 1048576}), ValueError, "aio.block_sise"),
     (cfg(aio={"block_size": 1000}), ValueError, "aio.block_size"),
     (cfg(aio={"use_gds": True}), NotImplementedError, "aio.use_gds"),
-    (cfg(flops_profiler={"enabled": True}), NotImplementedError, "flops_profiler.enabled"),
     (cfg(optimizer={"type": "OneBitAdam"}), NotImplementedError, "optimizer.type"),
     (cfg(optimizer={"type": "OneBitLamb"}), NotImplementedError, "optimizer.type"),
     (cfg(optimizer={"type": "ZeroOneAdam"}), NotImplementedError, "optimizer.type"),

@@ -49,7 +49,13 @@ def _pct(part: float, total: float) -> float:
 
 
 def _engine_timer_seconds(engine: Any, name: str) -> float:
-    return engine.timers(name).elapsed(False) / 1000.0
+    """The engine's global timer over this step, per micro-batch: under gradient accumulation the
+    timers cover every micro-step (and the one optimizer step) while the counted flops are one
+    micro-batch's, so the figures are divided by gradient_accumulation_steps (DeepSpeed leaves them
+    undivided); at gradient_accumulation_steps 1 this is DeepSpeed's figure."""
+    gas = getattr(engine, "gradient_accumulation_steps", None)
+    micro_steps = max(int(gas()), 1) if callable(gas) else 1
+    return engine.timers(name).elapsed(False) / 1000.0 / micro_steps
 
 
 def _write_summary(prof: Any, out: TextIO, profile_step: int) -> None:

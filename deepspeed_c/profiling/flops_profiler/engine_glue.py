@@ -1,0 +1,50 @@
+"""The engine's side of the `flops_profiler` config section, as a collaborator the engine holds.
+
+As in DeepSpeed: on global rank 0, every forward of global step `profile_step` runs under the
+profiler (start_profile before, stop_profile after, so the backward and the optimizer step run on
+an unpatched torch); the step() of that global step prints the profile with the engine's fwd/bwd/
+step timers (the config turns wall_clock_breakdown on) and ends it. Unlike DeepSpeed, which prints
+at every micro-step of that step under gradient accumulation, the profile is printed once, at the
+accumulation boundary (the last micro-step's forward is the one counted)."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+from deepspeed_c.profiling.flops_profiler.profiler import FlopsProfiler
+
+
+class EngineFlopsProfile:
+
+    def __init__(self, engine: Any, config: Any) -> None:
+        self.config = config
+        self.global_rank = engine.global_rank
+        self.profiler: Optional[FlopsProfiler] = None
+        if config.enabled:
+            self.profiler = FlopsProfiler(engine.module, engine, config.recompute_fwd_factor)
+
+    def active(self, global_steps: int) -> bool:
+        return self.profiler is not None and self.global_rank == 0 and global_steps == self.config.profile_step
+
+    @contextlib.contextmanager
+    def forward(self, global_steps: int) -> Iterator[None]:
+        """Wraps the model's forward; torch is restored even when the forward raises."""
+        if not self.active(global_steps):
+            yield
+            return
+        self.profiler.start_profile(ignore_list=None)
+        try:
+            yield
+        finally:
+            self.profiler.stop_profile()
+
+    def after_step(self, was_active: bool, boundary: bool, global_steps: int) -> None:
+        """was_active: active() taken at the start of step(), before global_steps advanced."""
+        if not was_active or self.profiler is None:
+            return
+        if boundary:
+            cfg = self.config
+            self.profiler.print_model_profile(profile_step=global_steps, module_depth=cfg.module_depth,
+                                              top_modules=cfg.top_modules, detailed=cfg.detailed,
+                                              output_file=cfg.output_file)
+        self.profiler.end_profile()
