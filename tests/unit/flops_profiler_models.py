@@ -203,3 +203,26 @@ def zoo_inputs() -> tuple:
     g = torch.Generator().manual_seed(0)
     return (torch.randint(0, 11, (2, 6), generator=g), torch.randn(2, 4, 5, 5, generator=g),
             torch.randn(1, 2, 4, 6, 4, generator=g))
+
+
+class RNNZoo(nn.Module):
+    """The recurrent modules (counted from their weights) for the cross-check."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(8, 6, num_layers=2, bidirectional=True, batch_first=True)
+        self.gru, self.rnn = nn.GRU(8, 5), nn.RNN(8, 4, bias=False)
+        self.lc, self.gc, self.rc = nn.LSTMCell(8, 3), nn.GRUCell(8, 3), nn.RNNCell(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [self.lstm(x)[0].sum(), self.gru(x)[0].sum(), self.rnn(x)[0].sum()]
+        outs += [self.lc(x[:, 0])[0].sum(), self.gc(x[:, 0]).sum(), self.rc(x[:, 0]).sum()]
+        return sum(outs)
+
+
+def lstm_counts(b: int, t: int, fin: int, h: int) -> int:
+    """One unidirectional single-layer LSTM: per step and sample, the input and hidden matmuls
+    (2*4h*in - 4h, 2*4h*h - 4h: a sum of `cols` products has cols-1 adds), the gates' 10h
+    elementwise ops and the two 4h bias vectors."""
+    per = (2 * 4 * h * fin - 4 * h) + (2 * 4 * h * h - 4 * h) + 10 * h + 8 * h
+    return b * t * per

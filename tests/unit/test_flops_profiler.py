@@ -48,6 +48,11 @@ def test_counts_equal_analytic(name):
 
 
 
+def test_lstm_counts_from_weights():
+    model = nn.LSTM(7, 5, batch_first=True)
+    assert _profile(model, (3, 4, 7)) == (fm.lstm_counts(3, 4, 7, 5), 0, _params(model))
+
+
 def _snapshot() -> dict:
     names = {"F": (F, ["linear", "conv2d", "conv_transpose2d", "relu", "gelu", "silu", "layer_norm", "batch_norm",
                        "softmax", "embedding", "scaled_dot_product_attention", "max_pool2d", "interpolate"]),
@@ -164,6 +169,9 @@ _REAL_SCRIPT = textwrap.dedent("""
     zoo = fm.OpZoo()
     out["zoo"] = list(get_model_profile(zoo, args=list(fm.zoo_inputs()), print_profile=False, as_string=False,
                                         warm_up=0))
+    torch.manual_seed(0)
+    out["rnn"] = list(get_model_profile(fm.RNNZoo(), input_shape=(2, 3, 8), print_profile=False, as_string=False,
+                                        warm_up=0))
     print("RESULT" + json.dumps(out))
 """)
 
@@ -180,5 +188,8 @@ def test_counts_equal_real_deepspeed():
     torch.manual_seed(0)
     zoo = fm.OpZoo()
     ours["zoo"] = list(get_model_profile(zoo, args=list(fm.zoo_inputs()), print_profile=False, as_string=False,
+                                         warm_up=0))
+    torch.manual_seed(0)
+    ours["rnn"] = list(get_model_profile(fm.RNNZoo(), input_shape=(2, 3, 8), print_profile=False, as_string=False,
                                          warm_up=0))
     assert ours == real

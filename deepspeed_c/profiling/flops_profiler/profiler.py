@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from deepspeed_c.profiling.flops_profiler import patches
+from deepspeed_c.profiling.flops_profiler.rnn import MODULE_HOOKS
 from deepspeed_c.profiling.flops_profiler.units import (DEFAULT_PRECISION, bytes_to_string, duration_to_string,
                                                         flops_to_string, macs_to_string, number_to_string,
                                                         params_to_string)
@@ -96,6 +97,10 @@ class FlopsProfiler:
         self._handles.clear()
         for module in self.model.modules():
             if ignored and type(module) in ignored:
+                continue
+            direct = MODULE_HOOKS.get(type(module))
+            if direct is not None:  # counted from its weights, not timed (as DeepSpeed's)
+                self._handles.append(module.register_forward_hook(direct))
                 continue
             self._handles.append(module.register_forward_pre_hook(_open_frame))
             self._handles.append(module.register_forward_hook(_close_frame, always_call=True))
