@@ -133,10 +133,14 @@ class PartitionedOptimizerSwapper:
     def resident(self) -> Iterator[None]:
         """Inside: masters and moments are ordinary full tensors (read from the files); on the
         outermost exit they are written back (whatever the body left there) and released."""
+        if self._depth == 0:
+            try:
+                self._swap_in_all()
+            except BaseException:
+                self._release()  # a failed read leaves nothing half in memory; the files are intact
+                raise
         self._depth += 1
         try:
-            if self._depth == 1:
-                self._swap_in_all()
             yield
         finally:
             self._depth -= 1
