@@ -248,13 +248,46 @@ def _resume(world: int, ckpt_dir: str) -> dict:
     return out
 
 
+def _mixed_states(model, engine) -> dict:
+    """{parameter name: (fp32 master, Adam exp_avg, exp_avg_sq, step)} of a bf16/fp16 stage-0 engine,
+    over every rank (all_gather_object)."""
+    import torch.distributed as dist
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    mine = {}
+    opt = engine.stepper
+    for lps, masters in zip(opt.lp_groups, opt.fp32_groups):
+        for lp, m in zip(lps, masters):
+            st = opt.optimizer.state[m]
+            mine[names[id(lp)]] = [m.detach().numpy().copy(), st["exp_avg"].numpy().copy(),
+                                   st["exp_avg_sq"].numpy().copy(), float(st["step"])]
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {k: v for d in every for k, v in d.items()}
+
+
+def _resume_bf16(world: int, ckpt_dir: str) -> dict:
+    """bf16 (fp32 masters beside the Adam state): saved on 4 stages after 2 steps, loaded on 2 stages
+    x 2 data-parallel; every parameter's master and Adam state, by name, as saved."""
+    data = pm.batches(2, 1)
+    path = os.path.join(ckpt_dir, "bf16")
+    model, engine = _engine(world, 4, bf16=True, accum32=True)
+    for step in data:
+        engine.train_batch(iter(step))
+    engine.save_checkpoint(path)
+    saved = _mixed_states(model, engine)
+    model, engine = _engine(world, 2, bf16=True, accum32=True, gas=pm.GAS // 2)
+    engine.load_checkpoint(path)
+    return {"saved": saved, "loaded": _mixed_states(model, engine), "steps": engine.global_steps}
+
+
 def body4(rank: int, world: int, ckpt_dir: str) -> list:
     os.environ["PIPE_TEST_DIR"] = ckpt_dir
     return [_train(world, 4, save_to=ckpt_dir), _train(world, 2, zero=1, method="type:linear", parallel_write=True),
             _train(world, 2, ckpt=1), _load_on_two_stages(world, ckpt_dir),
             _train(world, 2, zero=1, tied=True, clip=CLIP), _train(world, 4, gas=8), _resume(world, ckpt_dir),
             _train(world, 4, schedule="zb_h1", ckpt=1, reentrant=False),
-            _train(world, 2, zero=1, schedule="interleaved", virtual=2)]
+            _train(world, 2, zero=1, schedule="interleaved", virtual=2), _resume_bf16(world, ckpt_dir)]
 
 
 def _check(results: list, case: int, dp: int, clip: float = 0.0, **kw) -> None:
@@ -370,6 +403,14 @@ def test_four_stages_pipe_by_data_zero1_and_checkpoints(tmp_path):
             assert res[key + "_steps"] == 4 and res[key + "_client"] == key[:-1], key
     assert results[0][6]["adamfiles"] == [f"layer_{i:02d}-model_states.pt" for i in range(7)] + \
         [f"mp_rank_{s:02d}_model_states.pt" for s in range(4)]
+    # bf16 saved on 4 stages, loaded on 2 x 2: each parameter's fp32 master and Adam moments as saved
+    res = results[0][9]
+    assert res["steps"] == 2 and sorted(res["loaded"]) == sorted(res["saved"])
+    for name, (master, avg, avg_sq, step) in res["saved"].items():
+        got = res["loaded"][name]
+        for a, b in zip((master, avg, avg_sq), got[:3]):
+            np.testing.assert_array_equal(b, a, err_msg=name)
+        assert got[3] == step == 2, name
     assert results[0][6]["zero1_files"] == sorted(
         [f"layer_{i:02d}-model_states.pt" for i in range(7)] + [f"mp_rank_{s:02d}_model_states.pt" for s in range(2)]
         + [f"zero_pp_rank_{d}_mp_rank_{s:02d}_optim_states.pt" for d in range(2) for s in range(2)])

@@ -86,9 +86,8 @@ class PipeCheckpointer:
     counters), ZeRO-1 tag/[bf16_]zero_pp_rank_{dp}_mp_rank_{stage}_optim_states.pt, and `latest`.
     Optimizer states come back when the number of stages matches what was saved (ZeRO-1 from the
     stage's ZeRO files, re-cut if the data-parallel degree differs); with another number of stages
-    the layers are re-partitioned and the optimizer states found by parameter name (optim_reshard.py:
-    a torch optimizer stepped directly, ZeRO-1); the bf16/fp16 optimizers of ZeRO stage 0 start
-    fresh (a warning)."""
+    the layers are re-partitioned and the optimizer states (and fp32 masters) found by parameter name
+    (optim_reshard.py), for fp32, bf16/fp16 and ZeRO-1 alike."""
 
     def save(self, engine: Any, save_dir: str, tag: Any, client_state: dict, save_latest: bool,
              exclude_frozen_parameters: bool) -> bool:
@@ -188,6 +187,7 @@ class PipeCheckpointer:
         differs); with another number of stages, by parameter name (optim_reshard.py); where that
         cannot be done the optimizer starts fresh, with a warning."""
         from deepspeed_c.runtime.optimizer_seam import PlainOptimizer, SavedCheckpoint
+        from deepspeed_c.runtime.precision import MixedPrecisionOptimizer
         from deepspeed_c.utils.logging import logger
 
         stepper, saved_stages = engine.stepper, state.get("mp_world_size")
@@ -205,17 +205,16 @@ class PipeCheckpointer:
                                     node_local=False, mp_rank=engine.stage_id)
             stepper.load_checkpoint_state(saved, True)
             return
-        why = "the bf16/fp16 optimizers' masters are not re-partitioned across stages"
+        from .optim_reshard import restore_by_name, restore_zero_by_name
+
         names = {id(p): n for n, p in engine.module.named_parameters()}
         groups = [[names[id(p)] for p in ps] for ps in stepper.model_param_groups()]
-        if isinstance(stepper, PlainOptimizer):
-            from .optim_reshard import restore_by_name
-
-            why = restore_by_name(stepper.optimizer, groups, tag_dir, int(saved_stages))
-        elif zero:
-            from .optim_reshard import restore_zero_by_name
-
+        if zero:
             why = restore_zero_by_name(stepper, groups, tag_dir, int(saved_stages), engine.precision.bf16.enabled)
+        elif isinstance(stepper, (PlainOptimizer, MixedPrecisionOptimizer)):
+            why = restore_by_name(stepper, groups, tag_dir, int(saved_stages))
+        else:
+            why = f"{type(stepper).__name__} states cannot be re-partitioned by parameter name"
         if why is None:
             return
         logger.warning(f"load_checkpoint: {tag_dir} was saved with {saved_stages} pipeline stages, this engine has "

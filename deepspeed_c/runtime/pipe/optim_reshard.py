@@ -8,13 +8,12 @@ field: per param group, name -> shape, in the order the optimizer steps them), w
 positions of its `optimizer` state_dict. Loading on another degree reads every saved stage's
 file, collects the per-parameter state by name and lays it out in this stage's optimizer order.
 
-A torch optimizer stepped directly (fp32, zero_optimization.stage 0) keeps its state per
-parameter (restore_by_name). ZeRO-1 keeps flat partitions (restore_zero_by_name): each saved
-stage's ZeRO files, one per data-parallel rank, are put back together into whole parameters'
-masters and moments (DeepSpeed's layout of that stage's groups, named by its param_shapes), and
-this rank's partitions are cut from them, whatever the new data-parallel degree. The bf16/fp16
-optimizers of ZeRO stage 0 (masters held beside the state) are not re-partitioned here; the
-caller says so and starts them fresh."""
+At ZeRO stage 0 the state is per parameter (restore_by_name): a torch optimizer stepped directly
+(fp32), or the bf16/fp16 optimizer's torch optimizer over fp32 masters, which come by name too.
+ZeRO-1 keeps flat partitions (restore_zero_by_name): each saved stage's ZeRO files, one per
+data-parallel rank, are put back together into whole parameters' masters and moments (DeepSpeed's
+layout of that stage's groups, named by its param_shapes), and this rank's partitions are cut
+from them, whatever the new data-parallel degree."""
 from __future__ import annotations
 
 import math
@@ -26,56 +25,76 @@ import torch
 FP32_KEY = "single_partition_of_fp32_groups"
 
 
-def saved_state_by_name(tag_dir: str, stages: int) -> Optional[tuple[dict, list]]:
-    """({parameter name: its optimizer state}, the saved param groups' hyperparameters) over every
-    saved stage; None when a stage's file lacks the names or a torch optimizer state_dict."""
+def saved_state_by_name(tag_dir: str, stages: int) -> Optional[tuple[dict, list, dict]]:
+    """({parameter name: (param group, its optimizer state, its fp32 master or None)}, the saved
+    param groups' hyperparameters, the first stage's other optimizer fields (loss scaler...)) over
+    every saved stage; None when a stage's file lacks the names or an optimizer state_dict."""
+    from deepspeed_c.checkpoint.deepspeed_format import normalize_mixed_state
+
     by_name: dict = {}
     groups: list = []
+    extras: dict = {}
     for s in range(stages):
         path = os.path.join(tag_dir, f"mp_rank_{s:02d}_model_states.pt")
         if not os.path.isfile(path):
             return None
         st = torch.load(path, map_location="cpu", weights_only=False)
-        opt, shapes = st.get("optimizer"), st.get("param_shapes")
+        opt, shapes, masters = st.get("optimizer"), st.get("param_shapes"), None
+        if isinstance(opt, dict) and "optimizer_state_dict" in opt:  # bf16/fp16: masters beside the state
+            mixed = normalize_mixed_state(opt)
+            opt, masters = mixed["optimizer_state_dict"], mixed.get("fp32_groups")
+            if s == 0:
+                extras = {k: v for k, v in mixed.items() if k not in ("optimizer_state_dict", "fp32_groups")}
         if not isinstance(opt, dict) or "state" not in opt or "param_groups" not in opt or not shapes:
             return None
-        if len(shapes) != len(opt["param_groups"]):
+        if len(shapes) != len(opt["param_groups"]) or (masters is not None and len(masters) != len(shapes)):
             return None
         for g, (names, group) in enumerate(zip(shapes, opt["param_groups"])):
-            if len(names) != len(group["params"]):
+            if len(names) != len(group["params"]) or (masters is not None and len(masters[g]) != len(names)):
                 return None
-            for name, idx in zip(names, group["params"]):
+            for i, (name, idx) in enumerate(zip(names, group["params"])):
                 # a tied weight is saved by each stage holding it, with equal states: the first is kept
-                by_name.setdefault(name, (g, opt["state"].get(idx)))
+                by_name.setdefault(name, (g, opt["state"].get(idx), None if masters is None else masters[g][i]))
             if g >= len(groups):  # hyperparameters (lr...) as the first stage holding the group saved them
                 groups.append({k: v for k, v in group.items() if k != "params"})
-    return by_name, groups
+    return by_name, groups, extras
 
 
-def restore_by_name(optimizer: torch.optim.Optimizer, names: list[list[str]], tag_dir: str,
-                    stages: int) -> Optional[str]:
-    """Loads `optimizer` (a torch optimizer over this stage's parameters; `names[g]` names group g's
-    parameters in order) from the files of a `stages`-stage checkpoint. Returns None when done, else
-    why it could not (the optimizer is then untouched)."""
+def restore_by_name(stepper: Any, names: list[list[str]], tag_dir: str, stages: int) -> Optional[str]:
+    """Loads `stepper` (a torch optimizer stepped directly, runtime/optimizer_seam.PlainOptimizer, or
+    the bf16/fp16 MixedPrecisionOptimizer; `names[g]` names group g's model parameters in order)
+    from the files of a `stages`-stage checkpoint. Returns None when done, else why it could not
+    (the optimizer is then untouched)."""
     saved = saved_state_by_name(tag_dir, stages)
     if saved is None:
         return "the checkpoint's stage files do not name their optimizer states (param_shapes)"
-    by_name, groups = saved
+    by_name, groups, extras = saved
+    mixed = hasattr(stepper, "fp32_groups")
+    optimizer = stepper.optimizer
     if len(groups) != len(optimizer.param_groups):
         return f"the checkpoint has {len(groups)} param groups, this optimizer {len(optimizer.param_groups)}"
     current = optimizer.state_dict()
     state: dict = {}
+    masters: list = []
     for g, (group_names, group) in enumerate(zip(names, current["param_groups"])):
+        masters.append([])
         for name, idx in zip(group_names, group["params"]):
             if name not in by_name:
                 return f"parameter {name!r} has no saved optimizer state"
-            saved_g, st = by_name[name]
+            saved_g, st, master = by_name[name]
             if saved_g != g:
                 return f"parameter {name!r} was in param group {saved_g}, here in group {g}"
+            if mixed and master is None:
+                return f"parameter {name!r} has no saved fp32 master"
             if st is not None:
                 state[idx] = st
+            masters[-1].append(master)
     param_groups = [dict(saved_hp, params=group["params"]) for saved_hp, group in zip(groups, current["param_groups"])]
-    optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+    torch_state = {"state": state, "param_groups": param_groups}
+    if mixed:
+        stepper.load_state_dict(dict(extras, optimizer_state_dict=torch_state, fp32_groups=masters))
+    else:
+        optimizer.load_state_dict(torch_state)
     return None
 
 
