@@ -3,10 +3,11 @@
 2 stages (tied layers with clipping across stages, activation checkpointing, bf16 with clipping
 (against the non-pipeline engine), zero-bubble ZB-H1 with clipping, interleaved 1F1B), 4 stages
 (tied; 8 micro-batches, where the activations held stay bounded by the stages; ZB-H1),
-2 stages x 2 data-parallel (ZeRO-1 with tied layers; ZeRO-1 with clipping; activation
-checkpointing; interleaved with ZeRO-1); per-layer files written by 4 stages and read by 2;
-engine checkpoints resumed on 4 and on 2 x 2 stages; eval_batch; the bad-input errors. One
-multi-rank run per world size builds the engines in turn."""
+2 stages x 2 data-parallel (ZeRO-1 with tied layers; ZeRO-1 with tied layers and clipping;
+activation checkpointing; interleaved with ZeRO-1); per-layer files written by 4 stages and read
+by 2; engine checkpoints with Adam resumed on as many and on another number of stages (fp32 and
+ZeRO-1 against the uninterrupted run's losses, bf16 masters and moments as saved); eval_batch; the
+bad-input errors. One multi-rank run per world size builds the engines in turn."""
 from __future__ import annotations
 
 import os
