@@ -1,7 +1,8 @@
 """deepspeed.utils.groups: the process groups DeepSpeed's code and users query.
 
-Data parallel runs over the whole world (model, tensor and sequence parallel worlds are of size 1
-until those land); MoE layers add expert-parallel and expert-data-parallel groups named ep_size_{n}."""
+Data parallel runs over the whole world, or over the ranks holding the same tensor-parallel shard once
+_init_tp_mesh_device built the (data, tensor) mesh (AutoTP); the sequence parallel world is of size 1
+(DistributedAttention takes its group directly); MoE layers add expert-parallel and expert-data-parallel groups named ep_size_{n}."""
 from __future__ import annotations
 
 from typing import Any
@@ -20,7 +21,55 @@ def initialize(ep_size: int = 1, mpu: Any = None) -> None:
     _create_expert_and_data_parallel(ep_size)
 
 
+# -- tensor parallelism (AutoTP) ---------------------------------------------------------------------
+# A (data, tensor) mesh: tensor-parallel groups are consecutive ranks [i*tp, (i+1)*tp), the data-parallel
+# groups the strided ranks [j, j+tp, ...] (DeepSpeed's mesh order). Unset, both worlds are as above.
+_TP_GROUPS: Any = None  # (tp_size, tp_group, tp_ranks, dp_group, dp_ranks) once _init_tp_mesh_device ran
+
+
+def tensor_parallel_layout(world_size: int, tp_size: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(tensor-parallel groups, data-parallel groups) as rank lists; pure arithmetic."""
+    if tp_size < 1 or world_size % tp_size != 0:
+        raise ValueError(f"tensor_parallel.autotp_size={tp_size} does not divide the world size ({world_size}): "
+                         "every rank must belong to one tensor-parallel group of autotp_size ranks")
+    tp = [list(range(i * tp_size, (i + 1) * tp_size)) for i in range(world_size // tp_size)]
+    dp = [list(range(j, world_size, tp_size)) for j in range(tp_size)]
+    return tp, dp
+
+
+def _init_tp_mesh_device(tensor_model_parallel_size: int = 1, data_parallel_size: Any = None) -> tuple[Any, Any]:
+    """Builds the tensor- and data-parallel groups (every rank must call it); returns (dp group, tp group)."""
+    global _TP_GROUPS
+    if _TP_GROUPS is not None:
+        if _TP_GROUPS[0] != tensor_model_parallel_size:
+            raise ValueError(f"tensor-parallel groups of size {_TP_GROUPS[0]} already exist; cannot rebuild them "
+                             f"with size {tensor_model_parallel_size} in the same process")
+        return _TP_GROUPS[3], _TP_GROUPS[1]
+    if not _initialized():
+        raise RuntimeError("tensor-parallel groups need torch.distributed initialized (deepspeed.init_distributed())")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if data_parallel_size is not None and data_parallel_size * tensor_model_parallel_size != world:
+        raise ValueError(f"data_parallel_size={data_parallel_size} x autotp_size={tensor_model_parallel_size} "
+                         f"!= world size {world}")
+    tps, dps = tensor_parallel_layout(world, tensor_model_parallel_size)
+    mine: dict[str, Any] = {}
+    for kind, layout in (("tp", tps), ("dp", dps)):
+        for ranks in layout:  # every rank creates every group, in the same order
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine[kind] = (group, ranks)
+    _TP_GROUPS = (tensor_model_parallel_size, mine["tp"][0], mine["tp"][1], mine["dp"][0], mine["dp"][1])
+    return _TP_GROUPS[3], _TP_GROUPS[1]
+
+
+def _reset_tp_groups() -> None:
+    global _TP_GROUPS
+    _TP_GROUPS = None
+
+
 def get_data_parallel_group() -> Any:
+    if _TP_GROUPS is not None:
+        return _TP_GROUPS[3]
     return dist.group.WORLD if _initialized() else None
 
 
@@ -28,6 +77,8 @@ _get_data_parallel_group = get_data_parallel_group
 
 
 def get_data_parallel_world_size() -> int:
+    if _TP_GROUPS is not None:
+        return len(_TP_GROUPS[4])
     return dist.get_world_size() if _initialized() else 1
 
 
@@ -35,6 +86,8 @@ _get_data_parallel_world_size = get_data_parallel_world_size
 
 
 def get_data_parallel_rank() -> int:
+    if _TP_GROUPS is not None:
+        return _TP_GROUPS[4].index(dist.get_rank())
     return dist.get_rank() if _initialized() else 0
 
 
@@ -42,29 +95,35 @@ _get_data_parallel_rank = get_data_parallel_rank
 
 
 def _get_data_parallel_group_ranks() -> list[int]:
+    if _TP_GROUPS is not None:
+        return list(_TP_GROUPS[4])
     return list(range(get_data_parallel_world_size()))
 
 
 def _get_broadcast_src_rank() -> int:
-    return 0
+    return _TP_GROUPS[4][0] if _TP_GROUPS is not None else 0
 
 
 def get_model_parallel_world_size() -> int:
-    return 1
+    return _TP_GROUPS[0] if _TP_GROUPS is not None else 1
 
 
 get_tensor_model_parallel_world_size = _get_model_parallel_world_size = get_model_parallel_world_size
 
 
 def get_model_parallel_rank() -> int:
-    return 0
+    return _TP_GROUPS[2].index(dist.get_rank()) if _TP_GROUPS is not None else 0
 
 
 get_tensor_model_parallel_rank = get_model_parallel_rank
 
 
 def get_model_parallel_group() -> Any:
-    return None
+    return _TP_GROUPS[1] if _TP_GROUPS is not None else None
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    return _TP_GROUPS[2][0] if _TP_GROUPS is not None else 0
 
 
 get_tensor_model_parallel_group = get_model_parallel_group
