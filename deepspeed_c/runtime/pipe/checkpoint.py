@@ -182,10 +182,10 @@ class PipeCheckpointer:
 
     @staticmethod
     def _load_optimizer(engine: Any, tag_dir: str, state: dict) -> None:
-        """The optimizer states: from this stage's files when the checkpoint has as many stages
-        (ZeRO-1: the zero_pp_rank_{dp}_mp_rank_{stage} files, re-cut if the data-parallel degree
-        differs); with another number of stages, by parameter name (optim_reshard.py); where that
-        cannot be done the optimizer starts fresh, with a warning."""
+        """The optimizer states: from this stage's files when the stage holds the layers it held when
+        saved (ZeRO-1: the zero_pp_rank_{dp}_mp_rank_{stage} files, re-cut if the data-parallel degree
+        differs); with another number of stages or partition, by parameter name (optim_reshard.py);
+        where that cannot be done the optimizer starts fresh, with a warning."""
         from deepspeed_c.runtime.optimizer_seam import PlainOptimizer, SavedCheckpoint
         from deepspeed_c.runtime.precision import MixedPrecisionOptimizer
         from deepspeed_c.utils.logging import logger
@@ -198,7 +198,12 @@ class PipeCheckpointer:
             raise ValueError(f"load_checkpoint: {tag_dir} was saved with {'ZeRO' if saved_zero else 'no ZeRO'} "
                              f"optimizer states, this engine runs zero_optimization.stage "
                              f"{engine.zero_optimization_stage()}; pass load_optimizer_states=False")
-        if saved_stages == engine.num_stages:
+        names = {id(p): n for n, p in engine.module.named_parameters()}
+        groups = [[names[id(p)] for p in ps] for ps in stepper.model_param_groups()]
+        saved_names = state.get("param_shapes")
+        # positions mean the same parameters when the stage holds the same layers as when saved (same
+        # number of stages and, where the file names them, the same partition)
+        if saved_stages == engine.num_stages and (saved_names is None or [list(g) for g in saved_names] == groups):
             saved = SavedCheckpoint(tag_dir=tag_dir, manifest=None, model_state=state,
                                     bf16=engine.precision.bf16.enabled,
                                     load_from_fp32_weights=bool(engine._config.zero_config.load_from_fp32_weights),
@@ -207,8 +212,6 @@ class PipeCheckpointer:
             return
         from .optim_reshard import restore_by_name, restore_zero_by_name
 
-        names = {id(p): n for n, p in engine.module.named_parameters()}
-        groups = [[names[id(p)] for p in ps] for ps in stepper.model_param_groups()]
         if zero:
             why = restore_zero_by_name(stepper, groups, tag_dir, int(saved_stages), engine.precision.bf16.enabled)
         elif isinstance(stepper, (PlainOptimizer, MixedPrecisionOptimizer)):
@@ -218,7 +221,8 @@ class PipeCheckpointer:
         if why is None:
             return
         logger.warning(f"load_checkpoint: {tag_dir} was saved with {saved_stages} pipeline stages, this engine has "
-                       f"{engine.num_stages}: weights re-partitioned, optimizer states not restored ({why})")
+                       f"{engine.num_stages} (or another partition): weights re-partitioned, optimizer states not "
+                       f"restored ({why})")
         stepper.refresh_masters()
 
 

@@ -32,6 +32,7 @@ class PipeExecutor:
         grid, s, dev, dyn = engine.grid, engine.stage_id, engine.device, engine.dynamic_shape
         S, V = engine.num_stages, engine.virtual_stages
         self.S, self.V = S, V
+        self._norm_ranges: dict[int, list[tuple[int, int]]] = {}  # ZeRO-1: see _counted_ranges
         # with model chunks the last rank feeds the first rank's next chunk: neighbours wrap around
         has_next, has_prev = (S > 1, S > 1) if V > 1 else (s < S - 1, s > 0)
         nxt, prv = (s + 1) % S, (s - 1) % S
@@ -318,7 +319,7 @@ class PipeExecutor:
         """[start, end) ranges of this rank's group-g gradient partition that count in the norm:
         all but the slices of tied weights a later stage holds (the first stage of the tie counts
         them once). The partition plan is fixed, so the ranges are worked out once."""
-        cache = self.__dict__.setdefault("_ranges", {})
+        cache = self._norm_ranges
         if g not in cache:
             opt = self.e.stepper
             dup = sorted((local, local + n) for i, p in enumerate(opt.bit16_groups[g])
