@@ -237,6 +237,8 @@ def _resume(world: int, ckpt_dir: str) -> dict:
             engine.train_batch(iter(step[d * sgas:(d + 1) * sgas]))
         engine.save_checkpoint(path, client_state={"note": name})
         out[name + "files"] = sorted(os.listdir(os.path.join(path, "global_step2")))
+        # the uninterrupted run: the saving engine goes on (a resume on its shape must match it bit for bit)
+        out[name + "on"] = [float(engine.train_batch(iter(step[d * sgas:(d + 1) * sgas]))) for step in data[2:]]
         for stages in load_stages:
             gas = pm.GAS // (world // stages)
             _, engine = _engine(world, stages, gas=gas, **kw)
@@ -402,6 +404,7 @@ def test_four_stages_pipe_by_data_zero1_and_checkpoints(tmp_path):
         for key, want in (("adam4", adam), ("adam2", adam), ("zero1_2", clipped), ("zero1_4", clipped)):
             np.testing.assert_allclose(res[key], want[2:], rtol=1e-5, err_msg=key)
             assert res[key + "_steps"] == 4 and res[key + "_client"] == key[:-1], key
+        assert res["adam4"] == res["adamon"] and res["zero1_2"] == res["zero1_on"]  # same shape: bit for bit
     assert results[0][6]["adamfiles"] == [f"layer_{i:02d}-model_states.pt" for i in range(7)] + \
         [f"mp_rank_{s:02d}_model_states.pt" for s in range(4)]
     # bf16 saved on 4 stages, loaded on 2 x 2: each parameter's fp32 master and Adam moments as saved
