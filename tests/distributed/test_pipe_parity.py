@@ -248,6 +248,10 @@ def _resume(world: int, ckpt_dir: str) -> dict:
             out[key] = [float(engine.train_batch(iter(step[d * gas:(d + 1) * gas]))) for step in data[2:]]
             out[key + "_steps"] = engine.global_steps
             out[key + "_client"] = client.get("note")
+    _, engine = _engine(world, 4, zero=1)  # the fp32 checkpoint's states into a ZeRO-1 engine: refused
+    with pytest.raises(ValueError) as e:
+        engine.load_checkpoint(os.path.join(ckpt_dir, "adam"))
+    out["mismatch"] = str(e.value)
     return out
 
 
@@ -405,6 +409,7 @@ def test_four_stages_pipe_by_data_zero1_and_checkpoints(tmp_path):
             np.testing.assert_allclose(res[key], want[2:], rtol=1e-5, err_msg=key)
             assert res[key + "_steps"] == 4 and res[key + "_client"] == key[:-1], key
         assert res["adam4"] == res["adamon"] and res["zero1_2"] == res["zero1_on"]  # same shape: bit for bit
+        assert "saved with no ZeRO" in res["mismatch"] and "zero_optimization.stage 1" in res["mismatch"]
     assert results[0][6]["adamfiles"] == [f"layer_{i:02d}-model_states.pt" for i in range(7)] + \
         [f"mp_rank_{s:02d}_model_states.pt" for s in range(4)]
     # bf16 saved on 4 stages, loaded on 2 x 2: each parameter's fp32 master and Adam moments as saved
