@@ -176,9 +176,7 @@ def parse_misc_sections(param_dict: dict[str, Any]) -> dict[str, Any]:
         raise unbuilt("compile.deepcompile", "DeepCompile")
     if compile_cfg.passes:
         raise unbuilt("compile.passes", "DeepCompile passes (AutoSP)")
-    tp = parse_section(TPTrainingConfig, param_dict.get("tensor_parallel"), "tensor_parallel")
-    if tp.autotp_size > 1:
-        raise unbuilt("tensor_parallel.autotp_size", "AutoTP training")
+    tp = parse_section(TPTrainingConfig, param_dict.get("tensor_parallel"), "tensor_parallel")  # AutoTP: initialize
     checkpoint = parse_section(CheckpointConfig, param_dict.get("checkpoint"), "checkpoint")
     if checkpoint.load_universal:
         raise unbuilt("checkpoint.load_universal", "universal checkpoint loading")

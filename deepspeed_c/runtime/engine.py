@@ -570,7 +570,7 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
 def _refuse_model_parallel(mpu: Any) -> None:
     """Until tensor parallelism lands, an mpu that splits the model across ranks is refused: norms,
     overflow checks and checkpoint names (mp_rank_XX) would ignore the model-parallel group."""
-    if mpu is None:
+    if mpu is None or getattr(mpu, "autotp", False):  # AutoTP's own mpu: its norms and saves are handled
         return
     for getter in ("get_model_parallel_world_size", "get_tensor_model_parallel_world_size"):
         size = getattr(mpu, getter, None)

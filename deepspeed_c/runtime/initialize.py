@@ -63,6 +63,10 @@ def initialize(args: Any = None,
         from deepspeed_c.runtime.config_utils import unbuilt
 
         raise unbuilt("mesh_param", "a (data, sequence) parallel device mesh")
+    from deepspeed_c.runtime.tensor_parallel.autotp_setup import prepare_autotp
+
+    # AutoTP (tensor_parallel.autotp_size / tp_model_init): shards the model, the engine gets the (data, tensor) mpu
+    model, mpu = prepare_autotp(model, config, mpu, pipeline=_is_pipeline_module(model))
     if _is_pipeline_module(model):
         from deepspeed_c.runtime.pipe.engine import DataParallelView, PipelineEngine
 

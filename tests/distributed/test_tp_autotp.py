@@ -1,0 +1,110 @@
+"""AutoTP training against single-process training of the unsharded model.
+
+4 gloo ranks, TP 2 x DP 2 (tensor-parallel pairs {0,1}, {2,3}; data-parallel pairs {0,2}, {1,3}):
+a tiny LLaMA (GQA) and a tiny GPT-2 (Conv1D, fused c_attn) built from transformers configs.
+Each rank also trains the unsharded model alone on the whole global batch with torch.optim.Adam:
+the sharded model's logits, its 10 losses and its gathered weights must match it, at ZeRO stages
+0, 1 and 2 on the data-parallel axis. The same run checks the bad-input errors."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tests.distributed import tp_models
+from tests.harness import run_distributed
+
+# eps well above float noise: GPT-2's key bias has an exactly-zero true gradient, and Adam with eps 1e-8
+# would turn its rounding noise (different in a sharded sum) into full-size updates
+STEPS, MICRO, LR, EPS = 10, 2, 1e-2, 1e-4
+
+
+def _config(tp: int, stage: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+            "gradient_clipping": 0.0, "optimizer": {"type": "Adam", "params": {"lr": LR, "weight_decay": 0.0, "eps": EPS}},
+            "zero_optimization": {"stage": stage}, "tensor_parallel": {"autotp_size": tp}}
+
+
+def _train(kind: str, tp: int, stage: int, rank: int, world: int) -> dict:
+    import deepspeed_c
+    from deepspeed_c.utils import groups
+
+    dp = world // tp
+    data = tp_models.batches(STEPS, MICRO * dp)
+    ref_losses, ref_state = tp_models.reference_training(kind, data, LR, EPS)
+    model = tp_models.make_model(kind)
+    probe = data[0][:1]
+    ref_logits = model(input_ids=probe).logits.detach()
+    engine, *_ = deepspeed_c.initialize(model=model, config=_config(tp, stage))
+    dp_rank = groups.get_data_parallel_rank()
+    logits_err = ((engine.module(input_ids=probe).logits.detach() - ref_logits).abs().max()
+                  / ref_logits.abs().max()).item()
+    losses = []
+    for ids in data:
+        mine = ids[dp_rank * MICRO:(dp_rank + 1) * MICRO]
+        loss = tp_models.loss_of(engine, mine)
+        engine.backward(loss)
+        engine.step()
+        t = loss.detach().clone()  # the global loss: the mean over the data-parallel ranks
+        torch.distributed.all_reduce(t, group=groups.get_data_parallel_group())
+        losses.append(t.item() / dp)
+    state = tp_models.full_state(engine.module)
+    errs = {k: float(np.abs(state[k] - v).max() / (np.abs(v).max() + 1e-12)) for k, v in ref_state.items()}
+    weight_err = max(errs.values())
+    out = {"logits_rel": logits_err, "loss_err": float(np.max(np.abs(np.array(losses) - np.array(ref_losses)))),
+           "weight_rel": weight_err, "loss_drop": ref_losses[0] - ref_losses[-1],
+           "tp_world": groups.get_tensor_model_parallel_world_size(), "dp_world": engine.dp_world_size,
+           "sharded": sum(type(m).__name__ in ("LinearLayer", "LinearAllreduce") for m in engine.module.modules())}
+    groups._reset_tp_groups()
+    return out
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except (ValueError, NotImplementedError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def body(rank: int, world: int) -> dict:
+    import deepspeed_c
+    from deepspeed_c.utils import groups
+
+    out = {"llama_s0": _train("llama", 2, 0, rank, world), "gpt2_s0": _train("gpt2", 2, 0, rank, world),
+           "llama_s1": _train("llama", 2, 1, rank, world), "llama_s2": _train("llama", 2, 2, rank, world)}
+
+    def init(cfg: dict, model=None):
+        try:
+            deepspeed_c.initialize(model=model if model is not None else tp_models.make_model("llama"), config=cfg)
+        finally:
+            groups._reset_tp_groups()
+
+    out["errors"] = {
+        "world": _error(lambda: init(_config(3, 0))),
+        "kv_heads": _error(lambda: init(_config(4, 0))),  # 2 key/value heads over 4 ranks
+        "zero3": _error(lambda: init(_config(2, 3))),
+        "clipping": _error(lambda: init(dict(_config(2, 0), gradient_clipping=1.0))),
+        "no_layers": _error(lambda: init(_config(2, 0), torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))),
+        "conflict": _error(lambda: (deepspeed_c.tp_model_init(tp_models.make_model("llama"), 4, torch.float32),
+                                    init(_config(2, 0)))),
+    }
+    return out
+
+
+def test_autotp_matches_single_process_training():
+    results = run_distributed(body, 4, timeout=300)
+    for r in results:
+        for case in ("llama_s0", "gpt2_s0", "llama_s1", "llama_s2"):
+            c = r[case]
+            assert c["tp_world"] == 2 and c["dp_world"] == 2 and c["sharded"] >= 8, (case, c)
+            assert c["loss_drop"] > 0.05, (case, c)  # the reference learns: the comparison is not vacuous
+            assert c["logits_rel"] < 1e-5, (case, c)
+            assert c["loss_err"] < 1e-4, (case, c)
+            assert c["weight_rel"] < 1e-4, (case, c)
+        e = r["errors"]
+        assert "autotp_size=3" in e["world"] and "world size (4)" in e["world"], e["world"]
+        assert "num_key_value_heads=2" in e["kv_heads"] and "4" in e["kv_heads"], e["kv_heads"]
+        assert e["zero3"].startswith("NotImplementedError") and "stage=3" in e["zero3"], e["zero3"]
+        assert e["clipping"].startswith("NotImplementedError") and "gradient_clipping" in e["clipping"], e["clipping"]
+        assert "no Linear layer" in e["no_layers"], e["no_layers"]
+        assert "autotp_size=2" in e["conflict"] and "tp_size=4" in e["conflict"], e["conflict"]

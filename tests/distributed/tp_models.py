@@ -1,0 +1,65 @@
+"""Tiny Hugging Face decoders (built from configs, no downloads) and the single-process reference
+training the AutoTP tests compare against."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+VOCAB = 64
+
+
+def make_model(kind: str, seed: int = 0, kv_heads: int = 2) -> torch.nn.Module:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=kv_heads,
+                                       max_position_embeddings=32, attn_implementation="eager")
+        model = transformers.LlamaForCausalLM(cfg)
+    elif kind == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32,
+                                      bos_token_id=0, eos_token_id=0, attn_implementation="eager",
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = transformers.GPT2LMHeadModel(cfg)
+    else:
+        raise ValueError(kind)
+    return model
+
+
+def batches(steps: int, rows: int, seed: int = 1, seq: int = 8) -> list[torch.Tensor]:
+    """Two fixed batches in turn: a tiny model visibly learns them in a few steps."""
+    g = torch.Generator().manual_seed(seed)
+    two = [torch.randint(0, VOCAB, (rows, seq), generator=g) for _ in range(2)]
+    return [two[i % 2] for i in range(steps)]
+
+
+def loss_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids).loss
+
+
+def reference_training(kind: str, data: list[torch.Tensor], lr: float, eps: float) -> tuple[list[float], dict]:
+    """One process, the whole global batch each step, torch.optim.Adam: (losses, final state dict)."""
+    model = make_model(kind)
+    opt = torch.optim.Adam(model.parameters(), lr=lr, eps=eps)
+    losses = []
+    for ids in data:
+        loss = loss_of(model, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def full_state(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    """The sharded model's state with every tensor-parallel weight gathered (collective on the TP group)."""
+    from deepspeed_c.module_inject.layers import TensorParallel_Layer
+
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for name, module in model.named_modules():
+        if isinstance(module, TensorParallel_Layer):
+            for key, value in module.full_state().items():
+                state[f"{name}.{key}"] = value
+    return {k: v.numpy() for k, v in state.items()}
