@@ -6,7 +6,8 @@ named_parameters, requires_grad_ works), its data is an empty placeholder (numel
 carries ds_id (unique), ds_numel / ds_shape (the whole size, which HF uses for resize and loading),
 ds_status (ZeroParamStatus), ds_tensor (this rank's shard), ds_persist and all_gather()/partition();
 it accepts new attributes (PEFT tags parameters). The values are those the same module has when
-built without zero.Init under the same seed."""
+built without zero.Init under the same seed on the accelerator's device (where zero.Init builds, as
+DeepSpeed's does)."""
 from __future__ import annotations
 
 import pytest
@@ -33,8 +34,13 @@ class Net(torch.nn.Module):
 
 
 def _reference() -> Net:
+    """Built where zero.Init builds (the accelerator's device, as DeepSpeed's Init), so the same seed
+    draws the same values; kept on the host."""
+    from deepspeed_c.accelerator import get_accelerator
+
     torch.manual_seed(0)
-    return Net()
+    with torch.device(get_accelerator().current_device_name()):
+        return Net().cpu()
 
 
 def _built_under_init(**kwargs) -> Net:

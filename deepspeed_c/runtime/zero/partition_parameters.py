@@ -324,12 +324,20 @@ class Init:
         if _init_depth == 0:
             _patch_module_classes()
         _init_depth += 1
+        # As DeepSpeed's Init, tensors built without a device land on the accelerator: a seeded model
+        # then gets the values it gets there without ZeRO (the accelerator's generator, not the host's)
+        self._device_ctx = torch.device(self.compute_device) if self.compute_device.type != "cpu" else None
+        if self._device_ctx is not None:
+            self._device_ctx.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         global _init_depth
         if not self.enabled:
             return
+        if getattr(self, "_device_ctx", None) is not None:
+            self._device_ctx.__exit__(*exc)
+            self._device_ctx = None
         _init_depth -= 1
         _init_stack.pop()
         if _init_depth == 0:
