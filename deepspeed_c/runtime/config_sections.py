@@ -177,6 +177,13 @@ def parse_misc_sections(param_dict: dict[str, Any]) -> dict[str, Any]:
     if compile_cfg.passes:
         raise unbuilt("compile.passes", "DeepCompile passes (AutoSP)")
     tp = parse_section(TPTrainingConfig, param_dict.get("tensor_parallel"), "tensor_parallel")  # AutoTP: initialize
+    if tp.autotp_size > 1:
+        import torch.distributed as dist
+
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if world % tp.autotp_size != 0:
+            raise DeepSpeedConfigError(f"Invalid value {tp.autotp_size} for config key 'tensor_parallel.autotp_size': "
+                                       f"it must divide the world size ({world})")
     checkpoint = parse_section(CheckpointConfig, param_dict.get("checkpoint"), "checkpoint")
     if checkpoint.load_universal:
         raise unbuilt("checkpoint.load_universal", "universal checkpoint loading")
