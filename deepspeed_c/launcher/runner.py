@@ -216,12 +216,11 @@ def _wait(proc: subprocess.Popen, latch: SignalLatch, on_signal: Callable[[int],
 
 
 def main(args: Sequence[str] | None = None) -> None:
+    raw_args = args
     args = parse_args(args)
     _validate_launcher(args)
     if args.elastic_training:
         raise NotImplementedError("--elastic_training: elastic training is not built in deepspeed_c yet")
-    if args.autotuning != "":
-        raise NotImplementedError(f"--autotuning {args.autotuning}: the autotuner is not built in deepspeed_c yet")
 
     explicit_hostfile = args.hostfile != DLTS_HOSTFILE
     if explicit_hostfile and not os.path.isfile(args.hostfile):
@@ -258,6 +257,12 @@ def main(args: Sequence[str] | None = None) -> None:
                          f"--exclude={args.exclude!r}")
     if args.launcher == SLURM_LAUNCHER and (args.include or args.exclude):
         SlurmRunner.validate_active_resources(active)
+    if args.autotuning != "":
+        # the tuner relaunches this launcher once per experiment, without --autotuning
+        from deepspeed_c.autotuning.autotuner import main as autotune
+
+        raw = list(sys.argv[1:] if raw_args is None else raw_args)
+        sys.exit(autotune(args.autotuning, raw, args.user_script, sum(len(s) for s in active.values())))
     if args.no_ssh and not 0 <= args.node_rank < len(active):
         raise ValueError(f"Launching without ssh needs --node_rank in [0, {len(active)}), got {args.node_rank}")
 

@@ -139,7 +139,6 @@ UNBUILT_SECTIONS: dict[str, tuple[str, Any]] = {
     "compression_training": ("compression training", _present),
     "weight_quantization": ("weight quantization", _present),
     "elasticity": ("elastic training", _enabled),
-    "autotuning": ("the autotuner", _enabled),
     "expert_parallel": ("AutoEP expert parallelism (MoE)", _enabled),
     "hybrid_engine": ("the hybrid engine", _enabled),
     "nebula": ("Nebula checkpointing", _enabled),
@@ -164,6 +163,9 @@ def check_unbuilt_sections(param_dict: dict[str, Any]) -> None:
 def parse_misc_sections(param_dict: dict[str, Any]) -> dict[str, Any]:
     check_unbuilt_sections(param_dict)
     flops = parse_section(FlopsProfilerConfig, param_dict.get("flops_profiler"), "flops_profiler")
+    from deepspeed_c.autotuning.config import parse_autotuning
+
+    autotuning = parse_autotuning(param_dict.get("autotuning"))
     eigen = parse_section(EigenvalueConfig, param_dict.get("eigenvalue"), "eigenvalue")
     if eigen.enabled:
         raise unbuilt("eigenvalue.enabled", "eigenvalue computation")
@@ -199,7 +201,7 @@ def parse_misc_sections(param_dict: dict[str, Any]) -> dict[str, Any]:
                                    "expected '1f1b', 'interleaved' or 'zb_h1'")
     return {
         "pipeline_config": pipeline,
-        "flops_profiler_config": flops, "eigenvalue_config": eigen, "pld_config": pld,
+        "flops_profiler_config": flops, "autotuning_config": autotuning, "eigenvalue_config": eigen, "pld_config": pld,
         "compile_config": compile_cfg, "tensor_parallel_config": tp, "checkpoint_config": checkpoint,
         "activation_checkpointing_config": act, "timers_config": timers,
     }

@@ -303,7 +303,7 @@ class EngineConfigAccessors:
         return False
 
     def autotuning_enabled(self) -> bool:
-        return False
+        return self._config.autotuning_config.enabled
 
     def autotp_size(self) -> int:
         return self._config.tensor_parallel_config.autotp_size

@@ -195,7 +195,8 @@ BAD_CONFIGS = [
     (cfg(sequence_parallel_size=2), NotImplementedError, "sequence_parallel_size"),
     (cfg(hybrid_engine={"enabled": True}), NotImplementedError, "hybrid_engine"),
     (cfg(elasticity={"enabled": True}), NotImplementedError, "elasticity"),
-    (cfg(autotuning={"enabled": True}), NotImplementedError, "autotuning"),
+    (cfg(autotuning={"enabled": True, "metric": "speed"}), ValueError, "autotuning.metric"),
+    (cfg(autotuning={"tuner_typ": "random"}), ValueError, "autotuning.tuner_typ"),
     (cfg(checkpoint={"load_universal": True}), NotImplementedError, "checkpoint.load_universal"),
 ]
 

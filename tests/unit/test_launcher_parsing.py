@@ -150,7 +150,7 @@ def test_runner_flags_and_defaults_match_deepspeed():
 @pytest.mark.parametrize("argv, error", [
     ("--launcher nosuch foo.py", ValueError),
     ("--elastic_training --master_addr 1.2.3.4 foo.py", NotImplementedError),
-    ("--autotuning tune foo.py", NotImplementedError),
+    ("--autotuning tune foo.py", ValueError),  # foo.py is given no --deepspeed_config to tune from
     ("--hostfile /nonexistent/hostfile foo.py", FileNotFoundError),
 ])
 def test_runner_rejects_unbuilt_or_bad_flags(argv, error):

@@ -20,11 +20,21 @@ class EngineFlopsProfile:
         self.config = config
         self.global_rank = engine.global_rank
         self.profiler: Optional[FlopsProfiler] = None
-        if config.enabled:
+        self.profile_step = config.profile_step
+        self.autotuning: Any = None
+        tuning = getattr(engine._config, "autotuning_config", None)
+        if tuning is not None and tuning.enabled:
+            # an autotuning experiment: profile (silently) its first measured step, time the
+            # measured steps and write the metrics (deepspeed_c/autotuning/metrics.py)
+            from deepspeed_c.autotuning.metrics import AutotuningMetrics
+
+            self.autotuning = AutotuningMetrics(engine, tuning)
+            self.profile_step = tuning.start_profile_step
+        if config.enabled or self.autotuning is not None:
             self.profiler = FlopsProfiler(engine.module, engine, config.recompute_fwd_factor)
 
     def active(self, global_steps: int) -> bool:
-        return self.profiler is not None and self.global_rank == 0 and global_steps == self.config.profile_step
+        return self.profiler is not None and self.global_rank == 0 and global_steps == self.profile_step
 
     @contextlib.contextmanager
     def forward(self, global_steps: int) -> Iterator[None]:
@@ -40,6 +50,12 @@ class EngineFlopsProfile:
 
     def after_step(self, was_active: bool, boundary: bool, global_steps: int) -> None:
         """was_active: active() taken at the start of step(), before global_steps advanced."""
+        if self.autotuning is not None:
+            if was_active and self.profiler is not None:
+                self.autotuning.fwd_flops = 3 * self.profiler.get_total_flops()
+                self.profiler.end_profile()
+            self.autotuning.after_step(boundary, global_steps)
+            return
         if not was_active or self.profiler is None:
             return
         if boundary:

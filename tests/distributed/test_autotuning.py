@@ -1,0 +1,105 @@
+"""`deepspeed_c --autotuning run` on 2 CPU ranks: ZeRO stage (auto) x micro-batch (auto, 2 sizes),
+8 points, searched by the random tuner with 3 trials (to keep CI short) through our launcher, with
+one visited point crashing like an OOM. Checks: 3 experiments ran (the crash recorded as
+infeasible, the search went on), DeepSpeed's results layout is
+written, the optimal config is the point with the best throughput among the metrics.json files
+the experiments wrote, and `run` relaunched the script with it. Bad autotuning input is refused
+with the value named."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deepspeed_c.autotuning import space
+from deepspeed_c.autotuning.config import parse_autotuning
+from tests.harness import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tests" / "distributed" / "autotuning_script.py"
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = str(ROOT) + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _config(tmp: Path, **autotuning) -> Path:
+    cfg = {"train_micro_batch_size_per_gpu": "auto", "steps_per_print": 10**9, "gradient_clipping": 0.0,
+           "zero_optimization": {"stage": "auto"},
+           "autotuning": {"enabled": True, "results_dir": str(tmp / "autotuning_results"),
+                          "exps_dir": str(tmp / "autotuning_exps"), "start_profile_step": 1,
+                          "end_profile_step": 3, "num_tuning_micro_batch_sizes": 2, "tuner_early_stopping": 100,
+                          "arg_mappings": {"train_micro_batch_size_per_gpu": "--mbs"}, **autotuning}}
+    path = tmp / "ds.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def _launch(tmp: Path, mode: str, cfg: Path, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "deepspeed_c.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
+           "--autotuning", mode, str(SCRIPT), "--deepspeed_config", str(cfg), "--mbs", "1",
+           "--marker", str(tmp / "marker.json"), *extra]
+    return subprocess.run(cmd, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=420)
+
+
+def test_autotuning_run_two_ranks(tmp_path):
+    grid = [f"z{s}_mbs{m}" for s in range(4) for m in (1, 2)]
+    cfg = _config(tmp_path, tuner_type="random", tuner_num_trials=3)
+    names = [e["name"] for e in space.order([{"name": n} for n in grid], parse_autotuning(
+        json.loads(cfg.read_text())["autotuning"]))]
+    assert len(names) == 3
+    crash = names[1]  # a visited point dies like an out-of-memory run
+    stage, mbs = crash[1], crash.split("mbs")[1]
+    done = _launch(tmp_path, "run", cfg, "--crash_stage", stage, "--crash_mbs", mbs)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results, exps = tmp_path / "autotuning_results", tmp_path / "autotuning_exps"
+    assert sorted(p.stem for p in exps.glob("*.json")) == sorted(names)
+    measured = {}
+    for name in names:
+        d = results / name
+        for f in ("ds_config.json", "exp.json", "cmd.txt", "stdout.log", "stderr.log"):
+            assert (d / f).exists(), (name, f)
+        if name == crash:
+            assert not (d / "metrics.json").exists()
+            assert "MemoryError" in (d / "stderr.log").read_text() + (d / "stdout.log").read_text()
+            continue
+        measured[name] = json.loads((d / "metrics.json").read_text())["throughput"]
+    best = max(measured, key=measured.get)
+    optimal = json.loads((results / "ds_config_optimal.json").read_text())
+    assert f"z{optimal['zero_optimization']['stage']}_mbs{optimal['train_micro_batch_size_per_gpu']}" == best
+    assert "ds_config_optimal.json" in (results / "cmd_optimal.txt").read_text()
+    summary = (results / "summary.txt").read_text()
+    assert f"{best} is the optimal setup" in summary and "infeasible" in summary
+    assert "Experiments run: 3 of the 8" in summary
+    marker = json.loads((tmp_path / "marker.json").read_text())  # written only by the relaunch
+    assert (f"z{marker['stage']}_mbs{marker['mbs']}", marker["steps"]) == (best, 6)
+
+
+@pytest.mark.parametrize("autotuning,message", [
+    ({"tuner_type": "bayes"}, "'bayes'"), ({"metric": "speed"}, "'speed'"),
+    ({"arg_mappings": {"train_micro_batch_size_per_gpu": "--batch"}}, "'--batch'")])
+def test_autotuning_bad_input(tmp_path, autotuning, message):
+    """Refused before any experiment is launched (in-process: the launcher hands these to Autotuner)."""
+    from deepspeed_c.autotuning.autotuner import Autotuner
+
+    cfg = _config(tmp_path, **autotuning)
+    with pytest.raises(ValueError, match=message):
+        Autotuner([], str(SCRIPT), ["--deepspeed_config", str(cfg), "--mbs", "1"], 2)
+    assert not (tmp_path / "autotuning_results").exists()
+
+
+def test_autotuning_without_config_and_model_based(tmp_path):
+    from deepspeed_c.autotuning.autotuner import Autotuner
+
+    with pytest.raises(ValueError, match="--deepspeed_config"):
+        Autotuner([], str(SCRIPT), ["--mbs", "1"], 2)
+    tuner = Autotuner([], str(SCRIPT), ["--deepspeed_config", str(_config(tmp_path, tuner_type="model_based")),
+                                        "--mbs", "1"], 2)
+    with pytest.raises(NotImplementedError, match="model_based"):
+        tuner.tune()
