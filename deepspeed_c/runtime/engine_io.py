@@ -69,6 +69,7 @@ class EngineIO:
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         if self.checkpointer is None:
             raise NotImplementedError("deepspeed_c: engine.save_checkpoint is not built yet (checkpoint issue)")
+        _refuse_tp_checkpoint(self, "save_checkpoint")
         return self.checkpointer.save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
@@ -97,10 +98,16 @@ class EngineIO:
                             "False", os.path.join(save_dir, save_filename))
                 return False
             consolidated = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+        from deepspeed_c.module_inject.tp_state import gathered_state_dict, has_tp_layers
+
+        tp_sharded = has_tp_layers(self.module)
+        if tp_sharded:  # AutoTP: the whole weights, gathered over each TP group (collective: before rank 0 writes)
+            consolidated = clone_tensors_for_torch_save(gathered_state_dict(self.module, self.module_state_dict(
+                exclude_frozen_parameters=exclude_frozen_parameters)))
         # rank 0 writes; a failure there (unwritable directory, full disk) raises on every rank
         with rank_local_step("save_16bit_model (rank 0 writing the file)"):
             if rank == 0:
-                state = consolidated if self.zero_optimization_partition_weights() else \
+                state = consolidated if self.zero_optimization_partition_weights() or tp_sharded else \
                     clone_tensors_for_torch_save(self.module_state_dict(
                         exclude_frozen_parameters=exclude_frozen_parameters))
                 os.makedirs(save_dir, exist_ok=True)
@@ -129,5 +136,16 @@ class EngineIO:
                         load_module_only: bool = False, custom_load_fn: Optional[Callable] = None) -> Any:
         if self.checkpointer is None:
             raise NotImplementedError("deepspeed_c: engine.load_checkpoint is not built yet (checkpoint issue)")
+        _refuse_tp_checkpoint(self, "load_checkpoint")
         return self.checkpointer.load(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                       load_lr_scheduler_states, load_module_only, custom_load_fn)
+
+
+def _refuse_tp_checkpoint(engine: Any, what: str) -> None:
+    """The checkpoint files hold one model file (mp_rank_00) and ZeRO files per data-parallel rank: under
+    AutoTP they would keep one TP rank's shards and let TP ranks overwrite each other's ZeRO files."""
+    if getattr(engine.mpu, "autotp", False) and engine.mpu.get_model_parallel_world_size() > 1:
+        raise NotImplementedError(f"{what} with tensor_parallel.autotp_size="
+                                  f"{engine.mpu.get_model_parallel_world_size()} is not supported yet; "
+                                  "save_16bit_model writes the whole (gathered) weights, which tp_model_init/"
+                                  "initialize can shard again at any autotp_size")
