@@ -99,7 +99,7 @@ def _zero3_body(rank: int, world: int) -> list[float]:
     engine, *_ = deepspeed_c.initialize(model=model, config=cfg)
     losses = []
     for s in range(STEPS):
-        x, y = _data(s, rank)
+        x, y = (t.to(engine.device) for t in _data(s, rank))
         loss = torch.nn.functional.mse_loss(engine(x), y)
         engine.backward(loss)
         engine.step()
