@@ -249,6 +249,8 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
 
     def _configure_reducer(self) -> None:
         moe_norm = self.moe.norm_across_ranks(self.data_parallel_group, self.dp_world_size, self.device)
+        if getattr(self.mpu, "autotp", False):  # AutoTP: shards' squares summed over the TP group, replicas once
+            moe_norm = self.mpu.grad_norm_fn(self.module)
         self.stepper = engine_optimizer(self.optimizer, self._params, self.gradient_clipping(),
                                         self.precision.grad_scaler, moe_norm)
         owned = self.stepper.owned_reducer() if self.stepper is not None else None

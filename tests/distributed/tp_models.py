@@ -39,18 +39,22 @@ def loss_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss
 
 
-def reference_training(kind: str, data: list[torch.Tensor], lr: float, eps: float) -> tuple[list[float], dict]:
-    """One process, the whole global batch each step, torch.optim.Adam: (losses, final state dict)."""
+def reference_training(kind: str, data: list[torch.Tensor], lr: float, eps: float,
+                       clip: float = 0.0) -> tuple[list[float], dict, list[float]]:
+    """One process, the whole global batch each step, torch.optim.Adam (after clip_grad_norm_ when clip > 0):
+    (losses, final state dict, gradient norms)."""
     model = make_model(kind)
     opt = torch.optim.Adam(model.parameters(), lr=lr, eps=eps)
-    losses = []
+    losses, norms = [], []
     for ids in data:
         loss = loss_of(model, ids)
         loss.backward()
+        if clip > 0:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    return losses, {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}, norms
 
 
 def full_state(model: torch.nn.Module) -> dict[str, np.ndarray]:

@@ -9,7 +9,7 @@ over data parallel only: world = data x tensor, tensor-parallel ranks consecutiv
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -73,6 +73,33 @@ class TensorParallelMPU:
     def get_tensor_model_parallel_src_rank(self) -> int:
         return self._groups.get_tensor_model_parallel_src_rank()
 
+    def grad_norm_fn(self, module: torch.nn.Module) -> Callable[[Any], float]:
+        """The global L2 gradient norm of the whole (unsharded) model, for clipping: a sharded parameter's
+        squares are summed over the TP group, a replicated one (equal on every TP rank) counted once.
+        Replaces the rank-local norm it is handed; the gradients are already data-parallel reduced."""
+        import deepspeed_c.comm as dist
+
+        params = [p for p in module.parameters() if p.requires_grad]
+        sharded = [p for p in params if getattr(p, "ds_is_tensor_model_parallel", False)]
+        replicated = [p for p in params if not getattr(p, "ds_is_tensor_model_parallel", False)]
+        group = self.get_model_parallel_group()
+
+        def squares(ps: list) -> torch.Tensor:
+            out = torch.zeros((), dtype=torch.float64)
+            for p in ps:
+                if p.grad is not None:
+                    out += torch.linalg.vector_norm(p.grad.detach(), 2.0, dtype=torch.float64).cpu() ** 2
+            return out
+
+        def norm(_local: Any) -> float:
+            from deepspeed_c.comm import collective_device
+
+            sq = squares(sharded).to(collective_device()).reshape(1)
+            dist.all_reduce(sq, group=group)
+            return float((sq.cpu()[0] + squares(replicated)) ** 0.5)
+
+        return norm
+
 
 def _requested_size(config: dict) -> tuple[int, Optional[dict]]:
     section = config.get("tensor_parallel") or {}
@@ -99,10 +126,13 @@ def _refuse_unsupported(config: dict, size: int) -> None:
         raise NotImplementedError(f"tensor_parallel.autotp_size={size} with fp16.enabled: the loss-scale overflow "
                                   "check would run over the data-parallel group only; use bf16 or fp32 with AutoTP")
     clip = config.get("gradient_clipping", 1.0)  # DeepSpeed >= 0.19.3 defaults to 1.0
-    if isinstance(clip, (int, float)) and clip > 0:
-        raise NotImplementedError(f"tensor_parallel.autotp_size={size} with gradient_clipping={clip}: the global "
-                                  "norm over tensor-parallel shards is not built yet; set \"gradient_clipping\": 0 "
-                                  "(DeepSpeed's default is 1.0 since 0.19.3)")
+    bf16 = config.get("bf16") or config.get("bfloat16") or {}
+    low_precision = isinstance(bf16, dict) and bf16.get("enabled") is True
+    if isinstance(clip, (int, float)) and clip > 0 and (stage > 0 or low_precision):
+        raise NotImplementedError(f"tensor_parallel.autotp_size={size} with gradient_clipping={clip} and "
+                                  f"{'bf16' if low_precision else f'zero_optimization.stage={stage}'}: the global "
+                                  "norm over tensor-parallel shards is built for fp32 at ZeRO stage 0 only; set "
+                                  "\"gradient_clipping\": 0 (DeepSpeed's default is 1.0 since 0.19.3)")
 
 
 def prepare_autotp(model: torch.nn.Module, config: dict, mpu: Any, pipeline: bool = False) -> tuple[Any, Any]:
