@@ -7,8 +7,11 @@ the engine, metrics.py), and write DeepSpeed's results layout:
     <results_dir>/summary.txt                     one row per experiment, the best marked
     <results_dir>/ds_config_optimal.json, cmd_optimal.txt
 
-An experiment that crashes, runs out of memory or writes no metrics is recorded as infeasible and
-the search goes on. With `run`, the job is then relaunched with the optimal config."""
+When a memory budget is known (autotuning/memory.py), a probe run (stage 0, smallest micro-batch)
+first writes <results_dir>/profile_model_info/model_info.json, and points whose estimated bytes
+exceed the budget are skipped without being launched (listed in summary.txt). An experiment that
+crashes, runs out of memory or writes no metrics is recorded as infeasible and the search goes on.
+With `run`, the job is then relaunched with the optimal config."""
 from __future__ import annotations
 
 import json
@@ -19,7 +22,7 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
-from deepspeed_c.autotuning import space
+from deepspeed_c.autotuning import memory, space
 from deepspeed_c.autotuning.config import AutotuningConfig, parse_autotuning
 
 CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed")
@@ -82,6 +85,7 @@ class Autotuner:
         self.results_dir, self.exps_dir = os.path.abspath(self.cfg.results_dir), os.path.abspath(self.cfg.exps_dir)
         self.records: list[dict[str, Any]] = []
         self.best: Optional[dict[str, Any]] = None
+        self.pruned: list[str] = []
 
     def _better(self, a: float, b: float) -> bool:
         return a < b if self.cfg.metric == "latency" else a > b
@@ -93,7 +97,7 @@ class Autotuner:
         ds["autotuning"] = at
         return ds
 
-    def run_experiment(self, exp: dict[str, Any], timeout: float) -> Optional[float]:
+    def run_experiment(self, exp: dict[str, Any], timeout: float, scored: bool = True) -> Optional[float]:
         result_dir = os.path.join(self.results_dir, exp["name"])
         os.makedirs(result_dir, exist_ok=True)
         ds = self._experiment_config(exp, result_dir)
@@ -114,6 +118,8 @@ class Autotuner:
                 rc = subprocess.run(cmd, stdout=out, stderr=err, timeout=timeout).returncode
             except subprocess.TimeoutExpired:
                 rc = -1
+        if not scored:
+            return None
         metric_file = os.path.join(result_dir, "metrics.json")
         record: dict[str, Any] = {"name": exp["name"], "rc": rc, "result_dir": result_dir, "cmd": cmd}
         if rc != 0 or not os.path.exists(metric_file):
@@ -128,6 +134,24 @@ class Autotuner:
             self.best = record
         return value
 
+    def probe_model_info(self, grid: list[dict[str, Any]], timeout: float) -> Optional[dict[str, Any]]:
+        """One short run that measures the parameter count and activation bytes per sample."""
+        result_dir = os.path.join(self.results_dir, "profile_model_info")
+        info_path = os.path.join(result_dir, "model_info.json")
+        first = min(grid, key=lambda e: (e["ds_config"]["zero_optimization"]["stage"],
+                                         e["ds_config"]["train_micro_batch_size_per_gpu"]))
+        probe = {"name": "profile_model_info", "ds_config": dict(first["ds_config"])}
+        at = dict(probe["ds_config"].get("autotuning") or {})
+        at.update({"model_info": {"profile": True}, "model_info_path": info_path})
+        probe["ds_config"]["autotuning"] = at
+        self.run_experiment(probe, timeout, scored=False)
+        if not os.path.exists(info_path):
+            print(f"Autotuning: the model-info probe wrote no {info_path} (see its stderr.log): "
+                  "no memory pruning", flush=True)
+            return None
+        with open(info_path) as f:
+            return json.load(f)
+
     def tune(self, timeout: float = 600.0) -> Optional[dict[str, Any]]:
         if self.cfg.overwrite:
             shutil.rmtree(self.results_dir, ignore_errors=True)
@@ -136,8 +160,16 @@ class Autotuner:
         os.makedirs(self.exps_dir, exist_ok=True)
         start = time.time()
         grid = space.experiments(self.user_config, self.cfg, self.world)
+        budget = memory.budget_bytes()
+        info = self.probe_model_info(grid, timeout) if budget is not None else None
+        feasible = []
+        for exp in grid:
+            if info is not None and memory.estimate_bytes(exp["ds_config"], info, self.world) > budget:
+                self.pruned.append(exp["name"])  # cannot fit: never launched
+            else:
+                feasible.append(exp)
         since_best = 0
-        for exp in space.order(grid, self.cfg):
+        for exp in space.order(feasible, self.cfg):
             before = self.best
             self.run_experiment(exp, timeout)
             since_best = 0 if self.best is not before else since_best + 1
@@ -152,7 +184,11 @@ class Autotuner:
             val = f"{r['metric']:.6g}" if "metric" in r else "-"
             status = "best" if r is self.best else ("ok" if "metric" in r else "infeasible: " + r["error"])
             lines.append(f"| {r['name']:<16} | {val:>14} | {status} |")
+        for name in self.pruned:
+            lines.append(f"| {name:<16} | {'-':>14} | skipped: over the memory budget |")
         lines.append("")
+        if self.pruned:
+            lines.append(f"Skipped without launching (memory model): {len(self.pruned)}.")
         lines.append(f"Tuning completed in {seconds:.1f}s. Experiments run: {len(self.records)} of the "
                      f"{grid_size} a grid search over the same space runs.")
         if self.best is not None:

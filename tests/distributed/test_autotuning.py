@@ -1,7 +1,10 @@
 """`deepspeed_c --autotuning run` on 2 CPU ranks: ZeRO stage (auto) x micro-batch (auto, 2 sizes),
-8 points, searched by the random tuner with 3 trials (to keep CI short) through our launcher, with
-one visited point crashing like an OOM. Checks: 3 experiments ran (the crash recorded as
-infeasible, the search went on), DeepSpeed's results layout is
+8 points, with a memory budget (DSC_AUTOTUNING_MEMORY_BUDGET_BYTES) of 14 bytes per parameter so
+that the stage-0 points (16 bytes per parameter of fp32 Adam states) cannot fit: a probe run
+measures the model, the 2 stage-0 points are never launched, and the random tuner visits 3 of the
+6 others (to keep CI short) through our launcher, one of them crashing like an OOM. Checks: the
+probe's parameter count, 3 experiments ran (the crash recorded as infeasible, the search went
+on), DeepSpeed's results layout is
 written, the optimal config is the point with the best throughput among the metrics.json files
 the experiments wrote, and `run` relaunched the script with it. Bad autotuning input is refused
 with the value named."""
@@ -41,25 +44,36 @@ def _config(tmp: Path, **autotuning) -> Path:
     return path
 
 
-def _launch(tmp: Path, mode: str, cfg: Path, *extra: str) -> subprocess.CompletedProcess:
+SCRIPT_PARAMS = 3 * (32 * 32 + 32) + 33  # the script's 3 x Linear(32, 32) + Linear(32, 1)
+
+
+def _launch(tmp: Path, mode: str, cfg: Path, *extra: str, budget: int = 0) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "deepspeed_c.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
            "--autotuning", mode, str(SCRIPT), "--deepspeed_config", str(cfg), "--mbs", "1",
            "--marker", str(tmp / "marker.json"), *extra]
-    return subprocess.run(cmd, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=420)
+    env = _env()
+    if budget:
+        env["DSC_AUTOTUNING_MEMORY_BUDGET_BYTES"] = str(budget)
+    return subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=420)
 
 
 def test_autotuning_run_two_ranks(tmp_path):
     grid = [f"z{s}_mbs{m}" for s in range(4) for m in (1, 2)]
     cfg = _config(tmp_path, tuner_type="random", tuner_num_trials=3)
-    names = [e["name"] for e in space.order([{"name": n} for n in grid], parse_autotuning(
+    pruned = [n for n in grid if n.startswith("z0_")]  # 16 bytes/param of model states > 14
+    names = [e["name"] for e in space.order([{"name": n} for n in grid if n not in pruned], parse_autotuning(
         json.loads(cfg.read_text())["autotuning"]))]
     assert len(names) == 3
     crash = names[1]  # a visited point dies like an out-of-memory run
     stage, mbs = crash[1], crash.split("mbs")[1]
-    done = _launch(tmp_path, "run", cfg, "--crash_stage", stage, "--crash_mbs", mbs)
+    done = _launch(tmp_path, "run", cfg, "--crash_stage", stage, "--crash_mbs", mbs, budget=14 * SCRIPT_PARAMS)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results, exps = tmp_path / "autotuning_results", tmp_path / "autotuning_exps"
-    assert sorted(p.stem for p in exps.glob("*.json")) == sorted(names)
+    info = json.loads((results / "profile_model_info" / "model_info.json").read_text())
+    assert info["num_params"] == SCRIPT_PARAMS and 0 < info["activation_mem_per_sample"] < 2 * SCRIPT_PARAMS
+    assert sorted(p.stem for p in exps.glob("*.json")) == sorted(names + ["profile_model_info"])
+    for name in pruned:  # never launched
+        assert not (results / name).exists()
     measured = {}
     for name in names:
         d = results / name
@@ -76,7 +90,7 @@ def test_autotuning_run_two_ranks(tmp_path):
     assert "ds_config_optimal.json" in (results / "cmd_optimal.txt").read_text()
     summary = (results / "summary.txt").read_text()
     assert f"{best} is the optimal setup" in summary and "infeasible" in summary
-    assert "Experiments run: 3 of the 8" in summary
+    assert "Experiments run: 3 of the 8" in summary and "Skipped without launching (memory model): 2." in summary
     marker = json.loads((tmp_path / "marker.json").read_text())  # written only by the relaunch
     assert (f"z{marker['stage']}_mbs{marker['mbs']}", marker["steps"]) == (best, 6)
 

@@ -39,6 +39,10 @@ class EngineFlopsProfile:
     @contextlib.contextmanager
     def forward(self, global_steps: int) -> Iterator[None]:
         """Wraps the model's forward; torch is restored even when the forward raises."""
+        if self.autotuning is not None and self.autotuning.probing:
+            with self.autotuning.measure_activations():
+                yield
+            return
         if not self.active(global_steps):
             yield
             return

@@ -1,0 +1,60 @@
+"""The tuner's memory model: bytes a rank needs at one point of the space, from the probe's model
+info (parameter count, activation bytes per sample), so that points that cannot fit are never
+launched.
+
+Model states per rank, with Adam-style optimizers (two fp32 states per parameter) over P
+parameters and W data-parallel ranks (the ZeRO paper's accounting):
+
+    fp32 training:  params 4P, grads 4P, optimizer 8P
+    fp16/bf16:      params 2P, grads 2P, optimizer 12P (fp32 master + two states)
+    stage 0 keeps all, 1 partitions the optimizer, 2 also the grads, 3 also the params.
+
+plus micro-batch x activation bytes per sample. The budget is DSC_AUTOTUNING_MEMORY_BUDGET_BYTES
+(bytes per rank) when set, else the accelerator's memory per device on a GPU machine, else none
+(nothing pruned)."""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+BUDGET_ENV = "DSC_AUTOTUNING_MEMORY_BUDGET_BYTES"
+
+
+def budget_bytes() -> Optional[int]:
+    raw = os.environ.get(BUDGET_ENV)
+    if raw:
+        try:
+            return int(float(raw))
+        except ValueError:
+            raise ValueError(f"{BUDGET_ENV}={raw!r}: expected a number of bytes") from None
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.get_device_properties(0).total_memory)
+    except Exception:  # no usable accelerator: no budget
+        pass
+    return None
+
+
+def _half(ds: dict[str, Any]) -> bool:
+    return any(isinstance(ds.get(k), dict) and ds[k].get("enabled", False) for k in ("fp16", "bf16"))
+
+
+def model_state_bytes(num_params: int, stage: int, world: int, half: bool) -> float:
+    p = float(num_params)
+    params, grads, optim = (2 * p, 2 * p, 12 * p) if half else (4 * p, 4 * p, 8 * p)
+    if stage >= 1:
+        optim /= world
+    if stage >= 2:
+        grads /= world
+    if stage >= 3:
+        params /= world
+    return params + grads + optim
+
+
+def estimate_bytes(ds: dict[str, Any], model_info: dict[str, Any], world: int) -> float:
+    stage = int(ds["zero_optimization"]["stage"])
+    mbs = int(ds["train_micro_batch_size_per_gpu"])
+    states = model_state_bytes(int(model_info["num_params"]), stage, world, _half(ds))
+    return states + mbs * float(model_info["activation_mem_per_sample"])
