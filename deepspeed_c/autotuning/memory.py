@@ -7,7 +7,8 @@ parameters and W data-parallel ranks (the ZeRO paper's accounting):
 
     fp32 training:  params 4P, grads 4P, optimizer 8P
     fp16/bf16:      params 2P, grads 2P, optimizer 12P (fp32 master + two states)
-    stage 0 keeps all, 1 partitions the optimizer, 2 also the grads, 3 also the params.
+    stage 0 keeps all, 1 partitions the optimizer, 2 also the grads, 3 also the params;
+    offload_optimizer to cpu moves the optimizer part off the device.
 
 plus micro-batch x activation bytes per sample. The budget is DSC_AUTOTUNING_MEMORY_BUDGET_BYTES
 (bytes per rank) when set, else the accelerator's memory per device on a GPU machine, else none
@@ -41,9 +42,11 @@ def _half(ds: dict[str, Any]) -> bool:
     return any(isinstance(ds.get(k), dict) and ds[k].get("enabled", False) for k in ("fp16", "bf16"))
 
 
-def model_state_bytes(num_params: int, stage: int, world: int, half: bool) -> float:
+def model_state_bytes(num_params: int, stage: int, world: int, half: bool, offload: bool = False) -> float:
     p = float(num_params)
     params, grads, optim = (2 * p, 2 * p, 12 * p) if half else (4 * p, 4 * p, 8 * p)
+    if offload:
+        optim = 0.0
     if stage >= 1:
         optim /= world
     if stage >= 2:
@@ -56,5 +59,7 @@ def model_state_bytes(num_params: int, stage: int, world: int, half: bool) -> fl
 def estimate_bytes(ds: dict[str, Any], model_info: dict[str, Any], world: int) -> float:
     stage = int(ds["zero_optimization"]["stage"])
     mbs = int(ds["train_micro_batch_size_per_gpu"])
-    states = model_state_bytes(int(model_info["num_params"]), stage, world, _half(ds))
+    off = ds["zero_optimization"].get("offload_optimizer")
+    offload = isinstance(off, dict) and off.get("device") in ("cpu", "nvme")
+    states = model_state_bytes(int(model_info["num_params"]), stage, world, _half(ds), offload)
     return states + mbs * float(model_info["activation_mem_per_sample"])

@@ -1,5 +1,7 @@
 """The search space: ZeRO stage x micro-batch size per GPU, each axis tuned only where the user's
-config leaves it to the tuner ("auto" or absent) and fixed to the user's value otherwise."""
+config leaves it to the tuner ("auto" or absent) and fixed to the user's value otherwise; and,
+beyond DeepSpeed's tuner, optimizer offload to CPU on and off (stages 1-3) when the user writes
+`"offload_optimizer": "auto"` in zero_optimization (otherwise the user's value is kept)."""
 from __future__ import annotations
 
 import copy
@@ -40,16 +42,20 @@ def experiments(user: dict[str, Any], cfg: AutotuningConfig, world: int) -> list
     gas = 1 if _is_auto(gas_raw) else int(gas_raw)
     mbs_raw = user.get("train_micro_batch_size_per_gpu")
     mbss = micro_batch_candidates(cfg, world, gas) if _is_auto(mbs_raw) else [int(mbs_raw)]
+    tune_offload = zero.get("offload_optimizer") == "auto"
     out = []
     for stage in stages:
-        for mbs in mbss:
-            ds = copy.deepcopy(user)
-            ds.pop("train_batch_size", None)  # derived: micro x gas x world
-            ds["train_micro_batch_size_per_gpu"] = mbs
-            ds["gradient_accumulation_steps"] = gas
-            ds["zero_optimization"] = {k: v for k, v in dict(zero).items() if v != "auto"}
-            ds["zero_optimization"]["stage"] = stage
-            out.append({"name": f"z{stage}_mbs{mbs}", "ds_config": ds})
+        for offload in ((False, True) if tune_offload and stage > 0 else (False,)):
+            for mbs in mbss:
+                ds = copy.deepcopy(user)
+                ds.pop("train_batch_size", None)  # derived: micro x gas x world
+                ds["train_micro_batch_size_per_gpu"] = mbs
+                ds["gradient_accumulation_steps"] = gas
+                ds["zero_optimization"] = {k: v for k, v in dict(zero).items() if v != "auto"}
+                ds["zero_optimization"]["stage"] = stage
+                if offload:
+                    ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+                out.append({"name": f"z{stage}{'_offload' if offload else ''}_mbs{mbs}", "ds_config": ds})
     return out
 
 

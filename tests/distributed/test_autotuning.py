@@ -117,3 +117,31 @@ def test_autotuning_without_config_and_model_based(tmp_path):
                                         "--mbs", "1"], 2)
     with pytest.raises(NotImplementedError, match="model_based"):
         tuner.tune()
+
+
+def test_space_with_offload_and_memory_model():
+    """The search space and the memory model without launching anything: offload "auto" adds an
+    offload point per stage >= 1 and micro-batch; per-rank bytes follow the ZeRO accounting
+    (written out here for fp32 and bf16 Adam over P params, W ranks) plus activations."""
+    from deepspeed_c.autotuning import memory
+
+    user = {"train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": True},
+            "zero_optimization": {"stage": "auto", "offload_optimizer": "auto"}}
+    cfg = parse_autotuning({"num_tuning_micro_batch_sizes": 2, "max_train_batch_size": 8})
+    exps = space.experiments(user, cfg, world=4)  # mbs capped at 8 / 4 = 2
+    names = [e["name"] for e in exps]
+    assert names == ["z0_mbs1", "z0_mbs2"] + [f"z{s}{o}_mbs{m}" for s in (1, 2, 3) for o in ("", "_offload")
+                                              for m in (1, 2)]
+    by = {e["name"]: e["ds_config"] for e in exps}
+    assert by["z2_offload_mbs2"]["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    assert "offload_optimizer" not in by["z2_mbs2"]["zero_optimization"]
+    P, W, act = 1000, 4, 10.0
+    info = {"num_params": P, "activation_mem_per_sample": act}
+    expect = {  # bf16: params 2P, grads 2P, optimizer 12P (fp32 master + 2 Adam states)
+        "z0_mbs1": 16 * P + act, "z1_mbs2": 4 * P + 12 * P / W + 2 * act, "z1_offload_mbs1": 4 * P + act,
+        "z2_mbs1": 2 * P + 14 * P / W + act, "z3_mbs2": 16 * P / W + 2 * act, "z3_offload_mbs1": 4 * P / W + act}
+    for name, want in expect.items():
+        assert memory.estimate_bytes(by[name], info, W) == pytest.approx(want)
+    fp32 = dict(by["z1_mbs1"])
+    fp32.pop("bf16")
+    assert memory.estimate_bytes(fp32, info, W) == pytest.approx(8 * P + 8 * P / W + act)
