@@ -10,6 +10,8 @@ Everything else (embeddings, norms, lm_head, routers) stays replicated. Fused co
 """
 from __future__ import annotations
 
+import copy
+import inspect
 import re
 from typing import Any, Optional
 
@@ -190,6 +192,19 @@ def _shrink_attributes(model: nn.Module, owners: set[str], tp_size: int) -> None
         kinds = {type(c) for c in module.children()}
         if not (LinearLayer in kinds and LinearAllreduce in kinds):
             continue  # an MLP reads no head count; only a block with both kinds of projection
+        heads = getattr(module, "num_heads", None)
+        if isinstance(heads, int) and heads > 0 and "alibi" in inspect.signature(module.forward).parameters:
+            module.register_forward_pre_hook(_alibi_slicer(heads, tp_size, _tp_rank(module)), with_kwargs=True)
+        cfg = getattr(module, "config", None)
+        if cfg is not None and hasattr(cfg, "num_attention_heads"):
+            # a block that reads head counts off its config at forward (Phi-3's qkv split) gets its own copy
+            # with this rank's counts; head_dim was computed at construction and stays
+            local = copy.copy(cfg)
+            for attr in ("num_attention_heads", "num_key_value_heads"):
+                value = getattr(cfg, attr, None)
+                if isinstance(value, int) and value > 0:
+                    setattr(local, attr, value // tp_size)
+            module.config = local
         for attr in _SHARDED_ATTRS:
             value = getattr(module, attr, None)
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
@@ -197,3 +212,22 @@ def _shrink_attributes(model: nn.Module, owners: set[str], tp_size: int) -> None
                     raise ValueError(f"AutoTP: {name}.{attr}={value} is not divisible by the tensor-parallel size "
                                      f"{tp_size}")
                 setattr(module, attr, value // tp_size)
+
+
+def _tp_rank(module: nn.Module) -> int:
+    return next(c.tp_index for c in module.children() if isinstance(c, TensorParallel_Layer))
+
+
+def _alibi_slicer(heads: int, tp_size: int, rank: int) -> Any:
+    """BLOOM's ALiBi bias comes from the model for every head ([batch * heads, 1, keys]): keep this rank's heads."""
+    local = heads // tp_size
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        alibi = kwargs.get("alibi")
+        if alibi is None or alibi.shape[0] % heads != 0:
+            return None
+        mine = alibi.view(alibi.shape[0] // heads, heads, *alibi.shape[1:])[:, rank * local:(rank + 1) * local]
+        kwargs["alibi"] = mine.reshape(-1, *alibi.shape[1:])
+        return args, kwargs
+
+    return hook

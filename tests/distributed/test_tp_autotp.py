@@ -1,7 +1,8 @@
 """AutoTP training against single-process training of the unsharded model; save_16bit_model.
 
 4 gloo ranks, TP 2 x DP 2 (tensor-parallel pairs {0,1}, {2,3}; data-parallel pairs {0,2}, {1,3}):
-a tiny LLaMA (GQA) and a tiny GPT-2 (Conv1D, fused c_attn) built from transformers configs.
+a tiny LLaMA (GQA) and a tiny GPT-2 (Conv1D, fused c_attn) built from transformers configs (and, forward
+only, OPT, BLOOM, Qwen2, Mistral and Phi-3).
 Each rank also trains the unsharded model alone on the whole global batch with torch.optim.Adam:
 the sharded model's logits, its 10 losses and its gathered weights must match it, at ZeRO stages
 0, 1 and 2 on the data-parallel axis. The same run checks the bad-input errors."""
@@ -84,6 +85,18 @@ def body(rank: int, world: int, save_dir: str) -> dict:
            "llama_s1": _train("llama", 2, 1, rank, world), "llama_s2": _train("llama", 2, 2, rank, world),
            "llama_clip": _train("llama", 2, 0, rank, world, clip=0.5)}
 
+    out["logits"] = {}
+    for kind in ("opt", "bloom", "qwen2", "mistral", "phi3"):  # detection and layouts of other decoders, forward
+        from deepspeed_c.module_inject.auto_tp import apply_autotp
+
+        model = tp_models.make_model(kind).eval()
+        ids = tp_models.batches(1, 2)[0]
+        ref = model(input_ids=ids).logits.detach()
+        _, tp_group = groups._init_tp_mesh_device(2)
+        apply_autotp(model, tp_group)
+        out["logits"][kind] = ((model(input_ids=ids).logits.detach() - ref).abs().max() / ref.abs().max()).item()
+        groups._reset_tp_groups()
+
     def init(cfg: dict, model=None):
         try:
             deepspeed_c.initialize(model=model if model is not None else tp_models.make_model("llama"), config=cfg)
@@ -114,6 +127,8 @@ def test_autotp_matches_single_process_training(tmp_path):
             assert c["weight_rel"] < 1e-4, (case, c)
         # clipping engaged on most steps, with the whole model's norm (shards summed over TP, replicas once)
         assert r["llama_clip"]["clipped"] >= STEPS // 2 and r["llama_clip"]["norm_rel"] < 1e-5, r["llama_clip"]
+        assert set(r["logits"]) == {"opt", "bloom", "qwen2", "mistral", "phi3"}
+        assert all(v < 1e-5 for v in r["logits"].values()), r["logits"]
         g = r["gpt2_s0"]  # save_16bit_model: GPT-2's Conv1D weights and fused c_attn back in transformers' layout
         assert g["saved_keys_equal"] and g["saved_rel"] < 1e-4, g
         assert g["save_checkpoint"].startswith("NotImplementedError") and "save_16bit_model" in g["save_checkpoint"]

@@ -24,8 +24,29 @@ def make_model(kind: str, seed: int = 0, kv_heads: int = 2) -> torch.nn.Module:
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         model = transformers.GPT2LMHeadModel(cfg)
     else:
-        raise ValueError(kind)
+        model = _other(kind, transformers)
     return model
+
+
+def _other(kind: str, transformers) -> torch.nn.Module:
+    """Forward-only architectures: OPT (fc1/fc2, out_proj), BLOOM (per-head fused query_key_value, ALiBi),
+    Qwen2 and Mistral (GQA), Phi-3 (concatenated qkv_proj and gate_up_proj)."""
+    small = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2)
+    llama_like = dict(small, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=32)
+    if kind == "opt":
+        return transformers.OPTForCausalLM(transformers.OPTConfig(**small, ffn_dim=64, num_attention_heads=4,
+                                                                  max_position_embeddings=32, word_embed_proj_dim=32))
+    if kind == "bloom":
+        return transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2,
+                                                                      n_head=4))
+    if kind == "qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**llama_like))
+    if kind == "mistral":
+        return transformers.MistralForCausalLM(transformers.MistralConfig(**llama_like))
+    if kind == "phi3":
+        return transformers.Phi3ForCausalLM(transformers.Phi3Config(**llama_like, pad_token_id=0))
+    raise ValueError(kind)
 
 
 def batches(steps: int, rows: int, seed: int = 1, seq: int = 8) -> list[torch.Tensor]:
