@@ -53,6 +53,18 @@ def test_lstm_counts_from_weights():
     assert _profile(model, (3, 4, 7)) == (fm.lstm_counts(3, 4, 7, 5), 0, _params(model))
 
 
+def test_torch_compile_counts_as_eager():
+    """A torch.compile'd MLP (aot_eager: no C++ toolchain needed) counts as the eager one. (Counting
+    happens when Dynamo traces the ops, as in DeepSpeed's profiler; a model whose frames Dynamo
+    traces more than once, e.g. around scaled_dot_product_attention, is over-counted by both.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    macs = 2 * 8 * 16 + 2 * 16 * 4
+    compiled = torch.compile(model, backend="aot_eager")
+    assert get_model_profile(compiled, input_shape=(2, 8), print_profile=False, as_string=False) == \
+        (2 * macs + 2 * 16, macs, _params(model))
+
+
 def _snapshot() -> dict:
     names = {"F": (F, ["linear", "conv2d", "conv_transpose2d", "relu", "gelu", "silu", "layer_norm", "batch_norm",
                        "softmax", "embedding", "scaled_dot_product_attention", "max_pool2d", "interpolate"]),

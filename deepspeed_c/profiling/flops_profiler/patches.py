@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from deepspeed_c.profiling.flops_profiler import counts
 
-# one [flops, macs] accumulator per module forward in progress, innermost last
-frames: list[list[int]] = []
+# one list of (flops, macs) per module forward in progress, innermost last
+frames: list[list[tuple[int, int]]] = []
 
 _POOLS = [f"{kind}_pool{d}d" for kind in ("avg", "max", "adaptive_avg", "adaptive_max") for d in (1, 2, 3)]
 
@@ -50,10 +50,9 @@ def _counting(original: Callable[..., Any], counter: Callable[..., counts.Counts
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if frames:
-            flops, macs = counter(*args, **kwargs)
-            top = frames[-1]
-            top[0] += flops
-            top[1] += macs
+            # appended, not summed in place: under torch.compile the counts may be symbolic and
+            # Dynamo cannot guard on a list element rewritten with one
+            frames[-1].append(counter(*args, **kwargs))
         return original(*args, **kwargs)
 
     wrapper.__dsc_counting__ = True  # type: ignore[attr-defined]

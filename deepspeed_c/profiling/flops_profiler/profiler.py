@@ -193,7 +193,7 @@ class FlopsProfiler:
 
 
 def _open_frame(module: nn.Module, inputs: Any) -> None:
-    patches.frames.append([0, 0])
+    patches.frames.append([])
     _synchronize()
     module.__start_time__ = time.time()
 
@@ -203,10 +203,10 @@ def _close_frame(module: nn.Module, inputs: Any, output: Any) -> None:
     if hasattr(module, "__duration__"):
         module.__duration__ += time.time() - module.__start_time__
     if patches.frames:
-        flops, macs = patches.frames.pop()
+        counted = patches.frames.pop()
         if hasattr(module, "__flops__"):
-            module.__flops__ += flops
-            module.__macs__ += macs
+            module.__flops__ += int(sum(f for f, _ in counted))
+            module.__macs__ += int(sum(m for _, m in counted))
 
 
 def _run(model: nn.Module, mode: str, args: list, kwargs: dict) -> None:
