@@ -69,8 +69,8 @@ class EngineIO:
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         if self.checkpointer is None:
             raise NotImplementedError("deepspeed_c: engine.save_checkpoint is not built yet (checkpoint issue)")
-        _refuse_tp_checkpoint(self, "save_checkpoint")
-        return self.checkpointer.save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        with _tp_full_view(self, "save_checkpoint"):  # AutoTP: written as the unsharded model's
+            return self.checkpointer.save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
@@ -136,16 +136,18 @@ class EngineIO:
                         load_module_only: bool = False, custom_load_fn: Optional[Callable] = None) -> Any:
         if self.checkpointer is None:
             raise NotImplementedError("deepspeed_c: engine.load_checkpoint is not built yet (checkpoint issue)")
-        _refuse_tp_checkpoint(self, "load_checkpoint")
-        return self.checkpointer.load(self, load_dir, tag, load_module_strict, load_optimizer_states,
-                                      load_lr_scheduler_states, load_module_only, custom_load_fn)
+        with _tp_full_view(self, "load_checkpoint"):  # AutoTP: read as the unsharded model's, then resliced
+            return self.checkpointer.load(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                                          load_lr_scheduler_states, load_module_only, custom_load_fn)
 
 
-def _refuse_tp_checkpoint(engine: Any, what: str) -> None:
-    """The checkpoint files hold one model file (mp_rank_00) and ZeRO files per data-parallel rank: under
-    AutoTP they would keep one TP rank's shards and let TP ranks overwrite each other's ZeRO files."""
-    if getattr(engine.mpu, "autotp", False) and engine.mpu.get_model_parallel_world_size() > 1:
-        raise NotImplementedError(f"{what} with tensor_parallel.autotp_size="
-                                  f"{engine.mpu.get_model_parallel_world_size()} is not supported yet; "
-                                  "save_16bit_model writes the whole (gathered) weights, which tp_model_init/"
-                                  "initialize can shard again at any autotp_size")
+def _tp_full_view(engine: Any, what: str) -> Any:
+    """AutoTP: the tensor-parallel weights (and Adam's moments) whole for the duration of a save or load."""
+    import contextlib
+
+    if not (getattr(engine.mpu, "autotp", False) and engine.mpu.get_model_parallel_world_size() > 1):
+        return contextlib.nullcontext()
+    from deepspeed_c.runtime.tensor_parallel.checkpoint_view import check_supported, full_view
+
+    check_supported(engine, what)
+    return full_view(engine)
