@@ -57,6 +57,9 @@ def _train(kind: str, tp: int, stage: int, rank: int, world: int, save_dir: str 
            "clipped": sum(n > clip for n in ref_norms) if clip > 0 else -1, "loss_drop": ref_losses[0] - ref_losses[-1],
            "tp_world": groups.get_tensor_model_parallel_world_size(), "dp_world": engine.dp_world_size,
            "sharded": sum(type(m).__name__ in ("LinearLayer", "LinearAllreduce") for m in engine.module.modules())}
+    if kind == "llama" and stage == 0:  # the engine's data loader feeds one batch per TP group
+        loader = engine.deepspeed_io(torch.utils.data.TensorDataset(torch.arange(32)))
+        out["first_batch"] = next(iter(loader))[0].tolist()
     if save_dir:  # whole weights on disk, in the unsharded model's names and layouts
         engine.save_16bit_model(save_dir, "tp.bin")
         torch.distributed.barrier()
@@ -160,6 +163,8 @@ def body(rank: int, world: int, save_dir: str) -> dict:
 
 def test_autotp_matches_single_process_training(tmp_path):
     results = run_distributed(body, 4, args=(str(tmp_path),), timeout=300)
+    batches = [r["llama_s0"]["first_batch"] for r in results]  # TP pairs {0,1}, {2,3}; DP pairs {0,2}, {1,3}
+    assert batches[0] == batches[1] and batches[2] == batches[3] and batches[0] != batches[2], batches
     for r in results:
         for case in ("llama_s0", "gpt2_s0", "llama_s1", "llama_s2", "llama_clip"):
             c = r[case]
