@@ -21,9 +21,9 @@ from torch import nn
 from deepspeed_c import comm as dist
 from deepspeed_c.module_inject.layers import LinearAllreduce, LinearLayer, TensorParallel_Layer
 
-COLUMN_NAMES = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1", "c_attn", "c_fc", "query_key_value",
-                          "dense_h_to_4h", "query", "key", "value", "w1", "w3", "wq", "wk", "wv", "qkv_proj",
-                          "gate_up_proj", "Wqkv", "fc_in"})
+COLUMN_NAMES = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1", "c_attn", "c_fc",
+                          "query_key_value", "dense_h_to_4h", "query", "key", "value", "w1", "w3", "wq", "wk", "wv",
+                          "qkv_proj", "gate_up_proj", "Wqkv", "fc_in"})
 ROW_NAMES = frozenset({"o_proj", "out_proj", "down_proj", "fc2", "c_proj", "dense_4h_to_h", "w2", "wo", "fc_out"})
 # attributes of an attention block that count heads or features of the sharded projections
 _SHARDED_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "n_head", "n_heads", "num_kv_heads",

@@ -21,7 +21,8 @@ STEPS, MICRO, LR, EPS = 10, 2, 1e-2, 1e-4
 
 def _config(tp: int, stage: int, clip: float = 0.0) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
-            "gradient_clipping": clip, "optimizer": {"type": "Adam", "params": {"lr": LR, "weight_decay": 0.0, "eps": EPS}},
+            "gradient_clipping": clip,
+            "optimizer": {"type": "Adam", "params": {"lr": LR, "weight_decay": 0.0, "eps": EPS}},
             "zero_optimization": {"stage": stage}, "tensor_parallel": {"autotp_size": tp}}
 
 

@@ -2,8 +2,9 @@
 
 One 4-rank gloo run checks sequence-parallel sizes 2 (groups {0,1}, {2,3}) and 4, both layouts
 ([b, s, h, d] and [s, b, h, d]), grouped-query attention (fewer key/value heads), causal masking,
-DeepSpeed's rotary_pos_emb argument, and the bad-input errors. Reference: float64 softmax attention over the whole sequence computed by
-every rank alone; each rank's output slice and the gradients of its q/k/v slices must match."""
+DeepSpeed's rotary_pos_emb argument, and the bad-input errors. Reference: float64 softmax attention over
+the whole sequence computed by every rank alone; each rank's output slice and the gradients of its q/k/v
+slices must match."""
 from __future__ import annotations
 
 import numpy as np

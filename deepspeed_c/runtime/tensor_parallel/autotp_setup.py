@@ -120,7 +120,8 @@ def _refuse_unsupported(config: dict, size: int) -> None:
     stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
     if isinstance(stage, int) and stage >= 3:
         raise NotImplementedError(f"tensor_parallel.autotp_size={size} with zero_optimization.stage={stage}: AutoTP "
-                                  "with ZeRO-3 is not supported yet; use ZeRO stage 0, 1 or 2 on the data-parallel axis")
+                                  "with ZeRO-3 is not supported yet; use ZeRO stage 0, 1 or 2 on the data-parallel "
+                                  "axis")
     fp16 = config.get("fp16") or {}
     if isinstance(fp16, dict) and fp16.get("enabled") is True:
         raise NotImplementedError(f"tensor_parallel.autotp_size={size} with fp16.enabled: the loss-scale overflow "
