@@ -8,7 +8,8 @@ all-to-all'ed back. The all-to-all's gradient is the opposite all-to-all, so aut
 Layouts (`batch_dim_idx`): 0 is [batch, seq, heads, head_dim], 1 is [seq, batch, heads, head_dim].
 Heads (query and key/value, GQA included) must divide by the sequence-parallel size: unlike
 DeepSpeed's uneven-head path, an indivisible head count raises (it names the count and the size).
-Every rank must hold the same local sequence length (pad the sequence to a multiple of the size).
+Every rank must hold the same local sequence length (pad the sequence to a multiple of the size); a
+mismatch raises ValueError on every rank (checked each call on the host, on the first call on a GPU).
 """
 from __future__ import annotations
 
@@ -95,6 +96,27 @@ class DistributedAttention(Module):
         self.gather_idx = gather_idx
         self.sp_stream = sp_stream
         self.num_kv_heads = num_kv_heads
+        self._shapes_checked = False
+
+    def _check_same_shape(self, query: Tensor) -> None:
+        """Ranks holding different local shapes would hand all_to_all_single mismatched buffers (gloo aborts
+        the process, NCCL hangs). One tiny all-reduce compares them: on every call on the host, on the first
+        call on a GPU (a later check there would synchronise the stream each forward)."""
+        if self._shapes_checked and query.device.type != "cpu":
+            return
+        self._shapes_checked = True
+        from deepspeed_c.comm import collective_device
+
+        world = dist.get_world_size(self.spg)
+        shape = torch.tensor(list(query.shape), dtype=torch.int64, device=collective_device(self.spg))
+        lo, hi = shape.clone(), shape.clone()
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=self.spg)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.spg)
+        if not torch.equal(lo, hi):
+            raise ValueError(f"DistributedAttention: the ranks of the sequence-parallel group hold query tensors of "
+                             f"different shapes (this rank {tuple(query.shape)}; per-dimension min "
+                             f"{tuple(lo.tolist())}, max {tuple(hi.tolist())}); every rank must hold an equal slice "
+                             f"of the sequence: pad the sequence to a multiple of the sequence parallel size {world}")
 
     def _check_heads(self, query: Tensor, key: Tensor, value: Tensor) -> None:
         world = dist.get_world_size(self.spg)
@@ -114,6 +136,8 @@ class DistributedAttention(Module):
                 *args: Any, **kwargs: Any) -> Tensor:
         seq = _seq_dim(batch_dim_idx)
         self._check_heads(query, key, value)
+        if dist.get_world_size(self.spg) > 1:
+            self._check_same_shape(query)
         heads = self.scatter_idx
         q = _SeqAllToAll.apply(self.spg, query, heads, seq)
         k = _SeqAllToAll.apply(self.spg, key, heads, seq)

@@ -83,11 +83,12 @@ def body(rank: int, world: int) -> dict:
             for heads, kv in ((4, 4), (8, 4)):
                 out["err"][(sp, layout, heads, kv)] = _case(group, sp_rank, sp, layout, heads, kv, seed=10 + rank // sp)
         out["err"][(sp, "rotary")] = _case(group, sp_rank, sp, 1, 8, 4, seed=20 + rank // sp, rotary=True)
-    # bad input: 6 heads over 4 ranks, a 3-D input, and batch_dim_idx 2
+    # bad input: 6 heads over 4 ranks, a 3-D input, batch_dim_idx 2, and local sequences of unequal length
     attn = DistributedAttention(_Attention(), dist.group.WORLD)
     errors = []
+    uneven = torch.zeros(1, 2 + (rank == 3), 4, 4)
     for args in ((torch.zeros(1, 2, 6, 4),) * 3 + (0,), (torch.zeros(1, 2, 8),) * 3 + (0,),
-                 (torch.zeros(1, 2, 4, 4),) * 3 + (2,)):
+                 (torch.zeros(1, 2, 4, 4),) * 3 + (2,), (uneven,) * 3 + (0,)):
         try:
             attn(*args)
             errors.append("no error")
@@ -103,7 +104,8 @@ def test_ulysses_matches_full_sequence_attention():
         assert len(r["err"]) == 10
         for case, err in r["err"].items():
             assert err < 1e-10, (case, err)
-        heads, ndim, batch = r["errors"]
+        heads, ndim, batch, uneven = r["errors"]
         assert "6 heads" in heads and "sequence parallel size 4" in heads, heads
         assert "4-D" in ndim, ndim
         assert "batch_dim_idx" in batch, batch
+        assert "different shapes" in uneven and "pad the sequence" in uneven, uneven  # on every rank, no abort
