@@ -13,8 +13,6 @@ if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-# --no-compile: no byte-compiling of every installed module (torch alone has thousands); what is
-# imported compiles on first use. Saves ~35 s of a fresh setup on the 2-core CI machine.
-.venv/bin/python -m pip install -q --no-compile -r requirements-lock.txt
+.venv/bin/python -m pip install -q -r requirements-lock.txt
 .venv/bin/python -m pip install -q --no-build-isolation --no-deps -e .
 echo "deepspeed_c is installed in .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"
