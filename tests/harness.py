@@ -1,4 +1,10 @@
-"""Run a test body on N real processes (gloo on CPU, NCCL when GPUs are present).
+"""Run a test body on N real processes: gloo on CPU, or NCCL with one process per GPU.
+
+The backend of a run that names none comes from DSC_TEST_BACKEND: "gloo" (the default) runs CPU
+ranks, with any GPUs hidden from them, so the same suite means the same thing on every machine;
+"nccl" runs rank r on cuda:r (torch.cuda.set_device, LOCAL_RANK as the launcher sets it, TF32 off)
+and skips, naming the shortfall, when fewer GPUs than ranks are visible. Test bodies put their model
+and data on `rank_device()` (cpu, or cuda:LOCAL_RANK) and return numpy on the host.
 
 Each rank is a new process (forked from a server that preloaded torch, see _context) with
 MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE set and
@@ -28,13 +34,54 @@ class DistributedTestError(AssertionError):
     """A rank raised, died, or the run timed out."""
 
 
+BACKEND_ENV = "DSC_TEST_BACKEND"
+_DEVICE_ENV = "DSC_TEST_DEVICE"  # set in each rank: the device its body works on
+# NVLink multicast stays off on shared GPU hosts (a program using it can take the host's GPUs down)
+_NCCL_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def backend_choice() -> str:
+    """The backend DSC_TEST_BACKEND asks for: "gloo" (default) or "nccl"."""
+    name = os.environ.get(BACKEND_ENV, "").strip().lower() or "gloo"
+    if name not in ("gloo", "nccl"):
+        raise ValueError(f"{BACKEND_ENV} must be 'gloo' or 'nccl', got {name!r}")
+    return name
+
+
+def rank_device() -> "torch.device":
+    """The torch.device a test body puts its model and data on: cuda:LOCAL_RANK in an NCCL rank,
+    cpu in a gloo rank and outside ranks (references computed by the test process itself)."""
+    import torch
+
+    return torch.device(os.environ.get(_DEVICE_ENV, "cpu"))
+
+
+def on_gpu() -> bool:
+    """True in an NCCL rank (for the few checks whose meaning differs on a GPU)."""
+    return os.environ.get(_DEVICE_ENV, "cpu").startswith("cuda")
+
+
+def visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def nccl_shortfall(world_size: int) -> str | None:
+    """Why an NCCL run of world_size ranks cannot run here (None when it can)."""
+    have = visible_gpus()
+    if have >= world_size:
+        return None
+    return f"NCCL at world size {world_size} needs {world_size} CUDA GPUs (one process per GPU); {have} visible"
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, backend: str | None,
+def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, backend: str,
                args: Sequence[Any], env: dict[str, str], results: "mp.Queue[Any]") -> None:
     os.environ.update(env)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
@@ -45,18 +92,17 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, ba
         import torch.distributed as dist
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-        if backend is None:
-            chosen = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
-        else:
-            chosen = backend
-        if chosen == "nccl":
+        if backend == "nccl":
             torch.cuda.set_device(rank)
-        if chosen != "none":
-            dist.init_process_group(chosen, rank=rank, world_size=world_size)
+            # fp32 matmuls and convolutions in fp32 (TF32 would loosen every fp32 tolerance)
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+        if backend != "none":
+            dist.init_process_group(backend, rank=rank, world_size=world_size)
         try:
             value = fn(rank, world_size, *args)
         finally:
-            if chosen != "none" and dist.is_initialized():
+            if backend != "none" and dist.is_initialized():
                 dist.destroy_process_group()
         results.put((rank, True, value))
     except BaseException:  # report everything, including SystemExit from the body
@@ -93,16 +139,33 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: Sequence[Any]
                     env: dict[str, str] | None = None, start_method: str = "forkserver") -> list[Any]:
     """Run fn(rank, world_size, *args) on world_size processes; return the per-rank results.
 
-    backend: None picks nccl when enough GPUs are visible, else gloo; "none" skips
-    init_process_group (for bodies that initialise the group themselves). start_method "spawn"
+    backend: None takes DSC_TEST_BACKEND (gloo by default: CPU ranks, GPUs hidden; nccl: rank r on
+    cuda:r); "gloo" or "nccl" named by the caller are used as they are (GPUs stay visible); "none"
+    skips init_process_group (for bodies that initialise the group themselves). An NCCL run with
+    fewer visible GPUs than world_size is skipped (pytest.skip), naming the shortfall. start_method "spawn"
     gives each rank a fresh interpreter (memory tests: a forked rank's first writes to the
     server's preloaded pages count as its own resident growth).
     """
+    env = dict(env or {})
+    chosen = backend if backend is not None else backend_choice()
+    if chosen == "nccl":
+        reason = nccl_shortfall(world_size)
+        if reason is not None:
+            import pytest
+
+            pytest.skip(f"{BACKEND_ENV}=nccl: {reason}" if backend is None else reason)
+        for k, v in _NCCL_SAFE_ENV.items():
+            env.setdefault(k, os.environ.get(k, v))
+        # deterministic cuBLAS for bodies that ask torch.use_deterministic_algorithms(True)
+        env.setdefault("CUBLAS_WORKSPACE_CONFIG", os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8"))
+    elif backend is None:
+        env.setdefault("CUDA_VISIBLE_DEVICES", "")  # gloo from the default: CPU ranks even on a GPU host
     ctx = _context() if start_method == "forkserver" else mp.get_context(start_method)
     results: "mp.Queue[Any]" = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_main,
-                         args=(fn, r, world_size, port, backend, tuple(args), dict(env or {}), results),
+                         args=(fn, r, world_size, port, chosen, tuple(args),
+                               {**env, _DEVICE_ENV: f"cuda:{r}" if chosen == "nccl" else "cpu"}, results),
                          daemon=False)
              for r in range(world_size)]
     for p in procs:

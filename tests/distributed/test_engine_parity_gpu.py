@@ -106,7 +106,7 @@ def _errors(got: dict[str, Any], ref: dict[str, Any]) -> tuple[float, float, flo
 
 
 def test_bf16_parity_on_two_gpus() -> None:
-    results = run_distributed(body, world_size=WORLD, timeout=600)
+    results = run_distributed(body, world_size=WORLD, timeout=600, backend="nccl")
     for name, case in CASES.items():
         got = results[0][name]
         for other in results[1:]:

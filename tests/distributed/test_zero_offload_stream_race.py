@@ -67,6 +67,6 @@ def body(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_offload_host_grads_match_device_partition_bitwise():
-    out = run_distributed(body, world_size=1, timeout=500)[0]
+    out = run_distributed(body, world_size=1, timeout=500, backend="nccl")[0]
     assert out["compared"] >= TRIALS
     assert out["mismatched"] == 0, out
