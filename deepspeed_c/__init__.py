@@ -9,7 +9,7 @@ from deepspeed_c.version import (__git_branch__, __git_hash__, __version__, __ve
                                  __version_patch__)
 
 __all__ = [
-    "__version__", "__git_hash__", "__git_branch__", "initialize", "OnDevice", "DeepSpeedConfigError", "add_config_arguments", "init_distributed", "DeepSpeedEngine",
+    "__version__", "__git_hash__", "__git_branch__", "initialize", "init_inference", "OnDevice", "DeepSpeedConfigError", "add_config_arguments", "init_distributed", "DeepSpeedEngine",
     "DeepSpeedConfig", "comm", "zero", "checkpointing", "ops", "utils", "accelerator",
 ]
 
@@ -41,4 +41,8 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "tp_model_init": "deepspeed_c.runtime.tensor_parallel.autotp_setup:tp_model_init",
     "module_inject": "deepspeed_c.module_inject",
     "sequence": "deepspeed_c.sequence",
+    "init_inference": "deepspeed_c.inference.api:init_inference",
+    "InferenceEngine": "deepspeed_c.inference.engine:InferenceEngine",
+    "DeepSpeedInferenceConfig": "deepspeed_c.inference.config:DeepSpeedInferenceConfig",
+    "inference": "deepspeed_c.inference",
 })

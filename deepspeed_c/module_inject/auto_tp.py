@@ -150,13 +150,15 @@ def _set_child(model: nn.Module, name: str, child: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, leaf, child)
 
 
-def apply_autotp(model: nn.Module, tp_group: Any, partition_config: Optional[dict] = None) -> nn.Module:
+def apply_autotp(model: nn.Module, tp_group: Any, partition_config: Optional[dict] = None,
+                 layers: Optional[list] = None) -> nn.Module:
     """Replaces the model's column/row-parallel Linear layers (in place) with LinearLayer / LinearAllreduce
-    holding this rank's shard; returns the model. Every rank of the group must call it on the same model."""
+    holding this rank's shard; returns the model. Every rank of the group must call it on the same model.
+    `layers` (a plan() result) replaces the detection (AutoTP inference widens it)."""
     tp_size = dist.get_world_size(tp_group)
     if any(isinstance(p, torch.nn.parameter.UninitializedParameter) for p in model.parameters()):
         raise ValueError("AutoTP: the model has uninitialized (lazy) parameters; run a forward first")
-    layers = plan(model, partition_config)
+    layers = plan(model, partition_config) if layers is None else layers
     if not layers:
         raise ValueError(f"AutoTP: no Linear layer of {type(model).__name__} was recognised as column- or row-parallel "
                          f"(known column names: {sorted(COLUMN_NAMES)}; row names: {sorted(ROW_NAMES)}); name the "

@@ -1,0 +1,196 @@
+"""deepspeed.inference.engine.InferenceEngine: what init_inference returns.
+
+Set-up order (each step a collaborator): dtype conversion -> tensor-parallel group -> one of
+  1. the user's injection_policy (AutoTP with the named row-parallel layers),
+  2. kernel injection (module_inject.kernel_inject.inject; an architecture without kernels falls back
+     to AutoTP with a warning naming it),
+  3. AutoTP when tensor_parallel.tp_size > 1
+-> checkpoint files loaded shard by shard -> the module moved to the accelerator (unless
+keep_module_on_host). `module` is the (sharded / injected) model; forward, __call__ and generate pass
+through to it, so `pipeline("text-generation", model=engine.module, ...)` works on every rank."""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from deepspeed_c import comm as dist
+from deepspeed_c.inference.checkpoint_loader import checkpoint_files, load_checkpoint_shards
+from deepspeed_c.inference.config import DeepSpeedInferenceConfig
+
+
+class InferenceEngine(nn.Module):
+    """DeepSpeed's inference wrapper: holds the prepared model as `module`."""
+
+    inference_mp_group = None  # DeepSpeed's class attribute: the last TP group made
+    _groups: dict[int, Any] = {}  # tp_size -> this rank's group (new_group is collective: make each once)
+
+    def __init__(self, model: nn.Module, config: DeepSpeedInferenceConfig) -> None:
+        super().__init__()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"init_inference: model must be a torch.nn.Module, got {type(model).__name__}")
+        self.module = model
+        self._config = config
+        self.injected = False
+        # DeepSpeed's engine.config is the model's own config (config.config, "args", when given)
+        self.config = getattr(model, "config", None) if config.config is None else config.config
+        self._check_dtype(config.dtype)
+        if isinstance(model, nn.Module) and config.dtype in (torch.float16, torch.bfloat16, torch.float32):
+            model.to(config.dtype)  # floating tensors only: integer buffers keep their dtype
+        self.mp_group = self._tp_group(config)
+        self.mp_world_size = dist.get_world_size(self.mp_group) if self.mp_group is not None else 1
+        if config.enable_cuda_graph and self.mp_world_size > 1:
+            raise ValueError(f"init_inference: enable_cuda_graph=True needs tensor_parallel.tp_size=1 (got "
+                             f"{self.mp_world_size}): CUDA graphs are not captured across tensor-parallel ranks")
+        files = checkpoint_files(config.checkpoint, config.base_dir) if config.checkpoint is not None else None
+        self._prepare(files)
+        self._to_device()
+        if self.mp_world_size > 1:
+            self._sync_rng()
+
+    # ---- set-up --------------------------------------------------------------------------------------
+    @staticmethod
+    def _check_dtype(dtype: torch.dtype) -> None:
+        from deepspeed_c.accelerator import get_accelerator
+
+        acc = get_accelerator()
+        if dtype not in acc.supported_dtypes():
+            raise ValueError(f"init_inference: dtype={dtype} is not supported by the {acc.device_name()} accelerator "
+                             f"(supported: {acc.supported_dtypes()})")
+
+    def _tp_group(self, config: DeepSpeedInferenceConfig) -> Any:
+        tp = config.tensor_parallel
+        if tp.mpu is not None:
+            group = tp.mpu.get_model_parallel_group()
+            tp.tp_size = dist.get_world_size(group)
+            return group
+        if tp.tp_group is not None:
+            tp.tp_size = dist.get_world_size(tp.tp_group)
+            return tp.tp_group
+        if not tp.enabled or tp.tp_size == 1:
+            return None
+        if not dist.is_initialized():
+            dist.init_distributed()
+        world = dist.get_world_size()
+        if world % tp.tp_size != 0:
+            raise ValueError(f"init_inference: tensor_parallel.tp_size={tp.tp_size} does not divide the world size "
+                             f"{world}: launch a multiple of tp_size processes (deepspeed --num_gpus N)")
+        if tp.tp_size not in InferenceEngine._groups:
+            # consecutive ranks form a group (DeepSpeed makes ranks 0..tp_size-1 one group; with more ranks each
+            # further block of tp_size ranks is a replica)
+            mine = None
+            for start in range(0, world, tp.tp_size):
+                group = dist.new_group(list(range(start, start + tp.tp_size)))
+                if start <= dist.get_rank() < start + tp.tp_size:
+                    mine = group
+            InferenceEngine._groups[tp.tp_size] = mine
+        InferenceEngine.inference_mp_group = InferenceEngine._groups[tp.tp_size]
+        tp.tp_group = InferenceEngine.inference_mp_group
+        return tp.tp_group
+
+    def _prepare(self, files: Optional[list[str]]) -> None:
+        cfg = self._config
+        if cfg.injection_policy:
+            if cfg.replace_with_kernel_inject:
+                raise ValueError("init_inference: injection_policy and replace_with_kernel_inject=True cannot be used "
+                                 "together (the policy asks for AutoTP of the named layers)")
+            self._autotp(cfg.injection_policy, files)
+            return
+        if cfg.replace_with_kernel_inject:
+            if files is not None:  # the fused blocks take their weights from the loaded Hugging Face modules
+                load_checkpoint_shards(self.module, files, cfg.dtype)
+                files = None
+            from deepspeed_c.module_inject import kernel_inject
+
+            injected = kernel_inject.inject(self.module, cfg)
+            if injected is not None:
+                self.module, self.injected = injected, True
+                return
+            arch = _architecture(self.module)
+            warnings.warn(f"init_inference: replace_with_kernel_inject=True, but deepspeed_c has no fused kernels for "
+                          f"{arch}; running it with AutoTP (tensor_parallel.tp_size={self.mp_world_size}) instead",
+                          stacklevel=4)
+        if self.mp_world_size > 1:
+            self._autotp(None, files)
+        elif files is not None:
+            load_checkpoint_shards(self.module, files, cfg.dtype)
+        elif cfg.enable_cuda_graph and torch.cuda.is_available():
+            raise NotImplementedError("init_inference: enable_cuda_graph=True is built for kernel-injected models only "
+                                      "(replace_with_kernel_inject=True on a supported architecture)")
+
+    def _autotp(self, policy: Optional[dict], files: Optional[list[str]]) -> None:
+        from deepspeed_c.module_inject.auto_tp_inference import shard_for_inference
+
+        if self.mp_group is None:  # an injection_policy without tensor parallelism: nothing to split
+            if files is not None:
+                load_checkpoint_shards(self.module, files, self._config.dtype)
+            return
+        shard_for_inference(self.module, self.mp_group, policy)
+        if files is not None:
+            load_checkpoint_shards(self.module, files, self._config.dtype)
+
+    def _to_device(self) -> None:
+        if self._config.keep_module_on_host:
+            return
+        from deepspeed_c.accelerator import get_accelerator
+
+        device = get_accelerator().current_device_name()
+        meta = [n for n, p in self.module.named_parameters() if p.is_meta]
+        if meta:
+            raise ValueError(f"init_inference: parameters {meta[:6]} are still on the meta device: give their values "
+                             "with `checkpoint`")
+        self.module.to(device)
+
+    def _sync_rng(self) -> None:
+        """Every rank of a TP group samples the same tokens: the group's first rank's RNG state is broadcast."""
+        src = dist.get_global_rank(self.mp_group, 0)
+        state = torch.get_rng_state()
+        dist.broadcast(state, src, group=self.mp_group)
+        torch.set_rng_state(state)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            cuda_state = torch.cuda.get_rng_state().to(torch.cuda.current_device())
+            dist.broadcast(cuda_state, src, group=self.mp_group)
+            torch.cuda.set_rng_state(cuda_state.cpu())
+
+    # ---- serving -------------------------------------------------------------------------------------
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        return self.module(*inputs, **kwargs)
+
+    def generate(self, *inputs: Any, **kwargs: Any) -> Any:
+        if not hasattr(self.module, "generate"):
+            raise AttributeError(f"{type(self.module).__name__} has no generate()")
+        if hasattr(self.module, "reset_cache"):
+            self.module.reset_cache()
+        config = kwargs.get("generation_config")
+        beams = kwargs.get("num_beams", getattr(config, "num_beams", 1) if config is not None else 1)
+        if self.injected and beams and beams > 1:
+            raise NotImplementedError(f"init_inference: num_beams={beams} with kernel injection: the fused blocks' "
+                                      "KV cache serves greedy and sampled decoding (num_beams=1) only")
+        ids = kwargs.get("input_ids", inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None)
+        self._check_length(ids, kwargs, config)
+        return self.module.generate(*inputs, **kwargs)
+
+    def _check_length(self, ids: Optional[torch.Tensor], kwargs: dict, config: Any) -> None:
+        limit = self._config.max_out_tokens
+        if ids is None or ids.dim() != 2:
+            return
+        if ids.shape[-1] > limit:
+            raise RuntimeError(f"Input with size {ids.shape[-1]} exceeds maximum length of {limit} (max_out_tokens="
+                               f"{limit}). Please increase max_tokens in the DeepSpeed Inference Config.")
+        new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None) if config is not None else None)
+        total = ids.shape[-1] + new if new is not None else kwargs.get("max_length")
+        if self.injected and total is not None and total > limit:
+            # the fused blocks' KV cache holds max_out_tokens positions: past it a token would be wrong
+            raise RuntimeError(f"init_inference: prompt ({ids.shape[-1]} tokens) plus generated tokens reach {total}, "
+                               f"past the KV cache of max_out_tokens={limit}; raise max_out_tokens (max_tokens)")
+
+    def destroy(self) -> None:
+        """DeepSpeed releases its kernel workspace here; ours lives in the injected module."""
+
+
+def _architecture(model: nn.Module) -> str:
+    cfg = getattr(model, "config", None)
+    kind = getattr(cfg, "model_type", None)
+    return f"{type(model).__name__} (model_type={kind!r})" if kind else type(model).__name__
