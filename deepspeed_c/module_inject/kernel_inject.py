@@ -1,15 +1,170 @@
-"""Kernel injection (`replace_with_kernel_inject=True`): the decoder blocks of known architectures
-are replaced by fused inference blocks that run our CUDA kernels on a GPU (a torch reference on
-the host). `inject(model, config)` returns the injected model, or None when the architecture has
-no kernels (the caller then falls back to AutoTP with a warning)."""
+"""Kernel injection (`replace_with_kernel_inject=True`): the transformer body of a known
+architecture is replaced by an InjectedDecoder whose blocks run the fused inference kernels
+(CUDA on a GPU, their torch reference on the host). `inject(model, config)` returns the injected
+model, or None when the architecture has no kernels (the caller falls back to AutoTP with a
+warning naming it).
+
+Architectures: GPT-2 (`gpt2`) and the LLaMA family (`llama`, `mistral`, `qwen2`)."""
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Callable
 
 import torch
 
+from deepspeed_c.module_inject.fused_block import BlockSpec, FusedDecoderBlock
+from deepspeed_c.module_inject.fused_decoder import InjectedDecoder
+
+_GPT2_GELUS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu_fast": True, "gelu": False}
+_STATIC_ROPE = ("default", "linear", "llama3")
+
+
+def supported_model_types() -> tuple[str, ...]:
+    return tuple(_POLICIES)
+
+
+def _cfg(config: Any, name: str, default: Any) -> Any:
+    value = getattr(config, name, default) if config is not None else default
+    return default if value is None else value
+
+
+def _dtype(value: Any) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        if value is not None and value not in (torch.float32, torch.float16, torch.bfloat16):
+            raise NotImplementedError(f"dtype={value}: the injected kernels run float32, float16 or bfloat16")
+        return value
+    names = {"fp32": torch.float32, "float32": torch.float32, "float": torch.float32, "fp16": torch.float16,
+             "float16": torch.float16, "half": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+    key = str(value).replace("torch.", "").lower()
+    if key not in names:
+        raise NotImplementedError(f"dtype={value!r}: the injected kernels run float32, float16 or bfloat16 "
+                                  "(int8 weight quantization is not built for kernel injection)")
+    return names[key]
+
+
+def _tp_size(config: Any) -> int:
+    tp = getattr(config, "tensor_parallel", None)
+    size = getattr(tp, "tp_size", None) if tp is not None else None
+    if size is None and isinstance(tp, dict):
+        size = tp.get("tp_size")
+    return int(size or _cfg(config, "mp_size", 1) or 1)
+
+
+def _body_of(model: torch.nn.Module, attr: str) -> tuple[str | None, torch.nn.Module]:
+    """(attribute on the wrapper, body); attribute None when `model` is the body itself."""
+    body = getattr(model, attr, None)
+    return (attr, body) if isinstance(body, torch.nn.Module) else (None, model)
+
+
+def _gpt2(body: torch.nn.Module, max_out: int, graphs: bool) -> InjectedDecoder:
+    cfg = body.config
+    if getattr(cfg, "add_cross_attention", False):
+        raise NotImplementedError("kernel injection for GPT-2 with add_cross_attention=True is not built")
+    act = getattr(cfg, "activation_function", "gelu_new")
+    if act not in _GPT2_GELUS:
+        raise NotImplementedError(f"kernel injection for GPT-2 with activation_function={act!r} is not built "
+                                  f"(supported: {sorted(_GPT2_GELUS)})")
+    if max_out > cfg.n_positions:
+        raise ValueError(f"max_out_tokens={max_out} exceeds GPT-2's n_positions={cfg.n_positions} "
+                         "(its learned position table has no rows past that)")
+    c, nh = cfg.n_embd, cfg.n_head
+    d = c // nh
+    spec = BlockSpec(hidden=c, n_heads=nh, n_kv=nh, head_dim=d, eps=cfg.layer_norm_epsilon,
+                     layer_norm=True, gated_silu=False, gelu_tanh=_GPT2_GELUS[act], rotary=False)
+    blocks = []
+    for i, blk in enumerate(body.h):
+        scale = (1.0 / math.sqrt(d)) if cfg.scale_attn_weights else 1.0
+        if cfg.scale_attn_by_inverse_layer_idx:
+            scale /= float(i + 1)
+        a, m = blk.attn, blk.mlp  # Conv1D stores weight [in, out]: transposed to F.linear's [out, in]
+        blocks.append(FusedDecoderBlock(
+            spec, i, scale, (blk.ln_1.weight, blk.ln_1.bias), (blk.ln_2.weight, blk.ln_2.bias),
+            a.c_attn.weight.t(), a.c_attn.bias, a.c_proj.weight.t(), a.c_proj.bias,
+            m.c_fc.weight.t(), m.c_fc.bias, m.c_proj.weight.t(), m.c_proj.bias))
+    return InjectedDecoder(cfg, spec, blocks, {"wte": body.wte, "wpe": body.wpe},
+                           (body.ln_f.weight, body.ln_f.bias), None, max_out, graphs)
+
+
+def _rope_tables(body: torch.nn.Module, max_out: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rot = body.rotary_emb
+    rope_type = getattr(rot, "rope_type", "default")
+    if rope_type not in _STATIC_ROPE:
+        raise NotImplementedError(f"kernel injection with rope_type={rope_type!r} is not built (supported: "
+                                  f"{list(_STATIC_ROPE)}: position tables that do not depend on the length)")
+    dev = rot.inv_freq.device
+    with torch.no_grad():
+        probe = torch.zeros(1, 1, head_dim, dtype=torch.float32, device=dev)
+        cos, sin = rot(probe, torch.arange(max_out, device=dev).unsqueeze(0))
+    if cos.shape[-1] != head_dim:
+        raise NotImplementedError(f"partial rotary (rotary dim {cos.shape[-1]} of head_dim {head_dim}) is not built")
+    return cos[0].float().cpu().contiguous(), sin[0].float().cpu().contiguous()
+
+
+def _llama(body: torch.nn.Module, max_out: int, graphs: bool) -> InjectedDecoder:
+    cfg = body.config
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        raise NotImplementedError(f"kernel injection with hidden_act={cfg.hidden_act!r} is not built (silu only)")
+    window = getattr(cfg, "sliding_window", None)
+    uses_window = window is not None and getattr(cfg, "use_sliding_window", True) and (
+        "sliding_attention" in (getattr(cfg, "layer_types", None) or ["sliding_attention"]))
+    if uses_window and max_out > window:
+        raise NotImplementedError(f"max_out_tokens={max_out} exceeds sliding_window={window}: sliding-window "
+                                  "attention is not built for kernel injection (use max_out_tokens <= the window)")
+    first = body.layers[0].self_attn
+    nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = first.head_dim
+    spec = BlockSpec(hidden=cfg.hidden_size, n_heads=nh, n_kv=nkv, head_dim=d, eps=cfg.rms_norm_eps,
+                     layer_norm=False, gated_silu=True, rotary=True)
+    blocks = []
+    for i, blk in enumerate(body.layers):
+        a, m = blk.self_attn, blk.mlp
+        bq = [p.bias for p in (a.q_proj, a.k_proj, a.v_proj)]
+        bqkv = None if all(b is None for b in bq) else torch.cat([
+            b if b is not None else torch.zeros(p.out_features, dtype=p.weight.dtype, device=p.weight.device)
+            for b, p in zip(bq, (a.q_proj, a.k_proj, a.v_proj))])
+        b1 = None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias])
+        blocks.append(FusedDecoderBlock(
+            spec, i, a.scaling, (blk.input_layernorm.weight, None), (blk.post_attention_layernorm.weight, None),
+            torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), bqkv, a.o_proj.weight, a.o_proj.bias,
+            torch.cat([m.gate_proj.weight, m.up_proj.weight]), b1, m.down_proj.weight, m.down_proj.bias))
+    return InjectedDecoder(cfg, spec, blocks, {"embed_tokens": body.embed_tokens}, (body.norm.weight, None),
+                           _rope_tables(body, max_out, d), max_out, graphs)
+
+
+# model_type -> (attribute of the body on the *ForCausalLM wrapper, builder)
+_POLICIES: dict[str, tuple[str, Callable[[torch.nn.Module, int, bool], InjectedDecoder]]] = {
+    "gpt2": ("transformer", _gpt2),
+    "llama": ("model", _llama),
+    "mistral": ("model", _llama),
+    "qwen2": ("model", _llama),
+}
+
 
 def inject(model: torch.nn.Module, config: Any) -> torch.nn.Module | None:
-    """Replace `model`'s transformer body in place; `config` is the parsed inference config (read
-    duck-typed: dtype, enable_cuda_graph, max_out_tokens, tensor_parallel.tp_size)."""
-    return None  # filled in by the kernel-injection work (issue 18 item 3)
+    """Replace `model`'s transformer body by fused blocks; `config` is the parsed inference config
+    (read duck-typed: dtype, enable_cuda_graph, max_out_tokens, tensor_parallel.tp_size).
+    Returns the injected model (the same wrapper object; the new body when `model` was a bare
+    body), or None when the architecture has no kernels."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in _POLICIES:
+        return None
+    tp = _tp_size(config)
+    if tp > 1:
+        raise NotImplementedError(f"replace_with_kernel_inject=True with tensor_parallel.tp_size={tp}: the fused "
+                                  "blocks run on one device; use tp_size=1 or AutoTP (replace_with_kernel_inject=False)")
+    dtype = _dtype(_cfg(config, "dtype", None))
+    max_out = int(_cfg(config, "max_out_tokens", 1024))
+    if max_out < 1:
+        raise ValueError(f"max_out_tokens must be positive, got {max_out}")
+    graphs = bool(_cfg(config, "enable_cuda_graph", False))
+    if dtype is not None:
+        model.to(dtype)
+    attr, builder = _POLICIES[model_type]
+    where, body = _body_of(model, attr)
+    with torch.no_grad():
+        decoder = builder(body, max_out, graphs)
+    decoder.to(next(body.parameters()).device)
+    if where is None:
+        return decoder
+    setattr(model, where, decoder)
+    return model

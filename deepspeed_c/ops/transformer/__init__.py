@@ -1,0 +1,1 @@
+"""deepspeed.ops.transformer: the fused inference kernels (`inference`)."""
