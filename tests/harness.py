@@ -61,6 +61,14 @@ def on_gpu() -> bool:
     return os.environ.get(_DEVICE_ENV, "cpu").startswith("cuda")
 
 
+def deterministic() -> None:
+    """torch.use_deterministic_algorithms(True) for a rank: strict on the CPU; on a GPU it warns
+    (instead of raising) where an op has no deterministic CUDA kernel."""
+    import torch
+
+    torch.use_deterministic_algorithms(True, warn_only=on_gpu())
+
+
 def visible_gpus() -> int:
     import torch
 

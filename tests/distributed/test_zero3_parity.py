@@ -10,7 +10,11 @@ without calling out_proj), frozen parameters and two parameter groups. Variants:
 limits, persistence thresholds, parameter + optimizer offload to the host, gradient accumulation 4,
 clipping, an fp16 run whose first steps overflow, models built under zero.Init. Each rank also checks
 that it holds only its shard between steps and that the live gathered elements stayed within
-stage3_max_live_parameters."""
+stage3_max_live_parameters.
+
+Under DSC_TEST_BACKEND=nccl the same cases run one GPU a rank (TF32 off, same tolerances). zero.Init
+builds on the GPU, as DeepSpeed's does, so its stage-0 reference is built on the rank's GPU too (the
+same seeded CUDA generator gives both the same initial weights)."""
 from __future__ import annotations
 
 import functools
@@ -20,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.harness import run_distributed
+from tests.harness import deterministic, rank_device, run_distributed
 
 MICRO = 2
 STEPS = 8
@@ -103,6 +107,9 @@ def train(rank: int, world: int, case: dict[str, Any], stage: int) -> dict[str, 
     if case.get("init") and stage == 3:
         with deepspeed_c.zero.Init(config_dict_or_path=cfg):
             model = _build(case)
+    elif case.get("init"):  # the reference draws its initial weights where zero.Init does
+        with torch.device(rank_device()):
+            model = _build(case)
     else:
         model = _build(case)
     kwargs: dict[str, Any] = {}
@@ -113,17 +120,18 @@ def train(rank: int, world: int, case: dict[str, Any], stage: int) -> dict[str, 
     steps = case.get("steps", STEPS)
     batches = _batches(case, steps * case["gas"], world)
     losses, local_numel = [], []
+    dev = rank_device()
     for step in range(steps):
-        total = torch.zeros(())
+        total = torch.zeros((), device=dev)
         if hasattr(model, "step_no"):
             model.step_no = step
         for k in range(case["gas"]):
             x, y = batches[step * case["gas"] + k]
-            xs = x[rank * MICRO:(rank + 1) * MICRO]
+            xs = x[rank * MICRO:(rank + 1) * MICRO].to(dev)
             if xs.is_floating_point():
                 xs = xs.to(dtype)
             out = engine(xs)
-            loss = tied_loss(out, xs) if y is None else loss_fn(out.float(), y[rank * MICRO:(rank + 1) * MICRO])
+            loss = tied_loss(out, xs) if y is None else loss_fn(out.float(), y[rank * MICRO:(rank + 1) * MICRO].to(dev))
             engine.backward(loss)
             engine.step()
             total += loss.detach().float() / case["gas"]
@@ -149,7 +157,7 @@ def train(rank: int, world: int, case: dict[str, Any], stage: int) -> dict[str, 
 
 
 def body(rank: int, world: int, names: list[str]) -> dict[str, Any]:
-    torch.use_deterministic_algorithms(True)
+    deterministic()
     out: dict[str, Any] = {}
     for name in names:
         out[name] = {}

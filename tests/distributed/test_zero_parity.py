@@ -6,7 +6,8 @@ CPU optimizer offload, `reduce_scatter: false`, and (looser, as 16-bit rounding 
 fp16 run whose first steps overflow and are skipped.
 
 One spawn per world size runs every case at stages 0, 1 and 2; each test then checks its case. The same
-file runs over NCCL on a machine with GPUs (the harness picks NCCL when enough GPUs are visible)."""
+file runs over NCCL with one GPU a rank under DSC_TEST_BACKEND=nccl (the engine puts the model on
+the rank's GPU; the data follows engine.device), with the same tolerances (TF32 off)."""
 from __future__ import annotations
 
 import functools
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from tests.distributed.engine_models import loss_fn, make_batches, make_model
-from tests.harness import run_distributed
+from tests.harness import deterministic, run_distributed
 
 STEPS = 10
 MICRO = 2
@@ -109,7 +110,7 @@ def train(rank: int, world: int, case: dict[str, Any], stage: int) -> dict[str, 
 
 
 def body(rank: int, world: int, names: list[str]) -> dict[str, Any]:
-    torch.use_deterministic_algorithms(True)
+    deterministic()
     out: dict[str, Any] = {}
     for name in names:
         out[name] = {}
