@@ -15,6 +15,7 @@ from .fused_lamb import FusedLambBuilder
 from .fused_lion import FusedLionBuilder
 from .moe_gating import MoEGatingBuilder, MoEGatingCUDABuilder
 from .multi_tensor import MultiTensorOpsBuilder
+from .quantizer import QuantizerBuilder, QuantizerCUDABuilder
 
 __all__ = [name for name, obj in dict(globals()).items()
            if isinstance(obj, type) and issubclass(obj, OpBuilder) and obj.NAME]
