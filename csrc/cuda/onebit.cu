@@ -1,0 +1,196 @@
+/* The 1-bit compression core on CUDA (contract: dsc/onebit_cuda.h; reference: the scalar build of
+ * csrc/cpu/onebit.c).
+ *
+ * One thread owns one byte of bits, i.e. 8 consecutive elements: two 16-byte loads (or stores)
+ * when the segment is aligned, so a warp moves 1 KiB of floats and 32 consecutive bytes of bits.
+ * blockIdx.y walks the segments (strided by gridDim.y), blockIdx.x the bytes of a segment
+ * (grid-stride). compensate reduces its squares per block in double (warp shuffles) and adds one
+ * atomic per block into sumsq[scale_index]. Nothing here synchronises or allocates. */
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "dsc/onebit.h"
+#include "dsc/onebit_cuda.h"
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kMaxBlocksX = 8192;
+constexpr int64_t kMaxBlocksY = 65535;
+
+struct Seg {
+    int64_t off, len, idx;
+};
+
+__device__ __forceinline__ Seg seg_at(const int64_t *segs, int64_t s) {
+    return Seg{segs[3 * s], segs[3 * s + 1], segs[3 * s + 2]};
+}
+
+__device__ __forceinline__ bool positive(float x) { return !(x < 0.0f); }
+
+/* 8 elements starting at p (n of them valid, n <= 8) into v; unvalid lanes 0 */
+__device__ __forceinline__ void load8(const float *p, int n, bool vec, float v[8]) {
+    if (vec && n == 8) {
+        const float4 a = reinterpret_cast<const float4 *>(p)[0], b = reinterpret_cast<const float4 *>(p)[1];
+        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; j++) v[j] = j < n ? p[j] : 0.0f;
+}
+
+__device__ __forceinline__ void store8(float *p, int n, bool vec, const float v[8]) {
+    if (vec && n == 8) {
+        reinterpret_cast<float4 *>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+        reinterpret_cast<float4 *>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+        if (j < n) p[j] = v[j];
+}
+
+__device__ __forceinline__ bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+__global__ void compensate_kernel(float *__restrict__ y, const float *__restrict__ err, const int64_t *segs,
+                                  int64_t nseg, double *sumsq) {
+    __shared__ double warp_sums[kThreads / 32];
+    for (int64_t s = blockIdx.y; s < nseg; s += gridDim.y) {
+        const Seg g = seg_at(segs, s);
+        const int64_t nbytes = (g.len + 7) >> 3;
+        const bool vec = aligned16(y + g.off) && (err == nullptr || aligned16(err + g.off));
+        double acc = 0.0;
+        for (int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; b < nbytes;
+             b += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+            const int64_t k = g.off + 8 * b;
+            const int n = static_cast<int>(g.len - 8 * b < 8 ? g.len - 8 * b : 8);
+            float v[8], e[8];
+            load8(y + k, n, vec, v);
+            if (err != nullptr) {
+                load8(err + k, n, vec, e);
+#pragma unroll
+                for (int j = 0; j < 8; j++) v[j] += e[j];
+                store8(y + k, n, vec, v);
+            }
+#pragma unroll
+            for (int j = 0; j < 8; j++) acc += static_cast<double>(v[j]) * static_cast<double>(v[j]);
+        }
+        for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, o);
+        if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = acc;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            double total = 0.0;
+            for (int w = 0; w < kThreads / 32; w++) total += warp_sums[w];
+            if (total != 0.0) atomicAdd(sumsq + g.idx, total);
+        }
+        __syncthreads(); /* warp_sums is reused by the next segment */
+    }
+}
+
+__global__ void pack_kernel(const float *__restrict__ y, float *__restrict__ err, uint8_t *__restrict__ bits,
+                            const int64_t *segs, int64_t nseg, const float *scales) {
+    for (int64_t s = blockIdx.y; s < nseg; s += gridDim.y) {
+        const Seg g = seg_at(segs, s);
+        const int64_t nbytes = (g.len + 7) >> 3;
+        const float scale = scales[g.idx];
+        const bool vec = aligned16(y + g.off) && (err == nullptr || aligned16(err + g.off));
+        for (int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; b < nbytes;
+             b += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+            const int64_t k = g.off + 8 * b;
+            const int n = static_cast<int>(g.len - 8 * b < 8 ? g.len - 8 * b : 8);
+            float v[8];
+            load8(y + k, n, vec, v);
+            unsigned byte = 0;
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const bool pos = j < n && positive(v[j]);
+                byte |= static_cast<unsigned>(pos) << j;
+                v[j] = v[j] - (pos ? scale : -scale);
+            }
+            bits[(g.off >> 3) + b] = static_cast<uint8_t>(byte);
+            if (err != nullptr) store8(err + k, n, vec, v);
+        }
+    }
+}
+
+__global__ void unpack_kernel(const uint8_t *__restrict__ bits, float *__restrict__ out, const int64_t *segs,
+                              int64_t nseg, const float *scales, int accumulate) {
+    for (int64_t s = blockIdx.y; s < nseg; s += gridDim.y) {
+        const Seg g = seg_at(segs, s);
+        const int64_t nbytes = (g.len + 7) >> 3;
+        const float scale = scales[g.idx];
+        const bool vec = aligned16(out + g.off);
+        for (int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; b < nbytes;
+             b += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+            const int64_t k = g.off + 8 * b;
+            const int n = static_cast<int>(g.len - 8 * b < 8 ? g.len - 8 * b : 8);
+            const unsigned byte = bits[(g.off >> 3) + b];
+            float v[8];
+            if (accumulate) load8(out + k, n, vec, v);
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const float d = (byte >> j) & 1u ? scale : -scale;
+                v[j] = accumulate ? v[j] + d : d;
+            }
+            store8(out + k, n, vec, v);
+        }
+    }
+}
+
+bool geometry(int64_t nseg, int64_t max_len, dim3 *grid) {
+    if (nseg < 0 || max_len < 0) return false;
+    const int64_t nbytes = (max_len + 7) >> 3;
+    int64_t gx = (nbytes + kThreads - 1) / kThreads;
+    gx = gx < 1 ? 1 : (gx > kMaxBlocksX ? kMaxBlocksX : gx);
+    const int64_t gy = nseg > kMaxBlocksY ? kMaxBlocksY : nseg;
+    *grid = dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy), 1);
+    return true;
+}
+
+int launched() { return static_cast<int>(cudaGetLastError()); }
+
+} // namespace
+
+extern "C" int dsc_onebit_compensate_cuda(float *y, const float *err, const int64_t *segs, int64_t nseg,
+                                          int64_t max_len, double *sumsq, cudaStream_t stream) {
+    dim3 grid;
+    if (!geometry(nseg, max_len, &grid) || (nseg > 0 && (!y || !segs || !sumsq))) return DSC_ONEBIT_EINVAL;
+    if (nseg == 0 || max_len == 0) return 0;
+    compensate_kernel<<<grid, kThreads, 0, stream>>>(y, err, segs, nseg, sumsq);
+    return launched();
+}
+
+extern "C" int dsc_onebit_pack_cuda(const float *y, float *err, uint8_t *bits, const int64_t *segs, int64_t nseg,
+                                    int64_t max_len, const float *scales, cudaStream_t stream) {
+    dim3 grid;
+    if (!geometry(nseg, max_len, &grid) || (nseg > 0 && (!y || !bits || !segs || !scales))) return DSC_ONEBIT_EINVAL;
+    if (nseg == 0 || max_len == 0) return 0;
+    pack_kernel<<<grid, kThreads, 0, stream>>>(y, err, bits, segs, nseg, scales);
+    return launched();
+}
+
+extern "C" int dsc_onebit_unpack_cuda(const uint8_t *bits, float *out, const int64_t *segs, int64_t nseg,
+                                      int64_t max_len, const float *scales, int accumulate, cudaStream_t stream) {
+    dim3 grid;
+    if (!geometry(nseg, max_len, &grid) || (nseg > 0 && (!bits || !out || !segs || !scales)))
+        return DSC_ONEBIT_EINVAL;
+    if (nseg == 0 || max_len == 0) return 0;
+    unpack_kernel<<<grid, kThreads, 0, stream>>>(bits, out, segs, nseg, scales, accumulate);
+    return launched();
+}
+
+extern "C" const char *dsc_onebit_cuda_strerror(int code) {
+    if (code == DSC_ONEBIT_EINVAL) return "invalid sizes";
+    return code > 0 ? cudaGetErrorString(static_cast<cudaError_t>(code)) : "unknown deepspeed_c 1-bit error";
+}
+
+extern "C" int dsc_onebit_cuda_enter(int device, int *prev) {
+    cudaError_t err = cudaGetDevice(prev);
+    if (err == cudaSuccess && *prev != device) err = cudaSetDevice(device);
+    return static_cast<int>(err);
+}
+
+extern "C" void dsc_onebit_cuda_leave(int device, int prev) {
+    if (prev >= 0 && prev != device) (void)cudaSetDevice(prev);
+}
