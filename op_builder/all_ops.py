@@ -16,6 +16,7 @@ from .fused_lion import FusedLionBuilder
 from .moe_gating import MoEGatingBuilder, MoEGatingCUDABuilder
 from .multi_tensor import MultiTensorOpsBuilder
 from .quantizer import QuantizerBuilder, QuantizerCUDABuilder
+from .transformer_inference import InferenceBuilder
 
 __all__ = [name for name, obj in dict(globals()).items()
            if isinstance(obj, type) and issubclass(obj, OpBuilder) and obj.NAME]

@@ -44,10 +44,29 @@ def qkv_rotary_cache(qkv: torch.Tensor, bias: torch.Tensor | None, cos: torch.Te
                              n_heads, n_kv, head_dim, rot)
 
 
+# Blocks that keep an H100's 132 SMs busy; fewer query-row blocks than this split the keys.
+_BUSY_BLOCKS = 264
+
+
+def attention_splits(batch: int, t: int, n_heads: int, n_kv: int, capacity: int, splits: int | None = None) -> int:
+    """How many blocks share one query row's keys: 1 for prefill, more for decode at small batch.
+    Depends on shapes only (never on the past length), so a captured graph stays valid."""
+    if splits is not None:
+        return splits
+    blocks = -(-t * (n_heads // n_kv) // 4) * batch * n_kv
+    if blocks >= _BUSY_BLOCKS:
+        return 1
+    return max(1, min(16, -(-_BUSY_BLOCKS // blocks), -(-capacity // 128)))
+
+
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, past: int,
-              past_dev: torch.Tensor, key_mask: torch.Tensor | None, scale: float, out: torch.Tensor) -> None:
+              past_dev: torch.Tensor, key_mask: torch.Tensor | None, scale: float, out: torch.Tensor,
+              splits: int | None = None) -> None:
     if q.is_cuda:
-        cuda_op().attention(q, k_cache, v_cache, past_dev, key_mask, float(scale), out)
+        b, t, h, d = q.shape
+        n = attention_splits(b, t, h, k_cache.shape[1], k_cache.shape[2], splits)
+        ws = torch.empty(n * b * t * h * (d + 2), dtype=torch.float32, device=q.device) if n > 1 else None
+        cuda_op().attention(q, k_cache, v_cache, past_dev, key_mask, float(scale), out, ws, n)
     else:
         ref.attention(q, k_cache, v_cache, past, key_mask, scale, out)
 

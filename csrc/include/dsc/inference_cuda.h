@@ -1,0 +1,66 @@
+/* Fused decoder inference kernels (csrc/cuda/inference_*.cu), the CUDA side of kernel injection.
+ *
+ * Every launcher runs on `stream` without synchronising and returns 0, a cudaError_t (> 0) or a
+ * DSC_CUDA_E* code (< 0; dsc_cuda_strerror describes each). Activations, weights and the KV cache
+ * share one dtype (`dtype`: a dsc_cuda_dtype); math runs in float32. Tensors are contiguous:
+ *   x, y, r_out, n_out     [rows, cols]           norms and the residual stream
+ *   qkv                    [B, T, (H + 2 Hkv) D]  the fused QKV GEMM's output, q heads then k then v
+ *   q, attn out            [B, T, H, D]
+ *   k_cache, v_cache       [B, Hkv, S, D]         S: the cache capacity (max_out_tokens)
+ *   cos, sin               float32 [P, D]         rotary tables by position
+ *   positions              int64 [B, T]
+ *   past                   int32 [1], device      tokens already cached: read on the device so
+ *                                                 a captured CUDA graph replays at any length
+ *   key_mask               int32 [B, mask_stride] 0 hides key j of batch row b (padding)
+ * Plain C: the binding (gcc) includes this header. */
+#ifndef DSC_INFERENCE_CUDA_H
+#define DSC_INFERENCE_CUDA_H
+
+#include "dsc/cuda_multi_tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The widest head the attention kernel takes (its per-lane accumulators are sized for it). */
+#define DSC_INF_MAX_HEAD_DIM 256
+/* The widest row the fused add + norm takes (the row is kept in shared memory). */
+#define DSC_INF_MAX_NORM_COLS 12288
+
+/* r = x + y + bias (y, bias optional; r_out optional), n = LayerNorm(r) * gamma + beta, or
+ * RMSNorm(r) * gamma when beta is NULL; the norm reads r rounded to dtype. */
+int dsc_inf_add_norm(const void *x, const void *y, const void *bias, const void *gamma, const void *beta,
+                     void *r_out, void *n_out, int64_t rows, int64_t cols, float eps, int dtype, int device,
+                     cudaStream_t stream);
+
+/* Adds the QKV bias (optional), rotates q and k by the tables at their positions (cos NULL: no
+ * rotary; `rot` leading dims of each head rotate in half-split pairs), writes q to q_out and
+ * k, v into the caches at rows past .. past + T (rows at or past S are not written). */
+int dsc_inf_qkv_rotary_cache(const void *qkv, const void *bias, const float *cos, const float *sin, int64_t n_pos,
+                             const int64_t *positions, const int32_t *past, void *k_cache, void *v_cache,
+                             void *q_out, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t rot,
+                             int64_t S, int dtype, int device, cudaStream_t stream);
+
+/* Causal attention with GQA over the cache: query t of batch row b sees key j when
+ * j <= past + t, j < S and key_mask[b, j] != 0 (key_mask optional). Online softmax in float32.
+ * splits > 1 divides the keys among that many blocks (decode: few query rows, long cache); the
+ * partial results go to `workspace` (float32, splits * B * T * H * (D + 2) elements) and a
+ * second kernel combines them. A query row that sees no key gets zeros. */
+int dsc_inf_attention(const void *q, const void *k_cache, const void *v_cache, const int32_t *past,
+                      const int32_t *key_mask, int64_t mask_stride, void *out, float *workspace, int64_t splits,
+                      int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t S, float scale, int dtype,
+                      int device, cudaStream_t stream);
+
+/* In place: h = gelu(h + bias); approximate != 0: the tanh form (GPT-2's gelu_new). */
+int dsc_inf_bias_gelu(void *h, const void *bias, int64_t rows, int64_t cols, int approximate, int dtype,
+                      int device, cudaStream_t stream);
+
+/* gu [rows, 2F] (+ bias [2F]): out [rows, F] = silu(gate) * up, gate = gu[:, :F], up = gu[:, F:]. */
+int dsc_inf_silu_mul(const void *gu, const void *bias, void *out, int64_t rows, int64_t f, int dtype, int device,
+                     cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
