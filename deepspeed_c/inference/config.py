@@ -12,7 +12,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 from pydantic import Field, field_validator, model_validator
 
-from deepspeed_c.runtime.config_utils import DeepSpeedConfigError, DeepSpeedConfigModel, parse_section, unbuilt
+from deepspeed_c.runtime.config_utils import DeepSpeedConfigModel, parse_section, unbuilt
 
 # dtypes init_inference converts a model to; int8 is DeepSpeed's weight-quantization spelling
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -150,9 +150,8 @@ def build_config(config: Union[None, str, Mapping[str, Any]], kwargs: Mapping[st
     tp = data.get("tensor_parallel", data.get("tp"))
     if isinstance(tp, DeepSpeedTPConfig):  # a typed section passed through
         data["tensor_parallel" if "tensor_parallel" in data else "tp"] = tp.model_dump()
-    try:
-        cfg = parse_section(DeepSpeedInferenceConfig, data, "init_inference")
-    except DeepSpeedConfigError:
-        raise
+    if data.get("replace_method") == "auto":  # its default, not a Hugging Face "auto" placeholder
+        del data["replace_method"]
+    cfg = parse_section(DeepSpeedInferenceConfig, data, "init_inference")
     _unbuilt_keys(cfg)
     return cfg

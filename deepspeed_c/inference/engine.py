@@ -124,6 +124,10 @@ class InferenceEngine(nn.Module):
         from deepspeed_c.module_inject.auto_tp_inference import shard_for_inference
 
         if self.mp_group is None:  # an injection_policy without tensor parallelism: nothing to split
+            if policy:
+                from deepspeed_c.module_inject.auto_tp_inference import policy_plan
+
+                policy_plan(self.module, policy)  # still validated: a layer name that matches nothing raises
             if files is not None:
                 load_checkpoint_shards(self.module, files, self._config.dtype)
             return

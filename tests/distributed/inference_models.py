@@ -1,0 +1,52 @@
+"""Tiny models and a tokenizer for the init_inference tests (built from configs / an in-memory vocabulary,
+no downloads)."""
+from __future__ import annotations
+
+import torch
+
+from tests.distributed import tp_models
+
+VOCAB = tp_models.VOCAB
+
+
+def make(kind: str, seed: int = 0, kv_heads: int = 2, heads: int = 4) -> torch.nn.Module:
+    """A tiny model whose weights are spread wider than the configs' 0.02 init, so greedy decoding picks
+    varied tokens (not one token repeated) and a wrong shard would change them."""
+    model = _build(kind, seed, kv_heads, heads)
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.add_(torch.randn(p.shape, generator=g) * 0.15)
+    return model
+
+
+def _build(kind: str, seed: int, kv_heads: int, heads: int) -> torch.nn.Module:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    if kind == "bert":
+        cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                      attention_probs_dropout_prob=0.0, attn_implementation="eager")
+        return transformers.BertForMaskedLM(cfg).eval()
+    if kind == "gpt2" and heads != 4:
+        cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=heads, n_positions=32)
+        return transformers.GPT2LMHeadModel(cfg).eval()
+    if kind == "llama":
+        return tp_models.make_model("llama", seed=seed, kv_heads=kv_heads).eval()
+    return tp_models.make_model(kind, seed=seed).eval()
+
+
+def tokenizer() -> object:
+    """A word-level tokenizer over the words w0..w63 (id i is "wi"), as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w1"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    from tokenizers import decoders
+
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w1", pad_token="w0", eos_token="w0")

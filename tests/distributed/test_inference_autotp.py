@@ -1,0 +1,142 @@
+"""init_inference with AutoTP against the unsharded Hugging Face model in one process.
+
+One 4-rank gloo run, fp32, tensor_parallel.tp_size 1, 2 and 4 (TP 2: groups {0,1} and {2,3}):
+- tiny GPT-2 (Conv1D, tied vocab-parallel head), LLaMA (GQA at TP 2), OPT, BERT (masked-LM logits): the
+  engine's logits equal the unsharded model's, and the decoders' greedy generate() tokens are the same;
+- a Hugging Face pipeline("text-generation", model=engine.module, tokenizer=...) returns the same text;
+- injection_policy={GPT2Block: ('attn.c_proj', 'mlp.c_proj')} shards like AutoTP;
+- a LLaMA and a GPT-2 saved in 2 files, described by a DeepSpeed checkpoint JSON, built on the meta device and
+  loaded file by file at TP 1, 2 and 4 give the unsharded model's logits;
+- bad input: tp_size not dividing the world or the heads, unsupported dtype, prompts past max_out_tokens."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import numpy as np
+import torch
+
+from tests.distributed import inference_models as im
+from tests.harness import run_distributed
+
+NEW = 6  # generated tokens
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _serve(kind: str, model: torch.nn.Module, ids: torch.Tensor, tp: int, **extra) -> tuple[float, list, str]:
+    import deepspeed_c
+
+    ref_logits = model(input_ids=ids).logits
+    engine = deepspeed_c.init_inference(copy.deepcopy(model), dtype=torch.float32,
+                                        tensor_parallel={"tp_size": tp}, **extra)
+    rel = _rel(engine(input_ids=ids).logits, ref_logits)
+    if kind == "bert":
+        return rel, [], type(engine.module.bert.encoder.layer[0].intermediate.dense).__name__
+    ref = model.generate(input_ids=ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    out = engine.generate(input_ids=ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    layers = sorted({type(m).__name__ for m in engine.module.modules() if "Parallel" in type(m).__name__
+                     or type(m).__name__ in ("LinearLayer", "LinearAllreduce")})
+    return rel, [bool(torch.equal(out, ref)), int(out.shape[1])], ",".join(layers)
+
+
+def _checkpoint(kind: str, tp: int, folder: str, ids: torch.Tensor, ref: torch.Tensor) -> float:
+    import deepspeed_c
+
+    with deepspeed_c.OnDevice(dtype=torch.float32, device="meta"):
+        model = im.make(kind, seed=5, kv_heads=4)
+    engine = deepspeed_c.init_inference(model, dtype=torch.float32, tensor_parallel={"tp_size": tp},
+                                        checkpoint=os.path.join(folder, f"{kind}.json"), base_dir=folder)
+    return _rel(engine(input_ids=ids).logits, ref)
+
+
+def _save_two_files(kind: str, folder: str, rank: int) -> torch.nn.Module:
+    model = im.make(kind, seed=5, kv_heads=4)
+    if rank == 0:
+        state = model.state_dict()
+        keys = list(state)
+        half = len(keys) // 2
+        for i, part in enumerate((keys[:half], keys[half:])):
+            torch.save({k: state[k] for k in part}, os.path.join(folder, f"{kind}-{i}.pt"))
+        with open(os.path.join(folder, f"{kind}.json"), "w") as f:
+            json.dump({"type": "ds_model", "checkpoints": [f"{kind}-0.pt", f"{kind}-1.pt"], "version": 1.0}, f)
+    torch.distributed.barrier()
+    return model
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except (ValueError, RuntimeError, NotImplementedError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def body(rank: int, world: int, folder: str) -> dict:
+    import deepspeed_c
+    from transformers import pipeline
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(1, im.VOCAB, (2, 7), generator=g)
+    out: dict = {"models": {}}
+    with torch.no_grad():
+        for kind in ("gpt2", "llama", "opt", "bert"):
+            model = im.make(kind)
+            for tp in (1, 2, 4):
+                mine = im.make("llama", kv_heads=4) if kind == "llama" and tp == 4 else model
+                out["models"][f"{kind}/tp{tp}"] = _serve(kind, mine, ids, tp)
+        model = im.make("gpt2")
+        out["policy"] = _serve("gpt2", model, ids, 2,
+                               injection_policy={GPT2Block: ("attn.c_proj", "mlp.c_proj")})
+        tok = im.tokenizer()
+        ref_text = pipeline("text-generation", model=model, tokenizer=tok)("w3 w9 w27", max_new_tokens=NEW,
+                                                                            do_sample=False)
+        engine = deepspeed_c.init_inference(copy.deepcopy(model), dtype="fp32", tensor_parallel={"tp_size": 4})
+        text = pipeline("text-generation", model=engine.module, tokenizer=tok)("w3 w9 w27", max_new_tokens=NEW,
+                                                                               do_sample=False)
+        out["pipeline"] = [ref_text[0]["generated_text"], text[0]["generated_text"]]
+        out["checkpoint"] = {}
+        for kind in ("llama", "gpt2"):
+            ref = _save_two_files(kind, folder, rank)(input_ids=ids).logits
+            for tp in (1, 2, 4):
+                out["checkpoint"][f"{kind}/tp{tp}"] = _checkpoint(kind, tp, folder, ids, ref)
+    gpt2 = im.make("gpt2")
+    out["errors"] = {
+        "world": _error(lambda: deepspeed_c.init_inference(gpt2, dtype="fp32", tensor_parallel={"tp_size": 3})),
+        "heads": _error(lambda: deepspeed_c.init_inference(im.make("gpt2", heads=2), dtype="fp32",
+                                                           tensor_parallel={"tp_size": 4})),
+        "kv_heads": _error(lambda: deepspeed_c.init_inference(im.make("llama", kv_heads=2), dtype="fp32",
+                                                              mp_size=4)),
+        "dtype": _error(lambda: deepspeed_c.init_inference(gpt2, dtype=torch.float64)),
+        "max_out": _error(lambda: deepspeed_c.init_inference(gpt2, dtype="fp32", max_out_tokens=5).generate(
+            input_ids=ids, max_new_tokens=2)),
+    }
+    return out
+
+
+def test_init_inference_autotp_matches_unsharded(tmp_path):
+    results = run_distributed(body, world_size=4, args=(str(tmp_path),), timeout=300)
+    for rank, res in enumerate(results):
+        for name, (rel, gen, layers) in list(res["models"].items()) + [("policy", res["policy"])]:
+            assert rel < 1e-5, (rank, name, rel)
+            tp = int(name.rsplit("tp", 1)[1]) if "/tp" in name else 2
+            if not name.startswith("bert"):
+                assert gen == [True, 7 + NEW], (rank, name, gen)
+            if tp > 1 and not name.startswith("bert"):  # sharded: both kinds of linear and the vocab layers
+                assert "LinearAllreduce" in layers and "VocabParallelLMHead" in layers, (name, layers)
+            if name.startswith("bert"):
+                assert layers == ("LinearLayer" if tp > 1 else "Linear"), (name, layers)
+        assert res["pipeline"][0] == res["pipeline"][1] and res["pipeline"][0].startswith("w3 w9 w27"), res["pipeline"]
+        assert len(res["checkpoint"]) == 6 and max(res["checkpoint"].values()) < 1e-5, res["checkpoint"]
+        errs = res["errors"]
+        assert "tp_size=3" in errs["world"] and "world size 4" in errs["world"], errs["world"]
+        assert "tp_size=4" in errs["heads"] and "=2" in errs["heads"], errs["heads"]
+        assert "num_key_value_heads=2" in errs["kv_heads"], errs["kv_heads"]
+        assert "float64" in errs["dtype"] and "dtype" in errs["dtype"], errs["dtype"]
+        assert "max_out_tokens=5" in errs["max_out"] and "size 7" in errs["max_out"], errs["max_out"]
+    # every rank of a group served the same tokens as the one-process model (checked above per rank)
+    assert np.isfinite([r["checkpoint"]["llama/tp4"] for r in results]).all()
