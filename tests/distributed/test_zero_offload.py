@@ -1,5 +1,5 @@
 """ZeRO-Offload's pipelined host step, driven directly (no engine) on 1, 2 and 4 ranks (gloo on CPU;
-NCCL with the model on the GPUs where enough are visible: then the gradients really cross to the host
+under DSC_TEST_BACKEND=nccl one GPU a rank with the model on it: then the gradients really cross to the host
 on the side stream and the weights come back through pinned buffers).
 
 The optimizer collaborator wraps a plain torch model; the host step runs in tiny sub-chunks (7
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests.distributed.engine_models import loss_fn, make_batches, make_model
-from tests.harness import run_distributed
+from tests.harness import rank_device, run_distributed
 
 MICRO = 2
 STEPS = 4
@@ -39,13 +39,6 @@ def _zero(model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, world: 
         opt, stage=stage, rank=rank, world_size=world, should_reduce=lambda: stage == 2 or boundary[0],
         is_boundary=lambda: boundary[0], reduce_bucket_size=CAP, allgather_bucket_size=CAP, clip_grad=clip,
         offload_device="cpu" if offload else None, offload_sub_chunk=7, offload_stage_on_host=True)
-
-
-def _device(rank: int) -> torch.device:
-    import torch.distributed as dist
-
-    on_gpu = dist.is_initialized() and dist.get_backend() == "nccl"
-    return torch.device("cuda", rank) if on_gpu else torch.device("cpu")
 
 
 def _train_zero(rank: int, world: int, model: torch.nn.Module, zopt: Any, boundary: list[bool],
@@ -69,7 +62,7 @@ def _train_zero(rank: int, world: int, model: torch.nn.Module, zopt: Any, bounda
 def fp32_body(rank: int, world: int, stage: int, clip: float) -> dict[str, Any]:
     from deepspeed_c.ops.adam import DeepSpeedCPUAdam
 
-    model = make_model("mlp", seed=5).to(_device(rank))
+    model = make_model("mlp", seed=5).to(rank_device())
     boundary = [False]
     zopt = _zero(model, DeepSpeedCPUAdam(model.parameters(), lr=1e-2, adamw_mode=False, weight_decay=0.01),
                  rank, world, stage, clip, True, boundary)
@@ -135,7 +128,8 @@ def bf16_body(rank: int, world: int) -> dict[str, Any]:
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_offload_bf16_fused_write_back_equals_device_path(world: int) -> None:
-    # the device path steps with the same C optimizer only when the model is in host memory: gloo
+    # the device path steps with the same C optimizer only when the model is in host memory: gloo,
+    # also under DSC_TEST_BACKEND=nccl (a host-memory check; the GPU path is the fp32 cases')
     for res in run_distributed(bf16_body, world, timeout=240, backend="gloo"):
         for a, b in zip(res[True], res[False]):
             np.testing.assert_array_equal(a, b)
@@ -143,7 +137,7 @@ def test_offload_bf16_fused_write_back_equals_device_path(world: int) -> None:
 
 
 def torch_opt_body(rank: int, world: int) -> list[np.ndarray]:
-    model = make_model("mlp", seed=5).to(_device(rank))
+    model = make_model("mlp", seed=5).to(rank_device())
     boundary = [False]
     zopt = _zero(model, torch.optim.AdamW(model.parameters(), lr=1e-2), rank, world, 2, 0.0, True, boundary)
     snaps = _train_zero(rank, world, model, zopt, boundary, torch.float32)
