@@ -103,8 +103,9 @@ def _load(config: Union[str, dict, os.PathLike]) -> dict:
     return loaded
 
 
-def _dp_world(mpu: Any, mesh_device: Any) -> tuple[int, int]:
-    """(global rank, data-parallel world size); a world of one when no process group is up."""
+def _dp_world(mpu: Any, mesh_device: Any, sequence_parallel_size: Any = None) -> tuple[int, int]:
+    """(global rank, data-parallel world size); a world of one when no process group is up. Without an mpu
+    or mesh, the config's sequence_parallel_size divides the world (DeepSpeed's HF zero.Init case)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -116,6 +117,11 @@ def _dp_world(mpu: Any, mesh_device: Any) -> tuple[int, int]:
         return rank, dist.get_world_size() // int(mpu.get_sequence_parallel_world_size())
     if mesh_device is not None:
         return rank, dist.get_world_size(mesh_device.get_group(mesh_dim="data_parallel"))
+    if isinstance(sequence_parallel_size, int) and sequence_parallel_size > 1:
+        if dist.get_world_size() % sequence_parallel_size != 0:
+            raise ValueError(f"sequence_parallel_size={sequence_parallel_size} does not divide the world size "
+                             f"{dist.get_world_size()}")
+        return rank, dist.get_world_size() // sequence_parallel_size
     return rank, dist.get_world_size()
 
 
@@ -124,7 +130,8 @@ class DeepSpeedConfig:
 
     def __init__(self, config: Union[str, dict], mpu: Any = None, mesh_device: Any = None) -> None:
         self._param_dict = _load(config)
-        self.global_rank, self.world_size = _dp_world(mpu, mesh_device)
+        self.global_rank, self.world_size = _dp_world(mpu, mesh_device,
+                                                      self._param_dict.get("sequence_parallel_size"))
         self.elasticity_enabled = False
         param_dict = dict(self._param_dict)
         self._warn_unknown_top_level(param_dict)

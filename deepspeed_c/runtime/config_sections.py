@@ -155,9 +155,6 @@ def check_unbuilt_sections(param_dict: dict[str, Any]) -> None:
             raise unbuilt(key, what)
     if param_dict.get("sparse_gradients", False) is True:
         raise unbuilt("sparse_gradients", "sparse gradient all-reduce")
-    sp = param_dict.get("sequence_parallel_size", 1)
-    if isinstance(sp, int) and not isinstance(sp, bool) and sp > 1:
-        raise unbuilt("sequence_parallel_size", "Ulysses sequence parallelism")
 
 
 def parse_misc_sections(param_dict: dict[str, Any]) -> dict[str, Any]:

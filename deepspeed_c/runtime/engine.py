@@ -151,7 +151,11 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
             self.global_rank = tdist.get_rank()
         else:
             self.world_size, self.global_rank = 1, 0
-        self.dp_world_size = self._config.world_size
+        # Ulysses: reductions and ZeRO partitions span data x sequence ranks (the view's "data-parallel" group);
+        # batch arithmetic keeps the config's world // sequence_parallel_size
+        self.sequence_parallel_size = int(getattr(self.mpu, "sequence_parallel_size", 1))
+        self.dp_world_size = (self.mpu.get_data_parallel_world_size() if self.sequence_parallel_size > 1
+                              else self.world_size if self.mpu is None else self._config.world_size)
         _refuse_model_parallel(self.mpu)
         self.data_parallel_group = self.mpu.get_data_parallel_group() if self.mpu is not None else None
 
@@ -184,7 +188,8 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
         if client_optimizer is None:
             basic = build_optimizer(self._config.optimizer_name, self._config.optimizer_params, model_parameters,
                                     torch.device("cpu") if self.zero_use_cpu_optimizer() else self.device,
-                                    cpu_optimizer=bool(self.zero_use_cpu_optimizer()))  # cpu or nvme offload
+                                    cpu_optimizer=bool(self.zero_use_cpu_optimizer()),  # cpu or nvme offload
+                                    deepspeed=self)  # the 1-bit optimizers switch its gradient all-reduce
             log_dist(f"Using DeepSpeed Optimizer param name {self._config.optimizer_name} as basic optimizer",
                      ranks=[0])
         elif isinstance(client_optimizer, torch.optim.Optimizer):
@@ -272,7 +277,12 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
                 prescale_gradients=self._config.prescale_gradients,
                 gradient_predivide_factor=self._config.gradient_predivide_factor,
                 gradient_average=self.gradient_average, should_reduce=self._should_reduce,
-                slots=self.stepper.reduction_slots() if self.stepper is not None else None)
+                slots=self.stepper.reduction_slots() if self.stepper is not None else None,
+                sequence_parallel_size=self.sequence_parallel_size)
+
+        if self.sequence_parallel_size > 1 and self.has_moe_layers:
+            raise NotImplementedError(f"deepspeed_c: sequence_parallel_size={self.sequence_parallel_size} (Ulysses) "
+                                      "with MoE layers is not built")
 
         self.reducer = build_reducers(self.moe.reduction_sets(trainable, self.data_parallel_group), reducer_for)
 
@@ -484,14 +494,14 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
         log_dist(f"step={step}, skipped={self.skipped_steps}, lr={self.get_lr()}, mom={self.get_mom()}", ranks=[0])
 
     def set_train_batch_size(self, train_batch_size: int) -> None:
-        per = self.train_micro_batch_size_per_gpu() * self.dp_world_size
+        per = self.train_micro_batch_size_per_gpu() * self._config.world_size  # data-parallel ranks
         if train_batch_size % per != 0:
             raise ValueError("Train batch size must be divisible by micro-batch data parallelism")
         self._config.train_batch_size = train_batch_size
         self._config.gradient_accumulation_steps = train_batch_size // per
 
     def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
-        self._config.train_batch_size = micro_batch_size * self.gradient_accumulation_steps() * self.dp_world_size
+        self._config.train_batch_size = micro_batch_size * self.gradient_accumulation_steps() * self._config.world_size
         self._config.train_micro_batch_size_per_gpu = micro_batch_size
 
     def get_data_parallel_rank(self) -> int:

@@ -59,10 +59,22 @@ def initialize(args: Any = None,
     if not isinstance(config, dict):
         config = _load(config)
 
-    if mesh_param:
-        from deepspeed_c.runtime.config_utils import unbuilt
+    from deepspeed_c.runtime.sequence_parallel.engine_view import SequenceDataParallelView, sequence_parallel_mpu
 
-        raise unbuilt("mesh_param", "a (data, sequence) parallel device mesh")
+    # Ulysses: an SP mpu (given, or built from mesh_param / data_parallel_size x sequence_parallel_size)
+    sp_mpu = sequence_parallel_mpu(config, mpu, mesh_param)
+    if sp_mpu is not None:
+        if config.get("tensor_parallel", {}).get("autotp_size", 0) > 1 or _is_pipeline_module(model):
+            raise NotImplementedError("deepspeed_c: Ulysses sequence parallelism combined with AutoTP "
+                                      "(tensor_parallel.autotp_size) or a PipelineModule is not built")
+        from deepspeed_c.runtime.engine import DeepSpeedEngine
+
+        config_class = DeepSpeedConfig(config, sp_mpu)  # batch arithmetic over world // sequence_parallel_size
+        engine = DeepSpeedEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                                 training_data=training_data, lr_scheduler=lr_scheduler,
+                                 mpu=SequenceDataParallelView(sp_mpu), dist_init_required=dist_init_required,
+                                 collate_fn=collate_fn, config=config, config_class=config_class)
+        return (engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler)
     from deepspeed_c.runtime.tensor_parallel.autotp_setup import prepare_autotp
 
     # AutoTP (tensor_parallel.autotp_size / tp_model_init): shards the model, the engine gets the (data, tensor) mpu

@@ -60,7 +60,8 @@ class GradientReducer(BackwardRound):
                  should_reduce: Callable[[], bool], group: Any = None, comm_dtype: Optional[torch.dtype] = None,
                  prescale_gradients: bool = False, gradient_predivide_factor: float = 1.0,
                  gradient_average: bool = True,
-                 rebuild_from_observed_order: bool = True, slots: Any = None) -> None:
+                 rebuild_from_observed_order: bool = True, slots: Any = None,
+                 sequence_parallel_size: int = 1) -> None:
         self.params = list(params)
         self.slots = slots or ParamGradSlots()
         self.world_size = world_size
@@ -68,13 +69,16 @@ class GradientReducer(BackwardRound):
         self.bucket_cap = max(1, int(bucket_cap))
         self.comm_dtype = comm_dtype
         self.should_reduce = should_reduce
+        # Ulysses: the group is data x sequence ranks; a sequence group's partial gradients add up, only the
+        # data-parallel replicas are averaged (DeepSpeed divides by world / sequence_parallel_size)
+        averaged = world_size / sequence_parallel_size
         if not gradient_average:  # gradient_allreduce_op "sum": a plain sum, no scaling either side
             self.pre_factor, self.post_factor = 1.0, 1.0
         elif prescale_gradients:
-            self.pre_factor, self.post_factor = 1.0 / world_size, 1.0
+            self.pre_factor, self.post_factor = 1.0 / averaged, 1.0
         else:
             self.pre_factor = 1.0 / gradient_predivide_factor
-            self.post_factor = gradient_predivide_factor / world_size
+            self.post_factor = gradient_predivide_factor / averaged
         self._rebuild_pending = rebuild_from_observed_order and world_size > 1
         self._order = list(range(len(self.params) - 1, -1, -1))
         kinds: dict[tuple[torch.dtype, torch.device], int] = {}

@@ -1,8 +1,9 @@
 """deepspeed.utils.groups: the process groups DeepSpeed's code and users query.
 
 Data parallel runs over the whole world, or over the ranks holding the same tensor-parallel shard once
-_init_tp_mesh_device built the (data, tensor) mesh (AutoTP); the sequence parallel world is of size 1
-(DistributedAttention takes its group directly); MoE layers add expert-parallel and expert-data-parallel groups named ep_size_{n}."""
+_init_tp_mesh_device built the (data, tensor) mesh (AutoTP); the sequence parallel queries answer from
+runtime/sequence_parallel/parallel_state_sp once its groups exist (size 1 before: DistributedAttention takes
+its group directly); MoE layers add expert-parallel and expert-data-parallel groups named ep_size_{n}."""
 from __future__ import annotations
 
 from typing import Any
@@ -129,21 +130,43 @@ def get_tensor_model_parallel_src_rank() -> int:
 get_tensor_model_parallel_group = get_model_parallel_group
 
 
+def _sp_state() -> Any:
+    """parallel_state_sp once Ulysses groups exist (register_with_transformers, mesh_param, or the config's
+    data_parallel_size x sequence_parallel_size), else None."""
+    import sys
+
+    state = sys.modules.get("deepspeed_c.runtime.sequence_parallel.parallel_state_sp")
+    return state if state is not None and state.is_initialized() else None
+
+
 def _get_sequence_parallel_world_size() -> int:
-    return 1
+    state = _sp_state()
+    return state.get_sequence_parallel_world_size() if state is not None else 1
 
 
 def _get_sequence_parallel_rank() -> int:
-    return 0
+    state = _sp_state()
+    return state.get_sequence_parallel_rank() if state is not None else 0
 
 
 def _get_sequence_parallel_group() -> Any:
-    return None
+    state = _sp_state()
+    return state.get_sequence_parallel_group() if state is not None else None
 
 
-_get_sequence_data_parallel_world_size = get_data_parallel_world_size
-_get_sequence_data_parallel_rank = get_data_parallel_rank
-_get_sequence_data_parallel_group = get_data_parallel_group
+def _get_sequence_data_parallel_world_size() -> int:
+    state = _sp_state()
+    return state.get_sequence_data_parallel_world_size() if state is not None else get_data_parallel_world_size()
+
+
+def _get_sequence_data_parallel_rank() -> int:
+    state = _sp_state()
+    return state.get_sequence_data_parallel_rank() if state is not None else get_data_parallel_rank()
+
+
+def _get_sequence_data_parallel_group() -> Any:
+    state = _sp_state()
+    return state.get_sequence_data_parallel_group() if state is not None else get_data_parallel_group()
 
 
 # -- expert parallelism (MoE) ------------------------------------------------------------------------

@@ -192,7 +192,7 @@ BAD_CONFIGS = [
     (cfg(progressive_layer_drop={"enabled": True}), NotImplementedError, "progressive_layer_drop.enabled"),
     (cfg(compile={"deepcompile": True}), NotImplementedError, "compile.deepcompile"),
     (cfg(tensor_parallel={"autotp_size": 2}), ValueError, "tensor_parallel.autotp_size"),  # world of 1
-    (cfg(sequence_parallel_size=2), NotImplementedError, "sequence_parallel_size"),
+    (cfg(sequence_parallel_size=0), ValueError, "sequence_parallel_size"),  # Ulysses is built: sizes >= 1
     (cfg(hybrid_engine={"enabled": True}), NotImplementedError, "hybrid_engine"),
     (cfg(elasticity={"enabled": True}), NotImplementedError, "elasticity"),
     (cfg(autotuning={"enabled": True, "metric": "speed"}), ValueError, "autotuning.metric"),

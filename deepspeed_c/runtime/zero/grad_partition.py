@@ -67,7 +67,7 @@ class ZeroGradPartitioner(BackwardRound):
                  use_reduce_scatter: bool = True,
                  prescale_gradients: bool = False, gradient_predivide_factor: float = 1.0,
                  gradient_average: bool = True, wait_each_bucket: bool = False,
-                 accumulate_fp32: bool = False) -> None:
+                 accumulate_fp32: bool = False, sequence_parallel_size: int = 1) -> None:
         self.groups = [list(g) for g in groups]
         self.plans = list(plans)
         self.rank = rank
@@ -78,13 +78,16 @@ class ZeroGradPartitioner(BackwardRound):
         self.overlap = overlap
         self.wait_each_bucket = wait_each_bucket
         self.use_reduce_scatter = use_reduce_scatter
+        # Ulysses: the group is data x sequence ranks; a sequence group's partial gradients add up, only the
+        # data-parallel replicas are averaged (DeepSpeed divides by world / sequence_parallel_size)
+        averaged = world_size / sequence_parallel_size
         if not gradient_average:  # gradient_allreduce_op "sum": a plain sum, no scaling either side
             self.pre_factor, self.post_factor = 1.0, 1.0
         elif prescale_gradients:
-            self.pre_factor, self.post_factor = 1.0 / world_size, 1.0
+            self.pre_factor, self.post_factor = 1.0 / averaged, 1.0
         else:
             self.pre_factor = 1.0 / gradient_predivide_factor
-            self.post_factor = gradient_predivide_factor / world_size
+            self.post_factor = gradient_predivide_factor / averaged
         # the order every rank sends buckets in: group-major, bucket order of each plan
         self.order: list[tuple[int, int]] = [(g, b) for g, plan in enumerate(self.plans)
                                              for b in range(plan.num_buckets)]
@@ -119,6 +122,8 @@ class ZeroGradPartitioner(BackwardRound):
         self._boundary = True
         self.side_stream: Any = None
         self.on_bucket_final: Optional[Callable[[int, int, int], None]] = None
+        # ZeRO++ qgZ (runtime/zero/zeropp.py): bucket -> this rank's fp32 chunk of the sum, via int4 all-to-alls
+        self.quantized_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
         self.rounds = 0
         self.collectives = 0  # reduce-scatters (or all-reduces) issued, for tests
         self._attach_hooks(self._flat_params)
@@ -246,6 +251,11 @@ class ZeroGradPartitioner(BackwardRound):
         assert part is not None
         if self.world_size == 1:
             work, recv = None, buf
+        elif self.use_reduce_scatter and self.quantized_reduce is not None:
+            recv = part[start:end] if fresh else torch.empty(end - start, dtype=buf.dtype, device=buf.device)
+            work = None
+            recv.copy_(self.quantized_reduce(buf))
+            self.collectives += 1
         elif self.use_reduce_scatter:
             recv = part[start:end] if fresh else torch.empty(end - start, dtype=buf.dtype, device=buf.device)
             work = _comm().reduce_scatter_tensor(recv, buf, group=self.group, async_op=True)

@@ -79,7 +79,8 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
                  gradient_average: bool = True,
                  is_boundary: Optional[Callable[[], bool]] = None, offload_sub_chunk: Optional[int] = None,
                  offload_stage_on_host: Optional[bool] = None, master_dtype: torch.dtype = torch.float32,
-                 accumulate_fp32: bool = False, nvme_offload: Optional[dict[str, Any]] = None) -> None:
+                 accumulate_fp32: bool = False, nvme_offload: Optional[dict[str, Any]] = None,
+                 sequence_parallel_size: int = 1) -> None:
         if stage not in self.STAGES:
             raise ValueError(f"{type(self).__name__} runs ZeRO stage {' or '.join(map(str, self.STAGES))}, "
                              f"got stage={stage}")
@@ -131,7 +132,8 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
             # awaited as soon as it is issued, as DeepSpeed's non-overlapped stage 2 does
             wait_each_bucket=stage >= 2 and overlap_comm is False, accumulate_fp32=accumulate_fp32 and stage == 1,
             use_reduce_scatter=reduce_scatter, prescale_gradients=prescale_gradients,
-            gradient_predivide_factor=gradient_predivide_factor, gradient_average=gradient_average)
+            gradient_predivide_factor=gradient_predivide_factor, gradient_average=gradient_average,
+            sequence_parallel_size=sequence_parallel_size)
         self.gatherer = self._weights_writer()
         self.offload: Optional[CPUOffload] = None
         if offload_device == "cpu":
