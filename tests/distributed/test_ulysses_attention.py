@@ -4,13 +4,14 @@ One 4-rank gloo run checks sequence-parallel sizes 2 (groups {0,1}, {2,3}) and 4
 ([b, s, h, d] and [s, b, h, d]), grouped-query attention (fewer key/value heads), causal masking,
 DeepSpeed's rotary_pos_emb argument, and the bad-input errors. Reference: float64 softmax attention over
 the whole sequence computed by every rank alone; each rank's output slice and the gradients of its q/k/v
-slices must match."""
+slices must match. Under DSC_TEST_BACKEND=nccl the sharded side runs one GPU a rank (float64 on the
+GPU; the reference stays on the CPU), with the same tolerance."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from tests.harness import run_distributed
+from tests.harness import rank_device, run_distributed
 
 
 class _Attention(torch.nn.Module):
@@ -23,7 +24,7 @@ class _Attention(torch.nn.Module):
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
         scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / q.shape[-1] ** 0.5
         s = q.shape[1]
-        mask = torch.ones(s, s, dtype=torch.bool).triu(1)
+        mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
         out = torch.einsum("bhqk,bkhd->bqhd", scores.masked_fill(mask, float("-inf")).softmax(-1), v)
         return out.transpose(0, 1) if batch_dim_idx == 1 else out
 
@@ -60,13 +61,16 @@ def _case(sp_group, sp_rank: int, sp: int, layout: int, heads: int, kv_heads: in
     # sharded: this rank's slice of the sequence
     lo, hi = sp_rank * s // sp, (sp_rank + 1) * s // sp
     to_layout = (lambda t: t) if layout == 0 else (lambda t: t.transpose(0, 1).contiguous())
-    mine = [to_layout(t[:, lo:hi]).clone().requires_grad_(True) for t in full]
+    dev = rank_device()
+    mine = [to_layout(t[:, lo:hi]).to(dev).clone().requires_grad_(True) for t in full]
+    if freqs is not None:
+        freqs = tuple(f.to(dev) for f in freqs)
     attn = DistributedAttention(_Attention(), sp_group)
     out = attn(mine[0], mine[1], mine[2], layout, freqs, layout)  # batch_dim_idx, rotary, then local attn's args
-    (out * to_layout(weight[:, lo:hi])).sum().backward()
-    err = (out - to_layout(ref_out[:, lo:hi])).abs().max().item()
+    (out * to_layout(weight[:, lo:hi]).to(dev)).sum().backward()
+    err = (out.detach().cpu() - to_layout(ref_out[:, lo:hi])).abs().max().item()
     for m, r in zip(mine, ref_in):
-        err = max(err, (m.grad - to_layout(r.grad[:, lo:hi])).abs().max().item())
+        err = max(err, (m.grad.cpu() - to_layout(r.grad[:, lo:hi])).abs().max().item())
     return err
 
 
@@ -86,9 +90,10 @@ def body(rank: int, world: int) -> dict:
     # bad input: 6 heads over 4 ranks, a 3-D input, batch_dim_idx 2, and local sequences of unequal length
     attn = DistributedAttention(_Attention(), dist.group.WORLD)
     errors = []
-    uneven = torch.zeros(1, 2 + (rank == 3), 4, 4)
-    for args in ((torch.zeros(1, 2, 6, 4),) * 3 + (0,), (torch.zeros(1, 2, 8),) * 3 + (0,),
-                 (torch.zeros(1, 2, 4, 4),) * 3 + (2,), (uneven,) * 3 + (0,)):
+    dev = rank_device()
+    uneven = torch.zeros(1, 2 + (rank == 3), 4, 4, device=dev)
+    for args in ((torch.zeros(1, 2, 6, 4, device=dev),) * 3 + (0,), (torch.zeros(1, 2, 8, device=dev),) * 3 + (0,),
+                 (torch.zeros(1, 2, 4, 4, device=dev),) * 3 + (2,), (uneven,) * 3 + (0,)):
         try:
             attn(*args)
             errors.append("no error")

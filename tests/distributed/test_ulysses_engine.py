@@ -2,20 +2,21 @@
 attention runs through DistributedAttention over both, and the engine (no sequence_parallel_size:
 it averages gradients over every rank, the data x sequence reduction Ulysses needs) must train as
 one process training the same model on the whole sequence with plain attention (float64 model;
-the engine reduces gradients in fp32, hence the 1e-6 tolerance)."""
+the engine reduces gradients in fp32, hence the 1e-6 tolerance). Under DSC_TEST_BACKEND=nccl the engine's
+model and data are on the rank's GPU; the one-process reference stays on the CPU."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from tests.harness import run_distributed
+from tests.harness import rank_device, run_distributed
 
 VOCAB, HIDDEN, HEADS, SEQ, BATCH, STEPS = 16, 16, 4, 8, 2, 6
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # [b, s, h, d], causal
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / q.shape[-1] ** 0.5
-    mask = torch.ones(q.shape[1], q.shape[1], dtype=torch.bool).triu(1)
+    mask = torch.ones(q.shape[1], q.shape[1], dtype=torch.bool, device=q.device).triu(1)
     return torch.einsum("bhqk,bkhd->bqhd", scores.masked_fill(mask, float("-inf")).softmax(-1), v)
 
 
@@ -68,13 +69,13 @@ def body(rank: int, world: int) -> dict:
     lo, hi = rank * SEQ // world, (rank + 1) * SEQ // world  # this rank's slice of every sequence
     losses = []
     for _ in range(STEPS):
-        loss = engine(ids[:, lo:hi], targets[:, lo:hi])
+        loss = engine(ids[:, lo:hi].to(rank_device()), targets[:, lo:hi].to(rank_device()))
         engine.backward(loss)
         engine.step()
         t = loss.detach().clone()
         torch.distributed.all_reduce(t)
         losses.append(t.item() / world)
-    weights = max((p.detach() - r.detach()).abs().max().item()
+    weights = max((p.detach().cpu() - r.detach()).abs().max().item()
                   for p, r in zip(engine.module.parameters(), ref.parameters()))
     return {"loss_err": float(np.max(np.abs(np.array(losses) - np.array(ref_losses)))), "weight_err": weights,
             "loss_drop": ref_losses[0] - ref_losses[-1]}
