@@ -1,0 +1,149 @@
+"""The training systems benchmarks/train_throughput.py compares, each built from the same initial
+weights and driven through one interface: `step(x, y) -> loss` (forward, backward, optimizer step,
+gradient clipping 1.0, AdamW lr 1e-4 weight decay 0.01, bf16 compute) and `close()`.
+
+- ``ddp``: torch DDP over fp32 weights under bf16 autocast, torch's fused AdamW, clip_grad_norm_.
+- ``fsdp2``: torch FSDP2 (`fully_shard` per block, then the root) with bf16 parameters for compute,
+  fp32 sharded masters, bf16 gradient reduction, fused AdamW on the shards, clip_grad_norm_.
+- ``dsc<stage>[_off]`` / ``ds<stage>[_off]``: deepspeed_c / the real DeepSpeed with one JSON config
+  (bf16, ZeRO stage, overlap_comm, contiguous gradients, DeepSpeed's default bucket sizes; `_off`
+  moves the optimizer to the CPU).
+"""
+from __future__ import annotations
+
+import gc
+import os
+import sys
+from typing import Any, Callable
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples", "train_gpt"))
+
+from model import GPT, GPTConfig  # noqa: E402
+
+MODELS = {  # GPT-3 table shapes (untied head); sequence 2048
+    "tiny": dict(n_embd=64, n_layer=2, n_head=4),
+    "125M": dict(n_embd=768, n_layer=12, n_head=12),
+    "350M": dict(n_embd=1024, n_layer=24, n_head=16),
+    "1.3B": dict(n_embd=2048, n_layer=24, n_head=16),
+    "2.7B": dict(n_embd=2560, n_layer=32, n_head=32),
+}
+LR, WD, CLIP = 1e-4, 0.01, 1.0
+
+
+def build_model(name: str, vocab: int, seq: int) -> GPT:
+    return GPT(GPTConfig(vocab_size=vocab, block_size=seq, **MODELS[name]))
+
+
+def ds_config(system: str, micro: int) -> dict[str, Any]:
+    stage = int(system.lstrip("dsc").split("_")[0])
+    zero: dict[str, Any] = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True}
+    if system.endswith("_off"):
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
+            "steps_per_print": 10**9, "gradient_clipping": CLIP, "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+            "zero_optimization": zero, "wall_clock_breakdown": False}
+
+
+class System:
+    """One training system under test; `engine` keeps whatever must be dropped in close()."""
+
+    def __init__(self, step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], engine: Any) -> None:
+        self.step = step
+        self.engine = engine
+
+    def close(self) -> None:
+        self.engine = None
+        self.step = None  # type: ignore[assignment]
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _ddp(model: GPT) -> System:
+    dev = _device()
+    model = model.to(dev)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=dev.type == "cuda")
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            loss = ddp(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return System(step, (ddp, opt))
+
+
+def _fsdp2(model: GPT) -> System:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dev = _device()
+    model = model.to(dev)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=dev.type == "cuda")
+    except (RuntimeError, TypeError):  # a torch without fused AdamW over DTensor shards
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=True)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return System(step, (model, opt))
+
+
+def _engine(lib: Any, model: GPT, system: str, micro: int) -> System:
+    engine, *_ = lib.initialize(model=model, model_parameters=model.parameters(), config=ds_config(system, micro))
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    return System(step, engine)
+
+
+def build(system: str, model: GPT, micro: int) -> System:
+    if system == "ddp":
+        return _ddp(model)
+    if system == "fsdp2":
+        return _fsdp2(model)
+    if system.startswith("dsc"):
+        import deepspeed_c
+
+        return _engine(deepspeed_c, model, system, micro)
+    if system.startswith("ds"):
+        import deepspeed  # the real DeepSpeed, carried to the device as an sdist
+
+        if deepspeed.__name__ != "deepspeed" or "deepspeed_c" in getattr(deepspeed, "__file__", ""):
+            raise RuntimeError("`deepspeed` resolves to deepspeed_c's alias, not the real DeepSpeed")
+        return _engine(deepspeed, model, system, micro)
+    raise ValueError(f"unknown system {system!r}: ddp, fsdp2, dsc<0-3>[_off], ds<0-3>[_off]")
+
+
+def zero_stage(system: str) -> int | None:
+    if system in ("ddp", "fsdp2"):
+        return None
+    return int(system.lstrip("dsc").split("_")[0])

@@ -1,0 +1,260 @@
+"""Training throughput of a GPT-style decoder across data-parallel ranks: deepspeed_c (ZeRO stages
+0-3, stage 2/3 with the optimizer offloaded to the CPU), torch DDP, torch FSDP2 (`fully_shard`) and
+the real DeepSpeed with the same JSON config, in one script on the same ranks (see
+throughput_systems.py for what each system is).
+
+Every system starts from the same initial weights and sees the same batches. Correctness first: the
+first `--check` losses of each system against the first system's (bf16 tolerance); a system that
+disagrees is reported and not timed. One step per system then runs with torch.distributed's
+collectives wrapped to count the bytes each rank hands to them ("ring bytes": (W-1)/W x the tensor
+for a reduce-scatter or all-gather, 2(W-1)/W x for an all-reduce). DDP's reducer calls NCCL from C++,
+so its bytes are computed (2(W-1)/W x its fp32 gradient buckets). The systems cannot all be resident
+at once (a 1.3B model holds ~21 GiB of states per system), so each is built, checked, timed and
+freed in turn, and `--rounds` repeats the whole sequence (interleaved repetitions; the median block
+counts). Prints tokens/s, MFU ((6 x params + 12 x layers x width x sequence) x tokens / time /
+peak bf16 dense), peak allocated memory per rank (the largest rank's), and writes one JSON line per
+system to `--out`; `--report FILE` prints the ratios against DDP, FSDP2, DeepSpeed at the same
+stage and per-GPU against deepspeed_c stage 0 on one GPU.
+
+    torchrun --nproc_per_node 2 benchmarks/train_throughput.py --model 1.3B --micro 4 \
+        --systems ddp,fsdp2,dsc1,ds1,dsc2,ds2,dsc3,ds3 --out /tmp/tp.jsonl
+    torchrun --nproc_per_node 1 benchmarks/train_throughput.py --model 1.3B --systems dsc0 --out /tmp/tp.jsonl
+    python benchmarks/train_throughput.py --report /tmp/tp.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from throughput_systems import MODELS, build, build_model, zero_stage  # noqa: E402
+
+COUNTED = {  # name -> index of the tensor whose size is the collective's volume
+    "all_reduce": 0, "reduce_scatter_tensor": 1, "_reduce_scatter_base": 1, "all_gather_into_tensor": 0,
+    "_all_gather_base": 0, "broadcast": 0, "reduce": 0, "all_to_all_single": 1, "all_gather": 0,
+    "reduce_scatter": 1,
+}
+PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
+
+
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(t) for t in obj)
+    return 0
+
+
+class ByteCounter:
+    """Wraps torch.distributed's collectives while on; ring bytes per rank, by collective name."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.bytes: dict[str, float] = {}
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> "ByteCounter":
+        import torch.distributed as dist
+
+        f = (self.world - 1) / self.world
+        for name, idx in COUNTED.items():
+            orig = getattr(dist, name, None)
+            if orig is None:
+                continue
+            self._saved[name] = orig
+            factor = 2 * f if name == "all_reduce" else (1.0 if name in ("broadcast", "reduce") else f)
+
+            def wrapped(*a: Any, _orig: Any = orig, _name: str = name, _idx: int = idx, _k: float = factor,
+                        **kw: Any) -> Any:
+                if len(a) > _idx:
+                    self.bytes[_name] = self.bytes.get(_name, 0.0) + _k * _nbytes(a[_idx])
+                return _orig(*a, **kw)
+
+            setattr(dist, name, wrapped)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch.distributed as dist
+
+        for name, orig in self._saved.items():
+            setattr(dist, name, orig)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _peak_flops(arg: float) -> float:
+    if arg > 0:
+        return arg * 1e12
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        for key, val in PEAK_BF16.items():
+            if key in name:
+                return val
+    return float("nan")
+
+
+def run_system(system: str, base: torch.nn.Module, batches: list, args: argparse.Namespace, world: int,
+               reference: list[float] | None, counted: bool) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    dev = batches[0][0].device
+    _sync()
+    resident = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t_build = time.perf_counter()
+    sysm = build(system, copy.deepcopy(base), args.micro)
+    build_s = time.perf_counter() - t_build
+    out: dict[str, Any] = {"system": system, "build_s": build_s}
+    try:
+        losses = [sysm.step(*batches[k % len(batches)]).float().item() for k in range(args.check)]
+        out["losses"] = losses
+        if reference is not None:
+            rel = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+            out["check_rel"] = rel
+            flag = torch.tensor([1.0 if rel <= args.tol else 0.0], device=dev)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            if flag.item() < 1.0:
+                out["failed"] = f"losses {losses} vs reference {reference}: rel {rel:.2e} > {args.tol}"
+                return out
+        if counted:
+            with ByteCounter(world) as bc:
+                sysm.step(*batches[args.check % len(batches)])
+                _sync()
+            out["bytes"] = bc.bytes
+        blocks = []
+        k = args.check + 1
+        for _ in range(args.blocks):
+            _sync()
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                sysm.step(*batches[k % len(batches)])
+                k += 1
+            _sync()
+            blocks.append((time.perf_counter() - t0) / args.steps)
+        # the slowest rank sets the pace
+        t = torch.tensor(blocks, dtype=torch.float64, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        out["step_s"] = t.tolist()
+        peak = torch.tensor([torch.cuda.max_memory_allocated() if dev.type == "cuda" else 0], device=dev,
+                            dtype=torch.float64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        out["peak_bytes"] = peak.item()
+        out["resident_before"] = resident
+    finally:
+        sysm.close()
+        del sysm
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="1.3B", choices=sorted(MODELS))
+    ap.add_argument("--systems", default="ddp,fsdp2,dsc1,ds1,dsc2,ds2,dsc3,ds3")
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--vocab", type=int, default=50304)
+    ap.add_argument("--micro", type=int, default=4)
+    ap.add_argument("--check", type=int, default=3, help="steps whose losses are compared first")
+    ap.add_argument("--tol", type=float, default=2e-2, help="relative loss tolerance of the check")
+    ap.add_argument("--steps", type=int, default=5, help="steps per timed block")
+    ap.add_argument("--blocks", type=int, default=2, help="timed blocks per system and round")
+    ap.add_argument("--rounds", type=int, default=2, help="times the whole sequence of systems is repeated")
+    ap.add_argument("--peak_tflops", type=float, default=0.0, help="peak bf16 dense TFLOPS (default: by GPU)")
+    ap.add_argument("--out", default="", help="append one JSON line per system here (rank 0)")
+    ap.add_argument("--report", default="", help="print the ratio tables of a --out file and exit")
+    args = ap.parse_args()
+    if args.report:
+        from throughput_report import report
+
+        report(args.report)
+        return
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.manual_seed(0)
+    base = build_model(args.model, args.vocab, args.seq)
+    nparams = sum(p.numel() for p in base.parameters())
+    shape = MODELS[args.model]
+    flops_per_token = 6 * nparams + 12 * shape["n_layer"] * shape["n_embd"] * args.seq
+    g = torch.Generator().manual_seed(1000 + rank)
+    batches = [(torch.randint(0, args.vocab, (args.micro, args.seq), generator=g).to(dev),
+                torch.randint(0, args.vocab, (args.micro, args.seq), generator=g).to(dev)) for _ in range(4)]
+    peak = _peak_flops(args.peak_tflops)
+    if rank == 0:
+        import torch.cuda.nccl as nccl
+
+        print(f"{torch.cuda.get_device_name() if cuda else 'CPU'} x {world}  torch {torch.__version__}  "
+              f"NCCL {'.'.join(map(str, nccl.version())) if cuda else '-'}  GPT {args.model} "
+              f"{nparams / 1e6:.0f}M params, seq {args.seq}, micro {args.micro}, bf16", flush=True)
+    systems = [s for s in args.systems.split(",") if s]
+    results: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
+    reference: list[float] | None = None
+    for rnd in range(args.rounds):
+        for system in systems:
+            try:
+                res = run_system(system, base, batches, args, world, reference, counted=rnd == 0)
+            except Exception as exc:  # noqa: BLE001 - report and go on to the next system
+                res = {"system": system, "failed": f"{type(exc).__name__}: {exc}"[:400]}
+                if cuda:
+                    torch.cuda.empty_cache()
+            if reference is None and "losses" in res and "failed" not in res:
+                reference = res["losses"]
+            results[system].append(res)
+            if rank == 0:
+                msg = res.get("failed") or (f"step {statistics.median(res['step_s']) * 1e3:.1f} ms, "
+                                            f"peak {res['peak_bytes'] / 2**30:.2f} GiB, build {res['build_s']:.1f} s, "
+                                            f"check rel {res.get('check_rel', 0.0):.1e}")
+                print(f"round {rnd} {system:9s} {msg}", flush=True)
+    if rank == 0:
+        tokens = world * args.micro * args.seq
+        print(f"\n{'system':10s}{'stage':>6s}{'tokens/s':>11s}{'/GPU':>9s}{'MFU':>7s}{'peak GiB':>10s}"
+              f"{'ring MiB':>10s}", flush=True)
+        for system, runs in results.items():
+            ok = [r for r in runs if "failed" not in r]
+            if not ok:
+                print(f"{system:10s} FAILED: {runs[0].get('failed')}")
+                continue
+            step = statistics.median([b for r in ok for b in r["step_s"]])
+            tps = tokens / step
+            mfu = flops_per_token * tps / (world * peak)
+            ring = sum(ok[0].get("bytes", {}).values())
+            if system == "ddp":  # computed: fp32 gradient buckets all-reduced
+                ring = 2 * (world - 1) / world * 4 * nparams
+            row = {"model": args.model, "params": nparams, "world": world, "system": system,
+                   "stage": zero_stage(system), "tokens_per_s": tps, "tokens_per_s_gpu": tps / world,
+                   "mfu": mfu, "peak_gib": max(r["peak_bytes"] for r in ok) / 2**30, "ring_bytes": ring,
+                   "bytes": ok[0].get("bytes", {}), "step_ms": step * 1e3, "seq": args.seq, "micro": args.micro,
+                   "gpu": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
+            stage = "-" if row["stage"] is None else str(row["stage"])
+            print(f"{system:10s}{stage:>6s}{tps:11.0f}{tps / world:9.0f}{mfu:7.1%}{row['peak_gib']:10.2f}"
+                  f"{ring / 2**20:10.1f}", flush=True)
+            if args.out:
+                with open(args.out, "a") as fh:
+                    fh.write(json.dumps(row) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
