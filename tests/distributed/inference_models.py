@@ -9,10 +9,10 @@ from tests.distributed import tp_models
 VOCAB = tp_models.VOCAB
 
 
-def make(kind: str, seed: int = 0, kv_heads: int = 2, heads: int = 4) -> torch.nn.Module:
+def make(kind: str, seed: int = 0, kv_heads: int = 2, heads: int = 4, vocab: int = VOCAB) -> torch.nn.Module:
     """A tiny model whose weights are spread wider than the configs' 0.02 init, so greedy decoding picks
     varied tokens (not one token repeated) and a wrong shard would change them."""
-    model = _build(kind, seed, kv_heads, heads)
+    model = _build(kind, seed, kv_heads, heads, vocab)
     g = torch.Generator().manual_seed(seed + 100)
     with torch.no_grad():
         for p in model.parameters():
@@ -21,7 +21,7 @@ def make(kind: str, seed: int = 0, kv_heads: int = 2, heads: int = 4) -> torch.n
     return model
 
 
-def _build(kind: str, seed: int, kv_heads: int, heads: int) -> torch.nn.Module:
+def _build(kind: str, seed: int, kv_heads: int, heads: int, vocab: int) -> torch.nn.Module:
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -31,8 +31,9 @@ def _build(kind: str, seed: int, kv_heads: int, heads: int) -> torch.nn.Module:
                                       intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
                                       attention_probs_dropout_prob=0.0, attn_implementation="eager")
         return transformers.BertForMaskedLM(cfg).eval()
-    if kind == "gpt2" and heads != 4:
-        cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=heads, n_positions=32)
+    if kind == "gpt2" and (heads != 4 or vocab != VOCAB):  # one block; `vocab` not a multiple of the TP size
+        cfg = transformers.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=1, n_head=heads, n_positions=32,
+                                      bos_token_id=0, eos_token_id=0)
         return transformers.GPT2LMHeadModel(cfg).eval()
     if kind == "llama":
         return tp_models.make_model("llama", seed=seed, kv_heads=kv_heads).eval()

@@ -3,6 +3,7 @@
 One 4-rank gloo run, fp32, tensor_parallel.tp_size 1, 2 and 4 (TP 2: groups {0,1} and {2,3}):
 - tiny GPT-2 (Conv1D, tied vocab-parallel head), LLaMA (GQA at TP 2), OPT, BERT (masked-LM logits): the
   engine's logits equal the unsharded model's, and the decoders' greedy generate() tokens are the same;
+  also a GPT-2 whose vocabulary (61) is no multiple of 4 at TP 4, and BLOOM, Qwen2, Mistral logits at TP 2;
 - a Hugging Face pipeline("text-generation", model=engine.module, tokenizer=...) returns the same text;
 - injection_policy={GPT2Block: ('attn.c_proj', 'mlp.c_proj')} shards like AutoTP;
 - a LLaMA and a GPT-2 saved in 2 files, described by a DeepSpeed checkpoint JSON, built on the meta device and
@@ -89,6 +90,13 @@ def body(rank: int, world: int, folder: str) -> dict:
             for tp in (1, 2, 4):
                 mine = im.make("llama", kv_heads=4) if kind == "llama" and tp == 4 else model
                 out["models"][f"{kind}/tp{tp}"] = _serve(kind, mine, ids, tp)
+        out["models"]["gpt2-vocab61/tp4"] = _serve("gpt2", im.make("gpt2", vocab=61), ids % 61, 4)
+        out["logits"] = {}  # other decoders, forward only: BLOOM (ALiBi), Qwen2 and Mistral (GQA)
+        for kind in ("bloom", "qwen2", "mistral"):
+            model = im.make(kind)
+            ref = model(input_ids=ids).logits
+            engine = deepspeed_c.init_inference(model, dtype=torch.float32, tensor_parallel={"tp_size": 2})
+            out["logits"][kind] = _rel(engine(input_ids=ids).logits, ref)
         model = im.make("gpt2")
         out["policy"] = _serve("gpt2", model, ids, 2,
                                injection_policy={GPT2Block: ("attn.c_proj", "mlp.c_proj")})
@@ -130,6 +138,7 @@ def test_init_inference_autotp_matches_unsharded(tmp_path):
                 assert "LinearAllreduce" in layers and "VocabParallelLMHead" in layers, (name, layers)
             if name.startswith("bert"):
                 assert layers == ("LinearLayer" if tp > 1 else "Linear"), (name, layers)
+        assert len(res["logits"]) == 3 and max(res["logits"].values()) < 1e-5, res["logits"]
         assert res["pipeline"][0] == res["pipeline"][1] and res["pipeline"][0].startswith("w3 w9 w27"), res["pipeline"]
         assert len(res["checkpoint"]) == 6 and max(res["checkpoint"].values()) < 1e-5, res["checkpoint"]
         errs = res["errors"]
