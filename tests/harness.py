@@ -2,7 +2,8 @@
 
 The backend of a run that names none comes from DSC_TEST_BACKEND: "gloo" (the default) runs CPU
 ranks, with any GPUs hidden from them, so the same suite means the same thing on every machine;
-"nccl" runs rank r on cuda:r (torch.cuda.set_device, LOCAL_RANK as the launcher sets it, TF32 off)
+"nccl" runs rank r on cuda:r (torch.cuda.set_device, LOCAL_RANK as the launcher sets it, TF32 off,
+deterministic kernels where torch has them, math attention)
 and skips, naming the shortfall, when fewer GPUs than ranks are visible. Test bodies put their model
 and data on `rank_device()` (cpu, or cuda:LOCAL_RANK) and return numpy on the host.
 
@@ -80,7 +81,7 @@ def nccl_shortfall(world_size: int) -> str | None:
     have = visible_gpus()
     if have >= world_size:
         return None
-    return f"NCCL at world size {world_size} needs {world_size} CUDA GPUs (one process per GPU); {have} visible"
+    return f"NCCL at world size {world_size} needs {world_size} CUDA GPU(s), one process per GPU; {have} visible"
 
 
 def free_port() -> int:
@@ -105,6 +106,14 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, ba
             # fp32 matmuls and convolutions in fp32 (TF32 would loosen every fp32 tolerance)
             torch.backends.cuda.matmul.allow_tf32 = False
             torch.backends.cudnn.allow_tf32 = False
+            # the suites compare runs bit for bit (resume == uninterrupted, replicas equal): deterministic
+            # kernels where torch has them, and the math attention (the fused ones' backward may use
+            # atomics); the models are tiny, speed is not measured here
+            torch.use_deterministic_algorithms(True, warn_only=True)
+            torch.backends.cuda.enable_flash_sdp(False)
+            torch.backends.cuda.enable_mem_efficient_sdp(False)
+            if hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
+                torch.backends.cuda.enable_cudnn_sdp(False)
         if backend != "none":
             dist.init_process_group(backend, rank=rank, world_size=world_size)
         try:

@@ -45,7 +45,7 @@ class MoENet(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.emb(tokens)
-        aux = torch.zeros(())
+        aux = torch.zeros((), device=x.device)
         for b in self.blocks:
             x, l_aux = b(x)
             aux = aux + l_aux

@@ -15,7 +15,9 @@ files are DeepSpeed's (mp_rank_00 without experts, layer_{L}_expert_{E}, expp_ra
 files) and zero_to_fp32 consolidates every expert into the one-process model's state dict; bf16 and
 ZeRO-2 checkpoints resume bit-equal at the same layout, and ZeRO-2 ones are refused at another ep_size.
 
-One spawn per world size runs every case."""
+One spawn per world size runs every case. Under DSC_TEST_BACKEND=nccl they run one GPU a rank (tokens on
+rank_device()) against the same one-process reference on the CPU, with the same tolerances; the bit-equal
+checks (replicas, resumes at the same layout) hold there too: same kernels, deterministic ones (harness)."""
 from __future__ import annotations
 
 import atexit
@@ -30,7 +32,7 @@ import pytest
 import torch
 
 from tests.distributed.moe_models import EXPERTS, local_name, make_batches, make_full, make_sharded
-from tests.harness import run_distributed
+from tests.harness import rank_device, run_distributed
 
 STEPS = 20
 MICRO = 2
@@ -79,14 +81,15 @@ def _train(rank: int, world: int, name: str) -> dict[str, Any]:
     engine, _, _, _ = deepspeed_c.initialize(model=model, config=config)
     batches = make_batches(STEPS * gas, MICRO, world)
     losses, first_grads = [], {}
+    dev = rank_device()
     for step in range(STEPS):
-        total = torch.zeros(())
+        total = torch.zeros((), device=dev)
         for m in range(gas):
             tokens, targets = batches[step * gas + m]
-            loss = engine(tokens[rank], targets[rank])
+            loss = engine(tokens[rank].to(dev), targets[rank].to(dev))
             engine.backward(loss)
             if step == 0 and m == gas - 1:
-                first_grads = {n: p.grad.detach().float().numpy().copy()
+                first_grads = {n: p.grad.detach().float().cpu().numpy().copy()
                                for n, p in engine.module.named_parameters() if p.grad is not None}
             engine.step()
             total += loss.detach().float() / gas
@@ -94,7 +97,7 @@ def _train(rank: int, world: int, name: str) -> dict[str, Any]:
         losses.append(float(total) / world)
     names = {f"ep_size_{n}" for n in case["ep"]}
     out = {"losses": losses, "first_grads": first_grads,
-           "weights": {n: p.detach().float().numpy().copy() for n, p in engine.module.named_parameters()},
+           "weights": {n: p.detach().float().cpu().numpy().copy() for n, p in engine.module.named_parameters()},
            "ep_ranks": {n: list(groups._get_expert_parallel_group_ranks(n)) for n in names},
            "edp_ranks": {n: list(groups._get_expert_data_parallel_group_ranks(n)) for n in names}}
     engine.destroy()
@@ -110,7 +113,7 @@ def _steps(engine: Any, rank: int, world: int, batches: list) -> list[float]:
 
     losses = []
     for tokens, targets in batches:
-        loss = engine(tokens[rank], targets[rank])
+        loss = engine(tokens[rank].to(rank_device()), targets[rank].to(rank_device()))
         engine.backward(loss)
         engine.step()
         total = loss.detach().clone()
@@ -129,7 +132,7 @@ def _checkpoint_run(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     engine, _, _, _ = deepspeed_c.initialize(model=make_sharded(make_full(7), rank, (2, 2)), config=CKPT_CONFIG)
     _steps(engine, rank, world, batches[:3])
     engine.save_checkpoint(ckpt, tag="ep2")
-    saved = {n: p.detach().numpy().copy() for n, p in engine.module.named_parameters()}
+    saved = {n: p.detach().cpu().numpy().copy() for n, p in engine.module.named_parameters()}
     straight = _steps(engine, rank, world, batches[3:])
     engine.destroy()
     dist.barrier()
@@ -137,7 +140,7 @@ def _checkpoint_run(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     if rank == 0:
         out["files"] = sorted(os.listdir(os.path.join(ckpt, "ep2")))
         out["model_keys"] = sorted(torch.load(os.path.join(ckpt, "ep2", "mp_rank_00_model_states.pt"),
-                                              weights_only=False)["module"])
+                                              weights_only=False, map_location="cpu")["module"])
         out["fp32"] = {k: v.numpy().copy() for k, v in get_fp32_state_dict_from_zero_checkpoint(ckpt, "ep2").items()}
     # resume at ep_size 4 into a model initialised differently
     engine, _, _, _ = deepspeed_c.initialize(model=make_sharded(make_full(99), rank, (4, 4)), config=CKPT_CONFIG)
@@ -162,7 +165,7 @@ def _checkpoint_run(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     engine, _, _, _ = deepspeed_c.initialize(model=make_sharded(make_full(7), rank, (2, 2)), config=z2)
     _steps(engine, rank, world, batches[:3])
     engine.save_checkpoint(ckpt, tag="z2")
-    out["saved_z2"] = {n: p.detach().numpy().copy() for n, p in engine.module.named_parameters()}
+    out["saved_z2"] = {n: p.detach().cpu().numpy().copy() for n, p in engine.module.named_parameters()}
     dist.barrier()
     if rank == 0:
         out["fp32_z2"] = {k: v.numpy().copy() for k, v in get_fp32_state_dict_from_zero_checkpoint(ckpt, "z2").items()}

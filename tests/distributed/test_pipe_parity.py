@@ -7,7 +7,13 @@
 activation checkpointing; interleaved with ZeRO-1); per-layer files written by 4 stages and read
 by 2; engine checkpoints with Adam resumed on as many and on another number of stages (fp32 and
 ZeRO-1 against the uninterrupted run's losses, bf16 masters and moments as saved); eval_batch; the
-bad-input errors. One multi-rank run per world size builds the engines in turn."""
+bad-input errors. One multi-rank run per world size builds the engines in turn.
+
+Under DSC_TEST_BACKEND=nccl the same runs go one GPU a rank (the pipeline engine moves each
+micro-batch to its device; the plain-engine references get theirs on rank_device()), with the same
+tolerances, except one check: a receive that timed out leaves an NCCL kernel waiting for a send that
+never comes (the process group is then unusable), so there only the sender's shape-change error is
+checked and the receiver does not post the receive."""
 from __future__ import annotations
 
 import os
@@ -17,7 +23,7 @@ import pytest
 import torch
 
 from tests.distributed import pipe_models as pm
-from tests.harness import run_distributed
+from tests.harness import on_gpu, rank_device, run_distributed
 
 STEPS, LR, SGD_LR, CLIP = 3, 1e-2, 0.05, 0.05
 
@@ -27,7 +33,7 @@ def _layer_weights(model) -> dict:
     for local, f in enumerate(model.forward_funcs):
         if isinstance(f, torch.nn.Module):
             for n, p in f.named_parameters():
-                out[f"{model._layer_ids[local]}.{n}"] = p.detach().float().numpy().copy()
+                out[f"{model._layer_ids[local]}.{n}"] = p.detach().float().cpu().numpy().copy()
     return out
 
 
@@ -135,12 +141,12 @@ def _plain_engine_bf16(world: int, clip: float, fp16: bool = False) -> dict:
     for step in pm.batches(STEPS, 1):
         total = 0.0
         for x, y in step:
-            loss = engine(x.to(torch.float16 if fp16 else torch.bfloat16), y)
+            loss = engine(x.to(rank_device(), torch.float16 if fp16 else torch.bfloat16), y.to(rank_device()))
             engine.backward(loss)
             engine.step()
             total += loss.item()
         losses.append(total / len(step))
-    weights = {f"{i}.{n}": p.detach().float().numpy().copy() for i, l in enumerate(model.layers)
+    weights = {f"{i}.{n}": p.detach().float().cpu().numpy().copy() for i, l in enumerate(model.layers)
                for n, p in l.named_parameters()}
     return {"losses": np.array(losses), "weights": weights, "skipped": engine.skipped_steps}
 
@@ -194,6 +200,8 @@ def _shape_change(world: int) -> str:
     engine.train_batch(iter(step))
     os.environ["DSC_PIPE_RECV_TIMEOUT"] = "4"
     smaller = [(x[:2], y[:2]) for x, y in step]
+    if on_gpu() and engine.stage_id != 0:
+        return "nccl: the receiver's timeout is not exercised (see the module docstring)"
     try:
         engine.train_batch(iter(smaller))
     except RuntimeError as e:
@@ -266,8 +274,8 @@ def _mixed_states(model, engine) -> dict:
     for lps, masters in zip(opt.lp_groups, opt.fp32_groups):
         for lp, m in zip(lps, masters):
             st = opt.optimizer.state[m]
-            mine[names[id(lp)]] = [m.detach().numpy().copy(), st["exp_avg"].numpy().copy(),
-                                   st["exp_avg_sq"].numpy().copy(), float(st["step"])]
+            mine[names[id(lp)]] = [m.detach().cpu().numpy().copy(), st["exp_avg"].cpu().numpy().copy(),
+                                   st["exp_avg_sq"].cpu().numpy().copy(), float(st["step"])]
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     return {k: v for d in every for k, v in d.items()}
@@ -347,7 +355,8 @@ def test_two_stages_tied_clipping_checkpointing_bf16_and_bad_inputs():
     assert "bogus" in bad["method"]
     assert "ran out after 2 of 4 micro-batches" in bad["dry"]
     assert "changed from" in results[0][10] and "dynamic_shape=True" in results[0][10]
-    assert "waiting for the activations of stage 0" in results[1][10]
+    if not results[1][10].startswith("nccl:"):
+        assert "waiting for the activations of stage 0" in results[1][10]
     # fp16 with a loss scale that overflows at first: every stage skips the same steps, as the
     # non-pipeline engine on one rank does, and the weights match it
     ref = results[0][9]

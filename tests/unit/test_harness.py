@@ -37,7 +37,7 @@ def test_collectives(world_size):
 def test_nccl_with_too_few_gpus_skips_naming_why(monkeypatch):
     monkeypatch.setenv(BACKEND_ENV, "nccl")
     want = visible_gpus() + 1
-    with pytest.raises(pytest.skip.Exception, match=f"needs {want} CUDA GPUs.*{want - 1} visible"):
+    with pytest.raises(pytest.skip.Exception, match=f"needs {want} CUDA GPU\\(s\\).*{want - 1} visible"):
         run_distributed(all_reduce_body, want)
     monkeypatch.setenv(BACKEND_ENV, "mpi")
     with pytest.raises(ValueError, match="DSC_TEST_BACKEND must be 'gloo' or 'nccl'"):
