@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import deepspeed_c  # noqa: E402
-from profiler_overhead import GPT  # noqa: E402
+from deepspeed_c.profiling.toy_models import GPT  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--local_rank", type=int, default=-1)

@@ -7,11 +7,15 @@ the engine, metrics.py), and write DeepSpeed's results layout:
     <results_dir>/summary.txt                     one row per experiment, the best marked
     <results_dir>/ds_config_optimal.json, cmd_optimal.txt
 
-When a memory budget is known (autotuning/memory.py), a probe run (stage 0, smallest micro-batch)
-first writes <results_dir>/profile_model_info/model_info.json, and points whose estimated bytes
-exceed the budget are skipped without being launched (listed in summary.txt). An experiment that
-crashes, runs out of memory or writes no metrics is recorded as infeasible and the search goes on.
-With `run`, the job is then relaunched with the optimal config."""
+The search (space.py for its shape, tuner.py for the tuners): when a memory budget is known
+(memory.py), a probe run (lowest stage, smallest micro-batch) first writes
+<results_dir>/profile_model_info/model_info.json (parameters, activation bytes per sample; a second
+probe with activation checkpointing on when that axis is tuned), and each combo's micro-batch sizes
+stop at the largest the memory model lets fit, so points that cannot fit are never launched (the
+combos where nothing fits are listed in summary.txt). Then the micro-batch sweep of every stage,
+and with `fast: false` the sub-knob space of each stage that beats the stages below it. An
+experiment that crashes, runs out of memory or writes no metrics is recorded as infeasible and the
+search goes on. With `run`, the job is then relaunched with the optimal config."""
 from __future__ import annotations
 
 import json
@@ -23,6 +27,7 @@ import time
 from typing import Any, Optional, Sequence
 
 from deepspeed_c.autotuning import memory, space
+from deepspeed_c.autotuning.tuner import Tuner
 from deepspeed_c.autotuning.config import AutotuningConfig, parse_autotuning
 
 CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed")
@@ -56,13 +61,38 @@ def find_config_arg(user_args: list[str]) -> tuple[int, str]:
                      "(--deepspeed_config ds.json): the tuner needs one to start from")
 
 
-def _script_args(user_args: list[str], cfg_index: int, cfg_path: str, ds: dict[str, Any],
+def _lookup(exp: dict[str, Any], key: str) -> Any:
+    """An arg mapping's value: the experiment's own key (e.g. activation_checkpointing), else the
+    first match in its ds_config, searched depth first (DeepSpeed's lookup)."""
+    if key in exp:
+        return exp[key]
+
+    def find(d: dict[str, Any]) -> Any:
+        if key in d:
+            return d[key]
+        for v in d.values():
+            if isinstance(v, dict):
+                r = find(v)
+                if r is not None:
+                    return r
+        return None
+
+    return find(exp.get("ds_config") or {})
+
+
+def _script_args(user_args: list[str], cfg_index: int, cfg_path: str, exp: dict[str, Any],
                  mappings: Optional[dict[str, str]]) -> list[str]:
     args = list(user_args)
     args[cfg_index] = cfg_path
     for key, flag in (mappings or {}).items():
-        k = args.index(flag)
-        args[k + 1] = str(ds[key])
+        val = _lookup(exp, key)
+        if val is None or val == "auto" or isinstance(val, (dict, list)):
+            continue
+        text = ("true" if val else "false") if isinstance(val, bool) else str(val)
+        if flag in args:
+            args[args.index(flag) + 1] = text
+        else:
+            args += [flag, text]
     return args
 
 
@@ -85,7 +115,10 @@ class Autotuner:
         self.results_dir, self.exps_dir = os.path.abspath(self.cfg.results_dir), os.path.abspath(self.cfg.exps_dir)
         self.records: list[dict[str, Any]] = []
         self.best: Optional[dict[str, Any]] = None
-        self.pruned: list[str] = []
+        self.pruned: list[str] = []  # combos where not even the smallest micro-batch fits
+        self.largest: dict[str, int] = {}  # combo -> the largest micro-batch the memory model lets fit
+        self.budget: Optional[int] = None
+        self.model_info: Optional[dict[str, Any]] = None
 
     def _better(self, a: float, b: float) -> bool:
         return a < b if self.cfg.metric == "latency" else a > b
@@ -105,8 +138,10 @@ class Autotuner:
         with open(cfg_path, "w") as f:
             json.dump(ds, f)
         cmd = [sys.executable, "-m", "deepspeed_c.launcher.runner", *self.launcher_args, self.user_script,
-               *_script_args(self.user_args, self.cfg_index, cfg_path, ds, self.cfg.arg_mappings)]
+               *_script_args(self.user_args, self.cfg_index, cfg_path, {**exp, "ds_config": ds}, self.cfg.arg_mappings)]
         desc = {"name": exp["name"], "ds_config": ds, "num_gpus": self.world, "result_dir": result_dir}
+        if space.CKPT_KEY in exp:
+            desc[space.CKPT_KEY] = exp[space.CKPT_KEY]
         for path in (os.path.join(self.exps_dir, exp["name"] + ".json"), os.path.join(result_dir, "exp.json")):
             with open(path, "w") as f:
                 json.dump(desc, f)
@@ -121,7 +156,7 @@ class Autotuner:
         if not scored:
             return None
         metric_file = os.path.join(result_dir, "metrics.json")
-        record: dict[str, Any] = {"name": exp["name"], "rc": rc, "result_dir": result_dir, "cmd": cmd}
+        record: dict[str, Any] = {"name": exp["name"], "rc": rc, "result_dir": result_dir, "cmd": cmd, "exp": exp}
         if rc != 0 or not os.path.exists(metric_file):
             record["error"] = f"exit status {rc}" if rc != 0 else "no metrics.json written"
             self.records.append(record)
@@ -134,13 +169,17 @@ class Autotuner:
             self.best = record
         return value
 
-    def probe_model_info(self, grid: list[dict[str, Any]], timeout: float) -> Optional[dict[str, Any]]:
-        """One short run that measures the parameter count and activation bytes per sample."""
-        result_dir = os.path.join(self.results_dir, "profile_model_info")
+    def _probe(self, name: str, ckpt: Optional[bool], timeout: float) -> Optional[dict[str, Any]]:
+        """One short run (smallest micro-batch, gas 1, the highest of the user's stages below 3: the
+        least memory without ZeRO-3's gathered parameters among the saved tensors) that measures
+        the parameters a rank holds and the activation bytes per sample of its first forward."""
+        result_dir = os.path.join(self.results_dir, name)
         info_path = os.path.join(result_dir, "model_info.json")
-        first = min(grid, key=lambda e: (e["ds_config"]["zero_optimization"]["stage"],
-                                         e["ds_config"]["train_micro_batch_size_per_gpu"]))
-        probe = {"name": "profile_model_info", "ds_config": dict(first["ds_config"])}
+        stages = space.user_stages(self.user_config)
+        combo = space.Combo(max([s for s in stages if s < 3], default=stages[-1]), False, ckpt)
+        mbs = max(self.cfg.min_train_micro_batch_size_per_gpu, 1)
+        probe = space.make_experiment(self.user_config, self.cfg, self.world, combo, mbs, mbs)
+        probe["name"] = name
         at = dict(probe["ds_config"].get("autotuning") or {})
         at.update({"model_info": {"profile": True}, "model_info_path": info_path})
         probe["ds_config"]["autotuning"] = at
@@ -152,6 +191,45 @@ class Autotuner:
         with open(info_path) as f:
             return json.load(f)
 
+    def probe_model_info(self, timeout: float) -> Optional[dict[str, Any]]:
+        """DeepSpeed's profile_model_info/model_info.json; with the checkpointing axis tuned, a
+        second probe with checkpointing on adds activation_mem_per_sample_ckpt to it."""
+        tuned_ckpt = space.ckpt_choices(self.cfg, self.user_args) != [None]
+        info = self._probe("profile_model_info", False if tuned_ckpt else None, timeout)
+        if info is None or not tuned_ckpt:
+            return info
+        with_ckpt = self._probe("profile_model_info_ckpt", True, timeout)
+        if with_ckpt is None:
+            return None
+        info["activation_mem_per_sample_ckpt"] = with_ckpt["activation_mem_per_sample"]
+        with open(os.path.join(self.results_dir, "profile_model_info", "model_info.json"), "w") as f:
+            json.dump(info, f)
+        return info
+
+    def _largest_fit(self, combo: space.Combo) -> Optional[int]:
+        if self.model_info is None or self.budget is None:
+            return None
+        ds = space.make_experiment(self.user_config, self.cfg, self.world, combo, 1, 1)["ds_config"]
+        fit = memory.largest_micro_batch(ds, self.model_info, self.world, self.budget, self.cfg.mp_size, combo.ckpt)
+        self.largest[combo.prefix] = fit
+        return fit
+
+    def _run_tuner(self, exps: list[dict[str, Any]], timeout: float, whole: bool) -> None:
+        """`whole`: every experiment in order (gridsearch over the micro-batch sweep, as DeepSpeed
+        runs its sweep); else the configured tuner with its trials and early stopping."""
+        kind = "gridsearch" if whole else self.cfg.tuner_type
+        trials = len(exps) if whole else self.cfg.tuner_num_trials
+        stopping = None if whole else self.cfg.tuner_early_stopping
+        Tuner(exps, kind, self.cfg.metric, trials, stopping).tune(lambda e: self.run_experiment(e, timeout))
+
+    def _stage_best(self, stage: int) -> Optional[dict[str, Any]]:
+        best = None
+        for r in self.records:
+            if "metric" in r and r["exp"]["combo"].stage == stage and (best is None
+                                                                      or self._better(r["metric"], best["metric"])):
+                best = r
+        return best
+
     def tune(self, timeout: float = 600.0) -> Optional[dict[str, Any]]:
         if self.cfg.overwrite:
             shutil.rmtree(self.results_dir, ignore_errors=True)
@@ -159,23 +237,34 @@ class Autotuner:
         os.makedirs(self.results_dir, exist_ok=True)
         os.makedirs(self.exps_dir, exist_ok=True)
         start = time.time()
-        grid = space.experiments(self.user_config, self.cfg, self.world)
-        budget = memory.budget_bytes()
-        info = self.probe_model_info(grid, timeout) if budget is not None else None
-        feasible = []
-        for exp in grid:
-            if info is not None and memory.estimate_bytes(exp["ds_config"], info, self.world) > budget:
-                self.pruned.append(exp["name"])  # cannot fit: never launched
-            else:
-                feasible.append(exp)
-        since_best = 0
-        for exp in space.order(feasible, self.cfg):
-            before = self.best
-            self.run_experiment(exp, timeout)
-            since_best = 0 if self.best is not before else since_best + 1
-            if since_best >= self.cfg.tuner_early_stopping:
-                break
-        self._write_results(len(grid), time.time() - start)
+        self.budget = memory.budget_bytes()
+        self.model_info = self.probe_model_info(timeout) if self.budget is not None else None
+        sweep, self.pruned = space.sweep(self.user_config, self.cfg, self.world, self.user_args, self._largest_fit)
+        grid_size = len(sweep)
+        if not self.cfg.fast:
+            grid_size += sum(len(space.knob_points(self.user_config, e["combo"].stage))
+                             for e in sweep if e["combo"].stage > 0)
+        # the sweep: all of it under gridsearch (DeepSpeed's sweep), else the tuner picks among it
+        self._run_tuner(sweep, timeout, whole=self.cfg.tuner_type == "gridsearch")
+        if not self.cfg.fast:
+            # DeepSpeed: a stage's sub-knobs are tuned only when its sweep reached a larger
+            # micro-batch than the stages below at a metric no worse; stage 0 has none
+            prev_mbs, prev_best = 0, None
+            for stage in space.user_stages(self.user_config):
+                best = self._stage_best(stage)
+                if best is None:
+                    continue
+                mbs = best["exp"]["ds_config"]["train_micro_batch_size_per_gpu"]
+                worse = prev_best is not None and self._better(prev_best, best["metric"])
+                if stage > 0 and mbs > prev_mbs and not worse:
+                    combo = best["exp"]["combo"]
+                    sizes = space.sweep_sizes(self.user_config, self.cfg, self.world, self.user_args,
+                                              self._largest_fit(combo))
+                    self._run_tuner(space.knob_experiments(self.user_config, self.cfg, self.world, combo, sizes),
+                                    timeout, whole=False)
+                if mbs > prev_mbs:
+                    prev_mbs, prev_best = mbs, best["metric"]
+        self._write_results(grid_size, time.time() - start)
         return self.best
 
     def _write_results(self, grid_size: int, seconds: float) -> None:
@@ -185,10 +274,13 @@ class Autotuner:
             status = "best" if r is self.best else ("ok" if "metric" in r else "infeasible: " + r["error"])
             lines.append(f"| {r['name']:<16} | {val:>14} | {status} |")
         for name in self.pruned:
-            lines.append(f"| {name:<16} | {'-':>14} | skipped: over the memory budget |")
+            lines.append(f"| {name:<16} | {'-':>14} | skipped: no micro-batch fits the memory budget |")
         lines.append("")
+        if self.largest:
+            lines.append("Largest micro-batch within the memory budget (memory model): "
+                         + ", ".join(f"{k} {v}" for k, v in self.largest.items()) + ".")
         if self.pruned:
-            lines.append(f"Skipped without launching (memory model): {len(self.pruned)}.")
+            lines.append(f"Skipped without launching (memory model): {len(self.pruned)} combos.")
         lines.append(f"Tuning completed in {seconds:.1f}s. Experiments run: {len(self.records)} of the "
                      f"{grid_size} a grid search over the same space runs.")
         if self.best is not None:
@@ -203,7 +295,8 @@ class Autotuner:
                 json.dump(optimal, f)
             opt_path = os.path.join(self.results_dir, "ds_config_optimal.json")
             cmd = [sys.executable, "-m", "deepspeed_c.launcher.runner", *self.launcher_args, self.user_script,
-                   *_script_args(self.user_args, self.cfg_index, opt_path, optimal, self.cfg.arg_mappings)]
+                   *_script_args(self.user_args, self.cfg_index, opt_path, {**self.best["exp"], "ds_config": optimal},
+                                 self.cfg.arg_mappings)]
             with open(os.path.join(self.results_dir, "cmd_optimal.txt"), "w") as f:
                 f.write(" ".join(cmd))
             self.best["optimal_cmd"] = cmd

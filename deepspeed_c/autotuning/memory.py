@@ -10,7 +10,10 @@ parameters and W data-parallel ranks (the ZeRO paper's accounting):
     stage 0 keeps all, 1 partitions the optimizer, 2 also the grads, 3 also the params;
     offload_optimizer to cpu moves the optimizer part off the device.
 
-plus micro-batch x activation bytes per sample. The budget is DSC_AUTOTUNING_MEMORY_BUDGET_BYTES
+over the data-parallel ranks W = world / mp_size (the probe counts the parameters a rank holds, so
+model parallelism is already in P), plus micro-batch x activation bytes per sample, measured by the
+probe without activation checkpointing (`activation_mem_per_sample`) and, when the checkpointing axis
+is tuned, by a second probe with it (`activation_mem_per_sample_ckpt`). The budget is DSC_AUTOTUNING_MEMORY_BUDGET_BYTES
 (bytes per rank) when set, else the accelerator's memory per device on a GPU machine, else none
 (nothing pruned)."""
 from __future__ import annotations
@@ -56,10 +59,37 @@ def model_state_bytes(num_params: int, stage: int, world: int, half: bool, offlo
     return params + grads + optim
 
 
-def estimate_bytes(ds: dict[str, Any], model_info: dict[str, Any], world: int) -> float:
-    stage = int(ds["zero_optimization"]["stage"])
-    mbs = int(ds["train_micro_batch_size_per_gpu"])
+def _offloaded(ds: dict[str, Any]) -> bool:
     off = ds["zero_optimization"].get("offload_optimizer")
-    offload = isinstance(off, dict) and off.get("device") in ("cpu", "nvme")
-    states = model_state_bytes(int(model_info["num_params"]), stage, world, _half(ds), offload)
-    return states + mbs * float(model_info["activation_mem_per_sample"])
+    return isinstance(off, dict) and off.get("device") in ("cpu", "nvme")
+
+
+def activation_bytes_per_sample(model_info: dict[str, Any], ckpt: Optional[bool]) -> float:
+    key = "activation_mem_per_sample_ckpt" if ckpt else "activation_mem_per_sample"
+    if key not in model_info:
+        raise ValueError(f"autotuning: the model-info probe did not measure {key!r}")
+    return float(model_info[key])
+
+
+def states_bytes(ds: dict[str, Any], model_info: dict[str, Any], world: int, mp_size: int = 1) -> float:
+    dp = max(world // max(mp_size, 1), 1)
+    return model_state_bytes(int(model_info["num_params"]), int(ds["zero_optimization"]["stage"]), dp, _half(ds),
+                             _offloaded(ds))
+
+
+def estimate_bytes(ds: dict[str, Any], model_info: dict[str, Any], world: int, mp_size: int = 1,
+                   ckpt: Optional[bool] = None) -> float:
+    """Per-rank bytes of one experiment config (micro-batch from the config)."""
+    mbs = int(ds["train_micro_batch_size_per_gpu"])
+    return states_bytes(ds, model_info, world, mp_size) + mbs * activation_bytes_per_sample(model_info, ckpt)
+
+
+def largest_micro_batch(ds: dict[str, Any], model_info: dict[str, Any], world: int, budget: float, mp_size: int = 1,
+                        ckpt: Optional[bool] = None, ceiling: int = 1 << 30) -> int:
+    """The largest micro-batch whose estimate stays within the budget (0: not even one sample;
+    `ceiling` when activations measured nothing)."""
+    free = budget - states_bytes(ds, model_info, world, mp_size)
+    act = activation_bytes_per_sample(model_info, ckpt)
+    if free < 0:
+        return 0
+    return ceiling if act <= 0 else min(int(free // act), ceiling)

@@ -1,15 +1,20 @@
-"""`deepspeed_c --autotuning run` on 2 CPU ranks: ZeRO stage (auto) x micro-batch (auto, 2 sizes),
-8 points, with a memory budget (DSC_AUTOTUNING_MEMORY_BUDGET_BYTES) of 14 bytes per parameter so
-that the stage-0 points (16 bytes per parameter of fp32 Adam states) cannot fit: a probe run
-measures the model, the 2 stage-0 points are never launched, and the random tuner visits 3 of the
-6 others (to keep CI short) through our launcher, one of them crashing like an OOM. Checks: the
-probe's parameter count, 3 experiments ran (the crash recorded as infeasible, the search went
-on), DeepSpeed's results layout is
-written, the optimal config is the point with the best throughput among the metrics.json files
-the experiments wrote, and `run` relaunched the script with it. Bad autotuning input is refused
-with the value named."""
+"""`deepspeed_c --autotuning run` on 2 CPU ranks over ZeRO stage (auto) x activation
+checkpointing (auto, through the script's --ckpt flag) x micro-batch (auto, up to 2), with a memory
+budget (DSC_AUTOTUNING_MEMORY_BUDGET_BYTES) of the stage-1 model states (12 bytes per parameter:
+fp32 Adam over 2 ranks) plus 1.5 samples of activations without checkpointing. Two probe runs measure
+the model: parameters, and the activation bytes per sample with and without checkpointing, which the
+test counts itself (the tensors autograd saves in the script's Linear/GELU chain). From its own ZeRO
+accounting the test derives what may be launched: nothing at stage 0 (16 bytes per parameter), at
+stage 1 one sample without checkpointing but two with it, two elsewhere. The random tuner visits 3
+points through our launcher, one of them crashing like an OOM. Checks: what the probes measured,
+that exactly the 3 points ran, none outside the feasible set, the crash recorded as infeasible and
+the search went on, DeepSpeed's results layout, the optimal config is the point with the best
+throughput among the metrics.json files the experiments wrote, and `run` relaunched the script
+with it (stage, micro-batch, gas and checkpointing flag). Bad autotuning input is refused with the
+value named."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -20,6 +25,7 @@ import pytest
 
 from deepspeed_c.autotuning import space
 from deepspeed_c.autotuning.config import parse_autotuning
+from deepspeed_c.autotuning.tuner import Tuner
 from tests.harness import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,19 +43,38 @@ def _config(tmp: Path, **autotuning) -> Path:
            "zero_optimization": {"stage": "auto"},
            "autotuning": {"enabled": True, "results_dir": str(tmp / "autotuning_results"),
                           "exps_dir": str(tmp / "autotuning_exps"), "start_profile_step": 1,
-                          "end_profile_step": 3, "num_tuning_micro_batch_sizes": 2, "tuner_early_stopping": 100,
-                          "arg_mappings": {"train_micro_batch_size_per_gpu": "--mbs"}, **autotuning}}
+                          "end_profile_step": 3, "num_tuning_micro_batch_sizes": 2,
+                          "max_train_micro_batch_size_per_gpu": 2, "tuner_early_stopping": 100,
+                          "arg_mappings": {"train_micro_batch_size_per_gpu": "--mbs",
+                                           "activation_checkpointing": "--ckpt"}, **autotuning}}
     path = tmp / "ds.json"
     path.write_text(json.dumps(cfg))
     return path
 
 
-SCRIPT_PARAMS = 3 * (32 * 32 + 32) + 33  # the script's 3 x Linear(32, 32) + Linear(32, 1)
+P = 3 * (32 * 32 + 32) + 33  # the script's 3 x Linear(32, 32) + Linear(32, 1)
+ROW = 32 * 4  # one sample's 32 fp32 features
+ACT = 7 * ROW  # saved per sample: the input, each Linear's output (GELU's input), each GELU's output
+ACT_CKPT = 4 * ROW  # checkpointed blocks save only their inputs; the last Linear its input
+STATES = {0: 16 * P, 1: 4 * P + 4 * P + 8 * P / 2, 2: 4 * P + 4 * P / 2 + 8 * P / 2, 3: 16 * P / 2}  # fp32 Adam, W=2
+BUDGET = int(STATES[1] + 1.5 * ACT)
+
+
+def _feasible() -> dict[str, tuple[int, int, int, bool]]:
+    """name -> (stage, gas, mbs, ckpt) of every point the memory model lets launch: per combo, the
+    largest micro-batch (<= 2) within the budget, then DeepSpeed's list below it (here: 1 and 2)."""
+    out = {}
+    for stage, ckpt in itertools.product(range(4), (False, True)):
+        top = min(2, int((BUDGET - STATES[stage]) // (ACT_CKPT if ckpt else ACT)))
+        for mbs in range(1, top + 1):
+            gas = top // mbs
+            out[f"z{stage}_{'ckpt' if ckpt else 'nockpt'}_gas{gas}_tmbspg{mbs}"] = (stage, gas, mbs, ckpt)
+    return out
 
 
 def _launch(tmp: Path, mode: str, cfg: Path, *extra: str, budget: int = 0) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "deepspeed_c.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
-           "--autotuning", mode, str(SCRIPT), "--deepspeed_config", str(cfg), "--mbs", "1",
+           "--autotuning", mode, str(SCRIPT), "--deepspeed_config", str(cfg), "--mbs", "1", "--ckpt", "auto",
            "--marker", str(tmp / "marker.json"), *extra]
     env = _env()
     if budget:
@@ -58,41 +83,54 @@ def _launch(tmp: Path, mode: str, cfg: Path, *extra: str, budget: int = 0) -> su
 
 
 def test_autotuning_run_two_ranks(tmp_path):
-    grid = [f"z{s}_mbs{m}" for s in range(4) for m in (1, 2)]
+    feasible = _feasible()
+    assert len(feasible) == 11 and not any(n.startswith("z0_") for n in feasible)
+    assert "z1_nockpt_gas1_tmbspg1" in feasible and "z1_ckpt_gas1_tmbspg2" in feasible
     cfg = _config(tmp_path, tuner_type="random", tuner_num_trials=3)
-    pruned = [n for n in grid if n.startswith("z0_")]  # 16 bytes/param of model states > 14
-    names = [e["name"] for e in space.order([{"name": n} for n in grid if n not in pruned], parse_autotuning(
-        json.loads(cfg.read_text())["autotuning"]))]
-    assert len(names) == 3
+    # which 3 the seeded random tuner visits (the sweep in grid order, as the tuner receives it)
+    at = parse_autotuning(json.loads(cfg.read_text())["autotuning"])
+    user = json.loads(cfg.read_text())
+    grid, _ = space.sweep(user, at, 2, ["--ckpt", "auto"], lambda c: int(
+        (BUDGET - STATES[c.stage]) // (ACT_CKPT if c.ckpt else ACT)))
+    assert sorted(e["name"] for e in grid) == sorted(feasible)
+    order = Tuner(grid, "random", "throughput", 3, 100)
+    order.tune(lambda e: 1.0)
+    names = [e["name"] for e, _ in order.history]
     crash = names[1]  # a visited point dies like an out-of-memory run
-    stage, mbs = crash[1], crash.split("mbs")[1]
-    done = _launch(tmp_path, "run", cfg, "--crash_stage", stage, "--crash_mbs", mbs, budget=14 * SCRIPT_PARAMS)
+    stage, mbs = feasible[crash][0], feasible[crash][2]
+    done = _launch(tmp_path, "run", cfg, "--crash_stage", str(stage), "--crash_mbs", str(mbs), budget=BUDGET)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results, exps = tmp_path / "autotuning_results", tmp_path / "autotuning_exps"
     info = json.loads((results / "profile_model_info" / "model_info.json").read_text())
-    assert info["num_params"] == SCRIPT_PARAMS and 0 < info["activation_mem_per_sample"] < 2 * SCRIPT_PARAMS
-    assert sorted(p.stem for p in exps.glob("*.json")) == sorted(names + ["profile_model_info"])
-    for name in pruned:  # never launched
-        assert not (results / name).exists()
+    assert (info["num_params"], info["activation_mem_per_sample"], info["activation_mem_per_sample_ckpt"]) == \
+        (P, ACT, ACT_CKPT)
+    launched = sorted(p.stem for p in exps.glob("*.json"))
+    assert launched == sorted(names + ["profile_model_info", "profile_model_info_ckpt"])
+    assert set(names) <= set(feasible)  # nothing outside what fits was launched
     measured = {}
     for name in names:
         d = results / name
         for f in ("ds_config.json", "exp.json", "cmd.txt", "stdout.log", "stderr.log"):
             assert (d / f).exists(), (name, f)
-        if name == crash:
+        assert ("--ckpt true" if feasible[name][3] else "--ckpt false") in (d / "cmd.txt").read_text()
+        if feasible[crash][:3:2] == feasible[name][:3:2]:  # the crash point (either checkpointing value)
             assert not (d / "metrics.json").exists()
             assert "MemoryError" in (d / "stderr.log").read_text() + (d / "stdout.log").read_text()
             continue
         measured[name] = json.loads((d / "metrics.json").read_text())["throughput"]
     best = max(measured, key=measured.get)
     optimal = json.loads((results / "ds_config_optimal.json").read_text())
-    assert f"z{optimal['zero_optimization']['stage']}_mbs{optimal['train_micro_batch_size_per_gpu']}" == best
+    stage, gas, mbs, ckpt = feasible[best]
+    assert (optimal["zero_optimization"]["stage"], optimal["gradient_accumulation_steps"],
+            optimal["train_micro_batch_size_per_gpu"]) == (stage, gas, mbs)
     assert "ds_config_optimal.json" in (results / "cmd_optimal.txt").read_text()
     summary = (results / "summary.txt").read_text()
     assert f"{best} is the optimal setup" in summary and "infeasible" in summary
-    assert "Experiments run: 3 of the 8" in summary and "Skipped without launching (memory model): 2." in summary
+    assert "Experiments run: 3 of the 11" in summary and "Skipped without launching (memory model): 2 combos." in summary
+    assert "z1_nockpt 1, z1_ckpt 2" in summary  # the largest micro-batch per combo
     marker = json.loads((tmp_path / "marker.json").read_text())  # written only by the relaunch
-    assert (f"z{marker['stage']}_mbs{marker['mbs']}", marker["steps"]) == (best, 6)
+    assert (marker["stage"], marker["gas"], marker["mbs"], marker["ckpt"], marker["steps"]) == \
+        (stage, gas, mbs, "true" if ckpt else "false", 6 // gas)
 
 
 @pytest.mark.parametrize("autotuning,message", [
@@ -108,15 +146,11 @@ def test_autotuning_bad_input(tmp_path, autotuning, message):
     assert not (tmp_path / "autotuning_results").exists()
 
 
-def test_autotuning_without_config_and_model_based(tmp_path):
+def test_autotuning_without_config(tmp_path):
     from deepspeed_c.autotuning.autotuner import Autotuner
 
     with pytest.raises(ValueError, match="--deepspeed_config"):
         Autotuner([], str(SCRIPT), ["--mbs", "1"], 2)
-    tuner = Autotuner([], str(SCRIPT), ["--deepspeed_config", str(_config(tmp_path, tuner_type="model_based")),
-                                        "--mbs", "1"], 2)
-    with pytest.raises(NotImplementedError, match="model_based"):
-        tuner.tune()
 
 
 def test_space_with_offload_and_memory_model():
@@ -128,11 +162,11 @@ def test_space_with_offload_and_memory_model():
     user = {"train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": True},
             "zero_optimization": {"stage": "auto", "offload_optimizer": "auto"}}
     cfg = parse_autotuning({"num_tuning_micro_batch_sizes": 2, "max_train_batch_size": 8})
-    exps = space.experiments(user, cfg, world=4)  # mbs capped at 8 / 4 = 2
+    exps, _ = space.sweep(user, cfg, 4, [], lambda c: None)  # mbs capped at 8 / 4 = 2, gas = 2 / mbs
     names = [e["name"] for e in exps]
-    assert names == ["z0_mbs1", "z0_mbs2"] + [f"z{s}{o}_mbs{m}" for s in (1, 2, 3) for o in ("", "_offload")
-                                              for m in (1, 2)]
-    by = {e["name"]: e["ds_config"] for e in exps}
+    assert names == [f"z{s}{o}_gas{2 // m}_tmbspg{m}" for s in (0, 1, 2, 3) for o in (("", "_offload") if s else ("",))
+                     for m in (1, 2)]
+    by = {e["name"].replace("_gas2_tmbspg1", "_mbs1").replace("_gas1_tmbspg2", "_mbs2"): e["ds_config"] for e in exps}
     assert by["z2_offload_mbs2"]["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "cpu"}}
     assert "offload_optimizer" not in by["z2_mbs2"]["zero_optimization"]
     P, W, act = 1000, 4, 10.0
