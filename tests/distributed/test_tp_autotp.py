@@ -5,14 +5,16 @@ a tiny LLaMA (GQA) and a tiny GPT-2 (Conv1D, fused c_attn) built from transforme
 only, OPT, BLOOM, Qwen2, Mistral and Phi-3).
 Each rank also trains the unsharded model alone on the whole global batch with torch.optim.Adam:
 the sharded model's logits, its 10 losses and its gathered weights must match it, at ZeRO stages
-0, 1 and 2 on the data-parallel axis. The same run checks the bad-input errors."""
+0, 1 and 2 on the data-parallel axis. The same run checks the bad-input errors.
+Under DSC_TEST_BACKEND=nccl the sharded models run one GPU a rank (their data on rank_device()); the
+unsharded references stay on the CPU; same tolerances."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 
 from tests.distributed import tp_models
-from tests.harness import run_distributed
+from tests.harness import rank_device, run_distributed
 
 # eps well above float noise: GPT-2's key bias has an exactly-zero true gradient, and Adam with eps 1e-8
 # would turn its rounding noise (different in a sharded sum) into full-size updates
@@ -38,11 +40,12 @@ def _train(kind: str, tp: int, stage: int, rank: int, world: int, save_dir: str 
     ref_logits = model(input_ids=probe).logits.detach()
     engine, *_ = deepspeed_c.initialize(model=model, config=_config(tp, stage, clip))
     dp_rank = groups.get_data_parallel_rank()
-    logits_err = ((engine.module(input_ids=probe).logits.detach() - ref_logits).abs().max()
+    dev = rank_device()
+    logits_err = ((engine.module(input_ids=probe.to(dev)).logits.detach().cpu() - ref_logits).abs().max()
                   / ref_logits.abs().max()).item()
     losses, norms = [], []
     for ids in data:
-        mine = ids[dp_rank * MICRO:(dp_rank + 1) * MICRO]
+        mine = ids[dp_rank * MICRO:(dp_rank + 1) * MICRO].to(dev)
         loss = tp_models.loss_of(engine, mine)
         engine.backward(loss)
         engine.step()
@@ -64,7 +67,7 @@ def _train(kind: str, tp: int, stage: int, rank: int, world: int, save_dir: str 
     if save_dir:  # whole weights on disk, in the unsharded model's names and layouts
         engine.save_16bit_model(save_dir, "tp.bin")
         torch.distributed.barrier()
-        saved = torch.load(f"{save_dir}/tp.bin", weights_only=True)
+        saved = torch.load(f"{save_dir}/tp.bin", weights_only=True, map_location="cpu")
         out["saved_keys_equal"] = sorted(saved) == sorted(ref_state)
         out["saved_rel"] = max(float(np.abs(saved[k].numpy() - v).max() / (np.abs(v).max() + 1e-12))
                                for k, v in ref_state.items())
@@ -77,7 +80,7 @@ def _run(engine, data: list, steps: range, micro: int) -> list[float]:
 
     dp, dp_rank, out = engine.dp_world_size, groups.get_data_parallel_rank(), []
     for i in steps:
-        loss = tp_models.loss_of(engine, data[i][dp_rank * micro:(dp_rank + 1) * micro])
+        loss = tp_models.loss_of(engine, data[i][dp_rank * micro:(dp_rank + 1) * micro].to(rank_device()))
         engine.backward(loss)
         engine.step()
         t = loss.detach().clone()
@@ -140,8 +143,10 @@ def body(rank: int, world: int, save_dir: str) -> dict:
         ids = tp_models.batches(1, 2)[0]
         ref = model(input_ids=ids).logits.detach()
         _, tp_group = groups._init_tp_mesh_device(2)
+        model.to(rank_device())
         apply_autotp(model, tp_group)
-        out["logits"][kind] = ((model(input_ids=ids).logits.detach() - ref).abs().max() / ref.abs().max()).item()
+        got = model(input_ids=ids.to(rank_device())).logits.detach().cpu()
+        out["logits"][kind] = ((got - ref).abs().max() / ref.abs().max()).item()
         groups._reset_tp_groups()
 
     def init(cfg: dict, model=None):
