@@ -20,6 +20,9 @@ def tiny_model(kind: str, seed: int = 0) -> torch.nn.Module:
     elif kind == "llama":  # 5 query heads over 1 kv head (GQA ratio 5), head_dim 12
         model = LlamaForCausalLM(LlamaConfig(hidden_size=60, num_attention_heads=5, num_key_value_heads=1,
                                              intermediate_size=88, num_hidden_layers=2, **common))
+    elif kind == "llama_wide":  # head_dim 128 (the common LLaMA width), GQA 2:1
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=512, num_attention_heads=4, num_key_value_heads=2,
+                                             intermediate_size=640, num_hidden_layers=2, **common))
     elif kind == "mistral":  # 6 heads over 2 kv heads (ratio 3); the window wider than the cache
         model = MistralForCausalLM(MistralConfig(hidden_size=48, num_attention_heads=6, num_key_value_heads=2,
                                                  intermediate_size=72, num_hidden_layers=2, sliding_window=512,
