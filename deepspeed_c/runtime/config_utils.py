@@ -7,12 +7,14 @@ import difflib
 import types
 import typing
 import warnings
-from typing import Any, Iterable, Mapping, TypeVar
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, TypeVar
 
-import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from deepspeed_c.utils.logging import logger
+
+if TYPE_CHECKING:
+    import torch
 
 AUTO = "auto"
 M = TypeVar("M", bound=BaseModel)
@@ -171,22 +173,28 @@ def scalar(data: Mapping[str, Any], key: str, kind: type | tuple[type, ...], def
     return value
 
 
-_DTYPE_NAMES: dict[str, torch.dtype] = {
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16, "torch.float16": torch.float16,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "torch.bfloat16": torch.bfloat16,
-    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32, "torch.float32": torch.float32,
-    "int8": torch.int8, "torch.int8": torch.int8,
-}
+def _dtype_names() -> dict[str, torch.dtype]:
+    import torch  # here, not at module level: the launcher's autotuner parses configs without loading torch
+
+    return {
+        "fp16": torch.float16, "float16": torch.float16, "half": torch.float16, "torch.float16": torch.float16,
+        "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "torch.bfloat16": torch.bfloat16,
+        "fp32": torch.float32, "float32": torch.float32, "float": torch.float32, "torch.float32": torch.float32,
+        "int8": torch.int8, "torch.int8": torch.int8,
+    }
 
 
 def parse_dtype(value: Any, path: str, allowed: Iterable[torch.dtype] | None = None) -> torch.dtype | None:
     """DeepSpeed's dtype spellings ("fp16", "bfloat16", "torch.float32", ...) or a torch.dtype."""
+    import torch
+
     if value is None:
         return None
-    dtype = value if isinstance(value, torch.dtype) else _DTYPE_NAMES.get(str(value).lower())
+    names_map = _dtype_names()
+    dtype = value if isinstance(value, torch.dtype) else names_map.get(str(value).lower())
     allowed = list(allowed) if allowed is not None else [torch.float16, torch.bfloat16, torch.float32]
     if dtype is None or dtype not in allowed:
-        names = sorted(k for k, v in _DTYPE_NAMES.items() if v in allowed and not k.startswith("torch."))
+        names = sorted(k for k, v in names_map.items() if v in allowed and not k.startswith("torch."))
         raise DeepSpeedConfigError(
             f"Invalid value {value!r} for config key '{path}': expected one of {', '.join(names)}")
     return dtype
