@@ -28,7 +28,8 @@ D = "tests/distributed/"
 # longest first, so the pool ends together
 SUITES: dict[str, list[str]] = {
     "checkpoint-resume": [D + "test_lead_checkpoint_resume.py"],
-    "zero": [D + "test_zero_parity.py"],
+    "zero12": [D + "test_zero_parity.py"],
+    "zero0": [D + "test_engine_parity.py"],
     "zero3": [D + "test_zero3_parity.py", D + "test_zero3_dist.py"],
     "checkpoint-reshard": [D + "test_checkpoint_zero.py", D + "test_checkpoint_reshard_matrix.py"],
     "moe": [D + "test_moe_parity.py"],

@@ -4,7 +4,8 @@ PyTorch on the global batch (same seed, same data, fp32). Losses and final weigh
 (Adam -> AdamW by DeepSpeed's default, Adam with adam_w_mode=false -> Adam, AdamW, Adagrad, SGD)
 and Lamb / Lion against float64 references written from the papers (Lamb in DeepSpeed's form).
 
-One spawn per world size runs every case; each test then checks its case."""
+One spawn per world size runs every case; each test then checks its case. Under DSC_TEST_BACKEND=nccl the
+engine runs one GPU a rank (data on engine.device) against the same references on the CPU, same tolerance."""
 from __future__ import annotations
 
 import math
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from tests.distributed.engine_models import loss_fn, make_batches, make_model
-from tests.harness import run_distributed
+from tests.harness import deterministic, run_distributed
 
 STEPS = 20
 MICRO = 2  # samples per rank per micro-step
@@ -70,25 +71,26 @@ def _train_engine(rank: int, world: int, name: str) -> dict[str, Any]:
     batches = make_batches(case["model"], STEPS * case["gas"], MICRO * world, seed=99)
     losses = []
     for step in range(STEPS):
-        total = torch.zeros(())
+        total = torch.zeros((), device=engine.device)
         for k in range(case["gas"]):
             x, y = batches[step * case["gas"] + k]
             lo, hi = rank * MICRO, (rank + 1) * MICRO
-            loss = loss_fn(engine(x[lo:hi]), y[lo:hi])
+            loss = loss_fn(engine(x[lo:hi].to(engine.device)), y[lo:hi].to(engine.device))
             engine.backward(loss)
             engine.step()
             total += loss.detach() / case["gas"]
         dist.all_reduce(total)
         losses.append(float(total) / world)
     # numpy, not tensors: torch would share tensor storage with a process that is about to exit
-    result = {"losses": losses, "weights": {n: p.detach().numpy().copy() for n, p in engine.module.named_parameters()},
+    result = {"losses": losses,
+              "weights": {n: p.detach().cpu().numpy().copy() for n, p in engine.module.named_parameters()},
               "global_steps": engine.global_steps, "buckets": engine.reducer.num_buckets if engine.reducer else 0}
     engine.destroy()
     return result
 
 
 def body(rank: int, world: int, names: list[str]) -> dict[str, Any]:
-    torch.use_deterministic_algorithms(True)
+    deterministic()
     out: dict[str, Any] = {}
     for name in names:
         try:

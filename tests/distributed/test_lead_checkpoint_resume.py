@@ -1,6 +1,9 @@
 """save_checkpoint / load_checkpoint through the engine, on real gloo ranks: DeepSpeed's layout,
 client_state, and exact resume (20 steps == 10 + save + load in fresh processes + 10, bit for bit)
-for ZeRO stages 0, 1 and 2."""
+for ZeRO stages 0, 1 and 2. Under DSC_TEST_BACKEND=nccl the same runs go one GPU a rank (data on
+engine.device) and stay bit for bit: the same world size, the same kernels, and the harness asks torch
+for deterministic ones (a GPU-only divergence there would be nondeterminism, not rounding).
+"""
 from __future__ import annotations
 
 import os
