@@ -1,0 +1,294 @@
+"""Inference with kernel injection against HF and the real DeepSpeed, side by side in one process.
+
+Models (random weights from configs, no downloads): a ~1.1B LLaMA config (hidden 2048, 22 layers,
+32 heads on 4 kv heads, TinyLlama's shape) and GPT-2 XL (1600 wide, 48 layers, 25 heads).
+Greedy generation of --new tokens after a --prompt token prompt, at each --batch.
+
+Systems (names in the table):
+  hf          HF eager, bf16, SDPA attention (transformers' default), DynamicCache
+  hf-compile  HF with torch.compile: generate(cache_implementation="static") compiles the decode step
+  ours        deepspeed_c.init_inference(replace_with_kernel_inject=True): our fused kernels
+  ours-graph  the same with enable_cuda_graph=True (decode step replayed as a CUDA graph)
+  deepspeed   the real DeepSpeed's init_inference(replace_with_kernel_inject=True) (import guarded:
+              when it is missing or its kernels fail to build, the error is printed and the run goes on)
+
+Correctness first: (1) in fp32 (the bf16 weights widened), ours and ours-graph give HF eager's greedy
+tokens on a short check (batch 2, 64-token prompt, 32 new); (2) in bf16 every system's prefill
+logits on the check prompt are compared with the fp32 model's: a system further off than 3x HF
+eager bf16's own error is reported WRONG and not timed; greedy-token agreement with hf over the
+timed run is printed for information (random-weight models have near-tied logits, so bf16 systems
+may legitimately part ways). Then --reps interleaved rounds (each system once per round):
+  prefill ms   one forward over the prompt (a fresh cache)
+  decode ms    (generate time - prefill) / (new - 1): per generated token after the first
+  tok/s        batch * new / generate time
+medians, and ratios: hf decode / system decode, system prefill / hf prefill, ours-graph vs deepspeed.
+
+    python benchmarks/inference.py [--model llama1b|gpt2xl|all] [--batch 1,16] [--prompt 512] [--new 128]
+                                   [--reps 3] [--systems hf,hf-compile,ours,ours-graph,deepspeed]
+--device cpu runs a smoke test of the same code with a tiny model on the host (hf and ours only).
+The real DeepSpeed: `source scripts/device_deepspeed.sh` first (installs the carried sdist into
+/tmp/ds_real); its inference op JIT-builds on first use (minutes)."""
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import os
+import statistics
+import sys
+import time
+import traceback
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+ALL_SYSTEMS = ["hf", "hf-compile", "ours", "ours-graph", "deepspeed"]
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--model", default="all", choices=["llama1b", "gpt2xl", "all"])
+    ap.add_argument("--batch", default="1,16")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--max-out-tokens", type=int, default=1024, help="KV cache of ours and DeepSpeed's (its default)")
+    ap.add_argument("--systems", default=",".join(ALL_SYSTEMS))
+    args = ap.parse_args()
+    args.batches = [int(b) for b in args.batch.split(",")]
+    args.system_list = [s for s in args.systems.split(",") if s]
+    unknown = set(args.system_list) - set(ALL_SYSTEMS)
+    if unknown:
+        ap.error(f"unknown systems {sorted(unknown)}; known: {ALL_SYSTEMS}")
+    if args.device == "cpu":  # smoke-test sizes
+        args.batches, args.prompt, args.new, args.reps, args.max_out_tokens = [2], 16, 8, 1, 64
+        args.system_list = [s for s in args.system_list if s in ("hf", "ours")]
+    return args
+
+
+def build(name: str, device: str) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    if device == "cpu":
+        cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=128) if name == "llama1b" else \
+            GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=128)
+        cls = LlamaForCausalLM if name == "llama1b" else GPT2LMHeadModel
+        return cls(cfg).eval()
+    if name == "llama1b":
+        cfg = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                          num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048)
+        cls = LlamaForCausalLM
+    else:
+        cfg = GPT2Config(n_embd=1600, n_layer=48, n_head=25, n_positions=1024, vocab_size=50257)
+        cls = GPT2LMHeadModel
+    with torch.device(device):
+        model = cls(cfg).to(torch.bfloat16)
+    return model.eval()
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def inject_ours(model: torch.nn.Module, dtype: torch.dtype, max_out: int, graphs: bool) -> torch.nn.Module:
+    """Through the public init_inference when it is there, else the injection entry point."""
+    import deepspeed_c
+    try:
+        engine = deepspeed_c.init_inference(model, dtype=dtype, replace_with_kernel_inject=True,
+                                            max_out_tokens=max_out, enable_cuda_graph=graphs)
+        return engine.module
+    except (AttributeError, NotImplementedError, TypeError) as e:
+        print(f"  (deepspeed_c.init_inference unavailable here: {type(e).__name__}: {e}; injecting directly)",
+              flush=True)
+    from deepspeed_c.module_inject.kernel_inject import inject
+    return inject(model, SimpleNamespace(dtype=dtype, max_out_tokens=max_out, enable_cuda_graph=graphs))
+
+
+def set_graphs(model: torch.nn.Module, on: bool) -> None:
+    for m in model.modules():
+        if hasattr(m, "enable_cuda_graph") and hasattr(m, "_graphs"):
+            m.enable_cuda_graph = on
+
+
+def inject_deepspeed(model: torch.nn.Module, max_out: int) -> torch.nn.Module:
+    import deepspeed  # the real one (scripts/device_deepspeed.sh)
+    print(f"  DeepSpeed {deepspeed.__version__} from {os.path.dirname(deepspeed.__file__)}", flush=True)
+    engine = deepspeed.init_inference(model, dtype=torch.bfloat16, replace_with_kernel_inject=True,
+                                      max_out_tokens=max_out)
+    return engine.module
+
+
+def generate(model: torch.nn.Module, ids: torch.Tensor, new: int, static: bool = False) -> torch.Tensor:
+    kw = {"cache_implementation": "static"} if static else {}
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                              do_sample=False, pad_token_id=0, **kw)
+
+
+def prefill(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids, attention_mask=torch.ones_like(ids), use_cache=True).logits
+
+
+def fp32_check(base: torch.nn.Module, args: argparse.Namespace, vocab: int) -> bool:
+    """ours and ours-graph in fp32 give HF eager fp32's greedy tokens."""
+    ref = copy.deepcopy(base).float()
+    ids = torch.randint(3, vocab, (2, 64 if args.device == "cuda" else 8), device=args.device)
+    new = 32 if args.device == "cuda" else 8
+    want = generate(ref, ids, new)
+    ours = inject_ours(copy.deepcopy(base).float(), torch.float32, args.max_out_tokens, False)
+    ok = True
+    for graphs in (False, True) if args.device == "cuda" else (False,):
+        set_graphs(ours, graphs)
+        got = generate(ours, ids, new)
+        same = torch.equal(got, want)
+        ok &= same
+        print(f"  check fp32 greedy {new} tokens, ours{'-graph' if graphs else ''} == hf: {same}"
+              + ("" if same else f" (first difference at new token "
+                 f"{int((got != want).any(0).nonzero()[0]) - ids.shape[1]})"), flush=True)
+    del ref, ours
+    gc.collect()
+    return ok
+
+
+def main() -> None:
+    args = parse()
+    dev = args.device
+    if dev == "cuda":
+        print(f"GPU {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    models = ["llama1b", "gpt2xl"] if args.model == "all" else [args.model]
+    for name in models:
+        run_model(name, args)
+
+
+def run_model(name: str, args: argparse.Namespace) -> None:
+    dev = args.device
+    print(f"\n=== {name}: prompt {args.prompt}, {args.new} new tokens, greedy, batches {args.batches} ===", flush=True)
+    base = build(name, dev)
+    vocab = base.config.vocab_size
+    nparams = sum(p.numel() for p in base.parameters())
+    print(f"  {nparams / 1e9:.2f}B parameters, bf16" if dev == "cuda" else "  tiny smoke model", flush=True)
+    if any(s.startswith("ours") for s in args.system_list) and not fp32_check(base, args, vocab):
+        print("  ours FAILED the fp32 check: not timed", flush=True)
+        args.system_list = [s for s in args.system_list if not s.startswith("ours")]
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+
+    systems: dict[str, tuple[torch.nn.Module, Callable, Callable]] = {}
+    for s in args.system_list:
+        try:
+            if s == "hf":
+                systems[s] = (base, lambda m, i: prefill(m, i), lambda m, i: generate(m, i, args.new))
+            elif s == "hf-compile":
+                systems[s] = (base, lambda m, i: prefill(m, i), lambda m, i: generate(m, i, args.new, static=True))
+            elif s in ("ours", "ours-graph"):
+                if "ours-model" not in systems:
+                    systems["ours-model"] = (inject_ours(copy.deepcopy(base), dtype, args.max_out_tokens, False),
+                                             None, None)
+                graphs = s == "ours-graph"
+                m = systems["ours-model"][0]
+
+                def pre(mm, i, g=graphs):
+                    set_graphs(mm, g)
+                    return prefill(mm, i)
+
+                def gen(mm, i, g=graphs):
+                    set_graphs(mm, g)
+                    return generate(mm, i, args.new)
+                systems[s] = (m, pre, gen)
+            elif s == "deepspeed":
+                systems[s] = (inject_deepspeed(copy.deepcopy(base), args.max_out_tokens),
+                              lambda m, i: prefill(m, i), lambda m, i: generate(m, i, args.new))
+        except Exception as e:  # noqa: BLE001  (a competitor that cannot start is reported, not fatal)
+            print(f"  {s}: could not be set up: {type(e).__name__}: {e}", flush=True)
+            traceback.print_exc(limit=3)
+    systems.pop("ours-model", None)
+
+    # bf16 correctness: prefill logits against the fp32 model's
+    check_ids = torch.randint(3, vocab, (2, min(64, args.prompt)), device=dev)
+    ref32 = copy.deepcopy(base).float()
+    want = prefill(ref32, check_ids).float()
+    del ref32
+    gc.collect()
+    errs: dict[str, float] = {}
+    for s, (m, pre, _) in list(systems.items()):
+        try:
+            errs[s] = (pre(m, check_ids).float() - want).abs().max().item()
+        except Exception as e:  # noqa: BLE001
+            print(f"  {s}: prefill failed: {type(e).__name__}: {e}", flush=True)
+            traceback.print_exc(limit=3)
+            systems.pop(s)
+    hf_err = errs.get("hf", max(errs.values(), default=0.0))
+    scale = want.abs().max().item()
+    for s in list(systems):
+        bad = errs[s] > 3 * hf_err + scale * 2 ** -7
+        print(f"  check {dtype} prefill logits, {s}: max |logit - fp32 logit| {errs[s]:.4g} (hf {hf_err:.4g}, "
+              f"logit scale {scale:.3g}){'  WRONG: not timed' if bad else ''}", flush=True)
+        if bad:
+            systems.pop(s)
+
+    for batch in args.batches:
+        run_batch(name, batch, systems, args, vocab)
+    del systems, base
+    gc.collect()
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_batch(name: str, batch: int, systems: dict, args: argparse.Namespace, vocab: int) -> None:
+    dev = args.device
+    ids = torch.randint(3, vocab, (batch, args.prompt), device=dev, generator=None)
+    outs: dict[str, torch.Tensor] = {}
+    for s, (m, pre, gen) in list(systems.items()):  # warm-up: compiles, captures, JIT builds
+        try:
+            pre(m, ids)
+            outs[s] = gen(m, ids)
+        except Exception as e:  # noqa: BLE001
+            print(f"  {s} batch {batch}: failed: {type(e).__name__}: {e}", flush=True)
+            traceback.print_exc(limit=3)
+    if "hf" in outs:
+        for s, o in outs.items():
+            if s != "hf":
+                agree = (o[:, args.prompt:] == outs["hf"][:, args.prompt:]).float().mean().item()
+                print(f"  batch {batch}: {s} greedy tokens equal hf's at {agree:.1%} of positions", flush=True)
+    times: dict[str, dict[str, list[float]]] = {s: {"pre": [], "gen": []} for s in outs}
+    for _ in range(args.reps):
+        for s in outs:
+            m, pre, gen = systems[s]
+            sync(dev)
+            t0 = time.perf_counter()
+            pre(m, ids)
+            sync(dev)
+            t1 = time.perf_counter()
+            gen(m, ids)
+            sync(dev)
+            t2 = time.perf_counter()
+            times[s]["pre"].append(t1 - t0)
+            times[s]["gen"].append(t2 - t1)
+    print(f"\n  {name} batch {batch}: median of {args.reps} interleaved rounds", flush=True)
+    print(f"  {'system':<12}{'prefill ms':>12}{'decode ms/tok':>15}{'tok/s':>10}{'decode x hf':>13}"
+          f"{'prefill x hf':>14}", flush=True)
+    res = {}
+    for s, t in times.items():
+        pre_s, gen_s = statistics.median(t["pre"]), statistics.median(t["gen"])
+        dec = (gen_s - pre_s) / max(1, args.new - 1)
+        res[s] = (pre_s, dec, batch * args.new / gen_s)
+    for s, (pre_s, dec, tps) in res.items():
+        hf = res.get("hf")
+        dx = f"{hf[1] / dec:.2f}x" if hf else "-"
+        px = f"{hf[0] / pre_s:.2f}x" if hf else "-"
+        print(f"  {s:<12}{pre_s * 1e3:>12.2f}{dec * 1e3:>15.3f}{tps:>10.1f}{dx:>13}{px:>14}", flush=True)
+    if "ours-graph" in res and "deepspeed" in res:
+        print(f"  ours-graph vs deepspeed: decode {res['deepspeed'][1] / res['ours-graph'][1]:.2f}x, "
+              f"prefill {res['deepspeed'][0] / res['ours-graph'][0]:.2f}x, "
+              f"tok/s {res['ours-graph'][2] / res['deepspeed'][2]:.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
