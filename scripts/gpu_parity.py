@@ -15,6 +15,7 @@ or when nothing ran at all.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import signal
 import subprocess
@@ -29,16 +30,18 @@ D = "tests/distributed/"
 SUITES: dict[str, list[str]] = {
     "checkpoint-resume": [D + "test_lead_checkpoint_resume.py"],
     "zero12": [D + "test_zero_parity.py"],
-    "zero0": [D + "test_engine_parity.py"],
     "zero3": [D + "test_zero3_parity.py", D + "test_zero3_dist.py"],
-    "checkpoint-reshard": [D + "test_checkpoint_zero.py", D + "test_checkpoint_reshard_matrix.py"],
     "moe": [D + "test_moe_parity.py"],
     "pipe": [D + "test_pipe_parity.py"],
+    "checkpoint-reshard": [D + "test_checkpoint_zero.py", D + "test_checkpoint_reshard_matrix.py"],
     "offload": [D + "test_zero_offload.py"],
-    "tp": [D + "test_tp_autotp.py"],
+    "zero0": [D + "test_engine_parity.py"],
     "sp": [D + "test_ulysses_attention.py", D + "test_ulysses_engine.py"],
+    "tp": [D + "test_tp_autotp.py"],
     "harness": ["tests/unit/test_harness.py"],
 }
+# what a suite needs beyond the harness's own modules (a suite whose module is missing is reported NOT RUN)
+NEEDS: dict[str, list[str]] = {"tp": ["transformers"]}
 # NVLink multicast stays off on shared GPU hosts
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -99,7 +102,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("suites", nargs="*", help=f"subset of {list(SUITES)} (default: all)")
     ap.add_argument("-j", "--jobs", type=int, default=4, help="suites at once")
-    ap.add_argument("--suite-timeout", type=float, default=330.0, help="seconds before a suite is killed")
+    ap.add_argument("--suite-timeout", type=float, default=300.0, help="seconds before a suite is killed")
+    ap.add_argument("--budget", type=float, default=390.0,
+                    help="seconds for the whole run: later suites are not started, running ones killed")
     args = ap.parse_args()
     names = args.suites or list(SUITES)
     unknown = [n for n in names if n not in SUITES]
@@ -135,11 +140,21 @@ def main() -> int:
     while pending or running:
         while pending and len(running) < args.jobs:
             name = pending.pop(0)
+            if time.monotonic() - start > args.budget - 30:
+                results[name] = Result(name, note=f"NOT RUN: the {args.budget:.0f} s budget was spent")
+                print(f"  skip {name:<20} {results[name].note}", flush=True)
+                continue
+            absent = [m for m in NEEDS.get(name, []) if importlib.util.find_spec(m) is None]
+            if absent:
+                results[name] = Result(name, note=f"NOT RUN: {', '.join(absent)} not installed")
+                print(f"  skip {name:<20} {results[name].note}", flush=True)
+                continue
             running[name] = _start(name, SUITES[name], out, env)
         time.sleep(0.5)
         for name, (proc, t0) in list(running.items()):
             elapsed = time.monotonic() - t0
-            timed_out = proc.poll() is None and elapsed > args.suite_timeout
+            over_budget = time.monotonic() - start > args.budget
+            timed_out = proc.poll() is None and (elapsed > args.suite_timeout or over_budget)
             if timed_out:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
@@ -151,7 +166,7 @@ def main() -> int:
             if os.path.exists(xml) and not timed_out:
                 _parse(res, xml)
             if timed_out:
-                res.note = f"killed after {args.suite_timeout:.0f} s"
+                res.note = f"killed after {elapsed:.0f} s" + (" (budget spent)" if over_budget else "")
             elif proc.returncode not in (0, 1) and not res.failed:
                 res.note = f"pytest exit {proc.returncode}"  # collection error, crash: see the log
             print(f"  done {name:<20} {res.passed:>3} passed {res.failed:>3} failed {res.skipped:>3} skipped "
@@ -182,9 +197,9 @@ def main() -> int:
             head = (err[:3] + (["    ..."] if len(err) > 11 else []) + err[max(3, len(err) - 8):]) if err else lines[-8:]
             print(f"--- [{suite}] {n}")
             print("\n".join("    " + l[:300] for l in head))
-    noted = [r.suite for r in results.values() if r.note]
+    noted = [r.suite for r in results.values() if r.note and not r.note.startswith("NOT RUN")]
     print(f"\nlogs and JUnit files: {out}")
-    return 1 if bad or noted or sums[0] == 0 else 0
+    return 1 if bad or noted or sums[0] == 0 or any(r.note.startswith("NOT RUN") for r in results.values()) else 0
 
 
 if __name__ == "__main__":
