@@ -114,7 +114,8 @@ def test_knob_space_fast_false_and_arg_mappings():
     z = exps[0]["ds_config"]["zero_optimization"]
     assert z["stage3_prefetch_bucket_size"] == 5e8 and z["stage3_max_live_parameters"] == 1e9  # the template
     # arg mappings: the experiment's value replaces the flag's, booleans as true/false, absent flags appended
-    exp = {"ds_config": {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, "activation_checkpointing": True}
+    exp = {"ds_config": {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2},
+           "activation_checkpointing": True}
     got = _script_args(["--deepspeed_config", "a.json", "--mbs", "1", "--ckpt", "auto"], 1, "b.json", exp,
                        {"train_micro_batch_size_per_gpu": "--mbs", "activation_checkpointing": "--ckpt",
                         "gradient_accumulation_steps": "--gas"})
@@ -205,7 +206,8 @@ def test_search_phases_fast_and_full(tmp_path, fast):
     sweep = [r for r in t.records if "_rbs" not in r["name"]]
     knob = [r for r in t.records if "_rbs" in r["name"]]
     grid = {f"z{s}_gas{8 // m}_tmbspg{m}" for s in range(4) for m in (1, 2, 4, 8)}  # no memory model: 2^k
-    assert {r["name"] for r in sweep} <= grid and len(sweep) <= 6 and len({r["name"] for r in t.records}) == len(t.records)
+    assert {r["name"] for r in sweep} <= grid and len(sweep) <= 6
+    assert len({r["name"] for r in t.records}) == len(t.records)
     if fast:
         assert not knob and t.grid_size == 16
         return
@@ -228,7 +230,8 @@ def test_micro_batch_lists_equal_real_deepspeed():
               "(None, 64), (1, 2), (1, 4), (1, 3)):\n"
               "    s = types.SimpleNamespace(max_train_batch_size=lambda: mtbs, mp_size=lambda: mp, exp_num_gpus=world,"
               " exp_num_nodes=1, get_gas_from_user_config=lambda: gas)\n"
-              "    out.append([lo, hi, n, mtbs, mp, world, gas, *Autotuner.get_tuning_micro_batch_size_list(s, lo, hi, n)])\n"
+              "    out.append([lo, hi, n, mtbs, mp, world, gas,\n"
+              "                *Autotuner.get_tuning_micro_batch_size_list(s, lo, hi, n)])\n"
               "print(json.dumps(out))\n")
     env = dict(os.environ, PYTHONPATH="/tmp/ds_real:/tmp/ds_deps", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
