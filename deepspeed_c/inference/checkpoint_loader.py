@@ -135,7 +135,8 @@ def _recompute_buffers(model: nn.Module, loaded: set[str]) -> list[str]:
 
 @torch.no_grad()
 def load_checkpoint_shards(model: nn.Module, files: list[str], dtype: Optional[torch.dtype] = None) -> None:
-    """Copies every file's tensors into `model` (shard by shard for tensor-parallel layers)."""
+    """Copies every file's tensors into `model` (shard by shard for tensor-parallel layers). `dtype` is the
+    engine's target dtype; tensors take each parameter's own dtype (the model was converted before)."""
     meta_keys = set()
     for prefix, module in model.named_modules():  # remember what was never real
         for n, b in module._buffers.items():
@@ -168,7 +169,7 @@ def load_checkpoint_shards(model: nn.Module, files: list[str], dtype: Optional[t
             if tuple(dest.shape) != tuple(value.shape):
                 raise ValueError(f"init_inference: checkpoint tensor '{key}' in {path} has shape {tuple(full.shape)}; "
                                  f"this rank's piece is {tuple(value.shape)} but the model expects {tuple(dest.shape)}")
-            dest.data.copy_(value.to(dest.dtype if dtype is None or not dest.is_floating_point() else dtype))
+            dest.data.copy_(value)  # cast to the model's dtype (the engine converted it already)
             loaded.add(key)
         del state
     if unexpected:

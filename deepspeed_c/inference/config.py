@@ -85,7 +85,7 @@ class DeepSpeedInferenceConfig(DeepSpeedConfigModel):
             if isinstance(value, str) else None
         if dtype is None or dtype not in SUPPORTED_DTYPES + (torch.int8,):
             raise ValueError(f"dtype={value!r} is not supported by init_inference: expected torch.float32, "
-                             "torch.float16 or torch.bfloat16 (or their names 'fp32', 'fp16', 'bf16')")
+                             "torch.float16, torch.bfloat16 (or 'fp32', 'fp16', 'bf16') or torch.int8 (int8 weights)")
         return dtype
 
     @field_validator("max_out_tokens")
@@ -122,9 +122,7 @@ def _unbuilt_keys(cfg: DeepSpeedInferenceConfig) -> None:
                                     "writing a tensor-parallel sharded checkpoint"),
         "ep_size": (cfg.ep_size != 1, "expert parallelism in inference"),
         "set_empty_params": (cfg.set_empty_params, "empty (meta) parameters filled by kernel injection"),
-        "dtype": (cfg.dtype == torch.int8, "int8 weight quantization"),
-        "quant": (bool(cfg.quant.get("enabled", False)) if isinstance(cfg.quant, dict) else False,
-                  "activation/weight quantization"),
+        "quant": (bool(cfg.quant), "the quant section (int8 is dtype=torch.int8: per-channel weight-only)"),
     }
     for key, (asked, what) in asks.items():
         if asked:

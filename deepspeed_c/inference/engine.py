@@ -19,6 +19,7 @@ from torch import nn
 from deepspeed_c import comm as dist
 from deepspeed_c.inference.checkpoint_loader import checkpoint_files, load_checkpoint_shards
 from deepspeed_c.inference.config import DeepSpeedInferenceConfig
+from deepspeed_c.inference.quantize import COMPUTE_DTYPE, quantize_weights_int8
 
 
 class InferenceEngine(nn.Module):
@@ -36,7 +37,7 @@ class InferenceEngine(nn.Module):
         self.injected = False
         # DeepSpeed's engine.config is the model's own config (config.config, "args", when given)
         self.config = getattr(model, "config", None) if config.config is None else config.config
-        self._check_dtype(config.dtype)
+        self._check_dtype(COMPUTE_DTYPE if config.dtype == torch.int8 else config.dtype)
         if isinstance(model, nn.Module) and config.dtype in (torch.float16, torch.bfloat16, torch.float32):
             model.to(config.dtype)  # floating tensors only: integer buffers keep their dtype
         self.mp_group = self._tp_group(config)
@@ -46,6 +47,8 @@ class InferenceEngine(nn.Module):
                              f"{self.mp_world_size}): CUDA graphs are not captured across tensor-parallel ranks")
         files = checkpoint_files(config.checkpoint, config.base_dir) if config.checkpoint is not None else None
         self._prepare(files)
+        if config.dtype == torch.int8 and not self.injected:
+            quantize_weights_int8(self.module)  # after sharding and loading: the weights are final
         self._to_device()
         if self.mp_world_size > 1:
             self._sync_rng()

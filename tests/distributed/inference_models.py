@@ -51,3 +51,21 @@ def tokenizer() -> object:
 
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w1", pad_token="w0", eos_token="w0")
+
+
+def dequantized_reference(model: torch.nn.Module) -> torch.nn.Module:
+    """The model with each block Linear/Conv1D weight rounded to int8 levels per output channel (float64
+    math), then run in fp16: what weight-only int8 must compute."""
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        for module in model.modules():
+            if module is head:
+                continue
+            conv1d = type(module).__name__ == "Conv1D"
+            if not (isinstance(module, torch.nn.Linear) or conv1d):
+                continue
+            w = module.weight.double()
+            absmax = w.abs().amax(dim=0 if conv1d else 1, keepdim=True)
+            scale = absmax / 127
+            module.weight.copy_((torch.round(w / scale).clamp(-127, 127) * scale).float())
+    return model.half()

@@ -4,6 +4,7 @@ One 4-rank gloo run, fp32, tensor_parallel.tp_size 1, 2 and 4 (TP 2: groups {0,1
 - tiny GPT-2 (Conv1D, tied vocab-parallel head), LLaMA (GQA at TP 2), OPT, BERT (masked-LM logits): the
   engine's logits equal the unsharded model's, and the decoders' greedy generate() tokens are the same;
   also a GPT-2 whose vocabulary (61) is no multiple of 4 at TP 4, and BLOOM, Qwen2, Mistral logits at TP 2;
+- dtype=torch.int8 (weight-only) at TP 2 against the unsharded model with int8-rounded weights in fp16;
 - a Hugging Face pipeline("text-generation", model=engine.module, tokenizer=...) returns the same text;
 - injection_policy={GPT2Block: ('attn.c_proj', 'mlp.c_proj')} shards like AutoTP;
 - a LLaMA and a GPT-2 saved in 2 files, described by a DeepSpeed checkpoint JSON, built on the meta device and
@@ -97,6 +98,11 @@ def body(rank: int, world: int, folder: str) -> dict:
             ref = model(input_ids=ids).logits
             engine = deepspeed_c.init_inference(model, dtype=torch.float32, tensor_parallel={"tp_size": 2})
             out["logits"][kind] = _rel(engine(input_ids=ids).logits, ref)
+        out["int8"] = {}  # weight-only int8 at TP 2: row-parallel scales come from whole rows
+        for kind in ("gpt2", "llama"):
+            ref = im.dequantized_reference(im.make(kind))(input_ids=ids).logits.float()
+            engine = deepspeed_c.init_inference(im.make(kind), dtype=torch.int8, tensor_parallel={"tp_size": 2})
+            out["int8"][kind] = _rel(engine(input_ids=ids).logits.float(), ref)
         model = im.make("gpt2")
         out["policy"] = _serve("gpt2", model, ids, 2,
                                injection_policy={GPT2Block: ("attn.c_proj", "mlp.c_proj")})
@@ -138,6 +144,7 @@ def test_init_inference_autotp_matches_unsharded(tmp_path):
                 assert "LinearAllreduce" in layers and "VocabParallelLMHead" in layers, (name, layers)
             if name.startswith("bert"):
                 assert layers == ("LinearLayer" if tp > 1 else "Linear"), (name, layers)
+        assert len(res["int8"]) == 2 and max(res["int8"].values()) < 2e-3, res["int8"]  # fp16 activations
         assert len(res["logits"]) == 3 and max(res["logits"].values()) < 1e-5, res["logits"]
         assert res["pipeline"][0] == res["pipeline"][1] and res["pipeline"][0].startswith("w3 w9 w27"), res["pipeline"]
         assert len(res["checkpoint"]) == 6 and max(res["checkpoint"].values()) < 1e-5, res["checkpoint"]

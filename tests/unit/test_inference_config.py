@@ -35,7 +35,7 @@ def test_aliases_and_legacy_keys(tmp_path):
     ({"dtype": "fp64"}, {}, "dtype='fp64'", ValueError),
     ({"mp_size": 2, "tensor_parallel": {"tp_size": 4}}, {}, "mp_size=2", ValueError),
     ({"use_triton": True}, {}, "'use_triton'", NotImplementedError),
-    ({"dtype": torch.int8}, {}, "'dtype'", NotImplementedError),
+    ({"quant": {"enabled": True}}, {}, "'quant'", NotImplementedError),
     ({"save_mp_checkpoint_path": "/tmp/x"}, {}, "'save_mp_checkpoint_path'", NotImplementedError),
 ])
 def test_bad_config_names_the_key(config, kwargs, needle, exc):
@@ -88,3 +88,22 @@ def test_checkpoint_descriptions(tmp_path):
         desc = {"type": "ds_model", "checkpoints": [name], "version": 1.0}
         with pytest.raises(ValueError, match=needle):
             deepspeed_c.init_inference(im.make("gpt2"), dtype="fp32", checkpoint=desc, base_dir=str(tmp_path))
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@torch.no_grad()
+def test_int8_weight_only(kind):
+    model = im.make(kind)
+    ids = torch.randint(1, im.VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
+    ref_model = im.dequantized_reference(im.make(kind))
+    plain = im.make(kind).half()(input_ids=ids).logits.float()
+    ref = ref_model(input_ids=ids).logits.float()
+    engine = deepspeed_c.init_inference(model, dtype=torch.int8)
+    got = engine(input_ids=ids).logits.float()
+    assert float((got - ref).abs().max() / ref.abs().max()) < 2e-3  # fp16 activations both sides
+    assert float((plain - ref).abs().max() / ref.abs().max()) > 5e-3  # rounding to int8 levels is visible
+    stored = [p for n, p in engine.module.named_parameters() if n.endswith("original")]
+    assert stored and all(p.dtype == torch.int8 for p in stored)
+    assert engine.module.get_output_embeddings().weight.dtype == torch.float16
+    tokens = engine.generate(input_ids=ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(tokens, ref_model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, pad_token_id=0))
