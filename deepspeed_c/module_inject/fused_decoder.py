@@ -136,7 +136,9 @@ class InjectedDecoder(torch.nn.Module):
                                  f"got {tuple(attention_mask.shape)}")
             self._mask[:, :past + t].copy_(attention_mask)
         if position_ids is None:
-            position_ids = torch.arange(past, past + t, device=device).unsqueeze(0).expand(batch, t)
+            position_ids = torch.arange(past, past + t, device=device).unsqueeze(0)
+        # the kernels read positions as contiguous int64 [B, T]
+        position_ids = position_ids.to(device=device, dtype=torch.long).expand(batch, t).contiguous()
         self._past_dev.fill_(past)
 
         graph = (self.enable_cuda_graph and device.type == "cuda" and t == 1 and past > 0
