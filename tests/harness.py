@@ -3,9 +3,9 @@
 The backend of a run that names none comes from DSC_TEST_BACKEND: "gloo" (the default) runs CPU
 ranks, with any GPUs hidden from them, so the same suite means the same thing on every machine;
 "nccl" runs rank r on cuda:r (torch.cuda.set_device, LOCAL_RANK as the launcher sets it, TF32 off,
-deterministic kernels where torch has them, math attention)
-and skips, naming the shortfall, when fewer GPUs than ranks are visible. Test bodies put their model
-and data on `rank_device()` (cpu, or cuda:LOCAL_RANK) and return numpy on the host.
+deterministic kernels where torch has them, math attention) and skips, naming the shortfall, when
+fewer GPUs than ranks are visible. Test bodies put their model and data on `rank_device()` (cpu, or
+cuda:LOCAL_RANK) and return numpy on the host. scripts/gpu_parity.sh runs the parity suites so.
 
 Each rank is a new process (forked from a server that preloaded torch, see _context) with
 MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE set and
