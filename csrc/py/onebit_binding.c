@@ -32,7 +32,8 @@ SPEC(OUT, "out", DSC_F32, 0);
 
 static PyObject *core_error(int rc, const char *fname) {
 #ifdef DSC_ONEBIT_ON_CUDA
-    if (rc > 0) return PyErr_Format(PyExc_RuntimeError, "%s: CUDA error %d (%s)", fname, rc, dsc_onebit_cuda_strerror(rc));
+    if (rc > 0)
+        return PyErr_Format(PyExc_RuntimeError, "%s: CUDA error %d (%s)", fname, rc, dsc_onebit_cuda_strerror(rc));
 #endif
     return PyErr_Format(PyExc_ValueError, "%s: invalid segment table (a negative size or an offset not a multiple "
                         "of 8)", fname);
@@ -42,8 +43,8 @@ static PyObject *core_error(int rc, const char *fname) {
 static int check_segs(const dsc_view *segs, int64_t max_len, int64_t elems, const char *elems_name, int64_t bytes,
                       const char *bytes_name, int64_t nscales, const char *scales_name) {
     if (segs->ndim != 2 || segs->shape[1] != 3) {
-        PyErr_Format(PyExc_ValueError, "argument 'segs' must be [segments, 3] (offset, length, scale index), got %d dims",
-                     segs->ndim);
+        PyErr_Format(PyExc_ValueError,
+                     "argument 'segs' must be [segments, 3] (offset, length, scale index), got %d dims", segs->ndim);
         return -1;
     }
     if (max_len < 0) {
@@ -163,7 +164,8 @@ static PyObject *py_unpack(PyObject *self, PyObject *const *args, Py_ssize_t nar
         return NULL;
     accumulate = PyObject_IsTrue(args[4]);
     if (accumulate < 0 || dsc_arg_int64(args[5], "max_len", &max_len) < 0) return NULL;
-    if (dsc_check_same_device("out", &out, "bits", &bits) < 0 || dsc_check_same_device("segs", &segs, "bits", &bits) < 0 ||
+    if (dsc_check_same_device("out", &out, "bits", &bits) < 0 ||
+        dsc_check_same_device("segs", &segs, "bits", &bits) < 0 ||
         dsc_check_same_device("scales", &scales, "bits", &bits) < 0)
         return NULL;
     if (check_segs(&segs, max_len, out.numel, "it runs past the end of 'out'", bits.numel,

@@ -28,11 +28,9 @@ DEEPSPEED_OPTIMIZERS = [
     ONEBIT_LAMB_OPTIMIZER, ZERO_ONE_ADAM_OPTIMIZER, MUADAM_OPTIMIZER, MUADAMW_OPTIMIZER, MUSGD_OPTIMIZER,
     LION_OPTIMIZER, MUON_OPTIMIZER,
 ]
-BUILT_DEEPSPEED_OPTIMIZERS = [ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER, LION_OPTIMIZER]
+BUILT_DEEPSPEED_OPTIMIZERS = [ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER, LION_OPTIMIZER,
+                              ONEBIT_ADAM_OPTIMIZER, ZERO_ONE_ADAM_OPTIMIZER, ONEBIT_LAMB_OPTIMIZER]
 _UNBUILT_OPTIMIZERS = {
-    ONEBIT_ADAM_OPTIMIZER: "the 1-bit Adam optimizer",
-    ZERO_ONE_ADAM_OPTIMIZER: "the 0/1 Adam optimizer",
-    ONEBIT_LAMB_OPTIMIZER: "the 1-bit Lamb optimizer",
     MUON_OPTIMIZER: "the Muon optimizer",
     MUADAM_OPTIMIZER: "the muP MuAdam optimizer",
     MUADAMW_OPTIMIZER: "the muP MuAdamW optimizer",
@@ -68,7 +66,8 @@ def normalize_optimizer_name(name: str) -> str:
         return name.lower()
     if getattr(torch.optim, name, None) is not None:
         return name
-    valid = ["Adam", "AdamW", "Lamb", "Lion", "Adagrad"] + _torch_optimizer_names()
+    valid = ["Adam", "AdamW", "Lamb", "Lion", "Adagrad", "OneBitAdam", "ZeroOneAdam", "OneBitLamb"]
+    valid += _torch_optimizer_names()
     near = closest(name, valid)
     hint = f" Did you mean '{near}'?" if near else ""
     raise DeepSpeedConfigError(

@@ -49,11 +49,17 @@ def _build(cls: type, model_parameters: Any, params: dict[str, Any]) -> torch.op
 
 
 def build_optimizer(name: str, params: Optional[dict[str, Any]], model_parameters: Any,
-                    device: torch.device, cpu_optimizer: Optional[bool] = None) -> torch.optim.Optimizer:
+                    device: torch.device, cpu_optimizer: Optional[bool] = None,
+                    deepspeed: Any = None) -> torch.optim.Optimizer:
     """The basic optimizer for `optimizer.type` = name (already normalised by the config).
     cpu_optimizer: ZeRO-Offload's host optimizer is wanted (the engine passes whether offload_optimizer is
-    on); None means "whenever device is the host"."""
+    on); None means "whenever device is the host". deepspeed: the engine, which the 1-bit optimizers
+    (OneBitAdam, ZeroOneAdam, OneBitLamb) are given, as DeepSpeed's."""
     params = dict(params or {})
+    from deepspeed_c.runtime.fp16.onebit.factory import build_onebit_optimizer, is_onebit
+
+    if is_onebit(name):
+        return build_onebit_optimizer(name, params, model_parameters, deepspeed)
     on_gpu = device.type == "cuda"
     use_cpu_optimizer = (not on_gpu) if cpu_optimizer is None else bool(cpu_optimizer)
     if name in (ADAM_OPTIMIZER, ADAMW_OPTIMIZER):

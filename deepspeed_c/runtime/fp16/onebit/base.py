@@ -1,0 +1,142 @@
+"""What the three 1-bit optimizers share: the communication backend their `comm_backend_name`
+picks, the data-parallel world they compress over, the engine's gradient all-reduce switch (they
+communicate themselves once compression starts, as DeepSpeed's), momentum masks, and the
+checkpoint rules (the mask in a checkpoint never replaces the one the script gave; compression
+error buffers are never restored: each rank's differ, so they restart at zero, as DeepSpeed's).
+
+Error buffers live in the compressed all-reduce plans (runtime/comm/compressed.SignAllreduce),
+not in the optimizer's `state`: checkpoints hold exp_avg / exp_avg_sq / step (and 0/1 Adam's and
+1-bit LAMB's policy fields) only. A DeepSpeed checkpoint's worker_error / server_error entries are
+dropped on load."""
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+
+from deepspeed_c.runtime.comm.compressed import CompressedBackend, SignAllreduce, comm_backend
+
+_DROPPED_ON_LOAD = ("worker_error", "server_error", "tensor_size", "corrected_tensor_size", "server_chunk_size")
+
+
+def data_parallel_world(deepspeed: Any) -> tuple[Any, int]:
+    """(group, size) the optimizer compresses over: the engine's data-parallel group when it has an
+    mpu, else the whole world (1 when torch.distributed is not initialised)."""
+    import torch.distributed as tdist
+
+    if not (tdist.is_available() and tdist.is_initialized()):
+        return None, 1
+    mpu = getattr(deepspeed, "mpu", None)
+    group = mpu.get_data_parallel_group() if mpu is not None else None
+    return group, tdist.get_world_size(group=group)
+
+
+class OnebitOptimizer(torch.optim.Optimizer):
+    """Base of OnebitAdam, ZeroOneAdam and OnebitLamb (not an optimizer by itself)."""
+
+    def _setup_comm(self, deepspeed: Any, comm_backend_name: str, cuda_aware: bool) -> None:
+        self.deepspeed = deepspeed
+        self.cuda_aware = cuda_aware
+        self.comm_backend_name = comm_backend_name
+        # a pipeline engine keeps its own switch (DeepSpeed's pipeline_enable_backward_allreduce)
+        self.using_pipeline = hasattr(deepspeed, "pipeline_enable_backward_allreduce")
+        _, self.size = data_parallel_world(deepspeed)
+        self.comm_backend_handle: Optional[CompressedBackend] = None
+        if self.size > 1 or comm_backend_name not in ("nccl", "compressed"):
+            self.comm_backend_handle = comm_backend(comm_backend_name, getattr(deepspeed, "mpu", None), cuda_aware)
+        self._plans: dict[tuple, SignAllreduce] = {}
+
+    def set_engine_allreduce(self, enabled: bool) -> None:
+        """Turns the engine's data-parallel gradient all-reduce on or off (DeepSpeed's optimizers flip
+        `enable_backward_allreduce` on the engine they are given)."""
+        if self.deepspeed is None:
+            return
+        if self.using_pipeline:
+            self.deepspeed.pipeline_enable_backward_allreduce = enabled
+        else:
+            self.deepspeed.enable_backward_allreduce = enabled
+
+    def plan_for(self, key: str, tensors: Sequence[torch.Tensor], persistent_pad: bool = False) -> SignAllreduce:
+        """The compressed all-reduce (with its error buffers) of this list of tensors; a new plan,
+        errors at zero, when the list changes."""
+        full_key = (key, tuple(t.numel() for t in tensors), str(tensors[0].device) if tensors else "")
+        plan = self._plans.get(full_key)
+        if plan is None:
+            assert self.comm_backend_handle is not None
+            plan = self.comm_backend_handle.plan([t.numel() for t in tensors], tensors[0].device if tensors else None,
+                                                 persistent_pad=persistent_pad)
+            self._plans = {k: v for k, v in self._plans.items() if k[0] != key}
+            self._plans[full_key] = plan
+        return plan
+
+    def reset_compression_errors(self) -> None:
+        """Drops every error buffer (they restart at zero): on checkpoint load, and where DeepSpeed
+        re-initialises them."""
+        self._plans = {}
+
+    def compressed_average_(self, key: str, tensors: list[torch.Tensor], persistent_pad: bool = False) -> None:
+        """In place: each tensor becomes the compressed average over the data-parallel ranks."""
+        if not tensors or self.size <= 1:
+            return
+        plan = self.plan_for(key, tensors, persistent_pad)
+        flat = [t if t.dtype == torch.float32 and t.is_contiguous() else t.detach().float().contiguous()
+                for t in tensors]
+        plan(flat)
+        for t, f in zip(tensors, flat):
+            if f is not t:
+                t.copy_(f)
+
+    @staticmethod
+    def apply_mask_(group: dict, tensor: torch.Tensor) -> None:
+        """Momentum masks: 1-bit codes have no zero, so entries that must stay zero (padding rows
+        a model never trains) are multiplied by the group's `exp_avg_mask` after each exchange."""
+        mask = group.get("exp_avg_mask")
+        if mask is None:
+            return
+        if mask.device != tensor.device:
+            group["exp_avg_mask"] = mask = mask.to(tensor.device)
+        tensor.mul_(mask)
+
+    @staticmethod
+    def grads_by_group(param_groups: list[dict], grads: Any) -> list[list[Optional[torch.Tensor]]]:
+        """DeepSpeed's optional `grads` argument of step(): one list per group, or one list for a
+        single group; None means each param's .grad."""
+        if grads is None:
+            return [[None] * len(g["params"]) for g in param_groups]
+        grads = list(grads) if not isinstance(grads, list) else grads
+        if grads and not isinstance(grads[0], (list, tuple)):
+            grads = [grads]
+        return [list(g) for g in grads]
+
+    @staticmethod
+    def with_grads(param_groups: list[dict], grads: Any,
+                   name: str) -> Iterable[tuple[dict, torch.Tensor, torch.Tensor]]:
+        for group, group_grads in zip(param_groups, OnebitOptimizer.grads_by_group(param_groups, grads)):
+            for p, g in zip(group["params"], group_grads):
+                if g is None:
+                    if p.grad is None:
+                        continue
+                    g = p.grad
+                if g.is_sparse:
+                    raise RuntimeError(f"{name} does not support sparse gradients")
+                yield group, p, g.detach()
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def _prepare_state_dict(self, state_dict: dict) -> dict:
+        """The masks the script gave win over the checkpoint's (DeepSpeed's rule: they may change
+        between training phases); DeepSpeed's error-buffer entries are dropped."""
+        state_dict = dict(state_dict)
+        groups = [dict(g) for g in state_dict["param_groups"]]
+        for mine, saved in zip(self.param_groups, groups):
+            if "exp_avg_mask" in mine:
+                saved["exp_avg_mask"] = mine["exp_avg_mask"]
+            else:
+                saved.pop("exp_avg_mask", None)
+        state_dict["param_groups"] = groups
+        state_dict["state"] = {k: {n: v for n, v in s.items() if n not in _DROPPED_ON_LOAD}
+                               for k, s in state_dict["state"].items()}
+        return state_dict
+
+    def first_state(self) -> dict:
+        """The state of the first parameter (DeepSpeed reads the step counter from it)."""
+        return self.state[self.param_groups[0]["params"][0]]
