@@ -6,6 +6,7 @@
  *   qkv_rotary_cache(qkv, bias|None, cos|None, sin|None, positions|None, past, k_cache, v_cache, q_out,
  *                    n_heads, n_kv, head_dim, rot)
  *   attention(q, k_cache, v_cache, past, key_mask|None, scale, out, workspace|None, splits)
+ *   masked_softmax(scores, t, rows_per_batch, past, key_mask|None, scale)
  *   bias_gelu(h, bias|None, approximate)
  *   silu_mul(gu, bias|None, out)                                                              */
 #include "dsc/tensor_view.h" /* Python.h first */
@@ -202,6 +203,45 @@ static PyObject *py_attention(PyObject *self, PyObject *const *args, Py_ssize_t 
     return finish(rc, "attention");
 }
 
+static PyObject *py_masked_softmax(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (dsc_check_nargs("masked_softmax", nargs, 6) < 0) return NULL;
+    dsc_view sc, past, mask;
+    int64_t T, rows_per_batch;
+    double scale;
+    if (arg(args[0], "scores", ACT, 0, NULL, NULL, 0, &sc) < 0 || dsc_arg_int64(args[1], "t", &T) < 0 ||
+        dsc_arg_int64(args[2], "rows_per_batch", &rows_per_batch) < 0 ||
+        arg(args[3], "past", DSC_I32, 0, &sc, "scores", 0, &past) < 0 || want_numel(&past, "past", 1) < 0 ||
+        arg(args[4], "key_mask", DSC_I32, 1, &sc, "scores", 0, &mask) < 0 || dsc_arg_double(args[5], "scale", &scale) < 0)
+        return NULL;
+    if (sc.ndim < 2) return PyErr_Format(PyExc_ValueError, "argument 'scores' must be [..., rows, keys]");
+    const int64_t L = sc.shape[sc.ndim - 1], rows = L ? sc.numel / L : 0;
+    if (T < 1 || rows_per_batch < T || rows_per_batch % T || rows % rows_per_batch)
+        return PyErr_Format(PyExc_ValueError, "masked_softmax: rows_per_batch=%lld must be a multiple of t=%lld and "
+                            "divide the %lld score rows", (long long)rows_per_batch, (long long)T, (long long)rows);
+    if (L > DSC_INF_MAX_NORM_COLS)
+        return PyErr_Format(PyExc_ValueError, "masked_softmax takes at most %d keys, got %lld", DSC_INF_MAX_NORM_COLS,
+                            (long long)L);
+    int64_t mask_stride = 0;
+    if (!mask.is_none) {
+        const int64_t mshape[2] = {rows / rows_per_batch, -1};
+        if (want_dims(&mask, "key_mask", 2, mshape) < 0) return NULL;
+        mask_stride = mask.shape[1];
+        if (mask_stride < L)
+            return PyErr_Format(PyExc_ValueError, "argument 'key_mask' must have at least %lld columns, got %lld",
+                                (long long)L, (long long)mask_stride);
+    }
+    cudaStream_t stream;
+    if (dsc_cuda_stream_arg(sc.device_id, &stream) < 0) return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = dsc_inf_masked_softmax(sc.data, rows, L, T, rows_per_batch, (const int32_t *)past.data,
+                                mask.is_none ? NULL : (const int32_t *)mask.data, mask_stride, (float)scale,
+                                cuda_dtype(sc.dtype), sc.device_id, stream);
+    Py_END_ALLOW_THREADS
+    return finish(rc, "masked_softmax");
+}
+
 static PyObject *py_bias_gelu(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (dsc_check_nargs("bias_gelu", nargs, 3) < 0) return NULL;
@@ -253,6 +293,8 @@ static PyMethodDef methods[] = {
            "head_dim, rot): QKV bias, rotary, KV-cache append."),
     METHOD("attention", py_attention,
            "attention(q, k_cache, v_cache, past, key_mask, scale, out, workspace, splits): cached causal GQA attention."),
+    METHOD("masked_softmax", py_masked_softmax,
+           "masked_softmax(scores, t, rows_per_batch, past, key_mask, scale): prefill attention's softmax, in place."),
     METHOD("bias_gelu", py_bias_gelu, "bias_gelu(h, bias, approximate): h = gelu(h + bias) in place."),
     METHOD("silu_mul", py_silu_mul, "silu_mul(gu, bias, out): out = silu(gate) * up."),
     {NULL, NULL, 0, NULL},

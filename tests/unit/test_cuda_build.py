@@ -12,10 +12,11 @@ from op_builder.fused_lamb import FusedLambBuilder
 from op_builder.fused_lion import FusedLionBuilder
 from op_builder.moe_gating import MoEGatingCUDABuilder
 from op_builder.multi_tensor import MultiTensorOpsBuilder
+from op_builder.onebit import OnebitCUDABuilder
 from op_builder.transformer_inference import InferenceBuilder
 
 CUDA_BUILDERS = [MultiTensorOpsBuilder, FusedAdamBuilder, FusedLambBuilder, FusedLionBuilder, MoEGatingCUDABuilder,
-                 InferenceBuilder]
+                 InferenceBuilder, OnebitCUDABuilder]
 EXPECTED = {
     "multi_tensor_ops": {"l2norm", "scale", "copy", "flatten", "unflatten", "adam_epilogue",
                          "tensors_per_launch", "chunk_elems"},
@@ -23,7 +24,9 @@ EXPECTED = {
     "fused_lamb": {"multi_tensor_lamb"},
     "fused_lion": {"multi_tensor_lion"},
     "moe_gating_cuda": {"select", "counts", "plan", "dispatch", "combine", "route_dots"},
-    "transformer_inference": {"add_norm", "qkv_rotary_cache", "attention", "bias_gelu", "silu_mul"},
+    "onebit_cuda": {"compensate", "pack", "unpack"},
+    "transformer_inference": {"add_norm", "qkv_rotary_cache", "attention", "masked_softmax", "bias_gelu",
+                              "silu_mul"},
 }
 no_nvcc = pytest.mark.skipif(toolchain.nvcc() is None or not toolchain.cudart_static_available(),
                              reason="nvcc and libcudart_static are needed to compile the CUDA ops")

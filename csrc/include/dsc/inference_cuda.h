@@ -51,6 +51,14 @@ int dsc_inf_attention(const void *q, const void *k_cache, const void *v_cache, c
                       int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t S, float scale, int dtype,
                       int device, cudaStream_t stream);
 
+/* In place on scores [rows, L] (rows = B * rows_per_batch; row r is query token r % T of batch
+ * row r / rows_per_batch): p = softmax(scale * s) over the keys j <= past + t with
+ * key_mask[b, j] != 0 (key_mask optional); a row with no visible key becomes zeros. The softmax of
+ * prefill attention, between the q k^T and p v GEMMs. L at most DSC_INF_MAX_NORM_COLS. */
+int dsc_inf_masked_softmax(void *scores, int64_t rows, int64_t L, int64_t T, int64_t rows_per_batch,
+                           const int32_t *past, const int32_t *key_mask, int64_t mask_stride, float scale, int dtype,
+                           int device, cudaStream_t stream);
+
 /* In place: h = gelu(h + bias); approximate != 0: the tanh form (GPT-2's gelu_new). */
 int dsc_inf_bias_gelu(void *h, const void *bias, int64_t rows, int64_t cols, int approximate, int dtype,
                       int device, cudaStream_t stream);

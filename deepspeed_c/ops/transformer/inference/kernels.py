@@ -59,11 +59,25 @@ def attention_splits(batch: int, t: int, n_heads: int, n_kv: int, capacity: int,
     return max(1, min(16, -(-_BUSY_BLOCKS // blocks), -(-capacity // 128)))
 
 
+# Query tokens from which prefill attention runs as GEMMs + masked softmax (tensor cores) instead
+# of the fused kernel (CUDA cores), and the most keys the softmax kernel's row buffer holds.
+GEMM_MIN_TOKENS = 8
+_SOFTMAX_MAX_KEYS = 12288
+
+
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, past: int,
               past_dev: torch.Tensor, key_mask: torch.Tensor | None, scale: float, out: torch.Tensor,
-              splits: int | None = None) -> None:
+              splits: int | None = None, method: str | None = None) -> None:
+    """Causal GQA attention over the cache (see reference.attention). On a GPU: `method` "fused"
+    (one kernel, online softmax; decode) or "gemm" (q k^T and p v through cuBLAS around the
+    masked-softmax kernel; prefill); None picks by the number of query tokens."""
     if q.is_cuda:
         b, t, h, d = q.shape
+        if method is None:
+            method = "gemm" if t >= GEMM_MIN_TOKENS and past + t <= _SOFTMAX_MAX_KEYS else "fused"
+        if method == "gemm":
+            _attention_gemm(q, k_cache, v_cache, past, past_dev, key_mask, scale, out)
+            return
         n = attention_splits(b, t, h, k_cache.shape[1], k_cache.shape[2], splits)
         ws = torch.empty(n * b * t * h * (d + 2), dtype=torch.float32, device=q.device) if n > 1 else None
         cuda_op().attention(q, k_cache, v_cache, past_dev, key_mask, float(scale), out, ws, n)
@@ -83,3 +97,19 @@ def silu_mul(gu: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> 
         cuda_op().silu_mul(gu, bias, out)
     else:
         ref.silu_mul(gu, bias, out)
+
+
+def _attention_gemm(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, past: int,
+                    past_dev: torch.Tensor, key_mask: torch.Tensor | None, scale: float, out: torch.Tensor) -> None:
+    # The heads sharing a kv head become one GEMM's rows ([B, Hkv, G*T, D] against that head's
+    # keys), so GQA needs no repeated K/V. Reads past + T rows of the cache (a host length: prefill
+    # is never inside a captured graph).
+    b, t, h, d = q.shape
+    hkv = k_cache.shape[1]
+    g = h // hkv
+    kv_len = past + t
+    qg = q.view(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
+    scores = torch.matmul(qg, k_cache[:, :, :kv_len].transpose(-1, -2)).contiguous()
+    cuda_op().masked_softmax(scores, t, hkv * g * t, past_dev, key_mask, float(scale))
+    o = torch.matmul(scores, v_cache[:, :, :kv_len])  # [B, Hkv, G*T, D]
+    out.copy_(o.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h, d))
