@@ -15,6 +15,7 @@ from .fused_lamb import FusedLambBuilder
 from .fused_lion import FusedLionBuilder
 from .moe_gating import MoEGatingBuilder, MoEGatingCUDABuilder
 from .multi_tensor import MultiTensorOpsBuilder
+from .onebit import OnebitBuilder, OnebitCUDABuilder
 from .quantizer import QuantizerBuilder, QuantizerCUDABuilder
 from .transformer_inference import InferenceBuilder
 
