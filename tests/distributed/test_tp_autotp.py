@@ -131,7 +131,9 @@ def body(rank: int, world: int, save_dir: str) -> dict:
     from deepspeed_c.utils import groups
 
     out = {"llama_s0": _train("llama", 2, 0, rank, world), "gpt2_s0": _train("gpt2", 2, 0, rank, world, save_dir),
-           "llama_s1": _train("llama", 2, 1, rank, world), "llama_s2": _train("llama", 2, 2, rank, world),
+           # ZeRO 1 and 2 clip with the unsharded model's norm (weighted partitions, summed over every rank)
+           "llama_s1": _train("llama", 2, 1, rank, world, clip=0.5),
+           "llama_s2": _train("llama", 2, 2, rank, world, clip=0.5),
            "llama_clip": _train("llama", 2, 0, rank, world, clip=0.5)}
 
     out["checkpoint"] = _checkpoint(world, save_dir)
@@ -159,7 +161,7 @@ def body(rank: int, world: int, save_dir: str) -> dict:
         "world": _error(lambda: init(_config(3, 0))),
         "kv_heads": _error(lambda: init(_config(4, 0))),  # 2 key/value heads over 4 ranks
         "zero3": _error(lambda: init(_config(2, 3))),
-        "clipping": _error(lambda: init(_config(2, 1, clip=1.0))),  # the ZeRO norm is not TP-aware yet
+        "clipping": _error(lambda: init(dict(_config(2, 0, clip=1.0), bf16={"enabled": True}))),  # bf16 stage 0
         "no_layers": _error(lambda: init(_config(2, 0), torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))),
         "conflict": _error(lambda: (deepspeed_c.tp_model_init(tp_models.make_model("llama"), 4, torch.float32),
                                     init(_config(2, 0)))),
@@ -179,8 +181,10 @@ def test_autotp_matches_single_process_training(tmp_path):
             assert c["logits_rel"] < 1e-5, (case, c)
             assert c["loss_err"] < 1e-4, (case, c)
             assert c["weight_rel"] < 1e-4, (case, c)
-        # clipping engaged on most steps, with the whole model's norm (shards summed over TP, replicas once)
-        assert r["llama_clip"]["clipped"] >= STEPS // 2 and r["llama_clip"]["norm_rel"] < 1e-5, r["llama_clip"]
+        # clipping engaged on most steps, with the whole model's norm (shards summed over TP, replicas once),
+        # at stage 0 (the engine's norm) and ZeRO 1/2 (the partitions' weighted norm)
+        for case in ("llama_clip", "llama_s1", "llama_s2"):
+            assert r[case]["clipped"] >= STEPS // 2 and r[case]["norm_rel"] < 1e-5, (case, r[case])
         assert set(r["logits"]) == {"opt", "bloom", "qwen2", "mistral", "phi3"}
         assert all(v < 1e-5 for v in r["logits"].values()), r["logits"]
         g = r["gpt2_s0"]  # save_16bit_model: GPT-2's Conv1D weights and fused c_attn back in transformers' layout
@@ -194,6 +198,7 @@ def test_autotp_matches_single_process_training(tmp_path):
         assert "autotp_size=3" in e["world"] and "world size (4)" in e["world"], e["world"]
         assert "num_key_value_heads=2" in e["kv_heads"] and "4" in e["kv_heads"], e["kv_heads"]
         assert e["zero3"].startswith("NotImplementedError") and "stage=3" in e["zero3"], e["zero3"]
-        assert e["clipping"].startswith("NotImplementedError") and "gradient_clipping" in e["clipping"], e["clipping"]
+        assert e["clipping"].startswith("NotImplementedError") and "gradient_clipping" in e["clipping"] \
+            and "bf16" in e["clipping"], e["clipping"]
         assert "no Linear layer" in e["no_layers"], e["no_layers"]
         assert "autotp_size=2" in e["conflict"] and "tp_size=4" in e["conflict"], e["conflict"]

@@ -129,11 +129,11 @@ def _refuse_unsupported(config: dict, size: int) -> None:
     clip = config.get("gradient_clipping", 1.0)  # DeepSpeed >= 0.19.3 defaults to 1.0
     bf16 = config.get("bf16") or config.get("bfloat16") or {}
     low_precision = isinstance(bf16, dict) and bf16.get("enabled") is True
-    if isinstance(clip, (int, float)) and clip > 0 and (stage > 0 or low_precision):
-        raise NotImplementedError(f"tensor_parallel.autotp_size={size} with gradient_clipping={clip} and "
-                                  f"{'bf16' if low_precision else f'zero_optimization.stage={stage}'}: the global "
-                                  "norm over tensor-parallel shards is built for fp32 at ZeRO stage 0 only; set "
-                                  "\"gradient_clipping\": 0 (DeepSpeed's default is 1.0 since 0.19.3)")
+    if isinstance(clip, (int, float)) and clip > 0 and stage == 0 and low_precision:
+        raise NotImplementedError(f"tensor_parallel.autotp_size={size} with gradient_clipping={clip}, bf16 and "
+                                  "zero_optimization.stage=0: the global norm over tensor-parallel shards is built "
+                                  "for fp32 at stage 0 and for ZeRO stages 1 and 2; set \"gradient_clipping\": 0 "
+                                  "(DeepSpeed's default is 1.0 since 0.19.3) or use ZeRO 1/2")
 
 
 def prepare_autotp(model: torch.nn.Module, config: dict, mpu: Any, pipeline: bool = False) -> tuple[Any, Any]:

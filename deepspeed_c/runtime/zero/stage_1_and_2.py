@@ -150,6 +150,8 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
         if self.offload is None and master_dtype == torch.float32:
             self.epilogue = AdamEpilogue.for_optimizer(init_optimizer, self.fp32_partitions[0].device)
         self._lp_out: Optional[list[torch.Tensor]] = None
+        # AutoTP: (weight per slice of this rank's partitions, group) for the whole model's gradient norm
+        self._tp_norm: Optional[tuple[list[list[tuple[int, int, float]]], Any]] = None
         self.state_offload = ZeroStateOffload(self)
 
     def _cut_group(self, g: int, params: list[torch.nn.Parameter], cap: int, master_dtype: torch.dtype,
@@ -337,6 +339,31 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
             out.append(part)
         return out
 
+    def set_tensor_parallel_norm(self, tp_size: int, group: Any) -> None:
+        """AutoTP: make the gradient norm (clipping, overflow) the whole unsharded model's. Each element's
+        square is weighted 1 for a tensor-parallel shard (ds_is_tensor_model_parallel) and 1 / tp_size for a
+        parameter replicated over the TP group, then summed over `group` (data x tensor ranks): shards
+        add up over TP, replicas count once, as the norm of the unsharded model's gradient."""
+        table = []
+        for g, plan in enumerate(self.partition_plans):
+            params = self.bit16_groups[g]
+            table.append([(lstart, length, 1.0 if getattr(params[i], "ds_is_tensor_model_parallel", False)
+                           else 1.0 / tp_size) for i, _, _, lstart, length, _ in plan.slices("runtime", self.rank)])
+        self._tp_norm = (table, group)
+
+    def _tp_sq_norm(self, parts: Sequence[torch.Tensor]) -> float:
+        assert self._tp_norm is not None
+        table, group = self._tp_norm
+        dev = self.bit16_groups[0][0].device
+        local = torch.zeros((), dtype=torch.float64, device=dev)
+        for part, slices in zip(parts, table):
+            flat = part.view(-1)
+            for lstart, length, weight in slices:
+                sq = torch.linalg.vector_norm(flat[lstart:lstart + length], 2.0, dtype=torch.float32) ** 2
+                local += weight * sq.to(dev, torch.float64)
+        _comm().all_reduce(local, group=group)
+        return float(local.item())
+
     def _global_sq_norm(self, parts: Sequence[torch.Tensor]) -> float:
         """Squared L2 norm of the whole reduced gradient: each rank's partitions, then one scalar
         all-reduce (padding is zero, so it adds nothing)."""
@@ -353,7 +380,14 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
         if not self.ignore_unused_parameters:
             self._refuse_unused_parameters()
         parts = self._grad_partitions()
-        if self.epilogue is not None:
+        if self._tp_norm is not None:  # AutoTP: the unsharded model's norm (one host read, as the fp16 path has)
+            tp_norm = math.sqrt(self._tp_sq_norm(parts))
+            if self.epilogue is not None:
+                dev_norm = torch.tensor([tp_norm], dtype=torch.float32, device=parts[0].device)
+                outcome = self._decide(dev_norm, apply_fused=lambda n, scale: self._fused_apply(parts, n, scale))
+            else:
+                outcome = self._decide(tp_norm, apply_coef=lambda coef: self._separate_apply(parts, coef))
+        elif self.epilogue is not None:
             # one epilogue pass per group; the norm stays on the device, so a bf16 step never waits for the
             # host (fp16 reads it once: the loss scaler decides on the host, as DeepSpeed's does)
             norm: Any = device_global_norm(parts, self.dp_process_group, self.world_size)
