@@ -72,10 +72,10 @@ Slicer = Optional[Callable[[Tensor], Tensor]]
 
 def _slicer(module: nn.Module, attr: str) -> Slicer:
     """How a full checkpoint tensor becomes this rank's piece of `module.attr`."""
+    if hasattr(module, "shard_of"):  # vocabulary-parallel layers, per-head tables
+        return lambda full: module.shard_of(attr, full)
     if not isinstance(module, TensorParallel_Layer):
         return None
-    if hasattr(module, "shard_of"):
-        return lambda full: module.shard_of(attr, full)
     conv1d = getattr(module, "conv1d", False)
 
     def cut(full: Tensor) -> Tensor:
@@ -147,7 +147,7 @@ def load_checkpoint_shards(model: nn.Module, files: list[str], dtype: Optional[t
                 meta_keys.add(f"{prefix}.{n}" if prefix else n)
     _materialize(model, torch.device("cpu"))
     targets: dict[str, tuple[nn.Module, str, Slicer]] = {}
-    for prefix, module in model.named_modules():
+    for prefix, module in model.named_modules(remove_duplicate=False):  # a shared module answers to each name
         for name, p in module._parameters.items():
             if p is not None:
                 targets[f"{prefix}.{name}" if prefix else name] = (module, name, _slicer(module, name))

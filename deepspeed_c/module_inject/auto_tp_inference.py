@@ -8,6 +8,8 @@ Added here:
 - `injection_policy={Block: ('attn.out_proj', 'mlp.down_proj')}` (DeepSpeed's user policy for models
   AutoTP does not know): inside every instance of Block the named Linears (matched by name suffix) are row
   parallel and every other Linear of the block column parallel.
+- T5-style blocks: q/k/v column, o row; wi/wi_0/wi_1 column, wo row; the relative-attention-bias table
+  ([buckets, heads]) keeps this rank's heads' columns.
 - The word embedding and the LM head split along the vocabulary (vocab_parallel.py), tied or not.
 GPT-2's Conv1D layers are handled as the nn.Linear they compute (auto_tp), so GPT-2 is sharded here
 although DeepSpeed's AutoTP refuses it; its MLP width (4 * n_embd) is split evenly, width / tp_size
@@ -69,11 +71,49 @@ def policy_plan(model: nn.Module, injection_policy: dict) -> Plan:
     return out
 
 
+def _t5_rules(model: nn.Module, planned: set[str]) -> Plan:
+    """T5-style attention (q, k, v column; o row, beside q) and MLP (wi, wi_0, wi_1 column; wo is a row name)."""
+    out: Plan = []
+    modules = dict(model.named_modules())
+    for name, module in modules.items():
+        if name in planned or not isinstance(module, nn.Linear):
+            continue
+        parent, _, leaf = name.rpartition(".")
+        siblings = {n for n, _ in modules[parent].named_children()} if parent in modules else set()
+        if leaf in ("q", "k", "v") and "o" in siblings or leaf in ("wi", "wi_0", "wi_1") and "wo" in siblings:
+            out.append((name, "column", None))
+        elif leaf == "o" and "q" in siblings:
+            out.append((name, "row", None))
+    return out
+
+
 def inference_plan(model: nn.Module, injection_policy: Optional[dict] = None) -> Plan:
     if injection_policy:
         return policy_plan(model, injection_policy)
     layers = auto_tp.plan(model)
-    return layers + _encoder_rules(model, {n for n, _, _ in layers})
+    layers += _encoder_rules(model, {n for n, _, _ in layers})
+    return layers + _t5_rules(model, {n for n, _, _ in layers})
+
+
+class HeadSlicedEmbedding(nn.Embedding):
+    """A per-head table (T5's relative_attention_bias, [buckets, heads]) keeping this rank's heads' columns."""
+
+    def __init__(self, module: nn.Embedding, world: int, rank: int) -> None:
+        heads = module.weight.shape[1]
+        super().__init__(module.weight.shape[0], heads // world, device="meta")
+        self.world, self.rank = world, rank
+        self.weight = nn.Parameter(self.shard_of("weight", module.weight.data), requires_grad=False)
+
+    def shard_of(self, key: str, full: torch.Tensor) -> torch.Tensor:
+        local = full.shape[1] // self.world
+        return full[:, self.rank * local:(self.rank + 1) * local].clone()
+
+
+def _slice_head_tables(model: nn.Module, tp_size: int, rank: int) -> None:
+    for name, module in list(model.named_modules()):
+        table = getattr(module, "relative_attention_bias", None)
+        if isinstance(table, nn.Embedding) and not isinstance(table, HeadSlicedEmbedding):
+            module.relative_attention_bias = HeadSlicedEmbedding(table, tp_size, rank)
 
 
 def check_heads(model: nn.Module, tp_size: int) -> None:
@@ -116,7 +156,10 @@ def shard_vocab(model: nn.Module, tp_group: Any) -> list[str]:
         layer = VocabParallelEmbedding(emb, tp_group, name=emb_name)
         tied = head_name is not None and model.get_submodule(head_name).weight is emb.weight
         shared = layer.weight if tied else None
-        auto_tp._set_child(model, emb_name, layer)
+        # T5: encoder/decoder embed_tokens are other Embedding modules on the same weight: one shard serves all
+        for alias, module in list(model.named_modules(remove_duplicate=False)):
+            if module is emb or isinstance(module, nn.Embedding) and module.weight is emb.weight:
+                auto_tp._set_child(model, alias, layer)
         done.append(emb_name)
     if head_name is not None:
         head = model.get_submodule(head_name)
@@ -132,6 +175,7 @@ def shard_for_inference(model: nn.Module, tp_group: Any, injection_policy: Optio
     check_heads(model, tp_size)
     layers = inference_plan(model, injection_policy)
     auto_tp.apply_autotp(model, tp_group, layers=layers)
+    _slice_head_tables(model, tp_size, dist.get_rank(tp_group))
     shard_vocab(model, tp_group)
     for p in model.parameters():
         p.requires_grad_(False)

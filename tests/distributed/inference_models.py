@@ -35,6 +35,10 @@ def _build(kind: str, seed: int, kv_heads: int, heads: int, vocab: int) -> torch
         cfg = transformers.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=1, n_head=heads, n_positions=32,
                                       bos_token_id=0, eos_token_id=0)
         return transformers.GPT2LMHeadModel(cfg).eval()
+    if kind == "t5":
+        cfg = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, num_heads=4, d_ff=64, num_layers=2,
+                                    dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+        return transformers.T5ForConditionalGeneration(cfg).eval()
     if kind == "llama":
         return tp_models.make_model("llama", seed=seed, kv_heads=kv_heads).eval()
     return tp_models.make_model(kind, seed=seed).eval()

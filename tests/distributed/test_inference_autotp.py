@@ -4,6 +4,8 @@ One 4-rank gloo run, fp32, tensor_parallel.tp_size 1, 2 and 4 (TP 2: groups {0,1
 - tiny GPT-2 (Conv1D, tied vocab-parallel head), LLaMA (GQA at TP 2), OPT, BERT (masked-LM logits): the
   engine's logits equal the unsharded model's, and the decoders' greedy generate() tokens are the same;
   also a GPT-2 whose vocabulary (61) is no multiple of 4 at TP 4, and BLOOM, Qwen2, Mistral logits at TP 2;
+- T5 (encoder-decoder, relative attention bias) at TP 4 by AutoTP and at TP 2 by DeepSpeed's tutorial
+  injection_policy {T5Block: ('SelfAttention.o', 'EncDecAttention.o', 'DenseReluDense.wo')};
 - dtype=torch.int8 (weight-only) at TP 2 against the unsharded model with int8-rounded weights in fp16;
 - a Hugging Face pipeline("text-generation", model=engine.module, tokenizer=...) returns the same text;
 - injection_policy={GPT2Block: ('attn.c_proj', 'mlp.c_proj')} shards like AutoTP;
@@ -98,6 +100,18 @@ def body(rank: int, world: int, folder: str) -> dict:
             ref = model(input_ids=ids).logits
             engine = deepspeed_c.init_inference(model, dtype=torch.float32, tensor_parallel={"tp_size": 2})
             out["logits"][kind] = _rel(engine(input_ids=ids).logits, ref)
+        out["t5"] = {}  # encoder-decoder: AutoTP, and the tutorial's injection_policy, against the whole model
+        from transformers.models.t5.modeling_t5 import T5Block
+
+        t5, dec = im.make("t5"), ids[:, :5]
+        ref, ref_gen = t5(input_ids=ids, decoder_input_ids=dec).logits, t5.generate(input_ids=ids, max_new_tokens=NEW)
+        for name, tp, extra in (("auto/tp4", 4, {}), ("policy/tp2", 2, {"injection_policy": {
+                T5Block: ("SelfAttention.o", "EncDecAttention.o", "DenseReluDense.wo")}})):
+            engine = deepspeed_c.init_inference(copy.deepcopy(t5), dtype="fp32", tensor_parallel={"tp_size": tp},
+                                                **extra)
+            out["t5"][name] = (_rel(engine(input_ids=ids, decoder_input_ids=dec).logits, ref),
+                               bool(torch.equal(engine.generate(input_ids=ids, max_new_tokens=NEW), ref_gen)),
+                               sum(type(m).__name__ == "Embedding" for m in engine.module.modules()))
         out["int8"] = {}  # weight-only int8 at TP 2: row-parallel scales come from whole rows
         for kind in ("gpt2", "llama"):
             ref = im.dequantized_reference(im.make(kind))(input_ids=ids).logits.float()
@@ -144,6 +158,7 @@ def test_init_inference_autotp_matches_unsharded(tmp_path):
                 assert "LinearAllreduce" in layers and "VocabParallelLMHead" in layers, (name, layers)
             if name.startswith("bert"):
                 assert layers == ("LinearLayer" if tp > 1 else "Linear"), (name, layers)
+        assert len(res["t5"]) == 2 and all(r[0] < 1e-5 and r[1] and r[2] == 0 for r in res["t5"].values()), res["t5"]
         assert len(res["int8"]) == 2 and max(res["int8"].values()) < 2e-3, res["int8"]  # fp16 activations
         assert len(res["logits"]) == 3 and max(res["logits"].values()) < 1e-5, res["logits"]
         assert res["pipeline"][0] == res["pipeline"][1] and res["pipeline"][0].startswith("w3 w9 w27"), res["pipeline"]
