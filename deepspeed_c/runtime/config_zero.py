@@ -180,12 +180,13 @@ def _check_built(cfg: DeepSpeedZeroConfig) -> None:
     if cfg.offload_optimizer is not None and cfg.offload_optimizer.device == OffloadDeviceEnum.cpu.value and \
             cfg.offload_optimizer.ratio < 1.0:
         raise unbuilt(f"{path}.offload_optimizer.ratio", "partial optimizer offload (ratio < 1)")
+    below3 = cfg.stage != ZeroStageEnum.weights  # ZeRO++ (runtime/zero/zeropp.py) runs on stage 3
     flags = (("zenflow", cfg.zenflow is not None, "ZenFlow"),
-             ("zero_quantized_weights", cfg.zero_quantized_weights, "ZeRO++ quantized weights"),
-             ("zero_quantized_nontrainable_weights", cfg.zero_quantized_nontrainable_weights,
-              "ZeRO++ quantized non-trainable weights"),
-             ("zero_quantized_gradients", cfg.zero_quantized_gradients, "ZeRO++ quantized gradients"),
-             ("zero_hpz_partition_size", cfg.zero_hpz_partition_size > 1, "ZeRO++ hierarchical partitioning"),
+             ("zero_quantized_weights", cfg.zero_quantized_weights and below3, "ZeRO++ below stage 3"),
+             ("zero_quantized_nontrainable_weights", cfg.zero_quantized_nontrainable_weights and below3,
+              "ZeRO++ below stage 3"),
+             ("zero_quantized_gradients", cfg.zero_quantized_gradients and below3, "ZeRO++ below stage 3"),
+             ("zero_hpz_partition_size", cfg.zero_hpz_partition_size > 1 and below3, "ZeRO++ below stage 3"),
              ("zeropp_loco_param", cfg.zeropp_loco_param is not None, "ZeRO++ LoCo"),
              ("mics_shard_size", cfg.mics_shard_size > 0, "MiCS sharding"))
     for key, on, what in flags:

@@ -6,10 +6,11 @@ fp32 scale (largest magnitude / qmax, qmax = 127 for 8 bits and 7 for 4), codes 
 so a value comes back within half its block's scale. Segments are what collectives need: each rank's
 chunk of an all-gather or all-to-all buffer carries its own blocks and starts its codes on a byte.
 
-Block sizes used by ZeRO++ (DeepSpeed sizes its groups adaptively, near 4-8 K elements for weights and
-about one row for gradients; ours are fixed, so the scale overhead and the error bound are known in
-advance): WEIGHT_BLOCK elements per int8 block for qwZ (4 bytes of scale per 2048 codes: 0.2 %), and
-GRAD_BLOCK per int4 block for qgZ (4 per 256 bytes of codes: 1.6 %)."""
+Block sizes used by ZeRO++ (DeepSpeed sizes its groups adaptively: under 8 K elements for weights,
+about one matrix row for gradients; ours are fixed, so the scale overhead and the error bound are known
+in advance): WEIGHT_BLOCK elements per int8 block for qwZ (4 bytes of scale per 2048 codes: 0.2 %), and
+GRAD_BLOCK per int4 block for qgZ (4 bytes of scale per 64 bytes of codes: 6 %; larger int4 blocks
+lose the small gradients of a block)."""
 from __future__ import annotations
 
 import functools
@@ -18,7 +19,7 @@ from typing import Any, Optional
 import torch
 
 WEIGHT_BLOCK = 2048
-GRAD_BLOCK = 512
+GRAD_BLOCK = 128
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 

@@ -51,7 +51,7 @@ class NVMeParamStore(ParamStore):
     def swap_path(self, g: int) -> str:
         return os.path.join(self.folder, f"g{g}.tensor.swp")
 
-    def fetch(self, units: Sequence[int], private: bool = False) -> None:
+    def fetch(self, units: Sequence[int], private: bool = False, lossy: bool = False) -> None:
         """Read-ahead of the units about to be gathered, then the store's gather."""
         es = torch.empty((), dtype=self.dtype).element_size()
         for u in units:
@@ -61,7 +61,7 @@ class NVMeParamStore(ParamStore):
                     os.posix_fadvise(self._fds[self.unit_of[u][0]], start * es, (end - start) * es,
                                      os.POSIX_FADV_WILLNEED)
                     self.readahead_bytes += (end - start) * es
-        super().fetch(units, private)
+        super().fetch(units, private, lossy)
 
     def __del__(self) -> None:
         for fd in getattr(self, "_fds", []):

@@ -270,8 +270,8 @@ class ParamCoordinator:
         if self.following:
             for n, group in enumerate(self.plan.fetch_at(i)):
                 if n == 0 or self._fits(group):  # a prefetch never pushes past the live limit
-                    store.fetch(group)
-        store.wait(units)
+                    store.fetch(group, lossy=True)
+        store.wait(units, lossy=True)  # gather-on-use: ZeRO++ may quantize or gather from hpZ's secondary
         for u in units:
             store.pins[u] += 1
         self._open.setdefault(key, []).append((i, units))
@@ -333,7 +333,7 @@ class ParamCoordinator:
             self.units[key] = tuple(sorted(self.units[key] + (u,)))
             self.steady[key] = self._steady(self.units[key])
             self._plans.clear()  # their steps lack this unit
-        self.store.wait([u])
+        self.store.wait([u], lossy=True)
         self.store.pins[u] += 1  # until the end of this forward
         self._access_pins.setdefault(key, []).append(u)
 

@@ -109,6 +109,11 @@ class ParamStore:
         self.live_numel = 0
         self.peak_live_numel = 0
         self.gathers = 0
+        # ZeRO++ (zeropp.py), set by the stage-3 optimizer: quantized gathers, hpZ secondary shards
+        self.zeropp: Optional[Any] = None
+        self.secondary: list[Optional[torch.Tensor]] = [None] * n_units  # hpZ: this rank's 1/H of the unit
+        self.frozen: set[int] = set()  # units gathered as int8 under zero_quantized_nontrainable_weights
+        self.frozen_codes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # their codes, cut once
 
     # -- layout --------------------------------------------------------------------------------------
     def chunk_range(self, u: int) -> tuple[int, int]:
@@ -127,6 +132,8 @@ class ParamStore:
         flat = value.detach().reshape(-1)
         for ps, ls, n in self.local_pieces(g, i):
             self.shards[g][ls:ls + n].copy_(flat[ps:ps + n])
+        if self.plans[g] is not None:
+            self.drop_secondary([self.first_unit[g] + self.plans[g].param_bucket[i]])
 
     # -- gather / release ----------------------------------------------------------------------------
     def is_live(self, u: int) -> bool:
@@ -138,9 +145,10 @@ class ParamStore:
         return self.world_size == 1 and self.home_device == self.compute_device
 
     @torch.no_grad()
-    def fetch(self, units: Sequence[int], private: bool = False) -> None:
+    def fetch(self, units: Sequence[int], private: bool = False, lossy: bool = False) -> None:
         """Starts gathering the units not already live or in flight (asynchronous where the backend is);
-        `private`: copies even where a view of the shard would do (edits must not reach the shard)."""
+        `private`: copies even where a view of the shard would do (edits must not reach the shard);
+        `lossy`: gather-on-use may take ZeRO++'s quantized or secondary (hpZ) gathers."""
         for u in units:
             if self.full[u] is not None:
                 continue
@@ -154,7 +162,10 @@ class ParamStore:
                 self.works[u] = None
             else:
                 full = torch.empty((end - start) * self.world_size, dtype=self.dtype, device=self.compute_device)
-                self.works[u] = _comm().all_gather_into_tensor(full, chunk, group=self.group, async_op=True)
+                if self.zeropp is not None and lossy and not self.persistent[u]:
+                    self.works[u] = self._zeropp_gather(u, chunk, full)
+                else:
+                    self.works[u] = _comm().all_gather_into_tensor(full, chunk, group=self.group, async_op=True)
             self.full[u] = full
             self.gathers += 1
             if not self.persistent[u]:  # stage3_max_live_parameters counts the units that come and go
@@ -163,9 +174,9 @@ class ParamStore:
             for p, _ in self.unit_params[u]:
                 p.ds_status = ZeroParamStatus.INFLIGHT
 
-    def wait(self, units: Sequence[int], private: bool = False) -> None:
+    def wait(self, units: Sequence[int], private: bool = False, lossy: bool = False) -> None:
         """The units' parameters point at their gathered values (fetching any not started)."""
-        self.fetch(units, private)
+        self.fetch(units, private, lossy)
         for u in units:
             work = self.works[u]
             if work is not None:
@@ -180,8 +191,34 @@ class ParamStore:
                 p.ds_status = ZeroParamStatus.AVAILABLE
             self.ready[u] = True
 
-    def release(self, units: Sequence[int]) -> None:
-        """Drops the units' gathered values (a unit still pinned by a user stays)."""
+    def _zeropp_gather(self, u: int, chunk: torch.Tensor, full: torch.Tensor) -> Any:
+        """ZeRO++'s gather of unit u: from its hpZ secondary shard inside the group of H when it has one,
+        as int8 codes under qwZ (or for a frozen unit under zero_quantized_nontrainable_weights)."""
+        zpp = self.zeropp
+        frozen = zpp.quantized_nontrainable_weights and u in self.frozen
+        quantized = zpp.quantized_weights or frozen
+        secondary = self.secondary[u]
+        if secondary is not None:
+            return zpp.gather(secondary, full, quantized=quantized, secondary=True)
+        if frozen:
+            codes = self.frozen_codes.get(u)
+            if codes is None:
+                from deepspeed_c.ops.quantizer import quantize
+
+                codes = self.frozen_codes[u] = quantize(chunk.contiguous(), 8, zpp.weight_block)
+            return zpp.gather(chunk, full, quantized=True, secondary=False, codes=codes)
+        return zpp.gather(chunk, full, quantized=quantized, secondary=False)
+
+    def drop_secondary(self, units: Optional[Sequence[int]] = None) -> None:
+        """The weights changed: hpZ secondary shards (and cached codes of frozen units) are stale."""
+        for u in (range(len(self.secondary)) if units is None else units):
+            self.secondary[u] = None
+            self.frozen_codes.pop(u, None)
+
+    def release(self, units: Sequence[int], keep_secondary: bool = True) -> None:
+        """Drops the units' gathered values (a unit still pinned by a user stays). Under hpZ a released unit
+        whose gathered values are current leaves this rank its secondary shard (unless `keep_secondary` is
+        false: the weights are about to change or just did)."""
         for u in units:
             full = self.full[u]
             if full is None or self.pins[u] > 0:
@@ -189,6 +226,10 @@ class ParamStore:
             if self.works[u] is not None:  # never leave a collective behind: it writes into `full`
                 self.works[u].wait()
                 self.works[u] = None
+            zpp = self.zeropp
+            if keep_secondary and zpp is not None and zpp.hpz_size > 1 and self.ready[u] and \
+                    self.secondary[u] is None and not self.persistent[u]:
+                self.secondary[u] = zpp.secondary_piece(full)
             for p, _ in self.unit_params[u]:
                 p.data = placeholder(p.dtype, self.compute_device)
                 p.ds_status = ZeroParamStatus.NOT_AVAILABLE
@@ -198,10 +239,13 @@ class ParamStore:
                 self.live_numel -= full.numel()
 
     def release_all(self, keep_persistent: bool = True) -> None:
-        """Every unit released (after a step the gathered values are stale: persistent ones go too)."""
+        """Every unit released (after a step the gathered values are stale: persistent ones go too, and so
+        do hpZ's secondary shards)."""
         if not keep_persistent:
             self.pins = [0] * len(self.pins)
-        self.release([u for u in range(len(self.full)) if not (keep_persistent and self.persistent[u])])
+            self.drop_secondary()
+        self.release([u for u in range(len(self.full)) if not (keep_persistent and self.persistent[u])],
+                     keep_secondary=keep_persistent)
 
     # -- writes back ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -213,6 +257,7 @@ class ParamStore:
         g = self.unit_of[u][0]
         n = end - start
         self.shards[g][start:end].copy_(full[self.rank * n:(self.rank + 1) * n])
+        self.drop_secondary([u])
         if self.on_write_back is not None:
             self.on_write_back(g, start, end)
 

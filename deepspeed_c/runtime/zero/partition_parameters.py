@@ -275,11 +275,9 @@ class Init:
         self.enabled = enabled
         if not enabled:
             return
-        for name, on in (("zero_quantized_weights", zero_quantized_weights),
-                         ("zero_quantized_nontrainable_weights", zero_quantized_nontrainable_weights)):
-            if on:
-                raise NotImplementedError(f"deepspeed_c: zero.Init({name}=True) (ZeRO++ quantized weights) is not "
-                                          "built yet")
+        # zero_quantized_weights / zero_quantized_nontrainable_weights: accepted; ZeRO++ quantizes the
+        # gathers of the engine's gather-on-use (its config's keys decide, runtime/zero/zeropp.py), while
+        # the gathers Init and GatheredParameters make stay exact, as DeepSpeed's do
         if param_swapper is not None:
             raise NotImplementedError("deepspeed_c: zero.Init(param_swapper=...) is not supported; NVMe parameter "
                                       "offload comes from the config's offload_param section")

@@ -24,6 +24,7 @@ from deepspeed_c.runtime.zero.param_hooks import ParamCoordinator
 from deepspeed_c.runtime.zero.param_store import ParamStore, placeholder
 from deepspeed_c.runtime.zero.partition_parameters import adopt, is_zero_param
 from deepspeed_c.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer, _states_resident
+from deepspeed_c.runtime.zero.zeropp import ZeroPlusPlus, check_hpz_size
 
 __all__ = ["DeepSpeedZeroOptimizer_Stage3", "build_param_store", "Zero3Params",
            "estimate_zero3_model_states_mem_needs", "estimate_zero3_model_states_mem_needs_all_live",
@@ -98,6 +99,7 @@ class ShardWriter:
         plan = self.store.plans[g]
         start = plan.bucket_offset[b] // self.store.world_size
         self.store.shards[g][start:start + chunk.numel()].copy_(chunk, non_blocking=True)
+        self.store.drop_secondary([self.store.first_unit[g] + b])
 
     def finish(self) -> None:
         # gathered copies are stale now (views of the shards, on one rank, are not)
@@ -128,6 +130,22 @@ class _Stage3Round:
             self.coordinator.remove()
 
 
+def _attach_zeropp(store: ParamStore, zero_cfg: Any, *, rank: int, world_size: int, group: Any) -> Optional[ZeroPlusPlus]:
+    """ZeRO++ (zeropp.py) on the store's gathers when the config turns any of it on."""
+    zpp = ZeroPlusPlus.from_config(zero_cfg, rank=rank, world_size=world_size, group=group)
+    store.zeropp = zpp
+    if zpp is not None:
+        mark_frozen_units(store)
+    return zpp
+
+
+def mark_frozen_units(store: ParamStore) -> None:
+    """The units whose parameters are all frozen (zero_quantized_nontrainable_weights gathers them as int8)."""
+    store.frozen = {u for u, members in enumerate(store.unit_params)
+                    if members and not any(p.requires_grad for p, _ in members)}
+    store.frozen_codes.clear()
+
+
 def _coordinator(module: torch.nn.Module, store: ParamStore, zero_cfg: Any) -> ParamCoordinator:
     return ParamCoordinator(module, store, prefetch_bucket_size=zero_cfg.prefetch_bucket_size,
                             max_live_parameters=zero_cfg.max_live_parameters,
@@ -139,17 +157,34 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (Deep
 
     def __init__(self, module: torch.nn.Module, init_optimizer: torch.optim.Optimizer, *, store_args: dict,
                  zero_cfg: Any, **kwargs: Any) -> None:
+        check_hpz_size(int(zero_cfg.zero_hpz_partition_size), kwargs["world_size"])  # before any collective
         groups = [[p for p in g["params"] if p.requires_grad] for g in init_optimizer.param_groups]
         self.store = build_param_store(module, groups, rank=kwargs["rank"], world_size=kwargs["world_size"],
                                        group=kwargs.get("dp_process_group"), **store_args)
         super().__init__(init_optimizer, stage=3, **kwargs)
         self.sub_group_size = int(zero_cfg.sub_group_size)  # DeepSpeed's checkpoint sub-groups
+        self.zeropp = _attach_zeropp(self.store, zero_cfg, rank=kwargs["rank"], world_size=kwargs["world_size"],
+                                     group=kwargs.get("dp_process_group"))
+        self.zero_quantized_nontrainable_weights = bool(zero_cfg.zero_quantized_nontrainable_weights)
+        if self.zeropp is not None and self.zeropp.quantized_gradients and self.world_size > 1:
+            self.reducer.quantized_reduce = self.zeropp.reduce_scatter  # qgZ: int4 all-to-all reduce-scatter
         self.coordinator = _coordinator(module, self.store, zero_cfg)
         self._round = _Stage3Round(self.reducer, self.coordinator)
         self.store.on_write_back = self._master_follows_shard
 
     @_states_resident
     @torch.no_grad()
+    def quantize_nontrainable_params(self) -> None:
+        """DeepSpeed's call after changing which parameters train (LoRA): under
+        zero_quantized_nontrainable_weights the units whose parameters are now all frozen travel as int8."""
+        if not self.zero_quantized_nontrainable_weights:
+            from deepspeed_c.utils.logging import logger
+
+            logger.warning("quantize_nontrainable_params() called with zero_quantized_nontrainable_weights disabled, "
+                           "return without doing anything")
+            return
+        mark_frozen_units(self.store)
+
     def _master_follows_shard(self, g: int, start: int, end: int) -> None:
         """Weights edited through GatheredParameters(modifier_rank=...) stay edited: the masters take them."""
         if g < len(self.fp32_partitions):
@@ -236,6 +271,7 @@ class Zero3Params(EngineOptimizer):
     def __init__(self, module: torch.nn.Module, *, rank: int, world_size: int, group: Any, store_args: dict,
                  zero_cfg: Any) -> None:
         self.store = build_param_store(module, [], rank=rank, world_size=world_size, group=group, **store_args)
+        self.zeropp = _attach_zeropp(self.store, zero_cfg, rank=rank, world_size=world_size, group=group)
         self.coordinator = _coordinator(module, self.store, zero_cfg)
         self._round = _Stage3Round(None, self.coordinator)
 
