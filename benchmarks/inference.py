@@ -119,7 +119,11 @@ def set_graphs(model: torch.nn.Module, on: bool) -> None:
 
 def inject_deepspeed(model: torch.nn.Module, max_out: int) -> torch.nn.Module:
     import deepspeed  # the real one (scripts/device_deepspeed.sh)
-    print(f"  DeepSpeed {deepspeed.__version__} from {os.path.dirname(deepspeed.__file__)}", flush=True)
+    where = os.path.dirname(os.path.abspath(deepspeed.__file__))
+    if "dsc" in str(getattr(deepspeed, "__version__", "")) or where.startswith(ROOT):
+        raise RuntimeError(f"`import deepspeed` gives deepspeed_c's compat alias ({where}), not the real DeepSpeed: "
+                           "source scripts/device_deepspeed.sh (it puts /tmp/ds_real first)")
+    print(f"  DeepSpeed {deepspeed.__version__} from {where}", flush=True)
     engine = deepspeed.init_inference(model, dtype=torch.bfloat16, replace_with_kernel_inject=True,
                                       max_out_tokens=max_out)
     return engine.module
@@ -161,6 +165,10 @@ def fp32_check(base: torch.nn.Module, args: argparse.Namespace, vocab: int) -> b
 def main() -> None:
     args = parse()
     dev = args.device
+    # one process, no launcher: the rendezvous both init_inference calls may ask for
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", "29547")):
+        os.environ.setdefault(key, value)
     if dev == "cuda":
         print(f"GPU {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     models = ["llama1b", "gpt2xl"] if args.model == "all" else [args.model]
