@@ -49,15 +49,27 @@ def ds_config(system: str, micro: int) -> dict[str, Any]:
 
 
 class System:
-    """One training system under test; `engine` keeps whatever must be dropped in close()."""
+    """One training system under test as three phases (forward -> loss, backward, optimizer step);
+    `engine` keeps whatever must be dropped in close()."""
 
-    def __init__(self, step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], engine: Any) -> None:
-        self.step = step
+    def __init__(self, fwd: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 bwd: Callable[[torch.Tensor], None], opt: Callable[[], None], engine: Any) -> None:
+        self.fwd, self.bwd, self.opt = fwd, bwd, opt
         self.engine = engine
 
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = self.fwd(x, y)
+        self.bwd(loss)
+        self.opt()
+        return loss.detach()
+
     def close(self) -> None:
-        self.engine = None
-        self.step = None  # type: ignore[assignment]
+        # engines hold autograd hooks on their parameters (C++-held references Python's gc cannot
+        # see through): without destroy() a freed engine keeps its model and states on the device
+        destroy = getattr(self.engine, "destroy", None)
+        if callable(destroy):
+            destroy()
+        self.engine = self.fwd = self.bwd = self.opt = None  # type: ignore[assignment]
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -76,16 +88,16 @@ def _ddp(model: GPT) -> System:
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=dev.type == "cuda")
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def fwd(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with torch.autocast(dev.type, dtype=torch.bfloat16):
-            loss = ddp(x, y)
-        loss.backward()
+            return ddp(x, y)
+
+    def step() -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss.detach()
 
-    return System(step, (ddp, opt))
+    return System(fwd, torch.Tensor.backward, step, (ddp, opt))
 
 
 def _fsdp2(model: GPT) -> System:
@@ -102,27 +114,18 @@ def _fsdp2(model: GPT) -> System:
     except (RuntimeError, TypeError):  # a torch without fused AdamW over DTensor shards
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, foreach=True)
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = model(x, y)
-        loss.backward()
+    def step() -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss.detach()
 
-    return System(step, (model, opt))
+    return System(model, torch.Tensor.backward, step, (model, opt))
 
 
 def _engine(lib: Any, model: GPT, system: str, micro: int) -> System:
     engine, *_ = lib.initialize(model=model, model_parameters=model.parameters(), config=ds_config(system, micro))
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        return loss.detach()
-
-    return System(step, engine)
+    return System(engine, engine.backward, engine.step, engine)
 
 
 def build(system: str, model: GPT, micro: int) -> System:

@@ -40,10 +40,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from throughput_systems import MODELS, build, build_model, zero_stage  # noqa: E402
 
-COUNTED = {  # name -> index of the tensor whose size is the collective's volume
-    "all_reduce": 0, "reduce_scatter_tensor": 1, "_reduce_scatter_base": 1, "all_gather_into_tensor": 0,
-    "_all_gather_base": 0, "broadcast": 0, "reduce": 0, "all_to_all_single": 1, "all_gather": 0,
-    "reduce_scatter": 1,
+# ProcessGroup method -> (index of the argument whose size is the volume, ring factor kind). The
+# patch sits on the ProcessGroup class because DeepSpeed and deepspeed_c both bind
+# torch.distributed's functions at initialisation, so wrapping those functions sees nothing.
+COUNTED = {
+    "allreduce": (0, "allreduce"), "allreduce_coalesced": (0, "allreduce"),
+    "_reduce_scatter_base": (1, "ring"), "reduce_scatter": (1, "ring"), "reduce_scatter_tensor_coalesced": (1, "ring"),
+    "_allgather_base": (0, "ring"), "allgather": (0, "ring"), "allgather_into_tensor_coalesced": (0, "ring"),
+    "allgather_coalesced": (0, "ring"), "alltoall_base": (1, "ring"), "alltoall": (1, "ring"),
+    "broadcast": (0, "whole"), "reduce": (0, "whole"),
 }
 PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
 
@@ -65,30 +70,30 @@ class ByteCounter:
         self._saved: dict[str, Any] = {}
 
     def __enter__(self) -> "ByteCounter":
-        import torch.distributed as dist
+        from torch._C._distributed_c10d import ProcessGroup
 
         f = (self.world - 1) / self.world
-        for name, idx in COUNTED.items():
-            orig = getattr(dist, name, None)
+        for name, (idx, kind) in COUNTED.items():
+            orig = getattr(ProcessGroup, name, None)
             if orig is None:
                 continue
             self._saved[name] = orig
-            factor = 2 * f if name == "all_reduce" else (1.0 if name in ("broadcast", "reduce") else f)
+            factor = {"allreduce": 2 * f, "ring": f, "whole": 1.0}[kind]
 
             def wrapped(*a: Any, _orig: Any = orig, _name: str = name, _idx: int = idx, _k: float = factor,
                         **kw: Any) -> Any:
-                if len(a) > _idx:
-                    self.bytes[_name] = self.bytes.get(_name, 0.0) + _k * _nbytes(a[_idx])
+                if len(a) > _idx + 1:  # a[0] is the process group itself
+                    self.bytes[_name] = self.bytes.get(_name, 0.0) + _k * _nbytes(a[_idx + 1])
                 return _orig(*a, **kw)
 
-            setattr(dist, name, wrapped)
+            setattr(ProcessGroup, name, wrapped)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        import torch.distributed as dist
+        from torch._C._distributed_c10d import ProcessGroup
 
         for name, orig in self._saved.items():
-            setattr(dist, name, orig)
+            setattr(ProcessGroup, name, orig)
 
 
 def _sync() -> None:
@@ -147,6 +152,23 @@ def run_system(system: str, base: torch.nn.Module, batches: list, args: argparse
                 k += 1
             _sync()
             blocks.append((time.perf_counter() - t0) / args.steps)
+        if args.phases:  # one extra block, synchronised between phases: where the time goes
+            ph = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+
+            def timed(name: str, fn: Any, *fa: Any) -> Any:
+                _sync()
+                t0 = time.perf_counter()
+                r = fn(*fa)
+                _sync()
+                ph[name] += (time.perf_counter() - t0) * 1e3 / args.steps
+                return r
+
+            for _ in range(args.steps):
+                loss = timed("forward", sysm.fwd, *batches[k % len(batches)])
+                timed("backward", sysm.bwd, loss)
+                timed("step", sysm.opt)
+                k += 1
+            out["phases_ms"] = {n: round(v, 2) for n, v in ph.items()}
         # the slowest rank sets the pace
         t = torch.tensor(blocks, dtype=torch.float64, device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -175,6 +197,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=2, help="timed blocks per system and round")
     ap.add_argument("--rounds", type=int, default=2, help="times the whole sequence of systems is repeated")
     ap.add_argument("--peak_tflops", type=float, default=0.0, help="peak bf16 dense TFLOPS (default: by GPU)")
+    ap.add_argument("--phases", action="store_true", help="also time forward / backward / step apart")
     ap.add_argument("--out", default="", help="append one JSON line per system here (rank 0)")
     ap.add_argument("--report", default="", help="print the ratio tables of a --out file and exit")
     args = ap.parse_args()
@@ -224,7 +247,9 @@ def main() -> None:
             if rank == 0:
                 msg = res.get("failed") or (f"step {statistics.median(res['step_s']) * 1e3:.1f} ms, "
                                             f"peak {res['peak_bytes'] / 2**30:.2f} GiB, build {res['build_s']:.1f} s, "
-                                            f"check rel {res.get('check_rel', 0.0):.1e}")
+                                            f"check rel {res.get('check_rel', 0.0):.1e}, resident before "
+                                            f"{res['resident_before'] / 2**30:.2f} GiB"
+                                            + (f", phases {res['phases_ms']}" if "phases_ms" in res else ""))
                 print(f"round {rnd} {system:9s} {msg}", flush=True)
     if rank == 0:
         tokens = world * args.micro * args.seq
