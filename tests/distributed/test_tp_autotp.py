@@ -75,6 +75,39 @@ def _train(kind: str, tp: int, stage: int, rank: int, world: int, save_dir: str 
     return out
 
 
+def _fp16(rank: int, world: int) -> dict:
+    """fp16 (dynamic loss scale) at ZeRO 2 with clipping: every rank must agree on overflow. Rank 1 alone
+    multiplies its loss by inf at step 4; every rank must skip that one step, the replicated parameters must
+    stay equal on all ranks, and the losses before it must follow the fp32 single-process run (fp16 tolerance)."""
+    import deepspeed_c
+    from deepspeed_c.utils import groups
+
+    dp, bad = world // 2, 4
+    data = tp_models.batches(STEPS, MICRO * dp)
+    ref_losses, _, _ = tp_models.reference_training("llama", data[:bad], LR, EPS, 0.5)
+    cfg = dict(_config(2, 2, clip=0.5), fp16={"enabled": True, "initial_scale_power": 8})
+    engine, *_ = deepspeed_c.initialize(model=tp_models.make_model("llama"), config=cfg)
+    dp_rank, losses = groups.get_data_parallel_rank(), []
+    for i, ids in enumerate(data[:bad + 2]):
+        loss = tp_models.loss_of(engine, ids[dp_rank * MICRO:(dp_rank + 1) * MICRO].to(rank_device()))
+        engine.backward(loss * float("inf") if (i == bad and rank == 1) else loss)
+        engine.step()
+        t = loss.detach().float().clone()
+        torch.distributed.all_reduce(t, group=groups.get_data_parallel_group())
+        losses.append(t.item() / dp)
+    spread = 0.0  # replicated parameters (embeddings, norms, lm_head) must be identical on every rank
+    for p in engine.module.parameters():
+        if not getattr(p, "ds_is_tensor_model_parallel", False):
+            lo, hi = p.detach().float().clone(), p.detach().float().clone()
+            torch.distributed.all_reduce(lo, op=torch.distributed.ReduceOp.MIN)
+            torch.distributed.all_reduce(hi, op=torch.distributed.ReduceOp.MAX)
+            spread = max(spread, (hi - lo).abs().max().item())
+    out = {"skipped": engine.skipped_steps, "spread": spread,
+           "loss_err": float(np.max(np.abs(np.array(losses[:bad]) - np.array(ref_losses))))}
+    groups._reset_tp_groups()
+    return out
+
+
 def _run(engine, data: list, steps: range, micro: int) -> list[float]:
     from deepspeed_c.utils import groups
 
@@ -134,7 +167,7 @@ def body(rank: int, world: int, save_dir: str) -> dict:
            # ZeRO 1 and 2 clip with the unsharded model's norm (weighted partitions, summed over every rank)
            "llama_s1": _train("llama", 2, 1, rank, world, clip=0.5),
            "llama_s2": _train("llama", 2, 2, rank, world, clip=0.5),
-           "llama_clip": _train("llama", 2, 0, rank, world, clip=0.5)}
+           "llama_clip": _train("llama", 2, 0, rank, world, clip=0.5), "fp16": _fp16(rank, world)}
 
     out["checkpoint"] = _checkpoint(world, save_dir)
     out["logits"] = {}
@@ -185,6 +218,8 @@ def test_autotp_matches_single_process_training(tmp_path):
         # at stage 0 (the engine's norm) and ZeRO 1/2 (the partitions' weighted norm)
         for case in ("llama_clip", "llama_s1", "llama_s2"):
             assert r[case]["clipped"] >= STEPS // 2 and r[case]["norm_rel"] < 1e-5, (case, r[case])
+        f = r["fp16"]  # one overflow on one rank: every rank skips that step, replicas stay equal
+        assert f["skipped"] == 1 and f["spread"] == 0.0 and f["loss_err"] < 2e-3, f
         assert set(r["logits"]) == {"opt", "bloom", "qwen2", "mistral", "phi3"}
         assert all(v < 1e-5 for v in r["logits"].values()), r["logits"]
         g = r["gpt2_s0"]  # save_16bit_model: GPT-2's Conv1D weights and fused c_attn back in transformers' layout

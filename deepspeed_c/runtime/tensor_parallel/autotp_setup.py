@@ -123,9 +123,11 @@ def _refuse_unsupported(config: dict, size: int) -> None:
                                   "with ZeRO-3 is not supported yet; use ZeRO stage 0, 1 or 2 on the data-parallel "
                                   "axis")
     fp16 = config.get("fp16") or {}
-    if isinstance(fp16, dict) and fp16.get("enabled") is True:
-        raise NotImplementedError(f"tensor_parallel.autotp_size={size} with fp16.enabled: the loss-scale overflow "
-                                  "check would run over the data-parallel group only; use bf16 or fp32 with AutoTP")
+    if isinstance(fp16, dict) and fp16.get("enabled") is True and stage == 0:
+        # ZeRO 1/2 decide overflow from the norm summed over every rank (set_tensor_parallel_norm): all agree
+        raise NotImplementedError(f"tensor_parallel.autotp_size={size} with fp16.enabled at zero_optimization.stage=0: "
+                                  "the loss-scale overflow check would run over the data-parallel group only; use "
+                                  "ZeRO stage 1 or 2, bf16 or fp32 with AutoTP")
     clip = config.get("gradient_clipping", 1.0)  # DeepSpeed >= 0.19.3 defaults to 1.0
     bf16 = config.get("bf16") or config.get("bfloat16") or {}
     low_precision = isinstance(bf16, dict) and bf16.get("enabled") is True
