@@ -72,7 +72,7 @@ class InferenceEngine(nn.Module):
         if tp.tp_group is not None:
             tp.tp_size = dist.get_world_size(tp.tp_group)
             return tp.tp_group
-        if not tp.enabled or tp.tp_size == 1:
+        if tp.tp_size == 1:  # tensor_parallel.enabled is read by nothing in DeepSpeed's engine either
             return None
         if not dist.is_initialized():
             dist.init_distributed()
