@@ -152,10 +152,8 @@ int launch(const void *q, const void *kc, const void *vc, void *out, const AttnA
     dim3 grid((rows + WARPS - 1) / WARPS, a.B * a.Hkv, a.splits);
     const size_t smem = sizeof(float) * ((size_t)WARPS * a.D + (size_t)TILE * (a.D | 1) + (size_t)TILE * a.D);
     auto kern = attention_kernel<T, DPL>;
-    if (smem > 48 * 1024) {
-        const cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-        if (e != cudaSuccess) return static_cast<int>(e);
-    }
+    const int smem_rc = allow_smem(kern, smem, 0);
+    if (smem_rc != 0) return smem_rc;
     kern<<<grid, WARPS * 32, smem, stream>>>(static_cast<const T *>(q), static_cast<const T *>(kc),
                                              static_cast<const T *>(vc), static_cast<T *>(out), a);
     int rc = launch_error();

@@ -67,6 +67,14 @@ class DeviceGuard {
 
 inline int launch_error() { return static_cast<int>(cudaGetLastError()); }
 
+// Dynamic shared memory past the default 48 KiB (static shared memory counts too) needs the
+// kernel's opt-in; Hopper allows up to 227 KiB a block.
+template <typename K> int allow_smem(K kernel, size_t dynamic_bytes, size_t static_bytes) {
+    if (dynamic_bytes + static_bytes <= 48 * 1024) return 0;
+    return static_cast<int>(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(dynamic_bytes)));
+}
+
 // Calls f with a null pointer of the element type of `dtype` (a tag), or returns EDTYPE.
 template <typename F> int dispatch(int dtype, F &&f) {
     switch (dtype) {

@@ -53,6 +53,8 @@ extern "C" int dsc_inf_add_norm(const void *x, const void *y, const void *bias, 
     const size_t smem = sizeof(float) * (size_t)cols;
     return dispatch(dtype, [&](auto *tag) {
         using E = std::remove_pointer_t<decltype(tag)>;
+        const int rc = allow_smem(add_norm_kernel<E>, smem, 32 * sizeof(float));
+        if (rc != 0) return rc;
         add_norm_kernel<E><<<(unsigned)rows, threads, smem, stream>>>(
             static_cast<const E *>(x), static_cast<const E *>(y), static_cast<const E *>(bias),
             static_cast<const E *>(gamma), static_cast<const E *>(beta), static_cast<E *>(r_out),

@@ -60,6 +60,8 @@ extern "C" int dsc_inf_masked_softmax(void *scores, int64_t rows, int64_t L, int
     while (threads < 1024 && threads * 4 < L) threads *= 2;
     return dispatch(dtype, [&](auto *tag) {
         using E = std::remove_pointer_t<decltype(tag)>;
+        const int rc = allow_smem(masked_softmax_kernel<E>, sizeof(float) * (size_t)L, 32 * sizeof(float));
+        if (rc != 0) return rc;
         masked_softmax_kernel<E><<<(unsigned)rows, threads, sizeof(float) * (size_t)L, stream>>>(
             static_cast<E *>(scores), (int)L, (int)T, (int)rows_per_batch, past, key_mask, mask_stride, scale);
         return launch_error();

@@ -76,9 +76,12 @@ class InjectedDecoder(torch.nn.Module):
         if c is None or c.shape != shape or c.dtype != dtype or c.device != device:
             self._cache = None
             self._graphs.clear()  # graphs hold the old cache's addresses
-            self._cache = torch.zeros(shape, dtype=dtype, device=device)
-            self._mask = torch.ones(batch, self.max_out_tokens, dtype=torch.int32, device=device)
-            self._past_dev = torch.zeros(1, dtype=torch.int32, device=device)
+            # normal tensors even when the first call runs under inference_mode (a pipeline), so later
+            # calls outside it may still update them in place
+            with torch.inference_mode(False):
+                self._cache = torch.zeros(shape, dtype=dtype, device=device)
+                self._mask = torch.ones(batch, self.max_out_tokens, dtype=torch.int32, device=device)
+                self._past_dev = torch.zeros(1, dtype=torch.int32, device=device)
         if self._rope_host is not None and (self._rope is None or self._rope[0].device != device):
             self._rope = (self._rope_host[0].to(device), self._rope_host[1].to(device))
 
@@ -182,8 +185,9 @@ class InjectedDecoder(torch.nn.Module):
         batch = input_ids.shape[0]
         g = self._graphs.get(batch)
         if g is None:
-            ids = input_ids.clone()
-            pos = position_ids.clone().contiguous()
+            with torch.inference_mode(False):  # static inputs stay writable outside inference_mode
+                ids = input_ids.clone()
+                pos = position_ids.clone().contiguous()
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up outside capture (lazy allocations, cuBLAS handles)

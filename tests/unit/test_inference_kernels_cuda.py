@@ -37,7 +37,7 @@ def test_add_norm(dtype):
     gen = torch.Generator(device="cuda").manual_seed(0)
     for rows, cols, with_y, with_bias, layer_norm, with_r in [
             (1, 60, True, True, True, True), (7, 1600, True, True, True, True), (33, 2048, True, False, False, True),
-            (5, 4097, False, False, False, False), (3, 100, False, True, True, False), (16, 12288, True, True, False, True)]:
+            (5, 4097, False, False, False, False), (3, 100, False, True, True, False), (16, 12288, True, True, False, True), (2, 16384, True, True, True, True)]:
         x = _rand(rows, cols, dtype=dtype, gen=gen)
         y = _rand(rows, cols, dtype=dtype, gen=gen) if with_y else None
         b = _rand(cols, dtype=dtype, gen=gen) if with_bias else None

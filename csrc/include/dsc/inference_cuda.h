@@ -24,8 +24,9 @@ extern "C" {
 
 /* The widest head the attention kernel takes (its per-lane accumulators are sized for it). */
 #define DSC_INF_MAX_HEAD_DIM 256
-/* The widest row the fused add + norm takes (the row is kept in shared memory). */
-#define DSC_INF_MAX_NORM_COLS 12288
+/* The widest row the fused add + norm and the masked softmax take (the row is kept in shared
+ * memory as float32: 64 KiB, past the default 48 KiB, opted into per kernel). */
+#define DSC_INF_MAX_NORM_COLS 16384
 
 /* r = x + y + bias (y, bias optional; r_out optional), n = LayerNorm(r) * gamma + beta, or
  * RMSNorm(r) * gamma when beta is NULL; the norm reads r rounded to dtype. */

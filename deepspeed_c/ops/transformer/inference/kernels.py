@@ -62,7 +62,7 @@ def attention_splits(batch: int, t: int, n_heads: int, n_kv: int, capacity: int,
 # Query tokens from which prefill attention runs as GEMMs + masked softmax (tensor cores) instead
 # of the fused kernel (CUDA cores), and the most keys the softmax kernel's row buffer holds.
 GEMM_MIN_TOKENS = 8
-_SOFTMAX_MAX_KEYS = 12288
+_SOFTMAX_MAX_KEYS = 16384
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, past: int,
