@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable, Optional, Union
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -53,18 +53,23 @@ def checkpoint_files(checkpoint: Union[str, dict], base_dir: str = "") -> list[s
     return [os.path.join(root, f) if root else f for f in files]
 
 
-def _read(path: str) -> dict[str, Tensor]:
+def _read(path: str) -> Iterator[tuple[str, Tensor]]:
+    """The file's (name, tensor) pairs, one tensor materialised at a time (safetensors read per tensor,
+    torch files memory-mapped)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"init_inference: checkpoint file {path!r} does not exist (check base_dir)")
     if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
+        from safetensors import safe_open
 
-        return load_file(path, device="cpu")
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+        return
     state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     for key in ("module", "model"):  # a DeepSpeed model-states file wraps the state dict
         if isinstance(state.get(key), dict):
             state = state[key]
-    return state
+    yield from state.items()
 
 
 Slicer = Optional[Callable[[Tensor], Tensor]]
@@ -157,8 +162,7 @@ def load_checkpoint_shards(model: nn.Module, files: list[str], dtype: Optional[t
     loaded: set[str] = set()
     unexpected: list[str] = []
     for path in files:
-        state = _read(path)
-        for key, full in state.items():
+        for key, full in _read(path):
             target = targets.get(key)
             if target is None:
                 unexpected.append(key)
@@ -171,7 +175,6 @@ def load_checkpoint_shards(model: nn.Module, files: list[str], dtype: Optional[t
                                  f"this rank's piece is {tuple(value.shape)} but the model expects {tuple(dest.shape)}")
             dest.data.copy_(value)  # cast to the model's dtype (the engine converted it already)
             loaded.add(key)
-        del state
     if unexpected:
         raise ValueError(f"init_inference: {len(unexpected)} checkpoint tensor(s) match no parameter of "
                          f"{type(model).__name__}: {unexpected[:8]}")

@@ -9,7 +9,7 @@ One 4-rank gloo run, fp32, tensor_parallel.tp_size 1, 2 and 4 (TP 2: groups {0,1
 - dtype=torch.int8 (weight-only) at TP 2 against the unsharded model with int8-rounded weights in fp16;
 - a Hugging Face pipeline("text-generation", model=engine.module, tokenizer=...) returns the same text;
 - injection_policy={GPT2Block: ('attn.c_proj', 'mlp.c_proj')} shards like AutoTP;
-- a LLaMA and a GPT-2 saved in 2 files, described by a DeepSpeed checkpoint JSON, built on the meta device and
+- a LLaMA and a GPT-2 saved in 2 files (torch.save and safetensors), described by a DeepSpeed checkpoint JSON, built on the meta device and
   loaded file by file at TP 1, 2 and 4 give the unsharded model's logits;
 - bad input: tp_size not dividing the world or the heads, unsupported dtype, prompts past max_out_tokens."""
 from __future__ import annotations
@@ -63,10 +63,13 @@ def _save_two_files(kind: str, folder: str, rank: int) -> torch.nn.Module:
         state = model.state_dict()
         keys = list(state)
         half = len(keys) // 2
-        for i, part in enumerate((keys[:half], keys[half:])):
-            torch.save({k: state[k] for k in part}, os.path.join(folder, f"{kind}-{i}.pt"))
+        from safetensors.torch import save_file
+
+        torch.save({k: state[k] for k in keys[:half]}, os.path.join(folder, f"{kind}-0.pt"))
+        save_file({k: state[k].clone() for k in keys[half:]}, os.path.join(folder, f"{kind}-1.safetensors"))
         with open(os.path.join(folder, f"{kind}.json"), "w") as f:
-            json.dump({"type": "ds_model", "checkpoints": [f"{kind}-0.pt", f"{kind}-1.pt"], "version": 1.0}, f)
+            json.dump({"type": "ds_model", "checkpoints": [f"{kind}-0.pt", f"{kind}-1.safetensors"],
+                       "version": 1.0}, f)
     torch.distributed.barrier()
     return model
 
