@@ -5,7 +5,8 @@ one run (issue 19). Each section is one function registered in SECTIONS; pick th
     onebit  1-bit Adam against Adam on the same ranks (gloo on CPU, NCCL on GPUs): bytes handed to
             collectives per step after the warm-up (the comms logger's counts) and ms per step,
             correctness first (1-bit Adam's warm-up steps equal Adam-without-bias-correction's).
-    zeropp  ZeRO++ against ZeRO-3 (added by the ZeRO++ work).
+    zeropp  ZeRO++ (qwZ, qgZ, hpZ) against plain ZeRO-3 on the same ranks: bytes per step by op and
+            ms per step, correctness first (benchmarks/zeropp_section.py).
 
     python benchmarks/compressed_comm.py [--sections onebit,zeropp] [--world 2]
 
@@ -23,8 +24,6 @@ sys.path.insert(0, ROOT)
 
 
 # --- section: onebit ----------------------------------------------------------------------------
-ONEBIT_OPS = ("onebit_signs_all_to_all", "onebit_scales_all_gather", "onebit_server_signs_all_gather",
-              "onebit_server_scales_all_gather")
 
 
 def _onebit_engine(opt: str, hidden: int, layers: int, freeze: int, logger: bool) -> Any:
@@ -123,7 +122,7 @@ def onebit_section(args: argparse.Namespace) -> None:
     w = args.world
 
     def ring(counted: dict[str, float]) -> float:
-        f = {"all_reduce": 2 * (w - 1) / w, "onebit_signs_all_to_all": (w - 1) / w}
+        f = {"all_reduce": 2 * (w - 1) / w, "onebit_all_to_all": (w - 1) / w}
         return sum(v * f.get(k, w - 1 if "all_gather" in k else 0.0) for k, v in counted.items())
 
     adam_ring = ring(r0["counted"]["Adam"])
@@ -134,9 +133,17 @@ def onebit_section(args: argparse.Namespace) -> None:
               f"{r0['ms'][opt]:>8.2f} ms/step ({r0['ms']['Adam'] / r0['ms'][opt]:.2f}x Adam's speed)   [{ops}]")
 
 
+# --- section: zeropp (benchmarks/zeropp_section.py) ----------------------------------------------
+def zeropp_section(args: argparse.Namespace) -> None:
+    from benchmarks.zeropp_section import run
+
+    run(args)
+
+
 # --- section registry (one line per section) ----------------------------------------------------
 SECTIONS: dict[str, Callable[[argparse.Namespace], Any]] = {
     "onebit": onebit_section,
+    "zeropp": zeropp_section,
 }
 
 

@@ -3,14 +3,15 @@ torch.distributed (gloo on CPU ranks, NCCL on GPUs), with the sign codec in C/CU
 
 Per tensor, as DeepSpeed: the tensor is zero-padded to a multiple of W * lcm(W, 8) elements (W
 ranks) and cut into W chunks, one per rank. Phase 1 (worker): add the worker error, scale =
-norm / sqrt(padded numel), signs packed, worker error = compensated - scale * sign; an
-all-to-all gives each rank every rank's signs of its own chunk, an all-gather every rank's scale.
-Phase 2 (server, each rank for its chunk): average of the ranks' scale * sign, add the server
-error, recompress with its own scale (server error updated the same way); an all-gather of the
-chunks' signs and scales gives every rank the whole result.
+norm / sqrt(padded numel), signs packed, worker error = compensated - scale * sign; one
+all-to-all gives each rank every rank's signs of its own chunk and their scales (DeepSpeed sends
+the scales in a second collective; here they ride in each row of the message). Phase 2 (server,
+each rank for its chunk): average of the ranks' scale * sign, add the server error, recompress with
+its own scale (server error updated the same way); one all-gather of the chunks' signs and scales
+gives every rank the whole result.
 
 `SignAllreduce` does this for a list of tensors at once with per-tensor scales (numerically one
-DeepSpeed call per tensor), with four collectives per call whatever the number of tensors: the
+DeepSpeed call per tensor), with two collectives per call whatever the number of tensors: the
 work buffer is chunk-major, [W rows][tensor 0's chunk | tensor 1's chunk | ...], so row r's bits
 are exactly what rank r receives."""
 from __future__ import annotations
@@ -85,10 +86,10 @@ class SignAllreduce:
         self.server_error.zero_()
 
     def bytes_per_call(self) -> dict[str, int]:
-        """Bytes handed to each collective per call (what the comms logger counts)."""
+        """Bytes handed to each collective per call (what the comms logger counts): every rank's sign
+        chunks with its scales to the all-to-all, the server chunk's signs and scales to the all-gather."""
         W, S, T = self.world, self.row, len(self.numels)
-        return {"signs_all_to_all": W * S // 8, "scales_all_gather": 4 * T, "server_signs_all_gather": S // 8,
-                "server_scales_all_gather": 4 * T}
+        return {"onebit_all_to_all": W * (S // 8 + 4 * T), "onebit_all_gather": S // 8 + 4 * T}
 
     # -- moving tensors in and out of the chunk-major work buffer ----------------------------------
     def _gather(self, tensors: Sequence[torch.Tensor]) -> None:
@@ -137,31 +138,36 @@ class SignAllreduce:
             return
         dist = _comm()
         W, S, T, L = self.world, self.row, len(self.numels), self.max_len
+        B = S // 8  # sign bytes of one rank's chunk row; each message row carries them and the T scales
         self._gather(tensors)
-        # phase 1: every rank compresses its whole buffer and sends rank r its chunk r
+        # phase 1: every rank compresses its whole buffer and sends rank r its chunk r, with its scales
         sumsq = torch.zeros(T, dtype=torch.float64, device=self.device)
         sign_codec.compensate(self.work, self.worker_error, self._segs_worker, sumsq, L)
         worker_scale = (sumsq / self._padded_f).sqrt().to(torch.float32)
-        bits = torch.empty(W * S // 8, dtype=torch.uint8, device=self.device)
+        bits = torch.empty(W * B, dtype=torch.uint8, device=self.device)
         sign_codec.pack(self.work, self.worker_error, bits, self._segs_worker, worker_scale, L)
-        recv = torch.empty_like(bits)
-        dist.all_to_all_single(recv, bits, group=self.group, log_name="onebit_signs_all_to_all")
-        scales = torch.empty(W * T, dtype=torch.float32, device=self.device)
-        dist.all_gather_into_tensor(scales, worker_scale, group=self.group, log_name="onebit_scales_all_gather")
+        send = torch.empty(W, B + 4 * T, dtype=torch.uint8, device=self.device)
+        send[:, :B] = bits.view(W, B)
+        send[:, B:] = worker_scale.view(torch.uint8)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group, log_name="onebit_all_to_all")
+        scales = recv[:, B:].contiguous().view(torch.float32).reshape(-1)  # rank j's scales at j * T
         # phase 2: this rank averages its chunk over the ranks and recompresses it
         scales.mul_(1.0 / W)
         server = self._server
         for j in range(W):
-            sign_codec.unpack(recv[j * S // 8:(j + 1) * S // 8], server, self._segs_server, scales[j * T:(j + 1) * T],
-                              j > 0, L)
+            sign_codec.unpack(recv[j, :B], server, self._segs_server, scales[j * T:(j + 1) * T], j > 0, L)
         sumsq.zero_()
         sign_codec.compensate(server, self.server_error, self._segs_server, sumsq, L)
         server_scale = (sumsq / self._chunk_f).sqrt().to(torch.float32)
-        server_bits = torch.empty(S // 8, dtype=torch.uint8, device=self.device)
-        sign_codec.pack(server, self.server_error, server_bits, self._segs_server, server_scale, L)
-        dist.all_gather_into_tensor(bits, server_bits, group=self.group, log_name="onebit_server_signs_all_gather")
-        dist.all_gather_into_tensor(scales, server_scale, group=self.group, log_name="onebit_server_scales_all_gather")
-        sign_codec.unpack(bits, self.work, self._segs_gathered, scales, False, L)
+        mine = torch.empty(B + 4 * T, dtype=torch.uint8, device=self.device)
+        sign_codec.pack(server, self.server_error, mine[:B], self._segs_server, server_scale, L)
+        mine[B:] = server_scale.view(torch.uint8)
+        gathered = torch.empty(W, B + 4 * T, dtype=torch.uint8, device=self.device)
+        dist.all_gather_into_tensor(gathered, mine, group=self.group, log_name="onebit_all_gather")
+        bits.view(W, B).copy_(gathered[:, :B])
+        server_scales = gathered[:, B:].contiguous().view(torch.float32).reshape(-1)
+        sign_codec.unpack(bits, self.work, self._segs_gathered, server_scales, False, L)
         self._scatter(tensors)
 
 
