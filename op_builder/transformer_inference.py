@@ -1,4 +1,4 @@
-from .multi_tensor import MT_COMMON, MultiTensorCUDABuilder
+from .multi_tensor import MultiTensorCUDABuilder
 
 
 class InferenceBuilder(MultiTensorCUDABuilder):
@@ -10,6 +10,6 @@ class InferenceBuilder(MultiTensorCUDABuilder):
     NAME = "transformer_inference"
 
     def sources(self) -> list[str]:
-        return [*MT_COMMON, "cuda/inference_norm.cu", "cuda/inference_rotary.cu", "cuda/inference_attention.cu",
+        return ["cuda/inference_norm.cu", "cuda/inference_rotary.cu", "cuda/inference_attention.cu",
                 "cuda/inference_softmax.cu",
                 "cuda/inference_activation.cu", "py/inference_binding.c"]

@@ -10,7 +10,7 @@
  *   bias_gelu(h, bias|None, approximate)
  *   silu_mul(gu, bias|None, out)                                                              */
 #include "dsc/tensor_view.h" /* Python.h first */
-#include "dsc/cuda_binding_util.h"
+#include <cuda_runtime_api.h> /* C-compatible: cudaGetErrorString */
 #include "dsc/inference_cuda.h"
 #include "dsc/module.h"
 
@@ -60,8 +60,31 @@ static int want_dims(const dsc_view *v, const char *name, int ndim, const int64_
 }
 
 static PyObject *finish(int rc, const char *fname) {
-    if (dsc_cuda_check(rc, fname) < 0) return NULL;
-    Py_RETURN_NONE;
+    if (rc == 0) Py_RETURN_NONE;
+    const char *what = rc > 0 ? cudaGetErrorString((cudaError_t)rc)
+                     : rc == DSC_CUDA_EDTYPE ? "unsupported dtype for this kernel"
+                     : "invalid argument (a size out of range or a missing pointer)";
+    PyErr_Format(PyExc_RuntimeError, "%s failed: %s (code %d)", fname, what, rc);
+    return NULL;
+}
+
+/* torch's current stream on the tensors' device (NULL is the legacy default stream). */
+static int stream_of(int device, cudaStream_t *stream) {
+    void *s = dsc_current_cuda_stream(device);
+    if (s == NULL && PyErr_Occurred()) return -1;
+    *stream = (cudaStream_t)s;
+    return 0;
+}
+
+static int flag_arg(PyObject *obj, const char *name, int *out) {
+    if (!PyBool_Check(obj) && !PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "argument '%s' must be a bool, got %R", name, (PyObject *)Py_TYPE(obj));
+        return -1;
+    }
+    const int v = PyObject_IsTrue(obj);
+    if (v < 0) return -1;
+    *out = v;
+    return 0;
 }
 
 static PyObject *py_add_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -84,7 +107,7 @@ static PyObject *py_add_norm(PyObject *self, PyObject *const *args, Py_ssize_t n
         return PyErr_Format(PyExc_ValueError, "add_norm takes rows of at most %d columns, got %lld",
                             DSC_INF_MAX_NORM_COLS, (long long)cols);
     cudaStream_t stream;
-    if (dsc_cuda_stream_arg(x.device_id, &stream) < 0) return NULL;
+    if (stream_of(x.device_id, &stream) < 0) return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = dsc_inf_add_norm(x.data, y.is_none ? NULL : y.data, bias.is_none ? NULL : bias.data, gamma.data,
@@ -136,7 +159,7 @@ static PyObject *py_qkv_rotary_cache(PyObject *self, PyObject *const *args, Py_s
         n_pos = cos.shape[0];
     }
     cudaStream_t stream;
-    if (dsc_cuda_stream_arg(qkv.device_id, &stream) < 0) return NULL;
+    if (stream_of(qkv.device_id, &stream) < 0) return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = dsc_inf_qkv_rotary_cache(qkv.data, bias.is_none ? NULL : bias.data, cos.is_none ? NULL : (const float *)cos.data,
@@ -192,7 +215,7 @@ static PyObject *py_attention(PyObject *self, PyObject *const *args, Py_ssize_t 
                                 "splits=%lld", (long long)need, (long long)splits);
     }
     cudaStream_t stream;
-    if (dsc_cuda_stream_arg(q.device_id, &stream) < 0) return NULL;
+    if (stream_of(q.device_id, &stream) < 0) return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = dsc_inf_attention(q.data, kc.data, vc.data, (const int32_t *)past.data,
@@ -232,7 +255,7 @@ static PyObject *py_masked_softmax(PyObject *self, PyObject *const *args, Py_ssi
                                 (long long)L, (long long)mask_stride);
     }
     cudaStream_t stream;
-    if (dsc_cuda_stream_arg(sc.device_id, &stream) < 0) return NULL;
+    if (stream_of(sc.device_id, &stream) < 0) return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = dsc_inf_masked_softmax(sc.data, rows, L, T, rows_per_batch, (const int32_t *)past.data,
@@ -251,10 +274,10 @@ static PyObject *py_bias_gelu(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (h.ndim < 1) return PyErr_Format(PyExc_ValueError, "argument 'h' must have at least one dimension");
     const int64_t cols = h.shape[h.ndim - 1], rows = cols ? h.numel / cols : 0;
     if (arg(args[1], "bias", ACT, 1, &h, "h", 1, &bias) < 0 || want_numel(&bias, "bias", cols) < 0 ||
-        dsc_flag_arg(args[2], "approximate", &approximate) < 0)
+        flag_arg(args[2], "approximate", &approximate) < 0)
         return NULL;
     cudaStream_t stream;
-    if (dsc_cuda_stream_arg(h.device_id, &stream) < 0) return NULL;
+    if (stream_of(h.device_id, &stream) < 0) return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = dsc_inf_bias_gelu(h.data, bias.is_none ? NULL : bias.data, rows, cols, approximate, cuda_dtype(h.dtype),
@@ -275,7 +298,7 @@ static PyObject *py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t n
         arg(args[2], "out", ACT, 0, &gu, "gu", 1, &out) < 0 || want_numel(&out, "out", rows * f) < 0)
         return NULL;
     cudaStream_t stream;
-    if (dsc_cuda_stream_arg(gu.device_id, &stream) < 0) return NULL;
+    if (stream_of(gu.device_id, &stream) < 0) return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = dsc_inf_silu_mul(gu.data, bias.is_none ? NULL : bias.data, out.data, rows, f, cuda_dtype(gu.dtype),
