@@ -116,6 +116,10 @@ class InjectedDecoder(torch.nn.Module):
         if output_attentions or output_hidden_states:
             raise NotImplementedError("output_attentions/output_hidden_states are not available from a "
                                       "kernel-injected model (the fused blocks keep no per-layer outputs)")
+        unsupported = [k for k in ("token_type_ids", "encoder_hidden_states", "head_mask")
+                       if kwargs.get(k) is not None]
+        if unsupported:
+            raise NotImplementedError(f"{', '.join(unsupported)} are not supported by a kernel-injected model")
         if attention_mask is not None and attention_mask.dim() != 2:
             raise ValueError(f"a kernel-injected model takes a 2D attention_mask [batch, past + new], "
                              f"got shape {tuple(attention_mask.shape)}")
