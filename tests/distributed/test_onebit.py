@@ -4,13 +4,16 @@ Each optimizer's run is replayed by a float64 simulation of its algorithm with e
 compression errors (tests/distributed/onebit_reference.py): the parameters after every one of the
 steps (warm-up and compressed) must match within fp32 tolerance. The gradients the optimizer saw
 must be identical on every rank exactly when the engine was to all-reduce them (warm-up, and 0/1
-Adam's variance steps) and differ otherwise (the engine skipped its all-reduce). In one 2-rank run
-also: the bytes the comms logger counts in the compressed phase (per step: the padded size / 8 of
-signs all-to-all'd plus a chunk / 8 all-gathered, each with the 4-byte scales; the signs are 1/32
-of an fp32 all-reduce's ring traffic, plus padding), a checkpoint saved and loaded in the compressed phase (a fresh engine
-continues with the losses of the engine that reloaded it), momentum masks, bf16 and fp16 training,
-and the loss at the end of a stated run (CONVERGENCE: 200 full-batch steps on 2 x 1024 samples) no
-more than 2% above the uncompressed optimizer's (Adam for 1-bit and 0/1 Adam, LAMB for 1-bit LAMB). Bad input (ZeRO, offload, backends) at the end."""
+Adam's variance steps) and differ otherwise (the engine skipped its all-reduce).
+
+In one 2-rank run also: the bytes the comms logger counts in the compressed phase (per step: the
+padded size / 8 of signs all-to-all'd plus a chunk / 8 all-gathered, each with the 4-byte scales;
+the signs are 1/32 of an fp32 all-reduce's ring traffic, plus padding); DeepSpeed's
+compressed_allreduce API against the simulation (result and both error buffers); a checkpoint
+saved and loaded in the compressed phase (a fresh engine continues with the losses of the engine
+that reloaded it); momentum masks; bf16 and fp16 training; the loss at the end of a stated run
+(CONVERGENCE: 200 full-batch steps on 2 x 1024 samples) no more than 2% above the uncompressed
+optimizer's (Adam for 1-bit and 0/1 Adam, LAMB for 1-bit LAMB). Bad input: tests/unit/test_onebit_codec.py."""
 from __future__ import annotations
 
 import numpy as np
@@ -139,6 +142,19 @@ def _features_body(rank: int, world: int, tmp: str) -> dict:
         resumed = _train(fresh, rank, 8, record=False)["loss"]
         out[f"ckpt_{name}"] = (reloaded, resumed, bool(fresh.enable_backward_allreduce))
 
+    # DeepSpeed's backend API: compressed_allreduce(buffer, worker_error, server_error, local_rank), twice
+    import torch
+
+    from deepspeed_c.runtime.comm.nccl import NcclBackend
+
+    unit = world * (world * 8 // np.gcd(world, 8))
+    padded = -(-37 // unit) * unit
+    werr, serr = torch.zeros(padded), torch.zeros(padded // world)
+    x = torch.randn(37, generator=torch.Generator().manual_seed(rank))
+    backend = NcclBackend()
+    results = [backend.compressed_allreduce(x.clone().view(37, 1), werr, serr, rank).view(-1).numpy() for _ in range(2)]
+    out["ds_api"] = (x.double().numpy(), results, werr.double().numpy(), serr.double().numpy())
+
     # momentum masks: once compressed, the masked rows' momentum is exactly zero, so they stop moving
     import torch
 
@@ -232,6 +248,14 @@ def test_onebit_2_ranks_simulation_bytes_checkpoint_precision_convergence(tmp_pa
             reloaded, resumed, allreduce_on = res[r][f"ckpt_{name}"]
             assert reloaded == resumed, f"{name} rank {r}: {reloaded} vs {resumed}"
             assert not allreduce_on, name  # loaded into the compressed phase: the engine stays off
+    comp = ref.Compressor(37, world)
+    for k in range(2):
+        want = comp([res[r]["ds_api"][0] for r in range(world)])[:37]
+        for r in range(world):
+            assert np.allclose(res[r]["ds_api"][1][k], want, rtol=1e-5, atol=1e-6), (k, r)
+    for r in range(world):
+        assert np.allclose(res[r]["ds_api"][2], comp.werr[r], atol=1e-5)
+        assert np.allclose(res[r]["ds_api"][3], comp.serr[r], atol=1e-5)
     assert all(res[r]["mask"] == (True, True, True) for r in range(world)), [res[r]["mask"] for r in range(world)]
     for precision in ("bf16", "fp16"):
         losses, params = r0[precision]

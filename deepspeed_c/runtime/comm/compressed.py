@@ -50,6 +50,8 @@ class SignAllreduce:
         self.world = dist.get_world_size(group=group)
         self.rank = dist.get_rank(group=group)
         self.device = torch.device(device or "cpu")
+        if self.device.type == "cuda" and self.device.index is None:  # tensors report cuda:N
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.numels = [int(n) for n in numels]
         self.persistent_pad = persistent_pad
         W, unit = self.world, padding_unit(self.world)
