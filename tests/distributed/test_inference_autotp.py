@@ -47,14 +47,16 @@ def _serve(kind: str, model: torch.nn.Module, ids: torch.Tensor, tp: int, **extr
     return rel, [bool(torch.equal(out, ref)), int(out.shape[1])], ",".join(layers)
 
 
-def _checkpoint(kind: str, tp: int, folder: str, ids: torch.Tensor, ref: torch.Tensor) -> float:
+def _checkpoint(kind: str, tp: int, folder: str, ids: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     import deepspeed_c
 
     with deepspeed_c.OnDevice(dtype=torch.float32, device="meta"):
         model = im.make(kind, seed=5, kv_heads=4)
     engine = deepspeed_c.init_inference(model, dtype=torch.float32, tensor_parallel={"tp_size": tp},
                                         checkpoint=os.path.join(folder, f"{kind}.json"), base_dir=folder)
-    return _rel(engine(input_ids=ids).logits, ref)
+    held = sum(p.numel() for p in engine.module.parameters())  # what this rank holds after loading
+    whole = sum(p.numel() for p in im.make(kind, seed=5, kv_heads=4).parameters())
+    return _rel(engine(input_ids=ids).logits, ref), held / whole
 
 
 def _save_two_files(kind: str, folder: str, rank: int) -> torch.nn.Module:
@@ -165,7 +167,10 @@ def test_init_inference_autotp_matches_unsharded(tmp_path):
         assert len(res["int8"]) == 2 and max(res["int8"].values()) < 2e-3, res["int8"]  # fp16 activations
         assert len(res["logits"]) == 3 and max(res["logits"].values()) < 1e-5, res["logits"]
         assert res["pipeline"][0] == res["pipeline"][1] and res["pipeline"][0].startswith("w3 w9 w27"), res["pipeline"]
-        assert len(res["checkpoint"]) == 6 and max(res["checkpoint"].values()) < 1e-5, res["checkpoint"]
+        ckpt = res["checkpoint"]
+        assert len(ckpt) == 6 and max(rel for rel, _ in ckpt.values()) < 1e-5, ckpt
+        for kind in ("llama", "gpt2"):  # a rank holds its shards, not the whole model (norms stay replicated)
+            assert ckpt[f"{kind}/tp1"][1] == 1.0 and ckpt[f"{kind}/tp4"][1] < 0.5, ckpt
         errs = res["errors"]
         assert "tp_size=3" in errs["world"] and "world size 4" in errs["world"], errs["world"]
         assert "tp_size=4" in errs["heads"] and "=2" in errs["heads"], errs["heads"]
@@ -173,4 +178,4 @@ def test_init_inference_autotp_matches_unsharded(tmp_path):
         assert "float64" in errs["dtype"] and "dtype" in errs["dtype"], errs["dtype"]
         assert "max_out_tokens=5" in errs["max_out"] and "size 7" in errs["max_out"], errs["max_out"]
     # every rank of a group served the same tokens as the one-process model (checked above per rank)
-    assert np.isfinite([r["checkpoint"]["llama/tp4"] for r in results]).all()
+    assert np.isfinite([r["checkpoint"]["llama/tp4"][0] for r in results]).all()

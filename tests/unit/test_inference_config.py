@@ -107,3 +107,10 @@ def test_int8_weight_only(kind):
     assert engine.module.get_output_embeddings().weight.dtype == torch.float16
     tokens = engine.generate(input_ids=ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert torch.equal(tokens, ref_model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, pad_token_id=0))
+
+
+def test_meta_model_without_checkpoint_raises():
+    with deepspeed_c.OnDevice(dtype=torch.float32, device="meta"):
+        model = im.make("llama")
+    with pytest.raises(ValueError, match="meta device"):
+        deepspeed_c.init_inference(model, dtype="fp32")
