@@ -10,7 +10,7 @@ logs and JUnit files go to $OUT (or /tmp/gpu_parity). Exit status 1 when anythin
 or when nothing ran at all.
 
     bash scripts/gpu_parity.sh            # all suites, 4 at a time
-    bash scripts/gpu_parity.sh -j 2 zero pipe
+    bash scripts/gpu_parity.sh -j 2 zero12 pipe
 """
 from __future__ import annotations
 
@@ -35,10 +35,11 @@ SUITES: dict[str, list[str]] = {
     "pipe": [D + "test_pipe_parity.py"],
     "checkpoint-reshard": [D + "test_checkpoint_zero.py", D + "test_checkpoint_reshard_matrix.py"],
     "offload": [D + "test_zero_offload.py"],
-    "zero0": [D + "test_engine_parity.py"],
+    "zero0": [D + "test_engine_parity.py", D + "test_engine_parity_gpu.py"],  # the latter: bf16, GPU only
     "sp": [D + "test_ulysses_attention.py", D + "test_ulysses_engine.py"],
     "tp": [D + "test_tp_autotp.py"],
     "harness": ["tests/unit/test_harness.py"],
+    "comm": [D + "test_comm_collectives.py", "-k", "nccl"],  # pytest arguments: its NCCL case only
 }
 # what a suite needs beyond the harness's own modules (a suite whose module is missing is reported NOT RUN)
 NEEDS: dict[str, list[str]] = {"tp": ["transformers"]}
@@ -78,10 +79,10 @@ def _parse(res: Result, xml_path: str) -> None:
             res.passed += 1
 
 
-def _start(name: str, files: list[str], out: str, env: dict[str, str]) -> tuple[subprocess.Popen, float]:
+def _start(name: str, pytest_args: list[str], out: str, env: dict[str, str]) -> tuple[subprocess.Popen, float]:
     xml = os.path.join(out, f"{name}.xml")
     log = open(os.path.join(out, f"{name}.log"), "w")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", f"--junitxml={xml}", *files]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", f"--junitxml={xml}", *pytest_args]
     # its own session: on timeout the whole tree (pytest, fork server, ranks) is killed
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()
