@@ -118,10 +118,8 @@ def configure_zero_optimizer(engine: Any) -> DeepSpeedZeroOptimizer:
                          and parse_dtype(cfg.grad_accum_dtype, "data_types.grad_accum_dtype") == torch.float32),
         nvme_offload=_nvme_offload_args(engine, stage))
     sp = getattr(engine.mpu, "sequence_parallel_size", 1)  # Ulysses: gradients summed over the sequence ranks
-    if sp > 1 and (stage == 3 or engine.has_moe_layers):
-        raise NotImplementedError(f"deepspeed_c: sequence_parallel_size={sp} (Ulysses) with "
-                                  f"{'zero_optimization.stage 3' if stage == 3 else 'MoE layers'} is not built; use "
-                                  "ZeRO stage 0, 1 or 2 without MoE layers")
+    if sp > 1 and engine.has_moe_layers:
+        raise NotImplementedError(f"deepspeed_c: sequence_parallel_size={sp} (Ulysses) with MoE layers is not built")
     if engine.has_moe_layers:
         if stage == 3:
             raise NotImplementedError("zero_optimization.stage 3 with MoE layers is not built (DeepSpeed 0.19.8 refuses "
@@ -135,7 +133,7 @@ def configure_zero_optimizer(engine: Any) -> DeepSpeedZeroOptimizer:
         from deepspeed_c.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
         optimizer = DeepSpeedZeroOptimizer_Stage3(engine.module, basic, store_args=zero3_store_args(engine),
-                                                  zero_cfg=zero_cfg, **common)
+                                                  zero_cfg=zero_cfg, sequence_parallel_size=sp, **common)
     else:
         optimizer = DeepSpeedZeroOptimizer(basic, stage=stage, sequence_parallel_size=sp, **common)
         if getattr(engine.mpu, "autotp", False) and engine.mpu.get_model_parallel_world_size() > 1:
