@@ -162,6 +162,17 @@ class InferenceEngine(nn.Module):
             torch.cuda.set_rng_state(cuda_state.cpu())
 
     # ---- serving -------------------------------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        """Anything else is the model's (device, generation_config, can_generate...), so DeepSpeed's tutorial
+        pattern `pipe.model = init_inference(pipe.model, ...)` keeps a Hugging Face pipeline working."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None or name.startswith("__"):
+                raise
+            return getattr(module, name)
+
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         return self.module(*inputs, **kwargs)
 

@@ -7,7 +7,8 @@ One 4-rank gloo run, fp32, tensor_parallel.tp_size 1, 2 and 4 (TP 2: groups {0,1
 - T5 (encoder-decoder, relative attention bias) at TP 4 by AutoTP and at TP 2 by DeepSpeed's tutorial
   injection_policy {T5Block: ('SelfAttention.o', 'EncDecAttention.o', 'DenseReluDense.wo')};
 - dtype=torch.int8 (weight-only) at TP 2 against the unsharded model with int8-rounded weights in fp16;
-- a Hugging Face pipeline("text-generation", model=engine.module, tokenizer=...) returns the same text;
+- a Hugging Face pipeline("text-generation", model=engine.module, tokenizer=...) returns the same text, and so
+  does one whose model is replaced by the engine (`pipe.model = init_inference(pipe.model)`, the tutorial's way);
 - injection_policy={GPT2Block: ('attn.c_proj', 'mlp.c_proj')} shards like AutoTP;
 - a LLaMA and a GPT-2 saved in 2 files (torch.save and safetensors), described by a DeepSpeed checkpoint JSON, built on the meta device and
   loaded file by file at TP 1, 2 and 4 give the unsharded model's logits;
@@ -131,7 +132,10 @@ def body(rank: int, world: int, folder: str) -> dict:
         engine = deepspeed_c.init_inference(copy.deepcopy(model), dtype="fp32", tensor_parallel={"tp_size": 4})
         text = pipeline("text-generation", model=engine.module, tokenizer=tok)("w3 w9 w27", max_new_tokens=NEW,
                                                                                do_sample=False)
-        out["pipeline"] = [ref_text[0]["generated_text"], text[0]["generated_text"]]
+        tutorial = pipeline("text-generation", model=im.make("gpt2"), tokenizer=tok)
+        tutorial.model = engine  # DeepSpeed's tutorial: pipe.model = deepspeed.init_inference(pipe.model, ...)
+        again = tutorial("w3 w9 w27", max_new_tokens=NEW, do_sample=False)
+        out["pipeline"] = [ref_text[0]["generated_text"], text[0]["generated_text"], again[0]["generated_text"]]
         out["checkpoint"] = {}
         for kind in ("llama", "gpt2"):
             ref = _save_two_files(kind, folder, rank)(input_ids=ids).logits
@@ -166,7 +170,7 @@ def test_init_inference_autotp_matches_unsharded(tmp_path):
         assert len(res["t5"]) == 2 and all(r[0] < 1e-5 and r[1] and r[2] == 0 for r in res["t5"].values()), res["t5"]
         assert len(res["int8"]) == 2 and max(res["int8"].values()) < 2e-3, res["int8"]  # fp16 activations
         assert len(res["logits"]) == 3 and max(res["logits"].values()) < 1e-5, res["logits"]
-        assert res["pipeline"][0] == res["pipeline"][1] and res["pipeline"][0].startswith("w3 w9 w27"), res["pipeline"]
+        assert res["pipeline"][0] == res["pipeline"][1] == res["pipeline"][2] and res["pipeline"][0].startswith("w3 w9 w27"), res["pipeline"]
         ckpt = res["checkpoint"]
         assert len(ckpt) == 6 and max(rel for rel, _ in ckpt.values()) < 1e-5, ckpt
         for kind in ("llama", "gpt2"):  # a rank holds its shards, not the whole model (norms stay replicated)
