@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from tests.distributed import onebit_reference as ref
-from tests.harness import run_distributed
+from tests.harness import rank_device, run_distributed
 
 STEPS = 50
 LR = 1e-2
@@ -73,18 +73,19 @@ def _train(engine, rank: int, steps: int, record: bool = True, n: int = 32) -> d
     import torch
 
     x, y = _data(rank, n)
-    x, y = x.to(engine.module.net[0].weight.dtype), y.to(engine.module.net[0].weight.dtype)
+    dtype = engine.module.net[0].weight.dtype
+    x, y = x.to(engine.device, dtype), y.to(engine.device, dtype)
     out = {"loss": [], "grads": [], "params": [], "allreduce": []}
     for _ in range(steps):
         out["allreduce"].append(bool(engine.enable_backward_allreduce))
         loss = torch.nn.functional.mse_loss(engine(x), y)
         engine.backward(loss)
         if record:
-            out["grads"].append([p.grad.detach().double().numpy().copy() for p in engine.module.parameters()])
+            out["grads"].append([p.grad.detach().double().cpu().numpy().copy() for p in engine.module.parameters()])
         engine.step()
         out["loss"].append(float(loss.detach()))
         if record:
-            out["params"].append([p.detach().double().numpy().copy() for p in engine.module.parameters()])
+            out["params"].append([p.detach().double().cpu().numpy().copy() for p in engine.module.parameters()])
     return out
 
 
@@ -92,8 +93,8 @@ def _eval_loss(engine, world: int, n: int) -> float:
     import torch
 
     with torch.no_grad():
-        losses = [float(torch.nn.functional.mse_loss(engine.module(_data(r, n)[0]), _data(r, n)[1]))
-                  for r in range(world)]
+        losses = [float(torch.nn.functional.mse_loss(engine.module(_data(r, n)[0].to(engine.device)),
+                                                     _data(r, n)[1].to(engine.device))) for r in range(world)]
     return float(np.mean(losses))
 
 
@@ -149,11 +150,13 @@ def _features_body(rank: int, world: int, tmp: str) -> dict:
 
     unit = world * (world * 8 // np.gcd(world, 8))
     padded = -(-37 // unit) * unit
-    werr, serr = torch.zeros(padded), torch.zeros(padded // world)
-    x = torch.randn(37, generator=torch.Generator().manual_seed(rank))
+    dev = rank_device()
+    werr, serr = torch.zeros(padded, device=dev), torch.zeros(padded // world, device=dev)
+    x = torch.randn(37, generator=torch.Generator().manual_seed(rank)).to(dev)
     backend = NcclBackend()
-    results = [backend.compressed_allreduce(x.clone().view(37, 1), werr, serr, rank).view(-1).numpy() for _ in range(2)]
-    out["ds_api"] = (x.double().numpy(), results, werr.double().numpy(), serr.double().numpy())
+    results = [backend.compressed_allreduce(x.clone().view(37, 1), werr, serr, rank).view(-1).cpu().numpy()
+               for _ in range(2)]
+    out["ds_api"] = (x.double().cpu().numpy(), results, werr.double().cpu().numpy(), serr.double().cpu().numpy())
 
     # momentum masks: once compressed, the masked rows' momentum is exactly zero, so they stop moving
     import torch
@@ -179,7 +182,7 @@ def _features_body(rank: int, world: int, tmp: str) -> dict:
     for precision in ("bf16", "fp16"):
         engine = _engine("OneBitAdam", {"lr": LR, "freeze_step": 5}, precision=precision)
         run = _train(engine, rank, 20, record=False)
-        out[precision] = (run["loss"], [p.detach().float().numpy() for p in engine.module.parameters()])
+        out[precision] = (run["loss"], [p.detach().float().cpu().numpy() for p in engine.module.parameters()])
 
     # the stated run (CONVERGENCE): 200 full-batch steps on each rank's 1024 samples, the loss over every rank's data
     final = {}
