@@ -1,8 +1,9 @@
 """Autotuning against exhaustive search over the same space (issue 20's GPU bar):
 
-    python benchmarks/autotuning_vs_exhaustive.py --device cuda          # ~1B GPT (0.94B params), one GPU
+    python benchmarks/autotuning_vs_exhaustive.py --device cuda --max_mbs 8 --start_step 2 --end_step 5
+        # ~1B GPT (0.94B params), one GPU: 16 experiments + 2 probes
     python benchmarks/autotuning_vs_exhaustive.py --device cpu --d 64 --layers 2 --heads 2 --vocab 512 --seq 64 \\
-        --max_mbs 4 --num_gpus 2 --memory_budget 6e6                    # CPU smoke, a few minutes
+        --max_mbs 4 --num_gpus 1 --memory_budget 6e6 --start_step 1 --end_step 3   # CPU smoke, ~6 min on 2 cores
 
 Runs `deepspeed_c --autotuning tune` on benchmarks/autotuning_gpt_train.py exhaustively (gridsearch:
 every point of the space is launched) over ZeRO stage x activation checkpointing x micro-batch
