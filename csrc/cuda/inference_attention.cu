@@ -15,6 +15,15 @@ using namespace dsc_inf;
 constexpr int WARPS = 4;
 constexpr int TILE = 32;
 
+// VEC elements of T in one 16-byte load (the caller guarantees 16-byte alignment: the cache is
+// torch-allocated and every offset is a multiple of D, itself a multiple of VEC).
+template <typename T> __device__ __forceinline__ void load16(const T *p, float *out) {
+    const uint4 raw = *reinterpret_cast<const uint4 *>(p);
+    const T *e = reinterpret_cast<const T *>(&raw);
+#pragma unroll
+    for (int i = 0; i < (int)(16 / sizeof(T)); i++) out[i] = load(e + i);
+}
+
 struct AttnArgs {
     const int32_t *past;
     const int32_t *key_mask;
@@ -22,6 +31,7 @@ struct AttnArgs {
     float *workspace;
     int splits, B, T, H, Hkv, D, S;
     float scale;
+    bool vec;  // K/V rows may be read 16 bytes at a time (D a multiple of the vector, 16-byte aligned)
 };
 
 template <typename T, int DPL>
@@ -29,6 +39,7 @@ __global__ void __launch_bounds__(WARPS * 32) attention_kernel(const T *__restri
                                                                const T *__restrict__ vc, T *__restrict__ out,
                                                                AttnArgs a) {
     extern __shared__ float smem[];
+    constexpr int VEC = 16 / sizeof(T);
     const int D = a.D, DS = D | 1;  // odd row stride: lane j reading row j of the K tile hits distinct banks
     float *q_s = smem;                  // [WARPS][D]
     float *k_s = q_s + WARPS * D;       // [TILE][DS]
@@ -63,11 +74,31 @@ __global__ void __launch_bounds__(WARPS * 32) attention_kernel(const T *__restri
 
     for (int j0 = k_begin; j0 < k_end; j0 += TILE) {
         __syncthreads();  // the previous tile is consumed (and q_s written, first time)
-        for (int e = threadIdx.x; e < TILE * D; e += blockDim.x) {
-            const int jj = e / D, d = e - jj * D, j = j0 + jj;
-            const bool in = j < k_end;
-            k_s[jj * DS + d] = in ? load(kc + kv_base + (int64_t)j * D + d) : 0.f;
-            v_s[jj * D + d] = in ? load(vc + kv_base + (int64_t)j * D + d) : 0.f;
+        if (a.vec) {  // 16-byte loads: decode streams the whole cache, bandwidth is the cost
+            const int dv = D / VEC;
+            for (int e = threadIdx.x; e < TILE * dv; e += blockDim.x) {
+                const int jj = e / dv, c = (e - jj * dv) * VEC, j = j0 + jj;
+                float kf[VEC], vf[VEC];
+                if (j < k_end) {
+                    load16(kc + kv_base + (int64_t)j * D + c, kf);
+                    load16(vc + kv_base + (int64_t)j * D + c, vf);
+                } else {
+#pragma unroll
+                    for (int i = 0; i < VEC; i++) kf[i] = vf[i] = 0.f;
+                }
+#pragma unroll
+                for (int i = 0; i < VEC; i++) {
+                    k_s[jj * DS + c + i] = kf[i];
+                    v_s[jj * D + c + i] = vf[i];
+                }
+            }
+        } else {
+            for (int e = threadIdx.x; e < TILE * D; e += blockDim.x) {
+                const int jj = e / D, d = e - jj * D, j = j0 + jj;
+                const bool in = j < k_end;
+                k_s[jj * DS + d] = in ? load(kc + kv_base + (int64_t)j * D + d) : 0.f;
+                v_s[jj * D + d] = in ? load(vc + kv_base + (int64_t)j * D + d) : 0.f;
+            }
         }
         __syncthreads();
         if (!live) continue;
@@ -147,7 +178,9 @@ __global__ void combine_kernel(const float *__restrict__ ws, T *__restrict__ out
 }
 
 template <typename T, int DPL>
-int launch(const void *q, const void *kc, const void *vc, void *out, const AttnArgs &a, cudaStream_t stream) {
+int launch(const void *q, const void *kc, const void *vc, void *out, AttnArgs a, cudaStream_t stream) {
+    const int vec = 16 / sizeof(T);
+    a.vec = a.D % vec == 0 && reinterpret_cast<uintptr_t>(kc) % 16 == 0 && reinterpret_cast<uintptr_t>(vc) % 16 == 0;
     const int rows = a.T * (a.H / a.Hkv);
     dim3 grid((rows + WARPS - 1) / WARPS, a.B * a.Hkv, a.splits);
     const size_t smem = sizeof(float) * ((size_t)WARPS * a.D + (size_t)TILE * (a.D | 1) + (size_t)TILE * a.D);
@@ -176,7 +209,7 @@ extern "C" int dsc_inf_attention(const void *q, const void *k_cache, const void 
     DeviceGuard guard(device);
     if (guard.error() != 0) return guard.error();
     AttnArgs a{past, key_mask, mask_stride, workspace, (int)splits, (int)B, (int)T, (int)H, (int)Hkv, (int)D, (int)S,
-               scale};
+               scale, false};
     const int need = (int)((D + 31) / 32);
     return dispatch(dtype, [&](auto *tag) {
         using E = std::remove_pointer_t<decltype(tag)>;
