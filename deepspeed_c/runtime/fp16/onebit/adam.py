@@ -83,7 +83,10 @@ class OnebitAdam(OnebitOptimizer):
                 self.apply_mask_(group, self.state[p]["exp_avg"])
         for group, p, _ in work:
             state = self.state[p]
-            update = state["exp_avg"] / (state["exp_avg_sq"].sqrt() + group["eps"])
+            if self.adam_freeze_key:
+                update = state["exp_avg"] / self.denominator(p, state["exp_avg_sq"], group["eps"])
+            else:
+                update = state["exp_avg"] / (state["exp_avg_sq"].sqrt() + group["eps"])
             if group["weight_decay"] > 0.0:
                 update.add_(p.detach(), alpha=group["weight_decay"])
             p.add_(update.to(p.dtype), alpha=-group["lr"])

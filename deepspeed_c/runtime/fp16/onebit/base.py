@@ -73,6 +73,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
         """Drops every error buffer (they restart at zero): on checkpoint load, and where DeepSpeed
         re-initialises them."""
         self._plans = {}
+        self.forget_denominators()
 
     def compressed_average_(self, key: str, tensors: list[torch.Tensor], persistent_pad: bool = False) -> None:
         """In place: each tensor becomes the compressed average over the data-parallel ranks."""
@@ -85,6 +86,20 @@ class OnebitOptimizer(torch.optim.Optimizer):
         for t, f in zip(tensors, flat):
             if f is not t:
                 t.copy_(f)
+
+    def denominator(self, p: torch.Tensor, exp_avg_sq: torch.Tensor, eps: float) -> torch.Tensor:
+        """sqrt(exp_avg_sq) + eps, kept while exp_avg_sq is unchanged (the variance is frozen once
+        compression starts, so the same tensor serves every later step: one pass saved per step)."""
+        cache = self.__dict__.setdefault("_denominators", {})
+        hit = cache.get(id(p))
+        if hit is not None and hit[0] is exp_avg_sq and hit[1] == exp_avg_sq._version and hit[2] == eps:
+            return hit[3]
+        denom = exp_avg_sq.sqrt().add_(eps)
+        cache[id(p)] = (exp_avg_sq, exp_avg_sq._version, eps, denom)
+        return denom
+
+    def forget_denominators(self) -> None:
+        self.__dict__.pop("_denominators", None)
 
     @staticmethod
     def apply_mask_(group: dict, tensor: torch.Tensor) -> None:

@@ -99,7 +99,10 @@ class ZeroOneAdam(OnebitOptimizer):
         syncing = []
         for group, p, _ in work:
             state = self.state[p]
-            update = state["exp_avg"] / (state["exp_avg_sq"].sqrt() + group["eps"])
+            if self.freeze_key:
+                update = state["exp_avg"] / self.denominator(p, state["exp_avg_sq"], group["eps"])
+            else:
+                update = state["exp_avg"] / (state["exp_avg_sq"].sqrt() + group["eps"])
             if group["weight_decay"] > 0.0:
                 update.add_(p.detach(), alpha=group["weight_decay"])
             p.add_(update.to(p.dtype), alpha=-group["lr"])
@@ -140,7 +143,7 @@ class ZeroOneAdam(OnebitOptimizer):
             state = self.state[p]
             acc = state["momentum_accumulator"]
             p.sub_(acc.to(p.dtype))  # undo the local moves since the last synchronisation
-            acc.mul_(state["exp_avg_sq"].sqrt() + group["eps"])
+            acc.mul_(self.denominator(p, state["exp_avg_sq"], group["eps"]))
             buffers.append(acc)
         self.compressed_average_("errors", buffers)
         for group, p in syncing:
@@ -148,7 +151,7 @@ class ZeroOneAdam(OnebitOptimizer):
             acc = state["momentum_accumulator"]
             self.apply_mask_(group, acc)
             state["exp_avg"].zero_().add_(acc / state["lrs"], alpha=-1)
-            p.add_((acc / (state["exp_avg_sq"].sqrt() + group["eps"])).to(p.dtype))
+            p.add_((acc / self.denominator(p, state["exp_avg_sq"], group["eps"])).to(p.dtype))
             acc.zero_()
             state["lrs"] = 0.0
 
