@@ -101,7 +101,13 @@ class InferenceEngine(nn.Module):
                                  "together (the policy asks for AutoTP of the named layers)")
             self._autotp(cfg.injection_policy, files)
             return
-        if cfg.replace_with_kernel_inject:
+        if cfg.replace_with_kernel_inject and (self.mp_world_size > 1 or cfg.dtype == torch.int8):
+            # the fused blocks run unsharded and in fp32/fp16/bf16: a DeepSpeed script asking for both still runs
+            what = f"tensor_parallel.tp_size={self.mp_world_size}" if self.mp_world_size > 1 else "dtype=torch.int8"
+            warnings.warn(f"init_inference: replace_with_kernel_inject=True with {what}: deepspeed_c's fused blocks "
+                          "run on one device in fp32/fp16/bf16; running AutoTP (int8 weight-only where asked) instead",
+                          stacklevel=4)
+        elif cfg.replace_with_kernel_inject:
             if files is not None:  # the fused blocks take their weights from the loaded Hugging Face modules
                 load_checkpoint_shards(self.module, files, cfg.dtype)
                 files = None

@@ -114,3 +114,10 @@ def test_meta_model_without_checkpoint_raises():
         model = im.make("llama")
     with pytest.raises(ValueError, match="meta device"):
         deepspeed_c.init_inference(model, dtype="fp32")
+
+
+def test_kernel_inject_with_int8_falls_back_with_warning():
+    with pytest.warns(UserWarning, match="dtype=torch.int8"):
+        engine = deepspeed_c.init_inference(im.make("gpt2"), dtype=torch.int8, replace_with_kernel_inject=True)
+    assert not engine.injected
+    assert any(p.dtype == torch.int8 for p in engine.module.parameters())
