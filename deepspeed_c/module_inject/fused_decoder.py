@@ -34,6 +34,10 @@ class InjectedCache:
     def __len__(self) -> int:
         return len(self.owner.layers)
 
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Beam search: batch row i continues from row beam_idx[i]."""
+        self.owner._reorder(self, beam_idx)
+
 
 class InjectedDecoder(torch.nn.Module):
     def __init__(self, hf_config: Any, spec: BlockSpec, blocks: list[FusedDecoderBlock],
@@ -104,6 +108,16 @@ class InjectedDecoder(torch.nn.Module):
         self._epoch += 1
         self._past = 0
         return 0
+
+    def _reorder(self, handle: InjectedCache, beam_idx: torch.Tensor) -> None:
+        if handle.epoch != self._epoch or handle.length != self._past or self._cache is None:
+            raise ValueError("reorder_cache on a cache handle of an earlier sequence")
+        idx = beam_idx.to(device=self._cache.device, dtype=torch.long)
+        n = self._past
+        with torch.no_grad():  # in place: captured graphs keep the cache's address
+            live = self._cache[:, :, :, :, :n]
+            live.copy_(live.index_select(2, idx))
+            self._mask.copy_(self._mask.index_select(0, idx))
 
     # --- forward ----------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,

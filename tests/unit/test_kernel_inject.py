@@ -1,7 +1,7 @@
 """Kernel injection on the host (the torch reference of every fused kernel): injected tiny GPT-2,
 LLaMA (GQA 5:1, 5 heads), Mistral (GQA 3:1) and Qwen2 (q/k/v biases) give HF eager's greedy tokens
 for 64 new tokens through `generate()` and its logits at every step (fp32); a left-padded batch
-with an attention mask; the errors (KV cache overflow past max_out_tokens, a stale cache handle,
+with an attention mask; beam search (the cache reordered); the errors (KV cache overflow past max_out_tokens, a stale cache handle,
 tp_size > 1, an architecture without kernels returns None)."""
 from __future__ import annotations
 
@@ -37,6 +37,14 @@ def test_left_padded_batch_with_attention_mask(kind):
     seq_inj, logits_inj = greedy(inj, ids, 16, mask)
     assert torch.equal(seq_inj, seq_ref)
     torch.testing.assert_close(logits_inj, logits_ref, rtol=1e-4, atol=1e-4)
+
+
+def test_beam_search_equals_hf_eager():
+    ref, inj = injected_pair("llama")
+    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
+    kw = dict(max_new_tokens=12, min_new_tokens=12, num_beams=3, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(inj.generate(ids, **kw), ref.generate(ids, **kw))
 
 
 def test_errors():
