@@ -2,7 +2,7 @@
 over random shapes: odd head counts and head dims, GQA ratios 1-8, query lengths and cache
 lengths that are not multiples of the 32-key tile, padding masks, split-key decode; fp32, fp16 and
 bf16. Then kernel-injected GPT-2 and LLaMA-family models on the GPU: the same 64 greedy tokens as
-HF eager in fp32 (with and without CUDA graphs, left-padded batches included) and bf16/fp16 logits
+HF eager in fp32 (with and without CUDA graphs, left-padded batches and beam search included) and bf16/fp16 logits
 no further from the fp32 model's than HF eager's own in that dtype allows."""
 from __future__ import annotations
 
@@ -182,6 +182,10 @@ def test_injected_fp32_greedy_equals_hf_eager(kind, graphs):
     seq_inj, logits_inj = greedy(inj, ids, 32, mask)
     assert torch.equal(seq_inj, seq_ref)
     torch.testing.assert_close(logits_inj, logits_ref, rtol=1e-3, atol=1e-3)
+    # beam search reorders the cache in place (under the captured graph too)
+    kw = dict(max_new_tokens=12, min_new_tokens=12, num_beams=3, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(inj.generate(ids[:1], **kw), ref.generate(ids[:1], **kw))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
