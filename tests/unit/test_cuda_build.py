@@ -13,10 +13,11 @@ from op_builder.fused_lion import FusedLionBuilder
 from op_builder.moe_gating import MoEGatingCUDABuilder
 from op_builder.multi_tensor import MultiTensorOpsBuilder
 from op_builder.onebit import OnebitCUDABuilder
+from op_builder.quantizer import QuantizerCUDABuilder
 from op_builder.transformer_inference import InferenceBuilder
 
 CUDA_BUILDERS = [MultiTensorOpsBuilder, FusedAdamBuilder, FusedLambBuilder, FusedLionBuilder, MoEGatingCUDABuilder,
-                 InferenceBuilder, OnebitCUDABuilder]
+                 InferenceBuilder, OnebitCUDABuilder, QuantizerCUDABuilder]
 EXPECTED = {
     "multi_tensor_ops": {"l2norm", "scale", "copy", "flatten", "unflatten", "adam_epilogue",
                          "tensors_per_launch", "chunk_elems"},
@@ -25,7 +26,9 @@ EXPECTED = {
     "fused_lion": {"multi_tensor_lion"},
     "moe_gating_cuda": {"select", "counts", "plan", "dispatch", "combine", "route_dots"},
     "onebit_cuda": {"compensate", "pack", "unpack"},
-    "transformer_inference": {"add_norm", "qkv_rotary_cache", "attention", "bias_gelu", "silu_mul"},
+    "quantizer_cuda": {"quantize", "dequantize", "dequantize_sum"},
+    "transformer_inference": {"add_norm", "qkv_rotary_cache", "attention", "masked_softmax", "bias_gelu",
+                              "silu_mul"},
 }
 no_nvcc = pytest.mark.skipif(toolchain.nvcc() is None or not toolchain.cudart_static_available(),
                              reason="nvcc and libcudart_static are needed to compile the CUDA ops")

@@ -104,3 +104,13 @@ def test_front_end_shapes_and_bad_arguments() -> None:
         op.dequantize(torch.empty(10), torch.empty(3), 1, 4, 8, torch.empty(10))
     with pytest.raises(ValueError, match="'q'"):
         op.dequantize_sum(q, s, 2, 4, 4, torch.empty(7))  # segments of 7 elements take 4 bytes each, not 3
+
+
+@pytest.mark.skipif(__import__("op_builder").toolchain.nvcc() is None, reason="nvcc is needed to build quantizer_cuda")
+def test_cuda_binding_refuses_host_tensors_naming_them() -> None:
+    """The CUDA build (compiled here without a GPU) validates before any CUDA call."""
+    from deepspeed_c.ops.op_builder import QuantizerCUDABuilder
+
+    op = QuantizerCUDABuilder().load()
+    with pytest.raises(ValueError, match="'x' must be on the cuda device"):
+        op.quantize(torch.zeros(8), 1, 8, 8, torch.empty(8, dtype=torch.uint8), torch.empty(1))
