@@ -97,13 +97,22 @@ class EngineIO:
                 logger.info("Did not save the model %s because stage3_gather_16bit_weights_on_model_save is "
                             "False", os.path.join(save_dir, save_filename))
                 return False
-            consolidated = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
         from deepspeed_c.module_inject.tp_state import gathered_state_dict, has_tp_layers
 
         tp_sharded = has_tp_layers(self.module)
+        if self.zero_optimization_partition_weights() and not tp_sharded:
+            consolidated = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
         if tp_sharded:  # AutoTP: the whole weights, gathered over each TP group (collective: before rank 0 writes)
-            consolidated = clone_tensors_for_torch_save(gathered_state_dict(self.module, self.module_state_dict(
-                exclude_frozen_parameters=exclude_frozen_parameters)))
+            import contextlib
+
+            from deepspeed_c.runtime.zero.partition_parameters import GatheredParameters
+
+            # ZeRO-3 under AutoTP: each rank's TP shards gathered from their data-parallel partitions first
+            whole = GatheredParameters(list(self.module.parameters())) if self.zero_optimization_partition_weights() \
+                else contextlib.nullcontext()
+            with whole:
+                consolidated = clone_tensors_for_torch_save(gathered_state_dict(self.module, self.module_state_dict(
+                    exclude_frozen_parameters=exclude_frozen_parameters)))
         # rank 0 writes; a failure there (unwritable directory, full disk) raises on every rank
         with rank_local_step("save_16bit_model (rank 0 writing the file)"):
             if rank == 0:

@@ -5,7 +5,7 @@ a tiny LLaMA (GQA) and a tiny GPT-2 (Conv1D, fused c_attn) built from transforme
 only, OPT, BLOOM, Qwen2, Mistral and Phi-3).
 Each rank also trains the unsharded model alone on the whole global batch with torch.optim.Adam:
 the sharded model's logits, its 10 losses and its gathered weights must match it, at ZeRO stages
-0, 1 and 2 on the data-parallel axis. The same run checks the bad-input errors.
+0, 1, 2 and 3 on the data-parallel axis (1-3 and one stage-0 run with gradient clipping); fp16 at ZeRO 2. The same run checks the bad-input errors.
 Under DSC_TEST_BACKEND=nccl the sharded models run one GPU a rank (their data on rank_device()); the
 unsharded references stay on the CPU; same tolerances."""
 from __future__ import annotations
@@ -25,7 +25,8 @@ def _config(tp: int, stage: int, clip: float = 0.0) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
             "gradient_clipping": clip,
             "optimizer": {"type": "Adam", "params": {"lr": LR, "weight_decay": 0.0, "eps": EPS}},
-            "zero_optimization": {"stage": stage}, "tensor_parallel": {"autotp_size": tp}}
+            "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": stage == 3},
+            "tensor_parallel": {"autotp_size": tp}}
 
 
 def _train(kind: str, tp: int, stage: int, rank: int, world: int, save_dir: str = "", clip: float = 0.0) -> dict:
@@ -65,9 +66,10 @@ def _train(kind: str, tp: int, stage: int, rank: int, world: int, save_dir: str 
         loader = engine.deepspeed_io(torch.utils.data.TensorDataset(torch.arange(32)))
         out["first_batch"] = next(iter(loader))[0].tolist()
     if save_dir:  # whole weights on disk, in the unsharded model's names and layouts
-        engine.save_16bit_model(save_dir, "tp.bin")
+        name = f"tp_{kind}_{stage}.bin"
+        engine.save_16bit_model(save_dir, name)
         torch.distributed.barrier()
-        saved = torch.load(f"{save_dir}/tp.bin", weights_only=True, map_location="cpu")
+        saved = torch.load(f"{save_dir}/{name}", weights_only=True, map_location="cpu")
         out["saved_keys_equal"] = sorted(saved) == sorted(ref_state)
         out["saved_rel"] = max(float(np.abs(saved[k].numpy() - v).max() / (np.abs(v).max() + 1e-12))
                                for k, v in ref_state.items())
@@ -167,6 +169,8 @@ def body(rank: int, world: int, save_dir: str) -> dict:
            # ZeRO 1 and 2 clip with the unsharded model's norm (weighted partitions, summed over every rank)
            "llama_s1": _train("llama", 2, 1, rank, world, clip=0.5),
            "llama_s2": _train("llama", 2, 2, rank, world, clip=0.5),
+           # ZeRO-3 partitions each rank's shards over DP; save_16bit_model gathers both ways
+           "llama_s3": _train("llama", 2, 3, rank, world, save_dir, clip=0.5),
            "llama_clip": _train("llama", 2, 0, rank, world, clip=0.5), "fp16": _fp16(rank, world)}
 
     out["checkpoint"] = _checkpoint(world, save_dir)
@@ -193,7 +197,7 @@ def body(rank: int, world: int, save_dir: str) -> dict:
     out["errors"] = {
         "world": _error(lambda: init(_config(3, 0))),
         "kv_heads": _error(lambda: init(_config(4, 0))),  # 2 key/value heads over 4 ranks
-        "zero3": _error(lambda: init(_config(2, 3))),
+        "fp16_s0": _error(lambda: init(dict(_config(2, 0), fp16={"enabled": True}))),
         "clipping": _error(lambda: init(dict(_config(2, 0, clip=1.0), bf16={"enabled": True}))),  # bf16 stage 0
         "no_layers": _error(lambda: init(_config(2, 0), torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))),
         "conflict": _error(lambda: (deepspeed_c.tp_model_init(tp_models.make_model("llama"), 4, torch.float32),
@@ -207,7 +211,7 @@ def test_autotp_matches_single_process_training(tmp_path):
     batches = [r["llama_s0"]["first_batch"] for r in results]  # TP pairs {0,1}, {2,3}; DP pairs {0,2}, {1,3}
     assert batches[0] == batches[1] and batches[2] == batches[3] and batches[0] != batches[2], batches
     for r in results:
-        for case in ("llama_s0", "gpt2_s0", "llama_s1", "llama_s2", "llama_clip"):
+        for case in ("llama_s0", "gpt2_s0", "llama_s1", "llama_s2", "llama_s3", "llama_clip"):
             c = r[case]
             assert c["tp_world"] == 2 and c["dp_world"] == 2 and c["sharded"] >= 8, (case, c)
             assert c["loss_drop"] > 0.05, (case, c)  # the reference learns: the comparison is not vacuous
@@ -216,14 +220,15 @@ def test_autotp_matches_single_process_training(tmp_path):
             assert c["weight_rel"] < 1e-4, (case, c)
         # clipping engaged on most steps, with the whole model's norm (shards summed over TP, replicas once),
         # at stage 0 (the engine's norm) and ZeRO 1/2 (the partitions' weighted norm)
-        for case in ("llama_clip", "llama_s1", "llama_s2"):
+        for case in ("llama_clip", "llama_s1", "llama_s2", "llama_s3"):
             assert r[case]["clipped"] >= STEPS // 2 and r[case]["norm_rel"] < 1e-5, (case, r[case])
         f = r["fp16"]  # one overflow on one rank: every rank skips that step, replicas stay equal
         assert f["skipped"] == 1 and f["spread"] == 0.0 and f["loss_err"] < 2e-3, f
         assert set(r["logits"]) == {"opt", "bloom", "qwen2", "mistral", "phi3"}
         assert all(v < 1e-5 for v in r["logits"].values()), r["logits"]
-        g = r["gpt2_s0"]  # save_16bit_model: GPT-2's Conv1D weights and fused c_attn back in transformers' layout
-        assert g["saved_keys_equal"] and g["saved_rel"] < 1e-4, g
+        for case in ("gpt2_s0", "llama_s3"):  # save_16bit_model: GPT-2's Conv1D and fused c_attn back in
+            g = r[case]                        # transformers' layout; at ZeRO-3 gathered over DP, then TP
+            assert g["saved_keys_equal"] and g["saved_rel"] < 1e-4, (case, g)
         ck = r["checkpoint"]  # saved at TP 2 x DP 2, resumed at TP 2, TP 1 (DP 4) and TP 4 (DP 1)
         assert set(ck["resumed"]) == {1, 2, 4}, ck
         for tp, losses in ck["resumed"].items():
@@ -232,7 +237,7 @@ def test_autotp_matches_single_process_training(tmp_path):
         e = r["errors"]
         assert "autotp_size=3" in e["world"] and "world size (4)" in e["world"], e["world"]
         assert "num_key_value_heads=2" in e["kv_heads"] and "4" in e["kv_heads"], e["kv_heads"]
-        assert e["zero3"].startswith("NotImplementedError") and "stage=3" in e["zero3"], e["zero3"]
+        assert e["fp16_s0"].startswith("NotImplementedError") and "fp16" in e["fp16_s0"], e["fp16_s0"]
         assert e["clipping"].startswith("NotImplementedError") and "gradient_clipping" in e["clipping"] \
             and "bf16" in e["clipping"], e["clipping"]
         assert "no Linear layer" in e["no_layers"], e["no_layers"]

@@ -80,6 +80,15 @@ def reference_training(kind: str, data: list[torch.Tensor], lr: float, eps: floa
 
 def full_state(model: torch.nn.Module) -> dict[str, np.ndarray]:
     """The sharded model's state with every tensor-parallel weight gathered (collective on the TP group)."""
+    import deepspeed_c
+
+    if any(hasattr(p, "ds_id") for p in model.parameters()):  # ZeRO-3: the shards whole from their partitions
+        with deepspeed_c.zero.GatheredParameters(list(model.parameters())):
+            return _full_state(model)
+    return _full_state(model)
+
+
+def _full_state(model: torch.nn.Module) -> dict[str, np.ndarray]:
     from deepspeed_c.module_inject.layers import TensorParallel_Layer
 
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -118,10 +118,7 @@ def _requested_size(config: dict) -> tuple[int, Optional[dict]]:
 def _refuse_unsupported(config: dict, size: int) -> None:
     zero = config.get("zero_optimization") or {}
     stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
-    if isinstance(stage, int) and stage >= 3:
-        raise NotImplementedError(f"tensor_parallel.autotp_size={size} with zero_optimization.stage={stage}: AutoTP "
-                                  "with ZeRO-3 is not supported yet; use ZeRO stage 0, 1 or 2 on the data-parallel "
-                                  "axis")
+    # ZeRO-3 partitions each rank's TP shards over the data-parallel group (the mpu's), nothing else to refuse
     fp16 = config.get("fp16") or {}
     if isinstance(fp16, dict) and fp16.get("enabled") is True and stage == 0:
         # ZeRO 1/2 decide overflow from the norm summed over every rank (set_tensor_parallel_norm): all agree

@@ -136,9 +136,9 @@ def configure_zero_optimizer(engine: Any) -> DeepSpeedZeroOptimizer:
                                                   zero_cfg=zero_cfg, sequence_parallel_size=sp, **common)
     else:
         optimizer = DeepSpeedZeroOptimizer(basic, stage=stage, sequence_parallel_size=sp, **common)
-        if getattr(engine.mpu, "autotp", False) and engine.mpu.get_model_parallel_world_size() > 1:
-            # the norm of the unsharded model: shards summed over TP, replicas once (every rank: data x tensor)
-            optimizer.set_tensor_parallel_norm(engine.mpu.get_model_parallel_world_size(), group=None)
+    if getattr(engine.mpu, "autotp", False) and engine.mpu.get_model_parallel_world_size() > 1:
+        # the norm of the unsharded model: shards summed over TP, replicas once (every rank: data x tensor)
+        optimizer.set_tensor_parallel_norm(engine.mpu.get_model_parallel_world_size(), group=None)
     engine.precision.set_scaling_owner(optimizer)  # loss scaling reads cur_scale / note_backward_scale here
     return optimizer
 
