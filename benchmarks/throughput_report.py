@@ -33,7 +33,7 @@ def report(path: str) -> None:
             single = by.get((model, 1, "dsc0"))
             for r in sorted(mine, key=lambda r: r["system"]):
                 s = r["system"]
-                ds = by.get((model, world, "ds" + s[3:].replace("_whole", ""))) if s.startswith("dsc") else None
+                ds = by.get((model, world, "ds" + s[3:])) if s.startswith("dsc") else None
 
                 def ratio(other: dict[str, Any] | None, per_gpu: bool = False) -> str:
                     if other is None or other is r:

@@ -7,7 +7,7 @@ gradient clipping 1.0, AdamW lr 1e-4 weight decay 0.01, bf16 compute) and `close
   fp32 sharded masters, bf16 gradient reduction, fused AdamW on the shards, clip_grad_norm_.
 - ``dsc<stage>[_off]`` / ``ds<stage>[_off]``: deepspeed_c / the real DeepSpeed with one JSON config
   (bf16, ZeRO stage, overlap_comm, contiguous gradients, DeepSpeed's default bucket sizes; `_off`
-  moves the optimizer to the CPU). ``dsc<1|2>_whole``: deepspeed_c with DSC_ZERO_PIPELINED_GATHER=0.
+  moves the optimizer to the CPU).
 """
 from __future__ import annotations
 
@@ -135,10 +135,6 @@ def build(system: str, model: GPT, micro: int) -> System:
         return _fsdp2(model)
     if system.startswith("dsc"):
         import deepspeed_c
-
-        # `_whole`: deepspeed_c's ZeRO-1/2 step over the whole partition before any all-gather (the
-        # default launches it bucket by bucket, each bucket's all-gather overlapping the next's step)
-        os.environ["DSC_ZERO_PIPELINED_GATHER"] = "0" if system.endswith("_whole") else "1"
         return _engine(deepspeed_c, model, system, micro)
     if system.startswith("ds"):
         import deepspeed  # the real DeepSpeed, carried to the device as an sdist

@@ -136,38 +136,6 @@ class AdamEpilogue:
             counters.value += 1.0
 
 
-    @torch.no_grad()
-    def step_ranges(self, g: int, ranges: Sequence[tuple[int, int]], grad: torch.Tensor,
-                    out_param: Optional[torch.Tensor], grad_norm: torch.Tensor, loss_scale: float,
-                    max_grad_norm: float, after_each: Any = None) -> None:
-        """The step of param group g (one flat master, as ZeRO-1/2 holds it) launched range by range,
-        so `after_each(i, start, end)` can start range i's all-gather while later ranges still step.
-        Every range must see the same step count: all but the last use a copy of the device counter
-        (incremented and dropped), the last advances the real one."""
-        from deepspeed_c.ops.cuda_multi_tensor import fused_adam_epilogue_
-
-        group = self.optimizer.param_groups[g]
-        (master,) = group["params"]
-        (state,) = self._states([master])
-        counters = self._counter(g, [state], master.device)
-        beta1, beta2 = group["betas"]
-        flat = [master.view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1), grad.view(-1)]
-        copies = [counters.device.clone() for _ in ranges[:-1]] + [counters.device]
-        for i, (start, end) in enumerate(ranges):
-            m, ea, eas, gr = (t[start:end] for t in flat)
-            fused_adam_epilogue_(
-                [gr], [m], [ea], [eas], step=copies[i], grad_norm=grad_norm,
-                model_params=None if out_param is None else [out_param.view(-1)[start:end]],
-                lr=float(group["lr"]), betas=(float(beta1), float(beta2)), eps=float(group["eps"]),
-                weight_decay=float(group["weight_decay"]), adam_w_mode=self.adam_w_mode,
-                bias_correction=bool(group.get("bias_correction", True)), loss_scale=float(loss_scale),
-                max_grad_norm=float(max_grad_norm))
-            if after_each is not None:
-                after_each(i, start, end)
-        counters.host.add_(1.0)
-        counters.value += 1.0
-
-
 def device_global_norm(tensors: Sequence[torch.Tensor], group: Any = None, world_size: int = 1) -> torch.Tensor:
     """The L2 norm of every element of `tensors` on every rank of `group`: the C multi-tensor l2norm
     of the local tensors, one scalar all-reduce of its square. A float32 device tensor [1]."""

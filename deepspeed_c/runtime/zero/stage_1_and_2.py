@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import os
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
@@ -432,18 +431,6 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
                 self._lp_out = [torch.empty(m.numel(), dtype=lp_dtype, device=m.device) for m in self.fp32_partitions]
             out = self._lp_out
         assert self.epilogue is not None
-        if out is not None and self.world_size > 1 and os.environ.get("DSC_ZERO_PIPELINED_GATHER", "1") != "0":
-            # bucket by bucket: bucket b's all-gather runs on the communication stream while the
-            # optimizer steps bucket b+1, instead of every all-gather waiting for the whole step
-            for g, (part, lp) in enumerate(zip(parts, out)):
-                ranges = [self.reducer.chunk_range(g, b) for b in range(self.partition_plans[g].num_buckets)]
-
-                def submit(b: int, start: int, end: int, g: int = g, lp: torch.Tensor = lp) -> None:
-                    self.gatherer.submit(g, b, lp[start:end])
-
-                self.epilogue.step_ranges(g, ranges, part, lp, norm, loss_scale, self.clip_grad, after_each=submit)
-            self.gatherer.finish()
-            return
         self.epilogue.step([[p] for p in parts], None if out is None else [[t] for t in out], norm, loss_scale,
                            self.clip_grad)
         self._gather_chunks(out if out is not None else [m.detach() for m in self.fp32_partitions])
