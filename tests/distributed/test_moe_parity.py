@@ -32,12 +32,18 @@ import pytest
 import torch
 
 from tests.distributed.moe_models import EXPERTS, local_name, make_batches, make_full, make_sharded
-from tests.harness import rank_device, run_distributed
+from tests.harness import backend_choice, rank_device, run_distributed
 
 STEPS = 20
 MICRO = 2
 LR = 2e-3
 TOL = 2e-5
+# Over NCCL the ranks compute on GPUs and the reference on the CPU: different summation orders move the
+# gate logits by ~1e-7, enough to flip a near-tied top-k choice for a token now and then (seen once in
+# 20 steps on 2 x H100: one loss off by 2e-4 relative). Routing is discontinuous, so the GPU bound is
+# set by one flipped token, not by rounding.
+if backend_choice() == "nccl":
+    TOL = 2e-3
 
 CASES: dict[str, dict[str, Any]] = {
     # name: ep sizes of the two MoE layers, ZeRO stage, PR-MoE, gradient clipping
