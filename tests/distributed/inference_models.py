@@ -73,3 +73,40 @@ def dequantized_reference(model: torch.nn.Module) -> torch.nn.Module:
             scale = absmax / 127
             module.weight.copy_((torch.round(w / scale).clamp(-127, 127) * scale).float())
     return model.half()
+
+
+class Attn(torch.nn.Module):
+    """An attention AutoTP does not know by name: q, k, v, out_proj; 4 heads of 4 read off the shapes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.out_proj = (torch.nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(*t.shape[:-1], -1, 4).transpose(1, 2)
+
+        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+        o = (torch.softmax(q @ k.transpose(-1, -2) / 2.0, -1) @ v).transpose(1, 2)
+        return self.out_proj(o.reshape(*o.shape[:2], -1))
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up_proj, self.down_proj = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.relu(self.up_proj(x)))
+
+
+class Block(torch.nn.Module):
+    """The README's unknown block: injection_policy={Block: ('attn.out_proj', 'mlp.down_proj')}."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn, self.mlp = Attn(), Mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(x)
+        return x + self.mlp(x)

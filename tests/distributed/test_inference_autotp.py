@@ -10,7 +10,8 @@ One 4-rank gloo run, fp32, tensor_parallel.tp_size 1, 2 and 4 (TP 2: groups {0,1
 - dtype=torch.int8 (weight-only) at TP 2 against the unsharded model with int8-rounded weights in fp16;
 - a Hugging Face pipeline("text-generation", model=engine.module, tokenizer=...) returns the same text, and so
   does one whose model is replaced by the engine (`pipe.model = init_inference(pipe.model)`, the tutorial's way);
-- injection_policy={GPT2Block: ('attn.c_proj', 'mlp.c_proj')} shards like AutoTP;
+- injection_policy={GPT2Block: ('attn.c_proj', 'mlp.c_proj')} shards like AutoTP, and
+  {Block: ('attn.out_proj', 'mlp.down_proj')} shards a plain-PyTorch model no AutoTP rule knows (TP 4);
 - a LLaMA and a GPT-2 saved in 2 files (torch.save and safetensors), described by a DeepSpeed checkpoint JSON, built on the meta device and
   loaded file by file at TP 1, 2 and 4 give the unsharded model's logits;
 - bad input: tp_size not dividing the world or the heads, unsupported dtype, prompts past max_out_tokens."""
@@ -112,6 +113,11 @@ def body(rank: int, world: int, folder: str) -> dict:
             warnings.simplefilter("always")
             out["kernel_inject_tp2"] = _serve("llama", im.make("llama"), ids, 2, replace_with_kernel_inject=True)
         out["kernel_inject_warned"] = any("tensor_parallel.tp_size=2" in str(w.message) for w in caught)
+        torch.manual_seed(0)  # a model no AutoTP rule knows, sharded by DeepSpeed's injection_policy
+        custom, x = torch.nn.Sequential(im.Block(), im.Block()), torch.randn(2, 5, 16, generator=g)
+        engine = deepspeed_c.init_inference(copy.deepcopy(custom), dtype="fp32", tensor_parallel={"tp_size": 4},
+                                            injection_policy={im.Block: ("attn.out_proj", "mlp.down_proj")})
+        out["custom"] = (_rel(engine(x), custom(x)), type(engine.module[1].mlp.down_proj).__name__)
         out["t5"] = {}  # encoder-decoder: AutoTP, and the tutorial's injection_policy, against the whole model
         from transformers.models.t5.modeling_t5 import T5Block
 
@@ -175,6 +181,7 @@ def test_init_inference_autotp_matches_unsharded(tmp_path):
                 assert "LinearAllreduce" in layers and "VocabParallelLMHead" in layers, (name, layers)
             if name.startswith("bert"):
                 assert layers == ("LinearLayer" if tp > 1 else "Linear"), (name, layers)
+        assert res["custom"][0] < 1e-5 and res["custom"][1] == "LinearAllreduce", res["custom"]
         assert len(res["t5"]) == 2 and all(r[0] < 1e-5 and r[1] and r[2] == 0 for r in res["t5"].values()), res["t5"]
         assert len(res["int8"]) == 2 and max(res["int8"].values()) < 2e-3, res["int8"]  # fp16 activations
         assert len(res["logits"]) == 3 and max(res["logits"].values()) < 1e-5, res["logits"]
