@@ -280,10 +280,6 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
                 slots=self.stepper.reduction_slots() if self.stepper is not None else None,
                 sequence_parallel_size=self.sequence_parallel_size)
 
-        if self.sequence_parallel_size > 1 and self.has_moe_layers:
-            raise NotImplementedError(f"deepspeed_c: sequence_parallel_size={self.sequence_parallel_size} (Ulysses) "
-                                      "with MoE layers is not built")
-
         self.reducer = build_reducers(self.moe.reduction_sets(trainable, self.data_parallel_group), reducer_for)
 
     def _any_rank_overflowed(self, overflow: bool) -> bool:

@@ -64,9 +64,10 @@ def initialize(args: Any = None,
     # Ulysses: an SP mpu (given, or built from mesh_param / data_parallel_size x sequence_parallel_size)
     sp_mpu = sequence_parallel_mpu(config, mpu, mesh_param)
     if sp_mpu is not None:
-        if config.get("tensor_parallel", {}).get("autotp_size", 0) > 1 or _is_pipeline_module(model):
+        if config.get("tensor_parallel", {}).get("autotp_size", 0) > 1 or _is_pipeline_module(model) or \
+                any(hasattr(m, "set_deepspeed_parallelism") for m in model.modules()):
             raise NotImplementedError("deepspeed_c: Ulysses sequence parallelism combined with AutoTP "
-                                      "(tensor_parallel.autotp_size) or a PipelineModule is not built")
+                                      "(tensor_parallel.autotp_size), a PipelineModule or MoE layers is not built")
         from deepspeed_c.runtime.engine import DeepSpeedEngine
 
         config_class = DeepSpeedConfig(config, sp_mpu)  # batch arithmetic over world // sequence_parallel_size

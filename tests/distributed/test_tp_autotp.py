@@ -5,7 +5,8 @@ a tiny LLaMA (GQA) and a tiny GPT-2 (Conv1D, fused c_attn) built from transforme
 only, OPT, BLOOM, Qwen2, Mistral and Phi-3).
 Each rank also trains the unsharded model alone on the whole global batch with torch.optim.Adam:
 the sharded model's logits, its 10 losses and its gathered weights must match it, at ZeRO stages
-0, 1, 2 and 3 on the data-parallel axis (1-3 and one stage-0 run with gradient clipping); fp16 at ZeRO 2. The same run checks the bad-input errors.
+0, 1, 2 and 3 on the data-parallel axis (1-3 and one stage-0 run with gradient clipping); fp16 at ZeRO 2.
+The same run checks the bad-input errors.
 Under DSC_TEST_BACKEND=nccl the sharded models run one GPU a rank (their data on rank_device()); the
 unsharded references stay on the CPU; same tolerances."""
 from __future__ import annotations

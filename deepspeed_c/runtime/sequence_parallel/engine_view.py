@@ -5,8 +5,9 @@ group (every rank holding a replica of the parameters, i.e. data x sequence rank
 summed gradients by the data-parallel size only (world / sp): the ranks of one sequence-parallel
 group hold partial gradients of the same samples, which add up, while data-parallel replicas are
 averaged. Batch arithmetic (train_batch_size = micro x accumulation x dp) counts world / sp ranks.
-`SequenceDataParallelView` gives the engine exactly that (ZeRO 1, 2 and 3 partition over it too): its "data-parallel" group is the
-sequence-data-parallel one, and `sequence_parallel_size` tells the reducers the divisor's factor.
+`SequenceDataParallelView` gives the engine exactly that (ZeRO 1, 2 and 3 partition over it too): its
+"data-parallel" group is the sequence-data-parallel one, and `sequence_parallel_size` tells the
+reducers the divisor's factor.
 
 Sources of the mpu, as DeepSpeed's initialize has them: `initialize(mpu=...)` with a
 sequence-parallel mpu (register_with_transformers's, or any object with

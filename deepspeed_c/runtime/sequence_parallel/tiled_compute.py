@@ -48,9 +48,9 @@ class SequenceTiledCompute(torch.autograd.Function):
     grad_requiring_tensor_key, compute_params, output_unshard_dimension, output_reduction, *values."""
 
     @staticmethod
-    def forward(ctx: Any, fn: Callable, seqlen: int, shards: int, keys_to_shard: list, keys_to_pass: list,  # type: ignore[override]
-                grad_requiring_tensor_key: str, compute_params: Any, output_unshard_dimension: int,
-                output_reduction: Optional[str], *args: Tensor) -> Tensor:
+    def forward(ctx: Any, fn: Callable, seqlen: int, shards: int,  # type: ignore[override]
+                keys_to_shard: list, keys_to_pass: list, grad_requiring_tensor_key: str, compute_params: Any,
+                output_unshard_dimension: int, output_reduction: Optional[str], *args: Tensor) -> Tensor:
         if output_reduction not in (None, "mean", "sum"):
             raise ValueError(f"unknown value {output_reduction}: valid values are: none/mean/sum")
         if grad_requiring_tensor_key not in keys_to_shard:
@@ -122,7 +122,8 @@ class TiledMLP(torch.autograd.Function):
     [batch, seq, hidden] or [tokens, hidden]); the tiles are recomputed in backward."""
 
     @staticmethod
-    def forward(ctx: Any, fn: Callable, self: Any, x: Tensor, shards: int, compute_params: Any) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, fn: Callable, self: Any, x: Tensor, shards: int,  # type: ignore[override]
+                compute_params: Any) -> Tensor:
         if shards < 1:
             raise ValueError(f"shards must be >= 1, got {shards}")
         if x.dim() < 2:
@@ -158,8 +159,8 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
     unequal size or masks, "sum" of per-tile sums divided by the token count is the exact mean."""
 
     @staticmethod
-    def forward(ctx: Any, fn: Callable, self: Any, x: Tensor, y: Tensor, mask: Optional[Tensor], shards: int,  # type: ignore[override]
-                compute_params: Any, output_reduction: str) -> Tensor:
+    def forward(ctx: Any, fn: Callable, self: Any, x: Tensor, y: Tensor,  # type: ignore[override]
+                mask: Optional[Tensor], shards: int, compute_params: Any, output_reduction: str) -> Tensor:
         if output_reduction not in ("mean", "sum"):
             raise ValueError(f'unknown reduction {output_reduction}: valid values are: "mean"/"sum"')
         if x.dim() < 2 or y.dim() < 2:

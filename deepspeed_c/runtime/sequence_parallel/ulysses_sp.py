@@ -28,8 +28,8 @@ import torch
 from torch import Tensor
 
 from deepspeed_c import comm as dist
-from deepspeed_c.runtime.sequence_parallel.tiled_compute import (SequenceTiledCompute, TiledFusedLogitsLoss,  # noqa: F401
-                                                                 TiledMLP, sequence_tiled_compute)
+from deepspeed_c.runtime.sequence_parallel.tiled_compute import (  # noqa: F401 (DeepSpeed's names live here)
+    SequenceTiledCompute, TiledFusedLogitsLoss, TiledMLP, sequence_tiled_compute)
 from deepspeed_c.sequence.layer import _SeqAllToAll
 
 _TRANSFORMERS_MIN = "4.51.3"
@@ -122,8 +122,9 @@ class UlyssesSPAttentionHF(torch.nn.Module):
                 module.num_key_value_groups = saved_groups
         if tuple(context.shape[:3]) != (self.batch_size, self.global_seq_length, self.local_q_head_count):
             raise ValueError(f"UlyssesSPAttentionHF: the core attention returned shape {tuple(context.shape)}, "
-                             f"expected [batch, seq, heads/P, head_dim] = ({self.batch_size}, {self.global_seq_length}, "
-                             f"{self.local_q_head_count}, {self.attn_head_size})")
+                             "expected [batch, seq, heads/P, head_dim] = "
+                             f"({self.batch_size}, {self.global_seq_length}, {self.local_q_head_count}, "
+                             f"{self.attn_head_size})")
         out = _SeqAllToAll.apply(group, context.contiguous(), 1, 2)  # [b, s_l, h, d]
         return out.reshape(*out.shape[:2], -1), weights
 

@@ -118,8 +118,6 @@ def configure_zero_optimizer(engine: Any) -> DeepSpeedZeroOptimizer:
                          and parse_dtype(cfg.grad_accum_dtype, "data_types.grad_accum_dtype") == torch.float32),
         nvme_offload=_nvme_offload_args(engine, stage))
     sp = getattr(engine.mpu, "sequence_parallel_size", 1)  # Ulysses: gradients summed over the sequence ranks
-    if sp > 1 and engine.has_moe_layers:
-        raise NotImplementedError(f"deepspeed_c: sequence_parallel_size={sp} (Ulysses) with MoE layers is not built")
     if engine.has_moe_layers:
         if stage == 3:
             raise NotImplementedError("zero_optimization.stage 3 with MoE layers is not built (DeepSpeed 0.19.8 refuses "
