@@ -65,6 +65,7 @@ static void codes_of(const float *v, int64_t n, float scale, float qmax, int32_t
     }
     for (int64_t k = 0; k < n; k++) {
         float r = rintf(v[k] / scale); /* round half to even (the default rounding mode) */
+        r = r == r ? r : 0.0f;        /* NaN (an inf or NaN block): code 0, the NaN scale carries it */
         r = r > qmax ? qmax : r;
         r = r < -qmax ? -qmax : r;
         c[k] = (int32_t)r;

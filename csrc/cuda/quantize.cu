@@ -36,6 +36,7 @@ __device__ __forceinline__ void store(__half *o, int64_t i, float v) { o[i] = __
 __device__ __forceinline__ int code_of(float v, float scale, float qmax) {
     if (scale == 0.0f) return 0;
     float r = rintf(__fdiv_rn(v, scale));
+    r = r == r ? r : 0.0f; /* as the reference: NaN codes 0, the NaN scale carries it */
     r = r > qmax ? qmax : r;
     r = r < -qmax ? -qmax : r;
     return static_cast<int>(r);

@@ -187,6 +187,8 @@ def _check_built(cfg: DeepSpeedZeroConfig) -> None:
               "ZeRO++ below stage 3"),
              ("zero_quantized_gradients", cfg.zero_quantized_gradients and below3, "ZeRO++ below stage 3"),
              ("zero_hpz_partition_size", cfg.zero_hpz_partition_size > 1 and below3, "ZeRO++ below stage 3"),
+             ("zero_quantized_gradients", cfg.zero_quantized_gradients and not cfg.reduce_scatter,
+              "ZeRO++ quantized gradients with reduce_scatter false (qgZ replaces the reduce-scatter)"),
              ("zeropp_loco_param", cfg.zeropp_loco_param is not None, "ZeRO++ LoCo"),
              ("mics_shard_size", cfg.mics_shard_size > 0, "MiCS sharding"))
     for key, on, what in flags:

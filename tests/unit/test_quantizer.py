@@ -114,3 +114,17 @@ def test_cuda_binding_refuses_host_tensors_naming_them() -> None:
     op = QuantizerCUDABuilder().load()
     with pytest.raises(ValueError, match="'x' must be on the cuda device"):
         op.quantize(torch.zeros(8), 1, 8, 8, torch.empty(8, dtype=torch.uint8), torch.empty(1))
+
+
+def test_non_finite_block_comes_back_nan_others_exact() -> None:
+    """An inf or NaN (an fp16 overflow) makes its whole block NaN, so the overflow check still sees it."""
+    x = torch.randn(64)
+    ref_q, ref_s = qz.quantize(x.clone(), 8, 16)
+    for bad in (float("inf"), float("nan")):
+        y = x.clone()
+        y[20] = bad
+        q, s = qz.quantize(y, 8, 16)
+        back = qz.dequantize(q, s, 64, 8, 16)
+        assert torch.isnan(back[16:32]).all()
+        assert torch.equal(back[:16], qz.dequantize(ref_q, ref_s, 64, 8, 16)[:16])
+        assert torch.equal(back[32:], qz.dequantize(ref_q, ref_s, 64, 8, 16)[32:])
