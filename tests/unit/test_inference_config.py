@@ -121,3 +121,17 @@ def test_kernel_inject_with_int8_falls_back_with_warning():
         engine = deepspeed_c.init_inference(im.make("gpt2"), dtype=torch.int8, replace_with_kernel_inject=True)
     assert not engine.injected
     assert any(p.dtype == torch.int8 for p in engine.module.parameters())
+
+
+def test_kv_cache_overflow_past_max_out_tokens_raises():
+    """Kernel-injected blocks hold max_out_tokens positions: the engine refuses a generate() that would pass
+    them (prompt + max_new_tokens), naming both; within the limit the tokens are HF eager's."""
+    model = im.make("gpt2")
+    ids = torch.randint(1, im.VOCAB, (1, 6), generator=torch.Generator().manual_seed(2))
+    ref = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    engine = deepspeed_c.init_inference(model, dtype="fp32", replace_with_kernel_inject=True, max_out_tokens=12)
+    assert engine.injected
+    assert torch.equal(engine.generate(input_ids=ids, max_new_tokens=4, do_sample=False, pad_token_id=0), ref)
+    with pytest.raises(RuntimeError, match="max_out_tokens=12") as info:
+        engine.generate(input_ids=ids, max_new_tokens=7, do_sample=False, pad_token_id=0)
+    assert "13" in str(info.value)
