@@ -26,7 +26,9 @@ class InferenceEngine(nn.Module):
     """DeepSpeed's inference wrapper: holds the prepared model as `module`."""
 
     inference_mp_group = None  # DeepSpeed's class attribute: the last TP group made
-    _groups: dict[int, Any] = {}  # tp_size -> this rank's group (new_group is collective: make each once)
+    # (default process group, tp_size) -> this rank's group (new_group is collective: make each once per
+    # process group; a re-initialised torch.distributed gets new ones)
+    _groups: dict[tuple[int, int], Any] = {}
 
     def __init__(self, model: nn.Module, config: DeepSpeedInferenceConfig) -> None:
         super().__init__()
@@ -80,7 +82,8 @@ class InferenceEngine(nn.Module):
         if world % tp.tp_size != 0:
             raise ValueError(f"init_inference: tensor_parallel.tp_size={tp.tp_size} does not divide the world size "
                              f"{world}: launch a multiple of tp_size processes (deepspeed --num_gpus N)")
-        if tp.tp_size not in InferenceEngine._groups:
+        key = (id(torch.distributed.group.WORLD), tp.tp_size)
+        if key not in InferenceEngine._groups:
             # consecutive ranks form a group (DeepSpeed makes ranks 0..tp_size-1 one group; with more ranks each
             # further block of tp_size ranks is a replica)
             mine = None
@@ -88,8 +91,8 @@ class InferenceEngine(nn.Module):
                 group = dist.new_group(list(range(start, start + tp.tp_size)))
                 if start <= dist.get_rank() < start + tp.tp_size:
                     mine = group
-            InferenceEngine._groups[tp.tp_size] = mine
-        InferenceEngine.inference_mp_group = InferenceEngine._groups[tp.tp_size]
+            InferenceEngine._groups[key] = mine
+        InferenceEngine.inference_mp_group = InferenceEngine._groups[key]
         tp.tp_group = InferenceEngine.inference_mp_group
         return tp.tp_group
 
