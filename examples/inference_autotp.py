@@ -31,7 +31,8 @@ def main() -> None:
         ref = model.generate(input_ids=ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
         engine = deepspeed_c.init_inference(copy.deepcopy(model), tensor_parallel={"tp_size": world},
                                             dtype=torch.float32)
-        out = engine.generate(input_ids=ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        device = next(engine.module.parameters()).device  # the accelerator's (a GPU under NCCL)
+        out = engine.generate(input_ids=ids.to(device), max_new_tokens=8, do_sample=False, pad_token_id=0)
         print(f"rank {int(os.environ.get('RANK', '0'))} {name} tp={world}: tokens equal the unsharded model's: "
               f"{torch.equal(out.cpu(), ref)}", flush=True)
 
