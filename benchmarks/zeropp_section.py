@@ -100,7 +100,8 @@ def run(args: argparse.Namespace) -> None:
     print(f"ZeRO++ vs ZeRO-3, {world} ranks ({backend_choice()}), {LAYERS} x Linear({WIDTH}, {WIDTH}), "
           f"micro-batch {MICRO}; bytes handed to collectives per rank in one steady step")
     ops = sorted({op for b in res["bytes"].values() for op in b})
-    head = f"{'variant':<14}" + "".join(f"{op[:22]:>24}" for op in ops) + f"{'total':>14}{'ratio':>8}{'ms/step':>10}{'x':>7}"
+    head = f"{'variant':<14}" + "".join(f"{op[:22]:>24}" for op in ops)
+    head += f"{'total':>14}{'ratio':>8}{'ms/step':>10}{'x':>7}"
     print(head)
     tot0 = sum(res["bytes"]["zero3"].values())
     ms0 = res["ms"]["zero3"]

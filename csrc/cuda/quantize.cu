@@ -137,7 +137,8 @@ __global__ void dequantize_sum_kernel(const uint8_t *__restrict__ q, const float
             const uint8_t *qseg = q + s * sbytes;
             const int code = bits == 8 ? static_cast<int>(reinterpret_cast<const int8_t *>(qseg)[j])
                                        : nibble_code(qseg[j / 2], j);
-            acc = __fadd_rn(acc, __fmul_rn(static_cast<float>(code), scales[s * bps + k])); /* no FMA: the reference rounds twice */
+            /* no FMA: the reference rounds the product and the sum separately */
+            acc = __fadd_rn(acc, __fmul_rn(static_cast<float>(code), scales[s * bps + k]));
         }
         out[j] = acc;
     }
@@ -254,7 +255,8 @@ __global__ void quantize_vec_kernel(const T *__restrict__ x, int64_t seg, int64_
             *reinterpret_cast<uint2 *>(qseg + j) = make_uint2(lo, hi);
         } else {
 #pragma unroll
-            for (int e = 0; e < kVec; e++) lo |= (static_cast<uint32_t>(code_of(v[k][e], scale, qmax)) & 0xfu) << (4 * e);
+            for (int e = 0; e < kVec; e++)
+                lo |= (static_cast<uint32_t>(code_of(v[k][e], scale, qmax)) & 0xfu) << (4 * e);
             *reinterpret_cast<uint32_t *>(qseg + j / 2) = lo;
         }
     }

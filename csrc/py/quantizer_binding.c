@@ -101,7 +101,8 @@ static PyObject *py_quantize(PyObject *self, PyObject *const *args, Py_ssize_t n
     if (dsc_check_nargs("quantize", nargs, 6) < 0) return NULL;
     dsc_view x, q, sc;
     int64_t segments, seg, block, bits;
-    if (dsc_view_from_object(args[0], &X, &x) < 0 || layout(args + 1, "x", x.numel, &segments, &seg, &block, &bits) < 0 ||
+    if (dsc_view_from_object(args[0], &X, &x) < 0 ||
+        layout(args + 1, "x", x.numel, &segments, &seg, &block, &bits) < 0 ||
         dsc_view_from_object(args[4], &Q_OUT, &q) < 0 || dsc_view_from_object(args[5], &SCALES_OUT, &sc) < 0)
         return NULL;
     if (want_numel(&q, "q_out", segments * dsc_q_segment_bytes(seg, (int)bits)) < 0 ||
@@ -160,7 +161,8 @@ static PyObject *py_dequantize_sum(PyObject *self, PyObject *const *args, Py_ssi
     if (dsc_view_from_object(args[0], &Q, &q) < 0 || dsc_view_from_object(args[1], &SCALES, &sc) < 0 ||
         dsc_view_from_object(args[5], &SUM_OUT, &out) < 0 || dsc_arg_int64(args[2], "segments", &segments) < 0)
         return NULL;
-    if (segments < 1) return PyErr_Format(PyExc_ValueError, "argument 'segments' must be >= 1, got %lld", (long long)segments);
+    if (segments < 1)
+        return PyErr_Format(PyExc_ValueError, "argument 'segments' must be >= 1, got %lld", (long long)segments);
     /* out is one segment: the layout is segments x out.numel */
     if (layout(args + 2, "out", out.numel * segments, &segments, &seg, &block, &bits) < 0 ||
         check_codes(&q, &sc, &out, segments, seg, block, bits) < 0)

@@ -130,7 +130,8 @@ class _Stage3Round:
             self.coordinator.remove()
 
 
-def _attach_zeropp(store: ParamStore, zero_cfg: Any, *, rank: int, world_size: int, group: Any) -> Optional[ZeroPlusPlus]:
+def _attach_zeropp(store: ParamStore, zero_cfg: Any, *, rank: int, world_size: int,
+                   group: Any) -> Optional[ZeroPlusPlus]:
     """ZeRO++ (zeropp.py) on the store's gathers when the config turns any of it on."""
     zpp = ZeroPlusPlus.from_config(zero_cfg, rank=rank, world_size=world_size, group=group)
     store.zeropp = zpp
