@@ -120,7 +120,8 @@ def _rank(rank: int, world: int, port: int, a: argparse.Namespace, out: "torch.m
     if group is not None:
         tdist.all_reduce(total, group=group)
         tdist.all_reduce(count, group=group)
-    loss_sum.backward()  # the backward runs (the activations are real), its memory is not the subject
+    if device.type == "cuda":  # the backward runs on a GPU (its memory is not the subject; on the host it only costs time)
+        loss_sum.backward()
     row = torch.tensor([saved.bytes, peak], dtype=torch.float64, device=device)
     rows = [torch.zeros_like(row) for _ in range(world)]
     tdist.all_gather(rows, row)
