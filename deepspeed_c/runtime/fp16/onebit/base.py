@@ -153,5 +153,11 @@ class OnebitOptimizer(torch.optim.Optimizer):
         return state_dict
 
     def first_state(self) -> dict:
-        """The state of the first parameter (DeepSpeed reads the step counter from it)."""
-        return self.state[self.param_groups[0]["params"][0]]
+        """The state of the first parameter that has one (DeepSpeed reads the step counter from the
+        first parameter's; a frozen parameter never gets a state)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p)
+                if state and "step" in state:
+                    return state
+        return {}

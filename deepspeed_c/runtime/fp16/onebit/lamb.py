@@ -112,11 +112,12 @@ class OnebitLamb(OnebitOptimizer):
             p.add_(update.to(p.dtype), alpha=-group["lr"] * coeff)
 
     def _compressed_step(self, work: list) -> None:
-        if "scaling_coeff" not in self.first_state():
-            scales = [_rms(self.state[p]["exp_avg"]) for g in self.param_groups for p in g["params"]]
+        stepped = [p for g in self.param_groups for p in g["params"] if "exp_avg" in self.state.get(p, {})]
+        if any("scaling_coeff" not in self.state[p] for p in stepped):
+            scales = [_rms(self.state[p]["exp_avg"]) for p in stepped]
             united = sum(scales) / len(scales)
-            for k, p in enumerate(p for g in self.param_groups for p in g["params"]):
-                self.state[p]["scaling_coeff"] = united / scales[k]
+            for p, scale in zip(stepped, scales):
+                self.state[p]["scaling_coeff"] = united / scale
         last = {id(p): self.state[p]["exp_avg"].clone() for _, p, _ in work}
         for group, p, g in work:
             state = self.state[p]
@@ -124,7 +125,7 @@ class OnebitLamb(OnebitOptimizer):
             state["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1).mul_(state["scaling_coeff"])
         if self.size > 1:
             # every momentum, in parameter order, as one flat buffer with one scale (DeepSpeed's exp_avg_flat)
-            momenta = [self.state[p]["exp_avg"] for g in self.param_groups for p in g["params"] if p in self.state]
+            momenta = [self.state[p]["exp_avg"] for p in stepped]
             flat = torch.cat([m.reshape(-1).float() for m in momenta])
             self.compressed_average_("exp_avg_flat", [flat], persistent_pad=True)
             offset = 0

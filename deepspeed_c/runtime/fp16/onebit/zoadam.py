@@ -129,7 +129,7 @@ class ZeroOneAdam(OnebitOptimizer):
                     state["local_step_counter"] = 0
                     state["local_step_interval"] = min(self.local_step_clipper, state["local_step_interval"] * 2)
 
-        if self.first_state()["step"] > self.var_freeze_step:
+        if self.first_state().get("step", 0) > self.var_freeze_step:
             self.freeze_key = True
             self.set_engine_allreduce(False)
         if self.freeze_key and not self.reinitial_error_buffer:
