@@ -11,7 +11,9 @@ process (plain ZeRO-3 is itself checked against stage 0 and one process in test_
   are exactly each gathered chunk's int8 codes plus one fp32 scale per WEIGHT_BLOCK codes, half of
   the 16-bit (bf16) gather's bytes but for those scales;
 - zero_quantized_nontrainable_weights: a frozen layer's unit travels as int8 and training follows
-  ZeRO-3 within the same tolerance; quantize_nontrainable_params() after unfreezing it stops that;
+  ZeRO-3 within the same tolerance; on a model built under zero.Init(zero_quantized_weights=True,
+  zero_quantized_nontrainable_weights=True), freezing a layer after initialize and calling
+  quantize_nontrainable_params() (the LoRA recipe) makes its unit travel as int8;
 - a checkpoint saved with ZeRO++ on and loaded into a new engine continues with the losses of the
   uninterrupted run, exactly (the quantization is deterministic);
 - zero_hpz_partition_size not dividing the world size raises naming the key.
@@ -80,7 +82,7 @@ def _data(world: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(x, torch.tanh(x @ w / D_IN ** 0.5))] * steps
 
 
-def _engine(world: int, zero: dict, dtype: str = "fp32", freeze: bool = False) -> Any:
+def _engine(world: int, zero: dict, dtype: str = "fp32", freeze: bool = False, init: bool = False) -> Any:
     import deepspeed_c
 
     cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**9,
@@ -88,7 +90,12 @@ def _engine(world: int, zero: dict, dtype: str = "fp32", freeze: bool = False) -
                            "zero_optimization": {**BASE, **zero}}
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
-    model = _model()
+    if init:  # DeepSpeed's Init takes the ZeRO++ flags too (the engine's config decides the gathers)
+        with deepspeed_c.zero.Init(config_dict_or_path=cfg, zero_quantized_weights=True,
+                                   zero_quantized_nontrainable_weights=True):
+            model = _model()
+    else:
+        model = _model()
     if freeze:
         model[2].requires_grad_(False)
     # SGD with momentum: see the tolerance note above
@@ -204,7 +211,7 @@ def _two_body(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
     res["frozen_plain"] = _run(world, {}, rank, freeze=True)
     res["frozen_q"] = _run(world, {"zero_quantized_nontrainable_weights": True}, rank, freeze=True)
     # LoRA-style: frozen after initialize, then quantize_nontrainable_params()
-    engine = _engine(world, {"zero_quantized_nontrainable_weights": True})
+    engine = _engine(world, {"zero_quantized_nontrainable_weights": True}, init=True)
     _steps(engine, batches[:1], rank)
     before = engine.optimizer.zeropp.gathers["quantized"]
     engine.module[2].requires_grad_(False)
