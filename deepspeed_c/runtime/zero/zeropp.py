@@ -92,9 +92,8 @@ class ZeroPlusPlus:
         check_hpz_size(hpz, world_size)
         zpp = cls(quantized_weights=bool(zero_cfg.zero_quantized_weights),
                   quantized_nontrainable_weights=bool(zero_cfg.zero_quantized_nontrainable_weights),
-                  quantized_gradients=bool(zero_cfg.zero_quantized_gradients), hpz_size=max(1, min(hpz, world_size)),
-                  rank=rank,
-                  world_size=world_size, group=group)
+                  quantized_gradients=bool(zero_cfg.zero_quantized_gradients),
+                  hpz_size=max(1, min(hpz, world_size)), rank=rank, world_size=world_size, group=group)
         if world_size > 1:
             zpp._make_groups()
         return zpp
