@@ -211,7 +211,8 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
         self.optimizer = self.precision.wrap_optimizer(
             basic, self.device, sync_overflow=self._any_rank_overflowed if self.dp_world_size > 1 else None,
             dp_world_size=self.dp_world_size, zero_owns_masters=self.zero_optimization_stage() > 0,
-            norm_across_ranks=self.moe.norm_across_ranks(self.data_parallel_group, self.dp_world_size, self.device))
+            norm_across_ranks=self.mpu.grad_norm_fn(self.module) if getattr(self.mpu, "autotp", False)  # TP: whole
+            else self.moe.norm_across_ranks(self.data_parallel_group, self.dp_world_size, self.device))
         log_dist(f"DeepSpeed Final Optimizer = {self.optimizer.__class__.__name__}", ranks=[0])
 
     def _configure_lr_scheduler(self) -> None:

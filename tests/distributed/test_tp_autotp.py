@@ -22,15 +22,16 @@ from tests.harness import rank_device, run_distributed
 STEPS, MICRO, LR, EPS = 10, 2, 1e-2, 1e-4
 
 
-def _config(tp: int, stage: int, clip: float = 0.0) -> dict:
+def _config(tp: int, stage: int, clip: float = 0.0, bf16: bool = False) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
             "gradient_clipping": clip,
             "optimizer": {"type": "Adam", "params": {"lr": LR, "weight_decay": 0.0, "eps": EPS}},
             "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": stage == 3},
-            "tensor_parallel": {"autotp_size": tp}}
+            "tensor_parallel": {"autotp_size": tp}, "bf16": {"enabled": bf16}}
 
 
-def _train(kind: str, tp: int, stage: int, rank: int, world: int, save_dir: str = "", clip: float = 0.0) -> dict:
+def _train(kind: str, tp: int, stage: int, rank: int, world: int, save_dir: str = "", clip: float = 0.0,
+           bf16: bool = False) -> dict:
     import deepspeed_c
     from deepspeed_c.utils import groups
 
@@ -40,10 +41,10 @@ def _train(kind: str, tp: int, stage: int, rank: int, world: int, save_dir: str 
     model = tp_models.make_model(kind)
     probe = data[0][:1]
     ref_logits = model(input_ids=probe).logits.detach()
-    engine, *_ = deepspeed_c.initialize(model=model, config=_config(tp, stage, clip))
+    engine, *_ = deepspeed_c.initialize(model=model, config=_config(tp, stage, clip, bf16))
     dp_rank = groups.get_data_parallel_rank()
     dev = rank_device()
-    logits_err = ((engine.module(input_ids=probe.to(dev)).logits.detach().cpu() - ref_logits).abs().max()
+    logits_err = ((engine.module(input_ids=probe.to(dev)).logits.detach().float().cpu() - ref_logits).abs().max()
                   / ref_logits.abs().max()).item()
     losses, norms = [], []
     for ids in data:
@@ -52,7 +53,7 @@ def _train(kind: str, tp: int, stage: int, rank: int, world: int, save_dir: str 
         engine.backward(loss)
         engine.step()
         norms.append(engine.get_global_grad_norm() if clip > 0 else 0.0)
-        t = loss.detach().clone()  # the global loss: the mean over the data-parallel ranks
+        t = loss.detach().float().clone()  # the global loss: the mean over the data-parallel ranks
         torch.distributed.all_reduce(t, group=groups.get_data_parallel_group())
         losses.append(t.item() / dp)
     state = tp_models.full_state(engine.module)
@@ -60,6 +61,7 @@ def _train(kind: str, tp: int, stage: int, rank: int, world: int, save_dir: str 
     weight_err = max(errs.values())
     out = {"logits_rel": logits_err, "loss_err": float(np.max(np.abs(np.array(losses) - np.array(ref_losses)))),
            "weight_rel": weight_err, "norm_rel": max([abs(a - b) / b for a, b in zip(norms, ref_norms)] or [0.0]),
+           "norm0_rel": abs(norms[0] - ref_norms[0]) / ref_norms[0] if clip > 0 else 0.0,
            "clipped": sum(n > clip for n in ref_norms) if clip > 0 else -1, "loss_drop": ref_losses[0] - ref_losses[-1],
            "tp_world": groups.get_tensor_model_parallel_world_size(), "dp_world": engine.dp_world_size,
            "sharded": sum(type(m).__name__ in ("LinearLayer", "LinearAllreduce") for m in engine.module.modules())}
@@ -172,7 +174,8 @@ def body(rank: int, world: int, save_dir: str) -> dict:
            "llama_s2": _train("llama", 2, 2, rank, world, clip=0.5),
            # ZeRO-3 partitions each rank's shards over DP; save_16bit_model gathers both ways
            "llama_s3": _train("llama", 2, 3, rank, world, save_dir, clip=0.5),
-           "llama_clip": _train("llama", 2, 0, rank, world, clip=0.5), "fp16": _fp16(rank, world)}
+           "llama_clip": _train("llama", 2, 0, rank, world, clip=0.5), "fp16": _fp16(rank, world),
+           "bf16_clip": _train("llama", 2, 0, rank, world, clip=0.5, bf16=True)}
 
     out["checkpoint"] = _checkpoint(world, save_dir)
     out["logits"] = {}
@@ -199,7 +202,8 @@ def body(rank: int, world: int, save_dir: str) -> dict:
         "world": _error(lambda: init(_config(3, 0))),
         "kv_heads": _error(lambda: init(_config(4, 0))),  # 2 key/value heads over 4 ranks
         "fp16_s0": _error(lambda: init(dict(_config(2, 0), fp16={"enabled": True}))),
-        "clipping": _error(lambda: init(dict(_config(2, 0, clip=1.0), bf16={"enabled": True}))),  # bf16 stage 0
+        "clipping": _error(lambda: init(dict(_config(2, 0, clip=1.0, bf16=True),
+                                             data_types={"grad_accum_dtype": "fp32"}))),
         "no_layers": _error(lambda: init(_config(2, 0), torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))),
         "conflict": _error(lambda: (deepspeed_c.tp_model_init(tp_models.make_model("llama"), 4, torch.float32),
                                     init(_config(2, 0)))),
@@ -223,6 +227,8 @@ def test_autotp_matches_single_process_training(tmp_path):
         # at stage 0 (the engine's norm) and ZeRO 1/2 (the partitions' weighted norm)
         for case in ("llama_clip", "llama_s1", "llama_s2", "llama_s3"):
             assert r[case]["clipped"] >= STEPS // 2 and r[case]["norm_rel"] < 1e-5, (case, r[case])
+        b = r["bf16_clip"]  # bf16 at stage 0: clipped with the whole model's norm (bf16 tolerances)
+        assert b["clipped"] >= STEPS // 2 and b["norm0_rel"] < 2e-3 and b["loss_err"] < 3e-2, b
         f = r["fp16"]  # one overflow on one rank: every rank skips that step, replicas stay equal
         assert f["skipped"] == 1 and f["spread"] == 0.0 and f["loss_err"] < 2e-3, f
         assert set(r["logits"]) == {"opt", "bloom", "qwen2", "mistral", "phi3"}

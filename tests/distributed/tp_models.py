@@ -96,4 +96,4 @@ def _full_state(model: torch.nn.Module) -> dict[str, np.ndarray]:
         if isinstance(module, TensorParallel_Layer):
             for key, value in module.full_state().items():
                 state[f"{name}.{key}"] = value
-    return {k: v.cpu().numpy() for k, v in state.items()}
+    return {k: (v.float() if v.is_floating_point() else v).cpu().numpy() for k, v in state.items()}

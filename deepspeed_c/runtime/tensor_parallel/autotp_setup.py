@@ -91,12 +91,15 @@ class TensorParallelMPU:
                     out += torch.linalg.vector_norm(p.grad.detach(), 2.0, dtype=torch.float64).cpu() ** 2
             return out
 
-        def norm(_local: Any) -> float:
+        def norm(_local: Any) -> Any:
             from deepspeed_c.comm import collective_device
 
             sq = squares(sharded).to(collective_device()).reshape(1)
             dist.all_reduce(sq, group=group)
-            return float((sq.cpu()[0] + squares(replicated)) ** 0.5)
+            value = float((sq.cpu()[0] + squares(replicated)) ** 0.5)
+            if isinstance(_local, torch.Tensor):  # a fused device step takes its norm as a device tensor
+                return torch.full_like(_local, value, dtype=torch.float32)
+            return value
 
         return norm
 
@@ -128,11 +131,12 @@ def _refuse_unsupported(config: dict, size: int) -> None:
     clip = config.get("gradient_clipping", 1.0)  # DeepSpeed >= 0.19.3 defaults to 1.0
     bf16 = config.get("bf16") or config.get("bfloat16") or {}
     low_precision = isinstance(bf16, dict) and bf16.get("enabled") is True
-    if isinstance(clip, (int, float)) and clip > 0 and stage == 0 and low_precision:
-        raise NotImplementedError(f"tensor_parallel.autotp_size={size} with gradient_clipping={clip}, bf16 and "
-                                  "zero_optimization.stage=0: the global norm over tensor-parallel shards is built "
-                                  "for fp32 at stage 0 and for ZeRO stages 1 and 2; set \"gradient_clipping\": 0 "
-                                  "(DeepSpeed's default is 1.0 since 0.19.3) or use ZeRO 1/2")
+    accum = (config.get("data_types") or {}).get("grad_accum_dtype")
+    if isinstance(clip, (int, float)) and clip > 0 and stage == 0 and low_precision and accum in ("fp32", "float32"):
+        # the whole-model norm reads the parameters' bf16 gradients; fp32 accumulation keeps them elsewhere
+        raise NotImplementedError(f"tensor_parallel.autotp_size={size} with gradient_clipping={clip}, bf16, "
+                                  "data_types.grad_accum_dtype=fp32 and zero_optimization.stage=0 is not built; use "
+                                  "bf16 accumulation (the default), ZeRO 1/2/3, or \"gradient_clipping\": 0")
 
 
 def prepare_autotp(model: torch.nn.Module, config: dict, mpu: Any, pipeline: bool = False) -> tuple[Any, Any]:
