@@ -11,7 +11,8 @@ DP 2 x SP 2 at ZeRO 3 (parameters partitioned over the 4 data x sequence ranks).
 The per-rank loss is sum(token losses of the slice) / (good tokens of the whole sequence): the engine
 sums gradients over a sequence-parallel group and averages over data-parallel replicas (DeepSpeed's
 reduction), so one SGD step equals the reference's; SGD makes any gradient scale error show in the
-weights. Gradients are all-reduced in fp32, hence the 1e-6 tolerances."""
+weights. Gradients are all-reduced in fp32, hence the 1e-6 tolerances. Under DSC_TEST_BACKEND=nccl the
+engine's model and the slices are on each rank's GPU; the reference stays on the host."""
 from __future__ import annotations
 
 import numpy as np
@@ -67,7 +68,8 @@ def _phase(rank: int, world: int, sp: int, stage: int, tiled: bool, use_mesh: bo
         for key, want in (("input_ids", full["input_ids"]), ("position_ids", full["position_ids"]),
                           ("shift_labels", want_shift)):
             slice_err += float((b[key] != want[:, sp_rank * chunk:(sp_rank + 1) * chunk]).sum())
-        ids, pos, target = b["input_ids"], b["position_ids"], b["shift_labels"]
+        dev = engine.device  # the adapter hands out host tensors, as DeepSpeed's does
+        ids, pos, target = b["input_ids"].to(dev), b["position_ids"].to(dev), b["shift_labels"].to(dev)
         if tiled:  # the logits exist one tile at a time
             hidden = engine.module.model(input_ids=ids, position_ids=pos).last_hidden_state
             head = engine.module.lm_head
@@ -96,9 +98,9 @@ def _weights(engine, stage: int) -> list[torch.Tensor]:
 
     params = list(engine.module.parameters())
     if stage < 3:
-        return [p.detach().clone() for p in params]
+        return [p.detach().cpu().clone() for p in params]
     with deepspeed_c.zero.GatheredParameters(params):
-        return [p.detach().clone() for p in params]
+        return [p.detach().cpu().clone() for p in params]
 
 
 def _tiled_compute_check() -> float:
