@@ -5,8 +5,11 @@ and says how many tokens a step trains and how many FLOPs a token costs.
 
 - pipe: dsc-1f1b, dsc-interleaved (virtual stages 2), dsc-zb_h1 (deepspeed_c.pipe.PipelineModule,
   `"pipeline": {"schedule", "virtual_stages"}`), ds-1f1b (deepspeed.pipe.PipelineModule); train_batch.
-- moe: dsc-moe / ds-moe: MoEGPT with each library's MoE layer (ep_size = world), same weights,
-  initialize() with one config; forward, backward, step.
+- moe: dsc-moe / ds-moe: MoEGPT with each library's MoE layer (ep_size = world), same weights
+  (DeepSpeed's model loads ours' state_dict: the names match one to one), initialize() with one config
+  and the MoE parameter groups; forward, backward, step. At k=1 with tokens over capacity the first
+  losses differ by ~4e-4 relative: DeepSpeed keeps an expert's tokens in torch.topk's order over a 0/1
+  mask (ties), deepspeed_c in token order, so different tokens are dropped (no drops: equal).
 - tp: dsc-autotp / ds-autotp (`"tensor_parallel": {"autotp_size": world}`) and ddp of the unsharded
   LLaMA, the same global batch (DDP splits it over the ranks).
 - sp: dsc-ulysses / ds-ulysses (DistributedAttention, each rank seq/world of the sequence), forward +
@@ -175,9 +178,10 @@ def moe_mode(args: Any, world: int) -> Mode:
             state["weights"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
         elif "weights" in state:  # the same weights as ours: names must match one to one
             theirs = model.state_dict()
-            if sorted(theirs) != sorted(state["weights"]):
-                raise RuntimeError(f"MoE state_dict names differ: ours only {sorted(set(state['weights']) - set(theirs))[:4]}, "
-                                   f"DeepSpeed's only {sorted(set(theirs) - set(state['weights']))[:4]}")
+            ours = set(state["weights"])
+            if set(theirs) != ours:
+                raise RuntimeError(f"MoE state_dict names differ: ours only {sorted(ours - set(theirs))[:4]}, "
+                                   f"DeepSpeed's only {sorted(set(theirs) - ours)[:4]}")
             model.load_state_dict(state["weights"])
         groups = _sub(lib, 'moe.utils').split_params_into_different_moe_groups_for_optimizer(
             {"params": list(model.parameters()), "name": "parameters"})
@@ -213,7 +217,8 @@ def tp_mode(args: Any, world: int) -> Mode:
         if name == "ddp":
             dev = _dev()
             model = make().to(dev)
-            ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+            ddp = torch.nn.parallel.DistributedDataParallel(model,
+                                                            device_ids=[dev.index] if dev.type == "cuda" else None)
             opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=dev.type == "cuda")
 
             def step(k: int) -> torch.Tensor:
@@ -269,8 +274,9 @@ def sp_mode(args: Any, world: int) -> Mode:
     full = [torch.randn(args.micro, args.seq, args.width, generator=g).to(dev, dtype) for _ in range(2)]
     mine = [x[:, rank * chunk:(rank + 1) * chunk].contiguous() for x in full]
 
+    group = dist.new_group(list(range(world)))  # one communicator for every build
+
     def build(name: str) -> Runner:
-        group = dist.new_group(list(range(world)))
         if name == "local":
             cls, xs = None, full
         else:

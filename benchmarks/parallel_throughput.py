@@ -4,6 +4,11 @@ and Ulysses sequence parallelism, deepspeed_c side by side with the real DeepSpe
 feature (see parallel_systems.py for what each system is), in one script on the same ranks.
 
     torchrun --nproc_per_node 2 benchmarks/parallel_throughput.py --mode pipe|moe|tp|sp [sizes]
+    for m in pipe moe tp sp; do torchrun --nproc_per_node 2 benchmarks/parallel_throughput.py --mode $m \
+        --out /tmp/parallel.jsonl; done
+    # CPU smoke run (gloo; the real DeepSpeed from a plain directory):
+    PYTHONPATH=/tmp/ds_real:/tmp/ds_deps DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 \
+        benchmarks/parallel_throughput.py --mode pipe --tiny
 
 NCCL when CUDA is available (one GPU a rank), gloo on CPU. The real DeepSpeed is imported as
 `deepspeed`; when it is missing (or `deepspeed` is deepspeed_c's alias) the script says why and runs
@@ -32,16 +37,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from throughput_systems import MODELS  # noqa: E402
 from train_throughput import _peak_flops, _sync  # noqa: E402
 
-# sized for 2 x H100 80GB, about a minute a mode (DeepSpeed's JIT builds included)
+# sized for 2 x H100 80GB, about a minute a mode (DeepSpeed's JIT builds aside); --model picks a shape
+# of train_throughput's GPT table (n_embd, n_layer, n_head), --width/--layers/--heads override it
 DEFAULTS = {
-    "pipe": dict(width=2048, layers=24, heads=16, seq=2048, micro=2, gas=8),
-    "moe": dict(width=1024, layers=12, heads=16, seq=2048, micro=4),
-    "tp": dict(width=2048, layers=16, heads=16, seq=2048, micro=4),
-    "sp": dict(width=2048, layers=8, heads=16, seq=16384, micro=1),
+    "pipe": dict(model="1.3B", seq=2048, micro=2, gas=4),
+    "moe": dict(model="350M", seq=2048, micro=4),
+    "tp": dict(model="1.3B", seq=2048, micro=4),
+    "sp": dict(model="1.3B", layers=8, seq=16384, micro=1),
 }
-TINY = dict(width=64, layers=4, heads=4, seq=32, micro=2, gas=4, vocab=512)
+TINY = dict(model="tiny", layers=4, seq=32, micro=2, gas=4)
 
 
 def parse() -> argparse.Namespace:
@@ -49,6 +56,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--mode", required=True, choices=sorted(DEFAULTS))
     ap.add_argument("--systems", default="", help="comma list (default: every system of the mode)")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (the CPU smoke run)")
+    ap.add_argument("--model", default="", choices=[""] + sorted(MODELS), help="GPT shape (default: by mode)")
     for key in ("width", "layers", "heads", "seq", "micro"):
         ap.add_argument(f"--{key}", type=int, default=0, help="default: by mode (see DEFAULTS)")
     ap.add_argument("--gas", type=int, default=0, help="pipe: micro-batches per train_batch")
@@ -61,16 +69,19 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--dtype", default="", choices=["", "bf16", "fp32"], help="default: bf16 on GPU, fp32 on CPU")
     ap.add_argument("--check", type=int, default=2, help="steps whose losses are compared first")
     ap.add_argument("--tol", type=float, default=0.0, help="relative tolerance (default 3e-2 bf16, 1e-3 fp32)")
-    ap.add_argument("--steps", type=int, default=4, help="steps per timed block")
+    ap.add_argument("--steps", type=int, default=3, help="steps per timed block")
     ap.add_argument("--blocks", type=int, default=2, help="timed blocks per system and round")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--peak_tflops", type=float, default=0.0, help="peak bf16 dense TFLOPS (default: by GPU)")
     ap.add_argument("--out", default="", help="append one JSON line per system here (rank 0)")
     args = ap.parse_args()
-    sizes = {"gas": 1, **DEFAULTS[args.mode]}
+    sizes = {"gas": 1, **DEFAULTS[args.mode], **(TINY if args.tiny else {})}
+    args.model = args.model or sizes.pop("model")
+    sizes.pop("model", None)
+    shape = MODELS[args.model]
+    sizes.update({"width": shape["n_embd"], "heads": shape["n_head"], "layers": sizes.get("layers", shape["n_layer"])})
     if args.tiny:
-        sizes.update(TINY)
-        args.vocab = TINY["vocab"]
+        args.vocab = 512
     for key, val in sizes.items():
         if not getattr(args, key):
             setattr(args, key, val)
@@ -156,7 +167,8 @@ def main() -> None:
 
         print(f"{torch.cuda.get_device_name() if cuda else 'CPU'} x {world}  torch {torch.__version__}  NCCL "
               f"{'.'.join(map(str, nccl.version())) if cuda else '- (gloo)'}  DeepSpeed "
-              f"{ds.__version__ if ds is not None else 'absent: ' + why}\nmode {args.mode}: {mode.describe}, "
+              f"{ds.__version__ if ds is not None else 'absent: ' + why}\nmode {args.mode} ({args.model} shape): "
+              f"{mode.describe}, "
               f"{args.dtype}", flush=True)
         for note in mode.notes:
             print(f"  note: {note}")
