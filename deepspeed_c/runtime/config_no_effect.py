@@ -42,8 +42,6 @@ NO_EFFECT: tuple[NoEffect, ...] = (
              "ZeRO-3 gathers each unit with one all_gather_into_tensor"),
     NoEffect(("zero_optimization", "stage3_allgather_sequential"), False,
              "ZeRO-3's gathers follow the fetch plan; each unit is one collective"),
-    NoEffect(("zero_optimization", "memory_efficient_linear"), True,
-             "ZeRO-3 re-gathers a module's parameters before its backward; no Linear override is needed"),
     NoEffect(("zero_optimization", "pipeline_loading_checkpoint"), False,
              "ZeRO-3 checkpoints load partition by partition without it"),
     NoEffect(("zero_optimization", "override_module_apply"), True,

@@ -24,6 +24,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from deepspeed_c.runtime.zero import linear as zero_linear
 from deepspeed_c.runtime.zero.param_store import ParamStore
 from deepspeed_c.runtime.zero.partition_parameters import drop_guard, external_parameters, is_zero_param
 
@@ -137,7 +138,7 @@ class ZeroParamDict(dict):
 class ParamCoordinator:
     def __init__(self, module: torch.nn.Module, store: ParamStore, *, prefetch_bucket_size: int,
                  max_live_parameters: int, max_reuse_distance: int, use_plan: bool = True,
-                 leaf_modules: Any = None) -> None:
+                 leaf_modules: Any = None, memory_efficient_linear: bool = True) -> None:
         self.module = module
         self.store = store
         self.limits = dict(prefetch_bucket_size=int(prefetch_bucket_size),
@@ -180,6 +181,8 @@ class ParamCoordinator:
             self._handles.append(m.register_forward_hook(self._post_hook(key), with_kwargs=True))
         self._handles.append(module.register_forward_pre_hook(self._root_pre, prepend=True))
         self._handles.append(module.register_forward_hook(self._root_post))
+        # Linear layers save the parameter, not a view of its gathered buffer (linear.py says why)
+        self._linears = zero_linear.install(module) if memory_efficient_linear else []
         # the trace being recorded and the plan being followed
         self.trace: list[tuple[int, str]] = []
         self.plan: Any = None
@@ -429,6 +432,8 @@ class ParamCoordinator:
         for h in self._handles:
             h.remove()
         self._handles = []
+        zero_linear.uninstall(self._linears)
+        self._linears = []
         for m in self.modules:
             if type(m._parameters) is ZeroParamDict:
                 m.__dict__["_parameters"] = dict(m._parameters)

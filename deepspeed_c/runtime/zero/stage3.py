@@ -150,7 +150,8 @@ def mark_frozen_units(store: ParamStore) -> None:
 def _coordinator(module: torch.nn.Module, store: ParamStore, zero_cfg: Any) -> ParamCoordinator:
     return ParamCoordinator(module, store, prefetch_bucket_size=zero_cfg.prefetch_bucket_size,
                             max_live_parameters=zero_cfg.max_live_parameters,
-                            max_reuse_distance=zero_cfg.max_reuse_distance, leaf_modules=zero_cfg.leaf_module)
+                            max_reuse_distance=zero_cfg.max_reuse_distance, leaf_modules=zero_cfg.leaf_module,
+                            memory_efficient_linear=bool(zero_cfg.memory_efficient_linear))
 
 
 class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (DeepSpeed's class name)

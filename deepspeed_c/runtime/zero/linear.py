@@ -1,0 +1,81 @@
+"""ZeRO-3's memory-efficient Linear (zero_optimization.memory_efficient_linear, on by default as in
+DeepSpeed).
+
+torch's linear records `weight.t()` for its backward: a view of the gathered buffer the parameter
+points at during forward. ZeRO-3 releases a module's gathered parameters after its forward by
+pointing them back at empty placeholders, but that saved view keeps the whole gathered buffer
+alive until the backward, so a model of Linear layers would hold every layer's full weights from
+forward to backward (ZeRO-2's memory). This Function saves the parameter itself instead: in the
+backward it reads whatever the parameter points at then, which ZeRO-3's pre-backward gather has
+made the full weight again. The forward is torch's linear itself (same numbers); the backward
+computes the three products autograd would.
+
+A parameter not gathered again before its backward reaches this Function as a placeholder and
+fails with a shape error naming it, never reads freed memory."""
+from __future__ import annotations
+
+import types
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+
+class LinearFunctionForZeroStage3(torch.autograd.Function):  # DeepSpeed's name
+
+    @staticmethod
+    def forward(ctx: Any, input: torch.Tensor, weight: torch.Tensor,  # noqa: A002 - torch's argument name
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        ctx.save_for_backward(input, weight, bias)
+        return F.linear(input, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> Any:
+        input, weight, bias = ctx.saved_tensors  # noqa: A001
+        if weight.numel() == 0:
+            raise RuntimeError(
+                f"ZeRO-3 memory_efficient_linear: a Linear weight (ds_id {getattr(weight, 'ds_id', '?')}, shape "
+                f"{tuple(getattr(weight, 'ds_shape', weight.shape))}) was not gathered before its backward; "
+                "a parameter used outside the module that owns it must be registered with "
+                "deepspeed_c.zero.register_external_parameter, or set memory_efficient_linear to false")
+        grad_input = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_input = grad_output.matmul(weight.to(grad_output.dtype))
+        out_features = grad_output.shape[-1]
+        flat_grad = grad_output.reshape(-1, out_features)
+        if ctx.needs_input_grad[1]:
+            grad_weight = flat_grad.t().matmul(input.reshape(-1, input.shape[-1]).to(grad_output.dtype))
+        if bias is not None and ctx.needs_input_grad[2]:
+            grad_bias = flat_grad.sum(0)
+        return grad_input, grad_weight, grad_bias
+
+
+def zero3_linear_wrap(input: torch.Tensor, weight: torch.Tensor,  # noqa: A002
+                      bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear with LinearFunctionForZeroStage3's backward (DeepSpeed's name). Under autocast the
+    weight is cast anyway (the cast copy is what autograd saves), so torch's linear runs as it is."""
+    if torch.is_autocast_enabled(input.device.type) or not torch.is_grad_enabled():
+        return F.linear(input, weight, bias)
+    return LinearFunctionForZeroStage3.apply(input, weight, bias)
+
+
+def _efficient_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
+    return zero3_linear_wrap(input, self.weight, self.bias)
+
+
+def install(module: torch.nn.Module) -> list[torch.nn.Linear]:
+    """Every torch.nn.Linear of `module` whose forward is torch's own runs through
+    zero3_linear_wrap (an instance attribute, so hooks and the class stay as they are); returns them
+    for `uninstall`."""
+    changed = []
+    for m in module.modules():
+        if isinstance(m, torch.nn.Linear) and type(m).forward is torch.nn.Linear.forward and \
+                "forward" not in m.__dict__:
+            m.forward = types.MethodType(_efficient_forward, m)
+            changed.append(m)
+    return changed
+
+
+def uninstall(modules: list[torch.nn.Linear]) -> None:
+    for m in modules:
+        m.__dict__.pop("forward", None)
