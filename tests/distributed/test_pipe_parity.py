@@ -40,7 +40,7 @@ def _layer_weights(model) -> dict:
 def _engine(world: int, stages: int, zero: int = 0, clip: float = 0.0, ckpt: int = 0, method: str = "parameters",
             tied: bool = True, bf16: bool = False, gas: int = pm.GAS, accum32: bool = False, sgd: bool = False,
             schedule: str = "1f1b", virtual: int = 1, fp16: bool = False, reentrant: bool = True,
-            parallel_write: bool = False):
+            parallel_write: bool = False, params: str = "callable"):
     import deepspeed_c as deepspeed
     from deepspeed_c.pipe import PipelineModule
 
@@ -56,7 +56,13 @@ def _engine(world: int, stages: int, zero: int = 0, clip: float = 0.0, ckpt: int
     if fp16:
         cfg["fp16"] = FP16
     make = (lambda ps: torch.optim.SGD(ps, lr=SGD_LR)) if sgd else (lambda ps: torch.optim.Adam(ps, lr=LR))
-    engine, *_ = deepspeed.initialize(model=model, config=cfg, optimizer=make)
+    if params == "given":  # model_parameters taken before initialize rebuilds the layers (virtual stages)
+        engine, *_ = deepspeed.initialize(model=model, config=cfg, optimizer=make,
+                                          model_parameters=list(model.parameters()))
+    elif params == "client":  # an optimizer instance built over the layers before that rebuild
+        engine, *_ = deepspeed.initialize(model=model, config=cfg, optimizer=make(model.parameters()))
+    else:
+        engine, *_ = deepspeed.initialize(model=model, config=cfg, optimizer=make)
     return model, engine
 
 
@@ -218,6 +224,11 @@ def body2(rank: int, world: int) -> list:
             _shape_change(world)]
 
 
+def body2_rebuilt_params(rank: int, world: int) -> list:
+    return [_train(world, 2, schedule="interleaved", virtual=2, params="given"),
+            _train(world, 2, schedule="interleaved", virtual=2, params="client")]
+
+
 def _load_on_two_stages(world: int, ckpt_dir: str) -> dict:
     """Layer files written by 4 stages, read by 2 stages x 2 data-parallel ranks."""
     from deepspeed_c.pipe import PipelineModule
@@ -373,6 +384,15 @@ def test_two_stages_tied_clipping_checkpointing_bf16_and_bad_inputs():
     assert sorted(k for r in results for k in r[6]["weights"]) == sorted(
         f"{i}.{n}" for i, n in [(0, "weight"), (1, "weight"), (1, "bias"), (3, "weight"), (3, "bias"),
                                 (5, "weight"), (5, "bias")])
+
+
+def test_interleaved_keeps_model_parameters_and_client_optimizer():
+    """model_parameters / an optimizer taken from the layers before initialize rebuilds them for the
+    virtual stages are carried over to the rebuilt layers (they trained nothing before: the optimizer
+    stepped tensors the model no longer used)."""
+    results = run_distributed(body2_rebuilt_params, world_size=2, timeout=240)
+    _check(results, 0, 1)
+    _check(results, 1, 1)
 
 
 def test_four_stages_pipe_by_data_zero1_and_checkpoints(tmp_path):

@@ -70,7 +70,18 @@ class PipelineEngine(DeepSpeedEngine):
         _apply_pipeline_section(cfg.pipeline_config, model)
         self._schedule_name, self.virtual_stages = _schedule_choice(cfg, model)
         if self.virtual_stages > 1:
+            names_before = {id(p): n for n, p in model.named_parameters()}
             model.set_virtual_stages(self.virtual_stages)  # before the optimizer sees the parameters
+            if super_kwargs.get("model_parameters") is not None:
+                from .rebind import rebind_model_parameters
+
+                super_kwargs["model_parameters"] = rebind_model_parameters(super_kwargs["model_parameters"],
+                                                                           names_before, model)
+            client = super_kwargs.get("optimizer")
+            if isinstance(client, torch.optim.Optimizer):
+                from .rebind import rebind_optimizer
+
+                rebind_optimizer(client, names_before, model)
         self._pipe_max_norm = float(cfg.gradient_clipping or 0.0)
         self._pipe_clips = self.grid.get_pipe_parallel_world_size() > 1 and self._pipe_max_norm > 0
         if self._pipe_clips:
