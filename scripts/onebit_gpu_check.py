@@ -63,7 +63,8 @@ def check_correctness(cpu, gpu) -> None:
         scales = torch.rand(nscale, generator=torch.Generator().manual_seed(2)) + 0.5
         out = {}
         for name, op, d in (("cpu", cpu, torch.device("cpu")), ("gpu", gpu, dev)):
-            yy, ee, sc, sg = y.to(d), e.to(d), scales.to(d), segs.to(d)
+            # clones: on the host .to() returns the tensor itself, and the ops write y and e in place
+            yy, ee, sc, sg = y.clone().to(d), e.clone().to(d), scales.to(d), segs.to(d)
             sumsq = torch.zeros(nscale, dtype=torch.float64, device=d)
             op.compensate(yy, ee, sg, sumsq, max_len)
             bits = torch.zeros(total // 8, dtype=torch.uint8, device=d)
