@@ -43,6 +43,9 @@ def config(args: argparse.Namespace, device: str) -> dict:
     offload_o = {"device": device, "pin_memory": True}
     if device == "nvme":
         offload_p["nvme_path"] = offload_o["nvme_path"] = args.nvme_path
+        # every parameter on NVMe (DeepSpeed's default max_in_cpu keeps the first 1e9 elements on the host);
+        # swap-in buffers large enough for the embedding, the largest module (one GPU: its whole weight)
+        offload_p.update(max_in_cpu=0, buffer_size=max(int(1e8), args.vocab * args.n_embd))
     cfg = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
            "gradient_clipping": 1.0, "steps_per_print": 10**9, "bf16": {"enabled": True},
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},

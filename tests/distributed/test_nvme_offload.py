@@ -9,9 +9,14 @@ run with `device: cpu` (ZeRO-Offload, itself tested against torch.optim.Adam in 
 - between steps the swap files hold the state (the masters in memory are empty);
 - host memory (process RSS, one rank per process) with a model whose optimizer state is ~100 MB:
   the NVMe run holds at most its slots of that state;
-- stage 3 with `offload_param.device: nvme` (and the optimizer state on NVMe too), 8 steps: bit for bit
-  the run with both on the host, within 1e-5 of stage 3 without offload; the shards are the swap
-  files' bytes and the fetch plan's gathers issued read-ahead;
+- stage 3 with `offload_param.device: nvme` (and the optimizer state on NVMe too), 8 steps, two param
+  groups, buffer_count 1, buffer_size above the largest module chunk, max_in_cpu holding the first group:
+  bit for bit the run with both on the host, within 1e-5 of stage 3 without offload; the first group
+  is never written to NVMe (the files' bytes are the second group's shard, and all of both with
+  max_in_cpu 0), the swap files hold the shards' bytes, reads went through the one buffer, and the
+  files' mappings hold no resident memory while the modules run or after a step (/proc/self/smaps,
+  which does see them once touched); buffer_size below a chunk, buffer_count 0 and a negative
+  max_in_cpu raise naming the key;
 - bad nvme_path values fail at initialize naming the path and the bytes needed; two live NVMe engines
   on one path keep their own files (and remove them on destroy); a stage-2 checkpoint written by the
   real DeepSpeed 0.19.8 (tests/fixtures) resumes with NVMe offload and continues as DeepSpeed did."""
@@ -92,12 +97,30 @@ def _train(engine: Any, rank: int, world: int, batches: list, gas: int, steps: i
     return snaps
 
 
-def _engine(cfg: dict[str, Any]) -> Any:
+def _engine(cfg: dict[str, Any], two_groups: bool = False) -> Any:
     import deepspeed_c
 
     torch.manual_seed(1234)
-    engine, _, _, _ = deepspeed_c.initialize(model=Wide(), config=cfg)
+    model = Wide()
+    groups = None
+    if two_groups:  # the first layer, then the rest (max_in_cpu keeps whole groups on the host, in order)
+        groups = [{"params": list(model.net[0].parameters())},
+                  {"params": list(model.net[2].parameters()) + list(model.net[4].parameters())}]
+    engine, _, _, _ = deepspeed_c.initialize(model=model, model_parameters=groups, config=cfg)
     return engine
+
+
+def _mapped_rss(folder: str) -> int:
+    """Resident bytes of this process's mappings of files under `folder` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(None, 1)[0]
+            if not head.endswith(":") or "-" in head:  # a mapping's header line: address range ... path
+                inside = line.rstrip().endswith(".swp") and folder in line
+            elif inside and head == "Rss:":
+                total += int(line.split()[1]) * 1024
+    return total
 
 
 def _optim_tensors(ckpt_dir: str, rank: int) -> dict[str, np.ndarray]:
@@ -173,7 +196,9 @@ def parity_body(rank: int, world: int, root: str) -> dict[str, Any]:
 
 
 def _param_offload_runs(rank: int, world: int, root: str) -> dict[str, Any]:
-    """Stage 3 with parameters (and optimizer state) on NVMe, with both on the host, and without offload."""
+    """Stage 3 with parameters (and optimizer state) on NVMe, with both on the host, and without offload; two
+    param groups, the NVMe run keeping the first on the host (max_in_cpu) and swapping the second in
+    through one buffer (buffer_count 1, buffer_size above its largest module's chunk)."""
     nvme_path = os.path.join(root, "swap")
     if rank == 0:
         os.makedirs(nvme_path, exist_ok=True)
@@ -181,20 +206,55 @@ def _param_offload_runs(rank: int, world: int, root: str) -> dict[str, Any]:
     gas, clip = 2, 0.05
     steps = 8
     batches = _batches(steps * gas, world)
-    runs: dict[str, Any] = {}
+    knobs = {"buffer_count": 1, "buffer_size": 9000, "max_in_cpu": 6000}  # rank shards: 4160, then 8772 elements
+    runs: dict[str, Any] = {"knobs": knobs, "errors": {}}
+    for key, value in (("buffer_size", 4000), ("buffer_count", 0), ("max_in_cpu", -1)):
+        cfg = _config(3, "nvme", nvme_path, gas, clip, 2, param_device="nvme")
+        cfg["zero_optimization"]["offload_param"].update(knobs, **{key: value})
+        try:
+            _engine(cfg, two_groups=True).destroy()
+            runs["errors"][key] = "no error"
+        except Exception as e:  # noqa: BLE001  (the message is what is checked)
+            runs["errors"][key] = f"{type(e).__name__}: {e}"
+    cfg = _config(3, "nvme", nvme_path, gas, clip, 2, param_device="nvme")
+    cfg["zero_optimization"]["offload_param"].update(knobs, max_in_cpu=0)  # everything to NVMe
+    engine = _engine(cfg, two_groups=True)
+    store = engine.optimizer.store
+    runs["all_nvme"] = [sum(os.path.getsize(os.path.join(store.folder, f)) for f in os.listdir(store.folder)),
+                        sum(s.numel() * s.element_size() for s in store.shards)]
+    engine.destroy()
     for name, opt_dev, param_dev in (("nvme", "nvme", "nvme"), ("cpu", "cpu", "cpu"), ("none", "none", "")):
         cfg = _config(3, opt_dev, nvme_path, gas, clip, 2, param_device=param_dev)
         if opt_dev == "none":
             del cfg["zero_optimization"]["offload_optimizer"]
-        engine = _engine(cfg)
-        runs[name] = _train(engine, rank, world, batches, gas, steps)
-        if name == "nvme":  # the shards are the swap files' bytes
+        if name == "nvme":
+            cfg["zero_optimization"]["offload_param"].update(knobs)
+        engine = _engine(cfg, two_groups=True)
+        rss: list[int] = []
+        if name == "nvme":  # host memory the swap files' mappings hold while modules run (forward)
             store = engine.optimizer.store
-            runs["in_files"] = all(
-                os.path.getsize(store.swap_path(g)) == s.numel() * s.element_size() and
-                np.array_equal(np.fromfile(store.swap_path(g), dtype=np.float32), s.numpy())
-                for g, s in enumerate(store.shards))
+            for m in engine.module.modules():
+                if isinstance(m, torch.nn.Linear):
+                    m.register_forward_hook(lambda *_: rss.append(_mapped_rss(store.folder)))
+        runs[name] = _train(engine, rank, world, batches, gas, steps)
+        if name == "nvme":
+            runs["rss_after_step"] = _mapped_rss(store.folder)  # before anything below reads the mapping
+            files = sorted(os.listdir(store.folder))
+            runs["files"] = {f: os.path.getsize(os.path.join(store.folder, f)) for f in files}
+            runs["shard_bytes"] = [s.numel() * s.element_size() for s in store.shards]
+            runs["on_nvme"] = list(store.on_nvme)
+            runs["in_cpu_numel"] = store.in_cpu_numel
+            runs["in_files"] = all(np.array_equal(np.fromfile(store.swap_path(g), dtype=np.float32), s.numpy())
+                                   for g, s in enumerate(store.shards) if store.on_nvme[g] and s.numel())
             runs["readahead"] = store.readahead_bytes
+            runs["bytes_read"] = store.bytes_read
+            runs["pool"] = [store.buffers.count, store.buffers.peak_in_use, store.buffers.nbytes]
+            runs["largest_chunk"] = max(e - s for u, (g, _) in enumerate(store.unit_of) if store.on_nvme[g]
+                                        for s, e in [store.chunk_range(u)])
+            runs["rss_forward"] = [max(rss), len(rss)]
+            g = store.on_nvme.index(True)
+            float(store.shards[g].sum())  # the mapping read whole: the measurement sees its pages
+            runs["rss_touched"] = _mapped_rss(store.folder)
         engine.destroy()
     return runs
 
@@ -378,8 +438,28 @@ def test_bad_nvme_path_two_engines_and_a_deepspeed_checkpoint(tmp_path) -> None:
 def test_nvme_parameters_match_stage3() -> None:
     for res in _parity():
         runs = res["params"]
+        knobs = runs["knobs"]
         assert runs["in_files"] and runs["readahead"] > 0
         for got, cpu, none in zip(runs["nvme"], runs["cpu"], runs["none"]):
             assert np.array_equal(got, cpu)  # the same host path with the shards in files
             assert np.linalg.norm(got - none) / np.linalg.norm(none) < 1e-5  # stage 3 without offload
         assert not np.array_equal(runs["none"][0], runs["none"][-1])
+        # max_in_cpu: the first group stays on the host (within max_in_cpu), the second alone is written
+        assert runs["on_nvme"][:2] == [False, True]
+        assert 0 < runs["in_cpu_numel"] <= knobs["max_in_cpu"]
+        assert list(runs["files"].values()) == [runs["shard_bytes"][1]]
+        assert sum(runs["files"].values()) == sum(runs["shard_bytes"]) - runs["in_cpu_numel"] * 4
+        assert runs["all_nvme"][0] == runs["all_nvme"][1] > sum(runs["files"].values())  # max_in_cpu 0: all
+        # swapped-in partitions live only in the buffers: buffer_count x (at most) buffer_size
+        count, peak, nbytes = runs["pool"]
+        assert count == knobs["buffer_count"] and 1 <= peak <= count
+        assert 0 < nbytes <= knobs["buffer_count"] * knobs["buffer_size"] * 4
+        assert runs["bytes_read"] > 0
+        assert runs["rss_forward"][1] > 0 and runs["rss_forward"][0] == 0  # the mapping holds nothing in use
+        assert runs["rss_after_step"] == 0
+        assert runs["rss_touched"] >= runs["shard_bytes"][1]  # ...which the measurement would see
+        errors = runs["errors"]
+        assert "zero_optimization.offload_param.buffer_size" in errors["buffer_size"], errors["buffer_size"]
+        assert f"at least {runs['largest_chunk']}" in errors["buffer_size"], errors["buffer_size"]
+        assert "zero_optimization.offload_param.buffer_count" in errors["buffer_count"], errors["buffer_count"]
+        assert "max_in_cpu" in errors["max_in_cpu"], errors["max_in_cpu"]

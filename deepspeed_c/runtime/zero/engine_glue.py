@@ -152,7 +152,9 @@ def zero3_store_args(engine: Any) -> dict:
                 pin_memory=bool(on_host and offload.pin_memory),
                 persistence_threshold=zero_cfg.param_persistence_threshold,
                 model_persistence_threshold=zero_cfg.model_persistence_threshold,
-                param_swap={"nvme_path": offload.nvme_path} if on_nvme else None)
+                param_swap=dict(nvme_path=offload.nvme_path, buffer_count=offload.buffer_count,
+                                buffer_size=offload.buffer_size, max_in_cpu=offload.max_in_cpu,
+                                pin_buffers=offload.pin_memory) if on_nvme else None)
 
 
 def configure_zero3_params(engine: Any) -> Any:

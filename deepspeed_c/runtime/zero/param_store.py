@@ -54,6 +54,8 @@ def module_runs(params: Sequence[torch.nn.Parameter], owner: dict[int, int]) -> 
 class ParamStore:
     """The sharded storage of every ZeRO-3 parameter of one model, and its gathered units."""
 
+    file_backed = False  # shards are not where gathers read from (NVMe swap): a gathered unit never aliases one
+
     def __init__(self, groups: Sequence[Sequence[torch.nn.Parameter]], owner: dict[int, int], *, rank: int,
                  world_size: int, group: Any, dtype: torch.dtype, compute_device: torch.device,
                  home_device: Optional[torch.device] = None, pin_memory: bool = False,
@@ -97,7 +99,7 @@ class ParamStore:
         # as long as the persistent total stays under the model threshold
         budget = model_persistence_threshold if model_persistence_threshold is not None else 1 << 62
         self.persistent = [False] * n_units
-        if world_size == 1 and self.home_device == compute_device:
+        if world_size == 1 and self.home_device == compute_device and not self.file_backed:
             # one rank holding its shards on the compute device: a gathered unit is a view of its shard,
             # so keeping every unit gathered costs nothing
             persistence_threshold, budget = 1 << 62, 1 << 62
@@ -142,7 +144,14 @@ class ParamStore:
     @property
     def aliased(self) -> bool:
         """Gathered units are views of the shards (one rank, shards on the compute device)."""
-        return self.world_size == 1 and self.home_device == self.compute_device
+        return self.world_size == 1 and self.home_device == self.compute_device and not self.file_backed
+
+    def source_chunk(self, u: int, start: int, end: int) -> torch.Tensor:
+        """This rank's chunk of unit u, the input of its gather (the NVMe store reads it into a swap buffer)."""
+        return self.shards[self.unit_of[u][0]][start:end]
+
+    def wrote(self, g: int, start: int, end: int) -> None:
+        """Elements [start, end) of group g's shard were just rewritten (the NVMe store drops their pages)."""
 
     @torch.no_grad()
     def fetch(self, units: Sequence[int], private: bool = False, lossy: bool = False) -> None:
@@ -153,7 +162,7 @@ class ParamStore:
             if self.full[u] is not None:
                 continue
             start, end = self.chunk_range(u)
-            chunk = self.shards[self.unit_of[u][0]][start:end]
+            chunk = self.source_chunk(u, start, end)
             if chunk.device != self.compute_device:
                 chunk = chunk.to(self.compute_device, non_blocking=True)
             if self.world_size == 1:  # the shard is the whole unit: its parameters view it (or its device copy)
@@ -257,6 +266,7 @@ class ParamStore:
         g = self.unit_of[u][0]
         n = end - start
         self.shards[g][start:end].copy_(full[self.rank * n:(self.rank + 1) * n])
+        self.wrote(g, start, end)
         self.drop_secondary([u])
         if self.on_write_back is not None:
             self.on_write_back(g, start, end)

@@ -62,6 +62,7 @@ def build_param_store(module: torch.nn.Module, groups: Sequence[Sequence[torch.n
     store_cls: Any = ParamStore
     if param_swap is not None:  # offload_param.device nvme: the shards are mappings of swap files
         from deepspeed_c.runtime.swap_tensor.partitioned_param_swapper import NVMeParamStore as store_cls
+        param_swap = dict(param_swap, trainable_groups=len(groups))  # max_in_cpu counts the optimizer's groups
     store = store_cls(all_groups, _owners(module), rank=rank, world_size=world_size, group=group, dtype=dtype,
                       compute_device=compute_device, home_device=home_device, pin_memory=pin_memory,
                       persistence_threshold=persistence_threshold,
@@ -99,6 +100,7 @@ class ShardWriter:
         plan = self.store.plans[g]
         start = plan.bucket_offset[b] // self.store.world_size
         self.store.shards[g][start:start + chunk.numel()].copy_(chunk, non_blocking=True)
+        self.store.wrote(g, start, start + chunk.numel())
         self.store.drop_secondary([self.store.first_unit[g] + b])
 
     def finish(self) -> None:
