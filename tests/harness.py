@@ -131,9 +131,12 @@ def _context() -> Any:
     importing torch costs seconds, on every rank of every distributed test). The server is a clean
     single-threaded interpreter that imports nothing that touches CUDA (not even deepspeed_c, whose
     accelerator probe may), so each forked rank can still initialise CUDA; it is started with the
-    test process's environment at first use."""
+    test process's environment at first use. torch._dynamo (imported by a rank's first optimizer
+    step, ~1.5 CPU-s) and transformers.modeling_utils (~3 CPU-s, the Hugging Face tests) are preloaded
+    too: neither touches torch.cuda on import; a missing one is skipped by the server."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "tests.harness"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "transformers.modeling_utils",
+                                "tests.harness"])
     return ctx
 
 
