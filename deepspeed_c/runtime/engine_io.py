@@ -151,7 +151,8 @@ class EngineIO:
 
 
 def _tp_full_view(engine: Any, what: str) -> Any:
-    """AutoTP: the tensor-parallel weights (and Adam's moments) whole for the duration of a save or load."""
+    """AutoTP: the tensor-parallel weights (their masters, Adam's moments, ZeRO 1/2's partitions) whole for the
+    duration of a save or load: the checkpoint is the unsharded model's, loadable at any TP degree."""
     import contextlib
 
     if not (getattr(engine.mpu, "autotp", False) and engine.mpu.get_model_parallel_world_size() > 1):

@@ -120,6 +120,12 @@ class EngineOptimizer:
     def refresh_masters(self) -> None:
         """The optimizer's own copy of the weights (fp32 masters) re-read from the model's."""
 
+    def master_params(self) -> dict[int, torch.nn.Parameter]:
+        """id(model parameter) -> the whole-parameter master this optimizer steps in its place (the stage-0
+        mixed-precision optimizer's fp32 copies); empty where the model's parameters are stepped directly or
+        the masters are flat partitions (ZeRO)."""
+        return {}
+
     def state_dict(self) -> dict:
         raise NotImplementedError
 

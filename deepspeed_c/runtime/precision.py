@@ -297,6 +297,9 @@ class MixedPrecisionOptimizer(EngineOptimizer):
     def model_param_groups(self) -> list[list[torch.nn.Parameter]]:
         return [list(g) for g in self.lp_groups]
 
+    def master_params(self) -> dict[int, torch.nn.Parameter]:
+        return {id(lp): m for lp, m in zip(self._lp_flat, self._master_flat)}
+
     def load_checkpoint_state(self, saved: SavedCheckpoint, load_optimizer_states: bool) -> None:
         from deepspeed_c.checkpoint.deepspeed_format import normalize_mixed_state
 

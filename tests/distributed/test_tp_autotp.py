@@ -6,7 +6,8 @@ only, OPT, BLOOM, Qwen2, Mistral and Phi-3).
 Each rank also trains the unsharded model alone on the whole global batch with torch.optim.Adam:
 the sharded model's logits, its 10 losses and its gathered weights must match it, at ZeRO stages
 0, 1, 2 and 3 on the data-parallel axis (1-3 and one stage-0 run with gradient clipping); fp16 at ZeRO 2.
-The same run checks the bad-input errors.
+The same run checks the bad-input errors and save_checkpoint/load_checkpoint across TP degrees (fp32 at
+stage 0; bf16 at stage 0 and ZeRO 2, fp32 masters and Adam moments compared exactly after resharding).
 Under DSC_TEST_BACKEND=nccl the sharded models run one GPU a rank (their data on rank_device()); the
 unsharded references stay on the CPU; same tolerances."""
 from __future__ import annotations
@@ -146,13 +147,80 @@ def _checkpoint(world: int, save_dir: str) -> dict:
     _run(engine, data, range(5), rows // engine.dp_world_size)
     engine.save_checkpoint(ckpt, tag="t")
     out = {"uninterrupted": _run(engine, data, range(5, 10), rows // engine.dp_world_size), "resumed": {}}
-    out["zero1"] = _error(lambda: engine_at(2, 0, stage=1).save_checkpoint(ckpt, tag="z"))
+    out["zero3"] = _error(lambda: engine_at(2, 0, stage=3).save_checkpoint(ckpt, tag="z"))
     groups._reset_tp_groups()
     for tp in (2, 1, 4):
         engine = engine_at(tp, seed=7)
         engine.load_checkpoint(ckpt, tag="t")
         out["resumed"][tp] = _run(engine, data, range(5, 10), rows // engine.dp_world_size)
         groups._reset_tp_groups()
+    out["bf16_s2"] = _checkpoint_bf16(world, f"{save_dir}/bf16_s2", 2, data, rows, round_trip=True)
+    out["bf16_s0"] = _checkpoint_bf16(world, f"{save_dir}/bf16_s0", 0, data, rows, round_trip=False)
+    return out
+
+
+# a column-parallel, a row-parallel, a fused-free GQA key projection and a replicated parameter
+PROBES = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight",
+          "model.layers.1.self_attn.k_proj.weight", "model.embed_tokens.weight")
+
+
+def _whole_state(engine) -> dict:
+    """fp32 master and Adam moments of PROBES, whole (gathered over DP by ZeRO, over TP by the layer)."""
+    from deepspeed_c.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    params, out = dict(engine.module.named_parameters()), {}
+    for name in PROBES:
+        p = params[name]
+        for what in ("master", "exp_avg", "exp_avg_sq"):
+            if engine.zero_optimization_stage():
+                v = safe_get_full_fp32_param(p) if what == "master" else safe_get_full_optimizer_state(p, what)
+            else:
+                m = engine.stepper.master_params()[id(p)]
+                v = m.data if what == "master" else engine.basic_optimizer.state[m][what]
+            v = v.reshape(p.shape)
+            if getattr(p, "ds_is_tensor_model_parallel", False):
+                v = engine.module.get_submodule(name.rsplit(".", 1)[0])._gather(v, p.partition_dim)
+            out[f"{name}:{what}"] = v.float().cpu().numpy().copy()  # not a view of a live master
+    return out
+
+
+def _checkpoint_bf16(world: int, ckpt: str, stage: int, data: list, rows: int, round_trip: bool) -> dict:
+    """bf16 at ZeRO `stage`: saved at TP 2 x DP 2 after 5 steps; loaded at TP 1 x DP 4 and, with `round_trip`,
+    at TP 2 (same) and, saved again by the TP-1 engine at once, that checkpoint at TP 2: fp32 masters and Adam
+    moments equal the saved engine's (resharded, not reset), the next 3 losses equal the uninterrupted run's
+    (bitwise at TP 2, bf16 tolerance at TP 1)."""
+    import deepspeed_c
+    from deepspeed_c.utils import groups
+
+    def engine_at(tp: int, seed: int):
+        cfg = _config(tp, stage, bf16=True)
+        cfg["train_micro_batch_size_per_gpu"] = rows * tp // world
+        if tp == 1:
+            del cfg["tensor_parallel"]
+        return deepspeed_c.initialize(model=tp_models.make_model("llama", seed=seed, kv_heads=4), config=cfg)[0]
+
+    def resume(tp: int, tag: str, save: str = "") -> tuple[list, dict]:
+        engine = engine_at(tp, seed=7)
+        engine.load_checkpoint(ckpt, tag=tag)
+        got = _whole_state(engine)
+        err = {k: float(np.abs(got[k] - v).max()) for k, v in saved.items()}
+        if save:
+            engine.save_checkpoint(ckpt, tag=save)
+        losses = _run(engine, data, range(5, 8), rows // engine.dp_world_size)
+        groups._reset_tp_groups()
+        return losses, err
+
+    engine = engine_at(2, 0)
+    _run(engine, data, range(5), rows // engine.dp_world_size)
+    engine.save_checkpoint(ckpt, tag="t2")
+    saved = _whole_state(engine)
+    out = {"uninterrupted": _run(engine, data, range(5, 8), rows // engine.dp_world_size),
+           "moments_nonzero": min(float(np.abs(v).max()) for k, v in saved.items() if "exp_avg" in k)}
+    groups._reset_tp_groups()
+    out["tp1"], out["tp1_state_err"] = resume(1, "t2", save="t1" if round_trip else "")
+    if round_trip:
+        out["tp2"], out["tp2_state_err"] = resume(2, "t2")
+        out["tp1to2"], out["tp1to2_state_err"] = resume(2, "t1")
     return out
 
 
@@ -240,7 +308,14 @@ def test_autotp_matches_single_process_training(tmp_path):
         assert set(ck["resumed"]) == {1, 2, 4}, ck
         for tp, losses in ck["resumed"].items():
             assert np.max(np.abs(np.array(losses) - np.array(ck["uninterrupted"]))) < 1e-5, (tp, ck)
-        assert ck["zero1"].startswith("NotImplementedError") and "stage=1" in ck["zero1"], ck["zero1"]
+        assert ck["zero3"].startswith("NotImplementedError") and "stage=3" in ck["zero3"], ck["zero3"]
+        for case in ("bf16_s2", "bf16_s0"):  # bf16 at ZeRO 2: TP 2 -> 2, 2 -> 1, 1 -> 2; at stage 0: 2 -> 1
+            b = ck[case]
+            assert b["moments_nonzero"] > 0, (case, b)
+            for key in [k for k in b if k.endswith("_state_err")]:
+                assert set(b[key].values()) == {0.0}, (case, key, b)  # masters and moments exact, resharded
+            assert case == "bf16_s0" or b["tp2"] == b["uninterrupted"] == b["tp1to2"], (case, b)
+            assert np.max(np.abs(np.array(b["tp1"]) - np.array(b["uninterrupted"]))) < 1e-2, (case, b)
         e = r["errors"]
         assert "autotp_size=3" in e["world"] and "world size (4)" in e["world"], e["world"]
         assert "num_key_value_heads=2" in e["kv_heads"] and "4" in e["kv_heads"], e["kv_heads"]

@@ -1,17 +1,20 @@
 """AutoTP checkpoints: saved as the unsharded model's, so they load at any tensor-parallel degree.
 
-Around engine.save_checkpoint / load_checkpoint every tensor-parallel parameter (and each optimizer
-state tensor shaped like it: Adam's moments) is swapped, in place, for the whole tensor gathered over
-its TP group, in the original model's layout (GPT-2's Conv1D weights transposed back); the engine's
-checkpointer then writes or reads exactly what it would for the unsharded model (DeepSpeed's stage-0
-layout, mp_rank_00_model_states.pt), and afterwards each rank keeps its own slice again -- of the
-values just loaded, when loading. Parameter objects never change, so the optimizer's state stays keyed
-to them. Built for ZeRO stage 0 in fp32; anything else raises before a file is touched.
+Around engine.save_checkpoint / load_checkpoint every tensor-parallel parameter -- with its stage-0 fp32
+master (bf16) and each optimizer state tensor shaped like it (Adam's moments) -- is swapped, in place, for
+the whole tensor gathered over its TP group, in the original model's layout (GPT-2's Conv1D weights
+transposed back); the engine's checkpointer then writes or reads exactly what it would for the unsharded
+model (DeepSpeed's layout: mp_rank_00_model_states.pt, and at ZeRO 1/2 the unsharded model's
+zero_pp_rank_{d}_mp_rank_00 files, which tensor_parallel.zero_checkpoint builds from and cuts into the
+partitions). Afterwards each rank keeps its own slice again -- of the values just loaded, when loading --
+copied back into the parameter's original storage (ZeRO's parameters view its flat buffers). Parameter
+objects never change, so the optimizer's state stays keyed to them. ZeRO-3 raises before a file is touched.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+import functools
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -20,11 +23,11 @@ from deepspeed_c.module_inject.layers import TensorParallel_Layer
 
 def check_supported(engine: Any, what: str) -> None:
     size = engine.mpu.get_model_parallel_world_size()
-    if engine.zero_optimization_stage() > 0 or engine.bfloat16_enabled() or engine.fp16_enabled():
+    if engine.zero_optimization_stage() > 2:
         raise NotImplementedError(
-            f"{what} with tensor_parallel.autotp_size={size} is built for fp32 at ZeRO stage 0 only (this engine: "
-            f"zero_optimization.stage={engine.zero_optimization_stage()}, bf16={engine.bfloat16_enabled()}, "
-            f"fp16={engine.fp16_enabled()}); save_16bit_model writes the whole weights at any setting")
+            f"{what} with tensor_parallel.autotp_size={size} and zero_optimization.stage="
+            f"{engine.zero_optimization_stage()} is not built (ZeRO stages 0, 1 and 2 are); save_16bit_model writes "
+            "the whole weights at any stage")
 
 
 def _sharded(module: torch.nn.Module) -> list[tuple[TensorParallel_Layer, str, torch.nn.Parameter]]:
@@ -49,30 +52,82 @@ def _to_shard(layer: TensorParallel_Layer, key: str, t: torch.Tensor, dim: int) 
     return layer._shard(torch.nn.Parameter(t.contiguous(), requires_grad=False), dim, layer._label()).data
 
 
+def _zero_hooks(engine: Any, entries: list, pending: list[Callable[[], None]]) -> Callable[[], None]:
+    """ZeRO 1/2: the optimizer's checkpoint methods, for the duration, read and write the unsharded model's
+    ZeRO files (instance attributes shadowing its methods); returns what removes them. Loads are applied
+    after the view (the optimizer's load writes the model's shards from the masters)."""
+    from deepspeed_c.runtime.tensor_parallel import zero_checkpoint as zc
+
+    opt = engine.stepper
+    tp = zc.TPParams(
+        to_whole={id(p): functools.partial(_to_full, layer, key, dim=p.partition_dim) for layer, key, p in entries},
+        to_shard={id(p): functools.partial(_to_shard, layer, key, dim=p.partition_dim) for layer, key, p in entries},
+        shard_shape={id(p): p.shape for _, _, p in entries}, tp_rank=engine.mpu.get_model_parallel_rank())
+    cls = type(opt)
+
+    def load(saved: Any, load_optimizer_states: bool) -> None:
+        pending.append(zc.load_state(opt, tp, saved, load_optimizer_states))
+
+    def load_weights(saved: Any) -> None:  # load_module_only: masters re-cut from the loaded shards
+        pending.append(functools.partial(cls.load_checkpoint_weights, opt, saved))
+
+    hooks = {"partition_checkpoint_state": functools.partial(zc.save_state, opt, tp),
+             "load_checkpoint_state": load, "load_checkpoint_weights": load_weights}
+    for name, fn in hooks.items():
+        setattr(opt, name, fn)
+
+    def remove() -> None:
+        for name in hooks:
+            opt.__dict__.pop(name, None)
+
+    return remove
+
+
 @contextlib.contextmanager
 def full_view(engine: Any) -> Iterator[None]:
-    """Inside: every TP parameter and its same-shaped optimizer states whole (collective on entry and exit)."""
-    state = engine.basic_optimizer.state if engine.basic_optimizer is not None else {}
+    """Inside: every TP parameter, its master and its same-shaped optimizer states whole (collective on entry
+    and exit)."""
+    def opt_state() -> Any:  # re-read on exit: torch's load_state_dict replaces the state dict as a whole
+        return engine.basic_optimizer.state if engine.basic_optimizer is not None else {}
+
     entries = _sharded(engine.module)
-    shard_shapes = {id(p): p.shape for _, _, p in entries}
-    with torch.no_grad():
-        for layer, key, p in entries:
-            dim = p.partition_dim
-            for name, value in list(state.get(p, {}).items()):
-                if isinstance(value, torch.Tensor) and value.shape == p.shape:
-                    state[p][name] = _to_full(layer, key, value, dim)
-            p.data = _to_full(layer, key, p.data, dim)
+    masters = engine.stepper.master_params() if engine.stepper is not None else {}
+    zero = engine.zero_optimization_stage() in (1, 2) and engine.stepper is not None
+    # (layer, key, tensor, dim): each parameter, then its fp32 master where a stage-0 optimizer keeps one
+    targets = []
+    for layer, key, p in entries:
+        targets.append((layer, key, p, p.partition_dim))
+        if id(p) in masters:
+            targets.append((layer, key, masters[id(p)], p.partition_dim))
+    shard_shapes = {id(t): t.shape for _, _, t, _ in targets}
+    originals: dict[int, torch.Tensor] = {}
+    pending: list[Callable[[], None]] = []
+    remove = _zero_hooks(engine, entries, pending) if zero else (lambda: None)
     try:
+        with torch.no_grad():
+            state = opt_state()
+            for layer, key, t, dim in targets:
+                for name, value in list(state.get(t, {}).items()):
+                    if isinstance(value, torch.Tensor) and value.shape == t.shape:
+                        state[t][name] = _to_full(layer, key, value, dim)
+                originals[id(t)] = t.data
+                t.data = _to_full(layer, key, t.data, dim)
         yield
     finally:
-        # re-read: torch's load_state_dict replaces the optimizer's state dict as a whole
-        state = engine.basic_optimizer.state if engine.basic_optimizer is not None else {}
+        remove()
+        state = opt_state()
         with torch.no_grad():
-            for layer, key, p in entries:
-                dim = p.partition_dim
-                full_shape = p.shape
-                p.data = _to_shard(layer, key, p.data, dim)
-                assert p.shape == shard_shapes[id(p)], (layer._label(), p.shape, shard_shapes[id(p)])
-                for name, value in list(state.get(p, {}).items()):
+            for layer, key, t, dim in targets:
+                if id(t) not in originals:
+                    continue
+                full_shape = t.shape
+                shard = _to_shard(layer, key, t.data, dim)
+                assert shard.shape == shard_shapes[id(t)], (layer._label(), shard.shape, shard_shapes[id(t)])
+                original = originals[id(t)]
+                original.copy_(shard)  # its storage: ZeRO's parameters view the optimizer's flat buffers
+                t.data = original
+                for name, value in list(state.get(t, {}).items()):
                     if isinstance(value, torch.Tensor) and value.shape == full_shape:
-                        state[p][name] = _to_shard(layer, key, value, dim)
+                        state[t][name] = _to_shard(layer, key, value, dim)
+    for apply in pending:  # ZeRO loads: into the partitions, then the model's shards from the masters
+        apply()
