@@ -231,12 +231,12 @@ def _param_offload_runs(rank: int, world: int, root: str) -> dict[str, Any]:
             cfg["zero_optimization"]["offload_param"].update(knobs)
         engine = _engine(cfg, two_groups=True)
         rss: list[int] = []
-        if name == "nvme":  # host memory the swap files' mappings hold while modules run (forward)
+        runs[name] = _train(engine, rank, world, batches, gas, steps - 2)
+        if name == "nvme":  # host memory the swap files' mappings hold while the NVMe group's modules run
             store = engine.optimizer.store
-            for m in engine.module.modules():
-                if isinstance(m, torch.nn.Linear):
-                    m.register_forward_hook(lambda *_: rss.append(_mapped_rss(store.folder)))
-        runs[name] = _train(engine, rank, world, batches, gas, steps)
+            for m in (engine.module.net[2], engine.module.net[4]):  # (the last two steps: smaps is slow to read)
+                m.register_forward_hook(lambda *_: rss.append(_mapped_rss(store.folder)))
+        runs[name] += _train(engine, rank, world, batches, gas, 2, first=steps - 2)
         if name == "nvme":
             runs["rss_after_step"] = _mapped_rss(store.folder)  # before anything below reads the mapping
             files = sorted(os.listdir(store.folder))
@@ -379,6 +379,17 @@ def bad_path_body(rank: int, world: int, root: str) -> dict[str, str]:
     b.destroy()
     out["left"] = sorted(os.listdir(os.path.join(shared, "zero_stage_2", "optimizer")))
     out["deepspeed_written"] = _resume_deepspeed_fixture(rank, world, shared)
+    # one rank, stage 3, parameters on NVMe read through 2 swap-in buffers (each gathered unit is a copy,
+    # never a view of the file) against parameters on the host: the same weights after 3 steps
+    out["one_rank_params"] = []
+    for dev in ("nvme", "cpu"):
+        cfg = _config(3, "cpu", shared, 1, 0.0, 2, param_device=dev)
+        cfg["zero_optimization"]["offload_param"].update(buffer_count=2, max_in_cpu=0)
+        engine = _engine(cfg)
+        out["one_rank_params"].append(_train(engine, rank, world, batches, 1, 3))
+        if dev == "nvme":
+            out["one_rank_read"] = engine.optimizer.store.bytes_read
+        engine.destroy()
     return out
 
 
@@ -413,7 +424,8 @@ def _resume_deepspeed_fixture(rank: int, world: int, nvme_path: str) -> list[flo
 
 def test_bad_nvme_path_two_engines_and_a_deepspeed_checkpoint(tmp_path) -> None:
     """One single-rank run: bad nvme_path values fail at initialize naming the path and the bytes;
-    two live engines on one path keep their own files; a DeepSpeed-written checkpoint resumes."""
+    two live engines on one path keep their own files; a DeepSpeed-written checkpoint resumes; stage 3
+    with parameters on NVMe trains as with them on the host."""
     res = run_distributed(bad_path_body, 1, args=(str(tmp_path),), timeout=120)[0]
     n = sum(p.numel() for p in Wide().parameters())
     for name in ("missing", "file"):
@@ -433,6 +445,10 @@ def test_bad_nvme_path_two_engines_and_a_deepspeed_checkpoint(tmp_path) -> None:
     assert len(res["deepspeed_written"]) == len(expected)
     for ours, theirs in zip(res["deepspeed_written"], expected):
         assert abs(ours - theirs) <= 1e-5 * abs(theirs), (res["deepspeed_written"], expected)
+    nvme, cpu = res["one_rank_params"]
+    assert res["one_rank_read"] > 0 and not np.array_equal(cpu[0], cpu[-1])
+    for got, want in zip(nvme, cpu):
+        assert np.array_equal(got, want)
 
 
 def test_nvme_parameters_match_stage3() -> None:
