@@ -63,6 +63,10 @@ def _efficient_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tens
     return zero3_linear_wrap(input, self.weight, self.bias)
 
 
+# a pickled bound method is rebuilt as getattr(module, __name__): "forward" finds the module's forward
+_efficient_forward.__name__ = "forward"
+
+
 def install(module: torch.nn.Module) -> list[torch.nn.Linear]:
     """Every torch.nn.Linear of `module` whose forward is torch's own runs through
     zero3_linear_wrap (an instance attribute, so hooks and the class stay as they are); returns them
