@@ -8,12 +8,7 @@
 
 #include <stdint.h>
 
-#if defined(__CUDACC__)
-#include <cuda_runtime_api.h>
-#else
-struct CUstream_st;
-typedef struct CUstream_st *cudaStream_t;
-#endif
+#include "dsc/cuda_stream.h"
 
 #ifdef __cplusplus
 extern "C" {
