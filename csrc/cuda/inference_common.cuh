@@ -8,9 +8,12 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "device_guard.cuh"
 #include "dsc/inference_cuda.h"
 
 namespace dsc_inf {
+
+using dsc_cuda::DeviceGuard;
 
 __device__ __forceinline__ float load(const float *p) { return *p; }
 __device__ __forceinline__ float load(const __half *p) { return __half2float(*p); }
@@ -46,24 +49,6 @@ __device__ __forceinline__ float block_sum(float v, float *scratch32) {
     return warp_sum(v);
 }
 
-class DeviceGuard {
-  public:
-    explicit DeviceGuard(int device) : target_(device) {
-        err_ = cudaGetDevice(&prev_);
-        if (err_ == cudaSuccess && prev_ != device) err_ = cudaSetDevice(device);
-    }
-    ~DeviceGuard() {
-        if (err_ == cudaSuccess && prev_ != target_) (void)cudaSetDevice(prev_);
-    }
-    int error() const { return static_cast<int>(err_); }
-    DeviceGuard(const DeviceGuard &) = delete;
-    DeviceGuard &operator=(const DeviceGuard &) = delete;
-
-  private:
-    int target_;
-    int prev_ = -1;
-    cudaError_t err_;
-};
 
 inline int launch_error() { return static_cast<int>(cudaGetLastError()); }
 

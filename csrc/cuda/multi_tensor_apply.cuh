@@ -23,9 +23,12 @@
 #include <type_traits>
 #include <vector>
 
+#include "device_guard.cuh"
 #include "dsc/cuda_multi_tensor.h"
 
 namespace dsc_mt {
+
+using dsc_cuda::DeviceGuard;
 
 constexpr int kBlock = 512;                  // threads per block
 constexpr int kVec = 4;                      // elements per vector access
@@ -193,26 +196,6 @@ inline bool valid_dtype(int dtype) {
     return dtype == DSC_CUDA_F32 || dtype == DSC_CUDA_F16 || dtype == DSC_CUDA_BF16;
 }
 
-// Makes `device` current for the launcher's duration and restores the caller's device.
-class DeviceGuard {
-  public:
-    explicit DeviceGuard(int device) : target_(device) {
-        err_ = cudaGetDevice(&prev_);
-        if (err_ == cudaSuccess && prev_ != device) err_ = cudaSetDevice(device);
-    }
-    ~DeviceGuard() {
-        // Restoring cannot fail in a way the caller could act on; the launch result stands.
-        if (err_ == cudaSuccess && prev_ != target_) (void)cudaSetDevice(prev_);
-    }
-    int error() const { return static_cast<int>(err_); }
-    DeviceGuard(const DeviceGuard &) = delete;
-    DeviceGuard &operator=(const DeviceGuard &) = delete;
-
-  private:
-    int target_;
-    int prev_ = -1;
-    cudaError_t err_;
-};
 
 // Tensors sharing one dtype tuple (and the same optional slots present): one launch family.
 struct Group {
