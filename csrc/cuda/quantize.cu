@@ -1,16 +1,20 @@
 /* Block-wise symmetric int8/int4 quantization on CUDA (contract: dsc/quantize_cuda.h; reference:
  * csrc/cpu/quantize.c, which these kernels match code for code and scale for scale: the same fp32
- * division, round-half-even and clamp).
+ * division for the scale, the codes of round-half-even(x / scale) and the same clamp).
  *
- *   quantize        one thread block per quantization block: a strided pass for the largest
- *                   magnitude (integer max of the sign-cleared bits, warp shuffles then shared
+ *   quantize        aligned layouts whose lengths are multiples of 8 (the usual case): a group of lanes
+ *                   of one warp per quantization block, its vectors held in registers between the
+ *                   largest magnitude (warp shuffles) and the codes, many blocks a CTA (see "vector
+ *                   paths" below; blocks beyond the register budget: a warp per block, two passes);
+ *                   other layouts: one thread block per quantization block, a strided pass for the
+ *                   largest magnitude (integer max of the sign-cleared bits, warp shuffles then shared
  *                   memory), then a strided pass writing the codes (int8: one byte per thread and
  *                   element; int4: one byte per thread and element pair)
- *   dequantize      one thread block per quantization block, elementwise
+ *   dequantize      aligned multiples of 8: 16-byte vectors, grid-stride; else one thread block per
+ *                   quantization block, elementwise
  *   dequantize_sum  one thread block per block of one segment; each element sums its segments in
  *                   segment order (the reference's order) in fp32
- * A second pass re-reads a block of at most a few thousand elements, which L1/L2 still hold. Aligned
- * layouts whose lengths are multiples of 8 take the vector kernels below (one pass, 16-byte accesses).
+ * A second pass re-reads a block of at most a few thousand elements, which L1/L2 still hold.
  * Nothing here synchronises the device or allocates memory. */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -143,21 +147,33 @@ __global__ void dequantize_sum_kernel(const uint8_t *__restrict__ q, const float
         out[j] = acc;
     }
 }
-
-/* ---- vector paths: 8 elements a thread at a time (16-byte loads of 16-bit values, two of fp32) ----
+/* ---- vector paths ----
  * Taken when every segment and block length is a multiple of 8 and the unquantized side is 16-byte
- * aligned: every block then starts on a whole vector, codes on 8 (int8) or 4 (int4) bytes. A block of at
- * most kThreads * 8 * kMaxVec elements is held in registers between its max and its codes (one pass over
- * memory). Same arithmetic as the scalar kernels above, element by element. */
-constexpr int kVec = 8;
-constexpr int kMaxVec = 4;
+ * aligned (codes 8-byte aligned): every block then starts on a whole 16-byte vector of its input and
+ * its codes on whole words. Same arithmetic as the scalar kernels above, element by element. */
+constexpr int kVec = 8; /* dequantize: elements a thread handles at a time */
 
-__device__ __forceinline__ void load8(const float *p, float v[kVec]) {
-    const float4 a = reinterpret_cast<const float4 *>(p)[0], b = reinterpret_cast<const float4 *>(p)[1];
-    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+/* quantize: a group of G lanes of one warp per quantization block (G = 32, or fewer for blocks of at
+ * most 32 vectors, several blocks a warp), kWarpCta threads a CTA, one thread per lane of every group:
+ * the grid covers all blocks, no grid-stride loop. Each lane loads up to V 16-byte vectors of its block
+ * (vector lane + k * G: every load instruction of the warp reads whole contiguous lines), keeps them in
+ * registers, takes the largest magnitude over the group with shuffles (no shared memory, no barrier),
+ * then writes the codes from the registers: one read of the input. V <= kMaxVecPerLane is the register
+ * budget (64 registers of raw input a lane: blocks up to 4096 16-bit or 2048 fp32 elements); larger
+ * blocks take quantize_warp_loop_kernel, a warp per block in two passes over chunks of the block (the
+ * second reads what the first left in L2). */
+constexpr int kWarpCta = 256;
+constexpr int kMaxVecPerLane = 16;
+constexpr int kLoopUnroll = 8; /* vectors a lane has in flight per chunk of the two-pass kernel */
+
+/* a 16-byte vector of input as fp32 (4 fp32 or 8 16-bit elements) */
+__device__ __forceinline__ void unpack(const float *, const uint4 &u, float v[4]) {
+    v[0] = __uint_as_float(u.x);
+    v[1] = __uint_as_float(u.y);
+    v[2] = __uint_as_float(u.z);
+    v[3] = __uint_as_float(u.w);
 }
-__device__ __forceinline__ void load8(const __half *p, float v[kVec]) {
-    const uint4 u = *reinterpret_cast<const uint4 *>(p);
+__device__ __forceinline__ void unpack(const __half *, const uint4 &u, float v[8]) {
     const __half2 *h = reinterpret_cast<const __half2 *>(&u);
 #pragma unroll
     for (int i = 0; i < 4; i++) {
@@ -166,14 +182,170 @@ __device__ __forceinline__ void load8(const __half *p, float v[kVec]) {
         v[2 * i + 1] = f.y;
     }
 }
-__device__ __forceinline__ void load8(const __nv_bfloat16 *p, float v[kVec]) {
-    const uint4 u = *reinterpret_cast<const uint4 *>(p);
+__device__ __forceinline__ void unpack(const __nv_bfloat16 *, const uint4 &u, float v[8]) {
     const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&u);
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         const float2 f = __bfloat1622float2(h[i]);
         v[2 * i] = f.x;
         v[2 * i + 1] = f.y;
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ unsigned int absmax_bits(const uint4 &u, unsigned int m) {
+    constexpr int E = 16 / sizeof(T);
+    float v[E];
+    unpack(static_cast<const T *>(nullptr), u, v);
+#pragma unroll
+    for (int e = 0; e < E; e++) {
+        const unsigned int b = __float_as_uint(v[e]) & 0x7fffffffu;
+        m = b > m ? b : m;
+    }
+    return m;
+}
+
+/* Fast code of v for a finite normal scale, without a division per element: t = v * (1/scale) is
+ * within 3 * 2^-24 * |t| < 2^-15 of the reference's correctly rounded v / scale (|t| <= qmax + tiny),
+ * so unless t lies within kNearHalf of a half-integer both round (half-even) to the same integer, and
+ * clamping before or after rounding to the integer qmax agrees. Near a half-integer (ties included) the
+ * reference's division decides. Adding 1.5 * 2^23 rounds t half-even to an integer and leaves it, two's
+ * complement, in the low bits of the sum's encoding. Returns the code in the low bits. */
+constexpr float kMagic = 12582912.0f; /* 1.5 * 2^23 */
+constexpr float kNearHalf = 0x1p-12f;
+
+__device__ __noinline__ unsigned int code_exact(float v, float scale, float qmax) {
+    return static_cast<unsigned int>(code_of(v, scale, qmax));
+}
+
+/* fast: the block's scale is finite and normal (else every element takes the reference's division) */
+__device__ __forceinline__ unsigned int code_bits(float v, float scale, float inv, float qmax, bool fast) {
+    float t = __fmul_rn(v, inv);
+    t = fminf(fmaxf(t, -qmax), qmax);
+    const float y = __fadd_rn(t, kMagic);
+    if (!fast || fabsf(__fsub_rn(t, __fsub_rn(y, kMagic))) > 0.5f - kNearHalf) return code_exact(v, scale, qmax);
+    return __float_as_uint(y);
+}
+
+/* the codes of the E elements of one vector at element j of a segment */
+template <typename T>
+__device__ __forceinline__ void store_codes(uint8_t *qseg, int64_t j, const uint4 &u, int bits, float scale, float inv,
+                                            float qmax, bool fast) {
+    constexpr int E = 16 / sizeof(T);
+    float v[E];
+    unpack(static_cast<const T *>(nullptr), u, v);
+    unsigned int c[E];
+#pragma unroll
+    for (int e = 0; e < E; e++) c[e] = code_bits(v[e], scale, inv, qmax, fast);
+    if (bits == 8) {
+        uint32_t w[E / 4];
+#pragma unroll
+        for (int h = 0; h < E / 4; h++)
+            w[h] = (c[4 * h] & 0xffu) | ((c[4 * h + 1] & 0xffu) << 8) | ((c[4 * h + 2] & 0xffu) << 16) |
+                   ((c[4 * h + 3] & 0xffu) << 24);
+        if constexpr (E == 8)
+            *reinterpret_cast<uint2 *>(qseg + j) = make_uint2(w[0], w[1]);
+        else
+            *reinterpret_cast<uint32_t *>(qseg + j) = w[0];
+    } else {
+        uint32_t w = 0;
+#pragma unroll
+        for (int e = 0; e < E; e++) w |= (c[e] & 0xfu) << (4 * e);
+        if constexpr (E == 8)
+            *reinterpret_cast<uint32_t *>(qseg + j / 2) = w;
+        else
+            *reinterpret_cast<uint16_t *>(qseg + j / 2) = static_cast<uint16_t>(w);
+    }
+}
+
+/* the scale of a block of largest magnitude bits m; inv and fast for code_bits */
+__device__ __forceinline__ float scale_of(unsigned int m, float qmax, float *inv, bool *fast) {
+    const float scale = __fdiv_rn(__uint_as_float(m), qmax);
+    *fast = scale >= 0x1p-126f && scale <= 0x1.fffffep127f; /* finite normal: 1 / scale finite and normal */
+    *inv = *fast ? __frcp_rn(scale) : 0.0f;
+    return scale;
+}
+
+template <typename T, int V>
+__global__ void __launch_bounds__(kWarpCta)
+    quantize_warp_kernel(const T *__restrict__ x, int64_t seg, int64_t block, int64_t bps, int64_t nblocks, int bits,
+                         int64_t sbytes, int glog, uint8_t *__restrict__ q, float *__restrict__ scales) {
+    constexpr int E = 16 / sizeof(T);
+    const int G = V > 1 ? 32 : 1 << glog; /* lanes a block */
+    const int64_t b = (static_cast<int64_t>(blockIdx.x) * kWarpCta + threadIdx.x) >> (V > 1 ? 5 : glog);
+    const int lane = static_cast<int>(threadIdx.x) & (G - 1);
+    Block blk{0, 0, 0};
+    if (b < nblocks) blk = block_of(b, seg, block, bps); /* past the last block: no vectors, still shuffles */
+    const int nvec = static_cast<int>(blk.len / E);
+    const uint4 *src = reinterpret_cast<const uint4 *>(x + blk.s * seg + blk.start);
+    uint4 raw[V];
+#pragma unroll
+    for (int k = 0; k < V; k++)
+        if (lane + k * G < nvec) raw[k] = src[lane + k * G];
+    unsigned int m = 0;
+#pragma unroll
+    for (int k = 0; k < V; k++)
+        if (lane + k * G < nvec) m = absmax_bits<T>(raw[k], m);
+    for (int off = G >> 1; off > 0; off >>= 1) { /* groups are aligned runs of G lanes: xor stays inside */
+        const unsigned int o = __shfl_xor_sync(0xffffffffu, m, off);
+        m = o > m ? o : m;
+    }
+    const float qmax = bits == 4 ? 7.0f : 127.0f;
+    float inv;
+    bool fast;
+    const float scale = scale_of(m, qmax, &inv, &fast);
+    if (b < nblocks && lane == 0) scales[b] = scale;
+    uint8_t *qseg = q + blk.s * sbytes;
+#pragma unroll
+    for (int k = 0; k < V; k++)
+        if (lane + k * G < nvec)
+            store_codes<T>(qseg, blk.start + static_cast<int64_t>(lane + k * G) * E, raw[k], bits, scale, inv, qmax,
+                           fast);
+}
+
+/* blocks beyond the register budget: a warp per block, chunks of 32 * kLoopUnroll vectors, two passes */
+template <typename T>
+__global__ void __launch_bounds__(kWarpCta)
+    quantize_warp_loop_kernel(const T *__restrict__ x, int64_t seg, int64_t block, int64_t bps, int64_t nblocks,
+                              int bits, int64_t sbytes, uint8_t *__restrict__ q, float *__restrict__ scales) {
+    constexpr int E = 16 / sizeof(T), U = kLoopUnroll;
+    const int64_t b = (static_cast<int64_t>(blockIdx.x) * kWarpCta + threadIdx.x) >> 5;
+    const int lane = static_cast<int>(threadIdx.x) & 31;
+    if (b >= nblocks) return; /* the whole warp: b is the warp's */
+    const Block blk = block_of(b, seg, block, bps);
+    const int64_t nvec = blk.len / E;
+    const uint4 *src = reinterpret_cast<const uint4 *>(x + blk.s * seg + blk.start);
+    unsigned int m = 0;
+    for (int64_t base = lane; base < nvec; base += 32 * U) {
+        uint4 raw[U];
+#pragma unroll
+        for (int k = 0; k < U; k++)
+            if (base + 32 * k < nvec) raw[k] = src[base + 32 * k];
+#pragma unroll
+        for (int k = 0; k < U; k++)
+            if (base + 32 * k < nvec) m = absmax_bits<T>(raw[k], m);
+    }
+    for (int off = 16; off > 0; off >>= 1) {
+        const unsigned int o = __shfl_xor_sync(0xffffffffu, m, off);
+        m = o > m ? o : m;
+    }
+    const float qmax = bits == 4 ? 7.0f : 127.0f;
+    float inv;
+    bool fast;
+    const float scale = scale_of(m, qmax, &inv, &fast);
+    if (lane == 0) scales[b] = scale;
+    uint8_t *qseg = q + blk.s * sbytes;
+    for (int64_t base = lane; base < nvec; base += 32 * U) {
+        uint4 raw[U];
+#pragma unroll
+        for (int k = 0; k < U; k++)
+            if (base + 32 * k < nvec) raw[k] = src[base + 32 * k];
+#pragma unroll
+        for (int k = 0; k < U; k++) {
+            if (base + 32 * k >= nvec) continue;
+            const int64_t j = blk.start + (base + 32 * k) * E;
+            store_codes<T>(qseg, j, raw[k], bits, scale, inv, qmax, fast);
+        }
     }
 }
 
@@ -199,68 +371,6 @@ __device__ __forceinline__ void store8(__nv_bfloat16 *p, const float v[kVec]) {
     *reinterpret_cast<uint4 *>(p) = u;
 }
 
-template <typename T>
-__global__ void quantize_vec_kernel(const T *__restrict__ x, int64_t seg, int64_t block, int64_t bps, int bits,
-                                    int64_t sbytes, uint8_t *__restrict__ q, float *__restrict__ scales) {
-    __shared__ unsigned int warp_max[kThreads / 32];
-    const int64_t b = blockIdx.x;
-    const Block blk = block_of(b, seg, block, bps);
-    const T *src = x + blk.s * seg + blk.start;
-    const int nvec = static_cast<int>(blk.len / kVec);
-    float v[kMaxVec][kVec];
-    unsigned int m = 0;
-#pragma unroll
-    for (int k = 0; k < kMaxVec; k++) {
-        const int i = threadIdx.x + k * blockDim.x;
-        if (i < nvec) {
-            load8(src + static_cast<int64_t>(i) * kVec, v[k]);
-#pragma unroll
-            for (int e = 0; e < kVec; e++) {
-                const unsigned int bitsv = __float_as_uint(v[k][e]) & 0x7fffffffu;
-                m = bitsv > m ? bitsv : m;
-            }
-        }
-    }
-    for (int off = 16; off > 0; off >>= 1) {
-        const unsigned int o = __shfl_xor_sync(0xffffffffu, m, off);
-        m = o > m ? o : m;
-    }
-    if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        m = threadIdx.x < (blockDim.x >> 5) ? warp_max[threadIdx.x] : 0u;
-        for (int off = 16; off > 0; off >>= 1) {
-            const unsigned int o = __shfl_xor_sync(0xffffffffu, m, off);
-            m = o > m ? o : m;
-        }
-        if (threadIdx.x == 0) warp_max[0] = m;
-    }
-    __syncthreads();
-    const float qmax = bits == 4 ? 7.0f : 127.0f;
-    const float scale = __fdiv_rn(__uint_as_float(warp_max[0]), qmax);
-    if (threadIdx.x == 0) scales[b] = scale;
-    uint8_t *qseg = q + blk.s * sbytes;
-#pragma unroll
-    for (int k = 0; k < kMaxVec; k++) {
-        const int i = threadIdx.x + k * blockDim.x;
-        if (i >= nvec) continue;
-        const int64_t j = blk.start + static_cast<int64_t>(i) * kVec; /* element index inside the segment */
-        uint32_t lo = 0, hi = 0;
-        if (bits == 8) {
-#pragma unroll
-            for (int e = 0; e < 4; e++) lo |= (static_cast<uint32_t>(code_of(v[k][e], scale, qmax)) & 0xffu) << (8 * e);
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-                hi |= (static_cast<uint32_t>(code_of(v[k][4 + e], scale, qmax)) & 0xffu) << (8 * e);
-            *reinterpret_cast<uint2 *>(qseg + j) = make_uint2(lo, hi);
-        } else {
-#pragma unroll
-            for (int e = 0; e < kVec; e++)
-                lo |= (static_cast<uint32_t>(code_of(v[k][e], scale, qmax)) & 0xfu) << (4 * e);
-            *reinterpret_cast<uint32_t *>(qseg + j / 2) = lo;
-        }
-    }
-}
 
 template <typename T>
 __global__ void dequantize_vec_kernel(const uint8_t *__restrict__ q, const float *__restrict__ scales, int64_t n,
@@ -302,6 +412,50 @@ int launched() { return static_cast<int>(cudaGetLastError()); }
 
 bool grid_fits(int64_t blocks) { return blocks <= 0x7fffffffLL; }
 
+/* the vector quantize path for input type T: the register kernel with the fewest vectors a lane that
+ * holds a whole block, else the two-pass loop kernel */
+template <typename T>
+void launch_quantize_warp(const T *x, int64_t seg, int64_t block, int64_t bps, int64_t nblocks, int bits,
+                          int64_t sbytes, uint8_t *q, float *scales, cudaStream_t stream) {
+    constexpr int64_t E = 16 / sizeof(T);
+    const int64_t nvec = block / E; /* vectors in a whole block (a segment's last may have fewer) */
+    if (nvec > 32 * kMaxVecPerLane) {
+        const int64_t ctas = (nblocks + kWarpCta / 32 - 1) / (kWarpCta / 32);
+        quantize_warp_loop_kernel<T><<<static_cast<unsigned int>(ctas), kWarpCta, 0, stream>>>(
+            x, seg, block, bps, nblocks, bits, sbytes, q, scales);
+        return;
+    }
+    int glog = 5, vpl = 1; /* lanes a block (log2), vectors a lane */
+    if (nvec <= 32)
+        for (glog = 0; (int64_t{1} << glog) < nvec;) glog++;
+    else
+        while (32 * vpl < nvec) vpl *= 2;
+    const int64_t ctas = ((nblocks << glog) + kWarpCta - 1) / kWarpCta;
+    const dim3 grid(static_cast<unsigned int>(ctas));
+    switch (vpl) {
+    case 1:
+        quantize_warp_kernel<T, 1><<<grid, kWarpCta, 0, stream>>>(x, seg, block, bps, nblocks, bits, sbytes, glog, q,
+                                                                  scales);
+        break;
+    case 2:
+        quantize_warp_kernel<T, 2><<<grid, kWarpCta, 0, stream>>>(x, seg, block, bps, nblocks, bits, sbytes, glog, q,
+                                                                  scales);
+        break;
+    case 4:
+        quantize_warp_kernel<T, 4><<<grid, kWarpCta, 0, stream>>>(x, seg, block, bps, nblocks, bits, sbytes, glog, q,
+                                                                  scales);
+        break;
+    case 8:
+        quantize_warp_kernel<T, 8><<<grid, kWarpCta, 0, stream>>>(x, seg, block, bps, nblocks, bits, sbytes, glog, q,
+                                                                  scales);
+        break;
+    default:
+        static_assert(kMaxVecPerLane == 16, "the cases above cover 1 .. kMaxVecPerLane vectors a lane");
+        quantize_warp_kernel<T, 16><<<grid, kWarpCta, 0, stream>>>(x, seg, block, bps, nblocks, bits, sbytes, glog, q,
+                                                                   scales);
+    }
+}
+
 }  // namespace
 
 extern "C" int dsc_quantize_cuda(const void *x, int dtype, int64_t segments, int64_t seg, int64_t block, int bits,
@@ -311,23 +465,23 @@ extern "C" int dsc_quantize_cuda(const void *x, int dtype, int64_t segments, int
     const int64_t bps = dsc_q_blocks_per_segment(seg, block), nblocks = segments * bps;
     if (!grid_fits(nblocks)) return DSC_Q_EINVAL;
     const int64_t sbytes = dsc_q_segment_bytes(seg, bits);
-    const dim3 grid(static_cast<unsigned int>(nblocks));
-    if (vec_ok(x, seg, block) && (reinterpret_cast<uintptr_t>(q) & 7u) == 0 && block <= kThreads * kVec * kMaxVec) {
+    if (vec_ok(x, seg, block) && (reinterpret_cast<uintptr_t>(q) & 7u) == 0) {
         switch (dtype) {
         case DSC_Q_F32:
-            quantize_vec_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const float *>(x), seg, block, bps, bits,
-                                                               sbytes, q, scales);
+            launch_quantize_warp(static_cast<const float *>(x), seg, block, bps, nblocks, bits, sbytes, q, scales,
+                                 stream);
             break;
         case DSC_Q_BF16:
-            quantize_vec_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const __nv_bfloat16 *>(x), seg, block, bps,
-                                                               bits, sbytes, q, scales);
+            launch_quantize_warp(static_cast<const __nv_bfloat16 *>(x), seg, block, bps, nblocks, bits, sbytes, q,
+                                 scales, stream);
             break;
         default:
-            quantize_vec_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const __half *>(x), seg, block, bps, bits,
-                                                               sbytes, q, scales);
+            launch_quantize_warp(static_cast<const __half *>(x), seg, block, bps, nblocks, bits, sbytes, q, scales,
+                                 stream);
         }
         return launched();
     }
+    const dim3 grid(static_cast<unsigned int>(nblocks));
     switch (dtype) {
     case DSC_Q_F32:
         quantize_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const float *>(x), seg, block, bps, bits, sbytes, q,
