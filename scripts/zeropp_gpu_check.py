@@ -87,6 +87,8 @@ def _variant_of(names: list[str]) -> str:
 
 def _profiled_variant(fn) -> str:
     """Runs fn once under the profiler and names the quantize kernel it launched ('?' if none seen)."""
+    if _PROFILER_BROKEN:
+        return "?"
     try:
         from torch.profiler import ProfilerActivity, profile
 
@@ -95,8 +97,12 @@ def _profiled_variant(fn) -> str:
             torch.cuda.synchronize()
         return _variant_of([e.name for e in prof.events()])
     except Exception as exc:  # a profiler that cannot start must not hide the correctness result
-        print(f"(profiler unavailable: {exc})")
+        print(f"(profiler unavailable, kernels not named: {exc})")
+        _PROFILER_BROKEN.append(True)
         return "?"
+
+
+_PROFILER_BROKEN: list[bool] = []
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
