@@ -1,6 +1,7 @@
 """The engine's checkpoint collaborator: gathers the engine's state into plain dicts in DeepSpeed's
-on-disk layout (tag dir, `latest`, mp_rank_00_model_states.pt, zero_pp_rank_*_optim_states.pt) and
-hands them to deepspeed_c.checkpoint.store, which writes them crash-safely with a manifest."""
+on-disk layout (tag dir, `latest`, mp_rank_00_model_states.pt, zero_pp_rank_*_optim_states.pt, plus
+each rank's own optimizer file where the optimizer keeps one: EngineOptimizer.rank_checkpoint_file)
+and hands them to deepspeed_c.checkpoint.store, which writes them crash-safely with a manifest."""
 from __future__ import annotations
 
 import hashlib
@@ -109,6 +110,14 @@ class EngineCheckpointer:
             elif scope.writer:
                 model_state = self._model_state(engine, client_state, exclude_frozen_parameters, part is not None)
                 my_files[MODEL_FILE] = store.save_file(model_state, os.path.join(stage, MODEL_FILE))
+            # state that differs between ranks (the 1-bit optimizers' compression errors): a file of its own
+            own = engine.stepper.rank_checkpoint_file() if engine.stepper is not None else None
+            if own is not None:
+                name, state = own
+                if name in my_files or os.sep in name or name.startswith("."):
+                    raise ValueError(f"save_checkpoint: the optimizer's rank file name {name!r} is not a fresh file "
+                                     "name in the tag directory")
+                my_files[name] = store.save_file(state, os.path.join(stage, name))
         files = self._gather_files(my_files, scope.members)
         with rank_local_step("save_checkpoint (committing the checkpoint)", distributed=_dist()):
             if scope.writer:
@@ -277,6 +286,8 @@ class EngineCheckpointer:
                 self._load_optimizer(engine, saved, load_optimizer_states)
             elif load_optimizer_states and engine.stepper is not None:  # stage 0: the expp_rank files
                 checkpoint_moe.load_optimizer(engine, tag_dir, manifest)
+            if load_optimizer_states and engine.stepper is not None:  # this rank's own file, where it has one
+                engine.stepper.load_rank_checkpoint_file(saved)
             if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("lr_scheduler"):
                 engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
             engine.global_steps = state["global_steps"]

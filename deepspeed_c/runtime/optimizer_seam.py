@@ -96,6 +96,16 @@ class EngineOptimizer:
     def load_checkpoint_state(self, saved: SavedCheckpoint, load_optimizer_states: bool) -> None:
         raise NotImplementedError
 
+    def rank_checkpoint_file(self) -> Optional[tuple[str, dict]]:
+        """(file name, contents) of this rank's own optimizer state, which the checkpointer writes into the
+        tag directory beside the shared files: state that differs between ranks and that the shared files
+        (rank 0's) cannot hold, such as the 1-bit optimizers' compression errors. None: nothing of the kind."""
+        return None
+
+    def load_rank_checkpoint_file(self, saved: SavedCheckpoint) -> None:
+        """After load_checkpoint_state: this rank's file (rank_checkpoint_file's) back, where the optimizer
+        keeps one; it may be a collective over the optimizer's data-parallel group."""
+
     def partitioned_model_state(self, param_name: Callable[[torch.nn.Parameter], str],
                                 exclude_frozen_parameters: bool) -> Optional[tuple[int, dict]]:
         """ZeRO-3: (data-parallel rank, the fields of its own model-states file that depend on the weight
@@ -183,6 +193,26 @@ class PlainOptimizer(EngineOptimizer):
         state = saved.model_state.get("optimizer")
         if state is not None and load_optimizer_states:
             self.optimizer.load_state_dict(state)
+
+    def rank_checkpoint_file(self) -> Optional[tuple[str, dict]]:
+        return rank_file_of(self.optimizer)
+
+    def load_rank_checkpoint_file(self, saved: SavedCheckpoint) -> None:
+        load_rank_file_of(self.optimizer, saved)
+
+
+def rank_file_of(optimizer: Any) -> Optional[tuple[str, dict]]:
+    """The torch optimizer's own rank file where it keeps one: an optimizer whose state differs between
+    ranks implements rank_checkpoint_file() -> (name, dict) and load_rank_checkpoint_file(tag_dir,
+    manifest) (the 1-bit optimizers, runtime/fp16/onebit/rank_state.py); others have neither."""
+    hook = getattr(optimizer, "rank_checkpoint_file", None)
+    return hook() if hook is not None else None
+
+
+def load_rank_file_of(optimizer: Any, saved: SavedCheckpoint) -> None:
+    hook = getattr(optimizer, "load_rank_checkpoint_file", None)
+    if hook is not None:
+        hook(saved.tag_dir, saved.manifest)
 
 
 def engine_optimizer(optimizer: Any, params: Sequence[torch.nn.Parameter], clip_grad: float,

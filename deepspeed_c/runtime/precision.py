@@ -17,7 +17,7 @@ from deepspeed_c.runtime.config_utils import parse_dtype
 from deepspeed_c.runtime.fp16.loss_scaler import CreateLossScaler, DynamicLossScaler, LossScalerBase
 from deepspeed_c.runtime.grad_norm import global_norm, scale_
 from deepspeed_c.runtime.fused_epilogue import AdamEpilogue, device_global_norm
-from deepspeed_c.runtime.optimizer_seam import EngineOptimizer, SavedCheckpoint
+from deepspeed_c.runtime.optimizer_seam import EngineOptimizer, SavedCheckpoint, load_rank_file_of, rank_file_of
 from deepspeed_c.runtime.step_sequence import StepOutcome, overflow_checked_step
 from deepspeed_c.utils.logging import logger
 
@@ -308,6 +308,13 @@ class MixedPrecisionOptimizer(EngineOptimizer):
             self.load_state_dict(normalize_mixed_state(state), load_optimizer_states=True)
         else:
             self.refresh_masters()
+
+    def rank_checkpoint_file(self) -> Optional[tuple[str, dict]]:
+        return rank_file_of(self.optimizer)
+
+    def load_rank_checkpoint_file(self, saved: SavedCheckpoint) -> None:
+        load_rank_file_of(self.optimizer, saved)
+        self._copy_masters_to_model()  # a rank file may hold this rank's own masters (0/1 Adam's local steps)
 
     @torch.no_grad()
     def refresh_masters(self) -> None:

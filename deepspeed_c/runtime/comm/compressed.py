@@ -87,6 +87,42 @@ class SignAllreduce:
         self.worker_error.zero_()
         self.server_error.zero_()
 
+    def rank_state(self) -> dict[str, Any]:
+        """This rank's carried state, on the host: both error buffers and, with persistent_pad, the work
+        buffer (its padded tail carries the previous result into the next call). On a CPU run these are
+        the live buffers, not copies: save them before the next call."""
+        out: dict[str, Any] = {"numels": list(self.numels), "world": self.world, "rank": self.rank,
+                               "persistent_pad": self.persistent_pad,
+                               "worker_error": self.worker_error.detach().cpu(),
+                               "server_error": self.server_error.detach().cpu()}
+        if self.persistent_pad:
+            out["work"] = self.work.detach().cpu()
+        return out
+
+    def mismatch(self, state: dict[str, Any]) -> Optional[str]:
+        """Why `state` (a rank_state) cannot be loaded into this plan, or None."""
+        for key, mine in (("numels", self.numels), ("world", self.world), ("rank", self.rank),
+                          ("persistent_pad", self.persistent_pad)):
+            if state.get(key) != mine:
+                return f"{key} {state.get(key)!r}, this plan has {mine!r}"
+        for key in ("worker_error", "server_error") + (("work",) if self.persistent_pad else ()):
+            t, mine = state.get(key), getattr(self, key)
+            if not isinstance(t, torch.Tensor) or t.shape != mine.shape or t.dtype != mine.dtype:
+                found = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                return f"{key} is {found}, this plan needs {mine.dtype} {tuple(mine.shape)}"
+        return None
+
+    @torch.no_grad()
+    def load_rank_state(self, state: dict[str, Any]) -> None:
+        """Restores what rank_state returned (ValueError naming the field when it does not fit)."""
+        why = self.mismatch(state)
+        if why is not None:
+            raise ValueError(f"compressed all-reduce state does not fit: {why}")
+        self.worker_error.copy_(state["worker_error"])
+        self.server_error.copy_(state["server_error"])
+        if self.persistent_pad:
+            self.work.copy_(state["work"])
+
     def bytes_per_call(self) -> dict[str, int]:
         """Bytes handed to each collective per call (what the comms logger counts): every rank's sign
         chunks with its scales to the all-to-all, the server chunk's signs and scales to the all-gather."""

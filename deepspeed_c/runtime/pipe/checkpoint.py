@@ -83,7 +83,8 @@ class PipeCheckpointer:
     """engine.save_checkpoint / load_checkpoint of a PipelineEngine, in DeepSpeed's pipeline layout:
     tag/layer_XX-model_states.pt (weights, per layer, so another pipeline degree can read them),
     tag/mp_rank_{stage}_model_states.pt (module None; the stage's optimizer state, LR scheduler and
-    counters), ZeRO-1 tag/[bf16_]zero_pp_rank_{dp}_mp_rank_{stage}_optim_states.pt, and `latest`.
+    counters), ZeRO-1 tag/[bf16_]zero_pp_rank_{dp}_mp_rank_{stage}_optim_states.pt, each rank's own
+    optimizer file where the optimizer keeps one (1-bit: onebit_errors_rank_R_of_W.pt), and `latest`.
     Optimizer states come back when the number of stages matches what was saved (ZeRO-1 from the
     stage's ZeRO files, re-cut if the data-parallel degree differs); with another number of stages
     the layers are re-partitioned and the optimizer states (and fp32 masters) found by parameter name
@@ -115,6 +116,9 @@ class PipeCheckpointer:
             _save(os.path.join(tag_dir, f"{prefix}zero_pp_rank_{part[0]}_mp_rank_{stage:02d}_optim_states.pt"),
                   {"optimizer_state_dict": part[1], "ds_config": engine._config._param_dict,
                    "ds_version": DEEPSPEED_API_VERSION})
+        own = stepper.rank_checkpoint_file() if stepper is not None else None
+        if own is not None:  # state that differs between ranks (the 1-bit optimizers' compression errors)
+            _save(os.path.join(tag_dir, own[0]), own[1])
         if dp_rank == 0:
             # DeepSpeed's param_shapes: per param group, the names the optimizer's positions stand for
             # (what lets another pipeline degree find each layer's optimizer state, optim_reshard.py)
@@ -209,6 +213,7 @@ class PipeCheckpointer:
                                     load_from_fp32_weights=bool(engine._config.zero_config.load_from_fp32_weights),
                                     node_local=False, mp_rank=engine.stage_id)
             stepper.load_checkpoint_state(saved, True)
+            stepper.load_rank_checkpoint_file(saved)
             return
         from .optim_reshard import restore_by_name, restore_zero_by_name
 

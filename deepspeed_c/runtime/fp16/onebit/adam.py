@@ -109,7 +109,8 @@ class OnebitAdam(OnebitOptimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Moments and step counters as saved; the phase follows the loaded step (warm-up, with the
-        engine's all-reduce on, or compression, with it off); error buffers restart at zero."""
+        engine's all-reduce on, or compression, with it off); error buffers restart at zero until the
+        checkpoint's rank files restore this rank's own (load_rank_checkpoint_file)."""
         super().load_state_dict(self._prepare_state_dict(state_dict))
         frozen = self.first_state().get("step", 0) >= self.freeze_step
         self.adam_freeze_key = frozen

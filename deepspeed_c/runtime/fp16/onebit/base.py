@@ -1,13 +1,17 @@
 """What the three 1-bit optimizers share: the communication backend their `comm_backend_name`
 picks, the data-parallel world they compress over, the engine's gradient all-reduce switch (they
 communicate themselves once compression starts, as DeepSpeed's), momentum masks, and the
-checkpoint rules (the mask in a checkpoint never replaces the one the script gave; compression
-error buffers are never restored: each rank's differ, so they restart at zero, as DeepSpeed's).
+checkpoint rules (the mask in a checkpoint never replaces the one the script gave; each rank's
+compression errors go to a file of its own, see below).
 
 Error buffers live in the compressed all-reduce plans (runtime/comm/compressed.SignAllreduce),
-not in the optimizer's `state`: checkpoints hold exp_avg / exp_avg_sq / step (and 0/1 Adam's and
-1-bit LAMB's policy fields) only. A DeepSpeed checkpoint's worker_error / server_error entries are
-dropped on load."""
+not in the optimizer's `state`: the shared optimizer state (rank 0's, in the model-states file)
+holds exp_avg / exp_avg_sq / step (and 0/1 Adam's and 1-bit LAMB's policy fields) only, and
+load_state_dict resets the errors as DeepSpeed's does. Each rank also writes its errors (and 0/1
+Adam's local steps) to onebit_errors_rank_R_of_W.pt in the tag directory; the engine's
+checkpointer hands that file back after load_state_dict, and with the same world it restores
+them, so a resumed run continues exactly as an uninterrupted one (rank_state.py). A DeepSpeed
+checkpoint's worker_error / server_error entries are dropped on load."""
 from __future__ import annotations
 
 from typing import Any, Iterable, Optional, Sequence
@@ -59,19 +63,33 @@ class OnebitOptimizer(torch.optim.Optimizer):
     def plan_for(self, key: str, tensors: Sequence[torch.Tensor], persistent_pad: bool = False) -> SignAllreduce:
         """The compressed all-reduce (with its error buffers) of this list of tensors; a new plan,
         errors at zero, when the list changes."""
-        full_key = (key, tuple(t.numel() for t in tensors), str(tensors[0].device) if tensors else "")
+        return self.plan_of(key, [t.numel() for t in tensors], tensors[0].device if tensors else None, persistent_pad)
+
+    def plan_of(self, key: str, numels: Sequence[int], device: Optional[torch.device],
+                persistent_pad: bool = False) -> SignAllreduce:
+        """plan_for by sizes and device (a checkpoint's rank file rebuilds its plans so)."""
+        full_key = (key, tuple(int(n) for n in numels), str(device) if device is not None else "")
         plan = self._plans.get(full_key)
         if plan is None:
             assert self.comm_backend_handle is not None
-            plan = self.comm_backend_handle.plan([t.numel() for t in tensors], tensors[0].device if tensors else None,
-                                                 persistent_pad=persistent_pad)
+            plan = self.comm_backend_handle.plan(list(full_key[1]), device, persistent_pad=persistent_pad)
             self._plans = {k: v for k, v in self._plans.items() if k[0] != key}
             self._plans[full_key] = plan
         return plan
 
+    def compression_plans(self) -> list[tuple[str, SignAllreduce]]:
+        """(key, plan) of every compressed all-reduce holding error buffers now."""
+        return [(k[0], plan) for k, plan in self._plans.items()]
+
+    def adopt_plans(self, plans: Sequence[tuple[str, SignAllreduce]]) -> None:
+        """Installs plans (a checkpoint's, restored) under the keys plan_for looks them up by."""
+        for key, plan in plans:
+            self._plans = {k: v for k, v in self._plans.items() if k[0] != key}
+            self._plans[(key, tuple(plan.numels), str(plan.device))] = plan
+
     def reset_compression_errors(self) -> None:
-        """Drops every error buffer (they restart at zero): on checkpoint load, and where DeepSpeed
-        re-initialises them."""
+        """Drops every error buffer (they restart at zero): on checkpoint load (until the rank's own
+        file restores them, rank_state.py), and where DeepSpeed re-initialises them."""
         self._plans = {}
         self.forget_denominators()
 
@@ -151,6 +169,32 @@ class OnebitOptimizer(torch.optim.Optimizer):
         state_dict["state"] = {k: {n: v for n, v in s.items() if n not in _DROPPED_ON_LOAD}
                                for k, s in state_dict["state"].items()}
         return state_dict
+
+    def rank_checkpoint_file(self) -> tuple[str, dict]:
+        """(file name, contents) of this rank's own state for the checkpoint's tag directory: the
+        compression errors and whatever else differs between ranks (rank_state.py)."""
+        from deepspeed_c.runtime.fp16.onebit import rank_state
+
+        return rank_state.rank_file(self)
+
+    def load_rank_checkpoint_file(self, tag_dir: str, manifest: Any) -> None:
+        """After load_state_dict: this rank's file restores what rank_checkpoint_file saved when every
+        rank of the group has one that fits; otherwise the reset load_state_dict did stands (DeepSpeed's
+        semantics) and the group's rank 0 logs why. A collective over the data-parallel group."""
+        from deepspeed_c.runtime.fp16.onebit import rank_state
+
+        rank_state.restore(self, tag_dir, manifest)
+
+    def local_rank_state(self) -> dict:
+        """Per-parameter state besides the errors that differs between ranks (0/1 Adam's local steps)."""
+        return {}
+
+    def local_rank_state_mismatch(self, state: dict) -> Optional[str]:
+        """Why local_rank_state's `state` cannot be restored here, or None."""
+        return None if not state else "this optimizer keeps no local per-rank state"
+
+    def load_local_rank_state(self, state: dict) -> None:
+        """Restores local_rank_state's `state` (checked by local_rank_state_mismatch first)."""
 
     def first_state(self) -> dict:
         """The state of the first parameter that has one (DeepSpeed reads the step counter from the

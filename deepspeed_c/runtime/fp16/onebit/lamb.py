@@ -158,7 +158,8 @@ class OnebitLamb(OnebitOptimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """As DeepSpeed: loading into the warm-up resets each tensor's frozen coefficient, factor and
         scaling; loading into the compression phase keeps them. Error buffers and the flat buffer's
-        padding restart at zero."""
+        padding restart at zero until the checkpoint's rank files restore this rank's own
+        (load_rank_checkpoint_file)."""
         super().load_state_dict(self._prepare_state_dict(state_dict))
         step = self.first_state().get("step", 0)
         self.lamb_freeze_key = step >= self.freeze_step

@@ -155,11 +155,61 @@ class ZeroOneAdam(OnebitOptimizer):
             acc.zero_()
             state["lrs"] = 0.0
 
+    # -- the rank's own state (fp16/onebit/rank_state.py) -----------------------------------------
+    _LOCAL = ("param", "exp_avg", "momentum_accumulator")
+
+    def _stepped(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"] if "momentum_accumulator" in self.state.get(p, {})]
+
+    def local_rank_state(self) -> dict:
+        """In the frozen phase each rank moves its parameters and momentum with its own gradients
+        between two synchronisations, and accumulates its moves and learning rates: those values,
+        per stepped parameter in order (rank 0's alone are in the shared files)."""
+        if not self.freeze_key:
+            return {}
+        out = []
+        for p in self._stepped():
+            state = self.state[p]
+            out.append({"param": p.detach().cpu(), "exp_avg": state["exp_avg"].detach().cpu(),
+                        "momentum_accumulator": state["momentum_accumulator"].detach().cpu(),
+                        "lrs": float(state["lrs"])})
+        return {"local_steps": out}
+
+    def local_rank_state_mismatch(self, state: dict) -> Optional[str]:
+        if not state:
+            return "the checkpoint has no local-step state, this run is in the frozen phase" if self.freeze_key \
+                else None
+        if not self.freeze_key:
+            return "the checkpoint holds local-step state, this run loaded a step before the frozen phase"
+        saved = state.get("local_steps")
+        params = self._stepped()
+        if not isinstance(saved, list) or len(saved) != len(params):
+            return (f"local-step state for {len(saved) if isinstance(saved, list) else 0} parameters, "
+                    f"this optimizer steps {len(params)}")
+        for i, (p, entry) in enumerate(zip(params, saved)):
+            for key in self._LOCAL:
+                t = entry.get(key) if isinstance(entry, dict) else None
+                if not isinstance(t, torch.Tensor) or t.shape != p.shape:
+                    found = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                    return f"parameter {i}'s {key} is {found}, the parameter is {tuple(p.shape)}"
+            if not isinstance(entry.get("lrs"), float):
+                return f"parameter {i}'s lrs is {type(entry.get('lrs')).__name__}, expected float"
+        return None
+
+    @torch.no_grad()
+    def load_local_rank_state(self, state: dict) -> None:
+        for p, entry in zip(self._stepped(), state.get("local_steps", [])):
+            s = self.state[p]
+            p.copy_(entry["param"])
+            s["exp_avg"].copy_(entry["exp_avg"])
+            s["momentum_accumulator"].copy_(entry["momentum_accumulator"])
+            s["lrs"] = entry["lrs"]
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Moments, counters and the variance / local-step policy as saved. The engine's all-reduce
         follows the loaded step (DeepSpeed's rule); error buffers restart at zero, and so does the
-        move accumulated since the last synchronisation (the loaded weights are rank 0's, the same
-        on every rank)."""
+        move accumulated since the last synchronisation (the loaded weights are rank 0's), until the
+        checkpoint's rank files restore this rank's own (load_rank_checkpoint_file)."""
         super().load_state_dict(self._prepare_state_dict(state_dict))
         state = self.first_state()
         step = state.get("step", 0)
