@@ -64,6 +64,16 @@ def handle_run(bs: int, threads: int, buf: torch.Tensor, path: str, atomic: bool
     return {"write": gbps(n, w), "read": gbps(n, r)}
 
 
+def fio_engines() -> set[str]:
+    """The I/O engines this fio binary was built with (a static build may lack libaio)."""
+    out = subprocess.run(["fio", "--enghelp"], capture_output=True, text=True).stdout
+    engines = {w.strip() for w in out.split()[3:]}
+    missing = {"libaio", "io_uring", "psync"} - engines
+    if missing:
+        print(f"fio lacks engine(s) {sorted(missing)}: compared without them")
+    return engines
+
+
 def fio_run(engine: str, rw: str, path: str, size: int, depth: int) -> float:
     cmd = ["fio", "--name=dsc", f"--filename={path}", f"--size={size}", f"--rw={rw}", "--bs=1M", f"--iodepth={depth}",
            f"--ioengine={engine}", "--direct=1", "--numjobs=1", "--output-format=json"]
@@ -125,7 +135,7 @@ def bench(args: argparse.Namespace, size: int, label: str) -> None:
     configs = [(parse_size(b), int(t), e) for b in args.block_sizes.split(",") for t in args.threads.split(",")
                for e in args.engines.split(",")]
     fio_jobs = [] if args.no_fio or not shutil.which("fio") else \
-        [(e, d) for e, d in (("libaio", 32), ("io_uring", 32), ("psync", 1))]
+        [(e, d) for e, d in (("libaio", 32), ("io_uring", 32), ("psync", 1)) if e in fio_engines()]
     rec: dict[str, dict[str, list[float]]] = {}
 
     def add(name: str, kind: str, v: float) -> None:

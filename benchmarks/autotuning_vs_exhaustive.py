@@ -42,7 +42,11 @@ def tune(work: Path, a: argparse.Namespace, tuner: dict) -> None:
                           "arg_mappings": {"train_micro_batch_size_per_gpu": "--mbs",
                                            "activation_checkpointing": "--checkpoint_activations"}, **tuner}}
     (work / "ds.json").write_text(json.dumps(cfg))
-    cmd = [sys.executable, "-m", "deepspeed_c.launcher.runner", "--num_gpus", str(a.num_gpus), "--autotuning", "tune",
+    # like DeepSpeed's launcher, ours ignores CUDA_VISIBLE_DEVICES once --num_gpus is given: a caller that pinned
+    # the run to some GPUs (one GPU of a shared host) keeps them by passing neither
+    pinned = a.device == "cuda" and os.environ.get("CUDA_VISIBLE_DEVICES", "") != ""
+    gpus = [] if pinned else ["--num_gpus", str(a.num_gpus)]
+    cmd = [sys.executable, "-m", "deepspeed_c.launcher.runner", *gpus, "--autotuning", "tune",
            str(ROOT / "benchmarks" / "autotuning_gpt_train.py"), "--deepspeed_config", str(work / "ds.json"),
            "--mbs", "1", "--checkpoint_activations", "auto", "--d", str(a.d), "--layers", str(a.layers),
            "--heads", str(a.heads), "--vocab", str(a.vocab), "--seq", str(a.seq), "--steps", str(a.end_step + 2)]

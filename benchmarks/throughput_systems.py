@@ -31,6 +31,7 @@ MODELS = {  # GPT-3 table shapes (untied head); sequence 2048
     "2.7B": dict(n_embd=2560, n_layer=32, n_head=32),
 }
 LR, WD, CLIP = 1e-4, 0.01, 1.0
+ZERO_EXTRA: dict[str, Any] = {}  # train_throughput --zero_extra: keys merged into zero_optimization (variants)
 
 
 def build_model(name: str, vocab: int, seq: int) -> GPT:
@@ -42,6 +43,8 @@ def ds_config(system: str, micro: int) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True}
     if system.endswith("_off"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if stage:
+        zero.update(ZERO_EXTRA)
     return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
             "steps_per_print": 10**9, "gradient_clipping": CLIP, "bf16": {"enabled": True},
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},

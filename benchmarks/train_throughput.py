@@ -169,6 +169,11 @@ def run_system(system: str, base: torch.nn.Module, batches: list, args: argparse
                 timed("step", sysm.opt)
                 k += 1
             out["phases_ms"] = {n: round(v, 2) for n, v in ph.items()}
+        if args.profile:
+            from throughput_profile import profile_system
+
+            profile_system(sysm, batches, k, args.steps, dist.get_rank(), f"{system} x {world}")
+            k += args.steps
         # the slowest rank sets the pace
         t = torch.tensor(blocks, dtype=torch.float64, device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -198,6 +203,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="times the whole sequence of systems is repeated")
     ap.add_argument("--peak_tflops", type=float, default=0.0, help="peak bf16 dense TFLOPS (default: by GPU)")
     ap.add_argument("--phases", action="store_true", help="also time forward / backward / step apart")
+    ap.add_argument("--zero_extra", default="", help="JSON merged into zero_optimization of stages >= 1 (variants)")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler of --steps steps per system (rank 0 prints)")
     ap.add_argument("--out", default="", help="append one JSON line per system here (rank 0)")
     ap.add_argument("--report", default="", help="print the ratio tables of a --out file and exit")
     args = ap.parse_args()
@@ -208,6 +215,10 @@ def main() -> None:
         return
     import torch.distributed as dist
 
+    if args.zero_extra:
+        import throughput_systems
+
+        throughput_systems.ZERO_EXTRA.update(json.loads(args.zero_extra))
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

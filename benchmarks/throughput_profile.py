@@ -1,0 +1,66 @@
+"""`train_throughput.py --profile`: where one system's step goes, from torch.profiler on rank 0.
+
+Per phase (forward, backward, step) of --steps profiled steps: the CPU time to enqueue the phase
+(until its call returns) against its wall time (until the GPU is done): a phase whose enqueue time
+is close to its wall time is host-bound (Python hooks, launches, synchronisations), one whose GPU
+busy time is close to the wall is kernel-bound. Then the kernels by device time (NCCL apart), and
+the CUDA runtime calls that stall the host (synchronisations, cudaMalloc/cudaFree, event syncs)."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+STALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMalloc", "cudaFree",
+          "cudaMemcpy", "cudaHostAlloc", "cudaStreamWaitEvent")
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def profile_system(sysm: Any, batches: list, k: int, steps: int, rank: int, label: str) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    phases = {n: [0.0, 0.0] for n in ("forward", "backward", "step")}  # enqueue ms, wall ms
+
+    def timed(name: str, fn: Any, *fa: Any) -> Any:
+        _sync()
+        t0 = time.perf_counter()
+        r = fn(*fa)
+        t1 = time.perf_counter()
+        _sync()
+        phases[name][0] += (t1 - t0) * 1e3 / steps
+        phases[name][1] += (time.perf_counter() - t0) * 1e3 / steps
+        return r
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        for i in range(steps):
+            loss = timed("forward", sysm.fwd, *batches[(k + i) % len(batches)])
+            timed("backward", sysm.bwd, loss)
+            timed("step", sysm.opt)
+    if rank != 0:
+        return
+    print(f"\n--- profile {label} (rank 0, {steps} steps; ms per step) ---")
+    print("phase      enqueue(CPU)    wall")
+    for n, (cpu, wall) in phases.items():
+        print(f"{n:10s} {cpu:12.2f} {wall:8.2f}")
+    events = prof.key_averages()
+    kern = [e for e in events if getattr(e, "device_time_total", 0) > 0 and e.device_type.name == "CUDA"]
+    nccl = sum(e.device_time_total for e in kern if "nccl" in e.key.lower()) / 1e3 / steps
+    busy = sum(e.device_time_total for e in kern if "nccl" not in e.key.lower()) / 1e3 / steps
+    print(f"GPU kernel time per step: compute {busy:.2f} ms, NCCL {nccl:.2f} ms (overlapping)")
+    print("top kernels (ms/step, calls/step):")
+    for e in sorted(kern, key=lambda e: -e.device_time_total)[:14]:
+        print(f"  {e.device_time_total / 1e3 / steps:8.2f} {e.count / steps:7.1f}  {e.key[:90]}")
+    print("host-side CUDA runtime calls (ms/step CPU, calls/step):")
+    for e in sorted(events, key=lambda e: -e.cpu_time_total):
+        if any(e.key.startswith(s) for s in STALLS):
+            print(f"  {e.cpu_time_total / 1e3 / steps:8.2f} {e.count / steps:7.1f}  {e.key}")
+    top_cpu = [e for e in events if e.device_type.name == "CPU" and not e.key.startswith("cuda")]
+    print("top host ops by self CPU time (ms/step, calls/step):")
+    for e in sorted(top_cpu, key=lambda e: -e.self_cpu_time_total)[:12]:
+        print(f"  {e.self_cpu_time_total / 1e3 / steps:8.2f} {e.count / steps:7.1f}  {e.key[:90]}")
