@@ -4,6 +4,7 @@ DeepSpeed: DS_BUILD_<OP>=0 (e.g. DS_BUILD_CPU_ADAM=0)."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ def build_all_ahead_of_time(prebuilt_dir: str, csrc_root: str | None = None) -> 
     if csrc_root:
         os.environ["DSC_CSRC_ROOT"] = csrc_root  # build from the copy shipped in the package
     built = []
+    objects = Path(prebuilt_dir) / ".objects"  # the shared sources' objects, compiled once for the ops using them
     for name, cls in sorted(ALL_OPS.items()):
         if os.environ.get(f"DS_BUILD_{name.upper()}", "1") == "0":
             continue
@@ -23,8 +25,9 @@ def build_all_ahead_of_time(prebuilt_dir: str, csrc_root: str | None = None) -> 
             print(f"[deepspeed_c] skipping AOT build of {name}: {reason}", file=sys.stderr)
             continue
         out = Path(prebuilt_dir) / name / builder.build_key()
-        builder.build_into(out)
+        builder.build_into(out, objects_dir=objects)
         built.append(name)
         print(f"[deepspeed_c] AOT-built {name} -> {out}", file=sys.stderr)
+    shutil.rmtree(objects, ignore_errors=True)
     os.environ.pop("DSC_CSRC_ROOT", None)
     return built

@@ -1,6 +1,9 @@
 """JIT op builder: one small class per op names its sources and flags; `load()` compiles them
 with the system C compiler (and nvcc for .cu) on first use into a content-keyed cache and imports
-the result. Several ranks starting at once compile exactly once (a file lock per build key).
+the result. Several ranks starting at once compile exactly once (a file lock per build key). Sources
+that do not depend on the op they are linked into (shared_sources(): tensor views, the multi-tensor
+launch code, the CPU optimizers' argument parsing) are compiled once per content and command into
+the cache's objects/ folder and linked by every op that uses them.
 
 This module must not import torch: setup.py uses it for the opt-in ahead-of-time build
 (DS_BUILD_OPS=1), where torch may not be importable.
@@ -75,6 +78,12 @@ class OpBuilder:
         """Source paths relative to csrc/ (.c and .cu)."""
         raise NotImplementedError
 
+    def shared_sources(self) -> list[str]:
+        """Those of this op's sources whose object does not depend on the op it is linked into (no
+        DSC_MODULE_NAME, no module init): each is compiled once per content and command into the cache's
+        objects/ folder and linked from there by every op built with the same flags."""
+        return ["py/tensor_view.c"]
+
     def include_paths(self) -> list[str]:
         return [str(csrc_root() / "include"), sysconfig.get_paths()["include"]]
 
@@ -121,13 +130,7 @@ class OpBuilder:
         for rel in self.all_sources():
             h.update(rel.encode())
             h.update((root / rel).read_bytes())
-        # shared headers, and headers kept beside the sources (csrc/cpu/*.h, csrc/cuda/*.cuh): a change to
-        # any of them must rebuild, never reuse a stale binary
-        dirs = {root / "include"} | {(root / rel).parent for rel in self.all_sources()}
-        headers = {f for d in dirs for pat in ("*.h", "*.cuh", "*.hpp") for f in d.rglob(pat)}
-        for header in sorted(headers):
-            h.update(str(header.relative_to(root)).encode())
-            h.update(header.read_bytes())
+        _hash_headers(h, root, self.all_sources())
         for part in (self.NAME, self.variant(), self.module_name(), " ".join(self.cxx_args()),
                      " ".join(self.nvcc_args()), " ".join(self.extra_ldflags()),
                      toolchain.c_compiler_version(), self._abi_tag()):
@@ -193,29 +196,46 @@ class OpBuilder:
                 print(f"[deepspeed_c] built op {self.NAME} ({self.variant()}) in "
                       f"{time.perf_counter() - start:.2f}s -> {self.built_path()}", file=sys.stderr)
 
-    def build_into(self, out_dir: Path) -> Path:
-        """Compile and link into out_dir/<module>.so atomically; returns the path."""
+    def build_into(self, out_dir: Path, objects_dir: Path | None = None) -> Path:
+        """Compile and link into out_dir/<module>.so atomically; returns the path. The shared sources'
+        objects are taken from (or compiled into) objects_dir, by default the cache's objects/."""
         out_dir.mkdir(parents=True, exist_ok=True)
         log_path = out_dir / "build.log"
         tmp = out_dir / f"tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         root = csrc_root()
-        jobs = []
+        objects_dir = objects_dir or cache_root() / "objects"
+        shared = set(self.shared_sources())
+        objects: list[Path] = []  # in link order
+        jobs: list[tuple[list[str], Path, Path | None]] = []  # (command, its output, where a shared object goes)
+        log: list[str] = []
         for rel in self.all_sources():
             obj = tmp / (rel.replace("/", "__") + ".o")
-            jobs.append((self.compile_command(root / rel, obj), obj))
-        log: list[str] = []
+            if rel not in shared:
+                jobs.append((self.compile_command(root / rel, obj), obj, None))
+                objects.append(obj)
+                continue
+            cmd = self.compile_command(root / rel, obj, per_op=False)
+            kept = objects_dir / f"{obj.stem}-{_object_key(root, rel, cmd, obj)}.o"
+            objects.append(kept)
+            if kept.exists() and kept.with_suffix(".log").exists():  # compiled before (this op or another)
+                log.append(f"# {rel}: compiled object reused from {kept}\n" + kept.with_suffix(".log").read_text())
+            else:
+                jobs.append((cmd, obj, kept))
         try:
             with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
                 results = list(pool.map(lambda job: _run(job[0]), jobs))
-            for (cmd, _), (code, output) in zip(jobs, results):
-                log.append("$ " + " ".join(cmd) + "\n" + output)
+            for (cmd, obj, kept), (code, output) in zip(jobs, results):
+                entry = "$ " + " ".join(cmd) + "\n" + output
+                log.append(entry)
+                if code == 0 and kept is not None:
+                    _keep_object(obj, kept, entry)
             failed = [output for code, output in results if code != 0]
             if failed:
                 self._fail(log_path, log, failed[0])
             target = out_dir / f"{self.module_name()}.so"
-            link = self.link_command([obj for _, obj in jobs], tmp / target.name)
+            link = self.link_command(objects, tmp / target.name)
             code, output = _run(link)
             log.append("$ " + " ".join(link) + "\n" + output)
             if code != 0:
@@ -231,15 +251,16 @@ class OpBuilder:
         raise OpBuildError(f"building op '{self.NAME}' failed: {_first_error_line(output)}\n"
                            f"  full log: {log_path}")
 
-    def common_defines(self) -> list[str]:
-        flags = [f"-DDSC_MODULE_NAME={self.module_name()}"]
+    def common_defines(self, per_op: bool = True) -> list[str]:
+        """per_op False: for a shared source, which must not depend on the op's module name."""
+        flags = [f"-DDSC_MODULE_NAME={self.module_name()}"] if per_op else []
         if self.LIMITED_API:
             flags.append(f"-DPy_LIMITED_API={LIMITED_API_HEX}")
         return flags
 
-    def compile_command(self, src: Path, obj: Path) -> list[str]:
+    def compile_command(self, src: Path, obj: Path, per_op: bool = True) -> list[str]:
         includes = [f"-I{p}" for p in self.include_paths()]
-        return [toolchain.c_compiler(), *self.cxx_args(), *self.common_defines(), *includes,
+        return [toolchain.c_compiler(), *self.cxx_args(), *self.common_defines(per_op), *includes,
                 "-c", str(src), "-o", str(obj)]
 
     def link_command(self, objects: list[Path], target: Path) -> list[str]:
@@ -314,12 +335,12 @@ class CUDAOpBuilder(OpBuilder):
         libdirs = [f"-L{d}" for d in toolchain.cuda_lib_dirs(home)] if home else []
         return [*libdirs, "-lcudart_static", "-lstdc++", "-lpthread", "-ldl", "-lrt"]
 
-    def compile_command(self, src: Path, obj: Path) -> list[str]:
+    def compile_command(self, src: Path, obj: Path, per_op: bool = True) -> list[str]:
         if src.suffix != ".cu":
-            return super().compile_command(src, obj)
+            return super().compile_command(src, obj, per_op)
         includes = [f"-I{p}" for p in self.include_paths()]
-        return [toolchain.nvcc(), *self.nvcc_args(), f"-DDSC_MODULE_NAME={self.module_name()}",
-                *includes, "-c", str(src), "-o", str(obj)]
+        module = [f"-DDSC_MODULE_NAME={self.module_name()}"] if per_op else []
+        return [toolchain.nvcc(), *self.nvcc_args(), *module, *includes, "-c", str(src), "-o", str(obj)]
 
     def incompatible_reason(self) -> str | None:
         base = super().incompatible_reason()
@@ -335,6 +356,43 @@ class CUDAOpBuilder(OpBuilder):
             return (f"the CUDA driver supports CUDA {driver[0]}.{driver[1]} but nvcc is CUDA "
                     f"{toolkit[0]}.{toolkit[1]}: update the driver or use an older toolkit (CUDA_HOME)")
         return None
+
+
+def _hash_headers(h: "hashlib._Hash", root: Path, sources: list[str]) -> None:
+    """Shared headers, and headers kept beside the sources (csrc/cpu/*.h, csrc/cuda/*.cuh): a change to any
+    of them must rebuild, never reuse a stale binary or object."""
+    dirs = {root / "include"} | {(root / rel).parent for rel in sources}
+    headers = {f for d in dirs for pat in ("*.h", "*.cuh", "*.hpp") for f in d.rglob(pat)}
+    for header in sorted(headers):
+        h.update(str(header.relative_to(root)).encode())
+        h.update(header.read_bytes())
+
+
+def _object_key(root: Path, rel: str, cmd: list[str], obj: Path) -> str:
+    """Hash of what one shared object depends on: its source, the headers it may include, the compile
+    command (flags, defines, include paths; not where it writes) and the compiler's version."""
+    h = hashlib.sha256()
+    h.update(rel.encode())
+    h.update((root / rel).read_bytes())
+    _hash_headers(h, root, [rel])
+    for part in cmd:
+        h.update(b"<obj>" if part == str(obj) else part.encode())
+        h.update(b"\0")
+    h.update((toolchain.nvcc_version() if rel.endswith(".cu") else toolchain.c_compiler_version()).encode())
+    return h.hexdigest()[:20]
+
+
+def _keep_object(obj: Path, kept: Path, log_entry: str) -> None:
+    """Moves a freshly compiled shared object into the objects folder, its compiler output beside it; both
+    atomically, the log first, so whoever sees the object also sees its log (concurrent builds of the same
+    object write the same bytes)."""
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    log_tmp = kept.parent / f"{kept.stem}.{os.getpid()}.log.tmp"
+    log_tmp.write_text(log_entry)
+    os.replace(log_tmp, kept.with_suffix(".log"))
+    obj_tmp = kept.parent / f"{kept.stem}.{os.getpid()}.o.tmp"
+    shutil.copyfile(obj, obj_tmp)
+    os.replace(obj_tmp, kept)
 
 
 def _run(cmd: list[str]) -> tuple[int, str]:

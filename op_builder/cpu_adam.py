@@ -10,6 +10,10 @@ class CPUOptimOpBuilder(CPUOpBuilder):
     def cxx_args(self) -> list[str]:
         return [*super().cxx_args(), "-ffp-contract=off"]
 
+    def shared_sources(self) -> list[str]:
+        # compiled once for every CPU optimizer op of one SIMD path
+        return [*super().shared_sources(), *CPU_OPTIM_COMMON, "cpu/norm.c"]
+
 
 class CPUAdamBuilder(CPUOptimOpBuilder):
     """Adam/AdamW for host tensors (DeepSpeedCPUAdam, ZeRO-Offload)."""

@@ -10,6 +10,9 @@ class MultiTensorCUDABuilder(CUDAOpBuilder):
     def nvcc_args(self) -> list[str]:
         return [*super().nvcc_args(), "-Xcompiler=-Wall,-Wextra"]
 
+    def shared_sources(self) -> list[str]:
+        return [*super().shared_sources(), *MT_COMMON]  # compiled once for all the multi-tensor ops
+
 
 class MultiTensorOpsBuilder(MultiTensorCUDABuilder):
     """The engine's CUDA utility kernels over tensor lists: L2 norm (global and per tensor, with

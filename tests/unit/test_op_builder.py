@@ -87,6 +87,38 @@ def test_missing_isa_makes_op_incompatible_with_reason(monkeypatch):
     assert UtilsBuilder(simd="avx2").is_compatible()
 
 
+def test_shared_sources_compile_once_for_every_op_using_them(cache, monkeypatch):
+    from deepspeed_c.ops.op_builder import CPUAdamBuilder, CPULionBuilder
+
+    compiled: list[str] = []
+    real_run = builder_mod._run
+
+    def recording(cmd):
+        if "-c" in cmd:
+            compiled.append(cmd[cmd.index("-c") + 1].split("csrc/")[-1])
+        return real_run(cmd)
+
+    monkeypatch.setattr(builder_mod, "_run", recording)
+    adam, lion = CPUAdamBuilder(simd="scalar"), CPULionBuilder(simd="scalar")
+    assert {"cpu/norm.c", "py/cpu_optim_args.c", "py/tensor_view.c"} <= set(adam.shared_sources())
+    adam.load()
+    lion.load()
+    # the objects both ops link are compiled by the first only; each op's own sources by itself
+    for shared in ("cpu/norm.c", "py/cpu_optim_args.c", "py/tensor_view.c"):
+        assert compiled.count(shared) == 1, (shared, compiled)
+    assert compiled.count("cpu/adam.c") == compiled.count("cpu/lion.c") == 1, compiled
+    # the second op's log carries the compiler output of the objects it reused (warnings stay visible)
+    log = (lion.build_dir() / "build.log").read_text()
+    assert "compiled object reused from" in log and "cpu/norm.c" in log
+    # other flags, other objects: the avx2 path's shared sources compile again
+    compiled.clear()
+    if CPULionBuilder(simd="avx2").is_compatible():
+        CPULionBuilder(simd="avx2").load()
+        assert "cpu/norm.c" in compiled and "py/tensor_view.c" in compiled, compiled
+    builder_mod._loaded.clear()
+    assert adam.load() is not lion.load()  # cached builds import again, each with its own copy of the objects
+
+
 class BrokenBuilder(CPUOpBuilder):
     NAME = "broken_test_op"
     SOURCE = ""
