@@ -5,13 +5,16 @@ import os
 import subprocess
 import sys
 
+from tests.harness import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_train_gpt_demo_short(tmp_path):
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "deepspeed_c.launcher.runner", "--num_gpus", "2",
-           os.path.join(ROOT, "examples", "train_gpt", "train.py"), "--steps", "60", "--n_layer", "2",
+    # a free port: the launcher's default (29500) may be taken by another test's job running beside this one
+    cmd = [sys.executable, "-m", "deepspeed_c.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
+           os.path.join(ROOT, "examples", "train_gpt", "train.py"), "--steps", "60", "--n_layer", "2", "--n_embd", "64",
            "--deepspeed_config", os.path.join(ROOT, "examples", "train_gpt", "ds_config.json"),
            "--out_dir", str(out)]
     proc = subprocess.run(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
