@@ -23,6 +23,7 @@ pytest.importorskip("accelerate", reason="accelerate is in requirements-lock.txt
 from safetensors.torch import load_file  # noqa: E402
 
 from tests.distributed.hf_launch import run_user_command  # noqa: E402
+from tests.harness import free_port  # noqa: E402
 
 from deepspeed_c.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # noqa: E402
 
@@ -53,12 +54,14 @@ _run = run_user_command
 def runs(alias, tmp_path_factory) -> dict[str, pathlib.Path]:
     work = tmp_path_factory.mktemp("hf")
     (work / "ds_config.json").write_text(json.dumps(DS_CONFIG))
-    launcher = [str(alias / "bin" / "deepspeed"), "--num_gpus", "2", str(SCRIPT), "--deepspeed", "ds_config.json",
-                "--per_device_train_batch_size", "4"]
+    def launcher() -> list[str]:  # a free port each: the default (29500) may be taken by a job running beside
+        return [str(alias / "bin" / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), str(SCRIPT),
+                "--deepspeed", "ds_config.json", "--per_device_train_batch_size", "4"]
+
     _run([sys.executable, str(SCRIPT), "--output_dir", "ref", "--per_device_train_batch_size", "8", *COMMON],
          alias, work)
-    _run([*launcher, "--output_dir", "ds", *COMMON], alias, work)
-    _run([*launcher, "--output_dir", "resumed", "--resume_from_checkpoint", "ds/checkpoint-4", *COMMON], alias, work)
+    _run([*launcher(), "--output_dir", "ds", *COMMON], alias, work)
+    _run([*launcher(), "--output_dir", "resumed", "--resume_from_checkpoint", "ds/checkpoint-4", *COMMON], alias, work)
     return {name: work / name for name in ("ref", "ds", "resumed")}
 
 
