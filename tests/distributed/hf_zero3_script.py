@@ -1,7 +1,8 @@
 """Hugging Face's ZeRO-3 paths as users write them (run by test_hf_zero3.py through the alias's `deepspeed`
 command, or in one plain process for the reference runs). Three commands:
 
-  make DIR                      a small GPT-2 built from a config (no download), save_pretrained to DIR
+  make DIR [COMMAND ...]        a small GPT-2 built from a config (no download), save_pretrained to DIR; then
+                                COMMAND, if given, in the same process
   load DIR OUT.json             HfDeepSpeedConfig(ds_config) kept alive, from_pretrained(DIR) under zero.Init,
                                 then resize_token_embeddings; writes what it saw per rank to OUT.json (rank r
                                 writes OUT.rank<r>.json)
@@ -168,11 +169,12 @@ def train(model_dir: str, argv: list) -> None:
             json.dump({"losses": losses, "eval_loss": eval_loss, "partitioned_at_load": partitioned}, f)
 
 
-def main() -> None:
-    argv = _drop_local_rank(sys.argv[1:])
+def main(argv: list) -> None:
     cmd, rest = argv[0], argv[1:]
     if cmd == "make":
         make(rest[0])
+        if rest[1:]:  # a command after it runs in the same process (the reference run on the model just made)
+            main(rest[1:])
     elif cmd == "load":
         load(rest[0], rest[1], rest[2])
     elif cmd == "train":
@@ -183,4 +185,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    main()
+    main(_drop_local_rank(sys.argv[1:]))
