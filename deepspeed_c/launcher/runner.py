@@ -228,6 +228,7 @@ def main(args: Sequence[str] | None = None) -> None:
     resource_pool = fetch_hostfile(args.hostfile)
 
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    pinned_include = ""  # the --include CUDA_VISIBLE_DEVICES became (the variable is then dropped)
     if not resource_pool and visible and count_local_gpus() > 0:
         detected = f"Detected CUDA_VISIBLE_DEVICES={visible}"
         if args.include or args.exclude or args.num_nodes > 1 or args.num_gpus > 0:
@@ -236,6 +237,7 @@ def main(args: Sequence[str] | None = None) -> None:
         else:
             args.include = "localhost:" + ",".join(str(i) for i in visible_device_ids(visible))
             print(f"{detected}: setting --include={args.include}")
+            pinned_include = args.include
         # The ranks get CUDA_VISIBLE_DEVICES from the launcher, in physical ids.
         del os.environ["CUDA_VISIBLE_DEVICES"]
 
@@ -262,6 +264,8 @@ def main(args: Sequence[str] | None = None) -> None:
         from deepspeed_c.autotuning.autotuner import main as autotune
 
         raw = list(sys.argv[1:] if raw_args is None else raw_args)
+        if pinned_include:  # the experiments run without the variable: they keep the same GPUs explicitly
+            raw = ["--include", pinned_include, *raw]
         sys.exit(autotune(args.autotuning, raw, args.user_script, sum(len(s) for s in active.values())))
     if args.no_ssh and not 0 <= args.node_rank < len(active):
         raise ValueError(f"Launching without ssh needs --node_rank in [0, {len(active)}), got {args.node_rank}")

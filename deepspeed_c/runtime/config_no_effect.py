@@ -37,8 +37,6 @@ NO_EFFECT: tuple[NoEffect, ...] = (
              "the NVMe swap files are written once at initialize, sub-group by sub-group"),
     NoEffect(("aio", "single_submit"), False, "each worker submits its whole batch of requests in one system call"),
     NoEffect(("aio", "overlap_events"), True, "each worker reaps its completions as they arrive"),
-    NoEffect(("zero_optimization", "stage3_module_granularity_threshold"), 0,
-             "ZeRO-3 gathers per module; set leaf modules with leaf_module or set_z3_leaf_modules instead"),
     NoEffect(("zero_optimization", "stage3_use_all_reduce_for_fetch_params"), False,
              "ZeRO-3 gathers each unit with one all_gather_into_tensor"),
     NoEffect(("zero_optimization", "stage3_allgather_sequential"), False,

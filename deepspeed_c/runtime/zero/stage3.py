@@ -20,7 +20,8 @@ import torch
 
 from deepspeed_c.ops.partition import PartitionPlan
 from deepspeed_c.runtime.optimizer_seam import EngineOptimizer, SavedCheckpoint
-from deepspeed_c.runtime.zero.param_hooks import ParamCoordinator
+from deepspeed_c.runtime.zero.leaf_granularity import mark_leaves_by_granularity
+from deepspeed_c.runtime.zero.param_hooks import ParamCoordinator, _is_leaf, mark_leaf_modules
 from deepspeed_c.runtime.zero.param_store import ParamStore, placeholder
 from deepspeed_c.runtime.zero.partition_parameters import adopt, is_zero_param
 from deepspeed_c.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer, _states_resident
@@ -32,8 +33,20 @@ __all__ = ["DeepSpeedZeroOptimizer_Stage3", "build_param_store", "Zero3Params",
 
 
 def _owners(module: torch.nn.Module) -> dict[int, int]:
+    """Parameter -> the module whose unit holds it: its own module, or the outermost ZeRO-3 leaf above it
+    (a leaf is gathered whole, so its parameters share one unit per param group)."""
     owner: dict[int, int] = {}
+    index = {id(m): k for k, m in enumerate(module.modules())}
+    covered: set[int] = set()
     for k, m in enumerate(module.modules()):
+        if id(m) in covered:
+            continue
+        if _is_leaf(m) and m is not module:
+            for c in m.modules():
+                covered.add(id(c))
+            for p in m.parameters():
+                owner.setdefault(id(p), index[id(m)])
+            continue
         for p in m._parameters.values():
             if p is not None:
                 owner.setdefault(id(p), k)
@@ -163,6 +176,9 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (Deep
                  zero_cfg: Any, **kwargs: Any) -> None:
         check_hpz_size(int(zero_cfg.zero_hpz_partition_size), kwargs["world_size"])  # before any collective
         groups = [[p for p in g["params"] if p.requires_grad] for g in init_optimizer.param_groups]
+        # leaves are known before the store is laid out: a leaf's parameters form one unit
+        mark_leaf_modules(module, zero_cfg.leaf_module)
+        mark_leaves_by_granularity(module, zero_cfg.module_granularity_threshold)
         self.store = build_param_store(module, groups, rank=kwargs["rank"], world_size=kwargs["world_size"],
                                        group=kwargs.get("dp_process_group"), **store_args)
         super().__init__(init_optimizer, stage=3, **kwargs)
