@@ -12,6 +12,15 @@ MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE set and
 the default process group initialised before the body runs. A hang fails in bounded time: on
 timeout every rank's whole process tree is killed, and no child outlives the call.
 
+Ports: the rendezvous store of a gloo/NCCL run is a TCPStore the calling process opens on a port the
+OS picks (port 0) before any rank starts, and the ranks join it as clients, so no other process can
+take the port between its choice and its use (with a port picked by closing a probe socket and bound
+later by rank 0, suites starting process groups side by side lost it now and then: EADDRINUSE).
+Runs with backend "none" (the body initialises its group itself, rank 0 binding MASTER_PORT) keep a
+picked free port; there, and as a safety net everywhere, a rank whose failure is EADDRINUSE is
+reported as such and the whole run is retried on a fresh port, PORT_ATTEMPTS times at most; any other
+failure fails the call at once.
+
     def body(rank: int, world_size: int, scale: float) -> float:
         t = torch.ones(1) * rank * scale
         dist.all_reduce(t)
@@ -21,10 +30,13 @@ timeout every rank's whole process tree is killed, and no child outlives the cal
 """
 from __future__ import annotations
 
+import datetime
+import errno
 import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
 from typing import Any, Callable, Sequence
 
@@ -33,6 +45,16 @@ import psutil
 
 class DistributedTestError(AssertionError):
     """A rank raised, died, or the run timed out."""
+
+
+class _PortInUse(Exception):
+    """A rank could not listen on the run's port (EADDRINUSE): the run is retried on another."""
+
+
+PORT_ATTEMPTS = 3  # runs of one call whose port was taken before the call fails
+_HOST = "127.0.0.1"
+# what a rank reports: its value, a failure, or a failure to listen on the run's port
+_OK, _FAILED, _PORT_TAKEN = "ok", "failed", "port-in-use"
 
 
 BACKEND_ENV = "DSC_TEST_BACKEND"
@@ -90,6 +112,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _pick_port() -> int:
+    """MASTER_PORT of a backend "none" run (whose rank 0 binds it); tests replace it to provoke EADDRINUSE."""
+    return free_port()
+
+
+def is_port_in_use(exc: BaseException) -> bool:
+    """True when exc, or an exception it was raised from, is a failure to listen on a port already in
+    use: an OSError with errno EADDRINUSE, or c10d's DistNetworkError naming EADDRINUSE."""
+    import torch.distributed as dist
+
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:
+            return True
+        if isinstance(e, dist.DistNetworkError) and "EADDRINUSE" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _parent_store(world_size: int, timeout: float) -> Any:
+    """The run's rendezvous store, served by the calling process on a port the OS picks."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(_HOST, 0, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout),
+                         wait_for_workers=False)
+
+
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, backend: str,
                args: Sequence[Any], env: dict[str, str], results: "mp.Queue[Any]") -> None:
     os.environ.update(env)
@@ -119,15 +171,18 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, ba
             if hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
                 torch.backends.cuda.enable_cudnn_sdp(False)
         if backend != "none":
-            dist.init_process_group(backend, rank=rank, world_size=world_size)
+            # a client of the store the calling process serves on `port` (see the module's "Ports")
+            store = dist.TCPStore(_HOST, port, world_size, is_master=False,
+                                  timeout=datetime.timedelta(seconds=float(env.get("_DSC_STORE_TIMEOUT", "300"))))
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         try:
             value = fn(rank, world_size, *args)
         finally:
             if backend != "none" and dist.is_initialized():
                 dist.destroy_process_group()
-        results.put((rank, True, value))
-    except BaseException:  # report everything, including SystemExit from the body
-        results.put((rank, False, traceback.format_exc()))
+        results.put((rank, _OK, value))
+    except BaseException as e:  # report everything, including SystemExit from the body
+        results.put((rank, _PORT_TAKEN if is_port_in_use(e) else _FAILED, traceback.format_exc()))
 
 
 def _context() -> Any:
@@ -185,19 +240,32 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: Sequence[Any]
     elif backend is None:
         env.setdefault("CUDA_VISIBLE_DEVICES", "")  # gloo from the default: CPU ranks even on a GPU host
     ctx = _context() if start_method == "forkserver" else mp.get_context(start_method)
+    env["_DSC_STORE_TIMEOUT"] = str(max(timeout, 30.0))
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            return _run_once(ctx, fn, world_size, tuple(args), timeout, chosen, env)
+        except _PortInUse as e:
+            if attempt == PORT_ATTEMPTS:
+                raise DistributedTestError(f"the run's port was in use on all {PORT_ATTEMPTS} attempts; last:\n{e}")
+    raise AssertionError("unreachable")
+
+
+def _run_once(ctx: Any, fn: Callable[..., Any], world_size: int, args: tuple, timeout: float, backend: str,
+              env: dict[str, str]) -> list[Any]:
+    """One run on a fresh port; _PortInUse when a rank could not listen on it."""
+    store = _parent_store(world_size, timeout) if backend != "none" else None
+    port = store.port if store is not None else _pick_port()
     results: "mp.Queue[Any]" = ctx.Queue()
-    port = free_port()
     procs = [ctx.Process(target=_rank_main,
-                         args=(fn, r, world_size, port, chosen, tuple(args),
-                               {**env, _DEVICE_ENV: f"cuda:{r}" if chosen == "nccl" else "cpu"}, results),
+                         args=(fn, r, world_size, port, backend, args,
+                               {**env, _DEVICE_ENV: f"cuda:{r}" if backend == "nccl" else "cpu"}, results),
                          daemon=False)
              for r in range(world_size)]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
     failures: list[str] = []
-    import time
-
+    port_taken = False
     deadline = time.monotonic() + timeout
     try:
         while len(out) + len(failures) < world_size:
@@ -206,25 +274,28 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: Sequence[Any]
                 raise DistributedTestError(
                     f"distributed test timed out after {timeout:.0f}s; ranks finished: {sorted(out)}")
             try:
-                rank, ok, value = results.get(timeout=min(remaining, 0.5))
+                rank, kind, value = results.get(timeout=min(remaining, 0.5))
             except queue.Empty:
                 dead = [i for i, p in enumerate(procs)
                         if p.exitcode is not None and i not in out and p.exitcode != 0]
                 if dead:
                     # give a dying rank's report a moment to arrive before declaring it lost
                     try:
-                        rank, ok, value = results.get(timeout=2.0)
+                        rank, kind, value = results.get(timeout=2.0)
                     except queue.Empty:
                         raise DistributedTestError(
                             f"rank(s) {dead} died with exit code(s) "
                             f"{[procs[i].exitcode for i in dead]} without reporting")
                 else:
                     continue
-            if ok:
+            if kind == _OK:
                 out[rank] = value
             else:
-                failures.append(f"--- rank {rank} ---\n{value}")
+                port_taken = kind == _PORT_TAKEN
+                failures.append(f"--- rank {rank} (port {port}) ---\n{value}")
                 break  # one failing rank is enough; the others may be waiting on it
+        if port_taken:
+            raise _PortInUse("\n".join(failures))
         if failures:
             raise DistributedTestError("a rank failed:\n" + "\n".join(failures))
         for p in procs:
@@ -236,3 +307,4 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: Sequence[Any]
                 _kill_tree(p)
             p.join(timeout=5)
         results.close()
+        del store

@@ -1,7 +1,10 @@
 """The multi-process harness itself: real collectives on 2 and 4 ranks (on the backend
 DSC_TEST_BACKEND names, each rank on its rank_device()), a failing rank reported with its
-traceback, a hang that fails in bounded time leaving no process behind, and an NCCL run with too
-few GPUs skipped with the reason."""
+traceback, a hang that fails in bounded time leaving no process behind, an NCCL run with too
+few GPUs skipped with the reason, and ports: a run whose port another process holds is retried on a
+fresh one, any other init failure is not."""
+import os
+import socket
 import time
 
 import psutil
@@ -9,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests import harness
 from tests.harness import BACKEND_ENV, DistributedTestError, backend_choice, rank_device, run_distributed, visible_gpus
 
 
@@ -74,3 +78,71 @@ def test_hang_times_out_and_leaves_no_children():
              if p.status() != psutil.STATUS_ZOMBIE
              and not any(k in " ".join(p.cmdline()) for k in ("resource_tracker", "forkserver"))}
     assert after <= before
+
+
+def init_from_env_body(rank, world_size, fail):
+    """A backend "none" body initialising its own group from MASTER_PORT (rank 0 listens on it)."""
+    if fail:
+        raise RuntimeError(f"init refused on rank {rank}")  # an init failure that is not a taken port
+    dist.init_process_group("gloo")
+    try:
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        return t.item(), int(os.environ["MASTER_PORT"])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_taken_port_is_retried_on_a_fresh_one_and_other_failures_are_not(monkeypatch):
+    held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    held.bind(("127.0.0.1", 0))
+    held.listen()  # another process's server on the picked port: rank 0 cannot listen on it
+    taken = held.getsockname()[1]
+    picked = []
+
+    def picker():  # first the held port, then free ones
+        picked.append(taken if not picked else harness.free_port())
+        return picked[-1]
+
+    try:
+        monkeypatch.setattr(harness, "_pick_port", picker)
+        results = run_distributed(init_from_env_body, 2, args=(False,), backend="none", timeout=60)
+        assert len(picked) == 2 and picked[0] == taken  # one retry, on another port
+        assert results == [(2.0, picked[1])] * 2
+        # a different init failure fails the call at once: no retry, its own message
+        picked.clear()
+        with pytest.raises(DistributedTestError, match="init refused on rank") as info:
+            run_distributed(init_from_env_body, 2, args=(True,), backend="none", timeout=60)
+        assert len(picked) == 1 and "port was in use" not in str(info.value)
+        # a port taken on every attempt fails after harness.PORT_ATTEMPTS runs, naming EADDRINUSE
+        picked.clear()
+        monkeypatch.setattr(harness, "_pick_port", lambda: picked.append(taken) or taken)
+        with pytest.raises(DistributedTestError, match=f"in use on all {harness.PORT_ATTEMPTS} attempts(.|\\n)*EADDRINUSE"):
+            run_distributed(init_from_env_body, 2, args=(False,), backend="none", timeout=60)
+        assert len(picked) == harness.PORT_ATTEMPTS
+    finally:
+        held.close()
+
+
+def store_port_body(rank, world_size):
+    return int(os.environ["MASTER_PORT"]), dist.get_world_size()
+
+
+def test_gloo_run_joins_a_store_the_caller_already_listens_on(monkeypatch):
+    """The default path picks no port: the caller's store is bound (port 0) before the ranks start,
+    so the port cannot be taken in between; a different init failure of the harness's own init (gloo
+    told to use a network interface that does not exist) fails at once."""
+    monkeypatch.setattr(harness, "_pick_port", lambda: pytest.fail("the gloo path must not pick a port"))
+    stores = []
+    real = harness._parent_store
+
+    def spy(world_size, timeout):
+        stores.append(real(world_size, timeout))
+        return stores[-1]
+
+    monkeypatch.setattr(harness, "_parent_store", spy)
+    results = run_distributed(store_port_body, 2, backend="gloo", timeout=60)
+    assert len(stores) == 1 and results == [(stores[0].port, 2)] * 2
+    with pytest.raises(DistributedTestError, match="(?i)nonexistent_if0") :
+        run_distributed(store_port_body, 2, backend="gloo", timeout=60, env={"GLOO_SOCKET_IFNAME": "nonexistent_if0"})
+    assert len(stores) == 2
