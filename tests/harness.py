@@ -192,10 +192,11 @@ def _context() -> Any:
     accelerator probe may), so each forked rank can still initialise CUDA; it is started with the
     test process's environment at first use. torch._dynamo (imported by a rank's first optimizer
     step, ~1.5 CPU-s) and transformers.modeling_utils (~3 CPU-s, the Hugging Face tests) are preloaded
-    too: neither touches torch.cuda on import; a missing one is skipped by the server."""
+    too: neither touches torch.cuda on import; a missing one is skipped by the server. Last,
+    tests.harness_freeze moves all of it out of the cyclic garbage collector's reach (gc.freeze)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "transformers.modeling_utils",
-                                "tests.harness"])
+                                "tests.harness", "tests.harness_freeze"])
     return ctx
 
 
