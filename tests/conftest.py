@@ -33,3 +33,12 @@ def world_of_one():
     yield
     if started and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def pytest_collection_finish(session) -> None:
+    """What collection loaded (torch, the test modules) lives for the whole run: out of the cyclic
+    collector's reach, each full collection during a test walks only what tests made since."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
