@@ -2,15 +2,19 @@
 core (csrc/cpu/onebit.c, whose scalar build is the reference) first, then throughput at 2^28
 elements against torch's device-to-device copy, interleaved reps on one GPU.
 
-Correctness (odd sizes, multi-segment chunk-major tables, +0/-0/NaN): sign bits, the error buffer
-(compensated - scale * sign) and decompressed values bit-equal to the CPU core's; sums of squares
-within 1e-9 relative (double atomics, another order). Then the compressed all-reduce of
+Correctness (odd sizes, lengths of every residue mod 8, multi-segment chunk-major tables,
++0/-0/NaN): sign bits, the error buffer (compensated - scale * sign) and decompressed values, both
+accumulated and plain, the plain ones into a 16-byte aligned output (float4 path) and one 4 bytes
+off (scalar path), bit-equal to the CPU core's; sums of squares within 1e-9 relative (double
+atomics, another order). The plain unpack timed at 2^28 (several grid-stride passes) is checked
+against the bits unpacked by torch. Then the compressed all-reduce of
 runtime/comm/compressed.py on this one GPU with NCCL at world size 1 (a smoke run of the plumbing).
 
 Throughput: bytes each kernel must move per element (compensate: read y and err, write y = 12 B;
 pack with error feedback: read y, write err and 1/8 B of bits = 8.125 B; unpack: write 4 B + read
 1/8 B; unpack accumulating: 8.125 B), divided by its median time, against the copy's 8 B per element
-(read + write). The bar (issue 19): pack and unpack >= 85% of copy bandwidth.
+(read + write). The bar (issue 19): pack and unpack >= 85% of copy bandwidth. torch's fill (4 B per
+element, write only) is printed beside them as the write-only ceiling plain unpack can approach.
 
     python scripts/onebit_gpu_check.py [--log2n 28] [--reps 20]
 """
@@ -51,7 +55,8 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def check_correctness(cpu, gpu) -> None:
     dev = torch.device("cuda")
-    cases = [[(0, n, 0)] for n in (1, 7, 9, 33, 4097, 1_000_003)]
+    # lengths: every residue mod 8 (plain unpack writes whole float4 quads, then len % 4 singly)
+    cases = [[(0, n, 0)] for n in (1, 2, 4, 7, 9, 12, 13, 16, 33, 4097, 4100, 65542, 1_000_003)]
     cases.append([(0, 5, 0), (8, 16, 1), (24, 1, 2), (32, 9, 3), (48, 2048, 1)])  # shared scale index 1
     for rows in cases:
         total = max(o + n for o, n, _ in rows)
@@ -71,16 +76,26 @@ def check_correctness(cpu, gpu) -> None:
             op.pack(yy, ee, bits, sg, sc, max_len)
             dec = torch.full((total,), 0.5, device=d)
             op.unpack(bits, dec, sg, sc, True, max_len)
+            plain = []
+            for shift in (0, 1):  # out 16-byte aligned (float4 stores), then 4 bytes past (scalar path)
+                buf = torch.full((total + 1,), 0.5, device=d)
+                view = buf[shift:shift + total]
+                assert name == "cpu" or view.data_ptr() % 16 == 4 * shift, "output alignment not as meant"
+                op.unpack(bits, view, sg, sc, False, max_len)
+                plain.append(buf)
             torch.cuda.synchronize()
-            out[name] = (yy.cpu(), ee.cpu(), bits.cpu(), dec.cpu(), sumsq.cpu())
+            out[name] = (yy.cpu(), ee.cpu(), bits.cpu(), dec.cpu(), sumsq.cpu(), *(b.cpu() for b in plain))
         c, g = out["cpu"], out["gpu"]
         assert _same(c[0], g[0]), f"compensated buffer differs ({rows[:2]}...)"
         assert _same(c[1], g[1]), f"error buffer differs ({rows[:2]}...)"
         assert _same(c[2], g[2]), f"sign bits differ ({rows[:2]}...)"
         assert _same(c[3], g[3]), f"decompressed values differ ({rows[:2]}...)"
+        assert _same(c[5], g[5]), f"plain decompression (aligned output) differs ({rows[:2]}...)"
+        assert _same(c[6], g[6]), f"plain decompression (unaligned output) differs ({rows[:2]}...)"
         finite = torch.isfinite(c[4])
         assert torch.allclose(c[4][finite], g[4][finite], rtol=1e-9), "sums of squares differ"
-    print("correctness: CUDA bits, error feedback and decompression equal the CPU core's (7 tables, odd sizes)")
+    print(f"correctness: CUDA bits, error feedback and decompression (accumulated; plain, aligned and not) "
+          f"equal the CPU core's ({len(cases)} tables, odd sizes)")
 
 
 def check_allreduce_plumbing() -> None:
@@ -131,6 +146,7 @@ def throughput(gpu, log2n: int, reps: int) -> None:
     sumsq = torch.zeros(1, dtype=torch.float64, device=dev)
     runs = {
         "copy (torch)": (lambda: dst.copy_(y), 8.0),
+        "fill (torch, write only)": (lambda: dst.fill_(0.25), 4.0),
         "compensate (y += err, sum y^2)": (lambda: gpu.compensate(dst, e, segs, sumsq, n), 12.0),
         "pack + error feedback": (lambda: gpu.pack(y, e, bits, segs, scale, n), 8.125),
         "pack (signs only)": (lambda: gpu.pack(y, None, bits, segs, scale, n), 4.125),
@@ -144,6 +160,11 @@ def throughput(gpu, log2n: int, reps: int) -> None:
     for _ in range(reps):  # interleaved
         for k, (fn, _) in runs.items():
             times[k].append(_time(fn))
+    gpu.unpack(bits, dst, segs, scale, False, n)
+    shifts = torch.arange(8, device=dev, dtype=torch.uint8)
+    want = torch.where((bits.unsqueeze(1) >> shifts & 1).bool().flatten(), scale, -scale)
+    assert torch.equal(dst, want), f"plain unpack at 2^{log2n} differs from the bits unpacked by torch"
+    del want
     copy_bw = 8.0 * n / statistics.median(times["copy (torch)"])
     print(f"\n{torch.cuda.get_device_name()}, n = 2^{log2n} float32, median of {reps} interleaved reps")
     print(f"{'kernel':<34}{'ms':>9}{'GB/s':>10}{'/ copy':>9}")
