@@ -135,7 +135,12 @@ def _check_p2p_groups_objects(rank: int, w: int) -> None:
     f64 = dict(dtype=torch.float64, device=_device())
     nxt, prv = (rank + 1) % w, (rank - 1) % w
     buf = torch.zeros(4, **f64)
-    reqs = [dc.isend(torch.full((4, ), float(rank), **f64), nxt), dc.irecv(buf, prv)]
+    # NCCL runs a rank's point-to-point ops to one peer in order on one stream, and a send waits for its
+    # receive: at 2 ranks (next == previous) "send then receive" on both ranks deadlocks, so odd ranks
+    # receive first (gloo does not care)
+    send = lambda: dc.isend(torch.full((4, ), float(rank), **f64), nxt)  # noqa: E731
+    recv = lambda: dc.irecv(buf, prv)  # noqa: E731
+    reqs = [send(), recv()] if rank % 2 == 0 else [recv(), send()]
     for r in reqs:
         r.wait()
     _eq(buf, torch.full((4, ), float(prv), **f64), "isend/irecv ring")
