@@ -98,3 +98,49 @@ def make_batches(steps: int, per_rank: int, world: int, seed: int = 5) -> list[t
     g = torch.Generator().manual_seed(seed)
     shape = (world, per_rank, T)
     return [(torch.randint(0, V, shape, generator=g), torch.randint(0, V, shape, generator=g)) for _ in range(steps)]
+
+
+def gate_margins(x: torch.Tensor, weight: torch.Tensor, k: int) -> torch.Tensor:
+    """Per token of x ([..., H]): how far its top-k routing is from a flip. The smallest gap among its
+    k + 1 largest gate logits (the k-th against the (k+1)-th decides which experts are chosen; for
+    k = 2 the first against the second decides which choice is first, and first choices fill the
+    capacity first and alone count for the balancing loss), relative to ||x|| * max_e ||w_e||, a
+    bound on every logit's size, so rounding of relative size eps in x or the gate weight moves a
+    gap by at most ~4 eps of it. Computed in float64 from the fp32 values. The routers here drop by
+    token order (use_rts=False) or not at all, so given the chosen experts every drop is exact:
+    these gaps are the only places where rounding can change a routing decision."""
+    x64 = x.detach().reshape(-1, x.shape[-1]).double()
+    w64 = weight.detach().double()
+    top = torch.nn.functional.linear(x64, w64).topk(k + 1, dim=1).values
+    gaps = (top[:, :-1] - top[:, 1:]).min(dim=1).values
+    return gaps / (x64.norm(dim=1) * w64.norm(dim=1).max()).clamp_min(torch.finfo(torch.float64).tiny)
+
+
+class MarginRecorder:
+    """While entered, every MoE layer of `model` records the gate margins (gate_margins) of each input
+    it routes: `smallest()` is the smallest since the last `clear()`."""
+
+    def __init__(self, model: MoENet) -> None:
+        self.model = model
+        self.seen: list[torch.Tensor] = []
+        self._handles: list[Any] = []
+
+    def _hook(self, moe: MoE, args: tuple) -> None:
+        gate = moe.deepspeed_moe.gate
+        self.seen.append(gate_margins(args[0], gate.wg.weight, gate.k))
+
+    def __enter__(self) -> "MarginRecorder":
+        self._handles = [b.moe.register_forward_pre_hook(self._hook) for b in self.model.blocks]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+
+    def clear(self) -> None:
+        self.seen = []
+
+    def smallest(self) -> float:
+        if not self.seen:
+            raise AssertionError("no MoE layer ran since the last clear()")
+        return float(torch.cat(self.seen).min())
