@@ -117,7 +117,8 @@ def test_taken_port_is_retried_on_a_fresh_one_and_other_failures_are_not(monkeyp
         # a port taken on every attempt fails after harness.PORT_ATTEMPTS runs, naming EADDRINUSE
         picked.clear()
         monkeypatch.setattr(harness, "_pick_port", lambda: picked.append(taken) or taken)
-        with pytest.raises(DistributedTestError, match=f"in use on all {harness.PORT_ATTEMPTS} attempts(.|\\n)*EADDRINUSE"):
+        want = f"in use on all {harness.PORT_ATTEMPTS} attempts(.|\\n)*EADDRINUSE"
+        with pytest.raises(DistributedTestError, match=want):
             run_distributed(init_from_env_body, 2, args=(False,), backend="none", timeout=60)
         assert len(picked) == harness.PORT_ATTEMPTS
     finally:
@@ -143,6 +144,6 @@ def test_gloo_run_joins_a_store_the_caller_already_listens_on(monkeypatch):
     monkeypatch.setattr(harness, "_parent_store", spy)
     results = run_distributed(store_port_body, 2, backend="gloo", timeout=60)
     assert len(stores) == 1 and results == [(stores[0].port, 2)] * 2
-    with pytest.raises(DistributedTestError, match="(?i)nonexistent_if0") :
+    with pytest.raises(DistributedTestError, match="(?i)nonexistent_if0"):
         run_distributed(store_port_body, 2, backend="gloo", timeout=60, env={"GLOO_SOCKET_IFNAME": "nonexistent_if0"})
     assert len(stores) == 2
