@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from deepspeed_c.checkpoint import deepspeed_format, store
 from deepspeed_c.runtime import checkpoint_nodes as nodes
+from deepspeed_c.runtime import reducer_order_file
 from deepspeed_c.runtime.collective_guard import check_dir_arg, rank_local_step
 from deepspeed_c.runtime.optimizer_seam import SavedCheckpoint
 from deepspeed_c.utils.logging import logger
@@ -35,6 +36,10 @@ def zero3_model_file(dp_rank: int) -> str:
 def zero_file(engine: Any, dp_rank: int) -> str:
     # DeepSpeed names ZeRO files with a bf16_ prefix whenever bf16 is enabled (any stage).
     return deepspeed_format.zero_file_name(dp_rank, engine.precision.bf16.enabled)
+
+
+def _rank_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if _dist() else (0, 1)
 
 
 def _dist() -> bool:
@@ -118,6 +123,10 @@ class EngineCheckpointer:
                     raise ValueError(f"save_checkpoint: the optimizer's rank file name {name!r} is not a fresh file "
                                      "name in the tag directory")
                 my_files[name] = store.save_file(state, os.path.join(stage, name))
+            # the gradient reducers' re-planned bucket order: a resumed run reduces as this one does
+            order = reducer_order_file.rank_file(engine.reducer, *_rank_world())
+            if order is not None:
+                my_files[order[0]] = store.save_file(order[1], os.path.join(stage, order[0]))
         files = self._gather_files(my_files, scope.members)
         with rank_local_step("save_checkpoint (committing the checkpoint)", distributed=_dist()):
             if scope.writer:
@@ -288,6 +297,7 @@ class EngineCheckpointer:
                 checkpoint_moe.load_optimizer(engine, tag_dir, manifest)
             if load_optimizer_states and engine.stepper is not None:  # this rank's own file, where it has one
                 engine.stepper.load_rank_checkpoint_file(saved)
+            reducer_order_file.restore(engine.reducer, tag_dir, manifest, *_rank_world())
             if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("lr_scheduler"):
                 engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
             engine.global_steps = state["global_steps"]

@@ -80,6 +80,7 @@ class GradientReducer(BackwardRound):
             self.pre_factor = 1.0 / gradient_predivide_factor
             self.post_factor = gradient_predivide_factor / averaged
         self._rebuild_pending = rebuild_from_observed_order and world_size > 1
+        self._replanned = False
         self._order = list(range(len(self.params) - 1, -1, -1))
         kinds: dict[tuple[torch.dtype, torch.device], int] = {}
         self._keys = [kinds.setdefault((p.dtype, p.device), len(kinds)) for p in self.params]
@@ -193,6 +194,18 @@ class GradientReducer(BackwardRound):
             self._views[i].copy_(flat[off:off + n].view_as(self._views[i]))
             off += n
 
+    def adopted_order(self) -> Optional[list[int]]:
+        """The bucket order re-planned from the first backward (None before it): what a checkpoint keeps."""
+        return None if self._rebuild_pending or not self._replanned else list(self._order)
+
+    def adopt_order(self, order: list[int]) -> None:
+        """Takes a saved order (reducer_order_file.py) instead of re-planning after the next backward."""
+        if sorted(order) != list(range(len(self.params))):
+            raise ValueError(f"gradient reducer: a saved bucket order must permute its {len(self.params)} "
+                             f"parameters, got {len(order)} entries")
+        self._rebuild_pending = False
+        self._set_order(list(order))
+
     def _adopt_observed_order(self) -> None:
         """Re-plan in rank 0's observed gradient order (every rank receives the same order)."""
         observed = self.plan.arrival()
@@ -203,7 +216,10 @@ class GradientReducer(BackwardRound):
         dist = _comm()
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         dist.broadcast(order, src=src, group=self.group)
-        new_order = order.tolist()
+        self._set_order(order.tolist())
+
+    def _set_order(self, new_order: list[int]) -> None:
+        self._replanned = True
         if new_order != self._order:
             grads = [p.grad for p in self.params]
             self._order = new_order
