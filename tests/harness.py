@@ -106,8 +106,34 @@ def nccl_shortfall(world_size: int) -> str | None:
     return f"NCCL at world size {world_size} needs {world_size} CUDA GPU(s), one process per GPU; {have} visible"
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(v) for v in f.read().split())
+            return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A port for a job that binds it later (a launcher's --master_port). Picked below the OS's ephemeral
+    range: port-0 binds (the harness's own stores, other jobs' stores) and outgoing connections take
+    ephemeral ports, so one of those can no longer grab the port between this choice and the job's bind
+    (a launched job whose port a harness store had taken joined that foreign store and aborted)."""
+    import random
+
+    lo, _ = _ephemeral_range()
+    low = max(10000, lo - 20000)
+    pick = random.Random(os.getpid() * 1_000_003 + time.monotonic_ns())
+    for _ in range(200):
+        port = pick.randrange(low, lo)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # nothing free below the range
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

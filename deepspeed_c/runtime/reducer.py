@@ -81,6 +81,7 @@ class GradientReducer(BackwardRound):
             self.post_factor = gradient_predivide_factor / averaged
         self._rebuild_pending = rebuild_from_observed_order and world_size > 1
         self._replanned = False
+        self._saved_order: Optional[list[int]] = None  # adopted from a checkpoint, laid out at the next backward
         self._order = list(range(len(self.params) - 1, -1, -1))
         kinds: dict[tuple[torch.dtype, torch.device], int] = {}
         self._keys = [kinds.setdefault((p.dtype, p.device), len(kinds)) for p in self.params]
@@ -120,7 +121,13 @@ class GradientReducer(BackwardRound):
         return self.plan.num_buckets
 
     # -- backward-time path ----------------------------------------------------------------------
+    def claim_round(self) -> None:
+        self._apply_saved_order()
+        super().claim_round()
+
     def _on_grad(self, index: int) -> None:
+        if self._saved_order is not None:  # a backward the engine did not open (a bare loss.backward())
+            self._apply_saved_order()
         grad = self.slots.read(self.params[index])
         if self._seen[index]:  # a second contribution in this backward (shared weight, reentrant segments)
             if self.plan.layout.bucket_of[index] < self._launched:
@@ -196,15 +203,24 @@ class GradientReducer(BackwardRound):
 
     def adopted_order(self) -> Optional[list[int]]:
         """The bucket order re-planned from the first backward (None before it): what a checkpoint keeps."""
+        if self._saved_order is not None:
+            return list(self._saved_order)
         return None if self._rebuild_pending or not self._replanned else list(self._order)
 
     def adopt_order(self, order: list[int]) -> None:
-        """Takes a saved order (reducer_order_file.py) instead of re-planning after the next backward."""
+        """Takes a saved order (reducer_order_file.py) instead of re-planning after the next backward. It is
+        laid out when that backward starts: a checkpoint load may still be reshaping the parameters (AutoTP
+        loads whole weights, then cuts them back into shards)."""
         if sorted(order) != list(range(len(self.params))):
             raise ValueError(f"gradient reducer: a saved bucket order must permute its {len(self.params)} "
                              f"parameters, got {len(order)} entries")
         self._rebuild_pending = False
-        self._set_order(list(order))
+        self._saved_order = list(order)
+
+    def _apply_saved_order(self) -> None:
+        order, self._saved_order = self._saved_order, None
+        if order is not None:
+            self._set_order(order)
 
     def _adopt_observed_order(self) -> None:
         """Re-plan in rank 0's observed gradient order (every rank receives the same order)."""
