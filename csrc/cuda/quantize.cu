@@ -432,28 +432,14 @@ void launch_quantize_warp(const T *x, int64_t seg, int64_t block, int64_t bps, i
         while (32 * vpl < nvec) vpl *= 2;
     const int64_t ctas = ((nblocks << glog) + kWarpCta - 1) / kWarpCta;
     const dim3 grid(static_cast<unsigned int>(ctas));
-    switch (vpl) {
-    case 1:
-        quantize_warp_kernel<T, 1><<<grid, kWarpCta, 0, stream>>>(x, seg, block, bps, nblocks, bits, sbytes, glog, q,
-                                                                  scales);
-        break;
-    case 2:
-        quantize_warp_kernel<T, 2><<<grid, kWarpCta, 0, stream>>>(x, seg, block, bps, nblocks, bits, sbytes, glog, q,
-                                                                  scales);
-        break;
-    case 4:
-        quantize_warp_kernel<T, 4><<<grid, kWarpCta, 0, stream>>>(x, seg, block, bps, nblocks, bits, sbytes, glog, q,
-                                                                  scales);
-        break;
-    case 8:
-        quantize_warp_kernel<T, 8><<<grid, kWarpCta, 0, stream>>>(x, seg, block, bps, nblocks, bits, sbytes, glog, q,
-                                                                  scales);
-        break;
-    default:
-        static_assert(kMaxVecPerLane == 16, "the cases above cover 1 .. kMaxVecPerLane vectors a lane");
-        quantize_warp_kernel<T, 16><<<grid, kWarpCta, 0, stream>>>(x, seg, block, bps, nblocks, bits, sbytes, glog, q,
-                                                                   scales);
-    }
+    static_assert(kMaxVecPerLane == 16, "the table below covers 1 .. kMaxVecPerLane vectors a lane");
+    using WarpKernel = void (*)(const T *, int64_t, int64_t, int64_t, int64_t, int, int64_t, int, uint8_t *, float *);
+    const WarpKernel kernel = vpl == 1   ? quantize_warp_kernel<T, 1>
+                              : vpl == 2 ? quantize_warp_kernel<T, 2>
+                              : vpl == 4 ? quantize_warp_kernel<T, 4>
+                              : vpl == 8 ? quantize_warp_kernel<T, 8>
+                                         : quantize_warp_kernel<T, 16>;
+    kernel<<<grid, kWarpCta, 0, stream>>>(x, seg, block, bps, nblocks, bits, sbytes, glog, q, scales);
 }
 
 }  // namespace
