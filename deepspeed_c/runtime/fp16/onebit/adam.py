@@ -82,14 +82,7 @@ class OnebitAdam(OnebitOptimizer):
             for group, p in compressed:
                 self.apply_mask_(group, self.state[p]["exp_avg"])
         for group, p, _ in work:
-            state = self.state[p]
-            if self.adam_freeze_key:
-                update = state["exp_avg"] / self.denominator(p, state["exp_avg_sq"], group["eps"])
-            else:
-                update = state["exp_avg"] / (state["exp_avg_sq"].sqrt() + group["eps"])
-            if group["weight_decay"] > 0.0:
-                update.add_(p.detach(), alpha=group["weight_decay"])
-            p.add_(update.to(p.dtype), alpha=-group["lr"])
+            self.apply_adam_update_(group, p, self.state[p], self.adam_freeze_key)
 
         if not self.adam_freeze_key and work and self.state[work[-1][1]]["step"] >= self.freeze_step:
             self.adam_freeze_key = True

@@ -116,6 +116,18 @@ class OnebitOptimizer(torch.optim.Optimizer):
         cache[id(p)] = (exp_avg_sq, exp_avg_sq._version, eps, denom)
         return denom
 
+    def apply_adam_update_(self, group: dict, p: torch.Tensor, state: dict, frozen: bool) -> torch.Tensor:
+        """Moves p by -lr x (exp_avg / (sqrt(exp_avg_sq) + eps) + weight_decay x p), DeepSpeed's update without
+        bias correction (the denominator cached while the variance is frozen); returns the update."""
+        if frozen:
+            update = state["exp_avg"] / self.denominator(p, state["exp_avg_sq"], group["eps"])
+        else:
+            update = state["exp_avg"] / (state["exp_avg_sq"].sqrt() + group["eps"])
+        if group["weight_decay"] > 0.0:
+            update.add_(p.detach(), alpha=group["weight_decay"])
+        p.add_(update.to(p.dtype), alpha=-group["lr"])
+        return update
+
     def forget_denominators(self) -> None:
         self.__dict__.pop("_denominators", None)
 

@@ -99,13 +99,7 @@ class ZeroOneAdam(OnebitOptimizer):
         syncing = []
         for group, p, _ in work:
             state = self.state[p]
-            if self.freeze_key:
-                update = state["exp_avg"] / self.denominator(p, state["exp_avg_sq"], group["eps"])
-            else:
-                update = state["exp_avg"] / (state["exp_avg_sq"].sqrt() + group["eps"])
-            if group["weight_decay"] > 0.0:
-                update.add_(p.detach(), alpha=group["weight_decay"])
-            p.add_(update.to(p.dtype), alpha=-group["lr"])
+            update = self.apply_adam_update_(group, p, state, self.freeze_key)
             if self.freeze_key:
                 state["momentum_accumulator"].add_(update, alpha=-group["lr"])
                 if state["step"] % state["local_step_interval"] == 0:
