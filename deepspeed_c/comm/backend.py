@@ -91,6 +91,16 @@ def _destroy_gloo_group_at_exit() -> None:
         pass
 
 
+_EXIT_HOOKED = False
+
+
+def _destroy_gloo_group_at_exit_once() -> None:
+    global _EXIT_HOOKED
+    if not _EXIT_HOOKED:
+        _EXIT_HOOKED = True
+        atexit.register(_destroy_gloo_group_at_exit)
+
+
 class TorchBackend:
     """deepspeed_c.comm's backend object (DeepSpeed calls it `cdb`)."""
 
@@ -121,7 +131,8 @@ class TorchBackend:
                     torch.cuda.set_device(local_rank)
                     kwargs["device_id"] = torch.device("cuda", local_rank)
             dist.init_process_group(backend, **kwargs)
-            atexit.register(_destroy_gloo_group_at_exit)
+        # also when the caller made the group (the Hugging Face Trainer's and accelerate's launches do)
+        _destroy_gloo_group_at_exit_once()
         self.using_mpi = dist.get_backend() == "mpi"
 
     def is_initialized(self) -> bool:
