@@ -34,6 +34,18 @@ class InjectedCache:
     def __len__(self) -> int:
         return len(self.owner.layers)
 
+    def __getitem__(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers 4.x reads the past length as `past_key_values[0][0].shape[2]` (legacy tuples of
+        [B, H, S, D] keys and values): layer `layer`'s cached keys and values as views of that shape."""
+        cache = self.owner._cache
+        if cache is None or self.epoch != self.owner._epoch or self.length != self.owner._past:
+            raise ValueError("this injected-kernel cache handle belongs to an earlier sequence")
+        kv = cache[layer, :, :, :, :self.length]
+        return kv[0], kv[1]
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
         """Beam search: batch row i continues from row beam_idx[i]."""
         self.owner._reorder(self, beam_idx)
@@ -99,6 +111,10 @@ class InjectedDecoder(torch.nn.Module):
                 "past_key_values is an injected-kernel cache handle of an earlier sequence (or another "
                 "model): the fused KV cache holds only the latest sequence; pass past_key_values=None to "
                 "start again")
+        if isinstance(past_key_values, (tuple, list)) and len(past_key_values) > 0:
+            raise ValueError(
+                "past_key_values is a legacy tuple of (key, value) tensors; a kernel-injected model keeps its own "
+                "KV cache and cannot continue from it: pass past_key_values=None")
         if past_key_values is not None and hasattr(past_key_values, "get_seq_length") \
                 and past_key_values.get_seq_length() > 0:
             raise ValueError(

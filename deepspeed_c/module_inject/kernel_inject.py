@@ -14,9 +14,9 @@ import torch
 
 from deepspeed_c.module_inject.fused_block import BlockSpec, FusedDecoderBlock
 from deepspeed_c.module_inject.fused_decoder import InjectedDecoder
+from deepspeed_c.module_inject.hf_compat import attention_scale, rope_tables, route_beam_reorder
 
 _GPT2_GELUS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu_fast": True, "gelu": False}
-_STATIC_ROPE = ("default", "linear", "llama3")
 
 
 def supported_model_types() -> tuple[str, ...]:
@@ -85,21 +85,6 @@ def _gpt2(body: torch.nn.Module, max_out: int, graphs: bool) -> InjectedDecoder:
                            (body.ln_f.weight, body.ln_f.bias), None, max_out, graphs)
 
 
-def _rope_tables(body: torch.nn.Module, max_out: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    rot = body.rotary_emb
-    rope_type = getattr(rot, "rope_type", "default")
-    if rope_type not in _STATIC_ROPE:
-        raise NotImplementedError(f"kernel injection with rope_type={rope_type!r} is not built (supported: "
-                                  f"{list(_STATIC_ROPE)}: position tables that do not depend on the length)")
-    dev = rot.inv_freq.device
-    with torch.no_grad():
-        probe = torch.zeros(1, 1, head_dim, dtype=torch.float32, device=dev)
-        cos, sin = rot(probe, torch.arange(max_out, device=dev).unsqueeze(0))
-    if cos.shape[-1] != head_dim:
-        raise NotImplementedError(f"partial rotary (rotary dim {cos.shape[-1]} of head_dim {head_dim}) is not built")
-    return cos[0].float().cpu().contiguous(), sin[0].float().cpu().contiguous()
-
-
 def _llama(body: torch.nn.Module, max_out: int, graphs: bool) -> InjectedDecoder:
     cfg = body.config
     if getattr(cfg, "hidden_act", "silu") != "silu":
@@ -124,11 +109,12 @@ def _llama(body: torch.nn.Module, max_out: int, graphs: bool) -> InjectedDecoder
             for b, p in zip(bq, (a.q_proj, a.k_proj, a.v_proj))])
         b1 = None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias])
         blocks.append(FusedDecoderBlock(
-            spec, i, a.scaling, (blk.input_layernorm.weight, None), (blk.post_attention_layernorm.weight, None),
+            spec, i, attention_scale(a, d),
+            (blk.input_layernorm.weight, None), (blk.post_attention_layernorm.weight, None),
             torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), bqkv, a.o_proj.weight, a.o_proj.bias,
             torch.cat([m.gate_proj.weight, m.up_proj.weight]), b1, m.down_proj.weight, m.down_proj.bias))
     return InjectedDecoder(cfg, spec, blocks, {"embed_tokens": body.embed_tokens}, (body.norm.weight, None),
-                           _rope_tables(body, max_out, d), max_out, graphs)
+                           rope_tables(body, max_out, d), max_out, graphs)
 
 
 # model_type -> (attribute of the body on the *ForCausalLM wrapper, builder)
@@ -167,4 +153,5 @@ def inject(model: torch.nn.Module, config: Any) -> torch.nn.Module | None:
     if where is None:
         return decoder
     setattr(model, where, decoder)
+    route_beam_reorder(model)
     return model

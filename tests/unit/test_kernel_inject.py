@@ -1,8 +1,10 @@
 """Kernel injection on the host (the torch reference of every fused kernel): injected tiny GPT-2,
-LLaMA (GQA 5:1, 5 heads), Mistral (GQA 3:1) and Qwen2 (q/k/v biases) give HF eager's greedy tokens
-for 64 new tokens through `generate()` and its logits at every step (fp32); a left-padded batch
-with an attention mask; beam search (the cache reordered); the errors (KV cache overflow past max_out_tokens, a stale cache handle,
-tp_size > 1, an architecture without kernels returns None)."""
+LLaMA (GQA 5:1 with 5 heads; 4 kv heads for 4 heads), Mistral (GQA 3:1) and Qwen2 (q/k/v biases)
+give HF eager's greedy tokens for 64 new tokens through `generate()` and its logits at every step
+(fp32); a left-padded batch with an attention mask; beam search (the cache reordered); the errors
+(KV cache overflow past max_out_tokens, a stale cache handle, tp_size > 1, an architecture without
+kernels returns None). Also runs under transformers 4.35 (PYTHONPATH=/tmp/tf4, from .whl_tf4/; the
+real DeepSpeed's injection needs its legacy tuple caches) except the qwen2 case (no Qwen2 there)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -13,7 +15,7 @@ import torch
 from tests.unit.inference_models import VOCAB, greedy, injected_pair, tiny_model
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "llama_mha", "mistral", "qwen2"])
 def test_greedy_tokens_and_logits_equal_hf_eager(kind):
     ref, inj = injected_pair(kind)
     ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
