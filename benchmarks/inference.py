@@ -1,16 +1,21 @@
 """Inference with kernel injection against HF and the real DeepSpeed, side by side in one process.
 
-Models (random weights from configs, no downloads): a ~1.1B LLaMA config (hidden 2048, 22 layers,
-32 heads on 4 kv heads, TinyLlama's shape) and GPT-2 XL (1600 wide, 48 layers, 25 heads).
+Models (random weights from configs, no downloads): llama1b, a ~1.1B LLaMA config (hidden 2048, 22 layers,
+32 heads on 4 kv heads, TinyLlama's shape); llama1b_mha, the same shape with 32 kv heads (multi-head
+attention: the real DeepSpeed's LLaMA container cannot inject grouped-query attention, it asserts
+"Merging tensors is not allowed here" in its QKV copy); gpt2xl, GPT-2 XL (1600 wide, 48 layers, 25 heads).
 Greedy generation of --new tokens after a --prompt token prompt, at each --batch.
 
 Systems (names in the table):
-  hf          HF eager, bf16, SDPA attention (transformers' default), DynamicCache
+  hf          HF eager, bf16, transformers' default attention (SDPA on 5.x, eager on 4.35), its own KV cache
   hf-compile  HF with torch.compile: generate(cache_implementation="static") compiles the decode step
+              (transformers >= 4.38; left out, with a note, on older ones)
   ours        deepspeed_c.init_inference(replace_with_kernel_inject=True): our fused kernels
   ours-graph  the same with enable_cuda_graph=True (decode step replayed as a CUDA graph)
-  deepspeed   the real DeepSpeed's init_inference(replace_with_kernel_inject=True) (import guarded:
-              when it is missing or its kernels fail to build, the error is printed and the run goes on)
+  deepspeed   the real DeepSpeed's init_inference(replace_with_kernel_inject=True), driven through its
+              InferenceEngine (engine.generate resets its KV workspace). Import guarded: when it is missing,
+              its kernels fail to build or its injected model fails, the exception and the tail of its
+              traceback are printed and the other systems' rows still print
 
 Correctness first: (1) in fp32 (the bf16 weights widened), ours and ours-graph give HF eager's greedy
 tokens on a short check (batch 2, 64-token prompt, 32 new); (2) in bf16 every system's prefill
@@ -23,11 +28,28 @@ may legitimately part ways). Then --reps interleaved rounds (each system once pe
   tok/s        batch * new / generate time
 medians, and ratios: hf decode / system decode, system prefill / hf prefill, ours-graph vs deepspeed.
 
-    python benchmarks/inference.py [--model llama1b|gpt2xl|all] [--batch 1,16] [--prompt 512] [--new 128]
-                                   [--reps 3] [--systems hf,hf-compile,ours,ours-graph,deepspeed]
+    python benchmarks/inference.py [--model llama1b|llama1b_mha|gpt2xl|all] [--batch 1,16] [--prompt 512]
+                                   [--new 128] [--reps 3] [--systems hf,hf-compile,ours,ours-graph,deepspeed]
+                                   [--pythonpath DIR[:DIR]]
 --device cpu runs a smoke test of the same code with a tiny model on the host (hf and ours only).
 The real DeepSpeed: `source scripts/device_deepspeed.sh` first (installs the carried sdist into
-/tmp/ds_real); its inference op JIT-builds on first use (minutes)."""
+/tmp/ds_real); its inference op JIT-builds on first use (minutes).
+
+DeepSpeed 0.19.8's injected layers take and return legacy (key, value) tuples, so they run only under a
+transformers whose GPT-2 and LLaMA model loops still pass tuples (4.35.x; under 5.x GPT-2 fails with
+"'DynamicCache' object has no attribute 'dtype'"). The wheels of transformers 4.35.2 with the tokenizers
+and huggingface_hub its import check asks for are carried in .whl_tf4/ (requests & co., which 4.35 imports
+and transformers 5 no longer needs, in .whl_tf4/extra/). On the GPU box, after
+`source scripts/device_setup.sh && source scripts/device_deepspeed.sh`:
+
+    python3 -m pip install -q --no-deps --no-index --target /tmp/tf4 .whl_tf4/*.whl
+    python3 -c "import requests" 2>/dev/null || \
+        python3 -m pip install -q --no-deps --no-index --target /tmp/tf4 .whl_tf4/extra/*.whl
+    python3 benchmarks/inference.py --pythonpath /tmp/tf4 --model gpt2xl --batch 1 --new 64 --reps 3 \
+        --systems hf,ours,ours-graph,deepspeed        # and --model llama1b_mha
+
+(--pythonpath DIR puts DIR first on sys.path before transformers is imported; PYTHONPATH=/tmp/tf4:$PYTHONPATH
+does the same.) .dev_gpu/inf_ds.sh runs both models that way under timeouts."""
 from __future__ import annotations
 
 import argparse
@@ -52,14 +74,24 @@ ALL_SYSTEMS = ["hf", "hf-compile", "ours", "ours-graph", "deepspeed"]
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--model", default="all", choices=["llama1b", "gpt2xl", "all"])
+    ap.add_argument("--model", default="all", choices=[*MODELS, "all"])
     ap.add_argument("--batch", default="1,16")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-out-tokens", type=int, default=1024, help="KV cache of ours and DeepSpeed's (its default)")
     ap.add_argument("--systems", default=",".join(ALL_SYSTEMS))
+    ap.add_argument("--pythonpath", default="",
+                    help="directories (':'-separated) put first on sys.path before transformers is imported, e.g. "
+                         "/tmp/tf4 holding transformers 4.35.2 from .whl_tf4/ for the real DeepSpeed's injection")
     args = ap.parse_args()
+    if args.pythonpath:
+        if "transformers" in sys.modules:
+            ap.error("--pythonpath: transformers is already imported; set PYTHONPATH instead")
+        for d in reversed([d for d in args.pythonpath.split(":") if d]):
+            if not os.path.isdir(d):
+                ap.error(f"--pythonpath: {d} is not a directory")
+            sys.path.insert(0, os.path.abspath(d))
     args.batches = [int(b) for b in args.batch.split(",")]
     args.system_list = [s for s in args.systems.split(",") if s]
     unknown = set(args.system_list) - set(ALL_SYSTEMS)
@@ -71,25 +103,41 @@ def parse() -> argparse.Namespace:
     return args
 
 
+# name -> (family, full-size shape); the CPU smoke test builds a tiny model of the same family and attention kind
+MODELS: dict[str, tuple[str, dict[str, int]]] = {
+    "llama1b": ("llama", dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                              num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048)),
+    "llama1b_mha": ("llama", dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                                  num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+                                  max_position_embeddings=2048)),
+    "gpt2xl": ("gpt2", dict(n_embd=1600, n_layer=48, n_head=25, n_positions=1024, vocab_size=50257)),
+}
+
+
 def build(name: str, device: str) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
+    family, shape = MODELS[name]
+    if device == "cpu":  # bos/eos inside the tiny vocabulary (transformers 4.x indexes the logits at eos)
+        mha = shape.get("num_key_value_heads") == shape.get("num_attention_heads")
+        shape = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=4 if mha else 2) if family == "llama" else \
+            dict(n_embd=64, n_layer=2, n_head=4, n_positions=128)
+        shape.update(vocab_size=128, bos_token_id=1, eos_token_id=2)
+    cfg = LlamaConfig(**shape) if family == "llama" else GPT2Config(**shape)
+    cls = LlamaForCausalLM if family == "llama" else GPT2LMHeadModel
     if device == "cpu":
-        cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, vocab_size=128) if name == "llama1b" else \
-            GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=128)
-        cls = LlamaForCausalLM if name == "llama1b" else GPT2LMHeadModel
         return cls(cfg).eval()
-    if name == "llama1b":
-        cfg = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-                          num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048)
-        cls = LlamaForCausalLM
-    else:
-        cfg = GPT2Config(n_embd=1600, n_layer=48, n_head=25, n_positions=1024, vocab_size=50257)
-        cls = GPT2LMHeadModel
     with torch.device(device):
         model = cls(cfg).to(torch.bfloat16)
     return model.eval()
+
+
+def print_tail(what: str, e: BaseException, lines: int = 14) -> None:
+    """A failure of one system: the exception, then the innermost frames of its traceback."""
+    print(f"  {what}: {type(e).__name__}: {e}", flush=True)
+    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__)).rstrip().splitlines()
+    print("\n".join("    | " + ln for ln in tb[-lines:]), flush=True)
 
 
 def sync(device: str) -> None:
@@ -117,7 +165,14 @@ def set_graphs(model: torch.nn.Module, on: bool) -> None:
             m.enable_cuda_graph = on
 
 
+def _version(v: str) -> tuple[int, int]:
+    parts = (v.split(".") + ["0"])[:2]
+    return tuple(int("".join(ch for ch in p if ch.isdigit()) or 0) for p in parts)  # type: ignore[return-value]
+
+
 def inject_deepspeed(model: torch.nn.Module, max_out: int) -> torch.nn.Module:
+    """The real DeepSpeed's InferenceEngine: its forward runs the injected model, its generate resets
+    DeepSpeed's KV workspace first (as a DeepSpeed user's script calls it)."""
     import deepspeed  # the real one (scripts/device_deepspeed.sh)
     where = os.path.dirname(os.path.abspath(deepspeed.__file__))
     if "dsc" in str(getattr(deepspeed, "__version__", "")) or where.startswith(ROOT):
@@ -126,7 +181,12 @@ def inject_deepspeed(model: torch.nn.Module, max_out: int) -> torch.nn.Module:
     print(f"  DeepSpeed {deepspeed.__version__} from {where}", flush=True)
     engine = deepspeed.init_inference(model, dtype=torch.bfloat16, replace_with_kernel_inject=True,
                                       max_out_tokens=max_out)
-    return engine.module
+    layers = [type(m).__name__ for m in engine.module.modules()
+              if type(m).__module__.startswith("deepspeed.model_implementations")]
+    if not layers:
+        raise RuntimeError("DeepSpeed's init_inference returned the model without its injected transformer layers")
+    print(f"  DeepSpeed injected {len(layers)} {layers[0]} layers", flush=True)
+    return engine
 
 
 def generate(model: torch.nn.Module, ids: torch.Tensor, new: int, static: bool = False) -> torch.Tensor:
@@ -171,7 +231,12 @@ def main() -> None:
         os.environ.setdefault(key, value)
     if dev == "cuda":
         print(f"GPU {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
-    models = ["llama1b", "gpt2xl"] if args.model == "all" else [args.model]
+    import transformers
+    print(f"transformers {transformers.__version__} from {os.path.dirname(transformers.__file__)}", flush=True)
+    if "hf-compile" in args.system_list and _version(transformers.__version__) < (4, 38):
+        print("  hf-compile left out: generate(cache_implementation='static') needs transformers >= 4.38", flush=True)
+        args.system_list.remove("hf-compile")
+    models = list(MODELS) if args.model == "all" else [args.model]
     for name in models:
         run_model(name, args)
 
@@ -183,13 +248,21 @@ def run_model(name: str, args: argparse.Namespace) -> None:
     vocab = base.config.vocab_size
     nparams = sum(p.numel() for p in base.parameters())
     print(f"  {nparams / 1e9:.2f}B parameters, bf16" if dev == "cuda" else "  tiny smoke model", flush=True)
-    if any(s.startswith("ours") for s in args.system_list) and not fp32_check(base, args, vocab):
-        print("  ours FAILED the fp32 check: not timed", flush=True)
-        args.system_list = [s for s in args.system_list if not s.startswith("ours")]
+    system_list = list(args.system_list)
+    if any(s.startswith("ours") for s in system_list):
+        try:
+            ok = fp32_check(base, args, vocab)
+        except Exception as e:  # noqa: BLE001  (reported; the other systems still run)
+            print_tail("ours: the fp32 check raised", e)
+            ok = False
+        if not ok:
+            print("  ours FAILED the fp32 check: not timed", flush=True)
+            system_list = [s for s in system_list if not s.startswith("ours")]
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
 
     systems: dict[str, tuple[torch.nn.Module, Callable, Callable]] = {}
-    for s in args.system_list:
+    # the real DeepSpeed set up last: its JIT build and injection cannot disturb the others' set-up
+    for s in sorted(system_list, key=lambda name: name == "deepspeed"):
         try:
             if s == "hf":
                 systems[s] = (base, lambda m, i: prefill(m, i), lambda m, i: generate(m, i, args.new))
@@ -214,8 +287,7 @@ def run_model(name: str, args: argparse.Namespace) -> None:
                 systems[s] = (inject_deepspeed(copy.deepcopy(base), args.max_out_tokens),
                               lambda m, i: prefill(m, i), lambda m, i: generate(m, i, args.new))
         except Exception as e:  # noqa: BLE001  (a competitor that cannot start is reported, not fatal)
-            print(f"  {s}: could not be set up: {type(e).__name__}: {e}", flush=True)
-            traceback.print_exc(limit=3)
+            print_tail(f"{s}: could not be set up", e)
     systems.pop("ours-model", None)
 
     # bf16 correctness: prefill logits against the fp32 model's
@@ -229,8 +301,7 @@ def run_model(name: str, args: argparse.Namespace) -> None:
         try:
             errs[s] = (pre(m, check_ids).float() - want).abs().max().item()
         except Exception as e:  # noqa: BLE001
-            print(f"  {s}: prefill failed: {type(e).__name__}: {e}", flush=True)
-            traceback.print_exc(limit=3)
+            print_tail(f"{s}: prefill failed", e)
             systems.pop(s)
     hf_err = errs.get("hf", max(errs.values(), default=0.0))
     scale = want.abs().max().item()
@@ -258,8 +329,7 @@ def run_batch(name: str, batch: int, systems: dict, args: argparse.Namespace, vo
             pre(m, ids)
             outs[s] = gen(m, ids)
         except Exception as e:  # noqa: BLE001
-            print(f"  {s} batch {batch}: failed: {type(e).__name__}: {e}", flush=True)
-            traceback.print_exc(limit=3)
+            print_tail(f"{s} batch {batch}: failed", e)
     if "hf" in outs:
         for s, o in outs.items():
             if s != "hf":
