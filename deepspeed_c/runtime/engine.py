@@ -310,7 +310,7 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
 
             self._direct_scaler = DirectBackwardScaler(
                 self._params, self.gradient_accumulation_steps,
-                active=lambda: not self._running_engine_backward and self._scale_wrt_gas)
+                active=lambda: not self._running_engine_backward and self._scale_wrt_gas, reducer=self.reducer)
         self.report.stop(rep.FORWARD_TIMERS)
         return outputs
 

@@ -10,7 +10,7 @@ one output is computed from another, e.g. a loss from the logits beside the logi
 scaling is linear, both routes give the gradients of loss / gradient_accumulation_steps."""
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -19,10 +19,18 @@ class DirectBackwardScaler:
     """Per-parameter pre-accumulation hooks that divide by `gas()` while `active()` says so."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], gas: Callable[[], int],
-                 active: Callable[[], bool]) -> None:
+                 active: Callable[[], bool], reducer: Any = None) -> None:
         self._gas = gas
         self._active = active
         self._handles = [p.register_hook(self._scale) for p in params if p.requires_grad]
+        if hasattr(reducer, "grad_hook_filter"):
+            # a ZeRO-1/2 partitioner may let a Linear write a weight gradient straight into its bucket
+            # (runtime/zero/bucket_linear.py), skipping these hooks: only while they would not scale
+            reducer.grad_hook_filter = self.is_inert
+
+    def is_inert(self, hook: Any) -> bool:
+        """`hook` is this scaler's and leaves gradients as they are right now."""
+        return hook == self._scale and (not self._active() or self._gas() == 1)
 
     def _scale(self, grad: torch.Tensor) -> torch.Tensor:
         if not self._active():

@@ -134,6 +134,8 @@ def configure_zero_optimizer(engine: Any) -> DeepSpeedZeroOptimizer:
                                                   zero_cfg=zero_cfg, sequence_parallel_size=sp, **common)
     else:
         optimizer = DeepSpeedZeroOptimizer(basic, stage=stage, sequence_parallel_size=sp, **common)
+        if zero_cfg.contiguous_gradients:  # Linear weight gradients computed straight into their bucket slots
+            optimizer.reducer.install_direct_linears(engine.module)
     if getattr(engine.mpu, "autotp", False) and engine.mpu.get_model_parallel_world_size() > 1:
         # the norm of the unsharded model: shards summed over TP, replicas once (every rank: data x tensor)
         optimizer.set_tensor_parallel_norm(engine.mpu.get_model_parallel_world_size(), group=None)

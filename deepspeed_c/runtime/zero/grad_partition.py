@@ -95,6 +95,7 @@ class ZeroGradPartitioner(BackwardRound):
         self._where: list[tuple[int, int]] = [(g, i) for g, params in enumerate(self.groups)
                                               for i in range(len(params))]
         self._flat_params = [p for params in self.groups for p in params]
+        self._index_of = {id(p): k for k, p in enumerate(self._flat_params)}
         # readiness and launch order on the C bucket planner, over the partition plans' buckets (one
         # planner slot per (group, bucket), in the order every rank sends them)
         self.readiness = BucketPlan([self.plans[g].numels[i] for g, i in self._where], 1,
@@ -115,6 +116,7 @@ class ZeroGradPartitioner(BackwardRound):
         self._fresh = [True] * len(self.groups)  # partition not yet written in this accumulation window
         self._bufs: list[Optional[torch.Tensor]] = [None] * len(self.order)
         self._arrived = [False] * len(self._flat_params)
+        self._direct = [False] * len(self._flat_params)  # a Linear wrote part of the gradient in place this round
         self._late: dict[int, torch.Tensor] = {}  # slot -> second contributions after its bucket went out
         self._next = 0
         self._in_flight: list[_InFlight] = []
@@ -126,6 +128,13 @@ class ZeroGradPartitioner(BackwardRound):
         self.quantized_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
         self.rounds = 0
         self.collectives = 0  # reduce-scatters (or all-reduces) issued, for tests
+        self.direct_writes = 0  # weight gradients a Linear wrote into their bucket slot (bucket_linear), for tests
+        # the bucket elements no parameter covers (alignment padding): zeroed when a bucket is allocated,
+        # every other element is written by its parameter's deposit
+        self._gaps = [self._bucket_gaps(g, b) for g, b in self.order]
+        self.direct_linears: list = []  # set by install_direct_linears
+        # tensor hooks on a parameter that may be skipped (the engine's accumulation scaler while inactive)
+        self.grad_hook_filter: Optional[Callable[[Any], bool]] = None
         self._attach_hooks(self._flat_params)
 
     # -- layout helpers ----------------------------------------------------------------------------
@@ -138,12 +147,61 @@ class ZeroGradPartitioner(BackwardRound):
         start = plan.bucket_offset[b] // self.world_size
         return start, start + plan.bucket_size[b] // self.world_size
 
+    def _bucket_gaps(self, g: int, b: int) -> list[tuple[int, int]]:
+        plan = self.plans[g]
+        base = plan.bucket_offset[b]
+        spans = sorted((plan.param_offset[i] - base, plan.param_offset[i] - base + plan.numels[i])
+                       for i in range(len(self.groups[g])) if plan.param_bucket[i] == b)
+        gaps, at = [], 0
+        for start, end in spans:
+            if start > at:
+                gaps.append((at, start))
+            at = max(at, end)
+        if at < plan.bucket_size[b]:
+            gaps.append((at, plan.bucket_size[b]))
+        return gaps
+
+    # -- Linear weight gradients written into their slot (runtime/zero/bucket_linear.py) -------------
+    def install_direct_linears(self, module: torch.nn.Module) -> None:
+        from deepspeed_c.runtime.zero import bucket_linear
+
+        self.direct_linears = bucket_linear.install(module, self)
+
+    def reduced_param_ids(self) -> set[int]:
+        return set(self._index_of)
+
+    def direct_grad_slot(self, param: torch.nn.Parameter) -> Optional[tuple[int, torch.Tensor]]:
+        """(index, the parameter's slot in its bucket shaped as the parameter) when its gradient may be
+        written there directly in this backward, else None (the gradient then takes autograd's path).
+        Arrival is still marked by the post-accumulate-grad hook, which autograd runs once every
+        contribution of this graph task is in (with .grad holding the sum of the others, if any): a
+        weight shared by two modules, or a Linear called twice, is not sent before its last part."""
+        k = self._index_of.get(id(param))
+        if k is None or self.accumulate_fp32 or param.grad is not None:
+            return None
+        hooks = param._backward_hooks
+        if hooks and not (self.grad_hook_filter is not None and all(map(self.grad_hook_filter, hooks.values()))):
+            return None  # someone else watches or changes this gradient: it must exist as a tensor
+        if len(param._post_accumulate_grad_hooks or ()) != 1:
+            return None
+        g, _ = self._where[k]
+        if self.comm_dtypes[g] != param.dtype or not self._enter_round() or self._arrived[k] or self._direct[k]:
+            return None
+        slot, off = self._slot_and_offset(k)
+        return k, self._bucket(slot)[off:off + param.numel()].view(param.shape)
+
+    def direct_grad_written(self, k: int) -> None:
+        """The slot direct_grad_slot gave holds a first part of parameter k's gradient."""
+        self._direct[k] = True
+        self.direct_writes += 1
+
     # -- backward-time path ------------------------------------------------------------------------
     def _start_reducing(self) -> None:
         self._boundary = bool(self.is_boundary())
         self.readiness.reset()
         self._frontier = 0
         self._arrived = [False] * len(self._flat_params)
+        self._direct = [False] * len(self._flat_params)
         self._late = {}
         self._next = 0
         self._in_flight = []
@@ -159,7 +217,9 @@ class ZeroGradPartitioner(BackwardRound):
         buf = self._bufs[slot]
         if buf is None:
             g, b = self.order[slot]
-            buf = torch.zeros(self.plans[g].bucket_size[b], dtype=self.comm_dtypes[g], device=self._device(g))
+            buf = torch.empty(self.plans[g].bucket_size[b], dtype=self.comm_dtypes[g], device=self._device(g))
+            for start, end in self._gaps[slot]:
+                buf[start:end].zero_()
             self._bufs[slot] = buf
         return buf
 
@@ -186,8 +246,14 @@ class ZeroGradPartitioner(BackwardRound):
     def _deposit(self, k: int) -> int:
         slot, off = self._slot_and_offset(k)
         grad = self._take_grad(k)
-        if grad is not None:
-            self._bucket(slot)[off:off + grad.numel()].copy_(grad)
+        dst = self._bucket(slot)[off:off + self._flat_params[k].numel()]
+        if self._direct[k]:  # a Linear wrote a first part there; .grad holds the sum of any others
+            if grad is not None:
+                dst.add_(grad)
+        elif grad is not None:
+            dst.copy_(grad)
+        else:  # no gradient this round (unused parameter): its slot counts as zero
+            dst.zero_()
         self._arrived[k] = True
         self._frontier = self._mark(self._capsule, k)
         return slot
@@ -323,6 +389,13 @@ class ZeroGradPartitioner(BackwardRound):
 
     def has_gradients(self) -> bool:
         return any(p is not None for p in self.grad_partitions)
+
+    def remove(self) -> None:
+        from deepspeed_c.runtime.zero import bucket_linear
+
+        bucket_linear.uninstall(self.direct_linears)
+        self.direct_linears = []
+        super().remove()
 
     def clear(self) -> None:
         self.touched.clear()
