@@ -49,7 +49,9 @@ and transformers 5 no longer needs, in .whl_tf4/extra/). On the GPU box, after
         --systems hf,ours,ours-graph,deepspeed        # and --model llama1b_mha
 
 (--pythonpath DIR puts DIR first on sys.path before transformers is imported; PYTHONPATH=/tmp/tf4:$PYTHONPATH
-does the same.) .dev_gpu/inf_ds.sh runs both models that way under timeouts."""
+does the same.) DeepSpeed's first init_inference JIT-builds its inference op (~1-2 minutes, cached after):
+building it beforehand (`python3 -c "from deepspeed.ops.op_builder import InferenceBuilder as B; B().load()"`)
+keeps that out of a timed-out run."""
 from __future__ import annotations
 
 import argparse
