@@ -131,7 +131,17 @@ def build(name: str, device: str) -> torch.nn.Module:
     if device == "cpu":
         return cls(cfg).eval()
     with torch.device(device):
-        model = cls(cfg).to(torch.bfloat16)
+        model = cls(cfg)
+    # transformers 4.3x keeps float cos/sin tables in each attention's rotary module; .to(bf16) would round
+    # them for good, and the fp32 reference copies (bf16 weights widened) would inherit the rounded tables.
+    # Kept in fp32 they still reach HF's bf16 attention as bf16 (it casts them at use), and ours reads them
+    # after its init_inference's own cast, as HF uses them; the real DeepSpeed builds its own from rope_theta.
+    tables = {n: b for n, b in model.named_buffers() if ".rotary_emb." in n} \
+        if not hasattr(getattr(model, "model", None), "rotary_emb") else {}
+    model.to(torch.bfloat16)
+    for n, b in tables.items():
+        owner, _, attr = n.rpartition(".")
+        setattr(model.get_submodule(owner), attr, b)
     return model.eval()
 
 
