@@ -246,7 +246,9 @@ class ZeroGradPartitioner(BackwardRound):
     def _deposit(self, k: int) -> int:
         slot, off = self._slot_and_offset(k)
         grad = self._take_grad(k)
-        dst = self._bucket(slot)[off:off + self._flat_params[k].numel()]
+        g, i = self._where[k]
+        # the plan's numel: at stage 3 a released parameter is an empty placeholder
+        dst = self._bucket(slot)[off:off + self.plans[g].numels[i]]
         if self._direct[k]:  # a Linear wrote a first part there; .grad holds the sum of any others
             if grad is not None:
                 dst.add_(grad)
