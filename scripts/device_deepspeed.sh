@@ -10,3 +10,11 @@ if ls .dsref/deepspeed-*.tar.gz >/dev/null 2>&1; then
     # DeepSpeed's op builder cannot parse arch suffixes such as "9.0a"
     case "${TORCH_CUDA_ARCH_LIST:-}" in *a*) export TORCH_CUDA_ARCH_LIST=9.0 ;; esac
 fi
+# DS_PREBUILD="fused_adam transformer_inference ...": JIT-build those ops of the real DeepSpeed now (cached
+# under ~/.cache/torch_extensions), so a timed benchmark's limit is not spent compiling them (a 2-GPU
+# parallel_throughput pipe/tp run was cut while DeepSpeed built its fused Adam). Failures only print.
+for _ds_op in ${DS_PREBUILD:-}; do
+    python3 -c "from deepspeed.ops.op_builder.all_ops import ALL_OPS; ALL_OPS['$_ds_op'].load()" \
+        >/tmp/ds_prebuild_$_ds_op.log 2>&1 && echo "DeepSpeed op $_ds_op built" || \
+        { echo "DeepSpeed op $_ds_op did not build:"; tail -5 /tmp/ds_prebuild_$_ds_op.log; }
+done
