@@ -18,23 +18,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from tests.distributed.test_zero3_granularity import WIDTH, Block as GranularityBlock
 from tests.harness import rank_device, run_distributed
 
-WIDTH, LAYERS, MICRO, SEQ, STEPS, VOCAB = 16, 2, 2, 5, 3, 32
+LAYERS, MICRO, SEQ, STEPS, VOCAB = 2, 2, 5, 3, 32
 # distinct Linear weights a reducing backward writes directly: qkv, proj, mlp.0, mlp.2 per block, the
 # shared head weight once (its second use, and proj's, go through autograd)
 DIRECT_PER_BACKWARD = 4 * LAYERS + 1
 
 
-class Block(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln = torch.nn.LayerNorm(WIDTH)
-        self.qkv = torch.nn.Linear(WIDTH, 3 * WIDTH, bias=False)
-        self.proj = torch.nn.Linear(WIDTH, WIDTH)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(WIDTH, 2 * WIDTH), torch.nn.GELU(),
-                                       torch.nn.Linear(2 * WIDTH, WIDTH))
-        self.mlp[2].bias.requires_grad_(False)
+class Block(GranularityBlock):  # LayerNorm, qkv (no bias), proj, MLP with a frozen bias; WIDTH wide
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(self.ln(x)).chunk(3, dim=-1)
