@@ -11,11 +11,15 @@ it for DeepSpeedCPUAdam under CPU offload), accelerator.accumulate / backward / 
 optimizer steps it save_state()s, trains to step 10, then load_state()s and trains steps 7-10 again.
 Rank 0 writes <out>/result.json: the micro-batch losses (mean over ranks), those after the reload,
 get_state_dict()'s weights against the live ones, and what the Accelerator ran with."""
+import faulthandler
 import argparse
 import json
 import os
 
 import torch
+
+# a rank that aborts (SIGABRT at exit has been seen once in CI) prints every thread's Python stack
+faulthandler.enable()
 
 STEPS, GAS, BATCH, SAVE_AT = 10, 2, 4, 6
 

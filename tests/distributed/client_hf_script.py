@@ -15,11 +15,15 @@ Each writes <out>/<name>/result.json on rank 0: the logged losses, and for the L
 that trainer.save_model wrote loads back (PeftModel.from_pretrained on a fresh base model) equal to the live
 adapter weights (gathered under ZeRO-3); the live adapter weights go to <out>/<name>/adapter.pt.
 Usage: client_hf_script.py OUT_DIR NAME[,NAME...]"""
+import faulthandler
 import json
 import os
 import sys
 
 import torch
+
+# a rank that aborts (SIGABRT at exit has been seen once in CI) prints every thread's Python stack
+faulthandler.enable()
 
 VOCAB, SEQ, STEPS = 64, 16, 10
 Z2 = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",

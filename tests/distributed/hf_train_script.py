@@ -1,8 +1,12 @@
 """A Hugging Face Trainer script as users write it (run by test_hf_trainer.py): a small GPT-2 built
 from a config (no download), a fixed random dataset, `TrainingArguments` from the command line, so
 `--deepspeed ds_config.json` switches DeepSpeed on. Writes the final weights to <output_dir>/final."""
+import faulthandler
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, HfArgumentParser, Trainer, TrainingArguments
+
+# a rank that aborts (SIGABRT at exit has been seen once in CI) prints every thread's Python stack
+faulthandler.enable()
 
 
 class RandomTokens(torch.utils.data.Dataset):
