@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 import statistics
@@ -117,6 +118,9 @@ def run_system(system: str, base: torch.nn.Module, batches: list, args: argparse
     import torch.distributed as dist
 
     dev = batches[0][0].device
+    # the previous system's engine is cyclic garbage once its last loss (whose graph reaches the parameters
+    # and, through their hooks, the engine) went out of scope: collected here, not counted as resident
+    gc.collect()
     _sync()
     resident = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
     if dev.type == "cuda":
@@ -168,6 +172,7 @@ def run_system(system: str, base: torch.nn.Module, batches: list, args: argparse
                 timed("backward", sysm.bwd, loss)
                 timed("step", sysm.opt)
                 k += 1
+            del loss  # its graph holds the parameters (and the engine through their hooks) past close()
             out["phases_ms"] = {n: round(v, 2) for n, v in ph.items()}
         if args.profile:
             from throughput_profile import profile_system
