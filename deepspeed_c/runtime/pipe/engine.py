@@ -111,7 +111,22 @@ class PipelineEngine(DeepSpeedEngine):
         from .checkpoint import PipeCheckpointer
 
         self.checkpointer = PipeCheckpointer()
+        self.deferred_wgrad: Optional[Any] = None  # ZB-H1: Linear weight gradients deferred from B to W
+        self._deferring_linears: list = []
+        if self._schedule_name == "zb_h1":
+            from . import deferred_wgrad
+
+            self.deferred_wgrad = deferred_wgrad.DeferredWeightGrads()
+            self._deferring_linears = deferred_wgrad.install(self.module, self.deferred_wgrad)
         self.executor = PipeExecutor(self)
+
+    def destroy(self) -> None:
+        if self._deferring_linears:
+            from . import deferred_wgrad
+
+            deferred_wgrad.uninstall(self._deferring_linears)
+            self._deferring_linears = []
+        super().destroy()
 
     # -- DeepSpeed's refusals --------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:

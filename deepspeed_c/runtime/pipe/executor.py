@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from . import deferred_wgrad
 from . import instructions as I
 from .p2p import PipeLink
 
@@ -205,20 +206,39 @@ class PipeExecutor:
         self._backward_round(lambda: torch.autograd.backward(outs, grads))
 
     def _backward_input(self, ins: Any) -> None:
-        """Zero bubble, B: only the gradients of the stage's inputs (sent upstream next); the graph is
-        kept for the weight pass."""
+        """Zero bubble, B: the gradients of the stage's inputs (sent upstream next). One traversal: Linear
+        weight gradients are deferred (runtime/pipe/deferred_wgrad.py), the other parameters' computed and
+        kept for W. A stage whose parameters carry tensor hooks keeps the graph and traverses it again in W."""
         b = ins.buffer_id
         outs, grads = self._backward_targets(ins)
         ins_req = [t for t in _tup(self.inputs.get(b, ())) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if ins_req and not self._first(ins):
-            self.in_grads[b] = torch.autograd.grad(outs, ins_req, grads, retain_graph=True, allow_unused=True)
-        self.weight_pending[b] = (outs, grads)
+        ins_req = ins_req if not self._first(ins) else []
+        params = [p for p in self.e.module.parameters() if p.requires_grad]
+        store = getattr(self.e, "deferred_wgrad", None)
+        if store is None or any(p._backward_hooks for p in params):
+            if ins_req:
+                self.in_grads[b] = torch.autograd.grad(outs, ins_req, grads, retain_graph=True, allow_unused=True)
+            self.weight_pending[b] = ("graph", outs, grads)
+            return
+        deferred: list = []
+        with store.collect(deferred):
+            got = torch.autograd.grad(outs, ins_req + params, grads, allow_unused=True)
+        if ins_req:
+            self.in_grads[b] = got[:len(ins_req)]
+        self.weight_pending[b] = ("deferred", params, deferred_wgrad.weight_totals(params, got[len(ins_req):],
+                                                                                     deferred))
 
     def _backward_weight(self, ins: Any) -> None:
-        """Zero bubble, W: the weight gradients of a micro-batch whose input gradients went upstream."""
-        outs, grads = self.weight_pending.pop(ins.buffer_id)
-        params = [p for p in self.e.module.parameters() if p.requires_grad]
-        self._backward_round(lambda: torch.autograd.backward(outs, grads, inputs=params))
+        """Zero bubble, W: the weight gradients of a micro-batch whose input gradients went upstream, into
+        the parameters through autograd (the reducer's hooks see them as after any backward)."""
+        kind, first, second = self.weight_pending.pop(ins.buffer_id)
+        if kind == "graph":
+            params = [p for p in self.e.module.parameters() if p.requires_grad]
+            self._backward_round(lambda: torch.autograd.backward(first, second, inputs=params))
+            return
+        pairs = second
+        self._backward_round(lambda: torch.autograd.backward([p for p, _ in pairs], [g for _, g in pairs])
+                             if pairs else None)
 
     # -- transfers ------------------------------------------------------------------------------
     # a boundary between virtual stages v and v + 1 is named v on both sides
