@@ -13,6 +13,7 @@ backends that misbehave rather than refuse.
 from __future__ import annotations
 
 import atexit
+import gc
 
 import inspect
 import os
@@ -84,18 +85,26 @@ def _destroy_gloo_group_at_exit() -> None:
     # down; freeing them then aborts the process (SIGABRT, "terminate called without an active
     # exception") after training succeeded. Destroying the group while Python is alive avoids it.
     # Scripts (the Hugging Face Trainer among them) rarely call destroy_process_group themselves.
+    # destroy_process_group only unregisters a group: its threads live until the last reference to the
+    # group object goes, and a finished script's engines (cyclic garbage by now) still hold some, so they
+    # are collected here too, also when the caller destroyed the group already (accelerate's
+    # end_training does).
     try:
         if dist.is_initialized() and "gloo" in str(dist.get_backend()):
             dist.destroy_process_group()
+        if _GLOO_SEEN:
+            gc.collect()
     except Exception:  # exit path: a failure here must not turn a finished run into a failed one
         pass
 
 
 _EXIT_HOOKED = False
+_GLOO_SEEN = False
 
 
 def _destroy_gloo_group_at_exit_once() -> None:
-    global _EXIT_HOOKED
+    global _EXIT_HOOKED, _GLOO_SEEN
+    _GLOO_SEEN = _GLOO_SEEN or "gloo" in str(dist.get_backend())
     if not _EXIT_HOOKED:
         _EXIT_HOOKED = True
         atexit.register(_destroy_gloo_group_at_exit)
