@@ -112,20 +112,16 @@ class PipelineEngine(DeepSpeedEngine):
 
         self.checkpointer = PipeCheckpointer()
         self.deferred_wgrad: Optional[Any] = None  # ZB-H1: Linear weight gradients deferred from B to W
-        self._deferring_linears: list = []
         if self._schedule_name == "zb_h1":
-            from . import deferred_wgrad
+            from .deferred_wgrad import DeferredWeightGrads
 
-            self.deferred_wgrad = deferred_wgrad.DeferredWeightGrads()
-            self._deferring_linears = deferred_wgrad.install(self.module, self.deferred_wgrad)
+            self.deferred_wgrad = DeferredWeightGrads()
+            self.deferred_wgrad.install(self.module)
         self.executor = PipeExecutor(self)
 
     def destroy(self) -> None:
-        if self._deferring_linears:
-            from . import deferred_wgrad
-
-            deferred_wgrad.uninstall(self._deferring_linears)
-            self._deferring_linears = []
+        if self.deferred_wgrad is not None:
+            self.deferred_wgrad.uninstall()
         super().destroy()
 
     # -- DeepSpeed's refusals --------------------------------------------------------------------

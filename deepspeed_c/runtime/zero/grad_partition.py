@@ -132,7 +132,8 @@ class ZeroGradPartitioner(BackwardRound):
         # the bucket elements no parameter covers (alignment padding): zeroed when a bucket is allocated,
         # every other element is written by its parameter's deposit
         self._gaps = [self._bucket_gaps(g, b) for g, b in self.order]
-        self.direct_linears: list = []  # set by install_direct_linears
+        self.direct_linears: list = []  # set by install_direct_linears, with their sink
+        self._direct_sink: Any = None
         # tensor hooks on a parameter that may be skipped (the engine's accumulation scaler while inactive)
         self.grad_hook_filter: Optional[Callable[[Any], bool]] = None
         self._attach_hooks(self._flat_params)
@@ -165,7 +166,7 @@ class ZeroGradPartitioner(BackwardRound):
     def install_direct_linears(self, module: torch.nn.Module) -> None:
         from deepspeed_c.runtime.zero import bucket_linear
 
-        self.direct_linears = bucket_linear.install(module, self)
+        self.direct_linears, self._direct_sink = bucket_linear.install(module, self)
 
     def reduced_param_ids(self) -> set[int]:
         return set(self._index_of)
@@ -395,8 +396,8 @@ class ZeroGradPartitioner(BackwardRound):
     def remove(self) -> None:
         from deepspeed_c.runtime.zero import bucket_linear
 
-        bucket_linear.uninstall(self.direct_linears)
-        self.direct_linears = []
+        bucket_linear.uninstall(self.direct_linears, self._direct_sink)
+        self.direct_linears, self._direct_sink = [], None
         super().remove()
 
     def clear(self) -> None:
