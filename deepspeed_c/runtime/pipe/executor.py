@@ -79,7 +79,7 @@ class PipeExecutor:
         self.peak_in_flight = 0  # micro-batches whose activations are held for their backward
         self.batches: dict = {}  # micro-batch id -> its (inputs, labels), read from the iterator once
         self.in_grads: dict = {}  # split backward: input gradients computed by BackwardInputPass
-        self.weight_pending: dict = {}  # split backward: (outputs, grads) awaiting BackwardWeightPass
+        self.weight_pending: dict = {}  # split backward: what BackwardWeightPass finishes (see _backward_input)
         if training:
             self.e.set_gradient_accumulation_boundary(False)
         for step in sched.steps():
@@ -218,27 +218,27 @@ class PipeExecutor:
         if store is None or any(p._backward_hooks for p in params):
             if ins_req:
                 self.in_grads[b] = torch.autograd.grad(outs, ins_req, grads, retain_graph=True, allow_unused=True)
-            self.weight_pending[b] = ("graph", outs, grads)
+            self.weight_pending[b] = ("graph", (outs, grads))
             return
         deferred: list = []
         with store.collect(deferred):
             got = torch.autograd.grad(outs, ins_req + params, grads, allow_unused=True)
         if ins_req:
             self.in_grads[b] = got[:len(ins_req)]
-        self.weight_pending[b] = ("deferred", params, deferred_wgrad.weight_totals(params, got[len(ins_req):],
-                                                                                     deferred))
+        self.weight_pending[b] = ("deferred", deferred_wgrad.weight_totals(params, got[len(ins_req):], deferred))
 
     def _backward_weight(self, ins: Any) -> None:
         """Zero bubble, W: the weight gradients of a micro-batch whose input gradients went upstream, into
         the parameters through autograd (the reducer's hooks see them as after any backward)."""
-        kind, first, second = self.weight_pending.pop(ins.buffer_id)
-        if kind == "graph":
+        kind, pending = self.weight_pending.pop(ins.buffer_id)
+        if kind == "graph":  # (outputs, their gradients): traverse the kept graph again
+            outs, grads = pending
             params = [p for p in self.e.module.parameters() if p.requires_grad]
-            self._backward_round(lambda: torch.autograd.backward(first, second, inputs=params))
+            self._backward_round(lambda: torch.autograd.backward(outs, grads, inputs=params))
             return
-        pairs = second
-        self._backward_round(lambda: torch.autograd.backward([p for p, _ in pairs], [g for _, g in pairs])
-                             if pairs else None)
+        # (parameter, gradient) pairs
+        self._backward_round(lambda: torch.autograd.backward([p for p, _ in pending], [g for _, g in pending])
+                             if pending else None)
 
     # -- transfers ------------------------------------------------------------------------------
     # a boundary between virtual stages v and v + 1 is named v on both sides
