@@ -56,6 +56,7 @@ class _InFlight:
     start: int
     end: int
     fresh: bool  # the first write into this chunk in the accumulation window: overwrite, not add
+    post_factor: float  # what the received chunk is still to be scaled by (1 once the collective averaged)
 
 
 class ZeroGradPartitioner(BackwardRound):
@@ -126,6 +127,7 @@ class ZeroGradPartitioner(BackwardRound):
         self.on_bucket_final: Optional[Callable[[int, int, int], None]] = None
         # ZeRO++ qgZ (runtime/zero/zeropp.py): bucket -> this rank's fp32 chunk of the sum, via int4 all-to-alls
         self.quantized_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+        self._avg_in_collective: Optional[bool] = None  # decided at the first bucket (see _nccl_average)
         self.rounds = 0
         self.collectives = 0  # reduce-scatters (or all-reduces) issued, for tests
         self.direct_writes = 0  # weight gradients a Linear wrote into their bucket slot (bucket_linear), for tests
@@ -318,6 +320,7 @@ class ZeroGradPartitioner(BackwardRound):
         start, end = self.chunk_range(g, b)
         part = self.grad_partitions[g]
         assert part is not None
+        scale = self.post_factor
         if self.world_size == 1:
             work, recv = None, buf
         elif self.use_reduce_scatter and self.quantized_reduce is not None:
@@ -327,13 +330,16 @@ class ZeroGradPartitioner(BackwardRound):
             self.collectives += 1
         elif self.use_reduce_scatter:
             recv = part[start:end] if fresh else torch.empty(end - start, dtype=buf.dtype, device=buf.device)
-            work = _comm().reduce_scatter_tensor(recv, buf, group=self.group, async_op=True)
+            op = torch.distributed.ReduceOp.SUM
+            if self._nccl_average():
+                op, scale = torch.distributed.ReduceOp.AVG, 1.0
+            work = _comm().reduce_scatter_tensor(recv, buf, op=op, group=self.group, async_op=True)
             self.collectives += 1
         else:
             work = _comm().all_reduce(buf, group=self.group, async_op=True)
             recv = buf[self.rank * (end - start):(self.rank + 1) * (end - start)]
             self.collectives += 1
-        entry = _InFlight(g, b, work, buf, recv, start, end, fresh)
+        entry = _InFlight(g, b, work, buf, recv, start, end, fresh, scale)
         if self.side_stream is None:
             if self.wait_each_bucket:  # overlap_comm false: the reduction completes before backward goes on
                 self._finish_bucket(entry)
@@ -352,6 +358,17 @@ class ZeroGradPartitioner(BackwardRound):
             self._finish_bucket(entry)
         self._finished.append(entry)
 
+    def _nccl_average(self) -> bool:
+        """Whether NCCL averages in the reduce-scatter itself (ReduceOp.AVG scales while it loads the
+        inputs) instead of a separate pass over the partition after it: a read and write of every
+        gradient element of this rank's partition, each step, concurrent with the backward (gloo has no
+        AVG). Only the plain average, the default: no pre-division and no sequence-parallel sum."""
+        if self._avg_in_collective is None:
+            plain = self.pre_factor == 1.0 and self.post_factor == 1.0 / self.world_size
+            self._avg_in_collective = (plain and self.world_size > 1
+                                       and torch.distributed.get_backend(self.group) == "nccl")
+        return self._avg_in_collective
+
     def _finish_bucket(self, e: _InFlight) -> None:
         """Waits for the bucket's collective (on the current stream) and folds the chunk into the
         partition, averaged; then hands the final chunk to on_bucket_final on the boundary."""
@@ -362,12 +379,12 @@ class ZeroGradPartitioner(BackwardRound):
         dst = part[e.start:e.end]
         if e.fresh:
             if e.recv.data_ptr() == dst.data_ptr():
-                if self.post_factor != 1.0:
-                    dst.mul_(self.post_factor)
+                if e.post_factor != 1.0:
+                    dst.mul_(e.post_factor)
             else:
-                torch.mul(e.recv, self.post_factor, out=dst)
+                torch.mul(e.recv, e.post_factor, out=dst)
         else:
-            dst.add_(e.recv, alpha=self.post_factor)
+            dst.add_(e.recv, alpha=e.post_factor)
         if self._boundary and self.on_bucket_final is not None:
             self.on_bucket_final(e.g, e.start, e.end)
 
