@@ -74,6 +74,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--peak_tflops", type=float, default=0.0, help="peak bf16 dense TFLOPS (default: by GPU)")
     ap.add_argument("--out", default="", help="append one JSON line per system here (rank 0)")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="after timing, this many steps of each system under torch.profiler (see throughput_profile)")
+    ap.add_argument("--profile_ranks", default="", help="comma list of ranks that print profiles (default: first, last)")
     args = ap.parse_args()
     sizes = {"gas": 1, **DEFAULTS[args.mode], **(TINY if args.tiny else {})}
     args.model = args.model or sizes.pop("model")
@@ -135,6 +138,13 @@ def run_system(name: str, mode: Any, args: argparse.Namespace, reference: list |
                             device=dev)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         out["peak_bytes"] = peak.item()
+        if args.profile:
+            from throughput_profile import profile_steps
+
+            world = dist.get_world_size()
+            printing = ([int(r) for r in args.profile_ranks.split(",")] if args.profile_ranks
+                        else sorted({0, world - 1}))
+            profile_steps(runner.step, k, args.profile, dist.get_rank(), name, dist.get_rank() in printing)
     finally:
         runner.close()
         del runner

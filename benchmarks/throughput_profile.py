@@ -64,3 +64,46 @@ def profile_system(sysm: Any, batches: list, k: int, steps: int, rank: int, labe
     print("top host ops by self CPU time (ms/step, calls/step):")
     for e in sorted(top_cpu, key=lambda e: -e.self_cpu_time_total)[:12]:
         print(f"  {e.self_cpu_time_total / 1e3 / steps:8.2f} {e.count / steps:7.1f}  {e.key[:90]}")
+
+
+def profile_steps(step: Any, first: int, steps: int, rank: int, label: str, printing: bool) -> None:
+    """parallel_throughput.py --profile: `steps` whole steps of one system under torch.profiler on every
+    rank; a printing rank reports the step's enqueue and wall time, its GPU compute and NCCL kernel
+    time (a pipeline stage's idle time is the wall minus its compute), the top kernels, the CUDA runtime
+    calls that stall the host and the top host ops. The ranks print in turn (a barrier between)."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    enqueue = wall = 0.0
+    with profile(activities=acts) as prof:
+        for i in range(steps):
+            _sync()
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(first + i)
+            t1 = time.perf_counter()
+            _sync()
+            enqueue += (t1 - t0) * 1e3 / steps
+            wall += (time.perf_counter() - t0) * 1e3 / steps
+    events = prof.key_averages()
+    for r in range(dist.get_world_size()):
+        dist.barrier()
+        if r != rank or not printing:
+            continue
+        kern = [e for e in events if getattr(e, "device_time_total", 0) > 0 and e.device_type.name == "CUDA"]
+        nccl = sum(e.device_time_total for e in kern if "nccl" in e.key.lower()) / 1e3 / steps
+        busy = sum(e.device_time_total for e in kern if "nccl" not in e.key.lower()) / 1e3 / steps
+        print(f"\n--- profile {label}, rank {rank} ({steps} steps; ms per step) ---\n"
+              f"enqueue {enqueue:.1f}, wall {wall:.1f}; GPU compute kernels {busy:.1f} (idle {wall - busy:.1f}), "
+              f"NCCL kernels {nccl:.1f}")
+        for e in sorted(kern, key=lambda e: -e.device_time_total)[:10]:
+            print(f"  {e.device_time_total / 1e3 / steps:8.2f} {e.count / steps:7.1f}  {e.key[:90]}")
+        print("  host-side CUDA runtime calls (ms/step CPU, calls/step):")
+        for e in sorted(events, key=lambda e: -e.cpu_time_total):
+            if any(e.key.startswith(s) for s in STALLS) and e.cpu_time_total / 1e3 / steps > 0.3:
+                print(f"  {e.cpu_time_total / 1e3 / steps:8.2f} {e.count / steps:7.1f}  {e.key}")
+        top_cpu = [e for e in events if e.device_type.name == "CPU" and not e.key.startswith("cuda")]
+        print("  top host ops by self CPU time (ms/step, calls/step):")
+        for e in sorted(top_cpu, key=lambda e: -e.self_cpu_time_total)[:8]:
+            print(f"  {e.self_cpu_time_total / 1e3 / steps:8.2f} {e.count / steps:7.1f}  {e.key[:90]}", flush=True)
