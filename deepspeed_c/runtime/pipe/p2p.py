@@ -5,8 +5,10 @@ Before the first tensor of a kind crosses a link (and before every one with dyna
 sender sends a small int64 header: how many tensors, and each one's dtype, requires_grad and
 shape. The receiver allocates from it. Without dynamic_shape a later payload whose shapes or
 dtypes differ from the handshake raises, naming the stage and the shapes. Sends are
-asynchronous (their handles are kept until `wait_sends`); receives wait with a timeout derived
-from the process group's and, on timeout, say which stage they waited for.
+asynchronous (their handles are kept until `wait_sends`). Over NCCL a wait only orders the CUDA
+streams (the host never blocks on a transfer; NCCL's watchdog bounds a hang); over gloo, or with
+DSC_PIPE_RECV_TIMEOUT set, receives wait on the host with a timeout derived from the process
+group's and, on timeout, say which stage they waited for.
 """
 from __future__ import annotations
 
@@ -87,6 +89,9 @@ class PipeLink:
         self.metas: dict = {}
         self.meta: Optional[list] = None
         self.pending: list = []  # (work, tensor) of sends in flight
+        # NCCL without DSC_PIPE_RECV_TIMEOUT: waits order the streams only (see _wait)
+        self.stream_ordered = (device.type == "cuda" and not os.environ.get("DSC_PIPE_RECV_TIMEOUT")
+                               and dist.get_backend() == "nccl")
 
     def _check_static(self, meta: list) -> None:
         if self.meta is not None and meta != self.meta and not self.dynamic:
@@ -108,6 +113,13 @@ class PipeLink:
             self.pending.append((dist.isend(t, self.peer, tag=self.tag), t))
 
     def _wait(self, work: Any, what: str) -> None:
+        if self.stream_ordered:
+            # NCCL: the current stream waits for the transfer, the host goes on enqueueing. A wait with a
+            # timeout would block the host until the data arrived (torch polls for completion), so a stage
+            # could not queue its next kernels ahead: ~8% of a 4-stage 1F1B step on H100s. A hang is still
+            # bounded: NCCL's watchdog aborts after the process group's timeout.
+            work.wait()
+            return
         timeout = recv_timeout()
         try:
             ok = work.wait(timeout)
