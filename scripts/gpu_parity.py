@@ -32,7 +32,7 @@ SUITES: dict[str, list[str]] = {
     "zero12": [D + "test_zero_parity.py", D + "test_zero_direct_grads.py"],
     "zero3": [D + "test_zero3_parity.py", D + "test_zero3_dist.py"],
     "moe": [D + "test_moe_parity.py"],
-    "pipe": [D + "test_pipe_parity.py", D + "test_pipe_zb_traversal.py"],
+    "pipe": [D + "test_pipe_parity.py", D + "test_pipe_zb_traversal.py", D + "test_pipe_p2p_wait.py"],
     "checkpoint-reshard": [D + "test_checkpoint_zero.py", D + "test_checkpoint_reshard_matrix.py"],
     "offload": [D + "test_zero_offload.py"],
     "zero0": [D + "test_engine_parity.py", D + "test_engine_parity_gpu.py"],  # the latter: bf16, GPU only
