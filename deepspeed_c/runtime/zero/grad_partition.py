@@ -134,6 +134,14 @@ class ZeroGradPartitioner(BackwardRound):
         # the bucket elements no parameter covers (alignment padding): zeroed when a bucket is allocated,
         # every other element is written by its parameter's deposit
         self._gaps = [self._bucket_gaps(g, b) for g, b in self.order]
+        # per parameter (flat index): its bucket slot, offset in the bucket and numel (the plan's: at stage 3 a
+        # released parameter is an empty placeholder); fixed by the plans, read by every gradient hook
+        self._dst_spec: list[tuple[int, int, int]] = []
+        for g, i in self._where:
+            plan = self.plans[g]
+            b = plan.param_bucket[i]
+            self._dst_spec.append((self._slot_of[(g, b)], plan.param_offset[i] - plan.bucket_offset[b],
+                                   plan.numels[i]))
         self.direct_linears: list = []  # set by install_direct_linears, with their sink
         self._direct_sink: Any = None
         # tensor hooks on a parameter that may be skipped (the engine's accumulation scaler while inactive)
@@ -190,8 +198,11 @@ class ZeroGradPartitioner(BackwardRound):
         g, _ = self._where[k]
         if self.comm_dtypes[g] != param.dtype or not self._enter_round() or self._arrived[k] or self._direct[k]:
             return None
-        slot, off = self._slot_and_offset(k)
-        return k, self._bucket(slot)[off:off + param.numel()].view(param.shape)
+        slot, off, n = self._dst_spec[k]
+        buf = self._bufs[slot]
+        if buf is None:
+            buf = self._bucket(slot)
+        return k, buf[off:off + n].view(param.shape)
 
     def direct_grad_written(self, k: int) -> None:
         """The slot direct_grad_slot gave holds a first part of parameter k's gradient."""
@@ -227,14 +238,12 @@ class ZeroGradPartitioner(BackwardRound):
         return buf
 
     def _slot_and_offset(self, k: int) -> tuple[int, int]:
-        g, i = self._where[k]
-        plan = self.plans[g]
-        b = plan.param_bucket[i]
-        return self._slot_of[(g, b)], plan.param_offset[i] - plan.bucket_offset[b]
+        slot, off, _ = self._dst_spec[k]
+        return slot, off
 
-    @torch.no_grad()
     def _take_grad(self, k: int) -> Optional[torch.Tensor]:
-        """The parameter's gradient since it was last taken, flat; `param.grad` is freed."""
+        """The parameter's gradient since it was last taken, flat and detached (copying it into a bucket
+        never joins a create_graph backward's graph); `param.grad` is freed."""
         p = self._flat_params[k]
         if self.accumulate_fp32:
             self._fold(k)
@@ -247,11 +256,12 @@ class ZeroGradPartitioner(BackwardRound):
         return grad
 
     def _deposit(self, k: int) -> int:
-        slot, off = self._slot_and_offset(k)
+        slot, off, n = self._dst_spec[k]
         grad = self._take_grad(k)
-        g, i = self._where[k]
-        # the plan's numel: at stage 3 a released parameter is an empty placeholder
-        dst = self._bucket(slot)[off:off + self.plans[g].numels[i]]
+        buf = self._bufs[slot]
+        if buf is None:
+            buf = self._bucket(slot)
+        dst = buf[off:off + n]
         if self._direct[k]:  # a Linear wrote a first part there; .grad holds the sum of any others
             if grad is not None:
                 dst.add_(grad)
