@@ -66,6 +66,68 @@ def profile_system(sysm: Any, batches: list, k: int, steps: int, rank: int, labe
         print(f"  {e.self_cpu_time_total / 1e3 / steps:8.2f} {e.count / steps:7.1f}  {e.key[:90]}")
 
 
+def gpu_idle_report(events: Any, steps: int, wall_ms: float, top: int = 6) -> list[str]:
+    """Where a device waited: the union of its kernels' intervals (NCCL apart and all together) against
+    the wall, and the longest gaps with the kernels on either side. For a loop profiled without
+    synchronisations between phases (a step as users run it), so the host's lead, or its lag, shows."""
+    kern = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                  if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    if not kern:
+        return ["(no device kernels recorded)"]
+
+    def union(spans: list) -> tuple[float, list]:
+        busy, merged = 0.0, []
+        for a, b, name in spans:
+            if merged and a <= merged[-1][1]:
+                if b > merged[-1][1]:
+                    merged[-1][1], merged[-1][3] = b, name
+            else:
+                merged.append([a, b, name, name])  # start, end, first kernel, last kernel
+        for a, b, _, _ in merged:
+            busy += b - a
+        return busy, merged
+
+    busy_all, merged = union(kern)
+    busy_compute, _ = union([k for k in kern if "nccl" not in k[2].lower()])
+    span = (merged[-1][1] - merged[0][0]) / 1e3
+    gaps = sorted(((merged[i + 1][0] - merged[i][1], merged[i][3], merged[i + 1][2]) for i in range(len(merged) - 1)),
+                  reverse=True)[:top]
+    lines = [f"device, per step: wall {wall_ms:.1f} ms; busy (any kernel) {busy_all / 1e3 / steps:.1f}, compute "
+             f"kernels alone {busy_compute / 1e3 / steps:.1f}, idle {(span * 1e3 - busy_all) / 1e3 / steps:.1f} "
+             f"(over the {span:.1f} ms from the first kernel to the last)", "longest idle gaps (us: after -> before):"]
+    lines += [f"  {g:9.0f}  {a[:50]} -> {b[:50]}" for g, a, b in gaps]
+    return lines
+
+
+def profile_unphased(step: Any, first: int, steps: int, rank: int, label: str) -> None:
+    """train_throughput.py --profile_unphased: `steps` whole steps as a user runs them (no synchronisation
+    between forward, backward and step) under torch.profiler; rank 0 prints the device's busy and idle time
+    per step and the longest idle gaps (gpu_idle_report), the host's time per step and its stalls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    step(first)  # the queue starts as in steady state: one step ahead of the profiled ones
+    _sync()
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for i in range(steps):
+            step(first + 1 + i)
+        t1 = time.perf_counter()
+        _sync()
+        t2 = time.perf_counter()
+    if rank != 0:
+        return
+    wall = (t2 - t0) * 1e3 / steps
+    print(f"\n--- unphased profile {label} (rank 0, {steps} steps; ms per step) ---\n"
+          f"host returns after {(t1 - t0) * 1e3 / steps:.1f} ms a step; device done after {wall:.1f}")
+    for line in gpu_idle_report(prof.events(), steps, wall):
+        print(line)
+    events = prof.key_averages()
+    for e in sorted(events, key=lambda e: -e.cpu_time_total):
+        if any(e.key.startswith(s) for s in STALLS) and e.cpu_time_total / 1e3 / steps > 0.3:
+            print(f"  host stall {e.cpu_time_total / 1e3 / steps:8.2f} ms {e.count / steps:7.1f}/step  {e.key}")
+
+
 def profile_steps(step: Any, first: int, steps: int, rank: int, label: str, printing: bool) -> None:
     """parallel_throughput.py --profile: `steps` whole steps of one system under torch.profiler on every
     rank; a printing rank reports the step's enqueue and wall time, its GPU compute and NCCL kernel

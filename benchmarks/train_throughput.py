@@ -179,6 +179,16 @@ def run_system(system: str, base: torch.nn.Module, batches: list, args: argparse
 
             profile_system(sysm, batches, k, args.steps, dist.get_rank(), f"{system} x {world}")
             k += args.steps
+        if args.profile_unphased:
+            from throughput_profile import profile_unphased
+
+            def whole_step(i: int) -> None:
+                loss = sysm.fwd(*batches[i % len(batches)])
+                sysm.bwd(loss)
+                sysm.opt()
+
+            profile_unphased(whole_step, k, args.steps, dist.get_rank(), f"{system} x {world}")
+            k += args.steps + 1
         # the slowest rank sets the pace
         t = torch.tensor(blocks, dtype=torch.float64, device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -210,6 +220,8 @@ def main() -> None:
     ap.add_argument("--phases", action="store_true", help="also time forward / backward / step apart")
     ap.add_argument("--zero_extra", default="", help="JSON merged into zero_optimization of stages >= 1 (variants)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler of --steps steps per system (rank 0 prints)")
+    ap.add_argument("--profile_unphased", action="store_true",
+                    help="torch.profiler of --steps whole steps without phase syncs: device idle time and gaps")
     ap.add_argument("--out", default="", help="append one JSON line per system here (rank 0)")
     ap.add_argument("--report", default="", help="print the ratio tables of a --out file and exit")
     args = ap.parse_args()
