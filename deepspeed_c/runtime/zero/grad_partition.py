@@ -199,10 +199,7 @@ class ZeroGradPartitioner(BackwardRound):
         if self.comm_dtypes[g] != param.dtype or not self._enter_round() or self._arrived[k] or self._direct[k]:
             return None
         slot, off, n = self._dst_spec[k]
-        buf = self._bufs[slot]
-        if buf is None:
-            buf = self._bucket(slot)
-        return k, buf[off:off + n].view(param.shape)
+        return k, self._bucket(slot)[off:off + n].view(param.shape)
 
     def direct_grad_written(self, k: int) -> None:
         """The slot direct_grad_slot gave holds a first part of parameter k's gradient."""
@@ -237,10 +234,6 @@ class ZeroGradPartitioner(BackwardRound):
             self._bufs[slot] = buf
         return buf
 
-    def _slot_and_offset(self, k: int) -> tuple[int, int]:
-        slot, off, _ = self._dst_spec[k]
-        return slot, off
-
     def _take_grad(self, k: int) -> Optional[torch.Tensor]:
         """The parameter's gradient since it was last taken, flat and detached (copying it into a bucket
         never joins a create_graph backward's graph); `param.grad` is freed."""
@@ -258,10 +251,7 @@ class ZeroGradPartitioner(BackwardRound):
     def _deposit(self, k: int) -> int:
         slot, off, n = self._dst_spec[k]
         grad = self._take_grad(k)
-        buf = self._bufs[slot]
-        if buf is None:
-            buf = self._bucket(slot)
-        dst = buf[off:off + n]
+        dst = self._bucket(slot)[off:off + n]
         if self._direct[k]:  # a Linear wrote a first part there; .grad holds the sum of any others
             if grad is not None:
                 dst.add_(grad)
@@ -274,7 +264,7 @@ class ZeroGradPartitioner(BackwardRound):
         return slot
 
     def _deposit_again(self, k: int) -> None:
-        slot, off = self._slot_and_offset(k)
+        slot, off, _ = self._dst_spec[k]
         grad = self._take_grad(k)
         if grad is None:
             return
