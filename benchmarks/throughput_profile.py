@@ -21,8 +21,43 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _activities() -> list:
+    from torch.profiler import ProfilerActivity
+
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+
+
+def _kernels(events: Any) -> list:
+    return [e for e in events if getattr(e, "device_time_total", 0) > 0 and e.device_type.name == "CUDA"]
+
+
+def _compute_and_nccl_ms(kern: list, steps: int) -> tuple[float, float]:
+    """Device time per step of the compute kernels and of the NCCL ones (which overlap them)."""
+    nccl = sum(e.device_time_total for e in kern if "nccl" in e.key.lower()) / 1e3 / steps
+    busy = sum(e.device_time_total for e in kern if "nccl" not in e.key.lower()) / 1e3 / steps
+    return busy, nccl
+
+
+def _top_kernel_lines(kern: list, steps: int, top: int) -> list[str]:
+    return [f"  {e.device_time_total / 1e3 / steps:8.2f} {e.count / steps:7.1f}  {e.key[:90]}"
+            for e in sorted(kern, key=lambda e: -e.device_time_total)[:top]]
+
+
+def _stall_lines(events: Any, steps: int, min_ms: float = 0.0, prefix: str = "") -> list[str]:
+    """The CUDA runtime calls that may stall the host, by CPU time per step (ms, calls/step)."""
+    return [f"  {prefix}{e.cpu_time_total / 1e3 / steps:8.2f} {e.count / steps:7.1f}  {e.key}"
+            for e in sorted(events, key=lambda e: -e.cpu_time_total)
+            if any(e.key.startswith(s) for s in STALLS) and e.cpu_time_total / 1e3 / steps > min_ms]
+
+
+def _top_host_lines(events: Any, steps: int, top: int) -> list[str]:
+    ops = [e for e in events if e.device_type.name == "CPU" and not e.key.startswith("cuda")]
+    return [f"  {e.self_cpu_time_total / 1e3 / steps:8.2f} {e.count / steps:7.1f}  {e.key[:90]}"
+            for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[:top]]
+
+
 def profile_system(sysm: Any, batches: list, k: int, steps: int, rank: int, label: str) -> None:
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
 
     phases = {n: [0.0, 0.0] for n in ("forward", "backward", "step")}  # enqueue ms, wall ms
 
@@ -36,8 +71,7 @@ def profile_system(sysm: Any, batches: list, k: int, steps: int, rank: int, labe
         phases[name][1] += (time.perf_counter() - t0) * 1e3 / steps
         return r
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=_activities()) as prof:
         for i in range(steps):
             loss = timed("forward", sysm.fwd, *batches[(k + i) % len(batches)])
             timed("backward", sysm.bwd, loss)
@@ -49,21 +83,12 @@ def profile_system(sysm: Any, batches: list, k: int, steps: int, rank: int, labe
     for n, (cpu, wall) in phases.items():
         print(f"{n:10s} {cpu:12.2f} {wall:8.2f}")
     events = prof.key_averages()
-    kern = [e for e in events if getattr(e, "device_time_total", 0) > 0 and e.device_type.name == "CUDA"]
-    nccl = sum(e.device_time_total for e in kern if "nccl" in e.key.lower()) / 1e3 / steps
-    busy = sum(e.device_time_total for e in kern if "nccl" not in e.key.lower()) / 1e3 / steps
+    kern = _kernels(events)
+    busy, nccl = _compute_and_nccl_ms(kern, steps)
     print(f"GPU kernel time per step: compute {busy:.2f} ms, NCCL {nccl:.2f} ms (overlapping)")
-    print("top kernels (ms/step, calls/step):")
-    for e in sorted(kern, key=lambda e: -e.device_time_total)[:14]:
-        print(f"  {e.device_time_total / 1e3 / steps:8.2f} {e.count / steps:7.1f}  {e.key[:90]}")
-    print("host-side CUDA runtime calls (ms/step CPU, calls/step):")
-    for e in sorted(events, key=lambda e: -e.cpu_time_total):
-        if any(e.key.startswith(s) for s in STALLS):
-            print(f"  {e.cpu_time_total / 1e3 / steps:8.2f} {e.count / steps:7.1f}  {e.key}")
-    top_cpu = [e for e in events if e.device_type.name == "CPU" and not e.key.startswith("cuda")]
-    print("top host ops by self CPU time (ms/step, calls/step):")
-    for e in sorted(top_cpu, key=lambda e: -e.self_cpu_time_total)[:12]:
-        print(f"  {e.self_cpu_time_total / 1e3 / steps:8.2f} {e.count / steps:7.1f}  {e.key[:90]}")
+    print("\n".join(["top kernels (ms/step, calls/step):", *_top_kernel_lines(kern, steps, 14),
+                     "host-side CUDA runtime calls (ms/step CPU, calls/step):", *_stall_lines(events, steps),
+                     "top host ops by self CPU time (ms/step, calls/step):", *_top_host_lines(events, steps, 12)]))
 
 
 def gpu_idle_report(events: Any, steps: int, wall_ms: float, top: int = 6) -> list[str]:
@@ -103,12 +128,11 @@ def profile_unphased(step: Any, first: int, steps: int, rank: int, label: str) -
     """train_throughput.py --profile_unphased: `steps` whole steps as a user runs them (no synchronisation
     between forward, backward and step) under torch.profiler; rank 0 prints the device's busy and idle time
     per step and the longest idle gaps (gpu_idle_report), the host's time per step and its stalls."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     step(first)  # the queue starts as in steady state: one step ahead of the profiled ones
     _sync()
-    with profile(activities=acts) as prof:
+    with profile(activities=_activities()) as prof:
         t0 = time.perf_counter()
         for i in range(steps):
             step(first + 1 + i)
@@ -120,12 +144,8 @@ def profile_unphased(step: Any, first: int, steps: int, rank: int, label: str) -
     wall = (t2 - t0) * 1e3 / steps
     print(f"\n--- unphased profile {label} (rank 0, {steps} steps; ms per step) ---\n"
           f"host returns after {(t1 - t0) * 1e3 / steps:.1f} ms a step; device done after {wall:.1f}")
-    for line in gpu_idle_report(prof.events(), steps, wall):
-        print(line)
-    events = prof.key_averages()
-    for e in sorted(events, key=lambda e: -e.cpu_time_total):
-        if any(e.key.startswith(s) for s in STALLS) and e.cpu_time_total / 1e3 / steps > 0.3:
-            print(f"  host stall {e.cpu_time_total / 1e3 / steps:8.2f} ms {e.count / steps:7.1f}/step  {e.key}")
+    print("\n".join([*gpu_idle_report(prof.events(), steps, wall),
+                     *_stall_lines(prof.key_averages(), steps, 0.3, prefix="host stall ")]))
 
 
 def profile_steps(step: Any, first: int, steps: int, rank: int, label: str, printing: bool) -> None:
@@ -134,11 +154,10 @@ def profile_steps(step: Any, first: int, steps: int, rank: int, label: str, prin
     time (a pipeline stage's idle time is the wall minus its compute), the top kernels, the CUDA runtime
     calls that stall the host and the top host ops. The ranks print in turn (a barrier between)."""
     import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     enqueue = wall = 0.0
-    with profile(activities=acts) as prof:
+    with profile(activities=_activities()) as prof:
         for i in range(steps):
             _sync()
             dist.barrier()
@@ -153,19 +172,12 @@ def profile_steps(step: Any, first: int, steps: int, rank: int, label: str, prin
         dist.barrier()
         if r != rank or not printing:
             continue
-        kern = [e for e in events if getattr(e, "device_time_total", 0) > 0 and e.device_type.name == "CUDA"]
-        nccl = sum(e.device_time_total for e in kern if "nccl" in e.key.lower()) / 1e3 / steps
-        busy = sum(e.device_time_total for e in kern if "nccl" not in e.key.lower()) / 1e3 / steps
+        kern = _kernels(events)
+        busy, nccl = _compute_and_nccl_ms(kern, steps)
         print(f"\n--- profile {label}, rank {rank} ({steps} steps; ms per step) ---\n"
               f"enqueue {enqueue:.1f}, wall {wall:.1f}; GPU compute kernels {busy:.1f} (idle {wall - busy:.1f}), "
               f"NCCL kernels {nccl:.1f}")
-        for e in sorted(kern, key=lambda e: -e.device_time_total)[:10]:
-            print(f"  {e.device_time_total / 1e3 / steps:8.2f} {e.count / steps:7.1f}  {e.key[:90]}")
-        print("  host-side CUDA runtime calls (ms/step CPU, calls/step):")
-        for e in sorted(events, key=lambda e: -e.cpu_time_total):
-            if any(e.key.startswith(s) for s in STALLS) and e.cpu_time_total / 1e3 / steps > 0.3:
-                print(f"  {e.cpu_time_total / 1e3 / steps:8.2f} {e.count / steps:7.1f}  {e.key}")
-        top_cpu = [e for e in events if e.device_type.name == "CPU" and not e.key.startswith("cuda")]
-        print("  top host ops by self CPU time (ms/step, calls/step):")
-        for e in sorted(top_cpu, key=lambda e: -e.self_cpu_time_total)[:8]:
-            print(f"  {e.self_cpu_time_total / 1e3 / steps:8.2f} {e.count / steps:7.1f}  {e.key[:90]}", flush=True)
+        print("\n".join([*_top_kernel_lines(kern, steps, 10),
+                         "  host-side CUDA runtime calls (ms/step CPU, calls/step):", *_stall_lines(events, steps, 0.3),
+                         "  top host ops by self CPU time (ms/step, calls/step):", *_top_host_lines(events, steps, 8)]),
+              flush=True)

@@ -182,12 +182,7 @@ def run_system(system: str, base: torch.nn.Module, batches: list, args: argparse
         if args.profile_unphased:
             from throughput_profile import profile_unphased
 
-            def whole_step(i: int) -> None:
-                loss = sysm.fwd(*batches[i % len(batches)])
-                sysm.bwd(loss)
-                sysm.opt()
-
-            profile_unphased(whole_step, k, args.steps, dist.get_rank(), f"{system} x {world}")
+            profile_unphased(lambda i: sysm.step(*batches[i % len(batches)]), k, args.steps, dist.get_rank(), f"{system} x {world}")
             k += args.steps + 1
         # the slowest rank sets the pace
         t = torch.tensor(blocks, dtype=torch.float64, device=dev)
