@@ -144,8 +144,10 @@ def profile_unphased(step: Any, first: int, steps: int, rank: int, label: str) -
     wall = (t2 - t0) * 1e3 / steps
     print(f"\n--- unphased profile {label} (rank 0, {steps} steps; ms per step) ---\n"
           f"host returns after {(t1 - t0) * 1e3 / steps:.1f} ms a step; device done after {wall:.1f}")
+    events = prof.key_averages()
     print("\n".join([*gpu_idle_report(prof.events(), steps, wall),
-                     *_stall_lines(prof.key_averages(), steps, 0.3, prefix="host stall ")]))
+                     *_stall_lines(events, steps, 0.3, prefix="host stall "),
+                     "  top host ops by self CPU time (ms/step, calls/step):", *_top_host_lines(events, steps, 12)]))
 
 
 def profile_steps(step: Any, first: int, steps: int, rank: int, label: str, printing: bool) -> None:

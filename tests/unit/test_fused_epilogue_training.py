@@ -59,7 +59,7 @@ OPTIMIZERS = {"fused-adamw": ("AdamW", {}), "fused-adam-l2": ("Adam", {"adam_w_m
 CASES = [(stage, dtype, opt) for stage in (0, 1, 2) for dtype in ("bf16", "fp16", "fp32") for opt in OPTIMIZERS]
 
 
-def _train(stage: int, dtype: str, opt: str, fused: bool) -> dict[str, Any]:
+def _train(stage: int, dtype: str, opt: str, fused: bool, zero_extra: dict | None = None) -> dict[str, Any]:
     import deepspeed_c
     from tests.distributed.engine_models import MLP
 
@@ -70,7 +70,7 @@ def _train(stage: int, dtype: str, opt: str, fused: bool) -> dict[str, Any]:
                            "gradient_clipping": 0.05, "steps_per_print": 10**9,
                            "optimizer": {"type": OPTIMIZERS[opt][0],
                                          "params": {"lr": 1e-2, "weight_decay": 0.1, **OPTIMIZERS[opt][1]}},
-                           "zero_optimization": {"stage": stage}}
+                           "zero_optimization": {"stage": stage, **(zero_extra or {})}}
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     elif dtype == "fp16":
@@ -101,9 +101,24 @@ def _train(stage: int, dtype: str, opt: str, fused: bool) -> dict[str, Any]:
 @needs_cuda
 @pytest.mark.parametrize("stage,dtype,opt", CASES, ids=[f"z{s}-{d}-{o}" for s, d, o in CASES])
 def test_epilogue_matches_separate_passes(stage: int, dtype: str, opt: str) -> None:
+    _compare(stage, dtype, opt, None)
+
+
+# ZeRO-1/2 step the partition bucket by bucket and all-gather each bucket as it is done: several buckets
+# (of uneven sizes, under a gather cap smaller than two buckets) must give the one-range result
+BUCKETED = [(stage, dtype) for stage in (1, 2) for dtype in ("bf16", "fp16")]
+
+
+@needs_cuda
+@pytest.mark.parametrize("stage,dtype", BUCKETED, ids=[f"z{s}-{d}" for s, d in BUCKETED])
+def test_epilogue_in_bucket_ranges_matches_separate_passes(stage: int, dtype: str) -> None:
+    _compare(stage, dtype, "fused-adamw", {"reduce_bucket_size": 50, "allgather_bucket_size": 70})
+
+
+def _compare(stage: int, dtype: str, opt: str, zero_extra: dict | None) -> None:
     try:
-        fused = _train(stage, dtype, opt, fused=True)
-        plain = _train(stage, dtype, opt, fused=False)
+        fused = _train(stage, dtype, opt, fused=True, zero_extra=zero_extra)
+        plain = _train(stage, dtype, opt, fused=False, zero_extra=zero_extra)
     finally:
         os.environ.pop("DSC_FUSED_EPILOGUE", None)
     # fp32 at stage 0 has no mixed-precision wrapper: the torch optimizer steps the model directly
