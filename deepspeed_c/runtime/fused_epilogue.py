@@ -19,7 +19,7 @@ before/after measurements)."""
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -59,12 +59,6 @@ class _GroupCounters:
         self.ids = [id(s["step"]) for s in states]
         self.value = start
         self.device = torch.full((1,), start, dtype=torch.float32, device=device)
-
-    def advance(self) -> None:
-        """The host counters assume the step was taken: a skipped step (non-finite gradients without an
-        overflow check, which DeepSpeed would have applied) is the one case they run ahead."""
-        self.host.add_(1.0)
-        self.value += 1.0
 
     def still_holds(self, states: Sequence[dict[str, Any]]) -> bool:
         if [id(s.get("step")) for s in states] != self.ids:
@@ -118,61 +112,28 @@ class AdamEpilogue:
         or fp32 gradients); out_params[g][i] receives its 16-bit copy. grad_norm: float32 device [1],
         the global norm of the scaled gradients; a non-finite norm (or found_inf != 0) skips the step
         on the device."""
+        from deepspeed_c.ops.cuda_multi_tensor import fused_adam_epilogue_
+
         for g, group in enumerate(self.optimizer.param_groups):
             params_g = group["params"] if params is None else params[g]
             if not params_g:
                 continue
             states = self._states(params_g)
             counters = self._counter(g, states, params_g[0].device)
-            self._launch(group, grads[g], params_g, states, None if out_params is None else out_params[g],
-                         counters.device, grad_norm, found_inf, loss_scale, max_grad_norm)
-            counters.advance()
-
-    @torch.no_grad()
-    def step_in_ranges(self, grads: Sequence[torch.Tensor], out_params: Optional[Sequence[torch.Tensor]],
-                       grad_norm: torch.Tensor, loss_scale: float, max_grad_norm: float,
-                       ranges: Sequence[Sequence[tuple[int, int]]], after_range: Callable[[int, int], None]) -> None:
-        """For groups of one flat parameter each (ZeRO-1/2's partitions): group g is stepped range by
-        range ([start, end) elements of ranges[g], in order) and after_range(g, k) is called once range
-        k is enqueued, so the caller can start that range's all-gather while later ranges still step.
-        Same arguments and result as step() with grads[g] / out_params[g] the group's one tensor."""
-        for g, group in enumerate(self.optimizer.param_groups):
-            if not ranges[g]:
-                continue
-            (master,) = group["params"]
-            (state,) = self._states([master])
-            counters = self._counter(g, [state], master.device)
-            flat = [master.view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)]
-            grad = grads[g].view(-1)
-            out = None if out_params is None else out_params[g].view(-1)
-            last = len(ranges[g]) - 1
-            for k, (start, end) in enumerate(ranges[g]):
-                # the kernel counts the step after each launch: the earlier ranges count into a copy, so
-                # every range reads the same step number and the group's counter moves once
-                step = counters.device if k == last else counters.device.clone()
-                m, v = flat[1][start:end], flat[2][start:end]
-                self._launch(group, [grad[start:end]], [flat[0][start:end]], [{"exp_avg": m, "exp_avg_sq": v}],
-                             None if out is None else [out[start:end]], step, grad_norm, None, loss_scale,
-                             max_grad_norm)
-                after_range(g, k)
-            counters.advance()
-
-    def _launch(self, group: dict[str, Any], grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
-                states: Sequence[dict[str, Any]], out_params: Optional[Sequence[torch.Tensor]], step: torch.Tensor,
-                grad_norm: torch.Tensor, found_inf: Optional[torch.Tensor], loss_scale: float,
-                max_grad_norm: float) -> None:
-        from deepspeed_c.ops.cuda_multi_tensor import fused_adam_epilogue_
-
-        beta1, beta2 = group["betas"]
-        fused_adam_epilogue_(
-            [t.view(-1) for t in grads], [p.view(-1) for p in params],
-            [s["exp_avg"].view(-1) for s in states], [s["exp_avg_sq"].view(-1) for s in states],
-            step=step, grad_norm=grad_norm, found_inf=found_inf,
-            model_params=None if out_params is None else [t.view(-1) for t in out_params],
-            lr=float(group["lr"]), betas=(float(beta1), float(beta2)), eps=float(group["eps"]),
-            weight_decay=float(group["weight_decay"]), adam_w_mode=self.adam_w_mode,
-            bias_correction=bool(group.get("bias_correction", True)), loss_scale=float(loss_scale),
-            max_grad_norm=float(max_grad_norm))
+            beta1, beta2 = group["betas"]
+            fused_adam_epilogue_(
+                [t.view(-1) for t in grads[g]], [p.view(-1) for p in params_g],
+                [s["exp_avg"].view(-1) for s in states], [s["exp_avg_sq"].view(-1) for s in states],
+                step=counters.device, grad_norm=grad_norm, found_inf=found_inf,
+                model_params=None if out_params is None else [t.view(-1) for t in out_params[g]],
+                lr=float(group["lr"]), betas=(float(beta1), float(beta2)), eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]), adam_w_mode=self.adam_w_mode,
+                bias_correction=bool(group.get("bias_correction", True)), loss_scale=float(loss_scale),
+                max_grad_norm=float(max_grad_norm))
+            # the host counters assume the step was taken: a skipped step (non-finite gradients without
+            # an overflow check, which DeepSpeed would have applied) is the one case they run ahead
+            counters.host.add_(1.0)
+            counters.value += 1.0
 
 
 def device_global_norm(tensors: Sequence[torch.Tensor], group: Any = None, world_size: int = 1) -> torch.Tensor:

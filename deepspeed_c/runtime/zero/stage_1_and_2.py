@@ -431,18 +431,9 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
                 self._lp_out = [torch.empty(m.numel(), dtype=lp_dtype, device=m.device) for m in self.fp32_partitions]
             out = self._lp_out
         assert self.epilogue is not None
-        gathered = out if out is not None else [m.detach() for m in self.fp32_partitions]
-        ranges = [[self.reducer.chunk_range(g, b) for b in range(plan.num_buckets)]
-                  for g, plan in enumerate(self.partition_plans)]
-
-        def gather(g: int, b: int) -> None:
-            start, end = ranges[g][b]
-            self.gatherer.submit(g, b, gathered[g][start:end])
-
-        # bucket by bucket: each bucket's all-gather runs on NCCL's stream while the next bucket's chunk
-        # is stepped, so only the last bucket's gather is left after the optimizer (it was all of them)
-        self.epilogue.step_in_ranges(parts, out, norm, loss_scale, self.clip_grad, ranges, gather)
-        self.gatherer.finish()
+        self.epilogue.step([[p] for p in parts], None if out is None else [[t] for t in out], norm, loss_scale,
+                           self.clip_grad)
+        self._gather_chunks(out if out is not None else [m.detach() for m in self.fp32_partitions])
 
     def _refuse_unused_parameters(self) -> None:
         """zero_optimization.ignore_unused_parameters=false: DeepSpeed asserts when a trainable
