@@ -14,7 +14,8 @@ freed in turn, and `--rounds` repeats the whole sequence (interleaved repetition
 counts). Prints tokens/s, MFU ((6 x params + 12 x layers x width x sequence) x tokens / time /
 peak bf16 dense), peak allocated memory per rank (the largest rank's), and writes one JSON line per
 system to `--out`; `--report FILE` prints the ratios against DDP, FSDP2, DeepSpeed at the same
-stage and per-GPU against deepspeed_c stage 0 on one GPU.
+stage and per-GPU against deepspeed_c stage 0 on one GPU. A system named `dsc3@KEY=VALUE+KEY=VALUE` is
+dsc3 built with those environment variables set (an A/B of a runtime switch, interleaved in one run).
 
     torchrun --nproc_per_node 2 benchmarks/train_throughput.py --model 1.3B --micro 4 \
         --systems ddp,fsdp2,dsc1,ds1,dsc2,ds2,dsc3,ds3 --out /tmp/tp.jsonl
@@ -113,6 +114,23 @@ def _peak_flops(arg: float) -> float:
     return float("nan")
 
 
+_VARIANT_ENV: set[str] = set()
+
+
+def _with_env(system: str) -> str:
+    """`name@KEY=VALUE+KEY=VALUE`: the system `name` built with those environment variables (A/B of a
+    runtime switch inside one process; the keys a previous variant set are cleared first)."""
+    for key in _VARIANT_ENV:
+        os.environ.pop(key, None)
+    _VARIANT_ENV.clear()
+    name, _, env = system.partition("@")
+    for item in filter(None, env.split("+")):
+        key, _, value = item.partition("=")
+        os.environ[key] = value
+        _VARIANT_ENV.add(key)
+    return name
+
+
 def run_system(system: str, base: torch.nn.Module, batches: list, args: argparse.Namespace, world: int,
                reference: list[float] | None, counted: bool) -> dict[str, Any]:
     import torch.distributed as dist
@@ -126,7 +144,7 @@ def run_system(system: str, base: torch.nn.Module, batches: list, args: argparse
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t_build = time.perf_counter()
-    sysm = build(system, copy.deepcopy(base), args.micro)
+    sysm = build(_with_env(system), copy.deepcopy(base), args.micro)
     build_s = time.perf_counter() - t_build
     out: dict[str, Any] = {"system": system, "build_s": build_s}
     try:

@@ -35,6 +35,7 @@ typedef struct {
     int64_t *live_list;     /* [U] live units (any order) */
     int64_t *live_pos;      /* [U] index in live_list, or -1 */
     int64_t *pending;       /* [U] this step's prefetched units, then scratch */
+    int64_t *pend_step;     /* [U] the step each pending prefetch is for */
     int64_t *cand;          /* [U] the reuse candidates met at one step */
     unsigned char *keep;    /* [U] */
 } scratch;
@@ -60,6 +61,7 @@ static void scratch_free(scratch *s) {
     free(s->live_list);
     free(s->live_pos);
     free(s->pending);
+    free(s->pend_step);
     free(s->cand);
     free(s->keep);
 }
@@ -167,7 +169,19 @@ static void pack_groups(dsc_fetch_plan *p, int64_t *n_groups, int64_t *n_fetched
 int dsc_fetch_plan_build(int64_t S, const int64_t *step_start, const int64_t *step_units, int64_t U,
                          const int64_t *numels, const unsigned char *persistent, int64_t bucket, int64_t max_live,
                          int64_t max_reuse, dsc_fetch_plan **out, char *err, size_t len) {
+    return dsc_fetch_plan_build_batched(S, step_start, step_units, U, numels, persistent, bucket, max_live, max_reuse,
+                                        0, out, err, len);
+}
+
+int dsc_fetch_plan_build_batched(int64_t S, const int64_t *step_start, const int64_t *step_units, int64_t U,
+                                 const int64_t *numels, const unsigned char *persistent, int64_t bucket,
+                                 int64_t max_live, int64_t max_reuse, int64_t min_batch, dsc_fetch_plan **out,
+                                 char *err, size_t len) {
     if (out) *out = NULL;
+    if (min_batch < 0) {
+        say(err, len, "min_prefetch_batch must be >= 0, got %lld", (long long)min_batch);
+        return DSC_FP_EINVAL;
+    }
     if (!out || S < 0 || U < 0 || !step_start || (U > 0 && !numels)) {
         say(err, len, "%s", !out ? "out must not be NULL" : S < 0 ? "num_steps must be >= 0"
                           : U < 0 ? "num_units must be >= 0" : "step_start and numels must not be NULL");
@@ -216,11 +230,13 @@ int dsc_fetch_plan_build(int64_t S, const int64_t *step_start, const int64_t *st
     s.live_list = alloc((size_t)U, sizeof(int64_t));
     s.live_pos = alloc((size_t)U, sizeof(int64_t));
     s.pending = alloc((size_t)U, sizeof(int64_t));
+    s.pend_step = alloc((size_t)U, sizeof(int64_t));
     s.cand = alloc((size_t)U, sizeof(int64_t));
     s.keep = calloc((size_t)(U ? U : 1), 1);
     if (!p->step_group || !p->group_start || !p->fetched || !p->release_start || !p->released || !p->live_fetch ||
         !p->live_release || !p->cap || !s.own || !s.pin_diff || !s.future || !s.next_after || !s.cur_next ||
-        !s.pinned_until || !s.seen2 || !s.is_cand || !s.live_list || !s.live_pos || !s.pending || !s.cand ||
+        !s.pinned_until || !s.seen2 || !s.is_cand || !s.live_list || !s.live_pos || !s.pending ||
+        !s.pend_step || !s.cand ||
         !s.keep) {
         dsc_fetch_plan_free(p);
         scratch_free(&s);
@@ -285,8 +301,8 @@ int dsc_fetch_plan_build(int64_t S, const int64_t *step_start, const int64_t *st
          * all counted in `live`, so live + v <= max_live bounds own(m) + pinned(m) + v too. */
         int64_t n_pending = 0;
         if (bucket > 0 && s.future[i] > n_live_future) { /* some future unit is not live */
-            int64_t window = 0;
-            int stop = 0;
+            int64_t window = 0, wanted = 0, added = 0;
+            int stop = 0; /* 1: the window is full; 2: max_live stopped the walk */
             for (int64_t k = i + 1; k < S && !stop; k++) {
                 for (int64_t e = step_start[k]; e < step_start[k + 1]; e++) {
                     int64_t u = step_units[e];
@@ -301,22 +317,33 @@ int dsc_fetch_plan_build(int64_t S, const int64_t *step_start, const int64_t *st
                         break;
                     }
                     if (!is_live) {
-                        if (!pers && live + v > max_live) {
-                            stop = 1;
+                        if (!pers && live + added + v > max_live) {
+                            stop = 2;
                             break;
                         }
-                        s.pending[n_pending++] = u;
-                        live_add(&s, &n_live, u);
-                        n_live_future++;
-                        if (!pers) {
-                            live += v;
-                            s.pinned_until[u] = k;
-                            pinned_live += v;
-                            s.pin_diff[i + 1] += v; /* held at steps i+1..k-1 */
-                            s.pin_diff[k] -= v;
-                        }
+                        s.pending[n_pending] = u;
+                        s.pend_step[n_pending++] = k;
+                        wanted += v;
+                        if (!pers) added += v;
                     }
                     window += v;
+                }
+            }
+            /* Batching: while the window is still full, a step that would prefetch less than min_batch
+             * waits, so that the prefetches go out as fewer, larger groups. It never waits when a unit
+             * is wanted by the very next step, when the walk reached the end of the trace, or when
+             * max_live (not the window) stopped it: then waiting would only delay the gather. */
+            if (n_pending > 0 && stop == 1 && wanted < min_batch && s.pend_step[0] > i + 1) n_pending = 0;
+            for (int64_t q = 0; q < n_pending; q++) {
+                int64_t u = s.pending[q], k = s.pend_step[q], v = numels[u];
+                live_add(&s, &n_live, u);
+                n_live_future++;
+                if (!is_persistent(persistent, u)) {
+                    live += v;
+                    s.pinned_until[u] = k;
+                    pinned_live += v;
+                    s.pin_diff[i + 1] += v; /* held at steps i+1..k-1 */
+                    s.pin_diff[k] -= v;
                 }
             }
         }

@@ -1,7 +1,8 @@
 /* Python face of the ZeRO-3 fetch planner (csrc/core/fetch_plan.c).
  *
  * _C.fetch_plan(steps, numels, persistent, prefetch_bucket_size, max_live_parameters,
- *               max_reuse_distance) -> (fetch, release, live_after_fetch, live_after_release, cap, peak)
+ *               max_reuse_distance[, min_prefetch_batch]) -> (fetch, release, live_after_fetch,
+ *               live_after_release, cap, peak)
  *
  *   fetch[i]    list of groups (lists of unit ids); group 0 is step i's own missing units
  *   release[i]  unit ids to release after step i
@@ -151,14 +152,16 @@ fail:
 
 static PyObject *fetch_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 6)
+    if (nargs != 6 && nargs != 7)
         return PyErr_Format(PyExc_TypeError, "fetch_plan(steps, numels, persistent, prefetch_bucket_size, "
-                                             "max_live_parameters, max_reuse_distance) takes 6 arguments (%zd given)",
+                                             "max_live_parameters, max_reuse_distance[, min_prefetch_batch]) takes 6 "
+                                             "or 7 arguments (%zd given)",
                             nargs);
-    int64_t bucket, max_live, max_reuse;
+    int64_t bucket, max_live, max_reuse, min_batch = 0;
     if (int64_arg(args[3], "prefetch_bucket_size", &bucket) < 0 ||
         int64_arg(args[4], "max_live_parameters", &max_live) < 0 ||
-        int64_arg(args[5], "max_reuse_distance", &max_reuse) < 0)
+        int64_arg(args[5], "max_reuse_distance", &max_reuse) < 0 ||
+        (nargs == 7 && int64_arg(args[6], "min_prefetch_batch", &min_batch) < 0))
         return NULL;
     Py_ssize_t U = list_or_tuple_len(args[1]);
     if (U < 0)
@@ -197,8 +200,8 @@ static PyObject *fetch_plan(PyObject *self, PyObject *const *args, Py_ssize_t na
     int rc;
     int64_t peak = 0;
     Py_BEGIN_ALLOW_THREADS
-    rc = dsc_fetch_plan_build((int64_t)S, start, units, (int64_t)U, numels, pers, bucket, max_live, max_reuse, &plan,
-                              err, sizeof err);
+    rc = dsc_fetch_plan_build_batched((int64_t)S, start, units, (int64_t)U, numels, pers, bucket, max_live, max_reuse,
+                                      min_batch, &plan, err, sizeof err);
     if (rc == DSC_FP_OK) rc = dsc_fetch_plan_simulate(plan, start, units, numels, pers, &peak, err, sizeof err);
     Py_END_ALLOW_THREADS
     if (rc == DSC_FP_ENOMEM) PyErr_NoMemory();
@@ -218,7 +221,8 @@ done:
 
 PyMethodDef dsc_fetch_plan_methods[] = {
     {"fetch_plan", (PyCFunction)(void (*)(void))fetch_plan, METH_FASTCALL,
-     "fetch_plan(steps, numels, persistent, prefetch_bucket_size, max_live_parameters, max_reuse_distance) -> "
+     "fetch_plan(steps, numels, persistent, prefetch_bucket_size, max_live_parameters, max_reuse_distance"
+     "[, min_prefetch_batch]) -> "
      "(fetch, release, live_after_fetch, live_after_release, cap, peak): the ZeRO-3 gather/release plan of a "
      "recorded trace (see csrc/include/dsc/fetch_plan.h)."},
     {NULL, NULL, 0, NULL},

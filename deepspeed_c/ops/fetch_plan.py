@@ -38,10 +38,12 @@ class FetchPlan:
     @classmethod
     def build(cls, steps: Sequence[Sequence[int]], numels: Sequence[int],
               persistent: Optional[Sequence[bool]] = None, *, prefetch_bucket_size: int,
-              max_live_parameters: int, max_reuse_distance: int) -> "FetchPlan":
+              max_live_parameters: int, max_reuse_distance: int, min_prefetch_batch: int = 0) -> "FetchPlan":
         """Plans `steps` (per step, the distinct unit ids it needs) over units of `numels` elements;
         `persistent` (per unit, or None for none) units are gathered once and never released.
-        Limits are element counts >= 0; prefetch_bucket_size 0 disables prefetch. Raises
+        Limits are element counts >= 0; prefetch_bucket_size 0 disables prefetch; min_prefetch_batch > 0
+        holds back a step's prefetches smaller than it while the window is full (fewer, larger gathers; see
+        csrc/include/dsc/fetch_plan.h). Raises
         ValueError/TypeError naming the bad argument (e.g. a unit id out of range)."""
         steps = [s if isinstance(s, (list, tuple)) else list(s) for s in steps]
         numels = numels if isinstance(numels, (list, tuple)) else list(numels)
@@ -50,7 +52,7 @@ class FetchPlan:
         from deepspeed_c import _C
 
         return cls(*_C.fetch_plan(steps, numels, persistent, prefetch_bucket_size, max_live_parameters,
-                                  max_reuse_distance))
+                                  max_reuse_distance, min_prefetch_batch))
 
     def fetch_at(self, step: int) -> list[list[int]]:
         """The all-gather groups to issue when `step` begins: group 0 is the step's own units not

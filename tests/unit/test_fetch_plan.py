@@ -16,16 +16,16 @@ from deepspeed_c.ops.fetch_plan import FetchPlan
 BIG = 10**12
 
 
-def build(steps, numels, persistent=None, bucket=0, max_live=BIG, reuse=0):
+def build(steps, numels, persistent=None, bucket=0, max_live=BIG, reuse=0, min_batch=0):
     return FetchPlan.build(steps, numels, persistent, prefetch_bucket_size=bucket, max_live_parameters=max_live,
-                           max_reuse_distance=reuse)
+                           max_reuse_distance=reuse, min_prefetch_batch=min_batch)
 
 
 def plan_lists(plan):
     return ([plan.fetch_at(i) for i in range(plan.num_steps)], [plan.release_at(i) for i in range(plan.num_steps)])
 
 
-def check_plan(plan, steps, numels, persistent, bucket, max_live, reuse):
+def check_plan(plan, steps, numels, persistent, bucket, max_live, reuse, min_batch=0):
     """Executes `plan` over the trace and asserts invariants 1-5 plus the documented greedy rules.
     Returns the peak live non-persistent numel."""
     S, U = len(steps), len(numels)
@@ -81,44 +81,52 @@ def check_plan(plan, steps, numels, persistent, bucket, max_live, reuse):
                 if u not in seen:
                     seen.add(u)
                     order.append((u, k))
-        window, picks, stopped = 0, list(prefetched), False
         pin_at = {}  # step m -> numel pinned there by pins already made (not in S_m)
         for p, k, v in intervals:
             if p < i < k:
                 for m in range(i + 1, k):
                     pin_at[m] = pin_at.get(m, 0) + v
-        for u, k in order:
+        # the greedy walk, dry: what a plan without batching prefetches here, and why the walk stopped
+        window, dry_live, dry_pin, picks, stop = 0, set(live), dict(pin_at), [], "end"
+        for u, k in order if bucket else []:  # prefetch_bucket_size 0: no walk
             v = numels[u]
             if pers[u] and u in after_own:
                 continue
             if u in after_own:
                 if window + v > bucket:
-                    stopped = True
+                    stop = "window"
                     break
                 window += v
                 continue
-            fits = window + v <= bucket and (pers[u] or (
-                size(live) + v <= max_live and all(own[m] + pin_at.get(m, 0) + v <= cap[m] for m in range(i + 1, k))))
-            if picks and picks[0] == u:
-                assert fits, f"step {i}: prefetched unit {u} that does not fit"
-                picks.pop(0)
-                live.add(u)
-                if pers[u]:
-                    fetched_persistent.add(u)
-                else:
-                    pins[u] = (i, k)
-                    intervals.append((i, k, v))
-                    for m in range(i + 1, k):
-                        pin_at[m] = pin_at.get(m, 0) + v
-                window += v
-                assert size(live) <= max(max_live, own[i]), f"step {i}: prefetch over max_live"
-                continue
-            # the walk must stop at the first unit that does not fit, and prefetch nothing further
-            assert bucket == 0 or not fits, f"step {i}: unit {u} fits the window but was not prefetched"
-            stopped = True
-            break
-        assert not picks, f"step {i}: prefetched {picks} out of window order"
-        del stopped
+            if window + v > bucket:
+                stop = "window"
+                break
+            if not (pers[u] or (size(dry_live) + v <= max_live and
+                                all(own[m] + dry_pin.get(m, 0) + v <= cap[m] for m in range(i + 1, k)))):
+                stop = "max_live"
+                break
+            picks.append((u, k))
+            dry_live.add(u)
+            if not pers[u]:
+                for m in range(i + 1, k):
+                    dry_pin[m] = dry_pin.get(m, 0) + v
+            window += v
+        if picks and not prefetched:
+            # batching held them back: only while the window is full, for less than min_batch, none for i + 1
+            assert min_batch > 0 and stop == "window", f"step {i}: {picks} fit the window but were not prefetched"
+            assert sum(numels[u] for u, _ in picks) < min_batch, f"step {i}: held back {picks} >= min_batch"
+            assert picks[0][1] > i + 1, f"step {i}: held back unit {picks[0][0]} needed by the next step"
+        else:
+            assert prefetched == [u for u, _ in picks], f"step {i}: prefetched {prefetched}, the walk picks {picks}"
+        for u in prefetched:
+            k = dict(picks)[u]
+            live.add(u)
+            if pers[u]:
+                fetched_persistent.add(u)
+            else:
+                pins[u] = (i, k)
+                intervals.append((i, k, numels[u]))
+            assert size(live) <= max(max_live, own[i]), f"step {i}: prefetch over max_live"
         if own[i] > max_live:
             assert not [u for u in prefetched if not pers[u]], f"step {i} is over max_live but prefetched"
         assert plan.live_numel_after_fetch(i) == size(live)
@@ -238,6 +246,44 @@ def test_prefetches_coalesce_into_one_group():
     plan = build([[0, 1, 2], [3], [4], [5]], [1, 1, 1, 4, 3, 2], bucket=7)
     assert plan.fetch_at(0) == [[0, 1, 2], [3, 4]]
     assert plan.fetch_at(1) == [[], [5]]
+
+
+def test_batched_prefetch_waits_for_a_larger_group():
+    # a chain of equal units, window 4 units, batch 2 units: after the first fill, the one unit that
+    # enters the window at step 1 waits and goes out with the next one at step 2; the tail of the trace
+    # (the walk reaches its end) is not held back
+    steps, numels = [[u] for u in range(8)], [10] * 8
+    plan = build(steps, numels, bucket=40, min_batch=20)
+    assert [plan.fetch_at(i) for i in range(4)] == [[[0], [1, 2, 3, 4]], [[]], [[], [5, 6]], [[], [7]]]
+    check_plan(plan, steps, numels, None, 40, BIG, 0, min_batch=20)
+    greedy = build(steps, numels, bucket=40)
+    assert [greedy.fetch_at(i) for i in range(4)] == [[[0], [1, 2, 3, 4]], [[], [5]], [[], [6]], [[], [7]]]
+    assert sum(len(plan.fetch_at(i)) for i in range(8)) < sum(len(greedy.fetch_at(i)) for i in range(8))
+
+
+def test_batched_prefetch_never_holds_back_the_next_steps_unit():
+    # step 1 needs unit 2 which only the walk at step 0 can prefetch: the batch limit does not hold it back
+    steps, numels = [[0, 1], [2], [3]], [30, 30, 5, 5]
+    plan = build(steps, numels, bucket=8, min_batch=100)
+    assert plan.fetch_at(0) == [[0, 1], [2]]
+    check_plan(plan, steps, numels, None, 8, BIG, 0, min_batch=100)
+
+
+def test_batched_prefetch_rejects_a_negative_batch():
+    with pytest.raises(ValueError, match="min_prefetch_batch must be >= 0"):
+        build([[0]], [1], bucket=1, min_batch=-1)
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_random_traces_batched_keep_every_invariant(seed):
+    rng = random.Random(10_000 + seed)
+    steps, numels, persistent = random_trace(rng)
+    bucket = rng.choice([1, 10, 60, 150, 500, BIG])
+    max_live = rng.choice([0, 50, 200, 1000, BIG])
+    reuse = rng.choice([0, 100, BIG])
+    min_batch = rng.choice([1, bucket // 2, bucket, BIG])
+    plan = build(steps, numels, persistent, bucket, max_live, reuse, min_batch)
+    check_plan(plan, steps, numels, persistent, bucket, max_live, reuse, min_batch)
 
 
 def test_empty_trace_and_empty_steps():
@@ -376,7 +422,7 @@ def test_wrong_types_and_lengths():
         build([[0]], [1, 2], persistent=[True])
     with pytest.raises(TypeError, match="max_live_parameters must be an int"):
         _C.fetch_plan([[0]], [1], None, 0, 1.5, 0)
-    with pytest.raises(TypeError, match="takes 6 arguments"):
+    with pytest.raises(TypeError, match="takes 6 or 7 arguments"):
         _C.fetch_plan([[0]], [1])
 
 

@@ -25,6 +25,11 @@
  * of growing by a bucket at every step. A prefetched unit is pinned: no release drops it before
  * the step that uses it.
  *
+ * Batched prefetch (dsc_fetch_plan_build_batched, min_batch > 0): a step whose walk stopped at a
+ * full window and would prefetch less than min_batch numel, none of it for step i+1, prefetches
+ * nothing; the deficit grows until a later step fetches it as one larger group. The window bound,
+ * max_live and every guarantee below are unchanged; only when prefetches are issued differs.
+ *
  * Release after step i < last. Kept: every pinned unit; then, in order of next use (ties: lower
  * id), each live non-persistent unit whose next use j exists and whose reuse distance (the numel
  * of the distinct units, persistent ones included, used by steps i+1..j-1) is <= max_reuse,
@@ -74,6 +79,11 @@ int dsc_fetch_plan_build(int64_t num_steps, const int64_t *step_start, const int
                          int64_t num_units, const int64_t *numels, const unsigned char *persistent,
                          int64_t prefetch_bucket, int64_t max_live, int64_t max_reuse,
                          dsc_fetch_plan **out, char *err, size_t err_len);
+/* The same with batched prefetch (above): min_batch >= 0 numel; 0 is dsc_fetch_plan_build. */
+int dsc_fetch_plan_build_batched(int64_t num_steps, const int64_t *step_start, const int64_t *step_units,
+                                 int64_t num_units, const int64_t *numels, const unsigned char *persistent,
+                                 int64_t prefetch_bucket, int64_t max_live, int64_t max_reuse, int64_t min_batch,
+                                 dsc_fetch_plan **out, char *err, size_t err_len);
 void dsc_fetch_plan_free(dsc_fetch_plan *plan);
 
 int64_t dsc_fetch_plan_num_steps(const dsc_fetch_plan *plan);

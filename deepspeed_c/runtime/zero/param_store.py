@@ -20,6 +20,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from deepspeed_c.ops.partition import PartitionPlan
+from deepspeed_c.runtime.zero.unit_gather import UnitGatherer
 
 UNIT_ATTR = "_dsc_z3"  # on each parameter: (store, unit id, offset in the unit's bucket)
 
@@ -116,6 +117,7 @@ class ParamStore:
         self.secondary: list[Optional[torch.Tensor]] = [None] * n_units  # hpZ: this rank's 1/H of the unit
         self.frozen: set[int] = set()  # units gathered as int8 under zero_quantized_nontrainable_weights
         self.frozen_codes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # their codes, cut once
+        self.gatherer = UnitGatherer(group) if world_size > 1 else None  # type: ignore[assignment]
 
     # -- layout --------------------------------------------------------------------------------------
     def chunk_range(self, u: int) -> tuple[int, int]:
@@ -153,11 +155,13 @@ class ParamStore:
     def wrote(self, g: int, start: int, end: int) -> None:
         """Elements [start, end) of group g's shard were just rewritten (the NVMe store drops their pages)."""
 
-    @torch.no_grad()
     def fetch(self, units: Sequence[int], private: bool = False, lossy: bool = False) -> None:
         """Starts gathering the units not already live or in flight (asynchronous where the backend is);
         `private`: copies even where a view of the shard would do (edits must not reach the shard);
-        `lossy`: gather-on-use may take ZeRO++'s quantized or secondary (hpZ) gathers."""
+        `lossy`: gather-on-use may take ZeRO++'s quantized or secondary (hpZ) gathers. The plain gathers of
+        one call go out as one coalesced collective (one NCCL launch for a fetch-plan group). Nothing here
+        records autograd history (shards never require grad), so no no_grad context: this runs per module."""
+        plain: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (unit, gathered buffer, this rank's chunk)
         for u in units:
             if self.full[u] is not None:
                 continue
@@ -174,7 +178,10 @@ class ParamStore:
                 if self.zeropp is not None and lossy and not self.persistent[u]:
                     self.works[u] = self._zeropp_gather(u, chunk, full)
                 else:
-                    self.works[u] = _comm().all_gather_into_tensor(full, chunk, group=self.group, async_op=True)
+                    plain.append((u, full, chunk))
+                    if self.file_backed:  # its chunk sits in a swap buffer the next unit's read may take back
+                        self._issue(plain)
+                        plain = []
             self.full[u] = full
             self.gathers += 1
             if not self.persistent[u]:  # stage3_max_live_parameters counts the units that come and go
@@ -182,6 +189,13 @@ class ParamStore:
                 self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
             for p, _ in self.unit_params[u]:
                 p.ds_status = ZeroParamStatus.INFLIGHT
+        if plain:
+            self._issue(plain)
+
+    def _issue(self, plain: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        work = self.gatherer.gather([f for _, f, _ in plain], [c for _, _, c in plain])
+        for u, _, _ in plain:
+            self.works[u] = work
 
     def wait(self, units: Sequence[int], private: bool = False, lossy: bool = False) -> None:
         """The units' parameters point at their gathered values (fetching any not started)."""
@@ -195,8 +209,9 @@ class ParamStore:
                 continue
             full = self.full[u]
             assert full is not None
+            base = full.storage_offset()  # as_strided's offset counts from the storage (a shard view has one)
             for p, off in self.unit_params[u]:
-                p.data = full[off:off + p.ds_numel].view(p.ds_shape)
+                p.data = full.as_strided(p.ds_shape, _contiguous_strides(p.ds_shape), base + off)
                 p.ds_status = ZeroParamStatus.AVAILABLE
             self.ready[u] = True
 
@@ -274,6 +289,22 @@ class ParamStore:
 
 def full_numel(p: torch.nn.Parameter) -> int:
     return int(getattr(p, "ds_numel", p.numel()))
+
+
+_STRIDES: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+
+def _contiguous_strides(shape: Any) -> tuple[int, ...]:
+    """Row-major strides of `shape` (cached: a unit's views are rebuilt at every gather)."""
+    key = tuple(shape)
+    strides = _STRIDES.get(key)
+    if strides is None:
+        acc, out = 1, []
+        for n in reversed(key):
+            out.append(acc)
+            acc *= max(int(n), 1)
+        strides = _STRIDES[key] = tuple(reversed(out))
+    return strides
 
 
 def placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -30,8 +30,10 @@ int main(void) {
         }
         dsc_fetch_plan *p = NULL;
         char err[256];
-        int rc = dsc_fetch_plan_build(S, start, units, U, numels, (it & 1) ? pers : NULL, limits[rand() % 6],
-                                      limits[rand() % 6], limits[rand() % 6], &p, err, sizeof err);
+        /* every third plan batches its prefetches (min_batch from the same limits) */
+        int64_t min_batch = it % 3 == 0 ? limits[rand() % 6] : 0;
+        int rc = dsc_fetch_plan_build_batched(S, start, units, U, numels, (it & 1) ? pers : NULL, limits[rand() % 6],
+                                              limits[rand() % 6], limits[rand() % 6], min_batch, &p, err, sizeof err);
         if (rc) { printf("build rc %d %s\n", rc, err); return 1; }
         int64_t peak = -1, n = 0;
         if (dsc_fetch_plan_simulate(p, start, units, numels, (it & 1) ? pers : NULL, &peak, err, sizeof err)) {
@@ -57,6 +59,9 @@ int main(void) {
     if (dsc_fetch_plan_build(2, start, dup, 3, numels, NULL, 1, 1, 1, &p, err, sizeof err) != DSC_FP_EDUP) return 5;
     if (dsc_fetch_plan_build(2, start, ok, 3, bad_numels, NULL, 1, 1, 1, &p, err, sizeof err) != DSC_FP_EINVAL) return 6;
     if (dsc_fetch_plan_build(2, start, ok, 3, numels, NULL, -1, 1, 1, &p, err, sizeof err) != DSC_FP_EINVAL) return 7;
+    if (dsc_fetch_plan_build_batched(2, start, ok, 3, numels, NULL, 1, 1, 1, -1, &p, err, sizeof err) != DSC_FP_EINVAL ||
+        p)
+        return 7;
     if (dsc_fetch_plan_build(2, start, ok, 3, numels, NULL, 1, 1, 1, NULL, err, sizeof err) != DSC_FP_EINVAL) return 8;
     if (dsc_fetch_plan_build(2, start, ok, 3, numels, NULL, 1, 1, 1, &p, NULL, 0) != DSC_FP_OK) return 9;
     dsc_fetch_plan_free(p);
