@@ -32,12 +32,6 @@ class ZeroParamStatus(Enum):
     INFLIGHT = 3  # being gathered
 
 
-def _comm() -> Any:
-    import deepspeed_c.comm as dist
-
-    return dist
-
-
 def module_runs(params: Sequence[torch.nn.Parameter], owner: dict[int, int]) -> list[int]:
     """A bucket id per parameter: consecutive parameters of the same owning module share a bucket."""
     out: list[int] = []

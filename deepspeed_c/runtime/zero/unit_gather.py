@@ -8,8 +8,8 @@ collective, which NCCL runs as one launch. Both are the same collective the comm
 (all-gather into a tensor), so byte counters that wrap the process group still see them.
 
 While the comms logger is on, gathers go through deepspeed_c.comm (one per unit) so that it records
-them, as DeepSpeed's does. A backend that refuses the direct call (no `_allgather_base` / coalesced form) is remembered and
-served by deepspeed_c.comm, one collective per unit, as before."""
+them, as DeepSpeed's does. A backend that refuses the direct call (no `_allgather_base` / coalesced
+form) is remembered and served by deepspeed_c.comm, one collective per unit, as before."""
 from __future__ import annotations
 
 from typing import Any, Sequence
