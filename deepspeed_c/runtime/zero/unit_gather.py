@@ -37,6 +37,9 @@ class UnitGatherer:
     def __init__(self, group: Any) -> None:
         import torch.distributed as dist
 
+        import deepspeed_c.comm as comm
+
+        self._comm = comm
         self.group = group
         self._pg = group if group is not None else dist.distributed_c10d._get_default_group()
         self._direct = hasattr(self._pg, "_allgather_base")
@@ -45,8 +48,7 @@ class UnitGatherer:
     def gather(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> Any:
         """All-gathers each input (this rank's chunk) into its output (world_size x chunk), asynchronously;
         returns one waitable for all of them."""
-        import deepspeed_c.comm as comm
-
+        comm = self._comm
         self.collectives += 1
         if self._direct and not comm.comms_logger.enabled:  # the logger sees what goes through deepspeed_c.comm
             try:
