@@ -2,7 +2,8 @@
 as one coalesced collective on the process group, and each unit's output equals the concatenation of
 every rank's chunk (checked against an all_gather_object of the chunks). With the comms logger on,
 the gathers go through deepspeed_c.comm instead, one logged all_gather_into_tensor per unit, with the
-same outputs. Runs on gloo (2 and 4 ranks), and on GPUs under DSC_TEST_BACKEND=nccl."""
+same outputs. A ZeRO-3 engine's plan batches its prefetches, and issues one collective per fetch group.
+Runs on gloo (2 and 4 ranks), and on GPUs under DSC_TEST_BACKEND=nccl."""
 from __future__ import annotations
 
 from typing import Any
@@ -49,3 +50,50 @@ def test_coalesced_unit_gather_matches_every_rank_chunk(world: int) -> None:
         assert r["equal_False"] and r["equal_True"], r
         assert r["collectives_False"] == 1 and r["collectives_True"] == 1
         assert r["logged_True"] == len(SIZES), r  # one logged gather per unit
+
+
+LAYERS, WIDTH = 12, 64
+
+
+def _plan_body(rank: int, world: int) -> dict[str, Any]:
+    import deepspeed_c
+    from deepspeed_c.ops.fetch_plan import FetchPlan
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
+    unit = WIDTH * WIDTH
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "gradient_clipping": 0.0,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                 "stage3_prefetch_bucket_size": 4 * unit, "stage3_max_reuse_distance": 0}}
+    engine, *_ = deepspeed_c.initialize(model=model, config=cfg)
+    x = torch.randn(2, WIDTH, generator=torch.Generator().manual_seed(rank)).to(rank_device())
+
+    def step() -> None:
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+
+    for _ in range(2):  # the first records the trace, the second follows its plan
+        step()
+    store, coord = engine.optimizer.store, engine.optimizer.coordinator
+    before = store.gatherer.collectives
+    step()
+    plan, trace = coord.plan, coord.plan_trace
+    groups = [g for i in range(plan.num_steps) for g in plan.fetch_at(i) if g]
+    greedy = FetchPlan.build([list(coord.units[k]) for k, _ in trace], store.unit_numel, store.persistent,
+                             **coord.limits)
+    greedy_groups = [g for i in range(greedy.num_steps) for g in greedy.fetch_at(i) if g]
+    res = {"collectives": store.gatherer.collectives - before, "groups": len(groups),
+           "greedy_groups": len(greedy_groups), "units": sum(len(g) for g in groups),
+           "greedy_units": sum(len(g) for g in greedy_groups)}
+    engine.destroy()
+    return res
+
+
+def test_runtime_plan_batches_prefetches_one_collective_per_group() -> None:
+    """The plan a ZeRO-3 engine follows batches its prefetches (fewer groups than the greedy plan of the
+    same trace, the same units gathered), and each group is one collective."""
+    for r in run_distributed(_plan_body, 2, timeout=120):
+        assert r["collectives"] == r["groups"], r
+        assert r["units"] == r["greedy_units"], r
+        assert r["groups"] < r["greedy_groups"], r
