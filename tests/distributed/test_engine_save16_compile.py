@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pytest
 import torch
 
 from deepspeed_c.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -86,20 +87,25 @@ def test_save_16bit_model_excludes_frozen(tmp_path):
     assert set(saved) | set(frozen) == set(make_model("mlp", seed=4).state_dict())
 
 
-def compile_body(rank: int, world: int, compiled: bool) -> dict:
-    engine = _engine(2, False)
+def compile_body(rank: int, world: int, compiled: bool, stage: int = 2) -> dict:
+    engine = _engine(stage, False)
     if compiled:
         engine.compile(backend="eager")
         assert engine.is_compiled
         engine.compile(backend="eager")  # a second call is a no-op, as in DeepSpeed
     losses = _train(engine, rank, world, steps=4)
-    return {"losses": losses, "weights": np.concatenate([p.detach().cpu().reshape(-1).numpy()
-                                                         for p in engine.module.parameters()])}
+    import deepspeed_c
+
+    params = list(engine.module.parameters())
+    with deepspeed_c.zero.GatheredParameters(params, enabled=stage == 3):  # ZeRO-3: whole values, not shards
+        weights = np.concatenate([p.detach().cpu().reshape(-1).numpy() for p in params])
+    return {"losses": losses, "weights": weights}
 
 
-def test_compile_trains_like_eager():
-    eager = run_distributed(compile_body, 2, args=(False,), timeout=240)
-    compiled = run_distributed(compile_body, 2, args=(True,), timeout=240)
+@pytest.mark.parametrize("stage", [2, 3])  # 3: the gather/release hooks run inside the compiled module
+def test_compile_trains_like_eager(stage: int):
+    eager = run_distributed(compile_body, 2, args=(False, stage), timeout=240)
+    compiled = run_distributed(compile_body, 2, args=(True, stage), timeout=240)
     for a, b in zip(eager, compiled):
         np.testing.assert_allclose(a["losses"], b["losses"], rtol=1e-6)
         assert np.linalg.norm(a["weights"] - b["weights"]) / np.linalg.norm(a["weights"]) < 1e-6
