@@ -29,7 +29,7 @@ D = "tests/distributed/"
 # longest first, so the pool ends together
 SUITES: dict[str, list[str]] = {
     "checkpoint-resume": [D + "test_lead_checkpoint_resume.py"],
-    "zero12": [D + "test_zero_parity.py", D + "test_zero_direct_grads.py"],
+    "zero12": [D + "test_zero_parity.py", D + "test_zero_direct_grads.py", D + "test_zero12_flat_params.py"],
     "zero3": [D + "test_zero3_parity.py", D + "test_zero3_dist.py", D + "test_zero3_unit_gather.py"],
     "moe": [D + "test_moe_parity.py"],
     "pipe": [D + "test_pipe_parity.py", D + "test_pipe_zb_traversal.py", D + "test_pipe_p2p_wait.py"],

@@ -47,12 +47,20 @@ def _dist() -> bool:
 
 
 def _own_storage(t: torch.Tensor) -> torch.Tensor:
-    """`t` for torch.save, copied only when it views part of a larger storage (torch.save writes whole
-    storages): the file is written before training resumes, so the weights need no snapshot copy."""
+    """`t` for torch.save, which writes whole storages: a contiguous view of part of a larger storage (ZeRO
+    1/2 parameters inside their flat buffer) is re-based on a storage slice of just its bytes, which
+    shares the memory (and keeps the whole alive), so the file holds only the tensor and nothing is
+    copied; other partial views are copied. The file is written before training resumes, so the weights
+    need no snapshot copy."""
     t = t.detach()
-    whole = t.is_contiguous() and t.storage_offset() == 0 and \
-        t.untyped_storage().nbytes() == t.numel() * t.element_size()
-    return t if whole else t.clone()
+    nbytes = t.numel() * t.element_size()
+    if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == nbytes:
+        return t
+    if not t.is_contiguous() or t.numel() == 0:
+        return t.clone()
+    start = t.storage_offset() * t.element_size()
+    part = t.untyped_storage()[start:start + nbytes]
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(part, 0, t.shape, t.stride())
 
 
 def _param_names(module: torch.nn.Module) -> dict[int, str]:

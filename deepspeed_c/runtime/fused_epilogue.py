@@ -19,7 +19,7 @@ before/after measurements)."""
 from __future__ import annotations
 
 import os
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -134,6 +134,43 @@ class AdamEpilogue:
             # an overflow check, which DeepSpeed would have applied) is the one case they run ahead
             counters.host.add_(1.0)
             counters.value += 1.0
+
+    @torch.no_grad()
+    def step_ranges(self, g: int, grad: torch.Tensor, ranges: Sequence[tuple[int, int]],
+                    out_chunks: Sequence[Optional[torch.Tensor]], grad_norm: torch.Tensor, loss_scale: float,
+                    max_grad_norm: float, after: Callable[[int], None]) -> None:
+        """Group g holds one flat parameter (a ZeRO partition) and `grad` its gradient: steps it range by
+        range ([start, end) tiling it), the 16-bit copy of range k going to out_chunks[k], and calls
+        after(k) once range k is queued, so work on it (its all-gather) overlaps the next ranges."""
+        from deepspeed_c.ops.cuda_multi_tensor import fused_adam_epilogue_
+
+        group = self.optimizer.param_groups[g]
+        (param,) = group["params"]
+        (state,) = self._states([param])
+        counters = self._counter(g, [state], param.device)
+        beta1, beta2 = group["betas"]
+        flat = [param.detach().view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)]
+        grad = grad.view(-1)
+        # every range must read the count before this step; the kernel advances the counter it is given,
+        # so all but the last range get a scratch copy of it
+        scratch = torch.empty_like(counters.device) if len(ranges) > 1 else None
+        for k, (start, end) in enumerate(ranges):
+            step = counters.device
+            if k < len(ranges) - 1:
+                assert scratch is not None
+                step = scratch.copy_(counters.device)
+            p, m, v = (t[start:end] for t in flat)
+            out = out_chunks[k]
+            fused_adam_epilogue_(
+                [grad[start:end]], [p], [m], [v], step=step, grad_norm=grad_norm,
+                model_params=None if out is None else [out.view(-1)], lr=float(group["lr"]),
+                betas=(float(beta1), float(beta2)), eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]), adam_w_mode=self.adam_w_mode,
+                bias_correction=bool(group.get("bias_correction", True)), loss_scale=float(loss_scale),
+                max_grad_norm=float(max_grad_norm))
+            after(k)
+        counters.host.add_(1.0)
+        counters.value += 1.0
 
 
 def device_global_norm(tensors: Sequence[torch.Tensor], group: Any = None, world_size: int = 1) -> torch.Tensor:

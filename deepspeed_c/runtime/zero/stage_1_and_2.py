@@ -9,6 +9,9 @@ reduce-scattered in the same layout (grad_partition.ZeroGradPartitioner: stage 2
 stage 1 on the accumulation boundary); the step checks overflow and computes the clipping coefficient
 from one all-reduce of the partitions' squared norm, steps, and all-gathers the updated weights in the
 model's dtype back into the model parameters, one collective per bucket (param_gather.BucketGatherer).
+The parameters are views of one flat buffer per group in the plan's layout (flat_model_params, as
+DeepSpeed's bit16_groups_flat), so each gather writes straight into them; with the fused epilogue a
+bucket's chunk is stepped, written into this rank's slot and gathered in place while the next steps.
 With offload_optimizer the host side is offload.CPUOffload: gradients staged to pinned host memory as
 their buckets finish, the C CPU optimizer stepping in sub-chunks whose results go back to the device
 and into their bucket's all-gather while it steps the next.
@@ -32,6 +35,7 @@ from deepspeed_c.runtime.fused_epilogue import AdamEpilogue, device_global_norm
 from deepspeed_c.runtime.grad_norm import scale_
 from deepspeed_c.runtime.optimizer_seam import EngineOptimizer, SavedCheckpoint
 from deepspeed_c.runtime.step_sequence import StepOutcome, overflow_checked_step
+from deepspeed_c.runtime.zero.flat_model_params import FlatModelParams
 from deepspeed_c.runtime.zero.grad_partition import ZeroGradPartitioner
 from deepspeed_c.runtime.zero.offload import SUB_CHUNK as OFFLOAD_SUB_CHUNK
 from deepspeed_c.runtime.zero.offload import CPUOffload
@@ -134,6 +138,7 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
             use_reduce_scatter=reduce_scatter, prescale_gradients=prescale_gradients,
             gradient_predivide_factor=gradient_predivide_factor, gradient_average=gradient_average,
             sequence_parallel_size=sequence_parallel_size)
+        self.flat_params: Optional[FlatModelParams] = None
         self.gatherer = self._weights_writer()
         self.offload: Optional[CPUOffload] = None
         if offload_device == "cpu":
@@ -170,9 +175,13 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
         return plan, flat
 
     def _weights_writer(self) -> Any:
-        """Where updated partitions go, bucket by bucket (submit/finish): all-gathered into the model."""
+        """Where updated partitions go, bucket by bucket (submit/finish): all-gathered into the model,
+        whose parameters become views of one flat buffer per group (the gathers' destination)."""
+        self.flat_params = FlatModelParams(self.partition_plans, self.bit16_groups)
+        self.flat_params.ensure()
         return BucketGatherer(self.partition_plans, self.bit16_groups, world_size=self.world_size,
-                              group=self.dp_process_group, cap=self.allgather_bucket_size)
+                              group=self.dp_process_group, cap=self.allgather_bucket_size, rank=self.rank,
+                              flat=self.flat_params)
 
     # -- the optimizer face ------------------------------------------------------------------------
     @property
@@ -313,6 +322,8 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
     def drop_device_scratch(self) -> None:
         """Device buffers rebuilt on demand (after states moved between devices)."""
         self._lp_out = None
+        if self.flat_params is not None:  # the parameters moved out of it: rebuilt at the next gather
+            self.flat_params.drop()
         if self.epilogue is not None:
             self.epilogue.reset()
 
@@ -379,6 +390,8 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
         """Returns True when the step was skipped for overflow (DeepSpeed's convention)."""
         if not self.ignore_unused_parameters:
             self._refuse_unused_parameters()
+        if self.flat_params is not None:
+            self.flat_params.ensure()
         parts = self._grad_partitions()
         if self._tp_norm is not None:  # AutoTP: the unsharded model's norm (one host read, as the fp16 path has)
             tp_norm = math.sqrt(self._tp_sq_norm(parts))
@@ -424,16 +437,35 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
         self._gather_from_masters()
 
     def _fused_apply(self, parts: Sequence[torch.Tensor], norm: torch.Tensor, loss_scale: float) -> None:
-        lp_dtype = self.bit16_groups[0][0].dtype
-        out = None
-        if lp_dtype in (torch.float16, torch.bfloat16):
-            if self._lp_out is None:
-                self._lp_out = [torch.empty(m.numel(), dtype=lp_dtype, device=m.device) for m in self.fp32_partitions]
-            out = self._lp_out
+        """Bucket by bucket: the epilogue steps the bucket's chunk of the partition, writing its 16-bit copy
+        (into this rank's slot of the flat model buffer where there is one), and the chunk's all-gather
+        goes out while the next chunk steps."""
+        sixteen = self.bit16_groups[0][0].dtype in (torch.float16, torch.bfloat16)
         assert self.epilogue is not None
-        self.epilogue.step([[p] for p in parts], None if out is None else [[t] for t in out], norm, loss_scale,
-                           self.clip_grad)
-        self._gather_chunks(out if out is not None else [m.detach() for m in self.fp32_partitions])
+        for g, part in enumerate(parts):
+            ranges = [self.reducer.chunk_range(g, b) for b in range(self.partition_plans[g].num_buckets)]
+            master = self.fp32_partitions[g].detach()
+            outs = [self._lp_chunk(g, b, start, end) if sixteen else None for b, (start, end) in enumerate(ranges)]
+
+            def gather(b: int, g: int = g, master: torch.Tensor = master, outs: list = outs,
+                       ranges: list = ranges) -> None:
+                chunk = outs[b]
+                self.gatherer.submit(g, b, chunk if chunk is not None else master[slice(*ranges[b])])
+
+            self.epilogue.step_ranges(g, part, ranges, outs, norm, loss_scale, self.clip_grad, gather)
+        self.gatherer.finish()
+
+    def _lp_chunk(self, g: int, b: int, start: int, end: int) -> torch.Tensor:
+        """Where the epilogue writes the 16-bit copy of bucket b's chunk: this rank's slot of the flat model
+        buffer (its gather then runs in place), else a partition-sized scratch."""
+        own_slot = getattr(self.gatherer, "own_slot", None)
+        slot = None if own_slot is None else own_slot(g, b)
+        if slot is not None:
+            return slot
+        if self._lp_out is None:
+            lp_dtype = self.bit16_groups[0][0].dtype
+            self._lp_out = [torch.empty(m.numel(), dtype=lp_dtype, device=m.device) for m in self.fp32_partitions]
+        return self._lp_out[g][start:end]
 
     def _refuse_unused_parameters(self) -> None:
         """zero_optimization.ignore_unused_parameters=false: DeepSpeed asserts when a trainable
@@ -480,6 +512,8 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
     @_states_resident
     def refresh_model_params(self) -> None:
         """Model parameters re-filled from the fp32 masters of every rank (after loading a checkpoint)."""
+        if self.flat_params is not None:
+            self.flat_params.ensure()
         self._gather_from_masters()
 
     def offload_stats(self) -> Optional[dict[str, float]]:
