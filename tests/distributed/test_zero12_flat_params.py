@@ -140,3 +140,31 @@ def test_repointed_params_are_flattened_again(stage: int, disturb: str) -> None:
     for c, m in zip(calm, moved):
         assert m["losses"] == c["losses"], (m["losses"], c["losses"])
         assert m["weights"] == c["weights"]
+
+
+def test_flat_buffer_views_refresh_and_fallback() -> None:
+    """One process, the class alone: views at the plan's offsets keep the values; a re-pointed parameter
+    is taken back in with its new values; a group of mixed dtypes (or a tensor subclass) stays as it is."""
+    from deepspeed_c.ops.partition import DEEPSPEED_ALIGNMENT, PartitionPlan
+    from deepspeed_c.runtime.zero.flat_model_params import FlatModelParams
+
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 300, 7)]
+    values = [p.detach().clone() for p in params]
+    plan = PartitionPlan.build([p.numel() for p in params], 4, 128, DEEPSPEED_ALIGNMENT, [2, 1, 0])
+    flat = FlatModelParams([plan], [params])
+    flat.ensure()
+    buf = flat.buffers[0]
+    assert buf is not None and buf.numel() == plan.runtime_total
+    for p, v, off in zip(params, values, plan.param_offset):
+        assert p.data_ptr() == buf.data_ptr() + off * 4 and torch.equal(p.detach(), v)
+    slot = flat.own_slot(0, 0, 3, 4)
+    assert slot is not None and slot.numel() == plan.bucket_size[0] // 4
+    params[1].data = torch.full((300,), 7.0)
+    flat.ensure()
+    assert flat.buffers[0] is not buf and torch.equal(params[1].detach(), torch.full((300,), 7.0))
+    assert params[1].data_ptr() == flat.buffers[0].data_ptr() + plan.param_offset[1] * 4
+    mixed = [torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(4, dtype=torch.float64))]
+    ptrs = [p.data_ptr() for p in mixed]
+    other = FlatModelParams([PartitionPlan.build([4, 4], 2, 64, DEEPSPEED_ALIGNMENT, [1, 0])], [mixed])
+    other.ensure()
+    assert other.bucket(0, 0) is None and [p.data_ptr() for p in mixed] == ptrs

@@ -4,9 +4,9 @@ group's partition plan (runtime layout), as DeepSpeed's bit16_groups_flat.
 With the parameters inside the buffer, a bucket's all-gather writes the updated weights straight into
 the model: no gather buffer, no copy out of it; and the optimizer epilogue can write this rank's
 16-bit chunk into its own slot of the bucket, so the all-gather runs in place. A group qualifies when
-its parameters share one dtype and device. Anything that later re-points a parameter's `.data`
-(offload_states, a dtype change, a load that assigns instead of copying) is noticed before the next
-gather, and the group is flattened again from the parameters' current values."""
+its parameters are plain tensors sharing one dtype and device. Anything that later re-points a
+parameter's `.data` (offload_states, a dtype change, a load that assigns instead of copying) is noticed
+before the next gather, and the group is flattened again from the parameters' current values."""
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -29,8 +29,10 @@ class FlatModelParams:
         if not params:
             return False
         dtype, device = params[0].dtype, params[0].device
+        # tensor subclasses (DTensor, quantized weights) keep their own storage
         return device.type != "meta" and all(
-            p.dtype == dtype and p.device == device and p.layout == torch.strided for p in params)
+            type(p.data) is torch.Tensor and p.dtype == dtype and p.device == device and p.layout == torch.strided
+            for p in params)
 
     def _aliased(self, g: int) -> bool:
         ptrs = self._ptrs[g]
