@@ -1,5 +1,6 @@
 """ZeRO-1/2 model parameters live in one flat buffer per parameter group (runtime/zero/flat_model_params.py),
 laid out as the group's partition plan, and the step's all-gathers write straight into it.
+The engine's model checkpoints its activations (deepspeed_c.checkpointing) and has two outputs and a frozen bias.
 
 Across real ranks (gloo, 2 and 4; NCCL under DSC_TEST_BACKEND=nccl): after initialize every trainable
 parameter is a view of its group's buffer at the plan's offset (frozen ones are left alone); training with
@@ -23,15 +24,25 @@ STEPS, DISTURB_AT, GAS, MICRO, LR, CLIP = 6, 3, 2, 2, 1e-2, 0.05
 
 class TwoHeads(torch.nn.Module):
 
-    def __init__(self) -> None:
+    def __init__(self, checkpointed: bool = False) -> None:
         super().__init__()
+        self.checkpointed = checkpointed
         self.body = torch.nn.Linear(12, 24)
+        self.mid = torch.nn.Linear(24, 24)
         self.head_a = torch.nn.Linear(24, 3)
         self.head_b = torch.nn.Linear(24, 5)
         self.body.bias.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = torch.tanh(self.body(x))
+        # activation checkpointing (DeepSpeed's API; its input requires grad, as a transformer block's
+        # hidden states do) on the engine's side only
+        if self.checkpointed:
+            import deepspeed_c
+
+            h = deepspeed_c.checkpointing.checkpoint(lambda t: torch.tanh(self.mid(t)), h)
+        else:
+            h = torch.tanh(self.mid(h))
         return self.head_a(h), self.head_b(h)
 
 
@@ -66,7 +77,7 @@ def _body(rank: int, world: int, stage: int, disturb: str, save_dir: str, dtype:
     from deepspeed_c.utils import safe_get_full_fp32_param
 
     torch.manual_seed(0)
-    model = TwoHeads()
+    model = TwoHeads(checkpointed=True)
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "steps_per_print": 10**9,
            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}}, "gradient_clipping": CLIP,
            "bf16": {"enabled": dtype == "bf16"},
