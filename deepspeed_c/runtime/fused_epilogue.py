@@ -103,6 +103,14 @@ class AdamEpilogue:
             counters = self._counters[g] = _GroupCounters(states, device)
         return counters
 
+    def _hyper(self, group: dict[str, Any], loss_scale: float, max_grad_norm: float) -> dict[str, Any]:
+        """The kernel's hyperparameters from a param group (read every step: schedulers change them)."""
+        beta1, beta2 = group["betas"]
+        return dict(lr=float(group["lr"]), betas=(float(beta1), float(beta2)), eps=float(group["eps"]),
+                    weight_decay=float(group["weight_decay"]), adam_w_mode=self.adam_w_mode,
+                    bias_correction=bool(group.get("bias_correction", True)), loss_scale=float(loss_scale),
+                    max_grad_norm=float(max_grad_norm))
+
     @torch.no_grad()
     def step(self, grads: Sequence[Sequence[torch.Tensor]], out_params: Optional[Sequence[Sequence[torch.Tensor]]],
              grad_norm: torch.Tensor, loss_scale: float, max_grad_norm: float,
@@ -120,16 +128,12 @@ class AdamEpilogue:
                 continue
             states = self._states(params_g)
             counters = self._counter(g, states, params_g[0].device)
-            beta1, beta2 = group["betas"]
             fused_adam_epilogue_(
                 [t.view(-1) for t in grads[g]], [p.view(-1) for p in params_g],
                 [s["exp_avg"].view(-1) for s in states], [s["exp_avg_sq"].view(-1) for s in states],
                 step=counters.device, grad_norm=grad_norm, found_inf=found_inf,
                 model_params=None if out_params is None else [t.view(-1) for t in out_params[g]],
-                lr=float(group["lr"]), betas=(float(beta1), float(beta2)), eps=float(group["eps"]),
-                weight_decay=float(group["weight_decay"]), adam_w_mode=self.adam_w_mode,
-                bias_correction=bool(group.get("bias_correction", True)), loss_scale=float(loss_scale),
-                max_grad_norm=float(max_grad_norm))
+                **self._hyper(group, loss_scale, max_grad_norm))
             # the host counters assume the step was taken: a skipped step (non-finite gradients without
             # an overflow check, which DeepSpeed would have applied) is the one case they run ahead
             counters.host.add_(1.0)
@@ -148,7 +152,7 @@ class AdamEpilogue:
         (param,) = group["params"]
         (state,) = self._states([param])
         counters = self._counter(g, [state], param.device)
-        beta1, beta2 = group["betas"]
+        hyper = self._hyper(group, loss_scale, max_grad_norm)
         flat = [param.detach().view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)]
         grad = grad.view(-1)
         # every range must read the count before this step; the kernel advances the counter it is given,
@@ -161,13 +165,8 @@ class AdamEpilogue:
                 step = scratch.copy_(counters.device)
             p, m, v = (t[start:end] for t in flat)
             out = out_chunks[k]
-            fused_adam_epilogue_(
-                [grad[start:end]], [p], [m], [v], step=step, grad_norm=grad_norm,
-                model_params=None if out is None else [out.view(-1)], lr=float(group["lr"]),
-                betas=(float(beta1), float(beta2)), eps=float(group["eps"]),
-                weight_decay=float(group["weight_decay"]), adam_w_mode=self.adam_w_mode,
-                bias_correction=bool(group.get("bias_correction", True)), loss_scale=float(loss_scale),
-                max_grad_norm=float(max_grad_norm))
+            fused_adam_epilogue_([grad[start:end]], [p], [m], [v], step=step, grad_norm=grad_norm,
+                                 model_params=None if out is None else [out.view(-1)], **hyper)
             after(k)
         counters.host.add_(1.0)
         counters.value += 1.0

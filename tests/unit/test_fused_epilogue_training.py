@@ -1,7 +1,7 @@
 """The fused optimizer epilogue on the training path (runtime/fused_epilogue.py).
 
-CPU (CI): which optimizers take it (Adam, AdamW, FusedAdam; not amsgrad, maximize or others), and
-that CPU engines never do.
+CPU (CI): which optimizers take it (Adam, AdamW, FusedAdam; not amsgrad, maximize or others), that
+CPU engines never do, and how ZeRO's bucket-by-bucket step drives the kernel (a stand-in for it).
 CUDA (the GPU machine): engines at ZeRO stages 0, 1 and 2 in bf16, fp16 and fp32 with Adam, AdamW
 and FusedAdam, gradient clipping that bites and accumulation 2, trained 6 steps with the epilogue
 and with it turned off (DSC_FUSED_EPILOGUE=0: separate unscale/clip/step/cast passes) from the same
@@ -47,6 +47,37 @@ def test_engine_takes_the_epilogue_on_cuda_only() -> None:
     engine, *_ = deepspeed_c.initialize(model=MLP().bfloat16(), config=cfg)
     assert (engine.optimizer.epilogue is not None) == (engine.device.type == "cuda")
     engine.destroy()
+
+
+def test_ranges_read_the_pre_step_count_and_advance_it_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """step_ranges (ZeRO's bucket-by-bucket step) on CPU with a stand-in kernel that does what the CUDA one
+    does to its counter (+1 per call): every range sees the count before the step, the group's counter
+    advances once, the ranges tile the partition in order with the group's hyperparameters, and after(k)
+    follows range k's launch."""
+    import deepspeed_c.ops.cuda_multi_tensor as cmt
+
+    seen: list[tuple] = []
+
+    def kernel(grads: list, params: list, exp_avgs: list, exp_avg_sqs: list, *, step: torch.Tensor,
+               grad_norm: torch.Tensor, model_params: Any = None, **hyper: Any) -> None:
+        seen.append(("range", params[0].numel(), float(step), hyper["lr"], hyper["weight_decay"],
+                     hyper["loss_scale"]))
+        step += 1.0
+
+    monkeypatch.setattr(cmt, "fused_adam_epilogue_", kernel)
+    p = torch.nn.Parameter(torch.zeros(10))
+    opt = torch.optim.AdamW([p], lr=0.1, weight_decay=0.02)
+    epi = AdamEpilogue(opt, True)
+    ranges = [(0, 4), (4, 7), (7, 10)]
+    for _ in range(2):
+        epi.step_ranges(0, torch.ones(10), ranges, [None] * 3, torch.ones(1), 2.0, 1.0,
+                        lambda k: seen.append(("after", k)))
+    want = []
+    for i, count in zip(range(0, 12, 2), (0.0, 0.0, 0.0, 1.0, 1.0, 1.0)):
+        k = (i // 2) % 3
+        want += [("range", ranges[k][1] - ranges[k][0], count, 0.1, 0.02, 2.0), ("after", k)]
+    assert seen == want
+    assert float(epi._counters[0].device) == 2.0 and float(opt.state[p]["step"]) == 2.0
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused epilogue runs on CUDA")
