@@ -54,15 +54,18 @@ def test_ranges_read_the_pre_step_count_and_advance_it_once(monkeypatch: pytest.
     does to its counter (+1 per call): every range sees the count before the step, the group's counter
     advances once, the ranges tile the partition in order with the group's hyperparameters, and after(k)
     follows range k's launch."""
+    import inspect
+
     import deepspeed_c.ops.cuda_multi_tensor as cmt
 
+    real = inspect.signature(cmt.fused_adam_epilogue_)
     seen: list[tuple] = []
 
-    def kernel(grads: list, params: list, exp_avgs: list, exp_avg_sqs: list, *, step: torch.Tensor,
-               grad_norm: torch.Tensor, model_params: Any = None, **hyper: Any) -> None:
-        seen.append(("range", params[0].numel(), float(step), hyper["lr"], hyper["weight_decay"],
-                     hyper["loss_scale"]))
-        step += 1.0
+    def kernel(*args: Any, **kwargs: Any) -> None:
+        a = real.bind(*args, **kwargs).arguments  # the call must fit the real kernel's signature
+        seen.append(("range", a["params"][0].numel(), float(a["step"]), a["lr"], a["weight_decay"],
+                     a["loss_scale"]))
+        a["step"] += 1.0
 
     monkeypatch.setattr(cmt, "fused_adam_epilogue_", kernel)
     p = torch.nn.Parameter(torch.zeros(10))
