@@ -24,10 +24,9 @@ def _comm() -> Any:
 class BucketGatherer:
 
     def __init__(self, plans: Sequence[PartitionPlan], groups: Sequence[Sequence[torch.nn.Parameter]], *,
-                 world_size: int, group: Any = None, cap: int = int(5e8), rank: int = 0,
+                 world_size: int, group: Any = None, cap: int = int(5e8),
                  flat: Optional[FlatModelParams] = None) -> None:
         self.plans = list(plans)
-        self.rank = rank
         self.flat = flat
         self.groups = [list(g) for g in groups]
         self.world_size = world_size
@@ -69,11 +68,6 @@ class BucketGatherer:
         self.collectives += 1
         self._pending.append((work, full, g, b))
         self._in_flight += size
-
-    def own_slot(self, g: int, b: int) -> Optional[torch.Tensor]:
-        """Where this rank's updated chunk of bucket b may be written so that its gather runs in place
-        (None: the group is not flat)."""
-        return None if self.flat is None else self.flat.own_slot(g, b, self.rank, self.world_size)
 
     def _finish_oldest(self) -> None:
         work, full, g, b = self._pending.pop(0)

@@ -183,8 +183,7 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
         self.flat_params = FlatModelParams(self.partition_plans, self.bit16_groups)
         self.flat_params.ensure()
         return BucketGatherer(self.partition_plans, self.bit16_groups, world_size=self.world_size,
-                              group=self.dp_process_group, cap=self.allgather_bucket_size, rank=self.rank,
-                              flat=self.flat_params)
+                              group=self.dp_process_group, cap=self.allgather_bucket_size, flat=self.flat_params)
 
     # -- the optimizer face ------------------------------------------------------------------------
     @property
@@ -461,8 +460,7 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
     def _lp_chunk(self, g: int, b: int, start: int, end: int) -> torch.Tensor:
         """Where the epilogue writes the 16-bit copy of bucket b's chunk: this rank's slot of the flat model
         buffer (its gather then runs in place), else a partition-sized scratch."""
-        own_slot = getattr(self.gatherer, "own_slot", None)
-        slot = None if own_slot is None else own_slot(g, b)
+        slot = None if self.flat_params is None else self.flat_params.own_slot(g, b, self.rank, self.world_size)
         if slot is not None:
             return slot
         if self._lp_out is None:
