@@ -120,12 +120,15 @@ class PipelineModule(nn.Module):
                              f"{self._num_layers} layers: every stage needs at least one layer")
         self.parts = partition_layers(self._layer_specs, parts_n, self.partition_method, self._count_params)
         self.virtual_stages = virtual_stages
-        for name in list(self._modules):
-            del self._modules[name]
+        # only what the previous build registered goes: a loss module (loss_fn=torch.nn.CrossEntropyLoss(),
+        # as DeepSpeed's tutorial passes it) or modules a subclass registered stay
+        for name in getattr(self, "_built_module_names", ()):
+            self._modules.pop(name, None)
         self.forward_funcs: list = []
         self.fwd_map: dict[str, int] = {}
         self.tied_modules = nn.ModuleDict()
         self.tied_weight_attrs: dict[str, list[str]] = {}
+        self._built_module_names: list[str] = ["tied_modules"]  # _add_layer appends each layer's name
         self._layer_ids: list[int] = []  # global layer index of each forward_funcs entry
         self._chunk_ranges: list[tuple[int, int]] = []  # per chunk, its slice of forward_funcs
         for c in range(virtual_stages):
@@ -193,6 +196,7 @@ class PipelineModule(nn.Module):
         self.forward_funcs.append(module)
         self.fwd_map[name] = len(self.forward_funcs) - 1
         self.add_module(name, module)
+        self._built_module_names.append(name)
 
     def _index_tied_modules(self) -> dict:
         """Per tie key held here: the ranks (one per stage holding it, same data index) and their group.
