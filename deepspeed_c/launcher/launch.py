@@ -16,6 +16,9 @@ a short grace (all within 5 seconds), and the launcher exits with that rank's co
 a rank killed by signal N). SIGINT or SIGTERM to the launcher is passed to every rank the same
 way; the launcher then exits with 128 + the signal number. Ranks run in their own process
 groups with a parent-death signal, so nothing they start outlives the launcher.
+
+Port: on node 0 the launcher checks that --master_port is free before starting any rank; a port
+in use ends the launch with exit code 1 and a message naming the port (see port_check.py).
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from typing import IO, Sequence
 from deepspeed_c.launcher.constants import (CROSS_RANK, CROSS_SIZE, PID_FILE_BASEPATH, POLL_INTERVAL_S,
                                             TORCH_DISTRIBUTED_DEFAULT_PORT)
 from deepspeed_c.launcher import numa
+from deepspeed_c.launcher.port_check import MasterPortInUseError, check_master_port
 from deepspeed_c.launcher.procs import SignalLatch, exit_code_of, group_alive, spawn, stop_ranks
 from deepspeed_c.launcher.resources import count_local_gpus, decode_world_info
 from deepspeed_c.utils.logging import logger
@@ -117,6 +121,12 @@ def main(args: Sequence[str] | None = None) -> int:
     logger.info(f"WORLD INFO DICT: {dict(world_info)}")
     logger.info(f"nnodes={len(nodes)}, num_local_procs={num_local}, node_rank={ns.node_rank}")
 
+    if ns.node_rank == 0:  # rank 0 (first_rank 0) serves the rendezvous store from this node
+        try:
+            check_master_port(ns.master_port, ns.master_addr)
+        except MasterPortInUseError as err:
+            print(err, file=sys.stderr, flush=True)  # the message is the whole story: no traceback
+            return 1
     env = os.environ.copy()
     gpus = count_local_gpus()
     if gpus > 0:

@@ -55,9 +55,22 @@ _MONITOR_SECTIONS = (("tensorboard", "TensorBoardConfig"), ("wandb", "WandbConfi
 _NOTED_DEFAULTS: set[str] = set()
 
 
+def _global_rank() -> int:
+    """This process's rank in the job: the process group's when there is one, else the launcher's RANK."""
+    import torch.distributed as tdist
+
+    if tdist.is_available() and tdist.is_initialized():
+        return tdist.get_rank()
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
 def note_changed_default(key: str, old: str, new: str) -> None:
-    """Once per process: a config relies on a default that changed between DeepSpeed releases."""
-    if key in _NOTED_DEFAULTS:
+    """Once per job: a config relies on a default that changed between DeepSpeed releases. Every rank
+    parses the same config, so rank 0 speaks for all (N copies of one note bury the other output)."""
+    if key in _NOTED_DEFAULTS or _global_rank() != 0:
         return
     _NOTED_DEFAULTS.add(key)
     from deepspeed_c.utils.logging import logger
