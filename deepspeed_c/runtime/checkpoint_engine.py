@@ -253,55 +253,54 @@ class EngineCheckpointer:
                 store.write_bytes_atomic(os.path.join(save_dir, "zero_to_fp32.py"), f.read())
 
     # -- load -----------------------------------------------------------------------------------
+    # load_checkpoint is collective, and a rank whose read fails (a damaged file, a missing tag on its
+    # node) must not leave the others waiting in the load's collectives until the process group times
+    # out. So every rank-local read runs under rank_local_step before the next collective, and the whole
+    # load runs under one more: a failure after the last collective (the optimizer's state applied, the
+    # reducers' order file) still raises on every rank.
     def load(self, engine: Any, load_dir: str, tag: Any, load_module_strict: bool, load_optimizer_states: bool,
              load_lr_scheduler_states: bool, load_module_only: bool,
              custom_load_fn: Optional[Callable]) -> tuple[Optional[str], Any]:
         load_dir = check_dir_arg("load_checkpoint", "load_dir", load_dir)
         if custom_load_fn is not None and not callable(custom_load_fn):
             raise TypeError(f"load_checkpoint: custom_load_fn must be callable, got {type(custom_load_fn).__name__}")
+        with rank_local_step("load_checkpoint", distributed=_dist()):
+            return self._load(engine, load_dir, tag, load_module_strict, load_optimizer_states,
+                              load_lr_scheduler_states, load_module_only, custom_load_fn)
+
+    def _load(self, engine: Any, load_dir: str, tag: Any, load_module_strict: bool, load_optimizer_states: bool,
+              load_lr_scheduler_states: bool, load_module_only: bool,
+              custom_load_fn: Optional[Callable]) -> tuple[Optional[str], Any]:
         if tag is None:
-            tag = store.read_latest(load_dir)
-            if nodes.node_local_enabled(engine):  # each node read its own `latest`
-                tag = nodes.agree_on_latest(tag, load_dir)
+            with rank_local_step("load_checkpoint (reading the latest file)", distributed=_dist()):
+                tag = store.read_latest(load_dir)
+            if _dist():  # ranks resuming from different tags would silently diverge
+                tag = nodes.agree_on_latest(tag, load_dir, nodes.node_local_enabled(engine))
             if tag is None:
                 logger.warning(f"Unable to find latest file at {os.path.join(load_dir, store.LATEST_NAME)} "
                                f"(directory holds: {store.listing(load_dir)}); pass an explicit tag or save a "
                                "checkpoint with save_latest=True")
                 return None, None
         tag = str(tag)
-        # node-local: a node lacking the tag must fail every rank, not leave the others in a collective
         dp_rank = engine.get_data_parallel_rank() if engine.dp_world_size > 1 else 0
-        with rank_local_step("load_checkpoint (reading this node's checkpoint)",
-                             distributed=nodes.node_local_enabled(engine)):
+        # every file this rank reads before the optimizer's collectives (ZeRO-3: its own model-states file)
+        with rank_local_step("load_checkpoint (reading this rank's model states)", distributed=_dist()):
             tag_dir, manifest, state, model_file, model_rank = self._open_tag(load_dir, tag, dp_rank)
-        saved = SavedCheckpoint(tag_dir=tag_dir, manifest=manifest, model_state=state,
-                                bf16=engine.precision.bf16.enabled,
-                                load_from_fp32_weights=bool(engine._config.zero_config.load_from_fp32_weights),
-                                node_local=nodes.node_local_enabled(engine),
-                                partitioned_weights=model_rank is not None, model_rank=model_rank)
-        module_state = state["module"]
-        if engine.has_moe_layers:  # the experts this rank holds now, from the expert files
-            from deepspeed_c.runtime import checkpoint_moe
-
-            checkpoint_moe.check_supported(engine)
-            module_state = {**module_state, **checkpoint_moe.load_experts(engine, tag_dir, manifest)}
-        if saved.partitioned_weights:
-            if not engine.zero_optimization():
-                raise NotImplementedError(
-                    f"load_checkpoint: {tag_dir} is a ZeRO stage-3 checkpoint (its weights are partitioned over its "
-                    "ZeRO files) and this engine runs without ZeRO; load it into a ZeRO engine, or recover whole "
-                    "weights with zero_to_fp32 and load those")
-            if not engine.zero_optimization_partition_weights() and custom_load_fn is None:
-                # an engine keeping whole parameters gets each frozen one from every rank's fragments
-                from deepspeed_c.runtime.checkpoint_zero3 import whole_frozen_params
-
-                module_state = dict(module_state)
-                module_state.update(whole_frozen_params(tag_dir, manifest, state, model_rank))
-        self._load_module(engine, module_state, load_module_strict, custom_load_fn)
+            saved = SavedCheckpoint(tag_dir=tag_dir, manifest=manifest, model_state=state,
+                                    bf16=engine.precision.bf16.enabled,
+                                    load_from_fp32_weights=bool(engine._config.zero_config.load_from_fp32_weights),
+                                    node_local=nodes.node_local_enabled(engine),
+                                    partitioned_weights=model_rank is not None, model_rank=model_rank)
+            module_state = self._module_state(engine, saved, custom_load_fn)
+        # a mismatch with this rank's model raises on every rank (the guards must stay in step on all ranks)
+        with rank_local_step("load_checkpoint (applying the module's weights)", distributed=_dist()):
+            self._load_module(engine, module_state, load_module_strict, custom_load_fn)
         if not load_module_only:
             if not engine.has_moe_layers or engine.zero_optimization():
                 self._load_optimizer(engine, saved, load_optimizer_states)
             elif load_optimizer_states and engine.stepper is not None:  # stage 0: the expp_rank files
+                from deepspeed_c.runtime import checkpoint_moe
+
                 checkpoint_moe.load_optimizer(engine, tag_dir, manifest)
             if load_optimizer_states and engine.stepper is not None:  # this rank's own file, where it has one
                 engine.stepper.load_rank_checkpoint_file(saved)
@@ -316,6 +315,30 @@ class EngineCheckpointer:
             engine.stepper.load_checkpoint_weights(saved)
         client = {k: v for k, v in state.items() if k not in DS_KEYS}
         return os.path.join(tag_dir, model_file), client
+
+    def _module_state(self, engine: Any, saved: SavedCheckpoint, custom_load_fn: Optional[Callable]) -> dict:
+        """The module state_dict to apply: the model-states file's, plus this rank's experts (MoE) and, for an
+        engine keeping whole parameters, a stage-3 checkpoint's frozen parameters from every rank's file."""
+        module_state = saved.model_state["module"]
+        if engine.has_moe_layers:  # the experts this rank holds now, from the expert files
+            from deepspeed_c.runtime import checkpoint_moe
+
+            checkpoint_moe.check_supported(engine)
+            module_state = {**module_state, **checkpoint_moe.load_experts(engine, saved.tag_dir, saved.manifest)}
+        if saved.partitioned_weights:
+            if not engine.zero_optimization():
+                raise NotImplementedError(
+                    f"load_checkpoint: {saved.tag_dir} is a ZeRO stage-3 checkpoint (its weights are partitioned over "
+                    "its ZeRO files) and this engine runs without ZeRO; load it into a ZeRO engine, or recover whole "
+                    "weights with zero_to_fp32 and load those")
+            if not engine.zero_optimization_partition_weights() and custom_load_fn is None:
+                # an engine keeping whole parameters gets each frozen one from every rank's fragments
+                from deepspeed_c.runtime.checkpoint_zero3 import whole_frozen_params
+
+                module_state = dict(module_state)
+                module_state.update(whole_frozen_params(saved.tag_dir, saved.manifest, saved.model_state,
+                                                        saved.model_rank))
+        return module_state
 
     def _open_tag(self, load_dir: str, tag: str, dp_rank: int = 0) -> tuple[str, Any, dict, str, Optional[int]]:
         """The tag's directory, its manifest, its model-states file, that file's name and, for a ZeRO-3

@@ -112,15 +112,17 @@ def save_scope(engine: Any, save_dir: str) -> StorageScope:
     return StorageScope(writer=lead and mine == min(group), members=members)
 
 
-def agree_on_latest(tag: Optional[str], load_dir: str) -> Optional[str]:
-    """The tag every node's `latest` names; raises when they differ (a save that one node committed
-    and another did not), since ranks resuming from different steps would silently diverge."""
+def agree_on_latest(tag: Optional[str], load_dir: str, node_local: bool = True) -> Optional[str]:
+    """The tag every rank's `latest` names; raises when they differ (a save that one node committed
+    and another did not, or ranks given load directories that hold different checkpoints), since
+    ranks resuming from different steps would silently diverge. Collective over the default group."""
     tags: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(tags, tag)
     if len(set(tags)) > 1:
         by_tag: dict[Any, list[int]] = {}
         for r, t in enumerate(tags):
             by_tag.setdefault(t, []).append(r)
-        raise RuntimeError(f"load_checkpoint: checkpoint.use_node_local_storage: the nodes' {load_dir}/latest name "
-                           f"different tags (tag: ranks) {by_tag}; pass the tag to load explicitly")
+        whose = "checkpoint.use_node_local_storage: the nodes'" if node_local else "the ranks'"
+        raise RuntimeError(f"load_checkpoint: {whose} {load_dir}/latest name different tags (tag: ranks) {by_tag} "
+                           "(None: no latest file); pass the tag to load explicitly")
     return tag

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,21 @@ def check_dir_arg(entry_point: str, name: str, value: Any) -> str:
 
 
 class RankFailed(RuntimeError):
-    """Raised on the ranks whose own part succeeded when another rank's part failed."""
+    """Raised on the ranks whose own part succeeded when another rank's part failed. `errors` maps each
+    failing rank (global rank) to its error as text, so this rank's message names what went wrong there
+    (the damaged file, the full disk) and not only where."""
+
+    def __init__(self, message: str, errors: Optional[dict[int, str]] = None) -> None:
+        super().__init__(message)
+        self.errors: dict[int, str] = dict(errors or {})
+
+
+_ERROR_CHARS = 2000  # of each failing rank's message carried to the others (a traceback stays on its rank)
+
+
+def _describe(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}"
+    return text if len(text) <= _ERROR_CHARS else text[:_ERROR_CHARS] + " ..."
 
 
 @contextlib.contextmanager
@@ -51,7 +65,17 @@ def rank_local_step(what: str, group: Any = None, distributed: bool | None = Non
         failed = int(flag.item())
     else:
         failed = 1 if error is not None else 0
+    if failed and distributed:
+        # every rank knows a rank failed, so all of them take part in this second, rare collective:
+        # the failures' text travels to the ranks that would otherwise only learn a rank number
+        texts: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(texts, (dist.get_rank(), _describe(error)) if error is not None else None, group=group)
+        errors = {r: t for r, t in (x for x in texts if x is not None)}
+    else:
+        errors = {0: _describe(error)} if error is not None else {}
     if error is not None:
         raise error
     if failed:
-        raise RankFailed(f"{what} failed on rank {failed - 1}; see that rank's error")
+        shown = "; ".join(f"rank {r}: {t}" for r, t in sorted(errors.items()))
+        raise RankFailed(f"{what} failed on rank {failed - 1} ({shown}); this rank's part succeeded, and every rank "
+                         "raises so that none waits for the failed one", errors)
