@@ -24,7 +24,13 @@ def _positive(value: Any, key: str) -> Optional[int]:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise DeepSpeedConfigError(f"Invalid value {value!r} for config key '{key}': expected an int > 0")
+        # DeepSpeed 0.19.8 reads these keys from the raw dict and fails on a string ("4" > 0 is a
+        # TypeError), unlike zero_optimization.stage, which its pydantic model coerces: refuse it too,
+        # but say which key and how to write it
+        hint = ""
+        if isinstance(value, str) and value.strip().isdigit() and int(value) > 0:
+            hint = f" (a JSON number: write {int(value)} without quotes, not the string {value!r})"
+        raise DeepSpeedConfigError(f"Invalid value {value!r} for config key '{key}': expected an int > 0{hint}")
     return value
 
 

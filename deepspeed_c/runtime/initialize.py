@@ -58,6 +58,8 @@ def initialize(args: Any = None,
     assert config is not None, "DeepSpeed requires --deepspeed_config to specify configuration file"
     if not isinstance(config, dict):
         config = _load(config)
+    if not _is_pipeline_module(model):  # a pipeline stage's parameters are the stage's, checked by its engine
+        model_parameters = _require_trainable(model, model_parameters, optimizer, config)
 
     from deepspeed_c.runtime.sequence_parallel.engine_view import SequenceDataParallelView, sequence_parallel_mpu
 
@@ -99,6 +101,55 @@ def initialize(args: Any = None,
                              dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
                              config_class=config_class)
     return (engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler)
+
+
+def _builds_optimizer(optimizer: Any, config: dict) -> bool:
+    """Whether initialize will make an optimizer over model_parameters (from the config or a callable)."""
+    if optimizer is not None:
+        return callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer)
+    section = config.get("optimizer")
+    return isinstance(section, dict) and isinstance(section.get("type"), str) and section["type"] != "auto"
+
+
+def _group_trains(item: Any) -> tuple[Any, bool]:
+    """(item, whether it holds a tensor that requires grad) for one entry of model_parameters: a tensor,
+    a (name, tensor) pair or a param-group dict (its "params" made a list so checking does not consume it)."""
+    if isinstance(item, dict):
+        params = item.get("params", [])
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        return dict(item, params=params), any(_group_trains(p)[1] for p in params)
+    if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor):
+        return item, item[1].requires_grad
+    return item, isinstance(item, torch.Tensor) and item.requires_grad
+
+
+def _require_trainable(model: torch.nn.Module, model_parameters: Any, optimizer: Any, config: dict) -> Any:
+    """Refuses to build an optimizer over nothing trainable, naming the cause (torch would only say
+    "optimizer got an empty parameter list", and a frozen list would train nothing, silently). Returns
+    model_parameters, made a list when it was an iterator (checking must not use it up)."""
+    if not _builds_optimizer(optimizer, config):
+        return model_parameters  # no optimizer (evaluation, inference): a frozen model is fine
+    given = model_parameters is not None
+    if given:
+        checked = [_group_trains(p) for p in model_parameters]
+        model_parameters = [p for p, _ in checked]
+        if any(trains for _, trains in checked):
+            return model_parameters
+        found = ("model_parameters is empty (did a requires_grad filter leave nothing?)" if not checked else
+                 f"none of the {len(checked)} entries of model_parameters has requires_grad=True")
+    else:
+        params = list(model.parameters())
+        if any(p.requires_grad for p in params):
+            return model_parameters
+        found = (f"{type(model).__name__} has no parameters" if not params else
+                 f"all {len(params)} parameters of {type(model).__name__} have requires_grad=False")
+    what = (f"the config's optimizer '{config['optimizer']['type']}'" if optimizer is None
+            else "the optimizer callable")
+    raise ValueError(
+        f"deepspeed_c.initialize: the model has no trainable parameters: {found}, so {what} would have "
+        "nothing to update. Expected at least one parameter with requires_grad=True: unfreeze what should "
+        "train (param.requires_grad_(True)) before initialize, or, to evaluate only, give no optimizer (no "
+        "'optimizer' section in the config, no optimizer argument).")
 
 
 def _is_pipeline_module(model: Any) -> bool:

@@ -25,8 +25,41 @@ def _cls(path: str) -> type:
     return getattr(importlib.import_module(module_name), name)
 
 
+def _is_number(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)) or isinstance(value, torch.Tensor)
+
+
+def _value_error(cls: type, key: str, value: Any, expected: str) -> DeepSpeedConfigError:
+    hint = ""
+    if isinstance(value, str):
+        try:
+            hint = f"; write it as a JSON number, without quotes: {float(value)!r}"
+        except ValueError:
+            pass
+    return DeepSpeedConfigError(f"Invalid value {value!r} for config key 'optimizer.params.{key}' "
+                                f"({cls.__name__}): expected {expected}{hint}")
+
+
+def _check_values(cls: type, params: dict[str, Any]) -> None:
+    """An argument whose default is a number (lr, eps, weight_decay, ...) or a tuple of numbers
+    (betas) must be given as one. DeepSpeed 0.19.8 hands these to the optimizer unchecked, and a
+    string such as "fast" or "1e-3" then fails in the optimizer (a comparison, or the first step's
+    float conversion) without naming the key; here it is refused at initialize, naming it."""
+    signature = inspect.signature(cls.__init__)
+    for key, value in params.items():
+        arg = signature.parameters.get(key)
+        default = arg.default if arg is not None else inspect.Parameter.empty
+        if _is_number(default) and not _is_number(value):
+            raise _value_error(cls, key, value, f"a number (e.g. {default!r})")
+        if isinstance(default, tuple) and default and all(_is_number(d) for d in default) and \
+                not (isinstance(value, (list, tuple)) and all(_is_number(v) for v in value)):
+            raise _value_error(cls, key, value, f"a list of {len(default)} numbers (e.g. {list(default)!r})")
+
+
 def _check_params(cls: type, params: dict[str, Any], extra_ok: Iterable[str] = ()) -> None:
-    """Every `optimizer.params` key must be a constructor argument of the class it goes to."""
+    """Every `optimizer.params` key must be a constructor argument of the class it goes to, and a
+    numeric argument must be a number."""
+    _check_values(cls, params)
     signature = inspect.signature(cls.__init__)
     if any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values()):
         return
