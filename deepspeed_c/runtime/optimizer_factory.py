@@ -89,9 +89,11 @@ def build_optimizer(name: str, params: Optional[dict[str, Any]], model_parameter
     on); None means "whenever device is the host". deepspeed: the engine, which the 1-bit optimizers
     (OneBitAdam, ZeroOneAdam, OneBitLamb) are given, as DeepSpeed's."""
     params = dict(params or {})
-    from deepspeed_c.runtime.fp16.onebit.factory import build_onebit_optimizer, is_onebit
+    from deepspeed_c.runtime.fp16.onebit.factory import ONEBIT_OPTIMIZERS, build_onebit_optimizer, is_onebit
 
     if is_onebit(name):
+        module_name, cls_name, _ = ONEBIT_OPTIMIZERS[name]
+        _check_values(_cls(f"{module_name}.{cls_name}"), params)
         return build_onebit_optimizer(name, params, model_parameters, deepspeed)
     on_gpu = device.type == "cuda"
     use_cpu_optimizer = (not on_gpu) if cpu_optimizer is None else bool(cpu_optimizer)

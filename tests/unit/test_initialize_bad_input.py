@@ -44,6 +44,7 @@ def _frozen() -> torch.nn.Module:
     ("Adam", {}),  # FusedAdam
     ("SGD", {}),  # a torch.optim class
     ("Adam", {"stage": 1, "offload_optimizer": {"device": "cpu"}}),  # DeepSpeedCPUAdam
+    ("OneBitAdam", {}),
 ])
 def test_non_numeric_lr_names_the_key(opt_type: str, zero: dict) -> None:
     cfg = _config(optimizer={"type": opt_type, "params": {"lr": "fast"}}, zero_optimization=zero)
