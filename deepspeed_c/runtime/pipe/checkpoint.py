@@ -1,191 +1,201 @@
-"""Per-layer pipeline checkpoint files in DeepSpeed's layout: `layer_XX[-model_YY]-model_states.pt`
-holding one layer's state_dict (keys relative to the layer), so any pipeline degree (or a plain
-model of the same layers) can load them: each stage reads the files of the layers it owns."""
+"""engine.save_checkpoint / load_checkpoint of a PipelineEngine, in DeepSpeed's pipeline layout,
+written and read through the engine's crash-safe store (checkpoint/store.py): every rank writes its
+files into the tag's staging directory, rank 0 adds the manifest of all of them, moves the directory
+into place and replaces `latest` last, so a crash at any point leaves the previous checkpoint (and
+`latest`) whole. Loading reads every file weights_only (checkpoint/safe_load.py: a file that names
+any other Python object is refused, nothing is executed) and verifies it against the manifest. Each
+step that only some ranks do, or that can fail on one rank, runs under collective_guard's
+rank_local_step, so a failure on any rank raises on every rank instead of leaving the others in a
+collective until the process group times out."""
 from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Optional
 
-import torch
+import torch.distributed as dist
 
+from deepspeed_c.checkpoint import store
+from deepspeed_c.runtime.collective_guard import check_dir_arg, rank_local_step
 
-def save_layer_files(module: Any, save_dir: str, exclude_frozen_params: bool = False,
-                     parallel_write: bool = False) -> None:
-    """Data-parallel rank 0 of each stage writes its layers that have a state_dict (a tied module
-    used through a forward_fn is saved by the stage where it appears as a plain module); with
-    checkpoint.parallel_write.pipeline_stage the stage's data-parallel ranks split the layers."""
-    dp_rank, dp = module._grid.data_parallel_id, module._grid.data_parallel_size
-    n = len(module.forward_funcs)
-    if parallel_write:
-        from .partition import partition_uniform
+from .layer_files import apply_layer_states, layer_file_states, read_layer_files
+from .layer_files import state_dict_from_layer_files  # noqa: F401 (its former home; callers import it here)
 
-        bounds = partition_uniform(n, dp)
-        start, stop = bounds[dp_rank], bounds[dp_rank + 1]
-    elif dp_rank != 0:
-        return
-    else:
-        start, stop = 0, n
-    os.makedirs(save_dir, exist_ok=True)
-    for idx in range(start, stop):
-        layer = module.forward_funcs[idx]
-        if not hasattr(layer, "state_dict"):
-            continue
-        sd = layer.state_dict()
-        if exclude_frozen_params:
-            for n, p in layer.named_parameters():
-                if not p.requires_grad:
-                    sd.pop(n, None)
-        # clone: a view would drag its whole storage into the file
-        sd = {k: v.detach().clone().cpu() for k, v in sd.items()}
-        path = module.ckpt_layer_path(save_dir, idx)
-        tmp = path + ".tmp"
-        torch.save(sd, tmp)
-        os.replace(tmp, path)
-
-
-def load_layer_files(module: Any, load_dir: str, strict: bool = True) -> None:
-    for idx, layer in enumerate(module.forward_funcs):
-        if not hasattr(layer, "load_state_dict"):
-            continue
-        files = module.ckpt_layer_path_list(load_dir, idx)
-        if not files:
-            layer_id = module._layer_ids[idx]
-            raise FileNotFoundError(f"no checkpoint file for layer {layer_id} in {load_dir} "
-                                    f"(expected layer_{layer_id:02d}-*model_states.pt)")
-        rank = module._grid.get_slice_parallel_rank()
-        path = files[rank] if len(files) > 1 else files[0]
-        sd = torch.load(path, map_location="cpu", weights_only=True)
-        layer.load_state_dict(sd, strict=strict)
-
-
-def state_dict_from_layer_files(ckpt_dir: str) -> dict:
-    """The layer files of a pipeline checkpoint as one state_dict keyed like torch.nn.Sequential's
-    ('<layer index>.<name>'), for loading into a non-pipeline model of the same layers."""
-    import glob
-    import re
-
-    out: dict = {}
-    for path in sorted(glob.glob(os.path.join(str(ckpt_dir), "layer_*-model_states.pt"))):
-        m = re.match(r"layer_(\d+)-", os.path.basename(path))
-        if m is None:
-            continue
-        for k, v in torch.load(path, map_location="cpu", weights_only=True).items():
-            out[f"{int(m.group(1))}.{k}"] = v
-    return out
+# keys of the stage files that are DeepSpeed's; everything else is client state
+DS_KEYS = frozenset({"module", "optimizer", "param_shapes", "lr_scheduler", "sparse_tensor_module_names",
+                     "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
+                     "ds_config", "ds_version"})
 
 
 def _state_file(stage: int) -> str:
     return f"mp_rank_{stage:02d}_model_states.pt"
 
 
+def _check_tag(tag: str) -> None:
+    # a leading '.' is the store's (.tag.partial staging, .tag.old during a re-save)
+    if not tag or os.sep in tag or tag.startswith("."):
+        raise ValueError(f"save_checkpoint: tag {tag!r} must be a non-empty name without '{os.sep}' or a "
+                         "leading '.'")
+
+
+def _tag_dir(load_dir: str, tag: str) -> str:
+    """The tag's directory; its previous copy when a re-save of the tag was interrupted between the
+    store's two renames (the old copy is whole then)."""
+    from deepspeed_c.utils.logging import logger
+
+    tag_dir = os.path.join(load_dir, tag)
+    previous = os.path.join(load_dir, f".{tag}.old")
+    if not os.path.isdir(tag_dir) and os.path.isdir(previous):
+        logger.warning(f"checkpoint {tag_dir} is missing; loading the previous copy {previous}")
+        return previous
+    if not os.path.isdir(tag_dir):
+        raise FileNotFoundError(f"load_checkpoint: checkpoint tag {tag!r} not found in {load_dir} "
+                                f"(directory holds: {store.listing(load_dir)})")
+    return tag_dir
+
+
 class PipeCheckpointer:
-    """engine.save_checkpoint / load_checkpoint of a PipelineEngine, in DeepSpeed's pipeline layout:
-    tag/layer_XX-model_states.pt (weights, per layer, so another pipeline degree can read them),
-    tag/mp_rank_{stage}_model_states.pt (module None; the stage's optimizer state, LR scheduler and
-    counters), ZeRO-1 tag/[bf16_]zero_pp_rank_{dp}_mp_rank_{stage}_optim_states.pt, each rank's own
-    optimizer file where the optimizer keeps one (1-bit: onebit_errors_rank_R_of_W.pt), and `latest`.
-    Optimizer states come back when the number of stages matches what was saved (ZeRO-1 from the
-    stage's ZeRO files, re-cut if the data-parallel degree differs); with another number of stages
-    the layers are re-partitioned and the optimizer states (and fp32 masters) found by parameter name
-    (optim_reshard.py), for fp32, bf16/fp16 and ZeRO-1 alike."""
+    """The files of a tag: layer_XX-model_states.pt (weights, per layer, so another pipeline degree
+    can read them), mp_rank_{stage}_model_states.pt (module None; the stage's optimizer state, LR
+    scheduler and counters), ZeRO-1 [bf16_]zero_pp_rank_{dp}_mp_rank_{stage}_optim_states.pt, each
+    rank's own optimizer file where the optimizer keeps one (1-bit: onebit_errors_rank_R_of_W.pt),
+    the store's dsc_manifest.json, and `latest` beside the tag. Optimizer states come back when the
+    number of stages matches what was saved (ZeRO-1 from the stage's ZeRO files, re-cut if the
+    data-parallel degree differs); with another number of stages the layers are re-partitioned and the
+    optimizer states (and fp32 masters) found by parameter name (optim_reshard.py), for fp32, bf16/fp16
+    and ZeRO-1 alike."""
 
     def save(self, engine: Any, save_dir: str, tag: Any, client_state: dict, save_latest: bool,
              exclude_frozen_parameters: bool) -> bool:
-        import torch.distributed as dist
-
-        from deepspeed_c.version import DEEPSPEED_API_VERSION
-
-        if not isinstance(save_dir, (str, os.PathLike)):
-            raise TypeError(f"save_checkpoint: save_dir must be a path, got {type(save_dir).__name__}")
+        # every check before the first collective, on every rank: a bad argument raises everywhere
+        save_dir = check_dir_arg("save_checkpoint", "save_dir", save_dir)
         if not isinstance(client_state, dict):
             raise TypeError(f"save_checkpoint: client_state must be a dict, got {type(client_state).__name__}")
+        clash = sorted(set(client_state) & DS_KEYS)
+        if clash:
+            raise ValueError(f"save_checkpoint: client_state keys {clash} collide with DeepSpeed's own keys")
+        store.check_plain(client_state, "client_state")
         tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
-        if not tag or os.sep in tag:
-            raise ValueError(f"save_checkpoint: tag {tag!r} must be a non-empty name without '{os.sep}'")
-        tag_dir = os.path.join(str(save_dir), tag)
-        os.makedirs(tag_dir, exist_ok=True)
+        _check_tag(tag)
+        writer = dist.get_rank() == 0
+        with rank_local_step("save_checkpoint (creating the checkpoint directory)"):
+            if writer:
+                store.begin(save_dir, tag)
+        staging = store.staging_dir(save_dir, tag)
         module, stepper = engine.module, engine.stepper
-        save_layer_files(module, tag_dir, exclude_frozen_parameters,
-                         parallel_write=bool(engine._config.checkpoint_parallel_write_pipeline))
         names = {id(p): n for n, p in module.named_parameters()}
+        # ZeRO-1: building this rank's partition is collective, so it happens outside the rank-local step
         part = stepper.partition_checkpoint_state(lambda p: names[id(p)]) if stepper is not None else None
-        stage, dp_rank = engine.stage_id, engine.grid.get_data_parallel_rank()
-        if part is not None:
-            prefix = "bf16_" if engine.precision.bf16.enabled else ""
-            _save(os.path.join(tag_dir, f"{prefix}zero_pp_rank_{part[0]}_mp_rank_{stage:02d}_optim_states.pt"),
-                  {"optimizer_state_dict": part[1], "ds_config": engine._config._param_dict,
-                   "ds_version": DEEPSPEED_API_VERSION})
-        own = stepper.rank_checkpoint_file() if stepper is not None else None
-        if own is not None:  # state that differs between ranks (the 1-bit optimizers' compression errors)
-            _save(os.path.join(tag_dir, own[0]), own[1])
-        if dp_rank == 0:
-            # DeepSpeed's param_shapes: per param group, the names the optimizer's positions stand for
-            # (what lets another pipeline degree find each layer's optimizer state, optim_reshard.py)
-            groups = stepper.model_param_groups() if stepper is not None else []
-            state = {
-                "module": None,
-                "optimizer": stepper.model_file_state() if stepper is not None and part is None else None,
-                "param_shapes": [OrderedDict((names[id(p)], p.shape) for p in ps if id(p) in names) for ps in groups],
-                "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-                "sparse_tensor_module_names": set(),
-                "skipped_steps": engine.skipped_steps,
-                "global_steps": engine.global_steps,
-                "global_samples": engine.global_samples,
-                "dp_world_size": engine.dp_world_size,
-                "mp_world_size": engine.num_stages,
-                "ds_config": engine._config._param_dict,
-                "ds_version": DEEPSPEED_API_VERSION,
-                **client_state,
-            }
-            _save(os.path.join(tag_dir, _state_file(stage)), state)
-        dist.barrier()
-        if save_latest and dist.get_rank() == 0:
-            with open(os.path.join(str(save_dir), "latest"), "w") as f:
-                f.write(tag)
-        dist.barrier()
+        mine: dict[str, dict] = {}
+
+        def write(name: str, obj: dict) -> None:
+            if name in mine:
+                raise ValueError(f"save_checkpoint: two files of this rank are named {name!r}")
+            mine[name] = store.save_file(obj, os.path.join(staging, name))
+
+        with rank_local_step("save_checkpoint (writing this rank's files)"):
+            for name, sd in layer_file_states(module, exclude_frozen_parameters,
+                                              bool(engine._config.checkpoint_parallel_write_pipeline)).items():
+                write(name, sd)
+            if part is not None:
+                from deepspeed_c.checkpoint.deepspeed_format import zero_file_name
+                from deepspeed_c.version import DEEPSPEED_API_VERSION
+
+                write(zero_file_name(part[0], engine.precision.bf16.enabled, engine.stage_id),
+                      {"optimizer_state_dict": part[1], "ds_config": engine._config._param_dict,
+                       "ds_version": DEEPSPEED_API_VERSION})
+            own = stepper.rank_checkpoint_file() if stepper is not None else None
+            if own is not None:  # state that differs between ranks (the 1-bit optimizers' compression errors)
+                if os.sep in own[0] or own[0].startswith("."):
+                    raise ValueError(f"save_checkpoint: the optimizer's rank file name {own[0]!r} is not a plain "
+                                     "file name")
+                write(own[0], own[1])
+            if engine.grid.get_data_parallel_rank() == 0:
+                write(_state_file(engine.stage_id), self._stage_state(engine, names, part is None, client_state))
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        files: dict[str, dict] = {}
+        for theirs in every:
+            files.update(theirs)
+        with rank_local_step("save_checkpoint (committing the checkpoint)"):
+            if writer:
+                store.commit(save_dir, tag, files, save_latest)
         return True
+
+    @staticmethod
+    def _stage_state(engine: Any, names: dict[int, str], optimizer_here: bool, client_state: dict) -> dict:
+        """mp_rank_{stage}_model_states.pt as DeepSpeed's pipeline engine writes it (module None: the
+        weights are in the layer files), less `sparse_tensor_module_names` (a set, which weights_only
+        loading refuses; DeepSpeed's loader reads the key only where it is present)."""
+        from deepspeed_c.version import DEEPSPEED_API_VERSION
+
+        stepper = engine.stepper
+        # DeepSpeed's param_shapes: per param group, the names the optimizer's positions stand for
+        # (what lets another pipeline degree find each layer's optimizer state, optim_reshard.py)
+        groups = stepper.model_param_groups() if stepper is not None else []
+        return {
+            "module": None,
+            "optimizer": stepper.model_file_state() if stepper is not None and optimizer_here else None,
+            "param_shapes": [OrderedDict((names[id(p)], p.shape) for p in ps if id(p) in names) for ps in groups],
+            "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+            "skipped_steps": engine.skipped_steps,
+            "global_steps": engine.global_steps,
+            "global_samples": engine.global_samples,
+            "dp_world_size": engine.dp_world_size,
+            "mp_world_size": engine.num_stages,
+            "ds_config": engine._config._param_dict,
+            "ds_version": DEEPSPEED_API_VERSION,
+            **client_state,
+        }
 
     def load(self, engine: Any, load_dir: str, tag: Any, load_module_strict: bool, load_optimizer_states: bool,
              load_lr_scheduler_states: bool, load_module_only: bool, custom_load_fn: Any) -> tuple:
         from deepspeed_c.utils.logging import logger
 
+        load_dir = check_dir_arg("load_checkpoint", "load_dir", load_dir)
         if custom_load_fn is not None:
             raise ValueError("custom_load_fn not supported w. pipeline parallelism")
         if tag is None:
-            latest = os.path.join(str(load_dir), "latest")
-            if not os.path.isfile(latest):
-                logger.warning(f"Unable to find latest file at {latest}, if trying to load latest checkpoint please "
-                               "ensure this file exists or pass an explicit checkpoint tag when loading a checkpoint.")
+            tag = store.read_latest(load_dir)
+            if tag is None:
+                logger.warning(f"Unable to find latest file at {os.path.join(load_dir, store.LATEST_NAME)} "
+                               f"(directory holds: {store.listing(load_dir)}); pass an explicit tag or save a "
+                               "checkpoint with save_latest=True")
                 return None, None
-            with open(latest) as f:
-                tag = f.read().strip()
-        tag_dir = os.path.join(str(load_dir), str(tag))
-        if not os.path.isdir(tag_dir):
-            raise FileNotFoundError(f"load_checkpoint: checkpoint tag {tag!r} not found in {load_dir}")
-        engine.module.load_state_dir(tag_dir, strict=load_module_strict)
-        path = os.path.join(tag_dir, _state_file(engine.stage_id))
-        if not os.path.isfile(path):
-            path = os.path.join(tag_dir, _state_file(0))  # fewer stages saved than now: counters are shared
-        state = torch.load(path, map_location="cpu", weights_only=False)
-        stepper = engine.stepper
-        if stepper is not None:
-            if load_module_only or not load_optimizer_states:
-                stepper.refresh_masters()
-            else:
-                self._load_optimizer(engine, tag_dir, state)
-        if not load_module_only:
-            if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("lr_scheduler"):
-                engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-            engine.global_steps = state["global_steps"]
-            engine.global_samples = state.get("global_samples", 0)
-            engine.skipped_steps = state["skipped_steps"]
-        ds_keys = {"module", "optimizer", "param_shapes", "lr_scheduler", "sparse_tensor_module_names", "skipped_steps",
-                   "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version"}
-        return path, {k: v for k, v in state.items() if k not in ds_keys}
+        module = engine.module
+        # read everything this rank needs before anything is applied: a bad file on any rank leaves
+        # every rank's model as it was
+        with rank_local_step("load_checkpoint (reading this stage's checkpoint files)"):
+            if not str(tag):
+                raise ValueError(f"load_checkpoint: {os.path.join(load_dir, store.LATEST_NAME)} is empty; pass "
+                                 "an explicit tag")
+            tag_dir = _tag_dir(load_dir, str(tag))
+            manifest = store.read_manifest(tag_dir)
+            layers = read_layer_files(module, tag_dir, manifest)
+            name = _state_file(engine.stage_id)
+            if not os.path.isfile(os.path.join(tag_dir, name)):
+                name = _state_file(0)  # fewer stages saved than now: counters are shared
+            state = store.load_file(tag_dir, name, manifest)
+        with rank_local_step("load_checkpoint (applying the layer weights)"):
+            apply_layer_states(module, layers, load_module_strict)
+        module.synchronize_tied_weights()
+        with rank_local_step("load_checkpoint (restoring the optimizer and training state)"):
+            stepper = engine.stepper
+            if stepper is not None:
+                if load_module_only or not load_optimizer_states:
+                    stepper.refresh_masters()
+                else:
+                    self._load_optimizer(engine, tag_dir, manifest, state)
+            if not load_module_only:
+                if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("lr_scheduler"):
+                    engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+                engine.global_steps = state["global_steps"]
+                engine.global_samples = state.get("global_samples", 0)
+                engine.skipped_steps = state["skipped_steps"]
+        return os.path.join(tag_dir, name), {k: v for k, v in state.items() if k not in DS_KEYS}
 
     @staticmethod
-    def _load_optimizer(engine: Any, tag_dir: str, state: dict) -> None:
+    def _load_optimizer(engine: Any, tag_dir: str, manifest: Optional[dict], state: dict) -> None:
         """The optimizer states: from this stage's files when the stage holds the layers it held when
         saved (ZeRO-1: the zero_pp_rank_{dp}_mp_rank_{stage} files, re-cut if the data-parallel degree
         differs); with another number of stages or partition, by parameter name (optim_reshard.py);
@@ -208,7 +218,7 @@ class PipeCheckpointer:
         # positions mean the same parameters when the stage holds the same layers as when saved (same
         # number of stages and, where the file names them, the same partition)
         if saved_stages == engine.num_stages and (saved_names is None or [list(g) for g in saved_names] == groups):
-            saved = SavedCheckpoint(tag_dir=tag_dir, manifest=None, model_state=state,
+            saved = SavedCheckpoint(tag_dir=tag_dir, manifest=manifest, model_state=state,
                                     bf16=engine.precision.bf16.enabled,
                                     load_from_fp32_weights=bool(engine._config.zero_config.load_from_fp32_weights),
                                     node_local=False, mp_rank=engine.stage_id)
@@ -218,9 +228,10 @@ class PipeCheckpointer:
         from .optim_reshard import restore_by_name, restore_zero_by_name
 
         if zero:
-            why = restore_zero_by_name(stepper, groups, tag_dir, int(saved_stages), engine.precision.bf16.enabled)
+            why = restore_zero_by_name(stepper, groups, tag_dir, manifest, int(saved_stages),
+                                       engine.precision.bf16.enabled)
         elif isinstance(stepper, (PlainOptimizer, MixedPrecisionOptimizer)):
-            why = restore_by_name(stepper, groups, tag_dir, int(saved_stages))
+            why = restore_by_name(stepper, groups, tag_dir, manifest, int(saved_stages))
         else:
             why = f"{type(stepper).__name__} states cannot be re-partitioned by parameter name"
         if why is None:
@@ -229,14 +240,3 @@ class PipeCheckpointer:
                        f"{engine.num_stages} (or another partition): weights re-partitioned, optimizer states not "
                        f"restored ({why})")
         stepper.refresh_masters()
-
-
-def _save(path: str, obj: Any) -> None:
-    from deepspeed_c.checkpoint import ds_pickle
-
-    # a ZeRO file's loss scaler and stage are DeepSpeed objects: written under DeepSpeed's class names,
-    # which the weights_only loaders (DeepSpeed's and checkpoint_zero's) accept
-    pickler = {"pickle_module": ds_pickle} if ds_pickle.contains_stand_ins(obj) else {}
-    tmp = path + ".tmp"
-    torch.save(obj, tmp, **pickler)
-    os.replace(tmp, path)

@@ -334,14 +334,20 @@ class PipelineModule(nn.Module):
 
     def save_state_dict(self, save_dir: str, checkpoint_engine: Any = None, exclude_frozen_params: bool = False) -> None:
         """Data-parallel rank 0 of each stage writes one file per layer that has a state_dict."""
-        from .checkpoint import save_layer_files
+        from .layer_files import save_layer_files
 
         save_layer_files(self, save_dir, exclude_frozen_params,
                          parallel_write=bool(getattr(self, "checkpoint_parallel_write_pipeline", False)))
 
     def load_state_dir(self, load_dir: str, checkpoint_engine: Any = None, strict: bool = True) -> None:
-        """Loads every local layer from its layer file (whatever stage wrote it), then re-ties."""
-        from .checkpoint import load_layer_files
+        """Loads every local layer from its layer file (whatever stage wrote it; weights_only, verified
+        against the directory's manifest where it has one), then re-ties."""
+        from .layer_files import apply_layer_states, manifest_if_any, read_layer_files
 
-        load_layer_files(self, load_dir, strict)
+        apply_layer_states(self, read_layer_files(self, load_dir, manifest_if_any(load_dir)), strict)
+        self._synchronize_tied_weights()
+
+    def synchronize_tied_weights(self) -> None:
+        """Every stage's copy of a tied module takes the first holder's weights (collective over the
+        stages holding it); the engine's load_checkpoint calls it after the layer files are applied."""
         self._synchronize_tied_weights()

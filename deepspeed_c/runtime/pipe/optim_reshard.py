@@ -25,20 +25,22 @@ import torch
 FP32_KEY = "single_partition_of_fp32_groups"
 
 
-def saved_state_by_name(tag_dir: str, stages: int) -> Optional[tuple[dict, list, dict]]:
+def saved_state_by_name(tag_dir: str, manifest: Optional[dict], stages: int) -> Optional[tuple[dict, list, dict]]:
     """({parameter name: (param group, its optimizer state, its fp32 master or None)}, the saved
     param groups' hyperparameters, the first stage's other optimizer fields (loss scaler...)) over
-    every saved stage; None when a stage's file lacks the names or an optimizer state_dict."""
+    every saved stage; None when a stage's file lacks the names or an optimizer state_dict. The files
+    are read weights_only and verified against the tag's `manifest` (None: a checkpoint without one)."""
+    from deepspeed_c.checkpoint import store
     from deepspeed_c.checkpoint.deepspeed_format import normalize_mixed_state
 
     by_name: dict = {}
     groups: list = []
     extras: dict = {}
     for s in range(stages):
-        path = os.path.join(tag_dir, f"mp_rank_{s:02d}_model_states.pt")
-        if not os.path.isfile(path):
+        name = f"mp_rank_{s:02d}_model_states.pt"
+        if not os.path.isfile(os.path.join(tag_dir, name)):
             return None
-        st = torch.load(path, map_location="cpu", weights_only=False)
+        st = store.load_file(tag_dir, name, manifest)
         opt, shapes, masters = st.get("optimizer"), st.get("param_shapes"), None
         if isinstance(opt, dict) and "optimizer_state_dict" in opt:  # bf16/fp16: masters beside the state
             mixed = normalize_mixed_state(opt)
@@ -60,12 +62,13 @@ def saved_state_by_name(tag_dir: str, stages: int) -> Optional[tuple[dict, list,
     return by_name, groups, extras
 
 
-def restore_by_name(stepper: Any, names: list[list[str]], tag_dir: str, stages: int) -> Optional[str]:
+def restore_by_name(stepper: Any, names: list[list[str]], tag_dir: str, manifest: Optional[dict],
+                    stages: int) -> Optional[str]:
     """Loads `stepper` (a torch optimizer stepped directly, runtime/optimizer_seam.PlainOptimizer, or
     the bf16/fp16 MixedPrecisionOptimizer; `names[g]` names group g's model parameters in order)
     from the files of a `stages`-stage checkpoint. Returns None when done, else why it could not
     (the optimizer is then untouched)."""
-    saved = saved_state_by_name(tag_dir, stages)
+    saved = saved_state_by_name(tag_dir, manifest, stages)
     if saved is None:
         return "the checkpoint's stage files do not name their optimizer states (param_shapes)"
     by_name, groups, extras = saved
@@ -98,7 +101,7 @@ def restore_by_name(stepper: Any, names: list[list[str]], tag_dir: str, stages: 
     return None
 
 
-def _zero_stage_by_name(tag_dir: str, stage: int, bf16: bool, out: dict) -> Optional[str]:
+def _zero_stage_by_name(tag_dir: str, manifest: Optional[dict], stage: int, bf16: bool, out: dict) -> Optional[str]:
     """Adds one saved stage's ZeRO-1 state to `out` (masters, flat moments and per-group scalars by
     parameter name; the stage's param groups' hyperparameters and loss scaler)."""
     from deepspeed_c.checkpoint import deepspeed_format, store
@@ -108,7 +111,7 @@ def _zero_stage_by_name(tag_dir: str, stage: int, bf16: bool, out: dict) -> Opti
     model_file = f"mp_rank_{stage:02d}_model_states.pt"
     if not os.path.isfile(os.path.join(tag_dir, model_file)):
         return f"{model_file} is missing"
-    st = torch.load(os.path.join(tag_dir, model_file), map_location="cpu", weights_only=False)
+    st = store.load_file(tag_dir, model_file, manifest)
     shapes, world = st.get("param_shapes"), int(st.get("dp_world_size") or 1)
     if not shapes:
         return f"{model_file} does not name its parameters (param_shapes)"
@@ -117,7 +120,7 @@ def _zero_stage_by_name(tag_dir: str, stage: int, bf16: bool, out: dict) -> Opti
         name = deepspeed_format.find_zero_file(tag_dir, r, bf16, stage)
         if not os.path.isfile(os.path.join(tag_dir, name)):
             return f"{name} is missing"
-        obj = store.load_file(tag_dir, name, None)
+        obj = store.load_file(tag_dir, name, manifest)
         parts.append(deepspeed_format.normalize_zero_state(obj["optimizer_state_dict"], None, world))
     if parts[0].get("layout") != "deepspeed":
         return f"the ZeRO files of stage {stage} are not in DeepSpeed's flat layout"
@@ -138,13 +141,14 @@ def _zero_stage_by_name(tag_dir: str, stage: int, bf16: bool, out: dict) -> Opti
     return None
 
 
-def restore_zero_by_name(opt: Any, names: list[list[str]], tag_dir: str, stages: int, bf16: bool) -> Optional[str]:
+def restore_zero_by_name(opt: Any, names: list[list[str]], tag_dir: str, manifest: Optional[dict], stages: int,
+                         bf16: bool) -> Optional[str]:
     """Loads a ZeRO-1 optimizer (`names[g]` names its group g's parameters, in plan order) from the
     ZeRO files of a `stages`-stage checkpoint. Returns None when done, else why it could not (the
     optimizer is then untouched)."""
     saved: dict = {"params": {}, "groups": []}
     for s in range(stages):
-        why = _zero_stage_by_name(tag_dir, s, bf16, saved)
+        why = _zero_stage_by_name(tag_dir, manifest, s, bf16, saved)
         if why is not None:
             return why
     if len(saved["groups"]) != len(opt.partition_plans):
