@@ -7,6 +7,7 @@ checkpoint and `latest` untouched. Imports only torch and the standard library (
 from __future__ import annotations
 
 import enum
+import errno
 import hashlib
 import json
 import os
@@ -95,15 +96,136 @@ def _file_sha(path: str) -> str:
     return h.hexdigest()
 
 
+class _WriteRecorder:
+    """The file object torch.save writes through, remembering the OSError of a failed write: torch's zip
+    writer swallows it and raises its own "[enforce fail at inline_container.cc:...] unexpected pos ..."
+    instead, which says neither that the disk is full nor which file was being written."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as e:
+            if self.error is None:
+                self.error = e
+            raise
+
+    def flush(self) -> None:
+        try:
+            self._f.flush()
+        except OSError as e:
+            if self.error is None:
+                self.error = e
+            raise
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def _disk_full(path: str) -> bool:
+    try:
+        return os.statvfs(os.path.dirname(os.path.abspath(path))).f_bavail == 0
+    except OSError:
+        return False
+
+
+def _write_failed(target: str, written: str, error: BaseException, recorded: OSError | None) -> BaseException:
+    """The error a failed write of `target` (through the file `written`) raises: an OSError with the errno of
+    the write, flush or fsync that failed, naming the file; other errors as they are."""
+    cause = recorded if recorded is not None else error
+    if not (isinstance(cause, OSError) and cause.errno is not None):
+        if not (isinstance(error, RuntimeError) and "inline_container" in str(error)):
+            return error
+        if not _disk_full(written):  # torch's writer failed without saying why
+            return RuntimeError(f"writing checkpoint file {target} failed: {error}")
+        cause = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    via = "" if written == target else f" (through its temporary {os.path.basename(written)}, removed)"
+    hint = ("; free space or save to another directory (checkpoints saved before this one are untouched)"
+            if cause.errno in (errno.ENOSPC, errno.EDQUOT) else "")
+    # str() appends the file: "[Errno 28] No space left on device while writing checkpoint file...: '<path>'"
+    return OSError(cause.errno, f"{cause.strerror or os.strerror(cause.errno)} while writing checkpoint file{via}{hint}",
+                   target)
+
+
+def _write_new(path: str, write: Callable[[Any], None], target: str | None = None) -> None:
+    """`write(file)` into a new file at `path`, flushed and fsynced. On failure the partial file is removed
+    and, for a failed write (a full disk above all), an OSError with its errno names `target` (default
+    `path`), the file the caller meant to write."""
+    recorder: _WriteRecorder | None = None
+    try:
+        with open(path, "wb") as f:
+            recorder = _WriteRecorder(f)
+            write(recorder)
+            f.flush()
+            os.fsync(f.fileno())
+    except Exception as e:
+        _remove_quietly(path)
+        raised = _write_failed(target or path, path, e, recorder.error if recorder is not None else None)
+        if raised is e:
+            raise
+        raise raised from e
+
+
+_TEMP_INFIX = ".tmp"  # a temporary of `name` is `name.tmp<pid>`, beside it
+
+
+def _temporary(path: str) -> str:
+    return f"{path}{_TEMP_INFIX}{os.getpid()}"
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale_temporaries(path: str) -> list[str]:
+    """Remove the temporaries of `path` (`path.tmp<pid>`) that processes killed while replacing it left
+    behind: those of a process that no longer runs on this host, or of this process (it writes one
+    temporary at a time, so an old one with its pid is a dead predecessor's that had the same pid).
+    Only names of exactly that form are touched. Returns the removed paths."""
+    folder, base = os.path.split(os.path.abspath(path))
+    prefix = base + _TEMP_INFIX
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for name in names:
+        pid = name[len(prefix):]
+        if name.startswith(prefix) and pid.isdigit() and (int(pid) == os.getpid() or not _pid_alive(int(pid))):
+            stale = os.path.join(folder, name)
+            if os.path.isfile(stale) and not os.path.islink(stale):
+                _remove_quietly(stale)
+                removed.append(stale)
+    return removed
+
+
 def _replace_atomic(path: str, write: Callable[[Any], None]) -> None:
     """`write(file)` into a temporary beside `path`, fsynced, then renamed over it: a crash leaves
-    the old file or the new one, never a truncated one."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    the old file or the new one, never a truncated one (and a failed write removes its temporary;
+    one a killed process left is removed by the next replacement of the same file)."""
+    remove_stale_temporaries(path)
+    tmp = _temporary(path)
+    _write_new(tmp, write, target=path)
+    try:
+        os.replace(tmp, path)
+    except OSError as e:
+        _remove_quietly(tmp)
+        raise OSError(e.errno, f"{e.strerror} while moving checkpoint file {path} into place", path) from e
     _fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
@@ -117,19 +239,20 @@ def torch_save_atomic(obj: Any, path: str) -> None:
 
 
 def save_file(obj: dict, path: str) -> dict[str, Any]:
-    """torch.save `obj` to `path` (fsynced) and return its manifest entry."""
+    """torch.save `obj` to `path` (fsynced) and return its manifest entry. A failed write (a full disk)
+    raises OSError naming `path`, with the errno of the failure, and removes the partial file."""
     check_plain(obj, os.path.basename(path))
     # DeepSpeed's objects need the pickler that writes them under DeepSpeed's names (slower: only then)
     pickler = {"pickle_module": ds_pickle} if ds_pickle.contains_stand_ins(obj) else {}
-    with open(path, "wb") as f:
-        torch.save(obj, f, **pickler)
-        f.flush()
-        os.fsync(f.fileno())
+    _write_new(path, lambda f: torch.save(obj, f, **pickler))
     return {"size": os.path.getsize(path), "sha256": _file_sha(path), "tensors": tensor_entries(obj)}
 
 
 def staging_dir(save_dir: str, tag: str) -> str:
     return os.path.join(save_dir, f".{tag}.partial")
+
+
+_STAGING_PREFIX, _STAGING_SUFFIX = ".", ".partial"
 
 
 def begin(save_dir: str, tag: str) -> str:
@@ -139,6 +262,32 @@ def begin(save_dir: str, tag: str) -> str:
     shutil.rmtree(stage, ignore_errors=True)
     os.makedirs(stage)
     return stage
+
+
+def abort(save_dir: str, tag: str) -> None:
+    """Discard the staging directory of a save that failed (its files hold space and will never be
+    committed). Committed tags and `latest` are not touched. Call it once no rank writes into it."""
+    shutil.rmtree(staging_dir(save_dir, tag), ignore_errors=True)
+
+
+def remove_stale_staging(save_dir: str, keep: str | None = None) -> list[str]:
+    """Remove the staging directories (`.<tag>.partial`) that killed saves left in `save_dir`, except
+    `keep`'s. For the directory's one writer, before it stages a save: no other save is in flight there.
+    A tag directory and the previous copy of a re-saved tag (`.<tag>.old`) are never touched."""
+    removed = []
+    try:
+        names = os.listdir(save_dir)
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(save_dir, name)
+        if (name.startswith(_STAGING_PREFIX) and name.endswith(_STAGING_SUFFIX)
+                and len(name) > len(_STAGING_PREFIX) + len(_STAGING_SUFFIX)
+                and (keep is None or path != staging_dir(save_dir, keep))
+                and os.path.isdir(path) and not os.path.islink(path)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 def commit(save_dir: str, tag: str, files: dict[str, dict[str, Any]], save_latest: bool) -> str:
@@ -164,11 +313,18 @@ def commit(save_dir: str, tag: str, files: dict[str, dict[str, Any]], save_lates
 
 
 def read_latest(load_dir: str) -> str | None:
+    """The tag `latest` names; None when there is no `latest` file (DeepSpeed's loader then warns and
+    loads nothing). An empty one (a crash or a full disk truncated it) raises ValueError naming it."""
     path = os.path.join(load_dir, LATEST_NAME)
     if not os.path.isfile(path):
         return None
     with open(path) as f:
-        return f.read().strip()
+        tag = f.read().strip()
+    if not tag:
+        raise ValueError(f"load_checkpoint: {path} is empty (expected the name of a checkpoint tag directory; was it "
+                         f"truncated by a crash or a full disk?); {load_dir} holds: {listing(load_dir)}. Pass the tag "
+                         f"to load explicitly (load_checkpoint(load_dir, tag=...)) or write its name into {path}")
+    return tag
 
 
 def listing(path: str) -> str:

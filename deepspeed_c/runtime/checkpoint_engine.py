@@ -21,6 +21,7 @@ from deepspeed_c.utils.logging import logger
 from deepspeed_c.version import DEEPSPEED_API_VERSION
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
+RECOVERY_SCRIPT = "zero_to_fp32.py"  # copied beside the tags, as DeepSpeed does
 # Keys DeepSpeed's loader keeps for itself; everything else in the model-states file is client state.
 DS_KEYS = ("module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
            "lr_scheduler", "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples",
@@ -90,7 +91,24 @@ class EngineCheckpointer:
         scope = nodes.save_scope(engine, save_dir)
         with rank_local_step("save_checkpoint (creating the checkpoint directory)", distributed=_dist()):
             if scope.writer:
+                # what saves killed mid-way left behind: staging directories, temporaries of the replaced files
+                store.remove_stale_staging(save_dir, keep=tag)
+                for name in (store.LATEST_NAME, RECOVERY_SCRIPT):
+                    store.remove_stale_temporaries(os.path.join(save_dir, name))
                 store.begin(save_dir, tag)
+        try:
+            return self._save_staged(engine, save_dir, tag, client_state, save_latest, exclude_frozen_parameters,
+                                     scope)
+        except BaseException:
+            # every rank raised at the same step (rank_local_step), so none writes into the staging
+            # directory any more: its partial files would only hold the space (a full disk stays full)
+            if scope.writer:
+                store.abort(save_dir, tag)
+            raise
+
+    def _save_staged(self, engine: Any, save_dir: str, tag: str, client_state: dict, save_latest: bool,
+                     exclude_frozen_parameters: bool, scope: nodes.StorageScope) -> bool:
+        """Every rank's files into the staging directory, then the writer commits it."""
         stage = store.staging_dir(save_dir, tag)
         my_files: dict[str, dict] = {}
         # a partitioned optimizer's state (ZeRO) goes to one file per rank; building it is collective,
@@ -138,8 +156,9 @@ class EngineCheckpointer:
         files = self._gather_files(my_files, scope.members)
         with rank_local_step("save_checkpoint (committing the checkpoint)", distributed=_dist()):
             if scope.writer:
-                store.commit(save_dir, tag, files, save_latest)
+                # the script first: a save that raises (a full disk) has then committed nothing
                 self._copy_recovery_script(save_dir)
+                store.commit(save_dir, tag, files, save_latest)
         return True
 
     def _validate_tag(self, engine: Any, tag: str) -> None:
@@ -248,9 +267,18 @@ class EngineCheckpointer:
         """zero_to_fp32.py into the top-level checkpoint directory, where DeepSpeed puts it (users run
         `python zero_to_fp32.py . out` there; it follows `latest`); written atomically."""
         src = os.path.join(os.path.dirname(os.path.dirname(__file__)), "utils", "zero_to_fp32.py")
-        if os.path.isfile(src):
-            with open(src, "rb") as f:
-                store.write_bytes_atomic(os.path.join(save_dir, "zero_to_fp32.py"), f.read())
+        if not os.path.isfile(src):
+            return
+        with open(src, "rb") as f:
+            script = f.read()
+        dst = os.path.join(save_dir, RECOVERY_SCRIPT)
+        try:
+            with open(dst, "rb") as f:
+                if f.read() == script:  # already there: no rewrite (nor its temporary's space) every save
+                    return
+        except OSError:
+            pass
+        store.write_bytes_atomic(dst, script)
 
     # -- load -----------------------------------------------------------------------------------
     # load_checkpoint is collective, and a rank whose read fails (a damaged file, a missing tag on its
