@@ -17,6 +17,7 @@ from torch.nn import Module
 
 from deepspeed_c.accelerator import get_accelerator
 from deepspeed_c.runtime import engine_report as rep
+from deepspeed_c.runtime.autograd_paths import training_backward
 from deepspeed_c.runtime.config import DeepSpeedConfig
 from deepspeed_c.runtime.engine_accessors import EngineConfigAccessors
 from deepspeed_c.runtime.engine_io import ROUTE_ENCODE, ROUTE_EVAL, ROUTE_PREDICT, ROUTE_TRAIN, EngineIO
@@ -318,8 +319,10 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
     def _output_grad_hook(self, grad: torch.Tensor) -> torch.Tensor:
         """Backward reached the model's outputs: the outermost graph task of this backward (the
         recomputation of a reentrant checkpoint runs later, in nested tasks). Scaling is not done
-        here; see engine.backward and runtime/gas_scaling.py."""
-        if not self._in_backward:
+        here; see engine.backward and runtime/gas_scaling.py. A user's `autograd.grad` or `backward(inputs=[x])`
+        between steps also reaches the outputs: it accumulates into no parameter, so it is no training
+        backward (runtime/autograd_paths.py)."""
+        if not self._in_backward and (self._running_engine_backward or training_backward(self._params)):
             self._backward_prologue()
         return grad
 

@@ -4,10 +4,12 @@
 `install(module, sink, accept)` gives every accepted torch.nn.Linear of `module` (torch's own forward) an
 instance forward that runs LinearWithWeightSink: torch's linear forward, and a backward computing the
 products autograd would, except that the weight gradient is asked of the sink,
-`sink.weight_grad(param, flat_input, flat_grad_output)`, which either returns it (autograd accumulates it
-as usual) or takes care of it and returns None. One sink per module at a time: installing again replaces
-it. Under autocast, without grad, while torch.compile traces, for a frozen weight or once the sink is
-uninstalled, Linear runs as torch's."""
+`sink.weight_grad(param, flat_input, flat_grad_output, node)` (`node`: where the weight's gradient goes,
+its AccumulateGrad), which either returns it (autograd accumulates it as usual) or takes care of it and
+returns None. The sink is asked only with grad mode off: under `create_graph` the weight gradient must be
+a differentiable product, so it is computed here (runtime/autograd_paths.py has the rule). One sink per
+module at a time: installing again replaces it. Under autocast, without grad, while torch.compile traces,
+under torch.func transforms, for a frozen weight or once the sink is uninstalled, Linear runs as torch's."""
 from __future__ import annotations
 
 import types
@@ -16,6 +18,8 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
+
+from deepspeed_c.runtime import autograd_paths
 
 # module -> its sink (no attribute on the module: it stays picklable and deep-copyable)
 _SINKS: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
@@ -41,7 +45,11 @@ class LinearWithWeightSink(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_input = grad_output.matmul(weight)
         if ctx.needs_input_grad[1]:
-            grad_weight = ctx.sink.weight_grad(ctx.param, input.reshape(-1, input.shape[-1]), flat_grad)
+            flat_input = input.reshape(-1, input.shape[-1])
+            if torch.is_grad_enabled():  # create_graph: the gradient goes into a graph, as autograd's would
+                grad_weight = plain_weight_grad(flat_input, flat_grad)
+            else:
+                grad_weight = ctx.sink.weight_grad(ctx.param, flat_input, flat_grad, ctx.next_functions[1][0])
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = flat_grad.sum(0)
         return grad_input, grad_weight, grad_bias, None
@@ -54,7 +62,8 @@ def plain_weight_grad(flat_input: torch.Tensor, flat_grad: torch.Tensor) -> torc
 def _forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
     sink = _SINKS.get(self)
     if sink is None or not torch.is_grad_enabled() or not self.weight.requires_grad or \
-            torch.is_autocast_enabled(input.device.type) or torch.compiler.is_compiling():
+            torch.is_autocast_enabled(input.device.type) or torch.compiler.is_compiling() or \
+            autograd_paths.transforms_active():
         return F.linear(input, self.weight, self.bias)
     return LinearWithWeightSink.apply(input, self.weight, self.bias, sink)
 

@@ -41,7 +41,9 @@ class DeferredWeightGrads:
             self.collecting = None
 
     def weight_grad(self, param: torch.nn.Parameter, flat_input: torch.Tensor,
-                    flat_grad: torch.Tensor) -> Optional[torch.Tensor]:
+                    flat_grad: torch.Tensor, node: Any) -> Optional[torch.Tensor]:
+        # Only the executor's own B pass defers (its `autograd.grad` over the stage's parameters, inside
+        # `collect`); any other backward, and create_graph (never asked here), gets the plain product.
         self.linear_backwards += 1
         if self.collecting is not None and not param._backward_hooks:
             self.collecting.append((param, flat_input, flat_grad))

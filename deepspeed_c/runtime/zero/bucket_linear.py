@@ -6,7 +6,9 @@ copies it into the bucket and frees it: every gradient byte is written twice and
 a transformer's gradient bytes are Linear weights; for those the weight-gradient GEMM (through
 runtime/linear_weight_sink.py) has the bucket slot, shaped as the weight, as its output, so the copy never
 happens (on 4 H100s, 1.3B GPT: 2.8 GB of copy per step). The partitioner is asked first
-(ZeroGradPartitioner.direct_grad_slot): only when this backward reduces, the weight holds no gradient
+(ZeroGradPartitioner.direct_grad_slot): only in a backward that accumulates into the weight's `.grad` with
+grad mode off (not under `autograd.grad`, `backward(inputs=)` without the weight, or `create_graph`:
+runtime/autograd_paths.py), when this backward reduces, the weight holds no gradient
 (none accumulated, none arrived this round), its dtype is the bucket's and nothing else watches its
 gradient (a tensor hook, another post-accumulate hook). Otherwise, and for a second use of the same weight
 in one backward, the gradient goes through autograd's accumulation and the hook as any other, which adds
@@ -18,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-from deepspeed_c.runtime import linear_weight_sink
+from deepspeed_c.runtime import autograd_paths, linear_weight_sink
 
 
 class BucketSink:
@@ -26,9 +28,11 @@ class BucketSink:
         self._partitioner = weakref.ref(partitioner)  # the module must not keep the partitioner alive
 
     def weight_grad(self, param: torch.nn.Parameter, flat_input: torch.Tensor,
-                    flat_grad: torch.Tensor) -> Optional[torch.Tensor]:
+                    flat_grad: torch.Tensor, node: Any) -> Optional[torch.Tensor]:
         partitioner = self._partitioner()
-        target = partitioner.direct_grad_slot(param) if partitioner is not None else None
+        if partitioner is None or not autograd_paths.accumulates_in_place(node):
+            return linear_weight_sink.plain_weight_grad(flat_input, flat_grad)
+        target = partitioner.direct_grad_slot(param)
         if target is None or not (target[1].dtype == flat_grad.dtype == flat_input.dtype):
             return linear_weight_sink.plain_weight_grad(flat_input, flat_grad)
         torch.mm(flat_grad.t(), flat_input, out=target[1])

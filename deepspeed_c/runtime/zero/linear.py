@@ -20,6 +20,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from deepspeed_c.runtime import autograd_paths
+
 
 class LinearFunctionForZeroStage3(torch.autograd.Function):  # DeepSpeed's name
 
@@ -39,6 +41,11 @@ class LinearFunctionForZeroStage3(torch.autograd.Function):  # DeepSpeed's name
                 "a parameter used outside the module that owns it must be registered with "
                 "deepspeed_c.zero.register_external_parameter, or set memory_efficient_linear to false")
         grad_input = grad_weight = grad_bias = None
+        if torch.is_grad_enabled():
+            # create_graph: the graph being built keeps what it multiplies by until its own backward, when
+            # the parameter may be a placeholder again; a view holds the gathered weight (as torch's
+            # linear holds `weight.t()`) and still passes gradients on to the parameter
+            weight = weight.view_as(weight)
         if ctx.needs_input_grad[0]:
             grad_input = grad_output.matmul(weight.to(grad_output.dtype))
         out_features = grad_output.shape[-1]
@@ -53,8 +60,10 @@ class LinearFunctionForZeroStage3(torch.autograd.Function):  # DeepSpeed's name
 def zero3_linear_wrap(input: torch.Tensor, weight: torch.Tensor,  # noqa: A002
                       bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """F.linear with LinearFunctionForZeroStage3's backward (DeepSpeed's name). Under autocast the
-    weight is cast anyway (the cast copy is what autograd saves), so torch's linear runs as it is."""
-    if torch.is_autocast_enabled(input.device.type) or not torch.is_grad_enabled():
+    weight is cast anyway (the cast copy is what autograd saves), so torch's linear runs as it is; under
+torch.func transforms (which would need a vmap rule for this Function) too."""
+    if torch.is_autocast_enabled(input.device.type) or not torch.is_grad_enabled() or \
+            autograd_paths.transforms_active():
         return F.linear(input, weight, bias)
     return LinearFunctionForZeroStage3.apply(input, weight, bias)
 

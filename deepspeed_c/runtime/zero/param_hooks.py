@@ -25,6 +25,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from deepspeed_c.runtime import autograd_paths
 from deepspeed_c.runtime.zero import linear as zero_linear
 from deepspeed_c.runtime.zero.param_store import ParamStore
 from deepspeed_c.runtime.zero.partition_parameters import drop_guard, external_parameters, is_zero_param
@@ -48,13 +49,21 @@ class _BackwardMark(torch.autograd.Function):
         return tuple(t.detach() for t in tensors) if len(tensors) > 1 else tensors[0].detach()
 
 
+# `fired` of one forward of a module: the graph tasks its backward began and ended in. Every backward through
+# that forward gathers again (a user's `backward(inputs=[x], retain_graph=True)` or `autograd.grad` before
+# the training backward, two losses of one forward each through `engine.backward`); the end pairs with the
+# begin of the same backward.
+_NONE = -2  # no graph task (torch numbers them from 0, and says -1 outside a backward)
+
+
 class _PreBackward(_BackwardMark):
     """On a module's outputs: their gradients arrived, its backward starts (gather its units)."""
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        if not ctx.fired[0]:
-            ctx.fired[0] = True
+        task = torch._C._current_graph_task_id()
+        if ctx.fired[0] != task:
+            ctx.fired[0], ctx.fired[1] = task, _NONE
             ctx.coord.begin_step(ctx.key, "b")
         return (None, None, None) + grads
 
@@ -64,8 +73,9 @@ class _PostBackward(_BackwardMark):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        if ctx.fired[0] and not ctx.fired[1]:
-            ctx.fired[1] = True
+        task = torch._C._current_graph_task_id()
+        if ctx.fired[0] == task and ctx.fired[1] != task:
+            ctx.fired[1] = task
             ctx.coord.end_step(ctx.key, "b")
         return (None, None, None) + grads
 
@@ -184,6 +194,14 @@ class ParamCoordinator:
         self._handles.append(module.register_forward_hook(self._root_post))
         # Linear layers save the parameter, not a view of its gathered buffer (linear.py says why)
         self._linears = zero_linear.install(module) if memory_efficient_linear else []
+        # A gradient may reach a parameter outside its module's backward: a create_graph penalty's second
+        # backward brings d(penalty)/dW to a layer whose forward output the loss never used (the head
+        # under an input-gradient penalty), and autograd accumulates into the parameter's shape. Gather its
+        # unit just before (a tensor hook runs before AccumulateGrad); the end of the iteration releases it.
+        for u, members in enumerate(store.unit_params):
+            for p, _ in members:
+                if p.requires_grad:
+                    self._handles.append(p.register_hook(self._gather_on_grad(u)))
         # the trace being recorded and the plan being followed
         self.trace: list[tuple[int, str]] = []
         self.plan: Any = None
@@ -221,8 +239,8 @@ class ParamCoordinator:
                 self.store.wait(self.units[key])
                 return None
             self.begin_step(key, "f")
-            if torch.is_grad_enabled():
-                fired = [False, False]
+            if torch.is_grad_enabled() and not autograd_paths.transforms_active():
+                fired = [_NONE, _NONE]
                 self._fired_stack(key).append(fired)
                 if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
                     if not args[0].requires_grad:
@@ -244,13 +262,22 @@ class ParamCoordinator:
                     self.end_step(key, "f")
                 return None
             self.end_step(key, "f")  # also drops the units its attribute reads gathered
-            if torch.is_grad_enabled():
+            # under torch.func the transform differentiates functionally (no autograd backward to mark)
+            if torch.is_grad_enabled() and not autograd_paths.transforms_active():
                 stack = self._fired_stack(key)
-                fired = stack.pop() if stack else [False, False]
+                fired = stack.pop() if stack else [_NONE, _NONE]
                 if isinstance(output, torch.Tensor):
                     return _PreBackward.apply(self, key, fired, output) if output.requires_grad else None
                 return _wrap_tensors(_PreBackward, self, key, fired, output)
             return None
+
+        return hook
+
+    def _gather_on_grad(self, u: int) -> Any:
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            if not self.store.ready[u]:
+                self.store.wait([u])
+            return grad
 
         return hook
 
