@@ -80,7 +80,23 @@ class PipeCheckpointer:
         writer = dist.get_rank() == 0
         with rank_local_step("save_checkpoint (creating the checkpoint directory)"):
             if writer:
+                # what saves killed mid-way left behind: staging directories, the temporary of `latest`
+                store.remove_stale_staging(save_dir, keep=tag)
+                store.remove_stale_temporaries(os.path.join(save_dir, store.LATEST_NAME))
                 store.begin(save_dir, tag)
+        try:
+            return self._save_staged(engine, save_dir, tag, client_state, save_latest, exclude_frozen_parameters,
+                                     writer)
+        except BaseException:
+            # every rank raised at the same step (rank_local_step), so none writes into the staging
+            # directory any more: its partial files would only hold the space
+            if writer:
+                store.abort(save_dir, tag)
+            raise
+
+    def _save_staged(self, engine: Any, save_dir: str, tag: str, client_state: dict, save_latest: bool,
+                     exclude_frozen_parameters: bool, writer: bool) -> bool:
+        """Every rank's files into the staging directory, then rank 0 commits it."""
         staging = store.staging_dir(save_dir, tag)
         module, stepper = engine.module, engine.stepper
         names = {id(p): n for n, p in module.named_parameters()}
