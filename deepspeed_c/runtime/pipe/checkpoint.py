@@ -141,8 +141,9 @@ class PipeCheckpointer:
     @staticmethod
     def _stage_state(engine: Any, names: dict[int, str], optimizer_here: bool, client_state: dict) -> dict:
         """mp_rank_{stage}_model_states.pt as DeepSpeed's pipeline engine writes it (module None: the
-        weights are in the layer files), less `sparse_tensor_module_names` (a set, which weights_only
-        loading refuses; DeepSpeed's loader reads the key only where it is present)."""
+        weights are in the layer files), less `sparse_tensor_module_names` (a set, which the store's
+        plain-data check refuses; the engine's model file leaves it out too, and DeepSpeed's loader reads
+        it only where it is present)."""
         from deepspeed_c.version import DEEPSPEED_API_VERSION
 
         stepper = engine.stepper
@@ -183,8 +184,7 @@ class PipeCheckpointer:
         # every rank's model as it was
         with rank_local_step("load_checkpoint (reading this stage's checkpoint files)"):
             if not str(tag):
-                raise ValueError(f"load_checkpoint: {os.path.join(load_dir, store.LATEST_NAME)} is empty; pass "
-                                 "an explicit tag")
+                raise ValueError("load_checkpoint: tag must be a non-empty name (or None: the tag `latest` names)")
             tag_dir = _tag_dir(load_dir, str(tag))
             manifest = store.read_manifest(tag_dir)
             layers = read_layer_files(module, tag_dir, manifest)
