@@ -101,8 +101,7 @@ def inputs_first(tr: Any, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor
 
 def grad_wrt_weight(tr: Any, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
     loss = mse(tr(x), y)
-    with tr.gathered([tr.module.body.weight]):
-        gw, = torch.autograd.grad(loss, tr.module.body.weight, retain_graph=True)
+    gw, = torch.autograd.grad(loss, tr.module.body.weight, retain_graph=True)  # at ZeRO-3 too: no gather needed
     gw = gw.clone()
     tr.direct_backward(loss)
     return [gw]
@@ -111,8 +110,7 @@ def grad_wrt_weight(tr: Any, x: torch.Tensor, y: torch.Tensor) -> list[torch.Ten
 def gradnorm_penalty(tr: Any, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
     out = tr(x)
     loss = mse(out, y)
-    with tr.gathered([tr.module.head.weight]):
-        gw, = torch.autograd.grad(loss, tr.module.head.weight, create_graph=True)
+    gw, = torch.autograd.grad(loss, tr.module.head.weight, create_graph=True)
     tr.backward(loss + LAM * gw.pow(2).sum())
     return [gw.detach()]
 
