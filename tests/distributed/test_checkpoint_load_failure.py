@@ -3,7 +3,7 @@
 Two real gloo ranks save a checkpoint, then load copies of it in which one file only rank 1 reads is
 corrupted: its per-rank ZeRO file, its ZeRO-3 model-states file, its reducer-order file, or (each rank
 loading its own copy of the checkpoint, as ranks on different machines do) the shared model-states
-file in rank 1's copy only. Every rank calls engine.load_checkpoint inside try/except, as "resume if
+file or `latest` (emptied) in rank 1's copy only. Every rank calls engine.load_checkpoint inside try/except, as "resume if
 possible" code does, and then meets the others at one more barrier: a rank left inside the load's
 collectives would hang there until the process group timed out (30 minutes), so the run's own
 timeout fails the test. Every rank's error must name the damaged file."""
@@ -28,15 +28,15 @@ MODEL_FILE = "mp_rank_00_model_states.pt"
 @dataclass(frozen=True)
 class Case:
     name: str
-    file: str  # inside the tag directory
+    file: str  # inside the tag directory, or `latest` beside it
     per_rank_dirs: bool  # each rank loads its own copy (rank 1's is damaged); else one shared copy
 
 
 def _cases(stage: int) -> list[Case]:
     zero_optim = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     order = "dsc_reducer_order_rank_00001_of_00002.pt"
-    if stage == 0:
-        return [Case("model", MODEL_FILE, True), Case("order", order, False)]
+    if stage == 0:  # and rank 1's `latest` emptied (truncated by a crash or a full disk)
+        return [Case("model", MODEL_FILE, True), Case("order", order, False), Case("latest", "latest", True)]
     if stage in (1, 2):
         return [Case("model", MODEL_FILE, True), Case("zero", zero_optim, False)]
     return [Case("model3", "zero_pp_rank_1_mp_rank_00_model_states.pt", False), Case("zero", zero_optim, False)]
@@ -83,9 +83,13 @@ def body(rank: int, world: int, stage: int, root: str) -> list[dict]:
         load_dir = os.path.join(shared, f"rank{rank}") if case.per_rank_dirs else shared
         if case.per_rank_dirs or rank == 0:
             shutil.copytree(clean, load_dir)
-        present = os.path.isfile(os.path.join(clean, TAG, case.file))
+        where = "" if case.file == "latest" else TAG
+        present = os.path.isfile(os.path.join(clean, where, case.file))
         if present and rank == (1 if case.per_rank_dirs else 0):
-            _corrupt(os.path.join(load_dir, TAG, case.file))
+            if case.file == "latest":
+                open(os.path.join(load_dir, "latest"), "w").close()
+            else:
+                _corrupt(os.path.join(load_dir, TAG, case.file))
         dist.barrier()
         start = time.monotonic()
         error = None
