@@ -150,8 +150,8 @@ def _write_failed(target: str, written: str, error: BaseException, recorded: OSE
     hint = ("; free space or save to another directory (checkpoints saved before this one are untouched)"
             if cause.errno in (errno.ENOSPC, errno.EDQUOT) else "")
     # str() appends the file: "[Errno 28] No space left on device while writing checkpoint file...: '<path>'"
-    return OSError(cause.errno, f"{cause.strerror or os.strerror(cause.errno)} while writing checkpoint file{via}{hint}",
-                   target)
+    reason = cause.strerror or os.strerror(cause.errno)
+    return OSError(cause.errno, f"{reason} while writing checkpoint file{via}{hint}", target)
 
 
 def _write_new(path: str, write: Callable[[Any], None], target: str | None = None) -> None:

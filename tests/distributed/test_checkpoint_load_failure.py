@@ -1,12 +1,13 @@
 """A checkpoint load that fails on one rank raises on every rank, within seconds, at ZeRO stages 0-3.
 
 Two real gloo ranks save a checkpoint, then load copies of it in which one file only rank 1 reads is
-corrupted: its per-rank ZeRO file, its ZeRO-3 model-states file, its reducer-order file, or (each rank
-loading its own copy of the checkpoint, as ranks on different machines do) the shared model-states
-file or `latest` (emptied) in rank 1's copy only. Every rank calls engine.load_checkpoint inside try/except, as "resume if
-possible" code does, and then meets the others at one more barrier: a rank left inside the load's
-collectives would hang there until the process group timed out (30 minutes), so the run's own
-timeout fails the test. Every rank's error must name the damaged file."""
+corrupted: its per-rank ZeRO file, its ZeRO-3 model-states file, its reducer-order file, or (each
+rank loading its own copy of the checkpoint, as ranks on different machines do) the shared
+model-states file or `latest` (emptied) in rank 1's copy only. Every rank calls
+engine.load_checkpoint inside try/except, as "resume if possible" code does, and then meets the
+others at one more barrier: a rank left inside the load's collectives would hang there until the
+process group timed out (30 minutes), so the run's own timeout fails the test. Every rank's error
+must name the damaged file."""
 from __future__ import annotations
 
 import os

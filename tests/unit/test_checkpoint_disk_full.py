@@ -181,7 +181,8 @@ def fill(save_dir: str, hidden: int) -> None:
             report = {"failed": step, "errno": e.errno, "error": str(e), "filename": e.filename}
             break
     latest = store.read_latest(save_dir)
-    report.update(saved=saved, latest=latest, listing=sorted(os.listdir(save_dir)), loaded=loaded_step(save_dir, None, hidden),
+    report.update(saved=saved, latest=latest, listing=sorted(os.listdir(save_dir)),
+                  loaded=loaded_step(save_dir, None, hidden),
                   every=[loaded_step(save_dir, f"global_step{s}", hidden) for s in saved])
     for name in os.listdir(save_dir):  # room again: every tag but the one `latest` names goes
         if name.startswith("global_step") and name != latest:
