@@ -173,7 +173,8 @@ class PipeCheckpointer:
         if custom_load_fn is not None:
             raise ValueError("custom_load_fn not supported w. pipeline parallelism")
         if tag is None:
-            tag = store.read_latest(load_dir)
+            with rank_local_step("load_checkpoint (reading latest)"):  # an empty `latest` raises on every rank
+                tag = store.read_latest(load_dir)
             if tag is None:
                 logger.warning(f"Unable to find latest file at {os.path.join(load_dir, store.LATEST_NAME)} "
                                f"(directory holds: {store.listing(load_dir)}); pass an explicit tag or save a "
