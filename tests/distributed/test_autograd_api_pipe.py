@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.distributed.test_pipe_parity import _layer_weights
 from tests.harness import run_distributed
 
 IN, H, MBS, GAS, STEPS, LR = 5, 7, 3, 2, 2, 0.1
@@ -89,12 +90,7 @@ def body(rank: int, world: int, schedule: str, zero: int) -> dict[str, Any]:
     engine, *_ = deepspeed.initialize(model=model, config=cfg, optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
     for step in batches():
         engine.train_batch(iter(step))
-    out = {}
-    for local, f in enumerate(model.forward_funcs):
-        if isinstance(f, torch.nn.Module):
-            for n, p in f.named_parameters():
-                out[f"{model._layer_ids[local]}.{n}"] = p.detach().double().cpu().numpy().copy()
-    return out
+    return {k: v.astype(np.float64) for k, v in _layer_weights(model).items()}
 
 
 @pytest.mark.parametrize("schedule,zero", [("1f1b", 0), ("zb_h1", 0), ("zb_h1", 1)])

@@ -22,7 +22,7 @@ import torch
 
 import deepspeed_c
 from deepspeed_c.checkpoint import store
-from tests.distributed.engine_models import MLP
+from tests.unit.test_checkpoint_faults import make, stamp
 from tests.harness import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,22 +37,6 @@ def world_of_one():
     yield
     if started and dist.is_initialized():
         dist.destroy_process_group()
-
-
-def make(hidden: int = 64):
-    torch.manual_seed(0)
-    engine, *_ = deepspeed_c.initialize(model=MLP(hidden=hidden), config={
-        "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}})
-    return engine
-
-
-def stamp(engine, step: int) -> None:
-    """Every weight equals the step number, so a loaded checkpoint shows which save it came from."""
-    with torch.no_grad():
-        for p in engine.module.parameters():
-            p.fill_(float(step))
-    engine.global_steps = step
 
 
 def loaded_step(save_dir: str, tag: str | None = None, hidden: int = 64) -> int:

@@ -27,9 +27,9 @@ def world_of_one():
         dist.destroy_process_group()
 
 
-def make():
+def make(hidden: int = 64):
     torch.manual_seed(0)
-    engine, *_ = deepspeed_c.initialize(model=MLP(hidden=64), config={
+    engine, *_ = deepspeed_c.initialize(model=MLP(hidden=hidden), config={
         "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}})
     return engine
