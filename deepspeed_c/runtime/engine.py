@@ -17,7 +17,7 @@ from torch.nn import Module
 
 from deepspeed_c.accelerator import get_accelerator
 from deepspeed_c.runtime import engine_report as rep
-from deepspeed_c.runtime.autograd_paths import training_backward
+from deepspeed_c.runtime.backward_phase import EngineBackward
 from deepspeed_c.runtime.config import DeepSpeedConfig
 from deepspeed_c.runtime.engine_accessors import EngineConfigAccessors
 from deepspeed_c.runtime.engine_io import ROUTE_ENCODE, ROUTE_EVAL, ROUTE_PREDICT, ROUTE_TRAIN, EngineIO
@@ -83,10 +83,6 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
         self._step_applied = False
         self._global_grad_norm: Optional[float] = None
         self._is_gradient_accumulation_boundary: Optional[bool] = None
-        self._running_engine_backward = False
-        self._manual_backward_expected = False
-        self._scale_wrt_gas = True
-        self._in_backward = False
         self._destroyed = False
         self._direct_scaler: Any = None
 
@@ -104,6 +100,9 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
         self.tput_timer = self.report.tput_timer
         self.monitor = self.report.monitor
         self.precision = Precision(self._config)
+        # who drives the running backward and whether its round is open (runtime/backward_phase.py)
+        self.backward_state = EngineBackward(self.precision, self.report, lambda: self.reducer,
+                                             self.gradient_accumulation_steps)
         self._configure_distributed_model(model)
         self.param_names = {param: name for name, param in model.named_parameters()}
         self._params = list(model.parameters())  # walked every step: keep the list, not the module tree
@@ -297,7 +296,7 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
 
     # -- forward ---------------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        self._in_backward = False  # a backward that raised never ran its epilogue
+        self.backward_state.forward_started()  # a backward that raised never ran its epilogue
         if self.training_dataloader is None:
             self.tput_timer.start()
         self.report.start(rep.FORWARD_TIMERS)
@@ -311,7 +310,7 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
 
             self._direct_scaler = DirectBackwardScaler(
                 self._params, self.gradient_accumulation_steps,
-                active=lambda: not self._running_engine_backward and self._scale_wrt_gas, reducer=self.reducer)
+                active=lambda: not self.backward_state.engine_driven, reducer=self.reducer)
         self.report.stop(rep.FORWARD_TIMERS)
         return outputs
 
@@ -322,41 +321,15 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
         here; see engine.backward and runtime/gas_scaling.py. A user's `autograd.grad` or `backward(inputs=[x])`
         between steps also reaches the outputs: it accumulates into no parameter, so it is no training
         backward (runtime/autograd_paths.py)."""
-        if not self._in_backward and (self._running_engine_backward or training_backward(self._params)):
-            self._backward_prologue()
+        self.backward_state.outputs_reached(self._params)
         return grad
-
-    def _backward_prologue(self) -> None:
-        self._in_backward = True
-        if self.reducer is not None:
-            self.reducer.claim_round()  # the engine, not an inner graph task, closes this round
-        self.report.start(rep.BACKWARD_TIMERS)
-        self.report.start(rep.BACKWARD_INNER_TIMERS)
-        torch.autograd.Variable._execution_engine.queue_callback(self._backward_epilogue)
-
-    def _backward_epilogue(self) -> None:
-        if not self._in_backward:
-            return
-        self._in_backward = False
-        self.report.stop(rep.BACKWARD_INNER_TIMERS)
-        self.report.start(rep.BACKWARD_REDUCE_TIMERS)
-        if self.reducer is not None:
-            self.reducer.end_backward()
-        self.report.stop(rep.BACKWARD_REDUCE_TIMERS)
-        self.report.stop(rep.BACKWARD_TIMERS)
-        if not self._running_engine_backward:
-            if self.precision.needs_scaler and not self._manual_backward_expected:
-                raise RuntimeError("Loss scaling is required for this configuration, but backward() was called "
-                                   "directly without scaling the loss. Please use one of the following: "
-                                   "1. engine.backward(loss) 2. engine.scale(loss).backward()")
-            self._manual_backward_expected = False
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss scaled for a manual `.backward()` (unchanged unless fp16 loss scaling is on)."""
         assert self.optimizer is not None, "must provide optimizer during init in order to use scale"
         assert is_loss_for_backward(loss), \
             "loss must be a scalar tensor with grad_fn. For non-scalar tensors, use tensor.backward(grad)"
-        self._manual_backward_expected = True
+        self.backward_state.user_scaled_loss()
         self.report.record_loss(loss.detach())
         return self.precision.scale_loss(loss)
 
@@ -364,22 +337,7 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
         assert self.optimizer is not None, "must provide optimizer during init in order to use backward"
         assert is_loss_for_backward(loss), \
             "loss must be a scalar tensor. If you need to pass output gradients, backward() of output tensors"
-        self._running_engine_backward = True
-        self._scale_wrt_gas = scale_wrt_gas
-        if self.reducer is not None:
-            self.reducer.claim_round()
-        try:
-            gas_scaled_loss = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
-            self.report.record_loss(loss.detach())
-            # exactly the loss given is scaled, whatever else the model returned
-            self.precision.scale_loss(gas_scaled_loss).backward(retain_graph=retain_graph)
-            self._backward_epilogue()
-            if self.reducer is not None:
-                self.reducer.end_backward()
-        finally:
-            self._running_engine_backward = False
-            self._scale_wrt_gas = True
-        return gas_scaled_loss
+        return self.backward_state.backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._is_gradient_accumulation_boundary is None:

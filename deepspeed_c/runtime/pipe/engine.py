@@ -139,9 +139,6 @@ class PipelineEngine(DeepSpeedEngine):
             else super().gradient_clipping()
 
     # -- what the executor calls back --------------------------------------------------------------
-    def _engine_backward(self, loss: torch.Tensor) -> Any:
-        return DeepSpeedEngine.backward(self, loss)
-
     def _engine_step(self, grad_norm: Optional[float] = None) -> None:
         DeepSpeedEngine.step(self)
         if grad_norm is not None:

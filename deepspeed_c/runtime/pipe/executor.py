@@ -173,17 +173,7 @@ class PipeExecutor:
 
     def _backward_round(self, run: Any) -> None:
         """One non-boundary backward of the engine's reducer (see the module docstring)."""
-        e = self.e
-        e._running_engine_backward = True
-        if e.reducer is not None:
-            e.reducer.claim_round()
-        try:
-            run()
-            e._backward_epilogue()
-            if e.reducer is not None:
-                e.reducer.end_backward()
-        finally:
-            e._running_engine_backward = False
+        self.e.backward_state.run_round(run)
 
     def _backward_targets(self, ins: Any) -> tuple[list, list]:
         """(tensors, their gradients) a micro-batch's backward starts from: the scaled loss on the
@@ -286,7 +276,9 @@ class PipeExecutor:
         if not params:
             return
         zero = sum((p.reshape(-1)[:1].float() * 0.0).sum() for p in params)
-        e._engine_backward(zero * e.gradient_accumulation_steps())
+        # engine.backward's body (the PipelineEngine refuses engine.backward itself), with its precondition
+        assert e.optimizer is not None, "must provide optimizer during init in order to use backward"
+        e.backward_state.backward(zero * e.gradient_accumulation_steps())
 
     def _step(self, ins: Any) -> None:
         e = self.e
