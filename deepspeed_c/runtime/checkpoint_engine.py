@@ -1,7 +1,9 @@
-"""The engine's checkpoint collaborator: gathers the engine's state into plain dicts in DeepSpeed's
-on-disk layout (tag dir, `latest`, mp_rank_00_model_states.pt, zero_pp_rank_*_optim_states.pt, plus
-each rank's own optimizer file where the optimizer keeps one: EngineOptimizer.rank_checkpoint_file)
-and hands them to deepspeed_c.checkpoint.store, which writes them crash-safely with a manifest."""
+"""The engine's checkpoint collaborator: gathers the states the engine hands it (CheckpointStates) into
+plain dicts in DeepSpeed's on-disk layout (tag dir, `latest`, mp_rank_00_model_states.pt,
+zero_pp_rank_*_optim_states.pt, plus each rank's own optimizer file where the optimizer keeps one:
+EngineOptimizer.rank_checkpoint_file) and hands them to deepspeed_c.checkpoint.store, which writes them
+crash-safely with a manifest. Its settings come from CheckpointOptions, built once from the config; it
+never sees the engine."""
 from __future__ import annotations
 
 import hashlib
@@ -15,6 +17,8 @@ import torch.distributed as dist
 from deepspeed_c.checkpoint import deepspeed_format, store
 from deepspeed_c.runtime import checkpoint_nodes as nodes
 from deepspeed_c.runtime import reducer_order_file
+from deepspeed_c.runtime.checkpoint_options import CheckpointOptions
+from deepspeed_c.runtime.checkpoint_states import CheckpointStates
 from deepspeed_c.runtime.collective_guard import check_dir_arg, rank_local_step
 from deepspeed_c.runtime.optimizer_seam import SavedCheckpoint
 from deepspeed_c.utils.logging import logger
@@ -34,9 +38,9 @@ def zero3_model_file(dp_rank: int) -> str:
     return f"zero_pp_rank_{dp_rank}_mp_rank_00_model_states.pt"
 
 
-def zero_file(engine: Any, dp_rank: int) -> str:
+def zero_file(bf16: bool, dp_rank: int) -> str:
     # DeepSpeed names ZeRO files with a bf16_ prefix whenever bf16 is enabled (any stage).
-    return deepspeed_format.zero_file_name(dp_rank, engine.precision.bf16.enabled)
+    return deepspeed_format.zero_file_name(dp_rank, bf16)
 
 
 def _rank_world() -> tuple[int, int]:
@@ -71,12 +75,15 @@ def _param_names(module: torch.nn.Module) -> dict[int, str]:
 class EngineCheckpointer:
     """save/load for engine.save_checkpoint / engine.load_checkpoint (DeepSpeed signatures)."""
 
+    def __init__(self, options: CheckpointOptions) -> None:
+        self.options = options
+
     # -- save -----------------------------------------------------------------------------------
-    def save(self, engine: Any, save_dir: str, tag: Any, client_state: dict, save_latest: bool,
+    def save(self, st: CheckpointStates, save_dir: str, tag: Any, client_state: dict, save_latest: bool,
              exclude_frozen_parameters: bool) -> bool:
         # every check before the first collective, on every rank: a bad argument raises everywhere
         save_dir = check_dir_arg("save_checkpoint", "save_dir", save_dir)
-        tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
+        tag = f"global_step{st.train_state.global_steps}" if tag is None else str(tag)
         if not tag or os.sep in tag or tag.startswith("."):
             raise ValueError(f"save_checkpoint: tag {tag!r} must be a non-empty name without '{os.sep}' or a "
                              "leading '.'")
@@ -86,9 +93,9 @@ class EngineCheckpointer:
         if clash:
             raise ValueError(f"save_checkpoint: client_state keys {clash} collide with DeepSpeed's own keys")
         store.check_plain(client_state, "client_state")
-        self._validate_tag(engine, tag)
+        self._validate_tag(tag)
         # the writer of this rank's directory: global rank 0, or its node's local rank 0 (node-local storage)
-        scope = nodes.save_scope(engine, save_dir)
+        scope = nodes.save_scope(save_dir, self.options.node_local_storage, st.local_rank)
         with rank_local_step("save_checkpoint (creating the checkpoint directory)", distributed=_dist()):
             if scope.writer:
                 # what saves killed mid-way left behind: staging directories, temporaries of the replaced files
@@ -97,7 +104,7 @@ class EngineCheckpointer:
                     store.remove_stale_temporaries(os.path.join(save_dir, name))
                 store.begin(save_dir, tag)
         try:
-            return self._save_staged(engine, save_dir, tag, client_state, save_latest, exclude_frozen_parameters,
+            return self._save_staged(st, save_dir, tag, client_state, save_latest, exclude_frozen_parameters,
                                      scope)
         except BaseException:
             # every rank raised at the same step (rank_local_step), so none writes into the staging
@@ -106,43 +113,43 @@ class EngineCheckpointer:
                 store.abort(save_dir, tag)
             raise
 
-    def _save_staged(self, engine: Any, save_dir: str, tag: str, client_state: dict, save_latest: bool,
+    def _save_staged(self, st: CheckpointStates, save_dir: str, tag: str, client_state: dict, save_latest: bool,
                      exclude_frozen_parameters: bool, scope: nodes.StorageScope) -> bool:
         """Every rank's files into the staging directory, then the writer commits it."""
         stage = store.staging_dir(save_dir, tag)
         my_files: dict[str, dict] = {}
         # a partitioned optimizer's state (ZeRO) goes to one file per rank; building it is collective,
         # so it happens outside the rank-local step
-        names = _param_names(engine.module)
+        names = _param_names(st.module)
 
         def name_of(p: torch.nn.Parameter) -> str:
             return names[id(p)]
 
-        if engine.has_moe_layers:  # DeepSpeed's MoE layout: experts and optimizer states in files of their own
+        if st.has_moe_layers:  # DeepSpeed's MoE layout: experts and optimizer states in files of their own
             from deepspeed_c.runtime import checkpoint_moe
 
-            checkpoint_moe.check_supported(engine)
-        part = engine.stepper.partition_checkpoint_state(name_of) if engine.stepper is not None else None
+            checkpoint_moe.check_supported(self.options.zero_stage)
+        part = st.stepper.partition_checkpoint_state(name_of) if st.stepper is not None else None
         # ZeRO-3: every rank writes its own model-states file, with its shards of the frozen parameters
-        shards = (engine.stepper.partitioned_model_state(name_of, exclude_frozen_parameters)
-                  if engine.stepper is not None else None)
+        shards = (st.stepper.partitioned_model_state(name_of, exclude_frozen_parameters)
+                  if st.stepper is not None else None)
         with rank_local_step("save_checkpoint (writing this rank's files)", distributed=_dist()):
-            if engine.has_moe_layers:
-                my_files.update(checkpoint_moe.save_files(engine, stage))
+            if st.has_moe_layers:
+                my_files.update(checkpoint_moe.save_files(st.module, st.stepper, self.options.zero, stage))
             if part is not None:
-                name = zero_file(engine, part[0])
-                state = {"optimizer_state_dict": part[1], "ds_config": engine._config._param_dict,
+                name = zero_file(self.options.bf16, part[0])
+                state = {"optimizer_state_dict": part[1], "ds_config": self.options.ds_config,
                          "ds_version": DEEPSPEED_API_VERSION}
                 my_files[name] = store.save_file(state, os.path.join(stage, name))
             if shards is not None:
-                model_state = self._model_state(engine, client_state, exclude_frozen_parameters, True, shards)
+                model_state = self._model_state(st, client_state, exclude_frozen_parameters, True, shards)
                 name = zero3_model_file(shards[0])
                 my_files[name] = store.save_file(model_state, os.path.join(stage, name))
             elif scope.writer:
-                model_state = self._model_state(engine, client_state, exclude_frozen_parameters, part is not None)
+                model_state = self._model_state(st, client_state, exclude_frozen_parameters, part is not None)
                 my_files[MODEL_FILE] = store.save_file(model_state, os.path.join(stage, MODEL_FILE))
             # state that differs between ranks (the 1-bit optimizers' compression errors): a file of its own
-            own = engine.stepper.rank_checkpoint_file() if engine.stepper is not None else None
+            own = st.stepper.rank_checkpoint_file() if st.stepper is not None else None
             if own is not None:
                 name, state = own
                 if name in my_files or os.sep in name or name.startswith("."):
@@ -150,7 +157,7 @@ class EngineCheckpointer:
                                      "name in the tag directory")
                 my_files[name] = store.save_file(state, os.path.join(stage, name))
             # the gradient reducers' re-planned bucket order: a resumed run reduces as this one does
-            order = reducer_order_file.rank_file(engine.reducer, *_rank_world())
+            order = reducer_order_file.rank_file(st.reducer, *_rank_world())
             if order is not None:
                 my_files[order[0]] = store.save_file(order[1], os.path.join(stage, order[0]))
         files = self._gather_files(my_files, scope.members)
@@ -161,8 +168,8 @@ class EngineCheckpointer:
                 store.commit(save_dir, tag, files, save_latest)
         return True
 
-    def _validate_tag(self, engine: Any, tag: str) -> None:
-        if not _dist() or not engine.checkpoint_tag_validation_enabled():
+    def _validate_tag(self, tag: str) -> None:
+        if not _dist() or not self.options.tag_validation:
             return
         from deepspeed_c.comm import collective_device
 
@@ -174,7 +181,7 @@ class EngineCheckpointer:
         if not torch.equal(lo, hi):
             msg = (f"[rank={dist.get_rank()}] The checkpoint tag name {tag!r} is not consistent across all ranks "
                    "(checkpoint.tag_validation); a rank-specific tag breaks restoring with another world size")
-            if engine.checkpoint_tag_validation_fail():
+            if self.options.tag_validation_fail:
                 raise AssertionError(msg)  # DeepSpeed asserts here
             logger.warning(msg)
 
@@ -189,17 +196,17 @@ class EngineCheckpointer:
             out.update(parts[rank])
         return out
 
-    def _model_state(self, engine: Any, client_state: dict, exclude_frozen: bool, partitioned: bool,
+    def _model_state(self, st: CheckpointStates, client_state: dict, exclude_frozen: bool, partitioned: bool,
                      shards: Optional[tuple[int, dict]] = None) -> dict:
         """The model-states file as DeepSpeed 0.19.8's engine writes it (_save_checkpoint), key for key.
         One addition: `param_shapes` at stage 0 too (DeepSpeed writes None there and ignores the key on
         load), so zero_to_fp32 can name a stage-0 checkpoint's fp32 masters. `shards`: ZeRO-3's
         (dp rank, per-rank fields) from partitioned_model_state; then `module` holds placeholders and
         shared_params is filled only in rank 0's file, as DeepSpeed's stage 3 writes them."""
-        module = engine.module
+        module = st.module
         names = _param_names(module)
-        sd = engine.module_state_dict(exclude_frozen_parameters=exclude_frozen)
-        if engine.has_moe_layers:
+        sd = st.module_state_dict(exclude_frozen_parameters=exclude_frozen)
+        if st.has_moe_layers:
             from deepspeed_c.runtime.checkpoint_moe import non_expert_state
 
             sd = non_expert_state(module, sd)
@@ -211,38 +218,39 @@ class EngineCheckpointer:
                 if n in sd:
                     sd[n] = torch.empty(0, dtype=p.dtype)
         # DeepSpeed's param_shapes name, per param group, the model parameters the optimizer steps
-        groups = engine.stepper.model_param_groups() if engine.stepper is not None else []
+        groups = st.stepper.model_param_groups() if st.stepper is not None else []
         param_shapes = [OrderedDict((names[id(p)], p.shape) for p in params if id(p) in names) for params in groups]
         # DeepSpeed writes the parameters its optimizer does not own (frozen ones) whole into the model
         # file at the stages that partition gradients, unless they are excluded
-        stage = int(engine.zero_optimization_stage())
+        stage = self.options.zero_stage
         save_frozen = partitioned and stage >= 2 and not exclude_frozen and shards is None
         owned = {id(p) for params in groups for p in params}
         frozen = [(n, p) for n, p in module.named_parameters() if id(p) not in owned]
         persistent = set(sd)
+        counters = st.train_state.state_dict()
         state = {
             "module": {k: _own_storage(v) if isinstance(v, torch.Tensor) else v for k, v in sd.items()},
             "buffer_names": [n for n, _ in module.named_buffers() if n in persistent],
-            "optimizer": engine.stepper.model_file_state() if engine.stepper is not None else None,
+            "optimizer": st.stepper.model_file_state() if st.stepper is not None else None,
             "param_shapes": param_shapes,
             "frozen_param_shapes": OrderedDict((n, p.shape) for n, p in frozen) if save_frozen else None,
             "shared_params": self._shared_params(module) if partitioned else None,
             "frozen_param_fragments": (OrderedDict((n, p.detach().cpu().clone()) for n, p in frozen)
                                        if save_frozen else None),
-            "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+            "lr_scheduler": st.lr_scheduler.state_dict() if st.lr_scheduler is not None else None,
             "data_sampler": None,
             "random_ltd": None,
-            "skipped_steps": engine.skipped_steps,
-            "global_steps": engine.global_steps,
-            "global_samples": engine.global_samples,
-            "dp_world_size": engine.dp_world_size,
+            "skipped_steps": counters["skipped_steps"],
+            "global_steps": counters["global_steps"],
+            "global_samples": counters["global_samples"],
+            "dp_world_size": st.dp_world_size,
             "mp_world_size": 1,
             "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
-            "ds_config": engine._config._param_dict,
+            "ds_config": self.options.ds_config,
             "ds_version": DEEPSPEED_API_VERSION,
         }
-        if engine.has_moe_layers:
-            state["num_experts"] = engine.num_experts
+        if st.has_moe_layers:
+            state["num_experts"] = st.num_experts
             state["optimizer"] = None  # in the expp_rank_* files
         if shards is not None:
             state.update(shards[1])
@@ -286,80 +294,77 @@ class EngineCheckpointer:
     # out. So every rank-local read runs under rank_local_step before the next collective, and the whole
     # load runs under one more: a failure after the last collective (the optimizer's state applied, the
     # reducers' order file) still raises on every rank.
-    def load(self, engine: Any, load_dir: str, tag: Any, load_module_strict: bool, load_optimizer_states: bool,
+    def load(self, st: CheckpointStates, load_dir: str, tag: Any, load_module_strict: bool, load_optimizer_states: bool,
              load_lr_scheduler_states: bool, load_module_only: bool,
              custom_load_fn: Optional[Callable]) -> tuple[Optional[str], Any]:
         load_dir = check_dir_arg("load_checkpoint", "load_dir", load_dir)
         if custom_load_fn is not None and not callable(custom_load_fn):
             raise TypeError(f"load_checkpoint: custom_load_fn must be callable, got {type(custom_load_fn).__name__}")
         with rank_local_step("load_checkpoint", distributed=_dist()):
-            return self._load(engine, load_dir, tag, load_module_strict, load_optimizer_states,
+            return self._load(st, load_dir, tag, load_module_strict, load_optimizer_states,
                               load_lr_scheduler_states, load_module_only, custom_load_fn)
 
-    def _load(self, engine: Any, load_dir: str, tag: Any, load_module_strict: bool, load_optimizer_states: bool,
-              load_lr_scheduler_states: bool, load_module_only: bool,
+    def _load(self, st: CheckpointStates, load_dir: str, tag: Any, load_module_strict: bool,
+              load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool,
               custom_load_fn: Optional[Callable]) -> tuple[Optional[str], Any]:
         if tag is None:
             with rank_local_step("load_checkpoint (reading the latest file)", distributed=_dist()):
                 tag = store.read_latest(load_dir)
             if _dist():  # ranks resuming from different tags would silently diverge
-                tag = nodes.agree_on_latest(tag, load_dir, nodes.node_local_enabled(engine))
+                tag = nodes.agree_on_latest(tag, load_dir, nodes.node_local_enabled(self.options.node_local_storage))
             if tag is None:
                 logger.warning(f"Unable to find latest file at {os.path.join(load_dir, store.LATEST_NAME)} "
                                f"(directory holds: {store.listing(load_dir)}); pass an explicit tag or save a "
                                "checkpoint with save_latest=True")
                 return None, None
         tag = str(tag)
-        dp_rank = engine.get_data_parallel_rank() if engine.dp_world_size > 1 else 0
+        dp_rank = st.dp_rank
         # every file this rank reads before the optimizer's collectives (ZeRO-3: its own model-states file)
         with rank_local_step("load_checkpoint (reading this rank's model states)", distributed=_dist()):
             tag_dir, manifest, state, model_file, model_rank = self._open_tag(load_dir, tag, dp_rank)
             saved = SavedCheckpoint(tag_dir=tag_dir, manifest=manifest, model_state=state,
-                                    bf16=engine.precision.bf16.enabled,
-                                    load_from_fp32_weights=bool(engine._config.zero_config.load_from_fp32_weights),
-                                    node_local=nodes.node_local_enabled(engine),
+                                    bf16=self.options.bf16, load_from_fp32_weights=self.options.load_from_fp32_weights,
+                                    node_local=nodes.node_local_enabled(self.options.node_local_storage),
                                     partitioned_weights=model_rank is not None, model_rank=model_rank)
-            module_state = self._module_state(engine, saved, custom_load_fn)
+            module_state = self._module_state(st, saved, custom_load_fn)
         # a mismatch with this rank's model raises on every rank (the guards must stay in step on all ranks)
         with rank_local_step("load_checkpoint (applying the module's weights)", distributed=_dist()):
-            self._load_module(engine, module_state, load_module_strict, custom_load_fn)
+            self._load_module(st, module_state, load_module_strict, custom_load_fn)
         if not load_module_only:
-            if not engine.has_moe_layers or engine.zero_optimization():
-                self._load_optimizer(engine, saved, load_optimizer_states)
-            elif load_optimizer_states and engine.stepper is not None:  # stage 0: the expp_rank files
+            if not st.has_moe_layers or self.options.zero:
+                self._load_optimizer(st, saved, load_optimizer_states)
+            elif load_optimizer_states and st.stepper is not None:  # stage 0: the expp_rank files
                 from deepspeed_c.runtime import checkpoint_moe
 
-                checkpoint_moe.load_optimizer(engine, tag_dir, manifest)
-            if load_optimizer_states and engine.stepper is not None:  # this rank's own file, where it has one
-                engine.stepper.load_rank_checkpoint_file(saved)
-            reducer_order_file.restore(engine.reducer, tag_dir, manifest, *_rank_world())
-            if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("lr_scheduler"):
-                engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-            engine.global_steps = state["global_steps"]
-            engine.global_samples = state.get("global_samples", engine.global_steps * engine.train_batch_size())
-            engine.skipped_steps = state["skipped_steps"]
-        elif engine.optimizer is not None and engine.stepper is not None:
+                checkpoint_moe.load_optimizer(st.module, st.stepper, tag_dir, manifest)
+            if load_optimizer_states and st.stepper is not None:  # this rank's own file, where it has one
+                st.stepper.load_rank_checkpoint_file(saved)
+            reducer_order_file.restore(st.reducer, tag_dir, manifest, *_rank_world())
+            if load_lr_scheduler_states and st.lr_scheduler is not None and state.get("lr_scheduler"):
+                st.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            st.train_state.load_state_dict(state, samples_per_step=st.samples_per_step)
+        elif st.has_optimizer and st.stepper is not None:
             # masters follow the loaded weights (a stage-3 checkpoint's weights are its fp32 partitions)
-            engine.stepper.load_checkpoint_weights(saved)
+            st.stepper.load_checkpoint_weights(saved)
         client = {k: v for k, v in state.items() if k not in DS_KEYS}
         return os.path.join(tag_dir, model_file), client
 
-    def _module_state(self, engine: Any, saved: SavedCheckpoint, custom_load_fn: Optional[Callable]) -> dict:
+    def _module_state(self, st: CheckpointStates, saved: SavedCheckpoint, custom_load_fn: Optional[Callable]) -> dict:
         """The module state_dict to apply: the model-states file's, plus this rank's experts (MoE) and, for an
         engine keeping whole parameters, a stage-3 checkpoint's frozen parameters from every rank's file."""
         module_state = saved.model_state["module"]
-        if engine.has_moe_layers:  # the experts this rank holds now, from the expert files
+        if st.has_moe_layers:  # the experts this rank holds now, from the expert files
             from deepspeed_c.runtime import checkpoint_moe
 
-            checkpoint_moe.check_supported(engine)
-            module_state = {**module_state, **checkpoint_moe.load_experts(engine, saved.tag_dir, saved.manifest)}
+            checkpoint_moe.check_supported(self.options.zero_stage)
+            module_state = {**module_state, **checkpoint_moe.load_experts(st.module, saved.tag_dir, saved.manifest)}
         if saved.partitioned_weights:
-            if not engine.zero_optimization():
+            if not self.options.zero:
                 raise NotImplementedError(
                     f"load_checkpoint: {saved.tag_dir} is a ZeRO stage-3 checkpoint (its weights are partitioned over "
                     "its ZeRO files) and this engine runs without ZeRO; load it into a ZeRO engine, or recover whole "
                     "weights with zero_to_fp32 and load those")
-            if not engine.zero_optimization_partition_weights() and custom_load_fn is None:
+            if not self.options.partition_weights and custom_load_fn is None:
                 # an engine keeping whole parameters gets each frozen one from every rank's fragments
                 from deepspeed_c.runtime.checkpoint_zero3 import whole_frozen_params
 
@@ -389,13 +394,13 @@ class EngineCheckpointer:
             return tag_dir, manifest, store.load_file(tag_dir, name, manifest), name, rank
         return tag_dir, manifest, store.load_file(tag_dir, MODEL_FILE, manifest), MODEL_FILE, None
 
-    def _load_module(self, engine: Any, saved: dict, strict: bool, custom_load_fn: Optional[Callable]) -> None:
+    def _load_module(self, st: CheckpointStates, saved: dict, strict: bool, custom_load_fn: Optional[Callable]) -> None:
         if custom_load_fn is not None:
-            custom_load_fn(src=saved, dst=engine.module)
+            custom_load_fn(src=saved, dst=st.module)
             return
         # full shapes: a ZeRO-3 parameter's data is a placeholder, its ds_shape the real shape
-        own = {k: torch.Size(v.shape) for k, v in engine.module.state_dict().items()}
-        for n, p in engine.module.named_parameters(remove_duplicate=False):
+        own = {k: torch.Size(v.shape) for k, v in st.module.state_dict().items()}
+        for n, p in st.module.named_parameters(remove_duplicate=False):
             if n in own:
                 own[n] = torch.Size(getattr(p, "ds_shape", p.shape))
         # a ZeRO-3 checkpoint's parameters are placeholders: their values come from its ZeRO files
@@ -418,12 +423,12 @@ class EngineCheckpointer:
                 raise RuntimeError("load_checkpoint: checkpoint does not match the model (pass "
                                    "load_module_strict=False to skip missing/unexpected names); " + "; ".join(problems))
         values = {k: v for k, v in saved.items() if k not in placeholders}
-        if engine.stepper is not None:  # checked above: strict's complaints were raised already
-            engine.stepper.load_module_state(engine.module, values)
+        if st.stepper is not None:  # checked above: strict's complaints were raised already
+            st.stepper.load_module_state(st.module, values)
         else:
-            engine.module.load_state_dict(values, strict=False)
+            st.module.load_state_dict(values, strict=False)
 
-    def _load_optimizer(self, engine: Any, saved: SavedCheckpoint, load_states: bool) -> None:
-        if engine.stepper is None:
+    def _load_optimizer(self, st: CheckpointStates, saved: SavedCheckpoint, load_states: bool) -> None:
+        if st.stepper is None:
             return
-        engine.stepper.load_checkpoint_state(saved, load_states)
+        st.stepper.load_checkpoint_state(saved, load_states)

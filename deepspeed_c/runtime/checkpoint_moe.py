@@ -67,11 +67,11 @@ def non_expert_state(module: torch.nn.Module, sd: dict) -> dict:
     return {k: v for k, v in sd.items() if not any(k.startswith(h) for h in heads)}
 
 
-def save_files(engine: Any, stage_dir: str) -> dict[str, dict]:
-    """This rank's expert and optimizer files (manifest entries by name)."""
+def save_files(module: torch.nn.Module, stepper: Any, zero: bool, stage_dir: str) -> dict[str, dict]:
+    """This rank's expert and optimizer files (manifest entries by name). `stepper`: the optimizer
+    protocol (None: no optimizer); `zero`: a ZeRO stage runs (its states are in the ZeRO files)."""
     from deepspeed_c.utils import groups
 
-    module = engine.module
     sd = module.state_dict()
     files: dict[str, dict] = {}
     for layer_id, (prefix, layer) in enumerate(moe_layers(module)):
@@ -85,23 +85,23 @@ def save_files(engine: Any, stage_dir: str) -> dict[str, dict]:
                     if k.startswith(f"{head}{j}.")}
             name = expert_file(layer_id, g)
             files[name] = store.save_file(mine, os.path.join(stage_dir, name))
-    if engine.stepper is not None and not engine.zero_optimization():  # ZeRO: states in the ZeRO files
+    if stepper is not None and not zero:  # ZeRO: states in the ZeRO files
         largest = groups._get_max_expert_size_name() if groups._get_expert_parallel_group_dict() else None
         ep_rank, edp_rank = _ranks(largest) if largest else (0, 0)
         if edp_rank == 0:
             names = global_names(module)
-            opt_sd = engine.stepper.state_dict()  # torch's; in fp16/bf16 DeepSpeed's FP16 optimizer fields
-            params = [p for g in engine.stepper.model_param_groups() for p in g]
+            opt_sd = stepper.state_dict()  # torch's; in fp16/bf16 DeepSpeed's FP16 optimizer fields
+            params = [p for g in stepper.model_param_groups() for p in g]
             state = {"optimizer": opt_sd, "param_names": [names[id(p)] for p in params]}
             name = optim_file(ep_rank)
             files[name] = store.save_file(state, os.path.join(stage_dir, name))
     return files
 
 
-def load_experts(engine: Any, tag_dir: str, manifest: Any) -> dict:
+def load_experts(module: torch.nn.Module, tag_dir: str, manifest: Any) -> dict:
     """The state-dict entries of the experts this rank holds, read from the expert files."""
     out: dict = {}
-    for layer_id, (prefix, layer) in enumerate(moe_layers(engine.module)):
+    for layer_id, (prefix, layer) in enumerate(moe_layers(module)):
         ep_rank, _ = _ranks(layer.expert_group_name)
         head = f"{prefix}{EXPERTS_INFIX}" if prefix else EXPERTS_INFIX[1:]
         for j in range(layer.num_local_experts):
@@ -134,7 +134,7 @@ def _remap(saved_inner: list[tuple[dict, list[str]]], mine: dict, my_names: list
     return mine
 
 
-def load_optimizer(engine: Any, tag_dir: str, manifest: Any) -> None:
+def load_optimizer(module: torch.nn.Module, stepper: Any, tag_dir: str, manifest: Any) -> None:
     """This rank's optimizer state gathered by parameter name from every expp_rank file: the torch
     optimizer's moments and, in fp16/bf16, the fp32 masters and the loss scaler."""
     pattern = re.compile(r"^expp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
@@ -148,9 +148,8 @@ def load_optimizer(engine: Any, tag_dir: str, manifest: Any) -> None:
             raise ValueError(f"load_checkpoint: {f} has no param_names (not written by deepspeed_c); load it with "
                              "the same ep_size and world size through load_optimizer_states=False, or re-save")
         blobs.append(blob)
-    names = global_names(engine.module)
-    my_names = [names[id(p)] for g in engine.stepper.model_param_groups() for p in g]
-    stepper = engine.stepper
+    names = global_names(module)
+    my_names = [names[id(p)] for g in stepper.model_param_groups() for p in g]
     mixed = "optimizer_state_dict" in blobs[0]["optimizer"]  # MixedPrecisionOptimizer's (DeepSpeed FP16 fields)
     if not mixed:
         inner = [(b["optimizer"], b["param_names"]) for b in blobs]
@@ -178,10 +177,10 @@ def load_optimizer(engine: Any, tag_dir: str, manifest: Any) -> None:
     stepper.load_state_dict(mine, load_optimizer_states=True)
 
 
-def check_supported(engine: Any) -> None:
+def check_supported(zero_stage: int) -> None:
     """MoE checkpoints are built for stages 0, 1 and 2; others raise before any file is written."""
-    if engine.zero_optimization_stage() > 2:
+    if zero_stage > 2:
         raise NotImplementedError("save_checkpoint/load_checkpoint of a model with MoE layers at "
-                                  f"zero_optimization.stage {engine.zero_optimization_stage()} is not built")
+                                  f"zero_optimization.stage {zero_stage} is not built")
 
 

@@ -38,8 +38,9 @@ def _dist() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def node_local_enabled(engine: Any) -> bool:
-    return bool(engine.use_node_local_storage()) and _dist()
+def node_local_enabled(configured: bool) -> bool:
+    """checkpoint.use_node_local_storage takes effect only in a distributed run."""
+    return bool(configured) and _dist()
 
 
 def node_key(rank: int, local_rank: int) -> str:
@@ -75,11 +76,12 @@ def global_scope() -> StorageScope:
     return StorageScope(writer=rank == 0, members=tuple(range(world)))
 
 
-def save_scope(engine: Any, save_dir: str) -> StorageScope:
-    """Collective when node-local storage is on: every rank must call it."""
-    if not node_local_enabled(engine):
+def save_scope(save_dir: str, node_local: bool, local_rank: int) -> StorageScope:
+    """Collective when node-local storage is on (`node_local`: checkpoint.use_node_local_storage): every
+    rank must call it. `local_rank`: this rank's on its node."""
+    if not node_local_enabled(node_local):
         return global_scope()
-    rank, local_rank = dist.get_rank(), int(engine.local_rank)
+    rank, local_rank = dist.get_rank(), int(local_rank)
     layout: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(layout, (node_key(rank, local_rank), local_rank, uuid.uuid4().hex))
     token = layout[0][2]  # rank 0's: one name for this save on every node

@@ -298,6 +298,11 @@ class DeepSpeedConfig:
         return self.bfloat16_config.enabled
 
     @property
+    def user_dict(self) -> dict:
+        """The config as the user gave it (what checkpoints save as ds_config, as DeepSpeed's do)."""
+        return self._param_dict
+
+    @property
     def zero_optimization(self) -> bool:
         return self.zero_enabled
 

@@ -26,6 +26,7 @@ from deepspeed_c.runtime.optimizer_factory import build_optimizer
 from deepspeed_c.runtime.optimizer_seam import engine_optimizer
 from deepspeed_c.runtime.output_hooks import is_loss_for_backward, register_output_hooks
 from deepspeed_c.runtime.precision import Precision
+from deepspeed_c.runtime.train_state import TrainState, TrainStateAttributes
 from deepspeed_c.utils.logging import log_dist
 
 __all__ = ["DeepSpeedEngine", "ROUTE_TRAIN", "ROUTE_EVAL", "ROUTE_PREDICT", "ROUTE_ENCODE"]
@@ -45,7 +46,7 @@ def _select_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
+class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttributes):
     r"""DeepSpeed engine for training."""
 
     def __init__(self, args: Any, model: Module, optimizer: Any = None, model_parameters: Any = None,
@@ -61,10 +62,7 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
         self.collate_fn = collate_fn
         self.mpu = mpu
         self.mesh_device = mesh_device
-        self.global_steps = 0
-        self.global_samples = 0
-        self.micro_steps = 0
-        self.skipped_steps = 0
+        self.train_state = TrainState()  # global_steps, global_samples, skipped_steps, micro_steps: properties
         self.gas_boundary_ctr = 0
         self.gradient_average = True
         self.warn_unscaled_loss = True
@@ -77,9 +75,6 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
         self.lr_scheduler: Any = None
         self.training_dataloader: Any = None
         self.reducer: Any = None
-        from deepspeed_c.runtime.checkpoint_engine import EngineCheckpointer
-
-        self.checkpointer: Any = EngineCheckpointer()
         self._step_applied = False
         self._global_grad_norm: Optional[float] = None
         self._is_gradient_accumulation_boundary: Optional[bool] = None
@@ -99,6 +94,9 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
         self.timers = self.report.timers
         self.tput_timer = self.report.tput_timer
         self.monitor = self.report.monitor
+        from deepspeed_c.runtime.checkpoint_engine import CheckpointOptions, EngineCheckpointer
+
+        self.checkpointer: Any = EngineCheckpointer(CheckpointOptions.from_config(self._config))
         self.precision = Precision(self._config)
         # who drives the running backward and whether its round is open (runtime/backward_phase.py)
         self.backward_state = EngineBackward(self.precision, self.report, lambda: self.reducer,
@@ -393,7 +391,7 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
                                skipped_steps=self.skipped_steps, lr=lr, mom=self.get_mom(),
                                loss_scale=self.precision.loss_scale() if self.precision.needs_scaler else None,
                                train_batch_size=self.train_batch_size())
-        self.micro_steps += 1
+        self.train_state.micro_steps += 1
 
     def _take_model_step(self, lr_kwargs: Optional[dict]) -> None:
         assert self.stepper is not None
@@ -403,14 +401,13 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO):
         self.stepper.zero_grad()
         self._step_applied = not overflow
         if overflow:
-            self.skipped_steps += 1
+            self.train_state.skipped_steps += 1
         elif self.lr_scheduler is not None:
             try:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             except TypeError:
                 self.lr_scheduler.step(self.train_batch_size())
-        self.global_steps += 1
-        self.global_samples += self.train_batch_size()
+        self.train_state.record_step(self.train_batch_size())
 
     def _clip_gradients(self) -> None:
         grads = [p.grad for p in self._params if p.grad is not None]

@@ -1,5 +1,6 @@
 """The engine's data and checkpoint faces (DeepSpeed's signatures). Checkpointing is a
-collaborator: the checkpoint issue sets `engine.checkpointer`; until then save/load raise."""
+collaborator (`engine.checkpointer`): each save/load hands it the engine's stateful objects as
+CheckpointStates (_checkpoint_states), never the engine itself."""
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
@@ -70,7 +71,8 @@ class EngineIO:
         if self.checkpointer is None:
             raise NotImplementedError("deepspeed_c: engine.save_checkpoint is not built yet (checkpoint issue)")
         with _tp_full_view(self, "save_checkpoint"):  # AutoTP: written as the unsharded model's
-            return self.checkpointer.save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+            return self.checkpointer.save(self._checkpoint_states(), save_dir, tag, client_state, save_latest,
+                                          exclude_frozen_parameters)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
@@ -146,8 +148,24 @@ class EngineIO:
         if self.checkpointer is None:
             raise NotImplementedError("deepspeed_c: engine.load_checkpoint is not built yet (checkpoint issue)")
         with _tp_full_view(self, "load_checkpoint"):  # AutoTP: read as the unsharded model's, then resliced
-            return self.checkpointer.load(self, load_dir, tag, load_module_strict, load_optimizer_states,
-                                          load_lr_scheduler_states, load_module_only, custom_load_fn)
+            return self.checkpointer.load(self._checkpoint_states(), load_dir, tag, load_module_strict,
+                                          load_optimizer_states, load_lr_scheduler_states, load_module_only,
+                                          custom_load_fn)
+
+    def _checkpoint_states(self) -> Any:
+        """What the checkpointer saves and restores (runtime/checkpoint_states.py), read now: the batch size
+        and, under AutoTP's whole view, the optimizer's tensors may differ from the last save's."""
+        from deepspeed_c.runtime.checkpoint_states import CheckpointStates
+
+        return CheckpointStates(**self._checkpoint_state_fields())
+
+    def _checkpoint_state_fields(self) -> dict:
+        dp_rank = self.get_data_parallel_rank() if self.dp_world_size > 1 else 0
+        return dict(module=self.module, module_state_dict=self.module_state_dict, stepper=self.stepper,
+                    has_optimizer=self.optimizer is not None, lr_scheduler=self.lr_scheduler, reducer=self.reducer,
+                    train_state=self.train_state, samples_per_step=self.train_batch_size(),
+                    dp_world_size=self.dp_world_size, dp_rank=dp_rank, local_rank=int(self.local_rank),
+                    num_experts=self.num_experts if self.has_moe_layers else None)
 
 
 def _tp_full_view(engine: Any, what: str) -> Any:

@@ -6,7 +6,8 @@ into place and replaces `latest` last, so a crash at any point leaves the previo
 any other Python object is refused, nothing is executed) and verifies it against the manifest. Each
 step that only some ranks do, or that can fail on one rank, runs under collective_guard's
 rank_local_step, so a failure on any rank raises on every rank instead of leaving the others in a
-collective until the process group times out."""
+collective until the process group times out. The checkpointer sees the stage's states
+(PipeCheckpointStates) and its CheckpointOptions, never the engine."""
 from __future__ import annotations
 
 import os
@@ -16,6 +17,8 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from deepspeed_c.checkpoint import store
+from deepspeed_c.runtime.checkpoint_options import CheckpointOptions
+from deepspeed_c.runtime.checkpoint_states import PipeCheckpointStates
 from deepspeed_c.runtime.collective_guard import check_dir_arg, rank_local_step
 
 from .layer_files import apply_layer_states, layer_file_states, read_layer_files
@@ -65,7 +68,10 @@ class PipeCheckpointer:
     optimizer states (and fp32 masters) found by parameter name (optim_reshard.py), for fp32, bf16/fp16
     and ZeRO-1 alike."""
 
-    def save(self, engine: Any, save_dir: str, tag: Any, client_state: dict, save_latest: bool,
+    def __init__(self, options: CheckpointOptions) -> None:
+        self.options = options
+
+    def save(self, st: PipeCheckpointStates, save_dir: str, tag: Any, client_state: dict, save_latest: bool,
              exclude_frozen_parameters: bool) -> bool:
         # every check before the first collective, on every rank: a bad argument raises everywhere
         save_dir = check_dir_arg("save_checkpoint", "save_dir", save_dir)
@@ -75,7 +81,7 @@ class PipeCheckpointer:
         if clash:
             raise ValueError(f"save_checkpoint: client_state keys {clash} collide with DeepSpeed's own keys")
         store.check_plain(client_state, "client_state")
-        tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
+        tag = f"global_step{st.train_state.global_steps}" if tag is None else str(tag)
         _check_tag(tag)
         writer = dist.get_rank() == 0
         with rank_local_step("save_checkpoint (creating the checkpoint directory)"):
@@ -85,7 +91,7 @@ class PipeCheckpointer:
                 store.remove_stale_temporaries(os.path.join(save_dir, store.LATEST_NAME))
                 store.begin(save_dir, tag)
         try:
-            return self._save_staged(engine, save_dir, tag, client_state, save_latest, exclude_frozen_parameters,
+            return self._save_staged(st, save_dir, tag, client_state, save_latest, exclude_frozen_parameters,
                                      writer)
         except BaseException:
             # every rank raised at the same step (rank_local_step), so none writes into the staging
@@ -94,11 +100,11 @@ class PipeCheckpointer:
                 store.abort(save_dir, tag)
             raise
 
-    def _save_staged(self, engine: Any, save_dir: str, tag: str, client_state: dict, save_latest: bool,
+    def _save_staged(self, st: PipeCheckpointStates, save_dir: str, tag: str, client_state: dict, save_latest: bool,
                      exclude_frozen_parameters: bool, writer: bool) -> bool:
         """Every rank's files into the staging directory, then rank 0 commits it."""
         staging = store.staging_dir(save_dir, tag)
-        module, stepper = engine.module, engine.stepper
+        module, stepper = st.module, st.stepper
         names = {id(p): n for n, p in module.named_parameters()}
         # ZeRO-1: building this rank's partition is collective, so it happens outside the rank-local step
         part = stepper.partition_checkpoint_state(lambda p: names[id(p)]) if stepper is not None else None
@@ -111,14 +117,14 @@ class PipeCheckpointer:
 
         with rank_local_step("save_checkpoint (writing this rank's files)"):
             for name, sd in layer_file_states(module, exclude_frozen_parameters,
-                                              bool(engine._config.checkpoint_parallel_write_pipeline)).items():
+                                              self.options.parallel_write_pipeline).items():
                 write(name, sd)
             if part is not None:
                 from deepspeed_c.checkpoint.deepspeed_format import zero_file_name
                 from deepspeed_c.version import DEEPSPEED_API_VERSION
 
-                write(zero_file_name(part[0], engine.precision.bf16.enabled, engine.stage_id),
-                      {"optimizer_state_dict": part[1], "ds_config": engine._config._param_dict,
+                write(zero_file_name(part[0], self.options.bf16, st.stage_id),
+                      {"optimizer_state_dict": part[1], "ds_config": self.options.ds_config,
                        "ds_version": DEEPSPEED_API_VERSION})
             own = stepper.rank_checkpoint_file() if stepper is not None else None
             if own is not None:  # state that differs between ranks (the 1-bit optimizers' compression errors)
@@ -126,8 +132,8 @@ class PipeCheckpointer:
                     raise ValueError(f"save_checkpoint: the optimizer's rank file name {own[0]!r} is not a plain "
                                      "file name")
                 write(own[0], own[1])
-            if engine.grid.get_data_parallel_rank() == 0:
-                write(_state_file(engine.stage_id), self._stage_state(engine, names, part is None, client_state))
+            if st.stage_dp_rank == 0:
+                write(_state_file(st.stage_id), self._stage_state(st, names, part is None, client_state))
         every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
         files: dict[str, dict] = {}
@@ -138,15 +144,16 @@ class PipeCheckpointer:
                 store.commit(save_dir, tag, files, save_latest)
         return True
 
-    @staticmethod
-    def _stage_state(engine: Any, names: dict[int, str], optimizer_here: bool, client_state: dict) -> dict:
+    def _stage_state(self, st: PipeCheckpointStates, names: dict[int, str], optimizer_here: bool,
+                     client_state: dict) -> dict:
         """mp_rank_{stage}_model_states.pt as DeepSpeed's pipeline engine writes it (module None: the
         weights are in the layer files), less `sparse_tensor_module_names` (a set, which the store's
         plain-data check refuses; the engine's model file leaves it out too, and DeepSpeed's loader reads
         it only where it is present)."""
         from deepspeed_c.version import DEEPSPEED_API_VERSION
 
-        stepper = engine.stepper
+        stepper = st.stepper
+        counters = st.train_state.state_dict()
         # DeepSpeed's param_shapes: per param group, the names the optimizer's positions stand for
         # (what lets another pipeline degree find each layer's optimizer state, optim_reshard.py)
         groups = stepper.model_param_groups() if stepper is not None else []
@@ -154,19 +161,20 @@ class PipeCheckpointer:
             "module": None,
             "optimizer": stepper.model_file_state() if stepper is not None and optimizer_here else None,
             "param_shapes": [OrderedDict((names[id(p)], p.shape) for p in ps if id(p) in names) for ps in groups],
-            "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-            "skipped_steps": engine.skipped_steps,
-            "global_steps": engine.global_steps,
-            "global_samples": engine.global_samples,
-            "dp_world_size": engine.dp_world_size,
-            "mp_world_size": engine.num_stages,
-            "ds_config": engine._config._param_dict,
+            "lr_scheduler": st.lr_scheduler.state_dict() if st.lr_scheduler is not None else None,
+            "skipped_steps": counters["skipped_steps"],
+            "global_steps": counters["global_steps"],
+            "global_samples": counters["global_samples"],
+            "dp_world_size": st.dp_world_size,
+            "mp_world_size": st.num_stages,
+            "ds_config": self.options.ds_config,
             "ds_version": DEEPSPEED_API_VERSION,
             **client_state,
         }
 
-    def load(self, engine: Any, load_dir: str, tag: Any, load_module_strict: bool, load_optimizer_states: bool,
-             load_lr_scheduler_states: bool, load_module_only: bool, custom_load_fn: Any) -> tuple:
+    def load(self, st: PipeCheckpointStates, load_dir: str, tag: Any, load_module_strict: bool,
+             load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool,
+             custom_load_fn: Any) -> tuple:
         from deepspeed_c.utils.logging import logger
 
         load_dir = check_dir_arg("load_checkpoint", "load_dir", load_dir)
@@ -180,7 +188,7 @@ class PipeCheckpointer:
                                f"(directory holds: {store.listing(load_dir)}); pass an explicit tag or save a "
                                "checkpoint with save_latest=True")
                 return None, None
-        module = engine.module
+        module = st.module
         # read everything this rank needs before anything is applied: a bad file on any rank leaves
         # every rank's model as it was
         with rank_local_step("load_checkpoint (reading this stage's checkpoint files)"):
@@ -189,7 +197,7 @@ class PipeCheckpointer:
             tag_dir = _tag_dir(load_dir, str(tag))
             manifest = store.read_manifest(tag_dir)
             layers = read_layer_files(module, tag_dir, manifest)
-            name = _state_file(engine.stage_id)
+            name = _state_file(st.stage_id)
             if not os.path.isfile(os.path.join(tag_dir, name)):
                 name = _state_file(0)  # fewer stages saved than now: counters are shared
             state = store.load_file(tag_dir, name, manifest)
@@ -197,22 +205,19 @@ class PipeCheckpointer:
             apply_layer_states(module, layers, load_module_strict)
         module.synchronize_tied_weights()
         with rank_local_step("load_checkpoint (restoring the optimizer and training state)"):
-            stepper = engine.stepper
+            stepper = st.stepper
             if stepper is not None:
                 if load_module_only or not load_optimizer_states:
                     stepper.refresh_masters()
                 else:
-                    self._load_optimizer(engine, tag_dir, manifest, state)
+                    self._load_optimizer(st, tag_dir, manifest, state)
             if not load_module_only:
-                if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("lr_scheduler"):
-                    engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-                engine.global_steps = state["global_steps"]
-                engine.global_samples = state.get("global_samples", 0)
-                engine.skipped_steps = state["skipped_steps"]
+                if load_lr_scheduler_states and st.lr_scheduler is not None and state.get("lr_scheduler"):
+                    st.lr_scheduler.load_state_dict(state["lr_scheduler"])
+                st.train_state.load_state_dict(state)  # a file without global_samples: 0, as before
         return os.path.join(tag_dir, name), {k: v for k, v in state.items() if k not in DS_KEYS}
 
-    @staticmethod
-    def _load_optimizer(engine: Any, tag_dir: str, manifest: Optional[dict], state: dict) -> None:
+    def _load_optimizer(self, st: PipeCheckpointStates, tag_dir: str, manifest: Optional[dict], state: dict) -> None:
         """The optimizer states: from this stage's files when the stage holds the layers it held when
         saved (ZeRO-1: the zero_pp_rank_{dp}_mp_rank_{stage} files, re-cut if the data-parallel degree
         differs); with another number of stages or partition, by parameter name (optim_reshard.py);
@@ -221,24 +226,23 @@ class PipeCheckpointer:
         from deepspeed_c.runtime.precision import MixedPrecisionOptimizer
         from deepspeed_c.utils.logging import logger
 
-        stepper, saved_stages = engine.stepper, state.get("mp_world_size")
-        zero = engine.zero_optimization_stage() > 0
+        stepper, saved_stages = st.stepper, state.get("mp_world_size")
+        zero = self.options.zero
         saved_zero = state.get("optimizer") is None and any(
             n.endswith("_mp_rank_00_optim_states.pt") and "zero_pp_rank_" in n for n in os.listdir(tag_dir))
         if zero != saved_zero:
             raise ValueError(f"load_checkpoint: {tag_dir} was saved with {'ZeRO' if saved_zero else 'no ZeRO'} "
                              f"optimizer states, this engine runs zero_optimization.stage "
-                             f"{engine.zero_optimization_stage()}; pass load_optimizer_states=False")
-        names = {id(p): n for n, p in engine.module.named_parameters()}
+                             f"{self.options.zero_stage}; pass load_optimizer_states=False")
+        names = {id(p): n for n, p in st.module.named_parameters()}
         groups = [[names[id(p)] for p in ps] for ps in stepper.model_param_groups()]
         saved_names = state.get("param_shapes")
         # positions mean the same parameters when the stage holds the same layers as when saved (same
         # number of stages and, where the file names them, the same partition)
-        if saved_stages == engine.num_stages and (saved_names is None or [list(g) for g in saved_names] == groups):
+        if saved_stages == st.num_stages and (saved_names is None or [list(g) for g in saved_names] == groups):
             saved = SavedCheckpoint(tag_dir=tag_dir, manifest=manifest, model_state=state,
-                                    bf16=engine.precision.bf16.enabled,
-                                    load_from_fp32_weights=bool(engine._config.zero_config.load_from_fp32_weights),
-                                    node_local=False, mp_rank=engine.stage_id)
+                                    bf16=self.options.bf16, load_from_fp32_weights=self.options.load_from_fp32_weights,
+                                    node_local=False, mp_rank=st.stage_id)
             stepper.load_checkpoint_state(saved, True)
             stepper.load_rank_checkpoint_file(saved)
             return
@@ -246,7 +250,7 @@ class PipeCheckpointer:
 
         if zero:
             why = restore_zero_by_name(stepper, groups, tag_dir, manifest, int(saved_stages),
-                                       engine.precision.bf16.enabled)
+                                       self.options.bf16)
         elif isinstance(stepper, (PlainOptimizer, MixedPrecisionOptimizer)):
             why = restore_by_name(stepper, groups, tag_dir, manifest, int(saved_stages))
         else:
@@ -254,6 +258,6 @@ class PipeCheckpointer:
         if why is None:
             return
         logger.warning(f"load_checkpoint: {tag_dir} was saved with {saved_stages} pipeline stages, this engine has "
-                       f"{engine.num_stages} (or another partition): weights re-partitioned, optimizer states not "
+                       f"{st.num_stages} (or another partition): weights re-partitioned, optimizer states not "
                        f"restored ({why})")
         stepper.refresh_masters()

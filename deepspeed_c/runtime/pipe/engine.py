@@ -108,9 +108,11 @@ class PipelineEngine(DeepSpeedEngine):
                 f"zero_optimization.stage={self.zero_optimization_stage()}: pipeline parallelism works with "
                 "ZeRO stage 0 and 1 (as DeepSpeed)")
         model.checkpoint_parallel_write_pipeline = bool(self._config.checkpoint_parallel_write_pipeline)
+        from deepspeed_c.runtime.checkpoint_options import CheckpointOptions
+
         from .checkpoint import PipeCheckpointer
 
-        self.checkpointer = PipeCheckpointer()
+        self.checkpointer = PipeCheckpointer(CheckpointOptions.from_config(self._config))
         self.deferred_wgrad: Optional[Any] = None  # ZB-H1: Linear weight gradients deferred from B to W
         if self._schedule_name == "zb_h1":
             from .deferred_wgrad import DeferredWeightGrads
@@ -137,6 +139,13 @@ class PipelineEngine(DeepSpeedEngine):
     def gradient_clipping(self) -> float:
         return self._pipe_max_norm if getattr(self, "_pipe_clips", False) and hasattr(self, "executor") \
             else super().gradient_clipping()
+
+    def _checkpoint_states(self) -> Any:
+        """The stage's states for its checkpointer (runtime/checkpoint_states.py)."""
+        from deepspeed_c.runtime.checkpoint_states import PipeCheckpointStates
+
+        return PipeCheckpointStates(**self._checkpoint_state_fields(), stage_id=self.stage_id,
+                                    num_stages=self.num_stages, stage_dp_rank=self.grid.get_data_parallel_rank())
 
     # -- what the executor calls back --------------------------------------------------------------
     def _engine_step(self, grad_norm: Optional[float] = None) -> None:

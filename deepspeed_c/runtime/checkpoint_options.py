@@ -1,0 +1,44 @@
+"""The checkpoint settings, read once from the parsed config: what the checkpointers need of the
+config, so they never read the engine's config (or its raw dict) themselves."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """tag_validation / tag_validation_fail: checkpoint.tag_validation (Warn / Fail; Ignore: off);
+    node_local_storage: checkpoint.use_node_local_storage; parallel_write_pipeline:
+    checkpoint.parallel_write.pipeline_stage; load_from_fp32_weights: zero_optimization's key;
+    bf16: bf16.enabled (names the ZeRO files bf16_*); zero_stage: zero_optimization.stage;
+    ds_config: the user's config, saved into the files as DeepSpeed does (the dict itself, not a
+    copy: a save writes the config as it is then)."""
+    tag_validation: bool
+    tag_validation_fail: bool
+    node_local_storage: bool
+    parallel_write_pipeline: bool
+    load_from_fp32_weights: bool
+    bf16: bool
+    zero_stage: int
+    ds_config: dict
+
+    @classmethod
+    def from_config(cls, config: Any) -> "CheckpointOptions":
+        """`config`: a parsed DeepSpeedConfig."""
+        return cls(tag_validation=bool(config.checkpoint_tag_validation_enabled),
+                   tag_validation_fail=bool(config.checkpoint_tag_validation_fail),
+                   node_local_storage=bool(config.use_node_local_storage),
+                   parallel_write_pipeline=bool(config.checkpoint_parallel_write_pipeline),
+                   load_from_fp32_weights=bool(config.zero_config.load_from_fp32_weights),
+                   bf16=bool(config.bfloat16_enabled), zero_stage=int(config.zero_optimization_stage),
+                   ds_config=config.user_dict)
+
+    @property
+    def zero(self) -> bool:
+        return self.zero_stage > 0
+
+    @property
+    def partition_weights(self) -> bool:
+        """ZeRO-3: parameters are partitioned over the data-parallel ranks."""
+        return self.zero_stage >= 3
