@@ -12,13 +12,14 @@ Subclasses say what a reducing round does: `_start_reducing` (reset per-round st
 `_on_grad(index)` (a parameter's gradient is ready) and `_finish_round` (flush and wait)."""
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 
 class BackwardRound:
     should_reduce: Callable[[], bool]
+    _inert_hook: Optional[Callable[[Any], bool]] = None
 
     def _attach_hooks(self, params: Sequence[torch.nn.Parameter]) -> None:
         self._round_open = False
@@ -63,6 +64,12 @@ class BackwardRound:
         finally:
             self._round_open = False
             self._reducing = False
+
+    def register_inert_hook_test(self, is_inert: Callable[[Any], bool]) -> None:
+        """`is_inert(hook)` says a tensor hook on a parameter leaves its gradient unchanged right now (the
+        engine's accumulation scaler while it would not scale): a fast path that bypasses tensor hooks
+        (ZeRO's in-bucket Linear weight gradients) may still run on a parameter carrying only such hooks."""
+        self._inert_hook = is_inert
 
     def remove(self) -> None:
         for handle in self._handles:

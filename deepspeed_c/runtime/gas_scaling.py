@@ -32,10 +32,10 @@ class DirectBackwardScaler:
         self._active = active
         self._hooks: set[Any] = set()
         self._handles = [p.register_hook(self._hook_for(p)) for p in params if p.requires_grad]
-        if hasattr(reducer, "grad_hook_filter"):
+        if reducer is not None:
             # a ZeRO-1/2 partitioner may let a Linear write a weight gradient straight into its bucket
             # (runtime/zero/bucket_linear.py), skipping these hooks: only while they would not scale
-            reducer.grad_hook_filter = self.is_inert
+            reducer.register_inert_hook_test(self.is_inert)
 
     def is_inert(self, hook: Any) -> bool:
         """`hook` is this scaler's and leaves gradients as they are right now."""

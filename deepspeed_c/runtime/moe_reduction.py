@@ -106,9 +106,13 @@ class ReducerSet:
         for r in self.reducers:
             r.remove()
 
+    def register_inert_hook_test(self, is_inert: Callable[[Any], bool]) -> None:
+        for r in self.reducers:
+            r.register_inert_hook_test(is_inert)
+
     @property
     def collectives(self) -> int:
-        return sum(getattr(r, "collectives", 0) for r in self.reducers)
+        return sum(r.collectives for r in self.reducers)
 
 
 def build_reducers(sets: Sequence[ReductionSet], make: Callable[[ReductionSet], Any]) -> Any:

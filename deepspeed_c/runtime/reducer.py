@@ -18,7 +18,10 @@ Where a gradient is read from and where the reduced one goes is a `GradSlots` po
 by default, or the fp32 accumulators of the bf16 stage-0 optimizer (grad_accum_dtype fp32).
 
 After its first round the reducer adopts rank 0's observed gradient order (broadcast, so every
-rank plans identically) and re-plans once, so later buckets fill in true backward order."""
+rank plans identically) and re-plans once, so later buckets fill in true backward order.
+
+The collective each bucket goes through, and its pre/post factors, are a strategy chosen once here
+(runtime/reduce_strategy.py): an all-reduce of the whole bucket."""
 from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
@@ -27,6 +30,7 @@ import torch
 
 from deepspeed_c.runtime.backward_round import BackwardRound
 from deepspeed_c.runtime.bucket_plan import BucketPlan
+from deepspeed_c.runtime.reduce_strategy import BucketReduce, averaging_factors, data_parallel_strategy
 
 
 FIRST_BUCKET_BYTES = 1 << 20
@@ -71,14 +75,12 @@ class GradientReducer(BackwardRound):
         self.should_reduce = should_reduce
         # Ulysses: the group is data x sequence ranks; a sequence group's partial gradients add up, only the
         # data-parallel replicas are averaged (DeepSpeed divides by world / sequence_parallel_size)
-        averaged = world_size / sequence_parallel_size
-        if not gradient_average:  # gradient_allreduce_op "sum": a plain sum, no scaling either side
-            self.pre_factor, self.post_factor = 1.0, 1.0
-        elif prescale_gradients:
-            self.pre_factor, self.post_factor = 1.0 / averaged, 1.0
-        else:
-            self.pre_factor = 1.0 / gradient_predivide_factor
-            self.post_factor = gradient_predivide_factor / averaged
+        factors = averaging_factors(world_size, gradient_average=gradient_average,
+                                    prescale_gradients=prescale_gradients,
+                                    gradient_predivide_factor=gradient_predivide_factor,
+                                    sequence_parallel_size=sequence_parallel_size)
+        self.strategy: BucketReduce = data_parallel_strategy(factors, group)
+        self._post = self.strategy.post_factor
         self._rebuild_pending = rebuild_from_observed_order and world_size > 1
         self._replanned = False
         self._saved_order: Optional[list[int]] = None  # adopted from a checkpoint, laid out at the next backward
@@ -91,7 +93,6 @@ class GradientReducer(BackwardRound):
         self._seen = [False] * len(self.params)
         self._late: set[int] = set()
         self.rounds = 0
-        self.collectives = 0  # all-reduces issued, for tests and the benchmark
         self._attach_hooks(self.params)
 
     # -- planning --------------------------------------------------------------------------------
@@ -102,8 +103,7 @@ class GradientReducer(BackwardRound):
         first_cap = min(self.bucket_cap, FIRST_BUCKET_BYTES // itemsize)
         self.plan = BucketPlan([p.numel() for p in self.params], self.bucket_cap, order=order, keys=self._keys,
                                first_cap=first_cap)
-        self._mark = self.plan._mark
-        self._capsule = self.plan._plan
+        self._mark = self.plan.marker()
         layout = self.plan.layout
         self.buffers: list[torch.Tensor] = []
         for b, numel in enumerate(layout.bucket_numels):
@@ -119,6 +119,11 @@ class GradientReducer(BackwardRound):
     @property
     def num_buckets(self) -> int:
         return self.plan.num_buckets
+
+    @property
+    def collectives(self) -> int:
+        """All-reduces issued, for tests and the benchmark."""
+        return self.strategy.collectives
 
     # -- backward-time path ----------------------------------------------------------------------
     def claim_round(self) -> None:
@@ -140,7 +145,7 @@ class GradientReducer(BackwardRound):
             self._views[index].copy_(grad)
         else:
             self._views[index].zero_()
-        frontier = self._mark(self._capsule, index)
+        frontier = self._mark(index)
         while self._launched < frontier:
             self._launch(self._launched)
 
@@ -152,12 +157,8 @@ class GradientReducer(BackwardRound):
         self._late = set()
 
     def _launch(self, bucket: int) -> None:
-        buf = self.buffers[bucket]
-        if self.pre_factor != 1.0:
-            buf.mul_(self.pre_factor)
-        self._works.append(_comm().all_reduce(buf, group=self.group, async_op=True))
+        self._works.append(self.strategy.reduce(self.buffers[bucket])[0])
         self._launched = bucket + 1
-        self.collectives += 1
 
     def _finish_round(self) -> None:
         for i in self.plan.pending():
@@ -175,8 +176,8 @@ class GradientReducer(BackwardRound):
         self._works = []
         if self._late:
             self._reduce_late()
-        if self.post_factor != 1.0:
-            torch._foreach_mul_(self.buffers, self.post_factor)
+        if self._post != 1.0:
+            torch._foreach_mul_(self.buffers, self._post)
         for i, p in enumerate(self.params):
             self.slots.write(p, self._views[i])
         self.rounds += 1
@@ -191,10 +192,9 @@ class GradientReducer(BackwardRound):
         self._late = set()
         grads = [self.slots.read(self.params[i]) for i in late]
         flat = torch.cat([g.reshape(-1).to(self._views[i].dtype) for i, g in zip(late, grads)])
-        if self.pre_factor != 1.0:
-            flat.mul_(self.pre_factor)
-        _comm().all_reduce(flat, group=self.group)
-        self.collectives += 1
+        work, flat = self.strategy.reduce(flat)
+        if work is not None:
+            work.wait()
         off = 0
         for i in late:
             n = self._views[i].numel()

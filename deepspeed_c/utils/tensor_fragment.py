@@ -46,11 +46,9 @@ def _grad_partition(opt: Any, g: int, create: bool = False) -> Optional[torch.Te
     master = opt.fp32_partitions[g]
     if master.grad is not None:
         return master.grad
-    part = opt.reducer.grad_partitions[g]
-    if part is None and create:
-        part = torch.zeros(master.numel(), dtype=opt.reducer.comm_dtypes[g], device=opt.bit16_groups[g][0].device)
-        opt.reducer.grad_partitions[g] = part
-    return part
+    if create:
+        return opt.reducer.grad_partition(g)
+    return opt.reducer.grad_partitions[g]
 
 
 def _state_partition(opt: Any, g: int, key: str) -> torch.Tensor:

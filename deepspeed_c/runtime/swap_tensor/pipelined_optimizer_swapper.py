@@ -17,7 +17,6 @@ import torch
 
 from deepspeed_c.runtime.swap_tensor.aio_config import AioConfig
 from deepspeed_c.runtime.swap_tensor.partitioned_optimizer_swapper import MASTER, PartitionedOptimizerSwapper
-from deepspeed_c.runtime.zero.grad_partition import ZeroGradPartitioner
 from deepspeed_c.runtime.zero.offload import CPUOffload
 from deepspeed_c.runtime.zero.param_gather import BucketGatherer
 
@@ -26,10 +25,11 @@ class NVMeOffload(CPUOffload):
     """CPUOffload whose masters and optimizer moments live in files under nvme_path."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, masters: Sequence[torch.Tensor],
-                 groups: Sequence[Sequence[torch.nn.Parameter]], reducer: ZeroGradPartitioner, *, nvme_path: str,
+                 groups: Sequence[Sequence[torch.nn.Parameter]], grad_dtypes: Sequence[torch.dtype],
+                 chunk_ranges: Sequence[Sequence[tuple[int, int]]], *, nvme_path: str,
                  stage: int, rank: int, aio: AioConfig, buffer_count: int, sub_group_size: int,
                  **cpu_offload_args: Any) -> None:
-        super().__init__(optimizer, masters, groups, reducer, **cpu_offload_args)
+        super().__init__(optimizer, masters, groups, grad_dtypes, chunk_ranges, **cpu_offload_args)
         if not self.fused:
             raise ValueError(f"zero_optimization.offload_optimizer.device 'nvme' steps the optimizer sub-group by "
                              f"sub-group with a DeepSpeed CPU optimizer (DeepSpeedCPUAdam, DeepSpeedCPUAdagrad, "
@@ -55,7 +55,7 @@ class NVMeOffload(CPUOffload):
         group = opt.param_groups[g]
         state = sw._state(g)
         step = int(opt.ds_opt_op.bump_steps([state["step"]])[0])
-        buckets = [self.reducer.chunk_range(g, b) for b in range(gatherer.plans[g].num_buckets)]
+        buckets = self.chunk_ranges[g]
         lp = self.host_lp[g]
         assert lp is not None
         try:

@@ -20,12 +20,14 @@ goes out once more at the end of the round and is added into the partition. Ever
 same graph, so the late buckets, and their collectives, match across ranks.
 
 The reduced partition (`grad_partitions[g]`, communication dtype, averaged over ranks) is what the
-ZeRO optimizer steps on. With `reduce_scatter=False` a bucket is all-reduced instead and the local
-chunk kept (DeepSpeed's switch; twice the bytes). A `side_stream` (CUDA, set by the offload path)
-finishes each bucket there instead of at the end of backward, and `on_bucket_final(g, start, end)`
-then runs on that stream on the accumulation boundary: the device-to-host copy of the finished
-chunk overlaps the rest of backward. Same interface as runtime/reducer.GradientReducer
-(end_backward, remove), so the engine drives either one."""
+ZeRO optimizer steps on; `grad_partition(g)` hands it out. The collective a bucket goes through is a
+strategy chosen once at construction (runtime/reduce_strategy.py): a reduce-scatter (NCCL averaging
+in it where it can), ZeRO++ qgZ's quantized one (`quantized_reduce`), or with `use_reduce_scatter=False`
+an all-reduce keeping the local chunk (DeepSpeed's switch; twice the bytes). A `side_stream` (CUDA,
+the offload path's) finishes each bucket there instead of at the end of backward, and
+`on_bucket_final(g, start, end, chunk)` then runs on that stream on the accumulation boundary: the
+device-to-host copy of the finished chunk overlaps the rest of backward. Same interface as
+runtime/reducer.GradientReducer (end_backward, remove), so the engine drives either one."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,12 +38,24 @@ import torch
 from deepspeed_c.ops.partition import PartitionPlan
 from deepspeed_c.runtime.backward_round import BackwardRound
 from deepspeed_c.runtime.bucket_plan import BucketPlan
+from deepspeed_c.runtime.reduce_strategy import BucketReduce, averaging_factors, partition_strategy
+
+BucketFinal = Callable[[int, int, int, torch.Tensor], None]  # (group, start, end, the final chunk)
 
 
-def _comm() -> Any:
-    import deepspeed_c.comm as dist
+def chunk_range(plan: PartitionPlan, b: int, world_size: int) -> tuple[int, int]:
+    """[start, end) of bucket b's chunk inside each rank's partition of the plan's group."""
+    start = plan.bucket_offset[b] // world_size
+    return start, start + plan.bucket_size[b] // world_size
 
-    return dist
+
+def grad_dtypes(groups: Sequence[Sequence[torch.nn.Parameter]], comm_dtype: Optional[torch.dtype],
+                accumulate_fp32: bool = False) -> list[torch.dtype]:
+    """Each group's reduced-gradient dtype: fp32 under fp32 accumulation, else the communication dtype,
+    else the group's parameter dtype."""
+    if accumulate_fp32:
+        comm_dtype = torch.float32
+    return [comm_dtype or (params[0].dtype if params else torch.float32) for params in groups]
 
 
 @dataclass
@@ -56,7 +70,6 @@ class _InFlight:
     start: int
     end: int
     fresh: bool  # the first write into this chunk in the accumulation window: overwrite, not add
-    post_factor: float  # what the received chunk is still to be scaled by (1 once the collective averaged)
 
 
 class ZeroGradPartitioner(BackwardRound):
@@ -68,7 +81,9 @@ class ZeroGradPartitioner(BackwardRound):
                  use_reduce_scatter: bool = True,
                  prescale_gradients: bool = False, gradient_predivide_factor: float = 1.0,
                  gradient_average: bool = True, wait_each_bucket: bool = False,
-                 accumulate_fp32: bool = False, sequence_parallel_size: int = 1) -> None:
+                 accumulate_fp32: bool = False, sequence_parallel_size: int = 1,
+                 quantized_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                 side_stream: Any = None, on_bucket_final: Optional[BucketFinal] = None) -> None:
         self.groups = [list(g) for g in groups]
         self.plans = list(plans)
         self.rank = rank
@@ -81,14 +96,16 @@ class ZeroGradPartitioner(BackwardRound):
         self.use_reduce_scatter = use_reduce_scatter
         # Ulysses: the group is data x sequence ranks; a sequence group's partial gradients add up, only the
         # data-parallel replicas are averaged (DeepSpeed divides by world / sequence_parallel_size)
-        averaged = world_size / sequence_parallel_size
-        if not gradient_average:  # gradient_allreduce_op "sum": a plain sum, no scaling either side
-            self.pre_factor, self.post_factor = 1.0, 1.0
-        elif prescale_gradients:
-            self.pre_factor, self.post_factor = 1.0 / averaged, 1.0
-        else:
-            self.pre_factor = 1.0 / gradient_predivide_factor
-            self.post_factor = gradient_predivide_factor / averaged
+        factors = averaging_factors(world_size, gradient_average=gradient_average,
+                                    prescale_gradients=prescale_gradients,
+                                    gradient_predivide_factor=gradient_predivide_factor,
+                                    sequence_parallel_size=sequence_parallel_size)
+        self.strategy: BucketReduce = partition_strategy(factors, rank=rank, world_size=world_size, group=group,
+                                                         reduce_scatter=use_reduce_scatter,
+                                                         quantized_reduce=quantized_reduce)
+        self._post = self.strategy.post_factor
+        # only a reduce-scatter receives into the partition itself (the others produce the chunk elsewhere)
+        self._into_partition = self.strategy.writes_out
         # the order every rank sends buckets in: group-major, bucket order of each plan
         self.order: list[tuple[int, int]] = [(g, b) for g, plan in enumerate(self.plans)
                                              for b in range(plan.num_buckets)]
@@ -102,17 +119,14 @@ class ZeroGradPartitioner(BackwardRound):
         self.readiness = BucketPlan([self.plans[g].numels[i] for g, i in self._where], 1,
                                     assignment=[self._slot_of[(g, self.plans[g].param_bucket[i])]
                                                 for g, i in self._where])
-        self._mark = self.readiness._mark
-        self._capsule = self.readiness._plan
+        self._mark = self.readiness.marker()
         self._frontier = 0
         # accumulate_fp32 (stage 1, bf16 model, data_types.grad_accum_dtype "fp32": DeepSpeed's
         # BF16_Optimizer): each micro-step's gradient is folded into an fp32 accumulator as soon as
         # autograd has produced it, and the fp32 sums are what the boundary reduces
         self.accumulate_fp32 = accumulate_fp32
         self._acc: list[Optional[torch.Tensor]] = [None] * len(self._flat_params)
-        if accumulate_fp32:
-            comm_dtype = torch.float32
-        self.comm_dtypes = [comm_dtype or (params[0].dtype if params else torch.float32) for params in self.groups]
+        self.comm_dtypes = grad_dtypes(self.groups, comm_dtype, accumulate_fp32)
         self.grad_partitions: list[Optional[torch.Tensor]] = [None] * len(self.groups)
         self._fresh = [True] * len(self.groups)  # partition not yet written in this accumulation window
         self._bufs: list[Optional[torch.Tensor]] = [None] * len(self.order)
@@ -123,13 +137,9 @@ class ZeroGradPartitioner(BackwardRound):
         self._in_flight: list[_InFlight] = []
         self._finished: list[_InFlight] = []  # finished on the side stream: kept alive until end of round
         self._boundary = True
-        self.side_stream: Any = None
-        self.on_bucket_final: Optional[Callable[[int, int, int], None]] = None
-        # ZeRO++ qgZ (runtime/zero/zeropp.py): bucket -> this rank's fp32 chunk of the sum, via int4 all-to-alls
-        self.quantized_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
-        self._avg_in_collective: Optional[bool] = None  # decided at the first bucket (see _nccl_average)
+        self.side_stream = side_stream
+        self.on_bucket_final = on_bucket_final
         self.rounds = 0
-        self.collectives = 0  # reduce-scatters (or all-reduces) issued, for tests
         self.direct_writes = 0  # weight gradients a Linear wrote into their bucket slot (bucket_linear), for tests
         # the bucket elements no parameter covers (alignment padding): zeroed when a bucket is allocated,
         # every other element is written by its parameter's deposit
@@ -144,8 +154,6 @@ class ZeroGradPartitioner(BackwardRound):
                                    plan.numels[i]))
         self.direct_linears: list = []  # set by install_direct_linears, with their sink
         self._direct_sink: Any = None
-        # tensor hooks on a parameter that may be skipped (the engine's accumulation scaler while inactive)
-        self.grad_hook_filter: Optional[Callable[[Any], bool]] = None
         self._attach_hooks(self._flat_params)
 
     # -- layout helpers ----------------------------------------------------------------------------
@@ -154,9 +162,26 @@ class ZeroGradPartitioner(BackwardRound):
 
     def chunk_range(self, g: int, b: int) -> tuple[int, int]:
         """[start, end) of bucket b's chunk inside this rank's partition of group g."""
-        plan = self.plans[g]
-        start = plan.bucket_offset[b] // self.world_size
-        return start, start + plan.bucket_size[b] // self.world_size
+        return chunk_range(self.plans[g], b, self.world_size)
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        """The reduced parameters, group after group (the index a hook and `touched` use)."""
+        return self._flat_params
+
+    @property
+    def collectives(self) -> int:
+        """Reduce-scatters (or all-reduces) issued, for tests."""
+        return self.strategy.collectives
+
+    def grad_partition(self, g: int) -> torch.Tensor:
+        """Group g's reduced gradient partition; zeros when no reducing backward wrote it since the last
+        clear (the step then treats every gradient of the group as zero)."""
+        part = self.grad_partitions[g]
+        if part is None:
+            part = torch.zeros(self.plans[g].runtime_partition_size, dtype=self.comm_dtypes[g], device=self._device(g))
+            self.grad_partitions[g] = part
+        return part
 
     def _bucket_gaps(self, g: int, b: int) -> list[tuple[int, int]]:
         plan = self.plans[g]
@@ -191,7 +216,7 @@ class ZeroGradPartitioner(BackwardRound):
         if k is None or self.accumulate_fp32 or param.grad is not None:
             return None
         hooks = param._backward_hooks
-        if hooks and not (self.grad_hook_filter is not None and all(map(self.grad_hook_filter, hooks.values()))):
+        if hooks and not (self._inert_hook is not None and all(map(self._inert_hook, hooks.values()))):
             return None  # someone else watches or changes this gradient: it must exist as a tensor
         if len(param._post_accumulate_grad_hooks or ()) != 1:
             return None
@@ -260,7 +285,7 @@ class ZeroGradPartitioner(BackwardRound):
         else:  # no gradient this round (unused parameter): its slot counts as zero
             dst.zero_()
         self._arrived[k] = True
-        self._frontier = self._mark(self._capsule, k)
+        self._frontier = self._mark(k)
         return slot
 
     def _deposit_again(self, k: int) -> None:
@@ -315,31 +340,14 @@ class ZeroGradPartitioner(BackwardRound):
             self._bufs[slot] = None
         else:
             buf = late
-        if self.pre_factor != 1.0:
-            buf.mul_(self.pre_factor)
         start, end = self.chunk_range(g, b)
-        part = self.grad_partitions[g]
-        assert part is not None
-        scale = self.post_factor
-        if self.world_size == 1:
-            work, recv = None, buf
-        elif self.use_reduce_scatter and self.quantized_reduce is not None:
-            recv = part[start:end] if fresh else torch.empty(end - start, dtype=buf.dtype, device=buf.device)
-            work = None
-            recv.copy_(self.quantized_reduce(buf))
-            self.collectives += 1
-        elif self.use_reduce_scatter:
-            recv = part[start:end] if fresh else torch.empty(end - start, dtype=buf.dtype, device=buf.device)
-            op = torch.distributed.ReduceOp.SUM
-            if self._nccl_average():
-                op, scale = torch.distributed.ReduceOp.AVG, 1.0
-            work = _comm().reduce_scatter_tensor(recv, buf, op=op, group=self.group, async_op=True)
-            self.collectives += 1
-        else:
-            work = _comm().all_reduce(buf, group=self.group, async_op=True)
-            recv = buf[self.rank * (end - start):(self.rank + 1) * (end - start)]
-            self.collectives += 1
-        entry = _InFlight(g, b, work, buf, recv, start, end, fresh, scale)
+        out = None
+        if fresh and self._into_partition:  # the first round of the window receives straight into the partition
+            part = self.grad_partitions[g]
+            assert part is not None
+            out = part[start:end]
+        work, recv = self.strategy.reduce(buf, out)
+        entry = _InFlight(g, b, work, buf, recv, start, end, fresh)
         if self.side_stream is None:
             if self.wait_each_bucket:  # overlap_comm false: the reduction completes before backward goes on
                 self._finish_bucket(entry)
@@ -358,17 +366,6 @@ class ZeroGradPartitioner(BackwardRound):
             self._finish_bucket(entry)
         self._finished.append(entry)
 
-    def _nccl_average(self) -> bool:
-        """Whether NCCL averages in the reduce-scatter itself (ReduceOp.AVG scales while it loads the
-        inputs) instead of a separate pass over the partition after it: a read and write of every
-        gradient element of this rank's partition, each step, concurrent with the backward (gloo has no
-        AVG). Only the plain average, the default: no pre-division and no sequence-parallel sum."""
-        if self._avg_in_collective is None:
-            plain = self.pre_factor == 1.0 and self.post_factor == 1.0 / self.world_size
-            self._avg_in_collective = (plain and self.world_size > 1
-                                       and torch.distributed.get_backend(self.group) == "nccl")
-        return self._avg_in_collective
-
     def _finish_bucket(self, e: _InFlight) -> None:
         """Waits for the bucket's collective (on the current stream) and folds the chunk into the
         partition, averaged; then hands the final chunk to on_bucket_final on the boundary."""
@@ -377,16 +374,17 @@ class ZeroGradPartitioner(BackwardRound):
         part = self.grad_partitions[e.g]
         assert part is not None
         dst = part[e.start:e.end]
+        post = self._post
         if e.fresh:
             if e.recv.data_ptr() == dst.data_ptr():
-                if e.post_factor != 1.0:
-                    dst.mul_(e.post_factor)
+                if post != 1.0:
+                    dst.mul_(post)
             else:
-                torch.mul(e.recv, e.post_factor, out=dst)
+                torch.mul(e.recv, post, out=dst)
         else:
-            dst.add_(e.recv, alpha=e.post_factor)
+            dst.add_(e.recv, alpha=post)
         if self._boundary and self.on_bucket_final is not None:
-            self.on_bucket_final(e.g, e.start, e.end)
+            self.on_bucket_final(e.g, e.start, e.end, dst)
 
     def _finish_round(self) -> None:
         # parameters whose hook did not fire this backward (unused, or grads from earlier micro-steps)

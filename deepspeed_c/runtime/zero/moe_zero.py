@@ -177,7 +177,7 @@ class MoEZeroOptimizer(EngineOptimizer):
     def step(self, closure: Any = None) -> bool:
         parts = []
         for m, scale in zip(self.members, self.scales):
-            mine = m._grad_partitions()
+            mine = m.reduced_grad_partitions()
             if scale != 1.0:
                 torch._foreach_mul_(mine, scale)
             parts.append(mine)

@@ -3,8 +3,8 @@ and the optimizer states live in host memory and the C CPU optimizer steps them.
 
 The pipeline, per step, on a GPU:
 1. backward: as each bucket's reduce-scatter finishes, its averaged chunk is copied to a pinned
-   host buffer on a side stream (grad_partition.ZeroGradPartitioner.on_bucket_final), while
-   backward goes on;
+   host buffer on a side stream (`bucket_sink()` and `stream`, which the optimizer hands the gradient
+   partitioner, grad_partition.ZeroGradPartitioner, when it builds it), while backward goes on;
 2. step: the host waits only for copies still running, then steps the partition in sub-chunks
    (`sub_chunk` elements) with the C kernel, which reads 16-bit gradients directly and writes the
    updated weights in the model's dtype into a pinned buffer in the same pass; each sub-chunk is
@@ -23,11 +23,10 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from deepspeed_c.runtime.zero.grad_partition import ZeroGradPartitioner
 from deepspeed_c.runtime.zero.param_gather import BucketGatherer
 
 SUB_CHUNK = 1 << 22  # elements per C-kernel call / host-to-device copy in the pipelined step
@@ -65,14 +64,18 @@ class CPUOffload:
     """Host buffers, the side stream and the pipelined host step of one ZeRO optimizer."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, masters: Sequence[torch.Tensor],
-                 groups: Sequence[Sequence[torch.nn.Parameter]], reducer: ZeroGradPartitioner, *,
+                 groups: Sequence[Sequence[torch.nn.Parameter]], grad_dtypes: Sequence[torch.dtype],
+                 chunk_ranges: Sequence[Sequence[tuple[int, int]]], *,
                  stage_on_host: Optional[bool] = None, sub_chunk: int = SUB_CHUNK, pin_memory: bool = True,
                  threads: Optional[int] = None) -> None:
+        """`grad_dtypes`: each group's reduced-gradient dtype; `chunk_ranges[g][b]`: [start, end) of bucket
+        b's chunk in this rank's partition of group g (the order the gathers go out in)."""
         from deepspeed_c.ops.cpu_optimizer_base import CPUOptimizerBase
 
         self.optimizer = optimizer
         self.masters = list(masters)
-        self.reducer = reducer
+        self.grad_dtypes = list(grad_dtypes)
+        self.chunk_ranges = [list(r) for r in chunk_ranges]
         self.device = groups[0][0].device
         self.cuda = self.device.type == "cuda"
         self.sub_chunk = max(1, int(sub_chunk))
@@ -89,7 +92,7 @@ class CPUOffload:
         sizes = [m.numel() for m in self.masters]
         self.sizes = sizes  # kept: an NVMe subclass empties the masters between steps
         self.host_grads: list[Optional[torch.Tensor]] = [
-            torch.empty(n, dtype=reducer.comm_dtypes[g], pin_memory=pin) if self.staging else None
+            torch.empty(n, dtype=self.grad_dtypes[g], pin_memory=pin) if self.staging else None
             for g, n in enumerate(sizes)]
         # the model-dtype result of the step, in host memory, read by the copy to the device (pinned,
         # so that copy is asynchronous); an fp32 model on a CPU-only run gathers the master itself
@@ -102,10 +105,11 @@ class CPUOffload:
         self._last_d2h: Any = None
         self._last_h2d: Any = None
         self.stats = OffloadStats()
-        if self.staging:
-            reducer.on_bucket_final = self._stage_chunk
-        if self.cuda:
-            reducer.side_stream = self.stream
+
+    def bucket_sink(self) -> Optional[Callable[[int, int, int, torch.Tensor], None]]:
+        """What the gradient partitioner calls (on `stream`, on the accumulation boundary) with each final
+        chunk of the reduced partition: its copy to the host. None when nothing is staged on the host."""
+        return self._stage_chunk if self.staging else None
 
     def resident(self) -> contextlib.AbstractContextManager:
         """Masters and optimizer state are in host memory already (NVMeOffload reads them back)."""
@@ -124,33 +128,32 @@ class CPUOffload:
         ev.record()
         return ev
 
-    def _stage_chunk(self, g: int, start: int, end: int) -> None:
-        """Runs on the side stream (GPU) as soon as the chunk is final."""
-        part = self.reducer.grad_partitions[g]
+    def _stage_chunk(self, g: int, start: int, end: int, chunk: torch.Tensor) -> None:
+        """Runs on the side stream (GPU) as soon as `chunk`, [start, end) of group g's partition, is final."""
         host = self.host_grads[g]
-        assert part is not None and host is not None
+        assert host is not None
         if self.cuda:
             t0 = self._event()
-            host[start:end].copy_(part[start:end], non_blocking=True)
+            host[start:end].copy_(chunk, non_blocking=True)
             t1 = self._event()
             self.stats._events.append(("d2h", t0, t1))
             self._last_d2h = t1
         else:
-            host[start:end].copy_(part[start:end])
+            host[start:end].copy_(chunk)
         self._staged[g] += end - start
         self.stats.d2h_bytes += (end - start) * host.element_size()
 
-    def _host_grads(self) -> list[torch.Tensor]:
-        """Every group's reduced gradient partition in host memory, complete."""
+    def _host_grads(self, parts: Sequence[Optional[torch.Tensor]]) -> list[torch.Tensor]:
+        """Every group's reduced gradient partition (`parts`, on the device) in host memory, complete."""
         t0 = time.perf_counter()
         if self._last_d2h is not None:
             self._last_d2h.synchronize()
             self._last_d2h = None
         out = []
         for g, m in enumerate(self.masters):
-            part = self.reducer.grad_partitions[g]
+            part = parts[g]
             if not self.staging:
-                out.append(part if part is not None else torch.zeros(self.sizes[g], dtype=self.reducer.comm_dtypes[g]))
+                out.append(part if part is not None else torch.zeros(self.sizes[g], dtype=self.grad_dtypes[g]))
                 continue
             host = self.host_grads[g]
             assert host is not None
@@ -166,8 +169,8 @@ class CPUOffload:
 
     # -- step: C CPU optimizer in sub-chunks, each copied to the device as it is done ------------------
     @torch.no_grad()
-    def step(self, coef: float, gatherer: BucketGatherer) -> None:
-        grads = self._host_grads()
+    def step(self, coef: float, gatherer: BucketGatherer, parts: Sequence[Optional[torch.Tensor]]) -> None:
+        grads = self._host_grads(parts)
         if self._last_h2d is not None:  # the pinned lp buffers are about to be rewritten
             self._last_h2d.synchronize()
             self._last_h2d = None
@@ -214,8 +217,7 @@ class CPUOffload:
             state = opt._ready_state(group, master, f"params[{g}][0]")
             step = int(opt.ds_opt_op.bump_steps([state["step"]])[0])
         try:
-            for b in range(gatherer.plans[g].num_buckets):
-                start, end = self.reducer.chunk_range(g, b)
+            for b, (start, end) in enumerate(self.chunk_ranges[g]):
                 for lo in range(start, end, self.sub_chunk):
                     hi = min(end, lo + self.sub_chunk)
                     if self.fused:

@@ -132,6 +132,10 @@ class _Stage3Round:
         if self.partitioner is not None:
             self.partitioner.claim_round()
 
+    def register_inert_hook_test(self, is_inert: Callable[[Any], bool]) -> None:
+        if self.partitioner is not None:
+            self.partitioner.register_inert_hook_test(is_inert)
+
     def end_backward(self) -> None:
         if self.partitioner is not None:
             self.partitioner.end_backward()
@@ -181,13 +185,15 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (Deep
         mark_leaves_by_granularity(module, zero_cfg.module_granularity_threshold)
         self.store = build_param_store(module, groups, rank=kwargs["rank"], world_size=kwargs["world_size"],
                                        group=kwargs.get("dp_process_group"), **store_args)
-        super().__init__(init_optimizer, stage=3, **kwargs)
-        self.sub_group_size = int(zero_cfg.sub_group_size)  # DeepSpeed's checkpoint sub-groups
+        # ZeRO++ before the optimizer: under qgZ its int4 all-to-all reduce-scatter is the gradient
+        # partitioner's strategy from construction on
         self.zeropp = _attach_zeropp(self.store, zero_cfg, rank=kwargs["rank"], world_size=kwargs["world_size"],
                                      group=kwargs.get("dp_process_group"))
+        qgz = self.zeropp is not None and self.zeropp.quantized_gradients and kwargs["world_size"] > 1
+        super().__init__(init_optimizer, stage=3, quantized_reduce=self.zeropp.reduce_scatter if qgz else None,
+                         **kwargs)
+        self.sub_group_size = int(zero_cfg.sub_group_size)  # DeepSpeed's checkpoint sub-groups
         self.zero_quantized_nontrainable_weights = bool(zero_cfg.zero_quantized_nontrainable_weights)
-        if self.zeropp is not None and self.zeropp.quantized_gradients and self.world_size > 1:
-            self.reducer.quantized_reduce = self.zeropp.reduce_scatter  # qgZ: int4 all-to-all reduce-scatter
         self.coordinator = _coordinator(module, self.store, zero_cfg)
         self._round = _Stage3Round(self.reducer, self.coordinator)
         self.store.on_write_back = self._master_follows_shard

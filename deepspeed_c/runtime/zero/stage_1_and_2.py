@@ -36,7 +36,7 @@ from deepspeed_c.runtime.grad_norm import scale_
 from deepspeed_c.runtime.optimizer_seam import EngineOptimizer, SavedCheckpoint
 from deepspeed_c.runtime.step_sequence import StepOutcome, overflow_checked_step
 from deepspeed_c.runtime.zero.flat_model_params import FlatModelParams
-from deepspeed_c.runtime.zero.grad_partition import ZeroGradPartitioner
+from deepspeed_c.runtime.zero.grad_partition import ZeroGradPartitioner, chunk_range, grad_dtypes
 from deepspeed_c.runtime.zero.offload import SUB_CHUNK as OFFLOAD_SUB_CHUNK
 from deepspeed_c.runtime.zero.offload import CPUOffload
 from deepspeed_c.runtime.zero.param_gather import BucketGatherer
@@ -87,7 +87,8 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
                  is_boundary: Optional[Callable[[], bool]] = None, offload_sub_chunk: Optional[int] = None,
                  offload_stage_on_host: Optional[bool] = None, master_dtype: torch.dtype = torch.float32,
                  accumulate_fp32: bool = False, nvme_offload: Optional[dict[str, Any]] = None,
-                 sequence_parallel_size: int = 1) -> None:
+                 sequence_parallel_size: int = 1,
+                 quantized_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
         if stage not in self.STAGES:
             raise ValueError(f"{type(self).__name__} runs ZeRO stage {' or '.join(map(str, self.STAGES))}, "
                              f"got stage={stage}")
@@ -127,6 +128,20 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
             for i, p in enumerate(params):
                 setattr(p, OWNER_ATTR, (weakref.ref(self), g, i))
         self.partition_numels = [m.numel() for m in self.fp32_partitions]  # masters may be emptied (NVMe)
+        accumulate_fp32 = accumulate_fp32 and stage == 1
+        # the offload path first: its side stream and per-bucket host copy are the partitioner's from the start
+        self.offload: Optional[CPUOffload] = None
+        if offload_device == "cpu":
+            offload_cls: Any = CPUOffload
+            if nvme_offload is not None:  # ZeRO-Infinity: masters and moments in files under nvme_path
+                from deepspeed_c.runtime.swap_tensor.pipelined_optimizer_swapper import NVMeOffload as offload_cls
+            ranges = [[chunk_range(plan, b, world_size) for b in range(plan.num_buckets)]
+                      for plan in self.partition_plans]
+            self.offload = offload_cls(init_optimizer, self.fp32_partitions, self.bit16_groups,
+                                       grad_dtypes(self.bit16_groups, communication_dtype, accumulate_fp32), ranges,
+                                       stage_on_host=offload_stage_on_host,
+                                       sub_chunk=offload_sub_chunk or OFFLOAD_SUB_CHUNK, pin_memory=pin_memory,
+                                       threads=offload_threads, **(nvme_offload or {}))
         # stage 2 reduces every micro-step into the partition (the full gradient is freed as its bucket
         # goes out); stage 1 keeps full gradients between boundaries and reduces once per accumulation
         # boundary, freeing them then too (the reduced gradient lives in the partition; param.grad
@@ -137,21 +152,14 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
             overlap=bool(overlap_comm) or stage >= 2,
             # stage 2 overlaps unless overlap_comm is false explicitly: then each bucket's reduction is
             # awaited as soon as it is issued, as DeepSpeed's non-overlapped stage 2 does
-            wait_each_bucket=stage >= 2 and overlap_comm is False, accumulate_fp32=accumulate_fp32 and stage == 1,
+            wait_each_bucket=stage >= 2 and overlap_comm is False, accumulate_fp32=accumulate_fp32,
             use_reduce_scatter=reduce_scatter, prescale_gradients=prescale_gradients,
             gradient_predivide_factor=gradient_predivide_factor, gradient_average=gradient_average,
-            sequence_parallel_size=sequence_parallel_size)
+            sequence_parallel_size=sequence_parallel_size, quantized_reduce=quantized_reduce,
+            side_stream=None if self.offload is None else self.offload.stream,
+            on_bucket_final=None if self.offload is None else self.offload.bucket_sink())
         self.flat_params: Optional[FlatModelParams] = None
         self.gatherer = self._weights_writer()
-        self.offload: Optional[CPUOffload] = None
-        if offload_device == "cpu":
-            offload_cls: Any = CPUOffload
-            if nvme_offload is not None:  # ZeRO-Infinity: masters and moments in files under nvme_path
-                from deepspeed_c.runtime.swap_tensor.pipelined_optimizer_swapper import NVMeOffload as offload_cls
-            self.offload = offload_cls(init_optimizer, self.fp32_partitions, self.bit16_groups, self.reducer,
-                                       stage_on_host=offload_stage_on_host,
-                                       sub_chunk=offload_sub_chunk or OFFLOAD_SUB_CHUNK, pin_memory=pin_memory,
-                                       threads=offload_threads, **(nvme_offload or {}))
         self.ignore_unused_parameters = ignore_unused_parameters
         # on CUDA with Adam/AdamW and fp32 masters on the device: the one-pass epilogue kernel
         self.epilogue: Optional[AdamEpilogue] = None
@@ -340,17 +348,10 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
         if self.offload is not None:
             self.offload.reset()
 
-    def _grad_partitions(self) -> list[torch.Tensor]:
+    def reduced_grad_partitions(self) -> list[torch.Tensor]:
         """Each group's reduced (averaged) gradient partition on the model's device; zeros for a group
         that had no reducing backward since the last step."""
-        out = []
-        for g, part in enumerate(self.reducer.grad_partitions):
-            if part is None:
-                part = torch.zeros(self.partition_numels[g], dtype=self.reducer.comm_dtypes[g],
-                                   device=self.bit16_groups[g][0].device)
-                self.reducer.grad_partitions[g] = part
-            out.append(part)
-        return out
+        return [self.reducer.grad_partition(g) for g in range(len(self.bit16_groups))]
 
     def set_tensor_parallel_norm(self, tp_size: int, group: Any) -> None:
         """AutoTP: make the gradient norm (clipping, overflow) the whole unsharded model's. Each element's
@@ -394,7 +395,7 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
             self._refuse_unused_parameters()
         if self.flat_params is not None:
             self.flat_params.ensure()
-        parts = self._grad_partitions()
+        parts = self.reduced_grad_partitions()
         if self._tp_norm is not None:  # AutoTP: the unsharded model's norm (one host read, as the fp16 path has)
             tp_norm = math.sqrt(self._tp_sq_norm(parts))
             if self.epilogue is not None:
@@ -430,7 +431,7 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
     def _separate_apply(self, parts: Sequence[torch.Tensor], coef: float) -> None:
         if self.offload is not None:
             # host step in sub-chunks; each chunk goes back to the device and into its all-gather as it is done
-            self.offload.step(coef, self.gatherer)
+            self.offload.step(coef, self.gatherer, parts)
             return
         grads = self._attach_grads(parts)
         if coef != 1.0:
@@ -472,9 +473,10 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
         """zero_optimization.ignore_unused_parameters=false: DeepSpeed asserts when a trainable
         parameter got no gradient in the backwards of this step."""
         touched = self.reducer.touched
-        unused = [k for k in range(len(self.reducer._flat_params)) if k not in touched]
+        reduced = self.reducer.params
+        unused = [k for k in range(len(reduced)) if k not in touched]
         if unused:
-            shapes = [tuple(self.reducer._flat_params[k].shape) for k in unused[:8]]
+            shapes = [tuple(reduced[k].shape) for k in unused[:8]]
             raise AssertionError(
                 f"{len(unused)} trainable parameter(s) (shapes {shapes}{'...' if len(unused) > 8 else ''}) were not "
                 "used in producing the loss. Enable zero_optimization.ignore_unused_parameters (the default), or "
