@@ -165,8 +165,9 @@ class ZeroGradPartitioner(BackwardRound):
         return chunk_range(self.plans[g], b, self.world_size)
 
     @property
-    def params(self) -> list[torch.nn.Parameter]:
-        """The reduced parameters, group after group (the index a hook and `touched` use)."""
+    def reduced_params(self) -> list[torch.nn.Parameter]:
+        """The reduced parameters, group after group (the index a hook and `touched` use). Not named `params`:
+        runtime/reducer_order_file.py keeps bucket orders for reducers with `params` (stage 0's)."""
         return self._flat_params
 
     @property

@@ -473,7 +473,7 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
         """zero_optimization.ignore_unused_parameters=false: DeepSpeed asserts when a trainable
         parameter got no gradient in the backwards of this step."""
         touched = self.reducer.touched
-        reduced = self.reducer.params
+        reduced = self.reducer.reduced_params
         unused = [k for k in range(len(reduced)) if k not in touched]
         if unused:
             shapes = [tuple(reduced[k].shape) for k in unused[:8]]
