@@ -24,6 +24,7 @@ from deepspeed_c.runtime.engine_io import ROUTE_ENCODE, ROUTE_EVAL, ROUTE_PREDIC
 from deepspeed_c.runtime.grad_norm import clip_coefficient, global_norm, scale_
 from deepspeed_c.runtime.optimizer_factory import build_optimizer
 from deepspeed_c.runtime.optimizer_seam import engine_optimizer
+from deepspeed_c.runtime.parallel_dims import ParallelDims
 from deepspeed_c.runtime.output_hooks import is_loss_for_backward, register_output_hooks
 from deepspeed_c.runtime.precision import Precision
 from deepspeed_c.runtime.train_state import TrainState, TrainStateAttributes
@@ -149,13 +150,11 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
             self.global_rank = tdist.get_rank()
         else:
             self.world_size, self.global_rank = 1, 0
-        # Ulysses: reductions and ZeRO partitions span data x sequence ranks (the view's "data-parallel" group);
-        # batch arithmetic keeps the config's world // sequence_parallel_size
-        self.sequence_parallel_size = int(getattr(self.mpu, "sequence_parallel_size", 1))
-        self.dp_world_size = (self.mpu.get_data_parallel_world_size() if self.sequence_parallel_size > 1
-                              else self.world_size if self.mpu is None else self._config.world_size)
-        _refuse_model_parallel(self.mpu)
-        self.data_parallel_group = self.mpu.get_data_parallel_group() if self.mpu is not None else None
+        # the mpu is probed once, here; collaborators read the one topology object (runtime/parallel_dims.py)
+        self.parallel_dims = ParallelDims.from_mpu(self.mpu, self.world_size, self._config.world_size)
+        self.sequence_parallel_size = self.parallel_dims.sequence
+        self.dp_world_size = self.parallel_dims.data
+        self.data_parallel_group = self.parallel_dims.data_group
 
     def _configure_distributed_model(self, model: Module) -> None:
         if not isinstance(model, Module):
@@ -209,7 +208,7 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
         self.optimizer = self.precision.wrap_optimizer(
             basic, self.device, sync_overflow=self._any_rank_overflowed if self.dp_world_size > 1 else None,
             dp_world_size=self.dp_world_size, zero_owns_masters=self.zero_optimization_stage() > 0,
-            norm_across_ranks=self.mpu.grad_norm_fn(self.module) if getattr(self.mpu, "autotp", False)  # TP: whole
+            norm_across_ranks=self.mpu.grad_norm_fn(self.module) if self.parallel_dims.autotp  # TP: whole
             else self.moe.norm_across_ranks(self.data_parallel_group, self.dp_world_size, self.device))
         log_dist(f"DeepSpeed Final Optimizer = {self.optimizer.__class__.__name__}", ranks=[0])
 
@@ -253,7 +252,7 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
 
     def _configure_reducer(self) -> None:
         moe_norm = self.moe.norm_across_ranks(self.data_parallel_group, self.dp_world_size, self.device)
-        if getattr(self.mpu, "autotp", False):  # AutoTP: shards' squares summed over the TP group, replicas once
+        if self.parallel_dims.autotp:  # AutoTP: shards' squares summed over the TP group, replicas once
             moe_norm = self.mpu.grad_norm_fn(self.module)
         self.stepper = engine_optimizer(self.optimizer, self._params, self.gradient_clipping(),
                                         self.precision.grad_scaler, moe_norm)
@@ -532,21 +531,6 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
             except AttributeError:
                 pass
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
-
-
-def _refuse_model_parallel(mpu: Any) -> None:
-    """Until tensor parallelism lands, an mpu that splits the model across ranks is refused: norms,
-    overflow checks and checkpoint names (mp_rank_XX) would ignore the model-parallel group."""
-    if mpu is None or getattr(mpu, "autotp", False):  # AutoTP's own mpu: its norms and saves are handled
-        return
-    for getter in ("get_model_parallel_world_size", "get_tensor_model_parallel_world_size"):
-        size = getattr(mpu, getter, None)
-        if callable(size) and int(size()) > 1:
-            raise NotImplementedError(
-                f"deepspeed_c: initialize(mpu=...) with a model-parallel world size of {int(size())} "
-                f"(mpu.{getter}()) is not supported yet: gradient norms, overflow checks and checkpoints "
-                "(mp_rank_XX files) would cover only the data-parallel group. Tensor parallelism is a "
-                "separate issue; an mpu with model-parallel size 1 works.")
 
 
 def _cast_half(value: Any) -> Any:

@@ -173,7 +173,7 @@ def _tp_full_view(engine: Any, what: str) -> Any:
     duration of a save or load: the checkpoint is the unsharded model's, loadable at any TP degree."""
     import contextlib
 
-    if not (getattr(engine.mpu, "autotp", False) and engine.mpu.get_model_parallel_world_size() > 1):
+    if not engine.parallel_dims.tensor_parallel:
         return contextlib.nullcontext()
     from deepspeed_c.runtime.tensor_parallel.checkpoint_view import check_supported, full_view
 

@@ -117,7 +117,7 @@ def configure_zero_optimizer(engine: Any) -> DeepSpeedZeroOptimizer:
         accumulate_fp32=(stage == 1 and engine.precision.model_dtype == torch.bfloat16 and offload_device is None
                          and parse_dtype(cfg.grad_accum_dtype, "data_types.grad_accum_dtype") == torch.float32),
         nvme_offload=_nvme_offload_args(engine, stage))
-    sp = getattr(engine.mpu, "sequence_parallel_size", 1)  # Ulysses: gradients summed over the sequence ranks
+    sp = engine.parallel_dims.sequence  # Ulysses: gradients summed over the sequence ranks
     if engine.has_moe_layers:
         if stage == 3:
             raise NotImplementedError("zero_optimization.stage 3 with MoE layers is not built (DeepSpeed 0.19.8 refuses "
@@ -136,9 +136,9 @@ def configure_zero_optimizer(engine: Any) -> DeepSpeedZeroOptimizer:
         optimizer = DeepSpeedZeroOptimizer(basic, stage=stage, sequence_parallel_size=sp, **common)
         if zero_cfg.contiguous_gradients:  # Linear weight gradients computed straight into their bucket slots
             optimizer.reducer.install_direct_linears(engine.module)
-    if getattr(engine.mpu, "autotp", False) and engine.mpu.get_model_parallel_world_size() > 1:
+    if engine.parallel_dims.tensor_parallel:
         # the norm of the unsharded model: shards summed over TP, replicas once (every rank: data x tensor)
-        optimizer.set_tensor_parallel_norm(engine.mpu.get_model_parallel_world_size(), group=None)
+        optimizer.set_tensor_parallel_norm(engine.parallel_dims.tensor, group=None)
     engine.precision.set_scaling_owner(optimizer)  # loss scaling reads cur_scale / note_backward_scale here
     return optimizer
 
