@@ -128,7 +128,7 @@ class EngineCheckpointer:
         if st.has_moe_layers:  # DeepSpeed's MoE layout: experts and optimizer states in files of their own
             from deepspeed_c.runtime import checkpoint_moe
 
-            checkpoint_moe.check_supported(self.options.zero_stage)
+            checkpoint_moe.check_stage(self.options.zero_stage)
         part = st.stepper.partition_checkpoint_state(name_of) if st.stepper is not None else None
         # ZeRO-3: every rank writes its own model-states file, with its shards of the frozen parameters
         shards = (st.stepper.partitioned_model_state(name_of, exclude_frozen_parameters)
@@ -356,7 +356,7 @@ class EngineCheckpointer:
         if st.has_moe_layers:  # the experts this rank holds now, from the expert files
             from deepspeed_c.runtime import checkpoint_moe
 
-            checkpoint_moe.check_supported(self.options.zero_stage)
+            checkpoint_moe.check_stage(self.options.zero_stage)
             module_state = {**module_state, **checkpoint_moe.load_experts(st.module, saved.tag_dir, saved.manifest)}
         if saved.partitioned_weights:
             if not self.options.zero:

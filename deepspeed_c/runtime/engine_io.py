@@ -177,5 +177,6 @@ def _tp_full_view(engine: Any, what: str) -> Any:
         return contextlib.nullcontext()
     from deepspeed_c.runtime.tensor_parallel.checkpoint_view import check_supported, full_view
 
-    check_supported(engine, what)
-    return full_view(engine)
+    stage, mpu = engine.zero_optimization_stage(), engine.mpu
+    check_supported(mpu.get_model_parallel_world_size(), stage, what)
+    return full_view(engine.module, engine.stepper, engine.basic_optimizer, stage, mpu.get_model_parallel_rank())

@@ -21,12 +21,11 @@ import torch
 from deepspeed_c.module_inject.layers import TensorParallel_Layer
 
 
-def check_supported(engine: Any, what: str) -> None:
-    size = engine.mpu.get_model_parallel_world_size()
-    if engine.zero_optimization_stage() > 2:
+def check_supported(tp_size: int, zero_stage: int, what: str) -> None:
+    if zero_stage > 2:
         raise NotImplementedError(
-            f"{what} with tensor_parallel.autotp_size={size} and zero_optimization.stage="
-            f"{engine.zero_optimization_stage()} is not built (ZeRO stages 0, 1 and 2 are); save_16bit_model writes "
+            f"{what} with tensor_parallel.autotp_size={tp_size} and zero_optimization.stage="
+            f"{zero_stage} is not built (ZeRO stages 0, 1 and 2 are); save_16bit_model writes "
             "the whole weights at any stage")
 
 
@@ -52,17 +51,16 @@ def _to_shard(layer: TensorParallel_Layer, key: str, t: torch.Tensor, dim: int) 
     return layer._shard(torch.nn.Parameter(t.contiguous(), requires_grad=False), dim, layer._label()).data
 
 
-def _zero_hooks(engine: Any, entries: list, pending: list[Callable[[], None]]) -> Callable[[], None]:
+def _zero_hooks(opt: Any, tp_rank: int, entries: list, pending: list[Callable[[], None]]) -> Callable[[], None]:
     """ZeRO 1/2: the optimizer's checkpoint methods, for the duration, read and write the unsharded model's
     ZeRO files (instance attributes shadowing its methods); returns what removes them. Loads are applied
     after the view (the optimizer's load writes the model's shards from the masters)."""
     from deepspeed_c.runtime.tensor_parallel import zero_checkpoint as zc
 
-    opt = engine.stepper
     tp = zc.TPParams(
         to_whole={id(p): functools.partial(_to_full, layer, key, dim=p.partition_dim) for layer, key, p in entries},
         to_shard={id(p): functools.partial(_to_shard, layer, key, dim=p.partition_dim) for layer, key, p in entries},
-        shard_shape={id(p): p.shape for _, _, p in entries}, tp_rank=engine.mpu.get_model_parallel_rank())
+        shard_shape={id(p): p.shape for _, _, p in entries}, tp_rank=tp_rank)
     cls = type(opt)
 
     def load(saved: Any, load_optimizer_states: bool) -> None:
@@ -84,15 +82,17 @@ def _zero_hooks(engine: Any, entries: list, pending: list[Callable[[], None]]) -
 
 
 @contextlib.contextmanager
-def full_view(engine: Any) -> Iterator[None]:
+def full_view(module: torch.nn.Module, stepper: Any, basic_optimizer: Any, zero_stage: int,
+              tp_rank: int) -> Iterator[None]:
     """Inside: every TP parameter, its master and its same-shaped optimizer states whole (collective on entry
-    and exit)."""
+    and exit). `stepper`: the optimizer protocol (None without one); `basic_optimizer`: the torch optimizer
+    whose per-parameter state (Adam's moments) is swapped too; `tp_rank`: this rank's in its TP group."""
     def opt_state() -> Any:  # re-read on exit: torch's load_state_dict replaces the state dict as a whole
-        return engine.basic_optimizer.state if engine.basic_optimizer is not None else {}
+        return basic_optimizer.state if basic_optimizer is not None else {}
 
-    entries = _sharded(engine.module)
-    masters = engine.stepper.master_params() if engine.stepper is not None else {}
-    zero = engine.zero_optimization_stage() in (1, 2) and engine.stepper is not None
+    entries = _sharded(module)
+    masters = stepper.master_params() if stepper is not None else {}
+    zero = zero_stage in (1, 2) and stepper is not None
     # (layer, key, tensor, dim): each parameter, then its fp32 master where a stage-0 optimizer keeps one
     targets = []
     for layer, key, p in entries:
@@ -102,7 +102,7 @@ def full_view(engine: Any) -> Iterator[None]:
     shard_shapes = {id(t): t.shape for _, _, t, _ in targets}
     originals: dict[int, torch.Tensor] = {}
     pending: list[Callable[[], None]] = []
-    remove = _zero_hooks(engine, entries, pending) if zero else (lambda: None)
+    remove = _zero_hooks(stepper, tp_rank, entries, pending) if zero else (lambda: None)
     try:
         with torch.no_grad():
             state = opt_state()
