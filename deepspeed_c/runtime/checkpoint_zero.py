@@ -31,7 +31,7 @@ FP32_KEY = "single_partition_of_fp32_groups"
 MIN_ROUND = 1 << 20  # elements per rank per exchange round at least (rounds of tiny buckets cost latency)
 
 
-def _flat_state_keys(base: dict, g: int, numel: int) -> list[str]:
+def flat_state_keys(base: dict, g: int, numel: int) -> list[str]:
     """Names of group g's optimizer-state tensors laid out like its partition (exp_avg, exp_avg_sq...)."""
     state = base["state"].get(g, {})
     return sorted(k for k, v in state.items() if torch.is_tensor(v) and v.dim() == 1 and v.numel() == numel)
@@ -59,7 +59,7 @@ def to_deepspeed_layout(opt: Any) -> dict:
 
         master = sd[FP32_KEY][g]
         out[FP32_KEY].append(to_ds(master))
-        for key in _flat_state_keys(base, g, master.numel()):
+        for key in flat_state_keys(base, g, master.numel()):
             base["state"][g][key] = to_ds(base["state"][g][key])
     out["ds_version"] = DEEPSPEED_API_VERSION  # DeepSpeed's ZeRO loader asserts it is present
     out["layout"] = "deepspeed"
@@ -100,7 +100,7 @@ class _SavedFiles:
 
     def keys(self, part: dict) -> list[list[str]]:
         base = part["base_optimizer_state"]
-        return [_flat_state_keys(base, g, part[FP32_KEY][g].numel()) for g in range(len(self.plans))]
+        return [flat_state_keys(base, g, part[FP32_KEY][g].numel()) for g in range(len(self.plans))]
 
 
 def _owned(obj: Any, keep: set[int]) -> Any:
@@ -114,7 +114,7 @@ def _owned(obj: Any, keep: set[int]) -> Any:
     return obj
 
 
-def _runtime_state(opt: Any, first: dict, keys: list[list[str]], moments: list[dict[str, torch.Tensor]] | None) -> dict:
+def runtime_state(opt: Any, first: dict, keys: list[list[str]], moments: list[dict[str, torch.Tensor]] | None) -> dict:
     """The state_dict opt.load_state_dict applies: `first`'s metadata, the (already filled) live masters,
     and the moments in the runtime layout (None: not loaded)."""
     out = dict(first)
@@ -133,7 +133,7 @@ def _runtime_state(opt: Any, first: dict, keys: list[list[str]], moments: list[d
     return _owned(out, keep)
 
 
-def _new_moments(opt: Any, part: dict, keys: list[list[str]]) -> list[dict[str, torch.Tensor]]:
+def new_moments(opt: Any, part: dict, keys: list[list[str]]) -> list[dict[str, torch.Tensor]]:
     state = part["base_optimizer_state"]["state"]
     return [{k: torch.zeros(m.numel(), dtype=state[g][k].dtype, device=m.device) for k in keys[g]}
             for g, m in enumerate(opt.fp32_partitions)]
@@ -148,7 +148,7 @@ def _pairs(opt: Any, part: dict, g: int, keys: list[str], moments: list[dict] | 
     return out
 
 
-def _load_same_world(opt: Any, files: _SavedFiles, masters: bool, states: bool) -> dict:
+def load_same_world(opt: Any, files: _SavedFiles, masters: bool, states: bool) -> dict:
     distributed = opt.world_size > 1
     with rank_local_step("load_checkpoint (reading this rank's ZeRO file)", group=opt.dp_process_group,
                          distributed=distributed):
@@ -160,13 +160,13 @@ def _load_same_world(opt: Any, files: _SavedFiles, masters: bool, states: bool) 
         if any(k != keys for k in every):
             raise ValueError(f"ZeRO checkpoint files in {files.tag_dir} hold different optimizer states per rank: "
                              f"{every}")
-    moments = _new_moments(opt, part, keys) if states else None
+    moments = new_moments(opt, part, keys) if states else None
     for g, plan in enumerate(opt.partition_plans):
         routes = layout_route(files.plans[g], files.layout, plan, "runtime")
         for src, dst in _pairs(opt, part, g, keys[g], moments, masters):
             exchange(routes, src, dst, opt.rank, opt.dp_process_group, _round_cap(plan))
             pages.release(src)
-    return _runtime_state(opt, part, keys, moments)
+    return runtime_state(opt, part, keys, moments)
 
 
 def _load_resharded(opt: Any, files: _SavedFiles, masters: bool, states: bool) -> dict:
@@ -183,7 +183,7 @@ def _load_resharded(opt: Any, files: _SavedFiles, masters: bool, states: bool) -
             keys = files.keys(part)
             if first is None:
                 first, first_keys = part, keys
-                moments = _new_moments(opt, part, keys) if states else None
+                moments = new_moments(opt, part, keys) if states else None
             elif keys != first_keys:
                 raise ValueError(f"ZeRO checkpoint files in {files.tag_dir} hold different optimizer states per "
                                  f"rank: {first_keys} vs {keys} (rank {r}'s file)")
@@ -196,7 +196,7 @@ def _load_resharded(opt: Any, files: _SavedFiles, masters: bool, states: bool) -
                             dst[b:b + n].copy_(flat[a:a + n])
                         pages.release(src)
         assert first is not None
-        return _runtime_state(opt, first, first_keys, moments)
+        return runtime_state(opt, first, first_keys, moments)
 
 
 def load_zero_checkpoint(opt: Any, tag_dir: str, manifest: Any, model_state: dict, bf16: bool,
@@ -216,7 +216,7 @@ def load_zero_checkpoint(opt: Any, tag_dir: str, manifest: Any, model_state: dic
     masters = bool(load_from_fp32_weights) or saved_stage3 or module_only
     states = bool(load_optimizer_states) and not module_only
     if files.world == opt.world_size:
-        state = _load_same_world(opt, files, masters, states)
+        state = load_same_world(opt, files, masters, states)
     else:
         state = _load_resharded(opt, files, masters, states)
     if module_only:

@@ -106,7 +106,7 @@ def _zero_stage_by_name(tag_dir: str, manifest: Optional[dict], stage: int, bf16
     parameter name; the stage's param groups' hyperparameters and loss scaler)."""
     from deepspeed_c.checkpoint import deepspeed_format, store
     from deepspeed_c.ops.partition import DEEPSPEED_ALIGNMENT, PartitionPlan
-    from deepspeed_c.runtime.checkpoint_zero import _flat_state_keys
+    from deepspeed_c.runtime.checkpoint_zero import flat_state_keys
 
     model_file = f"mp_rank_{stage:02d}_model_states.pt"
     if not os.path.isfile(os.path.join(tag_dir, model_file)):
@@ -129,7 +129,7 @@ def _zero_stage_by_name(tag_dir: str, manifest: Optional[dict], stage: int, bf16
     for g, group_names in enumerate(shapes):
         numels = [math.prod(tuple(shape)) for shape in group_names.values()]
         plan = PartitionPlan.build(numels, world, max(max(numels, default=1), 1), DEEPSPEED_ALIGNMENT)
-        keys = _flat_state_keys(base0, g, parts[0][FP32_KEY][g].numel())
+        keys = flat_state_keys(base0, g, parts[0][FP32_KEY][g].numel())
         whole = {FP32_KEY: plan.gather_params([p[FP32_KEY][g].reshape(-1) for p in parts], "deepspeed")}
         for k in keys:
             whole[k] = plan.gather_params([p["base_optimizer_state"]["state"][g][k] for p in parts], "deepspeed")

@@ -23,7 +23,7 @@ import torch
 
 from deepspeed_c.checkpoint import deepspeed_format, store
 from deepspeed_c.ops.partition import DEEPSPEED_ALIGNMENT, PartitionPlan
-from deepspeed_c.runtime.checkpoint_zero import FP32_KEY, _flat_state_keys, _new_moments, _runtime_state
+from deepspeed_c.runtime.checkpoint_zero import FP32_KEY, flat_state_keys, new_moments, runtime_state
 from deepspeed_c.version import DEEPSPEED_API_VERSION
 
 
@@ -57,7 +57,7 @@ def save_state(opt: Any, tp: TPParams, param_name: Callable[[torch.nn.Parameter]
         plans = _plans(numels, opt.world_size)
         masters = []
         for g, plan in enumerate(plans):
-            keys = _flat_state_keys(base, g, sd[FP32_KEY][g].numel())
+            keys = flat_state_keys(base, g, sd[FP32_KEY][g].numel())
             rows = plan.slices("deepspeed", opt.rank)
             for key in [None] + keys:
                 part = opt.fp32_partitions[g] if key is None else base["state"][g][key]
@@ -108,12 +108,12 @@ def load_state(opt: Any, tp: TPParams, saved: Any, load_optimizer_states: bool) 
             raise ValueError(f"ZeRO checkpoint file {name} holds parameter groups of sizes {part.get('group_numels')}; "
                              f"this model (unsharded) has {numels}: the checkpoint belongs to a different model")
         parts.append(part)
-    keys = [_flat_state_keys(parts[0]["base_optimizer_state"], g, parts[0][FP32_KEY][g].numel())
+    keys = [flat_state_keys(parts[0]["base_optimizer_state"], g, parts[0][FP32_KEY][g].numel())
             for g in range(len(plans))]
     masters = bool(saved.load_from_fp32_weights)
     states = bool(load_optimizer_states)
     with opt._resident():
-        moments = _new_moments(opt, parts[0], keys) if states else None
+        moments = new_moments(opt, parts[0], keys) if states else None
         with torch.no_grad():
             for g, plan in enumerate(plans):
                 by_param: dict[int, list[tuple[int, int, int, int]]] = {}
@@ -137,8 +137,8 @@ def load_state(opt: Any, tp: TPParams, saved: Any, load_optimizer_states: bool) 
                         flat = value.reshape(-1).to(dst.device)
                         for ps, ls, n in slices:
                             dst[ls:ls + n].copy_(flat[ps:ps + n])
-        state = _runtime_state(opt, parts[0], keys, moments)
-    del parts  # _runtime_state cloned what it keeps: the mappings go
+        state = runtime_state(opt, parts[0], keys, moments)
+    del parts  # runtime_state cloned what it keeps: the mappings go
 
     def apply() -> None:
         opt.load_state_dict(state, load_optimizer_states=states, load_from_fp32_weights=masters)

@@ -90,14 +90,14 @@ class _MemberFiles:
         return deepspeed_format.normalize_zero_state(part, None, self.world), MappedPages(obj, mapped)
 
     def keys(self, part: dict) -> list[list[str]]:
-        from deepspeed_c.runtime.checkpoint_zero import FP32_KEY, _flat_state_keys
+        from deepspeed_c.runtime.checkpoint_zero import FP32_KEY, flat_state_keys
 
         base = part["base_optimizer_state"]
-        return [_flat_state_keys(base, g, part[FP32_KEY][g].numel()) for g in range(self.n)]
+        return [flat_state_keys(base, g, part[FP32_KEY][g].numel()) for g in range(self.n)]
 
 
 def load_members(opt: Any, saved: SavedCheckpoint, load_optimizer_states: bool) -> None:
-    from deepspeed_c.runtime.checkpoint_zero import _load_same_world
+    from deepspeed_c.runtime.checkpoint_zero import load_same_world
     from deepspeed_c.utils import groups
 
     saved_world = saved.model_state.get("dp_world_size") or 1
@@ -113,6 +113,6 @@ def load_members(opt: Any, saved: SavedCheckpoint, load_optimizer_states: bool) 
         ranks = (list(groups._get_expert_data_parallel_group_ranks(name)) if name is not None
                  else list(range(opt.dp_world_size)))
         files = _MemberFiles(m, ranks, offset, saved)
-        state = _load_same_world(m, files, masters, states)
+        state = load_same_world(m, files, masters, states)
         m.load_state_dict(state, load_optimizer_states=states, load_from_fp32_weights=masters)
         offset += len(m.partition_plans)
