@@ -40,6 +40,11 @@ class _Member(DeepSpeedZeroOptimizer):
     def _global_sq_norm(self, parts: Sequence[torch.Tensor]) -> float:
         return self.norm_sq
 
+    def step_with_sq_norm(self, norm_sq: float) -> bool:
+        """One step whose clipping and overflow use `norm_sq`, the whole model's squared gradient norm."""
+        self.norm_sq = norm_sq
+        return self.step()
+
 
 class _FollowerScaler:
     """A member's view of the leader member's loss scaler: it reads the scale and never updates it,
@@ -190,8 +195,7 @@ class MoEZeroOptimizer(EngineOptimizer):
         total = float(local.item())
         skipped = False
         for m in self.members:
-            m.norm_sq = total
-            skipped = m.step() or skipped
+            skipped = m.step_with_sq_norm(total) or skipped
         self.overflow = skipped
         self._global_grad_norm = self.members[0]._global_grad_norm
         return skipped
