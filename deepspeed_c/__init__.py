@@ -32,7 +32,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "monitor": "deepspeed_c.monitor",
     "checkpoint": "deepspeed_c.checkpoint",
     "OnDevice": "deepspeed_c.utils.init_on_device:OnDevice",
-    "DeepSpeedConfigError": "deepspeed_c.runtime.config_utils:DeepSpeedConfigError",
+    "DeepSpeedConfigError": "deepspeed_c.runtime.config.utils:DeepSpeedConfigError",
     "log_dist": "deepspeed_c.utils.logging:log_dist",
     "logger": "deepspeed_c.utils.logging:logger",
     "pipe": "deepspeed_c.pipe",

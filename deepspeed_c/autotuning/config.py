@@ -5,7 +5,7 @@ from typing import Any, Optional
 
 from pydantic import field_validator
 
-from deepspeed_c.runtime.config_utils import DeepSpeedConfigError, DeepSpeedConfigModel, parse_section
+from deepspeed_c.runtime.config.utils import DeepSpeedConfigError, DeepSpeedConfigModel, parse_section
 
 METRICS = ("throughput", "latency", "flops")
 TUNERS = ("gridsearch", "random", "model_based")

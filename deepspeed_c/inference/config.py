@@ -12,7 +12,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 from pydantic import Field, field_validator, model_validator
 
-from deepspeed_c.runtime.config_utils import DeepSpeedConfigModel, parse_section, unbuilt
+from deepspeed_c.runtime.config.utils import DeepSpeedConfigModel, parse_section, unbuilt
 
 # dtypes init_inference converts a model to; int8 is DeepSpeed's weight-quantization spelling
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from deepspeed_c.runtime import engine_report as rep
+from deepspeed_c.runtime.engine import report as rep
 from deepspeed_c.runtime.autograd_paths import training_backward
 
 __all__ = ["BackwardPhase", "EngineBackward"]

@@ -13,9 +13,9 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from deepspeed_c.runtime.config_optim import (ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAM_W_MODE, ADAM_W_MODE_DEFAULT,
+from deepspeed_c.runtime.config.optim import (ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAM_W_MODE, ADAM_W_MODE_DEFAULT,
                                               ADAMW_OPTIMIZER, LAMB_OPTIMIZER, LION_OPTIMIZER, TORCH_ADAM_PARAM)
-from deepspeed_c.runtime.config_utils import DeepSpeedConfigError, closest
+from deepspeed_c.runtime.config.utils import DeepSpeedConfigError, closest
 
 
 def _cls(path: str) -> type:

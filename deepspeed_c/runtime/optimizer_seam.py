@@ -5,7 +5,7 @@ holds. DeepSpeed's roles map onto it: the plain torch optimizer (`PlainOptimizer
 keeps the user's optimizer as `engine.optimizer`), its FP16/BF16 mixed-precision optimizer
 (runtime/precision.MixedPrecisionOptimizer) and the ZeRO 1/2 optimizer
 (runtime/zero/stage_1_and_2.DeepSpeedZeroOptimizer); ZeRO 3, pipeline and MoE optimizers implement
-the same methods. Checkpoint state goes through the same objects (runtime/checkpoint_engine.py)."""
+the same methods. Checkpoint state goes through the same objects (runtime/checkpointing/engine.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -79,7 +79,7 @@ class EngineOptimizer:
     def release_gathered_params(self) -> None:
         """ZeRO-3: every gathered parameter released (engine.empty_partition_cache); nothing below."""
 
-    # -- checkpoint state (runtime/checkpoint_engine.py writes DeepSpeed's layout from these) ----------
+    # -- checkpoint state (runtime/checkpointing/engine.py writes DeepSpeed's layout from these) ----------
     def model_param_groups(self) -> list[list[torch.nn.Parameter]]:
         """The model parameters each param group steps (the model file's param_shapes)."""
         raise NotImplementedError

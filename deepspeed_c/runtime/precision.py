@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from deepspeed_c.runtime.config_utils import parse_dtype
+from deepspeed_c.runtime.config.utils import parse_dtype
 from deepspeed_c.runtime.fp16.loss_scaler import CreateLossScaler, DynamicLossScaler, LossScalerBase
 from deepspeed_c.runtime.grad_norm import global_norm, scale_
 from deepspeed_c.runtime.fused_epilogue import AdamEpilogue, device_global_norm

@@ -7,7 +7,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from deepspeed_c.runtime.config_precision import DEFAULT_LOWER_PRECISION_SAFE_MODULES
+from deepspeed_c.runtime.config.precision import DEFAULT_LOWER_PRECISION_SAFE_MODULES
 
 PARAM_COMM_DTYPE_ATTR_NAME = "comm_dtype"
 _STATE: dict[str, Any] = {"initialized": False, "dtype": None}

@@ -351,7 +351,7 @@ def worlds(rank: int, _: int, root: str, ports: tuple[int, int, int], measure: b
     """One run of 4 processes holds the three worlds in turn, each checkpoint saved before a world loads it:
     ranks 0-1 save at 2 and load 2 -> 2; all 4 save at 4 and load 4 -> 4 and 2 -> 4; ranks 0-1 load 4 -> 2.
     (Each world is a fresh default process group; a rank's process and imports are paid once.)"""
-    from deepspeed_c.runtime.checkpoint_engine import EngineCheckpointer
+    from deepspeed_c.runtime.checkpointing.engine import EngineCheckpointer
 
     Peak.enabled = measure
     original = EngineCheckpointer._load_optimizer

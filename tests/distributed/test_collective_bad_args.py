@@ -16,7 +16,7 @@ from tests.harness import run_distributed
 
 
 def bad_args_body(rank: int, world: int, root: str) -> dict:
-    from deepspeed_c.runtime.collective_guard import RankFailed
+    from deepspeed_c.runtime.checkpointing.collective_guard import RankFailed
 
     engine = _engine(2, False)
     _train(engine, rank, world, steps=1)
@@ -68,7 +68,7 @@ def test_bad_arguments_raise_on_every_rank(tmp_path):
 
 @pytest.mark.parametrize("value", [None, "", 3])
 def test_check_dir_arg_names_the_argument(value):
-    from deepspeed_c.runtime.collective_guard import check_dir_arg
+    from deepspeed_c.runtime.checkpointing.collective_guard import check_dir_arg
 
     with pytest.raises(ValueError, match="save_dir"):
         check_dir_arg("save_checkpoint", "save_dir", value)

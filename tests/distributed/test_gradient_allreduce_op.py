@@ -63,7 +63,7 @@ def test_gradient_allreduce_op(op):
 
 def test_gradient_allreduce_op_rejects_unknown():
     from deepspeed_c.runtime.config import DeepSpeedConfig
-    from deepspeed_c.runtime.config_utils import DeepSpeedConfigError
+    from deepspeed_c.runtime.config.utils import DeepSpeedConfigError
 
     with pytest.raises(DeepSpeedConfigError, match="gradient_allreduce_op"):
         DeepSpeedConfig({"train_batch_size": 1, "gradient_allreduce_op": "max"})

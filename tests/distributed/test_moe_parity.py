@@ -405,7 +405,7 @@ def test_moe_checkpoint_files_are_deepspeeds_layout_and_zero_to_fp32_consolidate
 
 
 def test_moe_checkpoint_refused_where_not_built() -> None:
-    from deepspeed_c.runtime.checkpoint_moe import check_supported
+    from deepspeed_c.runtime.checkpointing.moe import check_supported
 
     class Fake:
         def __init__(self, stage: int, low: bool) -> None:

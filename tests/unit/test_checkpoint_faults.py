@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import deepspeed_c
-from deepspeed_c.runtime import checkpoint_engine
+from deepspeed_c.runtime.checkpointing import engine as checkpoint_engine
 from tests.distributed.engine_models import MLP
 
 KILLS = 24

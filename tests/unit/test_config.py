@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from deepspeed_c.runtime.config import DeepSpeedConfig
-from deepspeed_c.runtime.config_utils import DeepSpeedConfigError, DeepSpeedConfigWarning
+from deepspeed_c.runtime.config.utils import DeepSpeedConfigError, DeepSpeedConfigWarning
 
 
 def cfg(**kw):
@@ -51,7 +51,7 @@ def test_defaults_follow_deepspeed():
     ({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 4}, 2, (24, 3, 4)),
 ])
 def test_batch_triple(given, world, expected):
-    from deepspeed_c.runtime.config_batch import resolve_batch
+    from deepspeed_c.runtime.config.batch import resolve_batch
 
     t = resolve_batch(given.get("train_batch_size"), given.get("train_micro_batch_size_per_gpu"),
                       given.get("gradient_accumulation_steps"), world)

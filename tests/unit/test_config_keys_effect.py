@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import deepspeed_c
-from deepspeed_c.runtime import config_no_effect
+from deepspeed_c.runtime.config import no_effect as config_no_effect
 from deepspeed_c.runtime.config import DeepSpeedConfig
 from tests.distributed.engine_models import MLP
 

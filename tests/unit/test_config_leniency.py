@@ -14,7 +14,7 @@ import json
 import pytest
 
 from deepspeed_c.runtime.config import DeepSpeedConfig
-from deepspeed_c.runtime.config_utils import DeepSpeedConfigError
+from deepspeed_c.runtime.config.utils import DeepSpeedConfigError
 from tests.distributed.engine_models import make_model
 
 BASE = {"train_batch_size": 2, "steps_per_print": 10**9}
@@ -65,7 +65,7 @@ def test_gradient_clipping_default_follows_0_19_8_with_a_note(caplog):
     out gets 1.0 and one note naming the key and both defaults."""
     import logging
 
-    import deepspeed_c.runtime.config as config_module
+    import deepspeed_c.runtime.config.ds_config as config_module
 
     config_module._NOTED_DEFAULTS.discard("gradient_clipping")
     with caplog.at_level(logging.WARNING):

@@ -14,7 +14,7 @@ import deepspeed_c
 
 
 def test_top_level_names():
-    from deepspeed_c.runtime.config_utils import DeepSpeedConfigError
+    from deepspeed_c.runtime.config.utils import DeepSpeedConfigError
 
     assert deepspeed_c.DeepSpeedConfigError is DeepSpeedConfigError
     assert isinstance(deepspeed_c.__git_hash__, str) and isinstance(deepspeed_c.__git_branch__, str)

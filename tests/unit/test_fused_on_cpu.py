@@ -83,7 +83,7 @@ def test_fused_lamb_on_cpu_matches_float64():
     ("Adagrad", False, "Adagrad"), ("Adam", True, "DeepSpeedCPUAdam"), ("Lion", True, "DeepSpeedCPULion"),
     ("Adagrad", True, "DeepSpeedCPUAdagrad")])
 def test_config_builds_deepspeeds_optimizer_on_cpu(name, offload, want):
-    from deepspeed_c.runtime.config_optim import normalize_optimizer_name
+    from deepspeed_c.runtime.config.optim import normalize_optimizer_name
     from deepspeed_c.runtime.optimizer_factory import build_optimizer
 
     params = [torch.nn.Parameter(torch.zeros(4))]

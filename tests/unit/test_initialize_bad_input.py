@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import deepspeed_c
-from deepspeed_c.runtime.config_utils import DeepSpeedConfigError
+from deepspeed_c.runtime.config.utils import DeepSpeedConfigError
 
 pytestmark = pytest.mark.usefixtures("world_of_one")
 

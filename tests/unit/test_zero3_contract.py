@@ -148,7 +148,7 @@ def test_bad_input() -> None:
         deepspeed_c.zero.register_external_parameter(model, torch.ones(2))
     with pytest.raises(TypeError, match="config_dict_or_path"):
         deepspeed_c.zero.Init(config_dict_or_path=42)
-    from deepspeed_c.runtime.config_utils import DeepSpeedConfigError
+    from deepspeed_c.runtime.config.utils import DeepSpeedConfigError
 
     with pytest.raises(DeepSpeedConfigError, match="stage3_prefetch_bucket_size"):
         deepspeed_c.initialize(model=torch.nn.Linear(2, 2), config={

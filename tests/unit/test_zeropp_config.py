@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deepspeed_c.runtime.config_zero import parse_zero_config
+from deepspeed_c.runtime.config.zero import parse_zero_config
 
 KEYS = {"zero_quantized_weights": True, "zero_quantized_nontrainable_weights": True,
         "zero_quantized_gradients": True, "zero_hpz_partition_size": 8}

@@ -213,7 +213,7 @@ def non_reentrant_checkpoint(function: Callable, *args: Any) -> Any:
 
 # -- configuration -----------------------------------------------------------------------------------
 def _config_section(deepspeed_config: Any) -> Any:
-    from deepspeed_c.runtime.config_sections import ActivationCheckpointingConfig
+    from deepspeed_c.runtime.config.sections import ActivationCheckpointingConfig
 
     if isinstance(deepspeed_config, str):
         with open(deepspeed_config) as f:

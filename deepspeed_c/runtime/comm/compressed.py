@@ -252,7 +252,7 @@ def comm_backend(name: str, mpu: Any = None, cuda_aware: bool = False) -> Compre
     """The backend `comm_backend_name` selects. "nccl" and "compressed" are the same torch.distributed
     implementation here (NCCL on GPUs, gloo on CPU ranks); "mpi" needs mpi4py, as DeepSpeed's, but its
     collectives also go through torch.distributed; "hccl" (Ascend NPUs) is not built."""
-    from deepspeed_c.runtime.config_utils import DeepSpeedConfigError, closest
+    from deepspeed_c.runtime.config.utils import DeepSpeedConfigError, closest
 
     if name in ("nccl", "compressed"):
         return CompressedBackend(mpu)

@@ -14,7 +14,7 @@ class MpiBackend(CompressedBackend):
         try:
             import mpi4py  # noqa: F401
         except ImportError:
-            from deepspeed_c.runtime.config_utils import DeepSpeedConfigError
+            from deepspeed_c.runtime.config.utils import DeepSpeedConfigError
 
             raise DeepSpeedConfigError(
                 "optimizer.params.comm_backend_name 'mpi' needs mpi4py, which is not installed; install it or use "

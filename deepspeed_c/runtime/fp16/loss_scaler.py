@@ -11,7 +11,7 @@ from typing import Any, Iterable
 
 import torch
 
-from deepspeed_c.runtime.config_precision import (CONSECUTIVE_HYSTERESIS, DELAYED_SHIFT, INITIAL_LOSS_SCALE,
+from deepspeed_c.runtime.config.precision import (CONSECUTIVE_HYSTERESIS, DELAYED_SHIFT, INITIAL_LOSS_SCALE,
                                                   MIN_LOSS_SCALE, SCALE_WINDOW)
 from deepspeed_c.utils.logging import logger
 

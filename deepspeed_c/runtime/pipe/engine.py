@@ -108,9 +108,9 @@ class PipelineEngine(DeepSpeedEngine):
                 f"zero_optimization.stage={self.zero_optimization_stage()}: pipeline parallelism works with "
                 "ZeRO stage 0 and 1 (as DeepSpeed)")
         model.checkpoint_parallel_write_pipeline = bool(self._config.checkpoint_parallel_write_pipeline)
-        from deepspeed_c.runtime.checkpoint_options import CheckpointOptions
+        from deepspeed_c.runtime.checkpointing.options import CheckpointOptions
 
-        from .checkpoint import PipeCheckpointer
+        from deepspeed_c.runtime.checkpointing.pipeline import PipeCheckpointer
 
         self.checkpointer = PipeCheckpointer(CheckpointOptions.from_config(self._config))
         self.deferred_wgrad: Optional[Any] = None  # ZB-H1: Linear weight gradients deferred from B to W
@@ -141,8 +141,8 @@ class PipelineEngine(DeepSpeedEngine):
             else super().gradient_clipping()
 
     def _checkpoint_states(self) -> Any:
-        """The stage's states for its checkpointer (runtime/checkpoint_states.py)."""
-        from deepspeed_c.runtime.checkpoint_states import PipeCheckpointStates
+        """The stage's states for its checkpointer (runtime/checkpointing/states.py)."""
+        from deepspeed_c.runtime.checkpointing.states import PipeCheckpointStates
 
         return PipeCheckpointStates(**self._checkpoint_state_fields(), stage_id=self.stage_id,
                                     num_stages=self.num_stages, stage_dp_rank=self.grid.get_data_parallel_rank())

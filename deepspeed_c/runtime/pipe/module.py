@@ -334,7 +334,7 @@ class PipelineModule(nn.Module):
 
     def save_state_dict(self, save_dir: str, checkpoint_engine: Any = None, exclude_frozen_params: bool = False) -> None:
         """Data-parallel rank 0 of each stage writes one file per layer that has a state_dict."""
-        from .layer_files import save_layer_files
+        from deepspeed_c.runtime.checkpointing.pipeline_layers import save_layer_files
 
         save_layer_files(self, save_dir, exclude_frozen_params,
                          parallel_write=bool(getattr(self, "checkpoint_parallel_write_pipeline", False)))
@@ -342,7 +342,7 @@ class PipelineModule(nn.Module):
     def load_state_dir(self, load_dir: str, checkpoint_engine: Any = None, strict: bool = True) -> None:
         """Loads every local layer from its layer file (whatever stage wrote it; weights_only, verified
         against the directory's manifest where it has one), then re-ties."""
-        from .layer_files import apply_layer_states, manifest_if_any, read_layer_files
+        from deepspeed_c.runtime.checkpointing.pipeline_layers import apply_layer_states, manifest_if_any, read_layer_files
 
         apply_layer_states(self, read_layer_files(self, load_dir, manifest_if_any(load_dir)), strict)
         self._synchronize_tied_weights()

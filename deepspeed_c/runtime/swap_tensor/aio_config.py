@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import Field
 
-from deepspeed_c.runtime.config_utils import DeepSpeedConfigModel, parse_section, unbuilt
+from deepspeed_c.runtime.config.utils import DeepSpeedConfigModel, parse_section, unbuilt
 from deepspeed_c.runtime.swap_tensor.constants import (AIO, AIO_BLOCK_SIZE_DEFAULT, AIO_INTRA_OP_PARALLELISM_DEFAULT,
                                                        AIO_OVERLAP_EVENTS_DEFAULT, AIO_QUEUE_DEPTH_DEFAULT,
                                                        AIO_SINGLE_SUBMIT_DEFAULT, AIO_USE_GDS_DEFAULT)

@@ -23,7 +23,7 @@ import torch
 
 from deepspeed_c.checkpoint import deepspeed_format, store
 from deepspeed_c.ops.partition import DEEPSPEED_ALIGNMENT, PartitionPlan
-from deepspeed_c.runtime.checkpoint_zero import FP32_KEY, flat_state_keys, new_moments, runtime_state
+from deepspeed_c.runtime.checkpointing.zero import FP32_KEY, flat_state_keys, new_moments, runtime_state
 from deepspeed_c.version import DEEPSPEED_API_VERSION
 
 

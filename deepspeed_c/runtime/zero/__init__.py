@@ -4,7 +4,7 @@ Stages 1 and 2 (with CPU optimizer offload) run in stage_1_and_2.py; stage 3 in 
 partition_parameters.py (zero.Init, GatheredParameters, the partitioned parameter contract)."""
 from __future__ import annotations
 
-from deepspeed_c.runtime.config_zero import ZeroStageEnum  # noqa: F401  (DeepSpeed exposes it here)
+from deepspeed_c.runtime.config.zero import ZeroStageEnum  # noqa: F401  (DeepSpeed exposes it here)
 from deepspeed_c.runtime.zero.partition_parameters import (GatheredParameters, Init, ZeroParamStatus,  # noqa: F401
                                                            register_external_parameter,
                                                            unregister_external_parameter)

@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 import torch
 
-from deepspeed_c.runtime.config_utils import parse_dtype
+from deepspeed_c.runtime.config.utils import parse_dtype
 
 from deepspeed_c.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 

@@ -167,7 +167,7 @@ class ZeroGradPartitioner(BackwardRound):
     @property
     def reduced_params(self) -> list[torch.nn.Parameter]:
         """The reduced parameters, group after group (the index a hook and `touched` use). Not named `params`:
-        runtime/reducer_order_file.py keeps bucket orders for reducers with `params` (stage 0's)."""
+        runtime/checkpointing/reducer_order.py keeps bucket orders for reducers with `params` (stage 0's)."""
         return self._flat_params
 
     @property

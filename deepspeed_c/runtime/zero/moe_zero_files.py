@@ -4,7 +4,7 @@ DeepSpeed's flat layout, one member after the other; an expert group's partition
 expert-data-parallel group (its partition_count says how many), as in DeepSpeed's MoE ZeRO files.
 Loading reads, for each member, the file of the global rank that held its partition. Like DeepSpeed
 (which needs a universal checkpoint for this), loading at another world size or ep_size is refused;
-stage-0 MoE checkpoints load at any (runtime/checkpoint_moe.py)."""
+stage-0 MoE checkpoints load at any (runtime/checkpointing/moe.py)."""
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
@@ -22,7 +22,7 @@ LISTS = ("partition_count", "group_numels", "single_partition_of_fp32_groups", "
 
 def member_state(m: Any, param_name: Callable[[torch.nn.Parameter], str]) -> dict:
     from deepspeed_c.checkpoint.deepspeed_format import with_deepspeed_fields
-    from deepspeed_c.runtime.checkpoint_zero import to_deepspeed_layout
+    from deepspeed_c.runtime.checkpointing.zero import to_deepspeed_layout
 
     scaler = getattr(m.loss_scaler, "leader", m.loss_scaler)  # followers save the leader's scale
     return with_deepspeed_fields(to_deepspeed_layout(m), stage=m.stage, scaler=scaler, plans=m.partition_plans,
@@ -90,14 +90,14 @@ class _MemberFiles:
         return deepspeed_format.normalize_zero_state(part, None, self.world), MappedPages(obj, mapped)
 
     def keys(self, part: dict) -> list[list[str]]:
-        from deepspeed_c.runtime.checkpoint_zero import FP32_KEY, flat_state_keys
+        from deepspeed_c.runtime.checkpointing.zero import FP32_KEY, flat_state_keys
 
         base = part["base_optimizer_state"]
         return [flat_state_keys(base, g, part[FP32_KEY][g].numel()) for g in range(self.n)]
 
 
 def load_members(opt: Any, saved: SavedCheckpoint, load_optimizer_states: bool) -> None:
-    from deepspeed_c.runtime.checkpoint_zero import load_same_world
+    from deepspeed_c.runtime.checkpointing.zero import load_same_world
     from deepspeed_c.utils import groups
 
     saved_world = saved.model_state.get("dp_world_size") or 1

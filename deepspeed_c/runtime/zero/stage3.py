@@ -247,27 +247,27 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (Deep
         super().drop_device_scratch()
         adopt(self.store)  # ds_tensor views follow the shards to wherever they moved
 
-    # -- checkpoints in DeepSpeed's stage-3 layout (runtime/checkpoint_zero3.py) -----------------------
+    # -- checkpoints in DeepSpeed's stage-3 layout (runtime/checkpointing/zero3.py) -----------------------
     @_states_resident
     def partition_checkpoint_state(self, param_name: Callable[[torch.nn.Parameter], str]) -> tuple[int, dict]:
-        from deepspeed_c.runtime.checkpoint_zero3 import optimizer_file_state
+        from deepspeed_c.runtime.checkpointing.zero3 import optimizer_file_state
 
         return self.rank, optimizer_file_state(self, self.sub_group_size)
 
     def partitioned_model_state(self, param_name: Callable[[torch.nn.Parameter], str],
                                 exclude_frozen_parameters: bool) -> tuple[int, dict]:
-        from deepspeed_c.runtime.checkpoint_zero3 import model_file_fields
+        from deepspeed_c.runtime.checkpointing.zero3 import model_file_fields
 
         return self.rank, model_file_fields(self.store, self.bit16_groups, self.sub_group_size, param_name,
                                             exclude_frozen_parameters)
 
     def load_module_state(self, module: torch.nn.Module, state_dict: dict) -> None:
-        from deepspeed_c.runtime.checkpoint_zero3 import load_module_into_store
+        from deepspeed_c.runtime.checkpointing.zero3 import load_module_into_store
 
         load_module_into_store(self.store, module, state_dict)
 
     def _load_frozen(self, saved: SavedCheckpoint) -> None:
-        from deepspeed_c.runtime.checkpoint_zero3 import load_frozen_shards
+        from deepspeed_c.runtime.checkpointing.zero3 import load_frozen_shards
 
         if saved.partitioned_weights:  # a stage 1/2 checkpoint's frozen weights came whole with the module
             load_frozen_shards(self.store, saved.tag_dir, saved.manifest, saved.model_state, saved.model_rank,
@@ -312,7 +312,7 @@ class Zero3Params(EngineOptimizer):
                                   "save the weights with save_16bit_model (stage3_gather_16bit_weights_on_model_save)")
 
     def load_module_state(self, module: torch.nn.Module, state_dict: dict) -> None:
-        from deepspeed_c.runtime.checkpoint_zero3 import load_module_into_store
+        from deepspeed_c.runtime.checkpointing.zero3 import load_module_into_store
 
         load_module_into_store(self.store, module, state_dict)
 

@@ -18,7 +18,7 @@ from typing import Iterable
 
 import torch
 
-from deepspeed_c.runtime.config_zero import OffloadDeviceEnum
+from deepspeed_c.runtime.config.zero import OffloadDeviceEnum
 
 __all__ = ["estimate_zero3_model_states_mem_needs", "estimate_zero3_model_states_mem_needs_all_live",
            "estimate_zero3_model_states_mem_needs_all_cold", "model_to_params"]

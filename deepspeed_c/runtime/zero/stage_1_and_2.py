@@ -277,7 +277,7 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
     @_states_resident
     def partition_checkpoint_state(self, param_name: Callable[[torch.nn.Parameter], str]) -> tuple[int, dict]:
         from deepspeed_c.checkpoint.deepspeed_format import with_deepspeed_fields
-        from deepspeed_c.runtime.checkpoint_zero import to_deepspeed_layout
+        from deepspeed_c.runtime.checkpointing.zero import to_deepspeed_layout
 
         state = with_deepspeed_fields(to_deepspeed_layout(self), stage=self.stage, scaler=self.loss_scaler,
                                       plans=self.partition_plans, rank=self.rank,
@@ -286,7 +286,7 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
 
     @_states_resident
     def load_checkpoint_state(self, saved: SavedCheckpoint, load_optimizer_states: bool) -> None:
-        from deepspeed_c.runtime.checkpoint_zero import load_zero_checkpoint
+        from deepspeed_c.runtime.checkpointing.zero import load_zero_checkpoint
 
         self._check_node_local(saved)
         # at the saved world size each rank reads only its own ZeRO file (all a node-local checkpoint holds)
@@ -309,7 +309,7 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
             self.refresh_masters()
             return
         # a stage-3 checkpoint: the weights are its fp32 partitions (masters), the model follows them
-        from deepspeed_c.runtime.checkpoint_zero import load_zero_checkpoint
+        from deepspeed_c.runtime.checkpointing.zero import load_zero_checkpoint
 
         self._check_node_local(saved)
         load_zero_checkpoint(self, saved.tag_dir, saved.manifest, saved.model_state, saved.bf16, False, True,

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from deepspeed_c.runtime.config_optim import ONEBIT_ADAM_OPTIMIZER, ONEBIT_LAMB_OPTIMIZER, ZERO_ONE_ADAM_OPTIMIZER
-from deepspeed_c.runtime.config_utils import DeepSpeedConfigError, closest
+from deepspeed_c.runtime.config.optim import ONEBIT_ADAM_OPTIMIZER, ONEBIT_LAMB_OPTIMIZER, ZERO_ONE_ADAM_OPTIMIZER
+from deepspeed_c.runtime.config.utils import DeepSpeedConfigError, closest
 
 ONEBIT_OPTIMIZERS = {
     ONEBIT_ADAM_OPTIMIZER: ("deepspeed_c.runtime.fp16.onebit.adam", "OnebitAdam", "1bit-Adam"),

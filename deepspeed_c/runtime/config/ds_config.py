@@ -13,16 +13,16 @@ from typing import Any, Union
 
 import torch
 
-from deepspeed_c.runtime.config_batch import (GRADIENT_ACCUMULATION_STEPS, TRAIN_BATCH_SIZE,
+from deepspeed_c.runtime.config.batch import (GRADIENT_ACCUMULATION_STEPS, TRAIN_BATCH_SIZE,
                                               TRAIN_MICRO_BATCH_SIZE_PER_GPU, resolve_batch)
-from deepspeed_c.runtime.config_optim import (ADAM_W_MODE, ADAM_W_MODE_DEFAULT, DEEPSPEED_OPTIMIZERS,
+from deepspeed_c.runtime.config.optim import (ADAM_W_MODE, ADAM_W_MODE_DEFAULT, DEEPSPEED_OPTIMIZERS,
                                               LAMB_OPTIMIZER, TORCH_ADAM_PARAM, parse_optimizer, parse_scheduler)
-from deepspeed_c.runtime.config_precision import parse_precision
-from deepspeed_c.runtime.config_sections import ValidationMode, parse_misc_sections
-from deepspeed_c.runtime.config_utils import (DeepSpeedConfigError, DeepSpeedConfigModel, DeepSpeedConfigWarning,
+from deepspeed_c.runtime.config.precision import parse_precision
+from deepspeed_c.runtime.config.sections import ValidationMode, parse_misc_sections
+from deepspeed_c.runtime.config.utils import (DeepSpeedConfigError, DeepSpeedConfigModel, DeepSpeedConfigWarning,
                                               closest, config_warning, parse_dtype, parse_section, scalar,
                                               strip_auto)
-from deepspeed_c.runtime.config_zero import ZeroStageEnum, parse_zero_config
+from deepspeed_c.runtime.config.zero import ZeroStageEnum, parse_zero_config
 from deepspeed_c.runtime.swap_tensor.aio_config import get_aio_config
 from deepspeed_c.utils.logging import logger
 from deepspeed_c.version import DEEPSPEED_API_VERSION

@@ -27,7 +27,7 @@ def layer_file_states(module: Any, exclude_frozen_params: bool = False,
     dp_rank, dp = module._grid.data_parallel_id, module._grid.data_parallel_size
     n = len(module.forward_funcs)
     if parallel_write:
-        from .partition import partition_uniform
+        from deepspeed_c.runtime.pipe.partition import partition_uniform
 
         bounds = partition_uniform(n, dp)
         start, stop = bounds[dp_rank], bounds[dp_rank + 1]

@@ -3,7 +3,7 @@ steps) with everything else delegated to collaborators:
 
     precision   deepspeed_c.runtime.precision.Precision    dtype, loss scaling, fp32 masters
     reducer     deepspeed_c.runtime.reducer.GradientReducer  data-parallel gradient all-reduce
-    report      deepspeed_c.runtime.engine_report.EngineReport  timers, progress line, monitors
+    report      deepspeed_c.runtime.engine.report.EngineReport  timers, progress line, monitors
     optimizer   built by deepspeed_c.runtime.optimizer_factory (or the client's), wrapped by precision
     zero / checkpointer  plugged in by the ZeRO and checkpoint issues (see _configure_zero)."""
 from __future__ import annotations
@@ -16,11 +16,11 @@ import torch
 from torch.nn import Module
 
 from deepspeed_c.accelerator import get_accelerator
-from deepspeed_c.runtime import engine_report as rep
+from deepspeed_c.runtime.engine import report as rep
 from deepspeed_c.runtime.backward_phase import EngineBackward
 from deepspeed_c.runtime.config import DeepSpeedConfig
-from deepspeed_c.runtime.engine_accessors import EngineConfigAccessors
-from deepspeed_c.runtime.engine_io import ROUTE_ENCODE, ROUTE_EVAL, ROUTE_PREDICT, ROUTE_TRAIN, EngineIO
+from deepspeed_c.runtime.engine.accessors import EngineConfigAccessors
+from deepspeed_c.runtime.engine.io import ROUTE_ENCODE, ROUTE_EVAL, ROUTE_PREDICT, ROUTE_TRAIN, EngineIO
 from deepspeed_c.runtime.grad_norm import clip_coefficient, global_norm, scale_
 from deepspeed_c.runtime.optimizer_factory import build_optimizer
 from deepspeed_c.runtime.optimizer_seam import engine_optimizer
@@ -84,7 +84,7 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
 
         self.config = config
         self._config = config_class if config_class is not None else DeepSpeedConfig(config, mpu, mesh_device)
-        from deepspeed_c.runtime.config_no_effect import warn_keys_without_effect
+        from deepspeed_c.runtime.config.no_effect import warn_keys_without_effect
 
         warn_keys_without_effect(self._config._param_dict)
         self.gradient_average = self._config.gradient_allreduce_op == "mean"
@@ -95,7 +95,7 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
         self.timers = self.report.timers
         self.tput_timer = self.report.tput_timer
         self.monitor = self.report.monitor
-        from deepspeed_c.runtime.checkpoint_engine import CheckpointOptions, EngineCheckpointer
+        from deepspeed_c.runtime.checkpointing.engine import CheckpointOptions, EngineCheckpointer
 
         self.checkpointer: Any = EngineCheckpointer(CheckpointOptions.from_config(self._config))
         self.precision = Precision(self._config)
@@ -229,7 +229,7 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
         try:
             self.lr_scheduler = cls(target, **(self._config.scheduler_params or {}))
         except TypeError as e:
-            from deepspeed_c.runtime.config_utils import DeepSpeedConfigError
+            from deepspeed_c.runtime.config.utils import DeepSpeedConfigError
 
             raise DeepSpeedConfigError(f"Invalid 'scheduler.params' for {name}: {e}") from None
         log_dist(f"DeepSpeed using configured LR scheduler = {name}", ranks=[0])
@@ -548,3 +548,8 @@ def _version() -> str:
 
     return __version__
 
+
+
+# the class's public home, as DeepSpeed's (`deepspeed.runtime.engine.DeepSpeedEngine`): what clients see in
+# type(engine).__module__ and reprs, and where pickle finds it
+DeepSpeedEngine.__module__ = "deepspeed_c.runtime.engine"

@@ -106,7 +106,7 @@ def _zero_stage_by_name(tag_dir: str, manifest: Optional[dict], stage: int, bf16
     parameter name; the stage's param groups' hyperparameters and loss scaler)."""
     from deepspeed_c.checkpoint import deepspeed_format, store
     from deepspeed_c.ops.partition import DEEPSPEED_ALIGNMENT, PartitionPlan
-    from deepspeed_c.runtime.checkpoint_zero import flat_state_keys
+    from deepspeed_c.runtime.checkpointing.zero import flat_state_keys
 
     model_file = f"mp_rank_{stage:02d}_model_states.pt"
     if not os.path.isfile(os.path.join(tag_dir, model_file)):

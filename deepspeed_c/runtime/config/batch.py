@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from deepspeed_c.runtime.config_utils import DeepSpeedConfigError
+from deepspeed_c.runtime.config.utils import DeepSpeedConfigError
 
 TRAIN_BATCH_SIZE = "train_batch_size"
 TRAIN_MICRO_BATCH_SIZE_PER_GPU = "train_micro_batch_size_per_gpu"

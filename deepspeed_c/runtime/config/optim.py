@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-from deepspeed_c.runtime.config_utils import (DeepSpeedConfigError, DeepSpeedConfigModel, closest, model_keys,
+from deepspeed_c.runtime.config.utils import (DeepSpeedConfigError, DeepSpeedConfigModel, closest, model_keys,
                                               unknown_key_error,
                                               parse_section, unbuilt)
 

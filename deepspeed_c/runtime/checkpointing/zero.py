@@ -24,7 +24,7 @@ from deepspeed_c.checkpoint.mapped_pages import MappedPages
 from deepspeed_c.checkpoint.zero_exchange import exchange
 from deepspeed_c.ops.partition import DEEPSPEED_ALIGNMENT, PartitionPlan
 from deepspeed_c.ops.partition_route import layout_route
-from deepspeed_c.runtime.collective_guard import rank_local_step
+from deepspeed_c.runtime.checkpointing.collective_guard import rank_local_step
 from deepspeed_c.version import DEEPSPEED_API_VERSION
 
 FP32_KEY = "single_partition_of_fp32_groups"
@@ -208,7 +208,7 @@ def load_zero_checkpoint(opt: Any, tag_dir: str, manifest: Any, model_state: dic
     `module_only` (load_module_only): the masters only, then the model weights from them. `mp_rank`: the
     pipeline stage whose files to read (zero_pp_rank_{r}_mp_rank_{stage:02d}_optim_states.pt)."""
     if saved_stage3:
-        from deepspeed_c.runtime.checkpoint_zero3 import Stage3Files
+        from deepspeed_c.runtime.checkpointing.zero3 import Stage3Files
 
         files: Any = Stage3Files(opt, tag_dir, manifest, model_state, bf16)
     else:

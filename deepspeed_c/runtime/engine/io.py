@@ -85,7 +85,7 @@ class EngineIO:
 
         from deepspeed_c.checkpoint.store import torch_save_atomic
         from deepspeed_c.checkpoint.utils import clone_tensors_for_torch_save
-        from deepspeed_c.runtime.collective_guard import check_dir_arg, rank_local_step
+        from deepspeed_c.runtime.checkpointing.collective_guard import check_dir_arg, rank_local_step
 
         # checked on every rank before anything collective: a bad argument raises everywhere
         save_dir = check_dir_arg("save_16bit_model", "save_dir", save_dir)
@@ -153,9 +153,9 @@ class EngineIO:
                                           custom_load_fn)
 
     def _checkpoint_states(self) -> Any:
-        """What the checkpointer saves and restores (runtime/checkpoint_states.py), read now: the batch size
+        """What the checkpointer saves and restores (runtime/checkpointing/states.py), read now: the batch size
         and, under AutoTP's whole view, the optimizer's tensors may differ from the last save's."""
-        from deepspeed_c.runtime.checkpoint_states import CheckpointStates
+        from deepspeed_c.runtime.checkpointing.states import CheckpointStates
 
         return CheckpointStates(**self._checkpoint_state_fields())
 
@@ -175,7 +175,7 @@ def _tp_full_view(engine: Any, what: str) -> Any:
 
     if not engine.parallel_dims.tensor_parallel:
         return contextlib.nullcontext()
-    from deepspeed_c.runtime.tensor_parallel.checkpoint_view import check_supported, full_view
+    from deepspeed_c.runtime.checkpointing.tensor_parallel import check_supported, full_view
 
     stage, mpu = engine.zero_optimization_stage(), engine.mpu
     check_supported(mpu.get_model_parallel_world_size(), stage, what)

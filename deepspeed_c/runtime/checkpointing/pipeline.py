@@ -17,12 +17,12 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from deepspeed_c.checkpoint import store
-from deepspeed_c.runtime.checkpoint_options import CheckpointOptions
-from deepspeed_c.runtime.checkpoint_states import PipeCheckpointStates
-from deepspeed_c.runtime.collective_guard import check_dir_arg, rank_local_step
+from deepspeed_c.runtime.checkpointing.options import CheckpointOptions
+from deepspeed_c.runtime.checkpointing.states import PipeCheckpointStates
+from deepspeed_c.runtime.checkpointing.collective_guard import check_dir_arg, rank_local_step
 
-from .layer_files import apply_layer_states, layer_file_states, read_layer_files
-from .layer_files import state_dict_from_layer_files  # noqa: F401 (its former home; callers import it here)
+from deepspeed_c.runtime.checkpointing.pipeline_layers import apply_layer_states, layer_file_states, read_layer_files
+from deepspeed_c.runtime.checkpointing.pipeline_layers import state_dict_from_layer_files  # noqa: F401 (its former home; callers import it here)
 
 # keys of the stage files that are DeepSpeed's; everything else is client state
 DS_KEYS = frozenset({"module", "optimizer", "param_shapes", "lr_scheduler", "sparse_tensor_module_names",
@@ -246,7 +246,7 @@ class PipeCheckpointer:
             stepper.load_checkpoint_state(saved, True)
             stepper.load_rank_checkpoint_file(saved)
             return
-        from .optim_reshard import restore_by_name, restore_zero_by_name
+        from deepspeed_c.runtime.checkpointing.pipeline_reshard import restore_by_name, restore_zero_by_name
 
         if zero:
             why = restore_zero_by_name(stepper, groups, tag_dir, manifest, int(saved_stages),

@@ -31,7 +31,7 @@ from deepspeed_c.checkpoint.safe_load import scaler_state
 from deepspeed_c.checkpoint.zero_exchange import exchange
 from deepspeed_c.ops.partition import PartitionPlan
 from deepspeed_c.ops.partition_route import layout_route
-from deepspeed_c.runtime.collective_guard import rank_local_step
+from deepspeed_c.runtime.checkpointing.collective_guard import rank_local_step
 
 FP32_KEY = "single_partition_of_fp32_groups"  # checkpoint_zero's name for a group's flat masters
 FLAT_GROUPS = "fp32_flat_groups"

@@ -15,17 +15,18 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_c.checkpoint import deepspeed_format, store
-from deepspeed_c.runtime import checkpoint_nodes as nodes
-from deepspeed_c.runtime import reducer_order_file
-from deepspeed_c.runtime.checkpoint_options import CheckpointOptions
-from deepspeed_c.runtime.checkpoint_states import CheckpointStates
-from deepspeed_c.runtime.collective_guard import check_dir_arg, rank_local_step
+from deepspeed_c.runtime.checkpointing import nodes as nodes
+from deepspeed_c.runtime.checkpointing import reducer_order as reducer_order_file
+from deepspeed_c.runtime.checkpointing.options import CheckpointOptions
+from deepspeed_c.runtime.checkpointing.states import CheckpointStates
+from deepspeed_c.runtime.checkpointing.collective_guard import check_dir_arg, rank_local_step
 from deepspeed_c.runtime.optimizer_seam import SavedCheckpoint
 from deepspeed_c.utils.logging import logger
 from deepspeed_c.version import DEEPSPEED_API_VERSION
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
 RECOVERY_SCRIPT = "zero_to_fp32.py"  # copied beside the tags, as DeepSpeed does
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # deepspeed_c/
 # Keys DeepSpeed's loader keeps for itself; everything else in the model-states file is client state.
 DS_KEYS = ("module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
            "lr_scheduler", "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples",
@@ -126,7 +127,7 @@ class EngineCheckpointer:
             return names[id(p)]
 
         if st.has_moe_layers:  # DeepSpeed's MoE layout: experts and optimizer states in files of their own
-            from deepspeed_c.runtime import checkpoint_moe
+            from deepspeed_c.runtime.checkpointing import moe as checkpoint_moe
 
             checkpoint_moe.check_stage(self.options.zero_stage)
         part = st.stepper.partition_checkpoint_state(name_of) if st.stepper is not None else None
@@ -207,7 +208,7 @@ class EngineCheckpointer:
         names = _param_names(module)
         sd = st.module_state_dict(exclude_frozen_parameters=exclude_frozen)
         if st.has_moe_layers:
-            from deepspeed_c.runtime.checkpoint_moe import non_expert_state
+            from deepspeed_c.runtime.checkpointing.moe import non_expert_state
 
             sd = non_expert_state(module, sd)
         if shards is not None:
@@ -274,7 +275,7 @@ class EngineCheckpointer:
     def _copy_recovery_script(self, save_dir: str) -> None:
         """zero_to_fp32.py into the top-level checkpoint directory, where DeepSpeed puts it (users run
         `python zero_to_fp32.py . out` there; it follows `latest`); written atomically."""
-        src = os.path.join(os.path.dirname(os.path.dirname(__file__)), "utils", "zero_to_fp32.py")
+        src = os.path.join(_PACKAGE_DIR, "utils", RECOVERY_SCRIPT)
         if not os.path.isfile(src):
             return
         with open(src, "rb") as f:
@@ -334,7 +335,7 @@ class EngineCheckpointer:
             if not st.has_moe_layers or self.options.zero:
                 self._load_optimizer(st, saved, load_optimizer_states)
             elif load_optimizer_states and st.stepper is not None:  # stage 0: the expp_rank files
-                from deepspeed_c.runtime import checkpoint_moe
+                from deepspeed_c.runtime.checkpointing import moe as checkpoint_moe
 
                 checkpoint_moe.load_optimizer(st.module, st.stepper, tag_dir, manifest)
             if load_optimizer_states and st.stepper is not None:  # this rank's own file, where it has one
@@ -354,7 +355,7 @@ class EngineCheckpointer:
         engine keeping whole parameters, a stage-3 checkpoint's frozen parameters from every rank's file."""
         module_state = saved.model_state["module"]
         if st.has_moe_layers:  # the experts this rank holds now, from the expert files
-            from deepspeed_c.runtime import checkpoint_moe
+            from deepspeed_c.runtime.checkpointing import moe as checkpoint_moe
 
             checkpoint_moe.check_stage(self.options.zero_stage)
             module_state = {**module_state, **checkpoint_moe.load_experts(st.module, saved.tag_dir, saved.manifest)}
@@ -366,7 +367,7 @@ class EngineCheckpointer:
                     "weights with zero_to_fp32 and load those")
             if not self.options.partition_weights and custom_load_fn is None:
                 # an engine keeping whole parameters gets each frozen one from every rank's fragments
-                from deepspeed_c.runtime.checkpoint_zero3 import whole_frozen_params
+                from deepspeed_c.runtime.checkpointing.zero3 import whole_frozen_params
 
                 module_state = dict(module_state)
                 module_state.update(whole_frozen_params(saved.tag_dir, saved.manifest, saved.model_state,
@@ -386,7 +387,7 @@ class EngineCheckpointer:
             raise FileNotFoundError(f"load_checkpoint: checkpoint tag {tag!r} not found in {load_dir} "
                                     f"(directory holds: {store.listing(load_dir)})")
         manifest = store.read_manifest(tag_dir)
-        from deepspeed_c.runtime.checkpoint_zero3 import is_stage3_checkpoint
+        from deepspeed_c.runtime.checkpointing.zero3 import is_stage3_checkpoint
 
         if is_stage3_checkpoint(tag_dir, dp_rank):
             rank = dp_rank if os.path.isfile(os.path.join(tag_dir, zero3_model_file(dp_rank))) else 0

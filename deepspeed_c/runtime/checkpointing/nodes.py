@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from deepspeed_c.runtime.collective_guard import rank_local_step
+from deepspeed_c.runtime.checkpointing.collective_guard import rank_local_step
 
 NODE_RANK_VARS = ("CROSS_RANK", "GROUP_RANK", "NODE_RANK")
 _PROBE = ".dsc_node_probe"

@@ -6,8 +6,8 @@ from typing import Any, Optional
 
 import torch
 
-from deepspeed_c.runtime.config_precision import DEFAULT_LOWER_PRECISION_SAFE_MODULES
-from deepspeed_c.runtime.config_zero import OffloadDeviceEnum, ZeroStageEnum
+from deepspeed_c.runtime.config.precision import DEFAULT_LOWER_PRECISION_SAFE_MODULES
+from deepspeed_c.runtime.config.zero import OffloadDeviceEnum, ZeroStageEnum
 
 
 class EngineConfigAccessors:
@@ -211,7 +211,7 @@ class EngineConfigAccessors:
     def get_data_types(self) -> tuple[torch.dtype, torch.dtype]:
         model_dtype = self._config.model_dtype()
         grad_accum = self._config.grad_accum_dtype
-        from deepspeed_c.runtime.config_utils import parse_dtype
+        from deepspeed_c.runtime.config.utils import parse_dtype
 
         return model_dtype, (parse_dtype(grad_accum, "data_types.grad_accum_dtype") or model_dtype)
 

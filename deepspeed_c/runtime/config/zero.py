@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from pydantic import Field, model_validator
 
-from deepspeed_c.runtime.config_utils import (DeepSpeedConfigError, DeepSpeedConfigModel, config_warning,
+from deepspeed_c.runtime.config.utils import (DeepSpeedConfigError, DeepSpeedConfigModel, config_warning,
                                               parse_section, unbuilt)
 
 ZERO_OPTIMIZATION = "zero_optimization"

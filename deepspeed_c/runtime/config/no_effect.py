@@ -5,7 +5,7 @@ than its default; the README's table lists the same entries. Keys whose behaviou
 here: zero_optimization.overlap_comm=false (stage 2 awaits each bucket's reduction),
 load_from_fp32_weights=false, ignore_unused_parameters=false, cpu_offload_use_pin_memory,
 offload_optimizer.cpuadam_cores_perc (threads of the host optimizer),
-checkpoint.use_node_local_storage (runtime/checkpoint_nodes.py), offload_param.buffer_count,
+checkpoint.use_node_local_storage (runtime/checkpointing/nodes.py), offload_param.buffer_count,
 buffer_size and max_in_cpu (runtime/swap_tensor/partitioned_param_swapper.py)."""
 from __future__ import annotations
 

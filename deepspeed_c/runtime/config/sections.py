@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 from pydantic import Field, field_validator
 
-from deepspeed_c.runtime.config_utils import (DeepSpeedConfigError, DeepSpeedConfigModel, parse_section,
+from deepspeed_c.runtime.config.utils import (DeepSpeedConfigError, DeepSpeedConfigModel, parse_section,
                                               unbuilt)
 
 

@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 from pydantic import Field, field_validator
 
-from deepspeed_c.runtime.config_utils import (DeepSpeedConfigError, DeepSpeedConfigModel, parse_dtype,
+from deepspeed_c.runtime.config.utils import (DeepSpeedConfigError, DeepSpeedConfigModel, parse_dtype,
                                               parse_section, unbuilt)
 
 # the names of DeepSpeed's dynamic loss scaler arguments (deepspeed.runtime.fp16.loss_scaler)
