@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from deepspeed_c.runtime.engine import DeepSpeedEngine
 
-from .executor import PipeExecutor
+from .executor import PipeExecutor, PipeOptions
 from .module import PipelineModule
 from .schedule import ForwardOnlySchedule, InferenceSchedule, schedule_for
 
@@ -95,6 +95,7 @@ class PipelineEngine(DeepSpeedEngine):
         self.stage_id = self.grid.get_stage_id()
         self.prev_stage, self.next_stage = self.stage_id - 1, self.stage_id + 1
         self.data_iterator: Optional[Iterator] = None
+        self.batch_fn: Optional[Any] = None  # set_batch_fn: applied to each micro-batch read
         self.micro_batches = self.gradient_accumulation_steps()
         self.micro_batch_size = self.train_micro_batch_size_per_gpu()
         self.is_pipe_parallel = self.num_stages > 1
@@ -119,7 +120,7 @@ class PipelineEngine(DeepSpeedEngine):
 
             self.deferred_wgrad = DeferredWeightGrads()
             self.deferred_wgrad.install(self.module)
-        self.executor = PipeExecutor(self)
+        self.executor = self._build_executor()
 
     def destroy(self) -> None:
         if self.deferred_wgrad is not None:
@@ -147,7 +148,27 @@ class PipelineEngine(DeepSpeedEngine):
         return PipeCheckpointStates(**self._checkpoint_state_fields(), stage_id=self.stage_id,
                                     num_stages=self.num_stages, stage_dp_rank=self.grid.get_data_parallel_rank())
 
-    # -- what the executor calls back --------------------------------------------------------------
+    # -- the executor: what it gets, and what it calls back -----------------------------------------
+    def _build_executor(self) -> PipeExecutor:
+        options = PipeOptions(stage_id=self.stage_id, num_stages=self.num_stages, virtual_stages=self.virtual_stages,
+                              dynamic_shape=self.dynamic_shape,
+                              clip_norm=self._pipe_max_norm if self._pipe_clips else 0.0,
+                              zero_stage=self.zero_optimization_stage())
+        return PipeExecutor(module=self.module, grid=self.grid, device=self.device, options=options,
+                            precision=self.precision, backward_state=self.backward_state, stepper=self.stepper,
+                            deferred_wgrad=self.deferred_wgrad, gas=self.gradient_accumulation_steps,
+                            set_boundary=self.set_gradient_accumulation_boundary, step=self._engine_step,
+                            grad_partitions=self._zero_grad_partitions())
+
+    def _zero_grad_partitions(self) -> Optional[Any]:
+        """ZeRO-1: a getter of the reduced flat gradient partitions the stage's optimizer steps from (its
+        partitioner's `grad_partitions`, read at each step: clear() replaces the list); None where the
+        optimizer steps from each parameter's reduction slot."""
+        owned = self.stepper.owned_reducer() if self.stepper is not None else None
+        if owned is None or not hasattr(owned, "grad_partitions"):
+            return None
+        return lambda: owned.grad_partitions
+
     def _engine_step(self, grad_norm: Optional[float] = None) -> None:
         DeepSpeedEngine.step(self)
         if grad_norm is not None:
@@ -182,7 +203,8 @@ class PipelineEngine(DeepSpeedEngine):
         self.total_loss = None
         sched = schedule_for(self._schedule_name, self.micro_batches, self.num_stages, self.stage_id,
                              self.virtual_stages)
-        self.executor.run(sched, training=True)
+        self.total_loss = self.executor.run(sched, training=True, data_iter=self.data_iterator,
+                                            batch_fn=self.batch_fn)["total_loss"]
         self.agg_train_loss = self._aggregate_total_loss()
         return self.agg_train_loss
 
@@ -204,7 +226,8 @@ class PipelineEngine(DeepSpeedEngine):
                                                           self.virtual_stages))
         else:
             sched = InferenceSchedule(micro, self.num_stages, self.stage_id)
-        outputs = self.executor.run(sched, training=False, compute_loss=compute_loss)
+        outputs = self.executor.run(sched, training=False, compute_loss=compute_loss, data_iter=self.data_iterator,
+                                    batch_fn=self.batch_fn)
         result = None
         if self.is_last_stage():
             losses = outputs["losses"]

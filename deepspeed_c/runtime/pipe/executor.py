@@ -6,10 +6,16 @@ accumulate); ReduceTiedGrads sums the tied weights' gradients over their stages;
 runs one boundary round (a zero-valued backward through every trainable parameter), so the
 engine's own reducer / ZeRO-1 partitioner reduces the accumulated gradients exactly as after a
 plain engine's last micro-batch.
+
+The executor gets what it uses, never the engine: the module, the grid and the stage's place in it, the
+precision policy, the engine's backward (runtime/backward_phase.py), the optimizer seam (stepper), the
+options below, and callables for what the engine does (the accumulation boundary, the step). The engine
+reads back what it reports: run() returns the batch's summed loss (training) or its losses and logits.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,12 +34,37 @@ def _untup(xs: tuple) -> Any:
     return xs[0] if len(xs) == 1 else xs
 
 
+@dataclass(frozen=True)
+class PipeOptions:
+    """The stage's place in the pipeline and the config values the executor uses, fixed at init."""
+    stage_id: int
+    num_stages: int
+    virtual_stages: int  # model chunks per rank (the interleaved schedule)
+    dynamic_shape: bool  # p2p links resend shapes with every transfer
+    clip_norm: float  # > 0: clip with the norm over every stage's gradients before each step; 0: no clipping
+    zero_stage: int  # > 0: the norm also sums over the stage's data-parallel group (partitioned gradients)
+
+
 class PipeExecutor:
-    def __init__(self, engine: Any) -> None:
-        self.e = engine
-        grid, s, dev, dyn = engine.grid, engine.stage_id, engine.device, engine.dynamic_shape
-        S, V = engine.num_stages, engine.virtual_stages
+    def __init__(self, *, module: Any, grid: Any, device: Any, options: PipeOptions, precision: Any,
+                 backward_state: Any, stepper: Any, deferred_wgrad: Any,
+                 gas: Callable[[], int], set_boundary: Callable[[bool], None],
+                 step: Callable[[Optional[float]], None],
+                 grad_partitions: Optional[Callable[[], Sequence[Optional[torch.Tensor]]]] = None) -> None:
+        """`gas` returns the current gradient_accumulation_steps; `set_boundary(b)` marks the accumulation
+        boundary; `step(norm)` runs the engine's optimizer step (norm: the pipeline-wide gradient norm the
+        executor clipped with, or None); `grad_partitions` (ZeRO-1) returns the stage's reduced flat
+        gradient partitions the optimizer steps from (None: each parameter's reduction slot)."""
+        self.module, self.grid, self.device, self.options = module, grid, device, options
+        self.precision, self.backward_state, self.stepper = precision, backward_state, stepper
+        self.deferred_wgrad = deferred_wgrad
+        self.gas, self.set_boundary, self.engine_step = gas, set_boundary, step
+        self.grad_partitions = grad_partitions
+        self.stage_id = options.stage_id
+        s, dev, dyn = options.stage_id, device, options.dynamic_shape
+        S, V = options.num_stages, options.virtual_stages
         self.S, self.V = S, V
+        self.total_loss: Optional[torch.Tensor] = None  # the training batch's summed micro-batch losses
         self._norm_ranges: dict[int, list[tuple[int, int]]] = {}  # ZeRO-1: see _counted_ranges
         # with model chunks the last rank feeds the first rank's next chunk: neighbours wrap around
         has_next, has_prev = (S > 1, S > 1) if V > 1 else (s < S - 1, s > 0)
@@ -59,7 +90,7 @@ class PipeExecutor:
 
     # virtual stage of an instruction: chunk c of stage s is c * stages + s
     def _vs(self, ins: Any) -> int:
-        return getattr(ins, "chunk", 0) * self.S + self.e.stage_id
+        return getattr(ins, "chunk", 0) * self.S + self.stage_id
 
     def _first(self, ins: Any) -> bool:
         return self._vs(ins) == 0
@@ -68,8 +99,13 @@ class PipeExecutor:
         return self._vs(ins) == self.S * self.V - 1
 
     # -- driver ---------------------------------------------------------------------------------
-    def run(self, sched: Any, training: bool, compute_loss: bool = True) -> dict:
+    def run(self, sched: Any, training: bool, compute_loss: bool = True, data_iter: Any = None,
+            batch_fn: Any = None) -> dict:
+        """Executes the schedule reading micro-batches from `data_iter` (through `batch_fn` if given).
+        Returns {"losses", "logits"} (evaluation, last stage) and "total_loss": the training batch's
+        summed micro-batch losses on the last stage (None elsewhere)."""
         self.training, self.compute_loss = training, compute_loss
+        self.data_iter, self.batch_fn = data_iter, batch_fn
         self.n_micro, self.loaded = sched.micro_batches, 0
         self.inputs: dict = {}
         self.labels: dict = {}
@@ -82,7 +118,8 @@ class PipeExecutor:
         self.in_grads: dict = {}  # split backward: input gradients computed by BackwardInputPass
         self.weight_pending: dict = {}  # split backward: what BackwardWeightPass finishes (see _backward_input)
         if training:
-            self.e.set_gradient_accumulation_boundary(False)
+            self.total_loss = None
+            self.set_boundary(False)
         for step in sched.steps():
             for ins in step:
                 handler = self.handlers.get(type(ins))
@@ -91,31 +128,31 @@ class PipeExecutor:
                 handler(ins)
         for l in self.links():
             l.wait_sends()
-        return {"losses": self.losses, "logits": self.logits}
+        return {"losses": self.losses, "logits": self.logits, "total_loss": self.total_loss}
 
     # -- data -----------------------------------------------------------------------------------
     def _to_device(self, x: Any, cast: bool) -> Any:
         if isinstance(x, torch.Tensor):
-            x = x.to(self.e.device)
+            x = x.to(self.device)
             if cast and x.is_floating_point():
-                x = x.to(self.e.precision.model_dtype)
+                x = x.to(self.precision.model_dtype)
             return x
         if isinstance(x, (tuple, list)):
             return tuple(self._to_device(t, cast) for t in x)
         return x
 
     def _next_batch(self) -> Any:
-        it = self.e.data_iterator
+        it = self.data_iter
         if it is None:
-            raise RuntimeError(f"stage {self.e.stage_id} has no data iterator: pass train_batch(data_iter=...) "
+            raise RuntimeError(f"stage {self.stage_id} has no data iterator: pass train_batch(data_iter=...) "
                                "or call set_dataiterator() on the first and last stages")
         try:
             batch = next(it)
         except StopIteration:
             raise RuntimeError(f"the data iterator ran out after {self.loaded} of {self.n_micro} micro-batches "
-                               f"(gradient_accumulation_steps={self.n_micro}) on stage {self.e.stage_id}") from None
+                               f"(gradient_accumulation_steps={self.n_micro}) on stage {self.stage_id}") from None
         self.loaded += 1
-        fn = getattr(self.e, "batch_fn", None)
+        fn = self.batch_fn
         if fn:
             batch = fn(batch)
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
@@ -134,7 +171,7 @@ class PipeExecutor:
         b = ins.buffer_id
         if self._first(ins):
             x = self._to_device(batch[0], cast=True)
-            if self.training and self.e.module.activation_checkpoint_interval > 0:
+            if self.training and self.module.activation_checkpoint_interval > 0:
                 # a reentrant checkpoint passes gradients to its parameters only when an input needs one
                 x = _untup(tuple(t.detach().requires_grad_(t.is_floating_point()) for t in _tup(x)))
             self.inputs[b] = x
@@ -144,7 +181,7 @@ class PipeExecutor:
     # -- compute --------------------------------------------------------------------------------
     def _forward(self, ins: Any) -> None:
         b = ins.buffer_id
-        module = self.e.module
+        module = self.module
         x = self.inputs[b]
         chunk = getattr(ins, "chunk", 0)
         if self.training:
@@ -160,7 +197,7 @@ class PipeExecutor:
             if self.training:
                 self.outputs[b] = loss
                 d = loss.detach()
-                self.e.total_loss = d.clone() if self.e.total_loss is None else self.e.total_loss + d
+                self.total_loss = d.clone() if self.total_loss is None else self.total_loss + d
             else:
                 self.losses.append(loss.detach() if isinstance(loss, torch.Tensor) else loss)
                 self.logits.append(out.detach() if isinstance(out, torch.Tensor) else out)
@@ -173,15 +210,15 @@ class PipeExecutor:
 
     def _backward_round(self, run: Any) -> None:
         """One non-boundary backward of the engine's reducer (see the module docstring)."""
-        self.e.backward_state.run_round(run)
+        self.backward_state.run_round(run)
 
     def _backward_targets(self, ins: Any) -> tuple[list, list]:
         """(tensors, their gradients) a micro-batch's backward starts from: the scaled loss on the
         last virtual stage, else the outputs that need grads with the received gradients."""
-        b, e = ins.buffer_id, self.e
+        b = ins.buffer_id
         if self._last(ins):
             loss = self.outputs.pop(b)
-            return [e.precision.scale_loss(loss / e.gradient_accumulation_steps())], [None]
+            return [self.precision.scale_loss(loss / self.gas())], [None]
         outs = _tup(self.outputs.pop(b))
         received = iter(self.out_grads.pop(b))  # one per floating-point output, in order (see _send_grad)
         pairs = []
@@ -204,8 +241,8 @@ class PipeExecutor:
         outs, grads = self._backward_targets(ins)
         ins_req = [t for t in _tup(self.inputs.get(b, ())) if isinstance(t, torch.Tensor) and t.requires_grad]
         ins_req = ins_req if not self._first(ins) else []
-        params = [p for p in self.e.module.parameters() if p.requires_grad]
-        store = getattr(self.e, "deferred_wgrad", None)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        store = self.deferred_wgrad
         if store is None or any(p._backward_hooks for p in params):
             if ins_req:
                 self.in_grads[b] = torch.autograd.grad(outs, ins_req, grads, retain_graph=True, allow_unused=True)
@@ -224,7 +261,7 @@ class PipeExecutor:
         kind, pending = self.weight_pending.pop(ins.buffer_id)
         if kind == "graph":  # (outputs, their gradients): traverse the kept graph again
             outs, grads = pending
-            params = [p for p in self.e.module.parameters() if p.requires_grad]
+            params = [p for p in self.module.parameters() if p.requires_grad]
             self._backward_round(lambda: torch.autograd.backward(outs, grads, inputs=params))
             return
         # (parameter, gradient) pairs
@@ -261,8 +298,8 @@ class PipeExecutor:
 
     # -- reductions and step --------------------------------------------------------------------
     def _reduce_tied(self, ins: Any) -> None:
-        slots = self.e.stepper.reduction_slots() if self.e.stepper is not None else None
-        for weight, group in self.e.module.get_tied_weights_and_groups():
+        slots = self.stepper.reduction_slots() if self.stepper is not None else None
+        for weight, group in self.module.get_tied_weights_and_groups():
             g = slots.read(weight) if slots is not None else weight.grad
             if g is None:  # every stage of the group must join the collective
                 weight.grad = torch.zeros_like(weight)
@@ -270,22 +307,22 @@ class PipeExecutor:
             dist.all_reduce(g, group=group)
 
     def _reduce_grads(self, ins: Any) -> None:
-        e = self.e
-        e.set_gradient_accumulation_boundary(True)
-        params = [p for p in e.module.parameters() if p.requires_grad]
+        self.set_boundary(True)
+        params = [p for p in self.module.parameters() if p.requires_grad]
         if not params:
             return
         zero = sum((p.reshape(-1)[:1].float() * 0.0).sum() for p in params)
         # engine.backward's body (the PipelineEngine refuses engine.backward itself), with its precondition
-        assert e.optimizer is not None, "must provide optimizer during init in order to use backward"
-        e.backward_state.backward(zero * e.gradient_accumulation_steps())
+        # (the stepper is None exactly when the engine has no optimizer)
+        assert self.stepper is not None, "must provide optimizer during init in order to use backward"
+        self.backward_state.backward(zero * self.gas())
 
     def _step(self, ins: Any) -> None:
-        e = self.e
-        if e.precision.needs_scaler and e.num_stages > 1:
+        if self.precision.needs_scaler and self.S > 1:
             self._agree_on_overflow()
-        norm = self._clip_across_stages(e._pipe_max_norm) if e._pipe_clips else None
-        e._engine_step(norm)
+        clip = self.options.clip_norm
+        norm = self._clip_across_stages(clip) if clip > 0 else None
+        self.engine_step(norm)
 
     def _agree_on_overflow(self) -> None:
         """fp16: a step skipped for overflow on one stage is skipped on all (each stage's loss scaler
@@ -293,7 +330,7 @@ class PipeExecutor:
         stage divides by). A stage that saw no inf/nan gets one planted in its gradients."""
         _, scaled = self._step_gradients()
         local = any(not bool(torch.isfinite(g).all()) for g in scaled)
-        flag = torch.tensor([1.0 if local else 0.0], device=self.e.device)
+        flag = torch.tensor([1.0 if local else 0.0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank steps once per batch: the world agrees
         if flag.item() > 0 and not local and scaled:
             scaled[0].view(-1)[0] = float("inf")
@@ -304,9 +341,7 @@ class PipeExecutor:
         sums over the data-parallel group), counted without the elements of tied copies on later
         stages; else each parameter's slot (param.grad or its fp32 accumulator), tied copies on
         later stages scaled but not counted."""
-        e = self.e
-        owned = e.stepper.owned_reducer() if e.stepper is not None else None
-        parts = getattr(owned, "grad_partitions", None)
+        parts = self.grad_partitions() if self.grad_partitions is not None else None
         if parts is not None:
             counted, scaled = [], []
             for g, t in enumerate(parts):
@@ -315,9 +350,9 @@ class PipeExecutor:
                 scaled.append(t)
                 counted += [t[a:b] for a, b in self._counted_ranges(g, t.numel())]
             return counted, scaled
-        slots = e.stepper.reduction_slots() if e.stepper is not None else None
+        slots = self.stepper.reduction_slots() if self.stepper is not None else None
         counted, scaled = [], []
-        for p in e.module.parameters():
+        for p in self.module.parameters():
             if not p.requires_grad:
                 continue
             g = slots.read(p) if slots is not None else p.grad
@@ -334,7 +369,7 @@ class PipeExecutor:
         them once). The partition plan is fixed, so the ranges are worked out once."""
         cache = self._norm_ranges
         if g not in cache:
-            opt = self.e.stepper
+            opt = self.stepper
             dup = sorted((local, local + n) for i, p in enumerate(opt.bit16_groups[g])
                          if getattr(p, "ds_pipe_replicated", False) for _, local, n in opt.param_slices(g, i))
             out, pos = [], 0
@@ -350,19 +385,19 @@ class PipeExecutor:
     def _clip_across_stages(self, max_norm: float) -> float:
         """Clip with the L2 norm of every stage's gradients (the optimizers were built without
         clipping); returns that norm."""
-        e = self.e
+        grid = self.grid
         counted, scaled = self._step_gradients()
         # the multi-tensor norm (fp32 accumulation, as DeepSpeed's): a float64 copy of every gradient was
         # ~9 GB of memory traffic at 355M parameters a stage, on the pipeline's critical path
-        sq = torch.zeros(1, dtype=torch.float64, device=e.device)
+        sq = torch.zeros(1, dtype=torch.float64, device=self.device)
         if counted:
             sq += global_norm(counted).double().pow(2)
-        if self.e.zero_optimization_stage() > 0 and e.grid.get_data_parallel_world_size() > 1:
-            dist.all_reduce(sq, group=e.grid.get_data_parallel_group())
-        dist.all_reduce(sq, group=e.grid.get_pipe_parallel_group())
+        if self.options.zero_stage > 0 and grid.get_data_parallel_world_size() > 1:
+            dist.all_reduce(sq, group=grid.get_data_parallel_group())
+        dist.all_reduce(sq, group=grid.get_pipe_parallel_group())
         norm = float(sq.sqrt())
-        if e.precision.needs_scaler:
-            norm /= float(e.precision.loss_scale())
+        if self.precision.needs_scaler:
+            norm /= float(self.precision.loss_scale())
         if not torch.isfinite(torch.tensor(norm)):
             return norm  # an overflow: the optimizer skips the step
         coef = max_norm / (norm + 1e-6)
