@@ -17,7 +17,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -34,9 +34,17 @@ def _sync_all() -> None:
 
 class AutotuningMetrics:
 
-    def __init__(self, engine: Any, config: Any) -> None:
+    def __init__(self, config: Any, module: torch.nn.Module, *, global_rank: int,
+                 train_micro_batch_size_per_gpu: Callable[[], int], train_batch_size: Callable[[], int],
+                 gradient_accumulation_steps: Callable[[], int]) -> None:
+        """config: the autotuning section; module: the trained model; the batch sizes as callables (they
+        read the engine's current values, which set_train_batch_size may change)."""
         self.config = config
-        self.engine = engine
+        self.module = module
+        self.global_rank = global_rank
+        self.train_micro_batch_size_per_gpu = train_micro_batch_size_per_gpu
+        self.train_batch_size = train_batch_size
+        self.gradient_accumulation_steps = gradient_accumulation_steps
         self._t0: Optional[float] = None
         self._activation_bytes: Optional[int] = None
         self.fwd_flops = 0.0  # 3 x one micro-batch's forward flops, from the profiled step (DeepSpeed's estimate)
@@ -64,18 +72,18 @@ class AutotuningMetrics:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
         # parameters are saved too (as matmul operands): they are model states, not activations
-        params = {p.untyped_storage().data_ptr() for p in self.engine.module.parameters() if p.numel()}
+        params = {p.untyped_storage().data_ptr() for p in self.module.parameters() if p.numel()}
         self._activation_bytes = sum(n for ptr, n in seen.items() if ptr not in params)
 
     def _write_model_info(self) -> None:
         _sync_all()
-        params = list(self.engine.module.parameters())
+        params = list(self.module.parameters())
         numel = [int(getattr(p, "ds_numel", p.numel())) for p in params]
         info = {"num_params": sum(numel),
                 "trainable_num_params": sum(n for n, p in zip(numel, params) if p.requires_grad),
                 "activation_mem_per_sample": (self._activation_bytes or 0)
-                / self.engine.train_micro_batch_size_per_gpu()}
-        if self.engine.global_rank == 0:
+                / self.train_micro_batch_size_per_gpu()}
+        if self.global_rank == 0:
             os.makedirs(os.path.dirname(os.path.abspath(self.config.model_info_path)), exist_ok=True)
             with open(self.config.model_info_path, "w") as f:
                 json.dump(info, f)
@@ -104,10 +112,10 @@ class AutotuningMetrics:
         _sync_all()
         steps = max(cfg.end_profile_step - cfg.start_profile_step, 1)
         latency = (time.perf_counter() - self._t0) / steps  # seconds per global step
-        gas = self.engine.gradient_accumulation_steps()
-        metrics = {"latency": latency, "throughput": self.engine.train_batch_size() / latency,
+        gas = self.gradient_accumulation_steps()
+        metrics = {"latency": latency, "throughput": self.train_batch_size() / latency,
                    "FLOPS_per_gpu": self.fwd_flops * gas / latency}
-        if self.engine.global_rank == 0 and cfg.metric_path:
+        if self.global_rank == 0 and cfg.metric_path:
             os.makedirs(os.path.dirname(os.path.abspath(cfg.metric_path)), exist_ok=True)
             with open(cfg.metric_path, "w") as f:
                 json.dump(metrics, f)

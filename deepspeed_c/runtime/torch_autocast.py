@@ -28,12 +28,13 @@ def _classes(names: Iterable[str]) -> list[type]:
     return out
 
 
-def init_autocast_params(engine: Any, dtype: torch.dtype,
+def init_autocast_params(model: torch.nn.Module, dtype: torch.dtype,
                          torch_autocast_lower_precision_safe_modules: Optional[list[str]]) -> None:
-    """Marks the parameters of lower-precision-safe modules with `comm_dtype` = dtype."""
+    """Marks the parameters of model's lower-precision-safe modules with `comm_dtype` = dtype. DeepSpeed's
+    callers pass the engine, an nn.Module holding the model: its module tree is the model's."""
     names = torch_autocast_lower_precision_safe_modules or get_default_autocast_lower_precision_modules()
     classes = tuple(_classes(names))
-    for module in engine.module.modules():
+    for module in model.modules():
         if type(module) in classes:
             for p in module.parameters(recurse=False):
                 setattr(p, PARAM_COMM_DTYPE_ATTR_NAME, dtype)

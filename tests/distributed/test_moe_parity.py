@@ -405,16 +405,9 @@ def test_moe_checkpoint_files_are_deepspeeds_layout_and_zero_to_fp32_consolidate
 
 
 def test_moe_checkpoint_refused_where_not_built() -> None:
-    from deepspeed_c.runtime.checkpointing.moe import check_supported
-
-    class Fake:
-        def __init__(self, stage: int, low: bool) -> None:
-            self.stage, self.precision = stage, type("P", (), {"low_precision": low})()
-
-        def zero_optimization_stage(self) -> int:
-            return self.stage
+    from deepspeed_c.runtime.checkpointing.moe import check_stage
 
     with pytest.raises(NotImplementedError, match="zero_optimization.stage 3"):
-        check_supported(Fake(3, False))
-    check_supported(Fake(2, True))  # ZeRO 1/2 (same world size and ep_size, as DeepSpeed): built
-    check_supported(Fake(0, True))  # fp16/bf16 at stage 0: built
+        check_stage(3)
+    check_stage(2)  # ZeRO 1/2 (same world size and ep_size, as DeepSpeed): built
+    check_stage(0)  # fp16/bf16 at stage 0: built

@@ -16,22 +16,17 @@ from deepspeed_c.profiling.flops_profiler.profiler import FlopsProfiler
 
 class EngineFlopsProfile:
 
-    def __init__(self, engine: Any, config: Any) -> None:
+    def __init__(self, config: Any, global_rank: int, profiler: Optional[FlopsProfiler] = None,
+                 autotuning: Any = None) -> None:
+        """config: the flops_profiler section; profiler: the FlopsProfiler of the model (None when neither
+        the profiler nor autotuning is on); autotuning: an autotuning experiment's AutotuningMetrics
+        (deepspeed_c/autotuning/metrics.py), which profiles (silently) its first measured step, times the
+        measured steps and writes the metrics. The engine builds them (runtime/engine/profile_setup.py)."""
         self.config = config
-        self.global_rank = engine.global_rank
-        self.profiler: Optional[FlopsProfiler] = None
-        self.profile_step = config.profile_step
-        self.autotuning: Any = None
-        tuning = getattr(engine._config, "autotuning_config", None)
-        if tuning is not None and tuning.enabled:
-            # an autotuning experiment: profile (silently) its first measured step, time the
-            # measured steps and write the metrics (deepspeed_c/autotuning/metrics.py)
-            from deepspeed_c.autotuning.metrics import AutotuningMetrics
-
-            self.autotuning = AutotuningMetrics(engine, tuning)
-            self.profile_step = tuning.start_profile_step
-        if config.enabled or self.autotuning is not None:
-            self.profiler = FlopsProfiler(engine.module, engine, config.recompute_fwd_factor)
+        self.global_rank = global_rank
+        self.profiler = profiler
+        self.autotuning = autotuning
+        self.profile_step = autotuning.config.start_profile_step if autotuning is not None else config.profile_step
 
     def active(self, global_steps: int) -> bool:
         return self.profiler is not None and self.global_rank == 0 and global_steps == self.profile_step

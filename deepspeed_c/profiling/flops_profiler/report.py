@@ -48,14 +48,12 @@ def _pct(part: float, total: float) -> float:
     return round(100 * part / total, DEFAULT_PRECISION) if total else 0
 
 
-def _engine_timer_seconds(engine: Any, name: str) -> float:
-    """The engine's global timer over this step, per micro-batch: under gradient accumulation the
-    timers cover every micro-step (and the one optimizer step) while the counted flops are one
-    micro-batch's, so the figures are divided by gradient_accumulation_steps (DeepSpeed leaves them
-    undivided); at gradient_accumulation_steps 1 this is DeepSpeed's figure."""
-    gas = getattr(engine, "gradient_accumulation_steps", None)
-    micro_steps = max(int(gas()), 1) if callable(gas) else 1
-    return engine.timers(name).elapsed(False) / 1000.0 / micro_steps
+def _timer_seconds(timers: Callable[[str], Any], name: str, micro_steps: int) -> float:
+    """A global timer over this step, per micro-batch: under gradient accumulation the timers cover
+    every micro-step (and the one optimizer step) while the counted flops are one micro-batch's, so
+    the figures are divided by gradient_accumulation_steps (DeepSpeed leaves them undivided); at
+    gradient_accumulation_steps 1 this is DeepSpeed's figure."""
+    return timers(name).elapsed(False) / 1000.0 / micro_steps
 
 
 def _write_summary(prof: Any, out: TextIO, profile_step: int) -> None:
@@ -97,14 +95,17 @@ def _write_summary(prof: Any, out: TextIO, profile_step: int) -> None:
     line("fwd flops per GPU: ", number_to_string(flops))
     line("fwd flops of model = fwd flops per GPU * mp_size: ", number_to_string(flops * mp))
     timed = engine is not None and engine.wall_clock_breakdown()
-    fwd = _engine_timer_seconds(engine, timers.FORWARD_GLOBAL_TIMER) if timed else prof.get_total_duration()
+    gas = getattr(engine, "gradient_accumulation_steps", None)
+    micro_steps = max(int(gas()), 1) if callable(gas) else 1
+    fwd = (_timer_seconds(engine.timers, timers.FORWARD_GLOBAL_TIMER, micro_steps) if timed
+           else prof.get_total_duration())
     line("fwd latency: ", duration_to_string(fwd))
     line("fwd FLOPS per GPU = fwd flops per GPU / fwd latency: ", flops_to_string(flops / fwd if fwd else 0))
     if not timed:
         return
     factor = 2 + prof.recompute_fwd_factor  # backward costs twice the forward, plus any recomputation
-    bwd = _engine_timer_seconds(engine, timers.BACKWARD_GLOBAL_TIMER)
-    step = _engine_timer_seconds(engine, timers.STEP_GLOBAL_TIMER)
+    bwd = _timer_seconds(engine.timers, timers.BACKWARD_GLOBAL_TIMER, micro_steps)
+    step = _timer_seconds(engine.timers, timers.STEP_GLOBAL_TIMER, micro_steps)
     iteration = fwd + bwd + step
     line("bwd latency: ", duration_to_string(bwd))
     line(f"bwd FLOPS per GPU = {factor:g} * fwd flops per GPU / bwd latency: ",

@@ -177,12 +177,6 @@ def load_optimizer(module: torch.nn.Module, stepper: Any, tag_dir: str, manifest
     stepper.load_state_dict(mine, load_optimizer_states=True)
 
 
-def check_supported(engine: Any) -> None:
-    """check_stage for anything with DeepSpeed's zero_optimization_stage() accessor (its former signature,
-    which callers outside the checkpointer still use)."""
-    check_stage(engine.zero_optimization_stage())
-
-
 def check_stage(zero_stage: int) -> None:
     """MoE checkpoints are built for stages 0, 1 and 2; others raise before any file is written."""
     if zero_stage > 2:

@@ -1,12 +1,13 @@
 """The engine (`deepspeed.runtime.engine`'s path): engine.DeepSpeedEngine and what only it uses, the model and
-data entry points (io), the timers and log report (report) and the config accessors (accessors). The engine
+data entry points (io), the timers and log report (report), the config accessors (accessors), the ZeRO optimizer setup
+(zero_setup) and the flops profiler and autotuning setup (profile_setup). The engine
 module loads on first use of one of its names, so its collaborators can import report without it."""
 from typing import Any
 
 __all__ = ["DeepSpeedEngine", "ROUTE_TRAIN", "ROUTE_EVAL", "ROUTE_PREDICT", "ROUTE_ENCODE"]
 
 
-_SUBMODULES = frozenset({"engine", "io", "report", "accessors"})
+_SUBMODULES = frozenset({"engine", "io", "report", "accessors", "zero_setup", "profile_setup"})
 
 
 def __getattr__(name: str) -> Any:

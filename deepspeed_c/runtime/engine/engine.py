@@ -108,7 +108,7 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
         if self.torch_autocast_enabled():
             from deepspeed_c.runtime.torch_autocast import init_autocast_params
 
-            init_autocast_params(self, self.torch_autocast_dtype(),
+            init_autocast_params(self.module, self.torch_autocast_dtype(),
                                  self._config.torch_autocast_lower_precision_safe_modules)
 
         if training_data is not None:
@@ -123,9 +123,9 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
             self._report_progress(0)
         self._configure_zero()
         self._configure_reducer()
-        from deepspeed_c.profiling.flops_profiler.engine_glue import EngineFlopsProfile
+        from deepspeed_c.runtime.engine.profile_setup import build_flops_profile
 
-        self.flops_profile = EngineFlopsProfile(self, self._config.flops_profiler_config)
+        self.flops_profile = build_flops_profile(self, self._config)
         self.flops_profiler = self.flops_profile.profiler  # DeepSpeed's attribute (None when disabled)
         log_dist(f"DeepSpeed info: version={_version()}, deepspeed_c engine ready, world_size={self.world_size}, "
                  f"device={self.device}", ranks=[0])
@@ -239,15 +239,15 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
         # (which also brings its own gradient reducer). The config refuses unlisted stages.
         stage = self.zero_optimization_stage()
         if stage == 3 and self.optimizer is None:
-            from deepspeed_c.runtime.zero.engine_glue import configure_zero3_params
+            from deepspeed_c.runtime.engine.zero_setup import configure_zero3_params
 
-            self.optimizer = configure_zero3_params(self)  # a partitioned model for evaluation only
+            self.optimizer = configure_zero3_params(self, self._config)  # a partitioned model for evaluation only
             return
         if stage == 0 or self.optimizer is None:
             return
-        from deepspeed_c.runtime.zero.engine_glue import configure_zero_optimizer
+        from deepspeed_c.runtime.engine.zero_setup import configure_zero_optimizer
 
-        self.optimizer = configure_zero_optimizer(self)
+        self.optimizer = configure_zero_optimizer(self, self._config, self._should_reduce)
         log_dist(f"DeepSpeed ZeRO stage {stage} optimizer = {self.optimizer!r}", ranks=[0])
 
     def _configure_reducer(self) -> None:

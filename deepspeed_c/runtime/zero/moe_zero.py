@@ -231,8 +231,9 @@ class MoEZeroOptimizer(EngineOptimizer):
         raise NotImplementedError("state_dict of the MoE ZeRO optimizer is not built yet")
 
 
-def configure_moe_zero_optimizer(engine: Any, basic: torch.optim.Optimizer, stage: int, common: dict) -> Any:
-    """Called by engine_glue.configure_zero_optimizer for a model with MoE layers."""
-    return MoEZeroOptimizer(basic, engine.moe, stage=stage, make=_Member, common=common,
-                            dp_group=engine.data_parallel_group, dp_world_size=engine.dp_world_size,
-                            gradient_average=engine.gradient_average)
+def configure_moe_zero_optimizer(basic: torch.optim.Optimizer, moe: ExpertParallelism, stage: int,
+                                 common: dict) -> Any:
+    """The ZeRO optimizer of a model with MoE layers (runtime/engine/zero_setup.configure_zero_optimizer):
+    common holds the data-parallel group, its size and the gradient averaging as the members get them."""
+    return MoEZeroOptimizer(basic, moe, stage=stage, make=_Member, common=common, dp_group=common["dp_process_group"],
+                            dp_world_size=common["world_size"], gradient_average=common["gradient_average"])

@@ -1,0 +1,105 @@
+"""The engine building its ZeRO stage 1/2/3 optimizer (or, at stage 3 without an optimizer, its
+partitioned parameter store) from the config: DeepSpeedEngine._configure_zero calls these. They read
+the engine's public attributes; the config and the engine's reduce predicate come as arguments. The
+config-only pieces live in deepspeed_c/runtime/zero/engine_glue.py."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from deepspeed_c.runtime.config.utils import parse_dtype
+from deepspeed_c.runtime.zero.engine_glue import (check_optimizer, master_dtype, nvme_offload_args, offload_threads,
+                                                  zero3_store_args)
+
+
+def _dp_rank(engine: Any) -> int:
+    return engine.get_data_parallel_rank() if engine.dp_world_size > 1 else 0
+
+
+def configure_zero_optimizer(engine: Any, config: Any, should_reduce_at_boundary: Callable[[], bool]) -> Any:
+    """Replaces the engine's (possibly mixed-precision wrapped) optimizer by the ZeRO optimizer.
+    config: the engine's DeepSpeedConfig; should_reduce_at_boundary: stages 0/1's reduce predicate
+    (backward all-reduce on, outside no_sync, at the accumulation boundary)."""
+    from deepspeed_c.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    stage = engine.zero_optimization_stage()
+    basic = engine.basic_optimizer
+    if engine.precision.grad_scaler is not None:
+        raise NotImplementedError("deepspeed_c: torch_autocast with fp16 is not supported together with "
+                                  f"zero_optimization.stage={stage}; use the fp16 section instead")
+    check_optimizer(basic, allow_untested=engine.zero_allow_untested_optimizer(),
+                    require_cpu_optimizer=bool(engine.zero_use_cpu_optimizer() and engine.client_optimizer is not None
+                                               and engine.zero_force_ds_cpu_optimizer()))
+    zero_cfg = config.zero_config
+    # DeepSpeed's stage 1/2 optimizer starts each all-gather on a 4-byte boundary of 16-bit elements
+    nccl_start_alignment_factor = 2
+    if zero_cfg.allgather_bucket_size % nccl_start_alignment_factor != 0:
+        raise AssertionError(f"allgather_bucket_size must be a multiple of nccl_start_alignment_factor, "
+                             f"{nccl_start_alignment_factor} (zero_optimization.allgather_bucket_size="
+                             f"{zero_cfg.allgather_bucket_size})")
+    # the precision collaborator left the optimizer unwrapped (ZeRO owns the masters): only its scaling
+    loss_scaler, check_overflow = engine.precision.zero_loss_scaling()
+    offload = zero_cfg.offload_optimizer
+    offload_device = "cpu" if engine.zero_use_cpu_optimizer() else None  # nvme: the host steps, files hold state
+    if stage >= 2:
+        # gradient partitioning: every micro-step's gradients are reduced into the partition (no_sync is
+        # refused at stage 2, as in DeepSpeed)
+        def should_reduce() -> bool:
+            return bool(engine.enable_backward_allreduce)
+    else:
+        should_reduce = should_reduce_at_boundary
+    rank = _dp_rank(engine)
+    common = dict(
+        rank=rank, world_size=engine.dp_world_size, should_reduce=should_reduce,
+        is_boundary=engine.is_gradient_accumulation_boundary, reduce_scatter=bool(zero_cfg.reduce_scatter),
+        dp_process_group=engine.data_parallel_group, reduce_bucket_size=zero_cfg.reduce_bucket_size,
+        allgather_bucket_size=zero_cfg.allgather_bucket_size, clip_grad=engine.gradient_clipping(),
+        loss_scaler=loss_scaler, check_overflow=check_overflow,
+        communication_dtype=engine.communication_data_type, offload_device=offload_device,
+        pin_memory=bool(offload is not None and offload.pin_memory),
+        overlap_comm=zero_cfg.overlap_comm if "overlap_comm" in zero_cfg.model_fields_set else None,
+        ignore_unused_parameters=bool(zero_cfg.ignore_unused_parameters), offload_threads=offload_threads(zero_cfg),
+        prescale_gradients=config.prescale_gradients, gradient_predivide_factor=config.gradient_predivide_factor,
+        gradient_average=engine.gradient_average, master_dtype=master_dtype(config),
+        # DeepSpeed's BF16_Optimizer case: stage 1, bf16 model, fp32 accumulation, no offload
+        accumulate_fp32=(stage == 1 and engine.precision.model_dtype == torch.bfloat16 and offload_device is None
+                         and parse_dtype(config.grad_accum_dtype, "data_types.grad_accum_dtype") == torch.float32),
+        nvme_offload=nvme_offload_args(zero_cfg, config.aio_config, stage, rank))
+    sp = engine.parallel_dims.sequence  # Ulysses: gradients summed over the sequence ranks
+    if engine.has_moe_layers:
+        if stage == 3:
+            raise NotImplementedError("zero_optimization.stage 3 with MoE layers is not built (DeepSpeed 0.19.8 refuses "
+                                      "its native MoE layers at stage 3 too); use stage 0, 1 or 2")
+        from deepspeed_c.runtime.zero.moe_zero import configure_moe_zero_optimizer
+
+        optimizer = configure_moe_zero_optimizer(basic, engine.moe, stage, common)
+        engine.precision.set_scaling_owner(optimizer)
+        return optimizer
+    if stage == 3:
+        from deepspeed_c.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+        optimizer = DeepSpeedZeroOptimizer_Stage3(engine.module, basic, store_args=_store_args(engine, zero_cfg),
+                                                  zero_cfg=zero_cfg, sequence_parallel_size=sp, **common)
+    else:
+        optimizer = DeepSpeedZeroOptimizer(basic, stage=stage, sequence_parallel_size=sp, **common)
+        if zero_cfg.contiguous_gradients:  # Linear weight gradients computed straight into their bucket slots
+            optimizer.reducer.install_direct_linears(engine.module)
+    if engine.parallel_dims.tensor_parallel:
+        # the norm of the unsharded model: shards summed over TP, replicas once (every rank: data x tensor)
+        optimizer.set_tensor_parallel_norm(engine.parallel_dims.tensor, group=None)
+    engine.precision.set_scaling_owner(optimizer)  # loss scaling reads cur_scale / note_backward_scale here
+    return optimizer
+
+
+def _store_args(engine: Any, zero_cfg: Any) -> dict:
+    return zero3_store_args(zero_cfg, engine.precision.model_dtype, engine.device)
+
+
+def configure_zero3_params(engine: Any, config: Any) -> Any:
+    """Stage 3 without an optimizer: the model partitioned and gathered on use."""
+    from deepspeed_c.runtime.zero.stage3 import Zero3Params
+
+    zero_cfg = config.zero_config
+    return Zero3Params(engine.module, rank=_dp_rank(engine), world_size=engine.dp_world_size,
+                       group=engine.data_parallel_group, store_args=_store_args(engine, zero_cfg), zero_cfg=zero_cfg)
