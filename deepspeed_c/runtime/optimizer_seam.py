@@ -8,8 +8,9 @@ keeps the user's optimizer as `engine.optimizer`), its FP16/BF16 mixed-precision
 the same methods. Checkpoint state goes through the same objects (runtime/checkpointing/engine.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 
@@ -30,6 +31,26 @@ class SavedCheckpoint:
     partitioned_weights: bool = False
     model_rank: Optional[int] = None  # whose per-rank model-states file model_state is (stage 3)
     mp_rank: int = 0  # a pipeline checkpoint: the stage whose ZeRO files (..._mp_rank_{stage:02d}_...) to read
+
+
+@dataclass
+class PartitionExport:
+    """A partitioned (ZeRO) optimizer's checkpoint state as data, in its runtime layout: what the
+    checkpointer (runtime/checkpointing/zero.py, zero3.py) converts to and from DeepSpeed's on-disk layout.
+    The optimizer never sees that layout; the checkpointer never calls into the optimizer beyond
+    partition_export / import_partition_state / refresh_masters."""
+    stage: int
+    rank: int
+    world_size: int
+    group: Any  # the data-parallel process group the partitions are cut over
+    plans: list  # one ops.partition.PartitionPlan per param group (runtime layout)
+    params: list  # the model parameters of each group, in plan order
+    masters: list  # this rank's live flat masters per group (a load fills them in place)
+    state: dict  # state_dict(clone_masters=False): base_optimizer_state (moments, steps), scaler, overflow, ...
+    loss_scaler: Any = None  # the scaler whose scale the files record
+    sub_group_size: int = 0  # stage 3: DeepSpeed's checkpoint sub-groups
+    store: Any = None  # stage 3: the ParamStore (frozen parameters' shards are its last group)
+    extra: dict = field(default_factory=dict)
 
 
 class EngineOptimizer:
@@ -88,9 +109,22 @@ class EngineOptimizer:
         """What the model-states file holds under "optimizer" (None: the state is in per-rank files)."""
         return self.state_dict()
 
+    def partition_export(self) -> ContextManager[Optional[PartitionExport]]:
+        """A partitioned optimizer's state as data while the context lasts (its states resident in memory),
+        which the checkpointer converts to DeepSpeed's ZeRO files and back; None (the default) for
+        optimizers whose state is not partitioned over ranks (their protocol methods below serve)."""
+        return contextlib.nullcontext(None)
+
+    def import_partition_state(self, state: Optional[dict], load_optimizer_states: bool,
+                               load_from_fp32_weights: bool) -> None:
+        """Applies a runtime-layout state the checkpointer built from partition_export's (its masters were
+        filled in place); None: only the masters were loaded, the model weights follow them."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no partitioned state")
+
     def partition_checkpoint_state(self, param_name: Callable[[torch.nn.Parameter], str]) -> Optional[tuple[int, dict]]:
-        """(data-parallel rank, its ZeRO file's optimizer_state_dict) for optimizers whose state is
-        partitioned over ranks; None otherwise. A collective where it is not None."""
+        """(data-parallel rank, its ZeRO file's optimizer_state_dict) for an optimizer without a
+        partition_export that writes per-rank ZeRO files of its own; None otherwise. A collective where it is
+        not None."""
         return None
 
     def load_checkpoint_state(self, saved: SavedCheckpoint, load_optimizer_states: bool) -> None:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from deepspeed_c.checkpoint import deepspeed_format, store
 from deepspeed_c.runtime.checkpointing import nodes as nodes
 from deepspeed_c.runtime.checkpointing import reducer_order as reducer_order_file
+from deepspeed_c.runtime.checkpointing import zero as checkpoint_zero
 from deepspeed_c.runtime.checkpointing.options import CheckpointOptions
 from deepspeed_c.runtime.checkpointing.states import CheckpointStates
 from deepspeed_c.runtime.checkpointing.collective_guard import check_dir_arg, rank_local_step
@@ -130,7 +131,7 @@ class EngineCheckpointer:
             from deepspeed_c.runtime.checkpointing import moe as checkpoint_moe
 
             checkpoint_moe.check_stage(self.options.zero_stage)
-        part = st.stepper.partition_checkpoint_state(name_of) if st.stepper is not None else None
+        part = checkpoint_zero.save_partition(st.stepper, name_of) if st.stepper is not None else None
         # ZeRO-3: every rank writes its own model-states file, with its shards of the frozen parameters
         shards = (st.stepper.partitioned_model_state(name_of, exclude_frozen_parameters)
                   if st.stepper is not None else None)
@@ -346,7 +347,7 @@ class EngineCheckpointer:
             st.train_state.load_state_dict(state, samples_per_step=st.samples_per_step)
         elif st.has_optimizer and st.stepper is not None:
             # masters follow the loaded weights (a stage-3 checkpoint's weights are its fp32 partitions)
-            st.stepper.load_checkpoint_weights(saved)
+            checkpoint_zero.load_partition_weights(st.stepper, saved)
         client = {k: v for k, v in state.items() if k not in DS_KEYS}
         return os.path.join(tag_dir, model_file), client
 
@@ -432,4 +433,4 @@ class EngineCheckpointer:
     def _load_optimizer(self, st: CheckpointStates, saved: SavedCheckpoint, load_states: bool) -> None:
         if st.stepper is None:
             return
-        st.stepper.load_checkpoint_state(saved, load_states)
+        checkpoint_zero.load_partition(st.stepper, saved, load_states)

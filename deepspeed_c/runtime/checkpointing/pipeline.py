@@ -19,6 +19,7 @@ import torch.distributed as dist
 from deepspeed_c.checkpoint import store
 from deepspeed_c.runtime.checkpointing.options import CheckpointOptions
 from deepspeed_c.runtime.checkpointing.states import PipeCheckpointStates
+from deepspeed_c.runtime.checkpointing.zero import load_partition, save_partition
 from deepspeed_c.runtime.checkpointing.collective_guard import check_dir_arg, rank_local_step
 
 from deepspeed_c.runtime.checkpointing.pipeline_layers import apply_layer_states, layer_file_states, read_layer_files
@@ -107,7 +108,7 @@ class PipeCheckpointer:
         module, stepper = st.module, st.stepper
         names = {id(p): n for n, p in module.named_parameters()}
         # ZeRO-1: building this rank's partition is collective, so it happens outside the rank-local step
-        part = stepper.partition_checkpoint_state(lambda p: names[id(p)]) if stepper is not None else None
+        part = save_partition(stepper, lambda p: names[id(p)]) if stepper is not None else None
         mine: dict[str, dict] = {}
 
         def write(name: str, obj: dict) -> None:
@@ -243,7 +244,7 @@ class PipeCheckpointer:
             saved = SavedCheckpoint(tag_dir=tag_dir, manifest=manifest, model_state=state,
                                     bf16=self.options.bf16, load_from_fp32_weights=self.options.load_from_fp32_weights,
                                     node_local=False, mp_rank=st.stage_id)
-            stepper.load_checkpoint_state(saved, True)
+            load_partition(stepper, saved, True)
             stepper.load_rank_checkpoint_file(saved)
             return
         from deepspeed_c.runtime.checkpointing.pipeline_reshard import restore_by_name, restore_zero_by_name

@@ -69,8 +69,10 @@ def _zero_hooks(opt: Any, tp_rank: int, entries: list, pending: list[Callable[[]
     def load_weights(saved: Any) -> None:  # load_module_only: masters re-cut from the loaded shards
         pending.append(functools.partial(cls.load_checkpoint_weights, opt, saved))
 
+    # partition_export shadowed by None: the checkpointer then calls these instead of converting the export
     hooks = {"partition_checkpoint_state": functools.partial(zc.save_state, opt, tp),
-             "load_checkpoint_state": load, "load_checkpoint_weights": load_weights}
+             "load_checkpoint_state": load, "load_checkpoint_weights": load_weights,
+             "partition_export": lambda: contextlib.nullcontext(None)}
     for name, fn in hooks.items():
         setattr(opt, name, fn)
 

@@ -98,17 +98,17 @@ def _to_per_param(plan: PartitionPlan, t: torch.Tensor, rank: int, group: Any) -
 
 
 # -- save -------------------------------------------------------------------------------------------
-def optimizer_file_state(opt: Any, sub_group_size: int) -> dict:
+def optimizer_file_state(ex: Any) -> dict:
     """This rank's `optimizer_state_dict` of its ZeRO file in DeepSpeed's stage-3 layout (collective over
-    the optimizer's data-parallel group). `opt` is the stage-3 optimizer: fp32_partitions,
-    partition_plans (runtime layout), the wrapped optimizer's state per group."""
-    sd = opt.state_dict(clone_masters=False)
+    ex.group). `ex` is the stage-3 optimizer's PartitionExport: plans (runtime layout), its state (masters,
+    the wrapped optimizer's state per group), sub_group_size."""
+    sd = ex.state
     base = sd["base_optimizer_state"]
-    world, rank, group = opt.world_size, opt.rank, opt.dp_process_group
+    world, rank, group, sub_group_size = ex.world_size, ex.rank, ex.group, ex.sub_group_size
     flat_groups: list[torch.Tensor] = []
     state: dict[int, dict] = {}
     param_groups: list[dict] = []
-    for g, plan in enumerate(opt.partition_plans):
+    for g, plan in enumerate(ex.plans):
         master = sd[FP32_KEY][g]
         entry = base["state"].get(g, {})
         flat_keys = [k for k, v in entry.items() if torch.is_tensor(v) and v.dim() == 1 and v.numel() == master.numel()]
@@ -129,9 +129,9 @@ def optimizer_file_state(opt: Any, sub_group_size: int) -> dict:
         param_groups.append(dict(hyper, params=ids))
     return {
         "zero_stage": ds_pickle.zero_stage_record(3),
-        "loss_scaler": ds_pickle.loss_scaler_record(opt.loss_scaler),
-        "dynamic_loss_scale": opt.dynamic_loss_scale,
-        "overflow": opt.overflow,
+        "loss_scaler": ds_pickle.loss_scaler_record(ex.loss_scaler),
+        "dynamic_loss_scale": sd["dynamic_loss_scale"],
+        "overflow": sd["overflow"],
         "partition_count": world,
         "optimizer_state_dict": {"state": state, "param_groups": param_groups},
         FLAT_GROUPS: flat_groups,
@@ -175,7 +175,7 @@ class Stage3Files:
 
     layout = "runtime"
 
-    def __init__(self, opt: Any, tag_dir: str, manifest: Any, model_state: dict, bf16: bool) -> None:
+    def __init__(self, ex: Any, tag_dir: str, manifest: Any, model_state: dict, bf16: bool) -> None:
         self.tag_dir, self.manifest, self.bf16 = tag_dir, manifest, bf16
         self.world = int(model_state.get("dp_world_size") or 1)
         self.shapes = model_state.get("param_shapes")
@@ -183,7 +183,7 @@ class Stage3Files:
             raise ValueError(f"ZeRO-3 checkpoint {tag_dir}: its model-states file names no param_shapes (saved without "
                              "an optimizer?); its trainable weights cannot be placed")
         self.sub_numels = [[math.prod(tuple(s)) for s in sub.values()] for sub in self.shapes]
-        self.numels = [list(plan.numels) for plan in opt.partition_plans]
+        self.numels = [list(plan.numels) for plan in ex.plans]
         self.plans = [per_param_plan(n, self.world) for n in self.numels]
 
     def _groups(self, osd: dict, name: str) -> list[list[int]]:

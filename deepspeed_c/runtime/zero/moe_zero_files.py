@@ -21,12 +21,11 @@ LISTS = ("partition_count", "group_numels", "single_partition_of_fp32_groups", "
 
 
 def member_state(m: Any, param_name: Callable[[torch.nn.Parameter], str]) -> dict:
-    from deepspeed_c.checkpoint.deepspeed_format import with_deepspeed_fields
-    from deepspeed_c.runtime.checkpointing.zero import to_deepspeed_layout
+    from deepspeed_c.runtime.checkpointing.zero import file_state
 
-    scaler = getattr(m.loss_scaler, "leader", m.loss_scaler)  # followers save the leader's scale
-    return with_deepspeed_fields(to_deepspeed_layout(m), stage=m.stage, scaler=scaler, plans=m.partition_plans,
-                                 rank=m.rank, names=[[param_name(p) for p in ps] for ps in m.bit16_groups])
+    with m.partition_export() as ex:
+        ex.loss_scaler = getattr(ex.loss_scaler, "leader", ex.loss_scaler)  # followers save the leader's scale
+        return file_state(ex, param_name)
 
 
 def merge_member_states(states: Sequence[dict]) -> dict:
@@ -66,13 +65,13 @@ class _MemberFiles:
 
     layout = "deepspeed"
 
-    def __init__(self, m: Any, ranks: list[int], offset: int, saved: SavedCheckpoint) -> None:
+    def __init__(self, ex: Any, ranks: list[int], offset: int, saved: SavedCheckpoint) -> None:
         self.tag_dir, self.manifest, self.bf16 = saved.tag_dir, saved.manifest, saved.bf16
-        self.ranks, self.offset, self.n = ranks, offset, len(m.partition_plans)
-        self.world = m.world_size
-        self.numels = [list(plan.numels) for plan in m.partition_plans]
+        self.ranks, self.offset, self.n = ranks, offset, len(ex.plans)
+        self.world = ex.world_size
+        self.numels = [list(plan.numels) for plan in ex.plans]
         self.plans = [PartitionPlan.build(plan.numels, self.world, max(max(plan.numels, default=1), 1),
-                                          DEEPSPEED_ALIGNMENT) for plan in m.partition_plans]
+                                          DEEPSPEED_ALIGNMENT) for plan in ex.plans]
 
     def open(self, r: int) -> tuple[dict, MappedPages]:
         name = deepspeed_format.find_zero_file(self.tag_dir, self.ranks[r], self.bf16)
@@ -112,7 +111,7 @@ def load_members(opt: Any, saved: SavedCheckpoint, load_optimizer_states: bool) 
     for m, name in zip(opt.members, opt.member_names):
         ranks = (list(groups._get_expert_data_parallel_group_ranks(name)) if name is not None
                  else list(range(opt.dp_world_size)))
-        files = _MemberFiles(m, ranks, offset, saved)
-        state = load_same_world(m, files, masters, states)
-        m.load_state_dict(state, load_optimizer_states=states, load_from_fp32_weights=masters)
-        offset += len(m.partition_plans)
+        with m.partition_export() as ex:
+            state = load_same_world(ex, _MemberFiles(ex, ranks, offset, saved), masters, states)
+            m.import_partition_state(state, states, masters)
+            offset += len(ex.plans)

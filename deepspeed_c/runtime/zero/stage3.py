@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from deepspeed_c.ops.partition import PartitionPlan
-from deepspeed_c.runtime.optimizer_seam import EngineOptimizer, SavedCheckpoint
+from deepspeed_c.runtime.optimizer_seam import EngineOptimizer, PartitionExport, SavedCheckpoint
 from deepspeed_c.runtime.zero.leaf_granularity import mark_leaves_by_granularity
 from deepspeed_c.runtime.zero.param_hooks import ParamCoordinator, _is_leaf, mark_leaf_modules
 from deepspeed_c.runtime.zero.param_store import ParamStore, placeholder
@@ -247,12 +247,11 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (Deep
         super().drop_device_scratch()
         adopt(self.store)  # ds_tensor views follow the shards to wherever they moved
 
-    # -- checkpoints in DeepSpeed's stage-3 layout (runtime/checkpointing/zero3.py) -----------------------
-    @_states_resident
-    def partition_checkpoint_state(self, param_name: Callable[[torch.nn.Parameter], str]) -> tuple[int, dict]:
-        from deepspeed_c.runtime.checkpointing.zero3 import optimizer_file_state
-
-        return self.rank, optimizer_file_state(self, self.sub_group_size)
+    # -- checkpoints in DeepSpeed's stage-3 layout (runtime/checkpointing/zero3.py converts the export) -------
+    def _export(self) -> PartitionExport:
+        ex = super()._export()
+        ex.sub_group_size, ex.store = self.sub_group_size, self.store
+        return ex
 
     def partitioned_model_state(self, param_name: Callable[[torch.nn.Parameter], str],
                                 exclude_frozen_parameters: bool) -> tuple[int, dict]:
@@ -265,23 +264,6 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (Deep
         from deepspeed_c.runtime.checkpointing.zero3 import load_module_into_store
 
         load_module_into_store(self.store, module, state_dict)
-
-    def _load_frozen(self, saved: SavedCheckpoint) -> None:
-        from deepspeed_c.runtime.checkpointing.zero3 import load_frozen_shards
-
-        if saved.partitioned_weights:  # a stage 1/2 checkpoint's frozen weights came whole with the module
-            load_frozen_shards(self.store, saved.tag_dir, saved.manifest, saved.model_state, saved.model_rank,
-                               saved.node_local)
-
-    def load_checkpoint_state(self, saved: SavedCheckpoint, load_optimizer_states: bool) -> None:
-        self._check_node_local(saved)
-        self._load_frozen(saved)
-        super().load_checkpoint_state(saved, load_optimizer_states)
-
-    def load_checkpoint_weights(self, saved: SavedCheckpoint) -> None:
-        self._check_node_local(saved)
-        self._load_frozen(saved)
-        super().load_checkpoint_weights(saved)
 
     def destroy(self) -> None:
         self._round.remove()

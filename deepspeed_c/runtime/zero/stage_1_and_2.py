@@ -16,7 +16,9 @@ With offload_optimizer the host side is offload.CPUOffload: gradients staged to 
 their buckets finish, the C CPU optimizer stepping in sub-chunks whose results go back to the device
 and into their bucket's all-gather while it steps the next.
 
-For checkpointing: `state_dict()` / `load_state_dict()`, `partition_plans` (one PartitionPlan per group),
+For checkpointing: `partition_export()` (plans, world/rank facts and the runtime-layout state as data, which
+runtime/checkpointing/zero.py converts; this module never calls checkpoint code) and
+`import_partition_state()`, over `state_dict()` / `load_state_dict()`, `partition_plans` (one PartitionPlan per group),
 `fp32_partitions` / `single_partition_of_fp32_groups` (this rank's flat masters, runtime layout),
 `local_optimizer_state(g)`, `bit16_groups` (the model parameters of each group, in plan order) and
 `refresh_model_params()` (model weights re-gathered from the masters)."""
@@ -26,14 +28,14 @@ import contextlib
 import functools
 import math
 import weakref
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
 from deepspeed_c.ops.partition import DEEPSPEED_ALIGNMENT, PartitionPlan
 from deepspeed_c.runtime.fused_epilogue import AdamEpilogue, device_global_norm
 from deepspeed_c.runtime.grad_norm import scale_
-from deepspeed_c.runtime.optimizer_seam import EngineOptimizer, SavedCheckpoint
+from deepspeed_c.runtime.optimizer_seam import EngineOptimizer, PartitionExport
 from deepspeed_c.runtime.step_sequence import StepOutcome, overflow_checked_step
 from deepspeed_c.runtime.zero.flat_model_params import FlatModelParams
 from deepspeed_c.runtime.zero.grad_partition import ZeroGradPartitioner, chunk_range, grad_dtypes
@@ -274,46 +276,27 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
     def model_file_state(self) -> Optional[dict]:
         return None  # each rank's partition goes to its own ZeRO file
 
-    @_states_resident
-    def partition_checkpoint_state(self, param_name: Callable[[torch.nn.Parameter], str]) -> tuple[int, dict]:
-        from deepspeed_c.checkpoint.deepspeed_format import with_deepspeed_fields
-        from deepspeed_c.runtime.checkpointing.zero import to_deepspeed_layout
+    @contextlib.contextmanager
+    def partition_export(self) -> Iterator[PartitionExport]:
+        """This rank's partitions as data for the checkpointer (runtime/checkpointing/zero.py converts them to
+        and from DeepSpeed's layout); the masters are the live ones (a load fills them in place)."""
+        with self._resident():
+            yield self._export()
 
-        state = with_deepspeed_fields(to_deepspeed_layout(self), stage=self.stage, scaler=self.loss_scaler,
-                                      plans=self.partition_plans, rank=self.rank,
-                                      names=[[param_name(p) for p in params] for params in self.bit16_groups])
-        return self.rank, state
+    def _export(self) -> PartitionExport:
+        return PartitionExport(stage=self.stage, rank=self.rank, world_size=self.world_size,
+                               group=self.dp_process_group, plans=list(self.partition_plans),
+                               params=[list(g) for g in self.bit16_groups],
+                               masters=[m.detach() for m in self.fp32_partitions],
+                               state=self.state_dict(clone_masters=False), loss_scaler=self.loss_scaler)
 
-    @_states_resident
-    def load_checkpoint_state(self, saved: SavedCheckpoint, load_optimizer_states: bool) -> None:
-        from deepspeed_c.runtime.checkpointing.zero import load_zero_checkpoint
-
-        self._check_node_local(saved)
-        # at the saved world size each rank reads only its own ZeRO file (all a node-local checkpoint holds)
-        load_zero_checkpoint(self, saved.tag_dir, saved.manifest, saved.model_state, saved.bf16,
-                             load_optimizer_states, saved.load_from_fp32_weights,
-                             saved_stage3=saved.partitioned_weights, mp_rank=saved.mp_rank)
-
-    def _check_node_local(self, saved: SavedCheckpoint) -> None:
-        saved_world = saved.model_state.get("dp_world_size") or 1
-        if saved.node_local and saved_world != self.world_size:
-            raise RuntimeError(
-                f"load_checkpoint: checkpoint.use_node_local_storage: the checkpoint in {saved.tag_dir} was saved by "
-                f"{saved_world} data-parallel ranks and {self.world_size} load it; each node holds only its own "
-                "ranks' ZeRO files, so resharding needs them all: copy every node's files into one directory and "
-                "load with use_node_local_storage off")
-
-    @_states_resident
-    def load_checkpoint_weights(self, saved: SavedCheckpoint) -> None:
-        if not saved.partitioned_weights:
-            self.refresh_masters()
+    def import_partition_state(self, state: Optional[dict], load_optimizer_states: bool,
+                               load_from_fp32_weights: bool) -> None:
+        if state is None:
+            self.refresh_model_params()
             return
-        # a stage-3 checkpoint: the weights are its fp32 partitions (masters), the model follows them
-        from deepspeed_c.runtime.checkpointing.zero import load_zero_checkpoint
-
-        self._check_node_local(saved)
-        load_zero_checkpoint(self, saved.tag_dir, saved.manifest, saved.model_state, saved.bf16, False, True,
-                             saved_stage3=True, module_only=True)
+        self.load_state_dict(state, load_optimizer_states=load_optimizer_states,
+                             load_from_fp32_weights=load_from_fp32_weights)
 
     def refresh_masters(self) -> None:
         self.masters_from_model()
