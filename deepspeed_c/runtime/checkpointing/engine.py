@@ -18,6 +18,7 @@ from deepspeed_c.checkpoint import deepspeed_format, store
 from deepspeed_c.runtime.checkpointing import nodes as nodes
 from deepspeed_c.runtime.checkpointing import reducer_order as reducer_order_file
 from deepspeed_c.runtime.checkpointing import zero as checkpoint_zero
+from deepspeed_c.runtime.checkpointing import zero3 as checkpoint_zero3
 from deepspeed_c.runtime.checkpointing.options import CheckpointOptions
 from deepspeed_c.runtime.checkpointing.states import CheckpointStates
 from deepspeed_c.runtime.checkpointing.collective_guard import check_dir_arg, rank_local_step
@@ -133,7 +134,7 @@ class EngineCheckpointer:
             checkpoint_moe.check_stage(self.options.zero_stage)
         part = checkpoint_zero.save_partition(st.stepper, name_of) if st.stepper is not None else None
         # ZeRO-3: every rank writes its own model-states file, with its shards of the frozen parameters
-        shards = (st.stepper.partitioned_model_state(name_of, exclude_frozen_parameters)
+        shards = (checkpoint_zero3.partitioned_model_state(st.stepper, name_of, exclude_frozen_parameters)
                   if st.stepper is not None else None)
         with rank_local_step("save_checkpoint (writing this rank's files)", distributed=_dist()):
             if st.has_moe_layers:

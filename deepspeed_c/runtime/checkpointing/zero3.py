@@ -166,6 +166,17 @@ def model_file_fields(store_: Any, trainable: Sequence[Sequence[torch.nn.Paramet
     return out
 
 
+def partitioned_model_state(stepper: Any, param_name: Callable[[torch.nn.Parameter], str],
+                            exclude_frozen: bool) -> Optional[tuple[int, dict]]:
+    """ZeRO-3: (data-parallel rank, the fields of its own model-states file that depend on the weight shards)
+    from the optimizer's partition_export; None where one model-states file holds whole weights. A
+    collective where it is not None."""
+    with stepper.partition_export() as ex:
+        if ex is None or ex.store is None:
+            return stepper.partitioned_model_state(param_name, exclude_frozen)
+        return ex.rank, model_file_fields(ex.store, ex.params, ex.sub_group_size, param_name, exclude_frozen)
+
+
 # -- load: the optimizer's files ------------------------------------------------------------------------
 class Stage3Files:
     """The ZeRO files of a stage-3 checkpoint, read as checkpoint_zero's loader reads stage 1/2 ones: per
@@ -331,27 +342,3 @@ def whole_frozen_params(tag_dir: str, manifest: Any, model_state: dict,
                              f"{shard_size(shape.numel(), world)}-element fragment")
         out[name] = torch.cat([f.reshape(-1) for f in frags])[:shape.numel()].clone().view(shape)
     return out
-
-
-# -- load: module weights into the store -----------------------------------------------------------------
-@torch.no_grad()
-def load_module_into_store(store_: Any, module: torch.nn.Module, saved: dict) -> bool:
-    """A module state_dict applied to a stage-3 model: each whole parameter value is cut into this rank's
-    shard (no collective); placeholders (a partitioned checkpoint's parameters) are skipped; buffers go to
-    the module. Returns whether any parameter was loaded."""
-    where = {id(p): (g, i) for g, params in enumerate(store_.groups) for i, p in enumerate(params)}
-    by_name = dict(module.named_parameters(remove_duplicate=False))
-    rest, loaded = {}, False
-    for key, value in saved.items():
-        p = by_name.get(key)
-        if p is None:
-            rest[key] = value
-            continue
-        full = int(getattr(p, "ds_numel", p.numel()))
-        if isinstance(value, torch.Tensor) and value.numel() == full and full > 0 and id(p) in where:
-            store_.load_full(*where[id(p)], value)
-            loaded = True
-    store_.release_all(keep_persistent=False)  # any gathered copy is stale now
-    module.load_state_dict(rest, strict=False)
-    return loaded
-

@@ -253,16 +253,7 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (Deep
         ex.sub_group_size, ex.store = self.sub_group_size, self.store
         return ex
 
-    def partitioned_model_state(self, param_name: Callable[[torch.nn.Parameter], str],
-                                exclude_frozen_parameters: bool) -> tuple[int, dict]:
-        from deepspeed_c.runtime.checkpointing.zero3 import model_file_fields
-
-        return self.rank, model_file_fields(self.store, self.bit16_groups, self.sub_group_size, param_name,
-                                            exclude_frozen_parameters)
-
     def load_module_state(self, module: torch.nn.Module, state_dict: dict) -> None:
-        from deepspeed_c.runtime.checkpointing.zero3 import load_module_into_store
-
         load_module_into_store(self.store, module, state_dict)
 
     def destroy(self) -> None:
@@ -294,8 +285,6 @@ class Zero3Params(EngineOptimizer):
                                   "save the weights with save_16bit_model (stage3_gather_16bit_weights_on_model_save)")
 
     def load_module_state(self, module: torch.nn.Module, state_dict: dict) -> None:
-        from deepspeed_c.runtime.checkpointing.zero3 import load_module_into_store
-
         load_module_into_store(self.store, module, state_dict)
 
     def load_checkpoint_state(self, saved: SavedCheckpoint, load_optimizer_states: bool) -> None:
@@ -309,6 +298,28 @@ class Zero3Params(EngineOptimizer):
 
     def destroy(self) -> None:
         self._round.remove()
+
+
+@torch.no_grad()
+def load_module_into_store(store_: ParamStore, module: torch.nn.Module, saved: dict) -> bool:
+    """A module state_dict (whole values) applied to a stage-3 model: each whole parameter value is cut into
+    this rank's shard (no collective); placeholders (a partitioned checkpoint's parameters) are skipped;
+    buffers go to the module. Returns whether any parameter was loaded."""
+    where = {id(p): (g, i) for g, params in enumerate(store_.groups) for i, p in enumerate(params)}
+    by_name = dict(module.named_parameters(remove_duplicate=False))
+    rest, loaded = {}, False
+    for key, value in saved.items():
+        p = by_name.get(key)
+        if p is None:
+            rest[key] = value
+            continue
+        full = int(getattr(p, "ds_numel", p.numel()))
+        if isinstance(value, torch.Tensor) and value.numel() == full and full > 0 and id(p) in where:
+            store_.load_full(*where[id(p)], value)
+            loaded = True
+    store_.release_all(keep_persistent=False)  # any gathered copy is stale now
+    module.load_state_dict(rest, strict=False)
+    return loaded
 
 
 def __getattr__(name: str) -> Any:
