@@ -1,5 +1,6 @@
-"""Checkpoints of models with MoE layers in DeepSpeed's MoE layout (stage 0; fp32, bf16, fp16; the ZeRO
-1/2 optimizer files are runtime/zero/moe_zero_files.py's):
+"""Checkpoints of models with MoE layers in DeepSpeed's MoE layout (stage 0; fp32, bf16, fp16; at ZeRO 1/2
+one file per data-parallel rank holds every MoE ZeRO member's groups, converted here from and to the
+members' partition exports: member_file_state, merge_member_states, read_member_state):
 
     mp_rank_00_model_states.pt                       the non-expert weights (rank 0), num_experts
     layer_{L}_expert_{E}_mp_rank_00_model_states.pt  expert E (global id) of the L-th MoE layer, its keys
@@ -17,11 +18,15 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 
-from deepspeed_c.checkpoint import store
+from deepspeed_c.checkpoint import deepspeed_format, store
+from deepspeed_c.checkpoint.mapped_pages import MappedPages
+from deepspeed_c.ops.partition import DEEPSPEED_ALIGNMENT, PartitionPlan
+from deepspeed_c.runtime.checkpointing.zero import FP32_KEY, file_state, flat_state_keys, load_same_world
+from deepspeed_c.runtime.optimizer_seam import SavedCheckpoint
 
 EXPERTS_INFIX = ".deepspeed_moe.experts.deepspeed_experts."
 
@@ -184,3 +189,95 @@ def check_stage(zero_stage: int) -> None:
                                   f"zero_optimization.stage {zero_stage} is not built")
 
 
+# -- ZeRO 1/2: the MoE ZeRO members' groups in one file per data-parallel rank ----------------------
+LISTS = ("partition_count", "group_numels", "single_partition_of_fp32_groups", "ds_partition_sizes", "group_paddings",
+         "param_alignment_paddings", "param_slice_mappings")
+
+
+def merge_member_states(states: Sequence[dict]) -> dict:
+    out = dict(states[0])
+    for key in LISTS:
+        out[key] = [v for st in states for v in st[key]]
+    base_state: dict = {}
+    base_groups: list = []
+    offset = 0
+    for st in states:
+        base = st["base_optimizer_state"]
+        for g, group in enumerate(base["param_groups"]):
+            base_groups.append(dict(group, params=[offset + g]))
+            if g in base["state"]:
+                base_state[offset + g] = base["state"][g]
+        offset += len(base["param_groups"])
+    out["base_optimizer_state"] = {"state": base_state, "param_groups": base_groups}
+    return out
+
+
+def _slice(full: dict, offset: int, n: int) -> dict:
+    part = dict(full)
+    for key in LISTS:
+        if key in full:
+            part[key] = full[key][offset:offset + n]
+    base = full["base_optimizer_state"]
+    part["base_optimizer_state"] = {
+        "state": {g - offset: v for g, v in base["state"].items() if offset <= g < offset + n},
+        "param_groups": [dict(grp, params=[i]) for i, grp in enumerate(base["param_groups"][offset:offset + n])],
+    }
+    return part
+
+
+class MemberFiles:
+    """checkpointing/zero.py's saved-files interface for one member: its rank r is global rank ranks[r]; its
+    groups are [offset, offset + n) of each file."""
+
+    layout = "deepspeed"
+
+    def __init__(self, ex: Any, ranks: list[int], offset: int, saved: SavedCheckpoint) -> None:
+        self.tag_dir, self.manifest, self.bf16 = saved.tag_dir, saved.manifest, saved.bf16
+        self.ranks, self.offset, self.n = ranks, offset, len(ex.plans)
+        self.world = ex.world_size
+        self.numels = [list(plan.numels) for plan in ex.plans]
+        self.plans = [PartitionPlan.build(plan.numels, self.world, max(max(plan.numels, default=1), 1),
+                                          DEEPSPEED_ALIGNMENT) for plan in ex.plans]
+
+    def open(self, r: int) -> tuple[dict, MappedPages]:
+        name = deepspeed_format.find_zero_file(self.tag_dir, self.ranks[r], self.bf16)
+        obj, mapped = store.load_file_mapped(self.tag_dir, name, self.manifest)
+        part = _slice(obj["optimizer_state_dict"], self.offset, self.n)
+        if part.get("layout") != "deepspeed":
+            raise NotImplementedError(f"load_checkpoint: {name} was not written by deepspeed_c; DeepSpeed-written "
+                                      "MoE ZeRO files are not read yet")
+        if part.get("group_numels") != self.numels or part.get("partition_count") != [self.world] * self.n:
+            raise NotImplementedError(
+                f"load_checkpoint: {name} holds groups of sizes {part.get('group_numels')} partitioned over "
+                f"{part.get('partition_count')} ranks where this model's MoE ZeRO member has {self.numels} over "
+                f"{self.world}: another ep_size (or model). A model with MoE layers at ZeRO stage 1/2 loads its ZeRO "
+                "files only at the same world size and ep_size, as DeepSpeed; checkpoints saved at stage 0 load at any")
+        return deepspeed_format.normalize_zero_state(part, None, self.world), MappedPages(obj, mapped)
+
+    def keys(self, part: dict) -> list[list[str]]:
+        base = part["base_optimizer_state"]
+        return [flat_state_keys(base, g, part[FP32_KEY][g].numel()) for g in range(self.n)]
+
+
+def member_file_state(ex: Any, param_name: Callable[[torch.nn.Parameter], str]) -> dict:
+    """One MoE ZeRO member's groups of this rank's ZeRO file (DeepSpeed's flat layout; collective over the
+    member's group). `ex`: the member's PartitionExport."""
+    ex.loss_scaler = getattr(ex.loss_scaler, "leader", ex.loss_scaler)  # followers save the leader's scale
+    return file_state(ex, param_name)
+
+
+def check_zero_world(saved: SavedCheckpoint, dp_world_size: int) -> None:
+    saved_world = saved.model_state.get("dp_world_size") or 1
+    if saved.partitioned_weights or saved_world != dp_world_size:
+        raise NotImplementedError(
+            f"load_checkpoint: {saved.tag_dir} was saved by {saved_world} data-parallel ranks"
+            f"{' at ZeRO stage 3' if saved.partitioned_weights else ''}; a model with MoE layers at ZeRO stage 1/2 "
+            f"loads its ZeRO files only at the same world size and ep_size ({dp_world_size} ranks now), as "
+            "DeepSpeed; checkpoints saved at stage 0 load at any")
+
+
+def read_member_state(ex: Any, ranks: list[int], offset: int, saved: SavedCheckpoint, masters: bool,
+                      states: bool) -> dict:
+    """One member's runtime-layout state (its masters filled in place) from groups [offset, offset + n) of
+    the ZeRO files of global ranks `ranks` (collective over the member's group)."""
+    return load_same_world(ex, MemberFiles(ex, ranks, offset, saved), masters, states)
