@@ -5,7 +5,10 @@ holds. DeepSpeed's roles map onto it: the plain torch optimizer (`PlainOptimizer
 keeps the user's optimizer as `engine.optimizer`), its FP16/BF16 mixed-precision optimizer
 (runtime/precision.MixedPrecisionOptimizer) and the ZeRO 1/2 optimizer
 (runtime/zero/stage_1_and_2.DeepSpeedZeroOptimizer); ZeRO 3, pipeline and MoE optimizers implement
-the same methods. Checkpoint state goes through the same objects (runtime/checkpointing/engine.py)."""
+the same methods. Checkpoint state goes through the same objects (runtime/checkpointing/engine.py); a
+partitioned (ZeRO) optimizer hands its state over as data (partition_export) and takes a loaded one back
+(import_partition_state): the conversion to DeepSpeed's files is the checkpointer's
+(runtime/checkpointing/zero.py, zero3.py), which the optimizer never calls."""
 from __future__ import annotations
 
 import contextlib
