@@ -17,7 +17,27 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 
-class BackwardRound:
+class BucketOrderKeeping:
+    """What runtime/checkpointing/reducer_order.py asks of a gradient reducer, so a resumed run reduces in the
+    saved bucket order. The defaults keep no order (ZeRO's partitioners, stage 3's round)."""
+
+    def order_keepers(self) -> list["BucketOrderKeeping"]:
+        """The reducers whose orders a checkpoint keeps, in a fixed order (a composite: its members)."""
+        return [self]
+
+    def ordered_param_count(self) -> int:
+        """How many parameters a saved order permutes (0: this reducer keeps no order)."""
+        return 0
+
+    def adopted_order(self) -> Optional[list[int]]:
+        """The bucket order to save, or None (none re-planned yet, or none kept)."""
+        return None
+
+    def adopt_order(self, order: list[int]) -> None:
+        """Takes a saved order; ignored by a reducer that keeps none."""
+
+
+class BackwardRound(BucketOrderKeeping):
     should_reduce: Callable[[], bool]
     _inert_hook: Optional[Callable[[Any], bool]] = None
 

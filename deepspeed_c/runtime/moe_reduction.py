@@ -17,6 +17,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from deepspeed_c.runtime.backward_round import BucketOrderKeeping
+
 
 def is_expert_param(p: torch.Tensor) -> bool:
     return getattr(p, "allreduce", True) is False
@@ -88,11 +90,14 @@ class ExpertParallelism:
         return average
 
 
-class ReducerSet:
+class ReducerSet(BucketOrderKeeping):
     """Several gradient reducers behaving as one (the engine's reducer protocol)."""
 
     def __init__(self, reducers: Sequence[Any]) -> None:
         self.reducers = list(reducers)
+
+    def order_keepers(self) -> list[Any]:
+        return list(self.reducers)
 
     def claim_round(self) -> None:
         for r in self.reducers:

@@ -87,6 +87,12 @@ class EngineOptimizer:
         """Where the engine's reducer reads and writes gradients (None: param.grad)."""
         return None
 
+    def flat_grad_partitions(self) -> Optional[Callable[[], Sequence[Optional[torch.Tensor]]]]:
+        """ZeRO-1/2: a getter of the reduced flat gradient partitions this optimizer steps from, one per param
+        group, read at each call (None entries for groups without a reducing backward since the last step);
+        None (the default) where the optimizer steps from each parameter's gradient (reduction slot)."""
+        return None
+
     def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True,
                        non_blocking: bool = False) -> None:
         """Moves the optimizer's states to host memory (engine.offload_states); ZeRO optimizers only."""

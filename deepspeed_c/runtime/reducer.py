@@ -201,6 +201,9 @@ class GradientReducer(BackwardRound):
             self._views[i].copy_(flat[off:off + n].view_as(self._views[i]))
             off += n
 
+    def ordered_param_count(self) -> int:
+        return len(self.params)
+
     def adopted_order(self) -> Optional[list[int]]:
         """The bucket order re-planned from the first backward (None before it): what a checkpoint keeps."""
         if self._saved_order is not None:

@@ -15,39 +15,38 @@ import os
 from typing import Any, Optional
 
 from deepspeed_c.checkpoint import store
+from deepspeed_c.runtime.backward_round import BucketOrderKeeping
 
 
 def file_name(rank: int, world: int) -> str:
     return f"dsc_reducer_order_rank_{rank:05d}_of_{world:05d}.pt"
 
 
-def _reducers(reducer: Any) -> list[Any]:
-    if reducer is None:
-        return []
-    return list(getattr(reducer, "reducers", [reducer]))
+def _reducers(reducer: Optional[BucketOrderKeeping]) -> list[BucketOrderKeeping]:
+    return [] if reducer is None else reducer.order_keepers()
 
 
-def rank_file(reducer: Any, rank: int, world: int) -> Optional[tuple[str, dict]]:
+def rank_file(reducer: Optional[BucketOrderKeeping], rank: int, world: int) -> Optional[tuple[str, dict]]:
     """(name, payload) of this rank's orders; None when no reducer has re-planned yet."""
     rs = _reducers(reducer)
-    orders = [r.adopted_order() if hasattr(r, "adopted_order") else None for r in rs]
+    orders = [r.adopted_order() for r in rs]
     if not any(o is not None for o in orders):
         return None
-    return file_name(rank, world), {"world": world, "sizes": [len(getattr(r, "params", [])) for r in rs],
+    return file_name(rank, world), {"world": world, "sizes": [r.ordered_param_count() for r in rs],
                                     "orders": orders}
 
 
-def restore(reducer: Any, tag_dir: str, manifest: Any, rank: int, world: int) -> bool:
+def restore(reducer: Optional[BucketOrderKeeping], tag_dir: str, manifest: Any, rank: int, world: int) -> bool:
     """Adopts the saved orders where they fit every reducer; True when they were adopted."""
     rs = _reducers(reducer)
     name = file_name(rank, world)
     if not rs or not os.path.isfile(os.path.join(tag_dir, name)):
         return False
     payload = store.load_file(tag_dir, name, manifest)
-    sizes = [len(getattr(r, "params", [])) for r in rs]
+    sizes = [r.ordered_param_count() for r in rs]
     if payload.get("world") != world or payload.get("sizes") != sizes:
         return False
     for r, order in zip(rs, payload["orders"]):
-        if order is not None and hasattr(r, "adopt_order"):
+        if order is not None:
             r.adopt_order(list(order))
     return True

@@ -161,13 +161,10 @@ class PipelineEngine(DeepSpeedEngine):
                             grad_partitions=self._zero_grad_partitions())
 
     def _zero_grad_partitions(self) -> Optional[Any]:
-        """ZeRO-1: a getter of the reduced flat gradient partitions the stage's optimizer steps from (its
-        partitioner's `grad_partitions`, read at each step: clear() replaces the list); None where the
-        optimizer steps from each parameter's reduction slot."""
-        owned = self.stepper.owned_reducer() if self.stepper is not None else None
-        if owned is None or not hasattr(owned, "grad_partitions"):
-            return None
-        return lambda: owned.grad_partitions
+        """ZeRO-1: a getter of the reduced flat gradient partitions the stage's optimizer steps from (the
+        optimizer's flat_grad_partitions, read at each step); None where the optimizer steps from each
+        parameter's reduction slot."""
+        return self.stepper.flat_grad_partitions() if self.stepper is not None else None
 
     def _engine_step(self, grad_norm: Optional[float] = None) -> None:
         DeepSpeedEngine.step(self)

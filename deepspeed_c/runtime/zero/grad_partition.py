@@ -166,8 +166,8 @@ class ZeroGradPartitioner(BackwardRound):
 
     @property
     def reduced_params(self) -> list[torch.nn.Parameter]:
-        """The reduced parameters, group after group (the index a hook and `touched` use). Not named `params`:
-        runtime/checkpointing/reducer_order.py keeps bucket orders for reducers with `params` (stage 0's)."""
+        """The reduced parameters, group after group (the index a hook and `touched` use). The partitioner
+        keeps no bucket order for runtime/checkpointing/reducer_order.py (BucketOrderKeeping's defaults)."""
         return self._flat_params
 
     @property

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from deepspeed_c.ops.partition import PartitionPlan
+from deepspeed_c.runtime.backward_round import BucketOrderKeeping
 from deepspeed_c.runtime.optimizer_seam import EngineOptimizer, PartitionExport, SavedCheckpoint
 from deepspeed_c.runtime.zero.leaf_granularity import mark_leaves_by_granularity
 from deepspeed_c.runtime.zero.param_hooks import ParamCoordinator, _is_leaf, mark_leaf_modules
@@ -121,7 +122,7 @@ class ShardWriter:
         self.store.release_all(keep_persistent=self.store.aliased)
 
 
-class _Stage3Round:
+class _Stage3Round(BucketOrderKeeping):
     """What the engine drives each backward: the gradient reduce-scatter, then the end of the parameters'
     iteration (everything still gathered released, the recorded trace becoming the fetch plan)."""
 
@@ -228,6 +229,10 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (Deep
 
     def owned_reducer(self) -> Any:
         return self._round
+
+    def flat_grad_partitions(self) -> None:
+        """Stage 3 steps from its store's gradient shards, not from ZeRO-1/2's partitioner."""
+        return None
 
     @_states_resident
     @torch.no_grad()

@@ -270,6 +270,12 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
     def owned_reducer(self) -> ZeroGradPartitioner:
         return self.reducer
 
+    def flat_grad_partitions(self) -> Optional[Callable[[], Sequence[Optional[torch.Tensor]]]]:
+        """The partitioner's reduced flat partitions as they are at each call (clear() replaces the list;
+        None for a group without a reducing backward, unlike reduced_grad_partitions' zeros)."""
+        reducer = self.reducer
+        return lambda: reducer.grad_partitions
+
     def model_param_groups(self) -> list[list[torch.nn.Parameter]]:
         return [list(g) for g in self.bit16_groups]
 
