@@ -56,6 +56,18 @@ class PartitionExport:
     extra: dict = field(default_factory=dict)
 
 
+@dataclass
+class MemberExports:
+    """A composite optimizer's checkpoint state as data (the MoE ZeRO optimizer: one ZeRO optimizer per
+    reduction set): each member's PartitionExport with the global ranks its partitions are cut over (member
+    rank r is global rank ranks[r]), in the order of the groups in each rank's ZeRO file. The checkpointer
+    (runtime/checkpointing/zero.py, moe.py) converts them; import_partition_state then takes one
+    runtime-layout state per member."""
+    rank: int  # this rank's data-parallel rank (names its ZeRO file)
+    world_size: int  # the data-parallel world size
+    members: list  # [(PartitionExport, list[int] of global ranks)]
+
+
 class EngineOptimizer:
     """What the engine needs; the defaults suit an optimizer over whole (unpartitioned) gradients."""
 

@@ -7,7 +7,7 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "deepspeed_c"
-OPTIMIZERS = ("runtime/zero/stage_1_and_2.py", "runtime/zero/stage3.py")
+OPTIMIZERS = ("runtime/zero/stage_1_and_2.py", "runtime/zero/stage3.py", "runtime/zero/moe_zero.py")
 CHECKPOINT_PACKAGES = ("deepspeed_c.runtime.checkpointing", "deepspeed_c.checkpoint")
 
 
@@ -31,11 +31,62 @@ def test_zero_optimizers_keep_no_checkpoint_entry_points() -> None:
     """The conversion lives on the checkpointer's side: the ZeRO optimizers do not override the protocol's
     file-writing entry points (the base class's defaults say 'not partitioned')."""
     from deepspeed_c.runtime.optimizer_seam import EngineOptimizer
+    from deepspeed_c.runtime.zero.moe_zero import MoEZeroOptimizer
     from deepspeed_c.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed_c.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    for cls in (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3):
+    for cls in (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3, MoEZeroOptimizer):
         for name in ("partition_checkpoint_state", "load_checkpoint_state", "load_checkpoint_weights",
                      "partitioned_model_state"):
             assert getattr(cls, name) is getattr(EngineOptimizer, name), (cls.__name__, name)
         assert cls.partition_export is not EngineOptimizer.partition_export
+        assert cls.import_partition_state is not EngineOptimizer.import_partition_state
+
+
+def test_moe_zero_files_module_is_gone() -> None:
+    """The MoE ZeRO optimizer's checkpoint side was runtime/zero/moe_zero_files.py, which called the checkpoint
+    code; its export (MemberExports) now goes to runtime/checkpointing/moe.py through checkpointing/zero.py."""
+    assert not (ROOT / "runtime/zero/moe_zero_files.py").exists()
+    for path in (ROOT / "runtime").rglob("*.py"):
+        assert "moe_zero_files" not in _imports(path), path
+
+
+def test_moe_export_dispatch() -> None:
+    """save_partition / load_partition hand a MemberExports to checkpointing/moe.py and its states back to
+    the composite's import_partition_state, without calling the composite's file methods."""
+    import contextlib
+
+    from deepspeed_c.runtime.checkpointing import moe as checkpoint_moe
+    from deepspeed_c.runtime.checkpointing import zero as checkpoint_zero
+    from deepspeed_c.runtime.optimizer_seam import EngineOptimizer, MemberExports
+
+    mex = MemberExports(rank=1, world_size=2, members=[])
+    calls = []
+
+    class Composite(EngineOptimizer):
+        def partition_export(self):  # type: ignore[override]
+            return contextlib.nullcontext(mex)
+
+        def import_partition_state(self, state, load_optimizer_states,  # type: ignore[override]
+                                   load_from_fp32_weights):
+            calls.append(("import", state, load_optimizer_states, load_from_fp32_weights))
+
+        def partition_checkpoint_state(self, param_name):  # type: ignore[override]
+            raise AssertionError("the checkpointer converts the export")
+
+        def load_checkpoint_state(self, saved, load_optimizer_states):  # type: ignore[override]
+            raise AssertionError("the checkpointer converts the export")
+
+    orig_save, orig_load = checkpoint_moe.save_members, checkpoint_moe.load_members
+    try:
+        checkpoint_moe.save_members = lambda ex, name: (ex.rank, {"seen": ex})  # type: ignore[assignment]
+        checkpoint_moe.load_members = lambda ex, saved, states: [{"m": 0}, {"m": 1}]  # type: ignore[assignment]
+        assert checkpoint_zero.save_partition(Composite(), str) == (1, {"seen": mex})
+
+        class Saved:
+            load_from_fp32_weights = False
+
+        checkpoint_zero.load_partition(Composite(), Saved(), True)  # type: ignore[arg-type]
+    finally:
+        checkpoint_moe.save_members, checkpoint_moe.load_members = orig_save, orig_load
+    assert calls == [("import", [{"m": 0}, {"m": 1}], True, False)]

@@ -1,6 +1,6 @@
 """Checkpoints of models with MoE layers in DeepSpeed's MoE layout (stage 0; fp32, bf16, fp16; at ZeRO 1/2
 one file per data-parallel rank holds every MoE ZeRO member's groups, converted here from and to the
-members' partition exports: member_file_state, merge_member_states, read_member_state):
+members' partition exports (the optimizer's MemberExports): save_members, load_members):
 
     mp_rank_00_model_states.pt                       the non-expert weights (rank 0), num_experts
     layer_{L}_expert_{E}_mp_rank_00_model_states.pt  expert E (global id) of the L-th MoE layer, its keys
@@ -281,3 +281,23 @@ def read_member_state(ex: Any, ranks: list[int], offset: int, saved: SavedCheckp
     """One member's runtime-layout state (its masters filled in place) from groups [offset, offset + n) of
     the ZeRO files of global ranks `ranks` (collective over the member's group)."""
     return load_same_world(ex, MemberFiles(ex, ranks, offset, saved), masters, states)
+
+
+def save_members(mex: Any, param_name: Callable[[torch.nn.Parameter], str]) -> tuple[int, dict]:
+    """(data-parallel rank, its ZeRO file's optimizer_state_dict): every member's groups in DeepSpeed's flat
+    layout, one member after the other. `mex`: the MoE ZeRO optimizer's MemberExports. Collective over each
+    member's group."""
+    return mex.rank, merge_member_states([member_file_state(ex, param_name) for ex, _ in mex.members])
+
+
+def load_members(mex: Any, saved: SavedCheckpoint, load_optimizer_states: bool) -> list[dict]:
+    """One runtime-layout state per member (masters filled in place) from the ZeRO files, for the MoE ZeRO
+    optimizer's import_partition_state; the same world size and ep_size only. Collective over each member's
+    group."""
+    check_zero_world(saved, mex.world_size)
+    masters, states = bool(saved.load_from_fp32_weights), bool(load_optimizer_states)
+    out, offset = [], 0
+    for ex, ranks in mex.members:
+        out.append(read_member_state(ex, ranks, offset, saved, masters, states))
+        offset += len(ex.plans)
+    return out

@@ -28,7 +28,7 @@ from deepspeed_c.checkpoint.zero_exchange import exchange
 from deepspeed_c.ops.partition import DEEPSPEED_ALIGNMENT, PartitionPlan
 from deepspeed_c.ops.partition_route import layout_route
 from deepspeed_c.runtime.checkpointing.collective_guard import rank_local_step
-from deepspeed_c.runtime.optimizer_seam import PartitionExport, SavedCheckpoint
+from deepspeed_c.runtime.optimizer_seam import MemberExports, PartitionExport, SavedCheckpoint
 from deepspeed_c.version import DEEPSPEED_API_VERSION
 
 FP32_KEY = "single_partition_of_fp32_groups"
@@ -268,6 +268,10 @@ def save_partition(stepper: Any, param_name: Callable[[torch.nn.Parameter], str]
     with stepper.partition_export() as ex:
         if ex is None:
             return stepper.partition_checkpoint_state(param_name)
+        if isinstance(ex, MemberExports):  # the MoE ZeRO optimizer: its members' groups in one file per rank
+            from deepspeed_c.runtime.checkpointing.moe import save_members
+
+            return save_members(ex, param_name)
         if ex.stage == 3:
             from deepspeed_c.runtime.checkpointing.zero3 import optimizer_file_state
 
@@ -289,6 +293,12 @@ def load_partition(stepper: Any, saved: SavedCheckpoint, load_optimizer_states: 
         if ex is None:
             stepper.load_checkpoint_state(saved, load_optimizer_states)
             return
+        if isinstance(ex, MemberExports):
+            from deepspeed_c.runtime.checkpointing.moe import load_members
+
+            stepper.import_partition_state(load_members(ex, saved, load_optimizer_states),
+                                           bool(load_optimizer_states), bool(saved.load_from_fp32_weights))
+            return
         check_node_local(ex, saved)
         _load_frozen(ex, saved)
         # at the saved world size each rank reads only its own ZeRO file (all a node-local checkpoint holds)
@@ -304,7 +314,7 @@ def load_partition_weights(stepper: Any, saved: SavedCheckpoint) -> None:
     """load_module_only: the weights the model-states file does not hold (a ZeRO-3 checkpoint's are its fp32
     partitions), then the optimizer's masters follow the model's weights."""
     with stepper.partition_export() as ex:
-        if ex is None:
+        if ex is None or isinstance(ex, MemberExports):
             stepper.load_checkpoint_weights(saved)
             return
         if ex.stage == 3:

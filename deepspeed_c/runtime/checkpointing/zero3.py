@@ -32,6 +32,7 @@ from deepspeed_c.checkpoint.zero_exchange import exchange
 from deepspeed_c.ops.partition import PartitionPlan
 from deepspeed_c.ops.partition_route import layout_route
 from deepspeed_c.runtime.checkpointing.collective_guard import rank_local_step
+from deepspeed_c.runtime.optimizer_seam import PartitionExport
 
 FP32_KEY = "single_partition_of_fp32_groups"  # checkpoint_zero's name for a group's flat masters
 FLAT_GROUPS = "fp32_flat_groups"
@@ -172,7 +173,7 @@ def partitioned_model_state(stepper: Any, param_name: Callable[[torch.nn.Paramet
     from the optimizer's partition_export; None where one model-states file holds whole weights. A
     collective where it is not None."""
     with stepper.partition_export() as ex:
-        if ex is None or ex.store is None:
+        if not isinstance(ex, PartitionExport) or ex.store is None:  # None; the MoE optimizer's MemberExports
             return stepper.partitioned_model_state(param_name, exclude_frozen)
         return ex.rank, model_file_fields(ex.store, ex.params, ex.sub_group_size, param_name, exclude_frozen)
 

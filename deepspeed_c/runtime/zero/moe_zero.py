@@ -10,16 +10,18 @@ expert once, so every member takes the same overflow decision; fp16's dynamic lo
 member's, which the others only read. All members share the user's param-group dicts, so lr
 schedulers and `param_groups[i]["lr"]` keep working; each member steps a shallow copy of the user's
 optimizer that sees only its own groups (with offload_optimizer, each member offloads its own
-partitions). Checkpoints: runtime/zero/moe_zero_files.py."""
+partitions). Checkpoints: partition_export hands every member's export over with its ranks;
+runtime/checkpointing/moe.py converts them to DeepSpeed's MoE ZeRO files and back."""
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
 from deepspeed_c.runtime.moe_reduction import ExpertParallelism, ReducerSet, is_expert_param
-from deepspeed_c.runtime.optimizer_seam import EngineOptimizer, SavedCheckpoint
+from deepspeed_c.runtime.optimizer_seam import EngineOptimizer, MemberExports
 from deepspeed_c.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 
@@ -206,18 +208,28 @@ class MoEZeroOptimizer(EngineOptimizer):
     def model_file_state(self) -> Optional[dict]:
         return None
 
-    def partition_checkpoint_state(self, param_name: Callable[[torch.nn.Parameter], str]) -> tuple[int, dict]:
-        """(data-parallel rank, its ZeRO file): every member's groups in DeepSpeed's flat layout, one after
-        the other (expert groups partitioned over their expert-data-parallel group, partition_count
-        saying so, as DeepSpeed's MoE ZeRO files do). Collective over each member's group."""
-        from deepspeed_c.runtime.zero.moe_zero_files import member_state, merge_member_states
+    @contextlib.contextmanager
+    def partition_export(self) -> Iterator[MemberExports]:
+        """Every member's partition_export with the global ranks it is cut over (the ordinary parameters'
+        member: the data-parallel group; an expert group's: its expert-data-parallel group), for the
+        checkpointer (runtime/checkpointing/zero.py, moe.py) to convert; each member's state resident while
+        the context lasts."""
+        from deepspeed_c.utils import groups
 
-        return self.dp_rank, merge_member_states([member_state(m, param_name) for m in self.members])
+        with contextlib.ExitStack() as stack:
+            members = []
+            for m, name in zip(self.members, self.member_names):
+                ranks = (list(groups._get_expert_data_parallel_group_ranks(name)) if name is not None
+                         else list(range(self.dp_world_size)))
+                members.append((stack.enter_context(m.partition_export()), ranks))
+            yield MemberExports(rank=self.dp_rank, world_size=self.dp_world_size, members=members)
 
-    def load_checkpoint_state(self, saved: SavedCheckpoint, load_optimizer_states: bool) -> None:
-        from deepspeed_c.runtime.zero.moe_zero_files import load_members
-
-        load_members(self, saved, load_optimizer_states)
+    def import_partition_state(self, state: Optional[Sequence[Optional[dict]]], load_optimizer_states: bool,
+                               load_from_fp32_weights: bool) -> None:
+        """One runtime-layout state per member, in partition_export's order (None: masters only)."""
+        states = list(state) if state is not None else [None] * len(self.members)
+        for m, st in zip(self.members, states):
+            m.import_partition_state(st, load_optimizer_states, load_from_fp32_weights)
 
     def refresh_masters(self) -> None:
         for m in self.members:
