@@ -22,21 +22,11 @@ import torch
 
 import deepspeed_c
 from deepspeed_c.checkpoint import store
-from tests.unit.test_checkpoint_faults import make, stamp
+from tests.unit.test_checkpoint_faults import make, stamp, world_of_one  # noqa: F401 (autouse fixture)
 from tests.harness import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL_FILE = "mp_rank_00_model_states.pt"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def world_of_one():
-    import torch.distributed as dist
-
-    started = not dist.is_initialized()
-    yield
-    if started and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def loaded_step(save_dir: str, tag: str | None = None, hidden: int = 64) -> int:

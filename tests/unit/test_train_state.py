@@ -11,16 +11,7 @@ import torch
 import deepspeed_c
 from deepspeed_c.runtime.train_state import TrainState
 from tests.distributed.engine_models import MLP
-
-
-@pytest.fixture(scope="module", autouse=True)
-def world_of_one():
-    import torch.distributed as dist
-
-    started = not dist.is_initialized()
-    yield
-    if started and dist.is_initialized():
-        dist.destroy_process_group()
+from tests.unit.test_checkpoint_faults import world_of_one  # noqa: F401 (autouse fixture)
 
 
 def _engine():
