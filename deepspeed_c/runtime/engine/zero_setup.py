@@ -1,7 +1,7 @@
 """The engine building its ZeRO stage 1/2/3 optimizer (or, at stage 3 without an optimizer, its
 partitioned parameter store) from the config: DeepSpeedEngine._configure_zero calls these. They read
 the engine's public attributes; the config and the engine's reduce predicate come as arguments. The
-config-only pieces live in deepspeed_c/runtime/zero/engine_glue.py."""
+config-only pieces live in deepspeed_c/runtime/zero/optimizer_inputs.py."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -9,8 +9,8 @@ from typing import Any, Callable
 import torch
 
 from deepspeed_c.runtime.config.utils import parse_dtype
-from deepspeed_c.runtime.zero.engine_glue import (check_optimizer, master_dtype, nvme_offload_args, offload_threads,
-                                                  zero3_store_args)
+from deepspeed_c.runtime.zero.optimizer_inputs import (check_optimizer, master_dtype, nvme_offload_args,
+                                                       offload_threads, zero3_store_args)
 
 
 def _dp_rank(engine: Any) -> int:
