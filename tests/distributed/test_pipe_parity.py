@@ -422,7 +422,7 @@ def test_four_stages_pipe_by_data_zero1_and_checkpoints(tmp_path):
             want = want_w[key] if not key.startswith("7.") else want_w["0.weight"]
             assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want), key
     # the same files into a non-pipeline model of the same layers (torch.nn.Sequential keys)
-    from deepspeed_c.runtime.checkpointing.pipeline import state_dict_from_layer_files
+    from deepspeed_c.runtime.checkpointing.pipeline_layers import state_dict_from_layer_files
 
     seq = torch.nn.Sequential(torch.nn.Linear(pm.IN, pm.H, bias=False), torch.nn.Linear(pm.H, pm.H), torch.nn.Tanh(),
                               torch.nn.Linear(pm.H, pm.H), torch.nn.Tanh(), torch.nn.Linear(pm.H, pm.H), torch.nn.Tanh())

@@ -15,10 +15,7 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_c.checkpoint import deepspeed_format, store
-from deepspeed_c.runtime.checkpointing import nodes as nodes
-from deepspeed_c.runtime.checkpointing import reducer_order as reducer_order_file
-from deepspeed_c.runtime.checkpointing import zero as checkpoint_zero
-from deepspeed_c.runtime.checkpointing import zero3 as checkpoint_zero3
+from deepspeed_c.runtime.checkpointing import nodes, reducer_order, zero, zero3
 from deepspeed_c.runtime.checkpointing.options import CheckpointOptions
 from deepspeed_c.runtime.checkpointing.states import CheckpointStates
 from deepspeed_c.runtime.checkpointing.collective_guard import check_dir_arg, rank_local_step
@@ -129,16 +126,16 @@ class EngineCheckpointer:
             return names[id(p)]
 
         if st.has_moe_layers:  # DeepSpeed's MoE layout: experts and optimizer states in files of their own
-            from deepspeed_c.runtime.checkpointing import moe as checkpoint_moe
+            from deepspeed_c.runtime.checkpointing import moe
 
-            checkpoint_moe.check_stage(self.options.zero_stage)
-        part = checkpoint_zero.save_partition(st.stepper, name_of) if st.stepper is not None else None
+            moe.check_stage(self.options.zero_stage)
+        part = zero.save_partition(st.stepper, name_of) if st.stepper is not None else None
         # ZeRO-3: every rank writes its own model-states file, with its shards of the frozen parameters
-        shards = (checkpoint_zero3.partitioned_model_state(st.stepper, name_of, exclude_frozen_parameters)
+        shards = (zero3.partitioned_model_state(st.stepper, name_of, exclude_frozen_parameters)
                   if st.stepper is not None else None)
         with rank_local_step("save_checkpoint (writing this rank's files)", distributed=_dist()):
             if st.has_moe_layers:
-                my_files.update(checkpoint_moe.save_files(st.module, st.stepper, self.options.zero, stage))
+                my_files.update(moe.save_files(st.module, st.stepper, self.options.zero, stage))
             if part is not None:
                 name = zero_file(self.options.bf16, part[0])
                 state = {"optimizer_state_dict": part[1], "ds_config": self.options.ds_config,
@@ -160,7 +157,7 @@ class EngineCheckpointer:
                                      "name in the tag directory")
                 my_files[name] = store.save_file(state, os.path.join(stage, name))
             # the gradient reducers' re-planned bucket order: a resumed run reduces as this one does
-            order = reducer_order_file.rank_file(st.reducer, *_rank_world())
+            order = reducer_order.rank_file(st.reducer, *_rank_world())
             if order is not None:
                 my_files[order[0]] = store.save_file(order[1], os.path.join(stage, order[0]))
         files = self._gather_files(my_files, scope.members)
@@ -337,18 +334,18 @@ class EngineCheckpointer:
             if not st.has_moe_layers or self.options.zero:
                 self._load_optimizer(st, saved, load_optimizer_states)
             elif load_optimizer_states and st.stepper is not None:  # stage 0: the expp_rank files
-                from deepspeed_c.runtime.checkpointing import moe as checkpoint_moe
+                from deepspeed_c.runtime.checkpointing import moe
 
-                checkpoint_moe.load_optimizer(st.module, st.stepper, tag_dir, manifest)
+                moe.load_optimizer(st.module, st.stepper, tag_dir, manifest)
             if load_optimizer_states and st.stepper is not None:  # this rank's own file, where it has one
                 st.stepper.load_rank_checkpoint_file(saved)
-            reducer_order_file.restore(st.reducer, tag_dir, manifest, *_rank_world())
+            reducer_order.restore(st.reducer, tag_dir, manifest, *_rank_world())
             if load_lr_scheduler_states and st.lr_scheduler is not None and state.get("lr_scheduler"):
                 st.lr_scheduler.load_state_dict(state["lr_scheduler"])
             st.train_state.load_state_dict(state, samples_per_step=st.samples_per_step)
         elif st.has_optimizer and st.stepper is not None:
             # masters follow the loaded weights (a stage-3 checkpoint's weights are its fp32 partitions)
-            checkpoint_zero.load_partition_weights(st.stepper, saved)
+            zero.load_partition_weights(st.stepper, saved)
         client = {k: v for k, v in state.items() if k not in DS_KEYS}
         return os.path.join(tag_dir, model_file), client
 
@@ -357,10 +354,10 @@ class EngineCheckpointer:
         engine keeping whole parameters, a stage-3 checkpoint's frozen parameters from every rank's file."""
         module_state = saved.model_state["module"]
         if st.has_moe_layers:  # the experts this rank holds now, from the expert files
-            from deepspeed_c.runtime.checkpointing import moe as checkpoint_moe
+            from deepspeed_c.runtime.checkpointing import moe
 
-            checkpoint_moe.check_stage(self.options.zero_stage)
-            module_state = {**module_state, **checkpoint_moe.load_experts(st.module, saved.tag_dir, saved.manifest)}
+            moe.check_stage(self.options.zero_stage)
+            module_state = {**module_state, **moe.load_experts(st.module, saved.tag_dir, saved.manifest)}
         if saved.partitioned_weights:
             if not self.options.zero:
                 raise NotImplementedError(
@@ -434,4 +431,4 @@ class EngineCheckpointer:
     def _load_optimizer(self, st: CheckpointStates, saved: SavedCheckpoint, load_states: bool) -> None:
         if st.stepper is None:
             return
-        checkpoint_zero.load_partition(st.stepper, saved, load_states)
+        zero.load_partition(st.stepper, saved, load_states)

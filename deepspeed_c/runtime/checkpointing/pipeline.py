@@ -23,7 +23,6 @@ from deepspeed_c.runtime.checkpointing.zero import load_partition, save_partitio
 from deepspeed_c.runtime.checkpointing.collective_guard import check_dir_arg, rank_local_step
 
 from deepspeed_c.runtime.checkpointing.pipeline_layers import apply_layer_states, layer_file_states, read_layer_files
-from deepspeed_c.runtime.checkpointing.pipeline_layers import state_dict_from_layer_files  # noqa: F401 (its former home; callers import it here)
 
 # keys of the stage files that are DeepSpeed's; everything else is client state
 DS_KEYS = frozenset({"module", "optimizer", "param_shapes", "lr_scheduler", "sparse_tensor_module_names",

@@ -81,7 +81,7 @@ def file_state(ex: PartitionExport, param_name: Callable[[torch.nn.Parameter], s
 
 class _SavedFiles:
     """The ZeRO-1/2 files of one checkpoint tag, opened one at a time, mapped and validated. Each saved
-    group's partition is in `layout` of `plans[g]` (the interface checkpoint_zero3.Stage3Files shares)."""
+    group's partition is in `layout` of `plans[g]` (the interface zero3.Stage3Files shares)."""
 
     layout = "deepspeed"
 

@@ -12,7 +12,7 @@ In per-parameter terms that concatenation is exactly the runtime layout of a Par
 bucket per parameter and alignment 1 (`per_param_plan`). deepspeed_c's stage-3 runtime keeps the same
 elements bucketed by module (ParamStore plans), so saving is, per group, one point-to-point exchange
 between the two runtime layouts (ops.partition_route + checkpoint.zero_exchange): a rank only ever
-holds its own partitions. Loading is the reverse, through checkpoint_zero's loader (which reads a
+holds its own partitions. Loading is the reverse, through zero.py's loader (which reads a
 stage-3 checkpoint's files through `Stage3Files`): at the saved world size each rank reads only its own
 files, at another only the files whose shards overlap its new partition. Frozen parameters are re-cut
 the same way from the model-states files."""
@@ -34,7 +34,7 @@ from deepspeed_c.ops.partition_route import layout_route
 from deepspeed_c.runtime.checkpointing.collective_guard import rank_local_step
 from deepspeed_c.runtime.optimizer_seam import PartitionExport
 
-FP32_KEY = "single_partition_of_fp32_groups"  # checkpoint_zero's name for a group's flat masters
+FP32_KEY = "single_partition_of_fp32_groups"  # zero.py's name for a group's flat masters
 FLAT_GROUPS = "fp32_flat_groups"
 MIN_ROUND = 1 << 20
 
@@ -180,7 +180,7 @@ def partitioned_model_state(stepper: Any, param_name: Callable[[torch.nn.Paramet
 
 # -- load: the optimizer's files ------------------------------------------------------------------------
 class Stage3Files:
-    """The ZeRO files of a stage-3 checkpoint, read as checkpoint_zero's loader reads stage 1/2 ones: per
+    """The ZeRO files of a stage-3 checkpoint, read as zero.py's loader reads stage 1/2 ones: per
     param group, rank r's sub-groups concatenated are its partition in the runtime layout of
     per_param_plan (`layout`), and the state of the group's first sub-group (moments concatenated too)
     stands for the group's."""

@@ -95,7 +95,8 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
         self.timers = self.report.timers
         self.tput_timer = self.report.tput_timer
         self.monitor = self.report.monitor
-        from deepspeed_c.runtime.checkpointing.engine import CheckpointOptions, EngineCheckpointer
+        from deepspeed_c.runtime.checkpointing.engine import EngineCheckpointer
+        from deepspeed_c.runtime.checkpointing.options import CheckpointOptions
 
         self.checkpointer: Any = EngineCheckpointer(CheckpointOptions.from_config(self._config))
         self.precision = Precision(self._config)
