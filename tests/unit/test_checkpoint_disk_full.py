@@ -22,11 +22,12 @@ import torch
 
 import deepspeed_c
 from deepspeed_c.checkpoint import store
-from tests.unit.test_checkpoint_faults import make, stamp, world_of_one  # noqa: F401 (autouse fixture)
+from tests.unit.test_checkpoint_faults import make, stamp
 from tests.harness import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL_FILE = "mp_rank_00_model_states.pt"
+pytestmark = pytest.mark.usefixtures("world_of_one")  # in-process initialize: no process group leaks
 
 
 def loaded_step(save_dir: str, tag: str | None = None, hidden: int = 64) -> int:

@@ -17,14 +17,7 @@ from tests.distributed.engine_models import MLP
 KILLS = 24
 
 
-@pytest.fixture(scope="module", autouse=True)
-def world_of_one():
-    import torch.distributed as dist
-
-    started = not dist.is_initialized()
-    yield
-    if started and dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("world_of_one")  # in-process initialize: no process group leaks
 
 
 def make(hidden: int = 64):

@@ -11,9 +11,7 @@ from deepspeed_c.profiling.flops_profiler import FlopsProfiler, number_to_string
 from tests.distributed.engine_models import MLP, loss_fn
 
 
-@pytest.fixture(scope="module", autouse=True)
-def world_of_one(world_of_one):
-    yield
+pytestmark = pytest.mark.usefixtures("world_of_one")  # in-process initialize: no process group leaks
 
 
 def _engine(section: dict):

@@ -11,7 +11,8 @@ import torch
 import deepspeed_c
 from deepspeed_c.runtime.train_state import TrainState
 from tests.distributed.engine_models import MLP
-from tests.unit.test_checkpoint_faults import world_of_one  # noqa: F401 (autouse fixture)
+
+pytestmark = pytest.mark.usefixtures("world_of_one")  # in-process initialize: no process group leaks
 
 
 def _engine():

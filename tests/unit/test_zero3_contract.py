@@ -17,9 +17,7 @@ import deepspeed_c
 from deepspeed_c.runtime.zero.partition_parameters import ZeroParamStatus
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_rank(world_of_one):
-    yield
+pytestmark = pytest.mark.usefixtures("world_of_one")  # in-process initialize: no process group leaks
 
 
 class Net(torch.nn.Module):

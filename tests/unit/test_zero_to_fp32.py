@@ -16,14 +16,7 @@ from deepspeed_c.utils import zero_to_fp32 as z
 from tests.distributed.engine_models import MLP, loss_fn
 
 
-@pytest.fixture(scope="module", autouse=True)
-def world_of_one():
-    import torch.distributed as dist
-
-    started = not dist.is_initialized()
-    yield
-    if started and dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("world_of_one")  # in-process initialize: no process group leaks
 
 
 def trained(tmp_path, bf16: bool):
