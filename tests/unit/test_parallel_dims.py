@@ -49,9 +49,48 @@ def test_autotp_reads_its_tensor_size_and_group():
     assert one.autotp and not one.tensor_parallel
 
 
-def test_other_model_parallelism_is_refused_naming_the_getter():
-    with pytest.raises(NotImplementedError, match=r"model-parallel world size of 2 \(mpu.get_model_parallel_world_size"):
+def test_model_parallel_mpu_missing_a_protocol_method_is_named():
+    # a model-parallel size above 1 is read through DeepSpeed's mpu protocol, which this mpu lacks in part
+    with pytest.raises(TypeError, match=r"get_model_parallel_rank.*get_model_parallel_group.*get_data_parallel_rank"):
         ParallelDims.from_mpu(DataOnlyMPU(dp=2, mp=2), world_size=4, config_world_size=2)
+
+
+class MegatronMPU(DataOnlyMPU):
+    """Single-process: the group checks need torch.distributed and are skipped by read_mpu without it."""
+
+    def __init__(self, dp: int, tp: int, rank: int) -> None:
+        super().__init__(dp, tp)
+        self.rank = rank
+
+    def get_data_parallel_rank(self) -> int:
+        return self.rank // self.mp
+
+    def get_model_parallel_rank(self) -> int:
+        return self.rank % self.mp
+
+    def get_model_parallel_group(self) -> str:
+        return "mp-group"
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return self.mp
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return self.rank % self.mp
+
+    def get_tensor_model_parallel_group(self) -> str:
+        return "tp-group"
+
+
+def test_megatron_mpu_reads_tensor_and_model_axes():
+    dims = ParallelDims.from_mpu(MegatronMPU(dp=2, tp=2, rank=3), world_size=4, config_world_size=2)
+    assert (dims.data, dims.tensor, dims.model, dims.model_rank, dims.tensor_rank) == (2, 2, 2, 1, 1)
+    assert dims.tensor_parallel and not dims.autotp and not dims.autotp_sharded
+    assert (dims.data_group, dims.tensor_group) == ("dp-group", "tp-group")
+
+
+def test_megatron_mpu_sizes_must_cover_the_world():
+    with pytest.raises(ValueError, match=r"data-parallel size 2 x model-parallel size 2 = 4, but the world size is 8"):
+        ParallelDims.from_mpu(MegatronMPU(dp=2, tp=2, rank=0), world_size=8, config_world_size=2)
 
 
 def test_frozen():

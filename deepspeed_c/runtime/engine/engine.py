@@ -152,7 +152,8 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
         else:
             self.world_size, self.global_rank = 1, 0
         # the mpu is probed once, here; collaborators read the one topology object (runtime/parallel_dims.py)
-        self.parallel_dims = ParallelDims.from_mpu(self.mpu, self.world_size, self._config.world_size)
+        self.parallel_dims = ParallelDims.from_mpu(self.mpu, self.world_size, self._config.world_size,
+                                                   self.global_rank)
         self.sequence_parallel_size = self.parallel_dims.sequence
         self.dp_world_size = self.parallel_dims.data
         self.data_parallel_group = self.parallel_dims.data_group
@@ -164,6 +165,10 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
         self.precision.cast_module(model)
         if not self.dont_change_device:
             model.to(self.device)
+        if self.parallel_dims.tensor_parallel and not self.parallel_dims.autotp:
+            from deepspeed_c.runtime.model_parallel.tp_norm import mark_tensor_parallel_params
+
+            mark_tensor_parallel_params(model)  # the client's split parameters, as DeepSpeed's norm counts them
         import torch.distributed as tdist
         from deepspeed_c.runtime.moe_reduction import ExpertParallelism
 
@@ -207,10 +212,11 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
                 seen.add(id(p))
         self.basic_optimizer = basic
         self.optimizer = self.precision.wrap_optimizer(
-            basic, self.device, sync_overflow=self._any_rank_overflowed if self.dp_world_size > 1 else None,
+            basic, self.device, sync_overflow=self._any_rank_overflowed
+            if self.dp_world_size > 1 or self.parallel_dims.tensor_parallel else None,
             dp_world_size=self.dp_world_size, zero_owns_masters=self.zero_optimization_stage() > 0,
-            norm_across_ranks=self.mpu.grad_norm_fn(self.module) if self.parallel_dims.autotp  # TP: whole
-            else self.moe.norm_across_ranks(self.data_parallel_group, self.dp_world_size, self.device))
+            norm_across_ranks=self._tensor_parallel_norm()  # TP: the whole model's
+            or self.moe.norm_across_ranks(self.data_parallel_group, self.dp_world_size, self.device))
         log_dist(f"DeepSpeed Final Optimizer = {self.optimizer.__class__.__name__}", ranks=[0])
 
     def _configure_lr_scheduler(self) -> None:
@@ -253,8 +259,8 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
 
     def _configure_reducer(self) -> None:
         moe_norm = self.moe.norm_across_ranks(self.data_parallel_group, self.dp_world_size, self.device)
-        if self.parallel_dims.autotp:  # AutoTP: shards' squares summed over the TP group, replicas once
-            moe_norm = self.mpu.grad_norm_fn(self.module)
+        if self.parallel_dims.tensor_parallel:  # shards' squares summed over the TP group, replicas once
+            moe_norm = self._tensor_parallel_norm()
         self.stepper = engine_optimizer(self.optimizer, self._params, self.gradient_clipping(),
                                         self.precision.grad_scaler, moe_norm)
         owned = self.stepper.owned_reducer() if self.stepper is not None else None
@@ -285,8 +291,18 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
         import torch.distributed as tdist
 
         flag = torch.tensor([1.0 if overflow else 0.0], device=self.device)
-        _comm().all_reduce(flag, op=tdist.ReduceOp.MAX, group=self.data_parallel_group)
+        # tensor parallel: every rank of the (data x tensor) world skips together
+        group = None if self.parallel_dims.tensor_parallel else self.data_parallel_group
+        _comm().all_reduce(flag, op=tdist.ReduceOp.MAX, group=group)
         return bool(flag.item() > 0)
+
+    def _tensor_parallel_norm(self) -> Any:
+        """The whole model's gradient norm function under tensor parallelism (None without it)."""
+        if not self.parallel_dims.tensor_parallel:
+            return None
+        from deepspeed_c.runtime.model_parallel.tp_norm import tensor_parallel_norm_fn
+
+        return tensor_parallel_norm_fn(self.module, self.parallel_dims.tensor_group)
 
     def _should_reduce(self) -> bool:
         return (self.enable_backward_allreduce and not self.inside_no_sync_ctxt

@@ -173,7 +173,7 @@ def _tp_full_view(engine: Any, what: str) -> Any:
     duration of a save or load: the checkpoint is the unsharded model's, loadable at any TP degree."""
     import contextlib
 
-    if not engine.parallel_dims.tensor_parallel:
+    if not engine.parallel_dims.autotp_sharded:
         return contextlib.nullcontext()
     from deepspeed_c.runtime.checkpointing.tensor_parallel import check_supported, full_view
 
