@@ -33,14 +33,19 @@ DS_KEYS = ("module", "buffer_names", "optimizer", "param_shapes", "frozen_param_
            "frozen_param_fragments", "ds_zero_stage", "checkpoint_parallel_dimensions", "num_experts")
 
 
-def zero3_model_file(dp_rank: int) -> str:
+def model_file(mp_rank: int = 0) -> str:
+    """The model-states file of model-parallel rank `mp_rank` (a client mpu's; 00 otherwise)."""
+    return f"mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def zero3_model_file(dp_rank: int, mp_rank: int = 0) -> str:
     """ZeRO-3 writes one model-states file per data-parallel rank, named like DeepSpeed's."""
-    return f"zero_pp_rank_{dp_rank}_mp_rank_00_model_states.pt"
+    return f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_model_states.pt"
 
 
-def zero_file(bf16: bool, dp_rank: int) -> str:
+def zero_file(bf16: bool, dp_rank: int, mp_rank: int = 0) -> str:
     # DeepSpeed names ZeRO files with a bf16_ prefix whenever bf16 is enabled (any stage).
-    return deepspeed_format.zero_file_name(dp_rank, bf16)
+    return deepspeed_format.zero_file_name(dp_rank, bf16, mp_rank)
 
 
 def _rank_world() -> tuple[int, int]:
@@ -137,17 +142,18 @@ class EngineCheckpointer:
             if st.has_moe_layers:
                 my_files.update(moe.save_files(st.module, st.stepper, self.options.zero, stage))
             if part is not None:
-                name = zero_file(self.options.bf16, part[0])
+                name = zero_file(self.options.bf16, part[0], st.mp_rank)
                 state = {"optimizer_state_dict": part[1], "ds_config": self.options.ds_config,
                          "ds_version": DEEPSPEED_API_VERSION}
                 my_files[name] = store.save_file(state, os.path.join(stage, name))
             if shards is not None:
                 model_state = self._model_state(st, client_state, exclude_frozen_parameters, True, shards)
-                name = zero3_model_file(shards[0])
+                name = zero3_model_file(shards[0], st.mp_rank)
                 my_files[name] = store.save_file(model_state, os.path.join(stage, name))
-            elif scope.writer:
+            elif scope.writer if st.mp_world_size == 1 else st.dp_rank == 0:  # model parallel: each mp rank's
                 model_state = self._model_state(st, client_state, exclude_frozen_parameters, part is not None)
-                my_files[MODEL_FILE] = store.save_file(model_state, os.path.join(stage, MODEL_FILE))
+                name = model_file(st.mp_rank)
+                my_files[name] = store.save_file(model_state, os.path.join(stage, name))
             # state that differs between ranks (the 1-bit optimizers' compression errors): a file of its own
             own = st.stepper.rank_checkpoint_file() if st.stepper is not None else None
             if own is not None:
@@ -244,8 +250,8 @@ class EngineCheckpointer:
             "global_steps": counters["global_steps"],
             "global_samples": counters["global_samples"],
             "dp_world_size": st.dp_world_size,
-            "mp_world_size": 1,
-            "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+            "mp_world_size": st.mp_world_size,
+            "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": st.mp_world_size},
             "ds_config": self.options.ds_config,
             "ds_version": DEEPSPEED_API_VERSION,
         }
@@ -321,11 +327,12 @@ class EngineCheckpointer:
         dp_rank = st.dp_rank
         # every file this rank reads before the optimizer's collectives (ZeRO-3: its own model-states file)
         with rank_local_step("load_checkpoint (reading this rank's model states)", distributed=_dist()):
-            tag_dir, manifest, state, model_file, model_rank = self._open_tag(load_dir, tag, dp_rank)
+            tag_dir, manifest, state, model_name, model_rank = self._open_tag(load_dir, tag, dp_rank, st.mp_rank)
             saved = SavedCheckpoint(tag_dir=tag_dir, manifest=manifest, model_state=state,
                                     bf16=self.options.bf16, load_from_fp32_weights=self.options.load_from_fp32_weights,
                                     node_local=nodes.node_local_enabled(self.options.node_local_storage),
-                                    partitioned_weights=model_rank is not None, model_rank=model_rank)
+                                    partitioned_weights=model_rank is not None, model_rank=model_rank,
+                                    mp_rank=st.mp_rank)
             module_state = self._module_state(st, saved, custom_load_fn)
         # a mismatch with this rank's model raises on every rank (the guards must stay in step on all ranks)
         with rank_local_step("load_checkpoint (applying the module's weights)", distributed=_dist()):
@@ -347,7 +354,7 @@ class EngineCheckpointer:
             # masters follow the loaded weights (a stage-3 checkpoint's weights are its fp32 partitions)
             zero.load_partition_weights(st.stepper, saved)
         client = {k: v for k, v in state.items() if k not in DS_KEYS}
-        return os.path.join(tag_dir, model_file), client
+        return os.path.join(tag_dir, model_name), client
 
     def _module_state(self, st: CheckpointStates, saved: SavedCheckpoint, custom_load_fn: Optional[Callable]) -> dict:
         """The module state_dict to apply: the model-states file's, plus this rank's experts (MoE) and, for an
@@ -373,7 +380,8 @@ class EngineCheckpointer:
                                                         saved.model_rank))
         return module_state
 
-    def _open_tag(self, load_dir: str, tag: str, dp_rank: int = 0) -> tuple[str, Any, dict, str, Optional[int]]:
+    def _open_tag(self, load_dir: str, tag: str, dp_rank: int = 0,
+                  mp_rank: int = 0) -> tuple[str, Any, dict, str, Optional[int]]:
         """The tag's directory, its manifest, its model-states file, that file's name and, for a ZeRO-3
         checkpoint (per-rank model-states files), whose file it is (this rank's, else rank 0's)."""
         tag_dir = os.path.join(load_dir, tag)
@@ -389,10 +397,16 @@ class EngineCheckpointer:
         from deepspeed_c.runtime.checkpointing.zero3 import is_stage3_checkpoint
 
         if is_stage3_checkpoint(tag_dir, dp_rank):
-            rank = dp_rank if os.path.isfile(os.path.join(tag_dir, zero3_model_file(dp_rank))) else 0
-            name = zero3_model_file(rank)
+            rank = dp_rank if os.path.isfile(os.path.join(tag_dir, zero3_model_file(dp_rank, mp_rank))) else 0
+            name = zero3_model_file(rank, mp_rank)
             return tag_dir, manifest, store.load_file(tag_dir, name, manifest), name, rank
-        return tag_dir, manifest, store.load_file(tag_dir, MODEL_FILE, manifest), MODEL_FILE, None
+        name = model_file(mp_rank)
+        if mp_rank and not os.path.isfile(os.path.join(tag_dir, name)):
+            raise FileNotFoundError(f"load_checkpoint: {tag_dir} has no {name} for model-parallel rank {mp_rank} "
+                                    f"(directory holds: {store.listing(tag_dir)}); it was saved with fewer "
+                                    "model-parallel ranks, and changing the tensor-parallel degree of a client "
+                                    "mpu's checkpoint is not supported")
+        return tag_dir, manifest, store.load_file(tag_dir, name, manifest), name, None
 
     def _load_module(self, st: CheckpointStates, saved: dict, strict: bool, custom_load_fn: Optional[Callable]) -> None:
         if custom_load_fn is not None:

@@ -36,6 +36,9 @@ class CheckpointStates:
     dp_rank: int
     local_rank: int
     num_experts: Optional[list[int]]
+    # a client mpu's model parallelism (runtime/parallel_dims.py): its rank names the mp_rank_XX files
+    mp_rank: int = 0
+    mp_world_size: int = 1
 
     @property
     def has_moe_layers(self) -> bool:

@@ -165,6 +165,7 @@ class EngineIO:
                     has_optimizer=self.optimizer is not None, lr_scheduler=self.lr_scheduler, reducer=self.reducer,
                     train_state=self.train_state, samples_per_step=self.train_batch_size(),
                     dp_world_size=self.dp_world_size, dp_rank=dp_rank, local_rank=int(self.local_rank),
+                    mp_rank=self.parallel_dims.model_rank, mp_world_size=self.parallel_dims.model,
                     num_experts=self.num_experts if self.has_moe_layers else None)
 
 

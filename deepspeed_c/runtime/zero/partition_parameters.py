@@ -15,6 +15,7 @@ import functools
 import itertools
 import json
 import os
+import types
 from typing import Any, Iterable, Optional
 
 import torch
@@ -344,14 +345,17 @@ class Init:
     @torch.no_grad()
     def partition_module(self, module: torch.nn.Module) -> None:
         for name, buf in module._buffers.items():  # buffers live on the compute device, as DeepSpeed's do
-            if buf is not None and buf.device != self.compute_device:
-                module._buffers[name] = buf.to(self.compute_device)
+            if buf is not None and buf.device != self.compute_device and not buf.is_meta:
+                module._buffers[name] = buf.to(self.compute_device)  # a meta one waits for to_empty
+        self._swap_meta_params(module)
         params = [p for p in module._parameters.values() if p is not None and not is_zero_param(p)]
         if not params:
             return
         import torch.distributed as dist
 
         for p in params:
+            if hasattr(p, "ds_shape"):  # a meta parameter's stand-in: its shard is allocated, nothing to copy
+                continue
             p.data = p.data.to(device=self.compute_device, dtype=self.dtype if p.is_floating_point() else p.dtype)
             if self.world_size > 1:  # every rank partitions the same values
                 src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
@@ -360,14 +364,60 @@ class Init:
                            dtype=self.dtype, compute_device=self.compute_device, home_device=self.home_device,
                            pin_memory=self.pin_memory)
         for i, p in enumerate(params):
-            store.load_full(0, i, p.data)
+            if not hasattr(p, "ds_shape"):
+                store.load_full(0, i, p.data)
         # the shards are cut: drop the whole values (adopt sees them as partitioned)
         for p in params:
-            p.ds_numel, p.ds_shape = p.numel(), p.shape
+            if not hasattr(p, "ds_shape"):
+                p.ds_numel, p.ds_shape = p.numel(), p.shape
         for p in params:
             p.data = torch.empty(0, dtype=p.dtype, device=self.compute_device)
         adopt(store)
         guard_forward(module)
+
+    def _swap_meta_params(self, module: torch.nn.Module) -> None:
+        """A parameter on `meta` (skip_init, a model built under torch.device("meta")) has no values to
+        cut, and torch will not point a meta tensor's .data at real memory: it is replaced by a Parameter
+        of its shape holding the empty placeholder, whose shard is allocated (zeros) and never copied into.
+        A parameter shared by several modules is replaced once, so ties survive."""
+        swapped = self.__dict__.setdefault("_meta_swapped", {})
+        for name, p in list(module._parameters.items()):
+            if p is None or is_zero_param(p) or not p.is_meta:
+                continue
+            new = swapped.get(id(p))
+            if new is None:
+                dtype = self.dtype if p.is_floating_point() else p.dtype
+                new = torch.nn.Parameter(torch.empty(0, dtype=dtype, device=self.compute_device),
+                                         requires_grad=p.requires_grad)
+                new.__dict__.update(p.__dict__)  # user attributes (e.g. transformers' init flags)
+                new.ds_numel, new.ds_shape = p.numel(), p.shape
+                swapped[id(p)] = new
+                swapped[id(new)] = new  # keeps p's id from being reused while this Init lives
+                self.__dict__.setdefault("_meta_originals", []).append(p)
+            module._parameters[name] = new
+        if swapped and _constructed_on_meta(module):
+            _repoint_after_to_empty(module)
+
+
+def _constructed_on_meta(module: torch.nn.Module) -> bool:
+    return bool(module.__dict__.get("_dsc_built_on_meta"))
+
+
+def _to_empty_keeping_shards(module: torch.nn.Module, *, device: Any, recurse: bool = True) -> torch.nn.Module:
+    """skip_init's to_empty on a module whose parameters are already partitioned: torch gives each an
+    empty tensor on `device`; the partitioned ones go back to their placeholder on the compute device."""
+    module.__dict__.pop("to_empty", None)
+    type(module).to_empty(module, device=device, recurse=recurse)
+    for p in module.parameters(recurse=recurse):
+        if is_zero_param(p) and p.ds_status is ZeroParamStatus.NOT_AVAILABLE:
+            store, _ = _home(p)
+            p.data = torch.empty(0, dtype=p.dtype, device=store.compute_device)
+    return module
+
+
+def _repoint_after_to_empty(module: torch.nn.Module) -> None:
+    if "to_empty" not in module.__dict__:  # a bound method: deepcopy and pickle rebind it to the copy
+        module.__dict__["to_empty"] = types.MethodType(_to_empty_keeping_shards, module)
 
 
 def _unavailable_guard(module: torch.nn.Module, args: Any) -> None:
@@ -390,21 +440,42 @@ def drop_guard(module: torch.nn.Module) -> None:
         handle.remove()
 
 
+_meta_build_depth = 0  # constructors running with device="meta" (skip_init), outermost first
+
+
+def _is_meta_device(device: Any) -> bool:
+    try:
+        return device is not None and torch.device(device).type == "meta"
+    except (TypeError, RuntimeError):
+        return False
+
+
 def _wrap_init(cls: type) -> None:
     original = cls.__dict__["__init__"]
 
     @functools.wraps(original)
     def init(self: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        global _meta_build_depth
         depth = self.__dict__.get("_dsc_init_depth", 0)
         self.__dict__["_dsc_init_depth"] = depth + 1
+        # skip_init builds its module with device="meta" and calls to_empty on that outermost one only
+        on_meta = depth == 0 and _is_meta_device(kwargs.get("device"))
+        outermost_meta = on_meta and _meta_build_depth == 0
+        _meta_build_depth += on_meta
         try:
             original(self, *args, **kwargs)
         finally:
             self.__dict__["_dsc_init_depth"] -= 1
+            _meta_build_depth -= on_meta
         if self.__dict__["_dsc_init_depth"] == 0:
             del self.__dict__["_dsc_init_depth"]
             if _init_stack:
-                _init_stack[-1].partition_module(self)
+                if outermost_meta:
+                    self.__dict__["_dsc_built_on_meta"] = True
+                try:
+                    _init_stack[-1].partition_module(self)
+                finally:
+                    self.__dict__.pop("_dsc_built_on_meta", None)
 
     _patched[cls] = original
     cls.__init__ = init  # type: ignore[misc]
