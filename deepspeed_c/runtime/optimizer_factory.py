@@ -5,6 +5,8 @@ As DeepSpeed's `_configure_basic_optimizer`: the DeepSpeedCPU* optimizers only w
 FusedLion on every device (they step host tensors with the C CPU kernels), "Adagrad" ->
 torch.optim.Adagrad. "Adam" means AdamW unless `adam_w_mode` is false, and `torch_adam: true` picks
 torch.optim.Adam/AdamW instead. "Lamb" -> FusedLamb on a GPU, the torch CPULamb on the CPU.
+"Muon" -> MuonWithAuxAdam over the parameters' use_muon flags (runtime/zero/muon/param_groups.py);
+"MuSGD" -> muP's MuSGD from the `mup` package, as DeepSpeed's.
 Any other name must be a torch.optim class (e.g. "SGD")."""
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from deepspeed_c.runtime.config.optim import (ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAM_W_MODE, ADAM_W_MODE_DEFAULT,
-                                              ADAMW_OPTIMIZER, LAMB_OPTIMIZER, LION_OPTIMIZER, TORCH_ADAM_PARAM)
+                                              ADAMW_OPTIMIZER, LAMB_OPTIMIZER, LION_OPTIMIZER, MUON_OPTIMIZER,
+                                              MUSGD_OPTIMIZER, TORCH_ADAM_PARAM)
 from deepspeed_c.runtime.config.utils import DeepSpeedConfigError, closest
 
 
@@ -120,10 +123,34 @@ def build_optimizer(name: str, params: Optional[dict[str, Any]], model_parameter
     if name == LAMB_OPTIMIZER:
         cls = _cls("deepspeed_c.ops.lamb.FusedLamb" if on_gpu else "deepspeed_c.ops.lamb.cpu_lamb.CPULamb")
         return _build(cls, model_parameters, params)
+    if name == MUON_OPTIMIZER:
+        return _build_muon(model_parameters, params, bool(cpu_optimizer), getattr(deepspeed, "module", None))
+    if name == MUSGD_OPTIMIZER:
+        try:
+            from mup import MuSGD
+        except ImportError:
+            raise ImportError("optimizer.type 'MuSGD' is muP's MuSGD from the `mup` package, which is not installed: "
+                              "pip install mup (and call mup.set_base_shapes on the model first)") from None
+        return _build(MuSGD, model_parameters, params)
     cls = getattr(torch.optim, name, None)
     if cls is None:
         raise DeepSpeedConfigError(f"Invalid value {name!r} for config key 'optimizer.type'")
     return _build(cls, model_parameters, params)
+
+
+def _build_muon(model_parameters: Any, params: dict[str, Any], cpu_optimizer: bool,
+                module: Optional[torch.nn.Module]) -> torch.optim.Optimizer:
+    """DeepSpeed's engine: Muon for the parameters flagged use_muon, Adam for the rest. The flags are set on the
+    engine's module here, as deepspeed.initialize sets them on the model."""
+    from deepspeed_c.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+    from deepspeed_c.runtime.zero.muon.param_groups import flag_parameters, muon_param_groups
+
+    if cpu_optimizer:
+        raise NotImplementedError("deepspeed_c: the Muon optimizer with zero_optimization.offload_optimizer is not "
+                                  "built (Newton-Schulz needs whole matrices on the device); remove offload_optimizer")
+    if module is not None:
+        flag_parameters(module)
+    return MuonWithAuxAdam(muon_param_groups(model_parameters, params))
 
 
 def is_optimizer_callable(obj: Any) -> bool:

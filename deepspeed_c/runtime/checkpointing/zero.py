@@ -234,12 +234,12 @@ def read_zero_files(ex: PartitionExport, tag_dir: str, manifest: Any, model_stat
     stage 1/2 or 3 optimizer's export), at the saved world size or another (collective over ex.group): the
     masters are filled in place, the returned runtime-layout state is what import_partition_state applies
     (None with `module_only`: the masters only, the model weights follow them). A stage-3 checkpoint's
-    weights exist only as its fp32 partitions: they are always loaded. `mp_rank`: the pipeline stage whose
-    files to read (zero_pp_rank_{r}_mp_rank_{stage:02d}_optim_states.pt)."""
+    weights exist only as its fp32 partitions: they are always loaded. `mp_rank`: the pipeline stage, or a
+    client mpu's model-parallel rank, whose files to read (zero_pp_rank_{r}_mp_rank_{mp:02d}_optim_states.pt)."""
     if saved_stage3:
         from deepspeed_c.runtime.checkpointing.zero3 import Stage3Files
 
-        files: Any = Stage3Files(ex, tag_dir, manifest, model_state, bf16)
+        files: Any = Stage3Files(ex, tag_dir, manifest, model_state, bf16, mp_rank)
     else:
         files = _SavedFiles(ex, tag_dir, manifest, model_state, bf16, mp_rank)
     masters = bool(load_from_fp32_weights) or saved_stage3 or module_only

@@ -187,8 +187,8 @@ class Stage3Files:
 
     layout = "runtime"
 
-    def __init__(self, ex: Any, tag_dir: str, manifest: Any, model_state: dict, bf16: bool) -> None:
-        self.tag_dir, self.manifest, self.bf16 = tag_dir, manifest, bf16
+    def __init__(self, ex: Any, tag_dir: str, manifest: Any, model_state: dict, bf16: bool, mp_rank: int = 0) -> None:
+        self.tag_dir, self.manifest, self.bf16, self.mp_rank = tag_dir, manifest, bf16, mp_rank
         self.world = int(model_state.get("dp_world_size") or 1)
         self.shapes = model_state.get("param_shapes")
         if not isinstance(self.shapes, (list, tuple)) or not self.shapes:
@@ -207,7 +207,7 @@ class Stage3Files:
         return groups
 
     def open(self, r: int) -> tuple[dict, MappedPages]:
-        name = deepspeed_format.find_zero_file(self.tag_dir, r, self.bf16)
+        name = deepspeed_format.find_zero_file(self.tag_dir, r, self.bf16, self.mp_rank)
         obj, mapped = store.load_file_mapped(self.tag_dir, name, self.manifest)
         osd = obj["optimizer_state_dict"]
         count = osd.get("partition_count", self.world)

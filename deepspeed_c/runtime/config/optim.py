@@ -29,12 +29,11 @@ DEEPSPEED_OPTIMIZERS = [
     LION_OPTIMIZER, MUON_OPTIMIZER,
 ]
 BUILT_DEEPSPEED_OPTIMIZERS = [ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER, LION_OPTIMIZER,
-                              ONEBIT_ADAM_OPTIMIZER, ZERO_ONE_ADAM_OPTIMIZER, ONEBIT_LAMB_OPTIMIZER]
+                              ONEBIT_ADAM_OPTIMIZER, ZERO_ONE_ADAM_OPTIMIZER, ONEBIT_LAMB_OPTIMIZER, MUON_OPTIMIZER,
+                              MUSGD_OPTIMIZER]
 _UNBUILT_OPTIMIZERS = {
-    MUON_OPTIMIZER: "the Muon optimizer",
     MUADAM_OPTIMIZER: "the muP MuAdam optimizer",
     MUADAMW_OPTIMIZER: "the muP MuAdamW optimizer",
-    MUSGD_OPTIMIZER: "the muP MuSGD optimizer",
 }
 
 TORCH_ADAM_PARAM = "torch_adam"
@@ -66,13 +65,13 @@ def normalize_optimizer_name(name: str) -> str:
         return name.lower()
     if getattr(torch.optim, name, None) is not None:
         return name
-    valid = ["Adam", "AdamW", "Lamb", "Lion", "Adagrad", "OneBitAdam", "ZeroOneAdam", "OneBitLamb"]
+    valid = ["Adam", "AdamW", "Lamb", "Lion", "Adagrad", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Muon", "MuSGD"]
     valid += _torch_optimizer_names()
     near = closest(name, valid)
     hint = f" Did you mean '{near}'?" if near else ""
     raise DeepSpeedConfigError(
         f"Invalid value {name!r} for config key 'optimizer.type': not a DeepSpeed optimizer nor a torch.optim "
-        f"class.{hint} Allowed: Adam, AdamW, Lamb, Lion, Adagrad, or a torch.optim class name such as SGD")
+        f"class.{hint} Allowed: Adam, AdamW, Lamb, Lion, Adagrad, Muon, MuSGD, or a torch.optim class name such as SGD")
 
 
 def _drop_unread_optimizer_keys(raw: Any) -> Any:
@@ -109,6 +108,10 @@ def parse_optimizer(param_dict: dict[str, Any]) -> OptimizerSection:
         raise DeepSpeedConfigError(
             "Config key 'optimizer.params.max_grad_norm' is not supported; use the top-level "
             "'gradient_clipping' instead")
+    if section.type == MUON_OPTIMIZER:  # its keys are checked here, before any model is touched
+        from deepspeed_c.runtime.zero.muon.param_groups import check_muon_params
+
+        check_muon_params(params)
     section.params = params
     return section
 

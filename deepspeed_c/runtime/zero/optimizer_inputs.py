@@ -10,7 +10,7 @@ import torch
 
 # DeepSpeed's ZERO_SUPPORTED_OPTIMIZERS, by class name (ours mirror DeepSpeed's)
 ZERO_SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam", "Adagrad", "DeepSpeedCPUAdagrad",
-                             "DeepSpeedCPULion", "FusedLion")
+                             "DeepSpeedCPULion", "FusedLion", "MuonWithAuxAdam")
 
 
 def is_zero_supported_optimizer(optimizer: Any) -> bool:

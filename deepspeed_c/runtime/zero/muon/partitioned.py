@@ -1,0 +1,145 @@
+"""Muon over a ZeRO partition (stages 1, 2 and 3).
+
+Under ZeRO the optimizer steps one flat partition per param group (PartitionPlan, runtime layout: rank r
+owns chunk r of every bucket), so a weight matrix is cut across ranks, while Newton-Schulz needs the whole
+matrix. Momentum and the Nesterov blend are elementwise and stay partitioned (no full-size state on any
+rank). Only the blended update travels, and only to one rank per matrix:
+
+1. every matrix is given to one rank (largest first onto the least loaded rank, by Newton-Schulz FLOPs),
+2. one all-to-all sends each rank's slices of a matrix to that matrix's rank, which assembles it whole,
+3. each rank orthogonalises its matrices (batched by shape, newton_schulz.orthogonalize_many),
+4. the reverse all-to-all returns every slice to the rank whose partition holds it.
+
+So each rank sends and receives about one partition's worth of elements twice per step, and the
+Newton-Schulz work is split W ways (DeepSpeed 0.19.8 instead all-reduces the whole gradient of every
+matrix its partition touches and orthogonalises it on each of those ranks).
+
+The exchange plan (index tensors, split sizes) is built once per group from the plan's slice table."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+from deepspeed_c.runtime.zero.muon.newton_schulz import NS_STEPS, matrix_view_shape, orthogonalize_many
+
+
+def _ns_cost(shape: Sequence[int]) -> int:
+    """Newton-Schulz FLOPs up to a constant: batch x short^2 x long."""
+    rows, cols = shape[-2], shape[-1]
+    batch = int(torch.Size(shape[:-2]).numel()) if len(shape) > 2 else 1
+    short, long_ = min(rows, cols), max(rows, cols)
+    return batch * short * short * (long_ + short)
+
+
+def assign_matrices(shapes: Sequence[Sequence[int]], world_size: int) -> list[int]:
+    """Rank of each matrix: longest-processing-time greedy (largest first, onto the least loaded rank, ties
+    to the lower rank and index). Deterministic, so every rank computes the same table."""
+    load = [0] * world_size
+    owner = [0] * len(shapes)
+    for i in sorted(range(len(shapes)), key=lambda k: (-_ns_cost(shapes[k]), k)):
+        r = min(range(world_size), key=lambda q: (load[q], q))
+        owner[i] = r
+        load[r] += _ns_cost(shapes[i])
+    return owner
+
+
+def _ranges(segments: Sequence[tuple[int, int]], device: torch.device) -> torch.Tensor:
+    """Concatenated aranges of (start, length) segments, as one index tensor."""
+    if not segments:
+        return torch.zeros(0, dtype=torch.long, device=device)
+    return torch.cat([torch.arange(s, s + n, dtype=torch.long) for s, n in segments]).to(device)
+
+
+@dataclass
+class PartitionedMuon:
+    """One param group's exchange plan. shapes: each parameter's whole shape in plan order; slices: the plan's
+    runtime slice table rows (param, rank, param_start, local_start, length, ...)."""
+
+    shapes: list[tuple[int, ...]]
+    expert: list[bool]
+    rank: int
+    world_size: int
+    group: Any
+    device: torch.device
+    slices: list[tuple[int, ...]]
+
+    def __post_init__(self) -> None:
+        for shape in self.shapes:
+            if len(matrix_view_shape(shape)) < 2:
+                raise ValueError(f"a use_muon param group holds a parameter of shape {tuple(shape)}; Muon needs "
+                                 f"ndim >= 2 (put it in a use_muon=False group)")
+        self.owner = assign_matrices([matrix_view_shape(s, e) for s, e in zip(self.shapes, self.expert)],
+                                     self.world_size)
+        numel = [int(torch.Size(s).numel()) for s in self.shapes]
+        self.owned = [i for i in range(len(self.shapes)) if self.owner[i] == self.rank]
+        offsets, at = {}, 0
+        for i in self.owned:
+            offsets[i] = at
+            at += numel[i]
+        self.owned_numel = at
+        self.owned_offset = offsets
+        rows = sorted(self.slices, key=lambda s: (self.owner[s[0]], s[1], s[0], s[2]))
+        mine = [s for s in rows if s[1] == self.rank]  # what this rank sends, grouped by destination
+        incoming = [s for s in rows if self.owner[s[0]] == self.rank]  # what it receives, grouped by source
+        self.send_splits = [sum(s[4] for s in mine if self.owner[s[0]] == r) for r in range(self.world_size)]
+        self.recv_splits = [sum(s[4] for s in incoming if s[1] == r) for r in range(self.world_size)]
+        self.send_index = _ranges([(s[3], s[4]) for s in mine], self.device)
+        self.recv_index = _ranges([(offsets[s[0]] + s[2], s[4]) for s in incoming], self.device)
+
+    def _exchange(self, send: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+        if self.world_size == 1:
+            return send
+        import deepspeed_c.comm as dist
+
+        recv = torch.empty(sum(out_splits), dtype=send.dtype, device=send.device)
+        dist.all_to_all_single(recv, send.contiguous(), out_splits, in_splits, group=self.group)
+        return recv
+
+    @torch.no_grad()
+    def orthogonalize(self, local: torch.Tensor, ns_method: str, steps: int = NS_STEPS) -> torch.Tensor:
+        """This rank's partition of Muon's update: `local` is its partition of the momentum-blended gradient
+        (padding ignored); the result has local's size, dtype and device, zero on the padding. A collective:
+        every rank of the group calls it for the same group in the same order."""
+        flat = local.view(-1)
+        received = self._exchange(flat.index_select(0, self.send_index), self.recv_splits, self.send_splits)
+        whole = torch.empty(self.owned_numel, dtype=flat.dtype, device=flat.device)
+        whole.index_copy_(0, self.recv_index, received)
+        views, at = [], 0
+        for i in self.owned:
+            n = int(torch.Size(self.shapes[i]).numel())
+            views.append(whole[at:at + n].view(self.shapes[i]))
+            at += n
+        ortho = orthogonalize_many(views, [self.shapes[i] for i in self.owned], ns_method, steps,
+                                   expert=[self.expert[i] for i in self.owned])
+        done = torch.cat([o.reshape(-1) for o in ortho]) if ortho else whole
+        returned = self._exchange(done.index_select(0, self.recv_index), self.send_splits, self.recv_splits)
+        out = torch.zeros_like(flat)
+        out.index_copy_(0, self.send_index, returned.to(flat.dtype))
+        return out.view_as(local)
+
+
+def binding_from_zero_owner(model_params: Sequence[torch.Tensor], flat: torch.Tensor) -> Optional[PartitionedMuon]:
+    """The exchange plan of the ZeRO partition `flat` that replaced `model_params` in a param group, found
+    through the owner record the ZeRO stage 1/2/3 optimizer leaves on each trainable parameter (reading only
+    its public faces: partition_plans, bit16_groups, fp32_partitions, rank, world_size, dp_process_group).
+    None when no ZeRO optimizer owns these parameters."""
+    from deepspeed_c.runtime.zero.stage_1_and_2 import OWNER_ATTR
+
+    entry = next((getattr(p, OWNER_ATTR) for p in model_params if getattr(p, OWNER_ATTR, None) is not None), None)
+    if entry is None:
+        return None
+    owner, g = entry[0](), entry[1]
+    if owner is None:
+        return None
+    masters = owner.fp32_partitions
+    if g >= len(masters) or masters[g] is not flat:
+        raise NotImplementedError("deepspeed_c: the Muon optimizer under this ZeRO optimizer (its param groups do not "
+                                  "map one to one onto the ZeRO partitions, e.g. with MoE expert groups) is not built; "
+                                  "use Muon without MoE layers")
+    params = owner.bit16_groups[g]
+    return PartitionedMuon(shapes=[tuple(getattr(p, "ds_shape", p.shape)) for p in params],
+                           expert=[bool(getattr(p, "is_expert_group", False)) for p in params],
+                           rank=owner.rank, world_size=owner.world_size, group=owner.dp_process_group,
+                           device=flat.device, slices=owner.partition_plans[g].slices("runtime"))

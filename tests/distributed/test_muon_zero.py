@@ -1,0 +1,173 @@
+"""optimizer.type "Muon" (DeepSpeed 0.19.8's MuonWithAuxAdam) at ZeRO stages 0, 1, 2 and 3 on 2 gloo ranks.
+
+Reference, computed here in float64 in one process from DeepSpeed's update rule: the gradient is the mean of
+the two ranks' micro-batch gradients; parameters flagged as DeepSpeed's initialize does (ndim >= 2 and no
+"embed"/"lm_head" in the name) take the Muon step (momentum, Nesterov blend, the quintic Newton-Schulz
+iteration written out below, the sqrt(max(1, rows/cols)) scale, decoupled weight decay), every other trainable
+parameter takes the auxiliary Adam step (bias-corrected, eps outside the root, decoupled decay), and the
+frozen layer keeps its weights. The engine runs fp32 with small reduce buckets, so ZeRO 1/2/3 cut the
+matrices across the two ranks and the step must exchange them whole. After 20 steps every parameter matches
+the reference norm-wise to 2e-5 relative (fp32 rounding through 20 Newton-Schulz runs is ~1e-6)."""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+
+from tests.harness import run_distributed
+
+STEPS, MICRO, WORLD = 20, 4, 2
+PARAMS = {"lr": 0.02, "momentum": 0.9, "weight_decay": 0.05, "adam_lr": 0.003, "betas": [0.9, 0.95], "eps": 1e-8}
+TOL = 2e-5
+
+
+class MuonNet(torch.nn.Module):
+    """Matrices of several shapes (square, wide, tall, a 3-D stack), 1-D gains and biases, an embedding and a
+    head (Adam by name), and a frozen layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, 8)
+        self.up = torch.nn.Linear(8, 20)
+        self.frozen = torch.nn.Linear(20, 20)
+        self.frozen.requires_grad_(False)
+        self.mix = torch.nn.Parameter(torch.randn(3, 20, 6) * 0.2)  # a batch of 3 matrices
+        self.down = torch.nn.Linear(18, 12, bias=False)
+        self.norm = torch.nn.LayerNorm(12)
+        self.lm_head = torch.nn.Linear(12, 5)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.up(self.embed(tokens).mean(dim=1)))
+        h = torch.tanh(self.frozen(h))
+        h = torch.einsum("bi,kio->bko", h, self.mix).flatten(1)
+        return self.lm_head(self.norm(torch.tanh(self.down(h))))
+
+
+def _model(dtype: torch.dtype = torch.float32) -> MuonNet:
+    torch.manual_seed(3)
+    return MuonNet().to(dtype)
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(11)
+    return [(torch.randint(0, 11, (MICRO * WORLD, 4), generator=g), torch.randn(MICRO * WORLD, 5, generator=g))
+            for _ in range(STEPS)]
+
+
+def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(model(x), y.to(next(model.parameters()).dtype))
+
+
+def body(rank: int, world: int, stage: int, ns_method: str) -> dict[str, Any]:
+    import deepspeed_c
+
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+           "optimizer": {"type": "Muon", "params": dict(PARAMS, ns_method=ns_method)},
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 200, "allgather_bucket_size": 200,
+                                 "stage3_param_persistence_threshold": 0}}
+    model = _model()
+    engine, *_ = deepspeed_c.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    muon_group = next(g for g in engine.basic_optimizer.param_groups if g["use_muon"])
+    cut = 0  # Muon matrices whose elements the ZeRO partitions spread over both ranks
+    if stage > 0:
+        assert [p.ndim for p in muon_group["params"]] == [1]  # the step sees a flat partition
+        k = engine.basic_optimizer.param_groups.index(muon_group)
+        rows = engine.optimizer.partition_plans[k].slices("runtime")
+        cut = sum(len({r[1] for r in rows if r[0] == i}) == 2 for i in range(len(engine.optimizer.bit16_groups[k])))
+    for x, y in _batches():
+        xs, ys = x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO]
+        engine.backward(_loss(engine, xs, ys))
+        engine.step()
+    params = list(engine.module.named_parameters())
+    if stage == 3:
+        with deepspeed_c.zero.GatheredParameters([p for _, p in params]):
+            out = {n: p.detach().clone().numpy() for n, p in params}
+    else:
+        out = {n: p.detach().clone().numpy() for n, p in params}
+    flags = {n: bool(getattr(p, "use_muon", False)) for n, p in params}
+    engine.destroy()
+    return {"params": out, "flags": flags, "cut": cut}
+
+
+# ---- the float64 reference of DeepSpeed 0.19.8's update --------------------------------------------------
+def _newton_schulz(g: torch.Tensor) -> torch.Tensor:
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = g.mT if g.shape[-2] > g.shape[-1] else g
+    x = x / (torch.linalg.matrix_norm(x, keepdim=True) + 1e-7)
+    for _ in range(5):
+        s = x @ x.mT
+        x = a * x + (b * s + c * s @ s) @ x
+    return x.mT if g.shape[-2] > g.shape[-1] else x
+
+
+def reference() -> dict[str, torch.Tensor]:
+    model = _model(torch.float64)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    muon = {n: p.ndim >= 2 and "embed" not in n and "lm_head" not in n for n, p in named}
+    state: dict[str, dict[str, Any]] = {n: {} for n, _ in named}
+    lr, beta, wd = PARAMS["lr"], PARAMS["momentum"], PARAMS["weight_decay"]
+    alr, (b1, b2), eps = PARAMS["adam_lr"], PARAMS["betas"], PARAMS["eps"]
+    for x, y in _batches():
+        grads = {n: torch.zeros_like(p) for n, p in named}
+        for r in range(WORLD):
+            model.zero_grad(set_to_none=True)
+            _loss(model, x[r * MICRO:(r + 1) * MICRO], y[r * MICRO:(r + 1) * MICRO]).backward()
+            for n, p in named:
+                grads[n] += p.grad / WORLD
+        with torch.no_grad():
+            for n, p in named:
+                g, st = grads[n], state[n]
+                if muon[n]:
+                    m = st.setdefault("m", torch.zeros_like(p))
+                    m.mul_(beta).add_(g, alpha=1 - beta)
+                    u = (1 - beta) * g + beta * m
+                    o = _newton_schulz(u) * max(1.0, p.shape[-2] / p.shape[-1]) ** 0.5
+                    p.mul_(1 - lr * wd).sub_(lr * o)
+                else:
+                    t = st["t"] = st.get("t", 0) + 1
+                    m1 = st.setdefault("m1", torch.zeros_like(p))
+                    m2 = st.setdefault("m2", torch.zeros_like(p))
+                    m1.mul_(b1).add_(g, alpha=1 - b1)
+                    m2.mul_(b2).add_(g * g, alpha=1 - b2)
+                    step = (m1 / (1 - b1 ** t)) / ((m2 / (1 - b2 ** t)).sqrt() + eps)
+                    p.mul_(1 - alr * wd).sub_(alr * step)
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+@functools.lru_cache(maxsize=None)
+def _reference() -> dict[str, torch.Tensor]:
+    return reference()
+
+
+@functools.lru_cache(maxsize=None)
+def _run(stage: int, ns_method: str) -> list[dict[str, Any]]:
+    return run_distributed(body, WORLD, args=(stage, ns_method), timeout=240)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_muon_matches_reference(stage: int) -> None:
+    ref = _reference()
+    start = {n: p.detach().double() for n, p in _model(torch.float64).named_parameters()}
+    for rank, res in enumerate(_run(stage, "gram")):
+        assert stage == 0 or res["cut"] >= 2, res["cut"]
+        assert res["flags"]["up.weight"] and res["flags"]["mix"] and res["flags"]["down.weight"]
+        assert not res["flags"]["embed.weight"] and not res["flags"]["lm_head.weight"]
+        assert not res["flags"]["up.bias"] and not res["flags"]["norm.weight"]
+        for name, want in ref.items():
+            got = torch.from_numpy(res["params"][name]).double()
+            err = ((got - want).norm() / want.norm()).item()
+            assert err < TOL, f"stage {stage} rank {rank} {name}: relative error {err:.2e}"
+            if name.startswith("frozen"):
+                assert torch.equal(got, start[name].float().double()), f"{name} moved"
+            else:  # the step did move it: the comparison is not of two unchanged tensors
+                assert ((got - start[name]).norm() / start[name].norm()).item() > 1e-3, name
+
+
+def test_muon_standard_method_at_stage_2() -> None:
+    ref = _reference()
+    for res in _run(2, "standard"):
+        for name, want in ref.items():
+            got = torch.from_numpy(res["params"][name]).double()
+            assert ((got - want).norm() / want.norm()).item() < TOL, name
