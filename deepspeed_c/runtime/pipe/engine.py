@@ -83,7 +83,9 @@ class PipelineEngine(DeepSpeedEngine):
 
                 rebind_optimizer(client, names_before, model)
         self._pipe_max_norm = float(cfg.gradient_clipping or 0.0)
-        self._pipe_clips = self.grid.get_pipe_parallel_world_size() > 1 and self._pipe_max_norm > 0
+        # (tensor slicing too: the norm sums the shards over the grid's slice group, replicas once)
+        self._pipe_clips = (self.grid.get_pipe_parallel_world_size() > 1 or
+                            self.grid.get_slice_parallel_world_size() > 1) and self._pipe_max_norm > 0
         if self._pipe_clips:
             cfg.gradient_clipping = 0.0
         super().__init__(*super_args, **super_kwargs)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..grad_norm import global_norm
+from ..model_parallel.tp_norm import counted_in_norm
 from . import deferred_wgrad
 from . import instructions as I
 from .p2p import PipeLink
@@ -66,6 +67,8 @@ class PipeExecutor:
         self.S, self.V = S, V
         self.total_loss: Optional[torch.Tensor] = None  # the training batch's summed micro-batch losses
         self._norm_ranges: dict[int, list[tuple[int, int]]] = {}  # ZeRO-1: see _counted_ranges
+        # 3D: the tensor-slicing axis the norm also sums over (replicated parameters counted on its rank 0)
+        self._tp_rank, self._tp_size = grid.get_slice_parallel_rank(), grid.get_slice_parallel_world_size()
         # with model chunks the last rank feeds the first rank's next chunk: neighbours wrap around
         has_next, has_prev = (S > 1, S > 1) if V > 1 else (s < S - 1, s > 0)
         nxt, prv = (s + 1) % S, (s - 1) % S
@@ -359,7 +362,7 @@ class PipeExecutor:
             if g is None:
                 continue
             scaled.append(g)
-            if not getattr(p, "ds_pipe_replicated", False):
+            if counted_in_norm(p, self._tp_rank):
                 counted.append(g)
         return counted, scaled
 
@@ -371,7 +374,7 @@ class PipeExecutor:
         if g not in cache:
             opt = self.stepper
             dup = sorted((local, local + n) for i, p in enumerate(opt.bit16_groups[g])
-                         if getattr(p, "ds_pipe_replicated", False) for _, local, n in opt.param_slices(g, i))
+                         if not counted_in_norm(p, self._tp_rank) for _, local, n in opt.param_slices(g, i))
             out, pos = [], 0
             for a, b in dup:
                 if a > pos:
@@ -395,6 +398,8 @@ class PipeExecutor:
         if self.options.zero_stage > 0 and grid.get_data_parallel_world_size() > 1:
             dist.all_reduce(sq, group=grid.get_data_parallel_group())
         dist.all_reduce(sq, group=grid.get_pipe_parallel_group())
+        if self._tp_size > 1:
+            dist.all_reduce(sq, group=grid.get_slice_parallel_group())
         norm = float(sq.sqrt())
         if self.precision.needs_scaler:
             norm /= float(self.precision.loss_scale())
