@@ -1,8 +1,15 @@
 """The engine's read-only config accessors (DeepSpeed's names; Hugging Face and user scripts call
-them). Kept out of engine.py so the engine file holds only behaviour."""
+them). Kept out of engine.py so the engine file holds only behaviour.
+
+Most of DeepSpeed's accessors return one config value: those are rows of CONFIG_ACCESSORS (name -> where
+the value comes from), made into ordinary methods of EngineConfigAccessors when this module loads, so
+`engine.zero_optimization_stage()`, `DeepSpeedEngine.zero_optimization_stage` and `help()` work as for a
+method written out. The accessors that compute something stay written out in the class below."""
 from __future__ import annotations
 
-from typing import Any, Optional
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -10,79 +17,141 @@ from deepspeed_c.runtime.config.precision import DEFAULT_LOWER_PRECISION_SAFE_MO
 from deepspeed_c.runtime.config.zero import OffloadDeviceEnum, ZeroStageEnum
 
 
+@dataclass(frozen=True)
+class Fixed:
+    """An accessor whose answer does not depend on the config: the feature it reports is not part of
+    deepspeed_c (why says which)."""
+    value: Any
+    why: str
+
+
+_NOT_BUILT = "deepspeed_c has no data-efficiency / curriculum / random-LTD pipeline"
+
+# name -> (source, return type). source: a dotted attribute path under the engine's DeepSpeedConfig (read at
+# each call, so set_train_batch_size and friends show through), or Fixed.
+CONFIG_ACCESSORS: dict[str, tuple[Union[str, Fixed], Any]] = {
+    # -- batch and schedule ----------------------------------------------------------------------
+    "train_batch_size": ("train_batch_size", int),
+    "train_micro_batch_size_per_gpu": ("train_micro_batch_size_per_gpu", int),
+    "gradient_accumulation_steps": ("gradient_accumulation_steps", int),
+    "steps_per_print": ("steps_per_print", Any),
+    "dataloader_drop_last": ("dataloader_drop_last", bool),
+    # -- optimizer and scheduler -----------------------------------------------------------------
+    "optimizer_params": ("optimizer_params", Optional[dict]),
+    "optimizer_legacy_fusion": ("optimizer_legacy_fusion", bool),
+    "scheduler_name": ("scheduler_name", Optional[str]),
+    "scheduler_params": ("scheduler_params", Optional[dict]),
+    "gradient_clipping": ("gradient_clipping", float),
+    "sparse_gradients_enabled": ("sparse_gradients_enabled", bool),
+    "graph_harvesting": ("graph_harvesting", bool),
+    # -- ZeRO ------------------------------------------------------------------------------------
+    "zero_optimization": ("zero_enabled", bool),
+    "zero_optimization_stage": ("zero_optimization_stage", int),
+    "zero_allow_untested_optimizer": ("zero_allow_untested_optimizer", bool),
+    "zero_force_ds_cpu_optimizer": ("zero_force_ds_cpu_optimizer", bool),
+    "zero_reduce_scatter": ("zero_config.reduce_scatter", bool),
+    "zero_overlap_comm": ("zero_config.overlap_comm", bool),
+    "zero_offload_optimizer": ("zero_config.offload_optimizer", Any),
+    "zero_offload_param": ("zero_config.offload_param", Any),
+    "zero_sub_group_size": ("zero_config.sub_group_size", int),
+    "zero_reduce_bucket_size": ("zero_config.reduce_bucket_size", int),
+    "zero_allgather_bucket_size": ("zero_config.allgather_bucket_size", int),
+    "zero_multi_rank_bucket_allreduce": ("zero_config.use_multi_rank_bucket_allreduce", bool),
+    "zero_contiguous_gradients": ("zero_config.contiguous_gradients", bool),
+    "zero_load_from_fp32_weights": ("zero_config.load_from_fp32_weights", bool),
+    "zero_elastic_checkpoint": ("zero_config.elastic_checkpoint", bool),
+    "zero_allgather_partitions": ("zero_config.allgather_partitions", bool),
+    "zero_round_robin_gradients": ("zero_config.round_robin_gradients", bool),
+    "zero_max_live_parameters": ("zero_config.max_live_parameters", int),
+    "zero_max_reuse_distance": ("zero_config.max_reuse_distance", int),
+    "zero_prefetch_bucket_size": ("zero_config.prefetch_bucket_size", int),
+    "zero_param_persistence_threshold": ("zero_config.param_persistence_threshold", int),
+    "zero_model_persistence_threshold": ("zero_config.model_persistence_threshold", int),
+    "zero_module_granularity_threshold": ("zero_config.module_granularity_threshold", int),
+    "zero_gather_16bit_weights_on_model_save": ("zero_config.gather_16bit_weights_on_model_save", bool),
+    "zero_ignore_unused_parameters": ("zero_config.ignore_unused_parameters", bool),
+    "zero_legacy_stage1": ("zero_config.legacy_stage1", bool),
+    "zero_hpz_partition_size": ("zero_config.zero_hpz_partition_size", int),
+    "zero_quantized_weights": ("zero_config.zero_quantized_weights", bool),
+    "zero_quantized_nontrainable_weights": ("zero_config.zero_quantized_nontrainable_weights", bool),
+    "zero_quantized_gradients": ("zero_config.zero_quantized_gradients", bool),
+    "zeropp_loco_param": ("zero_config.zeropp_loco_param", Optional[dict]),
+    "zero_allgather_sequential": ("zero_config.allgather_sequential", bool),
+    "zero_log_trace_cache_warnings": ("zero_config.log_trace_cache_warnings", bool),
+    "zero_save_muon_momentum_buffer_in_memory": ("zero_config.save_muon_momentum_buffer_in_memory", bool),
+    "is_sanity_checks_enabled": ("zero_config.enable_sanity_checks", bool),
+    "zenflow_config": ("zero_config.zenflow", Any),
+    "mics_shard_size": ("mics_shard_size", int),
+    "aio_config": ("aio_config", Any),
+    # -- precision -------------------------------------------------------------------------------
+    "fp16_enabled": ("float16_config.enabled", bool),
+    "bfloat16_enabled": ("bfloat16_config.enabled", bool),
+    "fp16_auto_cast": ("float16_config.auto_cast", bool),
+    "fp16_master_weights_and_gradients": ("float16_config.fp16_master_weights_and_grads", bool),
+    "bf16_master_weights_and_gradients": ("bfloat16_config.bf16_master_weights_and_grads", bool),
+    "bf16_optimizer_states": ("bfloat16_config.bf16_optimizer_states", bool),
+    "amp_enabled": ("amp_enabled", bool),
+    "amp_params": ("amp_params", dict),
+    "torch_autocast_enabled": ("torch_autocast_enabled", bool),
+    "torch_autocast_dtype": ("torch_autocast_dtype", Optional[torch.dtype]),
+    # fp16.loss_scale as configured, as DeepSpeed reports it: 0 means dynamic
+    "loss_scale": ("float16_config.loss_scale", float),
+    "gradient_predivide_factor": ("gradient_predivide_factor", float),
+    # -- observability and checkpoint flags ------------------------------------------------------
+    "wall_clock_breakdown": ("wall_clock_breakdown", bool),
+    "memory_breakdown": ("memory_breakdown", bool),
+    "flops_profiler_enabled": ("flops_profiler_config.enabled", bool),
+    "flops_profiler_recompute_fwd_factor": ("flops_profiler_config.recompute_fwd_factor", float),
+    "flops_profiler_profile_step": ("flops_profiler_config.profile_step", int),
+    "flops_profiler_module_depth": ("flops_profiler_config.module_depth", int),
+    "flops_profiler_top_modules": ("flops_profiler_config.top_modules", int),
+    "flops_profiler_detailed": ("flops_profiler_config.detailed", bool),
+    "flops_profiler_output_file": ("flops_profiler_config.output_file", Optional[str]),
+    "dump_state": ("dump_state", bool),
+    "checkpoint_tag_validation_enabled": ("checkpoint_tag_validation_enabled", bool),
+    "checkpoint_tag_validation_fail": ("checkpoint_tag_validation_fail", bool),
+    "checkpoint_serialization_enabled": ("checkpoint_config.checkpoint_serialization", bool),
+    "use_node_local_storage": ("use_node_local_storage", bool),
+    "load_universal_checkpoint": ("load_universal_checkpoint", bool),
+    "elasticity_enabled": ("elasticity_enabled", bool),
+    "pld_enabled": ("pld_enabled", bool),
+    "pld_params": ("pld_params", Any),
+    "pld_theta": ("pld_config.theta", float),
+    "pld_gamma": ("pld_config.gamma", float),
+    "eigenvalue_enabled": ("eigenvalue_enabled", bool),
+    "eigenvalue_verbose": ("eigenvalue_config.verbose", bool),
+    "eigenvalue_max_iter": ("eigenvalue_config.max_iter", int),
+    "eigenvalue_tol": ("eigenvalue_config.tol", float),
+    "eigenvalue_stability": ("eigenvalue_config.stability", float),
+    "eigenvalue_gas_boundary_resolution": ("eigenvalue_config.gas_boundary_resolution", int),
+    "eigenvalue_layer_name": ("eigenvalue_config.layer_name", str),
+    "eigenvalue_layer_num": ("eigenvalue_config.layer_num", int),
+    "curriculum_enabled_legacy": (Fixed(False, _NOT_BUILT), bool),
+    "curriculum_learning_enabled": (Fixed(False, _NOT_BUILT), bool),
+    "data_efficiency_enabled": (Fixed(False, _NOT_BUILT), bool),
+    "random_ltd_enabled": (Fixed(False, _NOT_BUILT), bool),
+    "autotuning_enabled": ("autotuning_config.enabled", bool),
+    "autotuning_start_profile_step": ("autotuning_config.start_profile_step", int),
+    "autotuning_end_profile_step": ("autotuning_config.end_profile_step", int),
+    "autotuning_metric": ("autotuning_config.metric", str),
+    "is_deepcompile_enabled": ("compile_config.deepcompile", bool),
+    "is_deepcompile_active": (Fixed(False, "deepspeed_c never runs DeepCompile's graph passes"), bool),
+    "autotp_size": ("tensor_parallel_config.autotp_size", int),
+    "tensor_parallel_config": ("tensor_parallel_config", Any),
+}
+
+
 class EngineConfigAccessors:
     _config: Any
-
-    # -- batch and schedule ----------------------------------------------------------------------
-    def train_batch_size(self) -> int:
-        return self._config.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self._config.train_micro_batch_size_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        return self._config.gradient_accumulation_steps
-
-    def steps_per_print(self) -> Any:
-        return self._config.steps_per_print
-
-    def dataloader_drop_last(self) -> bool:
-        return self._config.dataloader_drop_last
 
     def get_batch_info(self) -> tuple[int, int, int]:
         return (self.train_batch_size(), self.train_micro_batch_size_per_gpu(), self.gradient_accumulation_steps())
 
-    # -- optimizer and scheduler -----------------------------------------------------------------
     def optimizer_name(self) -> Optional[str]:
         client = getattr(self, "client_optimizer", None)
         return client.__class__.__name__ if client else self._config.optimizer_name
 
-    def optimizer_params(self) -> Optional[dict]:
-        return self._config.optimizer_params
-
-    def optimizer_legacy_fusion(self) -> bool:
-        return self._config.optimizer_legacy_fusion
-
-    def scheduler_name(self) -> Optional[str]:
-        return self._config.scheduler_name
-
-    def scheduler_params(self) -> Optional[dict]:
-        return self._config.scheduler_params
-
-    def gradient_clipping(self) -> float:
-        return self._config.gradient_clipping
-
-    def sparse_gradients_enabled(self) -> bool:
-        return self._config.sparse_gradients_enabled
-
-    def graph_harvesting(self) -> bool:
-        return self._config.graph_harvesting
-
     # -- ZeRO ------------------------------------------------------------------------------------
-    def zero_optimization(self) -> bool:
-        return self._config.zero_enabled
-
-    def zero_optimization_stage(self) -> int:
-        return self._config.zero_optimization_stage
-
-    def zero_allow_untested_optimizer(self) -> bool:
-        return self._config.zero_allow_untested_optimizer
-
-    def zero_force_ds_cpu_optimizer(self) -> bool:
-        return self._config.zero_force_ds_cpu_optimizer
-
-    def zero_reduce_scatter(self) -> bool:
-        return self._config.zero_config.reduce_scatter
-
-    def zero_overlap_comm(self) -> bool:
-        return self._config.zero_config.overlap_comm
-
-    def zero_offload_optimizer(self) -> Any:
-        return self._config.zero_config.offload_optimizer
-
-    def zero_offload_param(self) -> Any:
-        return self._config.zero_config.offload_param
-
     def zero_use_cpu_optimizer(self) -> bool:
         off = self._config.zero_config.offload_optimizer
         return off is not None and off.device in (OffloadDeviceEnum.cpu.value, OffloadDeviceEnum.nvme.value)
@@ -91,17 +160,19 @@ class EngineConfigAccessors:
         off = self._config.zero_config.offload_optimizer
         return off is not None and off.device == OffloadDeviceEnum.cpu.value
 
-    def zero_sub_group_size(self) -> int:
-        return self._config.zero_config.sub_group_size
+    def zero_partial_offload(self) -> float:
+        """offload_optimizer.ratio (1.0 without the section)."""
+        return self._offload_optimizer_field("ratio", 1.0)
 
-    def zero_reduce_bucket_size(self) -> int:
-        return self._config.zero_config.reduce_bucket_size
+    def super_offload(self) -> bool:
+        return self._offload_optimizer_field("super_offload", False)
 
-    def zero_allgather_bucket_size(self) -> int:
-        return self._config.zero_config.allgather_bucket_size
+    def cpuadam_cores_perc(self) -> float:
+        return self._offload_optimizer_field("cpuadam_cores_perc", 0.9)
 
-    def zero_multi_rank_bucket_allreduce(self) -> bool:
-        return self._config.zero_config.use_multi_rank_bucket_allreduce
+    def _offload_optimizer_field(self, name: str, without_section: Any) -> Any:
+        off = self._config.zero_config.offload_optimizer
+        return without_section if off is None else getattr(off, name)
 
     def zero_optimization_partition_gradients(self) -> bool:
         return self.zero_optimization_stage() >= ZeroStageEnum.gradients
@@ -109,95 +180,24 @@ class EngineConfigAccessors:
     def zero_optimization_partition_weights(self) -> bool:
         return self.zero_optimization_stage() >= ZeroStageEnum.weights
 
-    def zero_contiguous_gradients(self) -> bool:
-        return self._config.zero_config.contiguous_gradients
+    # -- DeepCompile passes (compile.passes; building any of them is refused at config time) -------------
+    def compile_zero_optimization_stage(self) -> bool:
+        passes = self._config.compile_config.passes or []
+        return "z1" in passes or "z3" in passes
 
-    def zero_load_from_fp32_weights(self) -> bool:
-        return self._config.zero_config.load_from_fp32_weights
+    def compile_autosp(self) -> bool:
+        return "autosp" in (self._config.compile_config.passes or [])
 
-    def zero_elastic_checkpoint(self) -> bool:
-        return self._config.zero_config.elastic_checkpoint
+    def compile_autotp(self) -> bool:
+        return "autotp" in (self._config.compile_config.passes or [])
 
-    def zero_allgather_partitions(self) -> bool:
-        return self._config.zero_config.allgather_partitions
-
-    def zero_round_robin_gradients(self) -> bool:
-        return self._config.zero_config.round_robin_gradients
-
-    def zero_max_live_parameters(self) -> int:
-        return self._config.zero_config.max_live_parameters
-
-    def zero_max_reuse_distance(self) -> int:
-        return self._config.zero_config.max_reuse_distance
-
-    def zero_prefetch_bucket_size(self) -> int:
-        return self._config.zero_config.prefetch_bucket_size
-
-    def zero_param_persistence_threshold(self) -> int:
-        return self._config.zero_config.param_persistence_threshold
-
-    def zero_model_persistence_threshold(self) -> int:
-        return self._config.zero_config.model_persistence_threshold
-
-    def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        return self._config.zero_config.gather_16bit_weights_on_model_save
-
-    def zero_ignore_unused_parameters(self) -> bool:
-        return self._config.zero_config.ignore_unused_parameters
-
-    def zero_legacy_stage1(self) -> bool:
-        return self._config.zero_config.legacy_stage1
-
-    def zero_hpz_partition_size(self) -> int:
-        return self._config.zero_config.zero_hpz_partition_size
-
-    def zero_quantized_weights(self) -> bool:
-        return self._config.zero_config.zero_quantized_weights
-
-    def zero_quantized_nontrainable_weights(self) -> bool:
-        return self._config.zero_config.zero_quantized_nontrainable_weights
-
-    def zero_quantized_gradients(self) -> bool:
-        return self._config.zero_config.zero_quantized_gradients
-
-    def mics_shard_size(self) -> int:
-        return self._config.mics_shard_size
+    def uses_parallelization_pass_only(self) -> bool:
+        return self.compile_autosp() or self.compile_autotp()
 
     # -- precision -------------------------------------------------------------------------------
-    def fp16_enabled(self) -> bool:
-        return self._config.float16_config.enabled
-
-    def bfloat16_enabled(self) -> bool:
-        return self._config.bfloat16_config.enabled
-
-    def fp16_auto_cast(self) -> bool:
-        return self._config.float16_config.auto_cast
-
-    def fp16_master_weights_and_gradients(self) -> bool:
-        return self._config.float16_config.fp16_master_weights_and_grads
-
-    def bf16_master_weights_and_gradients(self) -> bool:
-        return self._config.bfloat16_config.bf16_master_weights_and_grads
-
-    def amp_enabled(self) -> bool:
-        return self._config.amp_enabled
-
-    def amp_params(self) -> dict:
-        return self._config.amp_params
-
-    def torch_autocast_enabled(self) -> bool:
-        return self._config.torch_autocast_enabled
-
-    def torch_autocast_dtype(self) -> Optional[torch.dtype]:
-        return self._config.torch_autocast_dtype
-
     def torch_autocast_lower_precision_safe_modules(self) -> list[str]:
         names = self._config.torch_autocast_lower_precision_safe_modules
         return list(DEFAULT_LOWER_PRECISION_SAFE_MODULES) if names is None else list(names)
-
-    def loss_scale(self) -> float:
-        """The configured fp16.loss_scale (0 means dynamic), as DeepSpeed reports it."""
-        return self._config.float16_config.loss_scale
 
     def dynamic_loss_scale(self) -> bool:
         return self._config.float16_config.loss_scale == 0
@@ -232,81 +232,42 @@ class EngineConfigAccessors:
     def postscale_gradients(self) -> bool:
         return not self._config.prescale_gradients
 
-    def gradient_predivide_factor(self) -> float:
-        return self._config.gradient_predivide_factor
-
     # -- observability and checkpoint flags ------------------------------------------------------
-    def wall_clock_breakdown(self) -> bool:
-        return self._config.wall_clock_breakdown
+    def checkpoint_writer_enabled(self) -> bool:
+        return self._config.checkpoint_config.writer is not None
 
-    def memory_breakdown(self) -> bool:
-        return self._config.memory_breakdown
+    def autotuning_profile_model_info(self) -> bool:
+        info = self._config.autotuning_config.model_info
+        return bool(self._config.autotuning_config.enabled and info and info.get("profile", False))
 
-    def flops_profiler_enabled(self) -> bool:
-        return self._config.flops_profiler_config.enabled
 
-    def flops_profiler_recompute_fwd_factor(self) -> float:
-        return self._config.flops_profiler_config.recompute_fwd_factor
+def _accessor(name: str, source: Union[str, Fixed], returns: Any) -> Callable[[Any], Any]:
+    if isinstance(source, Fixed):
+        value = source.value
 
-    def flops_profiler_profile_step(self) -> int:
-        return self._config.flops_profiler_config.profile_step
+        def accessor(self: Any) -> Any:
+            return value
 
-    def flops_profiler_module_depth(self) -> int:
-        return self._config.flops_profiler_config.module_depth
+        doc = f"Always {value!r}: {source.why} (DeepSpeed's engine.{name}())."
+    else:
+        read = operator.attrgetter(source)
 
-    def flops_profiler_top_modules(self) -> int:
-        return self._config.flops_profiler_config.top_modules
+        def accessor(self: Any) -> Any:
+            return read(self._config)
 
-    def flops_profiler_detailed(self) -> bool:
-        return self._config.flops_profiler_config.detailed
+        doc = f"The config's `{source}` (DeepSpeed's engine.{name}())."
+    accessor.__name__ = name
+    accessor.__qualname__ = f"{EngineConfigAccessors.__qualname__}.{name}"
+    accessor.__doc__ = doc
+    accessor.__annotations__ = {"return": returns}
+    return accessor
 
-    def flops_profiler_output_file(self) -> Optional[str]:
-        return self._config.flops_profiler_config.output_file
 
-    def dump_state(self) -> bool:
-        return self._config.dump_state
+def _install(cls: type, table: dict[str, tuple[Union[str, Fixed], Any]]) -> None:
+    for name, (source, returns) in table.items():
+        if name in vars(cls):
+            raise TypeError(f"{cls.__name__}.{name} is written out and also a row of CONFIG_ACCESSORS")
+        setattr(cls, name, _accessor(name, source, returns))
 
-    def checkpoint_tag_validation_enabled(self) -> bool:
-        return self._config.checkpoint_tag_validation_enabled
 
-    def checkpoint_tag_validation_fail(self) -> bool:
-        return self._config.checkpoint_tag_validation_fail
-
-    def checkpoint_serialization_enabled(self) -> bool:
-        return self._config.checkpoint_config.checkpoint_serialization
-
-    def use_node_local_storage(self) -> bool:
-        return self._config.use_node_local_storage
-
-    def load_universal_checkpoint(self) -> bool:
-        return self._config.load_universal_checkpoint
-
-    def elasticity_enabled(self) -> bool:
-        return self._config.elasticity_enabled
-
-    def pld_enabled(self) -> bool:
-        return self._config.pld_enabled
-
-    def eigenvalue_enabled(self) -> bool:
-        return self._config.eigenvalue_enabled
-
-    def curriculum_enabled_legacy(self) -> bool:
-        return False
-
-    def curriculum_learning_enabled(self) -> bool:
-        return False
-
-    def data_efficiency_enabled(self) -> bool:
-        return False
-
-    def random_ltd_enabled(self) -> bool:
-        return False
-
-    def autotuning_enabled(self) -> bool:
-        return self._config.autotuning_config.enabled
-
-    def autotp_size(self) -> int:
-        return self._config.tensor_parallel_config.autotp_size
-
-    def tensor_parallel_config(self) -> Any:
-        return self._config.tensor_parallel_config
+_install(EngineConfigAccessors, CONFIG_ACCESSORS)
