@@ -42,6 +42,9 @@ def configure_zero_optimizer(engine: Any, config: Any, should_reduce_at_boundary
     loss_scaler, check_overflow = engine.precision.zero_loss_scaling()
     offload = zero_cfg.offload_optimizer
     offload_device = "cpu" if engine.zero_use_cpu_optimizer() else None  # nvme: the host steps, files hold state
+    if offload_device is not None and config.bfloat16_config.enabled and config.bfloat16_config.bf16_optimizer_states:
+        _bf16_offloaded_moments(basic, client_built=engine.client_optimizer is not None,
+                                optimizer_params=config.optimizer_params)
     if stage >= 2:
         # gradient partitioning: every micro-step's gradients are reduced into the partition (no_sync is
         # refused at stage 2, as in DeepSpeed)
@@ -90,6 +93,24 @@ def configure_zero_optimizer(engine: Any, config: Any, should_reduce_at_boundary
         optimizer.set_tensor_parallel_norm(engine.parallel_dims.tensor, group=None)
     engine.precision.set_scaling_owner(optimizer)  # loss scaling reads cur_scale / note_backward_scale here
     return optimizer
+
+
+def _bf16_offloaded_moments(basic: Any, client_built: bool, optimizer_params: Any) -> None:
+    """bf16.bf16_optimizer_states under ZeRO-Offload, as DeepSpeed: the host optimizer keeps its moments
+    in the masters' bf16. One the engine built is switched to fp32_optimizer_states=False before its
+    first step (a configured `fp32_optimizer_states: true` is overridden, with a warning); a client's
+    must have been built so, else the moments would silently stay fp32."""
+    if not client_built and getattr(basic, "fp32_optimizer_states", None) is True:
+        if isinstance(optimizer_params, dict) and optimizer_params.get("fp32_optimizer_states"):
+            from deepspeed_c.utils.logging import logger
+
+            logger.warning("bf16.bf16_optimizer_states is enabled: overriding optimizer.params.fp32_optimizer_states "
+                           "to False so the offloaded optimizer's moments are kept in bf16")
+        basic.fp32_optimizer_states = False
+    assert not getattr(basic, "fp32_optimizer_states", True), (
+        "bf16.bf16_optimizer_states with ZeRO-Offload (zero_optimization.offload_optimizer) needs the client "
+        "optimizer to be a DeepSpeedCPUAdam built with fp32_optimizer_states=False, so its moments are kept in bf16; "
+        f"got {type(basic).__name__} with fp32_optimizer_states={getattr(basic, 'fp32_optimizer_states', None)}")
 
 
 def _store_args(engine: Any, zero_cfg: Any) -> dict:
