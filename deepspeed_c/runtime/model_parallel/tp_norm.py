@@ -12,7 +12,8 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["is_model_parallel_parameter", "mark_tensor_parallel_params", "tensor_parallel_norm_fn"]
+__all__ = ["counted_in_norm", "is_model_parallel_parameter", "mark_tensor_parallel_params",
+           "tensor_parallel_norm_fn"]
 
 
 def is_model_parallel_parameter(p: torch.Tensor) -> bool:
@@ -58,3 +59,12 @@ def tensor_parallel_norm_fn(module: torch.nn.Module, group: Any) -> Callable[[An
         return value
 
     return norm
+
+
+def counted_in_norm(p: torch.Tensor, tensor_rank: int) -> bool:
+    """Whether a pipeline stage counts `p`'s gradient in the whole model's norm: not a tied copy a later
+    stage holds (ds_pipe_replicated: the first stage of the tie counts it), and, under tensor
+    parallelism, a replicated parameter only on tensor rank 0 (DeepSpeed's rule, above)."""
+    if getattr(p, "ds_pipe_replicated", False):
+        return False
+    return tensor_rank == 0 or is_model_parallel_parameter(p) or bool(getattr(p, "ds_is_tensor_model_parallel", False))

@@ -1,0 +1,119 @@
+"""3D parallelism (issue 54): a PipelineModule over PipeModelDataParallelTopology whose stages hold the
+test's Megatron-style tensor-parallel layers, with the vocab-parallel embedding tied between the first
+stage (token embedding) and the last (logits). 4 gloo ranks, PP 2 x TP 2 x DP 1 (stage 0: ranks 0,1;
+stage 1: ranks 2,3; tensor pairs {0,1},{2,3}), fp32, gradient clipping that bites at every step,
+ZeRO 0 and 1. After 10 steps (2 micro-batches each) every weight, gathered over its tensor pair, must
+equal one-process training of the unsplit model on the same global batches (1e-5 norm-wise per
+tensor), and the engine's gradient norm the unsplit model's. Also: a topology whose product is not
+the world size is refused."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tests.distributed import megatron_models as mm
+from tests.harness import run_distributed
+
+STEPS, MICRO, GAS, LR, EPS, CLIP = 10, 2, 2, 1e-2, 1e-4, 0.3
+
+
+class EmbedPipe(mm.VocabParallelEmbedding):
+    def __init__(self, tp: mm.TP) -> None:
+        super().__init__(mm.VOCAB, mm.HIDDEN, tp)
+
+
+class PosPipe(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = torch.nn.Parameter(torch.zeros(mm.SEQ, mm.HIDDEN))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.pos[: x.shape[1]]
+
+
+def _logits(module: EmbedPipe, h: torch.Tensor) -> torch.Tensor:
+    return module.logits(h)
+
+
+def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, mm.VOCAB), labels.reshape(-1))
+
+
+# pipeline parameter name prefix -> the unsplit MegatronGPT's
+_NAMES = {"tied_modules.embed.": "embed.", "1.": "", "2.": "blocks.0.", "3.": "blocks.1.", "4.": "ln_f."}
+
+
+def _ref_name(name: str) -> str:
+    for pre, ref in _NAMES.items():
+        if name.startswith(pre):
+            return ref + name[len(pre):]
+    raise KeyError(name)
+
+
+def pipe_model(tp: mm.TP, topo: object) -> torch.nn.Module:
+    from deepspeed_c.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+    layers = [TiedLayerSpec("embed", EmbedPipe, tp), LayerSpec(PosPipe), LayerSpec(mm.Block, tp),
+              LayerSpec(mm.Block, tp), LayerSpec(torch.nn.LayerNorm, mm.HIDDEN),
+              TiedLayerSpec("embed", EmbedPipe, tp, forward_fn=_logits)]
+    model = PipelineModule(layers=layers, topology=topo, loss_fn=_loss, partition_method="uniform")
+    full = dict(mm.MegatronGPT(seed=0).named_parameters())
+    with torch.no_grad():  # this rank's shards of the unsplit model's initial weights
+        for name, p in model.named_parameters():
+            w = full[_ref_name(name)]
+            if getattr(p, "tensor_model_parallel", False):
+                w = w.chunk(tp.size, dim=p.partition_dim)[tp.rank]
+            p.copy_(w)
+    return model
+
+
+def body(rank: int, world: int, stages: tuple) -> dict:
+    import deepspeed_c
+    from deepspeed_c.pipe import PipeModelDataParallelTopology
+
+    out: dict = {}
+    try:
+        PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2)
+        from deepspeed_c.pipe import PipelineModule
+
+        PipelineModule(layers=[torch.nn.Identity()], topology=PipeModelDataParallelTopology(2, 2, 2))
+        out["bad_topology"] = "accepted"
+    except ValueError as e:
+        out["bad_topology"] = str(e)
+    mpu = mm.MegatronMPU(tp=2)  # the layers' tensor pairs; the topology's model axis makes the same pairs
+    tp = mpu.context()
+    data = mm.batches(STEPS * GAS, MICRO, seed=3)
+    steps = [torch.cat(data[i * GAS:(i + 1) * GAS]) for i in range(STEPS)]
+    ref_losses, ref_state, ref_norms = mm.reference_training(steps, LR, EPS, CLIP)
+    for stage in stages:
+        model = pipe_model(tp, PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1))
+        cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "steps_per_print": 10**9,
+               "gradient_clipping": CLIP, "zero_optimization": {"stage": stage},
+               "optimizer": {"type": "Adam", "params": {"lr": LR, "weight_decay": 0.0, "eps": EPS}}}
+        engine, *_ = deepspeed_c.initialize(model=model, config=cfg, model_parameters=model.parameters())
+        it = iter([(t[:, :-1], t[:, 1:]) for t in data])
+        losses, norms = [], []
+        for _ in range(STEPS):
+            losses.append(float(engine.train_batch(it)))
+            norms.append(float(engine.get_global_grad_norm()))
+        state = {_ref_name(n): v for n, v in mm.full_state(engine.module, tp).items()}
+        errs = mm.rel_errors(state, {k: ref_state[k] for k in state})
+        out[stage] = {"weight_rel": max(errs.values()), "worst": max(errs, key=errs.get), "held": sorted(state),
+                      "loss_err": float(np.max(np.abs(np.array(losses) - ref_losses))),
+                      "norm_rel": max(abs(a - b) / b for a, b in zip(norms, ref_norms)),
+                      "clipped": sum(n > CLIP for n in ref_norms), "stage_id": engine.stage_id}
+    return out
+
+
+def test_pp2_tp2_equals_unsplit_training():
+    results = run_distributed(body, 4, args=((0, 1),), timeout=500)
+    for rank, r in enumerate(results):
+        assert "topology" in r["bad_topology"] and "world size is 4" in r["bad_topology"], r["bad_topology"]
+        for stage in (0, 1):
+            got = r[stage]
+            assert got["stage_id"] == rank // 2, got
+            assert ("embed.weight" in got["held"]) and (("pos" in got["held"]) == (rank < 2)), got["held"]
+            assert got["clipped"] == STEPS, got
+            assert got["norm_rel"] < 1e-5 and got["loss_err"] < 1e-5, (stage, got)
+            assert got["weight_rel"] < 1e-5, (stage, got)
