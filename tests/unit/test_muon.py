@@ -235,3 +235,21 @@ def test_musgd_is_mups() -> None:
         return
     engine, *_ = deepspeed_c.initialize(model=TwoLayer(), config=cfg)
     assert type(engine.basic_optimizer).__name__ == "MuSGD"
+
+
+def test_readme_muon_config_builds_and_steps() -> None:
+    """The README's Muon section's config, as written, initialises and trains (ZeRO 2, world of one)."""
+    import json
+    import pathlib
+
+    text = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text.split("## Muon\n", 1)[1]
+    cfg = json.loads(section.split("```json\n", 1)[1].split("```", 1)[0])
+    model = TwoLayer()
+    engine, *_ = deepspeed_c.initialize(model=model, config=cfg)
+    assert [g["lr"] for g in engine.basic_optimizer.param_groups] == [0.02, 3e-4]
+    before = model.fc.weight.detach().clone()
+    for _ in range(2):
+        engine.backward(engine(torch.randint(0, 7, (8, 3))).square().mean())
+        engine.step()
+    assert not torch.equal(before, model.fc.weight.detach())
