@@ -138,6 +138,27 @@ def _dp_world(mpu: Any, mesh_device: Any, sequence_parallel_size: Any = None) ->
     return rank, dist.get_world_size()
 
 
+def _gradient_allreduce_op(pd: dict) -> str:
+    """DeepSpeed >= 0.19.6: "mean" averages gradients over the data-parallel ranks, "sum" adds them.
+    Its messages are kept word for word up to the key names: callers match on them."""
+    op = pd.get("gradient_allreduce_op", "mean")
+    if isinstance(op, str):
+        op = op.lower()
+    if op not in ("mean", "sum"):
+        raise DeepSpeedConfigError(f"Invalid gradient_allreduce_op. Supported operations: ['mean', 'sum']. Got: {op!r} "
+                                   "(config key 'gradient_allreduce_op')")
+    if op == "sum":
+        zero = pd.get("zero_optimization")
+        if isinstance(zero, dict) and zero.get("zenflow") is not None:
+            raise DeepSpeedConfigError("gradient_allreduce_op='sum' is not supported with ZenFlow (config keys "
+                                       "'gradient_allreduce_op' and 'zero_optimization.zenflow')")
+        compile_cfg = pd.get("compile")
+        if isinstance(compile_cfg, dict) and compile_cfg.get("deepcompile") is True:
+            raise DeepSpeedConfigError("gradient_allreduce_op='sum' is not supported with DeepCompile (config keys "
+                                       "'gradient_allreduce_op' and 'compile.deepcompile')")
+    return op
+
+
 class DeepSpeedConfig:
     """DeepSpeedConfig(config: str | dict, mpu=None, mesh_device=None)."""
 
@@ -179,11 +200,7 @@ class DeepSpeedConfig:
                                                       check=lambda v: v > 0, allowed="a number > 0"))
         self.sparse_gradients_enabled = scalar(pd, "sparse_gradients", bool, False)
         # DeepSpeed >= 0.19.6: "mean" averages gradients over the data-parallel ranks, "sum" adds them
-        op = scalar(pd, "gradient_allreduce_op", str, "mean", allowed="'mean' or 'sum'")
-        if op.lower() not in ("mean", "sum"):
-            raise DeepSpeedConfigError(f"Invalid value {op!r} for config key 'gradient_allreduce_op': "
-                                       "supported operations are ['mean', 'sum']")
-        self.gradient_allreduce_op = op.lower()
+        self.gradient_allreduce_op = _gradient_allreduce_op(pd)
         # DeepSpeed 0.19.3 changed this default from 0.0 (no clipping) to 1.0
         self.gradient_clipping = float(scalar(pd, "gradient_clipping", (int, float), 1.0,
                                               check=lambda v: v >= 0 and math.isfinite(v), allowed="a number >= 0"))
@@ -204,6 +221,10 @@ class DeepSpeedConfig:
         self.zero_config = parse_zero_config(pd)
         self.zero_optimization_stage = int(self.zero_config.stage)
         self.zero_enabled = self.zero_optimization_stage > 0
+        if self.gradient_allreduce_op == "sum" and self.zero_optimization_stage == 3:
+            # DeepSpeed's stage 3 always averages its reduce-scattered gradients
+            raise DeepSpeedConfigError("gradient_allreduce_op='sum' is not supported with ZeRO stage 3 (config keys "
+                                       "'gradient_allreduce_op' and 'zero_optimization.stage'); use 'mean'")
         self.mics_shard_size = self.zero_config.mics_shard_size
         self.mics_hierarchial_params_gather = self.zero_config.mics_hierarchical_params_gather
         self.aio_config = get_aio_config(pd)  # DeepNVMe handle settings for NVMe offload
