@@ -64,6 +64,11 @@ class ParallelDims:
         if sequence > 1 or reading.sequence > 1:
             raise NotImplementedError("initialize(mpu=...): sequence parallelism together with tensor parallelism "
                                       f"(tensor-parallel size {reading.tensor}) is not built; use one of them")
+        if reading.model != reading.tensor:
+            raise NotImplementedError(
+                f"initialize(mpu=...): the mpu's model-parallel size ({reading.model}) spans more than its tensor-"
+                f"parallel size ({reading.tensor}): pipeline stages belong to a PipelineModule (its topology's "
+                "'pipe' axis), not to the engine's mpu; pass the mpu of tensor x data only")
         return cls(data=reading.data, tensor=reading.tensor, data_group=reading.data_group,
                    tensor_group=reading.tensor_group, model=reading.model, model_rank=reading.model_rank,
                    tensor_rank=reading.tensor_rank)

@@ -74,25 +74,30 @@ def read_mpu(mpu: Any, world_size: int, rank: int) -> MPUReading:
         tensor_group=getattr(mpu, t_group)() if t_group else mpu.get_model_parallel_group(),
         pipe=int(_call(mpu, "get_pipeline_model_parallel_world_size") or 1),
         sequence=int(_call(mpu, "get_sequence_parallel_world_size") or 1))
-    _check_sizes(reading, world_size)
-    _check_groups(reading, world_size, rank)
+    try:
+        _check_sizes(reading, world_size)
+        problem = None
+    except ValueError as e:  # raised on every rank below, so none is left waiting in the gather
+        problem = str(e)
+    _check_groups(reading, world_size, rank, problem)
     return reading
 
 
 def _check_sizes(r: MPUReading, world_size: int) -> None:
-    for name, size, rank in (("data", r.data, r.data_rank), ("model", r.model, r.model_rank),
-                             ("tensor_model", r.tensor, r.tensor_rank)):
-        if size < 1 or not 0 <= rank < size:
-            raise ValueError(f"initialize(mpu=...): mpu.get_{name}_parallel_world_size() is {size} and "
-                             f"mpu.get_{name}_parallel_rank() is {rank}; a rank must lie in [0, size)")
-    if r.model % r.tensor:
-        raise ValueError(f"initialize(mpu=...): the tensor-parallel size ({r.tensor}) does not divide the "
-                         f"model-parallel size ({r.model})")
+    # the product first: it is the same on every rank, so every rank raises the same error
     if r.data * r.model * r.sequence != world_size:
         raise ValueError(f"initialize(mpu=...): data-parallel size {r.data} x model-parallel size {r.model}"
                          + (f" x sequence-parallel size {r.sequence}" if r.sequence > 1 else "")
                          + f" = {r.data * r.model * r.sequence}, but the world size is {world_size}; the mpu's "
                          "topology must cover every rank exactly once")
+    if r.model % r.tensor:
+        raise ValueError(f"initialize(mpu=...): the tensor-parallel size ({r.tensor}) does not divide the "
+                         f"model-parallel size ({r.model})")
+    for name, size, rank in (("data", r.data, r.data_rank), ("model", r.model, r.model_rank),
+                             ("tensor_model", r.tensor, r.tensor_rank)):
+        if size < 1 or not 0 <= rank < size:
+            raise ValueError(f"initialize(mpu=...): mpu.get_{name}_parallel_world_size() is {size} and "
+                             f"mpu.get_{name}_parallel_rank() is {rank}; a rank must lie in [0, size)")
 
 
 def _group_ranks(group: Any, world_size: int) -> list[int]:
@@ -103,17 +108,23 @@ def _group_ranks(group: Any, world_size: int) -> list[int]:
     return sorted(int(r) for r in dist.get_process_group_ranks(group))
 
 
-def _check_groups(r: MPUReading, world_size: int, rank: int) -> None:
-    """Every rank's data-parallel group and tensor-parallel group, gathered: each axis's groups must
-    partition the world (each rank in exactly one group, the group's members agreeing on it) and have
-    the size the mpu states."""
+def _check_groups(r: MPUReading, world_size: int, rank: int, problem: Optional[str]) -> None:
+    """Every rank's data-parallel group and tensor-parallel group, gathered with any size problem a rank
+    found (which every rank then raises): each axis's groups must partition the world (each rank in
+    exactly one group, the group's members agreeing on it) and have the size the mpu states."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
+        if problem:
+            raise ValueError(problem)
         return
-    mine = {"data": _group_ranks(r.data_group, world_size), "tensor": _group_ranks(r.tensor_group, world_size)}
+    mine = {"data": _group_ranks(r.data_group, world_size), "tensor": _group_ranks(r.tensor_group, world_size),
+            "problem": problem}
     every: list[Any] = [None] * world_size
     dist.all_gather_object(every, mine)
+    found = next(((other, seen["problem"]) for other, seen in enumerate(every) if seen["problem"]), None)
+    if found is not None:
+        raise ValueError(found[1] if found[0] == rank else f"{found[1]} (on rank {found[0]})")
     for axis, size in (("data", r.data), ("tensor", r.tensor)):
         getter = f"mpu.get_{'data' if axis == 'data' else 'tensor_model'}_parallel_group()"
         for other, seen in enumerate(every):
