@@ -13,7 +13,6 @@ stay on the device (backward needs them first), tensors under `min_offload_bytes
 host tensors are never copied (a CPU run passes everything through, as DeepSpeed's does)."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
 from typing import Any, Callable, Optional
@@ -22,7 +21,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 __all__ = ["CheckpointActivationOffloadStats", "CheckpointHiddenStatesOffload",
-           "get_checkpoint_hidden_states_offloading_ctx_manager"]
+           "get_checkpoint_hidden_states_offloading_ctx_manager", "patch_gradient_checkpointing_layer_marker"]
 
 
 @dataclasses.dataclass
@@ -57,28 +56,93 @@ def _stack() -> list["CheckpointHiddenStatesOffload"]:
     return _ACTIVE.stack
 
 
-@contextlib.contextmanager
-def _marking_hf_layers() -> Any:
-    """While active, HF's GradientCheckpointingLayer marks its hidden-states input for offload."""
+# The marker is one wrapper on the class, shared by every open context (any thread): installed by the
+# first context to enter, removed when the last one exits, so nesting never wraps it twice and an
+# out-of-order exit cannot put back a stale wrapper. An explicit patch_gradient_checkpointing_layer_marker()
+# keeps it installed past the contexts, as DeepSpeed's does.
+_PATCH_LOCK = threading.Lock()
+_patch_users = 0  # open contexts
+_installed_by_context = False
+_wrapper: Optional[Callable[..., Any]] = None
+_owned_call: Optional[Callable[..., Any]] = None  # the class's own __call__ before patching (None: inherited)
+
+
+def _hf_layer_class() -> Any:
     try:
-        from transformers.modeling_layers import GradientCheckpointingLayer
-    except ImportError:  # no transformers: only explicit mark() calls select tensors
-        yield
-        return
-    original: Callable[..., Any] = GradientCheckpointingLayer.__call__
+        from transformers import GradientCheckpointingLayer
+    except ImportError:
+        return None
+    return GradientCheckpointingLayer
+
+
+def patch_gradient_checkpointing_layer_marker() -> None:
+    """Wraps transformers' GradientCheckpointingLayer.__call__ so that, while a context is active, each
+    training call marks its positional hidden states for offload (idempotent)."""
+    global _wrapper, _owned_call
+    with _PATCH_LOCK:
+        if _wrapper is not None:
+            return
+        cls = _hf_layer_class()
+        if cls is None:
+            raise RuntimeError("patch_gradient_checkpointing_layer_marker needs the `transformers` package "
+                               "(>= 4.52, which has GradientCheckpointingLayer): pip install transformers")
+        _install(cls)
+
+
+def _install(cls: Any) -> None:
+    global _wrapper, _owned_call
+    _owned_call = cls.__dict__.get("__call__")
+    original: Callable[..., Any] = cls.__call__
 
     def call(layer: Any, *args: Any, **kwargs: Any) -> Any:
-        hidden = args[0] if args else kwargs.get("hidden_states")
-        if _stack() and isinstance(hidden, torch.Tensor) and layer.training and \
-                getattr(layer, "gradient_checkpointing", False):
-            _stack()[-1].mark(hidden)
-        return original(layer, *args, **kwargs)
+        ctx = _stack()[-1] if _stack() else None
+        hidden = args[0] if args else None  # a keyword hidden_states is never saved by the checkpoint
+        marked = None
+        if (ctx is not None and isinstance(hidden, torch.Tensor) and layer.training and torch.is_grad_enabled()
+                and getattr(layer, "gradient_checkpointing", False)):
+            ctx.mark(hidden)
+            marked = hidden
+        try:
+            return original(layer, *args, **kwargs)
+        finally:
+            if marked is not None:  # not saved after all: a stale id() could match another tensor later
+                ctx._take_mark(marked)
 
-    GradientCheckpointingLayer.__call__ = call
-    try:
-        yield
-    finally:
-        GradientCheckpointingLayer.__call__ = original
+    cls.__call__ = call
+    _wrapper = call
+
+
+def _unpatch_gradient_checkpointing_layer_marker() -> None:
+    global _wrapper, _owned_call
+    wrapper, owned = _wrapper, _owned_call
+    _wrapper = _owned_call = None
+    cls = _hf_layer_class()
+    if wrapper is None or cls is None or cls.__dict__.get("__call__") is not wrapper:
+        return  # someone patched over us: leave theirs in place
+    if owned is None:
+        delattr(cls, "__call__")
+    else:
+        cls.__call__ = owned
+
+
+def _context_entered() -> None:
+    global _patch_users, _installed_by_context
+    with _PATCH_LOCK:
+        _patch_users += 1
+        if _wrapper is None:
+            cls = _hf_layer_class()
+            if cls is not None:  # without transformers only explicit mark() calls select tensors
+                _install(cls)
+                _installed_by_context = True
+
+
+def _context_exited() -> None:
+    global _patch_users, _installed_by_context
+    with _PATCH_LOCK:
+        _patch_users = max(0, _patch_users - 1)
+        if _patch_users == 0 and _installed_by_context:
+            _unpatch_gradient_checkpointing_layer_marker()
+            _installed_by_context = False
 
 
 class CheckpointHiddenStatesOffload(saved_tensors_hooks):
@@ -99,7 +163,6 @@ class CheckpointHiddenStatesOffload(saved_tensors_hooks):
         self._marks: dict[int, int] = {}
         self._pending: list[_Held] = []  # marked and still on the device, oldest first
         self._stream: Optional[torch.cuda.Stream] = None
-        self._marking: Any = None
         super().__init__(self._pack, self._unpack)
 
     def mark(self, tensor: torch.Tensor) -> None:
@@ -173,17 +236,21 @@ class CheckpointHiddenStatesOffload(saved_tensors_hooks):
                                "nested context")
         self.reset()
         _stack().append(self)
-        self._marking = _marking_hf_layers()
-        self._marking.__enter__()
-        super().__enter__()
+        _context_entered()
+        try:
+            super().__enter__()
+        except BaseException:
+            _stack().remove(self)
+            _context_exited()
+            raise
         return self
 
     def __exit__(self, *exc: Any) -> None:
         try:
             super().__exit__(*exc)
         finally:
-            self._marking.__exit__(*exc)
             _stack().remove(self)
+            _context_exited()
             self._marks.clear()
             self._pending.clear()
 
