@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from deepspeed_c.runtime.zero.muon.newton_schulz import NS_METHODS, orthogonalize_many
-from deepspeed_c.runtime.zero.muon.partitioned import PartitionedMuon, binding_from_zero_owner
+from deepspeed_c.runtime.zero.muon.partitioned import PartitionedMuon, PartitionLayout, layout_from_zero_owner
 
 MUON_DEFAULTS = dict(lr=0.02, momentum=0.95, weight_decay=0.0, ns_method="gram")
 ADAM_DEFAULTS = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0)
@@ -73,22 +73,26 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         super().__init__(groups, dict())
         # the whole parameters each group was built over (ZeRO later swaps them for its flat partitions)
         self._model_params = [list(g["params"]) for g in self.param_groups]
+        self._layouts: dict[int, PartitionLayout] = {}
         self._bindings: dict[int, PartitionedMuon] = {}
 
-    def bind_partition(self, group_index: int, binding: PartitionedMuon) -> None:
-        """The seam for a partitioning optimizer: group `group_index` now steps a flat partition laid out
-        as `binding` describes."""
-        self._bindings[group_index] = binding
+    def bind_partition(self, group_index: int, layout: PartitionLayout) -> None:
+        """The seam for a partitioning optimizer: group `group_index` now steps one flat partition cut as
+        `layout` says (without it, the layout is read on first use from the ZeRO optimizer that owns the
+        group's parameters)."""
+        self._layouts[group_index] = layout
+        self._bindings.pop(group_index, None)
 
     def _binding(self, k: int, flat: torch.Tensor) -> PartitionedMuon:
         binding = self._bindings.get(k)
         if binding is None:
-            binding = binding_from_zero_owner(self._model_params[k] if k < len(self._model_params) else [], flat)
-            if binding is None:
+            layout = self._layouts.get(k) or layout_from_zero_owner(
+                self._model_params[k] if k < len(self._model_params) else [], flat)
+            if layout is None:
                 raise RuntimeError(f"MuonWithAuxAdam: param group {k} (use_muon=True) holds a 1-D tensor of "
                                    f"{flat.numel()} elements that no ZeRO optimizer owns; Muon needs the whole "
                                    f"matrices, or a partition layout given through bind_partition()")
-            self._bindings[k] = binding
+            binding = self._bindings[k] = PartitionedMuon.from_layout(layout, flat.device)
         return binding
 
     @torch.no_grad()

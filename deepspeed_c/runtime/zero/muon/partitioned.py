@@ -52,6 +52,20 @@ def _ranges(segments: Sequence[tuple[int, int]], device: torch.device) -> torch.
     return torch.cat([torch.arange(s, s + n, dtype=torch.long) for s, n in segments]).to(device)
 
 
+@dataclass(frozen=True)
+class PartitionLayout:
+    """How a ZeRO optimizer cut one param group: what a partition-aware optimizer needs to find the pieces of
+    each parameter. shapes: each parameter's whole shape in plan order; slices: the plan's runtime slice table
+    rows (param, rank, param_start, local_start, length, ...); group: the data-parallel process group."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    expert: tuple[bool, ...]
+    rank: int
+    world_size: int
+    group: Any
+    slices: tuple[tuple[int, ...], ...]
+
+
 @dataclass
 class PartitionedMuon:
     """One param group's exchange plan. shapes: each parameter's whole shape in plan order; slices: the plan's
@@ -64,6 +78,11 @@ class PartitionedMuon:
     group: Any
     device: torch.device
     slices: list[tuple[int, ...]]
+
+    @classmethod
+    def from_layout(cls, layout: PartitionLayout, device: torch.device) -> "PartitionedMuon":
+        return cls(shapes=list(layout.shapes), expert=list(layout.expert), rank=layout.rank,
+                   world_size=layout.world_size, group=layout.group, device=device, slices=list(layout.slices))
 
     def __post_init__(self) -> None:
         for shape in self.shapes:
@@ -120,8 +139,8 @@ class PartitionedMuon:
         return out.view_as(local)
 
 
-def binding_from_zero_owner(model_params: Sequence[torch.Tensor], flat: torch.Tensor) -> Optional[PartitionedMuon]:
-    """The exchange plan of the ZeRO partition `flat` that replaced `model_params` in a param group, found
+def layout_from_zero_owner(model_params: Sequence[torch.Tensor], flat: torch.Tensor) -> Optional[PartitionLayout]:
+    """The layout of the ZeRO partition `flat` that replaced `model_params` in a param group, found
     through the owner record the ZeRO stage 1/2/3 optimizer leaves on each trainable parameter (reading only
     its public faces: partition_plans, bit16_groups, fp32_partitions, rank, world_size, dp_process_group).
     None when no ZeRO optimizer owns these parameters."""
@@ -139,7 +158,7 @@ def binding_from_zero_owner(model_params: Sequence[torch.Tensor], flat: torch.Te
                                   "map one to one onto the ZeRO partitions, e.g. with MoE expert groups) is not built; "
                                   "use Muon without MoE layers")
     params = owner.bit16_groups[g]
-    return PartitionedMuon(shapes=[tuple(getattr(p, "ds_shape", p.shape)) for p in params],
-                           expert=[bool(getattr(p, "is_expert_group", False)) for p in params],
+    return PartitionLayout(shapes=tuple(tuple(getattr(p, "ds_shape", p.shape)) for p in params),
+                           expert=tuple(bool(getattr(p, "is_expert_group", False)) for p in params),
                            rank=owner.rank, world_size=owner.world_size, group=owner.dp_process_group,
-                           device=flat.device, slices=owner.partition_plans[g].slices("runtime"))
+                           slices=tuple(owner.partition_plans[g].slices("runtime")))
