@@ -2,7 +2,8 @@
 
 DeepSpeedDataLoader shards a map-style dataset over data-parallel ranks with a DistributedSampler
 (each rank sees len(dataset)/dp_world samples per epoch) and batches them with torch's DataLoader.
-Curriculum learning / data-efficiency sampling is not built here.
+Curriculum learning / data-efficiency sampling is not built here. The loader's position in its pass
+(state_dict / load_state_dict, runtime/data_position.py) goes into each checkpoint.
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
 from torch.utils.data.distributed import DistributedSampler
+
+from deepspeed_c.runtime.data_position import ResumableLoader
 
 CURRICULUM_LEARNING = "curriculum_learning"
 
@@ -45,7 +48,7 @@ def _device_count() -> int:
         return max(1, torch.cuda.device_count())
 
 
-class DeepSpeedDataLoader:
+class DeepSpeedDataLoader(ResumableLoader):
     """DeepSpeed's training data loader.
 
     local_rank >= 0 (distributed): a DistributedSampler over `data_parallel_world_size` replicas
@@ -68,6 +71,7 @@ class DeepSpeedDataLoader:
         self.curriculum_learning_enabled = False
         self.tput_timer = tput_timer
         is_iterable = isinstance(dataset, IterableDataset)
+        owns_random_sampler = local_rank < 0 and data_sampler is None and not is_iterable
 
         if local_rank >= 0:
             if data_sampler is None and not is_iterable:
@@ -94,6 +98,7 @@ class DeepSpeedDataLoader:
         self.dataloader: Optional[DataLoader] = None
         self.dataloader_drop_last = dataloader_drop_last
         self.post_process_func: Optional[Callable[..., Any]] = None
+        self._init_position(owns_random_sampler, data_parallel_world_size if local_rank >= 0 else 1)
 
         if data_sampler is not None:
             n = len(data_sampler)
@@ -115,15 +120,24 @@ class DeepSpeedDataLoader:
             self._create_dataloader()
         if self.tput_timer:
             self.tput_timer.start()
-        return next(self.data)  # type: ignore[arg-type]
+        batch = next(self.data)  # type: ignore[arg-type]
+        self._advance()
+        return batch
 
     def _create_dataloader(self) -> DataLoader:
         kwargs: dict[str, Any] = dict(batch_size=self.batch_size, pin_memory=self.pin_memory,
                                       num_workers=self.num_local_io_workers, drop_last=self.dataloader_drop_last)
-        if self.data_sampler is not None:
-            kwargs["sampler"] = self.data_sampler
+        sampler, discard, rng = self._pass_sampler()
+        if sampler is not None:
+            kwargs["sampler"] = sampler
         if self.collate_fn is not None:
             kwargs["collate_fn"] = self.collate_fn
         self.dataloader = DataLoader(self.dataset, **kwargs)
         self.data = iter(self.dataloader)
+        for _ in range(discard):  # a resumed pass over an iterable dataset: its first batches were consumed
+            next(self.data)
+        if rng is not None:  # a resumed pass: the RNG stays as the checkpoint left it
+            import torch
+
+            torch.set_rng_state(rng)
         return self.dataloader

@@ -173,7 +173,11 @@ def test_each_node_dir_holds_its_own_files(run, stage):
         # stage 0 adds each rank's gradient-reducer order (dsc_reducer_order_rank_R_of_W.pt), on its own node
         orders = sorted(int(n.split("_")[4]) for n in names if n.startswith("dsc_reducer_order_rank_"))
         assert orders == (list(range(node * PER_NODE, (node + 1) * PER_NODE)) if stage == 0 else [])
-        assert names == {MODEL_FILE} | {n for n in names if n.startswith(("zero_pp_rank_", "dsc_reducer_order_rank_"))}
+        # and each rank's random generators (dsc_rng_state_rank_R_of_W.pt), on its own node too
+        rngs = sorted(int(n.split("_")[4]) for n in names if n.startswith("dsc_rng_state_rank_"))
+        assert rngs == list(range(node * PER_NODE, (node + 1) * PER_NODE))
+        assert names == {MODEL_FILE} | {n for n in names if n.startswith(("zero_pp_rank_", "dsc_reducer_order_rank_",
+                                                                          "dsc_rng_state_rank_"))}
     for rank, res in enumerate(results):
         wrote = res["written"][stage]
         assert (MODEL_FILE in wrote) == (rank % PER_NODE == 0)  # each node's local rank 0

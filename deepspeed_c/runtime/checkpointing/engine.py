@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_c.checkpoint import deepspeed_format, store
-from deepspeed_c.runtime.checkpointing import nodes, reducer_order, zero, zero3
+from deepspeed_c.runtime.checkpointing import nodes, reducer_order, run_state, zero, zero3
 from deepspeed_c.runtime.checkpointing.options import CheckpointOptions
 from deepspeed_c.runtime.checkpointing.states import CheckpointStates
 from deepspeed_c.runtime.checkpointing.collective_guard import check_dir_arg, rank_local_step
@@ -166,6 +166,8 @@ class EngineCheckpointer:
             order = reducer_order.rank_file(st.reducer, *_rank_world())
             if order is not None:
                 my_files[order[0]] = store.save_file(order[1], os.path.join(stage, order[0]))
+            rng = run_state.rng_file(*_rank_world())  # this rank's random generators: an exact resume
+            my_files[rng[0]] = store.save_file(rng[1], os.path.join(stage, rng[0]))
         files = self._gather_files(my_files, scope.members)
         with rank_local_step("save_checkpoint (committing the checkpoint)", distributed=_dist()):
             if scope.writer:
@@ -244,7 +246,7 @@ class EngineCheckpointer:
             "frozen_param_fragments": (OrderedDict((n, p.detach().cpu().clone()) for n, p in frozen)
                                        if save_frozen else None),
             "lr_scheduler": st.lr_scheduler.state_dict() if st.lr_scheduler is not None else None,
-            "data_sampler": None,
+            "data_sampler": run_state.data_sampler_state(st.data_loader),
             "random_ltd": None,
             "skipped_steps": counters["skipped_steps"],
             "global_steps": counters["global_steps"],
@@ -350,6 +352,7 @@ class EngineCheckpointer:
             if load_lr_scheduler_states and st.lr_scheduler is not None and state.get("lr_scheduler"):
                 st.lr_scheduler.load_state_dict(state["lr_scheduler"])
             st.train_state.load_state_dict(state, samples_per_step=st.samples_per_step)
+            run_state.restore(st.data_loader, state, tag_dir, manifest, *_rank_world())
         elif st.has_optimizer and st.stepper is not None:
             # masters follow the loaded weights (a stage-3 checkpoint's weights are its fp32 partitions)
             zero.load_partition_weights(st.stepper, saved)

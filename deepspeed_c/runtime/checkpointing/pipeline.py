@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from deepspeed_c.checkpoint import store
+from deepspeed_c.runtime.checkpointing import run_state
 from deepspeed_c.runtime.checkpointing.options import CheckpointOptions
 from deepspeed_c.runtime.checkpointing.states import PipeCheckpointStates
 from deepspeed_c.runtime.checkpointing.zero import load_partition, save_partition
@@ -134,6 +135,7 @@ class PipeCheckpointer:
                 write(own[0], own[1])
             if st.stage_dp_rank == 0:
                 write(_state_file(st.stage_id), self._stage_state(st, names, part is None, client_state))
+            write(*run_state.rng_file(dist.get_rank(), dist.get_world_size()))  # an exact resume's RNG
         every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
         files: dict[str, dict] = {}
@@ -162,6 +164,7 @@ class PipeCheckpointer:
             "optimizer": stepper.model_file_state() if stepper is not None and optimizer_here else None,
             "param_shapes": [OrderedDict((names[id(p)], p.shape) for p in ps if id(p) in names) for ps in groups],
             "lr_scheduler": st.lr_scheduler.state_dict() if st.lr_scheduler is not None else None,
+            "data_sampler": run_state.data_sampler_state(st.data_loader),
             "skipped_steps": counters["skipped_steps"],
             "global_steps": counters["global_steps"],
             "global_samples": counters["global_samples"],
@@ -215,6 +218,7 @@ class PipeCheckpointer:
                 if load_lr_scheduler_states and st.lr_scheduler is not None and state.get("lr_scheduler"):
                     st.lr_scheduler.load_state_dict(state["lr_scheduler"])
                 st.train_state.load_state_dict(state)  # a file without global_samples: 0, as before
+                run_state.restore(st.data_loader, state, tag_dir, manifest, dist.get_rank(), dist.get_world_size())
         return os.path.join(tag_dir, name), {k: v for k, v in state.items() if k not in DS_KEYS}
 
     def _load_optimizer(self, st: PipeCheckpointStates, tag_dir: str, manifest: Optional[dict], state: dict) -> None:

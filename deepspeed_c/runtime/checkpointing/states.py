@@ -23,7 +23,8 @@ class CheckpointStates:
     has_optimizer: an optimizer exists (a ZeRO-3 engine built for evaluation has one and no stepper);
     samples_per_step: train_batch_size(), the samples of a step for a checkpoint without
     global_samples; dp_rank: this rank's data-parallel rank (0 without data parallelism);
-    num_experts: per MoE layer, None without MoE layers."""
+    num_experts: per MoE layer, None without MoE layers; data_loader: the training data loader (its
+    position is saved; None without one)."""
     module: torch.nn.Module
     module_state_dict: Callable[..., dict]
     stepper: Optional[Any]
@@ -39,6 +40,7 @@ class CheckpointStates:
     # a client mpu's model parallelism (runtime/parallel_dims.py): its rank names the mp_rank_XX files
     mp_rank: int = 0
     mp_world_size: int = 1
+    data_loader: Optional[Any] = None  # the training data loader, whose position is saved (run_state.py)
 
     @property
     def has_moe_layers(self) -> bool:
