@@ -139,7 +139,9 @@ def _plain_engine_bf16(world: int, clip: float, fp16: bool = False) -> dict:
     groups = [dist.new_group([r]) for r in range(world)]
     cfg = {"train_micro_batch_size_per_gpu": pm.MBS, "gradient_accumulation_steps": pm.GAS,
            "gradient_clipping": clip}
-    cfg.update({"fp16": FP16} if fp16 else {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}})
+    # bf16: fp32 accumulation, which the non-pipeline engine builds at ZeRO stage 1 (DeepSpeed's BF16_Optimizer)
+    cfg.update({"fp16": FP16} if fp16 else {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"},
+                                           "zero_optimization": {"stage": 1}})
     model = _Whole()
     engine, *_ = deepspeed.initialize(model=model, config=cfg, mpu=_OwnRank(groups),
                                       optimizer=lambda ps: torch.optim.Adam(ps, lr=LR))

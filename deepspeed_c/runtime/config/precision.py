@@ -146,3 +146,23 @@ def parse_precision(param_dict: dict[str, Any], zero_stage: int = 0) -> dict[str
         "data_types_config": data_types, "grad_accum_dtype": grad_accum, "param_dtype": param_dtype,
         "buffer_dtype": buffer_dtype, "amp_enabled": False, "amp_params": dict(amp or {}),
     }
+
+
+def check_grad_accum_mix(config: Any, pipeline: bool) -> None:
+    """DeepSpeed's optimizer sanity check at initialize: without ZeRO the gradient accumulation dtype is
+    the model's (its BF16_Optimizer serves bf16 with fp32 accumulation at stage 1 only). The other mixes
+    are refused when the config is read (parse_precision); bf16 with fp32 is refused here, once an
+    optimizer is built, as DeepSpeed does. A pipeline keeps it: DeepSpeed's PipelineEngine accumulates
+    bf16 gradients in fp32 (BF16_Optimizer) by default, which deepspeed_c's does under this key."""
+    if config.zero_optimization_stage != 0 or pipeline:
+        return
+    fp16, bf16 = config.float16_config.enabled, config.bfloat16_config.enabled
+    model_dtype = torch.float16 if fp16 else torch.bfloat16 if bf16 else torch.float32
+    accum = parse_dtype(config.grad_accum_dtype, "data_types.grad_accum_dtype") or model_dtype
+    if accum != model_dtype:
+        mode = "fp16.enabled" if fp16 else "bf16.enabled" if bf16 else "no fp16/bf16 section"
+        raise NotImplementedError(
+            f"unsupported mix of model_dtype={model_dtype} and grad_accum_dtype={accum}: config key "
+            f"'data_types.grad_accum_dtype' ({config.grad_accum_dtype!r}) must match the model dtype ({mode}) "
+            f"at 'zero_optimization.stage' 0; fp32 accumulation of a bf16 model needs stage 1 (DeepSpeed's "
+            f"BF16_Optimizer)")

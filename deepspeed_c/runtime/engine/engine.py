@@ -19,6 +19,7 @@ from deepspeed_c.accelerator import get_accelerator
 from deepspeed_c.runtime.engine import report as rep
 from deepspeed_c.runtime.backward_phase import EngineBackward
 from deepspeed_c.runtime.config import DeepSpeedConfig
+from deepspeed_c.runtime.config.precision import check_grad_accum_mix
 from deepspeed_c.runtime.engine.accessors import EngineConfigAccessors
 from deepspeed_c.runtime.engine.io import ROUTE_ENCODE, ROUTE_EVAL, ROUTE_PREDICT, ROUTE_TRAIN, EngineIO
 from deepspeed_c.runtime.grad_norm import clip_coefficient, global_norm, scale_
@@ -37,6 +38,14 @@ def _comm() -> Any:
     import deepspeed_c.comm as dist
 
     return dist
+
+
+def _is_pipeline_module(module: Any) -> bool:
+    """A PipelineModule (DeepSpeed's pipeline_parallelism); its module is only loaded when one exists."""
+    import sys
+
+    pipe = sys.modules.get("deepspeed_c.runtime.pipe.module")
+    return pipe is not None and isinstance(module, pipe.PipelineModule)
 
 
 def _select_device(local_rank: int) -> torch.device:
@@ -188,6 +197,7 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
                         dist.broadcast(p.data, src, group=group)
 
     def _configure_optimizer(self, client_optimizer: Any, model_parameters: list) -> None:
+        check_grad_accum_mix(self._config, pipeline=_is_pipeline_module(self.module))
         if client_optimizer is None:
             basic = build_optimizer(self._config.optimizer_name, self._config.optimizer_params, model_parameters,
                                     torch.device("cpu") if self.zero_use_cpu_optimizer() else self.device,
