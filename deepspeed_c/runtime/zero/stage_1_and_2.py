@@ -14,7 +14,8 @@ DeepSpeed's bit16_groups_flat), so each gather writes straight into them; with t
 bucket's chunk is stepped, written into this rank's slot and gathered in place while the next steps.
 With offload_optimizer the host side is offload.CPUOffload: gradients staged to pinned host memory as
 their buckets finish, the C CPU optimizer stepping in sub-chunks whose results go back to the device
-and into their bucket's all-gather while it steps the next.
+and into their bucket's all-gather while it steps the next. How the step applies (fused epilogue,
+separate passes on the device, host offload) is one step_strategy.ZeroStepStrategy chosen at construction.
 
 For checkpointing: `partition_export()` (plans, world/rank facts and the runtime-layout state as data, which
 runtime/checkpointing/zero.py converts; this module never calls checkpoint code) and
@@ -34,9 +35,8 @@ import torch
 
 from deepspeed_c.ops.partition import DEEPSPEED_ALIGNMENT, PartitionPlan
 from deepspeed_c.runtime.fused_epilogue import AdamEpilogue, device_global_norm
-from deepspeed_c.runtime.grad_norm import scale_
 from deepspeed_c.runtime.optimizer_seam import EngineOptimizer, PartitionExport
-from deepspeed_c.runtime.step_sequence import StepOutcome, overflow_checked_step
+from deepspeed_c.runtime.step_sequence import Norm, StepOutcome, overflow_checked_step
 from deepspeed_c.runtime.zero.flat_model_params import FlatModelParams
 from deepspeed_c.runtime.zero.grad_partition import ZeroGradPartitioner, chunk_range, grad_dtypes
 from deepspeed_c.runtime.zero.offload import SUB_CHUNK as OFFLOAD_SUB_CHUNK
@@ -46,6 +46,8 @@ from deepspeed_c.runtime.zero.stage2_estimators import (  # noqa: F401 (DeepSpee
     estimate_zero2_model_states_mem_needs, estimate_zero2_model_states_mem_needs_all_cold,
     estimate_zero2_model_states_mem_needs_all_live)
 from deepspeed_c.runtime.zero.state_offload import ZeroStateOffload
+from deepspeed_c.runtime.zero.step_strategy import (DeviceOptimizerStep, FusedEpilogueStep, HostOffloadStep,
+                                                    ZeroStepStrategy)
 from deepspeed_c.utils.logging import logger
 
 __all__ = ["DeepSpeedZeroOptimizer", "estimate_zero2_model_states_mem_needs",
@@ -164,10 +166,10 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
         self.gatherer = self._weights_writer()
         self.ignore_unused_parameters = ignore_unused_parameters
         # on CUDA with Adam/AdamW and fp32 masters on the device: the one-pass epilogue kernel
-        self.epilogue: Optional[AdamEpilogue] = None
+        epilogue = None
         if self.offload is None and master_dtype == torch.float32:
-            self.epilogue = AdamEpilogue.for_optimizer(init_optimizer, self.fp32_partitions[0].device)
-        self._lp_out: Optional[list[torch.Tensor]] = None
+            epilogue = AdamEpilogue.for_optimizer(init_optimizer, self.fp32_partitions[0].device)
+        self.step_strategy = self._step_strategy(epilogue)
         # AutoTP: (weight per slice of this rank's partitions, group) for the whole model's gradient norm
         self._tp_norm: Optional[tuple[list[list[tuple[int, int, float]]], Any]] = None
         self.state_offload = ZeroStateOffload(self)
@@ -186,6 +188,27 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
         with torch.no_grad():
             plan.scatter_params([p.detach() for p in params], "runtime", self.rank, out=flat)
         return plan, flat
+
+    def _step_strategy(self, epilogue: Optional[AdamEpilogue]) -> ZeroStepStrategy:
+        """offload_optimizer: the host step; else the fused epilogue when there is one; else separate passes."""
+        if self.offload is not None:
+            return HostOffloadStep(self.offload, self.gatherer)
+        if epilogue is not None:
+            return FusedEpilogueStep(epilogue, self.fp32_partitions, self.partition_plans, self.gatherer,
+                                     self.flat_params, rank=self.rank, world_size=self.world_size,
+                                     lp_dtype=self.bit16_groups[0][0].dtype)
+        return DeviceOptimizerStep(self.optimizer, self.fp32_partitions, self._gather_from_masters)
+
+    @property
+    def epilogue(self) -> Optional[AdamEpilogue]:
+        """The fused step's kernel (None when the step runs another way)."""
+        return self.step_strategy.epilogue
+
+    @epilogue.setter
+    def epilogue(self, epilogue: Optional[AdamEpilogue]) -> None:
+        """A subclass turning the fused step off (MoE members, whose norm is the composite's) gets the
+        strategy that steps without it."""
+        self.step_strategy = self._step_strategy(epilogue)
 
     def _weights_writer(self) -> Any:
         """Where updated partitions go, bucket by bucket (submit/finish): all-gathered into the model,
@@ -320,11 +343,9 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
 
     def drop_device_scratch(self) -> None:
         """Device buffers rebuilt on demand (after states moved between devices)."""
-        self._lp_out = None
+        self.step_strategy.drop_scratch()
         if self.flat_params is not None:  # the parameters moved out of it: rebuilt at the next gather
             self.flat_params.drop()
-        if self.epilogue is not None:
-            self.epilogue.reset()
 
     # -- step ----------------------------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -378,28 +399,25 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
             _comm().all_reduce(local, group=self.dp_process_group)
         return float(local.item())
 
+    def grad_norm(self, parts: Sequence[torch.Tensor], on_device: bool) -> Norm:
+        """Global L2 norm of the reduced (scaled) gradient: a host float, or a device scalar for the fused
+        step, which keeps it on the device (fp16 reads it once: the loss scaler decides on the host, as
+        DeepSpeed's does)."""
+        if self._tp_norm is not None:  # AutoTP: the unsharded model's norm (one host read, as the fp16 path has)
+            tp_norm = math.sqrt(self._tp_sq_norm(parts))
+            return torch.tensor([tp_norm], dtype=torch.float32, device=parts[0].device) if on_device else tp_norm
+        if on_device:
+            return device_global_norm(parts, self.dp_process_group, self.world_size)
+        return math.sqrt(self._global_sq_norm(parts))
+
     def step(self, closure: Any = None) -> bool:
         """Returns True when the step was skipped for overflow (DeepSpeed's convention)."""
         if not self.ignore_unused_parameters:
             self._refuse_unused_parameters()
         if self.flat_params is not None:
             self.flat_params.ensure()
-        parts = self.reduced_grad_partitions()
-        if self._tp_norm is not None:  # AutoTP: the unsharded model's norm (one host read, as the fp16 path has)
-            tp_norm = math.sqrt(self._tp_sq_norm(parts))
-            if self.epilogue is not None:
-                dev_norm = torch.tensor([tp_norm], dtype=torch.float32, device=parts[0].device)
-                outcome = self._decide(dev_norm, apply_fused=lambda n, scale: self._fused_apply(parts, n, scale))
-            else:
-                outcome = self._decide(tp_norm, apply_coef=lambda coef: self._separate_apply(parts, coef))
-        elif self.epilogue is not None:
-            # one epilogue pass per group; the norm stays on the device, so a bf16 step never waits for the
-            # host (fp16 reads it once: the loss scaler decides on the host, as DeepSpeed's does)
-            norm: Any = device_global_norm(parts, self.dp_process_group, self.world_size)
-            outcome = self._decide(norm, apply_fused=lambda n, scale: self._fused_apply(parts, n, scale))
-        else:
-            outcome = self._decide(math.sqrt(self._global_sq_norm(parts)),
-                                   apply_coef=lambda coef: self._separate_apply(parts, coef))
+        outcome = self.step_strategy.step(self.reduced_grad_partitions(), clip_grad=self.clip_grad,
+                                          grad_norm=self.grad_norm, decide=self._decide)
         self.overflow = outcome.skipped
         self._global_grad_norm = outcome.grad_norm
         if outcome.skipped:
@@ -417,47 +435,6 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
                                      grad_scale=lambda: self._scale_used if self.loss_scaler is not None else 1.0,
                                      clip_grad=self.clip_grad, **apply)
 
-    def _separate_apply(self, parts: Sequence[torch.Tensor], coef: float) -> None:
-        if self.offload is not None:
-            # host step in sub-chunks; each chunk goes back to the device and into its all-gather as it is done
-            self.offload.step(coef, self.gatherer, parts)
-            return
-        grads = self._attach_grads(parts)
-        if coef != 1.0:
-            scale_(grads, coef)
-        self.optimizer.step()
-        self._gather_from_masters()
-
-    def _fused_apply(self, parts: Sequence[torch.Tensor], norm: torch.Tensor, loss_scale: float) -> None:
-        """Bucket by bucket: the epilogue steps the bucket's chunk of the partition, writing its 16-bit copy
-        (into this rank's slot of the flat model buffer where there is one), and the chunk's all-gather
-        goes out while the next chunk steps."""
-        sixteen = self.bit16_groups[0][0].dtype in (torch.float16, torch.bfloat16)
-        assert self.epilogue is not None
-        for g, part in enumerate(parts):
-            ranges = [self.reducer.chunk_range(g, b) for b in range(self.partition_plans[g].num_buckets)]
-            master = self.fp32_partitions[g].detach()
-            outs = [self._lp_chunk(g, b, start, end) if sixteen else None for b, (start, end) in enumerate(ranges)]
-
-            def gather(b: int, g: int = g, master: torch.Tensor = master, outs: list = outs,
-                       ranges: list = ranges) -> None:
-                chunk = outs[b]
-                self.gatherer.submit(g, b, chunk if chunk is not None else master[slice(*ranges[b])])
-
-            self.epilogue.step_ranges(g, part, ranges, outs, norm, loss_scale, self.clip_grad, gather)
-        self.gatherer.finish()
-
-    def _lp_chunk(self, g: int, b: int, start: int, end: int) -> torch.Tensor:
-        """Where the epilogue writes the 16-bit copy of bucket b's chunk: this rank's slot of the flat model
-        buffer (its gather then runs in place), else a partition-sized scratch."""
-        slot = None if self.flat_params is None else self.flat_params.own_slot(g, b, self.rank, self.world_size)
-        if slot is not None:
-            return slot
-        if self._lp_out is None:
-            lp_dtype = self.bit16_groups[0][0].dtype
-            self._lp_out = [torch.empty(m.numel(), dtype=lp_dtype, device=m.device) for m in self.fp32_partitions]
-        return self._lp_out[g][start:end]
-
     def _refuse_unused_parameters(self) -> None:
         """zero_optimization.ignore_unused_parameters=false: DeepSpeed asserts when a trainable
         parameter got no gradient in the backwards of this step."""
@@ -470,13 +447,6 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
                 f"{len(unused)} trainable parameter(s) (shapes {shapes}{'...' if len(unused) > 8 else ''}) were not "
                 "used in producing the loss. Enable zero_optimization.ignore_unused_parameters (the default), or "
                 "make every trainable parameter and the forward's outputs take part in the loss.")
-
-    def _attach_grads(self, parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        grads = []
-        for master, part in zip(self.fp32_partitions, parts):
-            master.grad = part.to(device=master.device, dtype=master.dtype)
-            grads.append(master.grad)
-        return grads
 
     @torch.no_grad()
     def _gather_from_masters(self) -> None:
