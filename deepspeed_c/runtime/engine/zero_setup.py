@@ -45,6 +45,12 @@ def configure_zero_optimizer(engine: Any, config: Any, should_reduce_at_boundary
     if offload_device is not None and config.bfloat16_config.enabled and config.bfloat16_config.bf16_optimizer_states:
         _bf16_offloaded_moments(basic, client_built=engine.client_optimizer is not None,
                                 optimizer_params=config.optimizer_params)
+    elif config.bfloat16_config.enabled and config.bfloat16_config.bf16_optimizer_states and _fp32_moments_only(basic):
+        from deepspeed_c.utils.logging import logger
+
+        logger.warning(f"bf16.bf16_optimizer_states: {type(basic).__name__} keeps its moments in fp32 (deepspeed_c's "
+                       "fused kernels have no bf16-moment variant; DeepSpeed's keep them in the masters' bf16); "
+                       "ZeRO-Offload's DeepSpeedCPUAdam (zero_optimization.offload_optimizer) keeps them in bf16")
     if stage >= 2:
         # gradient partitioning: every micro-step's gradients are reduced into the partition (no_sync is
         # refused at stage 2, as in DeepSpeed)
@@ -93,6 +99,13 @@ def configure_zero_optimizer(engine: Any, config: Any, should_reduce_at_boundary
         optimizer.set_tensor_parallel_norm(engine.parallel_dims.tensor, group=None)
     engine.precision.set_scaling_owner(optimizer)  # loss scaling reads cur_scale / note_backward_scale here
     return optimizer
+
+
+def _fp32_moments_only(basic: Any) -> bool:
+    """deepspeed_c's fused optimizers (FusedAdam, FusedLion, FusedLamb) keep float32 moments whatever the
+    parameter dtype."""
+    cls = type(basic)
+    return cls.__module__.startswith("deepspeed_c.ops.") and cls.__name__.startswith("Fused")
 
 
 def _bf16_offloaded_moments(basic: Any, client_built: bool, optimizer_params: Any) -> None:
