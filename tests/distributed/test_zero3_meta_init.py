@@ -119,6 +119,9 @@ def _skip_init_body(rank: int, world: int) -> dict[str, Any]:
         model = _SkipInitModel(H)
     sizes = _shard_sizes(model)
     devices = {n: p.device.type for n, p in model.named_parameters()}
+    # partitioned: every parameter an empty placeholder; skip_init's to_empty wrapper removed itself
+    assert all(p.numel() == 0 for p in model.parameters())
+    assert not any("to_empty" in m.__dict__ for m in model.modules())
     _load_on_rank0(model, rank)
     engine, *_ = deepspeed_c.initialize(model=model, config=_config())
     losses = _train(engine, rank, world)
@@ -169,6 +172,11 @@ def _meta_module_body(rank: int, world: int, dtype_key: str) -> dict[str, Any]:
                            "meta_left": [n for n, p in model.named_parameters() if p.device.type == "meta"]}
     _load_on_rank0(model, rank)
     out["loaded"] = _gathered(model)
+    with torch.device("meta"):  # a weight shared by two modules stays one parameter
+        tied = torch.nn.Sequential(torch.nn.Linear(H, H, bias=False), torch.nn.Linear(H, H, bias=False))
+    tied[1].weight = tied[0].weight
+    deepspeed_c.zero.Init(module=tied, config_dict_or_path=cfg)
+    out["tied"] = tied[1].weight is tied[0].weight and len(list(tied.parameters())) == 1
     return out
 
 
@@ -181,6 +189,7 @@ def test_init_module_on_a_meta_model(world: int, dtype_key: str) -> None:
     for res in results:
         assert res["dtypes"] == {"torch.bfloat16" if dtype_key == "bf16" else "torch.float32"}
         assert res["meta_left"] == []
+        assert res["tied"]
         for n, v in want.items():
             expect = v.to(torch.bfloat16).float() if dtype_key == "bf16" else v
             np.testing.assert_array_equal(res["loaded"][n], expect.numpy(), err_msg=n)
