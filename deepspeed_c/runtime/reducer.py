@@ -211,7 +211,7 @@ class GradientReducer(BackwardRound):
         return None if self._rebuild_pending or not self._replanned else list(self._order)
 
     def adopt_order(self, order: list[int]) -> None:
-        """Takes a saved order (reducer_order_file.py) instead of re-planning after the next backward. It is
+        """Takes a saved order (checkpointing/reducer_order.py) instead of re-planning after the next backward. It is
         laid out when that backward starts: a checkpoint load may still be reshaping the parameters (AutoTP
         loads whole weights, then cuts them back into shards)."""
         if sorted(order) != list(range(len(self.params))):

@@ -1,5 +1,5 @@
 """A stage-0 checkpoint keeps the gradient reducer's re-planned bucket order, so a resumed run reduces its
-first steps exactly as the run that saved it (reducer_order_file.py).
+first steps exactly as the run that saved it (runtime/checkpointing/reducer_order.py).
 
 The model registers its parameters in another order than their gradients arrive (heads before the body),
 so the reducer re-plans after its first backward; where an element sits in a bucket decides the order a

@@ -66,7 +66,7 @@ class PipeCheckpointer:
     the store's dsc_manifest.json, and `latest` beside the tag. Optimizer states come back when the
     number of stages matches what was saved (ZeRO-1 from the stage's ZeRO files, re-cut if the
     data-parallel degree differs); with another number of stages the layers are re-partitioned and the
-    optimizer states (and fp32 masters) found by parameter name (optim_reshard.py), for fp32, bf16/fp16
+    optimizer states (and fp32 masters) found by parameter name (pipeline_reshard.py), for fp32, bf16/fp16
     and ZeRO-1 alike."""
 
     def __init__(self, options: CheckpointOptions) -> None:
@@ -157,7 +157,7 @@ class PipeCheckpointer:
         stepper = st.stepper
         counters = st.train_state.state_dict()
         # DeepSpeed's param_shapes: per param group, the names the optimizer's positions stand for
-        # (what lets another pipeline degree find each layer's optimizer state, optim_reshard.py)
+        # (what lets another pipeline degree find each layer's optimizer state, pipeline_reshard.py)
         groups = stepper.model_param_groups() if stepper is not None else []
         return {
             "module": None,
@@ -224,7 +224,7 @@ class PipeCheckpointer:
     def _load_optimizer(self, st: PipeCheckpointStates, tag_dir: str, manifest: Optional[dict], state: dict) -> None:
         """The optimizer states: from this stage's files when the stage holds the layers it held when
         saved (ZeRO-1: the zero_pp_rank_{dp}_mp_rank_{stage} files, re-cut if the data-parallel degree
-        differs); with another number of stages or partition, by parameter name (optim_reshard.py);
+        differs); with another number of stages or partition, by parameter name (pipeline_reshard.py);
         where that cannot be done the optimizer starts fresh, with a warning."""
         from deepspeed_c.runtime.optimizer_seam import PlainOptimizer, SavedCheckpoint
         from deepspeed_c.runtime.precision import MixedPrecisionOptimizer
