@@ -135,3 +135,35 @@ def test_gradients_unchanged_with_nested_contexts():
     with _ctx(), _ctx():
         layer(x).sum().backward()
     assert torch.equal(x.grad, want)
+
+
+def test_marker_marks_the_checkpoint_input_and_host_tensors_stay():
+    """DeepSpeed's test_marker_offloads_checkpoint_input on a host run: the layer's input is marked
+    once, seen by the pack hook and left in place (host tensors are never offloaded)."""
+    layer, x = _layer(), torch.randn(4, 8, requires_grad=True)
+    ctx = _ctx()
+    with ctx:
+        layer(x).sum().backward()
+    assert x.grad is not None
+    assert ctx.stats.marked_tensors == 1 and ctx.stats.skipped_marked_tensors == 1
+    assert ctx.stats.saved_tensors_seen >= ctx.stats.marked_tensors
+    assert ctx.stats.offloaded_tensors == 0
+
+
+def test_unmarked_saved_tensors_pass_through():
+    x = torch.randn(4, 8, requires_grad=True)
+    ctx = _ctx()
+    with ctx:
+        torch.nn.Linear(8, 8)(x).square().sum().backward()
+    assert x.grad is not None and ctx.stats.saved_tensors_seen > 0
+    assert ctx.stats.marked_tensors == 0 and ctx.stats.offloaded_tensors == 0
+
+
+def test_hidden_states_is_the_first_positional_parameter():
+    """The marker reads args[0]: transformers' decoder layers take hidden_states first."""
+    import inspect
+
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    params = list(inspect.signature(llama.LlamaDecoderLayer.forward).parameters.values())[1:]
+    assert params[0].name == "hidden_states"
+    assert params[0].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
