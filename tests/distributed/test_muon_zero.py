@@ -60,7 +60,9 @@ def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Ten
     return torch.nn.functional.mse_loss(model(x), y.to(next(model.parameters()).dtype))
 
 
-def body(rank: int, world: int, stage: int, ns_method: str, gas: int = 1) -> dict[str, Any]:
+def body(rank: int, world: int, stage: int, ns_method: str, gas: int = 1,
+         precision: tuple = ()) -> dict[str, Any]:
+    """precision: () for fp32, ("bf16",) or ("fp16", static loss scale)."""
     import deepspeed_c
 
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "gradient_clipping": 0.0,
@@ -68,6 +70,9 @@ def body(rank: int, world: int, stage: int, ns_method: str, gas: int = 1) -> dic
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 200, "allgather_bucket_size": 200,
                                  "stage3_param_persistence_threshold": 0}}
     model = _model()
+    if precision:
+        cfg[precision[0]] = {"enabled": True, **({"loss_scale": precision[1]} if len(precision) > 1 else {})}
+        model = model.to(torch.bfloat16 if precision[0] == "bf16" else torch.float16)
     engine, *_ = deepspeed_c.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     muon_group = next(g for g in engine.basic_optimizer.param_groups if g["use_muon"])
     cut = 0  # Muon matrices whose elements the ZeRO partitions spread over both ranks
@@ -83,9 +88,9 @@ def body(rank: int, world: int, stage: int, ns_method: str, gas: int = 1) -> dic
     params = list(engine.module.named_parameters())
     if stage == 3:
         with deepspeed_c.zero.GatheredParameters([p for _, p in params]):
-            out = {n: p.detach().clone().numpy() for n, p in params}
+            out = {n: p.detach().float().clone().numpy() for n, p in params}
     else:
-        out = {n: p.detach().clone().numpy() for n, p in params}
+        out = {n: p.detach().float().clone().numpy() for n, p in params}
     flags = {n: bool(getattr(p, "use_muon", False)) for n, p in params}
     engine.destroy()
     return {"params": out, "flags": flags, "cut": cut}
@@ -145,8 +150,8 @@ def _reference(gas: int = 1) -> dict[str, torch.Tensor]:
 
 
 @functools.lru_cache(maxsize=None)
-def _run(stage: int, ns_method: str, gas: int = 1) -> list[dict[str, Any]]:
-    return run_distributed(body, WORLD, args=(stage, ns_method, gas), timeout=240)
+def _run(stage: int, ns_method: str, gas: int = 1, precision: tuple = ()) -> list[dict[str, Any]]:
+    return run_distributed(body, WORLD, args=(stage, ns_method, gas, precision), timeout=240)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -185,3 +190,18 @@ def test_muon_with_gradient_accumulation(stage: int) -> None:
         for name, want in ref.items():
             got = torch.from_numpy(res["params"][name]).double()
             assert ((got - want).norm() / want.norm()).item() < TOL, name
+
+
+@pytest.mark.parametrize("stage, precision, tol", [
+    (0, ("fp16", 128), 1e-2), (2, ("fp16", 128), 1e-2), (2, ("fp16", 1024), 1e-2), (3, ("fp16", 128), 1e-2),
+    (2, ("bf16",), 5e-2), (3, ("bf16",), 5e-2),
+])
+def test_muon_in_16_bits(stage: int, precision: tuple, tol: float) -> None:
+    """16-bit models with fp32 masters follow the fp32 reference within the 16-bit weights' rounding; under
+    fp16 the momentum takes the unscaled gradient, so the static loss scale does not change the result
+    (DeepSpeed 0.19.8 feeds the scaled gradient into the momentum and unscales the orthogonalised update)."""
+    ref = _reference()
+    for res in _run(stage, "gram", 1, precision):
+        for name, want in ref.items():
+            got = torch.from_numpy(res["params"][name]).double()
+            assert ((got - want).norm() / want.norm()).item() < tol, name
