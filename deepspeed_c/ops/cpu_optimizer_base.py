@@ -84,6 +84,22 @@ class CPUOptimizerBase(torch.optim.Optimizer):
         self._ready.add(id(p))
         return state
 
+    def set_fp32_optimizer_states(self, enabled: bool) -> None:
+        """Whether states created from now on are float32 (True) or in the parameter's dtype; the engine
+        switches an optimizer it built before the first step (bf16.bf16_optimizer_states under ZeRO-Offload)."""
+        self.fp32_optimizer_states = enabled
+
+    # -- what ZeRO-Offload and the NVMe swapper drive: they step a flat partition range by range ---------
+    def ready_state(self, group: dict[str, Any], p: torch.Tensor, name: str) -> dict[str, Any]:
+        """p's optimizer state, checked and converted to the kernel's layout on first use (see _ready_state)."""
+        return self._ready_state(group, p, name)
+
+    def step_tensors(self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
+                     moments: list[list[torch.Tensor]], copies: Optional[list[torch.Tensor]], step: int) -> None:
+        """One C kernel call over `params` (sharing step count `step`) with their gradients and moment
+        tensors (one list per MOMENTS entry); `copies` receive the updated values in their own dtype."""
+        self._kernel(group, params, grads, moments, copies, step)
+
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None,
              fp16_param_groups: Optional[Sequence[Any]] = None) -> Any:

@@ -91,6 +91,15 @@ class EngineOptimizer:
         """The last step's unscaled global gradient norm (float, device scalar or None)."""
         return self._global_grad_norm
 
+    def resident(self) -> ContextManager[None]:
+        """The optimizer's states in device memory for the duration (a ZeRO optimizer with offloaded states
+        brings them back; checkpoint code reading them uses this); a no-op by default."""
+        return self._resident()
+
+    def _resident(self) -> ContextManager[None]:
+        """The hook `resident` calls: subclasses that move their states override it."""
+        return contextlib.nullcontext()
+
     def owned_reducer(self) -> Any:
         """The gradient reducer this optimizer brings (ZeRO's partitioner), or None for the engine's."""
         return None

@@ -249,7 +249,7 @@ def _states_in_memory(fn: Any) -> Any:
         found = _owner(param)
         if found is None:
             return fn(param, *args, **kwargs)
-        with found[0]._resident():
+        with found[0].resident():
             return fn(param, *args, **kwargs)
     return wrapper
 

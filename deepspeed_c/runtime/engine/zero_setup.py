@@ -119,7 +119,7 @@ def _bf16_offloaded_moments(basic: Any, client_built: bool, optimizer_params: An
 
             logger.warning("bf16.bf16_optimizer_states is enabled: overriding optimizer.params.fp32_optimizer_states "
                            "to False so the offloaded optimizer's moments are kept in bf16")
-        basic.fp32_optimizer_states = False
+        basic.set_fp32_optimizer_states(False)
     assert not getattr(basic, "fp32_optimizer_states", True), (
         "bf16.bf16_optimizer_states with ZeRO-Offload (zero_optimization.offload_optimizer) needs the client "
         "optimizer to be a DeepSpeedCPUAdam built with fp32_optimizer_states=False, so its moments are kept in bf16; "

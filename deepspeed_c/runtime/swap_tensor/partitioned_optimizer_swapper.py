@@ -97,7 +97,8 @@ class PartitionedOptimizerSwapper:
         for key, t in views.items():
             self.write_handle.async_pwrite(t, self.path(g, s, key))
 
-    def _state(self, g: int) -> dict[str, Any]:
+    def group_state(self, g: int) -> dict[str, Any]:
+        """Group g's optimizer state, its step counter as the C optimizers keep it (a float32 host scalar)."""
         state = self.optimizer.state[self.masters[g]]
         step = state.get("step", 0)
         if not torch.is_tensor(step) or step.dtype != torch.float32 or step.device.type != "cpu":
@@ -108,7 +109,7 @@ class PartitionedOptimizerSwapper:
     def _write_initial_state(self) -> None:
         """Masters as cut from the model, moments zero (or as the optimizer holds them); then released."""
         for g, master in enumerate(self.masters):
-            state = self._state(g)
+            state = self.group_state(g)
             for key in self.keys:
                 whole = master.detach() if key == MASTER else state.get(key)
                 for s, (lo, hi) in enumerate(self.bounds[g]):
@@ -124,7 +125,7 @@ class PartitionedOptimizerSwapper:
         with torch.no_grad():
             for g, master in enumerate(self.masters):
                 master.data = torch.empty(0, dtype=self.master_dtypes[g])
-                state = self._state(g)
+                state = self.group_state(g)
                 for key in self.moments:
                     state[key] = torch.empty(0, dtype=self.state_dtypes[g])
 
@@ -156,13 +157,13 @@ class PartitionedOptimizerSwapper:
                         self.read_handle.async_pread(t[lo:hi], self.path(g, s, key))
                 self.read_handle.wait()
                 master.data = whole[MASTER]
-                state = self._state(g)
+                state = self.group_state(g)
                 for key in self.moments:
                     state[key] = whole[key]
 
     def _swap_out_all(self) -> None:
         for g, master in enumerate(self.masters):
-            state = self._state(g)
+            state = self.group_state(g)
             for key in self.keys:
                 t = master.detach() if key == MASTER else state.get(key)
                 if not torch.is_tensor(t) or t.numel() != self.sizes[g]:

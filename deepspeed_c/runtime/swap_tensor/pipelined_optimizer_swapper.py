@@ -53,7 +53,7 @@ class NVMeOffload(CPUOffload):
                     dev_lp: Optional[torch.Tensor]) -> None:
         opt, sw = self.optimizer, self.swapper
         group = opt.param_groups[g]
-        state = sw._state(g)
+        state = sw.group_state(g)
         step = int(opt.ds_opt_op.bump_steps([state["step"]])[0])
         buckets = self.chunk_ranges[g]
         lp = self.host_lp[g]
@@ -112,7 +112,7 @@ class NVMeOffload(CPUOffload):
             if master_dtype != torch.float32:
                 g = g.to(master_dtype)
         moments = [[views[k][a - base:b - base]] for k in self.optimizer.MOMENTS]
-        self.optimizer._kernel(group, [views[MASTER][a - base:b - base]], [g], moments, [lp[a:b]], step)
+        self.optimizer.step_tensors(group, [views[MASTER][a - base:b - base]], [g], moments, [lp[a:b]], step)
 
     def _submit(self, gatherer: BucketGatherer, g: int, b: int, rng: tuple[int, int], lp: torch.Tensor,
                 dev_lp: Optional[torch.Tensor]) -> None:

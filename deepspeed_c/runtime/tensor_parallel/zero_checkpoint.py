@@ -49,7 +49,7 @@ def save_state(opt: Any, tp: TPParams, param_name: Callable[[torch.nn.Parameter]
     (the same file). A collective over the data- and tensor-parallel groups: every rank must call it."""
     from deepspeed_c.utils.tensor_fragment import _gather_param
 
-    with opt._resident():
+    with opt.resident():
         sd = opt.state_dict(clone_masters=False)
         base = copy.copy(sd["base_optimizer_state"])
         base["state"] = {k: dict(v) for k, v in base["state"].items()}
@@ -112,7 +112,7 @@ def load_state(opt: Any, tp: TPParams, saved: Any, load_optimizer_states: bool) 
             for g in range(len(plans))]
     masters = bool(saved.load_from_fp32_weights)
     states = bool(load_optimizer_states)
-    with opt._resident():
+    with opt.resident():
         moments = new_moments(opt, parts[0], keys) if states else None
         with torch.no_grad():
             for g, plan in enumerate(plans):

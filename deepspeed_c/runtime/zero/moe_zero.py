@@ -199,7 +199,7 @@ class MoEZeroOptimizer(EngineOptimizer):
         for m in self.members:
             skipped = m.step_with_sq_norm(total) or skipped
         self.overflow = skipped
-        self._global_grad_norm = self.members[0]._global_grad_norm
+        self._global_grad_norm = self.members[0].global_grad_norm
         return skipped
 
     def model_param_groups(self) -> list[list[torch.nn.Parameter]]:

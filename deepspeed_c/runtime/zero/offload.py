@@ -44,6 +44,10 @@ class OffloadStats:
     h2d_copy_ms: float = 0.0
     _events: list[tuple[str, Any, Any]] = field(default_factory=list, repr=False)
 
+    def record_copy(self, kind: str, start: Any, end: Any) -> None:
+        """A copy ("d2h" or "h2d") bracketed by two recorded CUDA events; timed at the next collect()."""
+        self._events.append((kind, start, end))
+
     def collect(self) -> None:
         """Folds the finished copies' CUDA event timings into the totals (synchronises them)."""
         for kind, start, end in self._events:
@@ -136,7 +140,7 @@ class CPUOffload:
             t0 = self._event()
             host[start:end].copy_(chunk, non_blocking=True)
             t1 = self._event()
-            self.stats._events.append(("d2h", t0, t1))
+            self.stats.record_copy("d2h", t0, t1)
             self._last_d2h = t1
         else:
             host[start:end].copy_(chunk)
@@ -214,7 +218,7 @@ class CPUOffload:
         src = lp if lp is not None else master.detach()
         step, state = 0, None
         if self.fused:
-            state = opt._ready_state(group, master, f"params[{g}][0]")
+            state = opt.ready_state(group, master, f"params[{g}][0]")
             step = int(opt.ds_opt_op.bump_steps([state["step"]])[0])
         try:
             for b, (start, end) in enumerate(self.chunk_ranges[g]):
@@ -250,12 +254,12 @@ class CPUOffload:
                 g = g.to(master.dtype)
         moments = [[state[k][lo:hi]] for k in self.optimizer.MOMENTS]
         copies = None if lp is None else [lp[lo:hi]]
-        self.optimizer._kernel(group, [master.detach()[lo:hi]], [g], moments, copies, step)
+        self.optimizer.step_tensors(group, [master.detach()[lo:hi]], [g], moments, copies, step)
 
     def _to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         with torch.cuda.stream(self.stream):
             t0 = self._event()
             dst.copy_(src, non_blocking=True)
             t1 = self._event()
-        self.stats._events.append(("h2d", t0, t1))
+        self.stats.record_copy("h2d", t0, t1)
         self.stats.h2d_bytes += src.numel() * src.element_size()
