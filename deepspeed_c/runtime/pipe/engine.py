@@ -145,6 +145,12 @@ class PipelineEngine(DeepSpeedEngine):
 
     def _checkpoint_states(self) -> Any:
         """The stage's states for its checkpointer (runtime/checkpointing/states.py)."""
+        if self.grid.get_slice_parallel_world_size() > 1:
+            # each tensor rank of a stage would write the stage's mp_rank_XX / zero_pp_rank files under one name
+            raise NotImplementedError("save_checkpoint / load_checkpoint of a PipelineModule whose topology has a "
+                                      f"'model' axis of {self.grid.get_slice_parallel_world_size()} (3D) is not "
+                                      "built yet; checkpoint the pipeline without tensor slicing, or TP x DP "
+                                      "through initialize(mpu=...)")
         from deepspeed_c.runtime.checkpointing.states import PipeCheckpointStates
 
         return PipeCheckpointStates(**self._checkpoint_state_fields(), stage_id=self.stage_id,
