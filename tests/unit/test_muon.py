@@ -56,7 +56,11 @@ def test_newton_schulz_flattens_singular_values() -> None:
     assert s.min() > 0.3 and s.max() < 1.3  # the quintic's band, from singular values spread over 3 decades
 
 
-def test_batched_equals_one_by_one() -> None:
+@pytest.mark.parametrize("batch_elements", [1 << 28, 500])
+def test_batched_equals_one_by_one(batch_elements: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    from deepspeed_c.runtime.zero.muon import newton_schulz
+
+    monkeypatch.setattr(newton_schulz, "BATCH_ELEMENTS", batch_elements)  # 500: runs of one or two matrices
     gen = torch.Generator().manual_seed(2)
     shapes = [(12, 20), (20, 12), (12, 20), (7, 7), (2, 12, 20), (4, 3, 2, 2)]
     ups = [torch.randn(*s, generator=gen) for s in shapes]
