@@ -129,7 +129,8 @@ def test_defaults_follow_deepspeed() -> None:
 
 @pytest.mark.parametrize("groups, match", [
     ([dict(params=[torch.nn.Parameter(torch.ones(3, 3))])], "use_muon"),
-    ([dict(params=[torch.nn.Parameter(torch.ones(3))], use_muon=True)], r"shape \(3,\).*ndim >= 2"),
+    ([dict(params=[torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2, 2))], use_muon=True)],
+     r"shape \(3,\).*ndim >= 2"),
     ([dict(params=[torch.nn.Parameter(torch.ones(3, 3))], use_muon=True, ns_method="fast")], "ns_method"),
     ([dict(params=[torch.nn.Parameter(torch.ones(3, 3))], use_muon=True, momentum=1.0)], "momentum"),
     ([dict(params=[torch.nn.Parameter(torch.ones(3))], use_muon=False, betas=0.9)], "betas"),
@@ -138,6 +139,17 @@ def test_defaults_follow_deepspeed() -> None:
 def test_optimizer_bad_groups(groups: list, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         MuonWithAuxAdam(groups)
+
+
+def test_use_muon_group_of_vectors_takes_adam() -> None:
+    b = torch.nn.Parameter(torch.linspace(-1, 1, 4))
+    opt = MuonWithAuxAdam([dict(params=[b], use_muon=True, lr=0.1)])
+    (group,) = opt.param_groups
+    assert group["use_muon"] is False and group["lr"] == 0.1 and tuple(group["betas"]) == (0.9, 0.95)
+    b0, g = b.detach().clone(), torch.tensor([0.5, -2.0, 1e-3, 3.0])
+    b.grad = g.clone()
+    opt.step()
+    assert torch.allclose(b.detach(), b0 - 0.1 * g / (g.abs() + 1e-10), rtol=0, atol=1e-6)
 
 
 # ---- the config's Muon / MuSGD types ----------------------------------------------------------------------

@@ -36,6 +36,13 @@ def _check_group(k: int, group: dict[str, Any]) -> None:
     if "use_muon" not in group:
         raise ValueError(f"MuonWithAuxAdam: param group {k} has no 'use_muon' flag; give every group use_muon=True "
                          f"(matrices, Muon) or use_muon=False (Adam)")
+    if group["use_muon"] and group["params"] and all(p.ndim < 2 for p in group["params"]):
+        # nothing to orthogonalise: the group is an Adam group, as DeepSpeed's flags make every 1-D parameter
+        from deepspeed_c.utils.logging import logger
+
+        logger.warning(f"MuonWithAuxAdam: param group {k} has use_muon=True but only 1-D parameters; it takes the "
+                       f"auxiliary Adam step")
+        group["use_muon"] = False
     defaults = MUON_DEFAULTS if group["use_muon"] else ADAM_DEFAULTS
     for key, value in defaults.items():
         group.setdefault(key, value)
