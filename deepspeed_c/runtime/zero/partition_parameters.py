@@ -392,8 +392,7 @@ class Init:
                 new.__dict__.update(p.__dict__)  # user attributes (e.g. transformers' init flags)
                 new.ds_numel, new.ds_shape = p.numel(), p.shape
                 swapped[id(p)] = new
-                swapped[id(new)] = new  # keeps p's id from being reused while this Init lives
-                self.__dict__.setdefault("_meta_originals", []).append(p)
+                self.__dict__.setdefault("_meta_originals", []).append(p)  # p's id stays p's while Init lives
             module._parameters[name] = new
         if swapped and _constructed_on_meta(module):
             _repoint_after_to_empty(module)
