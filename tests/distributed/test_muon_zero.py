@@ -205,3 +205,43 @@ def test_muon_in_16_bits(stage: int, precision: tuple, tol: float) -> None:
         for name, want in ref.items():
             got = torch.from_numpy(res["params"][name]).double()
             assert ((got - want).norm() / want.norm()).item() < tol, name
+
+
+def client_body(rank: int, world: int, stage: int) -> dict[str, Any]:
+    """The user's own MuonWithAuxAdam (groups by DeepSpeed's rule, hyperparameters as PARAMS) passed to
+    initialize, with no optimizer section."""
+    import deepspeed_c
+    from deepspeed_c.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+
+    model = _model()
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    matrices = [p for n, p in named if p.ndim >= 2 and "embed" not in n and "lm_head" not in n]
+    others = [p for n, p in named if not any(p is q for q in matrices)]
+    opt = MuonWithAuxAdam([
+        dict(params=matrices, use_muon=True, lr=PARAMS["lr"], momentum=PARAMS["momentum"],
+             weight_decay=PARAMS["weight_decay"]),
+        dict(params=others, use_muon=False, lr=PARAMS["adam_lr"], betas=tuple(PARAMS["betas"]), eps=PARAMS["eps"],
+             weight_decay=PARAMS["weight_decay"])])
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0,
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 200, "allgather_bucket_size": 200}}
+    engine, *_ = deepspeed_c.initialize(model=model, optimizer=opt, config=cfg)
+    for x, y in _batches():
+        engine.backward(_loss(engine, x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO]))
+        engine.step()
+    params = list(engine.module.named_parameters())
+    if stage == 3:
+        with deepspeed_c.zero.GatheredParameters([p for _, p in params]):
+            out = {n: p.detach().clone().numpy() for n, p in params}
+    else:
+        out = {n: p.detach().clone().numpy() for n, p in params}
+    engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_client_muon_optimizer(stage: int) -> None:
+    ref = _reference()
+    for res in run_distributed(client_body, WORLD, args=(stage,), timeout=240):
+        for name, want in ref.items():
+            got = torch.from_numpy(res[name]).double()
+            assert ((got - want).norm() / want.norm()).item() < TOL, name
