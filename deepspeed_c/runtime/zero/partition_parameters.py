@@ -351,10 +351,11 @@ class Init:
         params = [p for p in module._parameters.values() if p is not None and not is_zero_param(p)]
         if not params:
             return
+        stand_ins = {id(p) for p in self.__dict__.get("_meta_swapped", {}).values()}
         import torch.distributed as dist
 
         for p in params:
-            if hasattr(p, "ds_shape"):  # a meta parameter's stand-in: its shard is allocated, nothing to copy
+            if id(p) in stand_ins:  # a meta parameter's stand-in: its shard is allocated, nothing to copy
                 continue
             p.data = p.data.to(device=self.compute_device, dtype=self.dtype if p.is_floating_point() else p.dtype)
             if self.world_size > 1:  # every rank partitions the same values
@@ -364,11 +365,11 @@ class Init:
                            dtype=self.dtype, compute_device=self.compute_device, home_device=self.home_device,
                            pin_memory=self.pin_memory)
         for i, p in enumerate(params):
-            if not hasattr(p, "ds_shape"):
+            if id(p) not in stand_ins:
                 store.load_full(0, i, p.data)
         # the shards are cut: drop the whole values (adopt sees them as partitioned)
         for p in params:
-            if not hasattr(p, "ds_shape"):
+            if id(p) not in stand_ins:
                 p.ds_numel, p.ds_shape = p.numel(), p.shape
         for p in params:
             p.data = torch.empty(0, dtype=p.dtype, device=self.compute_device)
