@@ -194,7 +194,6 @@ BAD_CONFIGS = [
     (cfg(elasticity={"enabled": True}), NotImplementedError, "elasticity"),
     (cfg(autotuning={"enabled": True, "metric": "speed"}), ValueError, "autotuning.metric"),
     (cfg(autotuning={"tuner_typ": "random"}), ValueError, "autotuning.tuner_typ"),
-    (cfg(checkpoint={"load_universal": True}), NotImplementedError, "checkpoint.load_universal"),
 ]
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_c.checkpoint import deepspeed_format, store
-from deepspeed_c.runtime.checkpointing import nodes, reducer_order, run_state, zero, zero3
+from deepspeed_c.runtime.checkpointing import nodes, reducer_order, run_state, universal_load, zero, zero3
 from deepspeed_c.runtime.checkpointing.options import CheckpointOptions
 from deepspeed_c.runtime.checkpointing.states import CheckpointStates
 from deepspeed_c.runtime.checkpointing.collective_guard import check_dir_arg, rank_local_step
@@ -317,7 +317,8 @@ class EngineCheckpointer:
               custom_load_fn: Optional[Callable]) -> tuple[Optional[str], Any]:
         if tag is None:
             with rank_local_step("load_checkpoint (reading the latest file)", distributed=_dist()):
-                tag = store.read_latest(load_dir)
+                read_latest = universal_load.read_latest if self.options.load_universal else store.read_latest
+                tag = read_latest(load_dir)
             if _dist():  # ranks resuming from different tags would silently diverge
                 tag = nodes.agree_on_latest(tag, load_dir, nodes.node_local_enabled(self.options.node_local_storage))
             if tag is None:
@@ -329,6 +330,8 @@ class EngineCheckpointer:
         dp_rank = st.dp_rank
         # every file this rank reads before the optimizer's collectives (ZeRO-3: its own model-states file)
         with rank_local_step("load_checkpoint (reading this rank's model states)", distributed=_dist()):
+            if self.options.load_universal:  # a folder ds_to_universal wrote, or a clear error
+                universal_load.check_folder(os.path.join(load_dir, tag))
             tag_dir, manifest, state, model_name, model_rank = self._open_tag(load_dir, tag, dp_rank, st.mp_rank)
             saved = SavedCheckpoint(tag_dir=tag_dir, manifest=manifest, model_state=state,
                                     bf16=self.options.bf16, load_from_fp32_weights=self.options.load_from_fp32_weights,
@@ -353,6 +356,8 @@ class EngineCheckpointer:
                 st.lr_scheduler.load_state_dict(state["lr_scheduler"])
             st.train_state.load_state_dict(state, samples_per_step=st.samples_per_step)
             run_state.restore(st.data_loader, state, tag_dir, manifest, *_rank_world())
+        elif st.has_optimizer and st.stepper is not None and self.options.load_universal:
+            self._load_optimizer(st, saved, False)  # the weights are the universal fp32 values
         elif st.has_optimizer and st.stepper is not None:
             # masters follow the loaded weights (a stage-3 checkpoint's weights are its fp32 partitions)
             zero.load_partition_weights(st.stepper, saved)
@@ -447,5 +452,9 @@ class EngineCheckpointer:
 
     def _load_optimizer(self, st: CheckpointStates, saved: SavedCheckpoint, load_states: bool) -> None:
         if st.stepper is None:
+            return
+        if self.options.load_universal:
+            names = _param_names(st.module)
+            universal_load.load(st.stepper, saved, lambda p: names[id(p)], load_states, st.module)
             return
         zero.load_partition(st.stepper, saved, load_states)

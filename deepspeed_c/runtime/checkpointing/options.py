@@ -13,7 +13,8 @@ class CheckpointOptions:
     checkpoint.parallel_write.pipeline_stage; load_from_fp32_weights: zero_optimization's key;
     bf16: bf16.enabled (names the ZeRO files bf16_*); zero_stage: zero_optimization.stage;
     ds_config: the user's config, saved into the files as DeepSpeed does (the dict itself, not a
-    copy: a save writes the config as it is then)."""
+    copy: a save writes the config as it is then); load_universal: checkpoint.load_universal (load_checkpoint
+    reads a universal checkpoint, runtime/checkpointing/universal_load.py)."""
     tag_validation: bool
     tag_validation_fail: bool
     node_local_storage: bool
@@ -22,6 +23,7 @@ class CheckpointOptions:
     bf16: bool
     zero_stage: int
     ds_config: dict
+    load_universal: bool = False
 
     @classmethod
     def from_config(cls, config: Any) -> "CheckpointOptions":
@@ -32,7 +34,8 @@ class CheckpointOptions:
                    parallel_write_pipeline=bool(config.checkpoint_parallel_write_pipeline),
                    load_from_fp32_weights=bool(config.zero_config.load_from_fp32_weights),
                    bf16=bool(config.bfloat16_enabled), zero_stage=int(config.zero_optimization_stage),
-                   ds_config=config.user_dict)
+                   ds_config=config.user_dict,
+                   load_universal=bool(getattr(config, "load_universal_checkpoint", False)))
 
     @property
     def zero(self) -> bool:

@@ -184,8 +184,6 @@ def parse_misc_sections(param_dict: dict[str, Any]) -> dict[str, Any]:
             raise DeepSpeedConfigError(f"Invalid value {tp.autotp_size} for config key 'tensor_parallel.autotp_size': "
                                        f"it must divide the world size ({world})")
     checkpoint = parse_section(CheckpointConfig, param_dict.get("checkpoint"), "checkpoint")
-    if checkpoint.load_universal:
-        raise unbuilt("checkpoint.load_universal", "universal checkpoint loading")
     act = parse_section(ActivationCheckpointingConfig, param_dict.get("activation_checkpointing"),
                         "activation_checkpointing")
     if act.number_checkpoints is not None and act.number_checkpoints < 0:

@@ -1,0 +1,186 @@
+"""Universal checkpoints (deepspeed_c.checkpoint.ds_to_universal, checkpoint.load_universal): a ZeRO
+checkpoint converted to DeepSpeed's universal layout loads at another data-parallel degree and ZeRO stage
+and continues with the uninterrupted run's losses (fp32, relative 1e-5).
+
+Ours: saved at DP 2 with ZeRO-1/2/3 (gloo), converted, loaded at DP 1, 2, 3 with stages 0-3; the global
+batch (12 samples) is the same at every degree, so the losses are the same function of the weights and
+optimizer state. DeepSpeed's: the checkpoints DeepSpeed 0.19.8 wrote (tests/fixtures/deepspeed_written,
+ZeRO-1/2 at DP 2) converted by our script load at DP 1 and 2, ZeRO 0-3, and continue with DeepSpeed's
+own next losses (`next_losses`)."""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+from tests.harness import run_distributed
+
+HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "deepspeed_written")
+GLOBAL, SAVE_AT, AFTER = 12, 3, 2
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.emb = torch.nn.Linear(5, 9)
+        self.mid = torch.nn.Linear(9, 7)  # sizes that do not divide the ranks evenly
+        self.out = torch.nn.Linear(7, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.out(torch.tanh(self.mid(torch.relu(self.emb(x))))), y)
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(GLOBAL, 5, generator=g), torch.randn(GLOBAL, 3, generator=g)
+
+
+def _config(stage: int, world: int, universal: bool) -> dict:
+    cfg = {"train_batch_size": GLOBAL, "train_micro_batch_size_per_gpu": GLOBAL // world,
+           "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.01, "torch_adam": True}},
+           "gradient_clipping": 1.0, "zero_optimization": {"stage": stage}}
+    if universal:
+        cfg["checkpoint"] = {"load_universal": True}
+    return cfg
+
+
+def _steps(engine: Any, rank: int, world: int, first: int, count: int) -> list[float]:
+    losses = []
+    n = GLOBAL // world
+    for step in range(first, first + count):
+        x, y = _batch(step)
+        loss = engine(x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n])
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        if world > 1:
+            torch.distributed.all_reduce(mean)
+        losses.append(float(mean) / world)
+    return losses
+
+
+def save_runs(rank: int, world: int, root: str) -> dict:
+    import deepspeed_c
+
+    out = {}
+    for stage in (1, 2, 3):
+        engine = deepspeed_c.initialize(model=Net(), config=_config(stage, world, False))[0]
+        _steps(engine, rank, world, 0, SAVE_AT)
+        engine.save_checkpoint(os.path.join(root, f"z{stage}"), tag="step3")
+        out[stage] = _steps(engine, rank, world, SAVE_AT, AFTER)
+        engine.destroy()
+    return out
+
+
+def resume_runs(rank: int, world: int, root: str, targets: list) -> dict:
+    import deepspeed_c
+
+    out = {}
+    for source, stage in targets:
+        engine = deepspeed_c.initialize(model=Net(), config=_config(stage, world, True))[0]
+        path, _ = engine.load_checkpoint(os.path.join(root, f"z{source}"))  # the tag from latest_universal
+        assert path is not None and "step3_universal" in path
+        assert engine.global_steps == SAVE_AT
+        out[(source, stage)] = _steps(engine, rank, world, SAVE_AT, AFTER)
+        engine.destroy()
+    return out
+
+
+def _convert(folder: str, out: str) -> None:
+    from deepspeed_c.checkpoint.ds_to_universal import main, parse_arguments
+
+    main(parse_arguments(["--input_folder", folder, "--output_folder", out, "--inject_missing_state",
+                          "--num_extract_workers", "1", "--num_merge_workers", "1"]))
+
+
+def _close(got: list[float], want: list[float]) -> None:
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert abs(a - b) <= 1e-5 * abs(b), (got, want)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: Any) -> tuple[str, dict]:
+    root = str(tmp_path_factory.mktemp("uc"))
+    straight = run_distributed(save_runs, 2, args=(root,), timeout=300)[0]
+    for stage in (1, 2, 3):
+        folder = os.path.join(root, f"z{stage}")
+        _convert(os.path.join(folder, "step3"), os.path.join(folder, "step3_universal"))
+    return root, straight
+
+
+# (source stage, target stage) per world size: every source loads at a changed stage somewhere
+TARGETS = {1: [(1, 1), (2, 0), (3, 2)], 2: [(1, 3), (2, 2), (3, 1)], 3: [(1, 2), (2, 3), (3, 3)]}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_ours_resume_at_other_degree_and_stage(converted: tuple, world: int) -> None:
+    root, straight = converted
+    got = run_distributed(resume_runs, world, args=(root, TARGETS[world]), timeout=300)[0]
+    for (source, stage), losses in got.items():
+        _close(losses, straight[source])
+
+
+def test_universal_layout(converted: tuple) -> None:
+    from deepspeed_c.checkpoint import safe_load
+
+    root, _ = converted
+    folder = os.path.join(root, "z2", "step3_universal")
+    with open(os.path.join(root, "z2", "latest_universal")) as f:
+        assert f.read() == "step3_universal"
+    assert sorted(os.listdir(os.path.join(folder, "zero"))) == sorted(
+        ["optimizer_state.pt"] + [n for n, _ in Net().named_parameters()])
+    rec = safe_load.load(os.path.join(folder, "zero", "mid.weight", "fp32.pt"))
+    assert rec["cat_dim"] == 0 and tuple(rec["param"].shape) == (7, 9)
+    assert sorted(os.listdir(os.path.join(folder, "zero", "mid.weight"))) == [
+        "exp_avg.pt", "exp_avg_sq.pt", "fp32.pt", "step.pt"]
+    assert float(safe_load.load(os.path.join(folder, "zero", "mid.weight", "step.pt"))) == SAVE_AT
+    assert not os.path.exists(os.path.join(folder, "tmp"))
+
+
+# -- checkpoints written by DeepSpeed 0.19.8 ---------------------------------------------------------------
+def _ds_resume(rank: int, world: int, folder: str, stages: list) -> dict:
+    import deepspeed_c
+
+    sys.path.insert(0, HERE)
+    import common
+
+    out = {}
+    for stage in stages:
+        model = common.build_model(False)
+        cfg = common.config(stage, False, world)
+        cfg["train_micro_batch_size_per_gpu"] = common.MICRO_BATCH * 2 // world
+        cfg["train_batch_size"] = common.MICRO_BATCH * 2
+        cfg["checkpoint"] = {"load_universal": True}
+        engine = deepspeed_c.initialize(model=model, model_parameters=list(model.parameters()), config=cfg)[0]
+        engine.load_checkpoint(os.path.dirname(folder), tag=os.path.basename(folder))
+        losses = []
+        for i in range(common.STEPS_AFTER_RESUME):
+            xs, ys = zip(*[common.batch(common.STEPS_BEFORE_SAVE + i, r, 2) for r in range(2)])
+            x, y = torch.cat(xs), torch.cat(ys)
+            n = x.shape[0] // world
+            loss = engine(x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n])
+            engine.backward(loss)
+            engine.step()
+            mean = loss.detach().clone()
+            if world > 1:
+                torch.distributed.all_reduce(mean)
+            losses.append(float(mean) / world)
+        out[stage] = losses
+        engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("case", ["z1_fp32_train_w2", "z2_fp32_train_w2"])
+def test_deepspeed_written_checkpoint_converts_and_continues(tmp_path: Any, case: str) -> None:
+    out = str(tmp_path / "universal")
+    _convert(os.path.join(HERE, case, "ckpt"), out)
+    want = torch.load(os.path.join(HERE, case, "expected.pt"), weights_only=True)["next_losses"]
+    for world, stages in ((1, [0, 1, 3]), (2, [1, 2, 3])):
+        got = run_distributed(_ds_resume, world, args=(out, stages), timeout=300)[0]
+        for stage, losses in got.items():
+            _close(losses, want)
