@@ -155,8 +155,11 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         self._apply([flat], [binding.orthogonalize(blended, group["ns_method"])], group)
 
     def _adam(self, group: dict[str, Any]) -> None:
+        """Multi-tensor passes over the parameters that share a step count (all of them, but for parameters
+        added to the group later)."""
         beta1, beta2 = (float(b) for b in group["betas"])
         lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
+        by_step: dict[int, list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]] = {}
         for p, g in zip(group["params"], self._grads(list(group["params"]))):
             state = self.state[p]
             if "step" not in state:
@@ -164,11 +167,17 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 state["exp_avg_sq"] = torch.zeros_like(p)
                 state["step"] = 0
             state["step"] += 1
-            t = state["step"]
-            state["exp_avg"].lerp_(g, 1.0 - beta1)
-            state["exp_avg_sq"].lerp_(g.square(), 1.0 - beta2)
-            denom = (state["exp_avg_sq"] / (1.0 - beta2 ** t)).sqrt_().add_(eps)
-            update = (state["exp_avg"] / (1.0 - beta1 ** t)).div_(denom)
-            if wd != 0.0:
-                p.mul_(1.0 - lr * wd)
-            p.add_(update, alpha=-lr)
+            by_step.setdefault(int(state["step"]), []).append((p, g, state))
+        for t, items in by_step.items():
+            params = [p for p, _, _ in items]
+            grads = [g for _, g, _ in items]
+            exp_avg = [s["exp_avg"] for _, _, s in items]
+            exp_avg_sq = [s["exp_avg_sq"] for _, _, s in items]
+            torch._foreach_lerp_(exp_avg, grads, 1.0 - beta1)
+            torch._foreach_lerp_(exp_avg_sq, torch._foreach_mul(grads, grads), 1.0 - beta2)
+            denom = torch._foreach_div(exp_avg_sq, 1.0 - beta2 ** t)
+            torch._foreach_sqrt_(denom)
+            torch._foreach_add_(denom, eps)
+            update = torch._foreach_div(exp_avg, 1.0 - beta1 ** t)
+            torch._foreach_div_(update, denom)
+            self._apply(params, update, group)
