@@ -184,3 +184,32 @@ def test_deepspeed_written_checkpoint_converts_and_continues(tmp_path: Any, case
         got = run_distributed(_ds_resume, world, args=(out, stages), timeout=300)[0]
         for stage, losses in got.items():
             _close(losses, want)
+
+
+# -- bad input ---------------------------------------------------------------------------------------------
+def _load_error(rank: int, world: int, load_dir: str, tag: str) -> str:
+    import deepspeed_c
+
+    engine = deepspeed_c.initialize(model=Net(), config=_config(2, world, True))[0]
+    try:
+        engine.load_checkpoint(load_dir, tag=tag)
+    except Exception as e:  # noqa: BLE001 (the message is what the test checks)
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_load_universal_refuses_a_plain_checkpoint(converted: tuple) -> None:
+    root, _ = converted
+    err = run_distributed(_load_error, 1, args=(os.path.join(root, "z1"), "step3"), timeout=120)[0]
+    assert "not a universal checkpoint" in err and "ds_to_universal" in err
+
+
+def test_universal_folder_missing_a_parameter_names_it(converted: tuple, tmp_path: Any) -> None:
+    import shutil
+
+    root, _ = converted
+    broken = str(tmp_path / "broken")
+    shutil.copytree(os.path.join(root, "z1", "step3_universal"), broken)
+    shutil.rmtree(os.path.join(broken, "zero", "mid.weight"))
+    err = run_distributed(_load_error, 1, args=(str(tmp_path), "broken"), timeout=120)[0]
+    assert "mid.weight" in err and "no state" in err

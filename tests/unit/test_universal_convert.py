@@ -1,0 +1,97 @@
+"""ds_to_universal on DeepSpeed-written checkpoints, and its and load_universal's bad input.
+
+Tensor parallelism: DeepSpeed 0.19.8's TP 2 x DP 2 ZeRO-1 checkpoint of the tests' Megatron-style GPT
+(tests/fixtures/deepspeed_megatron) with the client's universal_checkpoint_info patterns (what
+Megatron-DeepSpeed saves) merges into whole parameters equal to the weights DeepSpeed itself loaded from
+that checkpoint and gathered (`loaded_weights`): column-parallel shards joined on dim 0, row-parallel on
+dim 1, replicated ones kept once; the vocabulary pattern trims padded rows."""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import pytest
+import torch
+
+from deepspeed_c.checkpoint import ds_pickle, safe_load
+from deepspeed_c.checkpoint.ds_to_universal import main, parse_arguments
+
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
+MEGATRON = os.path.join(FIXTURES, "deepspeed_megatron", "tp2_dp2_z1")
+# the client's patterns: the position table, layer norms and the row-parallel layers' biases are replicated
+REPLICATED = [r"pos$", r".*ln", r".*\.proj\.bias", r".*\.fc2\.bias"]
+ROW = [r".*\.proj\.weight", r".*\.fc2\.weight"]
+
+
+def _args(src: str, out: str, *extra: str) -> Any:
+    return parse_arguments(["--input_folder", src, "--output_folder", out, "--num_extract_workers", "1",
+                            "--num_merge_workers", "1", *extra])
+
+
+def _with_info(tmp_path: Any, info: dict) -> str:
+    src = str(tmp_path / "src")
+    shutil.copytree(os.path.join(MEGATRON, "ckpt"), src)
+    for name in ("mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"):
+        path = os.path.join(src, name)
+        state = safe_load.load(path)
+        state["universal_checkpoint_info"] = info
+        torch.save(state, path, **({"pickle_module": ds_pickle} if ds_pickle.contains_stand_ins(state) else {}))
+    return src
+
+
+def _param(out: str, name: str, state: str = "fp32") -> dict:
+    return safe_load.load(os.path.join(out, "zero", name, f"{state}.pt"))
+
+
+def test_tensor_parallel_merge_matches_deepspeed_loaded_weights(tmp_path: Any) -> None:
+    info = {"universal_checkpoint_version": 0.4, "tp_replicated_parameter_patterns": REPLICATED,
+            "parameter_with_row_parallelism_patterns": ROW}
+    out = str(tmp_path / "out")
+    main(_args(_with_info(tmp_path, info), out, "--num_merge_workers", "2"))  # a worker pool too
+    want = torch.load(os.path.join(MEGATRON, "expected.pt"), weights_only=True)["loaded_weights"]
+    for name, ref in want.items():
+        rec = _param(out, name)
+        assert rec["param"].shape == ref.shape, name
+        torch.testing.assert_close(rec["param"], ref.to(rec["param"].dtype), rtol=0, atol=0, msg=name)
+    assert _param(out, "blocks.0.fc2.weight")["cat_dim"] == 1 and _param(out, "blocks.0.fc1.weight")["cat_dim"] == 0
+    assert _param(out, "blocks.0.qkv.weight", "exp_avg")["param"].shape == (48, 16)
+
+
+def test_vocabulary_rows_are_trimmed(tmp_path: Any) -> None:
+    info = {"tp_replicated_parameter_patterns": REPLICATED,
+            "parameter_with_row_parallelism_patterns": ROW, "vocabulary_parameter_patterns": [r"embed\.weight"],
+            "original_vocab_size": 30}
+    out = str(tmp_path / "out")
+    main(_args(_with_info(tmp_path, info), out))
+    rec = _param(out, "embed.weight")
+    assert rec["vocab_tensor"] is True and rec["param"].shape == (30, 16)
+
+
+def test_pattern_matching_nothing_is_named(tmp_path: Any) -> None:
+    info = {"tp_replicated_parameter_patterns": REPLICATED + [r"no_such_param"],
+            "parameter_with_row_parallelism_patterns": ROW}
+    src = _with_info(tmp_path, info)
+    with pytest.raises(ValueError, match="no_such_param"):
+        main(_args(src, str(tmp_path / "out")))
+    main(_args(src, str(tmp_path / "out2"), "--no_strict"))  # a warning only
+
+
+def test_checkpoint_without_universal_info_needs_the_flag(tmp_path: Any) -> None:
+    with pytest.raises(ValueError, match="--inject_missing_state"):
+        main(_args(os.path.join(MEGATRON, "ckpt"), str(tmp_path / "out")))
+
+
+def test_non_zero_checkpoint_is_refused(tmp_path: Any) -> None:
+    src = os.path.join(FIXTURES, "deepspeed_written", "z0_fp32_train_w1", "ckpt")
+    with pytest.raises(FileNotFoundError, match="optim_states"):
+        main(_args(src, str(tmp_path / "out"), "--inject_missing_state"))
+
+
+def test_load_universal_checks() -> None:
+    from deepspeed_c.runtime.checkpointing import universal_load
+
+    with pytest.raises(universal_load.UniversalCheckpointError, match="ds_to_universal"):
+        universal_load.check_folder(os.path.join(MEGATRON, "ckpt"))
+    with pytest.raises(ValueError, match="latest_universal"):
+        universal_load.read_latest(MEGATRON)
