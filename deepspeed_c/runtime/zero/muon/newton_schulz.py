@@ -81,11 +81,13 @@ def orthogonalize_stack(g: torch.Tensor, steps: int = NS_STEPS, ns_method: str =
         raise ValueError(f"ns_method must be one of {NS_METHODS}, got {ns_method!r}")
     work = dtype or compute_dtype(g.device, ns_method)
     lead, (rows, cols) = g.shape[:-2], g.shape[-2:]
-    x = g.reshape(-1, rows, cols).to(work)
+    x = g.reshape(-1, rows, cols)
     tall = rows > cols
     if tall:
         x = x.mT
-    x = _normalise(x)
+    # normalised before the cast (DeepSpeed casts first): a small update's entries would fall into fp16's
+    # subnormals, while after normalisation they are O(1 / sqrt(numel))
+    x = _normalise(x.to(torch.promote_types(x.dtype, torch.float32))).to(work)
     x = _gram(x, steps) if ns_method == "gram" and x.shape[-2] < x.shape[-1] else _standard(x, steps)
     if tall:
         x = x.mT
