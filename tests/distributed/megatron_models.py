@@ -16,7 +16,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-VOCAB, HIDDEN, HEADS, SEQ, LAYERS = 32, 16, 4, 8, 2
+VOCAB, HIDDEN, HEADS, SEQ, LAYERS = 32, 16, 4, 8, 2  # the tests' sizes; benchmarks/megatron_3d.py resizes
+
+
+def resize(vocab: int, hidden: int, heads: int, seq: int, layers: int) -> None:
+    """Sets the sizes the classes below build with (module-wide: call before building a model)."""
+    global VOCAB, HIDDEN, HEADS, SEQ, LAYERS
+    VOCAB, HIDDEN, HEADS, SEQ, LAYERS = vocab, hidden, heads, seq, layers
 
 
 class MegatronMPU:
@@ -127,6 +133,11 @@ def gather_from(x: torch.Tensor, tp: TP) -> torch.Tensor:
     return _GatherFromTP.apply(x, tp) if tp.size > 1 else x
 
 
+def _scale() -> float:
+    """Weights' init scale: 0.2 at the tests' width, shrinking as 1/sqrt(width) for the benchmark's."""
+    return 0.2 * (16 / HIDDEN) ** 0.5
+
+
 def _split(p: torch.nn.Parameter, dim: int) -> torch.nn.Parameter:
     p.tensor_model_parallel, p.partition_dim = True, dim
     return p
@@ -136,7 +147,7 @@ class ColumnParallelLinear(torch.nn.Module):
     def __init__(self, n_in: int, n_out: int, tp: TP, bias: bool = True) -> None:
         super().__init__()
         self.tp = tp
-        self.weight = _split(torch.nn.Parameter(torch.randn(n_out // tp.size, n_in) * 0.2), 0)
+        self.weight = _split(torch.nn.Parameter(torch.randn(n_out // tp.size, n_in) * _scale()), 0)
         self.bias = _split(torch.nn.Parameter(torch.randn(n_out // tp.size) * 0.1), 0) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -147,7 +158,7 @@ class RowParallelLinear(torch.nn.Module):
     def __init__(self, n_in: int, n_out: int, tp: TP) -> None:
         super().__init__()
         self.tp = tp
-        self.weight = _split(torch.nn.Parameter(torch.randn(n_out, n_in // tp.size) * 0.2), 1)
+        self.weight = _split(torch.nn.Parameter(torch.randn(n_out, n_in // tp.size) * _scale()), 1)
         self.bias = torch.nn.Parameter(torch.randn(n_out) * 0.1)  # replicated: added once, after the sum
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
