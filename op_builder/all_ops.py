@@ -18,6 +18,7 @@ from .multi_tensor import MultiTensorOpsBuilder
 from .onebit import OnebitBuilder, OnebitCUDABuilder
 from .quantizer import QuantizerBuilder, QuantizerCUDABuilder
 from .transformer_inference import InferenceBuilder
+from .zenflow_columns import ZenFlowColumnsBuilder
 
 __all__ = [name for name, obj in dict(globals()).items()
            if isinstance(obj, type) and issubclass(obj, OpBuilder) and obj.NAME]

@@ -27,8 +27,6 @@ NO_EFFECT: tuple[NoEffect, ...] = (
              "each gradient bucket is one reduce-scatter (or one all-reduce with reduce_scatter=false)"),
     NoEffect(("zero_optimization", "elastic_checkpoint"), False,
              "checkpoints reshard to any world size on load without it"),
-    NoEffect(("zero_optimization", "offload_optimizer", "super_offload"), False,
-             "SuperOffload is a ZeRO-3 feature in DeepSpeed; stages 1 and 2 use the pipelined ZeRO-Offload"),
     NoEffect(("zero_optimization", "offload_optimizer", "pipeline_read"), False,
              "the NVMe optimizer step always reads the next sub-group while it steps this one (buffer_count >= 2)"),
     NoEffect(("zero_optimization", "offload_optimizer", "pipeline_write"), False,

@@ -14,6 +14,7 @@ from pydantic import Field, model_validator
 
 from deepspeed_c.runtime.config.utils import (DeepSpeedConfigError, DeepSpeedConfigModel, config_warning,
                                               parse_section, unbuilt)
+from deepspeed_c.runtime.zenflow.zenflow_config import ZenFlowConfig
 
 ZERO_OPTIMIZATION = "zero_optimization"
 SUPPORTED_ZERO_STAGES: set[int] = {0, 1, 2, 3}
@@ -74,7 +75,7 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     elastic_checkpoint: bool = False
     offload_param: Optional[DeepSpeedZeroOffloadParamConfig] = None
     offload_optimizer: Optional[DeepSpeedZeroOffloadOptimizerConfig] = None
-    zenflow: Optional[dict[str, Any]] = None
+    zenflow: Optional[ZenFlowConfig] = None
     sub_group_size: int = Field(int(1e9), ge=0)
     cpu_offload_param: Optional[bool] = None  # legacy: offload_param.device = cpu
     cpu_offload_use_pin_memory: Optional[bool] = None  # legacy: pin_memory of both offload sections
@@ -181,8 +182,8 @@ def _check_built(cfg: DeepSpeedZeroConfig) -> None:
             cfg.offload_optimizer.ratio < 1.0:
         raise unbuilt(f"{path}.offload_optimizer.ratio", "partial optimizer offload (ratio < 1)")
     below3 = cfg.stage != ZeroStageEnum.weights  # ZeRO++ (runtime/zero/zeropp.py) runs on stage 3
-    flags = (("zenflow", cfg.zenflow is not None, "ZenFlow"),
-             ("zero_quantized_weights", cfg.zero_quantized_weights and below3, "ZeRO++ below stage 3"),
+    _check_fast_offload(cfg)
+    flags = (("zero_quantized_weights", cfg.zero_quantized_weights and below3, "ZeRO++ below stage 3"),
              ("zero_quantized_nontrainable_weights", cfg.zero_quantized_nontrainable_weights and below3,
               "ZeRO++ below stage 3"),
              ("zero_quantized_gradients", cfg.zero_quantized_gradients and below3, "ZeRO++ below stage 3"),
@@ -194,6 +195,28 @@ def _check_built(cfg: DeepSpeedZeroConfig) -> None:
     for key, on, what in flags:
         if on:
             raise unbuilt(f"{path}.{key}", what)
+
+
+def _check_fast_offload(cfg: DeepSpeedZeroConfig) -> None:
+    """ZenFlow and SuperOffload sit on ZeRO-Offload of the optimizer to the host (DeepSpeed checks these when it
+    builds the optimizer; here they fail at parse time, naming the keys)."""
+    path = ZERO_OPTIMIZATION
+    off = cfg.offload_optimizer
+    on_cpu = off is not None and off.device == OffloadDeviceEnum.cpu.value
+    if cfg.zenflow is not None:
+        if not on_cpu:
+            raise DeepSpeedConfigError(f"Zenflow must be used with cpu offload: '{path}.zenflow' needs "
+                                       f"'{path}.offload_optimizer.device' = 'cpu'")
+        if cfg.stage not in (1, 2):
+            raise unbuilt(f"{path}.zenflow", f"ZenFlow at ZeRO stage {cfg.stage} (deepspeed_c runs it at stages 1 "
+                                             f"and 2)")
+    if off is not None and off.super_offload:
+        if cfg.stage != ZeroStageEnum.weights:
+            raise DeepSpeedConfigError(f"Config key '{path}.offload_optimizer.super_offload' needs ZeRO stage 3 "
+                                       f"('{path}.stage' is {cfg.stage}); SuperOffload is a ZeRO-3 optimizer")
+        if not on_cpu:
+            raise DeepSpeedConfigError(f"Config key '{path}.offload_optimizer.super_offload' needs "
+                                       f"'{path}.offload_optimizer.device' = 'cpu' (got '{off.device}')")
 
 
 def parse_zero_config(param_dict: dict[str, Any]) -> DeepSpeedZeroConfig:
