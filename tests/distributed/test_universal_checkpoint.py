@@ -213,3 +213,14 @@ def test_universal_folder_missing_a_parameter_names_it(converted: tuple, tmp_pat
     shutil.rmtree(os.path.join(broken, "zero", "mid.weight"))
     err = run_distributed(_load_error, 1, args=(str(tmp_path), "broken"), timeout=120)[0]
     assert "mid.weight" in err and "no state" in err
+
+
+def test_deepspeed_checkpoint_inspects_ours(converted: tuple) -> None:
+    from deepspeed_c.checkpoint import DeepSpeedCheckpoint
+
+    root, _ = converted
+    ckpt = DeepSpeedCheckpoint(os.path.join(root, "z2", "step3"))
+    assert (ckpt.tp_degree, ckpt.pp_degree, ckpt.dp_degree) == (1, 1, 2)
+    held = sum(t.numel() for dp in range(2) for t in ckpt.get_zero_checkpoint_state(0, 0, dp)["optimizer_state_dict"][
+        "single_partition_of_fp32_groups"])
+    assert held == sum(p.numel() for p in Net().parameters())

@@ -95,3 +95,21 @@ def test_load_universal_checks() -> None:
         universal_load.check_folder(os.path.join(MEGATRON, "ckpt"))
     with pytest.raises(ValueError, match="latest_universal"):
         universal_load.read_latest(MEGATRON)
+
+
+# -- DeepSpeedCheckpoint ---------------------------------------------------------------------------------
+def test_deepspeed_checkpoint_reads_deepspeeds_layout() -> None:
+    from deepspeed_c.checkpoint import DeepSpeedCheckpoint
+
+    ckpt = DeepSpeedCheckpoint(os.path.join(MEGATRON, "ckpt"))
+    assert (ckpt.tp_degree, ckpt.pp_degree, ckpt.dp_degree, ckpt.world_size) == (2, 1, 2, 4)
+    assert ckpt.get_checkpoint_info("universal_checkpoint_info") is None
+    shapes = safe_load.load(os.path.join(MEGATRON, "ckpt", "mp_rank_01_model_states.pt"))["param_shapes"]
+    total = sum(s.numel() for group in shapes for s in group.values())
+    held = sum(t.numel() for dp in range(2) for t in ckpt.get_zero_checkpoint_state(0, 1, dp)["optimizer_state_dict"][
+        "single_partition_of_fp32_groups"])
+    assert held == total  # the paddings stripped: the tp rank's parameters exactly
+    with pytest.raises(NotImplementedError, match="ds_to_universal"):
+        DeepSpeedCheckpoint(os.path.join(MEGATRON, "ckpt"), tp_degree=1)
+    with pytest.raises(FileNotFoundError, match="pp 0, tp 2"):
+        ckpt.get_zero_checkpoint_state(0, 2, 0)
