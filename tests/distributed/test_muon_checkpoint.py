@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.distributed.test_muon_zero import MICRO, PARAMS, _batches, _loss, _model
+from tests.distributed.test_muon_zero import MICRO, PARAMS, TOL, _batches, _loss, _model
 from tests.harness import run_distributed
 
 
@@ -35,8 +35,8 @@ def _weights(engine: Any, stage: int) -> list[Any]:
     params = list(engine.module.parameters())
     if stage == 3:
         with deepspeed_c.zero.GatheredParameters(params):
-            return [p.detach().clone().numpy() for p in params]
-    return [p.detach().clone().numpy() for p in params]
+            return [p.detach().clone().cpu().numpy() for p in params]
+    return [p.detach().clone().cpu().numpy() for p in params]
 
 
 def save_and_resume(rank: int, world: int, stage: int, path: str) -> dict[str, Any]:
@@ -86,5 +86,5 @@ def test_stage2_checkpoint_resumes_on_one_rank(tmp_path: pathlib.Path) -> None:
     (cold,) = run_distributed(resume_on_one, 1, args=(str(tmp_path), False), timeout=240)
     errs = [float(torch.from_numpy(a - b).norm() / torch.from_numpy(b).norm()) for a, b in zip(one, straight)]
     cold_errs = [float(torch.from_numpy(a - b).norm() / torch.from_numpy(b).norm()) for a, b in zip(cold, straight)]
-    assert max(errs) < 2e-5, errs
+    assert max(errs) < TOL, errs
     assert max(cold_errs) > 1e-2, cold_errs  # the momentum matters: the comparison can see it

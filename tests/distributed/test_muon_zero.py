@@ -7,10 +7,12 @@ iteration written out below, the sqrt(max(1, rows/cols)) scale, decoupled weight
 parameter takes the auxiliary Adam step (bias-corrected, eps outside the root, decoupled decay), and the
 frozen layer keeps its weights. The engine runs fp32 with small reduce buckets, so ZeRO 1/2/3 cut the
 matrices across the two ranks and the step must exchange them whole. After 20 steps every parameter matches
-the reference norm-wise to 2e-5 relative (fp32 rounding through 20 Newton-Schulz runs is ~1e-6)."""
+the reference norm-wise to 2e-5 relative (fp32 rounding through 20 Newton-Schulz runs is ~1e-6). Under
+DSC_TEST_BACKEND=nccl Newton-Schulz runs in 16 bits on the GPUs, and the bound is 5e-2."""
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import pytest
@@ -20,7 +22,7 @@ from tests.harness import run_distributed
 
 STEPS, MICRO, WORLD = 20, 4, 2
 PARAMS = {"lr": 0.02, "momentum": 0.9, "weight_decay": 0.05, "adam_lr": 0.003, "betas": [0.9, 0.95], "eps": 1e-8}
-TOL = 2e-5
+TOL = 5e-2 if os.environ.get("DSC_TEST_BACKEND", "gloo") == "nccl" else 2e-5
 
 
 class MuonNet(torch.nn.Module):
@@ -57,7 +59,8 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.mse_loss(model(x), y.to(next(model.parameters()).dtype))
+    p = next(model.parameters())  # the rank's device (cpu under gloo, cuda:LOCAL_RANK under NCCL)
+    return torch.nn.functional.mse_loss(model(x.to(p.device)), y.to(p.device, p.dtype))
 
 
 def body(rank: int, world: int, stage: int, ns_method: str, gas: int = 1,
@@ -88,9 +91,9 @@ def body(rank: int, world: int, stage: int, ns_method: str, gas: int = 1,
     params = list(engine.module.named_parameters())
     if stage == 3:
         with deepspeed_c.zero.GatheredParameters([p for _, p in params]):
-            out = {n: p.detach().float().clone().numpy() for n, p in params}
+            out = {n: p.detach().float().clone().cpu().numpy() for n, p in params}
     else:
-        out = {n: p.detach().float().clone().numpy() for n, p in params}
+        out = {n: p.detach().float().clone().cpu().numpy() for n, p in params}
     flags = {n: bool(getattr(p, "use_muon", False)) for n, p in params}
     engine.destroy()
     return {"params": out, "flags": flags, "cut": cut}
@@ -231,9 +234,9 @@ def client_body(rank: int, world: int, stage: int) -> dict[str, Any]:
     params = list(engine.module.named_parameters())
     if stage == 3:
         with deepspeed_c.zero.GatheredParameters([p for _, p in params]):
-            out = {n: p.detach().clone().numpy() for n, p in params}
+            out = {n: p.detach().clone().cpu().numpy() for n, p in params}
     else:
-        out = {n: p.detach().clone().numpy() for n, p in params}
+        out = {n: p.detach().clone().cpu().numpy() for n, p in params}
     engine.destroy()
     return out
 
