@@ -81,7 +81,12 @@ class EngineCheckpointer:
     """save/load for engine.save_checkpoint / engine.load_checkpoint (DeepSpeed signatures)."""
 
     def __init__(self, options: CheckpointOptions) -> None:
+        from deepspeed_c.runtime.checkpointing.async_writer import BackgroundWriter
+
         self.options = options
+        # checkpoint.writer: files written in the background, committed at the next commit point
+        self.writer = BackgroundWriter(options.writer) if options.writer is not None else None
+        self._pending: Optional[tuple] = None
 
     # -- save -----------------------------------------------------------------------------------
     def save(self, st: CheckpointStates, save_dir: str, tag: Any, client_state: dict, save_latest: bool,
@@ -99,6 +104,7 @@ class EngineCheckpointer:
             raise ValueError(f"save_checkpoint: client_state keys {clash} collide with DeepSpeed's own keys")
         store.check_plain(client_state, "client_state")
         self._validate_tag(tag)
+        self.commit_pending()  # the previous background save first: its failure is raised here
         # the writer of this rank's directory: global rank 0, or its node's local rank 0 (node-local storage)
         scope = nodes.save_scope(save_dir, self.options.node_local_storage, st.local_rank)
         with rank_local_step("save_checkpoint (creating the checkpoint directory)", distributed=_dist()):
@@ -116,6 +122,8 @@ class EngineCheckpointer:
             # directory any more: its partial files would only hold the space (a full disk stays full)
             if scope.writer:
                 store.abort(save_dir, tag)
+            if self.writer is not None:
+                self.writer.discard()
             raise
 
     def _save_staged(self, st: CheckpointStates, save_dir: str, tag: str, client_state: dict, save_latest: bool,
@@ -145,15 +153,15 @@ class EngineCheckpointer:
                 name = zero_file(self.options.bf16, part[0], st.mp_rank)
                 state = {"optimizer_state_dict": part[1], "ds_config": self.options.ds_config,
                          "ds_version": DEEPSPEED_API_VERSION}
-                my_files[name] = store.save_file(state, os.path.join(stage, name))
+                my_files[name] = self._write(state, stage, name)
             if shards is not None:
                 model_state = self._model_state(st, client_state, exclude_frozen_parameters, True, shards)
                 name = zero3_model_file(shards[0], st.mp_rank)
-                my_files[name] = store.save_file(model_state, os.path.join(stage, name))
+                my_files[name] = self._write(model_state, stage, name)
             elif scope.writer if st.mp_world_size == 1 else st.dp_rank == 0:  # model parallel: each mp rank's
                 model_state = self._model_state(st, client_state, exclude_frozen_parameters, part is not None)
                 name = model_file(st.mp_rank)
-                my_files[name] = store.save_file(model_state, os.path.join(stage, name))
+                my_files[name] = self._write(model_state, stage, name)
             # state that differs between ranks (the 1-bit optimizers' compression errors): a file of its own
             own = st.stepper.rank_checkpoint_file() if st.stepper is not None else None
             if own is not None:
@@ -161,19 +169,54 @@ class EngineCheckpointer:
                 if name in my_files or os.sep in name or name.startswith("."):
                     raise ValueError(f"save_checkpoint: the optimizer's rank file name {name!r} is not a fresh file "
                                      "name in the tag directory")
-                my_files[name] = store.save_file(state, os.path.join(stage, name))
+                my_files[name] = self._write(state, stage, name)
             # the gradient reducers' re-planned bucket order: a resumed run reduces as this one does
             order = reducer_order.rank_file(st.reducer, *_rank_world())
             if order is not None:
-                my_files[order[0]] = store.save_file(order[1], os.path.join(stage, order[0]))
+                my_files[order[0]] = self._write(order[1], stage, order[0])
             rng = run_state.rng_file(*_rank_world())  # this rank's random generators: an exact resume
-            my_files[rng[0]] = store.save_file(rng[1], os.path.join(stage, rng[0]))
+            my_files[rng[0]] = self._write(rng[1], stage, rng[0])
+        if self.writer is not None:  # staged: written in the background, committed at the next commit point
+            self.writer.start()
+            self._pending = (save_dir, tag, save_latest, scope, {k: v for k, v in my_files.items() if v is not None})
+            return True
         files = self._gather_files(my_files, scope.members)
         with rank_local_step("save_checkpoint (committing the checkpoint)", distributed=_dist()):
             if scope.writer:
                 # the script first: a save that raises (a full disk) has then committed nothing
                 self._copy_recovery_script(save_dir)
                 store.commit(save_dir, tag, files, save_latest)
+        return True
+
+    def _write(self, obj: dict, stage: str, name: str) -> Optional[dict]:
+        """The file's manifest entry once written; None when a background writer has staged it."""
+        if self.writer is None:
+            return store.save_file(obj, os.path.join(stage, name))
+        self.writer.stage(name, obj, os.path.join(stage, name))
+        return None
+
+    def commit_pending(self) -> bool:
+        """Waits for this rank's background write of the last save and commits it (collective: every rank
+        calls it at the same point). A failed write raises on every rank and its staging directory is
+        removed. False when no save is pending."""
+        pending, self._pending = self._pending, None
+        if pending is None or self.writer is None:
+            return False
+        save_dir, tag, save_latest, scope, mine = pending
+        try:
+            with rank_local_step("checkpoint_commit (this rank's background write)", distributed=_dist()):
+                mine = {**mine, **self.writer.wait()}
+            files = self._gather_files(mine, scope.members)
+            with rank_local_step("checkpoint_commit (committing the checkpoint)", distributed=_dist()):
+                if scope.writer and self.writer.writes:
+                    self._copy_recovery_script(save_dir)
+                    store.commit(save_dir, tag, files, save_latest)
+                elif scope.writer:  # the mock writer: nothing was written, nothing is committed
+                    store.abort(save_dir, tag)
+        except BaseException:
+            if scope.writer:
+                store.abort(save_dir, tag)
+            raise
         return True
 
     def _validate_tag(self, tag: str) -> None:
@@ -306,6 +349,7 @@ class EngineCheckpointer:
              load_lr_scheduler_states: bool, load_module_only: bool,
              custom_load_fn: Optional[Callable]) -> tuple[Optional[str], Any]:
         load_dir = check_dir_arg("load_checkpoint", "load_dir", load_dir)
+        self.commit_pending()  # a save still being written is committed first: it may be the one loaded
         if custom_load_fn is not None and not callable(custom_load_fn):
             raise TypeError(f"load_checkpoint: custom_load_fn must be callable, got {type(custom_load_fn).__name__}")
         with rank_local_step("load_checkpoint", distributed=_dist()):

@@ -3,7 +3,9 @@ config, so they never read the engine's config (or its raw dict) themselves."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
+
+from deepspeed_c.runtime.checkpointing.async_writer import WriterConfig
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,7 @@ class CheckpointOptions:
     zero_stage: int
     ds_config: dict
     load_universal: bool = False
+    writer: Optional[Any] = None  # checkpoint.writer parsed (async_writer.WriterConfig); None: synchronous
 
     @classmethod
     def from_config(cls, config: Any) -> "CheckpointOptions":
@@ -35,7 +38,8 @@ class CheckpointOptions:
                    load_from_fp32_weights=bool(config.zero_config.load_from_fp32_weights),
                    bf16=bool(config.bfloat16_enabled), zero_stage=int(config.zero_optimization_stage),
                    ds_config=config.user_dict,
-                   load_universal=bool(getattr(config, "load_universal_checkpoint", False)))
+                   load_universal=bool(getattr(config, "load_universal_checkpoint", False)),
+                   writer=WriterConfig.parse(config.checkpoint_config.writer))
 
     @property
     def zero(self) -> bool:

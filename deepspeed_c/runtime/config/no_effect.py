@@ -53,7 +53,6 @@ NO_EFFECT: tuple[NoEffect, ...] = (
     NoEffect(("graph_harvesting",), False, "CUDA-graph capture of the optimizer step is not built"),
     NoEffect(("dump_state",), False, "the engine state is not printed at initialize"),
     NoEffect(("disable_allgather",), False, "ZeRO 1/2 always all-gathers the updated weights"),
-    NoEffect(("checkpoint", "writer"), None, "checkpoints are written by deepspeed_c's crash-safe store"),
     NoEffect(("checkpoint", "checkpoint_serialization"), True, "files are written with torch.save's zip format"),
     NoEffect(("activation_checkpointing", "partition_activations"), False,
              "partitioning saved activations needs a model-parallel group (mpu), which is not built yet"),

@@ -536,6 +536,8 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
         if self._destroyed:
             return
         self._destroyed = True
+        if getattr(self, "checkpointer", None) is not None and hasattr(self.checkpointer, "commit_pending"):
+            self.checkpointer.commit_pending()  # a background checkpoint write is finished and committed
         if self.reducer is not None:
             self.reducer.remove()
             self.reducer = None

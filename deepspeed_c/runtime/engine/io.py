@@ -152,6 +152,14 @@ class EngineIO:
                                           load_optimizer_states, load_lr_scheduler_states, load_module_only,
                                           custom_load_fn)
 
+    def checkpoint_commit(self) -> bool:
+        """checkpoint.writer: waits for the background write of the last save_checkpoint and commits it (its
+        manifest, the tag directory moved into place, `latest`); a failed write raises here. Collective: call it
+        on every rank. False when no save is pending (or files are written synchronously)."""
+        if self.checkpointer is None or not hasattr(self.checkpointer, "commit_pending"):
+            return False
+        return self.checkpointer.commit_pending()
+
     def _checkpoint_states(self) -> Any:
         """What the checkpointer saves and restores (runtime/checkpointing/states.py), read now: the batch size
         and, under AutoTP's whole view, the optimizer's tensors may differ from the last save's."""

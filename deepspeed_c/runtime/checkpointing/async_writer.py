@@ -1,0 +1,158 @@
+"""`checkpoint: {"writer": {...}}`: checkpoint files written in the background (DeepSpeed 0.19.8's
+checkpoint writers, runtime/model_checkpointing/ and runtime/checkpoint_engine/, by their config names).
+
+save_checkpoint builds each rank's files as usual but, instead of writing them, copies their tensors into
+private host memory (the "staging": training may then change the live ones) and hands them to a writer
+thread, which writes them into the checkpoint's staging directory. save_checkpoint returns then. The
+commit (each rank's manifest entries gathered, the manifest written, the directory renamed into place,
+`latest` replaced; store.py's crash-safe protocol, the manifest last) happens at the next commit point,
+on every rank together: engine.checkpoint_commit(), the next save_checkpoint, load_checkpoint or
+engine.destroy(). A crash before it leaves the previous checkpoint and `latest` as they were; a failed
+background write is raised at the commit point (and its staging directory removed).
+
+Writer types: "python" and "fast" write with torch.save from the writer thread ("fast" stages into pinned
+host memory when CUDA is in use); "mock" stages and writes nothing and commits nothing (DeepSpeed's
+benchmark writer: it measures the staging alone). `decoupled` is accepted (DeepSpeed writes from another
+process then; here the writer thread is always decoupled from training). io_buffer_size,
+io_buffer_double, io_multiplier and data_parallel are validated and reported with show_statistics."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+import torch
+
+from deepspeed_c.checkpoint import store
+from deepspeed_c.utils.logging import logger
+
+WRITER_TYPES = ("MOCK", "PYTHON", "FAST")
+DATA_PARALLEL_UNITS = ("REPLICA", "SOCKET", "MACHINE")
+_KEYS = ("type", "decoupled", "io_buffer_size", "io_buffer_double", "show_statistics", "data_parallel", "io_multiplier")
+
+
+@dataclass(frozen=True)
+class WriterConfig:
+    type: str = "FAST"
+    decoupled: bool = False
+    io_buffer_size: int = 64 * 1024 ** 2
+    io_buffer_double: bool = True
+    show_statistics: bool = False
+    data_parallel: Optional[str] = None
+    io_multiplier: int = 1
+
+    @classmethod
+    def parse(cls, section: Optional[Mapping[str, Any]]) -> Optional["WriterConfig"]:
+        """checkpoint.writer (None: files are written synchronously). Bad keys and values raise naming them."""
+        if section is None:
+            return None
+        if not isinstance(section, Mapping):
+            raise ValueError(f"checkpoint.writer must be a dict, got {type(section).__name__}")
+        unknown = sorted(set(section) - set(_KEYS))
+        if unknown:
+            raise ValueError(f"checkpoint.writer: unknown keys {unknown} (valid: {list(_KEYS)})")
+        kind = str(section.get("type", cls.type)).upper()
+        if kind not in WRITER_TYPES:
+            raise ValueError(f"checkpoint.writer.type {section.get('type')!r} is not a checkpoint writer; valid: "
+                             f"{[t.lower() for t in WRITER_TYPES]}")
+        unit = section.get("data_parallel")
+        unit = str(unit).upper() if unit is not None else None
+        if unit is not None and unit not in DATA_PARALLEL_UNITS:
+            raise ValueError(f"checkpoint.writer.data_parallel {section['data_parallel']!r} is not one of "
+                             f"{[u.lower() for u in DATA_PARALLEL_UNITS]}")
+        size = int(float(section.get("io_buffer_size", cls.io_buffer_size)))
+        mult = int(section.get("io_multiplier", cls.io_multiplier))
+        if size <= 0 or mult <= 0:
+            raise ValueError(f"checkpoint.writer: io_buffer_size ({size}) and io_multiplier ({mult}) must be positive")
+        return cls(type=kind, decoupled=bool(section.get("decoupled", False)), io_buffer_size=size,
+                   io_buffer_double=bool(section.get("io_buffer_double", True)),
+                   show_statistics=bool(section.get("show_statistics", False)), data_parallel=unit, io_multiplier=mult)
+
+
+def snapshot(obj: Any, pin: bool) -> Any:
+    """`obj` with every tensor copied into fresh host memory (pinned with `pin`), containers rebuilt."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+        out.copy_(t)
+        return out
+    if isinstance(obj, dict):  # an OrderedDict stays one (DeepSpeed's param_shapes)
+        return type(obj)((k, snapshot(v, pin)) for k, v in obj.items())
+    if isinstance(obj, list):
+        return [snapshot(v, pin) for v in obj]
+    if isinstance(obj, tuple) and type(obj) is tuple:
+        return tuple(snapshot(v, pin) for v in obj)
+    return obj
+
+
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
+
+
+class BackgroundWriter:
+    """One rank's writer: stage() snapshots files, start() writes them from a thread, wait() joins it and
+    returns their manifest entries (or raises the write's failure)."""
+
+    def __init__(self, config: WriterConfig) -> None:
+        self.config = config
+        self._jobs: list[tuple[str, Any, str]] = []
+        self._thread: Optional[threading.Thread] = None
+        self._entries: dict[str, dict] = {}
+        self._error: Optional[BaseException] = None
+        self._staged_s = 0.0
+
+    @property
+    def writes(self) -> bool:
+        return self.config.type != "MOCK"
+
+    def stage(self, name: str, obj: dict, path: str) -> None:
+        store.check_plain(obj, name)  # refused now, on the saving call, not later in the thread
+        start = time.perf_counter()
+        pin = self.config.type == "FAST" and torch.cuda.is_available()
+        self._jobs.append((name, snapshot(obj, pin), path))
+        self._staged_s += time.perf_counter() - start
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("checkpoint writer: a background write is already running (commit it first)")
+        jobs, self._jobs = self._jobs, []
+        self._entries, self._error = {}, None
+        self._thread = threading.Thread(target=self._run, args=(jobs,), name="dsc-checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self, jobs: list[tuple[str, Any, str]]) -> None:
+        start, total = time.perf_counter(), 0
+        try:
+            for name, obj, path in jobs:
+                total += _nbytes(obj)
+                if self.writes:
+                    self._entries[name] = store.save_file(obj, path)
+        except BaseException as e:  # noqa: BLE001 (raised on the training thread at the commit point)
+            self._error = e
+        if self.config.show_statistics:
+            took = time.perf_counter() - start
+            logger.info(f"checkpoint writer ({self.config.type.lower()}): staged in {self._staged_s:.3f}s, "
+                        f"wrote {total / 1e6:.1f} MB in {took:.3f}s ({total / 1e6 / max(took, 1e-9):.1f} MB/s)")
+
+    def wait(self) -> dict[str, dict]:
+        """This rank's manifest entries once its background write is done; its failure, raised."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        self._staged_s = 0.0
+        error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError(f"checkpoint writer: the background write of the previous checkpoint failed: {error}; "
+                               "it was not committed (the checkpoints before it are untouched)") from error
+        return self._entries
+
+    def discard(self) -> None:
+        """Drop staged files that will not be written (a save that raised before starting them)."""
+        self._jobs = []

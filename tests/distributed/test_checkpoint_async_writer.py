@@ -1,0 +1,136 @@
+"""checkpoint.writer (runtime/checkpointing/async_writer.py): save_checkpoint returns once the files are
+staged, training goes on changing the weights while a thread writes them, and the commit (manifest last,
+then the rename and `latest`) happens at the next commit point; 2 gloo ranks, ZeRO-1, fp32.
+
+Checked: the checkpoint holds the state at the save, not the weights trained after it (the resumed run
+repeats the uninterrupted run's losses exactly); nothing of it is visible before the commit; the next save
+and load_checkpoint commit a pending save; a failed background write raises at the commit point on every
+rank, leaves the previous checkpoint and `latest` loadable, and does not stop the next save; the mock
+writer commits nothing; an unknown writer type is refused at initialize."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from tests.harness import run_distributed
+
+MICRO = 3
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(2)
+    return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 2))
+
+
+def _config(writer: Any) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 1},
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}}
+    if writer is not None:
+        cfg["checkpoint"] = {"writer": writer}
+    return cfg
+
+
+def _train(engine: Any, rank: int, first: int, count: int) -> list[float]:
+    out = []
+    for step in range(first, first + count):
+        g = torch.Generator().manual_seed(step * 10 + rank)
+        x, y = torch.randn(MICRO, 6, generator=g), torch.randn(MICRO, 2, generator=g)
+        loss = torch.nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        out.append(float(loss))
+    return out
+
+
+def _latest(root: str) -> str:
+    with open(os.path.join(root, "latest")) as f:
+        return f.read()
+
+
+def body(rank: int, world: int, root: str) -> dict:
+    import deepspeed_c
+    from deepspeed_c.checkpoint import store
+
+    res: dict[str, Any] = {}
+    engine = deepspeed_c.initialize(model=_net(), config=_config({"type": "python", "show_statistics": True}))[0]
+    _train(engine, rank, 0, 3)
+    engine.save_checkpoint(root, tag="a")  # returns with the files staged
+    res["visible_before_commit"] = os.path.isdir(os.path.join(root, "a"))
+    straight = _train(engine, rank, 3, 3)  # changes the weights while the thread writes
+    res["committed"] = engine.checkpoint_commit()
+    res["latest_a"] = _latest(root)
+    res["again"] = engine.checkpoint_commit()  # nothing pending
+
+    # a failed background write: raised at the commit point, the previous checkpoint stays loadable
+    real = store.save_file
+
+    def failing(obj: Any, path: str) -> dict:
+        raise OSError(28, "No space left on device (injected)", path)
+
+    store.save_file = failing
+    try:
+        engine.save_checkpoint(root, tag="b")
+        try:
+            engine.checkpoint_commit()
+            res["failure"] = "not raised"
+        except Exception as e:  # noqa: BLE001
+            res["failure"] = str(e)
+    finally:
+        store.save_file = real
+    res["b_exists"] = os.path.isdir(os.path.join(root, "b")) or os.path.isdir(os.path.join(root, ".b.partial"))
+    res["latest_after_failure"] = _latest(root)
+
+    # the next save commits the pending one; load_checkpoint commits a pending save before reading
+    engine.save_checkpoint(root, tag="c")
+    engine.save_checkpoint(root, tag="d")
+    res["c_committed_by_next_save"] = os.path.isdir(os.path.join(root, "c"))
+    engine.destroy()
+
+    engine = deepspeed_c.initialize(model=_net(), config=_config({"type": "fast"}))[0]
+    engine.load_checkpoint(root, tag="a")
+    res["resumed_equal"] = _train(engine, rank, 3, 3) == straight
+    engine.save_checkpoint(root, tag="e")
+    path, _ = engine.load_checkpoint(root)  # commits "e" first, then follows latest to it
+    res["loaded_e"] = path is not None and os.sep + "e" + os.sep in path
+    engine.destroy()
+
+    engine = deepspeed_c.initialize(model=_net(), config=_config({"type": "mock"}))[0]
+    engine.save_checkpoint(root, tag="m")
+    engine.checkpoint_commit()
+    res["mock_wrote"] = os.path.isdir(os.path.join(root, "m")) or os.path.isdir(os.path.join(root, ".m.partial"))
+    res["latest_after_mock"] = _latest(root)
+    engine.destroy()
+    return res
+
+
+def test_async_writer(tmp_path: Any) -> None:
+    for res in run_distributed(body, 2, args=(str(tmp_path / "ckpt"),), timeout=300):
+        assert res["visible_before_commit"] is False
+        assert res["committed"] is True and res["again"] is False and res["latest_a"] == "a"
+        assert "background write of the previous checkpoint failed" in res["failure"], res["failure"]
+        assert "No space left" in res["failure"]
+        assert res["b_exists"] is False and res["latest_after_failure"] == "a"
+        assert res["c_committed_by_next_save"] is True
+        assert res["resumed_equal"] is True
+        assert res["loaded_e"] is True
+        assert res["mock_wrote"] is False and res["latest_after_mock"] == "e"
+
+
+def _bad_writer(rank: int, world: int, writer: dict) -> str:
+    import deepspeed_c
+
+    try:
+        deepspeed_c.initialize(model=_net(), config=_config(writer))
+    except Exception as e:  # noqa: BLE001
+        return str(e)
+    return "accepted"
+
+
+@pytest.mark.parametrize("writer,named", [({"type": "turbo"}, "checkpoint.writer.type"),
+                                          ({"type": "python", "buffer": 1}, "buffer"),
+                                          ({"type": "python", "data_parallel": "rack"}, "data_parallel")])
+def test_bad_writer_config_is_named(writer: dict, named: str) -> None:
+    assert named in run_distributed(_bad_writer, 1, args=(writer,), timeout=120)[0]
