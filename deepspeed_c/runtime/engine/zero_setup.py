@@ -77,6 +77,9 @@ def configure_zero_optimizer(engine: Any, config: Any, should_reduce_at_boundary
         nvme_offload=nvme_offload_args(zero_cfg, config.aio_config, stage, rank))
     sp = engine.parallel_dims.sequence  # Ulysses: gradients summed over the sequence ranks
     if engine.has_moe_layers:
+        if zero_cfg.zenflow is not None:
+            raise NotImplementedError("zero_optimization.zenflow with MoE layers is not built; remove "
+                                      "'zero_optimization.zenflow' to use ZeRO-Offload")
         if stage == 3:
             raise NotImplementedError("zero_optimization.stage 3 with MoE layers is not built (DeepSpeed 0.19.8 refuses "
                                       "its native MoE layers at stage 3 too); use stage 0, 1 or 2")
@@ -91,7 +94,15 @@ def configure_zero_optimizer(engine: Any, config: Any, should_reduce_at_boundary
         optimizer = DeepSpeedZeroOptimizer_Stage3(engine.module, basic, store_args=_store_args(engine, zero_cfg),
                                                   zero_cfg=zero_cfg, sequence_parallel_size=sp, **common)
     else:
-        optimizer = DeepSpeedZeroOptimizer(basic, stage=stage, sequence_parallel_size=sp, **common)
+        zero_cls: Any = DeepSpeedZeroOptimizer
+        extra: dict[str, Any] = {}
+        if zero_cfg.zenflow is not None:  # ZeRO-Offload whose device steps the top-k gradient columns
+            from deepspeed_c.runtime.zenflow.zenflow_config import resolve_schedule
+            from deepspeed_c.runtime.zenflow.zenflow_stage_1_and_2 import ZenFlowZeroOptimizer as zero_cls
+
+            loader = engine.training_dataloader
+            extra["zenflow"] = resolve_schedule(zero_cfg.zenflow, len(loader) if loader is not None else None)
+        optimizer = zero_cls(basic, stage=stage, sequence_parallel_size=sp, **common, **extra)
         if zero_cfg.contiguous_gradients:  # Linear weight gradients computed straight into their bucket slots
             optimizer.reducer.install_direct_linears(engine.module)
     if engine.parallel_dims.tensor_parallel:

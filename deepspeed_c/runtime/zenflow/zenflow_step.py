@@ -1,0 +1,298 @@
+"""ZenFlow's ZeRO step (a ZeroStepStrategy): each step the selected columns of this rank's partition are
+stepped on the device (SelectedAdam) and the whole unscaled, clipped gradient is added to a device-side
+accumulator; on an update boundary the accumulated mean goes to the host once and the C CPU Adam steps the
+whole fp32 master with it (in a background thread with overlap_step, whose result is applied at the next
+boundary, so the device never waits for the host), after which the host's weights replace the
+unselected elements of the model while the selected ones keep the device's values.
+
+Boundaries follow DeepSpeed's ZenFlow: the first full_warm_up_rounds steps are plain ZeRO-Offload steps;
+then columns are (re)selected at the first step and every select_interval steps (the selected
+elements' device values are written into the host master first, so it holds the whole model); the host
+steps every update_interval steps, or, with update_interval "auto", once auto_ratio of the matrices have
+gathered as much left-out gradient as selected gradient (DeepSpeed's criterion), and always right before
+a reselection."""
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Optional, Sequence
+
+import torch
+
+from deepspeed_c.ops.partition import PartitionPlan
+from deepspeed_c.runtime.step_sequence import StepOutcome
+from deepspeed_c.runtime.zenflow import columns
+from deepspeed_c.runtime.zenflow.selection import (GroupSlices, SelectedAdam, column_sums, layout_for,
+                                                   select_columns)
+from deepspeed_c.runtime.zenflow.zenflow_config import ZenFlowSchedule
+from deepspeed_c.runtime.zero.grad_partition import chunk_range
+from deepspeed_c.runtime.zero.step_strategy import Decide, GradNorm, ZeroStepStrategy
+
+
+class ZenFlowStep(ZeroStepStrategy):
+
+    def __init__(self, optimizer: Any, masters: Sequence[torch.Tensor], plans: Sequence[PartitionPlan],
+                 params: Sequence[Sequence[torch.nn.Parameter]], writer: Any, schedule: ZenFlowSchedule, *,
+                 rank: int, world_size: int, group: Any, pin_memory: bool) -> None:
+        self.optimizer = optimizer  # the C CPU Adam over the host masters
+        self.masters = list(masters)
+        self.plans = list(plans)
+        self.writer = writer
+        self.sched = schedule
+        self.world_size = world_size
+        self.group = group
+        self.device = params[0][0].device
+        self.lp_dtype = params[0][0].dtype
+        self.views = [GroupSlices([(i, pstart, lstart, n) for i, _, pstart, lstart, n, _ in
+                                   plan.slices("runtime", rank)], [p.shape for p in ps])
+                      for plan, ps in zip(plans, params)]
+        self.ranges = [[chunk_range(plan, b, world_size) for b in range(plan.num_buckets)] for plan in plans]
+        pin = pin_memory and self.device.type == "cuda"
+        sizes = [m.numel() for m in self.masters]
+        self.acc = [torch.zeros(n, dtype=torch.float32, device=self.device) for n in sizes]
+        self.acc_host = [torch.empty(n, dtype=torch.float32, pin_memory=pin) if self.device.type != "cpu" else None
+                         for n in sizes]
+        self.lp_host = [torch.empty(n, dtype=self.lp_dtype, pin_memory=pin) for n in sizes]
+        self.dev_lp = [m.detach().to(device=self.device, dtype=self.lp_dtype) for m in self.masters]
+        self.accumulated = 0  # steps in the accumulator
+        self.steps = 0  # applied (not skipped) steps
+        self.layouts: Optional[list[columns.ColumnLayout]] = None
+        self.positions: list[torch.Tensor] = []
+        self.selected: list[SelectedAdam] = []
+        self.columns: Optional[list[list[Optional[torch.Tensor]]]] = None
+        self.adamw = bool(getattr(optimizer, "adam_w_mode", True))
+        # update_interval "auto": DeepSpeed's running critical / left-out gradient sums per matrix
+        self.auto_critic: Optional[torch.Tensor] = None
+        self.auto_left: Optional[torch.Tensor] = None
+        self.auto_steps = 0
+        self.pending: Optional[Future] = None
+        self.pool: Optional[ThreadPoolExecutor] = None
+        self.h2d_done: Any = None
+        if schedule.overlap_step:
+            self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zenflow-host-adam")
+            cores = os.cpu_count() or 1
+            optimizer.ds_opt_op.num_threads(max(1, int(cores * (1.0 - schedule.pt_reserved_cores_perc))))
+
+    # -- the step ----------------------------------------------------------------------------------
+    def step(self, parts: Sequence[torch.Tensor], *, clip_grad: float, grad_norm: GradNorm,
+             decide: Decide) -> StepOutcome:
+        return decide(grad_norm(parts, False), apply_coef=lambda coef: self.apply(parts, coef))
+
+    @torch.no_grad()
+    def apply(self, parts: Sequence[torch.Tensor], coef: float) -> None:
+        t = self.steps
+        self.steps += 1
+        for acc, part in zip(self.acc, parts):
+            acc.add_(part, alpha=coef)
+        self.accumulated += 1
+        if t < self.sched.full_warm_up_rounds:  # warm-up: every element stepped by the host, synchronously
+            self._host_step(sync=True)
+            self._write_model()
+            return
+        since = t - self.sched.full_warm_up_rounds
+        if self.layouts is None or since == 0 or (self.sched.select_interval and t % self.sched.select_interval == 0):
+            self._reselect(parts)
+        for g, part in enumerate(parts):
+            pos = self.positions[g]
+            if pos.numel() == 0:
+                continue
+            grad = part[pos].float()
+            if coef != 1.0:
+                grad.mul_(coef)
+            self.selected[g].step(grad, self.optimizer.param_groups[g])
+        if self._update_boundary(t, parts, coef):
+            self._host_step(sync=not self.sched.overlap_step)
+        self._write_model()
+
+    def _update_boundary(self, t: int, parts: Sequence[torch.Tensor], coef: float) -> bool:
+        nxt = t + 1
+        if self.sched.select_interval and nxt % self.sched.select_interval == 0:
+            return True  # the next step reselects: the host takes what has accumulated first
+        if not self.sched.auto_update:
+            return (nxt - self.sched.full_warm_up_rounds) % self.sched.update_interval == 0
+        return self._auto_due(parts, coef)
+
+    def _auto_due(self, parts: Sequence[torch.Tensor], coef: float) -> bool:
+        """DeepSpeed's auto update: per matrix, the selected gradient's running mean (scaled by 1/(10 topk))
+        against the left-out gradient summed since the last update (scaled by 1/(10 (1 - topk))); due when
+        auto_ratio of the matrices have as much left out as selected."""
+        crit, total = [], []
+        for g, part in enumerate(parts):
+            view = self.views[g]
+            sums = column_sums(part, view)
+            for i, s in enumerate(sums):
+                if s is None:
+                    continue
+                sel = self.columns[g][i] if self.columns is not None else None
+                total.append(s.sum())
+                crit.append(s[sel.to(s.device)].sum() if sel is not None and sel.numel() else s.new_zeros(()))
+        if not crit:
+            return True
+        both = torch.stack([torch.stack(crit), torch.stack(total)]) * abs(coef)
+        if self.world_size > 1:
+            import deepspeed_c.comm as dist
+
+            dist.all_reduce(both, group=self.group)
+        critic, everything = both[0], both[1]
+        if self.auto_critic is None:
+            self.auto_critic = torch.zeros_like(critic)
+            self.auto_left = torch.zeros_like(critic)
+        self.auto_steps += 1
+        k = self.auto_steps
+        topk = self.sched.topk_ratio
+        self.auto_critic = (self.auto_critic * (k - 1) + critic) / k / max(topk * 10, 1e-12)
+        self.auto_left = self.auto_left + (everything - critic) / max((1 - topk) * 10, 1e-12)
+        need = int((self.auto_left >= self.auto_critic).sum().item())
+        if need >= int(self.sched.auto_ratio * critic.numel()):
+            self.auto_steps = 0
+            self.auto_left.zero_()
+            return True
+        return False
+
+    # -- selection ---------------------------------------------------------------------------------
+    def _reselect(self, parts: Sequence[torch.Tensor]) -> None:
+        self.settle()
+        sums = [column_sums(part, view) for part, view in zip(parts, self.views)]
+        self.columns = select_columns(sums, self.sched.topk_ratio, self.group, self.world_size)
+        self.layouts = [layout_for(view, sel) for view, sel in zip(self.views, self.columns)]
+        self.positions = [lay.positions().to(self.device) for lay in self.layouts]
+        self.selected = [SelectedAdam(columns.gather(m.detach(), lay).to(self.device), self.adamw)
+                         for m, lay in zip(self.masters, self.layouts)]
+
+    def _selected_to_host(self) -> None:
+        """The selected elements' device values into the host masters (the masters then hold the model)."""
+        if self.layouts is None:
+            return
+        for m, lay, sel in zip(self.masters, self.layouts, self.selected):
+            columns.scatter(m.detach(), lay, sel.master.to("cpu"))
+
+    # -- the host step -----------------------------------------------------------------------------
+    def _host_step(self, sync: bool) -> None:
+        """Hands the accumulated mean gradient to the host (one copy), then steps it there: now, or in the
+        background with its result applied at the next boundary (the previous one's result first)."""
+        self._finish_pending()
+        n = max(1, self.accumulated)
+        grads = []
+        for g, acc in enumerate(self.acc):
+            if n != 1:
+                acc.mul_(1.0 / n)
+            host = self.acc_host[g]
+            if host is None:  # CPU run: the accumulator is host memory already; step a copy, keep accumulating
+                host = acc.clone()
+            else:
+                host.copy_(acc, non_blocking=True)
+            grads.append(host)
+            acc.zero_()
+        self.accumulated = 0
+        copied = None
+        if self.device.type == "cuda":
+            copied = torch.cuda.Event()
+            copied.record()
+        groups = [dict(g) for g in self.optimizer.param_groups]  # lr as of this step
+        if sync:
+            self._host_adam(groups, grads, copied)
+            self._apply_host()
+        else:
+            assert self.pool is not None
+            self.pending = self.pool.submit(self._host_adam, groups, grads, copied)
+
+    def _host_adam(self, groups: list[dict[str, Any]], grads: list[torch.Tensor], copied: Any) -> None:
+        if copied is not None:
+            copied.synchronize()
+        if self.h2d_done is not None:  # lp_host is still being read by the previous result's copy
+            self.h2d_done.synchronize()
+        opt = self.optimizer
+        for g, (master, grad) in enumerate(zip(self.masters, grads)):
+            live = opt.param_groups[g]
+            state = opt.ready_state(live, master, f"params[{g}][0]")
+            step = int(opt.ds_opt_op.bump_steps([state["step"]])[0])
+            moments = [[state[k]] for k in opt.MOMENTS]
+            opt.step_tensors(groups[g], [master.detach()], [grad], moments, [self.lp_host[g]], step)
+
+    def _finish_pending(self) -> None:
+        if self.pending is None:
+            return
+        job, self.pending = self.pending, None
+        job.result()  # re-raises the host step's error here
+        self._apply_host()
+
+    def _apply_host(self) -> None:
+        """The host's updated weights into the device copy; the selected elements keep the device's."""
+        for g, lp in enumerate(self.dev_lp):
+            lp.copy_(self.lp_host[g], non_blocking=True)
+        if self.device.type == "cuda":
+            self.h2d_done = torch.cuda.Event()
+            self.h2d_done.record()
+        self._selected_into_lp()
+
+    def _selected_into_lp(self) -> None:
+        for g, lp in enumerate(self.dev_lp):
+            if self.positions and self.positions[g].numel():
+                lp[self.positions[g]] = self.selected[g].master.to(self.lp_dtype)
+
+    def _write_model(self) -> None:
+        self._selected_into_lp()
+        for g, lp in enumerate(self.dev_lp):
+            for b, (start, end) in enumerate(self.ranges[g]):
+                self.writer.submit(g, b, lp[start:end])
+        self.writer.finish()
+
+    # -- consistency points: checkpoints, reselection, shutdown --------------------------------------
+    def settle(self) -> None:
+        """The host step in flight finished and applied, and the selected columns' device values written
+        into the host masters: the masters then hold the model (what a checkpoint saves)."""
+        if self.pending is not None:
+            self._finish_pending()
+            self._write_model()
+        self._selected_to_host()
+
+    def state_dict(self) -> dict[str, Any]:
+        """ZenFlow's own state beside the optimizer's (call settle() first): the accumulated gradient not yet
+        stepped by the host, the selected columns, their device moments and the schedule's counters."""
+        return {"steps": self.steps, "accumulated": self.accumulated, "acc": [a.cpu() for a in self.acc],
+                "columns": self.columns, "selected": [s.state_dict() for s in self.selected],
+                "auto_steps": self.auto_steps,
+                "auto": None if self.auto_critic is None else (self.auto_critic.cpu(), self.auto_left.cpu())}
+
+    def forget(self) -> None:
+        """Before a load replaces the masters: the step in flight is dropped (superseded) and the selection
+        forgotten, so nothing writes the old device values into the loaded masters."""
+        self.close_pending()
+        self.layouts, self.positions, self.selected, self.columns = None, [], [], None
+
+    def load_state_dict(self, sd: Optional[dict[str, Any]]) -> None:
+        """Restores state_dict()'s after the masters were loaded (None: a fresh accumulator, and columns
+        selected again at the next step)."""
+        self.forget()
+        for m, lp in zip(self.masters, self.dev_lp):
+            lp.copy_(m.detach().to(self.lp_dtype))
+        for a in self.acc:
+            a.zero_()
+        self.accumulated = 0
+        if sd is None:
+            return
+        self.steps, self.accumulated, self.auto_steps = int(sd["steps"]), int(sd["accumulated"]), int(sd["auto_steps"])
+        for a, saved in zip(self.acc, sd["acc"]):
+            a.copy_(saved)
+        self.columns = sd["columns"]
+        if self.columns is not None:
+            self.layouts = [layout_for(view, sel) for view, sel in zip(self.views, self.columns)]
+            self.positions = [lay.positions().to(self.device) for lay in self.layouts]
+            self.selected = [SelectedAdam(columns.gather(m.detach(), lay).to(self.device), self.adamw)
+                             for m, lay in zip(self.masters, self.layouts)]
+            for sel, saved in zip(self.selected, sd["selected"]):
+                sel.load_state_dict(saved)
+        if sd.get("auto") is not None:
+            self.auto_critic, self.auto_left = (x.to(self.device) for x in sd["auto"])
+
+    def close_pending(self) -> None:
+        """Waits for a host step in flight without applying it (its result is superseded by a load)."""
+        if self.pending is not None:
+            job, self.pending = self.pending, None
+            job.result()
+
+    def close(self) -> None:
+        self.close_pending()
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+            self.pool = None
