@@ -45,13 +45,6 @@ def assign_matrices(shapes: Sequence[Sequence[int]], world_size: int) -> list[in
     return owner
 
 
-def _ranges(segments: Sequence[tuple[int, int]], device: torch.device) -> torch.Tensor:
-    """Concatenated aranges of (start, length) segments, as one index tensor."""
-    if not segments:
-        return torch.zeros(0, dtype=torch.long, device=device)
-    return torch.cat([torch.arange(s, s + n, dtype=torch.long) for s, n in segments]).to(device)
-
-
 @dataclass(frozen=True)
 class PartitionLayout:
     """How a ZeRO optimizer cut one param group: what a partition-aware optimizer needs to find the pieces of
@@ -98,14 +91,33 @@ class PartitionedMuon:
             offsets[i] = at
             at += numel[i]
         self.owned_numel = at
-        self.owned_offset = offsets
         rows = sorted(self.slices, key=lambda s: (self.owner[s[0]], s[1], s[0], s[2]))
-        mine = [s for s in rows if s[1] == self.rank]  # what this rank sends, grouped by destination
-        incoming = [s for s in rows if self.owner[s[0]] == self.rank]  # what it receives, grouped by source
+        mine = [s for s in rows if s[1] == self.rank]  # what this rank sends: by destination, param, offset
+        incoming = [s for s in rows if self.owner[s[0]] == self.rank]  # what it receives: by source, param, offset
         self.send_splits = [sum(s[4] for s in mine if self.owner[s[0]] == r) for r in range(self.world_size)]
         self.recv_splits = [sum(s[4] for s in incoming if s[1] == r) for r in range(self.world_size)]
-        self.send_index = _ranges([(s[3], s[4]) for s in mine], self.device)
-        self.recv_index = _ranges([(offsets[s[0]] + s[2], s[4]) for s in incoming], self.device)
+        # Each step is one torch.cat over (start, length) pieces: a few thousand views, no per-element index
+        # tensors (those would take twice the masters' memory).
+        self._send = [(s[3], s[4]) for s in mine]
+        at_recv = _starts([s[4] for s in incoming])
+        order = sorted(range(len(incoming)), key=lambda k: (incoming[k][0], incoming[k][2]))
+        covered = [s[2] for s in (incoming[k] for k in order)]
+        expect = [p for i in self.owned for p in _starts([s[4] for s in sorted(
+            (r for r in incoming if r[0] == i), key=lambda r: r[2])])]
+        if covered != expect or sum(s[4] for s in incoming) != self.owned_numel:
+            raise ValueError("the partition's slices do not tile each parameter exactly once")
+        self._assemble = [(at_recv[k], incoming[k][4]) for k in order]
+        self._give_back = [(offsets[s[0]] + s[2], s[4]) for s in incoming]
+        at_back = _starts([s[4] for s in mine])
+        self._place: list[tuple[Optional[int], int]] = []  # (start in the returned buffer | None for zeros, length)
+        end = 0
+        for k in sorted(range(len(mine)), key=lambda k: mine[k][3]):
+            local_start, length = mine[k][3], mine[k][4]
+            if local_start > end:
+                self._place.append((None, local_start - end))
+            self._place.append((at_back[k], length))
+            end = local_start + length
+        self._placed_end = end
 
     def _exchange(self, send: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
         if self.world_size == 1:
@@ -122,9 +134,8 @@ class PartitionedMuon:
         (padding ignored); the result has local's size, dtype and device, zero on the padding. A collective:
         every rank of the group calls it for the same group in the same order."""
         flat = local.view(-1)
-        received = self._exchange(flat.index_select(0, self.send_index), self.recv_splits, self.send_splits)
-        whole = torch.empty(self.owned_numel, dtype=flat.dtype, device=flat.device)
-        whole.index_copy_(0, self.recv_index, received)
+        received = self._exchange(_pieces(flat, self._send), self.recv_splits, self.send_splits)
+        whole = _pieces(received, self._assemble)
         views, at = [], 0
         for i in self.owned:
             n = int(torch.Size(self.shapes[i]).numel())
@@ -133,10 +144,29 @@ class PartitionedMuon:
         ortho = orthogonalize_many(views, [self.shapes[i] for i in self.owned], ns_method, steps,
                                    expert=[self.expert[i] for i in self.owned])
         done = torch.cat([o.reshape(-1) for o in ortho]) if ortho else whole
-        returned = self._exchange(done.index_select(0, self.recv_index), self.send_splits, self.recv_splits)
-        out = torch.zeros_like(flat)
-        out.index_copy_(0, self.send_index, returned.to(flat.dtype))
-        return out.view_as(local)
+        returned = self._exchange(_pieces(done, self._give_back), self.send_splits, self.recv_splits)
+        tail = flat.numel() - self._placed_end
+        gaps = [n for start, n in self._place if start is None] + [tail]
+        zeros = torch.zeros(max(gaps), dtype=flat.dtype, device=flat.device)
+        parts = [returned.narrow(0, start, n) if start is not None else zeros[:n] for start, n in self._place]
+        if tail:
+            parts.append(zeros[:tail])
+        return torch.cat(parts).view_as(local) if parts else torch.zeros_like(local)
+
+
+def _starts(lengths: Sequence[int]) -> list[int]:
+    out, at = [], 0
+    for n in lengths:
+        out.append(at)
+        at += n
+    return out
+
+
+def _pieces(src: torch.Tensor, pieces: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """The (start, length) pieces of the flat tensor src, concatenated in order."""
+    if not pieces:
+        return src.new_empty(0)
+    return torch.cat([src.narrow(0, start, n) for start, n in pieces])
 
 
 def layout_from_zero_owner(model_params: Sequence[torch.Tensor], flat: torch.Tensor) -> Optional[PartitionLayout]:
