@@ -11,6 +11,7 @@ collective until the process group times out. The checkpointer sees the stage's 
 from __future__ import annotations
 
 import os
+import re
 from collections import OrderedDict
 from typing import Any, Optional
 
@@ -124,7 +125,7 @@ class PipeCheckpointer:
                 from deepspeed_c.checkpoint.deepspeed_format import zero_file_name
                 from deepspeed_c.version import DEEPSPEED_API_VERSION
 
-                write(zero_file_name(part[0], self.options.bf16, st.stage_id),
+                write(zero_file_name(part[0], self.options.bf16, st.mp_rank),
                       {"optimizer_state_dict": part[1], "ds_config": self.options.ds_config,
                        "ds_version": DEEPSPEED_API_VERSION})
             own = stepper.rank_checkpoint_file() if stepper is not None else None
@@ -134,7 +135,7 @@ class PipeCheckpointer:
                                      "file name")
                 write(own[0], own[1])
             if st.stage_dp_rank == 0:
-                write(_state_file(st.stage_id), self._stage_state(st, names, part is None, client_state))
+                write(_state_file(st.mp_rank), self._stage_state(st, names, part is None, client_state))
             write(*run_state.rng_file(dist.get_rank(), dist.get_world_size()))  # an exact resume's RNG
         every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
@@ -169,7 +170,7 @@ class PipeCheckpointer:
             "global_steps": counters["global_steps"],
             "global_samples": counters["global_samples"],
             "dp_world_size": st.dp_world_size,
-            "mp_world_size": st.num_stages,
+            "mp_world_size": st.mp_world_size,  # the stages (x tensor slices: 3D)
             "ds_config": self.options.ds_config,
             "ds_version": DEEPSPEED_API_VERSION,
             **client_state,
@@ -200,7 +201,7 @@ class PipeCheckpointer:
             tag_dir = _tag_dir(load_dir, str(tag))
             manifest = store.read_manifest(tag_dir)
             layers = read_layer_files(module, tag_dir, manifest)
-            name = _state_file(st.stage_id)
+            name = _state_file(st.mp_rank)
             if not os.path.isfile(os.path.join(tag_dir, name)):
                 name = _state_file(0)  # fewer stages saved than now: counters are shared
             state = store.load_file(tag_dir, name, manifest)
@@ -243,13 +244,19 @@ class PipeCheckpointer:
         saved_names = state.get("param_shapes")
         # positions mean the same parameters when the stage holds the same layers as when saved (same
         # number of stages and, where the file names them, the same partition)
-        if saved_stages == st.num_stages and (saved_names is None or [list(g) for g in saved_names] == groups):
+        if saved_stages == st.mp_world_size and (saved_names is None or [list(g) for g in saved_names] == groups):
             saved = SavedCheckpoint(tag_dir=tag_dir, manifest=manifest, model_state=state,
                                     bf16=self.options.bf16, load_from_fp32_weights=self.options.load_from_fp32_weights,
-                                    node_local=False, mp_rank=st.stage_id)
+                                    node_local=False, mp_rank=st.mp_rank)
             load_partition(stepper, saved, True)
             stepper.load_rank_checkpoint_file(saved)
             return
+        sliced = any(re.match(r"layer_\d+-model_\d+-", n) for n in os.listdir(tag_dir))  # tensor-sliced layer files
+        if st.mp_world_size != st.num_stages or sliced:
+            raise NotImplementedError(f"load_checkpoint: {tag_dir} holds {saved_stages} model-parallel ranks' files and "
+                                      f"this 3D engine has {st.mp_world_size} (pipeline x tensor slices) or another "
+                                      "partition: re-partitioning a tensor-sliced pipeline checkpoint is not built; "
+                                      "load it at the degrees it was saved with, or pass load_optimizer_states=False")
         from deepspeed_c.runtime.checkpointing.pipeline_reshard import restore_by_name, restore_zero_by_name
 
         if zero:

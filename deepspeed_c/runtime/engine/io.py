@@ -167,13 +167,18 @@ class EngineIO:
 
         return CheckpointStates(**self._checkpoint_state_fields())
 
+    def _checkpoint_model_parallel(self) -> dict:
+        """DeepSpeed's checkpoint_mp_rank and mp_world_size: a client mpu's model-parallel rank and size (the
+        mp_rank_XX of the file names; 0 and 1 without one). The PipelineEngine's are its grid's."""
+        return {"mp_rank": self.parallel_dims.model_rank, "mp_world_size": self.parallel_dims.model}
+
     def _checkpoint_state_fields(self) -> dict:
         dp_rank = self.get_data_parallel_rank() if self.dp_world_size > 1 else 0
         return dict(module=self.module, module_state_dict=self.module_state_dict, stepper=self.stepper,
                     has_optimizer=self.optimizer is not None, lr_scheduler=self.lr_scheduler, reducer=self.reducer,
                     train_state=self.train_state, samples_per_step=self.train_batch_size(),
                     dp_world_size=self.dp_world_size, dp_rank=dp_rank, local_rank=int(self.local_rank),
-                    mp_rank=self.parallel_dims.model_rank, mp_world_size=self.parallel_dims.model,
+                    **self._checkpoint_model_parallel(),
                     num_experts=self.num_experts if self.has_moe_layers else None,
                     data_loader=self.training_dataloader)
 

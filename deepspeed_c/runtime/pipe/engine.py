@@ -143,14 +143,13 @@ class PipelineEngine(DeepSpeedEngine):
         return self._pipe_max_norm if getattr(self, "_pipe_clips", False) and hasattr(self, "executor") \
             else super().gradient_clipping()
 
+    def _checkpoint_model_parallel(self) -> dict:
+        """DeepSpeed's pipeline names its files by the grid's model-parallel rank (the stage x tensor-slice index
+        within a data-parallel replica; the stage without tensor slicing) and writes that group's size."""
+        return {"mp_rank": self.grid.get_model_parallel_rank(), "mp_world_size": self.grid.get_model_parallel_world_size()}
+
     def _checkpoint_states(self) -> Any:
         """The stage's states for its checkpointer (runtime/checkpointing/states.py)."""
-        if self.grid.get_slice_parallel_world_size() > 1:
-            # each tensor rank of a stage would write the stage's mp_rank_XX / zero_pp_rank files under one name
-            raise NotImplementedError("save_checkpoint / load_checkpoint of a PipelineModule whose topology has a "
-                                      f"'model' axis of {self.grid.get_slice_parallel_world_size()} (3D) is not "
-                                      "built yet; checkpoint the pipeline without tensor slicing, or TP x DP "
-                                      "through initialize(mpu=...)")
         from deepspeed_c.runtime.checkpointing.states import PipeCheckpointStates
 
         return PipeCheckpointStates(**self._checkpoint_state_fields(), stage_id=self.stage_id,
