@@ -21,6 +21,7 @@ import torch
 from tests.harness import run_distributed
 
 STEPS, MICRO, WORLD = 20, 4, 2
+MAX_WORLD = 3  # each batch holds a micro-batch for up to this many ranks
 PARAMS = {"lr": 0.02, "momentum": 0.9, "weight_decay": 0.05, "adam_lr": 0.003, "betas": [0.9, 0.95], "eps": 1e-8}
 TOL = 5e-2 if os.environ.get("DSC_TEST_BACKEND", "gloo") == "nccl" else 2e-5
 
@@ -54,7 +55,7 @@ def _model(dtype: torch.dtype = torch.float32) -> MuonNet:
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(11)
-    return [(torch.randint(0, 11, (MICRO * WORLD, 4), generator=g), torch.randn(MICRO * WORLD, 5, generator=g))
+    return [(torch.randint(0, 11, (MICRO * MAX_WORLD, 4), generator=g), torch.randn(MICRO * MAX_WORLD, 5, generator=g))
             for _ in range(STEPS)]
 
 
@@ -78,12 +79,12 @@ def body(rank: int, world: int, stage: int, ns_method: str, gas: int = 1,
         model = model.to(torch.bfloat16 if precision[0] == "bf16" else torch.float16)
     engine, *_ = deepspeed_c.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     muon_group = next(g for g in engine.basic_optimizer.param_groups if g["use_muon"])
-    cut = 0  # Muon matrices whose elements the ZeRO partitions spread over both ranks
+    cut = 0  # Muon matrices whose elements the ZeRO partitions spread over every rank
     if stage > 0:
         assert [p.ndim for p in muon_group["params"]] == [1]  # the step sees a flat partition
         k = engine.basic_optimizer.param_groups.index(muon_group)
         rows = engine.optimizer.partition_plans[k].slices("runtime")
-        cut = sum(len({r[1] for r in rows if r[0] == i}) == 2 for i in range(len(engine.optimizer.bit16_groups[k])))
+        cut = sum(len({r[1] for r in rows if r[0] == i}) == world for i in range(len(engine.optimizer.bit16_groups[k])))
     for x, y in _batches():
         xs, ys = x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO]
         engine.backward(_loss(engine, xs, ys))
@@ -110,8 +111,8 @@ def _newton_schulz(g: torch.Tensor) -> torch.Tensor:
     return x.mT if g.shape[-2] > g.shape[-1] else x
 
 
-def reference(gas: int = 1) -> dict[str, torch.Tensor]:
-    """gas > 1: each step's gradient is the mean over gas consecutive batches (and the ranks)."""
+def reference(gas: int = 1, world: int = WORLD) -> dict[str, torch.Tensor]:
+    """gas > 1: each step's gradient is the mean over gas consecutive batches (and the world's ranks)."""
     model = _model(torch.float64)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     muon = {n: p.ndim >= 2 and "embed" not in n and "lm_head" not in n for n, p in named}
@@ -122,11 +123,11 @@ def reference(gas: int = 1) -> dict[str, torch.Tensor]:
     for k in range(0, len(batches), gas):
         grads = {n: torch.zeros_like(p) for n, p in named}
         for x, y in batches[k:k + gas]:
-            for r in range(WORLD):
+            for r in range(world):
                 model.zero_grad(set_to_none=True)
                 _loss(model, x[r * MICRO:(r + 1) * MICRO], y[r * MICRO:(r + 1) * MICRO]).backward()
                 for n, p in named:
-                    grads[n] += p.grad / (WORLD * gas)
+                    grads[n] += p.grad / (world * gas)
         with torch.no_grad():
             for n, p in named:
                 g, st = grads[n], state[n]
@@ -148,13 +149,13 @@ def reference(gas: int = 1) -> dict[str, torch.Tensor]:
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(gas: int = 1) -> dict[str, torch.Tensor]:
-    return reference(gas)
+def _reference(gas: int = 1, world: int = WORLD) -> dict[str, torch.Tensor]:
+    return reference(gas, world)
 
 
 @functools.lru_cache(maxsize=None)
-def _run(stage: int, ns_method: str, gas: int = 1, precision: tuple = ()) -> list[dict[str, Any]]:
-    return run_distributed(body, WORLD, args=(stage, ns_method, gas, precision), timeout=240)
+def _run(stage: int, ns_method: str, gas: int = 1, precision: tuple = (), world: int = WORLD) -> list[dict[str, Any]]:
+    return run_distributed(body, world, args=(stage, ns_method, gas, precision), timeout=240)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -247,4 +248,15 @@ def test_client_muon_optimizer(stage: int) -> None:
     for res in run_distributed(client_body, WORLD, args=(stage,), timeout=240):
         for name, want in ref.items():
             got = torch.from_numpy(res[name]).double()
+            assert ((got - want).norm() / want.norm()).item() < TOL, name
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_muon_on_three_ranks(stage: int) -> None:
+    """Three ranks: matrices cut in three, owners spread unevenly, every source/destination pair exchanging."""
+    ref = _reference(1, 3)
+    for res in _run(stage, "gram", 1, (), 3):
+        assert res["cut"] >= 1
+        for name, want in ref.items():
+            got = torch.from_numpy(res["params"][name]).double()
             assert ((got - want).norm() / want.norm()).item() < TOL, name
