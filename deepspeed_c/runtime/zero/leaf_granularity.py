@@ -20,11 +20,11 @@ from deepspeed_c.utils.z3_leaf_module import set_z3_leaf_module
 logger = logging.getLogger(__name__)
 
 MAX_LEAF_NUMEL = int(1e9)
-_CONTAINERS = tuple(getattr(torch.nn, n) for n in ("Sequential", "ModuleList", "ModuleDict", "ParameterList",
+CONTAINERS = tuple(getattr(torch.nn, n) for n in ("Sequential", "ModuleList", "ModuleDict", "ParameterList",
                                                      "ParameterDict", "Container") if hasattr(torch.nn, n))
 
 
-def _numel(p: torch.nn.Parameter) -> int:
+def param_numel(p: torch.nn.Parameter) -> int:
     return int(getattr(p, "ds_numel", 0) or p.numel())
 
 
@@ -36,7 +36,7 @@ def granularities(module: torch.nn.Module) -> dict[int, int]:
         if not any(True for _ in m.parameters()):
             out[id(m)] = sys.maxsize
             return 0, 0
-        params = sum(_numel(p) for p in m.parameters(recurse=False))
+        params = sum(param_numel(p) for p in m.parameters(recurse=False))
         children = list(m.children())
         if not children:
             out[id(m)] = sys.maxsize
@@ -45,7 +45,7 @@ def granularities(module: torch.nn.Module) -> dict[int, int]:
         for c in children:
             n, q = walk(c)
             layers, params = layers + n, params + q
-        if isinstance(m, _CONTAINERS):
+        if isinstance(m, CONTAINERS):
             out[id(m)] = sys.maxsize
             return layers, params
         layers += 1
