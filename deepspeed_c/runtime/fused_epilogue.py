@@ -65,6 +65,13 @@ class _GroupCounters:
             return False
         return float(self.host[0]) == self.value if len(self.ids) else True
 
+    def advance(self) -> None:
+        """The kernel advanced the device counter: the host counters follow (they assume the step was taken:
+        a skipped step, non-finite gradients without an overflow check, which DeepSpeed would have applied,
+        is the one case they run ahead)."""
+        self.host.add_(1.0)
+        self.value += 1.0
+
 
 class AdamEpilogue:
     """Steps an Adam/AdamW optimizer's groups with the fused epilogue kernel."""
@@ -134,10 +141,7 @@ class AdamEpilogue:
                 step=counters.device, grad_norm=grad_norm, found_inf=found_inf,
                 model_params=None if out_params is None else [t.view(-1) for t in out_params[g]],
                 **self._hyper(group, loss_scale, max_grad_norm))
-            # the host counters assume the step was taken: a skipped step (non-finite gradients without
-            # an overflow check, which DeepSpeed would have applied) is the one case they run ahead
-            counters.host.add_(1.0)
-            counters.value += 1.0
+            counters.advance()
 
     @torch.no_grad()
     def step_ranges(self, g: int, grad: torch.Tensor, ranges: Sequence[tuple[int, int]],
@@ -168,8 +172,7 @@ class AdamEpilogue:
             fused_adam_epilogue_([grad[start:end]], [p], [m], [v], step=step, grad_norm=grad_norm,
                                  model_params=None if out is None else [out.view(-1)], **hyper)
             after(k)
-        counters.host.add_(1.0)
-        counters.value += 1.0
+        counters.advance()
 
 
 def device_global_norm(tensors: Sequence[torch.Tensor], group: Any = None, world_size: int = 1) -> torch.Tensor:

@@ -46,6 +46,10 @@ class _Held:
         self.device = tensor.device
         self.event: Any = None
 
+    def offloaded(self, host: torch.Tensor, event: Any) -> None:
+        """The device tensor is let go: `host` holds its copy, done once `event` (None: already) completes."""
+        self.tensor, self.host, self.event = None, host, event
+
 
 _ACTIVE = threading.local()
 
@@ -106,7 +110,7 @@ def _install(cls: Any) -> None:
             return original(layer, *args, **kwargs)
         finally:
             if marked is not None:  # not saved after all: a stale id() could match another tensor later
-                ctx._take_mark(marked)
+                ctx.take_mark(marked)
 
     cls.__call__ = call
     _wrapper = call
@@ -169,7 +173,9 @@ class CheckpointHiddenStatesOffload(saved_tensors_hooks):
         self._marks[id(tensor)] = self._marks.get(id(tensor), 0) + 1
         self.stats.marked_tensors += 1
 
-    def _take_mark(self, tensor: torch.Tensor) -> bool:
+    def take_mark(self, tensor: torch.Tensor) -> bool:
+        """Consumes one mark of `tensor` (the saved-tensor hook, or the marker dropping a mark the checkpoint
+        did not use); False when it had none."""
         count = self._marks.get(id(tensor), 0)
         if count == 0:
             return False
@@ -181,7 +187,7 @@ class CheckpointHiddenStatesOffload(saved_tensors_hooks):
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         self.stats.saved_tensors_seen += 1
-        if not self._take_mark(tensor):
+        if not self.take_mark(tensor):
             return tensor
         nbytes = tensor.numel() * tensor.element_size()
         if tensor.device.type != "cuda" or nbytes < self.min_offload_bytes:
@@ -210,7 +216,7 @@ class CheckpointHiddenStatesOffload(saved_tensors_hooks):
         else:
             host.copy_(tensor)
             event = None
-        held.tensor, held.host, held.event = None, host, event
+        held.offloaded(host, event)
         self.stats.offloaded_tensors += 1
         self.stats.offloaded_bytes += nbytes
 

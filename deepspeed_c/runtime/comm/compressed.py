@@ -87,6 +87,11 @@ class SignAllreduce:
         self.worker_error.zero_()
         self.server_error.zero_()
 
+    def use_errors(self, worker_error: torch.Tensor, server_error: torch.Tensor) -> None:
+        """The error-feedback buffers the next calls read and update in place: the caller's (DeepSpeed's
+        compressed_allreduce hands them over on every call) instead of the plan's own."""
+        self.worker_error, self.server_error = worker_error, server_error
+
     def rank_state(self) -> dict[str, Any]:
         """This rank's carried state, on the host: both error buffers and, with persistent_pad, the work
         buffer (its padded tail carries the previous result into the next call). On a CPU run these are
@@ -242,7 +247,7 @@ class CompressedBackend:
                              f"worker_error of {plan.padded[0]} and a server_error of {plan.chunks[0]} elements, got "
                              f"{worker_error.numel()} and {server_error.numel()}")
         # one tensor: the chunk-major layout is the natural order, so the caller's buffers are used in place
-        plan.worker_error, plan.server_error = worker_error.view(-1), server_error.view(-1)
+        plan.use_errors(worker_error.view(-1), server_error.view(-1))
         out = buffer_m.detach().reshape(-1).to(torch.float32).clone()
         plan([out])
         return out.view(shape).to(buffer_m.dtype)

@@ -112,14 +112,10 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         # [b, h, s_l, d] -> [b, s_l, h, d] -> all-to-all (heads scattered, sequence gathered) -> [b, h/P, s, d]
         q, k, v = (_SeqAllToAll.apply(group, t.transpose(1, 2), 2, 1).transpose(1, 2).contiguous()
                    for t in (query, key, value))
-        saved_groups = getattr(module, "num_key_value_groups", None)
-        if saved_groups is not None:  # local q heads per local kv head (changes only when kv heads were replicated)
-            module.num_key_value_groups = q.shape[1] // k.shape[1]
-        try:
-            context, weights = self.attn(module, q, k, v, attention_mask, *args, **kwargs)  # [b, s, h/P, d]
-        finally:
-            if saved_groups is not None:
-                module.num_key_value_groups = saved_groups
+        if getattr(module, "num_key_value_groups", None) is not None:
+            # local q heads per local kv head (changes only when kv heads were replicated)
+            module = _LocalHeadsView(module, q.shape[1] // k.shape[1])
+        context, weights = self.attn(module, q, k, v, attention_mask, *args, **kwargs)  # [b, s, h/P, d]
         if tuple(context.shape[:3]) != (self.batch_size, self.global_seq_length, self.local_q_head_count):
             raise ValueError(f"UlyssesSPAttentionHF: the core attention returned shape {tuple(context.shape)}, "
                              "expected [batch, seq, heads/P, head_dim] = "
@@ -173,7 +169,7 @@ class UlyssesSPAttentionHF(torch.nn.Module):
 
         mpu.initialize_sequence_parallel(sequence_parallel_size=sequence_parallel_size)
         core = ALL_ATTENTION_FUNCTIONS[core_attn_implementation]
-        core = getattr(core, "_ulysses_core", core)  # registering again wraps the original, not the wrapper
+        core = _WRAPPED_CORE.get(core, core)  # registering again wraps the original, not the wrapper
         arch = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = arch.num_attention_heads
         local = None if seq_length_is_variable else seq_length // sequence_parallel_size
@@ -190,10 +186,25 @@ class UlyssesSPAttentionHF(torch.nn.Module):
             # the mask transformers built covers the local slice only: causality comes from is_causal instead
             return uattn(module, query, key, value, None, *args, **kwargs)
 
-        uattn_wrapper._ulysses_core = core  # type: ignore[attr-defined]
-        uattn_wrapper._ulysses = uattn  # type: ignore[attr-defined]
+        _WRAPPED_CORE[uattn_wrapper] = core
         ALL_ATTENTION_FUNCTIONS[core_attn_implementation] = uattn_wrapper
         return mpu
+
+
+# register_with_transformers' wrappers -> the core attention each wraps
+_WRAPPED_CORE: dict[Any, Any] = {}
+
+
+class _LocalHeadsView:
+    """The attention module as the core attention sees it after the all-to-all: the module itself, except
+    that num_key_value_groups counts this rank's q heads per local kv head (the module is not changed)."""
+
+    def __init__(self, module: torch.nn.Module, num_key_value_groups: int) -> None:
+        self._module = module
+        self.num_key_value_groups = num_key_value_groups
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
 
 
 def _version_tuple(v: str) -> tuple:
