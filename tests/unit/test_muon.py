@@ -147,6 +147,17 @@ def test_optimizer_bad_groups(groups: list, match: str) -> None:
         MuonWithAuxAdam(groups)
 
 
+def test_frozen_parameters_in_a_group_stay() -> None:
+    w, f = torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4, 4), requires_grad=False)
+    b, fb = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(4), requires_grad=False)
+    opt = MuonWithAuxAdam([dict(params=[w, f], use_muon=True, weight_decay=0.5),
+                           dict(params=[b, fb], use_muon=False, weight_decay=0.5)])
+    f0, fb0, w0 = f.detach().clone(), fb.detach().clone(), w.detach().clone()
+    w.grad, b.grad = torch.ones(4, 4), torch.ones(4)
+    opt.step()
+    assert torch.equal(f.detach(), f0) and torch.equal(fb.detach(), fb0) and not torch.equal(w.detach(), w0)
+
+
 def test_use_muon_group_of_vectors_takes_adam() -> None:
     b = torch.nn.Parameter(torch.linspace(-1, 1, 4))
     opt = MuonWithAuxAdam([dict(params=[b], use_muon=True, lr=0.1)])

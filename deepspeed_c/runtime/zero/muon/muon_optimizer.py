@@ -123,6 +123,12 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         # a parameter without a gradient steps on zeros, as DeepSpeed's (its momentum keeps moving it)
         return [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
 
+    @staticmethod
+    def _trainable(group: dict[str, Any]) -> list[torch.Tensor]:
+        # a frozen parameter in a user's group is left alone (DeepSpeed's engine never groups one; weight
+        # decay would otherwise shrink it)
+        return [p for p in group["params"] if p.requires_grad]
+
     def _momentum(self, params: list[torch.Tensor], grads: list[torch.Tensor], beta: float) -> list[torch.Tensor]:
         bufs = []
         for p in params:
@@ -140,7 +146,9 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         torch._foreach_add_(params, updates, alpha=-lr)
 
     def _muon_whole(self, group: dict[str, Any]) -> None:
-        params = list(group["params"])
+        params = self._trainable(group)
+        if not params:
+            return
         blended = self._momentum(params, self._grads(params), float(group["momentum"]))
         ortho = orthogonalize_many(blended, [tuple(p.shape) for p in params], group["ns_method"],
                                    expert=[bool(getattr(p, "is_expert_group", False)) for p in params])
@@ -160,7 +168,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         beta1, beta2 = (float(b) for b in group["betas"])
         lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
         by_step: dict[int, list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]] = {}
-        for p, g in zip(group["params"], self._grads(list(group["params"]))):
+        trainable = self._trainable(group)
+        for p, g in zip(trainable, self._grads(trainable)):
             state = self.state[p]
             if "step" not in state:
                 state["exp_avg"] = torch.zeros_like(p)
