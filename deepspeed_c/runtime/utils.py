@@ -57,10 +57,16 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
                     norm_type: float = 2, mpu: Any = None) -> float:
     """Clips the gradients of `parameters` in place so their global norm is at most max_norm, and
     returns the norm before clipping. With an `mpu`, the norm covers every model-parallel rank's
-    shard (one all-reduce over the model-parallel group)."""
+    shard (one all-reduce over the model-parallel group), by DeepSpeed's rule: a parameter split over
+    the model-parallel ranks (is_model_parallel_parameter) counts on every rank, any other (replicated)
+    only on model-parallel rank 0."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
-    grads = [p.grad.detach() for p in parameters if p.grad is not None]
+    parameters = [p for p in parameters if p.grad is not None]
+    grads = [p.grad.detach() for p in parameters]
+    counted = grads
+    if mpu is not None and float(norm_type) != math.inf and mpu.get_model_parallel_rank() != 0:
+        counted = [p.grad.detach() for p in parameters if is_model_parallel_parameter(p)]
     norm_type = float(norm_type)
     if norm_type not in (2.0, math.inf):
         raise ValueError(f"clip_grad_norm_: norm_type must be 2 or inf, got {norm_type}")
@@ -68,7 +74,7 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
     if norm_type == math.inf:
         local = torch.stack([g.abs().max().float() for g in grads]).max() if grads else torch.zeros((), device=dev)
     else:
-        local = global_norm(grads).float().to(dev) ** 2 if grads else torch.zeros((), device=dev)
+        local = global_norm(counted).float().to(dev) ** 2 if counted else torch.zeros((), device=dev)
     local = local.reshape(1)
     if mpu is not None:
         import torch.distributed as dist

@@ -45,15 +45,25 @@ class _MPU:
 
         return dist.group.WORLD
 
+    def get_model_parallel_rank(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_rank()
+
 
 def mpu_body(rank: int, world: int) -> dict:
     full = _params(3)
-    mine = [full[i] for i in range(len(full)) if i % world == rank]  # each rank holds a shard
+    # each rank holds a shard (DeepSpeed's tensor_model_parallel attribute) and the replicated last one
+    mine = [full[i] for i in range(len(full) - 1) if i % world == rank] + [full[-1]]
+    for p in mine[:-1]:
+        p.tensor_model_parallel = True
     norm = ds_utils.clip_grad_norm_(mine, 0.5, mpu=_MPU())
-    return {"norm": norm, "grads": [p.grad.numpy().copy() for p in mine], "idx": [i for i in range(3) if i % world == rank]}
+    idx = [i for i in range(len(full) - 1) if i % world == rank] + [len(full) - 1]
+    return {"norm": norm, "grads": [p.grad.numpy().copy() for p in mine], "idx": idx}
 
 
 def test_clip_grad_norm_with_mpu_covers_every_shard():
+    """DeepSpeed's rule: split parameters count on every model-parallel rank, replicated ones once."""
     res = run_distributed(mpu_body, 2, timeout=120)
     ref = _params(3)
     want = float(torch.nn.utils.clip_grad_norm_(ref, 0.5))

@@ -12,13 +12,10 @@ from typing import Any, Callable
 
 import torch
 
+from deepspeed_c.runtime.utils import is_model_parallel_parameter  # DeepSpeed's predicate
+
 __all__ = ["counted_in_norm", "is_model_parallel_parameter", "mark_tensor_parallel_params",
            "tensor_parallel_norm_fn"]
-
-
-def is_model_parallel_parameter(p: torch.Tensor) -> bool:
-    """DeepSpeed's predicate: the parameter is split over the tensor-parallel ranks."""
-    return bool(getattr(p, "model_parallel", False)) or bool(getattr(p, "tensor_model_parallel", False))
 
 
 def mark_tensor_parallel_params(module: torch.nn.Module) -> int:
