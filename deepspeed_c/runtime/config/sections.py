@@ -70,6 +70,7 @@ class CompileConfig(DeepSpeedConfigModel):
     free_activation: bool = False
     free_activation_threshold: int = 10 * 1024 * 1024
     offload_activation: bool = False
+    offload_activation_pin_memory: bool = True
     offload_opt_states: bool = False
     double_buffer: bool = True
     symmetric_memory: bool = False
@@ -171,8 +172,9 @@ def parse_misc_sections(param_dict: dict[str, Any]) -> dict[str, Any]:
     if pld.enabled:
         raise unbuilt("progressive_layer_drop.enabled", "progressive layer drop")
     compile_cfg = parse_section(CompileConfig, param_dict.get("compile"), "compile")
-    if compile_cfg.deepcompile:
-        raise unbuilt("compile.deepcompile", "DeepCompile")
+    from deepspeed_c.runtime.config.deepcompile import check_deepcompile
+
+    check_deepcompile(compile_cfg, param_dict)
     if compile_cfg.passes:
         raise unbuilt("compile.passes", "DeepCompile passes (AutoSP)")
     tp = parse_section(TPTrainingConfig, param_dict.get("tensor_parallel"), "tensor_parallel")  # AutoTP: initialize

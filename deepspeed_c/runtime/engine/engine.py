@@ -498,17 +498,28 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
     # -- module plumbing -------------------------------------------------------------------------
     def compile(self, backend: Optional[str] = None, compile_kwargs: Optional[dict] = None, schedule: Any = None,
                 compiled_autograd_enabled: bool = False) -> None:
-        """torch.compile the wrapped module in place (DeepSpeed's signature; the gradient hooks live on
-        the parameters, so reduction and ZeRO are unaffected)."""
-        if schedule is not None or compiled_autograd_enabled:
-            raise NotImplementedError("deepspeed_c: engine.compile(schedule=..., compiled_autograd_enabled=True) "
-                                      "(DeepCompile) is not built; call engine.compile(backend, compile_kwargs)")
+        """torch.compile the wrapped module in place (DeepSpeed's signature). With compile.deepcompile at ZeRO-3
+        the gathers, releases and gradient reduce-scatters become graph operations (runtime/compiler.py)."""
         if self._is_compiled:
             return
-        if backend is None:
-            backend = get_accelerator().get_compile_backend()
-        self.module.compile(backend=backend, **(compile_kwargs or {}))
+        from deepspeed_c.runtime.compiler import compile_engine_module
+
+        self._compiled_module = compile_engine_module(
+            self.module, self._config.compile_config, backend=backend, compile_kwargs=compile_kwargs,
+            schedule=schedule, compiled_autograd_enabled=compiled_autograd_enabled,
+            zero_stage=self.zero_optimization_stage(), optimizer=self.optimizer, group=self.data_parallel_group,
+            default_backend=get_accelerator().get_compile_backend())
         self._is_compiled = True
+
+    def is_deepcompile_active(self) -> bool:
+        compiled = getattr(self, "_compiled_module", None)
+        return bool(compiled is not None and compiled.deepcompile_active)
+
+    def get_compile_time(self) -> dict:
+        """Seconds spent in each DeepCompile pass (DeepSpeed's engine.get_compile_time)."""
+        from deepspeed_c.compile.backend import opt_pass_times
+
+        return opt_pass_times
 
     @property
     def is_compiled(self) -> bool:

@@ -409,6 +409,18 @@ class ZeroGradPartitioner(BackwardRound):
     def has_gradients(self) -> bool:
         return any(p is not None for p in self.grad_partitions)
 
+    @torch.no_grad()
+    def add_reduced(self, g: int, grad: torch.Tensor) -> None:
+        """Group g's whole partition of gradients, already reduced and averaged elsewhere (DeepCompile's
+        reduce-scatter inside the compiled backward): added into the partition (the first since the last
+        clear replaces it), and every parameter of the group counts as having had a gradient."""
+        part = self.grad_partitions[g]
+        if part is None:
+            self.grad_partitions[g] = grad.detach().to(self.comm_dtypes[g], copy=True)
+        else:
+            part.add_(grad.detach())
+        self.touched.update(k for k, (gg, _) in enumerate(self._where) if gg == g)
+
     def remove(self) -> None:
         from deepspeed_c.runtime.zero import bucket_linear
 

@@ -1,0 +1,139 @@
+"""The graph operations of DeepCompile's ZeRO-3: gather a unit and reduce-scatter its gradient, registered
+with torch.library so that dynamo, AOT autograd and inductor see them as opaque operators.
+
+`dsc::z3_gather(chunk, handle, unit, prefetch)` returns the whole unit (every rank's chunk, in rank order);
+its gradient is `dsc::z3_reduce_scatter(grad, handle, unit)`: this rank's chunk of the gradient summed over
+the ranks and divided by their number (DeepSpeed's gradient average). `handle` names a registered
+Z3GraphContext (the process group and the store's shards live there: an operator schema carries no Python
+objects). `prefetch`, set by the schedule pass per compiled graph, is the unit this call starts gathering
+asynchronously for a later z3_gather of the same graph (-1: none); its result is taken when that call comes.
+
+Releasing a unit is the end of its tensor's life: the gathered buffer is an intermediate of the graph that
+inductor frees after its last reader, and the backward re-gathers it (the partition pass marks the gather
+as recomputed), so no gathered unit is saved between forward and backward. Ordering: every rank compiles
+the same graph the same way, so the collectives go out in one order on all ranks."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+_CONTEXTS: dict[int, "Z3GraphContext"] = {}
+
+
+@dataclass
+class Z3GraphContext:
+    """What the ops of one engine's compiled graph need at run time."""
+    group: Any
+    world_size: int
+    shards: list[torch.Tensor]  # per parameter group: this rank's flat shard (the store's)
+    unit_of: list[tuple[int, int, int]]  # unit -> (group, chunk start, chunk end)
+    pending: dict[int, tuple[torch.Tensor, Any]] = field(default_factory=dict)  # unit -> (buffer, work)
+    gathers: int = 0
+    reduces: int = 0
+    prefetched: int = 0
+
+    def gather(self, chunk: torch.Tensor, unit: int) -> torch.Tensor:
+        hit = self.pending.pop(unit, None)
+        if hit is not None:
+            buf, work = hit
+            work.wait()
+            return buf
+        return self._start(chunk, unit, async_op=False)[0]
+
+    def prefetch(self, unit: int) -> None:
+        if unit in self.pending:
+            return
+        g, start, end = self.unit_of[unit]
+        self.pending[unit] = self._start(self.shards[g][start:end], unit, async_op=True)
+        self.prefetched += 1
+
+    def _start(self, chunk: torch.Tensor, unit: int, async_op: bool) -> tuple[torch.Tensor, Any]:
+        self.gathers += 1
+        if self.world_size == 1:
+            return chunk.detach().clone(), _Done()
+        from deepspeed_c import comm
+
+        buf = torch.empty(chunk.numel() * self.world_size, dtype=chunk.dtype, device=chunk.device)
+        work = comm.all_gather_into_tensor(buf, chunk.detach().contiguous(), group=self.group, async_op=async_op)
+        return buf, (work if async_op else _Done())
+
+    def reduce_scatter(self, grad: torch.Tensor) -> torch.Tensor:
+        self.reduces += 1
+        if self.world_size == 1:
+            return grad.clone()
+        from deepspeed_c import comm
+
+        out = torch.empty(grad.numel() // self.world_size, dtype=grad.dtype, device=grad.device)
+        comm.reduce_scatter_tensor(out, grad.contiguous(), group=self.group)
+        return out.div_(self.world_size)
+
+    def drain(self) -> None:
+        """Waits for prefetches nobody took (a graph left early): a collective is never left behind."""
+        for buf, work in self.pending.values():
+            work.wait()
+        self.pending.clear()
+
+
+class _Done:
+    def wait(self) -> None:
+        return None
+
+
+def register_context(ctx: Z3GraphContext) -> int:
+    handle = max(_CONTEXTS, default=-1) + 1
+    _CONTEXTS[handle] = ctx
+    return handle
+
+
+def unregister_context(handle: int) -> None:
+    ctx = _CONTEXTS.pop(handle, None)
+    if ctx is not None:
+        ctx.drain()
+
+
+def context(handle: int) -> Z3GraphContext:
+    try:
+        return _CONTEXTS[handle]
+    except KeyError:
+        raise RuntimeError(f"DeepCompile: graph context {handle} is gone (its engine was destroyed); "
+                           "a compiled graph outlived the engine that built it") from None
+
+
+@torch.library.custom_op("dsc::z3_gather", mutates_args=())
+def z3_gather(chunk: torch.Tensor, handle: int, unit: int, prefetch: int) -> torch.Tensor:
+    ctx = context(handle)
+    out = ctx.gather(chunk, unit)
+    if prefetch >= 0:
+        ctx.prefetch(prefetch)
+    return out
+
+
+@z3_gather.register_fake
+def _(chunk: torch.Tensor, handle: int, unit: int, prefetch: int) -> torch.Tensor:
+    return chunk.new_empty(chunk.numel() * context(handle).world_size)
+
+
+@torch.library.custom_op("dsc::z3_reduce_scatter", mutates_args=())
+def z3_reduce_scatter(grad: torch.Tensor, handle: int, unit: int) -> torch.Tensor:
+    return context(handle).reduce_scatter(grad)
+
+
+@z3_reduce_scatter.register_fake
+def _(grad: torch.Tensor, handle: int, unit: int) -> torch.Tensor:
+    return grad.new_empty(grad.numel() // context(handle).world_size)
+
+
+def _gather_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.handle, ctx.unit = inputs[1], inputs[2]
+
+
+def _gather_backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None, None]:
+    return torch.ops.dsc.z3_reduce_scatter(grad, ctx.handle, ctx.unit), None, None, None
+
+
+z3_gather.register_autograd(_gather_backward, setup_context=_gather_setup)
+
+GATHER = torch.ops.dsc.z3_gather.default
+REDUCE_SCATTER = torch.ops.dsc.z3_reduce_scatter.default

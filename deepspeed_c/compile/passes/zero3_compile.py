@@ -1,0 +1,142 @@
+"""FX passes that place DeepCompile's ZeRO-3 ops (custom_ops.py) in the graphs dynamo and AOT autograd build.
+
+- `sink_gathers` (the graph dynamo hands the backend): the runner gathers every unit at the top of its
+  function; each gather, with the views that cut parameters out of it, moves to just before the first
+  operation that reads it, so a unit is gathered where it is first used, in forward order.
+- `mark_gathers_recomputed` (the joint forward+backward graph, before the partitioner): a gathered unit and
+  its views are recomputed in the backward instead of saved between forward and backward; the partitioner
+  then places each re-gather just before its first use in the backward (it reorders a graph with
+  recomputed nodes the way the autograd engine would run it), and the forward frees the unit after its
+  last reader. That is the release after last use, in both directions.
+- `schedule_prefetch` (each of the forward and backward graphs after partitioning): every gather starts
+  the next gather of the same graph asynchronously (`prefetch` argument), so unit k+1 travels while unit
+  k computes; the last one of a graph prefetches nothing, so no collective crosses a graph boundary."""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+_VIEW_METHODS = {"narrow", "view", "reshape", "as_strided", "t", "contiguous"}
+
+
+def _is_gather(node: Node) -> bool:
+    if node.op != "call_function":
+        return False
+    target = node.target
+    return target is torch.ops.dsc.z3_gather.default or target is torch.ops.dsc.z3_gather or \
+        getattr(target, "__name__", "") == "dsc.z3_gather"
+
+
+def gather_nodes(graph: Graph) -> list[Node]:
+    return [n for n in graph.nodes if _is_gather(n)]
+
+
+def _is_view_of(node: Node, movable: set[Node]) -> bool:
+    """A view-like operation whose tensor inputs are all graph inputs or already movable."""
+    if node.op == "call_method" and node.target in _VIEW_METHODS:
+        pass
+    elif node.op == "call_function" and node.target in (operator.getitem, torch.narrow, torch.reshape):
+        pass
+    elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view:
+        pass
+    else:
+        return False
+    inputs = [a for a in node.all_input_nodes]
+    return bool(inputs) and all(a in movable or a.op in ("placeholder", "get_attr") for a in inputs)
+
+
+def _movable(graph: Graph) -> set[Node]:
+    movable: set[Node] = set()
+    for node in graph.nodes:
+        if _is_gather(node):
+            if all(a in movable or a.op in ("placeholder", "get_attr") for a in node.all_input_nodes):
+                movable.add(node)
+        elif _is_view_of(node, movable):
+            movable.add(node)
+    return movable
+
+
+def sink_gathers(gm: GraphModule) -> int:
+    """Moves each gather (with its input slice and output views) to just before the first operation that
+    reads it; everything else keeps its order. Returns how many nodes changed place."""
+    graph = gm.graph
+    movable = _movable(graph)
+    if not movable:
+        return 0
+    order: list[Node] = []
+    placed: set[Node] = set()
+
+    def place(node: Node) -> None:
+        if node in placed:
+            return
+        for a in node.all_input_nodes:
+            if a in movable:
+                place(a)
+        placed.add(node)
+        order.append(node)
+
+    nodes = list(graph.nodes)
+    for node in nodes:
+        if node not in movable:
+            place(node)
+    leftovers = [n for n in nodes if n not in placed]  # movable nodes nobody reads: before the output
+    if leftovers:
+        out = order.pop()
+        for n in leftovers:
+            place(n)
+        order.append(out)
+    moved = sum(1 for a, b in zip(nodes, order) if a is not b)
+    prev = order[0]
+    for node in order[1:]:
+        if prev.next is not node:
+            prev.append(node)
+        prev = node
+    graph.lint()
+    gm.recompile()
+    return moved
+
+
+def mark_gathers_recomputed(graph: Graph) -> int:
+    """Tags gathers and the views of their outputs MUST_RECOMPUTE for the min-cut partitioner."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    marked = 0
+    frontier = gather_nodes(graph)
+    seen: set[Node] = set()
+    while frontier:
+        node = frontier.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+        marked += 1
+        for user in node.users:
+            if user.op == "call_function" and isinstance(user.target, torch._ops.OpOverload) and user.target.is_view:
+                frontier.append(user)
+    return marked
+
+
+scheduled: list[int] = []  # gathers per graph the schedule saw (forward and backward graphs), for tests
+
+
+def schedule_prefetch(graph: Graph) -> int:
+    """Each gather prefetches the unit of the next gather in this graph (the last one, none)."""
+    gathers = gather_nodes(graph)
+    scheduled.append(len(gathers))
+    for here, nxt in zip(gathers, gathers[1:] + [None]):
+        unit = -1 if nxt is None else int(nxt.args[2])
+        if unit == int(here.args[2]):
+            unit = -1
+        here.args = (*here.args[:3], unit)
+    return len(gathers)
+
+
+def count_ops(graph: Graph, name: str) -> int:
+    return sum(1 for n in graph.nodes if n.op == "call_function" and name in str(n.target))
+
+
+def describe(gm: Any) -> str:
+    return f"{len(gather_nodes(gm.graph))} gathers"
