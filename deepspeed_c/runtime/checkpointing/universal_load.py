@@ -81,11 +81,18 @@ def _moment_keys(zero: str, names: list[str]) -> list[str]:
     return keys or []
 
 
-def _step(zero: str, names: list[str]) -> Any:
+def _step(zero: str, names: list[str], optim_sd: Optional[dict] = None) -> Any:
+    """The optimizer step: a parameter's step.pt, else (DeepSpeed's stage-3 conversion writes none) the step
+    of optimizer_state.pt's optimizer_state_dict, where DeepSpeed's stage-3 loader reads it."""
     for n in names:
         path = os.path.join(zero, n, f"{C.UNIVERSAL_STEP}.pt")
         if os.path.isfile(path):
             return _read(path)
+    inner = (optim_sd or {}).get(C.OPTIMIZER_STATE_DICT)
+    if isinstance(inner, dict):
+        for entry in inner.get("state", {}).values():
+            if isinstance(entry, dict) and C.UNIVERSAL_STEP in entry:
+                return entry[C.UNIVERSAL_STEP]
     return None
 
 
@@ -182,7 +189,7 @@ def load(stepper: Any, saved: SavedCheckpoint, name_of: Callable[[torch.nn.Param
             _fill_group(ex, g, names, zero, keys, moments)
             all_keys.append(keys)
             all_moments.append(moments or {})
-            step = step if step is not None else _step(zero, names)
+            step = step if step is not None else _step(zero, names, optim_sd)
         first = _first_state(ex, optim_sd, all_keys, step)
         state = _runtime_state(ex, first, all_keys, all_moments if states else None)
         stepper.import_partition_state(state, states, True)
@@ -207,7 +214,7 @@ def _load_unpartitioned(stepper: Any, saved: SavedCheckpoint, zero: str, optim_s
         keys = _moment_keys(zero, names)
         _check_shapes(zero, names, [p.numel() for p in params])
         reader = _ParamStates(zero, keys)
-        step = _step(zero, names)
+        step = _step(zero, names, optim_sd)
         ids = []
         for p, n in zip(params, names):
             vals = reader.get(n)
