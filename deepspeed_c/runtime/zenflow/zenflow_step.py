@@ -53,7 +53,8 @@ class ZenFlowStep(ZeroStepStrategy):
         self.acc_host = [torch.empty(n, dtype=torch.float32, pin_memory=pin) if self.device.type != "cpu" else None
                          for n in sizes]
         self.lp_host = [torch.empty(n, dtype=self.lp_dtype, pin_memory=pin) for n in sizes]
-        self.dev_lp = [m.detach().to(device=self.device, dtype=self.lp_dtype) for m in self.masters]
+        # the model's weights as this rank last wrote them (never the master itself, which the host steps)
+        self.dev_lp = [m.detach().to(device=self.device, dtype=self.lp_dtype, copy=True) for m in self.masters]
         self.accumulated = 0  # steps in the accumulator
         self.steps = 0  # applied (not skipped) steps
         self.layouts: Optional[list[columns.ColumnLayout]] = None
@@ -66,6 +67,7 @@ class ZenFlowStep(ZeroStepStrategy):
         self.auto_left: Optional[torch.Tensor] = None
         self.auto_steps = 0
         self.pending: Optional[Future] = None
+        self.unapplied = False  # a host step finished whose result the model has not taken yet
         self.pool: Optional[ThreadPoolExecutor] = None
         self.h2d_done: Any = None
         if schedule.overlap_step:
@@ -151,7 +153,7 @@ class ZenFlowStep(ZeroStepStrategy):
 
     # -- selection ---------------------------------------------------------------------------------
     def _reselect(self, parts: Sequence[torch.Tensor]) -> None:
-        self.settle()
+        self.settle(apply=True)
         sums = [column_sums(part, view) for part, view in zip(parts, self.views)]
         self.columns = select_columns(sums, self.sched.topk_ratio, self.group, self.world_size)
         self.layouts = [layout_for(view, sel) for view, sel in zip(self.views, self.columns)]
@@ -210,11 +212,16 @@ class ZenFlowStep(ZeroStepStrategy):
             opt.step_tensors(groups[g], [master.detach()], [grad], moments, [self.lp_host[g]], step)
 
     def _finish_pending(self) -> None:
-        if self.pending is None:
-            return
-        job, self.pending = self.pending, None
-        job.result()  # re-raises the host step's error here
-        self._apply_host()
+        self._wait_pending()
+        if self.unapplied:
+            self.unapplied = False
+            self._apply_host()
+
+    def _wait_pending(self) -> None:
+        if self.pending is not None:
+            job, self.pending = self.pending, None
+            job.result()  # re-raises the host step's error here
+            self.unapplied = True
 
     def _apply_host(self) -> None:
         """The host's updated weights into the device copy; the selected elements keep the device's."""
@@ -238,18 +245,24 @@ class ZenFlowStep(ZeroStepStrategy):
         self.writer.finish()
 
     # -- consistency points: checkpoints, reselection, shutdown --------------------------------------
-    def settle(self) -> None:
-        """The host step in flight finished and applied, and the selected columns' device values written
-        into the host masters: the masters then hold the model (what a checkpoint saves)."""
-        if self.pending is not None:
-            self._finish_pending()
-            self._write_model()
+    def settle(self, apply: bool = False) -> None:
+        """The host step in flight finished (applied to the model only with `apply`: a checkpoint leaves it for
+        the boundary that would take it, so a resumed run follows the same steps), and the selected columns'
+        device values written into the host masters: the masters then hold the newest weights."""
+        if apply:
+            if self.pending is not None or self.unapplied:
+                self._finish_pending()
+                self._write_model()
+        else:
+            self._wait_pending()
         self._selected_to_host()
 
     def state_dict(self) -> dict[str, Any]:
         """ZenFlow's own state beside the optimizer's (call settle() first): the accumulated gradient not yet
         stepped by the host, the selected columns, their device moments and the schedule's counters."""
         return {"steps": self.steps, "accumulated": self.accumulated, "acc": [a.cpu() for a in self.acc],
+                # with a host result not yet taken, the model's weights differ from the masters: kept apart
+                "unapplied": self.unapplied, "model": [lp.cpu() for lp in self.dev_lp] if self.unapplied else None,
                 "columns": self.columns, "selected": [s.state_dict() for s in self.selected],
                 "auto_steps": self.auto_steps,
                 "auto": None if self.auto_critic is None else (self.auto_critic.cpu(), self.auto_left.cpu())}
@@ -284,12 +297,17 @@ class ZenFlowStep(ZeroStepStrategy):
                 sel.load_state_dict(saved)
         if sd.get("auto") is not None:
             self.auto_critic, self.auto_left = (x.to(self.device) for x in sd["auto"])
+        if sd.get("unapplied"):  # the masters hold the host's result; the model the weights before it
+            for g, (m, lp) in enumerate(zip(self.masters, self.dev_lp)):
+                self.lp_host[g].copy_(m.detach().to(self.lp_dtype))
+                lp.copy_(sd["model"][g])
+            self.unapplied = True
+            self._write_model()
 
     def close_pending(self) -> None:
-        """Waits for a host step in flight without applying it (its result is superseded by a load)."""
-        if self.pending is not None:
-            job, self.pending = self.pending, None
-            job.result()
+        """Waits for a host step in flight and drops its result (superseded by a load)."""
+        self._wait_pending()
+        self.unapplied = False
 
     def close(self) -> None:
         self.close_pending()

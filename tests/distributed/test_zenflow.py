@@ -1,0 +1,91 @@
+"""ZenFlow on 2 real gloo ranks through deepspeed_c.initialize (a tiny GPT):
+- update_interval 1 with overlap_step off steps every element every step: the same weights as plain
+  ZeRO-Offload (within fp32 rounding; on the CPU the selected elements take the same C kernel: equal bits);
+- DeepSpeed's default knobs (topk 0.1, update_interval "auto", selection once), with and without overlap_step,
+  and a fixed update_interval 4 with overlap and reselection: 200 fine-tune steps whose losses stay within
+  the tolerance stated at test_fine_tune_tracks_plain_offload of plain offload's;
+- a checkpoint taken with a host step in flight and gradient accumulated resumes exactly: the next steps'
+  losses and the final weights equal the uninterrupted run's."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.distributed.zenflow_models import ds_config, flat_weights, train
+from tests.harness import run_distributed
+
+ONE = {"update_interval": 1, "overlap_step": False, "select_strategy": "step", "select_interval": 1000}
+
+
+def _pair_body(rank: int, world: int, stage: int, zen: dict, steps: int) -> dict:
+    plain, e0 = train(rank, world, ds_config(stage), steps)
+    w0 = flat_weights(e0).numpy()
+    zf, e1 = train(rank, world, ds_config(stage, zenflow=zen), steps)
+    assert type(e1.optimizer).__name__ == "ZenFlowZeroOptimizer"
+    w1 = flat_weights(e1).numpy()
+    e1.destroy()
+    return {"plain": plain, "zen": zf, "w_plain": w0, "w_zen": w1}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_update_interval_1_equals_plain_offload(stage):
+    out = run_distributed(_pair_body, world_size=2, args=(stage, ONE, 8), timeout=300)
+    for r in out:
+        np.testing.assert_allclose(r["zen"], r["plain"], rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(r["w_zen"], r["w_plain"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(out[0]["w_zen"], out[1]["w_zen"])  # the ranks hold one model
+
+
+def _tune_body(rank: int, world: int, zen: dict) -> dict:
+    from tests.distributed.zenflow_models import pretrained_gpt
+
+    model = pretrained_gpt()
+    plain, _ = train(rank, world, ds_config(2, lr=1e-3), 200, model=model, rule=2)
+    zf, e = train(rank, world, ds_config(2, zenflow=zen, lr=1e-3), 200, model=model, rule=2)
+    e.destroy()
+    return {"plain": np.asarray(plain).reshape(-1, 25).mean(1), "zen": np.asarray(zf).reshape(-1, 25).mean(1)}
+
+
+@pytest.mark.parametrize("zen,default_knobs", [
+    ({}, True), ({"overlap_step": True}, True),
+    ({"update_interval": 4, "overlap_step": True, "select_strategy": "step", "select_interval": 40}, False)],
+    ids=["defaults", "defaults-overlap", "interval4-overlap-reselect"])
+def test_fine_tune_tracks_plain_offload(zen, default_knobs):
+    """The stated tolerance, over 25-step windows of a 200-step fine-tune (pretrained on one rule, tuned to
+    another): with DeepSpeed's default knobs ZenFlow's window means stay within 2.5x plain offload's + 0.05
+    nats and its last window within 0.05 nats (measured: at most 2.2x, last window +0.03); a host step only
+    every 4 steps (and reselection every 40) lags more (measured 5.6x, +0.08): within 6x + 0.05 and 0.1 nats."""
+    r = run_distributed(_tune_body, world_size=2, args=(zen,), timeout=600)[0]
+    plain, zf = r["plain"], r["zen"]
+    assert plain[-1] < 0.1 * plain[0], f"the fine-tune does not learn: {plain}"
+    assert zf[-1] < 0.1 * zf[0], f"ZenFlow does not learn: {zf}"
+    factor, last = (2.5, 0.05) if default_knobs else (6.0, 0.1)
+    assert np.all(zf <= factor * plain + 0.05), (zf, plain)
+    assert abs(zf[-1] - plain[-1]) <= last, (zf, plain)
+
+
+def _resume_body(rank: int, world: int, ckpt: str) -> dict:
+    import torch.distributed as dist
+
+    zen = {"update_interval": 3, "overlap_step": True, "select_strategy": "step", "select_interval": 6}
+    cfg = ds_config(2, zenflow=zen)
+    full, e_full = train(rank, world, cfg, 10)
+    w_full = flat_weights(e_full).numpy()
+    e_full.destroy()
+    first, e1 = train(rank, world, cfg, 5)  # step 5 leaves 2 accumulated steps and a host step in flight
+    e1.save_checkpoint(ckpt, tag="zf")
+    e1.destroy()
+    dist.barrier()
+    _, e2 = train(rank, world, cfg, 0)
+    e2.load_checkpoint(ckpt, tag="zf")
+    rest, e2 = train(rank, world, cfg, 5, start=5, engine=e2)
+    w_res = flat_weights(e2).numpy()
+    e2.destroy()
+    return {"full": full, "resumed": first + rest, "w_full": w_full, "w_res": w_res}
+
+
+def test_checkpoint_resumes_with_accumulated_state(tmp_path):
+    out = run_distributed(_resume_body, world_size=2, args=(str(tmp_path / "ck"),), timeout=300)
+    for r in out:
+        np.testing.assert_array_equal(r["resumed"], r["full"])
+        np.testing.assert_array_equal(r["w_res"], r["w_full"])
