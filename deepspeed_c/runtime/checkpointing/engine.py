@@ -383,6 +383,9 @@ class EngineCheckpointer:
                                     partitioned_weights=model_rank is not None, model_rank=model_rank,
                                     mp_rank=st.mp_rank)
             module_state = self._module_state(st, saved, custom_load_fn)
+            if self.options.load_universal:  # the trained weights come from zero/<param>/fp32.pt
+                module_state, load_module_strict = universal_load.untrained_entries(st.stepper, st.module,
+                                                                                    module_state), False
         # a mismatch with this rank's model raises on every rank (the guards must stay in step on all ranks)
         with rank_local_step("load_checkpoint (applying the module's weights)", distributed=_dist()):
             self._load_module(st, module_state, load_module_strict, custom_load_fn)
@@ -499,6 +502,7 @@ class EngineCheckpointer:
             return
         if self.options.load_universal:
             names = _param_names(st.module)
-            universal_load.load(st.stepper, saved, lambda p: names[id(p)], load_states, st.module)
+            universal_load.load(st.stepper, saved, lambda p: names[id(p)], load_states, st.module, st.mp_rank,
+                                st.mp_world_size)
             return
         zero.load_partition(st.stepper, saved, load_states)

@@ -45,22 +45,46 @@ def _read(path: str) -> Any:
 
 
 class _ParamStates:
-    """zero/<name>/<state>.pt of one parameter at a time, flattened (the last one read is kept)."""
+    """zero/<name>/<state>.pt of one parameter at a time, flattened (the last one read is kept), cut to this
+    tensor-parallel rank's shard where the parameter is split: along the file's cat_dim (each half
+    separately for two sub-parameters), the vocabulary rows padded first to the engine's padded size."""
 
-    def __init__(self, zero: str, keys: list[str]) -> None:
-        self.zero, self.keys = zero, keys
+    def __init__(self, zero: str, keys: list[str], tp_rank: int = 0, tp_size: int = 1) -> None:
+        self.zero, self.keys, self.tp_rank, self.tp_size = zero, keys, tp_rank, tp_size
         self.name: Optional[str] = None
         self.values: dict[str, torch.Tensor] = {}
 
-    def get(self, name: str) -> dict[str, torch.Tensor]:
+    def get(self, name: str, numel: int) -> dict[str, torch.Tensor]:
         if name != self.name:
             self.values = {}
             for key in [C.FP32_WEIGHT_KEY] + self.keys:
                 obj = _read(os.path.join(self.zero, name, f"{key}.pt"))
                 t = obj[C.PARAM] if isinstance(obj, dict) else obj
+                if t.numel() != numel:
+                    t = self._shard(name, obj if isinstance(obj, dict) else {}, t, numel)
                 self.values[key] = t.reshape(-1)
             self.name = name
         return self.values
+
+    def _shard(self, name: str, record: dict, full: torch.Tensor, numel: int) -> torch.Tensor:
+        dim = int(record.get(C.CAT_DIM, 0))
+        if self.tp_size > 1 and full.dim() > dim:
+            if record.get(C.VOCAB_TENSOR) and dim == 0:
+                rows = numel // max(1, full[0].numel())  # this rank's (padded) vocabulary rows
+                pad = rows * self.tp_size - full.shape[0]
+                if pad > 0:
+                    full = torch.nn.functional.pad(full, (0, 0) * (full.dim() - 1) + (0, pad))
+            if record.get(C.PARAM_N_SUB_PARAMS) == 2:
+                halves = torch.chunk(full, 2, dim=dim)
+                part = torch.cat([torch.chunk(h, self.tp_size, dim=dim)[self.tp_rank] for h in halves], dim=dim)
+            else:
+                part = torch.chunk(full, self.tp_size, dim=dim)[self.tp_rank]
+            if part.numel() == numel:
+                return part
+        raise UniversalCheckpointError(
+            f"load_checkpoint: universal checkpoint parameter {name!r} holds {full.numel()} elements "
+            f"{tuple(full.shape)}; this rank's parameter has {numel} (tensor-parallel rank {self.tp_rank} of "
+            f"{self.tp_size}): the checkpoint belongs to another model")
 
 
 def _moment_keys(zero: str, names: list[str]) -> list[str]:
@@ -96,17 +120,8 @@ def _step(zero: str, names: list[str], optim_sd: Optional[dict] = None) -> Any:
     return None
 
 
-def _check_shapes(zero: str, names: list[str], numels: list[int]) -> None:
-    for n, numel in zip(names, numels):
-        obj = _read(os.path.join(zero, n, f"{C.FP32_WEIGHT_KEY}.pt"))
-        t = obj[C.PARAM] if isinstance(obj, dict) else obj
-        if t.numel() != numel:
-            raise UniversalCheckpointError(f"load_checkpoint: universal checkpoint parameter {n!r} holds {t.numel()} "
-                                           f"elements, this model's {numel}")
-
-
 def _fill_group(ex: Any, g: int, names: list[str], zero: str, keys: list[str],
-                moments: Optional[dict[str, torch.Tensor]]) -> None:
+                moments: Optional[dict[str, torch.Tensor]], tp_rank: int, tp_size: int) -> None:
     plan = ex.plans[g]
     numels = list(plan.numels)
     whole = PartitionPlan.build(numels, 1, max(max(numels, default=1), 1), DEEPSPEED_ALIGNMENT)
@@ -114,7 +129,7 @@ def _fill_group(ex: Any, g: int, names: list[str], zero: str, keys: list[str],
     bounds = [(starts[i], starts[i] + numels[i], names[i]) for i in range(len(numels))]
     routes = layout_route(whole, "deepspeed", plan, "runtime")
     rows = sorted(routes[routes[:, 2] == ex.rank].tolist(), key=lambda r: r[1])
-    reader = _ParamStates(zero, keys)
+    reader = _ParamStates(zero, keys, tp_rank, tp_size)
     master = ex.masters[g]
     with torch.no_grad():
         for _, a, _, b, n in rows:
@@ -122,7 +137,7 @@ def _fill_group(ex: Any, g: int, names: list[str], zero: str, keys: list[str],
                 s, e = max(a, lo), min(a + n, hi)
                 if s >= e:
                     continue
-                vals = reader.get(name)
+                vals = reader.get(name, hi - lo)
                 dst = slice(b + s - a, b + e - a)
                 master[dst].copy_(vals[C.FP32_WEIGHT_KEY][s - lo:e - lo])
                 if moments is not None:
@@ -161,15 +176,16 @@ def _first_state(ex: Any, optim_sd: dict, keys: list[list[str]], step: Any) -> d
 
 
 def load(stepper: Any, saved: SavedCheckpoint, name_of: Callable[[torch.nn.Parameter], str],
-         load_optimizer_states: bool, module: torch.nn.Module) -> None:
-    """The optimizer's state (and masters, hence weights) from the universal folder saved.tag_dir."""
+         load_optimizer_states: bool, module: torch.nn.Module, tp_rank: int = 0, tp_size: int = 1) -> None:
+    """The optimizer's state (and masters, hence weights) from the universal folder saved.tag_dir; under a
+    client's tensor parallelism (tp_size > 1) each split parameter's shard of rank tp_rank."""
     from deepspeed_c.runtime.checkpointing.zero import _runtime_state
 
     zero = os.path.join(saved.tag_dir, C.UNIVERSAL_ZERO_FOLDER)
     optim_sd = _read(os.path.join(zero, C.UNIVERSAL_OPTIMIZER_STATE_FILE))
     with stepper.partition_export() as ex:
         if ex is None:
-            _load_unpartitioned(stepper, saved, zero, optim_sd, name_of, load_optimizer_states, module)
+            _load_unpartitioned(stepper, saved, zero, optim_sd, name_of, load_optimizer_states, tp_rank, tp_size)
             return
         if isinstance(ex, MemberExports):
             raise NotImplementedError("load_checkpoint: checkpoint.load_universal with MoE layers is not supported yet")
@@ -184,9 +200,8 @@ def load(stepper: Any, saved: SavedCheckpoint, name_of: Callable[[torch.nn.Param
         for g, params in enumerate(ex.params):
             names = [name_of(p) for p in params]
             keys = _moment_keys(zero, names)
-            _check_shapes(zero, names, list(ex.plans[g].numels))
             moments = ({k: torch.zeros_like(ex.masters[g]) for k in keys} if states else None)
-            _fill_group(ex, g, names, zero, keys, moments)
+            _fill_group(ex, g, names, zero, keys, moments, tp_rank, tp_size)
             all_keys.append(keys)
             all_moments.append(moments or {})
             step = step if step is not None else _step(zero, names, optim_sd)
@@ -197,7 +212,7 @@ def load(stepper: Any, saved: SavedCheckpoint, name_of: Callable[[torch.nn.Param
 
 def _load_unpartitioned(stepper: Any, saved: SavedCheckpoint, zero: str, optim_sd: dict,
                         name_of: Callable[[torch.nn.Parameter], str], load_optimizer_states: bool,
-                        module: torch.nn.Module) -> None:
+                        tp_rank: int, tp_size: int) -> None:
     """Stage 0 (fp32): the weights from fp32.pt, the torch optimizer's state rebuilt per parameter."""
     groups = stepper.model_param_groups()
     masters_are_params = all(p.dtype == torch.float32 for ps in groups for p in ps)
@@ -212,12 +227,11 @@ def _load_unpartitioned(stepper: Any, saved: SavedCheckpoint, zero: str, optim_s
     for g, params in enumerate(groups):
         names = [name_of(p) for p in params]
         keys = _moment_keys(zero, names)
-        _check_shapes(zero, names, [p.numel() for p in params])
-        reader = _ParamStates(zero, keys)
+        reader = _ParamStates(zero, keys, tp_rank, tp_size)
         step = _step(zero, names, optim_sd)
         ids = []
         for p, n in zip(params, names):
-            vals = reader.get(n)
+            vals = reader.get(n, p.numel())
             with torch.no_grad():
                 p.copy_(vals[C.FP32_WEIGHT_KEY].view_as(p))
             entry = {k: vals[k].view_as(p).clone() for k in keys}
@@ -247,3 +261,14 @@ def read_latest(load_dir: str) -> str:
     if not tag:
         raise ValueError(f"load_checkpoint: {path} is empty (expected the name of a universal checkpoint folder)")
     return tag
+
+
+def untrained_entries(stepper: Any, module: torch.nn.Module, module_state: dict) -> dict:
+    """The model-states file's entries a universal load applies: buffers and parameters the optimizer does
+    not step (frozen ones). The trained parameters come from zero/<param>/fp32.pt, cut to this rank's
+    shard: the copied model-states file holds the saving topology's shards of them."""
+    if stepper is None:
+        return module_state
+    trained = {id(p) for group in stepper.model_param_groups() for p in group}
+    names = {n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in trained}
+    return {k: v for k, v in module_state.items() if k not in names}
