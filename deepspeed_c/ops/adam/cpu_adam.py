@@ -43,6 +43,78 @@ class DeepSpeedCPUAdam(CPUOptimizerBase):
                                  int(bool(group.get("bias_correction", True))), int(bool(self.adam_w_mode)))
 
 
+    # -- SuperOffload's per-sub-group API (DeepSpeed's names; its tests call them) --------------------------
+    @torch.no_grad()
+    def step_subgroup(self, subgroup_id: int, closure: Optional[Any] = None) -> Any:
+        """One step of every parameter with a gradient, its state kept under the key `subgroup_id` (DeepSpeed's
+        SuperOffload holds one flat fp32 sub-group per optimizer, so the state is the sub-group's); the step
+        count is a plain int there, as DeepSpeed's."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                self._check(p, f"params[{gi}][{pi}]")
+                state = self.state[subgroup_id]
+                if len(state) == 0:
+                    state["step"] = 0
+                    for key in self.MOMENTS:
+                        state[key] = torch.zeros_like(p, dtype=self._state_dtype(p),
+                                                      memory_format=torch.contiguous_format)
+                state["step"] += 1
+                grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
+                self._kernel(group, [p.detach()], [grad], [[state["exp_avg"]], [state["exp_avg_sq"]]], None,
+                             int(state["step"]))
+        return loss
+
+    @torch.no_grad()
+    def rollback_subgroup(self, sub_group_id: int, closure: Optional[Any] = None) -> Any:
+        """Undoes the last step_subgroup of `sub_group_id` from its gradient (still in .grad): the parameter and
+        moments recomputed by inverting the update in float64 (exact up to rounding; SuperOffload's own
+        speculative step restores a snapshot instead, bit for bit)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if sub_group_id not in self.state or len(self.state[sub_group_id]) == 0:
+            raise RuntimeError(f"Cannot rollback optimizer state for sub_group_id {sub_group_id} "
+                               f"as it has not been initialized.")
+        state = self.state[sub_group_id]
+        if state.get("step", 0) <= 0:
+            raise RuntimeError(f"Cannot rollback sub_group_id {sub_group_id}: step count is {state.get('step', 0)}")
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                _adam_inverse(p.detach(), p.grad, state["exp_avg"], state["exp_avg_sq"], group, int(state["step"]),
+                              self.adam_w_mode)
+                state["step"] -= 1
+        return loss
+
+
+def _adam_inverse(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, group: dict[str, Any],
+                  step: int, adamw_mode: bool) -> None:
+    """p, m, v as they were before the Adam step number `step` that took `grad` (in place)."""
+    beta1, beta2 = group["betas"]
+    lr, eps, wd = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
+    bc1 = bc2 = 1.0
+    if group.get("bias_correction", True):
+        bc1, bc2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
+    p64, g, m1, v1 = p.double(), grad.double(), m.double(), v.double()
+    denom = v1.sqrt() / (bc2 ** 0.5) + eps
+    p0 = p64 + (lr / bc1) * m1 / denom
+    if adamw_mode:
+        p0 = p0 / (1.0 - lr * wd)
+    elif wd != 0.0:
+        g = g + wd * p0
+    m.copy_((m1 - (1.0 - beta1) * g) / beta1)
+    v.copy_(((v1 - (1.0 - beta2) * g * g) / beta2).clamp_(min=0.0))
+    p.copy_(p0)
+
+
 def cpu_adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
                   exp_avg_sqs: Sequence[torch.Tensor], *, lr: float, betas: tuple[float, float], eps: float,
                   weight_decay: float, step: int, bias_correction: bool = True, adamw_mode: bool = True,
