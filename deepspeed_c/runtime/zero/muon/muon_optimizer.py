@@ -78,29 +78,30 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             group["params"] = list(group["params"])
             _check_group(k, group)
         super().__init__(groups, dict())
-        # the whole parameters each group was built over (ZeRO later swaps them for its flat partitions)
+        # the whole parameters the groups were built over (ZeRO later swaps them for its flat partitions; MoE may
+        # split the groups first)
         self._model_params = [list(g["params"]) for g in self.param_groups]
-        self._layouts: dict[int, PartitionLayout] = {}
-        self._bindings: dict[int, PartitionedMuon] = {}
+        self._bindings: dict[int, tuple[torch.Tensor, PartitionedMuon]] = {}
 
     def bind_partition(self, group_index: int, layout: PartitionLayout) -> None:
-        """The seam for a partitioning optimizer: group `group_index` now steps one flat partition cut as
-        `layout` says (without it, the layout is read on first use from the ZeRO optimizer that owns the
-        group's parameters)."""
-        self._layouts[group_index] = layout
-        self._bindings.pop(group_index, None)
+        """The seam for a partitioning optimizer: group `group_index`, whose only parameter is now one flat
+        partition, is cut as `layout` says (without it, the layout is read on first use from the ZeRO optimizer
+        that holds the partition)."""
+        flat = self.param_groups[group_index]["params"][0]
+        self._bindings[id(flat)] = (flat, PartitionedMuon.from_layout(layout, flat.device))
 
     def _binding(self, k: int, flat: torch.Tensor) -> PartitionedMuon:
-        binding = self._bindings.get(k)
-        if binding is None:
-            layout = self._layouts.get(k) or layout_from_zero_owner(
-                self._model_params[k] if k < len(self._model_params) else [], flat)
+        # keyed by the partition tensor, not the group's index: MoE's ZeRO members each step a shallow copy
+        # of this optimizer holding a subset of its groups (sharing this dict)
+        entry = self._bindings.get(id(flat))
+        if entry is None or entry[0] is not flat:
+            layout = layout_from_zero_owner([p for params in self._model_params for p in params], flat)
             if layout is None:
                 raise RuntimeError(f"MuonWithAuxAdam: param group {k} (use_muon=True) holds a 1-D tensor of "
                                    f"{flat.numel()} elements that no ZeRO optimizer owns; Muon needs the whole "
                                    f"matrices, or a partition layout given through bind_partition()")
-            binding = self._bindings[k] = PartitionedMuon.from_layout(layout, flat.device)
-        return binding
+            entry = self._bindings[id(flat)] = (flat, PartitionedMuon.from_layout(layout, flat.device))
+        return entry[1]
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:

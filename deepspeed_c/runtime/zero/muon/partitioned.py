@@ -170,25 +170,25 @@ def _pieces(src: torch.Tensor, pieces: Sequence[tuple[int, int]]) -> torch.Tenso
 
 
 def layout_from_zero_owner(model_params: Sequence[torch.Tensor], flat: torch.Tensor) -> Optional[PartitionLayout]:
-    """The layout of the ZeRO partition `flat` that replaced `model_params` in a param group, found
-    through the owner record the ZeRO stage 1/2/3 optimizer leaves on each trainable parameter (reading only
-    its public faces: partition_plans, bit16_groups, fp32_partitions, rank, world_size, dp_process_group).
-    None when no ZeRO optimizer owns these parameters."""
+    """The layout of the ZeRO partition `flat`, found through the owner record a ZeRO stage 1/2/3 optimizer
+    leaves on each trainable parameter it partitions (model_params: the parameters the Muon optimizer was built
+    over; an owner may be one member of MoE's composite, with the member's process group). Reads only the
+    owner's public faces: partition_plans, bit16_groups, fp32_partitions, rank, world_size, dp_process_group.
+    None when no ZeRO optimizer holds `flat`."""
     from deepspeed_c.runtime.zero.stage_1_and_2 import OWNER_ATTR
 
-    entry = next((getattr(p, OWNER_ATTR) for p in model_params if getattr(p, OWNER_ATTR, None) is not None), None)
-    if entry is None:
-        return None
-    owner, g = entry[0](), entry[1]
-    if owner is None:
-        return None
-    masters = owner.fp32_partitions
-    if g >= len(masters) or masters[g] is not flat:
-        raise NotImplementedError("deepspeed_c: the Muon optimizer under this ZeRO optimizer (its param groups do not "
-                                  "map one to one onto the ZeRO partitions, e.g. with MoE expert groups) is not built; "
-                                  "use Muon without MoE layers")
-    params = owner.bit16_groups[g]
-    return PartitionLayout(shapes=tuple(tuple(getattr(p, "ds_shape", p.shape)) for p in params),
-                           expert=tuple(bool(getattr(p, "is_expert_group", False)) for p in params),
-                           rank=owner.rank, world_size=owner.world_size, group=owner.dp_process_group,
-                           slices=tuple(owner.partition_plans[g].slices("runtime")))
+    seen: set[int] = set()
+    for p in model_params:
+        entry = getattr(p, OWNER_ATTR, None)
+        owner = entry[0]() if entry is not None else None
+        if owner is None or id(owner) in seen:
+            continue
+        seen.add(id(owner))
+        for g, master in enumerate(owner.fp32_partitions):
+            if master is flat:
+                params = owner.bit16_groups[g]
+                return PartitionLayout(shapes=tuple(tuple(getattr(q, "ds_shape", q.shape)) for q in params),
+                                       expert=tuple(bool(getattr(q, "is_expert_group", False)) for q in params),
+                                       rank=owner.rank, world_size=owner.world_size, group=owner.dp_process_group,
+                                       slices=tuple(owner.partition_plans[g].slices("runtime")))
+    return None
