@@ -21,6 +21,7 @@ not be deepspeed_c's compat alias (e.g. PYTHONPATH=/tmp/ds_real); without it onl
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import socket
 import statistics
@@ -29,7 +30,6 @@ import time
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -90,40 +90,12 @@ def real_deepspeed() -> Any:
     return None if deepspeed is deepspeed_c else deepspeed
 
 
-# -- the 3D model: the same layers as pipeline stages (the tests' test_megatron_3d names) -------------
-class EmbedPipe(mm.VocabParallelEmbedding):
-    def __init__(self, tp: mm.TP) -> None:
-        super().__init__(mm.VOCAB, mm.HIDDEN, tp)
-
-
-class PosPipe(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.pos = torch.nn.Parameter(torch.randn(mm.SEQ, mm.HIDDEN) * 0.1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.pos[: x.shape[1]].to(x.dtype)
-
-
-def _logits(module: EmbedPipe, h: torch.Tensor) -> torch.Tensor:
-    return module.logits(h)
-
-
-def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().reshape(-1, mm.VOCAB), labels.reshape(-1))
-
-
 def pipe_model(ds: Any, args: argparse.Namespace, tp: mm.TP) -> torch.nn.Module:
     torch.manual_seed(0)  # the same initial weights for both frameworks
-    layers = [ds.pipe.TiedLayerSpec("embed", EmbedPipe, tp), ds.pipe.LayerSpec(PosPipe)]
-    layers += [ds.pipe.LayerSpec(mm.Block, tp) for _ in range(args.layers)]
-    layers += [ds.pipe.LayerSpec(torch.nn.LayerNorm, mm.HIDDEN),
-               ds.pipe.TiedLayerSpec("embed", EmbedPipe, tp, forward_fn=_logits)]
-    import importlib
-
+    layers = mm.pipe_layers(ds.pipe, tp)  # the tests' MegatronGPT as stages, embedding tied to the logits
     topology = importlib.import_module(f"{ds.__name__}.runtime.pipe.topology")  # DeepSpeed's path; ours mirrors it
     topo = topology.PipeModelDataParallelTopology(num_pp=args.pp, num_mp=args.tp, num_dp=args.dp)
-    return ds.pipe.PipelineModule(layers=layers, topology=topo, loss_fn=_loss, partition_method="uniform",
+    return ds.pipe.PipelineModule(layers=layers, topology=topo, loss_fn=mm.pipe_loss, partition_method="uniform",
                                   seed_layers=True, base_seed=1234)
 
 

@@ -290,3 +290,47 @@ def sharded_model(mpu: Optional[MegatronMPU], seed: int = 0) -> torch.nn.Module:
         return full
     tp = mpu.context()
     return shard_from(MegatronGPT(tp, seed=seed), full, tp)
+
+
+# -- the same GPT as pipeline layers (3D): embedding tied to the logits, first and last stage ------------
+class EmbedPipe(VocabParallelEmbedding):
+    def __init__(self, tp: TP) -> None:
+        super().__init__(VOCAB, HIDDEN, tp)
+
+
+class PosPipe(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = torch.nn.Parameter(torch.randn(SEQ, HIDDEN) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.pos[: x.shape[1]].to(x.dtype)
+
+
+def pipe_logits(module: EmbedPipe, h: torch.Tensor) -> torch.Tensor:
+    return module.logits(h)
+
+
+def pipe_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def pipe_layers(pipe: Any, tp: TP) -> list:
+    """LayerSpecs of MegatronGPT for a PipelineModule of `pipe` (deepspeed_c.pipe or DeepSpeed's):
+    embedding (tied), position embedding, the blocks, the final norm, the logits (tied to the embedding)."""
+    return ([pipe.TiedLayerSpec("embed", EmbedPipe, tp), pipe.LayerSpec(PosPipe)]
+            + [pipe.LayerSpec(Block, tp) for _ in range(LAYERS)]
+            + [pipe.LayerSpec(torch.nn.LayerNorm, HIDDEN), pipe.TiedLayerSpec("embed", EmbedPipe, tp, forward_fn=pipe_logits)])
+
+
+def pipe_name(name: str) -> str:
+    """A pipeline parameter's name in MegatronGPT (layer indices as pipe_layers lays them out)."""
+    if name.startswith("tied_modules.embed."):
+        return "embed." + name[len("tied_modules.embed."):]
+    idx, rest = name.split(".", 1)
+    i = int(idx)
+    if i == 1:
+        return rest
+    if i == LAYERS + 2:
+        return "ln_f." + rest
+    return f"blocks.{i - 2}.{rest}"

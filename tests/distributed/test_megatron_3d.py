@@ -14,7 +14,6 @@ import os
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from tests.distributed import megatron_models as mm
 from tests.harness import run_distributed
@@ -22,50 +21,15 @@ from tests.harness import run_distributed
 STEPS, MICRO, GAS, LR, EPS, CLIP = 10, 2, 2, 1e-2, 1e-4, 0.3
 
 
-class EmbedPipe(mm.VocabParallelEmbedding):
-    def __init__(self, tp: mm.TP) -> None:
-        super().__init__(mm.VOCAB, mm.HIDDEN, tp)
-
-
-class PosPipe(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.pos = torch.nn.Parameter(torch.zeros(mm.SEQ, mm.HIDDEN))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.pos[: x.shape[1]]
-
-
-def _logits(module: EmbedPipe, h: torch.Tensor) -> torch.Tensor:
-    return module.logits(h)
-
-
-def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, mm.VOCAB), labels.reshape(-1))
-
-
-# pipeline parameter name prefix -> the unsplit MegatronGPT's
-_NAMES = {"tied_modules.embed.": "embed.", "1.": "", "2.": "blocks.0.", "3.": "blocks.1.", "4.": "ln_f."}
-
-
-def _ref_name(name: str) -> str:
-    for pre, ref in _NAMES.items():
-        if name.startswith(pre):
-            return ref + name[len(pre):]
-    raise KeyError(name)
-
-
 def pipe_model(tp: mm.TP, topo: object) -> torch.nn.Module:
-    from deepspeed_c.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    import deepspeed_c
 
-    layers = [TiedLayerSpec("embed", EmbedPipe, tp), LayerSpec(PosPipe), LayerSpec(mm.Block, tp),
-              LayerSpec(mm.Block, tp), LayerSpec(torch.nn.LayerNorm, mm.HIDDEN),
-              TiedLayerSpec("embed", EmbedPipe, tp, forward_fn=_logits)]
-    model = PipelineModule(layers=layers, topology=topo, loss_fn=_loss, partition_method="uniform")
+    model = deepspeed_c.pipe.PipelineModule(layers=mm.pipe_layers(deepspeed_c.pipe, tp), topology=topo, loss_fn=mm.pipe_loss,
+                           partition_method="uniform")
     full = dict(mm.MegatronGPT(seed=0).named_parameters())
     with torch.no_grad():  # this rank's shards of the unsplit model's initial weights
         for name, p in model.named_parameters():
-            w = full[_ref_name(name)]
+            w = full[mm.pipe_name(name)]
             if getattr(p, "tensor_model_parallel", False):
                 w = w.chunk(tp.size, dim=p.partition_dim)[tp.rank]
             p.copy_(w)
@@ -126,7 +90,7 @@ def body(rank: int, world: int, stages: tuple, tmp: str) -> dict:
         for _ in range(STEPS):
             losses.append(float(engine.train_batch(it)))
             norms.append(float(engine.get_global_grad_norm()))
-        state = {_ref_name(n): v for n, v in mm.full_state(engine.module, tp).items()}
+        state = {mm.pipe_name(n): v for n, v in mm.full_state(engine.module, tp).items()}
         errs = mm.rel_errors(state, {k: ref_state[k] for k in state})
         out[stage] = {"weight_rel": max(errs.values()), "worst": max(errs, key=errs.get), "held": sorted(state),
                       "loss_err": float(np.max(np.abs(np.array(losses) - ref_losses))),
