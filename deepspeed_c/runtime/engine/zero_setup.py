@@ -91,8 +91,11 @@ def configure_zero_optimizer(engine: Any, config: Any, should_reduce_at_boundary
     if stage == 3:
         from deepspeed_c.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-        optimizer = DeepSpeedZeroOptimizer_Stage3(engine.module, basic, store_args=_store_args(engine, zero_cfg),
-                                                  zero_cfg=zero_cfg, sequence_parallel_size=sp, **common)
+        stage3_cls: Any = DeepSpeedZeroOptimizer_Stage3
+        if offload is not None and offload.super_offload:  # the host step speculates during backward
+            from deepspeed_c.runtime.superoffload.superoffload_stage3 import SuperOffloadOptimizer_Stage3 as stage3_cls
+        optimizer = stage3_cls(engine.module, basic, store_args=_store_args(engine, zero_cfg), zero_cfg=zero_cfg,
+                               sequence_parallel_size=sp, **common)
     else:
         zero_cls: Any = DeepSpeedZeroOptimizer
         extra: dict[str, Any] = {}

@@ -136,7 +136,7 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
         # the offload path first: its side stream and per-bucket host copy are the partitioner's from the start
         self.offload: Optional[CPUOffload] = None
         if offload_device == "cpu":
-            offload_cls: Any = CPUOffload
+            offload_cls: Any = self._offload_class()
             if nvme_offload is not None:  # ZeRO-Infinity: masters and moments in files under nvme_path
                 from deepspeed_c.runtime.swap_tensor.pipelined_optimizer_swapper import NVMeOffload as offload_cls
             ranges = [[chunk_range(plan, b, world_size) for b in range(plan.num_buckets)]
@@ -173,6 +173,10 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
         # AutoTP: (weight per slice of this rank's partitions, group) for the whole model's gradient norm
         self._tp_norm: Optional[tuple[list[list[tuple[int, int, float]]], Any]] = None
         self.state_offload = ZeroStateOffload(self)
+
+    def _offload_class(self) -> type:
+        """The host side of offload_optimizer (SuperOffload's speculative host step replaces it)."""
+        return CPUOffload
 
     def _cut_group(self, g: int, params: list[torch.nn.Parameter], cap: int, master_dtype: torch.dtype,
                    master_device: torch.device, pin: bool) -> tuple[PartitionPlan, torch.Tensor]:

@@ -1,0 +1,30 @@
+"""SuperOffloadOptimizer_Stage3 (DeepSpeed's `deepspeed.runtime.superoffload.superoffload_stage3`): the ZeRO-3
+optimizer with offload_optimizer.super_offload. Its host side is SpeculativeOffload (superoffload_utils.py):
+the C CPU Adam steps each gradient chunk while backward still produces the next ones, and the step commits
+those results or rolls them back (overflow, clipping) and steps the ordinary way. The CPU Adam's threads
+come from offload_optimizer.cpuadam_cores_perc; pin them to the cores nearest the GPU with the launcher's
+--bind_cores_to_rank."""
+from __future__ import annotations
+
+from typing import Any
+
+from deepspeed_c.runtime.superoffload.superoffload_utils import SpeculativeOffload
+from deepspeed_c.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+
+class SuperOffloadOptimizer_Stage3(DeepSpeedZeroOptimizer_Stage3):  # noqa: N801 (DeepSpeed's class name)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("offload_device") != "cpu" or kwargs.get("nvme_offload") is not None:
+            raise ValueError("zero_optimization.offload_optimizer.super_offload needs offload_optimizer.device 'cpu'")
+        super().__init__(*args, **kwargs)
+        assert isinstance(self.offload, SpeculativeOffload)
+        self.offload.set_speculation(lambda: 1.0 / self._scale_used)
+
+    def _offload_class(self) -> type:
+        return SpeculativeOffload
+
+    def speculation_stats(self) -> dict[str, int]:
+        """How many steps committed their speculative host step, and how many rolled it back."""
+        assert isinstance(self.offload, SpeculativeOffload)
+        return {"commits": self.offload.commits, "rollbacks": self.offload.rollbacks}

@@ -1,0 +1,180 @@
+"""SpeculativeOffload: ZeRO-Offload's host side (offload.CPUOffload) whose C CPU Adam steps each reduced
+gradient chunk as soon as it reaches host memory, in a worker thread, while backward still runs: the
+speculation is that the step will be taken unclipped with the loss scale of this backward. The step then
+either commits (the check agrees: the host results only go back to the device and into the shards) or
+rolls back (overflow, or a norm above gradient_clipping) to a snapshot taken just before each chunk was
+stepped, bit for bit, after which the ordinary host step runs with the true coefficient: the result is
+exactly the non-speculative one either way."""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from deepspeed_c.runtime.zero.offload import CPUOffload
+
+
+class SpeculativeOffload(CPUOffload):
+
+    def __init__(self, *args: Any, stage_on_host: Optional[bool] = None, **kwargs: Any) -> None:
+        # every chunk goes through the host buffer (also on a CPU run), where the speculative step picks it up
+        super().__init__(*args, stage_on_host=True, **kwargs)
+        if not self.fused:
+            raise ValueError("offload_optimizer.super_offload steps with the C CPU optimizers (DeepSpeedCPUAdam); "
+                             f"got {type(self.optimizer).__name__}")
+        self.spec_coef: Callable[[], float] = lambda: 1.0
+        pin = self.cuda
+        # what a rollback restores: each chunk's master and moments as they were before its speculative step
+        self.backup = [{k: torch.empty(n, dtype=torch.float32, pin_memory=pin) for k in ("master", *self.optimizer.MOMENTS)}
+                       for n in self.sizes]
+        self.stepped: list[tuple[int, int, int]] = []  # (group, start, end) speculatively stepped
+        self.bumped: set[int] = set()  # groups whose step count this speculation advanced
+        self.coef_used: Optional[float] = None
+        self.jobs: "queue.Queue[Optional[tuple]]" = queue.Queue()
+        self.errors: list[BaseException] = []
+        self.worker = threading.Thread(target=self._work, name="superoffload-cpu-adam", daemon=True)
+        self.worker.start()
+        self.commits = 0
+        self.rollbacks = 0
+
+    def set_speculation(self, coef: Callable[[], float]) -> None:
+        """The coefficient the speculative step assumes (1 / the loss scale of the running backward)."""
+        self.spec_coef = coef
+
+    # -- backward: each final chunk staged, then stepped speculatively ---------------------------------
+    def _stage_chunk(self, g: int, start: int, end: int, chunk: torch.Tensor) -> None:
+        super()._stage_chunk(g, start, end, chunk)
+        arrived = None
+        if self.cuda:
+            arrived = torch.cuda.Event()
+            arrived.record()
+        coef = self.spec_coef()
+        if coef != 1.0 and self.grad_dtypes[g] == torch.float32:
+            return  # the kernel would unscale fp32 gradients in place: this step runs the ordinary way
+        self.jobs.put((g, start, end, arrived, coef))
+
+    def _work(self) -> None:
+        while True:
+            job = self.jobs.get()
+            try:
+                if job is None:
+                    return
+                self._speculate(*job)
+            except BaseException as e:  # reported at the step
+                self.errors.append(e)
+            finally:
+                self.jobs.task_done()
+
+    @torch.no_grad()
+    def _speculate(self, g: int, start: int, end: int, arrived: Any, coef: float) -> None:
+        if arrived is not None:
+            arrived.synchronize()
+        opt = self.optimizer
+        group = opt.param_groups[g]
+        master = self.masters[g]
+        state = opt.ready_state(group, master, f"params[{g}][0]")
+        if g not in self.bumped:
+            opt.ds_opt_op.bump_steps([state["step"]])
+            self.bumped.add(g)
+        step = int(state["step"].item())
+        keep = self.backup[g]
+        keep["master"][start:end].copy_(master.detach()[start:end])
+        for k in opt.MOMENTS:
+            keep[k][start:end].copy_(state[k][start:end])
+        self.stepped.append((g, start, end))
+        self.coef_used = coef
+        host = self.host_grads[g]
+        assert host is not None
+        for lo in range(start, end, self.sub_chunk):
+            self._kernel(group, state, master, host, self.host_lp[g], lo, min(end, lo + self.sub_chunk), coef, step)
+
+    def _drain(self) -> None:
+        self.jobs.join()
+        if self.errors:
+            err, self.errors = self.errors[0], []
+            self._undo()
+            raise err
+
+    # -- the step: commit or roll back -------------------------------------------------------------------
+    def complete(self) -> bool:
+        covered = [0] * len(self.sizes)
+        for g, start, end in self.stepped:
+            covered[g] += end - start
+        return covered == list(self.sizes)
+
+    @torch.no_grad()
+    def step(self, coef: float, gatherer: Any, parts: Sequence[Optional[torch.Tensor]]) -> None:
+        self._drain()
+        if self.stepped and self.complete() and coef == self.coef_used:
+            self._commit(gatherer)
+            return
+        self._undo()
+        super().step(coef, gatherer, parts)
+
+    def rollback(self) -> None:
+        """The step was skipped (overflow): the speculative updates are undone."""
+        self._drain()
+        self._undo()
+
+    def _undo(self) -> None:
+        if not self.stepped:
+            return
+        opt = self.optimizer
+        for g, start, end in self.stepped:
+            state = opt.state[self.masters[g]]
+            keep = self.backup[g]
+            self.masters[g].detach()[start:end].copy_(keep["master"][start:end])
+            for k in opt.MOMENTS:
+                state[k][start:end].copy_(keep[k][start:end])
+        for g in self.bumped:
+            opt.state[self.masters[g]]["step"] -= 1
+        self.stepped, self.bumped, self.coef_used = [], set(), None
+        self.rollbacks += 1
+
+    def _commit(self, gatherer: Any) -> None:
+        """The speculative results go to the device and into their buckets' gathers (the step itself is done)."""
+        self._staged = [0] * len(self.sizes)
+        self._last_d2h = None  # every chunk's copy was awaited by its speculative step
+        if self._last_h2d is not None:
+            self._last_h2d.synchronize()
+            self._last_h2d = None
+        dev_lps: list[Optional[torch.Tensor]] = [None] * len(self.masters)
+        if self.cuda:
+            dev_lps = [torch.empty(n, dtype=dt, device=self.device) for n, dt in zip(self.sizes, self.lp_dtypes)]
+            self.stream.wait_stream(torch.cuda.current_stream())
+        for g, master in enumerate(self.masters):
+            lp = self.host_lp[g]
+            src = lp if lp is not None else master.detach()
+            for b, (start, end) in enumerate(self.chunk_ranges[g]):
+                dev = dev_lps[g]
+                if dev is None:
+                    gatherer.submit(g, b, src[start:end])
+                    continue
+                for lo in range(start, end, self.sub_chunk):
+                    hi = min(end, lo + self.sub_chunk)
+                    self._to_device(dev[lo:hi], src[lo:hi])
+                with torch.cuda.stream(self.stream):
+                    arrived = torch.cuda.Event()
+                    arrived.record()
+                torch.cuda.current_stream().wait_event(arrived)
+                gatherer.submit(g, b, dev[start:end])
+        if self.cuda:
+            with torch.cuda.stream(self.stream):
+                self._last_h2d = self._event()
+        gatherer.finish()
+        self.stepped, self.bumped, self.coef_used = [], set(), None
+        self.commits += 1
+        self.stats.steps += 1
+
+    def reset(self) -> None:
+        """Gradients dropped without a step (zero_grad, a skipped step): any speculation is undone."""
+        self.rollback()
+        super().reset()
+
+    def close(self) -> None:
+        self.rollback()
+        self.jobs.put(None)
+        self.worker.join(timeout=30)
+        super().close()
