@@ -21,7 +21,7 @@ CHECKPOINT_INFO_KEY = "checkpoint_info"
 ITERATION_KEY = "iteration"
 EMBEDDING_LAYER_INDEX = 0
 FINAL_LAYER_NORM_INDEX = -1
-_LAYER_RE = re.compile(r"^(layer_\d+)-model_(\d+)-model_states\.pt$")
+_LAYER_RE = re.compile(r"^(layer_\d+)(?:-model_(\d+))?-model_states\.pt$")  # "-model_XX": tensor slice
 _ZERO_RE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 
@@ -44,7 +44,7 @@ class DeepSpeedCheckpoint:
         pipeline = bool(self.layer_files)
         mps = sorted({mp for mp, _ in self._zero}) or list(range(max(1, len(self.mp_rank_files))))
         src_dp = len({dp for _, dp in self._zero}) or 1
-        tp_ranks = sorted({int(_LAYER_RE.match(os.path.basename(f)).group(2)) for f in self.layer_files})
+        tp_ranks = sorted({int(_LAYER_RE.match(os.path.basename(f)).group(2) or 0) for f in self.layer_files})
         self._src_tp = len(tp_ranks) if pipeline else len(mps)
         self._src_pp = max(1, len(self.mp_rank_files) // max(1, self._src_tp)) if pipeline else 1
         self._src_dp = src_dp
@@ -116,7 +116,8 @@ class DeepSpeedCheckpoint:
 
     # -- pipeline layer files ------------------------------------------------------------------------------
     def _layer_files(self, key: str, tp_index: int) -> list:
-        return [f for f in self.layer_files if os.path.basename(f).startswith(f"{key}-model_{tp_index:02d}-")]
+        return [f for f in self.layer_files if os.path.basename(f).startswith(f"{key}-model_{tp_index:02d}-")
+                or (tp_index == 0 and os.path.basename(f) == f"{key}-model_states.pt")]
 
     def get_embedding_layer_id(self) -> str:
         return self.layer_keys[EMBEDDING_LAYER_INDEX]

@@ -19,7 +19,7 @@ from deepspeed_c.checkpoint import safe_load
 _OPTIM_RE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 _Z3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
-_LAYER_RE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
+_LAYER_RE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")  # "-model_XX": tensor slice
 
 
 def load(path: str) -> Any:
@@ -59,7 +59,7 @@ def _names(folder: str, pattern: re.Pattern) -> list[tuple[tuple[int, ...], str]
     for name in os.listdir(folder):
         m = pattern.match(name)
         if m:
-            out.append((tuple(int(g) for g in m.groups()), os.path.join(folder, name)))
+            out.append((tuple(int(g or 0) for g in m.groups()), os.path.join(folder, name)))
     return sorted(out)
 
 

@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from deepspeed_c.checkpoint import store
-from deepspeed_c.runtime.checkpointing import run_state
+from deepspeed_c.runtime.checkpointing import run_state, universal_load
 from deepspeed_c.runtime.checkpointing.options import CheckpointOptions
 from deepspeed_c.runtime.checkpointing.states import PipeCheckpointStates
 from deepspeed_c.runtime.checkpointing.zero import load_partition, save_partition
@@ -186,7 +186,7 @@ class PipeCheckpointer:
             raise ValueError("custom_load_fn not supported w. pipeline parallelism")
         if tag is None:
             with rank_local_step("load_checkpoint (reading latest)"):  # an empty `latest` raises on every rank
-                tag = store.read_latest(load_dir)
+                tag = (universal_load.read_latest if self.options.load_universal else store.read_latest)(load_dir)
             if tag is None:
                 logger.warning(f"Unable to find latest file at {os.path.join(load_dir, store.LATEST_NAME)} "
                                f"(directory holds: {store.listing(load_dir)}); pass an explicit tag or save a "
@@ -199,6 +199,8 @@ class PipeCheckpointer:
             if not str(tag):
                 raise ValueError("load_checkpoint: tag must be a non-empty name (or None: the tag `latest` names)")
             tag_dir = _tag_dir(load_dir, str(tag))
+            if self.options.load_universal:  # a folder ds_to_universal wrote, or a clear error
+                universal_load.check_folder(tag_dir)
             manifest = store.read_manifest(tag_dir)
             layers = read_layer_files(module, tag_dir, manifest)
             name = _state_file(st.mp_rank)
@@ -233,6 +235,12 @@ class PipeCheckpointer:
 
         stepper, saved_stages = st.stepper, state.get("mp_world_size")
         zero = self.options.zero
+        if self.options.load_universal:  # per parameter name, from zero/<param>/: any stage count and degree
+            names = {id(p): n for n, p in st.module.named_parameters()}
+            saved = SavedCheckpoint(tag_dir=tag_dir, manifest=manifest, model_state=state, bf16=self.options.bf16,
+                                    load_from_fp32_weights=True, node_local=False, mp_rank=st.mp_rank)
+            universal_load.load(stepper, saved, lambda p: names[id(p)], True, st.module)
+            return
         saved_zero = state.get("optimizer") is None and any(
             n.endswith("_mp_rank_00_optim_states.pt") and "zero_pp_rank_" in n for n in os.listdir(tag_dir))
         if zero != saved_zero:
