@@ -137,3 +137,8 @@ z3_gather.register_autograd(_gather_backward, setup_context=_gather_setup)
 
 GATHER = torch.ops.dsc.z3_gather.default
 REDUCE_SCATTER = torch.ops.dsc.z3_reduce_scatter.default
+
+
+def contexts() -> list[Z3GraphContext]:
+    """The live graph contexts (one per engine compiled with DeepCompile at ZeRO-3), oldest first."""
+    return [_CONTEXTS[h] for h in sorted(_CONTEXTS)]

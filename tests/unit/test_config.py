@@ -187,7 +187,9 @@ BAD_CONFIGS = [
     (cfg(sparse_gradients=True), NotImplementedError, "sparse_gradients"),
     (cfg(eigenvalue={"enabled": True}), NotImplementedError, "eigenvalue.enabled"),
     (cfg(progressive_layer_drop={"enabled": True}), NotImplementedError, "progressive_layer_drop.enabled"),
-    (cfg(compile={"deepcompile": True}), NotImplementedError, "compile.deepcompile"),
+    (cfg(compile={"deepcompile": True}), ValueError, "compile.deepcompile"),  # ZeRO stage 0
+    (cfg(compile={"deepcompile": True, "offload_opt_states": True}, zero_optimization={"stage": 3}),
+     NotImplementedError, "compile.offload_opt_states"),
     (cfg(tensor_parallel={"autotp_size": 2}), ValueError, "tensor_parallel.autotp_size"),  # world of 1
     (cfg(sequence_parallel_size=0), ValueError, "sequence_parallel_size"),  # Ulysses is built: sizes >= 1
     (cfg(hybrid_engine={"enabled": True}), NotImplementedError, "hybrid_engine"),

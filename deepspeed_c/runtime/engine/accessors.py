@@ -135,7 +135,6 @@ CONFIG_ACCESSORS: dict[str, tuple[Union[str, Fixed], Any]] = {
     "autotuning_end_profile_step": ("autotuning_config.end_profile_step", int),
     "autotuning_metric": ("autotuning_config.metric", str),
     "is_deepcompile_enabled": ("compile_config.deepcompile", bool),
-    "is_deepcompile_active": (Fixed(False, "deepspeed_c never runs DeepCompile's graph passes"), bool),
     "autotp_size": ("tensor_parallel_config.autotp_size", int),
     "tensor_parallel_config": ("tensor_parallel_config", Any),
 }
