@@ -16,6 +16,7 @@ ignores the key), so Adam's moments follow each expert to whichever rank holds i
 ep_size or world size."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from typing import Any, Callable, Sequence
@@ -262,8 +263,8 @@ class MemberFiles:
 def member_file_state(ex: Any, param_name: Callable[[torch.nn.Parameter], str]) -> dict:
     """One MoE ZeRO member's groups of this rank's ZeRO file (DeepSpeed's flat layout; collective over the
     member's group). `ex`: the member's PartitionExport."""
-    ex.loss_scaler = getattr(ex.loss_scaler, "leader", ex.loss_scaler)  # followers save the leader's scale
-    return file_state(ex, param_name)
+    leader = getattr(ex.loss_scaler, "leader", ex.loss_scaler)  # followers save the leader's scale
+    return file_state(dataclasses.replace(ex, loss_scaler=leader), param_name)
 
 
 def check_zero_world(saved: SavedCheckpoint, dp_world_size: int) -> None:

@@ -137,7 +137,9 @@ class ZeroParamDict(dict):
     some module's forward runs (as torch's MultiheadAttention reads its out_proj's weight): the parameter
     joins the running module's step, so later iterations gather it up front."""
 
-    coordinator: "ParamCoordinator"
+    def __init__(self, parameters: dict, coordinator: "ParamCoordinator") -> None:
+        super().__init__(parameters)
+        self.coordinator = coordinator
 
     def __getitem__(self, key: str) -> Any:
         p = dict.__getitem__(self, key)
@@ -175,9 +177,7 @@ class ParamCoordinator:
             params += external_parameters(m)
             drop_guard(m)
             if any(is_zero_param(p) for p in m._parameters.values()) and type(m._parameters) is dict:
-                zd = ZeroParamDict(m._parameters)
-                zd.coordinator = self
-                m.__dict__["_parameters"] = zd
+                m.__dict__["_parameters"] = ZeroParamDict(m._parameters, self)
             units = tuple(sorted({getattr(p, "_dsc_z3")[1] for p in params if is_zero_param(p)}))
             if not units and m is not module:
                 # no parameters: no hooks (a parameter it reads through another module's attribute joins
@@ -381,7 +381,7 @@ class ParamCoordinator:
         self._running.clear()
         self._access_pins.clear()
         self.__dict__.pop("_fired", None)
-        self.store.pins = [0] * len(self.store.pins)
+        self.store.unpin_all()
         self.store.release_all(keep_persistent=True)
         trace, self.trace = self.trace, []
         self.step_index = 0

@@ -106,7 +106,7 @@ class ParamStore:
         self.live_numel = 0
         self.peak_live_numel = 0
         self.gathers = 0
-        # ZeRO++ (zeropp.py), set by the stage-3 optimizer: quantized gathers, hpZ secondary shards
+        # ZeRO++ (zeropp.py), attached by the stage-3 optimizer (use_zeropp): quantized gathers, hpZ secondary shards
         self.zeropp: Optional[Any] = None
         self.secondary: list[Optional[torch.Tensor]] = [None] * n_units  # hpZ: this rank's 1/H of the unit
         self.frozen: set[int] = set()  # units gathered as int8 under zero_quantized_nontrainable_weights
@@ -256,11 +256,33 @@ class ParamStore:
             if not self.persistent[u]:
                 self.live_numel -= full.numel()
 
+    # -- what the stage-3 optimizer and the coordinator configure -----------------------------------
+    def use_zeropp(self, zeropp: Optional[Any]) -> None:
+        """Gathers go through ZeRO++ (`zeropp`, None: plain all-gathers); its frozen units are marked."""
+        self.zeropp = zeropp
+        if zeropp is not None:
+            self.mark_frozen_units()
+
+    def mark_frozen_units(self) -> None:
+        """The units whose parameters are all frozen (zero_quantized_nontrainable_weights gathers them as
+        int8); their cached int8 codes are cut again."""
+        self.frozen = {u for u, members in enumerate(self.unit_params)
+                       if members and not any(p.requires_grad for p, _ in members)}
+        self.frozen_codes.clear()
+
+    def follow_write_backs(self, callback: Optional[Any]) -> None:
+        """callback(group, start, end) after each write_back (the optimizer's masters follow the shard)."""
+        self.on_write_back = callback
+
+    def unpin_all(self) -> None:
+        """No unit has users any more (the end of an iteration): every one may be released."""
+        self.pins = [0] * len(self.pins)
+
     def release_all(self, keep_persistent: bool = True) -> None:
         """Every unit released (after a step the gathered values are stale: persistent ones go too, and so
         do hpZ's secondary shards)."""
         if not keep_persistent:
-            self.pins = [0] * len(self.pins)
+            self.unpin_all()
             self.drop_secondary()
         self.release([u for u in range(len(self.full)) if not (keep_persistent and self.persistent[u])],
                      keep_secondary=keep_persistent)

@@ -233,7 +233,7 @@ def _config_dict(config_dict_or_path: Any, config: Any) -> Optional[dict]:
             return json.load(f)
     if isinstance(cfg, dict):
         return cfg
-    raw = getattr(cfg, "_param_dict", None)  # a DeepSpeedConfig
+    raw = getattr(cfg, "user_dict", None)  # a DeepSpeedConfig: the config as the user gave it
     if isinstance(raw, dict):
         return raw
     raise TypeError(f"zero.Init: config_dict_or_path must be a dict, a JSON path or a DeepSpeedConfig, got "

@@ -14,6 +14,7 @@ partitions are written into this rank's shard instead of all-gathered into the m
 forward gathers what it uses). Gather-on-use is param_hooks.ParamCoordinator."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -154,17 +155,8 @@ def _attach_zeropp(store: ParamStore, zero_cfg: Any, *, rank: int, world_size: i
                    group: Any) -> Optional[ZeroPlusPlus]:
     """ZeRO++ (zeropp.py) on the store's gathers when the config turns any of it on."""
     zpp = ZeroPlusPlus.from_config(zero_cfg, rank=rank, world_size=world_size, group=group)
-    store.zeropp = zpp
-    if zpp is not None:
-        mark_frozen_units(store)
+    store.use_zeropp(zpp)
     return zpp
-
-
-def mark_frozen_units(store: ParamStore) -> None:
-    """The units whose parameters are all frozen (zero_quantized_nontrainable_weights gathers them as int8)."""
-    store.frozen = {u for u, members in enumerate(store.unit_params)
-                    if members and not any(p.requires_grad for p, _ in members)}
-    store.frozen_codes.clear()
 
 
 def _coordinator(module: torch.nn.Module, store: ParamStore, zero_cfg: Any) -> ParamCoordinator:
@@ -197,7 +189,7 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (Deep
         self.zero_quantized_nontrainable_weights = bool(zero_cfg.zero_quantized_nontrainable_weights)
         self.coordinator = _coordinator(module, self.store, zero_cfg)
         self._round = _Stage3Round(self.reducer, self.coordinator)
-        self.store.on_write_back = self._master_follows_shard
+        self.store.follow_write_backs(self._master_follows_shard)
 
     @_states_resident
     @torch.no_grad()
@@ -210,7 +202,7 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (Deep
             logger.warning("quantize_nontrainable_params() called with zero_quantized_nontrainable_weights disabled, "
                            "return without doing anything")
             return
-        mark_frozen_units(self.store)
+        self.store.mark_frozen_units()
 
     def _master_follows_shard(self, g: int, start: int, end: int) -> None:
         """Weights edited through GatheredParameters(modifier_rank=...) stay edited: the masters take them."""
@@ -254,9 +246,7 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (Deep
 
     # -- checkpoints in DeepSpeed's stage-3 layout (runtime/checkpointing/zero3.py converts the export) -------
     def _export(self) -> PartitionExport:
-        ex = super()._export()
-        ex.sub_group_size, ex.store = self.sub_group_size, self.store
-        return ex
+        return dataclasses.replace(super()._export(), sub_group_size=self.sub_group_size, store=self.store)
 
     def load_module_state(self, module: torch.nn.Module, state_dict: dict) -> None:
         load_module_into_store(self.store, module, state_dict)
