@@ -87,9 +87,9 @@ def _slicer(module: nn.Module, attr: str) -> Slicer:
         if attr == "weight" and conv1d:
             full = full.t()  # GPT-2's Conv1D stores [in, out]
         if isinstance(module, LinearLayer):
-            return module._shard(nn.Parameter(full, requires_grad=False), 0, f"{module._label()}.{attr}").data
+            return module.cut_shard(full, 0, f"{module.label()}.{attr}")
         if isinstance(module, LinearAllreduce) and attr == "weight":
-            return _split(full, 1, module.tp_world_size, module.tp_index, f"{module._label()}.weight")
+            return _split(full, 1, module.tp_world_size, module.tp_index, f"{module.label()}.weight")
         return full
 
     return cut

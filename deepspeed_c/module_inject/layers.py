@@ -98,7 +98,7 @@ class TensorParallel_Layer(nn.Module):
         """Back to this rank's shard (after gather_params)."""
         for p in params_list:
             if p is not None and getattr(p, "ds_is_tensor_model_parallel", False):
-                p.data = self._shard(p, p.partition_dim, self._label()).data
+                p.data = self._shard(p, p.partition_dim, self.label()).data
 
     def full_state(self) -> dict[str, Tensor]:
         """{'weight': full weight, 'bias': full bias} gathered over the TP group (every TP rank must call)."""
@@ -116,8 +116,19 @@ class TensorParallel_Layer(nn.Module):
     def _gather(self, shard: Tensor, dim: int) -> Tensor:
         return gather_full(shard, dim, self.mp_group)
 
-    def _label(self) -> str:
+    def label(self) -> str:
+        """How messages name the layer: its module path when the injector gave one, else its class."""
         return self.name or type(self).__name__
+
+    # -- whole <-> shard, for checkpoints and loaders (runtime/checkpointing/tensor_parallel.py,
+    # inference/checkpoint_loader.py); subclasses override the _gather / _shard hooks
+    def gather_whole(self, shard: Tensor, dim: int) -> Tensor:
+        """The whole tensor of which each TP rank holds `shard` (cut along `dim`); collective over the TP group."""
+        return self._gather(shard, dim)
+
+    def cut_shard(self, whole: Tensor, dim: int, what: str) -> Tensor:
+        """This rank's slice of `whole`, cut as the layer cut its own weights; `what` names it in errors."""
+        return self._shard(nn.Parameter(whole, requires_grad=False), dim, what).data
 
     def extra_repr(self) -> str:
         return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]} (shard {self.tp_index} of " \
@@ -145,10 +156,10 @@ class LinearLayer(TensorParallel_Layer):
         # a fused projection ([q|k|v], [gate|up]) is split part by part: each rank keeps its rows of every part
         self.fused_sizes: Optional[list[int]] = kwargs.get("fused_sizes")
         if self.fused_sizes is not None and sum(self.fused_sizes) != module.weight.shape[0]:
-            raise ValueError(f"AutoTP: {self._label()} has {module.weight.shape[0]} output features but its fused "
+            raise ValueError(f"AutoTP: {self.label()} has {module.weight.shape[0]} output features but its fused "
                              f"parts {self.fused_sizes} sum to {sum(self.fused_sizes)}")
-        self.weight = module.weight if skip_partition else self._shard(module.weight, 0, f"{self._label()}.weight")
-        self.bias = module.bias if skip_partition else self._shard(module.bias, 0, f"{self._label()}.bias")
+        self.weight = module.weight if skip_partition else self._shard(module.weight, 0, f"{self.label()}.weight")
+        self.bias = module.bias if skip_partition else self._shard(module.bias, 0, f"{self.label()}.bias")
         self._mark(self.weight, True)
         self._mark(self.bias, True)
 
@@ -184,7 +195,7 @@ class LinearAllreduce(TensorParallel_Layer):
 
     def __init__(self, module: nn.Module, mp_group: Any = None, **kwargs: Any) -> None:
         super().__init__(mp_group, **kwargs)
-        self.weight = self._shard(module.weight, 1, f"{self._label()}.weight")
+        self.weight = self._shard(module.weight, 1, f"{self.label()}.weight")
         self.bias = module.bias  # replicated: its gradient is equal on every TP rank
         self._mark(self.weight, True)
         self._mark(self.bias, False)

@@ -24,7 +24,8 @@ def layer_file_states(module: Any, exclude_frozen_params: bool = False,
     writes its layers that have a state_dict (a tied module used through a forward_fn is saved by the
     stage where it appears as a plain module); with checkpoint.parallel_write.pipeline_stage the
     stage's data-parallel ranks split the layers."""
-    dp_rank, dp = module._grid.data_parallel_id, module._grid.data_parallel_size
+    grid = module.mpu()
+    dp_rank, dp = grid.data_parallel_id, grid.data_parallel_size
     n = len(module.forward_funcs)
     if parallel_write:
         from deepspeed_c.runtime.pipe.partition import partition_uniform
@@ -76,11 +77,11 @@ def read_layer_files(module: Any, ckpt_dir: str, manifest: Optional[dict]) -> La
             continue
         files = module.ckpt_layer_path_list(ckpt_dir, idx)
         if not files:
-            layer_id = module._layer_ids[idx]
+            layer_id = module.layer_id(idx)
             raise FileNotFoundError(f"no checkpoint file for layer {layer_id} in {ckpt_dir} "
                                     f"(expected layer_{layer_id:02d}-*model_states.pt; directory holds: "
                                     f"{store.listing(ckpt_dir)})")
-        rank = module._grid.get_slice_parallel_rank()
+        rank = module.mpu().get_slice_parallel_rank()
         path = files[rank] if len(files) > 1 else files[0]
         out.append((idx, store.load_file(ckpt_dir, os.path.basename(path), manifest)))
     return out

@@ -41,54 +41,58 @@ def _sharded(module: torch.nn.Module) -> list[tuple[TensorParallel_Layer, str, t
 
 
 def _to_full(layer: TensorParallel_Layer, key: str, t: torch.Tensor, dim: int) -> torch.Tensor:
-    full = layer._gather(t, dim)
+    full = layer.gather_whole(t, dim)
     return full.t().contiguous() if key == "weight" and getattr(layer, "conv1d", False) else full
 
 
 def _to_shard(layer: TensorParallel_Layer, key: str, t: torch.Tensor, dim: int) -> torch.Tensor:
     if key == "weight" and getattr(layer, "conv1d", False):
         t = t.t()
-    return layer._shard(torch.nn.Parameter(t.contiguous(), requires_grad=False), dim, layer._label()).data
+    return layer.cut_shard(t.contiguous(), dim, layer.label())
 
 
-def _zero_hooks(opt: Any, tp_rank: int, entries: list, pending: list[Callable[[], None]]) -> Callable[[], None]:
-    """ZeRO 1/2: the optimizer's checkpoint methods, for the duration, read and write the unsharded model's
-    ZeRO files (instance attributes shadowing its methods); returns what removes them. Loads are applied
-    after the view (the optimizer's load writes the model's shards from the masters)."""
-    from deepspeed_c.runtime.tensor_parallel import zero_checkpoint as zc
+class UnshardedZeroFiles:
+    """ZeRO 1/2 inside full_view, as the checkpointer sees the optimizer protocol: its checkpoint methods read
+    and write the unsharded model's ZeRO files (tensor_parallel.zero_checkpoint); every other attribute is the
+    optimizer's own. Loads are queued in `pending` and applied after the view (the optimizer's load writes
+    the model's shards from the masters)."""
 
-    tp = zc.TPParams(
-        to_whole={id(p): functools.partial(_to_full, layer, key, dim=p.partition_dim) for layer, key, p in entries},
-        to_shard={id(p): functools.partial(_to_shard, layer, key, dim=p.partition_dim) for layer, key, p in entries},
-        shard_shape={id(p): p.shape for _, _, p in entries}, tp_rank=tp_rank)
-    cls = type(opt)
+    def __init__(self, opt: Any, tp_rank: int, entries: list, pending: list[Callable[[], None]]) -> None:
+        from deepspeed_c.runtime.tensor_parallel import zero_checkpoint as zc
 
-    def load(saved: Any, load_optimizer_states: bool) -> None:
-        pending.append(zc.load_state(opt, tp, saved, load_optimizer_states))
+        self._zc, self._opt, self._pending = zc, opt, pending
+        self._tp = zc.TPParams(
+            to_whole={id(p): functools.partial(_to_full, lay, key, dim=p.partition_dim) for lay, key, p in entries},
+            to_shard={id(p): functools.partial(_to_shard, lay, key, dim=p.partition_dim) for lay, key, p in entries},
+            shard_shape={id(p): p.shape for _, _, p in entries}, tp_rank=tp_rank)
 
-    def load_weights(saved: Any) -> None:  # load_module_only: masters re-cut from the loaded shards
-        pending.append(functools.partial(cls.load_checkpoint_weights, opt, saved))
+    def __getattr__(self, name: str) -> Any:
+        opt = self.__dict__.get("_opt")
+        if opt is None:  # not built yet (copy, pickle): nothing to delegate to
+            raise AttributeError(name)
+        return getattr(opt, name)
 
-    # partition_export shadowed by None: the checkpointer then calls these instead of converting the export
-    hooks = {"partition_checkpoint_state": functools.partial(zc.save_state, opt, tp),
-             "load_checkpoint_state": load, "load_checkpoint_weights": load_weights,
-             "partition_export": lambda: contextlib.nullcontext(None)}
-    for name, fn in hooks.items():
-        setattr(opt, name, fn)
+    def partition_export(self) -> contextlib.AbstractContextManager:
+        """None: the checkpointer then calls the methods below instead of converting an export."""
+        return contextlib.nullcontext(None)
 
-    def remove() -> None:
-        for name in hooks:
-            opt.__dict__.pop(name, None)
+    def partition_checkpoint_state(self, param_name: Callable[[torch.nn.Parameter], str]) -> Any:
+        return self._zc.save_state(self._opt, self._tp, param_name)
 
-    return remove
+    def load_checkpoint_state(self, saved: Any, load_optimizer_states: bool) -> None:
+        self._pending.append(self._zc.load_state(self._opt, self._tp, saved, load_optimizer_states))
+
+    def load_checkpoint_weights(self, saved: Any) -> None:  # load_module_only: masters re-cut from the loaded shards
+        self._pending.append(functools.partial(self._opt.load_checkpoint_weights, saved))
 
 
 @contextlib.contextmanager
 def full_view(module: torch.nn.Module, stepper: Any, basic_optimizer: Any, zero_stage: int,
-              tp_rank: int) -> Iterator[None]:
+              tp_rank: int) -> Iterator[Any]:
     """Inside: every TP parameter, its master and its same-shaped optimizer states whole (collective on entry
     and exit). `stepper`: the optimizer protocol (None without one); `basic_optimizer`: the torch optimizer
-    whose per-parameter state (Adam's moments) is swapped too; `tp_rank`: this rank's in its TP group."""
+    whose per-parameter state (Adam's moments) is swapped too; `tp_rank`: this rank's in its TP group.
+    Yields the optimizer protocol the checkpointer is to use meanwhile (ZeRO 1/2: an UnshardedZeroFiles)."""
     def opt_state() -> Any:  # re-read on exit: torch's load_state_dict replaces the state dict as a whole
         return basic_optimizer.state if basic_optimizer is not None else {}
 
@@ -104,7 +108,7 @@ def full_view(module: torch.nn.Module, stepper: Any, basic_optimizer: Any, zero_
     shard_shapes = {id(t): t.shape for _, _, t, _ in targets}
     originals: dict[int, torch.Tensor] = {}
     pending: list[Callable[[], None]] = []
-    remove = _zero_hooks(stepper, tp_rank, entries, pending) if zero else (lambda: None)
+    view = UnshardedZeroFiles(stepper, tp_rank, entries, pending) if zero else stepper
     try:
         with torch.no_grad():
             state = opt_state()
@@ -114,9 +118,8 @@ def full_view(module: torch.nn.Module, stepper: Any, basic_optimizer: Any, zero_
                         state[t][name] = _to_full(layer, key, value, dim)
                 originals[id(t)] = t.data
                 t.data = _to_full(layer, key, t.data, dim)
-        yield
+        yield view
     finally:
-        remove()
         state = opt_state()
         with torch.no_grad():
             for layer, key, t, dim in targets:
@@ -124,7 +127,7 @@ def full_view(module: torch.nn.Module, stepper: Any, basic_optimizer: Any, zero_
                     continue
                 full_shape = t.shape
                 shard = _to_shard(layer, key, t.data, dim)
-                assert shard.shape == shard_shapes[id(t)], (layer._label(), shard.shape, shard_shapes[id(t)])
+                assert shard.shape == shard_shapes[id(t)], (layer.label(), shard.shape, shard_shapes[id(t)])
                 original = originals[id(t)]
                 original.copy_(shard)  # its storage: ZeRO's parameters view the optimizer's flat buffers
                 t.data = original

@@ -9,7 +9,7 @@ import binascii
 import json
 import math
 import os
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -308,6 +308,22 @@ class DeepSpeedConfig:
         self.train_batch_size = triple.train_batch_size
         self.train_micro_batch_size_per_gpu = triple.train_micro_batch_size_per_gpu
         self.gradient_accumulation_steps = triple.gradient_accumulation_steps
+
+    # -- the only changes after construction: DeepSpeed's engine setters ------------------------
+    def set_batch_sizes(self, train_batch_size: int, *, train_micro_batch_size_per_gpu: Optional[int] = None,
+                        gradient_accumulation_steps: Optional[int] = None) -> None:
+        """engine.set_train_batch_size / set_train_micro_batch_size: the new batch sizes (the engine checked
+        that they agree with the data-parallel size); an omitted one keeps its value."""
+        self.train_batch_size = train_batch_size
+        if train_micro_batch_size_per_gpu is not None:
+            self.train_micro_batch_size_per_gpu = train_micro_batch_size_per_gpu
+        if gradient_accumulation_steps is not None:
+            self.gradient_accumulation_steps = gradient_accumulation_steps
+
+    def set_gradient_clipping(self, value: float) -> None:
+        """The pipeline engine builds its optimizers without clipping (it clips with the pipeline-wide norm
+        itself) and puts the configured value back afterwards."""
+        self.gradient_clipping = float(value)
 
     # -- conveniences the engine and tests read -------------------------------------------------
     @property

@@ -95,7 +95,7 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
         self._config = config_class if config_class is not None else DeepSpeedConfig(config, mpu, mesh_device)
         from deepspeed_c.runtime.config.no_effect import warn_keys_without_effect
 
-        warn_keys_without_effect(self._config._param_dict)
+        warn_keys_without_effect(self._config.user_dict)
         self.gradient_average = self._config.gradient_allreduce_op == "mean"
         self._configure_with_arguments(args)
         self._set_distributed_vars()
@@ -478,12 +478,11 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
         per = self.train_micro_batch_size_per_gpu() * self._config.world_size  # data-parallel ranks
         if train_batch_size % per != 0:
             raise ValueError("Train batch size must be divisible by micro-batch data parallelism")
-        self._config.train_batch_size = train_batch_size
-        self._config.gradient_accumulation_steps = train_batch_size // per
+        self._config.set_batch_sizes(train_batch_size, gradient_accumulation_steps=train_batch_size // per)
 
     def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
-        self._config.train_batch_size = micro_batch_size * self.gradient_accumulation_steps() * self._config.world_size
-        self._config.train_micro_batch_size_per_gpu = micro_batch_size
+        self._config.set_batch_sizes(micro_batch_size * self.gradient_accumulation_steps() * self._config.world_size,
+                                     train_micro_batch_size_per_gpu=micro_batch_size)
 
     def get_data_parallel_rank(self) -> int:
         if self.mpu is not None:

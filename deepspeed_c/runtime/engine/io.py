@@ -70,8 +70,8 @@ class EngineIO:
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         if self.checkpointer is None:
             raise NotImplementedError("deepspeed_c: engine.save_checkpoint is not built yet (checkpoint issue)")
-        with _tp_full_view(self, "save_checkpoint"):  # AutoTP: written as the unsharded model's
-            return self.checkpointer.save(self._checkpoint_states(), save_dir, tag, client_state, save_latest,
+        with _tp_full_view(self, "save_checkpoint") as stepper:  # AutoTP: written as the unsharded model's
+            return self.checkpointer.save(self._checkpoint_states(stepper), save_dir, tag, client_state, save_latest,
                                           exclude_frozen_parameters)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
@@ -147,8 +147,8 @@ class EngineIO:
                         load_module_only: bool = False, custom_load_fn: Optional[Callable] = None) -> Any:
         if self.checkpointer is None:
             raise NotImplementedError("deepspeed_c: engine.load_checkpoint is not built yet (checkpoint issue)")
-        with _tp_full_view(self, "load_checkpoint"):  # AutoTP: read as the unsharded model's, then resliced
-            return self.checkpointer.load(self._checkpoint_states(), load_dir, tag, load_module_strict,
+        with _tp_full_view(self, "load_checkpoint") as stepper:  # AutoTP: read as the unsharded model's, then resliced
+            return self.checkpointer.load(self._checkpoint_states(stepper), load_dir, tag, load_module_strict,
                                           load_optimizer_states, load_lr_scheduler_states, load_module_only,
                                           custom_load_fn)
 
@@ -160,21 +160,23 @@ class EngineIO:
             return False
         return self.checkpointer.commit_pending()
 
-    def _checkpoint_states(self) -> Any:
+    def _checkpoint_states(self, stepper: Any = None) -> Any:
         """What the checkpointer saves and restores (runtime/checkpointing/states.py), read now: the batch size
-        and, under AutoTP's whole view, the optimizer's tensors may differ from the last save's."""
+        and, under AutoTP's whole view, the optimizer's tensors may differ from the last save's. `stepper`: the
+        optimizer protocol to use instead of the engine's (AutoTP's whole view hands one over)."""
         from deepspeed_c.runtime.checkpointing.states import CheckpointStates
 
-        return CheckpointStates(**self._checkpoint_state_fields())
+        return CheckpointStates(**self._checkpoint_state_fields(stepper))
 
     def _checkpoint_model_parallel(self) -> dict:
         """DeepSpeed's checkpoint_mp_rank and mp_world_size: a client mpu's model-parallel rank and size (the
         mp_rank_XX of the file names; 0 and 1 without one). The PipelineEngine's are its grid's."""
         return {"mp_rank": self.parallel_dims.model_rank, "mp_world_size": self.parallel_dims.model}
 
-    def _checkpoint_state_fields(self) -> dict:
+    def _checkpoint_state_fields(self, stepper: Any = None) -> dict:
         dp_rank = self.get_data_parallel_rank() if self.dp_world_size > 1 else 0
-        return dict(module=self.module, module_state_dict=self.module_state_dict, stepper=self.stepper,
+        stepper = stepper if stepper is not None else self.stepper
+        return dict(module=self.module, module_state_dict=self.module_state_dict, stepper=stepper,
                     has_optimizer=self.optimizer is not None, lr_scheduler=self.lr_scheduler, reducer=self.reducer,
                     train_state=self.train_state, samples_per_step=self.train_batch_size(),
                     dp_world_size=self.dp_world_size, dp_rank=dp_rank, local_rank=int(self.local_rank),

@@ -87,10 +87,10 @@ class PipelineEngine(DeepSpeedEngine):
         self._pipe_clips = (self.grid.get_pipe_parallel_world_size() > 1 or
                             self.grid.get_slice_parallel_world_size() > 1) and self._pipe_max_norm > 0
         if self._pipe_clips:
-            cfg.gradient_clipping = 0.0
+            cfg.set_gradient_clipping(0.0)
         super().__init__(*super_args, **super_kwargs)
         if self._pipe_clips:
-            cfg.gradient_clipping = self._pipe_max_norm
+            cfg.set_gradient_clipping(self._pipe_max_norm)
         self.has_bool_tensors = has_bool_tensors
         self.pipeline_enable_backward_allreduce = True
         self.num_stages = self.grid.get_pipe_parallel_world_size()
@@ -110,7 +110,7 @@ class PipelineEngine(DeepSpeedEngine):
             raise NotImplementedError(
                 f"zero_optimization.stage={self.zero_optimization_stage()}: pipeline parallelism works with "
                 "ZeRO stage 0 and 1 (as DeepSpeed)")
-        model.checkpoint_parallel_write_pipeline = bool(self._config.checkpoint_parallel_write_pipeline)
+        model.set_checkpoint_parallel_write(self._config.checkpoint_parallel_write_pipeline)
         from deepspeed_c.runtime.checkpointing.options import CheckpointOptions
 
         from deepspeed_c.runtime.checkpointing.pipeline import PipeCheckpointer
@@ -148,11 +148,11 @@ class PipelineEngine(DeepSpeedEngine):
         within a data-parallel replica; the stage without tensor slicing) and writes that group's size."""
         return {"mp_rank": self.grid.get_model_parallel_rank(), "mp_world_size": self.grid.get_model_parallel_world_size()}
 
-    def _checkpoint_states(self) -> Any:
+    def _checkpoint_states(self, stepper: Any = None) -> Any:
         """The stage's states for its checkpointer (runtime/checkpointing/states.py)."""
         from deepspeed_c.runtime.checkpointing.states import PipeCheckpointStates
 
-        return PipeCheckpointStates(**self._checkpoint_state_fields(), stage_id=self.stage_id,
+        return PipeCheckpointStates(**self._checkpoint_state_fields(stepper), stage_id=self.stage_id,
                                     num_stages=self.num_stages, stage_dp_rank=self.grid.get_data_parallel_rank())
 
     # -- the executor: what it gets, and what it calls back -----------------------------------------
@@ -300,6 +300,6 @@ def _apply_pipeline_section(pc: Any, model: PipelineModule) -> None:
     from deepspeed_c.runtime.activation_checkpointing.checkpointing import non_reentrant_checkpoint
 
     if pc.use_reentrant is False:
-        model.activation_checkpoint_func = non_reentrant_checkpoint
+        model.set_activation_checkpoint_func(non_reentrant_checkpoint)
     if pc.activation_checkpoint_interval > 0:
         model.set_checkpoint_interval(pc.activation_checkpoint_interval)

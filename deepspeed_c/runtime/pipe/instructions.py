@@ -20,6 +20,13 @@ class PipeInstruction:
         for key, val in kwargs.items():
             setattr(self, key, val)
 
+    def place(self, micro_batch_id: int, chunk: int) -> "PipeInstruction":
+        """Where the C core's stream puts it: the micro-batch it serves and its model chunk (neither is part
+        of the repr or of equality); returns the instruction."""
+        self.micro_batch_id = micro_batch_id
+        self.chunk = chunk
+        return self
+
     def __repr__(self) -> str:
         return f"{self.name}(" + ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items()) + ")"
 

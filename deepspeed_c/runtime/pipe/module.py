@@ -298,6 +298,18 @@ class PipelineModule(nn.Module):
             raise ValueError(f"activation_checkpoint_interval must be >= 0, got {interval}")
         self.activation_checkpoint_interval = interval
 
+    def set_activation_checkpoint_func(self, fn: Callable) -> None:
+        """The function that runs each checkpointed range (the engine's pipeline.use_reentrant choice)."""
+        self.activation_checkpoint_func = fn
+
+    def set_checkpoint_parallel_write(self, enabled: bool) -> None:
+        """checkpoint.parallel_write.pipeline_stage: a stage's data-parallel ranks split its layer files."""
+        self.checkpoint_parallel_write_pipeline = bool(enabled)
+
+    def layer_id(self, local_layer_idx: int) -> int:
+        """The global index of this stage's local layer `local_layer_idx` (names its checkpoint file)."""
+        return self._layer_ids[local_layer_idx]
+
     def topology(self) -> ProcessTopology:
         return self._topo
 

@@ -110,9 +110,7 @@ class _CoreSchedule(PipeSchedule):
             inst = cls(buffer_id, chunk_id=chunk)
         else:
             inst = cls(buffer_id)
-        inst.micro_batch_id = micro_batch
-        inst.chunk = max(chunk, 0)
-        return inst
+        return inst.place(micro_batch, max(chunk, 0))
 
     def steps(self) -> Iterator[list[PipeInstruction]]:
         for step in self._raw:
