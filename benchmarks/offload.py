@@ -1,0 +1,222 @@
+"""Faster offload, side by side in one process on one GPU: deepspeed_c's plain ZeRO-Offload (ZeRO-2 +
+offload_optimizer cpu), ZenFlow (ZeRO-2 + zero_optimization.zenflow) and SuperOffload (ZeRO-3 +
+offload_optimizer.super_offload) against the real DeepSpeed 0.19.8 on the same configs, and against
+deepspeed_c without offload (ZeRO-2 on the device). The same GPT, the same batches, bf16, AdamW, clipping 1.0.
+
+Correctness first: every engine's losses of the first --check steps agree with deepspeed_c's plain offload
+within bf16 tolerance (2e-2 relative; the first step's before any update, the next ones after tiny lr-1e-4
+updates), else nothing is timed. Then interleaved timed blocks of whole steps (forward + backward + step,
+synchronised at block ends; a block is a multiple of update_interval so ZenFlow's host step falls inside
+it). Prints tokens/s, peak device memory, the ratios the issue asks for (ZenFlow / plain offload,
+SuperOffload / plain offload, deepspeed_c / DeepSpeed per config, each / no offload), and with --profile the
+GPU idle time per step of each engine (one profiled block: step wall time minus the union of the device's
+kernel and copy intervals).
+
+Every offload engine keeps fp32 masters and moments in host memory (16 bytes a parameter; SuperOffload's
+rollback snapshot 12 more): a 1.3B model fits a 128 GiB host a few engines at a time, so --variants picks
+which configs run (the no-offload engine always does). The real DeepSpeed must be importable as `deepspeed`
+(scripts/device_deepspeed.sh puts it in /tmp/ds_real); --impls dsc runs deepspeed_c alone.
+
+    python benchmarks/offload.py --tiny                     # CPU smoke (gloo, tiny GPT, deepspeed_c only)
+    python benchmarks/offload.py --variants zenflow --profile   # 1.3B GPT, seq 2048, micro 4 on one H200
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "examples", "train_gpt"))
+
+ZENFLOW = {"topk_ratio": 0.05, "select_strategy": "auto", "select_interval": "auto", "update_interval": 4,
+           "full_warm_up_rounds": 0, "overlap_step": True}
+
+
+def config(args: argparse.Namespace, variant: str) -> dict:
+    cuda = torch.cuda.is_available() and not args.tiny
+    zero: dict[str, Any] = {"stage": 2, "reduce_bucket_size": int(args.bucket),
+                            "allgather_bucket_size": int(args.bucket), "overlap_comm": True,
+                            "contiguous_gradients": True}
+    offload = {"device": "cpu", "pin_memory": cuda}
+    if variant in ("offload", "zenflow"):
+        zero["offload_optimizer"] = offload
+    if variant == "zenflow":
+        zero["zenflow"] = dict(ZENFLOW)
+    if variant == "superoffload":
+        zero.update(stage=3, offload_optimizer=dict(offload, super_offload=True,
+                                                    cpuadam_cores_perc=args.cpuadam_cores_perc))
+    cfg = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
+           "steps_per_print": 10**9, "gradient_clipping": 1.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+           "zero_optimization": zero}
+    if cuda:
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def real_deepspeed() -> Any:
+    try:
+        import deepspeed
+    except ImportError:
+        return None
+    if getattr(deepspeed, "__file__", "") and "deepspeed_c" in str(getattr(deepspeed, "__path__", "")):
+        return None  # deepspeed_c's compat alias, not the competitor
+    return None if "dsc" in str(getattr(deepspeed, "__version__", "dsc")) else deepspeed
+
+
+def gpu_idle_ms(step_fn: Any, steps: int) -> float:
+    """Wall time per step minus the union of the GPU's busy intervals (kernels, copies, memsets)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step_fn()
+        torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - t0) * 1e6
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    busy, cur_s, cur_e = 0.0, None, None
+    for s, e in spans:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    return max(0.0, wall_us - busy) / steps / 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke: tiny GPT, gloo, one rank")
+    ap.add_argument("--n_embd", type=int, default=2048)
+    ap.add_argument("--n_layer", type=int, default=24)
+    ap.add_argument("--n_head", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=50304)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--micro", type=int, default=4)
+    ap.add_argument("--bucket", type=float, default=5e8)
+    ap.add_argument("--variants", default="offload,zenflow,superoffload",
+                    help="comma list of offload, zenflow, superoffload (no offload always runs)")
+    ap.add_argument("--impls", default="dsc,ds", help="dsc (deepspeed_c), ds (the real DeepSpeed)")
+    ap.add_argument("--cpuadam_cores_perc", type=float, default=0.8)
+    ap.add_argument("--blocks", type=int, default=3, help="timed blocks per engine, interleaved")
+    ap.add_argument("--steps", type=int, default=8, help="steps per timed block (a multiple of update_interval)")
+    ap.add_argument("--check", type=int, default=3, help="steps whose losses are compared first")
+    ap.add_argument("--profile", action="store_true", help="also report GPU idle time per step")
+    args = ap.parse_args()
+    if args.tiny:
+        args.n_embd, args.n_layer, args.n_head, args.vocab, args.seq, args.micro = 64, 2, 2, 128, 32, 2
+        args.blocks, args.steps, args.check, args.bucket = 2, 4, 2, 2e4
+    cuda = torch.cuda.is_available() and not args.tiny
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29541"), ("RANK", "0"), ("LOCAL_RANK", "0"),
+                 ("WORLD_SIZE", "1")):
+        os.environ.setdefault(k, v)
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    if cuda:
+        torch.cuda.set_device(0)
+    import deepspeed_c
+    from model import GPT, GPTConfig
+
+    ds = real_deepspeed() if "ds" in args.impls.split(",") and cuda else None
+    dev = torch.device("cuda" if cuda else "cpu")
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_head=args.n_head,
+                    n_embd=args.n_embd)
+    base = GPT(cfg)
+    nparams = sum(p.numel() for p in base.parameters())
+    print(f"{torch.cuda.get_device_name() if cuda else 'CPU'}  torch {torch.__version__}  deepspeed_c "
+          f"{deepspeed_c.__version__}  DeepSpeed {getattr(ds, '__version__', 'not run')}", flush=True)
+    print(f"GPT {nparams / 1e6:.1f}M params (d {args.n_embd}, {args.n_layer} layers, seq {args.seq}, micro "
+          f"{args.micro}), {'bf16' if cuda else 'fp32'}, AdamW, clipping 1.0; ZenFlow {ZENFLOW}", flush=True)
+    variants = [v for v in args.variants.split(",") if v]
+    plan = [("dsc no-offload", deepspeed_c, "none")]
+    for v in variants:
+        if "dsc" in args.impls.split(","):
+            plan.append((f"dsc {v}", deepspeed_c, v))
+        if ds is not None:
+            plan.append((f"DS {v}", ds, v))
+    engines = {}
+    for name, lib, variant in plan:
+        model = copy.deepcopy(base)
+        engines[name], *_ = lib.initialize(model=model, model_parameters=model.parameters(),
+                                           config=config(args, variant))
+        if cuda:
+            torch.cuda.synchronize()
+        mem = f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated in all" if cuda else ""
+        print(f"{name:20s} initialised {mem}", flush=True)
+    del base
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, args.vocab, (args.micro, args.seq), generator=g).to(dev),
+                torch.randint(0, args.vocab, (args.micro, args.seq), generator=g).to(dev)) for _ in range(8)]
+    counter = {name: 0 for name in engines}
+
+    def step(name: str) -> torch.Tensor:
+        e = engines[name]
+        x, y = batches[counter[name] % len(batches)]
+        counter[name] += 1
+        loss = e(x, y)
+        e.backward(loss)
+        e.step()
+        return loss.detach()
+
+    ref_name = "dsc offload" if "dsc offload" in engines else "dsc no-offload"
+    losses = {name: [float(step(name)) for _ in range(args.check)] for name in engines}
+    for name, ls in losses.items():
+        rel = max(abs(a - b) / abs(b) for a, b in zip(ls, losses[ref_name]))
+        print(f"check {name:20s} losses {', '.join(f'{v:.5f}' for v in ls)}  max rel diff vs {ref_name} {rel:.2e}",
+              flush=True)
+        assert rel <= 2e-2, f"{name}: losses disagree with {ref_name} beyond bf16 tolerance: not timing"
+    times: dict[str, list[float]] = {n: [] for n in engines}
+    peaks: dict[str, int] = {n: 0 for n in engines}
+    for _ in range(args.blocks):
+        for name in engines:
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                step(name)
+            if cuda:
+                torch.cuda.synchronize()
+                peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated())
+            times[name].append((time.perf_counter() - t0) / args.steps)
+    tokens = args.micro * args.seq
+    tps = {n: tokens / statistics.median(v) for n, v in times.items()}
+    idle = {n: gpu_idle_ms(lambda n=n: step(n), args.steps) for n in engines} if args.profile and cuda else {}
+    for name in engines:
+        extra = f"  GPU idle {idle[name]:7.1f} ms/step" if name in idle else ""
+        print(f"{name:20s} step {statistics.median(times[name]) * 1e3:9.1f} ms  {tps[name]:10.0f} tokens/s  peak "
+              f"{peaks[name] / 2**30:6.2f} GiB{extra}  blocks {', '.join(f'{t * 1e3:.1f}' for t in times[name])} ms",
+              flush=True)
+    for v in ("zenflow", "superoffload"):
+        if f"dsc {v}" in tps and "dsc offload" in tps:
+            print(f"ratio dsc {v} / dsc offload tokens/s: {tps[f'dsc {v}'] / tps['dsc offload']:.2f}x", flush=True)
+    for v in variants:
+        if f"dsc {v}" in tps and f"DS {v}" in tps:
+            print(f"ratio dsc {v} / DeepSpeed {v} tokens/s: {tps[f'dsc {v}'] / tps[f'DS {v}']:.2f}x", flush=True)
+    for name in engines:
+        if name != "dsc no-offload":
+            print(f"ratio {name} / dsc no-offload tokens/s: {tps[name] / tps['dsc no-offload']:.2f}x", flush=True)
+    for e in engines.values():
+        if hasattr(e, "destroy"):
+            e.destroy()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
