@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Iterator, Mapping, Optional
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import RandomSampler, Sampler
 
 from deepspeed_c.utils.logging import logger
 
@@ -32,6 +32,14 @@ class SkippingSampler(Sampler):
 
     def __len__(self) -> int:
         return max(0, len(self.inner) - self.skip)
+
+
+class SeededRandomSampler(RandomSampler):
+    """The RandomSampler a loader builds for itself (no data_sampler given, not distributed): each pass draws
+    its order from a generator seeded with that pass's seed, which checkpoints record."""
+
+    def reseed(self, seed: int) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
 
 
 class ResumableLoader:
@@ -62,7 +70,7 @@ class ResumableLoader:
             if seed is None:
                 seed = int(torch.empty((), dtype=torch.int64).random_().item())
             self._pass_seed = int(seed)
-            self.data_sampler.generator = torch.Generator().manual_seed(self._pass_seed)
+            self.data_sampler.reseed(self._pass_seed)
         self._batches = skip
         rng = torch.get_rng_state() if resume is not None else None
         if skip == 0 or self.data_sampler is None:

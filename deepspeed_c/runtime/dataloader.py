@@ -10,10 +10,10 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Iterable, Iterator, Optional
 
-from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from deepspeed_c.runtime.data_position import ResumableLoader
+from deepspeed_c.runtime.data_position import ResumableLoader, SeededRandomSampler
 
 CURRICULUM_LEARNING = "curriculum_learning"
 
@@ -80,7 +80,7 @@ class DeepSpeedDataLoader(ResumableLoader):
             device_count = 1
         else:
             if data_sampler is None and not is_iterable:
-                data_sampler = RandomSampler(dataset)
+                data_sampler = SeededRandomSampler(dataset)
             device_count = _device_count()
             batch_size *= device_count
 
