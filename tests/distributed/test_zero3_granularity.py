@@ -6,7 +6,9 @@ MLP with a frozen bias, untied head) and activation checkpointing over each bloc
 equal DeepSpeed's formula computed here by hand; with the threshold at the block's granularity every
 block is one leaf and one unit, so the gathers and gradient collectives per step fall to about a sixth of
 the per-module count; training (fp32, AdamW, gradient accumulation 2, 3 steps) equals one process on the
-whole batch with and without the threshold. A threshold below every module's granularity flags nothing."""
+whole batch with and without the threshold. A threshold below every module's granularity flags nothing.
+Without a threshold the automatic units (runtime/zero/auto_units.py) are the same blocks, with no leaf flag
+set; DSC_Z3_AUTO_UNITS=0 gives the per-module baseline."""
 from __future__ import annotations
 
 import sys
@@ -71,7 +73,10 @@ def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
 
 
-def body(rank: int, world: int, threshold: int) -> dict[str, Any]:
+def body(rank: int, world: int, threshold: int, auto: str = "0") -> dict[str, Any]:
+    import os
+
+    os.environ["DSC_Z3_AUTO_UNITS"] = auto  # "0": per-module units where no threshold is set (the baseline)
     import deepspeed_c
     import deepspeed_c.comm as dist  # what the ZeRO-3 reducer calls (the store gathers on the process group)
     from deepspeed_c.runtime.zero.leaf_granularity import granularities
@@ -136,9 +141,10 @@ def test_granularity_threshold_makes_blocks_one_unit_and_trains_the_same() -> No
     want = block_granularity()
     ref = _reference(world)
     plain = run_distributed(body, world, args=(0,), timeout=240)
+    auto = run_distributed(body, world, args=(0, "1"), timeout=240)
     coarse = run_distributed(body, world, args=(want,), timeout=240)
     none = run_distributed(body, world, args=(1,), timeout=240)
-    for res in plain + coarse + none:
+    for res in plain + coarse + none + auto:
         assert res["block_gran"] == want
         # the root: every parameter over 3 blocks x 6 counted modules + embedding + head + itself
         assert res["root_gran"] == sum(p.numel() for p in Net().parameters()) // (LAYERS * 6 + 3)
@@ -158,14 +164,20 @@ def test_granularity_threshold_makes_blocks_one_unit_and_trains_the_same() -> No
     r_coarse = coarse[0]["per_step"][-1]["reduce_scatter_tensor"]
     assert g_coarse * 2 < g_plain, (g_coarse, g_plain)
     assert r_coarse * 2 < r_plain, (r_coarse, r_plain)
+    # without a threshold the automatic units (auto_units.py) are the blocks too, with no leaf flag set
+    assert auto[0]["leaves"] == [] and auto[0]["units"] == coarse[0]["units"]
+    assert auto[0]["per_step"][-1] == coarse[0]["per_step"][-1]
 
 
 def ckpt_body(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     """Saved with blocks as units, loaded per module (and the reverse order of steps checked by the caller):
     the checkpoint is DeepSpeed's per-parameter layout, whatever the units."""
+    import os
+
     import deepspeed_c
 
     def engine(threshold: int) -> Any:
+        os.environ["DSC_Z3_AUTO_UNITS"] = "0"  # threshold 0: per-module units, not the automatic blocks
         config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
                   "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,

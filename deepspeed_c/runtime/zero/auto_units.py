@@ -17,7 +17,8 @@ first module on each path that qualifies:
 - at least two modules with parameters below it, itself included (a single torch leaf is a unit already);
 - its parameters, counted once, at most `cap` elements: half of stage3_max_live_parameters (a unit and
   the next one prefetched fit under the limit), and at most half of the model (a wrapper of nearly the
-  whole model is descended: units must be several for gathers to overlap compute);
+  whole model is descended: units must be several for gathers to overlap compute); with parameters on
+  NVMe, at most offload_param.buffer_size x world size (a rank's share is read into one swap-in buffer);
 - self-contained: no parameter of its subtree held by a module outside it (a tied embedding), no module
   of its subtree also registered outside it, no expert (MoE) parameter (partitioned over another group);
 - not under a user's leaf module (zero_optimization.leaf_module, set_z3_leaf_modules): that is a unit.
@@ -95,12 +96,15 @@ class _Tree:
         return all(self.parents.get(id(c), set()) <= ids for c in members if c is not m)
 
 
-def choose_unit_roots(module: torch.nn.Module, max_live_parameters: int,
-                      is_leaf: Optional[object] = None) -> list[torch.nn.Module]:
+def choose_unit_roots(module: torch.nn.Module, max_live_parameters: int, is_leaf: Optional[object] = None,
+                      max_unit: Optional[int] = None) -> list[torch.nn.Module]:
     """The modules that become one ZeRO-3 unit each (see the module docstring); `is_leaf(m)` tells a user's
-    leaf module, whose subtree is left alone."""
+    leaf module, whose subtree is left alone; `max_unit` (elements) bounds a unit further (parameters on NVMe:
+    a rank's share of a unit must fit one swap-in buffer)."""
     params = {id(p): p for p in module.parameters()}
     cap = unit_cap(sum(param_numel(p) for p in params.values()), max_live_parameters)
+    if max_unit is not None:
+        cap = min(cap, int(max_unit))
     tree = _Tree(module)
     roots: list[torch.nn.Module] = []
     seen: set[int] = set()

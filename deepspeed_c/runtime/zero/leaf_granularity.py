@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 MAX_LEAF_NUMEL = int(1e9)
 CONTAINERS = tuple(getattr(torch.nn, n) for n in ("Sequential", "ModuleList", "ModuleDict", "ParameterList",
-                                                     "ParameterDict", "Container") if hasattr(torch.nn, n))
+                                                    "ParameterDict", "Container") if hasattr(torch.nn, n))
 
 
 def param_numel(p: torch.nn.Parameter) -> int:

@@ -151,7 +151,8 @@ class ZeroParamDict(dict):
 class ParamCoordinator:
     def __init__(self, module: torch.nn.Module, store: ParamStore, *, prefetch_bucket_size: int,
                  max_live_parameters: int, max_reuse_distance: int, use_plan: bool = True,
-                 leaf_modules: Any = None, memory_efficient_linear: bool = True) -> None:
+                 leaf_modules: Any = None, memory_efficient_linear: bool = True,
+                 unit_roots: Sequence[torch.nn.Module] = ()) -> None:
         self.module = module
         self.store = store
         self.limits = dict(prefetch_bucket_size=int(prefetch_bucket_size),
@@ -165,13 +166,19 @@ class ParamCoordinator:
         names = {id(m): n for n, m in module.named_modules()}
         if leaf_modules is not None:
             mark_leaf_modules(module, leaf_modules)
-        self._leaf_children: set[int] = set()
+        # unit roots (auto_units.py) are gathered whole like leaves; a module inside one that is called while no
+        # forward of the model runs gathers its root's unit (_outside_call)
+        roots = {id(m) for m in unit_roots if m is not module}
+        self._leaf_children: dict[int, Optional[int]] = {}  # module inside a leaf or root -> the root's key
+        self._window = 0  # the largest unit of a root: the prefetch window holds at least one
         for m in module.modules():
             if id(m) in self._leaf_children:
+                self._inside_unit(m, self._leaf_children[id(m)])
                 continue
-            if _is_leaf(m):
-                self._leaf_children.update(id(c) for c in m.modules() if c is not m)
-                params = list(m.parameters())
+            whole = _is_leaf(m) or id(m) in roots
+            if whole:
+                inner = [c for c in m.modules() if c is not m]
+                params = list(m.parameters()) + [p for c in inner for p in external_parameters(c)]
             else:
                 params = [p for p in m._parameters.values() if p is not None]
             params += external_parameters(m)
@@ -179,6 +186,11 @@ class ParamCoordinator:
             if any(is_zero_param(p) for p in m._parameters.values()) and type(m._parameters) is dict:
                 m.__dict__["_parameters"] = ZeroParamDict(m._parameters, self)
             units = tuple(sorted({getattr(p, "_dsc_z3")[1] for p in params if is_zero_param(p)}))
+            if whole:
+                root_key = len(self.modules) if units and id(m) in roots else None
+                self._leaf_children.update((id(c), root_key) for c in inner)
+                if root_key is not None:
+                    self._window = max([self._window] + [store.unit_numel[u] for u in units])
             if not units and m is not module:
                 # no parameters: no hooks (a parameter it reads through another module's attribute joins
                 # the nearest running module with hooks, at worst the root)
@@ -281,6 +293,36 @@ class ParamCoordinator:
 
         return hook
 
+    def _inside_unit(self, m: torch.nn.Module, root_key: Optional[int]) -> None:
+        """A module inside a leaf or unit root: no hooks of its own. Its parameters gather on attribute access
+        inside another module's forward (ZeroParamDict); inside a unit root, a call while no forward of the
+        model runs (the user calling it directly) gathers the root's unit."""
+        if any(is_zero_param(p) for p in m._parameters.values()) and type(m._parameters) is dict:
+            m.__dict__["_parameters"] = ZeroParamDict(m._parameters, self)
+        if root_key is not None and any(True for _ in m.parameters()):
+            drop_guard(m)  # zero.Init's refusal of a call with partitioned parameters: this gathers instead
+            self._handles.append(m.register_forward_pre_hook(self._outside_call(root_key), with_kwargs=True))
+
+    def _outside_call(self, key: int) -> Any:
+        """Pre-hook of a module inside unit root `key`: inside a forward of the model it does nothing (the root,
+        or gather-on-access, has its parameters); alone, the call is a step of the root (its whole unit is
+        gathered for the call and for its backward), ended by a one-shot post-hook."""
+        pre, post = self._pre_hook(key), self._post_hook(key)
+
+        def hook(m: torch.nn.Module, args: Any, kwargs: Any) -> Any:
+            if self._running:
+                return None
+            once: list = []
+
+            def after(m: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+                once.pop().remove()
+                return post(m, args, kwargs, output)
+
+            once.append(m.register_forward_hook(after, with_kwargs=True, always_call=True))
+            return pre(m, args, kwargs)
+
+        return hook
+
     def _fired_stack(self, key: int) -> list:
         return self.__dict__.setdefault("_fired", {}).setdefault(key, [])
 
@@ -300,7 +342,9 @@ class ParamCoordinator:
         self._make_room(units)
         if self.following:
             for n, group in enumerate(self.plan.fetch_at(i)):
-                if n == 0 or self._fits(group):  # a prefetch never pushes past the live limit
+                if n == 0:  # the step's own units first: also any the plan kept but _make_room released
+                    store.fetch(units, lossy=True)
+                elif self._fits(group):  # a prefetch never pushes past the live limit
                     store.fetch(group, lossy=True)
         store.wait(units, lossy=True)  # gather-on-use: ZeRO++ may quantize or gather from hpZ's secondary
         for u in units:
@@ -405,9 +449,13 @@ class ParamCoordinator:
         # prefetches go out in batches of at least half a bucket: a per-module model otherwise prefetches one
         # unit per step, and each gather is a sync point of every rank (1.3B on 4 H100s: forward 81 -> 68 ms;
         # 0.75 or a whole bucket gave no more on 2 H200s)
+        # a unit root larger than the bucket is still prefetched, alone (DeepSpeed's prefetcher admits a first
+        # parameter over the bucket too): the window is at least one such unit deep
+        limits = dict(self.limits, prefetch_bucket_size=max(self.limits["prefetch_bucket_size"], self._window)
+                      if self.limits["prefetch_bucket_size"] > 0 else 0)
         return FetchPlan.build([list(self.units[k]) for k, _ in trace], self.store.unit_numel,
                                self.store.persistent, min_prefetch_batch=self.limits["prefetch_bucket_size"] // 2,
-                               **self.limits)
+                               **limits)
 
     def _check_same_trace(self, trace: Sequence[tuple[int, str]]) -> None:
         if self.store.world_size == 1:

@@ -22,6 +22,7 @@ import torch
 from deepspeed_c.ops.partition import PartitionPlan
 from deepspeed_c.runtime.backward_round import BucketOrderKeeping
 from deepspeed_c.runtime.optimizer_seam import EngineOptimizer, PartitionExport, SavedCheckpoint
+from deepspeed_c.runtime.zero import auto_units
 from deepspeed_c.runtime.zero.leaf_granularity import mark_leaves_by_granularity
 from deepspeed_c.runtime.zero.param_hooks import ParamCoordinator, _is_leaf, mark_leaf_modules
 from deepspeed_c.runtime.zero.param_store import ParamStore, placeholder
@@ -34,16 +35,17 @@ __all__ = ["DeepSpeedZeroOptimizer_Stage3", "build_param_store", "Zero3Params",
            "estimate_zero3_model_states_mem_needs_all_cold", "model_to_params"]
 
 
-def _owners(module: torch.nn.Module) -> dict[int, int]:
-    """Parameter -> the module whose unit holds it: its own module, or the outermost ZeRO-3 leaf above it
-    (a leaf is gathered whole, so its parameters share one unit per param group)."""
+def _owners(module: torch.nn.Module, unit_roots: Sequence[torch.nn.Module] = ()) -> dict[int, int]:
+    """Parameter -> the module whose unit holds it: its own module, or the outermost ZeRO-3 leaf or unit root
+    (auto_units.py) above it (gathered whole, so its parameters share one unit per param group)."""
     owner: dict[int, int] = {}
+    roots = {id(m) for m in unit_roots}
     index = {id(m): k for k, m in enumerate(module.modules())}
     covered: set[int] = set()
     for k, m in enumerate(module.modules()):
         if id(m) in covered:
             continue
-        if _is_leaf(m) and m is not module:
+        if (_is_leaf(m) or id(m) in roots) and m is not module:
             for c in m.modules():
                 covered.add(id(c))
             for p in m.parameters():
@@ -59,7 +61,8 @@ def _owners(module: torch.nn.Module) -> dict[int, int]:
 def build_param_store(module: torch.nn.Module, groups: Sequence[Sequence[torch.nn.Parameter]], *, rank: int,
                       world_size: int, group: Any, dtype: torch.dtype, compute_device: torch.device,
                       home_device: Optional[torch.device], pin_memory: bool, persistence_threshold: int,
-                      model_persistence_threshold: int, param_swap: Optional[dict] = None) -> ParamStore:
+                      model_persistence_threshold: int, param_swap: Optional[dict] = None,
+                      unit_roots: Sequence[torch.nn.Module] = ()) -> ParamStore:
     """The engine's store over `groups` plus a last group of every other parameter of `module`. Values come
     from whole parameters (then freed) or, for a model built under zero.Init, from its shards, one old
     unit gathered at a time (never the whole model)."""
@@ -78,8 +81,8 @@ def build_param_store(module: torch.nn.Module, groups: Sequence[Sequence[torch.n
     if param_swap is not None:  # offload_param.device nvme: the shards are mappings of swap files
         from deepspeed_c.runtime.swap_tensor.partitioned_param_swapper import NVMeParamStore as store_cls
         param_swap = dict(param_swap, trainable_groups=len(groups))  # max_in_cpu counts the optimizer's groups
-    store = store_cls(all_groups, _owners(module), rank=rank, world_size=world_size, group=group, dtype=dtype,
-                      compute_device=compute_device, home_device=home_device, pin_memory=pin_memory,
+    store = store_cls(all_groups, _owners(module, unit_roots), rank=rank, world_size=world_size, group=group,
+                      dtype=dtype, compute_device=compute_device, home_device=home_device, pin_memory=pin_memory,
                       persistence_threshold=persistence_threshold,
                       model_persistence_threshold=model_persistence_threshold, **(param_swap or {}))
     where = {id(p): (g, i) for g, params in enumerate(all_groups) for i, p in enumerate(params)}
@@ -159,11 +162,23 @@ def _attach_zeropp(store: ParamStore, zero_cfg: Any, *, rank: int, world_size: i
     return zpp
 
 
-def _coordinator(module: torch.nn.Module, store: ParamStore, zero_cfg: Any) -> ParamCoordinator:
+def _coordinator(module: torch.nn.Module, store: ParamStore, zero_cfg: Any,
+                 unit_roots: Sequence[torch.nn.Module] = ()) -> ParamCoordinator:
     return ParamCoordinator(module, store, prefetch_bucket_size=zero_cfg.prefetch_bucket_size,
                             max_live_parameters=zero_cfg.max_live_parameters,
                             max_reuse_distance=zero_cfg.max_reuse_distance, leaf_modules=zero_cfg.leaf_module,
-                            memory_efficient_linear=bool(zero_cfg.memory_efficient_linear))
+                            memory_efficient_linear=bool(zero_cfg.memory_efficient_linear), unit_roots=unit_roots)
+
+
+def _unit_roots(module: torch.nn.Module, zero_cfg: Any, store_args: dict, world_size: int) -> list[torch.nn.Module]:
+    """Leaves first (a user's leaf is a unit); then, without a granularity threshold, the automatic units."""
+    mark_leaf_modules(module, zero_cfg.leaf_module)
+    mark_leaves_by_granularity(module, zero_cfg.module_granularity_threshold)
+    if int(zero_cfg.module_granularity_threshold or 0) > 0 or not auto_units.enabled():
+        return []  # a threshold the user set is their choice of units
+    swap = store_args.get("param_swap")
+    return auto_units.choose_unit_roots(module, zero_cfg.max_live_parameters, is_leaf=_is_leaf,
+                                        max_unit=int(swap["buffer_size"]) * world_size if swap else None)
 
 
 class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (DeepSpeed's class name)
@@ -173,11 +188,10 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (Deep
                  zero_cfg: Any, **kwargs: Any) -> None:
         check_hpz_size(int(zero_cfg.zero_hpz_partition_size), kwargs["world_size"])  # before any collective
         groups = [[p for p in g["params"] if p.requires_grad] for g in init_optimizer.param_groups]
-        # leaves are known before the store is laid out: a leaf's parameters form one unit
-        mark_leaf_modules(module, zero_cfg.leaf_module)
-        mark_leaves_by_granularity(module, zero_cfg.module_granularity_threshold)
+        # leaves and unit roots are known before the store is laid out: the parameters of each form one unit
+        roots = _unit_roots(module, zero_cfg, store_args, kwargs["world_size"])
         self.store = build_param_store(module, groups, rank=kwargs["rank"], world_size=kwargs["world_size"],
-                                       group=kwargs.get("dp_process_group"), **store_args)
+                                       group=kwargs.get("dp_process_group"), unit_roots=roots, **store_args)
         # ZeRO++ before the optimizer: under qgZ its int4 all-to-all reduce-scatter is the gradient
         # partitioner's strategy from construction on
         self.zeropp = _attach_zeropp(self.store, zero_cfg, rank=kwargs["rank"], world_size=kwargs["world_size"],
@@ -187,7 +201,7 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (Deep
                          **kwargs)
         self.sub_group_size = int(zero_cfg.sub_group_size)  # DeepSpeed's checkpoint sub-groups
         self.zero_quantized_nontrainable_weights = bool(zero_cfg.zero_quantized_nontrainable_weights)
-        self.coordinator = _coordinator(module, self.store, zero_cfg)
+        self.coordinator = _coordinator(module, self.store, zero_cfg, roots)
         self._round = _Stage3Round(self.reducer, self.coordinator)
         self.store.follow_write_backs(self._master_follows_shard)
 
