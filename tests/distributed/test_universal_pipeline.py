@@ -4,7 +4,11 @@ Saved by deepspeed_c's PipelineEngine at 2 stages x DP 2, ZeRO-1, fp32, with the
 projection of tests/distributed/pipe_models.py; converted by ds_to_universal (the stages' ZeRO files and
 layer files, parameters by their layer names); loaded with checkpoint.load_universal at 2 stages x DP 1,
 4 stages x DP 1 and 1 stage, and continued: the losses equal the uninterrupted run's (the global batch,
-data-parallel degree x gradient accumulation, is the same everywhere; relative 1e-5)."""
+data-parallel degree x gradient accumulation, is the same everywhere; relative 1e-5).
+
+DeepSpeed 0.19.8's own pipeline checkpoint (2 stages x DP 2, ZeRO-1, the same layers built with
+deepspeed.pipe; tests/fixtures/deepspeed_pipeline), converted by our ds_to_universal, resumes at 1, 2 and 4
+stages with the next losses DeepSpeed's engine had resuming from it."""
 from __future__ import annotations
 
 import os
@@ -71,4 +75,50 @@ def converted(tmp_path_factory: Any) -> tuple[str, list]:
 def test_pipeline_resumes_at_other_degrees(converted: tuple, stages: int, world: int) -> None:
     root, want = converted
     got = run_distributed(resume_run, world, args=(root, stages), timeout=300)[-1]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+# -- DeepSpeed 0.19.8's pipeline checkpoint (tests/fixtures/deepspeed_pipeline, its make_fixtures.py) -----
+DS_PIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "deepspeed_pipeline")
+
+
+def resume_deepspeed_written(rank: int, world: int, folder: str, stages: int) -> list[float]:
+    import sys
+
+    import deepspeed_c
+    from deepspeed_c.pipe import PipelineModule
+
+    sys.path.insert(0, DS_PIPE)
+    import make_fixtures as fx
+
+    dp = world // stages
+    model = PipelineModule(pm.specs(True), num_stages=stages, loss_fn=pm.loss_fn)
+    cfg = fx.config(dp)
+    cfg["checkpoint"] = {"load_universal": True}
+    engine = deepspeed_c.initialize(model=model, config=cfg)[0]
+    engine.load_checkpoint(os.path.dirname(folder), tag=os.path.basename(folder))
+    batches = fx.data(fx.STEPS_BEFORE_SAVE + fx.STEPS_AFTER_RESUME)
+    gas = fx.GLOBAL_MICRO // dp
+    d = engine.grid.get_data_parallel_rank()
+    return [float(engine.train_batch(iter(batches[s][d * gas:(d + 1) * gas])))
+            for s in range(fx.STEPS_BEFORE_SAVE, fx.STEPS_BEFORE_SAVE + fx.STEPS_AFTER_RESUME)]
+
+
+@pytest.fixture(scope="module")
+def deepspeed_converted(tmp_path_factory: Any) -> str:
+    from deepspeed_c.checkpoint.ds_to_universal import main, parse_arguments
+
+    out = str(tmp_path_factory.mktemp("dspipe") / "universal")
+    main(parse_arguments(["--input_folder", os.path.join(DS_PIPE, "pp2_dp2_z1", "ckpt", "ckpt"), "--output_folder",
+                          out, "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"]))
+    return out
+
+
+@pytest.mark.parametrize("stages,world", [(1, 1), (2, 2), (4, 4)])
+def test_deepspeed_pipeline_checkpoint_resumes_at_other_degrees(deepspeed_converted: str, stages: int,
+                                                                world: int) -> None:
+    import torch
+
+    want = torch.load(os.path.join(DS_PIPE, "pp2_dp2_z1", "expected.pt"), weights_only=True)["next_losses"]
+    got = run_distributed(resume_deepspeed_written, world, args=(deepspeed_converted, stages), timeout=300)[-1]
     np.testing.assert_allclose(got, want, rtol=1e-5)
