@@ -57,13 +57,13 @@ def _gram(x: torch.Tensor, steps: int) -> torch.Tensor:
     a, b, c = NS_COEFFICIENTS
     r = torch.bmm(x, x.mT)
     q: Optional[torch.Tensor] = None
-    eye = torch.eye(x.shape[-2], dtype=x.dtype, device=x.device)
+    a_eye = a * torch.eye(x.shape[-2], dtype=x.dtype, device=x.device)
     for k in range(steps):
         if k == GRAM_RESTART and q is not None:
             x = torch.bmm(q, x)
             r = torch.bmm(x, x.mT)
             q = None
-        poly = torch.baddbmm(r, r, r, beta=b, alpha=c) + a * eye
+        poly = torch.baddbmm(r, r, r, beta=b, alpha=c).add_(a_eye)
         q = poly if q is None else torch.bmm(poly, q)
         if k < steps - 1 and k + 1 != GRAM_RESTART:
             r = torch.bmm(poly, torch.bmm(r, poly))
