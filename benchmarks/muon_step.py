@@ -122,7 +122,7 @@ def main() -> None:
     params0 = [torch.randn(s, generator=gen, device=device) * 0.02 for s in shapes]
     grads = [torch.randn(s, generator=gen, device=device) * 1e-2 for s in shapes]
     print(f"{device} {torch.cuda.get_device_name() if device.type == 'cuda' else ''}  torch {torch.__version__}  "
-          f"{len(shapes)} matrices, {numel / 1e9:.3f}B elements (GPT {args.n_layer} layers, d {args.d}), "
+          f"{len(shapes)} matrices, {numel / 1e6:.2f}M elements (GPT {args.n_layer} layers, d {args.d}), "
           f"ns_method {args.ns_method}")
     ds_cls = deepspeed_muon()
     print("correctness (one step from the same state):")
