@@ -66,3 +66,35 @@ def _bad_body(rank: int, world: int) -> str:
 def test_super_offload_below_stage_3_is_refused():
     msg = run_distributed(_bad_body, world_size=1, timeout=120)[0]
     assert "zero_optimization.offload_optimizer.super_offload' needs ZeRO stage 3" in msg, msg
+
+
+def _zero_grad_body(rank: int, world: int, clip: float) -> dict:
+    """A backward whose step never comes (zero_grad instead): the speculative update is undone, so the next
+    steps equal a run that never had that backward (with a snapshot bit for bit; without one, when nothing
+    could have rolled the step back, by inverting the update: within fp32 rounding)."""
+    from tests.distributed.zenflow_models import batch
+
+    cfg = ds_config(3, offload={"device": "cpu", "super_offload": True}, clip=clip)
+    ref, e0 = train(rank, world, cfg, 3)
+    w0 = flat_weights(e0).numpy()
+    e0.destroy()
+    _, e1 = train(rank, world, cfg, 0)
+    x, y = batch(99, rank, world)
+    e1.backward(e1(x, y))
+    e1.optimizer.zero_grad()
+    got, e1 = train(rank, world, cfg, 3, engine=e1)
+    w1 = flat_weights(e1).numpy()
+    e1.destroy()
+    return {"ref": ref, "got": got, "w0": w0, "w1": w1}
+
+
+@pytest.mark.parametrize("clip", [1.0, 0.0], ids=["snapshot", "inverse"])
+def test_zero_grad_without_step_undoes_the_speculation(clip):
+    out = run_distributed(_zero_grad_body, world_size=2, args=(clip,), timeout=300)
+    for r in out:
+        if clip:
+            np.testing.assert_array_equal(r["got"], r["ref"])
+            np.testing.assert_array_equal(r["w1"], r["w0"])
+        else:
+            np.testing.assert_allclose(r["got"], r["ref"], rtol=1e-5)
+            np.testing.assert_allclose(r["w1"], r["w0"], rtol=1e-4, atol=1e-5)

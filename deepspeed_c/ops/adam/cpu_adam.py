@@ -89,13 +89,13 @@ class DeepSpeedCPUAdam(CPUOptimizerBase):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                _adam_inverse(p.detach(), p.grad, state["exp_avg"], state["exp_avg_sq"], group, int(state["step"]),
+                adam_inverse(p.detach(), p.grad, state["exp_avg"], state["exp_avg_sq"], group, int(state["step"]),
                               self.adam_w_mode)
                 state["step"] -= 1
         return loss
 
 
-def _adam_inverse(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, group: dict[str, Any],
+def adam_inverse(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, group: dict[str, Any],
                   step: int, adamw_mode: bool) -> None:
     """p, m, v as they were before the Adam step number `step` that took `grad` (in place)."""
     beta1, beta2 = group["betas"]

@@ -19,7 +19,9 @@ class SuperOffloadOptimizer_Stage3(DeepSpeedZeroOptimizer_Stage3):  # noqa: N801
             raise ValueError("zero_optimization.offload_optimizer.super_offload needs offload_optimizer.device 'cpu'")
         super().__init__(*args, **kwargs)
         assert isinstance(self.offload, SpeculativeOffload)
-        self.offload.set_speculation(lambda: 1.0 / self._scale_used)
+        # a snapshot for rollbacks only when a step can disagree with the speculation
+        may_roll_back = self.clip_grad > 0.0 or self.loss_scaler is not None or self.check_overflow
+        self.offload.set_speculation(lambda: 1.0 / self._scale_used, may_roll_back=may_roll_back)
 
     def _offload_class(self) -> type:
         return SpeculativeOffload

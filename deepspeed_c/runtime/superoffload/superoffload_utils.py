@@ -25,10 +25,9 @@ class SpeculativeOffload(CPUOffload):
             raise ValueError("offload_optimizer.super_offload steps with the C CPU optimizers (DeepSpeedCPUAdam); "
                              f"got {type(self.optimizer).__name__}")
         self.spec_coef: Callable[[], float] = lambda: 1.0
-        pin = self.cuda
         # what a rollback restores: each chunk's master and moments as they were before its speculative step
-        self.backup = [{k: torch.empty(n, dtype=torch.float32, pin_memory=pin) for k in ("master", *self.optimizer.MOMENTS)}
-                       for n in self.sizes]
+        # (allocated by set_speculation when a step can be rolled back at all)
+        self.backup: Optional[list[dict[str, torch.Tensor]]] = None
         self.stepped: list[tuple[int, int, int]] = []  # (group, start, end) speculatively stepped
         self.bumped: set[int] = set()  # groups whose step count this speculation advanced
         self.coef_used: Optional[float] = None
@@ -39,9 +38,18 @@ class SpeculativeOffload(CPUOffload):
         self.commits = 0
         self.rollbacks = 0
 
-    def set_speculation(self, coef: Callable[[], float]) -> None:
-        """The coefficient the speculative step assumes (1 / the loss scale of the running backward)."""
+    def set_speculation(self, coef: Callable[[], float], may_roll_back: bool = True) -> None:
+        """The coefficient the speculative step assumes (1 / the loss scale of the running backward), and
+        whether a step can disagree with it at all (gradient clipping, loss scaling or an overflow check):
+        without, every speculative step commits and no snapshot is taken (zero_grad without a step then
+        inverts the update arithmetically, see rollback)."""
         self.spec_coef = coef
+        if may_roll_back and self.backup is None:
+            pin = self.cuda
+            self.backup = [{k: torch.empty(n, dtype=torch.float32, pin_memory=pin)
+                            for k in ("master", *self.optimizer.MOMENTS)} for n in self.sizes]
+        elif not may_roll_back:
+            self.backup = None
 
     # -- backward: each final chunk staged, then stepped speculatively ---------------------------------
     def _stage_chunk(self, g: int, start: int, end: int, chunk: torch.Tensor) -> None:
@@ -79,10 +87,11 @@ class SpeculativeOffload(CPUOffload):
             opt.ds_opt_op.bump_steps([state["step"]])
             self.bumped.add(g)
         step = int(state["step"].item())
-        keep = self.backup[g]
-        keep["master"][start:end].copy_(master.detach()[start:end])
-        for k in opt.MOMENTS:
-            keep[k][start:end].copy_(state[k][start:end])
+        if self.backup is not None:
+            keep = self.backup[g]
+            keep["master"][start:end].copy_(master.detach()[start:end])
+            for k in opt.MOMENTS:
+                keep[k][start:end].copy_(state[k][start:end])
         self.stepped.append((g, start, end))
         self.coef_used = coef
         host = self.host_grads[g]
@@ -124,8 +133,18 @@ class SpeculativeOffload(CPUOffload):
         opt = self.optimizer
         for g, start, end in self.stepped:
             state = opt.state[self.masters[g]]
+            master = self.masters[g].detach()
+            if self.backup is None:  # no snapshot (nothing could make the step disagree): invert the update
+                from deepspeed_c.ops.adam.cpu_adam import adam_inverse
+
+                host = self.host_grads[g]
+                assert host is not None
+                adam_inverse(master[start:end], host[start:end], state["exp_avg"][start:end],
+                              state["exp_avg_sq"][start:end], opt.param_groups[g], int(state["step"].item()),
+                              bool(getattr(opt, "adam_w_mode", True)))
+                continue
             keep = self.backup[g]
-            self.masters[g].detach()[start:end].copy_(keep["master"][start:end])
+            master[start:end].copy_(keep["master"][start:end])
             for k in opt.MOMENTS:
                 state[k][start:end].copy_(keep[k][start:end])
         for g in self.bumped:

@@ -49,7 +49,14 @@ class ZenFlowStep(ZeroStepStrategy):
         self.ranges = [[chunk_range(plan, b, world_size) for b in range(plan.num_buckets)] for plan in plans]
         pin = pin_memory and self.device.type == "cuda"
         sizes = [m.numel() for m in self.masters]
-        self.acc = [torch.zeros(n, dtype=torch.float32, device=self.device) for n in sizes]
+        # two accumulators on a GPU: one takes the gradients while the other's copy to the host (on a side
+        # stream) and its zeroing finish, so the step never waits for that copy
+        cuda = self.device.type == "cuda"
+        self.acc_sets = [[torch.zeros(n, dtype=torch.float32, device=self.device) for n in sizes]
+                         for _ in range(2 if cuda else 1)]
+        self.cur = 0
+        self.zeroed: list[Any] = [None] * len(self.acc_sets)  # events: that set's copy and zeroing are done
+        self.side = torch.cuda.Stream(self.device) if cuda else None
         self.acc_host = [torch.empty(n, dtype=torch.float32, pin_memory=pin) if self.device.type != "cpu" else None
                          for n in sizes]
         self.lp_host = [torch.empty(n, dtype=self.lp_dtype, pin_memory=pin) for n in sizes]
@@ -84,6 +91,9 @@ class ZenFlowStep(ZeroStepStrategy):
     def apply(self, parts: Sequence[torch.Tensor], coef: float) -> None:
         t = self.steps
         self.steps += 1
+        if self.zeroed[self.cur] is not None:
+            torch.cuda.current_stream().wait_event(self.zeroed[self.cur])
+            self.zeroed[self.cur] = None
         for acc, part in zip(self.acc, parts):
             acc.add_(part, alpha=coef)
         self.accumulated += 1
@@ -174,22 +184,30 @@ class ZenFlowStep(ZeroStepStrategy):
         background with its result applied at the next boundary (the previous one's result first)."""
         self._finish_pending()
         n = max(1, self.accumulated)
-        grads = []
-        for g, acc in enumerate(self.acc):
-            if n != 1:
+        accs = self.acc
+        if n != 1:
+            for acc in accs:
                 acc.mul_(1.0 / n)
-            host = self.acc_host[g]
-            if host is None:  # CPU run: the accumulator is host memory already; step a copy, keep accumulating
-                host = acc.clone()
-            else:
-                host.copy_(acc, non_blocking=True)
-            grads.append(host)
-            acc.zero_()
         self.accumulated = 0
         copied = None
-        if self.device.type == "cuda":
-            copied = torch.cuda.Event()
-            copied.record()
+        if self.side is None:  # CPU run: the accumulator is host memory already; the host steps a copy
+            grads = [acc.clone() for acc in accs]
+            for acc in accs:
+                acc.zero_()
+        else:
+            grads = [h for h in self.acc_host if h is not None]
+            self.side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.side):
+                for host, acc in zip(grads, accs):
+                    host.copy_(acc, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record()
+                for acc in accs:
+                    acc.zero_()
+                zeroed = torch.cuda.Event()
+                zeroed.record()
+            self.zeroed[self.cur] = zeroed
+            self.cur = (self.cur + 1) % len(self.acc_sets)
         groups = [dict(g) for g in self.optimizer.param_groups]  # lr as of this step
         if sync:
             self._host_adam(groups, grads, copied)
@@ -197,6 +215,11 @@ class ZenFlowStep(ZeroStepStrategy):
         else:
             assert self.pool is not None
             self.pending = self.pool.submit(self._host_adam, groups, grads, copied)
+
+    @property
+    def acc(self) -> list[torch.Tensor]:
+        """The accumulator taking this interval's gradients."""
+        return self.acc_sets[self.cur]
 
     def _host_adam(self, groups: list[dict[str, Any]], grads: list[torch.Tensor], copied: Any) -> None:
         if copied is not None:
@@ -279,8 +302,12 @@ class ZenFlowStep(ZeroStepStrategy):
         self.forget()
         for m, lp in zip(self.masters, self.dev_lp):
             lp.copy_(m.detach().to(self.lp_dtype))
-        for a in self.acc:
-            a.zero_()
+        if self.side is not None:
+            self.side.synchronize()
+        self.zeroed = [None] * len(self.acc_sets)
+        for accs in self.acc_sets:
+            for a in accs:
+                a.zero_()
         self.accumulated = 0
         if sd is None:
             return
