@@ -19,10 +19,6 @@ from typing import Iterator, Optional
 
 RUNTIME = pathlib.Path(__file__).resolve().parents[2] / "deepspeed_c" / "runtime"
 
-# Files another change is rewriting right now (the mixed-precision optimizer and the ZeRO 1/2 optimizer with
-# its engine glue); they are walked again once that work lands: the lead removes this set then.
-PENDING_OTHER_WORK = {"precision.py", "zero/stage_1_and_2.py", "engine/accessors.py", "zero/engine_glue.py"}
-PENDING_PREFIXES = ("precision", "mixed_precision")  # new runtime/precision*.py, runtime/mixed_precision*.py
 
 # -- (a) writes -------------------------------------------------------------------------------------------
 # torch's tensor API: a gradient or a storage swap is set on the tensor (p.grad = ..., p.data = ...).
@@ -93,10 +89,6 @@ def _is_module(dotted: str) -> bool:
         return importlib.util.find_spec(dotted) is not None
     except (ImportError, ValueError, AttributeError):
         return False
-
-
-def _pending(rel: str) -> bool:
-    return rel in PENDING_OTHER_WORK or ("/" not in rel and rel.startswith(PENDING_PREFIXES))
 
 
 def _files() -> list[tuple[str, ast.Module]]:
@@ -323,8 +315,6 @@ def _scan_trees(trees: list[tuple[str, ast.Module]]) -> tuple[list[str], list[st
     fields = _record_fields(trees, _dataclasses(trees))
     writes, reads = [], []
     for rel, tree in trees:
-        if _pending(rel):
-            continue
         scan = _Scan(rel, tree, fields, constants)
         scan.visit(tree)
         writes += scan.writes

@@ -320,6 +320,10 @@ class DeepSpeedConfig:
         if gradient_accumulation_steps is not None:
             self.gradient_accumulation_steps = gradient_accumulation_steps
 
+    def set_communication_data_type(self, value: Optional[torch.dtype]) -> None:
+        """engine.communication_data_type = dtype (DeepSpeed's engine lets a client change the wire dtype)."""
+        self.communication_data_type = value
+
     def set_gradient_clipping(self, value: float) -> None:
         """The pipeline engine builds its optimizers without clipping (it clips with the pipeline-wide norm
         itself) and puts the configured value back afterwards."""

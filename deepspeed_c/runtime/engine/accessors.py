@@ -226,7 +226,7 @@ class EngineConfigAccessors:
 
     @communication_data_type.setter
     def communication_data_type(self, value: torch.dtype) -> None:
-        self._config.communication_data_type = value
+        self._config.set_communication_data_type(value)
 
     def postscale_gradients(self) -> bool:
         return not self._config.prescale_gradients
