@@ -27,6 +27,7 @@ class CheckpointOptions:
     ds_config: dict
     load_universal: bool = False
     writer: Optional[Any] = None  # checkpoint.writer parsed (async_writer.WriterConfig); None: synchronous
+    gradient_clipping: float = 0.0  # the configured value (a pipeline's ZeRO files carry it, as DeepSpeed's)
 
     @classmethod
     def from_config(cls, config: Any) -> "CheckpointOptions":
@@ -39,7 +40,8 @@ class CheckpointOptions:
                    bf16=bool(config.bfloat16_enabled), zero_stage=int(config.zero_optimization_stage),
                    ds_config=config.user_dict,
                    load_universal=bool(getattr(config, "load_universal_checkpoint", False)),
-                   writer=WriterConfig.parse(config.checkpoint_config.writer))
+                   writer=WriterConfig.parse(config.checkpoint_config.writer),
+                   gradient_clipping=float(config.gradient_clipping or 0.0))
 
     @property
     def zero(self) -> bool:

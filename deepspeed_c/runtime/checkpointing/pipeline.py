@@ -110,6 +110,10 @@ class PipeCheckpointer:
         names = {id(p): n for n, p in module.named_parameters()}
         # ZeRO-1: building this rank's partition is collective, so it happens outside the rank-local step
         part = save_partition(stepper, lambda p: names[id(p)]) if stepper is not None else None
+        if part is not None and "clip_grad" in part[1]:
+            # the stage's optimizer runs unclipped (the executor clips with the pipeline-wide norm); DeepSpeed's
+            # files carry the configured value, and its loader sets its clipping from them
+            part[1]["clip_grad"] = self.options.gradient_clipping
         mine: dict[str, dict] = {}
 
         def write(name: str, obj: dict) -> None:
