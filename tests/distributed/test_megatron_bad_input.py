@@ -1,7 +1,7 @@
 """Bad client mpus are refused at initialize with errors that name the problem (issue 54), 4 gloo ranks:
 a missing protocol method (named), data-parallel groups that do not partition the world, sizes whose
 product is not the world size, and a model-parallel axis wider than the tensor axis (pipeline stages in
-the engine's mpu). Every rank raises (no rank is left waiting in a collective)."""
+the engine's mpu); and node-local checkpoint storage with mp_rank files (not built). Every rank raises (no rank is left waiting in a collective)."""
 from __future__ import annotations
 
 import torch
@@ -56,7 +56,7 @@ class PipeInMpu(mm.MegatronMPU):
         return 0
 
 
-def body(rank: int, world: int) -> dict:
+def body(rank: int, world: int, tmp: str) -> dict:
     import deepspeed_c
 
     cfg = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9,
@@ -70,12 +70,20 @@ def body(rank: int, world: int) -> dict:
             out[name] = ("accepted", "")
         except (TypeError, ValueError, NotImplementedError) as e:
             out[name] = (type(e).__name__, str(e))
+    mpu = mm.MegatronMPU(tp=2)  # a good mpu, but node-local checkpoint storage: not built for mp_rank files
+    engine, *_ = deepspeed_c.initialize(model=mm.MegatronGPT(mpu.context()), mpu=mpu,
+                                        config=dict(cfg, checkpoint={"use_node_local_storage": True}))
+    try:
+        engine.save_checkpoint(tmp, tag="t")
+        out["node_local"] = ("accepted", "")
+    except NotImplementedError as e:
+        out["node_local"] = (type(e).__name__, str(e))
     torch.distributed.barrier()
     return out
 
 
-def test_bad_mpus_are_refused_naming_the_problem():
-    for rank, r in enumerate(run_distributed(body, 4, timeout=300)):
+def test_bad_mpus_are_refused_naming_the_problem(tmp_path):
+    for rank, r in enumerate(run_distributed(body, 4, args=(str(tmp_path),), timeout=300)):
         kind, msg = r["missing"]
         assert kind == "TypeError" and "['get_data_parallel_rank']" in msg, msg
         kind, msg = r["overlap"]
@@ -84,3 +92,5 @@ def test_bad_mpus_are_refused_naming_the_problem():
         assert kind == "ValueError" and "data-parallel size 1 x model-parallel size 2 = 2, but the world size is 4" in msg
         kind, msg = r["pipe"]
         assert kind == "NotImplementedError" and "PipelineModule" in msg, msg
+        kind, msg = r["node_local"]
+        assert kind == "NotImplementedError" and "use_node_local_storage" in msg, msg

@@ -93,6 +93,11 @@ class EngineCheckpointer:
              exclude_frozen_parameters: bool) -> bool:
         # every check before the first collective, on every rank: a bad argument raises everywhere
         save_dir = check_dir_arg("save_checkpoint", "save_dir", save_dir)
+        if st.mp_world_size > 1 and self.options.node_local_storage:
+            # each model-parallel rank's files would stay on the node of its data-parallel rank 0 only
+            raise NotImplementedError("save_checkpoint: checkpoint.use_node_local_storage with a model-parallel mpu "
+                                      f"(model-parallel size {st.mp_world_size}, mp_rank_XX files) is not built; "
+                                      "save to shared storage")
         tag = f"global_step{st.train_state.global_steps}" if tag is None else str(tag)
         if not tag or os.sep in tag or tag.startswith("."):
             raise ValueError(f"save_checkpoint: tag {tag!r} must be a non-empty name without '{os.sep}' or a "
