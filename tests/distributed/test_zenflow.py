@@ -21,13 +21,13 @@ def _pair_body(rank: int, world: int, stage: int, zen: dict, steps: int) -> dict
     plain, e0 = train(rank, world, ds_config(stage), steps)
     w0 = flat_weights(e0).numpy()
     zf, e1 = train(rank, world, ds_config(stage, zenflow=zen), steps)
-    assert type(e1.optimizer).__name__ == "ZenFlowZeroOptimizer"
+    assert type(e1.optimizer).__name__ == ("ZenFlowZeroOptimizer_Stage3" if stage == 3 else "ZenFlowZeroOptimizer")
     w1 = flat_weights(e1).numpy()
     e1.destroy()
     return {"plain": plain, "zen": zf, "w_plain": w0, "w_zen": w1}
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_update_interval_1_equals_plain_offload(stage):
     out = run_distributed(_pair_body, world_size=2, args=(stage, ONE, 8), timeout=300)
     for r in out:
@@ -36,26 +36,27 @@ def test_update_interval_1_equals_plain_offload(stage):
     np.testing.assert_array_equal(out[0]["w_zen"], out[1]["w_zen"])  # the ranks hold one model
 
 
-def _tune_body(rank: int, world: int, zen: dict) -> dict:
+def _tune_body(rank: int, world: int, zen: dict, stage: int) -> dict:
     from tests.distributed.zenflow_models import pretrained_gpt
 
     model = pretrained_gpt()
-    plain, _ = train(rank, world, ds_config(2, lr=1e-3), 200, model=model, rule=2)
-    zf, e = train(rank, world, ds_config(2, zenflow=zen, lr=1e-3), 200, model=model, rule=2)
+    plain, _ = train(rank, world, ds_config(stage, lr=1e-3), 200, model=model, rule=2)
+    zf, e = train(rank, world, ds_config(stage, zenflow=zen, lr=1e-3), 200, model=model, rule=2)
     e.destroy()
     return {"plain": np.asarray(plain).reshape(-1, 25).mean(1), "zen": np.asarray(zf).reshape(-1, 25).mean(1)}
 
 
-@pytest.mark.parametrize("zen,default_knobs", [
-    ({}, True), ({"overlap_step": True}, True),
-    ({"update_interval": 4, "overlap_step": True, "select_strategy": "step", "select_interval": 40}, False)],
-    ids=["defaults", "defaults-overlap", "interval4-overlap-reselect"])
-def test_fine_tune_tracks_plain_offload(zen, default_knobs):
+@pytest.mark.parametrize("zen,default_knobs,stage", [
+    ({}, True, 2), ({"overlap_step": True}, True, 2),
+    ({"update_interval": 4, "overlap_step": True, "select_strategy": "step", "select_interval": 40}, False, 2),
+    ({"overlap_step": True}, True, 3)],
+    ids=["defaults", "defaults-overlap", "interval4-overlap-reselect", "stage3-defaults-overlap"])
+def test_fine_tune_tracks_plain_offload(zen, default_knobs, stage):
     """The stated tolerance, over 25-step windows of a 200-step fine-tune (pretrained on one rule, tuned to
     another): with DeepSpeed's default knobs ZenFlow's window means stay within 2.5x plain offload's + 0.05
     nats and its last window within 0.05 nats (measured: at most 2.2x, last window +0.03); a host step only
     every 4 steps (and reselection every 40) lags more (measured 5.6x, +0.08): within 6x + 0.05 and 0.1 nats."""
-    r = run_distributed(_tune_body, world_size=2, args=(zen,), timeout=600)[0]
+    r = run_distributed(_tune_body, world_size=2, args=(zen, stage), timeout=600)[0]
     plain, zf = r["plain"], r["zen"]
     assert plain[-1] < 0.1 * plain[0], f"the fine-tune does not learn: {plain}"
     assert zf[-1] < 0.1 * zf[0], f"ZenFlow does not learn: {zf}"
@@ -64,11 +65,11 @@ def test_fine_tune_tracks_plain_offload(zen, default_knobs):
     assert abs(zf[-1] - plain[-1]) <= last, (zf, plain)
 
 
-def _resume_body(rank: int, world: int, ckpt: str) -> dict:
+def _resume_body(rank: int, world: int, ckpt: str, stage: int) -> dict:
     import torch.distributed as dist
 
     zen = {"update_interval": 3, "overlap_step": True, "select_strategy": "step", "select_interval": 6}
-    cfg = ds_config(2, zenflow=zen)
+    cfg = ds_config(stage, zenflow=zen)
     full, e_full = train(rank, world, cfg, 10)
     w_full = flat_weights(e_full).numpy()
     e_full.destroy()
@@ -84,8 +85,9 @@ def _resume_body(rank: int, world: int, ckpt: str) -> dict:
     return {"full": full, "resumed": first + rest, "w_full": w_full, "w_res": w_res}
 
 
-def test_checkpoint_resumes_with_accumulated_state(tmp_path):
-    out = run_distributed(_resume_body, world_size=2, args=(str(tmp_path / "ck"),), timeout=300)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_checkpoint_resumes_with_accumulated_state(tmp_path, stage):
+    out = run_distributed(_resume_body, world_size=2, args=(str(tmp_path / "ck"), stage), timeout=300)
     for r in out:
         np.testing.assert_array_equal(r["resumed"], r["full"])
         np.testing.assert_array_equal(r["w_res"], r["w_full"])

@@ -79,3 +79,11 @@ def test_super_offload_keys_at_stage_3():
     assert cfg.offload_optimizer.super_offload is True and cfg.offload_optimizer.cpuadam_cores_perc == 0.5
     with pytest.raises(DeepSpeedConfigError, match=r"offload_optimizer\.cpuadam_cores_perc"):
         _zero(stage=3, offload_optimizer={"device": "cpu", "super_offload": True, "cpuadam_cores_perc": 1.5})
+
+
+def test_zenflow_offload_and_super_offload_combinations():
+    with pytest.raises(NotImplementedError, match=r"zero_optimization\.zenflow\.offload"):
+        _zero(stage=2, offload_optimizer=OFF, zenflow={"offload": True})
+    with pytest.raises(DeepSpeedConfigError, match="cannot be used together"):
+        _zero(stage=3, offload_optimizer={"device": "cpu", "super_offload": True}, zenflow={})
+    assert _zero(stage=3, offload_optimizer=OFF, zenflow={}).zenflow is not None  # stage 3 is built

@@ -39,6 +39,9 @@ FLAT_GROUPS = "fp32_flat_groups"
 MIN_ROUND = 1 << 20
 
 
+ZENFLOW_KEY = "zenflow"  # runtime/zenflow: carried beside DeepSpeed's stage-3 fields
+
+
 def model_file_name(dp_rank: int) -> str:
     return f"zero_pp_rank_{dp_rank}_mp_rank_00_model_states.pt"
 
@@ -136,6 +139,8 @@ def optimizer_file_state(ex: Any) -> dict:
         "partition_count": world,
         "optimizer_state_dict": {"state": state, "param_groups": param_groups},
         FLAT_GROUPS: flat_groups,
+        # ZenFlow's own rank-local state (accumulated gradient, selected columns), when the optimizer has one
+        **({ZENFLOW_KEY: sd[ZENFLOW_KEY]} if ZENFLOW_KEY in sd else {}),
     }
 
 
@@ -248,6 +253,8 @@ class Stage3Files:
             "base_optimizer_state": {"state": state, "param_groups": base_groups},
             FP32_KEY: masters,
         }
+        if ZENFLOW_KEY in osd:
+            part[ZENFLOW_KEY] = osd[ZENFLOW_KEY]
         return part, MappedPages(obj, mapped)
 
     def keys(self, part: dict) -> list[list[str]]:

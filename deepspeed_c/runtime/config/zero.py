@@ -207,9 +207,14 @@ def _check_fast_offload(cfg: DeepSpeedZeroConfig) -> None:
         if not on_cpu:
             raise DeepSpeedConfigError(f"Zenflow must be used with cpu offload: '{path}.zenflow' needs "
                                        f"'{path}.offload_optimizer.device' = 'cpu'")
-        if cfg.stage not in (1, 2):
-            raise unbuilt(f"{path}.zenflow", f"ZenFlow at ZeRO stage {cfg.stage} (deepspeed_c runs it at stages 1 "
-                                             f"and 2)")
+        if cfg.stage not in (1, 2, 3):
+            raise unbuilt(f"{path}.zenflow", f"ZenFlow at ZeRO stage {cfg.stage} (DeepSpeed and deepspeed_c run it at "
+                                             f"stages 1, 2 and 3)")
+        if cfg.zenflow.offload:
+            raise unbuilt(f"{path}.zenflow.offload", "ZenFlow's selected-column moments kept in host memory")
+        if off is not None and off.super_offload:
+            raise DeepSpeedConfigError(f"Config keys '{path}.zenflow' and '{path}.offload_optimizer.super_offload' "
+                                       f"cannot be used together (two different offload steps)")
     if off is not None and off.super_offload:
         if cfg.stage != ZeroStageEnum.weights:
             raise DeepSpeedConfigError(f"Config key '{path}.offload_optimizer.super_offload' needs ZeRO stage 3 "

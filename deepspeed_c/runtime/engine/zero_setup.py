@@ -92,10 +92,17 @@ def configure_zero_optimizer(engine: Any, config: Any, should_reduce_at_boundary
         from deepspeed_c.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
         stage3_cls: Any = DeepSpeedZeroOptimizer_Stage3
+        extra3: dict[str, Any] = {}
         if offload is not None and offload.super_offload:  # the host step speculates during backward
             from deepspeed_c.runtime.superoffload.superoffload_stage3 import SuperOffloadOptimizer_Stage3 as stage3_cls
+        elif zero_cfg.zenflow is not None:
+            from deepspeed_c.runtime.zenflow.engine_stage3 import ZenFlowZeroOptimizer_Stage3 as stage3_cls
+            from deepspeed_c.runtime.zenflow.zenflow_config import resolve_schedule
+
+            loader = engine.training_dataloader
+            extra3["zenflow"] = resolve_schedule(zero_cfg.zenflow, len(loader) if loader is not None else None)
         optimizer = stage3_cls(engine.module, basic, store_args=_store_args(engine, zero_cfg), zero_cfg=zero_cfg,
-                               sequence_parallel_size=sp, **common)
+                               sequence_parallel_size=sp, **common, **extra3)
     else:
         zero_cls: Any = DeepSpeedZeroOptimizer
         extra: dict[str, Any] = {}

@@ -3,11 +3,13 @@ ZeRO-Offload whose step is ZenFlowStep (zenflow_step.py). The partitioning, redu
 clipping and weight gathers are the stage 1/2 optimizer's; the host side keeps the offload's side stream
 but stages nothing per step (the accumulator lives on the device and goes to the host once per update).
 Checkpoints carry ZenFlow's state (`zenflow` in the optimizer state: the accumulated gradient, the
-selected columns and their device moments) after the host step in flight has been applied."""
+selected columns and their device moments). ZenFlowMixin is what stage 3 (engine_stage3.py) shares."""
 from __future__ import annotations
 
 import contextlib
 from typing import Any, Optional
+
+import torch
 
 from deepspeed_c.ops.cpu_optimizer_base import CPUOptimizerBase
 from deepspeed_c.runtime.zenflow.zenflow_config import ZenFlowSchedule
@@ -19,38 +21,41 @@ from deepspeed_c.utils.logging import logger
 ZENFLOW_STATE = "zenflow"
 
 
-class ZenFlowZeroOptimizer(DeepSpeedZeroOptimizer):
+class ZenFlowMixin:
+    """ZenFlow over a ZeRO optimizer (DeepSpeedZeroOptimizer or its stage 3): put first in the bases."""
 
-    def __init__(self, init_optimizer: Any, *, zenflow: ZenFlowSchedule, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, zenflow: ZenFlowSchedule, **kwargs: Any) -> None:
         if kwargs.get("offload_device") != "cpu" or kwargs.get("nvme_offload") is not None:
             raise ValueError("Zenflow must be used with cpu offload (zero_optimization.offload_optimizer.device "
                              "'cpu')")
-        if not isinstance(init_optimizer, CPUOptimizerBase) or not init_optimizer.MOMENTS == ("exp_avg",
-                                                                                               "exp_avg_sq"):
+        opt = next((a for a in args if isinstance(a, torch.optim.Optimizer)), None)
+        if not isinstance(opt, CPUOptimizerBase) or opt.MOMENTS != ("exp_avg", "exp_avg_sq"):
             raise ValueError(f"zero_optimization.zenflow steps with the C CPU Adam (DeepSpeedCPUAdam: optimizer type "
-                             f"Adam or AdamW with offload_optimizer); got {type(init_optimizer).__name__}")
+                             f"Adam or AdamW with offload_optimizer); got {type(opt).__name__}")
         self.zenflow_schedule = zenflow
         self.zenflow_step: Optional[ZenFlowStep] = None
         kwargs["offload_stage_on_host"] = False  # no per-step gradient copy: the accumulator is on the device
-        super().__init__(init_optimizer, **kwargs)
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
 
     def _step_strategy(self, epilogue: Any) -> ZeroStepStrategy:
         if self.zenflow_step is None:
-            self.zenflow_step = ZenFlowStep(self.optimizer, self.fp32_partitions, self.partition_plans,
-                                            self.bit16_groups, self.gatherer, self.zenflow_schedule, rank=self.rank,
+            shapes = [[getattr(p, "ds_shape", p.shape) for p in ps] for ps in self.bit16_groups]
+            self.zenflow_step = ZenFlowStep(self.optimizer, self.fp32_partitions, self.partition_plans, shapes,
+                                            self.gatherer, self.zenflow_schedule, rank=self.rank,
                                             world_size=self.world_size, group=self.dp_process_group,
-                                            pin_memory=True)
+                                            device=self.bit16_groups[0][0].device,
+                                            lp_dtype=self.bit16_groups[0][0].dtype, pin_memory=True)
         return self.zenflow_step
 
     @contextlib.contextmanager
     def _resident(self) -> Any:
         if self.zenflow_step is not None:
             self.zenflow_step.settle()
-        with super()._resident():
+        with super()._resident():  # type: ignore[misc]
             yield
 
     def state_dict(self, clone_masters: bool = True) -> dict[str, Any]:
-        sd = super().state_dict(clone_masters=clone_masters)  # settles first (its _resident)
+        sd = super().state_dict(clone_masters=clone_masters)  # type: ignore[misc]  (settles first)
         assert self.zenflow_step is not None
         sd[ZENFLOW_STATE] = dict(self.zenflow_step.state_dict(), rank=self.rank, world_size=self.world_size)
         return sd
@@ -59,7 +64,7 @@ class ZenFlowZeroOptimizer(DeepSpeedZeroOptimizer):
                         load_from_fp32_weights: bool = True) -> None:
         assert self.zenflow_step is not None
         self.zenflow_step.forget()
-        super().load_state_dict(state_dict, load_optimizer_states=load_optimizer_states,
+        super().load_state_dict(state_dict, load_optimizer_states=load_optimizer_states,  # type: ignore[misc]
                                 load_from_fp32_weights=load_from_fp32_weights)
         saved = state_dict.get(ZENFLOW_STATE) if load_optimizer_states else None
         if saved is not None and (saved.get("rank"), saved.get("world_size")) != (self.rank, self.world_size):
@@ -71,4 +76,8 @@ class ZenFlowZeroOptimizer(DeepSpeedZeroOptimizer):
     def destroy(self) -> None:
         if self.zenflow_step is not None:
             self.zenflow_step.close()
-        super().destroy()
+        super().destroy()  # type: ignore[misc]
+
+
+class ZenFlowZeroOptimizer(ZenFlowMixin, DeepSpeedZeroOptimizer):
+    """ZeRO stage 1/2 with ZenFlow."""

@@ -32,8 +32,10 @@ from deepspeed_c.runtime.zero.step_strategy import Decide, GradNorm, ZeroStepStr
 class ZenFlowStep(ZeroStepStrategy):
 
     def __init__(self, optimizer: Any, masters: Sequence[torch.Tensor], plans: Sequence[PartitionPlan],
-                 params: Sequence[Sequence[torch.nn.Parameter]], writer: Any, schedule: ZenFlowSchedule, *,
-                 rank: int, world_size: int, group: Any, pin_memory: bool) -> None:
+                 shapes: Sequence[Sequence[torch.Size]], writer: Any, schedule: ZenFlowSchedule, *,
+                 rank: int, world_size: int, group: Any, device: torch.device, lp_dtype: torch.dtype,
+                 pin_memory: bool) -> None:
+        """shapes: each group's parameters' full shapes (plan order); device, lp_dtype: the model's."""
         self.optimizer = optimizer  # the C CPU Adam over the host masters
         self.masters = list(masters)
         self.plans = list(plans)
@@ -41,11 +43,11 @@ class ZenFlowStep(ZeroStepStrategy):
         self.sched = schedule
         self.world_size = world_size
         self.group = group
-        self.device = params[0][0].device
-        self.lp_dtype = params[0][0].dtype
+        self.device = device
+        self.lp_dtype = lp_dtype
         self.views = [GroupSlices([(i, pstart, lstart, n) for i, _, pstart, lstart, n, _ in
-                                   plan.slices("runtime", rank)], [p.shape for p in ps])
-                      for plan, ps in zip(plans, params)]
+                                   plan.slices("runtime", rank)], [torch.Size(s) for s in ss])
+                      for plan, ss in zip(plans, shapes)]
         self.ranges = [[chunk_range(plan, b, world_size) for b in range(plan.num_buckets)] for plan in plans]
         pin = pin_memory and self.device.type == "cuda"
         sizes = [m.numel() for m in self.masters]
@@ -314,7 +316,9 @@ class ZenFlowStep(ZeroStepStrategy):
         self.steps, self.accumulated, self.auto_steps = int(sd["steps"]), int(sd["accumulated"]), int(sd["auto_steps"])
         for a, saved in zip(self.acc, sd["acc"]):
             a.copy_(saved)
-        self.columns = sd["columns"]
+        # own copies: a checkpoint loader may hand tensors mapped from its file
+        self.columns = None if sd["columns"] is None else [[None if c is None else c.clone() for c in row]
+                                                            for row in sd["columns"]]
         if self.columns is not None:
             self.layouts = [layout_for(view, sel) for view, sel in zip(self.views, self.columns)]
             self.positions = [lay.positions().to(self.device) for lay in self.layouts]
@@ -323,7 +327,7 @@ class ZenFlowStep(ZeroStepStrategy):
             for sel, saved in zip(self.selected, sd["selected"]):
                 sel.load_state_dict(saved)
         if sd.get("auto") is not None:
-            self.auto_critic, self.auto_left = (x.to(self.device) for x in sd["auto"])
+            self.auto_critic, self.auto_left = (x.to(self.device, copy=True) for x in sd["auto"])
         if sd.get("unapplied"):  # the masters hold the host's result; the model the weights before it
             for g, (m, lp) in enumerate(zip(self.masters, self.dev_lp)):
                 self.lp_host[g].copy_(m.detach().to(self.lp_dtype))
