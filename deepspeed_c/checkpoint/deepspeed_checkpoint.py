@@ -37,10 +37,12 @@ class DeepSpeedCheckpoint:
         names = [os.path.basename(f) for f in self.file_list]
         self.layer_files = [f for f, n in zip(self.file_list, names) if _LAYER_RE.match(n)]
         self.mp_rank_files = [f for f, n in zip(self.file_list, names) if _MODEL_RE.match(n)]
-        zero = [(int(m.group(1)), int(m.group(2)), f) for f, n in zip(self.file_list, names) if (m := _ZERO_RE.match(n))]
+        zero = [(int(m.group(1)), int(m.group(2)), f)
+                for f, n in zip(self.file_list, names) if (m := _ZERO_RE.match(n))]
         self._zero = {(mp, dp): f for dp, mp, f in zero}
         if not self.mp_rank_files and not any(n.endswith(C.MODEL_FILE_SUFFIX) for n in names):
-            raise FileNotFoundError(f"DeepSpeedCheckpoint: {dir} holds no model-states files (mp_rank_*_model_states.pt)")
+            raise FileNotFoundError(f"DeepSpeedCheckpoint: {dir} holds no model-states files "
+                                    "(mp_rank_*_model_states.pt)")
         pipeline = bool(self.layer_files)
         mps = sorted({mp for mp, _ in self._zero}) or list(range(max(1, len(self.mp_rank_files))))
         src_dp = len({dp for _, dp in self._zero}) or 1

@@ -35,7 +35,8 @@ def test_rng_states_round_trip(tmp_path: Any) -> None:
 
 def test_rng_states_missing_key_is_named() -> None:
     with pytest.raises(KeyError, match="np_rng_state"):
-        RNGStates().load_state_dict({"random_rng_state": [3, [0] * 625, None], "torch_rng_state": torch.get_rng_state()})
+        RNGStates().load_state_dict({"random_rng_state": [3, [0] * 625, None],
+                                     "torch_rng_state": torch.get_rng_state()})
 
 
 def _loader(dataset: Any) -> DeepSpeedDataLoader:

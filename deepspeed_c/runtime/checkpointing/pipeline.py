@@ -72,6 +72,11 @@ class PipeCheckpointer:
 
     def __init__(self, options: CheckpointOptions) -> None:
         self.options = options
+        if options.writer is not None:
+            from deepspeed_c.utils.logging import logger
+
+            logger.warning("checkpoint.writer: pipeline engines write their checkpoints synchronously (the background "
+                           "writer is built for the other engines)")
 
     def save(self, st: PipeCheckpointStates, save_dir: str, tag: Any, client_state: dict, save_latest: bool,
              exclude_frozen_parameters: bool) -> bool:
