@@ -26,7 +26,7 @@ STEPS = 20
 BF16_ATOL = 2e-2
 
 
-def _engine(kind: str, stage: int, bf16: bool, ckpt: bool, gas: int, deepcompile: bool) -> Any:
+def _engine(kind: str, stage: int, bf16: Any, ckpt: bool, gas: int, deepcompile: bool) -> Any:
     import deepspeed_c
     from tests.distributed.compile_models import make
 
@@ -35,7 +35,9 @@ def _engine(kind: str, stage: int, bf16: bool, ckpt: bool, gas: int, deepcompile
                            "steps_per_print": 10**9, "gradient_clipping": 1.0,
                            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
                            "zero_optimization": {"stage": stage}}
-    if bf16:
+    if bf16 == "fp16":  # a fixed loss scale: the dynamic one's first skipped steps would differ by chance
+        cfg["fp16"] = {"enabled": True, "loss_scale": 256}
+    elif bf16:
         cfg["bf16"] = {"enabled": True}
     if deepcompile:
         cfg["compile"] = {"deepcompile": True}
@@ -139,6 +141,12 @@ def test_bf16_accumulation_checkpointing_matches_eager(kind: str, stage: int) ->
         _check_graph_ops(res)
     else:  # ZeRO-1 keeps its bucketed reduction after the compiled backward
         assert all(r["compiled"] and not r["active"] for r in res)
+
+
+def test_zero3_fp16_matches_eager() -> None:
+    res = _run("gpt", 3, bf16="fp16", ckpt=False, steps=8)
+    _check_losses(res, bf16=True)
+    _check_graph_ops(res)
 
 
 def test_graph_break_same_numbers_said_once() -> None:

@@ -34,6 +34,12 @@ _Z3_LEAF_ATTR = "_z3_leaf"
 PLAN_CACHE = 8  # plans kept for models whose path changes between iterations
 
 
+def _eager(hook: Any) -> Any:
+    """A hook torch.compile never traces: under engine.compile each gather/release hook is a clean graph break
+    (dynamo would otherwise trace into it up to the collective and break there)."""
+    return torch.compiler.disable(hook)
+
+
 def _is_leaf(module: torch.nn.Module) -> bool:
     return bool(getattr(module, _Z3_LEAF_ATTR, False))
 
@@ -200,10 +206,10 @@ class ParamCoordinator:
             self.names.append(names.get(id(m), type(m).__name__) or "<root>")
             self.units.append(units)
             self.steady.append(self._steady(units))
-            self._handles.append(m.register_forward_pre_hook(self._pre_hook(key), with_kwargs=True))
-            self._handles.append(m.register_forward_hook(self._post_hook(key), with_kwargs=True))
-        self._handles.append(module.register_forward_pre_hook(self._root_pre, prepend=True))
-        self._handles.append(module.register_forward_hook(self._root_post))
+            self._handles.append(m.register_forward_pre_hook(_eager(self._pre_hook(key)), with_kwargs=True))
+            self._handles.append(m.register_forward_hook(_eager(self._post_hook(key)), with_kwargs=True))
+        self._handles.append(module.register_forward_pre_hook(_eager(self._root_pre), prepend=True))
+        self._handles.append(module.register_forward_hook(_eager(self._root_post)))
         # Linear layers save the parameter, not a view of its gathered buffer (linear.py says why)
         self._linears = zero_linear.install(module) if memory_efficient_linear else []
         # A gradient may reach a parameter outside its module's backward: a create_graph penalty's second
@@ -301,7 +307,7 @@ class ParamCoordinator:
             m.__dict__["_parameters"] = ZeroParamDict(m._parameters, self)
         if root_key is not None and any(True for _ in m.parameters()):
             drop_guard(m)  # zero.Init's refusal of a call with partitioned parameters: this gathers instead
-            self._handles.append(m.register_forward_pre_hook(self._outside_call(root_key), with_kwargs=True))
+            self._handles.append(m.register_forward_pre_hook(_eager(self._outside_call(root_key)), with_kwargs=True))
 
     def _outside_call(self, key: int) -> Any:
         """Pre-hook of a module inside unit root `key`: inside a forward of the model it does nothing (the root,
