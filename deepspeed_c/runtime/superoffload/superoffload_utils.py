@@ -21,6 +21,7 @@ class SpeculativeOffload(CPUOffload):
     def __init__(self, *args: Any, stage_on_host: Optional[bool] = None, **kwargs: Any) -> None:
         # every chunk goes through the host buffer (also on a CPU run), where the speculative step picks it up
         super().__init__(*args, stage_on_host=True, **kwargs)
+        self.threads = kwargs.get("threads")  # cpuadam_cores_perc: OpenMP's count is per thread, the worker's too
         if not self.fused:
             raise ValueError("offload_optimizer.super_offload steps with the C CPU optimizers (DeepSpeedCPUAdam); "
                              f"got {type(self.optimizer).__name__}")
@@ -64,6 +65,8 @@ class SpeculativeOffload(CPUOffload):
         self.jobs.put((g, start, end, arrived, coef))
 
     def _work(self) -> None:
+        if self.threads is not None:
+            self.optimizer.ds_opt_op.num_threads(int(self.threads))
         while True:
             job = self.jobs.get()
             try:
@@ -159,6 +162,7 @@ class SpeculativeOffload(CPUOffload):
         if self._last_h2d is not None:
             self._last_h2d.synchronize()
             self._last_h2d = None
+        self.stats.collect()
         dev_lps: list[Optional[torch.Tensor]] = [None] * len(self.masters)
         if self.cuda:
             dev_lps = [torch.empty(n, dtype=dt, device=self.device) for n, dt in zip(self.sizes, self.lp_dtypes)]

@@ -14,6 +14,7 @@ a reselection."""
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional, Sequence
 
@@ -79,10 +80,13 @@ class ZenFlowStep(ZeroStepStrategy):
         self.unapplied = False  # a host step finished whose result the model has not taken yet
         self.pool: Optional[ThreadPoolExecutor] = None
         self.h2d_done: Any = None
+        self.worker_threads = 0
         if schedule.overlap_step:
             self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zenflow-host-adam")
+            # OpenMP's thread count is per calling thread: the worker sets its own (pt_reserved_cores_perc of
+            # the cores stay with PyTorch), the main thread's host steps keep theirs
             cores = os.cpu_count() or 1
-            optimizer.ds_opt_op.num_threads(max(1, int(cores * (1.0 - schedule.pt_reserved_cores_perc))))
+            self.worker_threads = max(1, int(cores * (1.0 - schedule.pt_reserved_cores_perc)))
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self, parts: Sequence[torch.Tensor], *, clip_grad: float, grad_norm: GradNorm,
@@ -224,6 +228,8 @@ class ZenFlowStep(ZeroStepStrategy):
         return self.acc_sets[self.cur]
 
     def _host_adam(self, groups: list[dict[str, Any]], grads: list[torch.Tensor], copied: Any) -> None:
+        if self.worker_threads and threading.current_thread() is not threading.main_thread():
+            self.optimizer.ds_opt_op.num_threads(self.worker_threads)
         if copied is not None:
             copied.synchronize()
         if self.h2d_done is not None:  # lp_host is still being read by the previous result's copy
