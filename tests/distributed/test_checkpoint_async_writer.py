@@ -134,3 +134,41 @@ def _bad_writer(rank: int, world: int, writer: dict) -> str:
                                           ({"type": "python", "data_parallel": "rack"}, "data_parallel")])
 def test_bad_writer_config_is_named(writer: dict, named: str) -> None:
     assert named in run_distributed(_bad_writer, 1, args=(writer,), timeout=120)[0]
+
+
+def datastates_body(rank: int, world: int, root: str, cache_gb: float) -> dict:
+    import deepspeed_c
+
+    cfg = _config(None)
+    cfg["datastates_ckpt"] = {"host_cache_size": cache_gb}
+    engine = deepspeed_c.initialize(model=_net(), config=cfg)[0]
+    _train(engine, rank, 0, 2)
+    engine.save_checkpoint(root, tag="ds")
+    straight = _train(engine, rank, 2, 2)
+    committed = engine.checkpoint_commit()
+    engine.destroy()
+    engine = deepspeed_c.initialize(model=_net(), config=_config(None))[0]
+    engine.load_checkpoint(root, tag="ds")
+    return {"committed": committed, "equal": _train(engine, rank, 2, 2) == straight}
+
+
+@pytest.mark.parametrize("cache_gb", [16, 1e-6])  # all staged; the host cache full at once: written while saving
+def test_datastates_config_runs_on_the_background_writer(tmp_path: Any, cache_gb: float) -> None:
+    for res in run_distributed(datastates_body, 2, args=(str(tmp_path / "ckpt"), cache_gb), timeout=300):
+        assert res == {"committed": True, "equal": True}
+
+
+def _bad_datastates(rank: int, world: int) -> str:
+    import deepspeed_c
+
+    cfg = _config(None)
+    cfg["datastates_ckpt"] = {"host_cache_size": -1}
+    try:
+        deepspeed_c.initialize(model=_net(), config=cfg)
+    except Exception as e:  # noqa: BLE001
+        return str(e)
+    return "accepted"
+
+
+def test_bad_datastates_config_is_named() -> None:
+    assert "datastates_ckpt.host_cache_size" in run_distributed(_bad_datastates, 1, timeout=120)[0]

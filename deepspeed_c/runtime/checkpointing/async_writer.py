@@ -41,6 +41,7 @@ class WriterConfig:
     show_statistics: bool = False
     data_parallel: Optional[str] = None
     io_multiplier: int = 1
+    host_cache_bytes: Optional[int] = None  # datastates_ckpt.host_cache_size: staging beyond it is written at once
 
     @classmethod
     def parse(cls, section: Optional[Mapping[str, Any]]) -> Optional["WriterConfig"]:
@@ -68,6 +69,27 @@ class WriterConfig:
         return cls(type=kind, decoupled=bool(section.get("decoupled", False)), io_buffer_size=size,
                    io_buffer_double=bool(section.get("io_buffer_double", True)),
                    show_statistics=bool(section.get("show_statistics", False)), data_parallel=unit, io_multiplier=mult)
+
+
+    @classmethod
+    def from_datastates(cls, section: Any) -> Optional["WriterConfig"]:
+        """DeepSpeed's `datastates_ckpt: {"host_cache_size": GB}` (the DataStates-LLM engine) mapped onto the
+        background writer: up to host_cache_size GB of each save is staged in host memory and written in the
+        background, the rest before save_checkpoint returns. None when the section is absent or false."""
+        if section is None or section is False:
+            return None
+        if section is True:
+            section = {}
+        if not isinstance(section, Mapping):
+            raise ValueError(f"datastates_ckpt must be a dict, got {type(section).__name__}")
+        unknown = sorted(set(section) - {"host_cache_size"})
+        if unknown:
+            raise ValueError(f"datastates_ckpt: unknown keys {unknown} (valid: ['host_cache_size'])")
+        size = section.get("host_cache_size")
+        if size is not None and (isinstance(size, bool) or not isinstance(size, (int, float)) or size <= 0):
+            raise ValueError(f"datastates_ckpt.host_cache_size must be a positive number of GB, got {size!r}")
+        return cls(type="PYTHON", decoupled=True,
+                   host_cache_bytes=int(size * 1024 ** 3) if size is not None else None)
 
 
 def snapshot(obj: Any, pin: bool) -> Any:
@@ -107,6 +129,8 @@ class BackgroundWriter:
         self._entries: dict[str, dict] = {}
         self._error: Optional[BaseException] = None
         self._staged_s = 0.0
+        self._staged_bytes = 0
+        self._written: dict[str, dict] = {}  # files over the host cache, written while staging
 
     @property
     def writes(self) -> bool:
@@ -114,6 +138,11 @@ class BackgroundWriter:
 
     def stage(self, name: str, obj: dict, path: str) -> None:
         store.check_plain(obj, name)  # refused now, on the saving call, not later in the thread
+        cap = self.config.host_cache_bytes
+        if cap is not None and self.writes and self._staged_bytes + _nbytes(obj) > cap:
+            self._written[name] = store.save_file(obj, path)  # the cache is full: written now
+            return
+        self._staged_bytes += _nbytes(obj)
         start = time.perf_counter()
         pin = self.config.type == "FAST" and torch.cuda.is_available()
         self._jobs.append((name, snapshot(obj, pin), path))
@@ -123,7 +152,8 @@ class BackgroundWriter:
         if self._thread is not None:
             raise RuntimeError("checkpoint writer: a background write is already running (commit it first)")
         jobs, self._jobs = self._jobs, []
-        self._entries, self._error = {}, None
+        self._entries, self._error = dict(self._written), None
+        self._written, self._staged_bytes = {}, 0
         self._thread = threading.Thread(target=self._run, args=(jobs,), name="dsc-checkpoint-writer", daemon=True)
         self._thread.start()
 
@@ -155,4 +185,4 @@ class BackgroundWriter:
 
     def discard(self) -> None:
         """Drop staged files that will not be written (a save that raised before starting them)."""
-        self._jobs = []
+        self._jobs, self._written, self._staged_bytes = [], {}, 0

@@ -40,7 +40,9 @@ class CheckpointOptions:
                    bf16=bool(config.bfloat16_enabled), zero_stage=int(config.zero_optimization_stage),
                    ds_config=config.user_dict,
                    load_universal=bool(getattr(config, "load_universal_checkpoint", False)),
-                   writer=WriterConfig.parse(config.checkpoint_config.writer),
+                   # DeepSpeed's precedence: checkpoint.writer, else datastates_ckpt (on the same writer)
+                   writer=(WriterConfig.parse(config.checkpoint_config.writer)
+                           or WriterConfig.from_datastates((config.user_dict or {}).get("datastates_ckpt"))),
                    gradient_clipping=float(config.gradient_clipping or 0.0))
 
     @property

@@ -146,7 +146,6 @@ UNBUILT_SECTIONS: dict[str, tuple[str, Any]] = {
     "curriculum_learning": ("legacy curriculum learning", _enabled),
     "data_efficiency": ("the data efficiency library", _enabled),
     "quantize_training": ("MoQ quantized training", _enabled),
-    "datastates_ckpt": ("DataStates checkpointing", _present),
 }
 
 
