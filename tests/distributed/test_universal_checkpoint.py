@@ -224,3 +224,42 @@ def test_deepspeed_checkpoint_inspects_ours(converted: tuple) -> None:
     held = sum(t.numel() for dp in range(2) for t in ckpt.get_zero_checkpoint_state(0, 0, dp)["optimizer_state_dict"][
         "single_partition_of_fp32_groups"])
     assert held == sum(p.numel() for p in Net().parameters())
+
+
+# -- frozen parameters: not in zero/ (the optimizer does not step them), from the copied model-states files --
+class FrozenNet(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb.bias.requires_grad_(False)
+
+
+def _frozen_engine(stage: int, world: int, universal: bool, poison: bool) -> Any:
+    import deepspeed_c
+
+    model = FrozenNet()
+    if poison:  # the frozen bias must come back from the checkpoint
+        with torch.no_grad():
+            model.emb.bias.fill_(7.0)
+    return deepspeed_c.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                  config=_config(stage, world, universal))[0]
+
+
+def frozen_save(rank: int, world: int, root: str) -> list[float]:
+    engine = _frozen_engine(3, world, False, False)
+    _steps(engine, rank, world, 0, SAVE_AT)
+    engine.save_checkpoint(root, tag="f")
+    return _steps(engine, rank, world, SAVE_AT, AFTER)
+
+
+def frozen_resume(rank: int, world: int, root: str, stage: int) -> list[float]:
+    engine = _frozen_engine(stage, world, True, True)
+    engine.load_checkpoint(root, tag="f_universal")
+    return _steps(engine, rank, world, SAVE_AT, AFTER)
+
+
+def test_zero3_frozen_parameters_come_back(tmp_path: Any) -> None:
+    root = str(tmp_path)
+    want = run_distributed(frozen_save, 2, args=(root,), timeout=300)[0]
+    _convert(os.path.join(root, "f"), os.path.join(root, "f_universal"))
+    for world, stage in ((1, 3), (2, 1), (1, 0)):
+        _close(run_distributed(frozen_resume, world, args=(root, stage), timeout=300)[0], want)

@@ -426,7 +426,7 @@ class EngineCheckpointer:
             moe.check_stage(self.options.zero_stage)
             module_state = {**module_state, **moe.load_experts(st.module, saved.tag_dir, saved.manifest)}
         if saved.partitioned_weights:
-            if not self.options.zero:
+            if not self.options.zero and not self.options.load_universal:  # universal: weights from zero/
                 raise NotImplementedError(
                     f"load_checkpoint: {saved.tag_dir} is a ZeRO stage-3 checkpoint (its weights are partitioned over "
                     "its ZeRO files) and this engine runs without ZeRO; load it into a ZeRO engine, or recover whole "
