@@ -143,7 +143,7 @@ def test_universal_layout(converted: tuple) -> None:
 
 
 # -- checkpoints written by DeepSpeed 0.19.8 ---------------------------------------------------------------
-def _ds_resume(rank: int, world: int, folder: str, stages: list) -> dict:
+def _ds_resume(rank: int, world: int, folder: str, stages: list, bf16: bool = False) -> dict:
     import deepspeed_c
 
     sys.path.insert(0, HERE)
@@ -152,7 +152,7 @@ def _ds_resume(rank: int, world: int, folder: str, stages: list) -> dict:
     out = {}
     for stage in stages:
         model = common.build_model(False)
-        cfg = common.config(stage, False, world)
+        cfg = common.config(stage, bf16, world)
         cfg["train_micro_batch_size_per_gpu"] = common.MICRO_BATCH * 2 // world
         cfg["train_batch_size"] = common.MICRO_BATCH * 2
         cfg["checkpoint"] = {"load_universal": True}
@@ -163,10 +163,11 @@ def _ds_resume(rank: int, world: int, folder: str, stages: list) -> dict:
             xs, ys = zip(*[common.batch(common.STEPS_BEFORE_SAVE + i, r, 2) for r in range(2)])
             x, y = torch.cat(xs), torch.cat(ys)
             n = x.shape[0] // world
-            loss = engine(x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n])
+            loss = engine(x[rank * n:(rank + 1) * n].to(torch.bfloat16 if bf16 else torch.float32),
+                          y[rank * n:(rank + 1) * n])
             engine.backward(loss)
             engine.step()
-            mean = loss.detach().clone()
+            mean = loss.detach().float().clone()
             if world > 1:
                 torch.distributed.all_reduce(mean)
             losses.append(float(mean) / world)
@@ -184,6 +185,19 @@ def test_deepspeed_written_checkpoint_converts_and_continues(tmp_path: Any, case
         got = run_distributed(_ds_resume, world, args=(out, stages), timeout=300)[0]
         for stage, losses in got.items():
             _close(losses, want)
+
+
+def test_deepspeed_written_bf16_checkpoint_continues_in_bf16(tmp_path: Any) -> None:
+    """bf16 (fp32 masters in the universal files, bf16 weights refreshed from them): DeepSpeed's bf16
+    ZeRO-1 checkpoint at ZeRO-1/2/3 and DP 1/2, its next losses to bf16's tolerance (relative 2e-2)."""
+    case = "z1_bf16_train_w2"
+    out = str(tmp_path / "universal")
+    _convert(os.path.join(HERE, case, "ckpt"), out)
+    want = torch.load(os.path.join(HERE, case, "expected.pt"), weights_only=True)["next_losses"]
+    for world, stages in ((1, [1, 3]), (2, [2])):
+        for stage, losses in run_distributed(_ds_resume, world, args=(out, stages, True), timeout=300)[0].items():
+            for a, b in zip(losses, want):
+                assert abs(a - b) <= 2e-2 * abs(b), (stage, world, losses, want)
 
 
 # -- bad input ---------------------------------------------------------------------------------------------
