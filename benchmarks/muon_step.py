@@ -18,14 +18,18 @@ the ratio DeepSpeed / deepspeed_c (above 1: ours is faster).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 from typing import Any, Callable, Optional
 
 import torch
 
-from deepspeed_c.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
-from deepspeed_c.runtime.zero.muon.newton_schulz import aspect_scale, newton_schulz_reference
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script from the checkout
+
+from deepspeed_c.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam  # noqa: E402
+from deepspeed_c.runtime.zero.muon.newton_schulz import aspect_scale, newton_schulz_reference  # noqa: E402
 
 TOL_VS_DEEPSPEED = 5e-2  # both sides orthogonalise in 16 bits on a GPU (bf16 standard / fp16 gram)
 
