@@ -5,7 +5,8 @@ GPT (tests/distributed/megatron_models.py) and mpu, fp32, gradient clipping that
 Each rank also trains the unsplit model alone on the whole global batch (torch.optim.Adam and
 torch.nn.utils.clip_grad_norm_): after 10 steps every gathered weight must equal it (norm-wise
 relative error 1e-5 per tensor) at ZeRO stages 0, 1, 2 and 3, and the engine's global gradient norm
-must be the unsplit model's at each step (replicated parameters counted once)."""
+must be the unsplit model's at each step (replicated parameters counted once); also with 2 micro-batches
+of gradient accumulation a step (ZeRO 0 and 2)."""
 from __future__ import annotations
 
 import numpy as np
@@ -82,3 +83,34 @@ def test_tp2_dp2_zero_0_1_equal_unsplit_training():
 
 def test_tp2_dp2_zero_2_3_and_offload_equal_unsplit_training():
     _check(run_distributed(body, 4, args=((2, 3),), timeout=400), (2, 3, "offload"))
+
+
+def gas_body(rank: int, world: int, stages: tuple) -> dict:
+    """Gradient accumulation: 2 micro-batches a step; the norm is taken (and clipped) at the boundary."""
+    import deepspeed_c
+
+    mpu, gas = mm.MegatronMPU(tp=2), 2
+    data = mm.batches(STEPS, MICRO * mpu.dp * gas, seed=6)
+    ref_losses, ref_state, ref_norms = mm.reference_training(data, LR, EPS, CLIP)
+    out = {}
+    for stage in stages:
+        cfg = dict(config(stage), gradient_accumulation_steps=gas)
+        engine, *_ = deepspeed_c.initialize(model=mm.sharded_model(mpu), config=cfg, mpu=mpu)
+        d, norms = mpu.get_data_parallel_rank(), []
+        for tokens in data:
+            for m in range(gas):  # micro-batch m of this data-parallel rank: rows of the global batch
+                rows = tokens[(m * mpu.dp + d) * MICRO:(m * mpu.dp + d + 1) * MICRO]
+                engine.backward(engine(rows))
+                engine.step()
+            norms.append(float(engine.get_global_grad_norm()))
+        errs = mm.rel_errors(mm.full_state(engine.module, mpu.context()), ref_state)
+        out[stage] = {"weight_rel": max(errs.values()), "steps": engine.global_steps,
+                      "norm_rel": max(abs(a - b) / b for a, b in zip(norms, ref_norms))}
+    return out
+
+
+def test_tp2_dp2_gradient_accumulation_equals_unsplit_training():
+    for r in run_distributed(gas_body, 4, args=((0, 2),), timeout=400):
+        for stage in (0, 2):
+            got = r[stage]
+            assert got["steps"] == STEPS and got["norm_rel"] < 1e-5 and got["weight_rel"] < 1e-5, (stage, got)
