@@ -202,7 +202,7 @@ def test_config_builds_muon_with_deepspeed_groups(spelling: str) -> None:
     assert (adam["lr"], tuple(adam["betas"]), adam["eps"]) == (0.002, (0.85, 0.9), 1e-9)
     assert model.fc.weight.use_muon and not model.embed.weight.use_muon and not model.lm_head.weight.use_muon
     before = model.fc.weight.detach().clone()
-    engine.backward(engine(torch.randint(0, 7, (2, 3))).square().mean())
+    engine.backward(engine(torch.randint(0, 7, (2, 3)).to(engine.device)).square().mean())
     engine.step()
     assert not torch.equal(before, model.fc.weight.detach())
 
@@ -224,13 +224,14 @@ def test_model_of_only_vectors_falls_back_to_adam() -> None:
     assert group["use_muon"] is False and group["lr"] == 0.1
     x = torch.randn(2, 5, generator=torch.Generator().manual_seed(5))
     s0, b0 = model.scale.detach().double().clone(), model.shift.detach().double().clone()
-    engine.backward((engine(x) - 1.0).square().mean())
+    engine.backward((engine(x.to(engine.device)) - 1.0).square().mean())
     engine.step()
+    s0, b0 = s0.cpu(), b0.cpu()
     resid = 2 * (x.double() * s0 + b0 - 1.0) / x.numel()  # d mean(r^2) / d output
     gs, gb = (resid * x.double()).sum(0), resid.sum(0)
     for p, p0, g in ((model.scale, s0, gs), (model.shift, b0, gb)):
         step = g / (g.abs() + 1e-8)  # Adam's first bias-corrected step: m = g, v = g^2
-        assert _rel(p.detach(), p0 - 0.1 * step) < 1e-6
+        assert _rel(p.detach().cpu(), p0 - 0.1 * step) < 1e-6
 
 
 @pytest.mark.parametrize("params, match", [
@@ -283,6 +284,6 @@ def test_readme_muon_config_builds_and_steps() -> None:
     assert [g["lr"] for g in engine.basic_optimizer.param_groups] == [0.02, 3e-4]
     before = model.fc.weight.detach().clone()
     for _ in range(2):
-        engine.backward(engine(torch.randint(0, 7, (8, 3))).square().mean())
+        engine.backward(engine(torch.randint(0, 7, (8, 3)).to(engine.device)).square().mean())
         engine.step()
     assert not torch.equal(before, model.fc.weight.detach())
