@@ -63,3 +63,12 @@ def test_bad_tables_name_the_argument():
         gather(part, ok, out=torch.zeros(3))
     with pytest.raises(TypeError, match="part"):
         gather(part.double(), ok)
+
+
+@pytest.mark.parametrize("simd", SIMD_LEVELS)
+def test_every_path_compiles_without_warnings(simd, tmp_path):
+    from deepspeed_c.ops.op_builder import ZenFlowColumnsBuilder
+
+    ZenFlowColumnsBuilder(simd=simd).build_into(tmp_path)
+    log = (tmp_path / "build.log").read_text()
+    assert "warning:" not in log, log
