@@ -80,6 +80,7 @@ def body(rank: int, world: int, root: str) -> dict:
             res["failure"] = str(e)
     finally:
         store.save_file = real
+    torch.distributed.barrier()  # rank 0 removes the failed save's staging directory after raising
     res["b_exists"] = os.path.isdir(os.path.join(root, "b")) or os.path.isdir(os.path.join(root, ".b.partial"))
     res["latest_after_failure"] = _latest(root)
 
@@ -172,3 +173,28 @@ def _bad_datastates(rank: int, world: int) -> str:
 
 def test_bad_datastates_config_is_named() -> None:
     assert "datastates_ckpt.host_cache_size" in run_distributed(_bad_datastates, 1, timeout=120)[0]
+
+
+_EXIT_SCRIPT = """
+import sys, torch
+import deepspeed_c
+torch.manual_seed(0)
+engine = deepspeed_c.initialize(model=torch.nn.Linear(64, 64), config={
+    "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+    "checkpoint": {"writer": {"type": "python"}}})[0]
+loss = engine(torch.randn(1, 64)).sum()
+engine.backward(loss)
+engine.step()
+engine.save_checkpoint(sys.argv[1], tag="x")  # the process exits with the save pending
+"""
+
+
+def test_exit_waits_for_and_commits_a_single_process_save(tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    root = str(tmp_path / "ckpt")
+    run = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, root], capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert _latest(root) == "x" and os.path.isfile(os.path.join(root, "x", "dsc_manifest.json"))

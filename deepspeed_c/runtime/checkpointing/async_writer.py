@@ -186,3 +186,33 @@ class BackgroundWriter:
     def discard(self) -> None:
         """Drop staged files that will not be written (a save that raised before starting them)."""
         self._jobs, self._written, self._staged_bytes = [], {}, 0
+
+
+def at_exit(checkpointer: Any) -> None:
+    """At interpreter exit, `checkpointer`'s pending background save is waited for; with one process (no
+    process group, or a group of one) it is also committed, which needs no other rank. In a distributed
+    run the commit is collective, so a save left pending at exit stays uncommitted (its staging directory
+    is removed by the next save): call engine.checkpoint_commit() or engine.destroy() before exiting."""
+    import atexit
+    import weakref
+
+    ref = weakref.ref(checkpointer)
+
+    def finish() -> None:
+        owner = ref()
+        if owner is None or getattr(owner, "_pending", None) is None:
+            return
+        import torch.distributed as dist
+
+        alone = not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
+        try:
+            if alone:
+                owner.commit_pending()
+            else:
+                owner.writer.wait()
+                logger.warning("checkpoint writer: the last background checkpoint was written but not committed "
+                               "(call engine.checkpoint_commit() on every rank before exiting)")
+        except Exception as e:  # noqa: BLE001 (at exit there is no caller left to raise to)
+            logger.error(f"checkpoint writer: the background checkpoint pending at exit failed: {e}")
+
+    atexit.register(finish)

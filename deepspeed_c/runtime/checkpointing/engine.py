@@ -87,6 +87,10 @@ class EngineCheckpointer:
         # checkpoint.writer: files written in the background, committed at the next commit point
         self.writer = BackgroundWriter(options.writer) if options.writer is not None else None
         self._pending: Optional[tuple] = None
+        if self.writer is not None:
+            from deepspeed_c.runtime.checkpointing.async_writer import at_exit
+
+            at_exit(self)  # exit waits for a background write (and commits it where that is rank-local)
 
     # -- save -----------------------------------------------------------------------------------
     def save(self, st: CheckpointStates, save_dir: str, tag: Any, client_state: dict, save_latest: bool,
