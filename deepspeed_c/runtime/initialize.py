@@ -65,6 +65,10 @@ def initialize(args: Any = None,
 
     # Ulysses: an SP mpu (given, or built from mesh_param / data_parallel_size x sequence_parallel_size)
     sp_mpu = sequence_parallel_mpu(config, mpu, mesh_param)
+    if (sp_mpu is not None or _is_pipeline_module(model)) and (config.get("hybrid_engine") or {}).get("enabled"):
+        raise NotImplementedError("deepspeed_c: config key 'hybrid_engine.enabled' with a PipelineModule or Ulysses "
+                                  "sequence parallelism is not built (the hybrid engine generates with a whole "
+                                  "Hugging Face causal LM)")
     if sp_mpu is not None:
         if config.get("tensor_parallel", {}).get("autotp_size", 0) > 1 or _is_pipeline_module(model) or \
                 any(hasattr(m, "set_deepspeed_parallelism") for m in model.modules()):
@@ -96,10 +100,15 @@ def initialize(args: Any = None,
     from deepspeed_c.runtime.engine import DeepSpeedEngine
 
     config_class = DeepSpeedConfig(config, mpu)
-    engine = DeepSpeedEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
-                             training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
-                             dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
-                             config_class=config_class)
+    engine_class = DeepSpeedEngine
+    if config_class.hybrid_engine.enabled:  # training and generation in one engine (RLHF)
+        from deepspeed_c.runtime.hybrid_engine import DeepSpeedHybridEngine
+
+        engine_class = DeepSpeedHybridEngine
+    engine = engine_class(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                          training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
+                          dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
+                          config_class=config_class)
     return (engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler)
 
 

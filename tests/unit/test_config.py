@@ -186,13 +186,17 @@ BAD_CONFIGS = [
     (cfg(amp={"enabled": True, "opt_level": "O1"}), NotImplementedError, "amp.enabled"),
     (cfg(sparse_gradients=True), NotImplementedError, "sparse_gradients"),
     (cfg(eigenvalue={"enabled": True}), NotImplementedError, "eigenvalue.enabled"),
-    (cfg(progressive_layer_drop={"enabled": True}), NotImplementedError, "progressive_layer_drop.enabled"),
+    (cfg(progressive_layer_drop={"enabled": True, "theta": "high"}), ValueError, "progressive_layer_drop.theta"),
+    (cfg(curriculum_learning={"enabled": True, "curriculum_type": "seqlen", "min_difficulty": 8, "max_difficulty": 64,
+                              "schedule_type": "fixed_cubic"}), ValueError, "curriculum_learning.schedule_type"),
     (cfg(compile={"deepcompile": True}), ValueError, "compile.deepcompile"),  # ZeRO stage 0
     (cfg(compile={"deepcompile": True, "offload_opt_states": True}, zero_optimization={"stage": 3}),
      NotImplementedError, "compile.offload_opt_states"),
     (cfg(tensor_parallel={"autotp_size": 2}), ValueError, "tensor_parallel.autotp_size"),  # world of 1
     (cfg(sequence_parallel_size=0), ValueError, "sequence_parallel_size"),  # Ulysses is built: sizes >= 1
-    (cfg(hybrid_engine={"enabled": True}), NotImplementedError, "hybrid_engine"),
+    (cfg(hybrid_engine={"enabled": True, "inference_tp_size": 2}), ValueError,
+     "hybrid_engine.inference_tp_size"),  # world of 1
+    (cfg(hybrid_engine={"enabled": True, "max_out_tokens": 0}), ValueError, "hybrid_engine"),
     (cfg(elasticity={"enabled": True}), NotImplementedError, "elasticity"),
     (cfg(autotuning={"enabled": True, "metric": "speed"}), ValueError, "autotuning.metric"),
     (cfg(autotuning={"tuner_typ": "random"}), ValueError, "autotuning.tuner_typ"),

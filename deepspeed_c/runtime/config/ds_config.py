@@ -260,6 +260,9 @@ class DeepSpeedConfig:
         misc = parse_misc_sections(pd)
         for name, value in misc.items():
             setattr(self, name, value)
+        from deepspeed_c.runtime.config.hybrid_engine import parse_hybrid_engine
+
+        self.hybrid_engine = parse_hybrid_engine(pd)
         self.wall_clock_breakdown = self.wall_clock_breakdown or self.flops_profiler_config.enabled
         self.eigenvalue_enabled = self.eigenvalue_config.enabled
         self.pld_enabled = self.pld_config.enabled

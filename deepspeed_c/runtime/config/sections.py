@@ -141,9 +141,7 @@ UNBUILT_SECTIONS: dict[str, tuple[str, Any]] = {
     "weight_quantization": ("weight quantization", _present),
     "elasticity": ("elastic training", _enabled),
     "expert_parallel": ("AutoEP expert parallelism (MoE)", _enabled),
-    "hybrid_engine": ("the hybrid engine", _enabled),
     "nebula": ("Nebula checkpointing", _enabled),
-    "curriculum_learning": ("legacy curriculum learning", _enabled),
     "data_efficiency": ("the data efficiency library", _enabled),
     "quantize_training": ("MoQ quantized training", _enabled),
 }
@@ -168,8 +166,6 @@ def parse_misc_sections(param_dict: dict[str, Any]) -> dict[str, Any]:
         raise unbuilt("eigenvalue.enabled", "eigenvalue computation")
     pld = parse_section(ProgressiveLayerDropConfig, param_dict.get("progressive_layer_drop"),
                         "progressive_layer_drop")
-    if pld.enabled:
-        raise unbuilt("progressive_layer_drop.enabled", "progressive layer drop")
     compile_cfg = parse_section(CompileConfig, param_dict.get("compile"), "compile")
     from deepspeed_c.runtime.config.deepcompile import check_deepcompile
 
@@ -195,8 +191,12 @@ def parse_misc_sections(param_dict: dict[str, Any]) -> dict[str, Any]:
     if pipeline.schedule not in ("1f1b", "interleaved", "zb_h1"):
         raise DeepSpeedConfigError(f"Invalid value {pipeline.schedule!r} for config key 'pipeline.schedule': "
                                    "expected '1f1b', 'interleaved' or 'zb_h1'")
+    from deepspeed_c.runtime.data_pipeline.config import parse_curriculum_legacy
+
+    curriculum_enabled, curriculum_params = parse_curriculum_legacy(param_dict)
     return {
         "pipeline_config": pipeline,
+        "curriculum_enabled_legacy": curriculum_enabled, "curriculum_params_legacy": curriculum_params,
         "flops_profiler_config": flops, "autotuning_config": autotuning, "eigenvalue_config": eigen, "pld_config": pld,
         "compile_config": compile_cfg, "tensor_parallel_config": tp, "checkpoint_config": checkpoint,
         "activation_checkpointing_config": act, "timers_config": timers,

@@ -1,0 +1,167 @@
+"""deepspeed.runtime.hybrid_engine.DeepSpeedHybridEngine: one engine that trains and generates (RLHF).
+
+`initialize` returns it when `hybrid_engine.enabled` is true. `engine.generate(...)` takes Hugging Face's
+generate arguments and runs over the live training weights:
+
+- a family with fused inference blocks (GPT-2, LLaMA, Mistral, Qwen2) generates on a hook-free copy of the
+  model whose decoder blocks are the injected kernels (module_inject/hybrid_inference.py). Before each
+  generation the copy is refilled from the training weights; under ZeRO-3 they are gathered all at once
+  (`pin_parameters`, the default) or `tp_gather_partition_size` layers at a time, and released after. LoRA
+  layers (DeepSpeed-Chat's) are fused into the copy, never into the training weights, so training resumes
+  on exactly the weights it left. `release_inference_cache` drops the copy and its KV cache after each
+  generation (memory back to the training level); otherwise both are kept for the next one.
+- any other family runs Hugging Face's generate on the training model itself (under ZeRO-3 through its
+  gather hooks, all ranks stepping together: `synced_gpus`), with one warning naming the family.
+
+`train()` / `eval()` switch modes as DeepSpeed's do; eval() logs the last RLHF iteration's latency split
+(gather, generate, train) on rank 0, as DeepSpeed's hybrid engine prints it."""
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any, Optional
+
+import torch
+
+from deepspeed_c.runtime.engine import DeepSpeedEngine
+from deepspeed_c.utils.logging import log_dist
+
+
+class HybridEngineFallbackWarning(UserWarning):
+    """The model's family has no fused inference path: generation runs Hugging Face's generate."""
+
+
+class DeepSpeedHybridEngine(DeepSpeedEngine):
+    r"""DeepSpeed engine for training and inference."""
+
+    inference_mp_group = None
+
+    def __init__(self, args: Any, model: torch.nn.Module, **kwargs: Any) -> None:
+        super().__init__(args, model, **kwargs)
+        he = self._config.hybrid_engine
+        self._sync_rng()
+        self.Z3_enabled = self.zero_optimization_stage() == 3
+        self.gather_all_layers = he.pin_parameters
+        self._release_cache = he.release_inference_cache
+        self._group_size = he.tp_gather_partition_size
+        from deepspeed_c.module_inject import hybrid_inference as hi
+
+        if not hasattr(self.module, "generate"):
+            raise TypeError(f"hybrid_engine.enabled: {type(self.module).__name__} has no generate(); the hybrid "
+                            "engine generates with a Hugging Face causal LM (a *ForCausalLM model)")
+        reason = hi.unsupported_reason(self.module, he.max_out_tokens)
+        self._inference: Optional[hi.HybridInference] = None
+        if reason is None:
+            self._inference = hi.HybridInference(self.module, he.max_out_tokens, he.enable_cuda_graph, self.device)
+        else:
+            warnings.warn(f"hybrid engine: model family {hi.model_family(self.module)} has no fused inference path "
+                          f"({reason}); engine.generate runs Hugging Face's generate on the training model",
+                          HybridEngineFallbackWarning, stacklevel=3)
+        self.all_lora_params = [p for m in hi.lora_modules(self.module) for p in m.parameters(recurse=False)
+                                if p is not getattr(m, "weight", None) and p is not getattr(m, "bias", None)]
+        # DeepSpeed's performance counters
+        self._t_start: Optional[float] = None
+        self._total_latency = 0.0
+        self._iters = 0
+        self._training_start_time: Optional[float] = None
+        self._generate_latency = 0.0
+        self._training_latency = 0.0
+        self._gather_latency = 0.0
+        self._total_batch_size: Optional[int] = None
+        self._hybrid_ready = True
+
+    def _sync_rng(self) -> None:
+        """Every rank starts from rank 0's generator state, as DeepSpeed's hybrid engine does (sampled
+        generations then agree where the prompts do)."""
+        import deepspeed_c.comm as dist
+
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        state = torch.get_rng_state().to(self.device)
+        dist.broadcast(state, 0)
+        torch.set_rng_state(state.cpu())
+        if self.device.type == "cuda":
+            cuda_state = torch.cuda.get_rng_state().to(self.device)
+            dist.broadcast(cuda_state, 0)
+            torch.cuda.set_rng_state(cuda_state.cpu())
+
+    @property
+    def uses_fused_inference(self) -> bool:
+        """Whether generate() runs the injected kernels (False: Hugging Face's generate, the fallback)."""
+        return self._inference is not None
+
+    def _gather(self, params: list) -> Any:
+        from deepspeed_c.runtime.zero.partition_parameters import GatheredParameters
+
+        return GatheredParameters(params)  # parameters that are not ZeRO-3's pass through
+
+    # -- generation ----------------------------------------------------------------------------------
+    def generate(self, *inputs: Any, **kwargs: Any) -> Any:
+        if not self.__dict__.get("_hybrid_ready", False):
+            raise RuntimeError("DeepSpeedHybridEngine.generate() was called before the engine was built: create it "
+                               "with deepspeed.initialize(model=..., config={... 'hybrid_engine': {'enabled': "
+                               "True}}) and call generate on the engine it returns")
+        ids = kwargs.get("input_ids", inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None)
+        if self._total_batch_size is None and ids is not None:
+            self._total_batch_size = ids.shape[0] * self.dp_world_size
+        t0 = time.time()
+        if self._inference is not None:
+            self._inference.refresh(self._gather, self._group_size, all_at_once=self.gather_all_layers)
+            self._gather_latency = time.time() - t0
+            self._inference.check_length(ids, kwargs)
+            try:
+                out = self._inference.generate(*inputs, **kwargs)
+            finally:
+                if self._release_cache:
+                    self._inference.release()
+                    from deepspeed_c.accelerator import get_accelerator
+
+                    get_accelerator().empty_cache()
+        else:
+            self._gather_latency = 0.0
+            if self.Z3_enabled and self.dp_world_size > 1:
+                # the gather hooks are collectives: ranks whose sequences end early keep stepping with the others
+                kwargs.setdefault("synced_gpus", True)
+            out = self.module.generate(*inputs, **kwargs)
+        self._generate_latency = time.time() - t0 - self._gather_latency
+        return out
+
+    def release_inference_cache(self) -> None:
+        """Drops the generation copy and its KV cache now (what `release_inference_cache` does after each
+        generation)."""
+        if self._inference is not None:
+            self._inference.release()
+
+    # -- modes and counters --------------------------------------------------------------------------
+    def eval(self) -> "DeepSpeedHybridEngine":
+        if self._t_start is not None:
+            latency = time.time() - self._t_start
+            self._total_latency += latency
+            self._iters += 1
+            rate = ""
+            if self._total_batch_size is not None:
+                rate = (f" |CurSamplesPerSec={self._total_batch_size / latency:.2f}"
+                        f" |AvgSamplesPerSec={self._total_batch_size * self._iters / self._total_latency:.2f}")
+            others = latency - (self._generate_latency + self._training_latency + self._gather_latency)
+            pct = (lambda t: 100.0 * t / latency) if latency > 0 else (lambda t: 0.0)
+            log_dist(f"|E2E latency={latency:.2f}s |Gather latency={self._gather_latency:.2f}s "
+                     f"({pct(self._gather_latency):.2f}%) |Generate time={self._generate_latency:.2f}s "
+                     f"({pct(self._generate_latency):.2f}%) |Training time={self._training_latency:.2f}s "
+                     f"({pct(self._training_latency):.2f}%) |Others={others:.2f} ({pct(others):.2f}%)" + rate,
+                     ranks=[0])
+        self._t_start = time.time()
+        self._training_latency = 0.0
+        return super().eval()
+
+    def train(self, mode: bool = True) -> "DeepSpeedHybridEngine":
+        super().train(mode)
+        if mode:
+            self._training_start_time = time.time()
+        return self
+
+    def step(self, lr_kwargs: Optional[dict] = None) -> None:
+        super().step(lr_kwargs=lr_kwargs)
+        if self._training_start_time is not None:
+            now = time.time()
+            self._training_latency += now - self._training_start_time
+            self._training_start_time = now
