@@ -42,8 +42,11 @@ static adam_consts adam_prepare(const dsc_adam_hparams *hp) {
 
 /* DSC_VW elements starting at i. The dtype arguments are constants in the specialised
  * variants below, so every load/store branch folds away there. */
-DSC_INLINE void adam_lanes(void *P, const void *G, void *M, void *V, void *C, int64_t i, const adam_consts *k,
-                           int32_t pd, int32_t gd, int32_t md, int32_t vd, int32_t cd) {
+/* Reads P, M, V and writes the updated values to PO, MO, VO: the same pointers for the in-place step,
+ * other buffers for SuperOffload's speculative step (the inputs stay as they were: a rollback is free). */
+DSC_INLINE void adam_lanes(const void *P, const void *G, const void *M, const void *V, void *PO, void *MO, void *VO,
+                           void *C, int64_t i, const adam_consts *k, int32_t pd, int32_t gd, int32_t md, int32_t vd,
+                           int32_t cd) {
     dsc_vf p = dsc_vload(P, pd, i), g = dsc_vload(G, gd, i);
     dsc_vf m = dsc_vload(M, md, i), v = dsc_vload(V, vd, i);
     if (k->use_l2) g = dsc_vadd(g, dsc_vmul(k->l2, p));
@@ -51,33 +54,34 @@ DSC_INLINE void adam_lanes(void *P, const void *G, void *M, void *V, void *C, in
     v = dsc_vadd(dsc_vmul(k->b2, v), dsc_vmul(dsc_vmul(k->omb2, g), g));
     dsc_vf denom = dsc_vadd(dsc_vmul(dsc_vsqrt(v), k->inv_sqrt_bc2), k->eps);
     p = dsc_vsub(dsc_vmul(p, k->decay), dsc_vmul(k->step_size, dsc_vdiv(m, denom)));
-    dsc_vstore(P, pd, i, p);
-    dsc_vstore(M, md, i, m);
-    dsc_vstore(V, vd, i, v);
+    dsc_vstore(PO, pd, i, p);
+    dsc_vstore(MO, md, i, m);
+    dsc_vstore(VO, vd, i, v);
     if (cd != NO_COPY) dsc_vstore(C, cd, i, dsc_vround(p, pd)); /* the copy is the stored param, converted */
 }
 
-DSC_INLINE void adam_range(const dsc_opt_tensor *t, int64_t i, int64_t end, const adam_consts *kp, int32_t pd,
-                           int32_t gd, int32_t md, int32_t vd, int32_t cd) {
+DSC_INLINE void adam_range(const dsc_opt_tensor *t, const dsc_opt_tensor *o, int64_t i, int64_t end,
+                           const adam_consts *kp, int32_t pd, int32_t gd, int32_t md, int32_t vd, int32_t cd) {
     const adam_consts k = *kp;
-    void *P = t->param.data, *M = t->state0.data, *V = t->state1.data, *C = t->copy.data;
+    const void *P = t->param.data, *M = t->state0.data, *V = t->state1.data;
+    void *PO = o->param.data, *MO = o->state0.data, *VO = o->state1.data, *C = t->copy.data;
     const void *G = t->grad.data;
-    for (; i + DSC_VW <= end; i += DSC_VW) adam_lanes(P, G, M, V, C, i, &k, pd, gd, md, vd, cd);
+    for (; i + DSC_VW <= end; i += DSC_VW) adam_lanes(P, G, M, V, PO, MO, VO, C, i, &k, pd, gd, md, vd, cd);
     if (i < end) {
         int64_t rem = end - i;
         dsc_lane_buf bp, bg, bm, bv, bc;
         dsc_operand p = dsc_tail_in(&bp, &t->param, i, rem), g = dsc_tail_in(&bg, &t->grad, i, rem);
         dsc_operand m = dsc_tail_in(&bm, &t->state0, i, rem), v = dsc_tail_in(&bv, &t->state1, i, rem);
         dsc_operand c = dsc_tail_in(&bc, &t->copy, i, rem);
-        adam_lanes(p.data, g.data, m.data, v.data, c.data, 0, &k, pd, gd, md, vd, cd);
-        dsc_tail_out(&t->param, &bp, i, rem);
-        dsc_tail_out(&t->state0, &bm, i, rem);
-        dsc_tail_out(&t->state1, &bv, i, rem);
+        adam_lanes(p.data, g.data, m.data, v.data, p.data, m.data, v.data, c.data, 0, &k, pd, gd, md, vd, cd);
+        dsc_tail_out(&o->param, &bp, i, rem);
+        dsc_tail_out(&o->state0, &bm, i, rem);
+        dsc_tail_out(&o->state1, &bv, i, rem);
         dsc_tail_out(&t->copy, &bc, i, rem);
     }
 }
 
-typedef void (*adam_fn)(const dsc_opt_tensor *, int64_t, int64_t, const adam_consts *);
+typedef void (*adam_fn)(const dsc_opt_tensor *, const dsc_opt_tensor *, int64_t, int64_t, const adam_consts *);
 
 /* (param, grad, states, copy) combinations with their own compiled loop; others take the
  * generic loop, which is as exact and branches per vector on the dtypes. */
@@ -102,13 +106,15 @@ typedef void (*adam_fn)(const dsc_opt_tensor *, int64_t, int64_t, const adam_con
     X(F16, F16, F16, NONE)
 
 #define ADAM_DEFINE(P, G, S, C)                                                                          \
-    static void adam_##P##_##G##_##S##_##C(const dsc_opt_tensor *t, int64_t i, int64_t e, const adam_consts *k) { \
-        adam_range(t, i, e, k, DT_##P, DT_##G, DT_##S, DT_##S, DT_##C);                                  \
+    static void adam_##P##_##G##_##S##_##C(const dsc_opt_tensor *t, const dsc_opt_tensor *o, int64_t i, int64_t e, \
+                                           const adam_consts *k) {                                       \
+        adam_range(t, o, i, e, k, DT_##P, DT_##G, DT_##S, DT_##S, DT_##C);                               \
     }
 ADAM_VARIANTS(ADAM_DEFINE)
 
-static void adam_generic(const dsc_opt_tensor *t, int64_t i, int64_t e, const adam_consts *k) {
-    adam_range(t, i, e, k, t->param.dtype, t->grad.dtype, t->state0.dtype, t->state1.dtype,
+static void adam_generic(const dsc_opt_tensor *t, const dsc_opt_tensor *o, int64_t i, int64_t e,
+                         const adam_consts *k) {
+    adam_range(t, o, i, e, k, t->param.dtype, t->grad.dtype, t->state0.dtype, t->state1.dtype,
                t->copy.data ? t->copy.dtype : NO_COPY);
 }
 
@@ -122,13 +128,18 @@ static adam_fn adam_pick(const dsc_opt_tensor *t) {
     return adam_generic;
 }
 
-int dsc_cpu_adam_step(dsc_opt_tensor *tensors, int64_t n, const dsc_adam_hparams *hp) {
+int dsc_cpu_adam_step_into(dsc_opt_tensor *tensors, const dsc_opt_tensor *outs, int64_t n,
+                           const dsc_adam_hparams *hp) {
     const adam_consts k = adam_prepare(hp);
     dsc_chunk_map map;
     if (dsc_chunk_map_init(&map, &tensors[0].numel, sizeof(dsc_opt_tensor), n) < 0) return -1;
 #define NUMEL(ti) tensors[ti].numel
-    DSC_FOR_EACH_CHUNK(map, NUMEL, { adam_pick(&tensors[ti])(&tensors[ti], start, end, &k); })
+    DSC_FOR_EACH_CHUNK(map, NUMEL, { adam_pick(&tensors[ti])(&tensors[ti], &outs[ti], start, end, &k); })
 #undef NUMEL
     dsc_chunk_map_free(&map);
     return 0;
+}
+
+int dsc_cpu_adam_step(dsc_opt_tensor *tensors, int64_t n, const dsc_adam_hparams *hp) {
+    return dsc_cpu_adam_step_into(tensors, tensors, n, hp);
 }

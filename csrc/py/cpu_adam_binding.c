@@ -30,7 +30,78 @@ static PyObject *adam_step(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return dsc_run_opt_step(ts, n, run_adam, &hp);
 }
 
+/* adam_step's hyperparameters from args[first..first+7] (lr .. adamw_mode); -1 with an exception set. */
+static int parse_hparams(PyObject *const *args, dsc_adam_hparams *hp) {
+    int64_t bias_correction, adamw_mode;
+    if (dsc_arg_double(args[0], "lr", &hp->lr) < 0 || dsc_arg_double(args[1], "beta1", &hp->beta1) < 0 ||
+        dsc_arg_double(args[2], "beta2", &hp->beta2) < 0 || dsc_arg_double(args[3], "eps", &hp->eps) < 0 ||
+        dsc_arg_double(args[4], "weight_decay", &hp->weight_decay) < 0 ||
+        dsc_arg_int64(args[5], "step", &hp->step) < 0 ||
+        dsc_arg_int64(args[6], "bias_correction", &bias_correction) < 0 ||
+        dsc_arg_int64(args[7], "adamw_mode", &adamw_mode) < 0)
+        return -1;
+    if (hp->step < 1) {
+        PyErr_Format(PyExc_ValueError, "argument 'step' must be >= 1, got %lld", (long long)hp->step);
+        return -1;
+    }
+    hp->bias_correction = bias_correction != 0;
+    hp->adamw_mode = adamw_mode != 0;
+    return 0;
+}
+
+typedef struct {
+    const dsc_adam_hparams *hp;
+    const dsc_opt_tensor *outs;
+} into_args;
+
+static int run_adam_into(dsc_opt_tensor *ts, int64_t n, const void *a) {
+    const into_args *x = (const into_args *)a;
+    return dsc_cpu_adam_step_into(ts, x->outs, n, x->hp);
+}
+
+/* adam_step_into(params, grads, exp_avgs, exp_avg_sqs, copies, out_params, out_exp_avgs, out_exp_avg_sqs,
+ * lr, beta1, beta2, eps, weight_decay, step, bias_correction, adamw_mode): out-of-place; every out tensor has
+ * its input's dtype and size and may not overlap another operand (except being that input itself). */
+static PyObject *adam_step_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (dsc_check_nargs("adam_step_into", nargs, 16) < 0) return NULL;
+    dsc_adam_hparams hp;
+    if (parse_hparams(args + 8, &hp) < 0) return NULL;
+    dsc_opt_tensor *ts, *os;
+    Py_ssize_t n, no;
+    if (dsc_parse_opt_lists(args[0], args[1], args[2], "exp_avgs", args[3], "exp_avg_sqs", args[4], &ts, &n) < 0)
+        return NULL;
+    if (dsc_parse_opt_lists(args[5], args[1], args[6], "out_exp_avgs", args[7], "out_exp_avg_sqs", Py_None, &os,
+                            &no) < 0) {
+        PyMem_Free(ts);
+        return NULL;
+    }
+    if (no != n) {
+        PyMem_Free(ts);
+        PyMem_Free(os);
+        return PyErr_Format(PyExc_ValueError, "argument 'out_params' has %zd tensors, 'params' %zd", no, n);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const dsc_opt_tensor *a = &ts[i], *b = &os[i];
+        if (a->param.dtype != b->param.dtype || a->state0.dtype != b->state0.dtype ||
+            a->state1.dtype != b->state1.dtype) {
+            PyMem_Free(ts);
+            PyMem_Free(os);
+            return PyErr_Format(PyExc_TypeError, "out tensors [%zd] must have the dtypes of params, exp_avgs and "
+                                "exp_avg_sqs [%zd]", i, i);
+        }
+    }
+    into_args x = {&hp, os};
+    PyObject *r = dsc_run_opt_step(ts, n, run_adam_into, &x);
+    PyMem_Free(os);
+    return r;
+}
+
 static PyMethodDef methods[] = {
+    {"adam_step_into", (PyCFunction)(void (*)(void))adam_step_into, METH_FASTCALL,
+     "adam_step_into(params, grads, exp_avgs, exp_avg_sqs, copies, out_params, out_exp_avgs, out_exp_avg_sqs, lr, "
+     "beta1, beta2, eps, weight_decay, step, bias_correction, adamw_mode): adam_step writing the updated params "
+     "and moments into the out lists (inputs untouched unless they are the outs)."},
     {"adam_step", (PyCFunction)(void (*)(void))adam_step, METH_FASTCALL,
      "adam_step(params, grads, exp_avgs, exp_avg_sqs, copies, lr, beta1, beta2, eps, weight_decay, step, "
      "bias_correction, adamw_mode): one Adam/AdamW step over lists of CPU tensors (copies: None or a list "

@@ -80,3 +80,31 @@ def test_multiple_subgroups_keep_their_own_state():
     opt.step_subgroup(1)
     assert opt.state[0]["step"] == 1 and opt.state[1]["step"] == 2
     assert not torch.equal(opt.state[0]["exp_avg"], opt.state[1]["exp_avg"])
+
+
+@pytest.mark.parametrize("simd", ["scalar", "avx2", "avx512"])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_step_into_equals_in_place_and_leaves_inputs(simd, state_dtype):
+    """adam_step_into (SuperOffload's out-of-place step) gives the in-place step's bits and touches no input;
+    odd sizes exercise the SIMD tails."""
+    from deepspeed_c.ops.op_builder import CPUAdamBuilder, toolchain
+
+    if toolchain.missing_isa(simd):
+        pytest.skip(f"this CPU cannot run {simd}")
+    op = CPUAdamBuilder(simd=simd).load()
+    torch.manual_seed(2)
+    n = 1000 + 13
+    p, g = torch.randn(n), torch.randn(n).bfloat16()
+    m, v = torch.randn(n).to(state_dtype), torch.rand(n).to(state_dtype)
+    ins = [t.clone() for t in (p, m, v)]
+    outs = [torch.empty_like(t) for t in (p, m, v)]
+    cp_into, cp_inplace = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+    args = (1e-2, 0.9, 0.999, 1e-8, 0.01, 3, 1, 1)
+    op.adam_step_into([ins[0]], [g], [ins[1]], [ins[2]], [cp_into], [outs[0]], [outs[1]], [outs[2]], *args)
+    for a, b in zip(ins, (p, m, v)):
+        assert torch.equal(a, b)
+    op.adam_step([p], [g], [m], [v], [cp_inplace], *args)
+    for a, b in zip(outs, (p, m, v)):
+        assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a.view(torch.int32),
+                           b.view(torch.int16) if b.dtype == torch.bfloat16 else b.view(torch.int32))
+    assert torch.equal(cp_into, cp_inplace)

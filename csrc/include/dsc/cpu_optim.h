@@ -47,6 +47,10 @@ typedef struct {
 } dsc_lion_hparams;
 
 int dsc_cpu_adam_step(dsc_opt_tensor *tensors, int64_t n, const dsc_adam_hparams *hp);
+/* The same step reading tensors[i]'s param and states and writing the updated ones to outs[i]'s (other
+ * buffers of the same dtypes and sizes, or the same ones); copies are tensors[i]'s. */
+int dsc_cpu_adam_step_into(dsc_opt_tensor *tensors, const dsc_opt_tensor *outs, int64_t n,
+                           const dsc_adam_hparams *hp);
 int dsc_cpu_adagrad_step(dsc_opt_tensor *tensors, int64_t n, const dsc_adagrad_hparams *hp);
 int dsc_cpu_lion_step(dsc_opt_tensor *tensors, int64_t n, const dsc_lion_hparams *hp);
 

@@ -43,6 +43,17 @@ class DeepSpeedCPUAdam(CPUOptimizerBase):
                                  int(bool(group.get("bias_correction", True))), int(bool(self.adam_w_mode)))
 
 
+    def step_tensors_into(self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
+                          moments: list[list[torch.Tensor]], copies: Optional[list[torch.Tensor]],
+                          out_params: list[torch.Tensor], out_moments: list[list[torch.Tensor]], step: int) -> None:
+        """step_tensors writing the updated params and moments into `out_params` / `out_moments` (same dtypes and
+        sizes) and leaving the inputs as they were: SuperOffload's speculative step, whose rollback is then free."""
+        beta1, beta2 = group["betas"]
+        self.ds_opt_op.adam_step_into(params, grads, moments[0], moments[1], copies, out_params, out_moments[0],
+                                      out_moments[1], float(group["lr"]), float(beta1), float(beta2),
+                                      float(group["eps"]), float(group["weight_decay"]), step,
+                                      int(bool(group.get("bias_correction", True))), int(bool(self.adam_w_mode)))
+
     # -- SuperOffload's per-sub-group API (DeepSpeed's names; its tests call them) --------------------------
     @torch.no_grad()
     def step_subgroup(self, subgroup_id: int, closure: Optional[Any] = None) -> Any:

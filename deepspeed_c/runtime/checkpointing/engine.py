@@ -30,7 +30,8 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(_
 DS_KEYS = ("module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
            "lr_scheduler", "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples",
            "dp_world_size", "mp_world_size", "ds_config", "ds_version", "data_sampler", "random_ltd",
-           "frozen_param_fragments", "ds_zero_stage", "checkpoint_parallel_dimensions", "num_experts")
+           "frozen_param_fragments", "ds_zero_stage", "checkpoint_parallel_dimensions", "num_experts",
+           "dsc_forward_schedules")
 
 
 def model_file(mp_rank: int = 0) -> str:
@@ -309,6 +310,9 @@ class EngineCheckpointer:
             "ds_config": self.options.ds_config,
             "ds_version": DEEPSPEED_API_VERSION,
         }
+        schedules = run_state.schedules_state(st.data_schedules)
+        if schedules is not None:
+            state[run_state.SCHEDULES_KEY] = schedules
         if st.has_moe_layers:
             state["num_experts"] = st.num_experts
             state["optimizer"] = None  # in the expp_rank_* files
@@ -412,6 +416,7 @@ class EngineCheckpointer:
                 st.lr_scheduler.load_state_dict(state["lr_scheduler"])
             st.train_state.load_state_dict(state, samples_per_step=st.samples_per_step)
             run_state.restore(st.data_loader, state, tag_dir, manifest, *_rank_world())
+            run_state.restore_schedules(st.data_schedules, state)
         elif st.has_optimizer and st.stepper is not None and self.options.load_universal:
             self._load_optimizer(st, saved, False)  # the weights are the universal fp32 values
         elif st.has_optimizer and st.stepper is not None:

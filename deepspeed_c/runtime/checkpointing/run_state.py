@@ -20,6 +20,9 @@ from deepspeed_c.runtime.rng_state import RNGStates
 from deepspeed_c.utils.logging import logger
 
 DATA_SAMPLER_KEY = "data_sampler"
+# the legacy curriculum's and progressive layer drop's state (DeepSpeed saves neither; a resumed PLD restarts
+# at theta 1.0 there), written only when one of them is on
+SCHEDULES_KEY = "dsc_forward_schedules"
 
 
 def rng_file_name(rank: int, world: int) -> str:
@@ -31,6 +34,16 @@ def data_sampler_state(data_loader: Optional[Any]) -> Optional[dict]:
     if data_loader is None or not callable(getattr(data_loader, "state_dict", None)):
         return None
     return data_loader.state_dict()
+
+
+def schedules_state(schedules: Optional[Any]) -> Optional[dict]:
+    """The forward schedules' state for the model-states file; None when none is on."""
+    return schedules.state_dict() if schedules is not None else None
+
+
+def restore_schedules(schedules: Optional[Any], model_state: dict) -> None:
+    if schedules is not None:
+        schedules.load_state_dict(model_state.get(SCHEDULES_KEY))
 
 
 def rng_file(rank: int, world: int) -> tuple[str, dict]:

@@ -41,6 +41,7 @@ class CheckpointStates:
     mp_rank: int = 0
     mp_world_size: int = 1
     data_loader: Optional[Any] = None  # the training data loader, whose position is saved (run_state.py)
+    data_schedules: Optional[Any] = None  # legacy curriculum / PLD state (run_state.py)
 
     @property
     def has_moe_layers(self) -> bool:

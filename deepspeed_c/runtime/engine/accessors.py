@@ -25,7 +25,7 @@ class Fixed:
     why: str
 
 
-_NOT_BUILT = "deepspeed_c has no data-efficiency / curriculum / random-LTD pipeline"
+_NOT_BUILT = "deepspeed_c has no data-efficiency library / random-LTD pipeline yet"
 
 # name -> (source, return type). source: a dotted attribute path under the engine's DeepSpeedConfig (read at
 # each call, so set_train_batch_size and friends show through), or Fixed.
@@ -126,7 +126,7 @@ CONFIG_ACCESSORS: dict[str, tuple[Union[str, Fixed], Any]] = {
     "eigenvalue_gas_boundary_resolution": ("eigenvalue_config.gas_boundary_resolution", int),
     "eigenvalue_layer_name": ("eigenvalue_config.layer_name", str),
     "eigenvalue_layer_num": ("eigenvalue_config.layer_num", int),
-    "curriculum_enabled_legacy": (Fixed(False, _NOT_BUILT), bool),
+    "curriculum_enabled_legacy": ("curriculum_enabled_legacy", bool),
     "curriculum_learning_enabled": (Fixed(False, _NOT_BUILT), bool),
     "data_efficiency_enabled": (Fixed(False, _NOT_BUILT), bool),
     "random_ltd_enabled": (Fixed(False, _NOT_BUILT), bool),

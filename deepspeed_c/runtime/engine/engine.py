@@ -29,6 +29,7 @@ from deepspeed_c.runtime.parallel_dims import ParallelDims
 from deepspeed_c.runtime.output_hooks import is_loss_for_backward, register_output_hooks
 from deepspeed_c.runtime.precision import Precision
 from deepspeed_c.runtime.train_state import TrainState, TrainStateAttributes
+from deepspeed_c.runtime.engine.data_schedules import EngineDataSchedules
 from deepspeed_c.utils.logging import log_dist
 
 __all__ = ["DeepSpeedEngine", "ROUTE_TRAIN", "ROUTE_EVAL", "ROUTE_PREDICT", "ROUTE_ENCODE"]
@@ -56,7 +57,7 @@ def _select_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttributes):
+class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttributes, EngineDataSchedules):
     r"""DeepSpeed engine for training."""
 
     def __init__(self, args: Any, model: Module, optimizer: Any = None, model_parameters: Any = None,
@@ -109,6 +110,7 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
 
         self.checkpointer: Any = EngineCheckpointer(CheckpointOptions.from_config(self._config))
         self.precision = Precision(self._config)
+        self._configure_data_schedules(self._config)  # legacy curriculum, progressive layer drop
         # who drives the running backward and whether its round is open (runtime/backward_phase.py)
         self.backward_state = EngineBackward(self.precision, self.report, lambda: self.reducer,
                                              self.gradient_accumulation_steps)
@@ -326,6 +328,7 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
         self.report.start(rep.FORWARD_TIMERS)
         if self.fp16_auto_cast():
             inputs, kwargs = _cast_half(inputs), _cast_half(kwargs)
+        kwargs = self._data_schedule_kwargs(kwargs, self.module.training)  # curriculum_seqlen, pld_theta
         with self.precision.autocast(self.device.type), self.flops_profile.forward(self.global_steps):
             outputs = self.module(*inputs, **kwargs)
         register_output_hooks(outputs, self._output_grad_hook)
@@ -409,6 +412,7 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
             self.gas_boundary_ctr += 1
+            self.data_schedules.at_boundary(self.global_steps)  # PLD theta, before the step counts
             self._take_model_step(lr_kwargs)
         self.report.stop(rep.STEP_TIMERS)
         self.flops_profile.after_step(profiled, boundary, self.global_steps)  # reads the timers before their reset

@@ -182,7 +182,7 @@ class EngineIO:
                     dp_world_size=self.dp_world_size, dp_rank=dp_rank, local_rank=int(self.local_rank),
                     **self._checkpoint_model_parallel(),
                     num_experts=self.num_experts if self.has_moe_layers else None,
-                    data_loader=self.training_dataloader)
+                    data_loader=self.training_dataloader, data_schedules=self.data_schedules)
 
 
 def _tp_full_view(engine: Any, what: str) -> Any:

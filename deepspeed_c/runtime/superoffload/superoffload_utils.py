@@ -2,9 +2,10 @@
 gradient chunk as soon as it reaches host memory, in a worker thread, while backward still runs: the
 speculation is that the step will be taken unclipped with the loss scale of this backward. The step then
 either commits (the check agrees: the host results only go back to the device and into the shards) or
-rolls back (overflow, or a norm above gradient_clipping) to a snapshot taken just before each chunk was
-stepped, bit for bit, after which the ordinary host step runs with the true coefficient: the result is
-exactly the non-speculative one either way."""
+rolls back (overflow, or a norm above gradient_clipping), after which the ordinary host step runs with the
+true coefficient: the result is exactly the non-speculative one either way. A step that can roll back
+writes its updated master and moments into spare buffers (the C kernel's out-of-place form, no extra
+memory traffic), which become the live ones at the commit: the rollback discards them and costs nothing."""
 from __future__ import annotations
 
 import queue
@@ -26,9 +27,9 @@ class SpeculativeOffload(CPUOffload):
             raise ValueError("offload_optimizer.super_offload steps with the C CPU optimizers (DeepSpeedCPUAdam); "
                              f"got {type(self.optimizer).__name__}")
         self.spec_coef: Callable[[], float] = lambda: 1.0
-        # what a rollback restores: each chunk's master and moments as they were before its speculative step
-        # (allocated by set_speculation when a step can be rolled back at all)
-        self.backup: Optional[list[dict[str, torch.Tensor]]] = None
+        # where a step that can roll back writes (per group: master and moments; made at the first use, in the
+        # states' dtypes), None when no step can disagree with the speculation (then it steps in place)
+        self.spare: Optional[list[Optional[dict[str, torch.Tensor]]]] = None
         self.stepped: list[tuple[int, int, int]] = []  # (group, start, end) speculatively stepped
         self.bumped: set[int] = set()  # groups whose step count this speculation advanced
         self.coef_used: Optional[float] = None
@@ -45,12 +46,10 @@ class SpeculativeOffload(CPUOffload):
         without, every speculative step commits and no snapshot is taken (zero_grad without a step then
         inverts the update arithmetically, see rollback)."""
         self.spec_coef = coef
-        if may_roll_back and self.backup is None:
-            pin = self.cuda
-            self.backup = [{k: torch.empty(n, dtype=torch.float32, pin_memory=pin)
-                            for k in ("master", *self.optimizer.MOMENTS)} for n in self.sizes]
+        if may_roll_back and self.spare is None:
+            self.spare = [None] * len(self.sizes)
         elif not may_roll_back:
-            self.backup = None
+            self.spare = None
 
     # -- backward: each final chunk staged, then stepped speculatively ---------------------------------
     def _stage_chunk(self, g: int, start: int, end: int, chunk: torch.Tensor) -> None:
@@ -90,17 +89,31 @@ class SpeculativeOffload(CPUOffload):
             opt.ds_opt_op.bump_steps([state["step"]])
             self.bumped.add(g)
         step = int(state["step"].item())
-        if self.backup is not None:
-            keep = self.backup[g]
-            keep["master"][start:end].copy_(master.detach()[start:end])
-            for k in opt.MOMENTS:
-                keep[k][start:end].copy_(state[k][start:end])
         self.stepped.append((g, start, end))
         self.coef_used = coef
         host = self.host_grads[g]
         assert host is not None
+        if self.spare is None:
+            for lo in range(start, end, self.sub_chunk):
+                self._kernel(group, state, master, host, self.host_lp[g], lo, min(end, lo + self.sub_chunk), coef,
+                             step)
+            return
+        if self.spare[g] is None:
+            pin = self.cuda
+            self.spare[g] = {"master": torch.empty(master.numel(), dtype=master.dtype, pin_memory=pin),
+                             **{k: torch.empty(state[k].numel(), dtype=state[k].dtype, pin_memory=pin)
+                                for k in opt.MOMENTS}}
+        out = self.spare[g]
+        lp = self.host_lp[g]
+        w = master.detach()
         for lo in range(start, end, self.sub_chunk):
-            self._kernel(group, state, master, host, self.host_lp[g], lo, min(end, lo + self.sub_chunk), coef, step)
+            hi = min(end, lo + self.sub_chunk)
+            grad = host[lo:hi]
+            if coef != 1.0:  # 16-bit gradients (fp32 ones are not speculated under a loss scale): a copy
+                grad = grad.float().mul_(coef)
+            opt.step_tensors_into(group, [w[lo:hi]], [grad], [[state[k][lo:hi]] for k in opt.MOMENTS],
+                                  None if lp is None else [lp[lo:hi]], [out["master"][lo:hi]],
+                                  [[out[k][lo:hi]] for k in opt.MOMENTS], step)
 
     def _drain(self) -> None:
         self.jobs.join()
@@ -135,21 +148,18 @@ class SpeculativeOffload(CPUOffload):
             return
         opt = self.optimizer
         for g, start, end in self.stepped:
+            if self.spare is not None:
+                continue  # the speculative results went to the spare buffers: the live state is untouched
+            # stepped in place (nothing could make the step disagree, yet it was not taken): invert the update
+            from deepspeed_c.ops.adam.cpu_adam import adam_inverse
+
             state = opt.state[self.masters[g]]
             master = self.masters[g].detach()
-            if self.backup is None:  # no snapshot (nothing could make the step disagree): invert the update
-                from deepspeed_c.ops.adam.cpu_adam import adam_inverse
-
-                host = self.host_grads[g]
-                assert host is not None
-                adam_inverse(master[start:end], host[start:end], state["exp_avg"][start:end],
-                              state["exp_avg_sq"][start:end], opt.param_groups[g], int(state["step"].item()),
-                              bool(getattr(opt, "adam_w_mode", True)))
-                continue
-            keep = self.backup[g]
-            master[start:end].copy_(keep["master"][start:end])
-            for k in opt.MOMENTS:
-                state[k][start:end].copy_(keep[k][start:end])
+            host = self.host_grads[g]
+            assert host is not None
+            adam_inverse(master[start:end], host[start:end], state["exp_avg"][start:end],
+                         state["exp_avg_sq"][start:end], opt.param_groups[g], int(state["step"].item()),
+                         bool(getattr(opt, "adam_w_mode", True)))
         for g in self.bumped:
             opt.state[self.masters[g]]["step"] -= 1
         self.stepped, self.bumped, self.coef_used = [], set(), None
@@ -163,6 +173,7 @@ class SpeculativeOffload(CPUOffload):
             self._last_h2d.synchronize()
             self._last_h2d = None
         self.stats.collect()
+        self._swap_in_spares()
         dev_lps: list[Optional[torch.Tensor]] = [None] * len(self.masters)
         if self.cuda:
             dev_lps = [torch.empty(n, dtype=dt, device=self.device) for n, dt in zip(self.sizes, self.lp_dtypes)]
@@ -190,6 +201,23 @@ class SpeculativeOffload(CPUOffload):
         self.stepped, self.bumped, self.coef_used = [], set(), None
         self.commits += 1
         self.stats.steps += 1
+
+    def _swap_in_spares(self) -> None:
+        """The spare buffers holding the committed step become the live master and moments (the tensors keep
+        their identity: the master's storage is swapped under it); the old ones are the next step's spares."""
+        if self.spare is None:
+            return
+        opt = self.optimizer
+        for g, master in enumerate(self.masters):
+            out = self.spare[g]
+            if out is None:
+                continue
+            state = opt.state[master]
+            old = master.data
+            master.data = out["master"]
+            out["master"] = old
+            for k in opt.MOMENTS:
+                state[k], out[k] = out[k], state[k]
 
     def reset(self) -> None:
         """Gradients dropped without a step (zero_grad, a skipped step): any speculation is undone."""
