@@ -68,7 +68,25 @@ def _reset_tp_groups() -> None:
     _TP_GROUPS = None
 
 
+# A client's model-parallel mpu (initialize(mpu=...) with Megatron-style tensor parallelism): DeepSpeed's
+# `groups.mpu`, which the data- and model-parallel queries below answer from once the engine set it.
+_CLIENT_MPU: Any = None
+
+
+def _set_client_mpu(mpu: Any) -> None:
+    global _CLIENT_MPU
+    _CLIENT_MPU = mpu
+
+
+def _tensor_call(name: str) -> Any:
+    """The client mpu's Megatron tensor-parallel getter `name`, else DeepSpeed's model-parallel one."""
+    fn = getattr(_CLIENT_MPU, name.replace("model_parallel", "tensor_model_parallel"), None)
+    return fn() if callable(fn) else getattr(_CLIENT_MPU, name)()
+
+
 def get_data_parallel_group() -> Any:
+    if _CLIENT_MPU is not None:
+        return _CLIENT_MPU.get_data_parallel_group()
     if _TP_GROUPS is not None:
         return _TP_GROUPS[3]
     return dist.group.WORLD if _initialized() else None
@@ -78,6 +96,8 @@ _get_data_parallel_group = get_data_parallel_group
 
 
 def get_data_parallel_world_size() -> int:
+    if _CLIENT_MPU is not None:
+        return int(_CLIENT_MPU.get_data_parallel_world_size())
     if _TP_GROUPS is not None:
         return len(_TP_GROUPS[4])
     return dist.get_world_size() if _initialized() else 1
@@ -87,6 +107,8 @@ _get_data_parallel_world_size = get_data_parallel_world_size
 
 
 def get_data_parallel_rank() -> int:
+    if _CLIENT_MPU is not None:
+        return int(_CLIENT_MPU.get_data_parallel_rank())
     if _TP_GROUPS is not None:
         return _TP_GROUPS[4].index(dist.get_rank())
     return dist.get_rank() if _initialized() else 0
@@ -96,6 +118,8 @@ _get_data_parallel_rank = get_data_parallel_rank
 
 
 def _get_data_parallel_group_ranks() -> list[int]:
+    if _CLIENT_MPU is not None:
+        return sorted(dist.get_process_group_ranks(_CLIENT_MPU.get_data_parallel_group()))
     if _TP_GROUPS is not None:
         return list(_TP_GROUPS[4])
     return list(range(get_data_parallel_world_size()))
@@ -106,6 +130,8 @@ def _get_broadcast_src_rank() -> int:
 
 
 def get_model_parallel_world_size() -> int:
+    if _CLIENT_MPU is not None:
+        return int(_tensor_call("get_model_parallel_world_size"))
     return _TP_GROUPS[0] if _TP_GROUPS is not None else 1
 
 
@@ -113,6 +139,8 @@ get_tensor_model_parallel_world_size = _get_model_parallel_world_size = get_mode
 
 
 def get_model_parallel_rank() -> int:
+    if _CLIENT_MPU is not None:
+        return int(_tensor_call("get_model_parallel_rank"))
     return _TP_GROUPS[2].index(dist.get_rank()) if _TP_GROUPS is not None else 0
 
 
@@ -120,10 +148,14 @@ get_tensor_model_parallel_rank = get_model_parallel_rank
 
 
 def get_model_parallel_group() -> Any:
+    if _CLIENT_MPU is not None:
+        return _tensor_call("get_model_parallel_group")
     return _TP_GROUPS[1] if _TP_GROUPS is not None else None
 
 
 def get_tensor_model_parallel_src_rank() -> int:
+    if _CLIENT_MPU is not None:
+        return min(dist.get_process_group_ranks(get_model_parallel_group()))
     return _TP_GROUPS[2][0] if _TP_GROUPS is not None else 0
 
 

@@ -1,7 +1,8 @@
 """Bad client mpus are refused at initialize with errors that name the problem (issue 54), 4 gloo ranks:
 a missing protocol method (named), data-parallel groups that do not partition the world, sizes whose
 product is not the world size, and a model-parallel axis wider than the tensor axis (pipeline stages in
-the engine's mpu); and node-local checkpoint storage with mp_rank files (not built). Every rank raises (no rank is left waiting in a collective)."""
+the engine's mpu); and, not built, MoE layers with tensor parallelism and node-local checkpoint storage
+with mp_rank files. Every rank raises (no rank is left waiting in a collective)."""
 from __future__ import annotations
 
 import torch
@@ -70,6 +71,15 @@ def body(rank: int, world: int, tmp: str) -> dict:
             out[name] = ("accepted", "")
         except (TypeError, ValueError, NotImplementedError) as e:
             out[name] = (type(e).__name__, str(e))
+    from deepspeed_c.moe.layer import MoE
+
+    mpu = mm.MegatronMPU(tp=2)  # a good mpu with MoE layers: expert groups over tensor ranks are not built
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), MoE(hidden_size=4, expert=torch.nn.Linear(4, 4), num_experts=2))
+    try:
+        deepspeed_c.initialize(model=model, config=cfg, mpu=mpu)
+        out["moe"] = ("accepted", "")
+    except NotImplementedError as e:
+        out["moe"] = (type(e).__name__, str(e))
     mpu = mm.MegatronMPU(tp=2)  # a good mpu, but node-local checkpoint storage: not built for mp_rank files
     engine, *_ = deepspeed_c.initialize(model=mm.MegatronGPT(mpu.context()), mpu=mpu,
                                         config=dict(cfg, checkpoint={"use_node_local_storage": True}))
@@ -92,5 +102,7 @@ def test_bad_mpus_are_refused_naming_the_problem(tmp_path):
         assert kind == "ValueError" and "data-parallel size 1 x model-parallel size 2 = 2, but the world size is 4" in msg
         kind, msg = r["pipe"]
         assert kind == "NotImplementedError" and "PipelineModule" in msg, msg
+        kind, msg = r["moe"]
+        assert kind == "NotImplementedError" and "MoE layers with tensor parallelism" in msg, msg
         kind, msg = r["node_local"]
         assert kind == "NotImplementedError" and "use_node_local_storage" in msg, msg

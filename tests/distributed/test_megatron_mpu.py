@@ -47,12 +47,17 @@ def _stage(stage: int, mpu: mm.MegatronMPU, data: list, ref: tuple, offload: boo
     ref_losses, ref_state, ref_norms = ref
     model = mm.sharded_model(mpu)
     engine, *_ = deepspeed_c.initialize(model=model, config=config(stage, offload=offload), mpu=mpu)
+    from deepspeed_c.utils import groups  # DeepSpeed's groups.mpu: the queries answer from the client's mpu
+
+    seen = (groups.get_data_parallel_world_size(), groups.get_data_parallel_rank(),
+            groups.get_tensor_model_parallel_world_size(), groups.get_tensor_model_parallel_rank(),
+            groups._get_data_parallel_group_ranks(), groups.get_tensor_model_parallel_src_rank())
     losses, norms = train(engine, mpu, data, range(STEPS))
     errs = mm.rel_errors(mm.full_state(engine.module, mpu.context()), ref_state)
     return {"weight_rel": max(errs.values()), "worst": max(errs, key=errs.get),
             "loss_err": float(np.max(np.abs(np.array(losses) - ref_losses))),
             "norm_rel": max(abs(a - b) / b for a, b in zip(norms, ref_norms)),
-            "clipped": sum(n > CLIP for n in ref_norms), "dp": engine.dp_world_size,
+            "clipped": sum(n > CLIP for n in ref_norms), "dp": engine.dp_world_size, "groups": seen,
             "split": sum(bool(getattr(p, "ds_is_tensor_model_parallel", False)) for p in engine.module.parameters())}
 
 
@@ -67,9 +72,10 @@ def body(rank: int, world: int, stages: tuple) -> dict:
 
 
 def _check(results: list, keys: tuple) -> None:
-    for r in results:
+    for rank, r in enumerate(results):
         for s in keys:
             got = r[s]
+            assert got["groups"] == (2, rank // 2, 2, rank % 2, [rank % 2, rank % 2 + 2], rank - rank % 2), got["groups"]
             assert got["dp"] == 2 and got["split"] > 0, got
             assert got["clipped"] == STEPS, got  # the clip acted at every step: the norm decides the update
             assert got["norm_rel"] < 1e-5, (s, got)

@@ -180,6 +180,12 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
             from deepspeed_c.runtime.model_parallel.tp_norm import mark_tensor_parallel_params
 
             mark_tensor_parallel_params(model)  # the client's split parameters, as DeepSpeed's norm counts them
+        from deepspeed_c.utils import groups
+
+        # DeepSpeed's groups.mpu: deepspeed.utils.groups answers from a client's model-parallel mpu (this engine's
+        # or none: a later engine in the process must not see an earlier one's)
+        groups._set_client_mpu(self.mpu if self.parallel_dims.tensor_parallel and not self.parallel_dims.autotp
+                               else None)
         import torch.distributed as tdist
         from deepspeed_c.runtime.moe_reduction import ExpertParallelism
 
@@ -187,6 +193,9 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
         self.moe = ExpertParallelism(model, self._config.use_data_before_expert_parallel_,
                                      distributed=tdist.is_available() and tdist.is_initialized())
         self.has_moe_layers, self.num_experts = self.moe.has_moe_layers, self.moe.num_experts
+        if self.has_moe_layers and self.parallel_dims.tensor_parallel:
+            raise NotImplementedError("MoE layers with tensor parallelism (a model-parallel mpu or AutoTP) are not "
+                                      "built: the expert groups would span the tensor-parallel ranks")
         if self.dp_world_size > 1:
             dist = _comm()
             from deepspeed_c.runtime.zero.partition_parameters import is_zero_param
