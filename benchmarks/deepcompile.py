@@ -7,7 +7,7 @@ every rank, trained by
   ds-dc       DeepSpeed 0.19.x DeepCompile ZeRO-3        (same)
   fsdp2       torch FSDP2: fully_shard per block + root, bf16 compute, fp32 reduce, fp32 sharded masters,
               torch AdamW(fused on GPU), clip_grad_norm_
-  fsdp2-tc    the same model wrapped by torch.compile (inductor) before fully_shard
+  fsdp2-tc    the same fully-sharded model run through torch.compile (inductor)
 
 Config (every DeepSpeed-style engine): bf16, AdamW lr 1e-4 wd 0.01, gradient_clipping 1.0, ZeRO stage 3
 with DeepSpeed's defaults, micro batch --micro, no accumulation.

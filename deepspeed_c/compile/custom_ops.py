@@ -3,7 +3,8 @@ with torch.library so that dynamo, AOT autograd and inductor see them as opaque 
 
 `dsc::z3_gather(chunk, handle, unit, prefetch)` returns the whole unit (every rank's chunk, in rank order);
 its gradient is `dsc::z3_reduce_scatter(grad, handle, unit)`: this rank's chunk of the gradient summed over
-the ranks and divided by their number (DeepSpeed's gradient average). `handle` names a registered
+the ranks, started asynchronously; the runner waits for it when autograd hands the chunk's gradient over
+after the compiled backward, and divides by the ranks (DeepSpeed's gradient average). `handle` names a registered
 Z3GraphContext (the process group and the store's shards live there: an operator schema carries no Python
 objects). `prefetch`, set by the schedule pass per compiled graph, is the unit this call starts gathering
 asynchronously for a later z3_gather of the same graph (-1: none); its result is taken when that call comes.
@@ -30,6 +31,7 @@ class Z3GraphContext:
     shards: list[torch.Tensor]  # per parameter group: this rank's flat shard (the store's)
     unit_of: list[tuple[int, int, int]]  # unit -> (group, chunk start, chunk end)
     pending: dict[int, tuple[torch.Tensor, Any]] = field(default_factory=dict)  # unit -> (buffer, work)
+    reducing: dict[int, Any] = field(default_factory=dict)  # unit -> its gradient's reduce-scatter in flight
     gathers: int = 0
     reduces: int = 0
     prefetched: int = 0
@@ -59,21 +61,33 @@ class Z3GraphContext:
         work = comm.all_gather_into_tensor(buf, chunk.detach().contiguous(), group=self.group, async_op=async_op)
         return buf, (work if async_op else _Done())
 
-    def reduce_scatter(self, grad: torch.Tensor) -> torch.Tensor:
+    def reduce_scatter(self, grad: torch.Tensor, unit: int) -> torch.Tensor:
+        """Starts the sum over the ranks of this rank's chunk of the unit's gradient and returns the tensor
+        it lands in; finish_reduce(unit) waits for it (the graph hands it out as the unit leaf's gradient,
+        only read after the compiled backward returns, so backward compute overlaps the collective)."""
         self.reduces += 1
         if self.world_size == 1:
             return grad.clone()
         from deepspeed_c import comm
 
         out = torch.empty(grad.numel() // self.world_size, dtype=grad.dtype, device=grad.device)
-        comm.reduce_scatter_tensor(out, grad.contiguous(), group=self.group)
-        return out.div_(self.world_size)
+        self.reducing[unit] = comm.reduce_scatter_tensor(out, grad.contiguous(), group=self.group, async_op=True)
+        return out
+
+    def finish_reduce(self, unit: int) -> None:
+        work = self.reducing.pop(unit, None)
+        if work is not None:
+            work.wait()
 
     def drain(self) -> None:
-        """Waits for prefetches nobody took (a graph left early): a collective is never left behind."""
+        """Waits for prefetches nobody took (a graph left early) and unfinished reductions: a collective is
+        never left behind."""
         for buf, work in self.pending.values():
             work.wait()
         self.pending.clear()
+        for work in self.reducing.values():
+            work.wait()
+        self.reducing.clear()
 
 
 class _Done:
@@ -117,7 +131,7 @@ def _(chunk: torch.Tensor, handle: int, unit: int, prefetch: int) -> torch.Tenso
 
 @torch.library.custom_op("dsc::z3_reduce_scatter", mutates_args=())
 def z3_reduce_scatter(grad: torch.Tensor, handle: int, unit: int) -> torch.Tensor:
-    return context(handle).reduce_scatter(grad)
+    return context(handle).reduce_scatter(grad, unit)
 
 
 @z3_reduce_scatter.register_fake

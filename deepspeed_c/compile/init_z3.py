@@ -2,12 +2,13 @@
 in which the gathers of our store's units and the reduce-scatters of their gradients are operations.
 
 The runner replaces the module's ZeRO-3 gather hooks. Each call it hands the compiled function one leaf
-tensor per parameter group: this rank's shard of the group (an alias of the store's, so the optimizer's
-updates are seen), requiring grad when the group trains. Inside the graph every unit is gathered from its
-slice of the leaf (`dsc::z3_gather`), the parameters are views of the gathered unit, and the module runs
-with them (torch.nn.utils.stateless reparametrization). The gather's gradient is the reduce-scatter of the
-unit's gradient, so backward leaves each leaf's gradient equal to this rank's reduced gradient partition,
-which the ZeRO optimizer takes (ZeroGradPartitioner.add_reduced) where it would take its own reduced
+tensor per unit: this rank's chunk of the unit (an alias of the store's shard, so the optimizer's updates
+are seen), requiring grad when its group trains. Inside the graph every unit is gathered from its leaf
+(`dsc::z3_gather`), the parameters are views of the gathered unit, and the module runs with them
+(torch.nn.utils.stateless reparametrization). The gather's gradient is the reduce-scatter of the unit's
+gradient, started asynchronously in the backward graph; when autograd hands the leaf its gradient (after
+the compiled backward) the runner waits for that collective and adds the chunk, averaged, into the ZeRO
+optimizer's gradient partition (ZeroGradPartitioner.add_reduced) where it would add its own reduced
 buckets. The passes (passes/zero3_compile.py) place each gather before its first use, re-gather in the
 backward instead of saving units, and prefetch one unit ahead.
 
@@ -64,28 +65,43 @@ class Z3GraphRunner:
         for u, (g, start, end) in enumerate(self.units):
             if not self.members[u]:
                 continue
-            full = torch.ops.dsc.z3_gather(leaves[g].narrow(0, start, end - start), self.handle, u, -1)
+            full = torch.ops.dsc.z3_gather(leaves[u], self.handle, u, -1)
             for name, off, numel, shape in self.members[u]:
                 params[name] = full.narrow(0, off, numel).view(shape)
         with _reparametrize_module(self.module, params):
             return self.module._call_impl(*args, **kwargs)
 
     def _leaves(self) -> list[torch.Tensor]:
+        """One leaf per unit: this rank's chunk of it, an alias of the store's shard (a leaf per unit, not per
+        group, so each unit's reduced gradient reaches autograd as the graph produced it, without assembly)."""
+        grad = torch.is_grad_enabled()
         leaves = []
-        for g, shard in enumerate(self.store.shards):
-            leaf = shard.detach()
-            if self.trainable[g] and torch.is_grad_enabled():
+        shards = self.store.shards
+        for u, (g, start, end) in enumerate(self.units):
+            leaf = shards[g][start:end].detach()
+            if grad and self.trainable[g] and self.members[u]:
                 leaf.requires_grad_(True)
-                leaf.register_post_accumulate_grad_hook(self._grad_arrived(g))
+                leaf.register_hook(self._grad_arrived(u))
+                leaf.register_post_accumulate_grad_hook(self._drop_grad)
             leaves.append(leaf)
         return leaves
 
-    def _grad_arrived(self, g: int) -> Any:
-        def hook(leaf: torch.Tensor) -> None:
-            self.reducer.add_reduced(g, leaf.grad)
-            leaf.grad = None
+    def _grad_arrived(self, u: int) -> Any:
+        """A tensor hook, before autograd accumulates: the collective still holds the tensor until it is waited
+        for (autograd would copy it, unfinished, into .grad), so wait first, then add it into the partition."""
+        g, start, _ = self.units[u]
+        scale = 1.0 / self.store.world_size
+
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            self.context.finish_reduce(u)
+            self.reducer.add_reduced(g, grad, start=start, scale=scale)
+            return grad
 
         return hook
+
+    @staticmethod
+    def _drop_grad(leaf: torch.Tensor) -> None:
+        leaf.grad = None  # the partition has it
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         before = len(dc_backend.graphs_compiled)
@@ -113,6 +129,8 @@ class Z3GraphRunner:
 
     def remove(self) -> None:
         unregister_context(self.handle)
+        if self.module.__dict__.get("_compiled_call_impl") is self:
+            self.module._compiled_call_impl = None
 
 
 def init_z3(module: torch.nn.Module, optimizer: Any, group: Any, backend: str, compile_kwargs: dict,

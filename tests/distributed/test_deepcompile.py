@@ -65,6 +65,17 @@ def _weights(engine: Any) -> np.ndarray:
         return np.concatenate([p.detach().float().reshape(-1).numpy() for p in params])
 
 
+def _evaluate(engine: Any, rank: int) -> float:
+    """A forward without autograd after training (the compiled engine compiles an inference graph)."""
+    from tests.distributed.compile_models import batches
+
+    engine.eval()
+    with torch.no_grad():
+        loss = engine(batches(1, 4, seed=9)[0][2 * rank:2 * rank + 2]).item()
+    engine.train()
+    return loss
+
+
 class _Count(logging.Handler):
     def __init__(self, needle: str) -> None:
         super().__init__()
@@ -84,12 +95,15 @@ def _body(rank: int, world: int, kind: str, stage: int, bf16: bool, ckpt: bool, 
     eager = _engine(kind, stage, bf16, ckpt, gas, False)
     ref = _train(eager, rank, world, steps, gas)
     ref_w = _weights(eager)
+    ref_eval = _evaluate(eager, rank) if not bf16 else None
     count = _Count("did not compile as one graph")
     logger.addHandler(count)
     engine = _engine(kind, stage, bf16, ckpt, gas, deepcompile)
     engine.compile(backend=backend)
     got = _train(engine, rank, world, steps, gas)
+    got_eval = _evaluate(engine, rank) if not bf16 else None
     res = {"ref": ref, "got": got, "ref_w": ref_w, "got_w": _weights(engine), "active": engine.is_deepcompile_active(),
+           "ref_eval": ref_eval, "got_eval": got_eval,
            "scheduled": list(zero3_compile.scheduled), "break_notes": count.hits, "compiled": engine.is_compiled}
     ctxs = custom_ops.contexts()
     if ctxs:
@@ -114,6 +128,7 @@ def _check_losses(res: list[dict], bf16: bool, fused: bool = False) -> None:
             np.testing.assert_allclose(got, ref, rtol=1e-5, atol=0)
             rel = np.linalg.norm(r["got_w"] - r["ref_w"]) / np.linalg.norm(r["ref_w"])
             assert rel < 1e-5, rel
+            np.testing.assert_allclose(r["got_eval"], r["ref_eval"], rtol=1e-5)
         assert not np.allclose(r["ref_w"], r["got_w"] * 0)  # it trained (weights present)
 
 

@@ -569,6 +569,9 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
             self._direct_scaler = None
         if self.stepper is not None:
             self.stepper.destroy()
+        compiled = self.__dict__.get("_compiled_module")
+        if compiled is not None:  # DeepCompile's graph context (the compiled graphs name it)
+            compiled.remove()
 
     def __getattr__(self, name: str) -> Any:
         """Attributes the engine does not define come from the wrapped model."""

@@ -410,15 +410,16 @@ class ZeroGradPartitioner(BackwardRound):
         return any(p is not None for p in self.grad_partitions)
 
     @torch.no_grad()
-    def add_reduced(self, g: int, grad: torch.Tensor) -> None:
-        """Group g's whole partition of gradients, already reduced and averaged elsewhere (DeepCompile's
-        reduce-scatter inside the compiled backward): added into the partition (the first since the last
-        clear replaces it), and every parameter of the group counts as having had a gradient."""
+    def add_reduced(self, g: int, grad: torch.Tensor, start: int = 0, scale: float = 1.0) -> None:
+        """Elements [start, start + grad.numel()) of group g's partition, reduced elsewhere (DeepCompile's
+        reduce-scatter inside the compiled backward), times `scale` (the average's 1/world), added into the
+        partition (zeros since the last clear before the first), and every parameter of the group counts as
+        having had a gradient."""
         part = self.grad_partitions[g]
         if part is None:
-            self.grad_partitions[g] = grad.detach().to(self.comm_dtypes[g], copy=True)
-        else:
-            part.add_(grad.detach())
+            part = torch.zeros(self.plans[g].runtime_partition_size, dtype=self.comm_dtypes[g], device=grad.device)
+            self.grad_partitions[g] = part
+        part[start:start + grad.numel()].add_(grad.detach(), alpha=scale)
         self.touched.update(k for k, (gg, _) in enumerate(self._where) if gg == g)
 
     def remove(self) -> None:
