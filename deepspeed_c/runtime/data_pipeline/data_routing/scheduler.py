@@ -98,6 +98,16 @@ class RandomLTDScheduler:
     def set_current_seq(self, seq_length: int) -> None:
         self.state[RANDOM_LTD_CURRENT_VALUE] = seq_length
 
+    def set_sample(self, indices: Any, attention_mask: Any) -> None:
+        """The kept positions (and cut masks) the first random-LTD layer drew for this forward's layers."""
+        self.state["sample_idx"], self.state["attention_mask"] = indices, attention_mask
+
+    def get_sample(self) -> tuple[Any, Any]:
+        if "sample_idx" not in self.state:
+            raise RuntimeError("random-LTD: no tokens drawn yet in this forward (the layer with random_ltd_layer_id "
+                               "0 draws them; does random_ltd_layer_id list the first wrapped layer?)")
+        return self.state["sample_idx"], self.state["attention_mask"]
+
     def get_random_ltd_layer_num(self) -> int:
         return self.random_ltd_layer_num
 

@@ -1,0 +1,125 @@
+"""random-LTD's token sampling and the gather/scatter of the kept tokens.
+
+Sampling: each (layer, sample) keeps `reserved_length` of `seq_length` token positions, drawn uniformly
+without replacement (torch.multinomial over ones, as DeepSpeed draws them, so a seeded run draws the same
+positions) and sorted ascending so the kept tokens stay in sequence order. Indices are
+[layers, batch, reserved_length] int32.
+
+Gather / scatter move whole hidden vectors: batch_first hidden states are [batch, seq, hidden], otherwise
+[seq, batch, hidden]. They run as torch.gather / torch.scatter on the current device (one kernel each, no
+per-token loop; a CUDA kernel of our own is not built). Their gradients are exact on their own: gather's
+input gradient is the incoming one plus the kept tokens' gradients added at their positions; scatter's
+gradient to the full activations is zero at the overwritten positions. (DeepSpeed's pair is only right in
+combination: its gather overwrites the kept positions' gradient, its scatter passes it through.)"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def _check(hidden: torch.Tensor, indices: torch.Tensor, batch_first: bool, what: str) -> None:
+    if hidden.dim() != 3:
+        raise ValueError(f"{what}: hidden states must be 3-d ([batch, seq, hidden] or [seq, batch, hidden]), "
+                         f"got shape {tuple(hidden.shape)}")
+    batch = hidden.shape[0] if batch_first else hidden.shape[1]
+    if indices.dim() != 2 or indices.shape[0] != batch:
+        raise ValueError(f"{what}: indices must be [batch={batch}, reserved_length], got shape {tuple(indices.shape)}")
+
+
+def _index(hidden: torch.Tensor, indices: torch.Tensor, batch_first: bool) -> torch.Tensor:
+    """indices [batch, reserved] expanded to gather/scatter along the sequence dimension."""
+    idx = indices.to(device=hidden.device, dtype=torch.long)
+    if batch_first:
+        return idx.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
+    return idx.t().unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
+
+
+def token_gather(hidden: torch.Tensor, indices: torch.Tensor, batch_first: bool) -> torch.Tensor:
+    """The kept tokens: out[b, j] = hidden[b, indices[b, j]] (seq-first: out[j, b] = hidden[indices[b, j], b])."""
+    _check(hidden, indices, batch_first, "token_gather")
+    return torch.gather(hidden, 1 if batch_first else 0, _index(hidden, indices, batch_first))
+
+
+def token_scatter(hidden: torch.Tensor, part: torch.Tensor, indices: torch.Tensor, batch_first: bool) -> torch.Tensor:
+    """A copy of `hidden` with the kept positions replaced by `part` (the layer's output on them)."""
+    _check(hidden, indices, batch_first, "token_scatter")
+    return torch.scatter(hidden, 1 if batch_first else 0, _index(hidden, indices, batch_first), part.to(hidden.dtype))
+
+
+class GatherTokens(torch.autograd.Function):
+    """apply(activations, indices, batch_first) -> (activations, kept tokens), DeepSpeed's signature."""
+
+    @staticmethod
+    def forward(ctx, activations: torch.Tensor, sorted_indices: torch.Tensor, batch_first: bool):
+        ctx.save_for_backward(sorted_indices)
+        ctx.batch_first = batch_first
+        ctx.shape, ctx.dtype = activations.shape, activations.dtype
+        return activations.view_as(activations), token_gather(activations, sorted_indices, batch_first)
+
+    @staticmethod
+    def backward(ctx, a_grad: Optional[torch.Tensor], g_grad: Optional[torch.Tensor]):
+        (indices, ) = ctx.saved_tensors
+        if g_grad is None:
+            return a_grad, None, None
+        dim = 1 if ctx.batch_first else 0
+        base = a_grad if a_grad is not None else g_grad.new_zeros(ctx.shape, dtype=ctx.dtype)
+        idx = _index(base, indices, ctx.batch_first)
+        return base.scatter_add(dim, idx, g_grad.to(base.dtype)), None, None
+
+
+class ScatterTokens(torch.autograd.Function):
+    """apply(all_activations, layer_activations, indices, batch_first) -> all_activations with the kept
+    positions replaced, DeepSpeed's signature."""
+
+    @staticmethod
+    def forward(ctx, all_activations: torch.Tensor, layer_activations: torch.Tensor, sorted_indices: torch.Tensor,
+                batch_first: bool):
+        ctx.save_for_backward(sorted_indices)
+        ctx.batch_first = batch_first
+        ctx.layer_dtype = layer_activations.dtype
+        return token_scatter(all_activations, layer_activations, sorted_indices, batch_first)
+
+    @staticmethod
+    def backward(ctx, out_grad: torch.Tensor):
+        (indices, ) = ctx.saved_tensors
+        dim = 1 if ctx.batch_first else 0
+        idx = _index(out_grad, indices, ctx.batch_first)
+        layer_grad = torch.gather(out_grad, dim, idx).to(ctx.layer_dtype)
+        all_grad = out_grad.scatter(dim, idx, 0.0)  # the kept positions were overwritten: no gradient there
+        return all_grad, layer_grad, None, None
+
+
+def _sample(reserved_length: int, seq_length: int, batch_size: int, layers: int, device: torch.device) -> torch.Tensor:
+    if not 0 < reserved_length <= seq_length:
+        raise ValueError(f"random-LTD: reserved_length must be in 1..seq_length={seq_length}, got {reserved_length}")
+    prob = torch.ones((layers * batch_size, seq_length), device=device)
+    drawn = torch.multinomial(prob, reserved_length)
+    return drawn.sort(dim=-1).values.reshape(layers, batch_size, reserved_length).to(torch.int32)
+
+
+def gpt_sample_tokens(reserved_length: int, seq_length: int, batch_size: int, layers: int = 1,
+                      device: torch.device | str = "cpu", attn_mask: Optional[torch.Tensor] = None):
+    """Decoder (causal) models: (indices [layers, batch, reserved], the causal mask cut to
+    [..., reserved, reserved] or None). The kept tokens are in order, so the leading corner of a causal
+    mask is their causal mask."""
+    indices = _sample(reserved_length, seq_length, batch_size, layers, torch.device(device))
+    new_mask = attn_mask[:, :, :reserved_length, :reserved_length] if attn_mask is not None else None
+    return indices, new_mask
+
+
+def bert_sample_tokens(reserved_length: int, seq_length: int, batch_size: int, layers: int = 1,
+                       device: torch.device | str = "cpu", attn_mask: Optional[torch.Tensor] = None):
+    """Encoder models: (indices, per layer the mask [batch, heads-or-1, reserved, reserved] of the kept rows
+    and columns of each sample's mask)."""
+    if attn_mask is None:
+        raise ValueError("random-LTD with model_type 'encoder' needs the attention mask (model_mask_name)")
+    indices = _sample(reserved_length, seq_length, batch_size, layers, torch.device(device))
+    idx = indices.to(device=attn_mask.device, dtype=torch.long)
+    masks = []
+    for layer in range(layers):
+        rows = idx[layer][:, None, :, None].expand(-1, attn_mask.shape[1], -1, attn_mask.shape[3])
+        picked = torch.gather(attn_mask.expand(batch_size, -1, -1, -1), 2, rows)
+        cols = idx[layer][:, None, None, :].expand(-1, attn_mask.shape[1], reserved_length, -1)
+        masks.append(torch.gather(picked, 3, cols))
+    return indices, masks
