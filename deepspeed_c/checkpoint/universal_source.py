@@ -50,8 +50,9 @@ class SourceCheckpoint:
         return max(self.tp_degree, self.pp_degree)
 
     def mp_to_tp_pp(self, mp: int) -> tuple[int, int]:
-        """(tp index, pp index) of a model-parallel rank in the file names."""
-        return (0, mp) if self.pp_degree > 1 else (mp, 0)
+        """(tp index, pp index) of a model-parallel rank in the file names: DeepSpeed's checkpoint_mp_rank
+        counts the tensor slices of each stage in turn (stage x tp_degree + tensor rank)."""
+        return mp % self.tp_degree, mp // self.tp_degree
 
 
 def _names(folder: str, pattern: re.Pattern) -> list[tuple[tuple[int, ...], str]]:
@@ -61,6 +62,24 @@ def _names(folder: str, pattern: re.Pattern) -> list[tuple[tuple[int, ...], str]
         if m:
             out.append((tuple(int(g or 0) for g in m.groups()), os.path.join(folder, name)))
     return sorted(out)
+
+
+def _degrees(model_state: dict, layers: list[str], mp_ranks: int, folder: str) -> tuple[int, int]:
+    """(pp, tp) degrees: the model-states file's checkpoint_parallel_dimensions where it has them, else a
+    pipeline's model-parallel ranks are its stages times its tensor slices (layer files named
+    layer_XX-model_YY- per slice) and a non-pipeline checkpoint's are tensor slices."""
+    dims = model_state.get(C.CHECKPOINT_PARALLEL_DIMS)
+    if isinstance(dims, dict) and C.CHECKPOINT_PP_DEGREE in dims and C.CHECKPOINT_TP_DEGREE in dims:
+        pp, tp = int(dims[C.CHECKPOINT_PP_DEGREE]), int(dims[C.CHECKPOINT_TP_DEGREE])
+    elif layers:
+        slices = {m.group(2) for m in (_LAYER_RE.match(os.path.basename(f)) for f in layers) if m and m.group(2)}
+        tp = max(1, len(slices))
+        pp = max(1, mp_ranks // tp)
+    else:
+        pp, tp = 1, mp_ranks
+    if pp * tp != mp_ranks:
+        raise ValueError(f"{folder}: {mp_ranks} model-parallel ranks' ZeRO files, but pp {pp} x tp {tp} ranks")
+    return pp, tp
 
 
 def _shapes_of(model_state: dict, path: str) -> "OrderedDict[str, tuple]":
@@ -115,8 +134,7 @@ def read_source(folder: str) -> SourceCheckpoint:
         raise FileNotFoundError(f"{folder} holds no model-states files (mp_rank_*_model_states.pt or, at ZeRO stage "
                                 "3, zero_pp_rank_*_mp_rank_*_model_states.pt)")
     first_model = load(model_files[0])
-    pp = len(mps) if layers else 1
-    tp = 1 if layers else len(mps)
+    pp, tp = _degrees(first_model, layers, len(mps), folder)
     src = SourceCheckpoint(folder=folder, zero_stage=stage, dp_degree=len(dps), tp_degree=tp, pp_degree=pp,
                            optim_files=optim_files, model_files=model_files, layer_files=layers,
                            universal_info=first_model.get(C.UNIVERSAL_CHECKPOINT_INFO))

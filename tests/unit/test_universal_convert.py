@@ -113,3 +113,40 @@ def test_deepspeed_checkpoint_reads_deepspeeds_layout() -> None:
         DeepSpeedCheckpoint(os.path.join(MEGATRON, "ckpt"), tp_degree=1)
     with pytest.raises(FileNotFoundError, match="pp 0, tp 2"):
         ckpt.get_zero_checkpoint_state(0, 2, 0)
+
+
+# -- 3D: DeepSpeed's PP 2 x TP 2 pipeline checkpoint of the same GPT (issue 54's fixture) ------------------
+PP3D = os.path.join(FIXTURES, "deepspeed_megatron", "pp3d_tp2")
+
+
+def _gpt_name(name: str) -> str:
+    """The pipeline layer name of the GPT's parameter: 0 the tied embedding, 1 the positions, 2.. the blocks,
+    4 the final norm."""
+    if name == "tied_modules.embed.weight":
+        return "embed.weight"
+    layer, rest = name.split(".", 1)
+    return {"1": rest, "4": f"ln_f.{rest}"}.get(layer, f"blocks.{int(layer) - 2}.{rest}")
+
+
+def test_pipeline_and_tensor_parallel_merge_matches_deepspeed_loaded_weights(tmp_path: Any) -> None:
+    src = str(tmp_path / "src")
+    shutil.copytree(os.path.join(PP3D, "ckpt"), src)
+    info = {"tp_replicated_parameter_patterns": [r"1\.pos$", r"\d+\.ln", r"4\.(weight|bias)$", r".*\.proj\.bias",
+                                                 r".*\.fc2\.bias"],
+            "parameter_with_row_parallelism_patterns": ROW,
+            "pipeline_replicated_parameter_patterns": [r"tied_modules\.embed\.weight"]}
+    for mp in range(4):
+        path = os.path.join(src, f"mp_rank_{mp:02d}_model_states.pt")
+        state = safe_load.load(path)
+        state["universal_checkpoint_info"] = info
+        torch.save(state, path, **({"pickle_module": ds_pickle} if ds_pickle.contains_stand_ins(state) else {}))
+    out = str(tmp_path / "out")
+    main(_args(src, out))
+    want = torch.load(os.path.join(PP3D, "expected.pt"), weights_only=True)["loaded_weights"]
+    names = sorted(d for d in os.listdir(os.path.join(out, "zero")) if d != "optimizer_state.pt")
+    assert sorted(_gpt_name(n) for n in names) == sorted(want)
+    for name in names:
+        ref = want[_gpt_name(name)]
+        got = _param(out, name)["param"]
+        assert got.shape == ref.shape, name
+        torch.testing.assert_close(got, ref.to(got.dtype), rtol=0, atol=0, msg=name)
