@@ -12,7 +12,7 @@ units, the autograd identity nodes in one iteration's graph, and the all-gathers
 backward (counted on torch.distributed's ProcessGroup class). Print-only: no assertions.
 
     .venv/bin/python benchmarks/zero3_host_time.py --world 1
-    .venv/bin/python benchmarks/zero3_host_time.py --world 2 --layers 24 --width 64
+    .venv/bin/python benchmarks/zero3_host_time.py --world 2 --layers 24 --width 64 --persistence 0
 """
 from __future__ import annotations
 
@@ -59,7 +59,9 @@ def _variant(args: argparse.Namespace, auto: str, rank: int) -> dict[str, Any]:
                           n_embd=args.width))
     config = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
               "steps_per_print": 10**9, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-              "zero_optimization": {"stage": 3}}  # DeepSpeed's defaults otherwise
+              # DeepSpeed's defaults but the persistence threshold: at this toy width every unit would fall under
+              # its 1e5 and stay gathered (no backward marks); 0 makes units come and go as a 1.3B model's do
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": args.persistence}}
     engine, *_ = deepspeed_c.initialize(model=model, config=config)
     g = torch.Generator().manual_seed(rank)
     x = torch.randint(0, args.vocab, (args.micro, args.seq), generator=g)
@@ -143,6 +145,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--persistence", type=int, default=0, help="stage3_param_persistence_threshold")
     args = ap.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
