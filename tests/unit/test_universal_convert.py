@@ -150,3 +150,33 @@ def test_pipeline_and_tensor_parallel_merge_matches_deepspeed_loaded_weights(tmp
         got = _param(out, name)["param"]
         assert got.shape == ref.shape, name
         torch.testing.assert_close(got, ref.to(got.dtype), rtol=0, atol=0, msg=name)
+
+
+def test_command_line_with_worker_processes(tmp_path: Any) -> None:
+    """`python -m deepspeed_c.checkpoint.ds_to_universal` with DeepSpeed's default worker counts (4 extract,
+    2 merge processes) writes what the in-process conversion writes."""
+    import subprocess
+    import sys
+
+    src = os.path.join(FIXTURES, "deepspeed_written", "z2_fp32_train_w2", "ckpt")
+    cli, serial = str(tmp_path / "cli" / "u"), str(tmp_path / "serial" / "u")
+    run = subprocess.run([sys.executable, "-m", "deepspeed_c.checkpoint.ds_to_universal", "--input_folder", src,
+                          "--output_folder", cli, "--inject_missing_state"], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    main(_args(src, serial, "--inject_missing_state"))
+    with open(os.path.join(tmp_path, "cli", "latest_universal")) as f:
+        assert f.read() == "u"
+    for name in sorted(os.listdir(os.path.join(serial, "zero"))):
+        if name == "optimizer_state.pt":
+            continue
+        for f in os.listdir(os.path.join(serial, "zero", name)):
+            a = safe_load.load(os.path.join(cli, "zero", name, f))
+            b = safe_load.load(os.path.join(serial, "zero", name, f))
+            a, b = (a["param"], b["param"]) if isinstance(a, dict) else (a, b)
+            assert torch.equal(torch.as_tensor(a), torch.as_tensor(b)), (name, f)
+
+
+def test_bad_worker_count_is_named(tmp_path: Any) -> None:
+    with pytest.raises(SystemExit):
+        parse_arguments(["--input_folder", "x", "--output_folder", "y", "--num_merge_workers", "0"])
