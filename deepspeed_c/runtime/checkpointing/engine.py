@@ -300,7 +300,7 @@ class EngineCheckpointer:
                                        if save_frozen else None),
             "lr_scheduler": st.lr_scheduler.state_dict() if st.lr_scheduler is not None else None,
             "data_sampler": run_state.data_sampler_state(st.data_loader),
-            "random_ltd": None,
+            "random_ltd": run_state.random_ltd_state(st.data_schedules),
             "skipped_steps": counters["skipped_steps"],
             "global_steps": counters["global_steps"],
             "global_samples": counters["global_samples"],

@@ -41,9 +41,14 @@ def schedules_state(schedules: Optional[Any]) -> Optional[dict]:
     return schedules.state_dict() if schedules is not None else None
 
 
+def random_ltd_state(schedules: Optional[Any]) -> Optional[dict]:
+    """The random-LTD scheduler's state under DeepSpeed's `random_ltd` key; None when it is off."""
+    return schedules.random_ltd_state_dict() if schedules is not None else None
+
+
 def restore_schedules(schedules: Optional[Any], model_state: dict) -> None:
     if schedules is not None:
-        schedules.load_state_dict(model_state.get(SCHEDULES_KEY))
+        schedules.load_state_dict(model_state.get(SCHEDULES_KEY), model_state.get("random_ltd"))
 
 
 def rng_file(rank: int, world: int) -> tuple[str, dict]:

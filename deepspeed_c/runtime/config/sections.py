@@ -142,7 +142,6 @@ UNBUILT_SECTIONS: dict[str, tuple[str, Any]] = {
     "elasticity": ("elastic training", _enabled),
     "expert_parallel": ("AutoEP expert parallelism (MoE)", _enabled),
     "nebula": ("Nebula checkpointing", _enabled),
-    "data_efficiency": ("the data efficiency library", _enabled),
     "quantize_training": ("MoQ quantized training", _enabled),
 }
 
@@ -194,9 +193,13 @@ def parse_misc_sections(param_dict: dict[str, Any]) -> dict[str, Any]:
     from deepspeed_c.runtime.data_pipeline.config import parse_curriculum_legacy
 
     curriculum_enabled, curriculum_params = parse_curriculum_legacy(param_dict)
+    from deepspeed_c.runtime.data_pipeline.config import parse_data_efficiency
+
+    data_efficiency = parse_data_efficiency(param_dict)
     return {
         "pipeline_config": pipeline,
         "curriculum_enabled_legacy": curriculum_enabled, "curriculum_params_legacy": curriculum_params,
+        **data_efficiency,
         "flops_profiler_config": flops, "autotuning_config": autotuning, "eigenvalue_config": eigen, "pld_config": pld,
         "compile_config": compile_cfg, "tensor_parallel_config": tp, "checkpoint_config": checkpoint,
         "activation_checkpointing_config": act, "timers_config": timers,

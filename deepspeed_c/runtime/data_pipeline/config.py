@@ -37,3 +37,67 @@ def parse_curriculum_legacy(param_dict: dict[str, Any]) -> tuple[bool, Union[dic
                                    "curriculum_seqlen); for other metrics use data_efficiency.data_sampling")
     validate_schedule(params, path)
     return True, params
+
+
+_DE = "data_efficiency"
+_ROUTING_PATH = "data_efficiency.data_routing.random_ltd"
+
+
+def _section(raw: Any, path: str) -> dict:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise DeepSpeedConfigError(f"Config key '{path}' must be a JSON object (dict), got {raw!r}")
+    return raw
+
+
+def _flag(raw: dict, path: str) -> bool:
+    value = raw.get("enabled", False)
+    if not isinstance(value, bool):
+        raise DeepSpeedConfigError(f"Invalid value {value!r} for config key '{path}.enabled': expected true/false")
+    return value
+
+
+def _check_random_ltd(cfg: dict) -> None:
+    from deepspeed_c.runtime.data_pipeline.data_routing.scheduler import validate_random_ltd
+
+    validate_random_ltd(cfg, _ROUTING_PATH)
+    for key, allowed in (("model_type", ("encoder", "decoder")), ("hidden_state_order", ("batch_seq_dim",
+                                                                                          "seq_batch_dim"))):
+        if cfg.get(key) not in allowed:
+            raise DeepSpeedConfigError(f"Invalid value {cfg.get(key)!r} for config key '{_ROUTING_PATH}.{key}': "
+                                       f"expected one of {', '.join(allowed)}")
+    ids = cfg.get("random_ltd_layer_id")
+    if not isinstance(ids, list) or len(ids) != cfg["random_ltd_layer_num"] \
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise DeepSpeedConfigError(f"Config key '{_ROUTING_PATH}.random_ltd_layer_id' must list "
+                                   f"random_ltd_layer_num={cfg['random_ltd_layer_num']} layer ids, got {ids!r}")
+
+
+def parse_data_efficiency(param_dict: dict[str, Any]) -> dict[str, Any]:
+    """The config attributes of the `data_efficiency` section, with DeepSpeed's names and nesting:
+    data_efficiency_enabled, data_efficiency_config ({enabled, seed, data_sampling, data_routing}) and
+    random_ltd_enabled (DeepSpeed reads random_ltd.enabled alone). The data sampler (data_sampling with its
+    curriculum metrics) is not built: asking for it raises NotImplementedError naming the key."""
+    from deepspeed_c.runtime.config.utils import unbuilt
+
+    raw = _section(param_dict.get(_DE), _DE)
+    enabled = _flag(raw, _DE)
+    seed = raw.get("seed", 1234)
+    sampling = _section(raw.get("data_sampling"), f"{_DE}.data_sampling")
+    curriculum = _section(sampling.get("curriculum_learning"), f"{_DE}.data_sampling.curriculum_learning")
+    if _flag(sampling, f"{_DE}.data_sampling") or _flag(curriculum, f"{_DE}.data_sampling.curriculum_learning"):
+        raise unbuilt(f"{_DE}.data_sampling", "the data-efficiency data sampler (DeepSpeedDataSampler, curriculum "
+                      "metrics from index files)")
+    routing = _section(raw.get("data_routing"), f"{_DE}.data_routing")
+    ltd_raw = _section(routing.get("random_ltd"), _ROUTING_PATH)
+    ltd_on = _flag(ltd_raw, _ROUTING_PATH)
+    random_ltd: dict[str, Any] = {"enabled": False, "layer_token_lr_schedule": {"enabled": False}}
+    if ltd_on:
+        random_ltd.update(copy.deepcopy(ltd_raw))
+        _check_random_ltd(random_ltd)
+    config = {"enabled": enabled, "seed": seed,
+              "data_sampling": {**copy.deepcopy(sampling), "enabled": False,
+                                "curriculum_learning": {**copy.deepcopy(curriculum), "enabled": False}},
+              "data_routing": {"enabled": _flag(routing, f"{_DE}.data_routing"), "random_ltd": random_ltd}}
+    return {"data_efficiency_enabled": enabled, "data_efficiency_config": config, "random_ltd_enabled": ltd_on}

@@ -2,8 +2,11 @@
 attributes and methods over `self.data_schedules` (runtime/data_pipeline/forward_schedules.py)."""
 from __future__ import annotations
 
+from collections import deque
 from typing import Any, Optional
 
+from deepspeed_c.runtime.config.utils import DeepSpeedConfigError
+from deepspeed_c.runtime.data_pipeline.data_routing.basic_layer import RandomLayerTokenDrop
 from deepspeed_c.runtime.data_pipeline.forward_schedules import ForwardSchedules
 
 
@@ -31,6 +34,40 @@ class EngineDataSchedules:
     def progressive_layer_drop(self) -> Any:
         """DeepSpeed's engine attribute: the ProgressiveLayerDrop (None when off)."""
         return self.data_schedules.progressive_layer_drop
+
+    @property
+    def random_ltd_scheduler(self) -> Any:
+        """DeepSpeed's engine attribute: the RandomLTDScheduler (None when random-LTD is off)."""
+        return self.data_schedules.random_ltd_scheduler
+
+    def data_efficiency_config(self) -> dict:
+        return self._config.data_efficiency_config
+
+    def random_ltd_config(self) -> dict:
+        return self._config.data_efficiency_config["data_routing"]["random_ltd"]
+
+    def curriculum_learning_config(self) -> dict:
+        return self._config.data_efficiency_config["data_sampling"]["curriculum_learning"]
+
+    def random_ltd_initialize(self) -> None:
+        """Hands each RandomLayerTokenDrop of the module whose name holds the next id of random_ltd_layer_id
+        (in module order, DeepSpeed's matching) the scheduler and its rank; convert_to_random_ltd calls it."""
+        if self.data_schedules.random_ltd_scheduler is None:
+            raise RuntimeError("random_ltd_initialize: data_efficiency.data_routing.random_ltd.enabled is not set")
+        cfg = self.data_schedules.random_ltd_config
+        pending = deque(sorted(cfg["random_ltd_layer_id"]))
+        count = 0
+        for name, layer in self.module.named_modules():
+            if isinstance(layer, RandomLayerTokenDrop) and pending and str(pending[0]) in name:
+                layer.init_config(cfg, self.data_schedules.random_ltd_scheduler, count)
+                pending.popleft()
+                count += 1
+        if count != cfg["random_ltd_layer_num"]:
+            raise DeepSpeedConfigError(
+                f"Config key 'data_efficiency.data_routing.random_ltd.random_ltd_layer_id' "
+                f"({cfg['random_ltd_layer_id']}): {count} of the model's random-LTD layers matched, "
+                f"random_ltd_layer_num is {cfg['random_ltd_layer_num']} (a layer matches when its module name "
+                "contains the id)")
 
     def get_pld_theta(self) -> Optional[float]:
         pld = self.data_schedules.progressive_layer_drop
