@@ -1,0 +1,1 @@
+"""The data-efficiency data sampler and the memory-mapped index files it reads (DeepSpeed's formats)."""
