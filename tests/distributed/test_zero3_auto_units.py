@@ -7,7 +7,7 @@ PyTorch on the whole batch (1e-5 norm-wise per tensor), with and without non-ree
 checkpointing, for a GPT-like model that has what coarse units must survive: tied input/output embeddings
 (the tied pair is never folded into a unit), a block called twice per forward, a frozen block and a frozen
 bias inside a trained block (that block spans two parameter groups), a module of a unit called from the
-root's forward outside its block (a block's LayerNorm reused as the final norm: gathered on access), a
+root's forward outside its block (a block's LayerNorm reused as the final norm: a step of its block), a
 GatheredParameters(modifier_rank=0) edit of a parameter inside a unit before training, and a module inside a
 unit called directly, outside any forward of the model, after training (its unit is gathered for the call).
 The same runs with DSC_Z3_AUTO_UNITS=0 (per-module units) train the same; the auto units issue fewer

@@ -26,9 +26,11 @@ first module on each path that qualifies:
 The prefetch window of the fetch plan is at least one unit deep (a unit above stage3_prefetch_bucket_size
 is still prefetched alone, as DeepSpeed's prefetcher always admits the first parameter). What coarse
 units change, and how the coordinator (param_hooks.py) keeps it correct: a module of a unit called
-outside its root's forward gathers the whole unit (a forward pre-hook when no forward of the model runs,
-the parameter dict's gather-on-access inside another module's forward); a unit's parameters are all
-live during its forward and backward (bounded by `cap`); GatheredParameters gathers whole units.
+outside its root's forward (by the root's parent, or directly) is a step of the root, which gathers the
+whole unit for the call and its backward (one forward pre-hook per such module, a list lookup inside the
+root's forward); a parameter of a unit read through its attribute inside another module's forward is
+gathered on access; a unit's parameters are all live during its forward and backward (bounded by `cap`);
+GatheredParameters gathers whole units.
 
 DSC_Z3_AUTO_UNITS=0 turns the choice off (per-leaf units, for A/B runs); DeepSpeed has no key for it."""
 from __future__ import annotations

@@ -300,9 +300,9 @@ class ParamCoordinator:
         return hook
 
     def _inside_unit(self, m: torch.nn.Module, root_key: Optional[int]) -> None:
-        """A module inside a leaf or unit root: no hooks of its own. Its parameters gather on attribute access
-        inside another module's forward (ZeroParamDict); inside a unit root, a call while no forward of the
-        model runs (the user calling it directly) gathers the root's unit."""
+        """A module inside a leaf or unit root: no gather steps of its own. Its parameters gather on attribute
+        access inside another module's forward (ZeroParamDict); inside a unit root, a call outside the root's
+        forward (the parent calling it past the root, the user calling it directly) gathers the root's unit."""
         if any(is_zero_param(p) for p in m._parameters.values()) and type(m._parameters) is dict:
             m.__dict__["_parameters"] = ZeroParamDict(m._parameters, self)
         if root_key is not None and any(True for _ in m.parameters()):
@@ -310,13 +310,14 @@ class ParamCoordinator:
             self._handles.append(m.register_forward_pre_hook(_eager(self._outside_call(root_key)), with_kwargs=True))
 
     def _outside_call(self, key: int) -> Any:
-        """Pre-hook of a module inside unit root `key`: inside a forward of the model it does nothing (the root,
-        or gather-on-access, has its parameters); alone, the call is a step of the root (its whole unit is
-        gathered for the call and for its backward), ended by a one-shot post-hook."""
+        """Pre-hook of a module inside unit root `key`: inside the root's forward it does nothing (the root has
+        gathered its unit); outside it, the call is a step of the root (its whole unit gathered for the call and
+        for its backward, released after them, not pinned for the whole forward of whatever module runs),
+        ended by a one-shot post-hook."""
         pre, post = self._pre_hook(key), self._post_hook(key)
 
         def hook(m: torch.nn.Module, args: Any, kwargs: Any) -> Any:
-            if self._running:
+            if key in self._running:
                 return None
             once: list = []
 
