@@ -3,9 +3,9 @@ offload_optimizer cpu), ZenFlow (ZeRO-2 + zero_optimization.zenflow) and SuperOf
 offload_optimizer.super_offload) against the real DeepSpeed 0.19.8 on the same configs, and against
 deepspeed_c without offload (ZeRO-2 on the device). The same GPT, the same batches, bf16, AdamW, clipping 1.0.
 
-Correctness first: every engine's losses of the first --check steps agree with deepspeed_c's plain offload
-within bf16 tolerance (2e-2 relative; the first step's before any update, the next ones after tiny lr-1e-4
-updates), else nothing is timed. Then interleaved timed blocks of whole steps (forward + backward + step,
+Correctness first, within bf16 tolerance (2e-2 relative), else nothing is timed: each DeepSpeed engine's
+losses over the first --check steps against deepspeed_c's on the same config, and deepspeed_c's variants'
+first 3 against its plain offload (lr 1e-4: tiny updates). Then interleaved timed blocks of whole steps (forward + backward + step,
 synchronised at block ends; a block is a multiple of update_interval so ZenFlow's host step falls inside
 it). Prints tokens/s, peak device memory, the ratios the issue asks for (ZenFlow / plain offload,
 SuperOffload / plain offload, deepspeed_c / DeepSpeed per config, each / no offload), and with --profile the
@@ -174,13 +174,18 @@ def main() -> None:
         e.step()
         return loss.detach()
 
-    ref_name = "dsc offload" if "dsc offload" in engines else "dsc no-offload"
+    # each DeepSpeed engine is checked against deepspeed_c's same config over all --check steps (the bar: the
+    # same losses within bf16 noise); deepspeed_c's variants against its plain offload over the first 3 (after
+    # that ZenFlow legitimately departs from it)
+    base_ref = "dsc offload" if "dsc offload" in engines else "dsc no-offload"
     losses = {name: [float(step(name)) for _ in range(args.check)] for name in engines}
     for name, ls in losses.items():
-        rel = max(abs(a - b) / abs(b) for a, b in zip(ls, losses[ref_name]))
-        print(f"check {name:20s} losses {', '.join(f'{v:.5f}' for v in ls)}  max rel diff vs {ref_name} {rel:.2e}",
-              flush=True)
-        assert rel <= 2e-2, f"{name}: losses disagree with {ref_name} beyond bf16 tolerance: not timing"
+        ref = f"dsc {name[3:]}" if name.startswith("DS ") and f"dsc {name[3:]}" in losses else base_ref
+        n = len(ls) if ref != base_ref else min(3, len(ls))
+        rel = max(abs(a - b) / abs(b) for a, b in zip(ls[:n], losses[ref][:n]))
+        print(f"check {name:20s} losses {', '.join(f'{v:.5f}' for v in ls)}  max rel diff vs {ref} over {n} steps "
+              f"{rel:.2e}", flush=True)
+        assert rel <= 2e-2, f"{name}: losses disagree with {ref} beyond bf16 tolerance: not timing"
     times: dict[str, list[float]] = {n: [] for n in engines}
     peaks: dict[str, int] = {n: 0 for n in engines}
     for _ in range(args.blocks):
