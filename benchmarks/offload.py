@@ -5,9 +5,9 @@ deepspeed_c without offload (ZeRO-2 on the device). The same GPT, the same batch
 
 Correctness first, within bf16 tolerance (2e-2 relative), else nothing is timed: each DeepSpeed engine's
 losses over the first --check steps against deepspeed_c's on the same config, and deepspeed_c's variants'
-first 3 against its plain offload (lr 1e-4: tiny updates). Then interleaved timed blocks of whole steps (forward + backward + step,
-synchronised at block ends; a block is a multiple of update_interval so ZenFlow's host step falls inside
-it). Prints tokens/s, peak device memory, the ratios the issue asks for (ZenFlow / plain offload,
+first 3 against its plain offload (lr 1e-4: tiny updates). Then interleaved timed blocks of whole steps
+(forward + backward + step, synchronised at block ends; a block is a multiple of update_interval so ZenFlow's
+host step falls inside it; ZenFlow's host step still in flight at a block's end is waited for inside it). Prints tokens/s, peak device memory, the ratios the issue asks for (ZenFlow / plain offload,
 SuperOffload / plain offload, deepspeed_c / DeepSpeed per config, each / no offload), and with --profile the
 GPU idle time per step of each engine (one profiled block: step wall time minus the union of the device's
 kernel and copy intervals).
