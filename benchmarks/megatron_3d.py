@@ -55,6 +55,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--check", type=int, default=3)
     ap.add_argument("--impl", choices=["both", "deepspeed_c", "deepspeed"], default="both")
+    ap.add_argument("--torch_adam", action="store_true",
+                    help="torch.optim.Adam on both sides (\"torch_adam\": true; always on the host) instead of the "
+                         "fused GPU Adam (DeepSpeed's FusedAdam is JIT-built on first use)")
     args = ap.parse_args()
     if args.layout == "tp-dp":
         args.pp, args.gas = 1, 1
@@ -72,7 +75,7 @@ def config(args: argparse.Namespace) -> dict:
             "train_batch_size": args.micro * args.gas * args.dp, "steps_per_print": 10**9,
             "gradient_clipping": 1.0, "bf16": {"enabled": bf16}, "zero_optimization": {"stage": args.stage},
             "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "weight_decay": 0.0,
-                                                     "torch_adam": args.device == "cpu"}}}
+                                                     "torch_adam": args.device == "cpu" or args.torch_adam}}}
 
 
 def real_deepspeed() -> Any:
