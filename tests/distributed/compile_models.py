@@ -2,7 +2,7 @@
 activation checkpointing, a Hugging Face LLaMA, and a model with data-dependent control flow (a graph break)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +32,7 @@ class Block(torch.nn.Module):
 
 
 class TinyGPT(torch.nn.Module):
-    def __init__(self, d: int = 32, layers: int = 2, heads: int = 2, checkpointing: bool = False,
+    def __init__(self, d: int = 32, layers: int = 2, heads: int = 2, checkpointing: Union[bool, str] = False,
                  branchy: bool = False) -> None:
         super().__init__()
         self.wte = torch.nn.Embedding(VOCAB, d)
@@ -48,7 +48,12 @@ class TinyGPT(torch.nn.Module):
         for i, blk in enumerate(self.blocks):
             if self.branchy and i == 1 and bool(x.float().mean() > 0):  # data-dependent: dynamo breaks the graph
                 x = x * 0.5
-            x = checkpoint(blk, x, use_reentrant=False) if self.checkpointing else blk(x)
+            if self.checkpointing == "deepspeed":  # DeepSpeed's API (reentrant when not compiled)
+                from deepspeed_c.runtime.activation_checkpointing.checkpointing import checkpoint as ds_checkpoint
+
+                x = ds_checkpoint(blk, x)
+            else:
+                x = checkpoint(blk, x, use_reentrant=False) if self.checkpointing else blk(x)
         logits = self.head(self.ln(x)).float()
         return F.cross_entropy(logits.view(-1, VOCAB), (labels if labels is not None else tokens).view(-1))
 
@@ -80,6 +85,8 @@ def make(kind: str, seed: int, checkpointing: bool = False) -> torch.nn.Module:
     torch.manual_seed(seed)
     if kind == "gpt":
         return TinyGPT(checkpointing=checkpointing)
+    if kind == "gpt-dsckpt":
+        return TinyGPT(checkpointing="deepspeed")
     if kind == "branchy":
         return TinyGPT(checkpointing=checkpointing, branchy=True)
     if kind == "llama":

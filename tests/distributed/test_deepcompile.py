@@ -158,6 +158,13 @@ def test_bf16_accumulation_checkpointing_matches_eager(kind: str, stage: int) ->
         assert all(r["compiled"] and not r["active"] for r in res)
 
 
+def test_zero3_deepspeed_checkpointing_api() -> None:
+    """deepspeed.checkpointing.checkpoint (reentrant in eager) inside the compiled graph."""
+    res = _run("gpt-dsckpt", 3, bf16=False, gas=1, steps=6)
+    _check_losses(res, bf16=False)
+    _check_graph_ops(res)
+
+
 def test_zero3_fp16_matches_eager() -> None:
     res = _run("gpt", 3, bf16="fp16", ckpt=False, steps=8)
     _check_losses(res, bf16=True)

@@ -187,7 +187,14 @@ class CheckpointFunction(torch.autograd.Function):
 
 
 def checkpoint(function: Callable, *args: Any) -> Any:
-    """Checkpoint a model or part of the model (reentrant, like DeepSpeed's and torch's original)."""
+    """Checkpoint a model or part of the model (reentrant, like DeepSpeed's and torch's original). Inside a
+    graph torch.compile is capturing it is torch's non-reentrant checkpoint, which dynamo captures whole: a
+    reentrant recomputation would run after the compiled forward, outside the parameters its graph bound
+    (DeepCompile's gathered units)."""
+    if torch.compiler.is_compiling():
+        from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+        return torch_checkpoint(function, *args, use_reentrant=False)
     return CheckpointFunction.apply(function, *args)
 
 
