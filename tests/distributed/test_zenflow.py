@@ -17,10 +17,10 @@ from tests.harness import run_distributed
 ONE = {"update_interval": 1, "overlap_step": False, "select_strategy": "step", "select_interval": 1000}
 
 
-def _pair_body(rank: int, world: int, stage: int, zen: dict, steps: int) -> dict:
-    plain, e0 = train(rank, world, ds_config(stage), steps)
+def _pair_body(rank: int, world: int, stage: int, zen: dict, steps: int, extra: dict | None = None) -> dict:
+    plain, e0 = train(rank, world, dict(ds_config(stage), **(extra or {})), steps)
     w0 = flat_weights(e0).numpy()
-    zf, e1 = train(rank, world, ds_config(stage, zenflow=zen), steps)
+    zf, e1 = train(rank, world, dict(ds_config(stage, zenflow=zen), **(extra or {})), steps)
     assert type(e1.optimizer).__name__ == ("ZenFlowZeroOptimizer_Stage3" if stage == 3 else "ZenFlowZeroOptimizer")
     w1 = flat_weights(e1).numpy()
     e1.destroy()
@@ -34,6 +34,16 @@ def test_update_interval_1_equals_plain_offload(stage):
         np.testing.assert_allclose(r["zen"], r["plain"], rtol=1e-6, atol=1e-7)
         np.testing.assert_allclose(r["w_zen"], r["w_plain"], rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(out[0]["w_zen"], out[1]["w_zen"])  # the ranks hold one model
+
+
+@pytest.mark.parametrize("extra", [{"gradient_accumulation_steps": 2},
+                                   {"fp16": {"enabled": True, "initial_scale_power": 20}}], ids=["gas2", "fp16-overflow"])
+def test_update_interval_1_equals_plain_offload_with_accumulation_and_fp16(extra):
+    """Gradient accumulation, and fp16 whose first steps overflow and are skipped: still plain offload's run."""
+    out = run_distributed(_pair_body, world_size=2, args=(2, ONE, 8, extra), timeout=300)
+    for r in out:
+        np.testing.assert_array_equal(r["zen"], r["plain"])
+        np.testing.assert_array_equal(r["w_zen"], r["w_plain"])
 
 
 def _tune_body(rank: int, world: int, zen: dict, stage: int) -> dict:
