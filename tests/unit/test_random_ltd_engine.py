@@ -140,8 +140,11 @@ def _bad(**over):
                                     "schedule_config": {"seq_per_step": 2, "require_steps": 6}})),
      ValueError, "random_ltd_schedule.schedule_type"),
     ({"train_micro_batch_size_per_gpu": 1, "data_efficiency": {"enabled": True, "data_sampling": {
-        "enabled": True, "curriculum_learning": {"enabled": True}}}}, NotImplementedError,
-     "data_efficiency.data_sampling"),
+        "enabled": True, "curriculum_learning": {"enabled": True}}}}, ValueError,
+     "data_efficiency.data_sampling.curriculum_learning.curriculum_metrics"),
+    ({"train_micro_batch_size_per_gpu": 1, "data_efficiency": {"enabled": True, "data_sampling": {
+        "enabled": True, "dynamic_batching": {"enabled": True}}}}, NotImplementedError,
+     "data_efficiency.data_sampling.dynamic_batching"),
 ])
 def test_bad_random_ltd_fails_at_initialize_naming_the_key(cfg, err, key):
     with pytest.raises(err, match=key.replace(".", r"\.")):

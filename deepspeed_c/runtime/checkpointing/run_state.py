@@ -60,7 +60,9 @@ def restore(data_loader: Optional[Any], model_state: dict, tag_dir: str, manifes
             world: int) -> None:
     """The loader's position and this rank's generators, where the checkpoint has them."""
     sampler = model_state.get(DATA_SAMPLER_KEY)
-    if data_loader is not None and isinstance(sampler, dict) and "batches" in sampler \
+    # "batches": DeepSpeedDataLoader's position; "curriculum_step": the curriculum sampler's state
+    if data_loader is not None and isinstance(sampler, dict) \
+            and ("batches" in sampler or "curriculum_step" in sampler) \
             and callable(getattr(data_loader, "load_state_dict", None)):
         data_loader.load_state_dict(sampler)
     name = rng_file_name(rank, world)

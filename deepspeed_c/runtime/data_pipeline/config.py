@@ -74,11 +74,28 @@ def _check_random_ltd(cfg: dict) -> None:
                                    f"random_ltd_layer_num={cfg['random_ltd_layer_num']} layer ids, got {ids!r}")
 
 
+def _check_curriculum_metrics(curriculum: dict) -> None:
+    """The metrics' keys and index files, checked at initialize (the sampler reads them on rank 0 only)."""
+    from deepspeed_c.runtime.data_pipeline.data_sampling.data_sampler import validate_metric
+
+    path = f"{_DE}.data_sampling.curriculum_learning"
+    metrics = curriculum.get("curriculum_metrics")
+    if not isinstance(metrics, dict) or not metrics:
+        raise DeepSpeedConfigError(f"Config key '{path}.curriculum_metrics' must name at least one metric")
+    if not isinstance(curriculum.get("data_cluster_path"), str):
+        raise DeepSpeedConfigError(f"Config key '{path}.data_cluster_path' is required (where the clusters go)")
+    for name, cfg in metrics.items():
+        if not isinstance(cfg, dict):
+            raise DeepSpeedConfigError(f"Config key '{path}.curriculum_metrics.{name}' must be a JSON object")
+        validate_metric(name, cfg)
+        validate_schedule(cfg, f"{path}.curriculum_metrics.{name}")
+
+
 def parse_data_efficiency(param_dict: dict[str, Any]) -> dict[str, Any]:
     """The config attributes of the `data_efficiency` section, with DeepSpeed's names and nesting:
     data_efficiency_enabled, data_efficiency_config ({enabled, seed, data_sampling, data_routing}) and
-    random_ltd_enabled (DeepSpeed reads random_ltd.enabled alone). The data sampler (data_sampling with its
-    curriculum metrics) is not built: asking for it raises NotImplementedError naming the key."""
+    random_ltd_enabled (DeepSpeed reads random_ltd.enabled alone). With data_sampling.curriculum_learning on,
+    each metric's keys and index files are checked here, so a bad one fails at initialize naming the key."""
     from deepspeed_c.runtime.config.utils import unbuilt
 
     raw = _section(param_dict.get(_DE), _DE)
@@ -86,9 +103,13 @@ def parse_data_efficiency(param_dict: dict[str, Any]) -> dict[str, Any]:
     seed = raw.get("seed", 1234)
     sampling = _section(raw.get("data_sampling"), f"{_DE}.data_sampling")
     curriculum = _section(sampling.get("curriculum_learning"), f"{_DE}.data_sampling.curriculum_learning")
-    if _flag(sampling, f"{_DE}.data_sampling") or _flag(curriculum, f"{_DE}.data_sampling.curriculum_learning"):
-        raise unbuilt(f"{_DE}.data_sampling", "the data-efficiency data sampler (DeepSpeedDataSampler, curriculum "
-                      "metrics from index files)")
+    sampling_on = _flag(sampling, f"{_DE}.data_sampling")
+    curriculum_on = _flag(curriculum, f"{_DE}.data_sampling.curriculum_learning")
+    dynamic = sampling.get("dynamic_batching")
+    if isinstance(dynamic, dict) and dynamic.get("enabled", False):
+        raise unbuilt(f"{_DE}.data_sampling.dynamic_batching", "dynamic batching (variable batch size and LR)")
+    if curriculum_on:
+        _check_curriculum_metrics(curriculum)
     routing = _section(raw.get("data_routing"), f"{_DE}.data_routing")
     ltd_raw = _section(routing.get("random_ltd"), _ROUTING_PATH)
     ltd_on = _flag(ltd_raw, _ROUTING_PATH)
@@ -97,7 +118,11 @@ def parse_data_efficiency(param_dict: dict[str, Any]) -> dict[str, Any]:
         random_ltd.update(copy.deepcopy(ltd_raw))
         _check_random_ltd(random_ltd)
     config = {"enabled": enabled, "seed": seed,
-              "data_sampling": {**copy.deepcopy(sampling), "enabled": False,
-                                "curriculum_learning": {**copy.deepcopy(curriculum), "enabled": False}},
+              "data_sampling": {**copy.deepcopy(sampling), "enabled": sampling_on,
+                                "num_epochs": sampling.get("num_epochs", 1000),
+                                "num_workers": sampling.get("num_workers", 0),
+                                "pin_memory": sampling.get("pin_memory", False),
+                                "curriculum_learning": {**copy.deepcopy(curriculum), "enabled": curriculum_on}},
               "data_routing": {"enabled": _flag(routing, f"{_DE}.data_routing"), "random_ltd": random_ltd}}
-    return {"data_efficiency_enabled": enabled, "data_efficiency_config": config, "random_ltd_enabled": ltd_on}
+    return {"data_efficiency_enabled": enabled, "data_efficiency_config": config, "random_ltd_enabled": ltd_on,
+            "curriculum_learning_enabled": curriculum_on}

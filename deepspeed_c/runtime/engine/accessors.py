@@ -25,8 +25,6 @@ class Fixed:
     why: str
 
 
-_NOT_BUILT = "deepspeed_c has no data-efficiency data sampler (data_efficiency.data_sampling) yet"
-
 # name -> (source, return type). source: a dotted attribute path under the engine's DeepSpeedConfig (read at
 # each call, so set_train_batch_size and friends show through), or Fixed.
 CONFIG_ACCESSORS: dict[str, tuple[Union[str, Fixed], Any]] = {
@@ -127,7 +125,7 @@ CONFIG_ACCESSORS: dict[str, tuple[Union[str, Fixed], Any]] = {
     "eigenvalue_layer_name": ("eigenvalue_config.layer_name", str),
     "eigenvalue_layer_num": ("eigenvalue_config.layer_num", int),
     "curriculum_enabled_legacy": ("curriculum_enabled_legacy", bool),
-    "curriculum_learning_enabled": (Fixed(False, _NOT_BUILT), bool),
+    "curriculum_learning_enabled": ("curriculum_learning_enabled", bool),
     "data_efficiency_enabled": ("data_efficiency_enabled", bool),
     "random_ltd_enabled": ("random_ltd_enabled", bool),
     "autotuning_enabled": ("autotuning_config.enabled", bool),

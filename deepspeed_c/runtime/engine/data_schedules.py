@@ -74,9 +74,31 @@ class EngineDataSchedules:
         return pld.get_theta() if pld is not None else None
 
     def set_custom_curriculum_learning_schedule(self, schedule_func_dict: Any) -> None:
-        """The function of a `schedule_type: "custom"` curriculum: global_step -> difficulty (a callable, or
-        DeepSpeed's {metric_name: function} dict)."""
+        """The function of a `schedule_type: "custom"` curriculum: global_step -> difficulty. With the
+        data-efficiency sampler, DeepSpeed's {metric_name: function} dict goes to its metrics; for the legacy
+        seqlen curriculum, a callable (or a one-entry dict)."""
+        loader = self.training_dataloader
+        if self._config.curriculum_learning_enabled and loader is not None:
+            loader.data_sampler.set_custom_curriculum_learning_schedule(schedule_func_dict)
+            if not self._config.curriculum_enabled_legacy:
+                return
         self.data_schedules.set_custom_schedule(schedule_func_dict)
+
+    def _curriculum_loader(self, dataset: Any, dp_world: int, dp_rank: int, pin_memory: bool,
+                           collate_fn: Any) -> Any:
+        """The training loader of data_efficiency.data_sampling.curriculum_learning (DeepSpeed's
+        DeepSpeedDataLoader with its DeepSpeedDataSampler)."""
+        from deepspeed_c.runtime.data_pipeline.data_sampling.curriculum_loader import CurriculumDataLoader
+        from deepspeed_c.runtime.data_pipeline.data_sampling.data_sampler import DeepSpeedDataSampler
+
+        cfg = self._config.data_efficiency_config
+        group = self.mpu.get_data_parallel_group() if self.mpu is not None else None
+        sampler = DeepSpeedDataSampler(cfg, len(dataset), self.train_micro_batch_size_per_gpu(), dp_rank, dp_world,
+                                       group, self.gradient_accumulation_steps(), self.global_rank,
+                                       drop_last=self.dataloader_drop_last())
+        return CurriculumDataLoader(dataset, sampler, pin_memory=pin_memory and self.device.type == "cuda",
+                                    tput_timer=self.tput_timer, collate_fn=collate_fn or self.collate_fn,
+                                    num_workers=cfg["data_sampling"]["num_workers"])
 
     def _data_schedule_kwargs(self, kwargs: dict, training: bool, curriculum: bool = True) -> dict:
         if not training or not self.data_schedules.active:

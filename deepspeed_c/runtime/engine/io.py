@@ -25,6 +25,8 @@ class EngineIO:
         dp_world, dp_rank = self.dp_world_size, self.global_rank
         if self.mpu is not None:
             dp_world, dp_rank = self.mpu.get_data_parallel_world_size(), self.mpu.get_data_parallel_rank()
+        if route == ROUTE_TRAIN and data_sampler is None and self.curriculum_learning_enabled():
+            return self._curriculum_loader(dataset, dp_world, dp_rank, pin_memory, collate_fn)
         if data_sampler is None and route in (ROUTE_PREDICT, ROUTE_EVAL):
             data_sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=dp_world, rank=dp_rank,
                                                                shuffle=False)

@@ -36,7 +36,7 @@ _CL = "data_efficiency.data_sampling.curriculum_learning"
 VALUE, PERCENTILE, SINGLE_CLUSTER, SCHEDULE_BASED = "value", "percentile", "single_cluster", "schedule_based"
 
 
-def _validate_metric(name: str, cfg: dict) -> None:
+def validate_metric(name: str, cfg: dict) -> None:
     path = f"{_CL}.curriculum_metrics.{name}"
     if cfg.get("difficulty_type") not in (VALUE, PERCENTILE):
         raise DeepSpeedConfigError(f"Invalid value {cfg.get('difficulty_type')!r} for config key "
@@ -55,6 +55,12 @@ def _validate_metric(name: str, cfg: dict) -> None:
             if not os.path.isfile(prefix + ext):
                 raise DeepSpeedConfigError(f"Config key '{path}.{key}': {prefix + ext} does not exist (the "
                                            "DataAnalyzer writes <prefix>.idx and <prefix>.bin)")
+
+
+def _plain_np_state(state: tuple) -> list:
+    """numpy's global generator state with its key array as a list (checkpoints hold no numpy arrays)."""
+    name, key, pos, has_gauss, gauss = state
+    return [name, [int(k) for k in key], int(pos), int(has_gauss), float(gauss)]
 
 
 class DeepSpeedDataSampler:
@@ -111,7 +117,7 @@ class DeepSpeedDataSampler:
         if self.global_rank == 0:
             os.makedirs(self.cl_config["data_cluster_path"], exist_ok=True)
         for name, cfg in metrics.items():
-            _validate_metric(name, cfg)
+            validate_metric(name, cfg)
             self.curriculum_schedulers[name] = CurriculumScheduler(cfg, key_path=f"{_CL}.curriculum_metrics.{name}")
             self.difficulty_type[name] = cfg["difficulty_type"]
             self.clustering_type[name] = cfg["clustering_type"]
@@ -290,7 +296,7 @@ class DeepSpeedDataSampler:
                 "curriculum_step": self.curriculum_step, "current_difficulties": dict(self.current_difficulties),
                 "data_cluster_paths": list(self.data_cluster_paths),
                 "data_cluster_current_position": list(self.data_cluster_current_position),
-                "np_rng_state": np.random.get_state(),
+                "np_rng_state": _plain_np_state(np.random.get_state()),
                 "dsc_np_rng_state": copy.deepcopy(self.np_rng.bit_generator.state),
                 "dsc_curriculum_schedulers": {m: s.state_dict() for m, s in self.curriculum_schedulers.items()}}
 
@@ -304,7 +310,7 @@ class DeepSpeedDataSampler:
         if "dsc_np_rng_state" in state:
             self.np_rng.bit_generator.state = copy.deepcopy(state["dsc_np_rng_state"])
         else:  # a DeepSpeed checkpoint: it carries numpy's global generator, as DeepSpeed restores it
-            np.random.set_state(state["np_rng_state"])
+            np.random.set_state(tuple(state["np_rng_state"]))
         for m, s in state.get("dsc_curriculum_schedulers", {}).items():
             if m in self.curriculum_schedulers:
                 self.curriculum_schedulers[m].load_state_dict(s)
