@@ -44,7 +44,8 @@ class ZenFlowMixin:
                                             self.gatherer, self.zenflow_schedule, rank=self.rank,
                                             world_size=self.world_size, group=self.dp_process_group,
                                             device=self.bit16_groups[0][0].device,
-                                            lp_dtype=self.bit16_groups[0][0].dtype, pin_memory=True)
+                                            lp_dtype=self.bit16_groups[0][0].dtype, pin_memory=True,
+                                            host_lp=None if self.offload is None else self.offload.host_lp)
         return self.zenflow_step
 
     @contextlib.contextmanager

@@ -35,8 +35,9 @@ class ZenFlowStep(ZeroStepStrategy):
     def __init__(self, optimizer: Any, masters: Sequence[torch.Tensor], plans: Sequence[PartitionPlan],
                  shapes: Sequence[Sequence[torch.Size]], writer: Any, schedule: ZenFlowSchedule, *,
                  rank: int, world_size: int, group: Any, device: torch.device, lp_dtype: torch.dtype,
-                 pin_memory: bool) -> None:
-        """shapes: each group's parameters' full shapes (plan order); device, lp_dtype: the model's."""
+                 pin_memory: bool, host_lp: Optional[Sequence[Optional[torch.Tensor]]] = None) -> None:
+        """shapes: each group's parameters' full shapes (plan order); device, lp_dtype: the model's; host_lp:
+        host buffers of the model dtype to reuse for the host step's weights (the offload's), None where none."""
         self.optimizer = optimizer  # the C CPU Adam over the host masters
         self.masters = list(masters)
         self.plans = list(plans)
@@ -62,7 +63,9 @@ class ZenFlowStep(ZeroStepStrategy):
         self.side = torch.cuda.Stream(self.device) if cuda else None
         self.acc_host = [torch.empty(n, dtype=torch.float32, pin_memory=pin) if self.device.type != "cpu" else None
                          for n in sizes]
-        self.lp_host = [torch.empty(n, dtype=self.lp_dtype, pin_memory=pin) for n in sizes]
+        given = list(host_lp) if host_lp is not None else [None] * len(sizes)
+        self.lp_host = [b if b is not None and b.dtype == self.lp_dtype and b.numel() == n
+                        else torch.empty(n, dtype=self.lp_dtype, pin_memory=pin) for b, n in zip(given, sizes)]
         # the model's weights as this rank last wrote them (never the master itself, which the host steps)
         self.dev_lp = [m.detach().to(device=self.device, dtype=self.lp_dtype, copy=True) for m in self.masters]
         self.accumulated = 0  # steps in the accumulator
