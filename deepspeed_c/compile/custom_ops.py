@@ -108,8 +108,10 @@ def unregister_context(handle: int) -> None:
 
 
 def context(handle: int) -> Z3GraphContext:
+    # int(): dynamo may pass a handle that differed between two engines' traces as a symbolic int; this
+    # specialises it (each engine's graph is its own)
     try:
-        return _CONTEXTS[handle]
+        return _CONTEXTS[int(handle)]
     except KeyError:
         raise RuntimeError(f"DeepCompile: graph context {handle} is gone (its engine was destroyed); "
                            "a compiled graph outlived the engine that built it") from None

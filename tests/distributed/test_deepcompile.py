@@ -193,3 +193,37 @@ def test_inductor_bf16(stage: int) -> None:
     _check_losses(res, bf16=True, fused=True)
     if stage == 3:
         _check_graph_ops(res)
+
+
+def _resume_body(rank: int, world: int, root: str) -> tuple[list[float], list[float]]:
+    from tests.distributed.compile_models import batches
+
+    xs = batches(5, 2 * world, seed=3)
+
+    def engine() -> Any:
+        e = _engine("gpt", 3, False, False, 1, True)
+        e.compile(backend="eager")
+        return e
+
+    def run(e: Any, part: list) -> list[float]:
+        out = []
+        for x in part:
+            loss = e(x[2 * rank:2 * rank + 2])
+            e.backward(loss)
+            e.step()
+            out.append(loss.item())
+        return out
+
+    whole = run(engine(), xs)  # three engines in one process: each compiles its own graph
+    first = engine()
+    losses = run(first, xs[:3])
+    first.save_checkpoint(root)
+    again = engine()
+    again.load_checkpoint(root)
+    return whole, losses + run(again, xs[3:])
+
+
+def test_zero3_checkpoint_resume(tmp_path) -> None:
+    """A DeepCompile engine's checkpoint, loaded by a fresh DeepCompile engine, continues bit for bit."""
+    for whole, resumed in run_distributed(_resume_body, 2, args=(str(tmp_path),), timeout=600):
+        assert whole == resumed
