@@ -409,7 +409,7 @@ def test_four_stages_pipe_by_data_zero1_and_checkpoints(tmp_path):
     # share the layer files, each rank writes its optimizer partition
     assert results[0][1]["files"] == sorted(
         [f"layer_{i:02d}-model_states.pt" for i in range(7)] + ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]
-        + ["dsc_manifest.json"]
+        + ["dsc_manifest.json"] + [f"dsc_rng_state_rank_{r:05d}_of_00004.pt" for r in range(4)]
         + [f"zero_pp_rank_{d}_mp_rank_{s:02d}_optim_states.pt" for d in range(2) for s in range(2)])
     _check(results, 8, 2)  # interleaved on 2 stages x 2 data-parallel, ZeRO-1
     # activations held by a stage: at most stages - stage_id micro-batches, with 4 or 8 micro-batches
@@ -442,8 +442,8 @@ def test_four_stages_pipe_by_data_zero1_and_checkpoints(tmp_path):
             assert res[key + "_steps"] == 4 and res[key + "_client"] == key[:-1], key
         assert res["adam4"] == res["adamon"] and res["zero1_2"] == res["zero1_on"]  # same shape: bit for bit
         assert "saved with no ZeRO" in res["mismatch"] and "zero_optimization.stage 1" in res["mismatch"]
-    assert results[0][6]["adamfiles"] == ["dsc_manifest.json"] + [f"layer_{i:02d}-model_states.pt" for i in range(7)] + \
-        [f"mp_rank_{s:02d}_model_states.pt" for s in range(4)]
+    assert results[0][6]["adamfiles"] == ["dsc_manifest.json"] + [f"dsc_rng_state_rank_{r:05d}_of_00004.pt" for r in range(4)] \
+        + [f"layer_{i:02d}-model_states.pt" for i in range(7)] + [f"mp_rank_{s:02d}_model_states.pt" for s in range(4)]
     # bf16 saved on 4 stages, loaded on 2 x 2: each parameter's fp32 master and Adam moments as saved
     res = results[0][9]
     assert res["steps"] == 2 and sorted(res["loaded"]) == sorted(res["saved"])
@@ -454,5 +454,5 @@ def test_four_stages_pipe_by_data_zero1_and_checkpoints(tmp_path):
         assert got[3] == step == 2, name
     assert results[0][6]["zero1_files"] == sorted(
         [f"layer_{i:02d}-model_states.pt" for i in range(7)] + [f"mp_rank_{s:02d}_model_states.pt" for s in range(2)]
-        + ["dsc_manifest.json"]
+        + ["dsc_manifest.json"] + [f"dsc_rng_state_rank_{r:05d}_of_00004.pt" for r in range(4)]
         + [f"zero_pp_rank_{d}_mp_rank_{s:02d}_optim_states.pt" for d in range(2) for s in range(2)])
