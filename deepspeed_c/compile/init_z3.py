@@ -137,6 +137,10 @@ def init_z3(module: torch.nn.Module, optimizer: Any, group: Any, backend: str, c
             log: Any) -> Z3GraphRunner:
     """Takes the module's ZeRO-3 gathers into compiled graphs: the gather hooks go (the store stays the
     parameters' home), and the module's calls go through the runner."""
+    if getattr(optimizer, "store", None) is None or getattr(optimizer, "reducer", None) is None:
+        raise ValueError("config key 'compile.deepcompile' at ZeRO stage 3 needs the engine's ZeRO-3 optimizer "
+                         f"(got {type(optimizer).__name__}): pass an optimizer (config 'optimizer' or "
+                         "initialize(optimizer=...)), or call engine.compile without compile.deepcompile")
     coordinator: Optional[Any] = getattr(optimizer, "coordinator", None)
     if coordinator is not None:
         coordinator.remove()

@@ -9,8 +9,9 @@ Tolerances: fp32 through the "eager" backend (AOT autograd with our passes, no c
 same kernels as the eager engine: losses within 1e-5 relative, final weights within 1e-5. bf16 (and
 inductor's fused kernels) round differently: each loss within 2e-2 absolute of the eager one (losses
 ~3.5: about 4 bf16 ulps) over the 20 steps. Inductor on 2 CPU cores costs minutes per graph, so
-the inductor runs are marked slow (one ZeRO-3 and one ZeRO-1 run); the matrix uses the "eager" backend,
-which runs the same dynamo capture, custom ops, FX passes and partitioner."""
+the inductor runs are marked slow (one ZeRO-3 and one ZeRO-1 run, ~8 minutes together), as are plain
+engine.compile at stages 0-2 (stage 2 is also test_engine_save16_compile's); the rest uses the "eager"
+backend, which runs the same dynamo capture, custom ops, FX passes and partitioner."""
 from __future__ import annotations
 
 import logging
@@ -178,7 +179,8 @@ def test_graph_break_same_numbers_said_once() -> None:
     assert res[1]["break_notes"] == 0
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), pytest.param(1, marks=pytest.mark.slow),
+                                   pytest.param(2, marks=pytest.mark.slow), 3])
 def test_engine_compile_without_deepcompile(stage: int) -> None:
     """engine.compile alone at every stage (ZeRO-3: its gather/release hooks outside the graphs)."""
     res = _run("gpt", stage, bf16=True, deepcompile=False, steps=6)
@@ -227,3 +229,22 @@ def test_zero3_checkpoint_resume(tmp_path) -> None:
     """A DeepCompile engine's checkpoint, loaded by a fresh DeepCompile engine, continues bit for bit."""
     for whole, resumed in run_distributed(_resume_body, 2, args=(str(tmp_path),), timeout=600):
         assert whole == resumed
+
+
+def _no_optimizer_body(rank: int, world: int) -> str:
+    import deepspeed_c
+    from tests.distributed.compile_models import make
+
+    model = make("gpt", seed=1)
+    engine, *_ = deepspeed_c.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}, "compile": {"deepcompile": True}})
+    try:
+        engine.compile(backend="eager")
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def test_zero3_without_optimizer_is_refused_at_compile() -> None:
+    msg = run_distributed(_no_optimizer_body, 1, timeout=120)[0]
+    assert "compile.deepcompile" in msg and "optimizer" in msg, msg

@@ -14,8 +14,6 @@
 from __future__ import annotations
 
 import operator
-from typing import Any
-
 import torch
 from torch.fx import Graph, GraphModule, Node
 
@@ -23,11 +21,8 @@ _VIEW_METHODS = {"narrow", "view", "reshape", "as_strided", "t", "contiguous"}
 
 
 def _is_gather(node: Node) -> bool:
-    if node.op != "call_function":
-        return False
-    target = node.target
-    return target is torch.ops.dsc.z3_gather.default or target is torch.ops.dsc.z3_gather or \
-        getattr(target, "__name__", "") == "dsc.z3_gather"
+    # dynamo's graph names the overload packet, AOT autograd's graphs the default overload
+    return node.op == "call_function" and node.target in (torch.ops.dsc.z3_gather, torch.ops.dsc.z3_gather.default)
 
 
 def gather_nodes(graph: Graph) -> list[Node]:
@@ -132,11 +127,3 @@ def schedule_prefetch(graph: Graph) -> int:
             unit = -1
         here.args = (*here.args[:3], unit)
     return len(gathers)
-
-
-def count_ops(graph: Graph, name: str) -> int:
-    return sum(1 for n in graph.nodes if n.op == "call_function" and name in str(n.target))
-
-
-def describe(gm: Any) -> str:
-    return f"{len(gather_nodes(gm.graph))} gathers"

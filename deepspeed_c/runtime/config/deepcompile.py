@@ -46,6 +46,12 @@ def check_deepcompile(compile_cfg: Any, param_dict: dict) -> None:
                 raise DeepSpeedConfigError(f"config key 'compile.deepcompile' does not run with "
                                            f"'zero_optimization.{sub}.device' {dev!r}: the compiled graph "
                                            "gathers and reduces on the device (drop one of the two)")
+        for key, off in (("zero_quantized_weights", False), ("zero_quantized_gradients", False),
+                         ("zero_quantized_nontrainable_weights", False), ("zero_hpz_partition_size", 1)):
+            if zero.get(key, off) not in (off, None):
+                raise DeepSpeedConfigError(f"config key 'compile.deepcompile' does not run with "
+                                           f"'zero_optimization.{key}' {zero[key]!r}: the compiled graph's gathers "
+                                           "and reduce-scatters are plain ones (ZeRO++ is not in the graph)")
         if zero.get("zenflow") is not None:
             raise DeepSpeedConfigError("config key 'compile.deepcompile' does not run with 'zero_optimization.zenflow' "
                                        "(ZenFlow steps gradients on its own schedule)")
