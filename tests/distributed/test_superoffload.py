@@ -14,9 +14,12 @@ from tests.harness import run_distributed
 STEPS = 6
 
 
-def _body(rank: int, world: int, clip: float, fp16: bool) -> dict:
+def _body(rank: int, world: int, clip: float, fp16: bool, ratio: float = 1.0) -> dict:
     def cfg(super_offload: bool) -> dict:
-        c = ds_config(3, offload={"device": "cpu", "super_offload": super_offload}, clip=clip)
+        off = {"device": "cpu", "super_offload": super_offload}
+        if super_offload and ratio < 1.0:
+            off["ratio"] = ratio
+        c = ds_config(3, offload=off, clip=clip)
         if fp16:  # 2^20 overflows the first steps' fp16 gradients: skipped steps, then a lower scale
             c["fp16"] = {"enabled": True, "initial_scale_power": 20, "loss_scale_window": 1000}
         return c
@@ -42,13 +45,25 @@ def test_speculation_equals_plain_offload(clip, fp16, expect):
         np.testing.assert_array_equal(r["w1"], r["w0"])
     st = out[0]["stats"]
     if expect == "commits":
-        assert st == {"commits": STEPS, "rollbacks": 0}, st
+        assert (st["commits"], st["rollbacks"]) == (STEPS, 0), st
     elif expect == "rollbacks":
         assert st["commits"] == 0 and st["rollbacks"] == STEPS, st
     elif expect == "overflow":
         assert out[0]["skipped"] > 0 and st["rollbacks"] >= out[0]["skipped"], (st, out[0]["skipped"])
     else:
         assert st["commits"] + st["rollbacks"] >= STEPS, st
+
+
+@pytest.mark.parametrize("clip", [0.0, 1e-3], ids=["commits", "rollbacks"])
+def test_ratio_steps_a_share_on_the_device(clip):
+    """offload_optimizer.ratio 0.5: the groups' first buckets (about half the state) stepped on the device, the
+    rest speculatively on the host: still plain ZeRO-3 offload's run bit for bit (on a CPU run the device share
+    takes the same C kernel)."""
+    out = run_distributed(_body, world_size=2, args=(clip, False, 0.5), timeout=300)
+    assert out[0]["stats"]["device_elements"] > 0, out[0]["stats"]
+    for r in out:
+        np.testing.assert_array_equal(r["spec"], r["plain"])
+        np.testing.assert_array_equal(r["w1"], r["w0"])
 
 
 def _bad_body(rank: int, world: int) -> str:
@@ -100,12 +115,12 @@ def test_zero_grad_without_step_undoes_the_speculation(clip):
             np.testing.assert_allclose(r["w1"], r["w0"], rtol=1e-4, atol=1e-5)
 
 
-def _resume_body(rank: int, world: int, ckpt: str) -> dict:
+def _resume_body(rank: int, world: int, ckpt: str, ratio: float) -> dict:
     """Masters and moments whose storage the commits swapped save and load like any: a resumed run equals the
     uninterrupted one."""
     import torch.distributed as dist
 
-    cfg = ds_config(3, offload={"device": "cpu", "super_offload": True}, clip=1.0)
+    cfg = ds_config(3, offload={"device": "cpu", "super_offload": True, "ratio": ratio}, clip=1.0)
     full, e0 = train(rank, world, cfg, 8)
     w0 = flat_weights(e0).numpy()
     e0.destroy()
@@ -121,8 +136,9 @@ def _resume_body(rank: int, world: int, ckpt: str) -> dict:
     return {"full": full, "resumed": first + rest, "w0": w0, "w1": w1}
 
 
-def test_checkpoint_resumes(tmp_path):
-    out = run_distributed(_resume_body, world_size=2, args=(str(tmp_path / "ck"),), timeout=300)
+@pytest.mark.parametrize("ratio", [1.0, 0.5])
+def test_checkpoint_resumes(tmp_path, ratio):
+    out = run_distributed(_resume_body, world_size=2, args=(str(tmp_path / "ck"), ratio), timeout=300)
     for r in out:
         np.testing.assert_array_equal(r["resumed"], r["full"])
         np.testing.assert_array_equal(r["w1"], r["w0"])

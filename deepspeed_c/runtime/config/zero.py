@@ -179,8 +179,9 @@ def _check_built(cfg: DeepSpeedZeroConfig) -> None:
             cfg.offload_optimizer.ratio < 1.0:
         raise unbuilt(f"{path}.offload_optimizer.ratio", "partial optimizer offload (ratio < 1)")
     if cfg.offload_optimizer is not None and cfg.offload_optimizer.device == OffloadDeviceEnum.cpu.value and \
-            cfg.offload_optimizer.ratio < 1.0:
-        raise unbuilt(f"{path}.offload_optimizer.ratio", "partial optimizer offload (ratio < 1)")
+            cfg.offload_optimizer.ratio < 1.0 and not (cfg.offload_optimizer.super_offload and cfg.stage == 3):
+        raise unbuilt(f"{path}.offload_optimizer.ratio", "partial optimizer offload (ratio < 1) without "
+                                                         "offload_optimizer.super_offload at stage 3")
     below3 = cfg.stage != ZeroStageEnum.weights  # ZeRO++ (runtime/zero/zeropp.py) runs on stage 3
     _check_fast_offload(cfg)
     flags = (("zero_quantized_weights", cfg.zero_quantized_weights and below3, "ZeRO++ below stage 3"),

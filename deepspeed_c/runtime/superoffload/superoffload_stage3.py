@@ -22,11 +22,17 @@ class SuperOffloadOptimizer_Stage3(DeepSpeedZeroOptimizer_Stage3):  # noqa: N801
         # a snapshot for rollbacks only when a step can disagree with the speculation
         may_roll_back = self.clip_grad > 0.0 or self.loss_scaler is not None or self.check_overflow
         self.offload.set_speculation(lambda: 1.0 / self._scale_used, may_roll_back=may_roll_back)
+        ratio = float(kwargs["zero_cfg"].offload_optimizer.ratio)
+        if ratio < 1.0:  # the rest of the optimizer state is stepped on the device
+            self.offload.set_device_share(ratio)
 
     def _offload_class(self) -> type:
         return SpeculativeOffload
 
     def speculation_stats(self) -> dict[str, int]:
-        """How many steps committed their speculative host step, and how many rolled it back."""
+        """How many steps committed their speculative host step, how many rolled it back, and how many of this
+        rank's partition elements the device steps (offload_optimizer.ratio < 1)."""
         assert isinstance(self.offload, SpeculativeOffload)
-        return {"commits": self.offload.commits, "rollbacks": self.offload.rollbacks}
+        share = self.offload.share
+        return {"commits": self.offload.commits, "rollbacks": self.offload.rollbacks,
+                "device_elements": 0 if share is None else sum(share.cut)}

@@ -8,12 +8,14 @@ writes its updated master and moments into spare buffers (the C kernel's out-of-
 memory traffic), which become the live ones at the commit: the rollback discards them and costs nothing."""
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from deepspeed_c.runtime.superoffload.device_share import DeviceShare
 from deepspeed_c.runtime.zero.offload import CPUOffload
 
 
@@ -38,7 +40,31 @@ class SpeculativeOffload(CPUOffload):
         self.worker = threading.Thread(target=self._work, name="superoffload-cpu-adam", daemon=True)
         self.worker.start()
         self.commits = 0
+        self.share: Optional[DeviceShare] = None  # offload_optimizer.ratio < 1: the groups' first buckets
+        self.resident_depth = 0
         self.rollbacks = 0
+
+    def set_device_share(self, ratio: float) -> None:
+        """offload_optimizer.ratio: the share of each group's state offloaded; the rest (whole buckets from the
+        group's start) is stepped on the device."""
+        share = DeviceShare(self.optimizer, self.masters, self.chunk_ranges, ratio, self.device, self.lp_dtypes)
+        self.share = share if share.active() else None
+
+    @contextlib.contextmanager
+    def resident(self) -> Any:
+        """The whole optimizer state in host memory for its readers (checkpoints), the device share re-read
+        afterwards (a load may have written it)."""
+        outer = self.resident_depth == 0  # nested uses (a load's refresh inside it) see the host as it is
+        self.resident_depth += 1
+        try:
+            if outer and self.share is not None:
+                self.share.to_host(self.masters)
+            with super().resident():
+                yield
+        finally:
+            self.resident_depth -= 1
+        if outer and self.share is not None:
+            self.share.from_host(self.masters)
 
     def set_speculation(self, coef: Callable[[], float], may_roll_back: bool = True) -> None:
         """The coefficient the speculative step assumes (1 / the loss scale of the running backward), and
@@ -53,6 +79,9 @@ class SpeculativeOffload(CPUOffload):
 
     # -- backward: each final chunk staged, then stepped speculatively ---------------------------------
     def _stage_chunk(self, g: int, start: int, end: int, chunk: torch.Tensor) -> None:
+        if self.share is not None and self.share.on_device(g, end):
+            self._staged[g] += end - start  # the device steps it: nothing goes to the host
+            return
         super()._stage_chunk(g, start, end, chunk)
         arrived = None
         if self.cuda:
@@ -127,11 +156,14 @@ class SpeculativeOffload(CPUOffload):
         covered = [0] * len(self.sizes)
         for g, start, end in self.stepped:
             covered[g] += end - start
-        return covered == list(self.sizes)
+        cut = self.share.cut if self.share is not None else [0] * len(self.sizes)
+        return covered == [n - c for n, c in zip(self.sizes, cut)]
 
     @torch.no_grad()
     def step(self, coef: float, gatherer: Any, parts: Sequence[Optional[torch.Tensor]]) -> None:
         self._drain()
+        if self.share is not None:
+            self.share.step(coef, parts, gatherer, self.chunk_ranges)
         if self.stepped and self.complete() and coef == self.coef_used:
             self._commit(gatherer)
             return
@@ -182,6 +214,8 @@ class SpeculativeOffload(CPUOffload):
             lp = self.host_lp[g]
             src = lp if lp is not None else master.detach()
             for b, (start, end) in enumerate(self.chunk_ranges[g]):
+                if self.share is not None and b < self.share.buckets[g]:
+                    continue  # stepped and gathered on the device
                 dev = dev_lps[g]
                 if dev is None:
                     gatherer.submit(g, b, src[start:end])
@@ -201,6 +235,33 @@ class SpeculativeOffload(CPUOffload):
         self.stepped, self.bumped, self.coef_used = [], set(), None
         self.commits += 1
         self.stats.steps += 1
+
+    def _step_group(self, g: int, master: torch.Tensor, grad: torch.Tensor, coef: float, gatherer: Any,
+                    dev_lp: Optional[torch.Tensor]) -> None:
+        """The ordinary host step of group g (CPUOffload's), without the buckets the device steps."""
+        opt = self.optimizer
+        group = opt.param_groups[g]
+        lp = self.host_lp[g]
+        src = lp if lp is not None else master.detach()
+        state = opt.ready_state(group, master, f"params[{g}][0]")
+        step = int(opt.ds_opt_op.bump_steps([state["step"]])[0])
+        first = self.share.buckets[g] if self.share is not None else 0
+        for b, (start, end) in enumerate(self.chunk_ranges[g]):
+            if b < first:
+                continue
+            for lo in range(start, end, self.sub_chunk):
+                hi = min(end, lo + self.sub_chunk)
+                self._kernel(group, state, master, grad, lp, lo, hi, coef, step)
+                if dev_lp is not None:
+                    self._to_device(dev_lp[lo:hi], src[lo:hi])
+            if dev_lp is not None:
+                with torch.cuda.stream(self.stream):
+                    arrived = torch.cuda.Event()
+                    arrived.record()
+                torch.cuda.current_stream().wait_event(arrived)
+                gatherer.submit(g, b, dev_lp[start:end])
+            else:
+                gatherer.submit(g, b, src[start:end])
 
     def _swap_in_spares(self) -> None:
         """The spare buffers holding the committed step become the live master and moments (the tensors keep
