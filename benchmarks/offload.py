@@ -51,7 +51,7 @@ def config(args: argparse.Namespace, variant: str) -> dict:
     if variant == "zenflow":
         zero["zenflow"] = dict(ZENFLOW)
     if variant == "superoffload":
-        zero.update(stage=3, offload_optimizer=dict(offload, super_offload=True,
+        zero.update(stage=3, offload_optimizer=dict(offload, super_offload=True, ratio=args.ratio,
                                                     cpuadam_cores_perc=args.cpuadam_cores_perc))
     cfg = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
            "steps_per_print": 10**9, "gradient_clipping": 1.0,
@@ -112,6 +112,8 @@ def main() -> None:
                     help="comma list of offload, zenflow, superoffload (no offload always runs)")
     ap.add_argument("--impls", default="dsc,ds", help="dsc (deepspeed_c), ds (the real DeepSpeed)")
     ap.add_argument("--cpuadam_cores_perc", type=float, default=0.8)
+    ap.add_argument("--ratio", type=float, default=1.0,
+                    help="SuperOffload's offload_optimizer.ratio (share of the optimizer state on the host)")
     ap.add_argument("--blocks", type=int, default=3, help="timed blocks per engine, interleaved")
     ap.add_argument("--steps", type=int, default=8, help="steps per timed block (a multiple of update_interval)")
     ap.add_argument("--check", type=int, default=3, help="steps whose losses are compared first")
