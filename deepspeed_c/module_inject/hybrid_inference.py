@@ -274,6 +274,15 @@ class HybridInference:
         self.shell = None
 
 
+def route_generate(model: nn.Module, generate: Callable[..., Any]) -> Callable[..., Any]:
+    """`model.generate` becomes `generate` (DeepSpeed's hybrid engine does the same: DeepSpeed-Chat calls
+    `actor.module.generate`); returns the model's own generate, which the fallback path calls. An instance
+    attribute in front of the class's method: copies made before keep the class's."""
+    original = model.generate
+    model.generate = generate
+    return original
+
+
 def _copy_embedding(src: nn.Module, device: torch.device) -> nn.Embedding:
     w = src.weight
     out = nn.Embedding(w.shape[0], w.shape[1], device=device, dtype=w.dtype)

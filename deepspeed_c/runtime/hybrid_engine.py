@@ -13,7 +13,8 @@ generate arguments and runs over the live training weights:
 - any other family runs Hugging Face's generate on the training model itself (under ZeRO-3 through its
   gather hooks, all ranks stepping together: `synced_gpus`), with one warning naming the family.
 
-`train()` / `eval()` switch modes as DeepSpeed's do; eval() logs the last RLHF iteration's latency split
+`engine.module.generate` is routed to engine.generate (DeepSpeed-Chat calls the module's). `train()` / `eval()`
+switch modes as DeepSpeed's do; eval() logs the last RLHF iteration's latency split
 (gather, generate, train) on rank 0, as DeepSpeed's hybrid engine prints it."""
 from __future__ import annotations
 
@@ -57,6 +58,8 @@ class DeepSpeedHybridEngine(DeepSpeedEngine):
             warnings.warn(f"hybrid engine: model family {hi.model_family(self.module)} has no fused inference path "
                           f"({reason}); engine.generate runs Hugging Face's generate on the training model",
                           HybridEngineFallbackWarning, stacklevel=3)
+        # DeepSpeed-Chat generates through actor.module.generate: routed here, as DeepSpeed's engine routes it
+        self._hf_generate = hi.route_generate(self.module, self.generate)
         self.all_lora_params = [p for m in hi.lora_modules(self.module) for p in m.parameters(recurse=False)
                                 if p is not getattr(m, "weight", None) and p is not getattr(m, "bias", None)]
         # DeepSpeed's performance counters
@@ -122,7 +125,7 @@ class DeepSpeedHybridEngine(DeepSpeedEngine):
             if self.Z3_enabled and self.dp_world_size > 1:
                 # the gather hooks are collectives: ranks whose sequences end early keep stepping with the others
                 kwargs.setdefault("synced_gpus", True)
-            out = self.module.generate(*inputs, **kwargs)
+            out = self._hf_generate(*inputs, **kwargs)
         self._generate_latency = time.time() - t0 - self._gather_latency
         return out
 

@@ -56,7 +56,8 @@ def _run(rank: int, kind: str, stage: int, lora: bool, generate: bool, he: dict)
                 ids = prompts(2, 7, seed=100 + rank).to(dev)
                 kw = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
                 got = engine.generate(ids, **kw)
-                again = engine.generate(ids, **kw)  # a second generation reuses (or rebuilds) the copy
+                # a second generation reuses (or rebuilds) the copy; DeepSpeed-Chat's spelling goes through the module
+                again = engine.module.generate(ids, **kw)
                 with torch.no_grad():
                     want = _gathered_copy(engine, ref).to(dev).generate(ids, **kw)
                 out.update(got=got.tolist(), again=again.tolist(), want=want.tolist(),
