@@ -27,6 +27,7 @@ from torch import nn
 from deepspeed_c.module_inject.fused_block import BlockSpec, FusedDecoderBlock
 from deepspeed_c.module_inject.fused_decoder import InjectedDecoder
 from deepspeed_c.module_inject.hf_compat import attention_scale, rope_tables, route_beam_reorder
+from deepspeed_c.module_inject import hybrid_tp
 
 Gather = Callable[[list], ContextManager]
 _GPT2_GELUS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu_fast": True, "gelu": False}
@@ -108,7 +109,7 @@ class HybridInference:
     """The generation copy of one training model (supported families only: see unsupported_reason)."""
 
     def __init__(self, model: nn.Module, max_out_tokens: int, enable_cuda_graph: bool,
-                 device: torch.device) -> None:
+                 device: torch.device, tp_group: Any = None) -> None:
         self.model = model
         self.kind = model.config.model_type
         self.body_attr = "transformer" if self.kind == "gpt2" else "model"
@@ -117,6 +118,21 @@ class HybridInference:
         self.device = torch.device(device)
         self.spec = (_gpt2_spec if self.kind == "gpt2" else _llama_spec)(model.config, self.max_out_tokens)
         self.shell: Optional[nn.Module] = None
+        # inference tensor parallelism (hybrid_tp.py): this rank's part of every block, its group's batch
+        self.tp_group = tp_group
+        self.tp_size = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
+        self.tp_rank = 0 if tp_group is None else torch.distributed.get_rank(tp_group)
+        self.local_spec = self.spec
+        if self.tp_size > 1:
+            cfg = model.config
+            ffn = (getattr(cfg, "n_inner", None) or 4 * cfg.n_embd) if self.kind == "gpt2" else cfg.intermediate_size
+            why = hybrid_tp.check_divisible(self.spec, ffn, self.tp_size)
+            if why is not None:
+                raise ValueError(f"hybrid engine: {type(model).__name__} cannot run inference tensor parallelism: {why}")
+            if self.enable_cuda_graph:
+                raise ValueError("hybrid_engine.enable_cuda_graph needs hybrid_engine.inference_tp_size=1: CUDA graphs "
+                                 "are not captured across tensor-parallel ranks")
+            self.local_spec = hybrid_tp.local_spec(self.spec, self.tp_size)
 
     # -- which training parameters feed what ---------------------------------------------------------
     def _body(self) -> nn.Module:
@@ -192,6 +208,9 @@ class HybridInference:
                     torch.cat(wq), bqkv, linear_weight(a.o_proj), a.o_proj.bias,
                     torch.cat([linear_weight(m.gate_proj), linear_weight(m.up_proj)]), b1,
                     linear_weight(m.down_proj), m.down_proj.bias)
+        if self.tp_size > 1:
+            part = hybrid_tp.shard_args(s, args, self.tp_rank, self.tp_size)
+            return hybrid_tp.TPFusedDecoderBlock(self.local_spec, i, scale, *part, group=self.tp_group).to(self.device)
         return FusedDecoderBlock(s, i, scale, *args).to(self.device)
 
     def _embeddings(self) -> dict[str, nn.Module]:
@@ -210,7 +229,7 @@ class HybridInference:
     def _build_shell(self) -> None:
         emb = {n: _copy_embedding(e, self.device) for n, e in self._embeddings().items()}
         rope = rope_tables(self._body(), self.max_out_tokens, self.spec.head_dim) if self.spec.rotary else None
-        decoder = InjectedDecoder(self.model.config, self.spec, [], emb, self._final_norm(), rope,
+        decoder = InjectedDecoder(self.model.config, self.local_spec, [], emb, self._final_norm(), rope,
                                   self.max_out_tokens, self.enable_cuda_graph).to(self.device)
         head = self.model.lm_head
         first = next(iter(emb.values()))
@@ -267,7 +286,43 @@ class HybridInference:
 
     def generate(self, *inputs: Any, **kwargs: Any) -> Any:
         assert self.shell is not None, "refresh() builds the generation model first"
-        return self.shell.generate(*inputs, **kwargs)
+        if self.tp_size == 1:
+            return self.shell.generate(*inputs, **kwargs)
+        # the group generates every rank's prompts at once (same shapes on every rank), each keeps its rows
+        inputs, kwargs, rows = self._group_batch(inputs, kwargs)
+        out = self.shell.generate(*inputs, **kwargs)
+        if not isinstance(out, torch.Tensor):
+            raise NotImplementedError("hybrid_engine.inference_tp_size > 1 returns the generated ids only (no "
+                                      "return_dict_in_generate)")
+        return out[self.tp_rank * rows:(self.tp_rank + 1) * rows]
+
+    def _group_batch(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict, int]:
+        import torch.distributed as dist
+
+        def gathered(t: torch.Tensor) -> torch.Tensor:
+            shape = torch.tensor(t.shape, device=t.device)
+            shapes = [torch.empty_like(shape) for _ in range(self.tp_size)]
+            dist.all_gather(shapes, shape, group=self.tp_group)
+            if any(not torch.equal(x, shape) for x in shapes):
+                raise ValueError(f"hybrid_engine.inference_tp_size={self.tp_size}: the ranks of a group generate "
+                                 f"together and need prompts of one shape, got {[x.tolist() for x in shapes]}")
+            parts = [torch.empty_like(t) for _ in range(self.tp_size)]
+            dist.all_gather(parts, t.contiguous(), group=self.tp_group)
+            return torch.cat(parts)
+
+        kwargs = dict(kwargs)
+        if inputs and isinstance(inputs[0], torch.Tensor):
+            rows = inputs[0].shape[0]
+            inputs = (gathered(inputs[0]), *inputs[1:])
+        elif isinstance(kwargs.get("input_ids"), torch.Tensor):
+            rows = kwargs["input_ids"].shape[0]
+            kwargs["input_ids"] = gathered(kwargs["input_ids"])
+        else:
+            raise ValueError("hybrid_engine.inference_tp_size > 1: generate needs input_ids (a [batch, length] "
+                             "tensor of the same shape on every rank of the group)")
+        if isinstance(kwargs.get("attention_mask"), torch.Tensor):
+            kwargs["attention_mask"] = gathered(kwargs["attention_mask"])
+        return inputs, kwargs, rows
 
     def release(self) -> None:
         """Drops the generation copy (weights and KV cache): memory goes back to the training level."""

@@ -12,6 +12,9 @@ generate arguments and runs over the live training weights:
   generation (memory back to the training level); otherwise both are kept for the next one.
 - any other family runs Hugging Face's generate on the training model itself (under ZeRO-3 through its
   gather hooks, all ranks stepping together: `synced_gpus`), with one warning naming the family.
+- `inference_tp_size` k > 1: blocks of k consecutive ranks generate together, each holding 1/k of every
+  fused block (module_inject/hybrid_tp.py); the group's prompts are gathered, generated as one batch, and
+  each rank returns its own rows.
 
 `engine.module.generate` is routed to engine.generate (DeepSpeed-Chat calls the module's). `train()` / `eval()`
 switch modes as DeepSpeed's do; eval() logs the last RLHF iteration's latency split
@@ -52,8 +55,10 @@ class DeepSpeedHybridEngine(DeepSpeedEngine):
                             "engine generates with a Hugging Face causal LM (a *ForCausalLM model)")
         reason = hi.unsupported_reason(self.module, he.max_out_tokens)
         self._inference: Optional[hi.HybridInference] = None
+        self.mp_group = self._inference_tp_group(he.inference_tp_size, reason)
         if reason is None:
-            self._inference = hi.HybridInference(self.module, he.max_out_tokens, he.enable_cuda_graph, self.device)
+            self._inference = hi.HybridInference(self.module, he.max_out_tokens, he.enable_cuda_graph, self.device,
+                                                 tp_group=self.mp_group)
         else:
             warnings.warn(f"hybrid engine: model family {hi.model_family(self.module)} has no fused inference path "
                           f"({reason}); engine.generate runs Hugging Face's generate on the training model",
@@ -88,10 +93,37 @@ class DeepSpeedHybridEngine(DeepSpeedEngine):
             dist.broadcast(cuda_state, 0)
             torch.cuda.set_rng_state(cuda_state.cpu())
 
+    def _inference_tp_group(self, tp: int, unsupported: Optional[str]) -> Any:
+        """This rank's inference tensor-parallel group: blocks of tp consecutive ranks (DeepSpeed's grouping);
+        None for tp 1. Every rank makes every group (new_group is collective)."""
+        if tp == 1:
+            return None
+        if self.mpu is not None:
+            raise NotImplementedError("deepspeed_c: config key 'hybrid_engine.inference_tp_size' > 1 with a model-"
+                                      "parallel mpu is not built (DeepSpeed then uses the mpu's tensor group)")
+        if unsupported is not None:
+            raise NotImplementedError(f"deepspeed_c: config key 'hybrid_engine.inference_tp_size'={tp} needs the fused "
+                                      f"inference blocks, which {type(self.module).__name__} does not get "
+                                      f"({unsupported}); use inference_tp_size 1")
+        import deepspeed_c.comm as dist
+
+        mine = None
+        for start in range(0, dist.get_world_size(), tp):
+            group = dist.new_group(list(range(start, start + tp)))
+            if start <= dist.get_rank() < start + tp:
+                mine = group
+        return mine
+
     @property
     def uses_fused_inference(self) -> bool:
         """Whether generate() runs the injected kernels (False: Hugging Face's generate, the fallback)."""
         return self._inference is not None
+
+    @property
+    def inference_module(self) -> Optional[torch.nn.Module]:
+        """The generation copy (fused blocks) while it is built and kept; None on the fallback path or once
+        released."""
+        return None if self._inference is None else self._inference.shell
 
     def _gather(self, params: list) -> Any:
         from deepspeed_c.runtime.zero.partition_parameters import GatheredParameters

@@ -1,11 +1,13 @@
 """The hybrid engine (hybrid_engine.enabled) on 2 real gloo ranks, fp32, tiny HF causal LMs built from configs.
 
-For each rank: greedy generations through engine.generate equal Hugging Face's generate on a plain copy of
-the model holding the gathered training weights, token for token, at ZeRO 2 and 3, with and without a
-DeepSpeed-Chat style LoRA linear; LLaMA and GPT-2 take the fused-kernel path, OPT the fallback (one warning
-naming it). Training then continues bit for bit as a run of the same engine that never generated: the same
-losses and the same final weights. Bad input: inference_tp_size not dividing the world, generate on an
-engine that initialize did not build, a generation past max_out_tokens."""
+For each rank: greedy generations through engine.generate (and engine.module.generate) equal Hugging Face's
+generate on a plain copy of the model holding the gathered training weights, token for token (left-padded
+prompts with an attention mask too), at ZeRO 2 and 3, with and without a DeepSpeed-Chat style LoRA linear;
+LLaMA and GPT-2 take the fused-kernel path, OPT the fallback (one warning naming it); inference_tp_size 2
+splits every block over both ranks. Training then continues bit for bit as a run of the same engine that
+never generated: the same losses and the same final weights. Bad input: inference_tp_size not dividing the
+world or on a family without fused blocks, prompts of different shapes in one TP group, generate on an engine
+that initialize did not build, a generation past max_out_tokens."""
 from __future__ import annotations
 
 import copy
@@ -60,8 +62,15 @@ def _run(rank: int, kind: str, stage: int, lora: bool, generate: bool, he: dict)
                 again = engine.module.generate(ids, **kw)
                 with torch.no_grad():
                     want = _gathered_copy(engine, ref).to(dev).generate(ids, **kw)
+                # DeepSpeed-Chat's prompts: left-padded, with an attention mask
+                mask = torch.ones_like(ids)
+                mask[0, :3] = 0
+                padded = ids.masked_fill(mask == 0, 0)
+                got_pad = engine.generate(padded, attention_mask=mask, **kw)
+                with torch.no_grad():
+                    want_pad = ref.generate(padded, attention_mask=mask, **kw)
                 out.update(got=got.tolist(), again=again.tolist(), want=want.tolist(),
-                           fused=engine.uses_fused_inference)
+                           fused=engine.uses_fused_inference, got_pad=got_pad.tolist(), want_pad=want_pad.tolist())
                 engine.train()
             batch = data[2 * step:2 * step + 2]
             loss = engine(input_ids=batch, labels=batch).loss
@@ -75,6 +84,9 @@ def _run(rank: int, kind: str, stage: int, lora: bool, generate: bool, he: dict)
     out["losses"] = losses
     out["warnings"] = [str(w.message) for w in caught if "hybrid engine" in str(w.message)]
     out["engine"] = type(engine).__name__
+    out["tp"] = 1 if engine.mp_group is None else torch.distributed.get_world_size(engine.mp_group)
+    shell = engine.inference_module
+    out["tp_blocks"] = sorted({type(b).__name__ for b in shell.modules()}) if shell is not None else []
     return out
 
 
@@ -90,6 +102,7 @@ def _check(results: list[dict], fused: bool) -> None:
         assert len(gen["got"][0]) == 7 + NEW
         assert gen["got"] == gen["want"]
         assert gen["again"] == gen["want"]
+        assert gen["got_pad"] == gen["want_pad"]
         assert gen["losses"] == plain["losses"]  # bit for bit: generation left the training state alone
         assert gen["weights"].keys() == plain["weights"].keys()
         for n in gen["weights"]:
@@ -111,6 +124,14 @@ def test_zero3_per_layer_groups_and_released_cache_gpt2_lora() -> None:
 
 
 @pytest.mark.parametrize("stage", [2, 3])
+def test_inference_tensor_parallel_over_both_ranks(stage: int) -> None:
+    """inference_tp_size 2: the two ranks generate both ranks' prompts with half of every block each."""
+    results = run_distributed(_body, 2, args=("llama", stage, True, {"inference_tp_size": 2}), timeout=300)
+    _check(results, fused=True)
+    assert all(r["gen"]["tp"] == 2 and "TPFusedDecoderBlock" in r["gen"]["tp_blocks"] for r in results)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
 def test_unsupported_family_falls_back_to_hf_generate_with_one_warning(stage: int) -> None:
     results = run_distributed(_body, 2, args=("opt", stage, True, {}), timeout=300)
     _check(results, fused=False)
@@ -124,9 +145,9 @@ def _bad_body(rank: int, world: int) -> dict[str, str]:
     from tests.distributed.hybrid_models import prompts, tiny_lm
 
     seen = {}
-    for tp in (3, 2):
+    for kind, tp in (("llama", 3), ("opt", 2)):
         try:
-            deepspeed_c.initialize(model=tiny_lm("llama"), config=_config(2, inference_tp_size=tp))
+            deepspeed_c.initialize(model=tiny_lm(kind), config=_config(2, inference_tp_size=tp))
         except (ValueError, NotImplementedError) as e:
             seen[f"tp{tp}"] = f"{type(e).__name__}: {e}"
     engine, *_ = deepspeed_c.initialize(model=tiny_lm("llama"), config=_config(3, max_out_tokens=16))
@@ -134,6 +155,11 @@ def _bad_body(rank: int, world: int) -> dict[str, str]:
         engine.generate(prompts(1, 10, 0), max_new_tokens=8)
     except ValueError as e:
         seen["long"] = str(e)
+    engine, *_ = deepspeed_c.initialize(model=tiny_lm("llama"), config=_config(2, inference_tp_size=2))
+    try:  # the ranks of an inference TP group generate together: their prompts must have one shape
+        engine.generate(prompts(1 + rank, 5, 0), max_new_tokens=4)
+    except ValueError as e:
+        seen["shapes"] = str(e)
     return seen
 
 
@@ -141,7 +167,9 @@ def test_bad_input() -> None:
     for seen in run_distributed(_bad_body, 2, timeout=200):
         assert seen["tp3"].startswith("DeepSpeedConfigError") and "'hybrid_engine.inference_tp_size'" in seen["tp3"] \
             and "world size (2)" in seen["tp3"]
-        assert seen["tp2"].startswith("NotImplementedError") and "hybrid_engine.inference_tp_size" in seen["tp2"]
+        assert seen["tp2"].startswith("NotImplementedError") and "hybrid_engine.inference_tp_size" in seen["tp2"] \
+            and "OPTForCausalLM" in seen["tp2"]
+        assert "prompts of one shape" in seen["shapes"] and "[[1, 5], [2, 5]]" in seen["shapes"]
         assert "hybrid_engine.max_out_tokens=16" in seen["long"] and "18" in seen["long"]
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import Field
 
-from deepspeed_c.runtime.config.utils import DeepSpeedConfigError, DeepSpeedConfigModel, parse_section, unbuilt
+from deepspeed_c.runtime.config.utils import DeepSpeedConfigError, DeepSpeedConfigModel, parse_section
 
 
 class HybridEngineConfig(DeepSpeedConfigModel):
@@ -36,8 +36,4 @@ def parse_hybrid_engine(param_dict: dict[str, Any]) -> HybridEngineConfig:
                 f"Invalid value {cfg.inference_tp_size} for config key 'hybrid_engine.inference_tp_size': it must "
                 f"divide the world size ({world}); the inference tensor-parallel groups are blocks of "
                 f"{cfg.inference_tp_size} consecutive ranks")
-        if cfg.inference_tp_size > 1:
-            raise unbuilt("hybrid_engine.inference_tp_size", f"inference tensor parallelism over "
-                          f"{cfg.inference_tp_size} ranks in the hybrid engine (use 1: every rank generates its "
-                          "own prompts)")
     return cfg
