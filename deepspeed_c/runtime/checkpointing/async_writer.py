@@ -200,7 +200,7 @@ def at_exit(checkpointer: Any) -> None:
 
     def finish() -> None:
         owner = ref()
-        if owner is None or getattr(owner, "_pending", None) is None:
+        if owner is None or not owner.has_pending:
             return
         import torch.distributed as dist
 

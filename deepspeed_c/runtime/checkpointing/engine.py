@@ -205,6 +205,11 @@ class EngineCheckpointer:
         self.writer.stage(name, obj, os.path.join(stage, name))
         return None
 
+    @property
+    def has_pending(self) -> bool:
+        """A background save was started and not yet committed."""
+        return self._pending is not None
+
     def commit_pending(self) -> bool:
         """Waits for this rank's background write of the last save and commits it (collective: every rank
         calls it at the same point). A failed write raises on every rank and its staging directory is
