@@ -103,7 +103,8 @@ def test_bad_curriculum_fails_at_initialize_naming_the_key(section, key):
 
 
 def test_custom_without_function_says_what_to_call():
-    engine, *_ = deepspeed_c.initialize(model=Net(), config=_cfg(curriculum_learning=_curriculum(schedule_type="custom")))
+    cfg = _cfg(curriculum_learning=_curriculum(schedule_type="custom"))
+    engine, *_ = deepspeed_c.initialize(model=Net(), config=cfg)
     try:
         with pytest.raises(RuntimeError, match="set_custom_curriculum_learning_schedule"):
             engine(torch.ones(2, 3))

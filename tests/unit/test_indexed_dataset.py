@@ -3,7 +3,6 @@ data (tests/fixtures/data_efficiency/sampler_index, written by make_sampler_fixt
 MMapIndexedDataset reads ours; our reader reads theirs; the sampler's bad inputs name the key and the path."""
 from __future__ import annotations
 
-import copy
 import os
 
 import numpy as np

@@ -85,7 +85,8 @@ class Block(torch.nn.Module):
 
 def _scheduler(current: int, layers: int = 1) -> RandomLTDScheduler:
     s = RandomLTDScheduler({"total_layer_num": 4, "random_ltd_layer_num": layers, "global_batch_size": B,
-                            "random_ltd_schedule": {"min_value": current, "max_value": S, "schedule_type": "fixed_linear",
+                            "random_ltd_schedule": {"min_value": current, "max_value": S,
+                                                    "schedule_type": "fixed_linear",
                                                     "schedule_config": {"seq_per_step": 1, "require_steps": 100}}})
     return s
 
