@@ -1,4 +1,5 @@
-"""DeepCompile (`compile: {deepcompile: true}` + engine.compile) and compiled training on 2 real gloo ranks.
+"""DeepCompile (`compile: {deepcompile: true}` + engine.compile) and compiled training on 2 real gloo ranks
+(or 2 GPUs under DSC_TEST_BACKEND=nccl).
 
 Every run trains the same model from the same weights twice, in one process per rank: the eager engine
 (no compile) is the reference, then the compiled engine. At ZeRO-3 DeepCompile puts the unit gathers and
@@ -6,7 +7,8 @@ gradient reduce-scatters in the graph (deepspeed_c/compile), and the checks also
 one graph per forward, gathers in the backward graph (re-gathered, not saved), prefetches, reduce-scatters.
 
 Tolerances: fp32 through the "eager" backend (AOT autograd with our passes, no code generation) runs the
-same kernels as the eager engine: losses within 1e-5 relative, final weights within 1e-5. bf16 (and
+same kernels as the eager engine: losses within 1e-5 relative, final weights within 1e-5 (1e-4 on NCCL,
+whose sums may run in another order than the eager engine's buckets). bf16 (and
 inductor's fused kernels) round differently: each loss within 2e-2 absolute of the eager one (losses
 ~3.5: about 4 bf16 ulps) over the 20 steps. Inductor on 2 CPU cores costs minutes per graph, so
 the inductor runs are marked slow (one ZeRO-3 and one ZeRO-1 run, ~8 minutes together), as are plain
@@ -21,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.harness import run_distributed
+from tests.harness import backend_choice, rank_device, run_distributed
 
 STEPS = 20
 BF16_ATOL = 2e-2
@@ -51,7 +53,7 @@ def _train(engine: Any, rank: int, world: int, steps: int, gas: int) -> list[flo
 
     losses = []
     for x in batches(steps * gas, 2 * world, seed=3):
-        loss = engine(x[2 * rank:2 * rank + 2])
+        loss = engine(x[2 * rank:2 * rank + 2].to(rank_device()))
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
@@ -63,7 +65,7 @@ def _weights(engine: Any) -> np.ndarray:
 
     params = list(engine.module.parameters())
     with deepspeed_c.zero.GatheredParameters(params):
-        return np.concatenate([p.detach().float().reshape(-1).numpy() for p in params])
+        return np.concatenate([p.detach().float().reshape(-1).cpu().numpy() for p in params])
 
 
 def _evaluate(engine: Any, rank: int) -> float:
@@ -72,7 +74,7 @@ def _evaluate(engine: Any, rank: int) -> float:
 
     engine.eval()
     with torch.no_grad():
-        loss = engine(batches(1, 4, seed=9)[0][2 * rank:2 * rank + 2]).item()
+        loss = engine(batches(1, 4, seed=9)[0][2 * rank:2 * rank + 2].to(rank_device())).item()
     engine.train()
     return loss
 
@@ -126,10 +128,12 @@ def _check_losses(res: list[dict], bf16: bool, fused: bool = False) -> None:
         if bf16 or fused:
             np.testing.assert_allclose(got, ref, atol=BF16_ATOL, rtol=0)
         else:
-            np.testing.assert_allclose(got, ref, rtol=1e-5, atol=0)
+            # NCCL may sum a unit's gradient in another order than the eager engine's buckets: fp32 rounding
+            tol = 1e-4 if backend_choice() == "nccl" else 1e-5
+            np.testing.assert_allclose(got, ref, rtol=tol, atol=0)
             rel = np.linalg.norm(r["got_w"] - r["ref_w"]) / np.linalg.norm(r["ref_w"])
-            assert rel < 1e-5, rel
-            np.testing.assert_allclose(r["got_eval"], r["ref_eval"], rtol=1e-5)
+            assert rel < tol, rel
+            np.testing.assert_allclose(r["got_eval"], r["ref_eval"], rtol=tol)
         assert not np.allclose(r["ref_w"], r["got_w"] * 0)  # it trained (weights present)
 
 
@@ -210,7 +214,7 @@ def _resume_body(rank: int, world: int, root: str) -> tuple[list[float], list[fl
     def run(e: Any, part: list) -> list[float]:
         out = []
         for x in part:
-            loss = e(x[2 * rank:2 * rank + 2])
+            loss = e(x[2 * rank:2 * rank + 2].to(rank_device()))
             e.backward(loss)
             e.step()
             out.append(loss.item())
@@ -228,7 +232,7 @@ def _resume_body(rank: int, world: int, root: str) -> tuple[list[float], list[fl
 def test_zero3_checkpoint_resume(tmp_path) -> None:
     """A DeepCompile engine's checkpoint, loaded by a fresh DeepCompile engine, continues bit for bit."""
     for whole, resumed in run_distributed(_resume_body, 2, args=(str(tmp_path),), timeout=600):
-        assert whole == resumed
+        np.testing.assert_allclose(resumed, whole, rtol=1e-6 if backend_choice() == "nccl" else 0, atol=0)
 
 
 def _no_optimizer_body(rank: int, world: int) -> str:
