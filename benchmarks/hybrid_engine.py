@@ -8,6 +8,8 @@ Systems (one fresh process group each, the same model, seed, prompts and config)
   ours-graph   the same with hybrid_engine.enable_cuda_graph (GPU only)
   ours-release the same with release_inference_cache: the generation copy and its KV cache dropped after each
                generation (memory back to the training level; rebuilt each time)
+  ours-tp      the same with inference_tp_size = --nprocs: the ranks generate their prompts together, each
+               holding 1/nprocs of every block
   deepspeed    DeepSpeed 0.19.8's DeepSpeedHybridEngine (when the real DeepSpeed is importable; GPU only). Its
                injected LLaMA layers need transformers 4.35 (legacy cache tuples) and multi-head attention:
                the default model is a 1.1B LLaMA with 32 kv heads for that reason.
@@ -24,7 +26,7 @@ part ways legitimately) the share of equal tokens is printed, and the first gene
 scores compared with the copy's (max abs difference printed).
 
     python benchmarks/hybrid_engine.py [--nprocs 2] [--model llama1b_mha|llama1b] [--batch 8] [--prompt 256]
-                                       [--new 256] [--reps 3] [--systems hf-z3,ours,ours-graph,ours-release,deepspeed]
+                                       [--new 256] [--reps 3] [--systems hf-z3,ours,ours-graph,ours-release,ours-tp,deepspeed]
                                        [--pythonpath DIR]
     python benchmarks/hybrid_engine.py --tiny     # CPU smoke: 2 gloo ranks, a tiny LLaMA, fp32
 
@@ -45,7 +47,7 @@ import traceback
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ALL = ["hf-z3", "ours", "ours-graph", "ours-release", "deepspeed"]
+ALL = ["hf-z3", "ours", "ours-graph", "ours-release", "ours-tp", "deepspeed"]
 MODELS = {  # LLaMA shapes (TinyLlama 1.1B): hidden, layers, heads, kv heads, intermediate, vocab
     "llama1b_mha": (2048, 22, 32, 32, 5632, 32000),
     "llama1b": (2048, 22, 32, 4, 5632, 32000),
@@ -68,7 +70,7 @@ def parse() -> argparse.Namespace:
     args = ap.parse_args()
     if args.tiny:
         args.model, args.dtype, args.batch, args.prompt, args.new, args.reps = "tiny", "fp32", 2, 8, 8, 2
-        args.systems = ",".join(s for s in args.systems.split(",") if s in ("hf-z3", "ours", "ours-release"))
+        args.systems = ",".join(s for s in args.systems.split(",") if s in ("hf-z3", "ours", "ours-release", "ours-tp"))
     return args
 
 
@@ -101,7 +103,8 @@ def ds_config(args: argparse.Namespace, system: str) -> dict:
     if system != "hf-z3":
         cfg["hybrid_engine"] = {"enabled": True, "max_out_tokens": args.prompt + args.new,
                                 "pin_parameters": True, "release_inference_cache": system == "ours-release",
-                                "enable_cuda_graph": system == "ours-graph"}
+                                "enable_cuda_graph": system == "ours-graph",
+                                "inference_tp_size": args.nprocs if system == "ours-tp" else 1}
     return cfg
 
 

@@ -291,10 +291,18 @@ class HybridInference:
         # the group generates every rank's prompts at once (same shapes on every rank), each keeps its rows
         inputs, kwargs, rows = self._group_batch(inputs, kwargs)
         out = self.shell.generate(*inputs, **kwargs)
-        if not isinstance(out, torch.Tensor):
-            raise NotImplementedError("hybrid_engine.inference_tp_size > 1 returns the generated ids only (no "
-                                      "return_dict_in_generate)")
-        return out[self.tp_rank * rows:(self.tp_rank + 1) * rows]
+        lo, hi = self.tp_rank * rows, (self.tp_rank + 1) * rows
+
+        def mine(v: Any) -> Any:  # this rank's rows of the ids, scores and logits (a dict output too)
+            if isinstance(v, torch.Tensor):
+                return v[lo:hi]
+            if isinstance(v, tuple):
+                return tuple(mine(x) for x in v)
+            return v
+
+        if isinstance(out, torch.Tensor):
+            return mine(out)
+        return type(out)(**{k: mine(v) for k, v in out.items()})
 
     def _group_batch(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict, int]:
         import torch.distributed as dist
