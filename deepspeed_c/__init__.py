@@ -38,6 +38,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "pipe": "deepspeed_c.pipe",
     "PipelineModule": "deepspeed_c.pipe:PipelineModule",
     "PipelineEngine": "deepspeed_c.runtime.pipe.engine:PipelineEngine",
+    "DeepSpeedHybridEngine": "deepspeed_c.runtime.hybrid_engine:DeepSpeedHybridEngine",
     "tp_model_init": "deepspeed_c.runtime.tensor_parallel.autotp_setup:tp_model_init",
     "module_inject": "deepspeed_c.module_inject",
     "sequence": "deepspeed_c.sequence",
