@@ -114,7 +114,8 @@ def _check_groups(r: MPUReading, world_size: int, rank: int, problem: Optional[s
     exactly one group, the group's members agreeing on it) and have the size the mpu states."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
+    # the groups can only be compared across the ranks of the world the mpu describes
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != world_size:
         if problem:
             raise ValueError(problem)
         return
