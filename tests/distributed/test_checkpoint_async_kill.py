@@ -73,7 +73,10 @@ def _round(save_dir: str, record_path: str, started_path: str, port: int) -> Non
 
 
 def test_kills_during_background_writes_leave_the_previous_checkpoint(tmp_path: Any) -> None:
-    ctx = mp.get_context("fork")
+    # forkserver, not fork: a pytest worker may hold a default process group another test left, which a
+    # forked round would inherit (and could not initialise its own); the server imports torch once, clean
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "deepspeed_c"])
     save_dir = str(tmp_path / "ckpt")
     rng = random.Random(51)
     best = 0
