@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.harness import run_distributed
+from tests.harness import free_port, run_distributed
 
 MICRO = 3
 
@@ -194,7 +194,10 @@ def test_exit_waits_for_and_commits_a_single_process_save(tmp_path: Any) -> None
     import sys
 
     root = str(tmp_path / "ckpt")
+    # a process of its own: no launcher variables another test left in this worker's environment
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     run = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, root], capture_output=True, text=True, timeout=300,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+                         env=env, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert run.returncode == 0, run.stderr[-3000:]
     assert _latest(root) == "x" and os.path.isfile(os.path.join(root, "x", "dsc_manifest.json"))
