@@ -80,7 +80,7 @@ class FusedDecoderBlock(torch.nn.Module):
                            kc, vc, q, s.n_heads, s.n_kv, s.head_dim, s.head_dim)
         a = torch.empty_like(q)
         K.attention(q, kc, vc, ctx.past, ctx.past_dev, ctx.key_mask, self.scale, a)
-        o = F.linear(a.view(n_tok, s.n_heads * s.head_dim), self.wo)
+        o = self._sum_partial(F.linear(a.view(n_tok, s.n_heads * s.head_dim), self.wo))
 
         r2 = torch.empty_like(x)
         n2 = torch.empty_like(x)
@@ -92,4 +92,8 @@ class FusedDecoderBlock(torch.nn.Module):
         else:
             K.bias_gelu(h, self.b1, s.gelu_tanh)
             act = h
-        return r2, F.linear(act, self.w2), self.b2
+        return r2, self._sum_partial(F.linear(act, self.w2)), self.b2
+
+    def _sum_partial(self, t: torch.Tensor) -> torch.Tensor:
+        """The two GEMM outputs before their bias; a tensor-parallel block holds partial sums and reduces them."""
+        return t

@@ -13,10 +13,8 @@ import dataclasses
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 
-from deepspeed_c.module_inject.fused_block import BlockSpec, FusedDecoderBlock, StepContext
-from deepspeed_c.ops.transformer.inference import kernels as K
+from deepspeed_c.module_inject.fused_block import BlockSpec, FusedDecoderBlock
 
 
 def check_divisible(spec: BlockSpec, ffn: int, tp: int) -> Optional[str]:
@@ -62,36 +60,8 @@ class TPFusedDecoderBlock(FusedDecoderBlock):
         super().__init__(spec, layer, scale, *args)
         self.group = group
 
-    def forward(self, x: torch.Tensor, y: Optional[torch.Tensor], yb: Optional[torch.Tensor], batch: int,
-                ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    def _sum_partial(self, t: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
-        s = self.spec
-        n_tok = x.shape[0]
-        t = n_tok // batch
-        r = torch.empty_like(x) if y is not None else None
-        n = torch.empty_like(x)
-        K.add_norm(x, y, yb, self.ln1_w, self.ln1_b, s.eps, r, n)
-        r = x if r is None else r
-        qkv = F.linear(n, self.wqkv).view(batch, t, -1)
-        q = torch.empty(batch, t, s.n_heads, s.head_dim, dtype=x.dtype, device=x.device)
-        kc, vc = ctx.cache[self.layer, 0], ctx.cache[self.layer, 1]
-        K.qkv_rotary_cache(qkv, self.bqkv, ctx.cos, ctx.sin, ctx.positions, ctx.past, ctx.past_dev,
-                           kc, vc, q, s.n_heads, s.n_kv, s.head_dim, s.head_dim)
-        a = torch.empty_like(q)
-        K.attention(q, kc, vc, ctx.past, ctx.past_dev, ctx.key_mask, self.scale, a)
-        o = F.linear(a.view(n_tok, s.n_heads * s.head_dim), self.wo)
-        dist.all_reduce(o, group=self.group)
-        r2 = torch.empty_like(x)
-        n2 = torch.empty_like(x)
-        K.add_norm(r, o, self.bo, self.ln2_w, self.ln2_b, s.eps, r2, n2)
-        h = F.linear(n2, self.w1)
-        if s.gated_silu:
-            act = torch.empty(n_tok, h.shape[1] // 2, dtype=x.dtype, device=x.device)
-            K.silu_mul(h, self.b1, act)
-        else:
-            K.bias_gelu(h, self.b1, s.gelu_tanh)
-            act = h
-        out = F.linear(act, self.w2)
-        dist.all_reduce(out, group=self.group)
-        return r2, out, self.b2
+        dist.all_reduce(t, group=self.group)
+        return t
