@@ -217,17 +217,11 @@ class SpeculativeOffload(CPUOffload):
                 if self.share is not None and b < self.share.buckets[g]:
                     continue  # stepped and gathered on the device
                 dev = dev_lps[g]
-                if dev is None:
-                    gatherer.submit(g, b, src[start:end])
-                    continue
-                for lo in range(start, end, self.sub_chunk):
-                    hi = min(end, lo + self.sub_chunk)
-                    self._to_device(dev[lo:hi], src[lo:hi])
-                with torch.cuda.stream(self.stream):
-                    arrived = torch.cuda.Event()
-                    arrived.record()
-                torch.cuda.current_stream().wait_event(arrived)
-                gatherer.submit(g, b, dev[start:end])
+                if dev is not None:
+                    for lo in range(start, end, self.sub_chunk):
+                        hi = min(end, lo + self.sub_chunk)
+                        self._to_device(dev[lo:hi], src[lo:hi])
+                self._submit_bucket(gatherer, g, b, start, end, src, dev)
         if self.cuda:
             with torch.cuda.stream(self.stream):
                 self._last_h2d = self._event()
@@ -254,14 +248,7 @@ class SpeculativeOffload(CPUOffload):
                 self._kernel(group, state, master, grad, lp, lo, hi, coef, step)
                 if dev_lp is not None:
                     self._to_device(dev_lp[lo:hi], src[lo:hi])
-            if dev_lp is not None:
-                with torch.cuda.stream(self.stream):
-                    arrived = torch.cuda.Event()
-                    arrived.record()
-                torch.cuda.current_stream().wait_event(arrived)
-                gatherer.submit(g, b, dev_lp[start:end])
-            else:
-                gatherer.submit(g, b, src[start:end])
+            self._submit_bucket(gatherer, g, b, start, end, src, dev_lp)
 
     def _swap_in_spares(self) -> None:
         """The spare buffers holding the committed step become the live master and moments (the tensors keep

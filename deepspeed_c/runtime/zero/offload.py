@@ -230,18 +230,24 @@ class CPUOffload:
                         lp[lo:hi].copy_(master.detach()[lo:hi])
                     if dev_lp is not None:
                         self._to_device(dev_lp[lo:hi], src[lo:hi])
-                if dev_lp is not None:
-                    with torch.cuda.stream(self.stream):
-                        arrived = torch.cuda.Event()
-                        arrived.record()
-                    torch.cuda.current_stream().wait_event(arrived)
-                    gatherer.submit(g, b, dev_lp[start:end])
-                else:
-                    gatherer.submit(g, b, src[start:end])
+                self._submit_bucket(gatherer, g, b, start, end, src, dev_lp)
         except Exception:
             if state is not None:
                 state["step"] -= 1
             raise
+
+    def _submit_bucket(self, gatherer: BucketGatherer, g: int, b: int, start: int, end: int, src: torch.Tensor,
+                       dev_lp: Optional[torch.Tensor]) -> None:
+        """Bucket b of group g to its gather: the device copy once the side stream's copies into it have landed
+        (dev_lp), else the host values."""
+        if dev_lp is None:
+            gatherer.submit(g, b, src[start:end])
+            return
+        with torch.cuda.stream(self.stream):
+            arrived = torch.cuda.Event()
+            arrived.record()
+        torch.cuda.current_stream().wait_event(arrived)
+        gatherer.submit(g, b, dev_lp[start:end])
 
     def _kernel(self, group: dict[str, Any], state: Any, master: torch.Tensor, grad: torch.Tensor,
                 lp: Optional[torch.Tensor], lo: int, hi: int, coef: float, step: int) -> None:
