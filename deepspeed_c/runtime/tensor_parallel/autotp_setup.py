@@ -73,35 +73,13 @@ class TensorParallelMPU:
     def get_tensor_model_parallel_src_rank(self) -> int:
         return self._groups.get_tensor_model_parallel_src_rank()
 
-    def grad_norm_fn(self, module: torch.nn.Module) -> Callable[[Any], float]:
+    def grad_norm_fn(self, module: torch.nn.Module) -> Callable[[Any], Any]:
         """The global L2 gradient norm of the whole (unsharded) model, for clipping: a sharded parameter's
         squares are summed over the TP group, a replicated one (equal on every TP rank) counted once.
         Replaces the rank-local norm it is handed; the gradients are already data-parallel reduced."""
-        import deepspeed_c.comm as dist
+        from deepspeed_c.runtime.model_parallel.tp_norm import tensor_parallel_norm_fn
 
-        params = [p for p in module.parameters() if p.requires_grad]
-        sharded = [p for p in params if getattr(p, "ds_is_tensor_model_parallel", False)]
-        replicated = [p for p in params if not getattr(p, "ds_is_tensor_model_parallel", False)]
-        group = self.get_model_parallel_group()
-
-        def squares(ps: list) -> torch.Tensor:
-            out = torch.zeros((), dtype=torch.float64)
-            for p in ps:
-                if p.grad is not None:
-                    out += torch.linalg.vector_norm(p.grad.detach(), 2.0, dtype=torch.float64).cpu() ** 2
-            return out
-
-        def norm(_local: Any) -> Any:
-            from deepspeed_c.comm import collective_device
-
-            sq = squares(sharded).to(collective_device()).reshape(1)
-            dist.all_reduce(sq, group=group)
-            value = float((sq.cpu()[0] + squares(replicated)) ** 0.5)
-            if isinstance(_local, torch.Tensor):  # a fused device step takes its norm as a device tensor
-                return torch.full_like(_local, value, dtype=torch.float32)
-            return value
-
-        return norm
+        return tensor_parallel_norm_fn(module, self.get_model_parallel_group())
 
 
 def _requested_size(config: dict) -> tuple[int, Optional[dict]]:
