@@ -17,7 +17,7 @@ import torch
 
 from deepspeed_c.runtime.swap_tensor.aio_config import AioConfig
 from deepspeed_c.runtime.swap_tensor.partitioned_optimizer_swapper import MASTER, PartitionedOptimizerSwapper
-from deepspeed_c.runtime.zero.offload import CPUOffload
+from deepspeed_c.runtime.zero.offload import CPUOffload, unscaled_grad
 from deepspeed_c.runtime.zero.param_gather import BucketGatherer
 
 
@@ -68,10 +68,10 @@ class NVMeOffload(CPUOffload):
                         self._to_device(dev_lp[a:b], lp[a:b])
                 sw.write_async(views, g, s)
                 while done < len(buckets) and buckets[done][1] <= hi:
-                    self._submit(gatherer, g, done, buckets[done], lp, dev_lp)
+                    self._submit_bucket(gatherer, g, done, *buckets[done], lp, dev_lp)
                     done += 1
             for b in range(done, len(buckets)):
-                self._submit(gatherer, g, b, buckets[b], lp, dev_lp)
+                self._submit_bucket(gatherer, g, b, *buckets[b], lp, dev_lp)
             sw.write_handle.wait()
         except BaseException:
             state["step"] -= 1
@@ -106,25 +106,9 @@ class NVMeOffload(CPUOffload):
     def _kernel_on(self, group: dict[str, Any], views: dict[str, torch.Tensor], base: int, grad: torch.Tensor,
                    lp: torch.Tensor, a: int, b: int, coef: float, step: int, master_dtype: torch.dtype) -> None:
         """CPUOffload._kernel's arithmetic on a slot's tensors (the sub-group starts at `base`)."""
-        g = grad[a:b]
-        if coef != 1.0:
-            g = g.float().mul_(coef) if g.dtype != torch.float32 else g.mul_(coef)
-            if master_dtype != torch.float32:
-                g = g.to(master_dtype)
+        g = unscaled_grad(grad[a:b], coef, master_dtype)
         moments = [[views[k][a - base:b - base]] for k in self.optimizer.MOMENTS]
         self.optimizer.step_tensors(group, [views[MASTER][a - base:b - base]], [g], moments, [lp[a:b]], step)
-
-    def _submit(self, gatherer: BucketGatherer, g: int, b: int, rng: tuple[int, int], lp: torch.Tensor,
-                dev_lp: Optional[torch.Tensor]) -> None:
-        start, end = rng
-        if dev_lp is None:
-            gatherer.submit(g, b, lp[start:end])
-            return
-        with torch.cuda.stream(self.stream):
-            arrived = torch.cuda.Event()
-            arrived.record()
-        torch.cuda.current_stream().wait_event(arrived)
-        gatherer.submit(g, b, dev_lp[start:end])
 
 
 def _drain(sw: PartitionedOptimizerSwapper) -> None:

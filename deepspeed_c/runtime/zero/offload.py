@@ -251,13 +251,7 @@ class CPUOffload:
 
     def _kernel(self, group: dict[str, Any], state: Any, master: torch.Tensor, grad: torch.Tensor,
                 lp: Optional[torch.Tensor], lo: int, hi: int, coef: float, step: int) -> None:
-        g = grad[lo:hi]
-        if coef != 1.0:
-            # unscale (and clip) in fp32, as DeepSpeed does: in fp16 a loss-scaled tiny gradient
-            # flushes to zero or loses precision once divided by the scale
-            g = g.float().mul_(coef) if g.dtype != torch.float32 else g.mul_(coef)
-            if master.dtype != torch.float32:  # 16-bit masters (*_master_weights_and_grads) take 16-bit grads
-                g = g.to(master.dtype)
+        g = unscaled_grad(grad[lo:hi], coef, master.dtype)
         moments = [[state[k][lo:hi]] for k in self.optimizer.MOMENTS]
         copies = None if lp is None else [lp[lo:hi]]
         self.optimizer.step_tensors(group, [master.detach()[lo:hi]], [g], moments, copies, step)
@@ -269,3 +263,15 @@ class CPUOffload:
             t1 = self._event()
         self.stats.record_copy("h2d", t0, t1)
         self.stats.h2d_bytes += src.numel() * src.element_size()
+
+
+def unscaled_grad(g: torch.Tensor, coef: float, master_dtype: torch.dtype) -> torch.Tensor:
+    """A gradient slice times coef (loss-scale and clip factor), in the master's dtype."""
+    if coef == 1.0:
+        return g
+    # unscale (and clip) in fp32, as DeepSpeed does: in fp16 a loss-scaled tiny gradient
+    # flushes to zero or loses precision once divided by the scale
+    g = g.float().mul_(coef) if g.dtype != torch.float32 else g.mul_(coef)
+    if master_dtype != torch.float32:  # 16-bit masters (*_master_weights_and_grads) take 16-bit grads
+        g = g.to(master_dtype)
+    return g
