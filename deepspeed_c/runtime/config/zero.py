@@ -126,20 +126,16 @@ def _legacy_bool_form(param_dict: dict[str, Any], value: bool) -> dict[str, Any]
 
 def _apply_legacy_keys(cfg: DeepSpeedZeroConfig) -> None:
     path = ZERO_OPTIMIZATION
-    if cfg.cpu_offload is not None:
-        config_warning(f"Config key '{path}.cpu_offload' is deprecated; use '{path}.offload_optimizer'")
-        if cfg.offload_optimizer is not None and "offload_optimizer" in cfg.model_fields_set:
-            raise DeepSpeedConfigError(f"Config keys '{path}.cpu_offload' and '{path}.offload_optimizer' "
-                                       f"cannot be given together")
-        if cfg.cpu_offload:
-            cfg.offload_optimizer = DeepSpeedZeroOffloadOptimizerConfig(device="cpu")
-    if cfg.cpu_offload_param is not None:
-        config_warning(f"Config key '{path}.cpu_offload_param' is deprecated; use '{path}.offload_param'")
-        if cfg.offload_param is not None and "offload_param" in cfg.model_fields_set:
-            raise DeepSpeedConfigError(f"Config keys '{path}.cpu_offload_param' and '{path}.offload_param' "
-                                       f"cannot be given together")
-        if cfg.cpu_offload_param:
-            cfg.offload_param = DeepSpeedZeroOffloadParamConfig(device="cpu")
+    for legacy, key, sub_config in (("cpu_offload", "offload_optimizer", DeepSpeedZeroOffloadOptimizerConfig),
+                                    ("cpu_offload_param", "offload_param", DeepSpeedZeroOffloadParamConfig)):
+        value = getattr(cfg, legacy)
+        if value is None:
+            continue
+        config_warning(f"Config key '{path}.{legacy}' is deprecated; use '{path}.{key}'")
+        if getattr(cfg, key) is not None and key in cfg.model_fields_set:
+            raise DeepSpeedConfigError(f"Config keys '{path}.{legacy}' and '{path}.{key}' cannot be given together")
+        if value:
+            setattr(cfg, key, sub_config(device="cpu"))
     if cfg.cpu_offload_use_pin_memory is not None:
         config_warning(f"Config key '{path}.cpu_offload_use_pin_memory' is deprecated; use "
                        f"'{path}.offload_param.pin_memory' or '{path}.offload_optimizer.pin_memory'")
