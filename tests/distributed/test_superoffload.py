@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.distributed.zenflow_models import ds_config, flat_weights, train
+from tests.distributed.zenflow_models import ds_config, flat_weights, resume_run, train
 from tests.harness import run_distributed
 
 STEPS = 6
@@ -118,22 +118,8 @@ def test_zero_grad_without_step_undoes_the_speculation(clip):
 def _resume_body(rank: int, world: int, ckpt: str, ratio: float) -> dict:
     """Masters and moments whose storage the commits swapped save and load like any: a resumed run equals the
     uninterrupted one."""
-    import torch.distributed as dist
-
     cfg = ds_config(3, offload={"device": "cpu", "super_offload": True, "ratio": ratio}, clip=1.0)
-    full, e0 = train(rank, world, cfg, 8)
-    w0 = flat_weights(e0).numpy()
-    e0.destroy()
-    first, e1 = train(rank, world, cfg, 4)
-    e1.save_checkpoint(ckpt, tag="so")
-    e1.destroy()
-    dist.barrier()
-    _, e2 = train(rank, world, cfg, 0)
-    e2.load_checkpoint(ckpt, tag="so")
-    rest, e2 = train(rank, world, cfg, 4, start=4, engine=e2)
-    w1 = flat_weights(e2).numpy()
-    e2.destroy()
-    return {"full": full, "resumed": first + rest, "w0": w0, "w1": w1}
+    return resume_run(rank, world, cfg, 8, 4, ckpt, "so")
 
 
 @pytest.mark.parametrize("ratio", [1.0, 0.5])
@@ -141,4 +127,4 @@ def test_checkpoint_resumes(tmp_path, ratio):
     out = run_distributed(_resume_body, world_size=2, args=(str(tmp_path / "ck"), ratio), timeout=300)
     for r in out:
         np.testing.assert_array_equal(r["resumed"], r["full"])
-        np.testing.assert_array_equal(r["w1"], r["w0"])
+        np.testing.assert_array_equal(r["w_res"], r["w_full"])

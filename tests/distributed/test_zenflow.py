@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.distributed.zenflow_models import ds_config, flat_weights, train
+from tests.distributed.zenflow_models import ds_config, flat_weights, resume_run, train
 from tests.harness import run_distributed
 
 ONE = {"update_interval": 1, "overlap_step": False, "select_strategy": "step", "select_interval": 1000}
@@ -76,23 +76,9 @@ def test_fine_tune_tracks_plain_offload(zen, default_knobs, stage):
 
 
 def _resume_body(rank: int, world: int, ckpt: str, stage: int) -> dict:
-    import torch.distributed as dist
-
     zen = {"update_interval": 3, "overlap_step": True, "select_strategy": "step", "select_interval": 6}
-    cfg = ds_config(stage, zenflow=zen)
-    full, e_full = train(rank, world, cfg, 10)
-    w_full = flat_weights(e_full).numpy()
-    e_full.destroy()
-    first, e1 = train(rank, world, cfg, 5)  # step 5 leaves 2 accumulated steps and a host step in flight
-    e1.save_checkpoint(ckpt, tag="zf")
-    e1.destroy()
-    dist.barrier()
-    _, e2 = train(rank, world, cfg, 0)
-    e2.load_checkpoint(ckpt, tag="zf")
-    rest, e2 = train(rank, world, cfg, 5, start=5, engine=e2)
-    w_res = flat_weights(e2).numpy()
-    e2.destroy()
-    return {"full": full, "resumed": first + rest, "w_full": w_full, "w_res": w_res}
+    # saved after step 5: 2 accumulated steps and a host step in flight
+    return resume_run(rank, world, ds_config(stage, zenflow=zen), 10, 5, ckpt, "zf")
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -78,3 +78,23 @@ def train(rank: int, world: int, config: dict, steps: int, model: Optional[torch
 
 def flat_weights(engine: Any) -> torch.Tensor:
     return torch.cat([p.detach().float().reshape(-1).cpu() for p in engine.module.parameters()])
+
+
+def resume_run(rank: int, world: int, config: dict, steps: int, saved_at: int, ckpt: str, tag: str) -> dict:
+    """`steps` steps in one run, and the same steps saved after `saved_at`, loaded into a fresh engine and
+    finished there: the losses and final flat weights of both."""
+    import torch.distributed as dist
+
+    full, e_full = train(rank, world, config, steps)
+    w_full = flat_weights(e_full).numpy()
+    e_full.destroy()
+    first, e1 = train(rank, world, config, saved_at)
+    e1.save_checkpoint(ckpt, tag=tag)
+    e1.destroy()
+    dist.barrier()
+    _, e2 = train(rank, world, config, 0)
+    e2.load_checkpoint(ckpt, tag=tag)
+    rest, e2 = train(rank, world, config, steps - saved_at, start=saved_at, engine=e2)
+    w_res = flat_weights(e2).numpy()
+    e2.destroy()
+    return {"full": full, "resumed": first + rest, "w_full": w_full, "w_res": w_res}
