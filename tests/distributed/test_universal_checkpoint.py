@@ -10,12 +10,12 @@ own next losses (`next_losses`)."""
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any
 
 import pytest
 import torch
 
+from tests.distributed.universal_helpers import resume_deepspeed_written
 from tests.harness import run_distributed
 
 HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "deepspeed_written")
@@ -143,46 +143,13 @@ def test_universal_layout(converted: tuple) -> None:
 
 
 # -- checkpoints written by DeepSpeed 0.19.8 ---------------------------------------------------------------
-def _ds_resume(rank: int, world: int, folder: str, stages: list, bf16: bool = False) -> dict:
-    import deepspeed_c
-
-    sys.path.insert(0, HERE)
-    import common
-
-    out = {}
-    for stage in stages:
-        model = common.build_model(False)
-        cfg = common.config(stage, bf16, world)
-        cfg["train_micro_batch_size_per_gpu"] = common.MICRO_BATCH * 2 // world
-        cfg["train_batch_size"] = common.MICRO_BATCH * 2
-        cfg["checkpoint"] = {"load_universal": True}
-        engine = deepspeed_c.initialize(model=model, model_parameters=list(model.parameters()), config=cfg)[0]
-        engine.load_checkpoint(os.path.dirname(folder), tag=os.path.basename(folder))
-        losses = []
-        for i in range(common.STEPS_AFTER_RESUME):
-            xs, ys = zip(*[common.batch(common.STEPS_BEFORE_SAVE + i, r, 2) for r in range(2)])
-            x, y = torch.cat(xs), torch.cat(ys)
-            n = x.shape[0] // world
-            loss = engine(x[rank * n:(rank + 1) * n].to(torch.bfloat16 if bf16 else torch.float32),
-                          y[rank * n:(rank + 1) * n])
-            engine.backward(loss)
-            engine.step()
-            mean = loss.detach().float().clone()
-            if world > 1:
-                torch.distributed.all_reduce(mean)
-            losses.append(float(mean) / world)
-        out[stage] = losses
-        engine.destroy()
-    return out
-
-
 @pytest.mark.parametrize("case", ["z1_fp32_train_w2", "z2_fp32_train_w2"])
 def test_deepspeed_written_checkpoint_converts_and_continues(tmp_path: Any, case: str) -> None:
     out = str(tmp_path / "universal")
     _convert(os.path.join(HERE, case, "ckpt"), out)
     want = torch.load(os.path.join(HERE, case, "expected.pt"), weights_only=True)["next_losses"]
     for world, stages in ((1, [0, 1, 3]), (2, [1, 2, 3])):
-        got = run_distributed(_ds_resume, world, args=(out, stages), timeout=300)[0]
+        got = run_distributed(resume_deepspeed_written, world, args=(out, stages), timeout=300)[0]
         for stage, losses in got.items():
             _close(losses, want)
 
@@ -195,7 +162,8 @@ def test_deepspeed_written_bf16_checkpoint_continues_in_bf16(tmp_path: Any) -> N
     _convert(os.path.join(HERE, case, "ckpt"), out)
     want = torch.load(os.path.join(HERE, case, "expected.pt"), weights_only=True)["next_losses"]
     for world, stages in ((1, [1, 3]), (2, [2])):
-        for stage, losses in run_distributed(_ds_resume, world, args=(out, stages, True), timeout=300)[0].items():
+        runs = run_distributed(resume_deepspeed_written, world, args=(out, stages, True), timeout=300)
+        for stage, losses in runs[0].items():
             for a, b in zip(losses, want):
                 assert abs(a - b) <= 2e-2 * abs(b), (stage, world, losses, want)
 

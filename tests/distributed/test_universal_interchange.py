@@ -11,49 +11,17 @@ written by its make_fixtures.py with the real DeepSpeed).
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any
 
 import pytest
 import torch
 
+from tests.distributed.universal_helpers import resume_deepspeed_written
 from tests.harness import run_distributed
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
 HERE = os.path.join(FIXTURES, "deepspeed_universal")
 STAGES = (1, 2, 3)
-
-
-def _resume(rank: int, world: int, folder: str, stages: list) -> dict:
-    import deepspeed_c
-
-    sys.path.insert(0, os.path.join(FIXTURES, "deepspeed_written"))
-    import common
-
-    out = {}
-    for stage in stages:
-        cfg = common.config(stage, False, world)
-        cfg["train_micro_batch_size_per_gpu"] = common.MICRO_BATCH * 2 // world
-        cfg["train_batch_size"] = common.MICRO_BATCH * 2
-        cfg["checkpoint"] = {"load_universal": True}
-        model = common.build_model(False)
-        engine = deepspeed_c.initialize(model=model, model_parameters=list(model.parameters()), config=cfg)[0]
-        engine.load_checkpoint(os.path.dirname(folder), tag=os.path.basename(folder))
-        losses = []
-        for i in range(common.STEPS_AFTER_RESUME):
-            xs, ys = zip(*[common.batch(common.STEPS_BEFORE_SAVE + i, r, 2) for r in range(2)])
-            x, y = torch.cat(xs), torch.cat(ys)
-            n = x.shape[0] // world
-            loss = engine(x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n])
-            engine.backward(loss)
-            engine.step()
-            mean = loss.detach().clone()
-            if world > 1:
-                torch.distributed.all_reduce(mean)
-            losses.append(float(mean) / world)
-        out[stage] = losses
-        engine.destroy()
-    return out
 
 
 def _close(got: list, want: list) -> None:
@@ -68,7 +36,8 @@ def test_deepspeeds_universal_output_loads_here(world: int) -> None:
         expected = torch.load(os.path.join(case, "expected.pt"), weights_only=True)
         want = expected["ds_universal"][world]
         _close(expected["ours_universal"][world], want)  # DeepSpeed loading ours, when the fixture was made
-        got = run_distributed(_resume, world, args=(os.path.join(case, "ds_universal"), list(STAGES)), timeout=300)[0]
+        got = run_distributed(resume_deepspeed_written, world, args=(os.path.join(case, "ds_universal"), list(STAGES)),
+                              timeout=300)[0]
         for stage, losses in got.items():
             _close(losses, want)
 
