@@ -79,15 +79,16 @@ def _deepspeed_importable() -> bool:
     return probe.returncode == 0
 
 
-def test_our_tp_checkpoint_loads_in_deepspeed(tmp_path):
+def _require_real_deepspeed() -> None:
     if not _deepspeed_importable():
         pytest.skip("runs the real DeepSpeed 0.19.8 when DSC_DEEPSPEED_REAL names a directory it is installed in "
                     "(not a project dependency); the other direction is tested with the committed fixture")
-    ckpt, out = str(tmp_path / "ours"), str(tmp_path / "deepspeed.pt")
-    ours = run_distributed(save_here, 4, args=(ckpt,), timeout=300)[0]
-    names = set(os.listdir(os.path.join(ckpt, fx.TAG)))
-    assert {"mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_01_optim_states.pt"} <= names, names
-    run = subprocess.run([sys.executable, os.path.join(FIXTURES, "make_fixture.py"), "--load", ckpt, out],
+
+
+def _check_loaded_in_deepspeed(flag: str, ckpt: str, out: str, ours: dict) -> None:
+    """make_fixture.py `flag` (--load, --load3d) loads our checkpoint into DeepSpeed's engine: its loaded
+    weights are what we saved and its next losses are ours."""
+    run = subprocess.run([sys.executable, os.path.join(FIXTURES, "make_fixture.py"), flag, ckpt, out],
                          env=dict(os.environ, PYTHONPATH=DS_REAL, DS_ACCELERATOR="cpu"), capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
@@ -95,6 +96,15 @@ def test_our_tp_checkpoint_loads_in_deepspeed(tmp_path):
     errs = mm.rel_errors({k: v.numpy() for k, v in theirs["loaded_weights"].items()}, ours["saved"])
     assert max(errs.values()) < 1e-6, errs
     assert np.max(np.abs(np.array(theirs["next_losses"]) - ours["losses"])) < 1e-5, (theirs, ours["losses"])
+
+
+def test_our_tp_checkpoint_loads_in_deepspeed(tmp_path):
+    _require_real_deepspeed()
+    ckpt, out = str(tmp_path / "ours"), str(tmp_path / "deepspeed.pt")
+    ours = run_distributed(save_here, 4, args=(ckpt,), timeout=300)[0]
+    names = set(os.listdir(os.path.join(ckpt, fx.TAG)))
+    assert {"mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_01_optim_states.pt"} <= names, names
+    _check_loaded_in_deepspeed("--load", ckpt, out, ours)
 
 
 # -- 3D: PipelineModule over PipeModelDataParallelTopology(2, 2, 1), ZeRO-1 --------------------------------
@@ -136,16 +146,7 @@ def save_here_3d(rank: int, world: int, ckpt: str) -> dict:
 
 
 def test_our_3d_checkpoint_loads_in_deepspeed(tmp_path):
-    if not _deepspeed_importable():
-        pytest.skip("runs the real DeepSpeed 0.19.8 when DSC_DEEPSPEED_REAL names a directory it is installed in "
-                    "(not a project dependency); the other direction is tested with the committed fixture")
+    _require_real_deepspeed()
     ckpt, out = str(tmp_path / "ours"), str(tmp_path / "deepspeed.pt")
     ours = run_distributed(save_here_3d, 4, args=(ckpt,), timeout=300)[0]
-    run = subprocess.run([sys.executable, os.path.join(FIXTURES, "make_fixture.py"), "--load3d", ckpt, out],
-                         env=dict(os.environ, PYTHONPATH=DS_REAL, DS_ACCELERATOR="cpu"), capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
-    theirs = torch.load(out, weights_only=True)
-    errs = mm.rel_errors({k: v.numpy() for k, v in theirs["loaded_weights"].items()}, ours["saved"])
-    assert max(errs.values()) < 1e-6, errs
-    assert np.max(np.abs(np.array(theirs["next_losses"]) - ours["losses"])) < 1e-5, (theirs, ours["losses"])
+    _check_loaded_in_deepspeed("--load3d", ckpt, out, ours)
