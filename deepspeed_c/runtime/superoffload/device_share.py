@@ -7,7 +7,7 @@ device share is written into it whenever the optimizer's state is read as a whol
 and read back from it after a load (`from_host`)."""
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
@@ -77,12 +77,7 @@ class DeviceShare:
     @torch.no_grad()
     def to_host(self, masters: Sequence[torch.Tensor]) -> None:
         """The device share into the host master and optimizer state (their first `cut` elements)."""
-        if not self.active():
-            return
-        for g, (m, dm) in enumerate(zip(masters, self.master)):
-            cut = self.cut[g]
-            if cut == 0:
-                continue
+        for g, m, dm, cut in self._shares(masters):
             state = self.optimizer.ready_state(self.optimizer.param_groups[g], m, f"params[{g}][0]")
             m.detach()[:cut].copy_(dm)
             for k in self.optimizer.MOMENTS:
@@ -91,12 +86,7 @@ class DeviceShare:
     @torch.no_grad()
     def from_host(self, masters: Sequence[torch.Tensor]) -> None:
         """The device share re-read from the host master and state (after a load wrote them)."""
-        if not self.active():
-            return
-        for g, (m, dm) in enumerate(zip(masters, self.master)):
-            cut = self.cut[g]
-            if cut == 0:
-                continue
+        for g, m, dm, cut in self._shares(masters):
             dm.copy_(m.detach()[:cut])
             state = self.optimizer.state.get(m, {})
             for k in self.optimizer.MOMENTS:
@@ -104,3 +94,11 @@ class DeviceShare:
                     self.moments[g][k].copy_(state[k][:cut])
             if "step" in state:
                 self.steps = int(float(state["step"]))
+
+    def _shares(self, masters: Sequence[torch.Tensor]) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, int]]:
+        """(group, host master, device share, cut) of each group that keeps a device share."""
+        if not self.active():
+            return
+        for g, (m, dm) in enumerate(zip(masters, self.master)):
+            if self.cut[g]:
+                yield g, m, dm, self.cut[g]
