@@ -10,8 +10,9 @@ on every rank together: engine.checkpoint_commit(), the next save_checkpoint, lo
 engine.destroy(). A crash before it leaves the previous checkpoint and `latest` as they were; a failed
 background write is raised at the commit point (and its staging directory removed).
 
-Writer types: "python" and "fast" write with torch.save from the writer thread ("fast" stages into pinned
-host memory when CUDA is in use); "mock" stages and writes nothing and commits nothing (DeepSpeed's
+Writer types: "python" and "fast" write with torch.save from the writer thread ("fast" stages device
+tensors into pinned host memory, copied without blocking; staging buffers are reused from save to save,
+staging_pool.py); "mock" stages and writes nothing and commits nothing (DeepSpeed's
 benchmark writer: it measures the staging alone). `decoupled` is accepted (DeepSpeed writes from another
 process then; here the writer thread is always decoupled from training). io_buffer_size,
 io_buffer_double, io_multiplier and data_parallel are validated and reported with show_statistics."""
@@ -25,6 +26,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from deepspeed_c.checkpoint import store
+from deepspeed_c.runtime.checkpointing.staging_pool import StagingPool
 from deepspeed_c.utils.logging import logger
 
 WRITER_TYPES = ("MOCK", "PYTHON", "FAST")
@@ -92,22 +94,6 @@ class WriterConfig:
                    host_cache_bytes=int(size * 1024 ** 3) if size is not None else None)
 
 
-def snapshot(obj: Any, pin: bool) -> Any:
-    """`obj` with every tensor copied into fresh host memory (pinned with `pin`), containers rebuilt."""
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-        out.copy_(t)
-        return out
-    if isinstance(obj, dict):  # an OrderedDict stays one (DeepSpeed's param_shapes)
-        return type(obj)((k, snapshot(v, pin)) for k, v in obj.items())
-    if isinstance(obj, list):
-        return [snapshot(v, pin) for v in obj]
-    if isinstance(obj, tuple) and type(obj) is tuple:
-        return tuple(snapshot(v, pin) for v in obj)
-    return obj
-
-
 def _nbytes(obj: Any) -> int:
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
@@ -131,6 +117,7 @@ class BackgroundWriter:
         self._staged_s = 0.0
         self._staged_bytes = 0
         self._written: dict[str, dict] = {}  # files over the host cache, written while staging
+        self._pool = StagingPool()  # host buffers reused from one save to the next
 
     @property
     def writes(self) -> bool:
@@ -144,8 +131,10 @@ class BackgroundWriter:
             return
         self._staged_bytes += _nbytes(obj)
         start = time.perf_counter()
+        if self._thread is not None:
+            raise RuntimeError("checkpoint writer: stage() while a background write runs (commit it first)")
         pin = self.config.type == "FAST" and torch.cuda.is_available()
-        self._jobs.append((name, snapshot(obj, pin), path))
+        self._jobs.append((name, self._pool.snapshot(obj, pin), path))
         self._staged_s += time.perf_counter() - start
 
     def start(self) -> None:
@@ -176,6 +165,7 @@ class BackgroundWriter:
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()
+        self._pool.recycle()  # the write has read its buffers: the next save may reuse them
         self._staged_s = 0.0
         error, self._error = self._error, None
         if error is not None:
@@ -186,6 +176,7 @@ class BackgroundWriter:
     def discard(self) -> None:
         """Drop staged files that will not be written (a save that raised before starting them)."""
         self._jobs, self._written, self._staged_bytes = [], {}, 0
+        self._pool.recycle()
 
 
 def at_exit(checkpointer: Any) -> None:
