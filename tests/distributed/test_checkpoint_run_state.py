@@ -50,7 +50,7 @@ def _train(engine: Any, data: Any, steps: int) -> list[float]:
     losses = []
     for _ in range(steps):
         x, y = next(data)
-        loss = engine(x, y)
+        loss = engine(x.to(engine.device), y.to(engine.device))  # on cuda:r under DSC_TEST_BACKEND=nccl
         engine.backward(loss)
         engine.step()
         losses.append(float(loss.item()))
@@ -66,14 +66,14 @@ def body(rank: int, world: int, ckpt: str, module_only: bool) -> dict[str, Any]:
     _train(engine, data, SAVE_AT)
     engine.save_checkpoint(ckpt, tag="mid")
     straight = _train(engine, data, TOTAL - SAVE_AT)
-    weights = [p.detach().clone().numpy() for p in engine.module.parameters()]
+    weights = [p.detach().cpu().clone().numpy() for p in engine.module.parameters()]
     engine.destroy()
 
-    torch.manual_seed(1234 + rank)  # the resuming process's generators are elsewhere
+    torch.manual_seed(1234 + rank)  # the resuming process's generators (CPU and CUDA) are elsewhere
     engine, loader = _engine()
     engine.load_checkpoint(ckpt, tag="mid", load_module_only=module_only)
     resumed = _train(engine, iter(RepeatingLoader(loader)), TOTAL - SAVE_AT)
-    resumed_weights = [p.detach().clone().numpy() for p in engine.module.parameters()]
+    resumed_weights = [p.detach().cpu().clone().numpy() for p in engine.module.parameters()]
     epoch = loader.data_sampler.epoch
     engine.destroy()
     return {"straight": straight, "resumed": resumed, "weights": weights, "resumed_weights": resumed_weights,
