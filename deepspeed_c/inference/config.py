@@ -117,11 +117,7 @@ def _unbuilt_keys(cfg: DeepSpeedInferenceConfig) -> None:
         "use_triton": (cfg.use_triton, "Triton inference kernels"),
         "triton_autotune": (cfg.triton_autotune, "Triton kernel autotuning"),
         "zero": (bool(cfg.zero) and cfg.zero.get("stage", 0) != 0, "ZeRO-Inference (parameter partitioning)"),
-        "save_mp_checkpoint_path": (cfg.save_mp_checkpoint_path is not None
-                                    or cfg.checkpoint_config.save_mp_checkpoint_path is not None,
-                                    "writing a tensor-parallel sharded checkpoint"),
         "ep_size": (cfg.ep_size != 1, "expert parallelism in inference"),
-        "set_empty_params": (cfg.set_empty_params, "empty (meta) parameters filled by kernel injection"),
         "quant": (bool(cfg.quant), "the quant section (int8 is dtype=torch.int8: per-channel weight-only)"),
     }
     for key, (asked, what) in asks.items():

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from deepspeed_c import comm as dist
+from deepspeed_c.inference import mp_checkpoint
 from deepspeed_c.inference.checkpoint_loader import checkpoint_files, load_checkpoint_shards
 from deepspeed_c.inference.config import DeepSpeedInferenceConfig
 from deepspeed_c.inference.quantize import COMPUTE_DTYPE, quantize_weights_int8
@@ -47,10 +48,16 @@ class InferenceEngine(nn.Module):
         if config.enable_cuda_graph and self.mp_world_size > 1:
             raise ValueError(f"init_inference: enable_cuda_graph=True needs tensor_parallel.tp_size=1 (got "
                              f"{self.mp_world_size}): CUDA graphs are not captured across tensor-parallel ranks")
-        files = checkpoint_files(config.checkpoint, config.base_dir) if config.checkpoint is not None else None
-        self._prepare(files)
+        desc = mp_checkpoint.read_description(config.checkpoint) if config.checkpoint is not None else None
+        if mp_checkpoint.is_sharded(desc):
+            self._prepare_sharded(desc)
+        else:
+            self._prepare(checkpoint_files(desc, config.base_dir) if desc is not None else None)
         if config.dtype == torch.int8 and not self.injected:
             quantize_weights_int8(self.module)  # after sharding and loading: the weights are final
+        save_to = config.save_mp_checkpoint_path or config.checkpoint_config.save_mp_checkpoint_path
+        if save_to:
+            mp_checkpoint.save(self.module, save_to, self.mp_group, config.dtype, self.injected)
         self._to_device()
         if self.mp_world_size > 1:
             self._sync_rng()
@@ -104,19 +111,13 @@ class InferenceEngine(nn.Module):
                                  "together (the policy asks for AutoTP of the named layers)")
             self._autotp(cfg.injection_policy, files)
             return
-        if cfg.replace_with_kernel_inject and (self.mp_world_size > 1 or cfg.dtype == torch.int8):
-            # the fused blocks run unsharded and in fp32/fp16/bf16: a DeepSpeed script asking for both still runs
-            what = f"tensor_parallel.tp_size={self.mp_world_size}" if self.mp_world_size > 1 else "dtype=torch.int8"
-            warnings.warn(f"init_inference: replace_with_kernel_inject=True with {what}: deepspeed_c's fused blocks "
-                          "run on one device in fp32/fp16/bf16; running AutoTP (int8 weight-only where asked) instead",
-                          stacklevel=4)
-        elif cfg.replace_with_kernel_inject:
+        if cfg.replace_with_kernel_inject:
             if files is not None:  # the fused blocks take their weights from the loaded Hugging Face modules
                 load_checkpoint_shards(self.module, files, cfg.dtype)
                 files = None
             from deepspeed_c.module_inject import kernel_inject
 
-            injected = kernel_inject.inject(self.module, cfg)
+            injected = kernel_inject.inject(self.module, cfg, self.mp_group)
             if injected is not None:
                 self.module, self.injected = injected, True
                 return
@@ -131,6 +132,25 @@ class InferenceEngine(nn.Module):
         elif cfg.enable_cuda_graph and torch.cuda.is_available():
             raise NotImplementedError("init_inference: enable_cuda_graph=True is built for kernel-injected models only "
                                       "(replace_with_kernel_inject=True on a supported architecture)")
+
+    def _prepare_sharded(self, desc: dict) -> None:
+        """A save_mp_checkpoint_path folder: the model is prepared as when it was saved (on the meta device it
+        stays unallocated), then each rank reads only its own files."""
+        cfg = self._config
+        mp_checkpoint.check(desc, self.mp_world_size, cfg.replace_with_kernel_inject)
+        mp_checkpoint.real_buffers(self.module)  # rotary tables (never saved; kernel injection reads them)
+        if cfg.replace_with_kernel_inject:
+            from deepspeed_c.module_inject import kernel_inject
+
+            injected = kernel_inject.inject(self.module, cfg, self.mp_group)
+            if injected is None:
+                raise ValueError(f"init_inference: the checkpoint holds kernel-injected weights but deepspeed_c has no "
+                                 f"fused kernels for {_architecture(self.module)}")
+            self.module, self.injected = injected, True
+        elif self.mp_world_size > 1 or cfg.injection_policy:
+            self._autotp(cfg.injection_policy, None)
+        rank = dist.get_rank(self.mp_group) if self.mp_group is not None else 0
+        mp_checkpoint.load(self.module, desc, rank, cfg.base_dir)
 
     def _autotp(self, policy: Optional[dict], files: Optional[list[str]]) -> None:
         from deepspeed_c.module_inject.auto_tp_inference import shard_for_inference

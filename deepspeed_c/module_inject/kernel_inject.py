@@ -4,7 +4,11 @@ architecture is replaced by an InjectedDecoder whose blocks run the fused infere
 model, or None when the architecture has no kernels (the caller falls back to AutoTP with a
 warning naming it).
 
-Architectures: GPT-2 (`gpt2`) and the LLaMA family (`llama`, `mistral`, `qwen2`)."""
+Architectures: GPT-2 (`gpt2`) and the LLaMA family (`llama`, `mistral`, `qwen2`).
+
+With tensor parallelism (a group of tp ranks) every rank builds its part of each fused block
+(hybrid_tp's Megatron split: its heads, its MLP rows) and the attention-out and MLP-down partial
+products are all-reduced over the group before their bias; norms, embeddings and the head stay whole."""
 from __future__ import annotations
 
 import math
@@ -12,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from deepspeed_c.module_inject import hybrid_tp
 from deepspeed_c.module_inject.fused_block import BlockSpec, FusedDecoderBlock
 from deepspeed_c.module_inject.fused_decoder import InjectedDecoder
 from deepspeed_c.module_inject.hf_compat import attention_scale, rope_tables, route_beam_reorder
@@ -56,7 +61,31 @@ def _body_of(model: torch.nn.Module, attr: str) -> tuple[str | None, torch.nn.Mo
     return (attr, body) if isinstance(body, torch.nn.Module) else (None, model)
 
 
-def _gpt2(body: torch.nn.Module, max_out: int, graphs: bool) -> InjectedDecoder:
+class _Blocks:
+    """Makes one architecture's fused blocks: whole, or this rank's part of each over a TP group."""
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+        self.tp = 1 if group is None else torch.distributed.get_world_size(group)
+        self.rank = 0 if group is None else torch.distributed.get_rank(group)
+
+    def spec(self, spec: BlockSpec, ffn: int, arch: str) -> BlockSpec:
+        if self.tp == 1:
+            return spec
+        why = hybrid_tp.check_divisible(spec, ffn, self.tp)
+        if why is not None:
+            raise ValueError(f"replace_with_kernel_inject=True with tensor_parallel.tp_size={self.tp}: {arch} "
+                             f"cannot be split: {why.replace('hybrid_engine.inference_tp_size', 'tp_size')}")
+        return hybrid_tp.local_spec(spec, self.tp)
+
+    def make(self, spec: BlockSpec, i: int, scale: float, *args: Any) -> FusedDecoderBlock:
+        if self.tp == 1:
+            return FusedDecoderBlock(spec, i, scale, *args)
+        part = hybrid_tp.shard_args(spec, args, self.rank, self.tp)
+        return hybrid_tp.TPFusedDecoderBlock(hybrid_tp.local_spec(spec, self.tp), i, scale, *part, group=self.group)
+
+
+def _gpt2(body: torch.nn.Module, max_out: int, graphs: bool, mk: _Blocks) -> InjectedDecoder:
     cfg = body.config
     if getattr(cfg, "add_cross_attention", False):
         raise NotImplementedError("kernel injection for GPT-2 with add_cross_attention=True is not built")
@@ -71,21 +100,22 @@ def _gpt2(body: torch.nn.Module, max_out: int, graphs: bool) -> InjectedDecoder:
     d = c // nh
     spec = BlockSpec(hidden=c, n_heads=nh, n_kv=nh, head_dim=d, eps=cfg.layer_norm_epsilon,
                      layer_norm=True, gated_silu=False, gelu_tanh=_GPT2_GELUS[act], rotary=False)
+    local = mk.spec(spec, body.h[0].mlp.c_fc.weight.shape[1], "GPT-2")  # Conv1D: [in, out]
     blocks = []
     for i, blk in enumerate(body.h):
         scale = (1.0 / math.sqrt(d)) if cfg.scale_attn_weights else 1.0
         if cfg.scale_attn_by_inverse_layer_idx:
             scale /= float(i + 1)
         a, m = blk.attn, blk.mlp  # Conv1D stores weight [in, out]: transposed to F.linear's [out, in]
-        blocks.append(FusedDecoderBlock(
+        blocks.append(mk.make(
             spec, i, scale, (blk.ln_1.weight, blk.ln_1.bias), (blk.ln_2.weight, blk.ln_2.bias),
             a.c_attn.weight.t(), a.c_attn.bias, a.c_proj.weight.t(), a.c_proj.bias,
             m.c_fc.weight.t(), m.c_fc.bias, m.c_proj.weight.t(), m.c_proj.bias))
-    return InjectedDecoder(cfg, spec, blocks, {"wte": body.wte, "wpe": body.wpe},
+    return InjectedDecoder(cfg, local, blocks, {"wte": body.wte, "wpe": body.wpe},
                            (body.ln_f.weight, body.ln_f.bias), None, max_out, graphs)
 
 
-def _llama(body: torch.nn.Module, max_out: int, graphs: bool) -> InjectedDecoder:
+def _llama(body: torch.nn.Module, max_out: int, graphs: bool, mk: _Blocks) -> InjectedDecoder:
     cfg = body.config
     if getattr(cfg, "hidden_act", "silu") != "silu":
         raise NotImplementedError(f"kernel injection with hidden_act={cfg.hidden_act!r} is not built (silu only)")
@@ -100,6 +130,7 @@ def _llama(body: torch.nn.Module, max_out: int, graphs: bool) -> InjectedDecoder
     d = first.head_dim
     spec = BlockSpec(hidden=cfg.hidden_size, n_heads=nh, n_kv=nkv, head_dim=d, eps=cfg.rms_norm_eps,
                      layer_norm=False, gated_silu=True, rotary=True)
+    local = mk.spec(spec, cfg.intermediate_size, type(body).__name__)
     blocks = []
     for i, blk in enumerate(body.layers):
         a, m = blk.self_attn, blk.mlp
@@ -108,17 +139,17 @@ def _llama(body: torch.nn.Module, max_out: int, graphs: bool) -> InjectedDecoder
             b if b is not None else torch.zeros(p.out_features, dtype=p.weight.dtype, device=p.weight.device)
             for b, p in zip(bq, (a.q_proj, a.k_proj, a.v_proj))])
         b1 = None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias])
-        blocks.append(FusedDecoderBlock(
+        blocks.append(mk.make(
             spec, i, attention_scale(a, d),
             (blk.input_layernorm.weight, None), (blk.post_attention_layernorm.weight, None),
             torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), bqkv, a.o_proj.weight, a.o_proj.bias,
             torch.cat([m.gate_proj.weight, m.up_proj.weight]), b1, m.down_proj.weight, m.down_proj.bias))
-    return InjectedDecoder(cfg, spec, blocks, {"embed_tokens": body.embed_tokens}, (body.norm.weight, None),
+    return InjectedDecoder(cfg, local, blocks, {"embed_tokens": body.embed_tokens}, (body.norm.weight, None),
                            rope_tables(body, max_out, d), max_out, graphs)
 
 
 # model_type -> (attribute of the body on the *ForCausalLM wrapper, builder)
-_POLICIES: dict[str, tuple[str, Callable[[torch.nn.Module, int, bool], InjectedDecoder]]] = {
+_POLICIES: dict[str, tuple[str, Callable[[torch.nn.Module, int, bool, _Blocks], InjectedDecoder]]] = {
     "gpt2": ("transformer", _gpt2),
     "llama": ("model", _llama),
     "mistral": ("model", _llama),
@@ -126,18 +157,19 @@ _POLICIES: dict[str, tuple[str, Callable[[torch.nn.Module, int, bool], InjectedD
 }
 
 
-def inject(model: torch.nn.Module, config: Any) -> torch.nn.Module | None:
+def inject(model: torch.nn.Module, config: Any, group: Any = None) -> torch.nn.Module | None:
     """Replace `model`'s transformer body by fused blocks; `config` is the parsed inference config
-    (read duck-typed: dtype, enable_cuda_graph, max_out_tokens, tensor_parallel.tp_size).
+    (read duck-typed: dtype, enable_cuda_graph, max_out_tokens, tensor_parallel.tp_size); `group` the
+    tensor-parallel group when tp_size > 1.
     Returns the injected model (the same wrapper object; the new body when `model` was a bare
     body), or None when the architecture has no kernels."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in _POLICIES:
         return None
     tp = _tp_size(config)
-    if tp > 1:
-        raise NotImplementedError(f"replace_with_kernel_inject=True with tensor_parallel.tp_size={tp}: the fused "
-                                  "blocks run on one device; use tp_size=1 or AutoTP (replace_with_kernel_inject=False)")
+    if tp > 1 and (group is None or torch.distributed.get_world_size(group) != tp):
+        raise ValueError(f"replace_with_kernel_inject=True with tensor_parallel.tp_size={tp} needs the "
+                         "tensor-parallel process group of that size (init_inference makes it)")
     dtype = _dtype(_cfg(config, "dtype", None))
     max_out = int(_cfg(config, "max_out_tokens", 1024))
     if max_out < 1:
@@ -148,7 +180,7 @@ def inject(model: torch.nn.Module, config: Any) -> torch.nn.Module | None:
     attr, builder = _POLICIES[model_type]
     where, body = _body_of(model, attr)
     with torch.no_grad():
-        decoder = builder(body, max_out, graphs)
+        decoder = builder(body, max_out, graphs, _Blocks(group if tp > 1 else None))
     decoder.to(next(body.parameters()).device)
     if where is None:
         return decoder

