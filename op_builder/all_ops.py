@@ -17,6 +17,7 @@ from .moe_gating import MoEGatingBuilder, MoEGatingCUDABuilder
 from .multi_tensor import MultiTensorOpsBuilder
 from .onebit import OnebitBuilder, OnebitCUDABuilder
 from .quantizer import QuantizerBuilder, QuantizerCUDABuilder
+from .random_ltd import RandomLTDBuilder, RandomLTDCUDABuilder
 from .transformer_inference import InferenceBuilder
 from .zenflow_columns import ZenFlowColumnsBuilder
 

@@ -14,10 +14,11 @@ from op_builder.moe_gating import MoEGatingCUDABuilder
 from op_builder.multi_tensor import MultiTensorOpsBuilder
 from op_builder.onebit import OnebitCUDABuilder
 from op_builder.quantizer import QuantizerCUDABuilder
+from op_builder.random_ltd import RandomLTDCUDABuilder
 from op_builder.transformer_inference import InferenceBuilder
 
 CUDA_BUILDERS = [MultiTensorOpsBuilder, FusedAdamBuilder, FusedLambBuilder, FusedLionBuilder, MoEGatingCUDABuilder,
-                 InferenceBuilder, OnebitCUDABuilder, QuantizerCUDABuilder]
+                 InferenceBuilder, OnebitCUDABuilder, QuantizerCUDABuilder, RandomLTDCUDABuilder]
 EXPECTED = {
     "multi_tensor_ops": {"l2norm", "scale", "copy", "flatten", "unflatten", "adam_epilogue",
                          "tensors_per_launch", "chunk_elems"},
@@ -27,6 +28,7 @@ EXPECTED = {
     "moe_gating_cuda": {"select", "counts", "plan", "dispatch", "combine", "route_dots"},
     "onebit_cuda": {"compensate", "pack", "unpack"},
     "quantizer_cuda": {"quantize", "dequantize", "dequantize_sum"},
+    "random_ltd_cuda": {"gather", "scatter", "mask_gather"},
     "transformer_inference": {"add_norm", "qkv_rotary_cache", "attention", "masked_softmax", "bias_gelu",
                               "silu_mul"},
 }

@@ -6,8 +6,8 @@ positions) and sorted ascending so the kept tokens stay in sequence order. Indic
 [layers, batch, reserved_length] int32.
 
 Gather / scatter move whole hidden vectors: batch_first hidden states are [batch, seq, hidden], otherwise
-[seq, batch, hidden]. They run as torch.gather / torch.scatter on the current device (one kernel each, no
-per-token loop; a CUDA kernel of our own is not built). Their gradients are exact on their own: gather's
+[seq, batch, hidden]. They run in C (token_ops: a CUDA kernel on GPU tensors, the plain-loop C reference on
+host tensors; torch.gather/scatter where neither is built), one pass each. Their gradients are exact on their own: gather's
 input gradient is the incoming one plus the kept tokens' gradients added at their positions; scatter's
 gradient to the full activations is zero at the overwritten positions. (DeepSpeed's pair is only right in
 combination: its gather overwrites the kept positions' gradient, its scatter passes it through.)"""
@@ -16,6 +16,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+from deepspeed_c.ops.random_ltd import token_ops
 
 
 def _check(hidden: torch.Tensor, indices: torch.Tensor, batch_first: bool, what: str) -> None:
@@ -27,24 +29,16 @@ def _check(hidden: torch.Tensor, indices: torch.Tensor, batch_first: bool, what:
         raise ValueError(f"{what}: indices must be [batch={batch}, reserved_length], got shape {tuple(indices.shape)}")
 
 
-def _index(hidden: torch.Tensor, indices: torch.Tensor, batch_first: bool) -> torch.Tensor:
-    """indices [batch, reserved] expanded to gather/scatter along the sequence dimension."""
-    idx = indices.to(device=hidden.device, dtype=torch.long)
-    if batch_first:
-        return idx.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
-    return idx.t().unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
-
-
 def token_gather(hidden: torch.Tensor, indices: torch.Tensor, batch_first: bool) -> torch.Tensor:
     """The kept tokens: out[b, j] = hidden[b, indices[b, j]] (seq-first: out[j, b] = hidden[indices[b, j], b])."""
     _check(hidden, indices, batch_first, "token_gather")
-    return torch.gather(hidden, 1 if batch_first else 0, _index(hidden, indices, batch_first))
+    return token_ops.gather(hidden, indices, batch_first)
 
 
 def token_scatter(hidden: torch.Tensor, part: torch.Tensor, indices: torch.Tensor, batch_first: bool) -> torch.Tensor:
     """A copy of `hidden` with the kept positions replaced by `part` (the layer's output on them)."""
     _check(hidden, indices, batch_first, "token_scatter")
-    return torch.scatter(hidden, 1 if batch_first else 0, _index(hidden, indices, batch_first), part.to(hidden.dtype))
+    return token_ops.scatter(hidden, part, indices, batch_first)
 
 
 class GatherTokens(torch.autograd.Function):
@@ -62,10 +56,9 @@ class GatherTokens(torch.autograd.Function):
         (indices, ) = ctx.saved_tensors
         if g_grad is None:
             return a_grad, None, None
-        dim = 1 if ctx.batch_first else 0
-        base = a_grad if a_grad is not None else g_grad.new_zeros(ctx.shape, dtype=ctx.dtype)
-        idx = _index(base, indices, ctx.batch_first)
-        return base.scatter_add(dim, idx, g_grad.to(base.dtype)), None, None
+        like = g_grad.new_empty(ctx.shape, dtype=ctx.dtype) if a_grad is None else None  # shape only
+        # the incoming gradient plus the kept tokens' gradients at their positions
+        return token_ops.scatter(a_grad, g_grad, indices, ctx.batch_first, accumulate=True, like=like), None, None
 
 
 class ScatterTokens(torch.autograd.Function):
@@ -83,10 +76,8 @@ class ScatterTokens(torch.autograd.Function):
     @staticmethod
     def backward(ctx, out_grad: torch.Tensor):
         (indices, ) = ctx.saved_tensors
-        dim = 1 if ctx.batch_first else 0
-        idx = _index(out_grad, indices, ctx.batch_first)
-        layer_grad = torch.gather(out_grad, dim, idx).to(ctx.layer_dtype)
-        all_grad = out_grad.scatter(dim, idx, 0.0)  # the kept positions were overwritten: no gradient there
+        layer_grad = token_ops.gather(out_grad, indices, ctx.batch_first).to(ctx.layer_dtype)
+        all_grad = token_ops.scatter(out_grad, None, indices, ctx.batch_first)  # kept positions were overwritten
         return all_grad, layer_grad, None, None
 
 
@@ -115,11 +106,4 @@ def bert_sample_tokens(reserved_length: int, seq_length: int, batch_size: int, l
     if attn_mask is None:
         raise ValueError("random-LTD with model_type 'encoder' needs the attention mask (model_mask_name)")
     indices = _sample(reserved_length, seq_length, batch_size, layers, torch.device(device))
-    idx = indices.to(device=attn_mask.device, dtype=torch.long)
-    masks = []
-    for layer in range(layers):
-        rows = idx[layer][:, None, :, None].expand(-1, attn_mask.shape[1], -1, attn_mask.shape[3])
-        picked = torch.gather(attn_mask.expand(batch_size, -1, -1, -1), 2, rows)
-        cols = idx[layer][:, None, None, :].expand(-1, attn_mask.shape[1], reserved_length, -1)
-        masks.append(torch.gather(picked, 3, cols))
-    return indices, masks
+    return indices, [token_ops.mask_gather(attn_mask, indices[layer]) for layer in range(layers)]
