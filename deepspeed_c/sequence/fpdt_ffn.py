@@ -1,0 +1,75 @@
+"""FPDT_FFN: the Megatron MLP (x @ w1^T + b1, tanh-GeLU, @ w2^T [+ b2]) over sequence chunks, so only one
+chunk's intermediate activation (4x hidden wide) ever exists; backward recomputes it per chunk.
+
+x is [s, b, hidden]; chunks are `chunk_size` rows of dim 0. Returns (out, b2) when add_bias is False
+(Megatron's "return the bias for a fused bias-add" convention; b2's gradient is then the caller's), else
+(out + b2, None). Weight gradients accumulate in fp32 (fp64 for fp64)."""
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+_C0, _C1 = 0.79788456, 0.044715  # sqrt(2/pi) and the cubic coefficient of the tanh approximation
+
+
+def bias_gelu(x: Tensor) -> Tensor:
+    return x * 0.5 * (1.0 + torch.tanh(_C0 * x * (1 + _C1 * x * x)))
+
+
+def bias_gelu_back(g: Tensor, x: Tensor) -> Tensor:
+    t = torch.tanh(_C0 * x * (1 + _C1 * x * x))
+    return g * (0.5 * x * (1 - t * t) * (_C0 + 3 * _C0 * _C1 * x * x) + 0.5 * (1 + t))
+
+
+def _chunks(who: str, rows: int, chunk_size: int) -> int:
+    if not isinstance(chunk_size, int) or chunk_size <= 0 or rows % chunk_size != 0:
+        raise ValueError(f"{who}: the sequence dimension ({rows} rows) is not a multiple of chunk_size="
+                         f"{chunk_size!r}")
+    return rows // chunk_size
+
+
+class FPDT_FFN(torch.autograd.Function):
+    """FPDT_FFN.apply(x, w1, b1, w2, b2, add_bias, chunk_size) -> (out, b2 or None)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,  # type: ignore[override]
+                add_bias: bool, chunk_size: int) -> Tuple[Tensor, Optional[Tensor]]:
+        n = _chunks("FPDT_FFN", x.shape[0], chunk_size)
+        out = torch.empty(x.shape[:-1] + (w2.shape[0],), dtype=x.dtype, device=x.device)
+        with torch.no_grad():
+            for i in range(n):
+                rows = slice(i * chunk_size, (i + 1) * chunk_size)
+                h = bias_gelu(torch.matmul(x[rows], w1.t()) + b1)
+                out[rows] = torch.matmul(h, w2.t()) + b2 if add_bias else torch.matmul(h, w2.t())
+        ctx.save_for_backward(x, w1, b1, w2, b2)
+        ctx.add_bias, ctx.chunk_size, ctx.n = add_bias, chunk_size, n
+        return out, (None if add_bias else b2)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor, grad_bias: Optional[Tensor]) -> tuple:  # type: ignore[override]
+        x, w1, b1, w2, b2 = ctx.saved_tensors
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        gw1 = torch.zeros(w1.shape, dtype=acc, device=w1.device)
+        gb1 = torch.zeros(b1.shape, dtype=acc, device=b1.device)
+        gw2 = torch.zeros(w2.shape, dtype=acc, device=w2.device)
+        gb2 = torch.zeros(b2.shape, dtype=acc, device=b2.device)
+        gx = torch.empty_like(x)
+        with torch.no_grad():
+            for i in range(ctx.n):
+                rows = slice(i * ctx.chunk_size, (i + 1) * ctx.chunk_size)
+                xc, go = x[rows], grad_out[rows]
+                pre = torch.matmul(xc, w1.t()) + b1  # recomputed: the forward kept no intermediate
+                go2 = go.reshape(-1, go.shape[-1]).to(acc)
+                gw2.add_(torch.matmul(go2.t(), bias_gelu(pre).reshape(-1, pre.shape[-1]).to(acc)))
+                if ctx.add_bias:
+                    gb2.add_(go2.sum(0))
+                g_pre = bias_gelu_back(torch.matmul(go, w2), pre)
+                g_pre2 = g_pre.reshape(-1, g_pre.shape[-1]).to(acc)
+                gw1.add_(torch.matmul(g_pre2.t(), xc.reshape(-1, xc.shape[-1]).to(acc)))
+                gb1.add_(g_pre2.sum(0))
+                gx[rows] = torch.matmul(g_pre, w1)
+        if grad_bias is not None and not ctx.add_bias:
+            gb2.add_(grad_bias.to(acc))
+        return gx, gw1.to(w1.dtype), gb1.to(b1.dtype), gw2.to(w2.dtype), gb2.to(b2.dtype), None, None
