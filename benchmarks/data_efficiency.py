@@ -1,153 +1,240 @@
-"""Data efficiency benchmarks: random-LTD's token gather/scatter against a plain copy of the same bytes,
-and the training step of a GPT whose middle layers run random-LTD against the dense GPT.
+"""Data efficiency benchmarks, each correctness first, then timings side by side (interleaved reps), ratios printed.
 
-1. gather / scatter: hidden states [batch, seq, hidden] (2^26 elements by default), half the tokens kept;
-   the gather reads and writes the kept half, the scatter copies the whole tensor and writes the kept half
-   back. Bandwidth = bytes moved / median time, printed as a fraction of `copy_` over the same bytes.
-2. GPT step: n_layer pre-LN blocks (causal attention + 4x MLP), all but the first and last wrapped in
-   RandomLayerTokenDrop, through deepspeed_c.initialize on one device; the median step time at kept lengths
-   seq/4, seq/2 and seq against the dense model, as the ratio random-LTD / dense (below 1: time saved).
+1. kernels (GPU): random-LTD's token gather / scatter (csrc/cuda/random_ltd.cu) on hidden states
+   [batch, seq, hidden] of 2^26 elements with half the tokens kept, bit for bit against the C reference
+   (csrc/cpu/random_ltd.c, on the host copy) and torch.gather/scatter; then the time of ours, torch's and
+   `copy_` over the same bytes. Bandwidth fraction = copy time / our time: gather moves the kept half
+   (read + write, as copying the half does), the one-pass scatter reads and writes the whole tensor (as
+   copying the whole does).
+2. train (GPU): a GPT of n_layer pre-LN blocks (causal SDPA + 4x MLP, bf16), all but the first and last
+   wrapped in RandomLayerTokenDrop, against the dense GPT from the same weights, on the same batches of a
+   learnable synthetic sequence task; random-LTD's kept length ramps from seq/4 to seq over the run. Steps
+   alternate between the two; printed: wall time of the steps after warm-up (ratio random-LTD / dense, below
+   1 is time saved), the mean training loss of the last steps and a held-out eval loss (dense forward) each.
+3. merge (CPU): the DataAnalyzer reduce of a 1M-sample corpus mapped by 2 workers, C merge over the
+   memory-mapped map files against the one-process Python sort (see bench_merge).
 
-    python benchmarks/data_efficiency.py [--layers 24] [--seq 2048] [--d 1024] [--reps 5]
-    python benchmarks/data_efficiency.py --tiny       # a CPU smoke run"""
+    python benchmarks/data_efficiency.py kernels [--tiny]
+    python benchmarks/data_efficiency.py train --layers 24 --seq 2048 --d 512 --steps 40
+    python benchmarks/data_efficiency.py merge --samples 1000000"""
 from __future__ import annotations
 
 import argparse
 import copy
+import math
 import os
 import statistics
 import sys
 import time
-from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script from the checkout
 
 import deepspeed_c  # noqa: E402
-from deepspeed_c.ops.random_ltd import gpt_sample_tokens, token_gather, token_scatter  # noqa: E402
+from deepspeed_c.ops.random_ltd import gpt_sample_tokens, token_ops  # noqa: E402
 from deepspeed_c.runtime.data_pipeline.data_routing.helper import convert_to_random_ltd  # noqa: E402
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median(fn: Callable[[], object], device: torch.device, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        _sync(device)
-        t = time.perf_counter()
+# ---- 1. kernels ------------------------------------------------------------------------------------------
+def _event_ms(fn, inner: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(inner):
         fn()
-        _sync(device)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / inner
 
 
-def bench_gather_scatter(batch: int, seq: int, hidden: int, device: torch.device, reps: int) -> None:
+def _check_small_cases(device: torch.device) -> None:
+    """Every layout and dtype (and add, zero, mask slicing) against the C reference on a small shape."""
+    cpu = token_ops._op("cpu")
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        for bf in (True, False):
+            B, S, H, K = 3, 37, 24 if dtype != torch.float16 else 7, 19
+            x = torch.randn((B, S, H) if bf else (S, B, H), dtype=torch.float64).to(dtype)
+            idx = torch.stack([torch.randperm(S)[:K] for _ in range(B)]).to(torch.int32)
+            part = torch.randn((B, K, H) if bf else (K, B, H), dtype=torch.float64).to(dtype)
+            xd, idd, pd = x.to(device), idx.to(device), part.to(device)
+            got = [token_ops.gather(xd, idd, bf), token_ops.scatter(xd, pd, idd, bf),
+                   token_ops.scatter(xd, pd, idd, bf, accumulate=True), token_ops.scatter(xd, None, idd, bf)]
+            assert cpu is not None
+            want = [token_ops.gather(x, idx, bf), token_ops.scatter(x, part, idx, bf),
+                    token_ops.scatter(x, part, idx, bf, accumulate=True), token_ops.scatter(x, None, idx, bf)]
+            for name, g, w in zip(("gather", "scatter", "scatter-add", "scatter-zero"), got, want):
+                if not torch.equal(g.cpu(), w):
+                    raise AssertionError(f"{name} {dtype} batch_first={bf}: CUDA kernel != C reference")
+    mask = torch.rand(1, 2, 37, 37) > 0.5
+    idx = torch.stack([torch.randperm(37)[:19] for _ in range(3)]).to(torch.int32)
+    if not torch.equal(token_ops.mask_gather(mask.to(device), idx.to(device)).cpu(), token_ops.mask_gather(mask, idx)):
+        raise AssertionError("mask_gather: CUDA kernel != C reference")
+
+
+def bench_kernels(batch: int, seq: int, hidden: int, reps: int, inner: int) -> None:
+    device = torch.device("cuda")
+    _check_small_cases(device)
     x = torch.randn(batch, seq, hidden, device=device)
     keep = seq // 2
     idx = gpt_sample_tokens(keep, seq, batch, device=device)[0][0]
-    part = token_gather(x, idx, True)
+    pos = idx.long().unsqueeze(-1).expand(-1, -1, hidden)
+    ours_g = token_ops.gather(x, idx, True)
+    part = torch.randn_like(ours_g)
+    ours_s = token_ops.scatter(x, part, idx, True)
+    torch_g, torch_s = torch.gather(x, 1, pos), x.scatter(1, pos, part)
+    xc, idc = x.cpu(), idx.cpu()
+    ref_g, ref_s = token_ops.gather(xc, idc, True), token_ops.scatter(xc, part.cpu(), idc, True)
+    ok = {"gather": torch.equal(ours_g.cpu(), ref_g) and torch.equal(ours_g, torch_g),
+          "scatter": torch.equal(ours_s.cpu(), ref_s) and torch.equal(ours_s, torch_s)}
+    print(f"# random-LTD token kernels, hidden [{batch}, {seq}, {hidden}] fp32 = {x.numel()} elements, keep {keep}")
+    print(f"correctness (bit-equal to the C reference and torch; all dtypes/layouts/add/zero/mask on a small case): "
+          f"gather {'OK' if ok['gather'] else 'MISMATCH'}, scatter {'OK' if ok['scatter'] else 'MISMATCH'}")
+    del ours_g, ours_s, torch_g, torch_s, xc, ref_g, ref_s
     half, whole = torch.empty_like(part), torch.empty_like(x)
-    t_copy_half = _median(lambda: half.copy_(part), device, reps)
-    t_copy_whole = _median(lambda: whole.copy_(x), device, reps)
-    t_gather = _median(lambda: token_gather(x, idx, True), device, reps)
-    t_scatter = _median(lambda: token_scatter(x, part, idx, True), device, reps)
-    print(f"tokens [{batch}, {seq}, {hidden}] = {x.numel()} elements, keep {keep}/{seq}")
-    print(f"gather : {t_gather * 1e3:8.3f} ms, {t_copy_half / t_gather:6.1%} of copy bandwidth (same bytes)")
-    print(f"scatter: {t_scatter * 1e3:8.3f} ms, {(t_copy_whole + t_copy_half) / t_scatter:6.1%} of copy bandwidth "
-          "(clone + kept half)")
+    fns = {"copy half": lambda: half.copy_(part), "ours gather": lambda: token_ops.gather(x, idx, True),
+           "torch gather": lambda: torch.gather(x, 1, pos), "copy whole": lambda: whole.copy_(x),
+           "ours scatter": lambda: token_ops.scatter(x, part, idx, True),
+           "torch scatter": lambda: x.scatter(1, pos, part)}
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(reps):  # interleaved: each rep times every op once
+        for k, fn in fns.items():
+            times[k].append(_event_ms(fn, inner))
+    t = {k: statistics.median(v) for k, v in times.items()}
+    gb = x.numel() * x.element_size() / 1e9
+    print(f"{'op':8s} {'ours ms':>8s} {'torch ms':>9s} {'copy ms':>8s} {'ours %copy':>10s} {'torch %copy':>11s} "
+          f"{'ours GB/s':>9s}")
+    for op, copy_key, moved in (("gather", "copy half", gb), ("scatter", "copy whole", 2 * gb)):
+        o, tt, c = t[f"ours {op}"], t[f"torch {op}"], t[copy_key]
+        print(f"{op:8s} {o:8.3f} {tt:9.3f} {c:8.3f} {c / o:10.1%} {c / tt:11.1%} {moved / o * 1e3:9.0f}")
 
 
+# ---- 2. train --------------------------------------------------------------------------------------------
 class Block(torch.nn.Module):
 
     def __init__(self, d: int, heads: int) -> None:
         super().__init__()
+        self.heads = heads
         self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
-        self.attn = torch.nn.MultiheadAttention(d, heads, batch_first=True)
+        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
         self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.ln1(x)
-        a, _ = self.attn(h, h, h, is_causal=True, attn_mask=torch.nn.Transformer.generate_square_subsequent_mask(
-            x.shape[1], device=x.device), need_weights=False)
-        x = x + a
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        # random-LTD keeps tokens in order, so causal attention over the kept ones is their causal attention
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
+        x = x + self.proj(a)
         return x + self.mlp(self.ln2(x))
 
 
 class GPT(torch.nn.Module):
 
-    def __init__(self, layers: int, d: int, vocab: int = 1024) -> None:
+    def __init__(self, layers: int, d: int, seq: int, vocab: int) -> None:
         super().__init__()
-        self.embed = torch.nn.Embedding(vocab, d)
+        self.embed, self.pos = torch.nn.Embedding(vocab, d), torch.nn.Embedding(seq, d)
         self.blocks = torch.nn.ModuleList(Block(d, max(1, d // 64)) for _ in range(layers))
-        self.head = torch.nn.Linear(d, vocab)
+        self.ln, self.head = torch.nn.LayerNorm(d), torch.nn.Linear(d, vocab)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
+        x = self.embed(tokens) + self.pos.weight[:tokens.shape[1]]
         for b in self.blocks:
             x = b(x)
-        return torch.nn.functional.cross_entropy(self.head(x[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        logits = self.head(self.ln(x[:, :-1])).float()
+        return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
 
 
-def _engine(model: torch.nn.Module, layers: int, seq: int, micro: int, ltd: bool):
+def _batch(micro: int, seq: int, vocab: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """Arithmetic sequences mod vocab (a start and a stride per sample) with 10% of tokens replaced by noise:
+    the stride is inferred from the context, so the loss falls well below log(vocab)."""
+    start = torch.randint(0, vocab, (micro, 1), generator=gen)
+    stride = torch.randint(1, 16, (micro, 1), generator=gen)
+    tokens = (start + stride * torch.arange(seq)) % vocab
+    noise = torch.rand(micro, seq, generator=gen) < 0.1
+    tokens = torch.where(noise, torch.randint(0, vocab, (micro, seq), generator=gen), tokens)
+    return tokens.to(device)
+
+
+def _engine(model: torch.nn.Module, layers: int, seq: int, micro: int, steps: int, ltd: bool):
     cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": 1.0, "steps_per_print": 10**9,
-           "optimizer": {"type": "Adam", "params": {"lr": 1e-4}}}
+           "bf16": {"enabled": True}, "optimizer": {"type": "Adam", "params": {"lr": 3e-4}}}
     if ltd:
         cfg["data_efficiency"] = {"enabled": True, "data_routing": {"enabled": True, "random_ltd": {
             "enabled": True, "total_layer_num": layers, "random_ltd_layer_num": layers - 2,
             "random_ltd_layer_id": list(range(1, layers - 1)), "model_mask_name": None, "model_type": "decoder",
             "hidden_state_order": "batch_seq_dim",
             "random_ltd_schedule": {"min_value": seq // 4, "max_value": seq, "schedule_type": "fixed_linear",
-                                    "schedule_config": {"require_steps": 10**9, "seq_per_step": 8}}}}}
+                                    "schedule_config": {"require_steps": steps, "seq_per_step": 16}}}}}
     engine, *_ = deepspeed_c.initialize(model=model, config=cfg)
     if ltd:
         engine = convert_to_random_ltd(engine, Block)
     return engine
 
 
-def bench_gpt(layers: int, seq: int, d: int, micro: int, device: torch.device, reps: int) -> None:
+def bench_train(layers: int, seq: int, d: int, micro: int, steps: int, warmup: int, vocab: int = 1024) -> None:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
-    base = GPT(layers, d)
-    tokens = torch.randint(0, 1024, (micro, seq), device=device)
-    dense = _engine(copy.deepcopy(base), layers, seq, micro, ltd=False)
-    ltd = _engine(copy.deepcopy(base), layers, seq, micro, ltd=True)
-
-    def step(engine) -> None:
-        loss = engine(tokens)
-        engine.backward(loss)
-        engine.step()
-
-    t_dense = _median(lambda: step(dense), device, reps)
-    print(f"GPT {layers} layers, d {d}, seq {seq}, micro-batch {micro}: dense step {t_dense * 1e3:.1f} ms")
-    for keep in (seq // 4, seq // 2, seq):
-        ltd.random_ltd_scheduler.set_current_seq(keep)
-        t = _median(lambda: step(ltd), device, reps)
-        print(f"  random-LTD keeping {keep:5d}/{seq} tokens in {layers - 2} layers: {t * 1e3:.1f} ms, "
-              f"ratio random-LTD / dense {t / t_dense:.3f}")
-    dense.destroy()
-    ltd.destroy()
+    base = GPT(layers, d, seq, vocab)
+    engines = {"dense": _engine(copy.deepcopy(base), layers, seq, micro, steps, False),
+               "random-LTD": _engine(copy.deepcopy(base), layers, seq, micro, steps, True)}
+    gen = torch.Generator().manual_seed(1)
+    batches = [_batch(micro, seq, vocab, gen, device) for _ in range(steps)]
+    held_out = [_batch(micro, seq, vocab, gen, device) for _ in range(4)]
+    wall = {k: 0.0 for k in engines}
+    losses: dict[str, list[float]] = {k: [] for k in engines}
+    for i, tokens in enumerate(batches):
+        for name, engine in engines.items():  # interleaved: both systems see step i before either sees i + 1
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            loss = engine(tokens)
+            engine.backward(loss)
+            engine.step()
+            losses[name].append(loss.item())  # syncs
+            if i >= warmup:
+                wall[name] += time.perf_counter() - t
+    evals = {}
+    for name, engine in engines.items():
+        engine.eval()
+        with torch.no_grad():
+            evals[name] = statistics.mean(engine(t).item() for t in held_out)
+    last = max(1, steps // 8)
+    print(f"# GPT {layers} layers, d {d}, seq {seq}, micro-batch {micro}, bf16, {steps} steps (timed after {warmup}); "
+          f"random-LTD on {layers - 2} layers, kept length {seq // 4} -> {seq}")
+    print(f"{'system':11s} {'wall s':>8s} {'ms/step':>8s} {'train loss (last ' + str(last) + ')':>22s} {'eval loss':>10s}")
+    for name in engines:
+        print(f"{name:11s} {wall[name]:8.2f} {wall[name] / (steps - warmup) * 1e3:8.1f} "
+              f"{statistics.mean(losses[name][-last:]):22.4f} {evals[name]:10.4f}")
+    print(f"wall-time ratio random-LTD / dense: {wall['random-LTD'] / wall['dense']:.3f}; eval loss difference "
+          f"{(evals['random-LTD'] - evals['dense']) / evals['dense']:+.2%} (log(vocab) = {math.log(vocab):.2f})")
+    for e in engines.values():
+        e.destroy()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=("kernels", "train", "merge"))
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--d", type=int, default=1024)
+    ap.add_argument("--d", type=int, default=512)
     ap.add_argument("--micro", type=int, default=4)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--samples", type=int, default=1_000_000)
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if args.tiny:
-        args.layers, args.seq, args.d, args.micro, args.reps = 4, 64, 64, 2, 3
-        bench_gather_scatter(4, 256, 64, device, args.reps)
+    if args.what == "kernels":
+        if args.tiny:
+            bench_kernels(4, 256, 64, 3, 2)
+        else:
+            bench_kernels(32, 2048, 1024, args.reps, 10)  # 2^26 elements
+    elif args.what == "train":
+        bench_train(args.layers, args.seq, args.d, args.micro, args.steps, args.warmup)
     else:
-        bench_gather_scatter(32, 2048, 1024, device, args.reps)  # 2^26 elements
-    bench_gpt(args.layers, args.seq, args.d, args.micro, device, args.reps)
+        raise SystemExit("merge: not written yet")
 
 
 if __name__ == "__main__":
