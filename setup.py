@@ -8,9 +8,15 @@ import shutil
 import sys
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, ROOT)
+from op_builder.toolchain import sanitize_flags  # noqa: E402  (imports no torch)
+
+SANITIZE = sanitize_flags()
+SANITIZE_BUILD_LIB = os.path.join(ROOT, "build", "sanitize")
 LIMITED_API = 0x030A0000  # Python 3.10
 
 
@@ -26,9 +32,22 @@ core = Extension(
     include_dirs=["csrc/include"],
     define_macros=[("Py_LIMITED_API", hex(LIMITED_API))],
     extra_compile_args=["-std=c11", "-O2", "-Wall", "-Wextra", "-Wno-unused-parameter",
-                        "-fvisibility=hidden"],
+                        "-fvisibility=hidden", *SANITIZE],
+    extra_link_args=SANITIZE,
     py_limited_api=True,
 )
+
+
+class BuildExtSanitizeApart(build_ext):
+    """DSC_SANITIZE=1 builds `_C` into build/sanitize/deepspeed_c/ (the package's __path__ reaches it through
+    DSC_CORE_DIR), never in place: the normal in-place `_C` is not overwritten by a sanitized one."""
+
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        if SANITIZE:
+            self.inplace = False
+            self.build_lib = SANITIZE_BUILD_LIB
+            self.build_temp = os.path.join(ROOT, "build", "sanitize-tmp")
 
 
 class BuildPyWithSources(build_py):
@@ -45,7 +64,6 @@ class BuildPyWithSources(build_py):
         prebuilt = os.path.join(self.build_lib, "deepspeed_c", "_prebuilt")
         shutil.rmtree(prebuilt, ignore_errors=True)  # an earlier build's binaries must not ship
         if os.environ.get("DS_BUILD_OPS", "0") == "1":
-            sys.path.insert(0, ROOT)
             from op_builder.aot import build_all_ahead_of_time
 
             build_all_ahead_of_time(prebuilt, csrc_root=target)
@@ -56,6 +74,6 @@ setup(
     + ["deepspeed_c.ops.op_builder"],
     package_dir={"deepspeed_c.ops.op_builder": "op_builder"},
     ext_modules=[core],
-    cmdclass={"build_py": BuildPyWithSources},
+    cmdclass={"build_py": BuildPyWithSources, "build_ext": BuildExtSanitizeApart},
     options={"bdist_wheel": {"py_limited_api": "cp310"}},
 )

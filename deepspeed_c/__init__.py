@@ -4,7 +4,16 @@
 built, no subprocess starts, CUDA and torch.distributed are not initialised; public names resolve
 on first use.
 """
+import os as _os
+
 from deepspeed_c._lazy import lazy_exports
+from deepspeed_c._torch_range import check_torch_version as _check_torch_version
+
+_check_torch_version()  # a torch outside the supported range: one ImportError naming it (not a crash in C)
+if _os.environ.get("DSC_CORE_DIR"):
+    # a separately built core module (scripts/sanitize_tests.sh: the DSC_SANITIZE=1 `_C` in build/sanitize)
+    # is found before the in-place one; every other submodule still comes from this folder
+    __path__.insert(0, _os.environ["DSC_CORE_DIR"])
 from deepspeed_c.version import (__git_branch__, __git_hash__, __version__, __version_major__, __version_minor__,
                                  __version_patch__)
 

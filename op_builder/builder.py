@@ -89,8 +89,10 @@ class OpBuilder:
 
     def cxx_args(self) -> list[str]:
         """Flags for the C compiler (DeepSpeed's name; our sources are C11)."""
+        # the sanitizer flags (DSC_SANITIZE=1) enter the build key through these: a sanitized op has its own
+        # cache folder and never replaces the plain build
         return ["-O3", "-std=c11", "-fPIC", "-Wall", "-Wextra", "-Wno-unused-parameter",
-                "-fno-math-errno", "-fvisibility=hidden", "-DNDEBUG"]
+                "-fno-math-errno", "-fvisibility=hidden", "-DNDEBUG", *toolchain.sanitize_flags()]
 
     def nvcc_args(self) -> list[str]:
         return []
@@ -265,7 +267,7 @@ class OpBuilder:
 
     def link_command(self, objects: list[Path], target: Path) -> list[str]:
         return [toolchain.c_compiler(), "-shared", *map(str, objects), "-o", str(target),
-                *self.extra_ldflags()]
+                *self.extra_ldflags(), *toolchain.sanitize_flags()]
 
 
 class CPUOpBuilder(OpBuilder):

@@ -18,6 +18,20 @@ ISA_NEEDS = {
 }
 
 
+# DSC_SANITIZE=1 (scripts/sanitize_tests.sh): the core module and the C-compiled parts of every op are built
+# with AddressSanitizer and UndefinedBehaviorSanitizer; any report aborts (no recovery from UB). The process
+# needs libasan first in its link map: LD_PRELOAD=$(gcc -print-file-name=libasan.so).
+SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", "-g"]
+
+
+def sanitize_flags() -> list[str]:
+    """The sanitizer compile and link flags when DSC_SANITIZE=1, else none."""
+    value = os.environ.get("DSC_SANITIZE", "0")
+    if value not in ("0", "1", ""):
+        raise ValueError(f"DSC_SANITIZE must be 0 or 1, got {value!r}")
+    return list(SANITIZE_FLAGS) if value == "1" else []
+
+
 @lru_cache(maxsize=None)
 def c_compiler() -> str | None:
     for cand in (os.environ.get("CC"), "cc", "gcc", "clang"):

@@ -11,7 +11,13 @@ FLAGS = _C.dtype_flags()
 ANY = 0xFFFFFFFF
 DEV_ANY, DEV_CPU, DEV_CUDA = 0, 1, 2
 CONTIGUOUS, ALLOW_NONE, ALIGNED16 = 1, 2, 4
-ROUTES = {"auto": 0, "exchange": 1, "versioned": 2, "legacy": 3}
+# torch >= 2.10 publishes the DLPack C exchange API and torch >= 2.9 takes __dlpack__(max_version=); an
+# older torch (scripts/old_torch_tests.sh) has only the legacy __dlpack__(), which the auto route falls back
+# to, and a route forced past what it has must fail with a clear error (test_routes_this_torch_lacks_refuse)
+TORCH_MINOR = tuple(int(x) for x in torch.__version__.split(".")[:2])
+HAS_EXCHANGE, HAS_VERSIONED = TORCH_MINOR >= (2, 10), TORCH_MINOR >= (2, 9)
+ROUTES = {"auto": 0, **({"exchange": 1} if HAS_EXCHANGE else {}), **({"versioned": 2} if HAS_VERSIONED else {}),
+          "legacy": 3}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64,
           torch.uint8, torch.int8, torch.bool, torch.int16]
 
@@ -37,7 +43,16 @@ def test_every_route_reports_torch_metadata(route, dtype):
 
 def test_exchange_api_is_present_on_this_torch():
     version = _C.exchange_api_version()
-    assert version is not None and version[0] == 1
+    assert (version is not None and version[0] == 1) if HAS_EXCHANGE else version is None
+
+
+@pytest.mark.skipif(HAS_EXCHANGE, reason="this torch has every route (the older-torch CI leg runs this)")
+def test_routes_this_torch_lacks_refuse():
+    with pytest.raises(RuntimeError, match=r"no DLPack C exchange API \(needs torch >= 2.10\)"):
+        _C.view_info(torch.randn(3), 1)
+    if not HAS_VERSIONED:
+        with pytest.raises(TypeError, match="max_version"):
+            _C.view_info(torch.randn(3), 2)
 
 
 def test_parameter_accepted_without_copy_on_every_route():

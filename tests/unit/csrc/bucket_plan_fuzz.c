@@ -3,8 +3,9 @@
 #include "dsc/bucket_plan.h"
 #include <stdio.h>
 #include <stdlib.h>
-int main(void) {
-    srand(1);
+#include <time.h>
+static int pass(unsigned seed) {
+    srand(seed);
     for (int it = 0; it < 2000; it++) {
         int64_t n = rand() % 50;
         int64_t *numels = malloc((size_t)(n ? n : 1) * sizeof(int64_t)), *keys = malloc((size_t)(n ? n : 1) * sizeof(int64_t)), *order = malloc((size_t)(n ? n : 1) * sizeof(int64_t));
@@ -29,6 +30,20 @@ int main(void) {
     dsc_bucket_plan *p; const char *why;
     int64_t bad[2] = {0, 0}, num[2] = {1, 2};
     if (dsc_bucket_plan_create(2, num, NULL, bad, 10, 0, 1, &p, &why) != DSC_BP_EINVAL) return 6;
+    return 0;
+}
+
+/* No argument: one pass with the fixed seed (the unit test). SECONDS: passes with seeds 1, 2, ...
+ * until that much time has gone (scripts/sanitize_tests.sh's bounded fuzzing). */
+int main(int argc, char **argv) {
+    double budget = argc > 1 ? atof(argv[1]) : 0;
+    time_t start = time(NULL);
+    unsigned seed = 1;
+    do {
+        int rc = pass(seed);
+        if (rc) { printf("seed %u failed: %d\n", seed, rc); return rc; }
+        seed++;
+    } while (difftime(time(NULL), start) < budget);
     puts("ok");
     return 0;
 }

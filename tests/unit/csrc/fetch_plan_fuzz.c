@@ -4,13 +4,14 @@
 #include "dsc/fetch_plan.h"
 #include <stdio.h>
 #include <stdlib.h>
+#include <time.h>
 
 static long fail_at = -1, n_alloc = 0;
 void *dsc_test_malloc(size_t n) { return ++n_alloc == fail_at ? NULL : malloc(n); }
 void *dsc_test_calloc(size_t n, size_t size) { return ++n_alloc == fail_at ? NULL : calloc(n, size); }
 
-int main(void) {
-    srand(7);
+static int pass(unsigned seed) {
+    srand(seed);
     static const int64_t sizes[] = {0, 1, 5, 10, 50, 100, 1000};
     static const int64_t limits[] = {0, 1, 10, 100, 500, 1000000};
     for (int it = 0; it < 3000; it++) {
@@ -77,6 +78,20 @@ int main(void) {
     }
     if (!saw_ok) return 11;
     fail_at = -1;
+    return 0;
+}
+
+/* No argument: one pass with the fixed seed (the unit test). SECONDS: passes with seeds 7, 8, ...
+ * until that much time has gone (scripts/sanitize_tests.sh's bounded fuzzing). */
+int main(int argc, char **argv) {
+    double budget = argc > 1 ? atof(argv[1]) : 0;
+    time_t start = time(NULL);
+    unsigned seed = 7;
+    do {
+        int rc = pass(seed);
+        if (rc) { printf("seed %u failed: %d\n", seed, rc); return rc; }
+        seed++;
+    } while (difftime(time(NULL), start) < budget);
     puts("ok");
     return 0;
 }
