@@ -7,6 +7,7 @@ import torch
 
 from op_builder import ALL_OPS, toolchain
 from op_builder.builder import csrc_root
+from op_builder.evoformer_attn import EvoformerAttnBuilder
 from op_builder.fused_adam import FusedAdamBuilder
 from op_builder.fused_lamb import FusedLambBuilder
 from op_builder.fused_lion import FusedLionBuilder
@@ -18,7 +19,8 @@ from op_builder.random_ltd import RandomLTDCUDABuilder
 from op_builder.transformer_inference import InferenceBuilder
 
 CUDA_BUILDERS = [MultiTensorOpsBuilder, FusedAdamBuilder, FusedLambBuilder, FusedLionBuilder, MoEGatingCUDABuilder,
-                 InferenceBuilder, OnebitCUDABuilder, QuantizerCUDABuilder, RandomLTDCUDABuilder]
+                 InferenceBuilder, OnebitCUDABuilder, QuantizerCUDABuilder, RandomLTDCUDABuilder,
+                 EvoformerAttnBuilder]
 EXPECTED = {
     "multi_tensor_ops": {"l2norm", "scale", "copy", "flatten", "unflatten", "adam_epilogue",
                          "tensors_per_launch", "chunk_elems"},
@@ -29,6 +31,7 @@ EXPECTED = {
     "onebit_cuda": {"compensate", "pack", "unpack"},
     "quantizer_cuda": {"quantize", "dequantize", "dequantize_sum"},
     "random_ltd_cuda": {"gather", "scatter", "mask_gather"},
+    "evoformer_attn": {"forward", "backward"},
     "transformer_inference": {"add_norm", "qkv_rotary_cache", "attention", "masked_softmax", "bias_gelu",
                               "silu_mul"},
 }

@@ -1,0 +1,11 @@
+from .multi_tensor import MT_COMMON, MultiTensorCUDABuilder
+
+
+class EvoformerAttnBuilder(MultiTensorCUDABuilder):
+    """DS4Sci Evoformer attention (DeepSpeed's `evoformer_attn` op): flash-style forward and
+    backward with a mask bias and a pair bias, online softmax in float32, bias gradients."""
+
+    NAME = "evoformer_attn"
+
+    def sources(self) -> list[str]:
+        return [*MT_COMMON, "cuda/evoformer_fwd.cu", "cuda/evoformer_bwd.cu", "py/evoformer_binding.c"]
