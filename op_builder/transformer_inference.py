@@ -12,4 +12,4 @@ class InferenceBuilder(MultiTensorCUDABuilder):
     def sources(self) -> list[str]:
         return ["cuda/inference_norm.cu", "cuda/inference_rotary.cu", "cuda/inference_attention.cu",
                 "cuda/inference_softmax.cu",
-                "cuda/inference_activation.cu", "py/inference_binding.c"]
+                "cuda/inference_activation.cu", "cuda/inference_quant.cu", "py/inference_binding.c"]

@@ -8,7 +8,9 @@
  *   attention(q, k_cache, v_cache, past, key_mask|None, scale, out, workspace|None, splits)
  *   masked_softmax(scores, t, rows_per_batch, past, key_mask|None, scale)
  *   bias_gelu(h, bias|None, approximate)
- *   silu_mul(gu, bias|None, out)                                                              */
+ *   silu_mul(gu, bias|None, out)
+ *   quant_gemv(x, q, scales, out, bits, group)      weight-only int8/int4 GEMV (decode)
+ *   dequantize(q, scales, out, bits, group)         the weights in the activation dtype (prefill) */
 #include "dsc/tensor_view.h" /* Python.h first */
 #include <cuda_runtime_api.h> /* C-compatible: cudaGetErrorString */
 #include "dsc/inference_cuda.h"
@@ -307,6 +309,67 @@ static PyObject *py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t n
     return finish(rc, "silu_mul");
 }
 
+/* q: int8 [N, K] or uint8 [N, K / 2]; scales float32 [N, K / group]. */
+static int quant_args(PyObject *const *args, int64_t bits, int64_t group, int64_t N, int64_t K, const dsc_view *ref,
+                      dsc_view *q, dsc_view *scales) {
+    if (bits != 8 && bits != 4) {
+        PyErr_Format(PyExc_ValueError, "argument 'bits' must be 8 or 4, got %lld", (long long)bits);
+        return -1;
+    }
+    if (group < 1 || K % group) {
+        PyErr_Format(PyExc_ValueError, "argument 'group' (%lld) must divide the input width %lld", (long long)group,
+                     (long long)K);
+        return -1;
+    }
+    const int64_t qshape[2] = {N, bits == 8 ? K : K / 2}, sshape[2] = {N, K / group};
+    if (arg(args[0], "q", bits == 8 ? DSC_I8 : DSC_U8, 0, ref, "x", 0, q) < 0 || want_dims(q, "q", 2, qshape) < 0 ||
+        arg(args[1], "scales", DSC_F32, 0, ref, "x", 0, scales) < 0 || want_dims(scales, "scales", 2, sshape) < 0)
+        return -1;
+    return 0;
+}
+
+static PyObject *py_quant_gemv(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (dsc_check_nargs("quant_gemv", nargs, 6) < 0) return NULL;
+    dsc_view x, q, scales, out;
+    if (arg(args[0], "x", ACT, 0, NULL, NULL, 0, &x) < 0) return NULL;
+    if (x.ndim != 2) return PyErr_Format(PyExc_ValueError, "argument 'x' must be 2-D [M, K]");
+    const int64_t M = x.shape[0], K = x.shape[1];
+    const long long bits = PyLong_AsLongLong(args[4]), group = PyLong_AsLongLong(args[5]);
+    if (PyErr_Occurred()) return NULL;
+    if (arg(args[3], "out", ACT, 0, &x, "x", 1, &out) < 0 || out.ndim != 2 || out.shape[0] != M)
+        return PyErr_Occurred() ? NULL : PyErr_Format(PyExc_ValueError, "argument 'out' must be [M, N]");
+    const int64_t N = out.shape[1];
+    if (quant_args(args + 1, bits, group, N, K, &x, &q, &scales) < 0) return NULL;
+    cudaStream_t stream;
+    if (stream_of(x.device_id, &stream) < 0) return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = dsc_inf_quant_gemv(x.data, q.data, (const float *)scales.data, out.data, M, N, K, (int)bits, group,
+                            cuda_dtype(x.dtype), x.device_id, stream);
+    Py_END_ALLOW_THREADS
+    return finish(rc, "quant_gemv");
+}
+
+static PyObject *py_dequantize(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (dsc_check_nargs("dequantize", nargs, 5) < 0) return NULL;
+    dsc_view q, scales, out;
+    if (arg(args[2], "out", ACT, 0, NULL, NULL, 0, &out) < 0) return NULL;
+    if (out.ndim != 2) return PyErr_Format(PyExc_ValueError, "argument 'out' must be 2-D [N, K]");
+    const long long bits = PyLong_AsLongLong(args[3]), group = PyLong_AsLongLong(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    if (quant_args(args, bits, group, out.shape[0], out.shape[1], &out, &q, &scales) < 0) return NULL;
+    cudaStream_t stream;
+    if (stream_of(out.device_id, &stream) < 0) return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = dsc_inf_dequantize(q.data, (const float *)scales.data, out.data, out.shape[0], out.shape[1], (int)bits, group,
+                            cuda_dtype(out.dtype), out.device_id, stream);
+    Py_END_ALLOW_THREADS
+    return finish(rc, "dequantize");
+}
+
 #define METHOD(name, fn, doc) {name, (PyCFunction)(void (*)(void))fn, METH_FASTCALL, doc}
 
 static PyMethodDef methods[] = {
@@ -320,6 +383,8 @@ static PyMethodDef methods[] = {
            "masked_softmax(scores, t, rows_per_batch, past, key_mask, scale): prefill attention's softmax, in place."),
     METHOD("bias_gelu", py_bias_gelu, "bias_gelu(h, bias, approximate): h = gelu(h + bias) in place."),
     METHOD("silu_mul", py_silu_mul, "silu_mul(gu, bias, out): out = silu(gate) * up."),
+    METHOD("quant_gemv", py_quant_gemv, "quant_gemv(x, q, scales, out, bits, group): weight-only int8/int4 GEMV."),
+    METHOD("dequantize", py_dequantize, "dequantize(q, scales, out, bits, group): int8/int4 weights to out's dtype."),
     {NULL, NULL, 0, NULL},
 };
 

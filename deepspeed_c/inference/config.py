@@ -118,7 +118,6 @@ def _unbuilt_keys(cfg: DeepSpeedInferenceConfig) -> None:
         "triton_autotune": (cfg.triton_autotune, "Triton kernel autotuning"),
         "zero": (bool(cfg.zero) and cfg.zero.get("stage", 0) != 0, "ZeRO-Inference (parameter partitioning)"),
         "ep_size": (cfg.ep_size != 1, "expert parallelism in inference"),
-        "quant": (bool(cfg.quant), "the quant section (int8 is dtype=torch.int8: per-channel weight-only)"),
     }
     for key, (asked, what) in asks.items():
         if asked:

@@ -21,6 +21,8 @@ from deepspeed_c.inference import mp_checkpoint
 from deepspeed_c.inference.checkpoint_loader import checkpoint_files, load_checkpoint_shards
 from deepspeed_c.inference.config import DeepSpeedInferenceConfig
 from deepspeed_c.inference.quantize import COMPUTE_DTYPE, quantize_weights_int8
+from deepspeed_c.module_inject import quant_linear
+from deepspeed_c.module_inject.quant_linear import QuantSpec
 
 
 class InferenceEngine(nn.Module):
@@ -40,8 +42,10 @@ class InferenceEngine(nn.Module):
         self.injected = False
         # DeepSpeed's engine.config is the model's own config (config.config, "args", when given)
         self.config = getattr(model, "config", None) if config.config is None else config.config
-        self._check_dtype(COMPUTE_DTYPE if config.dtype == torch.int8 else config.dtype)
-        if isinstance(model, nn.Module) and config.dtype in (torch.float16, torch.bfloat16, torch.float32):
+        self.compute_dtype = COMPUTE_DTYPE if config.dtype == torch.int8 else config.dtype
+        self._check_dtype(self.compute_dtype)
+        self.quant = QuantSpec.from_config(config.quant, config.dtype)
+        if config.dtype in (torch.float16, torch.bfloat16, torch.float32) and self.quant is None:
             model.to(config.dtype)  # floating tensors only: integer buffers keep their dtype
         self.mp_group = self._tp_group(config)
         self.mp_world_size = dist.get_world_size(self.mp_group) if self.mp_group is not None else 1
@@ -53,8 +57,7 @@ class InferenceEngine(nn.Module):
             self._prepare_sharded(desc)
         else:
             self._prepare(checkpoint_files(desc, config.base_dir) if desc is not None else None)
-        if config.dtype == torch.int8 and not self.injected:
-            quantize_weights_int8(self.module)  # after sharding and loading: the weights are final
+        self._quantize()
         save_to = config.save_mp_checkpoint_path or config.checkpoint_config.save_mp_checkpoint_path
         if save_to:
             mp_checkpoint.save(self.module, save_to, self.mp_group, config.dtype, self.injected)
@@ -105,19 +108,16 @@ class InferenceEngine(nn.Module):
 
     def _prepare(self, files: Optional[list[str]]) -> None:
         cfg = self._config
-        if cfg.injection_policy:
-            if cfg.replace_with_kernel_inject:
-                raise ValueError("init_inference: injection_policy and replace_with_kernel_inject=True cannot be used "
-                                 "together (the policy asks for AutoTP of the named layers)")
+        if cfg.injection_policy and not cfg.replace_with_kernel_inject:
             self._autotp(cfg.injection_policy, files)
             return
+        if cfg.injection_policy:
+            _check_kernel_policy(self.module, cfg.injection_policy)
         if cfg.replace_with_kernel_inject:
             if files is not None:  # the fused blocks take their weights from the loaded Hugging Face modules
                 load_checkpoint_shards(self.module, files, cfg.dtype)
                 files = None
-            from deepspeed_c.module_inject import kernel_inject
-
-            injected = kernel_inject.inject(self.module, cfg, self.mp_group)
+            injected = self._inject()
             if injected is not None:
                 self.module, self.injected = injected, True
                 return
@@ -133,6 +133,29 @@ class InferenceEngine(nn.Module):
             raise NotImplementedError("init_inference: enable_cuda_graph=True is built for kernel-injected models only "
                                       "(replace_with_kernel_inject=True on a supported architecture)")
 
+    def _quantize(self) -> None:
+        """After sharding and loading (the weights are final), from the weights as loaded (fp32 or wider)."""
+        spec, cfg = self.quant, self._config
+        if spec is None:
+            return
+        if self.injected:
+            quant_linear.quantize_blocks(self.module, spec, self.compute_dtype)
+        elif not cfg.quant and cfg.dtype == torch.int8:
+            quantize_weights_int8(self.module)  # dtype=torch.int8 alone: per-channel, TP-aware scales
+        elif self.mp_world_size > 1:
+            raise NotImplementedError("init_inference: the quant section with AutoTP (tensor_parallel.tp_size > 1, "
+                                      "no kernel injection) is not built; use replace_with_kernel_inject=True, or "
+                                      "dtype=torch.int8 alone")
+        else:
+            quant_linear.quantize_linears(self.module, spec, self.compute_dtype)
+
+    def _inject(self):
+        from deepspeed_c.module_inject import kernel_inject
+
+        # quantized runs keep the loaded (fp32) weights until _quantize rounds them
+        return kernel_inject.inject(self.module, self._config, self.mp_group,
+                                    None if self.quant is not None else self._config.dtype)
+
     def _prepare_sharded(self, desc: dict) -> None:
         """A save_mp_checkpoint_path folder: the model is prepared as when it was saved (on the meta device it
         stays unallocated), then each rank reads only its own files."""
@@ -140,15 +163,16 @@ class InferenceEngine(nn.Module):
         mp_checkpoint.check(desc, self.mp_world_size, cfg.replace_with_kernel_inject)
         mp_checkpoint.real_buffers(self.module)  # rotary tables (never saved; kernel injection reads them)
         if cfg.replace_with_kernel_inject:
-            from deepspeed_c.module_inject import kernel_inject
-
-            injected = kernel_inject.inject(self.module, cfg, self.mp_group)
+            injected = self._inject()
             if injected is None:
                 raise ValueError(f"init_inference: the checkpoint holds kernel-injected weights but deepspeed_c has no "
                                  f"fused kernels for {_architecture(self.module)}")
             self.module, self.injected = injected, True
         elif self.mp_world_size > 1 or cfg.injection_policy:
             self._autotp(cfg.injection_policy, None)
+        if self.quant is not None:  # the files hold quantized weights: the model takes that form first
+            self._quantize()
+            self.quant = None
         rank = dist.get_rank(self.mp_group) if self.mp_group is not None else 0
         mp_checkpoint.load(self.module, desc, rank, cfg.base_dir)
 
@@ -241,3 +265,23 @@ def _architecture(model: nn.Module) -> str:
     cfg = getattr(model, "config", None)
     kind = getattr(cfg, "model_type", None)
     return f"{type(model).__name__} (model_type={kind!r})" if kind else type(model).__name__
+
+
+def _check_kernel_policy(model: nn.Module, policy: dict) -> None:
+    """With replace_with_kernel_inject=True an injection_policy's keys name the layer classes to replace
+    (its values, DeepSpeed policy classes or layer names, say how DeepSpeed maps them; ours are built in).
+    Every key must be a layer class of the model that has kernels here."""
+    from deepspeed_c.module_inject.fused_encoder import ENCODER_TYPES
+
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    for cls in policy:
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise ValueError(f"injection_policy: key {cls!r} is not a subclass of torch.nn.Module")
+        if not any(isinstance(m, cls) for m in model.modules()):
+            raise ValueError(f"injection_policy: {type(model).__name__} has no module of class {cls.__name__}")
+        if kind not in ENCODER_TYPES and kind is not None:
+            # decoders are injected whole: a key must be one of its blocks
+            blocks = {type(m) for m in model.modules() if type(m).__name__.endswith(("Block", "DecoderLayer"))}
+            if cls not in blocks:
+                raise ValueError(f"injection_policy with replace_with_kernel_inject=True: {cls.__name__} is not a "
+                                 f"transformer block of {type(model).__name__} (kernel injection replaces whole blocks)")

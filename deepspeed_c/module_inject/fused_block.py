@@ -73,26 +73,32 @@ class FusedDecoderBlock(torch.nn.Module):
         K.add_norm(x, y, yb, self.ln1_w, self.ln1_b, s.eps, r, n)
         r = x if r is None else r
 
-        qkv = F.linear(n, self.wqkv).view(batch, t, -1)
+        qkv = self._linear(n, "wqkv").view(batch, t, -1)
         q = torch.empty(batch, t, s.n_heads, s.head_dim, dtype=x.dtype, device=x.device)
         kc, vc = ctx.cache[self.layer, 0], ctx.cache[self.layer, 1]
         K.qkv_rotary_cache(qkv, self.bqkv, ctx.cos, ctx.sin, ctx.positions, ctx.past, ctx.past_dev,
                            kc, vc, q, s.n_heads, s.n_kv, s.head_dim, s.head_dim)
         a = torch.empty_like(q)
         K.attention(q, kc, vc, ctx.past, ctx.past_dev, ctx.key_mask, self.scale, a)
-        o = self._sum_partial(F.linear(a.view(n_tok, s.n_heads * s.head_dim), self.wo))
+        o = self._sum_partial(self._linear(a.view(n_tok, s.n_heads * s.head_dim), "wo"))
 
         r2 = torch.empty_like(x)
         n2 = torch.empty_like(x)
         K.add_norm(r, o, self.bo, self.ln2_w, self.ln2_b, s.eps, r2, n2)
-        h = F.linear(n2, self.w1)
+        h = self._linear(n2, "w1")
         if s.gated_silu:
             act = torch.empty(n_tok, h.shape[1] // 2, dtype=x.dtype, device=x.device)
             K.silu_mul(h, self.b1, act)
         else:
             K.bias_gelu(h, self.b1, s.gelu_tanh)
             act = h
-        return r2, self._sum_partial(F.linear(act, self.w2)), self.b2
+        return r2, self._sum_partial(self._linear(act, "w2")), self.b2
+
+    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """x @ W^T for one of the block's GEMM weights, through its quantized form when the quant section
+        made one (module_inject.quant_linear: `q_<name>`)."""
+        q = self._modules.get("q_" + name)
+        return F.linear(x, getattr(self, name)) if q is None else q(x)
 
     def _sum_partial(self, t: torch.Tensor) -> torch.Tensor:
         """The two GEMM outputs before their bias; a tensor-parallel block holds partial sums and reduces them."""

@@ -19,13 +19,14 @@ import torch
 from deepspeed_c.module_inject import hybrid_tp
 from deepspeed_c.module_inject.fused_block import BlockSpec, FusedDecoderBlock
 from deepspeed_c.module_inject.fused_decoder import InjectedDecoder
+from deepspeed_c.module_inject.fused_encoder import ENCODER_TYPES, inject_encoder
 from deepspeed_c.module_inject.hf_compat import attention_scale, rope_tables, route_beam_reorder
 
 _GPT2_GELUS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu_fast": True, "gelu": False}
 
 
 def supported_model_types() -> tuple[str, ...]:
-    return tuple(_POLICIES)
+    return tuple(_POLICIES) + ENCODER_TYPES
 
 
 def _cfg(config: Any, name: str, default: Any) -> Any:
@@ -157,20 +158,32 @@ _POLICIES: dict[str, tuple[str, Callable[[torch.nn.Module, int, bool, _Blocks], 
 }
 
 
-def inject(model: torch.nn.Module, config: Any, group: Any = None) -> torch.nn.Module | None:
+_FROM_CONFIG = object()
+
+
+def inject(model: torch.nn.Module, config: Any, group: Any = None, dtype: Any = _FROM_CONFIG) -> torch.nn.Module | None:
     """Replace `model`'s transformer body by fused blocks; `config` is the parsed inference config
     (read duck-typed: dtype, enable_cuda_graph, max_out_tokens, tensor_parallel.tp_size); `group` the
-    tensor-parallel group when tp_size > 1.
+    tensor-parallel group when tp_size > 1; `dtype` (default: the config's) None keeps the model's dtype
+    (the weights are quantized from it afterwards).
     Returns the injected model (the same wrapper object; the new body when `model` was a bare
     body), or None when the architecture has no kernels."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
+    policy = _cfg(config, "injection_policy", None) or {}
+    if model_type in ENCODER_TYPES:  # layer by layer; an injection_policy's keys pick the layer classes
+        dtype = _dtype(_cfg(config, "dtype", None) if dtype is _FROM_CONFIG else dtype)
+        if _tp_size(config) > 1:
+            raise NotImplementedError(f"kernel injection of {model_type} with tensor_parallel.tp_size="
+                                      f"{_tp_size(config)} is not built (encoders are injected on one device; "
+                                      "AutoTP shards them without injection)")
+        return inject_encoder(model, dtype, tuple(policy) or None)
     if model_type not in _POLICIES:
         return None
     tp = _tp_size(config)
     if tp > 1 and (group is None or torch.distributed.get_world_size(group) != tp):
         raise ValueError(f"replace_with_kernel_inject=True with tensor_parallel.tp_size={tp} needs the "
                          "tensor-parallel process group of that size (init_inference makes it)")
-    dtype = _dtype(_cfg(config, "dtype", None))
+    dtype = _dtype(_cfg(config, "dtype", None) if dtype is _FROM_CONFIG else dtype)
     max_out = int(_cfg(config, "max_out_tokens", 1024))
     if max_out < 1:
         raise ValueError(f"max_out_tokens must be positive, got {max_out}")

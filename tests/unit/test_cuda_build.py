@@ -33,7 +33,7 @@ EXPECTED = {
     "random_ltd_cuda": {"gather", "scatter", "mask_gather"},
     "evoformer_attn": {"forward", "backward"},
     "transformer_inference": {"add_norm", "qkv_rotary_cache", "attention", "masked_softmax", "bias_gelu",
-                              "silu_mul"},
+                              "silu_mul", "quant_gemv", "dequantize"},
 }
 no_nvcc = pytest.mark.skipif(toolchain.nvcc() is None or not toolchain.cudart_static_available(),
                              reason="nvcc and libcudart_static are needed to compile the CUDA ops")

@@ -35,7 +35,6 @@ def test_aliases_and_legacy_keys(tmp_path):
     ({"dtype": "fp64"}, {}, "dtype='fp64'", ValueError),
     ({"mp_size": 2, "tensor_parallel": {"tp_size": 4}}, {}, "mp_size=2", ValueError),
     ({"use_triton": True}, {}, "'use_triton'", NotImplementedError),
-    ({"quant": {"enabled": True}}, {}, "'quant'", NotImplementedError),
 ])
 def test_bad_config_names_the_key(config, kwargs, needle, exc):
     with pytest.raises(exc, match=None) as info:
@@ -63,9 +62,14 @@ def test_injection_policy_errors():
 
     with pytest.raises(ValueError, match="'attn.o_proj'"):
         deepspeed_c.init_inference(im.make("gpt2"), dtype="fp32", injection_policy={GPT2Block: ("attn.o_proj",)})
-    with pytest.raises(ValueError, match="cannot be used together"):
-        deepspeed_c.init_inference(im.make("gpt2"), dtype="fp32", replace_with_kernel_inject=True,
-                                   injection_policy={GPT2Block: ("attn.c_proj",)})
+    from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
+
+    with pytest.raises(ValueError, match="GPT2MLP is not a transformer block"):  # kernel injection replaces blocks
+        deepspeed_c.init_inference(im.make("gpt2"), dtype="fp32", replace_with_kernel_inject=True, max_out_tokens=32,
+                                   injection_policy={GPT2MLP: ("c_proj",)})
+    engine = deepspeed_c.init_inference(im.make("gpt2"), dtype="fp32", replace_with_kernel_inject=True,
+                                        max_out_tokens=32, injection_policy={GPT2Block: ("attn.c_proj",)})
+    assert engine.injected
 
 
 def test_checkpoint_descriptions(tmp_path):
@@ -115,11 +119,12 @@ def test_meta_model_without_checkpoint_raises():
         deepspeed_c.init_inference(model, dtype="fp32")
 
 
-def test_kernel_inject_with_int8_falls_back_with_warning():
-    with pytest.warns(UserWarning, match="dtype=torch.int8"):
-        engine = deepspeed_c.init_inference(im.make("gpt2"), dtype=torch.int8, replace_with_kernel_inject=True)
-    assert not engine.injected
-    assert any(p.dtype == torch.int8 for p in engine.module.parameters())
+def test_kernel_inject_with_int8_quantizes_the_fused_blocks():
+    engine = deepspeed_c.init_inference(im.make("gpt2"), dtype=torch.int8, replace_with_kernel_inject=True,
+                                        max_out_tokens=32)
+    assert engine.injected
+    assert any(b.dtype == torch.int8 for b in engine.module.buffers())
+    assert all(p.dtype == torch.float16 for p in engine.module.parameters())
 
 
 def test_kv_cache_overflow_past_max_out_tokens_raises():

@@ -68,6 +68,15 @@ int dsc_inf_bias_gelu(void *h, const void *bias, int64_t rows, int64_t cols, int
 int dsc_inf_silu_mul(const void *gu, const void *bias, void *out, int64_t rows, int64_t f, int dtype, int device,
                      cudaStream_t stream);
 
+/* Weight-only quantized linear (inference_quant.cu). q: int8 [N, K] (bits 8) or packed int4 [N, K / 2]
+ * (bits 4: low nibble k even, high nibble k odd, each value + 8); scales float32 [N, K / group].
+ * quant_gemv: out [M, N] = x [M, K] . dequant(q)^T for 1 <= M <= 8 (K and group multiples of 16, x staged
+ * in shared memory). dequantize: out [N, K] in the activation dtype. */
+int dsc_inf_quant_gemv(const void *x, const void *q, const float *scales, void *out, int64_t M, int64_t N, int64_t K,
+                       int bits, int64_t group, int dtype, int device, cudaStream_t stream);
+int dsc_inf_dequantize(const void *q, const float *scales, void *out, int64_t N, int64_t K, int bits, int64_t group,
+                       int dtype, int device, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif
