@@ -12,6 +12,7 @@ extern PyMethodDef dsc_partition_methods[];
 extern PyMethodDef dsc_fetch_plan_methods[];
 extern PyMethodDef dsc_pipe_schedule_methods[];
 extern PyMethodDef dsc_identity_methods[];
+extern PyMethodDef dsc_index_merge_methods[];
 
 static PyMethodDef *const dsc_core_tables[] = {
     dsc_view_methods,
@@ -21,6 +22,7 @@ static PyMethodDef *const dsc_core_tables[] = {
     dsc_fetch_plan_methods,
     dsc_pipe_schedule_methods,
     dsc_identity_methods,
+    dsc_index_merge_methods,
     NULL,
 };
 

@@ -15,8 +15,10 @@ reads. Same constructor and files as DeepSpeed's:
   Value and sample-id dtypes are the narrowest integers that hold them (find_fit_int_dtype), as DeepSpeed picks.
 
 The files are DeepSpeed's byte for byte for the same dataset and metrics (checked against the real DeepSpeed's
-analyzer), so either side's sampler reads either side's files. The reduce's sort runs in numpy (one stable
-argsort over the concatenated values); the C merge over memory-mapped files is not built yet."""
+analyzer), so either side's sampler reads either side's files. The reduce of a single-value metric runs in C
+(index_merge.py: the map files memory-mapped, one stable radix sort, the index files written by C); metrics of
+several values per sample, or reduce_backend = "python", take the one-process numpy sort, which writes the same
+bytes."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -28,15 +30,12 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, Subset
 
 from deepspeed_c.runtime.data_pipeline.data_sampling.indexed_dataset import MMapIndexedDataset
+from deepspeed_c.runtime.data_pipeline.data_sampling.index_merge import merge_single_metric, one_value_per_sample
 from deepspeed_c.runtime.data_pipeline.data_sampling.utils import (close_mmap_dataset_builder,
-                                                                   create_mmap_dataset_builder, find_fit_int_dtype)
+                                                                   create_mmap_dataset_builder, find_fit_int_dtype,
+                                                                   split_index)
 
 SINGLE, ACCUMULATE = "single_value_per_sample", "accumulate_value_over_samples"
-
-
-def split_index(start: int, end: int, parts: int) -> list[tuple[int, int]]:
-    bounds = np.linspace(start, end, dtype=int, num=parts + 1)
-    return [(int(bounds[i]), int(bounds[i + 1])) for i in range(parts)]
 
 
 def _write(prefix: str, dtype: Any, items: Sequence[np.ndarray], chunks: Optional[Sequence[int]] = None) -> None:
@@ -57,6 +56,9 @@ def _write(prefix: str, dtype: Any, items: Sequence[np.ndarray], chunks: Optiona
 
 
 class DataAnalyzer:
+    # "c": single-value metrics reduce through the C merge over the memory-mapped map files (index_merge.py);
+    # "python": the one-process numpy sort. Both write the same bytes.
+    reduce_backend = "c"
 
     def __init__(self, dataset: Any, num_workers: int = 1, worker_id: int = 0, num_threads: int = 1,
                  num_threads_reduce: int = 1, specific_threads: Sequence[int] = (), batch_size: int = 1,
@@ -168,9 +170,19 @@ class DataAnalyzer:
         return parts
 
     def _reduce_single(self, name: str) -> None:
+        value_parts, id_parts = self._parts(name, "sample_to_metric"), self._parts(name, "sample_ids")
+        if self.reduce_backend == "c" and one_value_per_sample(value_parts):
+            merge_single_metric(name, value_parts, id_parts, os.path.join(self.save_path, name), len(self.dataset),
+                                self.num_threads_reduce)
+        else:
+            self._reduce_single_python(name, value_parts, id_parts)
+
+    def _reduce_single_python(self, name: str, value_parts: list[MMapIndexedDataset],
+                              id_parts: list[MMapIndexedDataset]) -> None:
+        """The one-process reduce in numpy (the reference of the C merge, and the path for metrics of several
+        values per sample)."""
         total = len(self.dataset)
         out = os.path.join(self.save_path, name)
-        value_parts, id_parts = self._parts(name, "sample_to_metric"), self._parts(name, "sample_ids")
         rows = [np.asarray(part[i]) for part in value_parts for i in range(len(part))]
         # the reduce threads' shares: of the worker/thread files for sample_to_metric, of the values after
         per_file = [len(part) for part in value_parts]

@@ -20,6 +20,12 @@ def find_fit_int_dtype(min_value: int, max_value: int) -> Any:
     return candidates[-1]
 
 
+def split_index(start: int, end: int, parts: int) -> list[tuple[int, int]]:
+    """[start, end) cut into `parts` ranges at DeepSpeed's boundaries (an integer linspace)."""
+    bounds = np.linspace(start, end, dtype=int, num=parts + 1)
+    return [(int(bounds[i]), int(bounds[i + 1])) for i in range(parts)]
+
+
 def create_mmap_dataset_builder(fname: str, dtype: Any) -> MMapIndexedDatasetBuilder:
     return MMapIndexedDatasetBuilder(f"{fname}.bin", dtype=dtype)
 
