@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from deepspeed_c import comm as dist
-from deepspeed_c.inference import mp_checkpoint
+from deepspeed_c.inference import mp_checkpoint, zero_inference
 from deepspeed_c.inference.checkpoint_loader import checkpoint_files, load_checkpoint_shards
 from deepspeed_c.inference.config import DeepSpeedInferenceConfig
 from deepspeed_c.inference.quantize import COMPUTE_DTYPE, quantize_weights_int8
@@ -45,6 +45,8 @@ class InferenceEngine(nn.Module):
         self.compute_dtype = COMPUTE_DTYPE if config.dtype == torch.int8 else config.dtype
         self._check_dtype(self.compute_dtype)
         self.quant = QuantSpec.from_config(config.quant, config.dtype)
+        self._offload = zero_inference.parse(config.zero)
+        self.streamer = None
         if config.dtype in (torch.float16, torch.bfloat16, torch.float32) and self.quant is None:
             model.to(config.dtype)  # floating tensors only: integer buffers keep their dtype
         self.mp_group = self._tp_group(config)
@@ -61,6 +63,8 @@ class InferenceEngine(nn.Module):
         save_to = config.save_mp_checkpoint_path or config.checkpoint_config.save_mp_checkpoint_path
         if save_to:
             mp_checkpoint.save(self.module, save_to, self.mp_group, config.dtype, self.injected)
+        if self._offload is not None:
+            self._stream_layers()
         self._to_device()
         if self.mp_world_size > 1:
             self._sync_rng()
@@ -132,6 +136,19 @@ class InferenceEngine(nn.Module):
         elif cfg.enable_cuda_graph and torch.cuda.is_available():
             raise NotImplementedError("init_inference: enable_cuda_graph=True is built for kernel-injected models only "
                                       "(replace_with_kernel_inject=True on a supported architecture)")
+
+    def _stream_layers(self) -> None:
+        """ZeRO-Inference: the layers' weights leave for the host / NVMe; the rest goes to the device."""
+        if self.mp_world_size > 1:
+            raise NotImplementedError("init_inference: zero (ZeRO-Inference) with tensor_parallel.tp_size > 1 is not "
+                                      "built; it streams the layers of one model copy on one accelerator")
+        if self._config.keep_module_on_host:
+            raise ValueError("init_inference: zero (ZeRO-Inference) and keep_module_on_host=True contradict each other: "
+                             "ZeRO-Inference streams the layers to the accelerator")
+        from deepspeed_c.accelerator import get_accelerator
+
+        self.streamer = zero_inference.LayerStreamer(self.module, self._offload,
+                                                     torch.device(get_accelerator().current_device_name()))
 
     def _quantize(self) -> None:
         """After sharding and loading (the weights are final), from the weights as loaded (fp32 or wider)."""
