@@ -76,7 +76,8 @@ def _project(plan: _Plan, x: Tensor, weight: Tensor, bias: Optional[Tensor], i: 
     q, k, v = (plan.to_heads(qkv[:, :, s]) for s in (slice(0, p), slice(p, p + kv), slice(p + kv, None)))
     if plan.cos is not None:
         cos, sin = plan.positions(i, q.shape[1])
-        q, k = apply_rotary_pos_emb(q, cos, sin), apply_rotary_pos_emb(k, cos, sin)
+        # the tables may be fp32 over bf16 activations: the result keeps the activations' dtype
+        q, k = apply_rotary_pos_emb(q, cos, sin).to(v.dtype), apply_rotary_pos_emb(k, cos, sin).to(v.dtype)
     return [q, k, v]
 
 

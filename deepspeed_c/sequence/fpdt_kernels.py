@@ -18,9 +18,20 @@ import torch
 from torch import Tensor
 
 
+_FLASH_BROKEN: list = []  # the first error torch's flash kernels raised here: the math path is used after it
+
+
 def _use_flash(q: Tensor) -> bool:
-    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and not _FLASH_BROKEN
             and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_backward"))
+
+
+def _flash_failed(e: Exception) -> None:
+    """A torch build whose flash kernels reject these arguments: say so once, then compute exactly instead."""
+    _FLASH_BROKEN.append(e)
+    from deepspeed_c.utils.logging import logger
+
+    logger.warning(f"FPDT: torch's flash attention kernels failed ({type(e).__name__}: {e}); using the math path")
 
 
 def _expand_kv(t: Tensor, heads: int) -> Tensor:
@@ -51,9 +62,13 @@ def block_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -
     heads = q.shape[2]
     k, v = _expand_kv(k, heads), _expand_kv(v, heads)
     if _use_flash(q):
-        res = torch.ops.aten._scaled_dot_product_flash_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                                                 v.transpose(1, 2), 0.0, causal, False, scale=scale)
-        return res[0].transpose(1, 2), res[1]
+        try:
+            res = torch.ops.aten._scaled_dot_product_flash_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                                     v.transpose(1, 2), 0.0, causal, False,
+                                                                     scale=scale)
+            return res[0].transpose(1, 2), res[1]
+        except RuntimeError as e:
+            _flash_failed(e)
     acc = _acc_dtype(q)
     qh, kh, vh = (t.transpose(1, 2).to(acc) for t in (q, k, v))
     scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale
@@ -86,13 +101,16 @@ def block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     if _use_flash(q):
         sq, sk = q.shape[1], k.shape[1]
         empty = torch.empty(0, device=q.device)
-        lse_f = lse.float().contiguous()
-        zero = torch.zeros((), dtype=torch.int64, device=q.device)
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout.transpose(1, 2), q.transpose(1, 2), ke.transpose(1, 2), ve.transpose(1, 2),
-            out.to(q.dtype).transpose(1, 2), lse_f, empty, empty, sq, sk, 0.0, causal, zero, zero, scale=scale)
-        dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
-        return dq, _fold_kv(dk, kv_heads), _fold_kv(dv, kv_heads)
+        zero = torch.zeros((), dtype=torch.int64, device=q.device)  # philox state: unused without dropout
+        try:
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                dout.transpose(1, 2), q.transpose(1, 2), ke.transpose(1, 2), ve.transpose(1, 2),
+                out.to(q.dtype).transpose(1, 2), lse.float().contiguous(), empty, empty, sq, sk, 0.0, causal, zero,
+                zero, scale=scale)
+            dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+            return dq, _fold_kv(dk, kv_heads), _fold_kv(dv, kv_heads)
+        except RuntimeError as e:
+            _flash_failed(e)
     acc = _acc_dtype(q)
     qh, kh, vh, oh, doh = (t.transpose(1, 2).to(acc) for t in (q, ke, ve, out, dout))
     scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale
