@@ -116,7 +116,6 @@ def _unbuilt_keys(cfg: DeepSpeedInferenceConfig) -> None:
     asks = {
         "use_triton": (cfg.use_triton, "Triton inference kernels"),
         "triton_autotune": (cfg.triton_autotune, "Triton kernel autotuning"),
-        "ep_size": (cfg.ep_size != 1, "expert parallelism in inference"),
     }
     for key, (asked, what) in asks.items():
         if asked:

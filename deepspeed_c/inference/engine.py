@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from deepspeed_c import comm as dist
-from deepspeed_c.inference import mp_checkpoint, zero_inference
+from deepspeed_c.inference import moe_inference, mp_checkpoint, zero_inference
 from deepspeed_c.inference.checkpoint_loader import checkpoint_files, load_checkpoint_shards
 from deepspeed_c.inference.config import DeepSpeedInferenceConfig
 from deepspeed_c.inference.quantize import COMPUTE_DTYPE, quantize_weights_int8
@@ -59,6 +59,9 @@ class InferenceEngine(nn.Module):
             self._prepare_sharded(desc)
         else:
             self._prepare(checkpoint_files(desc, config.base_dir) if desc is not None else None)
+        moe = moe_inference.parse(config)
+        if moe is not None:
+            moe_inference.prepare(self.module, moe)
         self._quantize()
         save_to = config.save_mp_checkpoint_path or config.checkpoint_config.save_mp_checkpoint_path
         if save_to:

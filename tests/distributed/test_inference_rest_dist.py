@@ -4,8 +4,10 @@
 - save_mp_checkpoint_path at TP 2 (injected and AutoTP) writes DeepSpeed's JSON and per-rank tp files;
   `checkpoint=` that JSON on a meta-built model gives HF's tokens, each rank holding only its shard;
   loading it at tp_size 1 names both sizes;
-- MoE inference (moe={"enabled": True, "ep_size": 2}): experts split over the ranks, outputs equal the
-  one-process layer; expert slicing (2 experts over... see body); ep_size not dividing the world raises."""
+- MoE inference (moe={"enabled": True, "ep_size": 2}) of deepspeed.moe.layer.MoE models, each rank with its own
+  tokens: 4 experts (2 a rank, all-to-all), a residual MoE, and expert slicing (1 expert split over both
+  ranks): outputs equal the one-process model's on the same tokens; ep_size not dividing the world raises;
+- quant section with injection at TP 2 (int8, group 16): greedy tokens equal tp_size 1's."""
 from __future__ import annotations
 
 import copy
@@ -73,11 +75,63 @@ def _tp_inject(out: dict, folder: str, ids: torch.Tensor) -> None:
                                                                              checkpoint=desc))
 
 
+class MoENet(torch.nn.Module):
+    def __init__(self, experts: int, residual: bool) -> None:
+        from deepspeed_c.moe.layer import MoE
+
+        super().__init__()
+        expert = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.GELU(), torch.nn.Linear(24, 16))
+        self.emb = torch.nn.Embedding(23, 16)
+        self.moe = MoE(16, expert, num_experts=experts, k=1, use_residual=residual, drop_tokens=False, use_rts=False)
+        self.head = torch.nn.Linear(16, 23)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        return self.head(x + self.moe(x)[0])
+
+
+def _moe(out: dict, rank: int) -> None:
+    import deepspeed_c
+
+    out["moe"] = {}
+    tokens = torch.randint(0, 23, (3, 5), generator=torch.Generator().manual_seed(20 + rank))  # each rank its own
+    for name, experts, residual in (("ep2", 4, False), ("residual", 4, True), ("sliced", 1, False)):
+        torch.manual_seed(1)
+        net = MoENet(experts, residual).eval()
+        with torch.no_grad():  # experts differ from one another
+            for p in net.moe.parameters():
+                p.add_(torch.randn_like(p) * 0.3)
+        ref = net(tokens)
+        engine = deepspeed_c.init_inference(copy.deepcopy(net), dtype=torch.float32,
+                                            moe={"enabled": True, "ep_size": 2, "moe_experts": [experts],
+                                                 "type": "residual" if residual else "standard"})
+        got = engine(tokens)
+        local = sum(p.numel() for n, p in engine.module.named_parameters() if "expert" in n)
+        full = sum(p.numel() for n, p in net.named_parameters() if "expert" in n)
+        out["moe"][name] = (float((got - ref).abs().max() / ref.abs().max()), local / full)
+    out["errors"]["ep3"] = _error(lambda: deepspeed_c.init_inference(MoENet(4, False), dtype=torch.float32,
+                                                                     moe={"ep_size": 3}))
+
+
+def _quant_tp(out: dict, ids: torch.Tensor) -> None:
+    import deepspeed_c
+
+    model = im.make("llama", seed=3)
+    q = {"weight": {"num_bits": 8, "group_size": 16}}
+    one = deepspeed_c.init_inference(copy.deepcopy(model), dtype=torch.float32, replace_with_kernel_inject=True,
+                                     max_out_tokens=32, quant=q)
+    two = deepspeed_c.init_inference(copy.deepcopy(model), dtype=torch.float32, replace_with_kernel_inject=True,
+                                     max_out_tokens=32, quant=q, tensor_parallel={"tp_size": 2})
+    out["quant_tp2"] = bool(torch.equal(_gen(one, ids), _gen(two, ids)))
+
+
 def body(rank: int, world: int, folder: str) -> dict:
     ids = torch.randint(1, im.VOCAB, (2, 6), generator=torch.Generator().manual_seed(7))
     out: dict = {"errors": {}}
     with torch.no_grad():
         _tp_inject(out, folder, ids)
+        _moe(out, rank)
+        _quant_tp(out, ids)
     return out
 
 
@@ -97,3 +151,8 @@ def test_inference_rest_two_ranks(tmp_path):
         assert "non-tp.pt" in desc["files"] and "tp_01_07.pt" in desc["files"], desc["files"]
         err = res["errors"]["tp_mismatch"]
         assert "tp_size=2" in err and "tp_size=1" in err, err
+        for name, (rel, frac) in res["moe"].items():
+            assert rel < 1e-5, (rank, name, rel)
+            assert 0.45 < frac < 0.55, (name, frac)  # half the experts (or half of each, biases whole) a rank
+        assert "ep_size=3" in res["errors"]["ep3"] and "world size 2" in res["errors"]["ep3"], res["errors"]
+        assert res["quant_tp2"]
