@@ -28,6 +28,7 @@ class ChunkStore:
         self._resident: Dict[Hashable, Tensor] = {}
         self._ready: Dict[Hashable, "torch.cuda.Event"] = {}
         self._stream: Optional["torch.cuda.Stream"] = torch.cuda.Stream(self.device) if self.cuda else None
+        self.peak_resident = 0  # most chunks on the device at once (the double buffer's bound, when offloading)
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._host or key in self._resident
@@ -36,6 +37,7 @@ class ChunkStore:
         """Store t under key (replacing any earlier value); keep=True leaves it resident for immediate use."""
         if not self.offload:
             self._resident[key] = t
+            self.peak_resident = max(self.peak_resident, len(self._resident))
             return
         host = self._host.get(key)
         if host is None or host.shape != t.shape or host.dtype != t.dtype:
@@ -51,6 +53,7 @@ class ChunkStore:
             host.copy_(t)
         if keep:
             self._resident[key] = t
+            self.peak_resident = max(self.peak_resident, len(self._resident))
         else:
             self._resident.pop(key, None)
             self._ready.pop(key, None)
@@ -71,6 +74,7 @@ class ChunkStore:
             self._resident[key] = dev
         else:
             self._resident[key] = host.clone()
+        self.peak_resident = max(self.peak_resident, len(self._resident))
 
     def get(self, key: Hashable) -> Tensor:
         """The device tensor of key, waiting for its prefetch (started now when none was)."""

@@ -107,6 +107,25 @@ def _fpdt_attention(w: dict, ref: dict, heads: int, kv_heads: int, chunk: int, o
     return {"out": out.detach(), "errs": errs}
 
 
+def _residency(w: dict, heads: int, kv_heads: int, chunk: int, group) -> dict:
+    """What the chunk store holds on the device after FPDT's forward, and at most during it: with offloading
+    only the chunk in use and the one prefetched (a bound independent of the chunk count), none after."""
+    from deepspeed_c import comm as dist
+    from deepspeed_c.sequence.fpdt_attention import FPDTAttentionFunction, _Plan
+
+    sp, seq = dist.get_world_size(group), w["x"].shape[0]
+    n = seq // chunk
+    res = {}
+    for offload in (True, False):
+        x = w["x"][: seq // sp].float().clone().requires_grad_()
+        plan = _Plan(group, n, seq // sp // n, heads * HD, kv_heads * HD, HD, None)
+        out = FPDTAttentionFunction.apply(x, w["wqkv"].float(), None, plan, offload)
+        store = out.grad_fn.store
+        res[offload] = (store.resident_count(), store.peak_resident, n)
+        out.sum().backward()
+    return res
+
+
 def _ulysses(w: dict, ref: dict, heads: int, kv_heads: int, group) -> dict:
     """The unchunked Ulysses layer on contiguous slices: DistributedAttention around dense attention."""
     from deepspeed_c import comm as dist
@@ -221,6 +240,7 @@ def _body(rank: int, world: int, heads: int, kv_heads: int, seq: int, chunk: int
     res["ffn"] = _ffn_errors(w)
     res["loss"] = _loss_errors(w, chunk, group)
     res["bad"] = _bad_inputs(w, group)
+    res["residency"] = _residency(w, heads, kv_heads, chunk, group)
     return res
 
 
@@ -235,6 +255,9 @@ def test_fpdt_two_ranks() -> None:
         for key in ("on", "off", "ulysses", "ffn", "loss"):
             _assert_close(r[key], f"rank {rank} {key}")
         assert r["one_chunk_vs_ulysses"] <= 1e-5, r["one_chunk_vs_ulysses"]
+        after, peak, n = r["residency"][True]
+        assert after == 0 and peak <= 7, r["residency"]  # q/k/v in use + current and next key/value chunk
+        assert r["residency"][False][0] == 6 * n, r["residency"]  # x, q, k, v, out, lse of every chunk stay
         bad = r["bad"]
         assert "nearest valid sequence lengths: 16 or 24" in bad["seq"], bad["seq"]
         assert "not a multiple of the FPDT chunk size 8" in bad["seq"], bad["seq"]
