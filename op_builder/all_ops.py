@@ -6,6 +6,7 @@ from .utils import UtilsBuilder
 
 # --- one import line per op (keep sorted by file) ---
 from .async_io import AsyncIOBuilder, GDSBuilder
+from .compress_quant import CompressQuantBuilder, CompressQuantCUDABuilder
 from .cpu_adagrad import CPUAdagradBuilder
 from .cpu_adam import CPUAdamBuilder
 from .cpu_lion import CPULionBuilder
@@ -18,6 +19,7 @@ from .moe_gating import MoEGatingBuilder, MoEGatingCUDABuilder
 from .multi_tensor import MultiTensorOpsBuilder
 from .onebit import OnebitBuilder, OnebitCUDABuilder
 from .quantizer import QuantizerBuilder, QuantizerCUDABuilder
+from .transformer import TransformerBuilder
 from .random_ltd import RandomLTDBuilder, RandomLTDCUDABuilder
 from .transformer_inference import InferenceBuilder
 from .zenflow_columns import ZenFlowColumnsBuilder
