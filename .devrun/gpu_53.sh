@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 53 (Domino), needs 2 GPUs: correctness (fp32 tiny, then the 1.3B GPT in bf16: loss and every gradient
-# of Domino vs our plain TP vs DeepSpeed's Domino), then forward+backward tokens/s at TP 2 (interleaved blocks),
+# of Domino (inter- and intra-layer) vs our plain TP vs DeepSpeed's Domino), then fwd+bwd tokens/s at TP 2 (interleaved),
 # then NCCL time and exposed communication per step from a torch.profiler trace. About 60 s.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
