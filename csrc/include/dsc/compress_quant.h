@@ -24,6 +24,12 @@
 extern "C" {
 #endif
 
+#ifdef __CUDACC__
+#define DSC_CQ_HD __host__ __device__
+#else
+#define DSC_CQ_HD
+#endif
+
 enum { DSC_CQ_OK = 0, DSC_CQ_EINVAL = -1 };
 enum { DSC_CQ_F32 = 0, DSC_CQ_BF16 = 1, DSC_CQ_F16 = 2 };
 
@@ -35,7 +41,7 @@ static inline int dsc_cq_check(int64_t groups, int64_t n, int bits, int dtype) {
 }
 
 /* the noise of element i: (hash >> 40) * 2^-24 - 0.5, exact in fp32 */
-static inline float dsc_cq_noise(uint64_t seed, uint64_t i) {
+DSC_CQ_HD static inline float dsc_cq_noise(uint64_t seed, uint64_t i) {
     uint64_t z = seed + (i + 1) * 0x9e3779b97f4a7c15ull;
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;

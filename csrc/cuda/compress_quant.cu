@@ -1,0 +1,347 @@
+/* Fused fake quantization on CUDA (contract: dsc/compress_quant.h; reference: csrc/cpu/compress_quant.c, which
+ * these kernels match bit for bit). Every intermediate goes through the same IEEE operations (the __f*_rn
+ * intrinsics, which nvcc never contracts into FMAs) and the same rounding to the storage dtype.
+ *
+ *   ranges     grid (blocks, groups): each block reduces a strided share of its group (vectors of 4 where the
+ *              group length allows), warp shuffles then shared memory, then one atomicMin / atomicMax per block
+ *              on order-preserving integer keys of the floats (symmetric: the bits of |x|, which order like
+ *              the values), into a stream-ordered scratch buffer
+ *   params     one thread per group: scale, 1/scale, zero point from the keys (or the given range)
+ *   apply      grid-stride over the elements, 4 per thread per iteration where the group length is a
+ *              multiple of 4 (16-byte fp32 / 8-byte half loads and stores)
+ * Two reads and one write per element: at 2^28 elements a pass streams from HBM like a copy does. */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "dsc/compress_quant.h"
+#include "dsc/compress_quant_cuda.h"
+
+namespace {
+
+constexpr int kThreads = 256;
+
+template <typename T> struct Io;
+template <> struct Io<float> {
+    static __device__ __forceinline__ float ld(const float *p, int64_t i) { return p[i]; }
+    static __device__ __forceinline__ void put(float *p, int64_t i, float v) { p[i] = v; }
+    static __device__ __forceinline__ float st(float v) { return v; }
+};
+template <> struct Io<__half> {
+    static __device__ __forceinline__ float ld(const __half *p, int64_t i) { return __half2float(p[i]); }
+    static __device__ __forceinline__ void put(__half *p, int64_t i, float v) { p[i] = __float2half_rn(v); }
+    static __device__ __forceinline__ float st(float v) { return __half2float(__float2half_rn(v)); }
+};
+template <> struct Io<__nv_bfloat16> {
+    static __device__ __forceinline__ float ld(const __nv_bfloat16 *p, int64_t i) { return __bfloat162float(p[i]); }
+    static __device__ __forceinline__ void put(__nv_bfloat16 *p, int64_t i, float v) { p[i] = __float2bfloat16_rn(v); }
+    static __device__ __forceinline__ float st(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+};
+
+__device__ __forceinline__ unsigned int order_key(float f) {
+    const unsigned int u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float from_key(unsigned int k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+/* keys[g] = min key, keys[groups + g] = max key (asym), or keys[groups + g] = bits of amax (sym) */
+template <typename T>
+__global__ void ranges_kernel(const T *__restrict__ x, int64_t n, int64_t groups, int asym, unsigned int *keys) {
+    __shared__ unsigned int smin[kThreads / 32], smax[kThreads / 32];
+    for (int64_t g = blockIdx.y; g < groups; g += gridDim.y) {
+    const T *src = x + g * n;
+    unsigned int kmin = 0xffffffffu, kmax = 0u;
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const float v = Io<T>::ld(src, i);
+        if (asym) {
+            const unsigned int k = order_key(v);
+            kmin = k < kmin ? k : kmin;
+            kmax = k > kmax ? k : kmax;
+        } else {
+            const unsigned int b = __float_as_uint(v) & 0x7fffffffu;
+            kmax = b > kmax ? b : kmax;
+        }
+    }
+    for (int off = 16; off > 0; off >>= 1) {
+        const unsigned int a = __shfl_xor_sync(0xffffffffu, kmin, off), b = __shfl_xor_sync(0xffffffffu, kmax, off);
+        kmin = a < kmin ? a : kmin;
+        kmax = b > kmax ? b : kmax;
+    }
+    if ((threadIdx.x & 31) == 0) {
+        smin[threadIdx.x >> 5] = kmin;
+        smax[threadIdx.x >> 5] = kmax;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < kThreads / 32; w++) {
+            kmin = smin[w] < kmin ? smin[w] : kmin;
+            kmax = smax[w] > kmax ? smax[w] : kmax;
+        }
+        if (asym) atomicMin(&keys[g], kmin);
+        atomicMax(&keys[groups + g], kmax);
+    }
+    __syncthreads(); /* smin / smax are reused by the next group */
+    }
+}
+
+/* the float4 path of ranges: 4 elements per load */
+__global__ void ranges_kernel_f32x4(const float4 *__restrict__ x, int64_t n4, int64_t groups, int asym,
+                                    unsigned int *keys) {
+    __shared__ unsigned int smin[kThreads / 32], smax[kThreads / 32];
+    for (int64_t g = blockIdx.y; g < groups; g += gridDim.y) {
+    const float4 *src = x + g * n4;
+    unsigned int kmin = 0xffffffffu, kmax = 0u;
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += stride) {
+        const float4 v = src[i];
+        const float e[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            if (asym) {
+                const unsigned int k = order_key(e[j]);
+                kmin = k < kmin ? k : kmin;
+                kmax = k > kmax ? k : kmax;
+            } else {
+                const unsigned int b = __float_as_uint(e[j]) & 0x7fffffffu;
+                kmax = b > kmax ? b : kmax;
+            }
+        }
+    }
+    for (int off = 16; off > 0; off >>= 1) {
+        const unsigned int a = __shfl_xor_sync(0xffffffffu, kmin, off), b = __shfl_xor_sync(0xffffffffu, kmax, off);
+        kmin = a < kmin ? a : kmin;
+        kmax = b > kmax ? b : kmax;
+    }
+    if ((threadIdx.x & 31) == 0) {
+        smin[threadIdx.x >> 5] = kmin;
+        smax[threadIdx.x >> 5] = kmax;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < kThreads / 32; w++) {
+            kmin = smin[w] < kmin ? smin[w] : kmin;
+            kmax = smax[w] > kmax ? smax[w] : kmax;
+        }
+        if (asym) atomicMin(&keys[g], kmin);
+        atomicMax(&keys[groups + g], kmax);
+    }
+    __syncthreads(); /* smin / smax are reused by the next group */
+    }
+}
+
+struct Params {
+    float s, inv, zp;
+};
+
+template <typename T>
+__global__ void params_kernel(const unsigned int *keys, const float *lo, const float *hi, int64_t groups, int bits,
+                              int asym, int recip, Params *out) {
+    const int64_t g = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= groups) return;
+    const float q = (float)(1 << bits);
+    float vlo, vhi;
+    if (lo) {
+        vlo = lo[g];
+        vhi = hi[g];
+    } else if (asym) {
+        vlo = from_key(keys[g]);
+        vhi = from_key(keys[groups + g]);
+    } else {
+        vhi = __uint_as_float(keys[groups + g]);
+        vlo = vhi;
+    }
+    Params p;
+    if (asym) {
+        p.s = Io<T>::st(__fdiv_rn(Io<T>::st(__fsub_rn(vhi, vlo)), q));
+    } else {
+        p.s = Io<T>::st(__fdiv_rn(Io<T>::st(__fmul_rn(2.0f, vhi)), q));
+    }
+    p.inv = __fdiv_rn(1.0f, p.s);
+    p.zp = 0.0f;
+    if (asym) {
+        const float d = Io<T>::st(recip ? __fmul_rn(vlo, p.inv) : __fdiv_rn(vlo, p.s));
+        p.zp = Io<T>::st(__fmul_rn(rintf(d), p.s));
+    }
+    out[g] = p;
+}
+
+template <typename T>
+__device__ __forceinline__ float quant_one(float v, const Params &p, float qlo, float qhi, int asym, int recip,
+                                           uint64_t seed, int64_t i) {
+    const float a = asym ? Io<T>::st(__fsub_rn(v, p.zp)) : v;
+    float r = Io<T>::st(recip ? __fmul_rn(a, p.inv) : __fdiv_rn(a, p.s));
+    if (seed) r = Io<T>::st(__fadd_rn(r, Io<T>::st(dsc_cq_noise(seed, (uint64_t)i))));
+    r = rintf(r);
+    r = r < qlo ? qlo : r;
+    r = r > qhi ? qhi : r;
+    float o = Io<T>::st(__fmul_rn(r, p.s));
+    if (asym) o = Io<T>::st(__fadd_rn(o, p.zp));
+    return o;
+}
+
+template <typename T>
+__global__ void apply_kernel(const T *__restrict__ x, T *__restrict__ out, int64_t total, int64_t n,
+                             const Params *__restrict__ params, float qlo, float qhi, int asym, int recip,
+                             uint64_t seed) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const Params p = params[n == total ? 0 : i / n];
+        Io<T>::put(out, i, quant_one<T>(Io<T>::ld(x, i), p, qlo, qhi, asym, recip, seed, i));
+    }
+}
+
+__global__ void apply_kernel_f32x4(const float4 *__restrict__ x, float4 *__restrict__ out, int64_t total4, int64_t n4,
+                                   const Params *__restrict__ params, float qlo, float qhi, int asym, uint64_t seed) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total4; i += stride) {
+        const Params p = params[n4 == total4 ? 0 : i / n4];
+        const float4 v = x[i];
+        float4 o;
+        o.x = quant_one<float>(v.x, p, qlo, qhi, asym, 0, seed, 4 * i);
+        o.y = quant_one<float>(v.y, p, qlo, qhi, asym, 0, seed, 4 * i + 1);
+        o.z = quant_one<float>(v.z, p, qlo, qhi, asym, 0, seed, 4 * i + 2);
+        o.w = quant_one<float>(v.w, p, qlo, qhi, asym, 0, seed, 4 * i + 3);
+        out[i] = o;
+    }
+}
+
+template <typename T>
+__global__ void ternary_kernel(const T *__restrict__ x, T *__restrict__ out, int64_t total, int64_t n,
+                               const float *thres, const float *alpha) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const int64_t g = i / n;
+        const float v = Io<T>::ld(x, i), t = thres[g], a = alpha[g];
+        const float pos = v > t ? 1.0f : 0.0f, neg = v < -t ? 1.0f : 0.0f;
+        Io<T>::put(out, i, Io<T>::st(__fsub_rn(Io<T>::st(__fmul_rn(a, pos)), Io<T>::st(__fmul_rn(a, neg)))));
+    }
+}
+
+template <typename T>
+__global__ void binary_kernel(const T *__restrict__ x, T *__restrict__ out, int64_t total, int64_t n, const float *m) {
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const float v = Io<T>::ld(x, i);
+        const float sign = v > 0 ? 1.0f : (v < 0 ? -1.0f : (v != v ? v : 0.0f));
+        Io<T>::put(out, i, Io<T>::st(__fmul_rn(sign, m[i / n])));
+    }
+}
+
+int grid_for(int64_t work) {
+    int dev = 0, sms = 132;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    const int64_t want = (work + kThreads - 1) / kThreads;
+    const int64_t cap = (int64_t)sms * 8;
+    return (int)(want < cap ? (want > 0 ? want : 1) : cap);
+}
+
+template <typename T>
+int fake_quant_t(const T *x, T *out, int64_t groups, int64_t n, int bits, int asym, const float *lo, const float *hi,
+                 int recip, uint64_t seed, cudaStream_t stream) {
+    const int64_t total = groups * n;
+    unsigned int *keys = nullptr;
+    Params *params = nullptr;
+    cudaError_t err = cudaMallocAsync(reinterpret_cast<void **>(&keys),
+                                      sizeof(unsigned int) * 2 * groups + sizeof(Params) * groups + 16, stream);
+    if (err != cudaSuccess) return static_cast<int>(err);
+    params = reinterpret_cast<Params *>(keys + 2 * groups + ((2 * groups) & 1));
+    if (!lo) {
+        cudaMemsetAsync(keys, 0xff, sizeof(unsigned int) * groups, stream);
+        cudaMemsetAsync(keys + groups, 0, sizeof(unsigned int) * groups, stream);
+        const bool vec = sizeof(T) == 4 && n % 4 == 0 && (reinterpret_cast<uintptr_t>(x) & 15) == 0;
+        const int64_t per_group = vec ? n / 4 : n;
+        int64_t bx = grid_for(total / (vec ? 4 : 1)) / (groups > 0 ? groups : 1);
+        const int64_t need = (per_group + kThreads - 1) / kThreads;
+        bx = bx < 1 ? 1 : (bx > need ? need : bx);
+        dim3 grid((unsigned int)bx, (unsigned int)(groups < 65535 ? groups : 65535));
+        if (vec)
+            ranges_kernel_f32x4<<<grid, kThreads, 0, stream>>>(reinterpret_cast<const float4 *>(x), per_group, groups,
+                                                               asym, keys);
+        else
+            ranges_kernel<T><<<grid, kThreads, 0, stream>>>(x, n, groups, asym, keys);
+    }
+    params_kernel<T><<<(unsigned int)((groups + 127) / 128), 128, 0, stream>>>(keys, lo, hi, groups, bits, asym, recip,
+                                                                              params);
+    const float q = (float)(1 << bits);
+    const float qlo = asym ? 0.0f : -q / 2, qhi = asym ? q - 1 : q / 2 - 1;
+    const bool vec = sizeof(T) == 4 && n % 4 == 0 && !recip && (reinterpret_cast<uintptr_t>(x) & 15) == 0 &&
+                     (reinterpret_cast<uintptr_t>(out) & 15) == 0;
+    if (vec)
+        apply_kernel_f32x4<<<grid_for(total / 4), kThreads, 0, stream>>>(
+            reinterpret_cast<const float4 *>(x), reinterpret_cast<float4 *>(out), total / 4, n / 4, params, qlo, qhi,
+            asym, seed);
+    else
+        apply_kernel<T><<<grid_for(total), kThreads, 0, stream>>>(x, out, total, n, params, qlo, qhi, asym, recip, seed);
+    cudaFreeAsync(keys, stream);
+    return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace
+
+#define DISPATCH(dtype, FN, ...)                                                                               \
+    ((dtype) == DSC_CQ_F32    ? FN<float>(__VA_ARGS__)                                                         \
+     : (dtype) == DSC_CQ_F16  ? FN<__half>(__VA_ARGS__)                                                        \
+                              : FN<__nv_bfloat16>(__VA_ARGS__))
+
+template <typename T>
+static int fake_quant_any(const void *x, void *out, int64_t groups, int64_t n, int bits, int asym, const float *lo,
+                          const float *hi, int recip, uint64_t seed, cudaStream_t stream) {
+    return fake_quant_t<T>(static_cast<const T *>(x), static_cast<T *>(out), groups, n, bits, asym, lo, hi, recip,
+                           seed, stream);
+}
+
+template <typename T>
+static int ternary_any(const void *x, void *out, int64_t groups, int64_t n, const float *thres, const float *alpha,
+                       cudaStream_t stream) {
+    ternary_kernel<T><<<grid_for(groups * n), kThreads, 0, stream>>>(static_cast<const T *>(x), static_cast<T *>(out),
+                                                                     groups * n, n, thres, alpha);
+    return static_cast<int>(cudaGetLastError());
+}
+
+template <typename T>
+static int binary_any(const void *x, void *out, int64_t groups, int64_t n, const float *m, cudaStream_t stream) {
+    binary_kernel<T><<<grid_for(groups * n), kThreads, 0, stream>>>(static_cast<const T *>(x), static_cast<T *>(out),
+                                                                    groups * n, n, m);
+    return static_cast<int>(cudaGetLastError());
+}
+
+extern "C" int dsc_cq_fake_quant_cuda(const void *x, void *out, int dtype, int64_t groups, int64_t n, int bits,
+                                      int asym, const float *lo, const float *hi, int recip, uint64_t seed,
+                                      cudaStream_t stream) {
+    if (!x || !out || dsc_cq_check(groups, n, bits, dtype) != DSC_CQ_OK || (!lo) != (!hi))
+        return DSC_CQ_EINVAL;
+    return DISPATCH(dtype, fake_quant_any, x, out, groups, n, bits, asym, lo, hi, recip, seed, stream);
+}
+
+extern "C" int dsc_cq_ternary_cuda(const void *x, void *out, int dtype, int64_t groups, int64_t n, const float *thres,
+                                   const float *alpha, cudaStream_t stream) {
+    if (!x || !out || !thres || !alpha || dsc_cq_check(groups, n, 2, dtype) != DSC_CQ_OK) return DSC_CQ_EINVAL;
+    return DISPATCH(dtype, ternary_any, x, out, groups, n, thres, alpha, stream);
+}
+
+extern "C" int dsc_cq_binary_cuda(const void *x, void *out, int dtype, int64_t groups, int64_t n, const float *m,
+                                  cudaStream_t stream) {
+    if (!x || !out || !m || dsc_cq_check(groups, n, 2, dtype) != DSC_CQ_OK) return DSC_CQ_EINVAL;
+    return DISPATCH(dtype, binary_any, x, out, groups, n, m, stream);
+}
+
+extern "C" const char *dsc_cq_cuda_strerror(int code) {
+    if (code == DSC_CQ_EINVAL) return "invalid arguments";
+    return code > 0 ? cudaGetErrorString(static_cast<cudaError_t>(code)) : "unknown compress_quant error";
+}
+
+extern "C" int dsc_cq_cuda_enter(int device, int *prev) {
+    cudaError_t err = cudaGetDevice(prev);
+    if (err == cudaSuccess && *prev != device) err = cudaSetDevice(device);
+    return static_cast<int>(err);
+}
+
+extern "C" void dsc_cq_cuda_leave(int device, int prev) {
+    if (prev >= 0 && prev != device) (void)cudaSetDevice(prev);
+}
