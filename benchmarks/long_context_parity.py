@@ -55,6 +55,32 @@ def _fpdt_layer(p: dict, x: Tensor, rot: tuple, heads: int, kv: int, hd: int, gr
     return attn(x, None, None, rot, cpu_offloading=offload)[0]
 
 
+def _ds_fpdt_layer() -> Any:
+    """DeepSpeed 0.19.8's FPDT_Attention when it can run here (real DeepSpeed and flash-attn importable), else
+    the reason it cannot."""
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return "flash-attn not installed (DeepSpeed's FPDT requires it)"
+    from long_context import real_deepspeed
+
+    ds = real_deepspeed()
+    if ds is None:
+        return "the real DeepSpeed is not importable"
+    from importlib import import_module
+
+    return import_module("deepspeed.sequence.fpdt_layer").FPDT_Attention
+
+
+def _ds_fpdt(cls: Any, p: dict, x: Tensor, rot: tuple, heads: int, kv: int, hd: int, group: Any, chunk: int,
+             offload: bool) -> Tensor:
+    cfg = SimpleNamespace(kv_channels=hd, num_attention_heads=heads, num_key_value_heads=kv,
+                          hidden_size=x.shape[-1], attention_dropout=0.0)
+    zero = torch.zeros(p["wqkv"].shape[0], dtype=x.dtype, device=x.device)  # DeepSpeed adds a QKV bias always
+    attn = cls(cfg, p["wqkv"], zero, p["wo"], None, group, chunk_size=chunk, enable_offloading=offload)
+    return attn(x, None, None, rot, cpu_offloading=offload)[0]
+
+
 def _fwd_bwd(fn: Callable[[dict, Tensor], Tensor], p: dict, x: Tensor, g: Tensor) -> dict:
     leaves = {k: v.detach().clone().requires_grad_() for k, v in p.items()}
     xl = x.detach().clone().requires_grad_()
@@ -95,9 +121,19 @@ def run_parity(a: Any, rank: int, world: int) -> None:
 
     cases = {"unchunked": (lambda p, x: _ulysses_layer(p, x, rot, heads, kv, hd, group), contig),
              "fpdt-offload": (fpdt(True), mine), "fpdt-resident": (fpdt(False), mine)}
+    ds_cls = _ds_fpdt_layer() if dev.type == "cuda" else "host run"
+    if not isinstance(ds_cls, str):
+        cases["ds-fpdt-offload"] = (lambda p, x: _ds_fpdt(ds_cls, p, x, rot, heads, kv, hd, group, chunk, True), mine)
     errs: dict = {}
-    for name, (fn, rows) in cases.items():
-        r = _fwd_bwd(fn, plow, x_all[rows].to(dev, low), g_all[rows].to(dev, low))
+    for name, (fn, rows) in list(cases.items()):
+        try:
+            r = _fwd_bwd(fn, plow, x_all[rows].to(dev, low), g_all[rows].to(dev, low))
+        except Exception as e:  # DeepSpeed's side failing must not hide ours
+            if not name.startswith("ds-"):
+                raise
+            ds_cls = f"{type(e).__name__}: {str(e)[:160]}"
+            del cases[name]
+            continue
         e = {"out": _rel(r["out"], ref["out"][rows.to(dev)]), "gx": _rel(r["gx"], ref["gx"][rows.to(dev)])}
         for k in ("gwqkv", "gwo"):
             t = r[k].float()
@@ -110,11 +146,13 @@ def run_parity(a: Any, rank: int, world: int) -> None:
 
     path = "torch flash kernels" if dev.type == "cuda" and not fpdt_kernels._FLASH_BROKEN else "math path"
     _say(rank, f"FPDT attention blocks ran on: {path}")
-    _say(rank, f"{'layer':14s} " + " ".join(f"{k:>9s}" for k in errs["unchunked"]) + "  verdict")
+    _say(rank, f"{'layer':15s} " + " ".join(f"{k:>9s}" for k in errs["unchunked"]) + "  verdict")
     base = errs["unchunked"]
     for name, e in errs.items():
         ok = all(e[k] <= 2 * base[k] + 2e-3 for k in e)
-        _say(rank, f"{name:14s} " + " ".join(f"{v:9.2e}" for v in e.values()) + ("  ok" if ok else "  FAIL"))
+        _say(rank, f"{name:15s} " + " ".join(f"{v:9.2e}" for v in e.values()) + ("  ok" if ok else "  FAIL"))
+    if isinstance(ds_cls, str):
+        _say(rank, f"DeepSpeed's FPDT_Attention: not run ({ds_cls})")
     if dev.type != "cuda":
         return
     times: dict = {n: [] for n in cases}
@@ -130,11 +168,11 @@ def run_parity(a: Any, rank: int, world: int) -> None:
             torch.cuda.synchronize()
             times[name].append(time.perf_counter() - t)
             peaks[name] = (torch.cuda.max_memory_allocated() - base_mem) / 2 ** 30
-    _say(rank, f"{'layer':14s} {'fwd+bwd ms':>11s} {'peak GB':>8s} {'vs unchunked':>13s}  (median of {a.reps}, "
+    _say(rank, f"{'layer':15s} {'fwd+bwd ms':>11s} {'peak GB':>8s} {'vs unchunked':>13s}  (median of {a.reps}, "
                "interleaved)")
     med = {n: sorted(v)[len(v) // 2] for n, v in times.items()}
     for name in cases:
-        _say(rank, f"{name:14s} {1e3 * med[name]:11.1f} {peaks[name]:8.2f} {med['unchunked'] / med[name]:12.2f}x")
+        _say(rank, f"{name:15s} {1e3 * med[name]:11.1f} {peaks[name]:8.2f} {med['unchunked'] / med[name]:12.2f}x")
 
 
 def _say(rank: int, msg: str) -> None:
