@@ -143,8 +143,11 @@ def _bad(**over):
         "enabled": True, "curriculum_learning": {"enabled": True}}}}, ValueError,
      "data_efficiency.data_sampling.curriculum_learning.curriculum_metrics"),
     ({"train_micro_batch_size_per_gpu": 1, "data_efficiency": {"enabled": True, "data_sampling": {
-        "enabled": True, "dynamic_batching": {"enabled": True}}}}, NotImplementedError,
-     "data_efficiency.data_sampling.dynamic_batching"),
+        "enabled": True, "dynamic_batching": {"enabled": True}}}}, ValueError,
+     "data_efficiency.data_sampling.dynamic_batching.max_tokens"),
+    ({"train_micro_batch_size_per_gpu": 1, "data_efficiency": {"enabled": True, "data_sampling": {
+        "enabled": True, "dynamic_batching": {"enabled": True, "max_tokens": 8, "lr_scaling_method": "cubic"}}}},
+     ValueError, "data_efficiency.data_sampling.dynamic_batching.lr_scaling_method"),
 ])
 def test_bad_random_ltd_fails_at_initialize_naming_the_key(cfg, err, key):
     with pytest.raises(err, match=key.replace(".", r"\.")):

@@ -96,7 +96,7 @@ def parse_data_efficiency(param_dict: dict[str, Any]) -> dict[str, Any]:
     data_efficiency_enabled, data_efficiency_config ({enabled, seed, data_sampling, data_routing}) and
     random_ltd_enabled (DeepSpeed reads random_ltd.enabled alone). With data_sampling.curriculum_learning on,
     each metric's keys and index files are checked here, so a bad one fails at initialize naming the key."""
-    from deepspeed_c.runtime.config.utils import unbuilt
+    from deepspeed_c.runtime.data_pipeline.data_sampling.variable_batch_size_and_lr import parse_dynamic_batching
 
     raw = _section(param_dict.get(_DE), _DE)
     enabled = _flag(raw, _DE)
@@ -105,9 +105,7 @@ def parse_data_efficiency(param_dict: dict[str, Any]) -> dict[str, Any]:
     curriculum = _section(sampling.get("curriculum_learning"), f"{_DE}.data_sampling.curriculum_learning")
     sampling_on = _flag(sampling, f"{_DE}.data_sampling")
     curriculum_on = _flag(curriculum, f"{_DE}.data_sampling.curriculum_learning")
-    dynamic = sampling.get("dynamic_batching")
-    if isinstance(dynamic, dict) and dynamic.get("enabled", False):
-        raise unbuilt(f"{_DE}.data_sampling.dynamic_batching", "dynamic batching (variable batch size and LR)")
+    dynamic = parse_dynamic_batching(sampling.get("dynamic_batching"))
     if curriculum_on:
         _check_curriculum_metrics(curriculum)
     routing = _section(raw.get("data_routing"), f"{_DE}.data_routing")
@@ -122,7 +120,8 @@ def parse_data_efficiency(param_dict: dict[str, Any]) -> dict[str, Any]:
                                 "num_epochs": sampling.get("num_epochs", 1000),
                                 "num_workers": sampling.get("num_workers", 0),
                                 "pin_memory": sampling.get("pin_memory", False),
-                                "curriculum_learning": {**copy.deepcopy(curriculum), "enabled": curriculum_on}},
+                                "curriculum_learning": {**copy.deepcopy(curriculum), "enabled": curriculum_on},
+                                "dynamic_batching": dynamic},
               "data_routing": {"enabled": _flag(routing, f"{_DE}.data_routing"), "random_ltd": random_ltd}}
     return {"data_efficiency_enabled": enabled, "data_efficiency_config": config, "random_ltd_enabled": ltd_on,
             "curriculum_learning_enabled": curriculum_on}
