@@ -50,6 +50,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--profile_iters", type=int, default=2)
     ap.add_argument("--intra", action="store_true", help="Domino's intra-layer overlap (default: inter-layer)")
+    ap.add_argument("--tp_max_ctas", type=int, default=0,
+                    help="NCCL: at most this many CTAs (SMs) per collective of the tensor-parallel group, for every "
+                         "system (fewer SMs taken from the overlapped compute); 0: NCCL's default")
     ap.add_argument("--no_deepspeed", action="store_true", help="leave out the real DeepSpeed's Domino")
     return ap.parse_args()
 
@@ -69,6 +72,25 @@ def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
     torch.distributed.barrier()
+
+
+class _OwnTPGroup:
+    """The grid's mpu with its tensor-parallel group rebuilt with NCCL options (max CTAs)."""
+
+    def __init__(self, grid: Any, max_ctas: int) -> None:
+        self._grid = grid
+        opts = torch.distributed.ProcessGroupNCCL.Options()
+        opts.config.max_ctas = max_ctas
+        ranks = sorted(torch.distributed.get_process_group_ranks(grid.get_tensor_model_parallel_group()))
+        self._group = torch.distributed.new_group(ranks, pg_options=opts)
+
+    def get_tensor_model_parallel_group(self) -> Any:
+        return self._group
+
+    get_model_parallel_group = get_slice_parallel_group = get_tensor_model_parallel_group
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._grid, name)
 
 
 class _Intra(torch.nn.Module):
@@ -240,9 +262,12 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> Non
     if real is not None:
         real.init_distributed(dist_backend=backend)  # its comm layer's state
     mpu = PipelineParallelGrid(topology=PipeModelDataParallelTopology(num_pp=1, num_mp=world, num_dp=1))
+    if args.tp_max_ctas > 0 and backend == "nccl":
+        mpu = _OwnTPGroup(mpu, args.tp_max_ctas)
     say: Callable[[str], None] = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
     say(f"Domino benchmark: tp={world} device={args.device} size={args.size} seq={args.seq} micro={args.micro} "
-        f"vocab={args.vocab} schedule={'intra' if args.intra else 'inter'}-layer; DeepSpeed's Domino: "
+        f"vocab={args.vocab} DeepSpeed's schedule={'intra' if args.intra else 'inter'}-layer "
+        f"tp_max_ctas={args.tp_max_ctas or 'default'}; DeepSpeed's Domino: "
         f"{'real DeepSpeed ' + real.__version__ if real is not None else 'not importable (left out)'}")
     small = Bench(args, "tiny", torch.float32, mpu, real, device, 32, 4, 128)
     say("-- correctness, fp32 tiny GPT (loss and every gradient; a system that fails here is not timed)")
