@@ -74,6 +74,8 @@ def _check_small_cases(device: torch.device) -> None:
 
 def bench_kernels(batch: int, seq: int, hidden: int, reps: int, inner: int) -> None:
     device = torch.device("cuda")
+    if token_ops._op("cuda") is None or token_ops._op("cpu") is None:
+        raise SystemExit("the random_ltd_cuda / random_ltd ops did not build: nothing of ours to measure")
     _check_small_cases(device)
     x = torch.randn(batch, seq, hidden, device=device)
     keep = seq // 2
