@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# needs 1 GPU. Issue 40 (long context) short check, ~100 s: (1) FPDT_Attention bf16 parity vs the unchunked Ulysses
-# layer (both against fp32, 8B attention shape, 16K tokens, 4 chunks, offload on/off) + fwd+bwd timings;
+# needs 1 GPU. Issue 40 (long context) short check, ~110 s: (1) FPDT_Attention fp32 parity at 4K (CUDA offload path,
+# 1e-5), then bf16 parity vs the unchunked Ulysses layer (both against fp32, 8B attention shape, 16K tokens,
+# 4 chunks, offload on/off; DeepSpeed's FPDT too if flash-attn is installed) + fwd+bwd timings;
 # (2) ALST one-step search on a 2-layer LLaMA-8B-shaped model (vocab 128256) at 64K -> 128K tokens,
 # deepspeed_c then the real DeepSpeed 0.19.8 in the same process (client torch AdamW for both: no CPU-Adam JIT);
 # (3) FPDT mode (deepspeed_c) on the same 2-layer model at 64K -> 128K on one GPU.
