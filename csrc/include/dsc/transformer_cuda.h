@@ -1,0 +1,60 @@
+/* The fused pieces of DeepSpeedTransformerLayer's training kernel (csrc/cuda/transformer_*.cu);
+ * the GEMMs between them run in cuBLAS through torch.
+ *
+ * Every launcher runs on `stream` without synchronising and returns 0, a cudaError_t (> 0) or a
+ * DSC_CUDA_E* code (< 0). Activations, weights and gradients share one dtype (`dtype`); math runs
+ * in float32; per-row statistics (mean, rstd) and the partial column sums are float32. Tensors are
+ * contiguous row-major [rows, cols]. Plain C: the binding (gcc) includes this header. */
+#ifndef DSC_TRANSFORMER_CUDA_H
+#define DSC_TRANSFORMER_CUDA_H
+
+#include "dsc/cuda_multi_tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The widest row the norm and softmax kernels take (kept in shared memory as float32). */
+#define DSC_TF_MAX_COLS 8192
+
+/* u = f + bias (rounded to dtype; written to u_out when given, which may alias f),
+ * g = gelu(u) (exact, erf) to g_out. bias NULL: no bias (the gelu recompute of gelu_checkpoint). */
+int dsc_tf_bias_gelu(const void *f, const void *bias, void *u_out, void *g_out, int64_t rows, int64_t cols, int dtype,
+                     int device, cudaStream_t stream);
+
+/* In place: dg = dg * gelu'(u). */
+int dsc_tf_gelu_backward(void *dg, const void *u, int64_t n, int dtype, int device, cudaStream_t stream);
+
+/* r = (x + bias) * (keep ? drop_scale : 0) + res, rounded to dtype (bias, keep [rows, cols] uint8 and
+ * res optional); r_out (optional) receives r. With gamma: y = (r - mean) * rstd * gamma + beta
+ * (beta optional) to y_out, mean and rstd (float32 [rows]) to mean_out, rstd_out. */
+int dsc_tf_residual_norm(const void *x, const void *bias, const void *res, const uint8_t *keep, float drop_scale,
+                         const void *gamma, const void *beta, void *r_out, void *y_out, float *mean_out,
+                         float *rstd_out, int64_t rows, int64_t cols, float eps, int dtype, int device,
+                         cudaStream_t stream);
+
+/* LayerNorm backward: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) + extra, g = dy * gamma.
+ * xhat comes from the norm's input (`src` = r, with mean and rstd) or, invertible != 0, from its
+ * output (`src` = y: xhat = (y - beta) / gamma; mean unused). extra (optional) is added (a residual
+ * branch's gradient). Each of the `parts` blocks sums dy * xhat and dy over its rows into
+ * dgamma_part and dbeta_part (float32 [parts, cols]); the caller sums the parts. */
+int dsc_tf_norm_backward(const void *dy, const void *src, const void *gamma, const void *beta, const float *mean,
+                         const float *rstd, const void *extra, void *dx, float *dgamma_part, float *dbeta_part,
+                         int64_t rows, int64_t cols, int64_t parts, int invertible, int dtype, int device,
+                         cudaStream_t stream);
+
+/* In place on scores [B, heads, Sq, Sk]: p = softmax(scale * s + mask) along Sk; mask (optional)
+ * float32 [B, mask_rows, Sk] with mask_rows 1 (one row for every query) or Sq. A row with no
+ * finite score becomes zeros. */
+int dsc_tf_softmax(void *scores, const float *mask, int64_t B, int64_t heads, int64_t Sq, int64_t Sk,
+                   int64_t mask_rows, float scale, int dtype, int device, cudaStream_t stream);
+
+/* In place on dp [rows, cols]: ds = scale * p * (dp - sum_j p_j dp_j). */
+int dsc_tf_softmax_backward(void *dp, const void *p, int64_t rows, int64_t cols, float scale, int dtype, int device,
+                            cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

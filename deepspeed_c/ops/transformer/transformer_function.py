@@ -1,0 +1,155 @@
+"""Forward and backward of DeepSpeedTransformerLayer as one autograd node: the GEMMs run through
+torch (cuBLAS on a GPU), the pieces between them through `fused_ops` (CUDA kernels on a GPU, torch
+on the host). The forward keeps only what the backward needs, and the memory flags trade stored
+activations for recomputation as DeepSpeed documents:
+
+  normalize_invertible     the LayerNorms' inputs are not kept: their backward recovers
+                           xhat = (y - beta) / gamma from the outputs, which are kept anyway
+                           (needs gamma without zeros, as DeepSpeed's kernel does)
+  gelu_checkpoint          the GELU output is not kept: recomputed from the pre-activation
+  attn_dropout_checkpoint  the dropped-out attention probabilities are not kept: recomputed
+                           from the softmax output and the dropout mask
+
+Weight names follow DeepSpeed: attn_qkvw/attn_qkvb (Q, K, V rows stacked), attn_ow/attn_ob,
+attn_nw/attn_nb (the LayerNorm after attention in post-LN, before the FFN in pre-LN),
+inter_w/inter_b, output_w/output_b, norm_w/norm_b (the LayerNorm after the FFN in post-LN, before
+attention in pre-LN)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from deepspeed_c.ops.transformer import fused_ops as ops
+
+WEIGHT_NAMES = ("attn_qkvw", "attn_qkvb", "attn_ow", "attn_ob", "attn_nw", "attn_nb", "inter_w", "inter_b",
+                "output_w", "output_b", "norm_w", "norm_b")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What one call needs from the config (taken once per forward)."""
+    heads: int
+    pre_layer_norm: bool
+    eps: float
+    attn_dropout: float  # 0 when not training
+    hidden_dropout: float
+    normalize_invertible: bool
+    gelu_checkpoint: bool
+    attn_dropout_checkpoint: bool
+
+
+def _keep_mask(shape, p: float, like: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor | None:
+    if p <= 0.0:
+        return None
+    return torch.empty(shape, dtype=torch.bool, device=like.device).bernoulli_(1.0 - p, generator=gen)
+
+
+def _drop_backward(dy: torch.Tensor, keep: torch.Tensor | None, p: float) -> torch.Tensor:
+    return dy if keep is None else dy * keep * (1.0 / (1.0 - p))
+
+
+def _dropped_probs(P: torch.Tensor, keep: torch.Tensor | None, p: float) -> torch.Tensor:
+    return P if keep is None else P * keep * (1.0 / (1.0 - p))
+
+
+class DeepSpeedTransformerFunction(torch.autograd.Function):
+    """apply(spec, generator, x [B, S, H], mask [B, 1 | S, S] additive or None, *weights)."""
+
+    @staticmethod
+    def forward(ctx, spec: LayerSpec, gen, x, mask, *w):
+        (qkvw, qkvb, ow, ob, anw, anb, iw, ib, outw, outb, nw, nb) = w
+        B, S, Hd = x.shape
+        nh, d, T = spec.heads, Hd // spec.heads, B * S
+        scale = d ** -0.5
+        inv = spec.normalize_invertible
+        x2 = x.reshape(T, Hd)
+        k_attn = _keep_mask((B, nh, S, S), spec.attn_dropout, x, gen)
+        k1 = _keep_mask((T, Hd), spec.hidden_dropout, x, gen)
+        k2 = _keep_mask((T, Hd), spec.hidden_dropout, x, gen)
+        s_hid = 1.0 / (1.0 - spec.hidden_dropout)
+
+        h0 = mean0 = rstd0 = None
+        if spec.pre_layer_norm:
+            _, h0, mean0, rstd0 = ops.residual_norm(x2, None, None, None, 1.0, nw, nb, spec.eps, want_r=False)
+        a_in = h0 if spec.pre_layer_norm else x2
+        qkv = F.linear(a_in, qkvw, qkvb)
+        q, k, v = qkv.view(B, S, 3, nh, d).permute(2, 0, 3, 1, 4)
+        P = ops.softmax(torch.matmul(q, k.transpose(-1, -2)), mask, scale)
+        Pd = _dropped_probs(P, k_attn, spec.attn_dropout)
+        ctx2 = torch.matmul(Pd, v).transpose(1, 2).reshape(T, Hd)
+        a = F.linear(ctx2, ow)
+        # r1 stays for the pre-LN output residual either way; it is saved unless invertible.
+        r1, h1, mean1, rstd1 = ops.residual_norm(a, ob, x2, k1, s_hid, anw, anb, spec.eps,
+                                                 want_r=spec.pre_layer_norm or not inv)
+        u, g = ops.bias_gelu(F.linear(h1, iw), ib)
+        o = F.linear(g, outw)
+        r2 = mean2 = rstd2 = None
+        if spec.pre_layer_norm:
+            out, _, _, _ = ops.residual_norm(o, outb, r1, k2, s_hid, None, None, spec.eps, want_r=True)
+        else:
+            r2, out, mean2, rstd2 = ops.residual_norm(o, outb, h1, k2, s_hid, nw, nb, spec.eps, want_r=not inv)
+
+        keep_x = not (spec.pre_layer_norm and inv)
+        ctx.spec, ctx.shape = spec, (B, S, Hd)
+        ctx.save_for_backward(
+            x2 if keep_x else None, h0, None if inv else mean0, rstd0, qkv, P,
+            None if (spec.attn_dropout_checkpoint or k_attn is None) else Pd, k_attn, ctx2,
+            None if inv else r1, h1, None if inv else mean1, rstd1, k1, u, None if spec.gelu_checkpoint else g, k2,
+            out if (inv and not spec.pre_layer_norm) else None, r2, None if inv else mean2, rstd2, *w)
+        return out.view(B, S, Hd)
+
+    @staticmethod
+    def backward(ctx, dout):
+        spec: LayerSpec = ctx.spec
+        B, S, Hd = ctx.shape
+        nh, d, T = spec.heads, Hd // spec.heads, B * S
+        scale = d ** -0.5
+        inv = spec.normalize_invertible
+        (x2, h0, mean0, rstd0, qkv, P, Pd, k_attn, ctx2, r1, h1, mean1, rstd1, k1, u, g, k2, out, r2, mean2, rstd2,
+         qkvw, qkvb, ow, ob, anw, anb, iw, ib, outw, outb, nw, nb) = ctx.saved_tensors
+        dout = dout.reshape(T, Hd).contiguous()
+        dnw = dnb = None
+
+        # FFN output: pre-LN out = r1 + drop(o + outb); post-LN out = LN(h1 + drop(o + outb)).
+        if spec.pre_layer_norm:
+            dr2 = dout
+        else:
+            dr2, dnw, dnb = ops.norm_backward(dout, out if inv else r2, nw, nb, mean2, rstd2, inv, None)
+        do_ = _drop_backward(dr2, k2, spec.hidden_dropout)
+        doutb = do_.sum(dim=0)
+        doutw = do_.t().mm(g if g is not None else ops.gelu(u))
+        du = ops.gelu_backward(do_.mm(outw), u)
+        dib = du.sum(dim=0)
+        diw = du.t().mm(h1)
+        dh1 = du.mm(iw) if spec.pre_layer_norm else torch.addmm(dr2, du, iw)
+
+        # Attention output: r1 = x + drop(a + ob), h1 = LN(r1); pre-LN's r1 also feeds the output.
+        dr1, danw, danb = ops.norm_backward(dh1, h1 if inv else r1, anw, anb, mean1, rstd1, inv,
+                                            dout if spec.pre_layer_norm else None)
+        da = _drop_backward(dr1, k1, spec.hidden_dropout)
+        dob = da.sum(dim=0)
+        dow = da.t().mm(ctx2)
+        dctx = da.mm(ow).view(B, S, nh, d).transpose(1, 2)
+
+        q, k, v = qkv.view(B, S, 3, nh, d).permute(2, 0, 3, 1, 4)
+        if Pd is None:
+            Pd = _dropped_probs(P, k_attn, spec.attn_dropout)
+        dqkv = torch.empty(B, S, 3, nh, d, dtype=qkv.dtype, device=qkv.device)
+        dq, dk, dv = dqkv.permute(2, 0, 3, 1, 4)
+        dv.copy_(torch.matmul(Pd.transpose(-1, -2), dctx))
+        dP = _drop_backward(torch.matmul(dctx, v.transpose(-1, -2)), k_attn, spec.attn_dropout)
+        dS = ops.softmax_backward(dP.contiguous(), P, scale)
+        dq.copy_(torch.matmul(dS, k))
+        dk.copy_(torch.matmul(dS.transpose(-1, -2), q))
+        dqkv = dqkv.view(T, 3 * Hd)
+        dqkvb = dqkv.sum(dim=0)
+        a_in = h0 if spec.pre_layer_norm else x2
+        dqkvw = dqkv.t().mm(a_in)
+        if spec.pre_layer_norm:
+            dx, dnw, dnb = ops.norm_backward(dqkv.mm(qkvw), h0 if inv else x2, nw, nb, mean0, rstd0, inv, dr1)
+        else:
+            dx = torch.addmm(dr1, dqkv, qkvw)
+        return (None, None, dx.view(B, S, Hd), None, dqkvw, dqkvb, dow, dob, danw, danb, diw, dib, doutw, doutb,
+                dnw, dnb)
