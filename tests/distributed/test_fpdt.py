@@ -9,7 +9,8 @@ Ulysses layer (DistributedAttention on contiguous slices) runs on the same data 
 with one chunk, whose layout is the contiguous one, equals it directly.
 
 One 2-rank launch covers attention with offload off and on (4 chunks, GQA), the FFN, the logits loss and
-the bad inputs; one 4-rank launch covers attention with 2 chunks, offload on."""
+the bad inputs; one 4-rank launch covers attention with 2 chunks, offload on. Under DSC_TEST_BACKEND=nccl the
+ranks work on their GPUs (fp32: FPDT's exact math path with the CUDA offload streams and pinned buffers)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.harness import run_distributed
+from tests.harness import rank_device, run_distributed
 
 B, HD, HIDDEN, VOCAB = 2, 8, 32, 24
 
@@ -47,7 +48,7 @@ def _dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     g = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)
     s = torch.matmul(q.transpose(1, 2), k.transpose(1, 2).transpose(-1, -2)) * q.shape[-1] ** -0.5
-    s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     return torch.matmul(torch.softmax(s, dim=-1), v.transpose(1, 2)).transpose(1, 2)
 
 
@@ -228,7 +229,9 @@ def _body(rank: int, world: int, heads: int, kv_heads: int, seq: int, chunk: int
     torch.manual_seed(0)
     group = dist.new_group(list(range(world)))
     w = _weights(heads, kv_heads, seq)
-    ref = _reference_attention(w, heads, kv_heads)
+    ref = _reference_attention(w, heads, kv_heads)  # on the host, float64
+    dev = rank_device()  # cuda:rank under DSC_TEST_BACKEND=nccl: then FPDT's CUDA offload path runs
+    w, ref = ({k: v.to(dev) for k, v in d.items()} for d in (w, ref))
     res = {"on": _fpdt_attention(w, ref, heads, kv_heads, chunk, True, group)["errs"]}
     if not full:
         return res
