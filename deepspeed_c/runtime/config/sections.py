@@ -137,12 +137,10 @@ def _present(raw: Any) -> bool:
 
 UNBUILT_SECTIONS: dict[str, tuple[str, Any]] = {
     "sparse_attention": ("sparse attention", _present),
-    "compression_training": ("compression training", _present),
     "weight_quantization": ("weight quantization", _present),
     "elasticity": ("elastic training", _enabled),
     "expert_parallel": ("AutoEP expert parallelism (MoE)", _enabled),
     "nebula": ("Nebula checkpointing", _enabled),
-    "quantize_training": ("MoQ quantized training", _enabled),
 }
 
 
@@ -196,8 +194,13 @@ def parse_misc_sections(param_dict: dict[str, Any]) -> dict[str, Any]:
     from deepspeed_c.runtime.data_pipeline.config import parse_data_efficiency
 
     data_efficiency = parse_data_efficiency(param_dict)
+    from deepspeed_c.compression.config import get_compression_config  # bad keys fail here, naming the closest
+    from deepspeed_c.compression.moq import parse_quantize_training
+
+    compression_config = get_compression_config(param_dict)
+    parse_quantize_training(param_dict)
     return {
-        "pipeline_config": pipeline,
+        "pipeline_config": pipeline, "compression_config": compression_config,
         "curriculum_enabled_legacy": curriculum_enabled, "curriculum_params_legacy": curriculum_params,
         **data_efficiency,
         "flops_profiler_config": flops, "autotuning_config": autotuning, "eigenvalue_config": eigen, "pld_config": pld,

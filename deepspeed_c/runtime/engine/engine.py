@@ -117,6 +117,11 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
         self._configure_distributed_model(model)
         self.param_names = {param: name for name, param in model.named_parameters()}
         self._params = list(model.parameters())  # walked every step: keep the list, not the module tree
+        from deepspeed_c.compression.engine_hooks import configure as configure_compression
+
+        self.compression_hooks = configure_compression(self)  # compression_training / quantize_training (MoQ)
+        self.compression_scheduler = self.compression_hooks.scheduler if self.compression_hooks else None
+        self.quantizer = self.compression_hooks.quantizer if self.compression_hooks else None
         if self.torch_autocast_enabled():
             from deepspeed_c.runtime.torch_autocast import init_autocast_params
 
@@ -332,6 +337,8 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
     # -- forward ---------------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         self.backward_state.forward_started()  # a backward that raised never ran its epilogue
+        if self.compression_hooks is not None:
+            self.compression_hooks.before_forward(self.global_steps, self._params)
         if self.training_dataloader is None:
             self.tput_timer.start()
         self.report.start(rep.FORWARD_TIMERS)
@@ -437,6 +444,8 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
         self.stepper.before_step(self._params)
         overflow = bool(self.stepper.step())
         self._global_grad_norm = self.stepper.global_grad_norm
+        if self.compression_hooks is not None:  # MoQ requantizes; the compression schedule advances
+            self.compression_hooks.after_step(overflow, self.global_steps, self._params)
         self.stepper.zero_grad()
         self._step_applied = not overflow
         if overflow:
