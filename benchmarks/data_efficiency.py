@@ -59,11 +59,13 @@ def _check_small_cases(device: torch.device) -> None:
             part = torch.randn((B, K, H) if bf else (K, B, H), dtype=torch.float64).to(dtype)
             xd, idd, pd = x.to(device), idx.to(device), part.to(device)
             got = [token_ops.gather(xd, idd, bf), token_ops.scatter(xd, pd, idd, bf),
-                   token_ops.scatter(xd, pd, idd, bf, accumulate=True), token_ops.scatter(xd, None, idd, bf)]
+                   token_ops.scatter(xd, pd, idd, bf, accumulate=True), token_ops.scatter(xd, None, idd, bf),
+                   token_ops.scatter(None, pd, idd, bf, accumulate=True, like=xd)]
             assert cpu is not None
             want = [token_ops.gather(x, idx, bf), token_ops.scatter(x, part, idx, bf),
-                    token_ops.scatter(x, part, idx, bf, accumulate=True), token_ops.scatter(x, None, idx, bf)]
-            for name, g, w in zip(("gather", "scatter", "scatter-add", "scatter-zero"), got, want):
+                    token_ops.scatter(x, part, idx, bf, accumulate=True), token_ops.scatter(x, None, idx, bf),
+                    token_ops.scatter(None, part, idx, bf, accumulate=True, like=x)]
+            for name, g, w in zip(("gather", "scatter", "scatter-add", "scatter-zero", "zeros-add"), got, want):
                 if not torch.equal(g.cpu(), w):
                     raise AssertionError(f"{name} {dtype} batch_first={bf}: CUDA kernel != C reference")
     mask = torch.rand(1, 2, 37, 37) > 0.5
