@@ -2,7 +2,7 @@
 
 Sections (random-weight models built from configs, no downloads; bf16 on a GPU):
   quant  weight-only int8 / int4 (quant section, group 128) vs bf16, kernel-injected LLaMA-shaped decoder, batch 1
-         decode. Correctness: the quant_gemv / dequantize CUDA kernels against the torch reference, and each
+         decode, all three with enable_cuda_graph (the decode step replayed). Correctness: the quant_gemv / dequantize CUDA kernels against the torch reference, and each
          quantized model's prefill logits against the bf16 model's (quantization error, printed).
   bert   BERT-large masked LM, kernel-injected encoder (ours) vs HF eager vs HF sdpa, batch x seq with padding.
          Correctness: each system's logits against the fp32 HF model (a system over 3x HF bf16's error: WRONG).
@@ -125,8 +125,10 @@ def quant(args: argparse.Namespace) -> None:
     group = 128 if args.hidden % 128 == 0 else 16
     for name, q in (("bf16", None), ("int8", 8), ("int4", 4)):
         extra = {"quant": {"weight": {"num_bits": q, "group_size": group}}} if q else {}
+        # CUDA graphs on a GPU: at batch 1 the decode step is otherwise launch-bound, not weight-bound
         engines[name] = deepspeed_c.init_inference(copy.deepcopy(base), dtype=dt, replace_with_kernel_inject=True,
-                                                   max_out_tokens=args.prompt + args.new + 8, **extra)
+                                                   max_out_tokens=args.prompt + args.new + 8,
+                                                   enable_cuda_graph=dev != "cpu", **extra)
     del base
     with torch.no_grad():
         ref = engines["bf16"](input_ids=ids).logits
