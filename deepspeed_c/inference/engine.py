@@ -1,12 +1,15 @@
 """deepspeed.inference.engine.InferenceEngine: what init_inference returns.
 
-Set-up order (each step a collaborator): dtype conversion -> tensor-parallel group -> one of
-  1. the user's injection_policy (AutoTP with the named row-parallel layers),
-  2. kernel injection (module_inject.kernel_inject.inject; an architecture without kernels falls back
-     to AutoTP with a warning naming it),
+Set-up order (each step a collaborator): dtype conversion (deferred to quantization when weights are
+quantized) -> tensor-parallel group -> one of
+  1. the user's injection_policy without kernel injection (AutoTP with the named row-parallel layers),
+  2. kernel injection (module_inject.kernel_inject.inject: decoders whole, per TP rank; encoder layers;
+     an architecture without kernels falls back to AutoTP with a warning naming it),
   3. AutoTP when tensor_parallel.tp_size > 1
--> checkpoint files loaded shard by shard -> the module moved to the accelerator (unless
-keep_module_on_host). `module` is the (sharded / injected) model; forward, __call__ and generate pass
+-> checkpoint files loaded shard by shard (or a save_mp_checkpoint_path folder: the model prepared as
+saved, then each rank's own files: mp_checkpoint) -> MoE experts sharded (moe_inference) -> weights
+quantized (quant section / int8) -> sharded checkpoint written (save_mp_checkpoint_path) -> ZeRO-Inference
+layer streaming (zero_inference) -> the module moved to the accelerator (unless keep_module_on_host). `module` is the (sharded / injected) model; forward, __call__ and generate pass
 through to it, so `pipeline("text-generation", model=engine.module, ...)` works on every rank."""
 from __future__ import annotations
 
