@@ -398,7 +398,10 @@ def _keep_object(obj: Path, kept: Path, log_entry: str) -> None:
 
 
 def _run(cmd: list[str]) -> tuple[int, str]:
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # the compilers never run with a sanitizer runtime preloaded (scripts/sanitize_tests.sh preloads libasan
+    # into the Python process; nvcc crashes under it)
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"} if "LD_PRELOAD" in os.environ else None
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     return proc.returncode, proc.stdout
 
 
