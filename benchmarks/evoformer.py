@@ -1,0 +1,194 @@
+"""DS4Sci_EvoformerAttention (ours: flash-style CUDA kernels) side by side with a naive
+implementation (materialised [B, N, H, L, L] scores), torch SDPA with the two biases materialised
+as one [B*N, H, L, L] mask, FlexAttention with the biases as a score_mod, and DeepSpeed's CUTLASS
+kernel when it builds. One GPU.
+
+First a correctness table: our fp16/bf16 kernels against float32 naive math (outputs and the
+gradients of Q, K, V, the mask bias and the pair bias, relative max error), on small odd shapes
+and on the benchmark shape. Then forward+backward time (median of interleaved reps) and peak
+memory above the inputs, with ratios against ours.
+
+    python benchmarks/evoformer.py                      # L 512, N 128, 4 heads, D 32 (the issue's bar)
+    python benchmarks/evoformer.py --small              # a quick pass (.devrun/gpu_41.sh)
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from deepspeed_c.ops.deepspeed4science import DS4Sci_EvoformerAttention  # noqa: E402
+
+
+def naive(q, k, v, b1, b2):
+    qh, kh, vh = (t.transpose(-2, -3) for t in (q, k, v))
+    s = torch.matmul(qh, kh.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+    s = s + b1 + b2
+    return torch.matmul(torch.softmax(s.float(), dim=-1).to(q.dtype), vh).transpose(-2, -3)
+
+
+def sdpa(q, k, v, b1, b2):
+    B, N, L, H, D = q.shape
+    bias = (b1 + b2).expand(B, N, H, L, L).reshape(B * N, H, L, L)  # materialised
+    qh, kh, vh = (t.reshape(B * N, L, H, D).transpose(1, 2) for t in (q, k, v))
+    o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias)
+    return o.transpose(1, 2).reshape(B, N, L, H, D)
+
+
+def make_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    compiled = torch.compile(flex_attention)
+
+    def flex(q, k, v, b1, b2):
+        B, N, L, H, D = q.shape
+        m = b1.reshape(B * N, L)
+        p = b2.reshape(B, H, L, L)
+
+        def score_mod(score, b, h, qi, ki):
+            return score + m[b, ki] + p[b // N, h, qi, ki]
+
+        qh, kh, vh = (t.reshape(B * N, L, H, D).transpose(1, 2) for t in (q, k, v))
+        o = compiled(qh, kh, vh, score_mod=score_mod)
+        return o.transpose(1, 2).reshape(B, N, L, H, D)
+
+    return flex
+
+
+def deepspeed_fn():
+    from deepspeed.ops.deepspeed4science import DS4Sci_EvoformerAttention as ds_attn
+
+    return lambda q, k, v, b1, b2: ds_attn(q, k, v, [b1, b2])
+
+
+def ours(q, k, v, b1, b2):
+    return DS4Sci_EvoformerAttention(q, k, v, [b1, b2])
+
+
+def inputs(B, N, L, H, D, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(B, N, L, H, D, device="cuda", dtype=dtype, generator=g) for _ in range(3))
+    keep = torch.rand(B, N, 1, 1, L, device="cuda", generator=g) > 0.2
+    keep[..., 0] = True
+    b1 = ((keep.float() - 1) * 1e4).to(dtype)  # large negative for masked keys (finite in fp16)
+    b2 = torch.randn(B, 1, H, L, L, device="cuda", dtype=dtype, generator=g)
+    return q, k, v, b1, b2
+
+
+def fwd_bwd(fn, tensors, d_o):
+    leaves = [t.detach().requires_grad_(True) for t in tensors]
+    out = fn(*leaves)
+    out.backward(d_o)
+    return out.detach(), [t.grad for t in leaves]
+
+
+def rel_err(a, b):
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+
+
+def check(shapes, dtypes) -> bool:
+    """Ours (fp16/bf16) against float32 naive math; prints one row per case."""
+    ok = True
+    print("correctness: ours vs float32 naive (max |err| / max |ref|)")
+    print(f"{'shape B,N,L,H,D':>22} {'dtype':>9} {'out':>9} {'dQ':>9} {'dK':>9} {'dV':>9} {'dmask':>9} {'dpair':>9}")
+    for shape in shapes:
+        for dtype in dtypes:
+            t = inputs(*shape, dtype=dtype, seed=sum(shape))
+            d_o = torch.randn_like(t[0])
+            want, wg = fwd_bwd(naive, [x.float() for x in t], d_o.float())
+            got, gg = fwd_bwd(ours, t, d_o)
+            errs = [rel_err(got, want)] + [rel_err(a, b) for a, b in zip(gg, wg)]
+            tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
+            good = all(e < tol for e in errs) and all(torch.isfinite(x).all() for x in [got, *gg])
+            ok &= good
+            print(f"{str(shape):>22} {str(dtype)[6:]:>9} " + " ".join(f"{e:9.2e}" for e in errs)
+                  + ("" if good else f"  FAIL (tol {tol})"))
+    return ok
+
+
+def bench(shape, dtype, reps: int, systems: dict) -> None:
+    t = inputs(*shape, dtype=dtype)
+    d_o = torch.randn_like(t[0])
+    want, wg = fwd_bwd(ours, t, d_o)
+    live = {}
+    for name, fn in systems.items():
+        try:
+            out, grads = fwd_bwd(fn, t, d_o)
+            err = max([rel_err(out, want)] + [rel_err(a, b) for a, b in zip(grads, wg)])
+            live[name] = fn
+            print(f"  {name}: agrees with ours to {err:.2e} (max rel err over out and all grads)")
+        except Exception as e:  # a competitor that does not run here is reported and dropped
+            print(f"  {name}: not run: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    torch.cuda.synchronize()
+    peak = {}
+    for name, fn in live.items():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fwd_bwd(fn, t, d_o)
+        torch.cuda.synchronize()
+        peak[name] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    times = {name: [] for name in live}
+    for _ in range(reps):
+        for name, fn in live.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fwd_bwd(fn, t, d_o)
+            end.record()
+            torch.cuda.synchronize()
+            times[name].append(start.elapsed_time(end))
+    B, N, L, H, D = shape
+    print(f"\nforward+backward, B={B} N={N} L={L} H={H} D={D} {str(dtype)[6:]}, median of {reps} interleaved reps")
+    print(f"{'system':>12} {'ms':>9} {'vs ours':>9} {'peak MiB':>10} {'mem vs ours':>12}")
+    ms_ours = statistics.median(times["ours"])
+    for name in live:
+        ms = statistics.median(times[name])
+        print(f"{name:>12} {ms:9.3f} {ms / ms_ours:8.2f}x {peak[name]:10.1f} {peak[name] / peak['ours']:11.2f}x")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--small", action="store_true", help="fewer reps and a smaller N")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--nseq", type=int, default=128)
+    ap.add_argument("--length", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--dim", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compile takes a while)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/evoformer.py needs a GPU")
+    reps = 5 if args.small else args.reps
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    ok = check([(1, 2, 17, 2, 8), (2, 3, 100, 4, 32), (1, 2, 130, 2, 64)], [torch.float16, torch.bfloat16])
+    shape = (args.batch, args.nseq, args.length, args.heads, args.dim)
+    ok &= check([shape], [torch.bfloat16])
+    systems = {"ours": ours, "naive": naive, "sdpa": sdpa}
+    if not args.no_flex:
+        try:
+            systems["flex"] = make_flex()
+        except Exception as e:
+            print(f"  flex: not available: {type(e).__name__}: {e}")
+    try:
+        systems["deepspeed"] = deepspeed_fn()
+    except Exception as e:
+        print(f"  deepspeed: not available: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    for dtype in (torch.bfloat16,) if args.small else (torch.bfloat16, torch.float16):
+        try:
+            bench(shape, dtype, reps, systems)
+        except Exception:
+            traceback.print_exc()
+            ok = False
+    print("\nevoformer correctness:", "PASS" if ok else "FAIL")
+
+
+if __name__ == "__main__":
+    main()
