@@ -143,9 +143,9 @@ def _group_params(technique: str, name: str, raw: dict) -> dict:
             raise CompressionConfigError(f"compression_training.{where}: target_bits ({target}) > start_bits "
                                          f"({start}); the bit schedule only steps down")
         period = out[C.WEIGHT_QUANTIZATION_PERIOD]
-        if not isinstance(period, int) or period < 1:
+        if not isinstance(period, int) or period < 0:
             raise CompressionConfigError(f"compression_training.{where}.{C.WEIGHT_QUANTIZATION_PERIOD} = "
-                                         f"{period!r}: expected an int >= 1")
+                                         f"{period!r}: expected an int >= 0")
     elif technique == C.ACTIVATION_QUANTIZATION:
         if out[C.ACTIVATION_QUANTIZE_BITS] not in (4, 8):
             raise CompressionConfigError(f"compression_training.{where}.{C.ACTIVATION_QUANTIZE_BITS} = "
@@ -186,8 +186,9 @@ def _technique(technique: str, raw: dict) -> dict:
                                     or not all(isinstance(r, list) for r in related)):
             raise CompressionConfigError(f"compression_training.{where}.{C.DIFFERENT_GROUPS_RELATED_MODULE_SCOPE}"
                                          f" = {related!r}: expected one list of patterns per entry of 'modules'")
-        groups[name] = {C.DIFFERENT_GROUPS_PARAMETERS: _group_params(technique, name, dict(group[C.DIFFERENT_GROUPS_PARAMETERS])),
-                        C.DIFFERENT_GROUPS_MODULE_SCOPE: modules, C.DIFFERENT_GROUPS_RELATED_MODULE_SCOPE: related}
+        params = _group_params(technique, name, dict(group[C.DIFFERENT_GROUPS_PARAMETERS]))
+        groups[name] = {C.DIFFERENT_GROUPS_PARAMETERS: params, C.DIFFERENT_GROUPS_MODULE_SCOPE: modules,
+                        C.DIFFERENT_GROUPS_RELATED_MODULE_SCOPE: related}
     return {C.SHARED_PARAMETERS: shared, C.DIFFERENT_GROUPS: groups}
 
 

@@ -58,6 +58,7 @@ class CompressMixin:
 
     weight: nn.Parameter
     bias: Optional[nn.Parameter]
+    _warned_in_forward = False
 
     def _init_compress_state(self) -> None:
         self.weight.start_bits = None
@@ -85,7 +86,8 @@ class CompressMixin:
         self.weight.target_bits = target_bits
         self.weight.q_period = period
         self.weight_quantization_enabled_in_forward = in_forward
-        if in_forward:
+        if in_forward and not CompressMixin._warned_in_forward:
+            CompressMixin._warned_in_forward = True  # once per process, not once per layer
             logger.warning("quantize_weight_in_forward: the weights are fake-quantized at target_bits in every "
                            "forward; MoQ's bit schedule (start_bits -> target_bits) applies only without it")
 
