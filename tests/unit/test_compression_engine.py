@@ -148,3 +148,31 @@ def test_bad_input_named():
     with pytest.raises(CompressionConfigError, match=r"quantize_training.quantize_bits: target_bits \(8\) > start_bits"):
         deepspeed_c.initialize(model=_bert(), config=_cfg({}, quantize_training={
             "enabled": True, "quantize_bits": {"start_bits": 4, "target_bits": 8}}))
+
+
+def test_moq_eigenvalue_stretches_each_blocks_period():
+    """runtime/eigenvalue.py's block eigenvalues (normalised to [0, 1]) time MoQ: at a block's bit drop its period
+    becomes (period << 1) * (1 + floor(4 * eigenvalue)), DeepSpeed's rule (whose 0.19.6 code path is broken)."""
+    import math
+
+    from deepspeed_c.runtime.eigenvalue import Eigenvalue
+
+    torch.manual_seed(0)
+    model = cases.TinyBert(2)
+    x, y = cases._inputs("bert")
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    grads = torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g
+    block_eigenvalue = Eigenvalue(max_iter=20, tol=1e-3, layer_name="layer", layer_num=2).compute_eigenvalue(model)
+    assert {b for _, b in block_eigenvalue.values()} == {0, 1}
+    weights = [p for p in model.layer.parameters() if p.dim() > 1]
+    for p in weights:
+        p.start_bits, p.target_bits, p.q_period = 8, 4, 1
+    q = Quantizer(q_groups=1, q_type="symmetric", q_rounding="nearest", q_eigenvalue=True, layer_num=2)
+    q.quantize([weights], False, True, block_eigenvalue)
+    for p in weights:
+        ev, _ = block_eigenvalue[id(p)]
+        assert (p.start_bits, p.q_period) == (7, 2 * (1 + math.floor(ev * 4)))
+    assert max(ev for ev, _ in block_eigenvalue.values()) == 1.0  # the sharpest block waits 5x longer
+    assert q.any_precision_switch()
