@@ -44,7 +44,7 @@ def _dtype(value: Any) -> torch.dtype | None:
     key = str(value).replace("torch.", "").lower()
     if key not in names:
         raise NotImplementedError(f"dtype={value!r}: the injected kernels run float32, float16 or bfloat16 "
-                                  "(int8 weight quantization is not built for kernel injection)")
+                                  "(int8/int4 weights: init_inference quantizes the injected blocks after inject)")
     return names[key]
 
 

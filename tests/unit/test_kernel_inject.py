@@ -2,7 +2,7 @@
 LLaMA (GQA 5:1 with 5 heads; 4 kv heads for 4 heads), Mistral (GQA 3:1) and Qwen2 (q/k/v biases)
 give HF eager's greedy tokens for 64 new tokens through `generate()` and its logits at every step
 (fp32); a left-padded batch with an attention mask; beam search (the cache reordered); the errors
-(KV cache overflow past max_out_tokens, a stale cache handle, tp_size > 1, an architecture without
+(KV cache overflow past max_out_tokens, a stale cache handle, tp_size > 1 without its group, an architecture without
 kernels returns None). Also runs under transformers 4.35 (PYTHONPATH=/tmp/tf4, from .whl_tf4/; the
 real DeepSpeed's injection needs its legacy tuple caches) except the qwen2 case (no Qwen2 there)."""
 from __future__ import annotations
@@ -60,7 +60,7 @@ def test_errors():
         inj(ids)  # a new sequence
         with pytest.raises(ValueError, match="earlier sequence"):
             inj(ids[:, :1], past_key_values=first)
-    with pytest.raises(NotImplementedError, match="tp_size=2"):
+    with pytest.raises(ValueError, match="tp_size=2 needs the tensor-parallel process group"):
         inject(tiny_model("gpt2"), SimpleNamespace(tensor_parallel=SimpleNamespace(tp_size=2)))
     with pytest.raises(NotImplementedError, match="dtype='int8'"):
         inject(tiny_model("gpt2"), SimpleNamespace(dtype="int8"))
