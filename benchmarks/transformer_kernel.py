@@ -3,7 +3,8 @@ Hugging Face's BertLayer, eager and under torch.compile, on a BERT-Large layer s
 16 heads, FFN 4096), one training step = forward + backward. DeepSpeed's own transformer kernel
 joins when it builds (its error is printed otherwise). One GPU.
 
-First correctness: our fp16/bf16 layer against float32 references (post-LN: HF BertLayer with the
+"ours" runs the attention core through torch's fused SDPA (the GPU default), "ours-softmax"
+through our masked-softmax kernel between two GEMMs. First correctness: our fp16/bf16 layer against float32 references (post-LN: HF BertLayer with the
 same weights; pre-LN: the layer written out in torch), odd sequence lengths and random padding
 masks, and every memory flag on against off. Then step time (median of interleaved reps),
 tokens/s and ratios; then the activation memory a forward keeps with and without the memory flags.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import statistics
 import sys
 import traceback
@@ -107,8 +109,8 @@ def check(hidden, heads, inter) -> bool:
 
     ok = True
     print("correctness: ours (fp16/bf16, CUDA kernels) vs float32 reference; max |err| / max |ref|")
-    print(f"{'case':>34} {'dtype':>9} {'out':>9} {'dx':>9} {'worst dW':>9}")
-    for pre_ln in (False, True):
+    print(f"{'case':>40} {'dtype':>9} {'out':>9} {'dx':>9} {'worst dW':>9}")
+    for pre_ln, impl in itertools.product((False, True), ("sdpa", "softmax")):
         for S in (13, 128):
             for dtype in (torch.float16, torch.bfloat16):
                 torch.manual_seed(S)
@@ -127,17 +129,18 @@ def check(hidden, heads, inter) -> bool:
                 ref_grads = ({n: ref.w[n].grad for n in WEIGHT_NAMES} if pre_ln else
                              {n: g for n, g in zip(WEIGHT_NAMES, hf_grads(hf))})
                 ours = copy.deepcopy(layer).to(dtype)
+                ours.attention_impl = impl
                 got, got_dx = step(ours, x.to(dtype), mask.to(dtype).clamp_min(-1e4))
                 dw = max(rel_err(getattr(ours, n).grad, ref_grads[n]) for n in WEIGHT_NAMES)
                 errs = [rel_err(got, want), rel_err(got_dx, want_dx), dw]
                 tol = 4e-2 if dtype == torch.bfloat16 else 1e-2
                 good = all(e < tol for e in errs)
                 ok &= good
-                name = f"{'pre' if pre_ln else 'post'}-LN S={S} masked"
-                print(f"{name:>34} {str(dtype)[6:]:>9} " + " ".join(f"{e:9.2e}" for e in errs)
+                name = f"{'pre' if pre_ln else 'post'}-LN {impl} S={S} masked"
+                print(f"{name:>40} {str(dtype)[6:]:>9} " + " ".join(f"{e:9.2e}" for e in errs)
                       + ("" if good else f"  FAIL (tol {tol})"))
     # every flag combination against flags off, bf16, dropout on (one seed: the same masks)
-    for pre_ln in (False, True):
+    for pre_ln, impl in itertools.product((False, True), ("sdpa", "softmax")):
         x = torch.randn(4, 77, hidden, device="cuda", dtype=torch.bfloat16)
         mask = padding_mask(4, 77, torch.bfloat16, 1).clamp_min(-1e4)
         base = None
@@ -149,6 +152,7 @@ def check(hidden, heads, inter) -> bool:
                                                         **dict(zip(FLAGS, combo))))
             layer.config.layer_id = 0
             layer = layer.cuda().to(torch.bfloat16)
+            layer.attention_impl = impl
             out, dx = step(layer, x, mask)
             res = [out, dx] + [getattr(layer, n).grad for n in WEIGHT_NAMES]
             if base is None:
@@ -156,7 +160,8 @@ def check(hidden, heads, inter) -> bool:
             worst = max([worst] + [rel_err(a, b) for a, b in zip(res, base)])
         good = worst < 2e-2
         ok &= good
-        print(f"{('pre' if pre_ln else 'post') + '-LN flags on vs off S=77':>34} {'bf16':>9} {worst:9.2e}"
+        name = f"{'pre' if pre_ln else 'post'}-LN {impl} flags on vs off S=77"
+        print(f"{name:>40} {'bf16':>9} {worst:9.2e}"
               + ("" if good else "  FAIL"))
     return ok
 
@@ -192,9 +197,13 @@ def bench(hidden, heads, inter, n_layers, B, S, dtype, reps, compile_hf: bool, w
     dropout = 0.1
     torch.manual_seed(0)
     hf_layers = [BertLayer(bert_config(hidden, heads, inter, dropout)).cuda().to(dtype) for _ in range(n_layers)]
-    systems = {"ours": lambda: Stack([layer_from_bert(layer, ds_config(hidden, heads, inter, dropout))
-                                      for layer in hf_layers]),
-               "hf": lambda: Stack(hf_layers)}
+    def ours(impl):
+        stack = Stack([layer_from_bert(layer, ds_config(hidden, heads, inter, dropout)) for layer in hf_layers])
+        for layer in stack.layers:
+            layer.attention_impl = impl
+        return stack
+
+    systems = {"ours": lambda: ours("sdpa"), "ours-softmax": lambda: ours("softmax"), "hf": lambda: Stack(hf_layers)}
     if compile_hf:
         systems["hf-compile"] = lambda: torch.compile(Stack(hf_layers))
     try:
@@ -250,16 +259,20 @@ def activation_memory(hidden, heads, inter, n_layers, B, S, dtype) -> None:
     x = torch.randn(B, S, hidden, device="cuda", dtype=dtype, requires_grad=True)
     mask = padding_mask(B, S, dtype, 0).clamp_min(-1e4)
     rows = []
-    variants = [("hf", None), ("ours", {}), ("ours +normalize_invertible", {"normalize_invertible": True}),
-                ("ours +gelu_checkpoint", {"gelu_checkpoint": True}),
-                ("ours +attn_dropout_checkpoint", {"attn_dropout_checkpoint": True}),
-                ("ours, all three flags", dict.fromkeys(FLAGS, True))]
-    for name, flags in variants:
+    variants = [("hf", None, None), ("ours", {}, "sdpa"), ("ours-softmax", {}, "softmax"),
+                ("ours-softmax +normalize_invertible", {"normalize_invertible": True}, "softmax"),
+                ("ours-softmax +gelu_checkpoint", {"gelu_checkpoint": True}, "softmax"),
+                ("ours-softmax +attn_dropout_checkpoint", {"attn_dropout_checkpoint": True}, "softmax"),
+                ("ours-softmax, all three flags", dict.fromkeys(FLAGS, True), "softmax"),
+                ("ours, all three flags", dict.fromkeys(FLAGS, True), "sdpa")]
+    for name, flags, impl in variants:
         if flags is None:
             model = Stack([BertLayer(bert_config(hidden, heads, inter, 0.1)) for _ in range(n_layers)])
         else:
             model = Stack([DeepSpeedTransformerLayer(ds_config(hidden, heads, inter, 0.1, **flags))
                            for _ in range(n_layers)])
+            for layer in model.layers:
+                layer.attention_impl = impl
         model = model.cuda().to(dtype).train()
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
@@ -274,7 +287,7 @@ def activation_memory(hidden, heads, inter, n_layers, B, S, dtype) -> None:
           f"{str(dtype)[6:]}, dropout 0.1")
     base = max(dict(rows)["ours"], 1e-9)
     for name, kept in rows:
-        print(f"{name:>32} {kept:10.1f} MiB {kept / base:7.2f}x of ours")
+        print(f"{name:>38} {kept:10.1f} MiB {kept / base:7.2f}x of ours")
 
 
 def main() -> None:

@@ -245,3 +245,27 @@ def test_memory_flags_store_less(pre_ln):
     assert sizes["gelu_checkpoint"] == sizes[None] - T * INTER * 4  # the GELU output
     assert sizes["attn_dropout_checkpoint"] == sizes[None] - B * HEADS * S * S * 4  # the dropped-out probabilities
     assert sizes["normalize_invertible"] <= sizes[None] - T * HID * 4  # at least one LayerNorm input
+
+
+@pytest.mark.parametrize("pre_ln", [False, True])
+def test_sdpa_attention_core_equals_the_softmax_path(pre_ln):
+    """attention_impl="sdpa" (the GPU default) against the explicit masked-softmax path, with the
+    memory flags on: same output and gradients (dropout 0)."""
+    B, S = 2, 11
+    x, d_out = torch.randn(B, S, HID), torch.randn(B, S, HID)
+    mask = additive_mask(B, S, 9)
+    res = []
+    for impl in ("softmax", "sdpa"):
+        torch.manual_seed(3)
+        layer = DeepSpeedTransformerLayer(ds_config(pre_ln, **dict.fromkeys(FLAGS, True)))
+        randomize(layer, 8)
+        layer.attention_impl = impl
+        res.append((*run(layer, x, mask, d_out), ds_grads(layer)))
+    (o0, dx0, g0), (o1, dx1, g1) = res
+    torch.testing.assert_close(o1, o0, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx1, dx0, rtol=1e-4, atol=1e-5 * float(dx0.abs().max()))
+    for name in WEIGHT_NAMES:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-4, atol=1e-5 * float(g0[name].abs().max()), msg=name)
+    with pytest.raises(ValueError, match="attention_impl must be"):
+        layer.attention_impl = "flash"
+        layer(x, mask)

@@ -93,7 +93,9 @@ def _validate_config(c: DeepSpeedTransformerConfig) -> None:
 
 class DeepSpeedTransformerLayer(nn.Module):
     """A BERT layer with DeepSpeed's parameters. `layer_id` counts the layers built in this
-    process (DeepSpeed's static counter). initial_weights / initial_biases (tests, as DeepSpeed's):
+    process (DeepSpeed's static counter). `attention_impl` (ours, not DeepSpeed's): "auto" runs the
+    attention core through torch's fused SDPA on a GPU and through the explicit masked softmax on the
+    host; "sdpa" or "softmax" force one. initial_weights / initial_biases (tests, as DeepSpeed's):
     [q, k, v, attn_ow, attn_nw, inter_w, output_w, norm_w] and the matching biases; the QKV bias is
     the concatenation of the given q, k, v biases (DeepSpeed zeroes it)."""
 
@@ -118,6 +120,7 @@ class DeepSpeedTransformerLayer(nn.Module):
         else:
             self._adopt(initial_weights, initial_biases, shapes)
         self._generator: torch.Generator | None = None
+        self.attention_impl = "auto"
 
     def _adopt(self, weights, biases, shapes) -> None:
         w, b = list(weights), list(biases)
@@ -219,13 +222,21 @@ class DeepSpeedTransformerLayer(nn.Module):
                          attn_dropout=float(c.attn_dropout_ratio) if train else 0.0,
                          hidden_dropout=float(c.hidden_dropout_ratio) if train else 0.0,
                          normalize_invertible=bool(c.normalize_invertible), gelu_checkpoint=bool(c.gelu_checkpoint),
-                         attn_dropout_checkpoint=bool(c.attn_dropout_checkpoint))
+                         attn_dropout_checkpoint=bool(c.attn_dropout_checkpoint),
+                         fused_attention=self._fused_attention(x))
         weights = [getattr(self, name) for name in WEIGHT_NAMES]
         if grads is not None:
             self._record_grads(grads)
         out = DeepSpeedTransformerFunction.apply(spec, self._dropout_generator(x.device), x,
                                                  self._mask(attention_mask, x), *weights)
         return (out,) if c.return_tuple else out
+
+    def _fused_attention(self, x: torch.Tensor) -> bool:
+        impl = self.attention_impl
+        if impl not in ("auto", "sdpa", "softmax"):
+            raise ValueError(f"DeepSpeedTransformerLayer.attention_impl must be 'auto', 'sdpa' or 'softmax', "
+                             f"got {impl!r}")
+        return impl == "sdpa" or (impl == "auto" and x.is_cuda)
 
     def _record_grads(self, grads: list) -> None:
         """DeepSpeed's test hook: each parameter's gradient is appended as [grad, name] (the V part

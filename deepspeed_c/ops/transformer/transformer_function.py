@@ -38,6 +38,10 @@ class LayerSpec:
     normalize_invertible: bool
     gelu_checkpoint: bool
     attn_dropout_checkpoint: bool
+    # True: the attention core is torch's fused SDPA (flash / memory-efficient kernels: the S x S
+    # probabilities are never stored, so attn_dropout_checkpoint has nothing left to drop); False: q k^T
+    # GEMM, the masked-softmax kernel, p v GEMM, with the probabilities kept for backward.
+    fused_attention: bool = False
 
 
 def _keep_mask(shape, p: float, like: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor | None:
@@ -54,6 +58,28 @@ def _dropped_probs(P: torch.Tensor, keep: torch.Tensor | None, p: float) -> torc
     return P if keep is None else P * keep * (1.0 / (1.0 - p))
 
 
+class _SDPAGraph:
+    """The attention core run by SDPA under autograd inside our forward; our backward asks it for
+    dq, dk, dv. It keeps what SDPA saves (q, k, v views of the stored qkv, the output, the
+    log-sum-exp, the dropout seed)."""
+
+    def __init__(self, q, k, v, mask, p: float, scale: float, track: bool):
+        with torch.set_grad_enabled(track):
+            self.inputs = [t.detach().requires_grad_(track) for t in (q, k, v)]
+            self.out = F.scaled_dot_product_attention(*self.inputs, attn_mask=mask, dropout_p=p, scale=scale)
+
+    def backward(self, dctx):
+        return torch.autograd.grad(self.out, self.inputs, dctx)
+
+
+def _sdpa_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    # [B, 1 | S, S] float32 -> [B, 1, 1 | S, S] in the activation dtype, -inf clamped to the dtype's
+    # lowest finite value (a fully padded row then averages, as in Hugging Face, instead of NaN).
+    if mask is None:
+        return None
+    return mask.clamp_min(torch.finfo(dtype).min).to(dtype)[:, None]
+
+
 class DeepSpeedTransformerFunction(torch.autograd.Function):
     """apply(spec, generator, x [B, S, H], mask [B, 1 | S, S] additive or None, *weights)."""
 
@@ -65,7 +91,7 @@ class DeepSpeedTransformerFunction(torch.autograd.Function):
         scale = d ** -0.5
         inv = spec.normalize_invertible
         x2 = x.reshape(T, Hd)
-        k_attn = _keep_mask((B, nh, S, S), spec.attn_dropout, x, gen)
+        k_attn = None if spec.fused_attention else _keep_mask((B, nh, S, S), spec.attn_dropout, x, gen)
         k1 = _keep_mask((T, Hd), spec.hidden_dropout, x, gen)
         k2 = _keep_mask((T, Hd), spec.hidden_dropout, x, gen)
         s_hid = 1.0 / (1.0 - spec.hidden_dropout)
@@ -76,9 +102,15 @@ class DeepSpeedTransformerFunction(torch.autograd.Function):
         a_in = h0 if spec.pre_layer_norm else x2
         qkv = F.linear(a_in, qkvw, qkvb)
         q, k, v = qkv.view(B, S, 3, nh, d).permute(2, 0, 3, 1, 4)
-        P = ops.softmax(torch.matmul(q, k.transpose(-1, -2)), mask, scale)
-        Pd = _dropped_probs(P, k_attn, spec.attn_dropout)
-        ctx2 = torch.matmul(Pd, v).transpose(1, 2).reshape(T, Hd)
+        P = Pd = sdpa = None
+        if spec.fused_attention:
+            sdpa = _SDPAGraph(q, k, v, _sdpa_mask(mask, x.dtype), spec.attn_dropout, scale,
+                               track=any(ctx.needs_input_grad))
+            ctx2 = sdpa.out.detach().transpose(1, 2).reshape(T, Hd)
+        else:
+            P = ops.softmax(torch.matmul(q, k.transpose(-1, -2)), mask, scale)
+            Pd = _dropped_probs(P, k_attn, spec.attn_dropout)
+            ctx2 = torch.matmul(Pd, v).transpose(1, 2).reshape(T, Hd)
         a = F.linear(ctx2, ow)
         # r1 stays for the pre-LN output residual either way; it is saved unless invertible.
         r1, h1, mean1, rstd1 = ops.residual_norm(a, ob, x2, k1, s_hid, anw, anb, spec.eps,
@@ -92,10 +124,11 @@ class DeepSpeedTransformerFunction(torch.autograd.Function):
             r2, out, mean2, rstd2 = ops.residual_norm(o, outb, h1, k2, s_hid, nw, nb, spec.eps, want_r=not inv)
 
         keep_x = not (spec.pre_layer_norm and inv)
-        ctx.spec, ctx.shape = spec, (B, S, Hd)
+        ctx.spec, ctx.shape, ctx.sdpa = spec, (B, S, Hd), sdpa
         ctx.save_for_backward(
             x2 if keep_x else None, h0, None if inv else mean0, rstd0, qkv, P,
-            None if (spec.attn_dropout_checkpoint or k_attn is None) else Pd, k_attn, ctx2,
+            None if (spec.attn_dropout_checkpoint or k_attn is None) else Pd, k_attn,
+            None if sdpa is not None else ctx2,  # SDPA keeps its output: ctx2 is rebuilt from it
             None if inv else r1, h1, None if inv else mean1, rstd1, k1, u, None if spec.gelu_checkpoint else g, k2,
             out if (inv and not spec.pre_layer_norm) else None, r2, None if inv else mean2, rstd2, *w)
         return out.view(B, S, Hd)
@@ -130,19 +163,27 @@ class DeepSpeedTransformerFunction(torch.autograd.Function):
                                             dout if spec.pre_layer_norm else None)
         da = _drop_backward(dr1, k1, spec.hidden_dropout)
         dob = da.sum(dim=0)
+        sdpa: _SDPAGraph | None = ctx.sdpa
+        ctx.sdpa = None
+        if sdpa is not None:
+            ctx2 = sdpa.out.detach().transpose(1, 2).reshape(T, Hd)
         dow = da.t().mm(ctx2)
         dctx = da.mm(ow).view(B, S, nh, d).transpose(1, 2)
 
-        q, k, v = qkv.view(B, S, 3, nh, d).permute(2, 0, 3, 1, 4)
-        if Pd is None:
-            Pd = _dropped_probs(P, k_attn, spec.attn_dropout)
         dqkv = torch.empty(B, S, 3, nh, d, dtype=qkv.dtype, device=qkv.device)
         dq, dk, dv = dqkv.permute(2, 0, 3, 1, 4)
-        dv.copy_(torch.matmul(Pd.transpose(-1, -2), dctx))
-        dP = _drop_backward(torch.matmul(dctx, v.transpose(-1, -2)), k_attn, spec.attn_dropout)
-        dS = ops.softmax_backward(dP.contiguous(), P, scale)
-        dq.copy_(torch.matmul(dS, k))
-        dk.copy_(torch.matmul(dS.transpose(-1, -2), q))
+        if sdpa is not None:
+            for dst, src in zip((dq, dk, dv), sdpa.backward(dctx)):
+                dst.copy_(src)
+        else:
+            q, k, v = qkv.view(B, S, 3, nh, d).permute(2, 0, 3, 1, 4)
+            if Pd is None:
+                Pd = _dropped_probs(P, k_attn, spec.attn_dropout)
+            dv.copy_(torch.matmul(Pd.transpose(-1, -2), dctx))
+            dP = _drop_backward(torch.matmul(dctx, v.transpose(-1, -2)), k_attn, spec.attn_dropout)
+            dS = ops.softmax_backward(dP.contiguous(), P, scale)
+            dq.copy_(torch.matmul(dS, k))
+            dk.copy_(torch.matmul(dS.transpose(-1, -2), q))
         dqkv = dqkv.view(T, 3 * Hd)
         dqkvb = dqkv.sum(dim=0)
         a_in = h0 if spec.pre_layer_norm else x2
