@@ -9,7 +9,13 @@ expert-parallel group (N consecutive ranks: the ep_size_N group of deepspeed.uti
   r // (N/E) -- the expert's first Linear split by output rows, its last by input columns. The group's tokens
   are gathered, each rank runs its slice on the tokens routed to its expert, and one all-reduce sums the
   partial products (each slice's share of its expert's output, weighted by the gate); each rank keeps its rows.
-The gate, and a residual MoE's dense MLP and coefficient, stay whole on every rank."""
+The gate, and a residual MoE's dense MLP and coefficient, stay whole on every rank.
+
+Hugging Face MoE blocks (transformers 5's fused expert tensors: Mixtral, Qwen2/3-MoE, ... -- a module with 3-D
+`gate_up_proj` [E, 2F, H] and `down_proj` [E, H, F]): E divisible by N, rank r keeps experts [r E/N, (r+1) E/N)
+of each; the group's tokens and their routing (the router stays whole) are gathered, each rank adds its
+experts' weighted outputs, one all-reduce sums them and each rank keeps its rows (tokens need not be the same
+on every rank)."""
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -64,19 +70,81 @@ def _group(ep: int, given: Any) -> Any:
     return groups._get_expert_parallel_group(f"ep_size_{ep}")
 
 
+def _hf_experts(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, attribute, experts) of every Hugging Face fused-experts module."""
+    out = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            gu, down = getattr(child, "gate_up_proj", None), getattr(child, "down_proj", None)
+            if isinstance(gu, torch.Tensor) and isinstance(down, torch.Tensor) and gu.dim() == 3 and down.dim() == 3:
+                out.append((parent, name, child))
+    return out
+
+
+def _prepare_hf(model: nn.Module, found: list, spec: dict) -> int:
+    ep = spec["ep_size"]
+    for i, (_, _, experts) in enumerate(found):
+        total = experts.gate_up_proj.shape[0]
+        if total % ep != 0:
+            raise ValueError(f"init_inference: moe.ep_size={ep} does not divide the {total} experts of MoE block {i} "
+                             f"of {type(model).__name__} (expert slicing is built for deepspeed.moe layers only)")
+    if ep == 1:
+        return len(found)
+    group = _group(ep, spec["group"])
+    rank = dist.get_rank(group)
+    for parent, name, experts in found:
+        setattr(parent, name, HFExpertParallel(experts, group, ep, rank))
+    return len(found)
+
+
+class HFExpertParallel(nn.Module):
+    """This rank's experts of a Hugging Face fused-experts module; called as the original
+    (hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]."""
+
+    def __init__(self, experts: nn.Module, group: Any, ep: int, rank: int) -> None:
+        super().__init__()
+        total = experts.gate_up_proj.shape[0]
+        local = total // ep
+        self.first, self.local, self.group, self.ep = rank * local, local, group, ep
+        keep = slice(self.first, self.first + local)
+        self.gate_up_proj = nn.Parameter(experts.gate_up_proj.detach()[keep].clone(), requires_grad=False)
+        self.down_proj = nn.Parameter(experts.down_proj.detach()[keep].clone(), requires_grad=False)
+        self.act_fn = experts.act_fn
+        self.num_experts = total
+
+    def _gather(self, t: Tensor) -> Tensor:
+        parts = [torch.empty_like(t) for _ in range(self.ep)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return torch.cat(parts)
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        n = hidden_states.shape[0]
+        x, idx, w = self._gather(hidden_states), self._gather(top_k_index), self._gather(top_k_weights)
+        out = torch.zeros_like(x)
+        for e in range(self.local):
+            token, pos = torch.where(idx == self.first + e)
+            if token.numel() == 0:
+                continue
+            gate, up = torch.nn.functional.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = torch.nn.functional.linear(self.act_fn(gate) * up, self.down_proj[e])
+            out.index_add_(0, token, (y * w[token, pos, None]).to(out.dtype))
+        dist.all_reduce(out, group=self.group)
+        me = dist.get_rank(self.group)
+        return out[me * n:(me + 1) * n]
+
+
 def prepare(model: nn.Module, spec: dict) -> int:
     """Shards every MoE layer of `model` over the expert-parallel group; returns the number of layers."""
     layers = _moe_layers(model)
+    found = _hf_experts(model) if not layers else []
+    if found:
+        _check_world(spec)
+        return _prepare_hf(model, found, spec)
     if not layers:
         raise ValueError(f"init_inference: moe is enabled but {type(model).__name__} has no deepspeed.moe.layer.MoE "
-                         "layer")
+                         "layer and no Hugging Face fused-experts block")
     ep = spec["ep_size"]
-    if ep > 1 and spec["group"] is None:
-        if not dist.is_initialized():
-            dist.init_distributed()
-        if dist.get_world_size() % ep != 0:
-            raise ValueError(f"init_inference: moe.ep_size={ep} does not divide the world size "
-                             f"{dist.get_world_size()}: launch a multiple of ep_size processes")
+    _check_world(spec)
     if spec["experts"] is not None and spec["experts"] != [1] and len(spec["experts"]) not in (1, len(layers)):
         raise ValueError(f"init_inference: moe.moe_experts={spec['experts']} names {len(spec['experts'])} layer(s); "
                          f"the model has {len(layers)} MoE layers")
@@ -105,6 +173,16 @@ def prepare(model: nn.Module, spec: dict) -> int:
         else:
             _expert_slicing(layer, group, ep, rank)
     return len(layers)
+
+
+def _check_world(spec: dict) -> None:
+    ep = spec["ep_size"]
+    if ep > 1 and spec["group"] is None:
+        if not dist.is_initialized():
+            dist.init_distributed()
+        if dist.get_world_size() % ep != 0:
+            raise ValueError(f"init_inference: moe.ep_size={ep} does not divide the world size "
+                             f"{dist.get_world_size()}: launch a multiple of ep_size processes")
 
 
 def _expert_parallel(layer: nn.Module, group: Any, ep: int, rank: int) -> None:

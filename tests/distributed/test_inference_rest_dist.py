@@ -6,7 +6,8 @@
   loading it at tp_size 1 names both sizes;
 - MoE inference (moe={"enabled": True, "ep_size": 2}) of deepspeed.moe.layer.MoE models, each rank with its own
   tokens: 4 experts (2 a rank, all-to-all), a residual MoE, and expert slicing (1 expert split over both
-  ranks): outputs equal the one-process model's on the same tokens; ep_size not dividing the world raises;
+  ranks): outputs equal the one-process model's on the same tokens; a Hugging Face Mixtral (4 experts, top 2)
+  at ep_size 2 generates the one-process model's greedy tokens; ep_size not dividing the world raises;
 - quant section with injection at TP 2 (int8, group 16): greedy tokens equal tp_size 1's."""
 from __future__ import annotations
 
@@ -109,6 +110,21 @@ def _moe(out: dict, rank: int) -> None:
         local = sum(p.numel() for n, p in engine.module.named_parameters() if "expert" in n)
         full = sum(p.numel() for n, p in net.named_parameters() if "expert" in n)
         out["moe"][name] = (float((got - ref).abs().max() / ref.abs().max()), local / full)
+    import transformers as tf  # a Hugging Face MoE (Mixtral: 4 experts, top 2), each rank its own prompt
+
+    torch.manual_seed(2)
+    mix = tf.MixtralForCausalLM(tf.MixtralConfig(vocab_size=im.VOCAB, hidden_size=32, intermediate_size=40,
+                                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                 num_local_experts=4, num_experts_per_tok=2,
+                                                 max_position_embeddings=32)).eval()
+    with torch.no_grad():
+        for p in mix.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    ids = torch.randint(1, im.VOCAB, (1, 5), generator=torch.Generator().manual_seed(30 + rank))
+    ref = _gen(mix, ids)
+    engine = deepspeed_c.init_inference(copy.deepcopy(mix), dtype=torch.float32, moe={"ep_size": 2})
+    kinds = {type(m).__name__ for m in engine.module.modules()}
+    out["moe_hf"] = (bool(torch.equal(_gen(engine, ids), ref)), "HFExpertParallel" in kinds)
     out["errors"]["ep3"] = _error(lambda: deepspeed_c.init_inference(MoENet(4, False), dtype=torch.float32,
                                                                      moe={"ep_size": 3}))
 
@@ -156,3 +172,4 @@ def test_inference_rest_two_ranks(tmp_path):
             assert 0.45 < frac < 0.55, (name, frac)  # half the experts (or half of each, biases whole) a rank
         assert "ep_size=3" in res["errors"]["ep3"] and "world size 2" in res["errors"]["ep3"], res["errors"]
         assert res["quant_tp2"]
+        assert res["moe_hf"] == (True, True), res["moe_hf"]
