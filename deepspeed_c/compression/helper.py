@@ -32,15 +32,27 @@ def is_module_compressible(module: torch.nn.Module, mpu: Any = None) -> bool:
     return isinstance(module, kinds)
 
 
-def _compressed(old: torch.nn.Module) -> Optional[torch.nn.Module]:
+def _compressed(old: torch.nn.Module, mpu: Any = None) -> Optional[torch.nn.Module]:
     """The compression-aware twin of `old` sharing its tensors (old itself when it already is one). The twin is
     built through its constructor, so its default initialisation draws from the RNG as DeepSpeed's does."""
     if isinstance(old, (LinearLayer_Compress, Conv2dLayer_Compress, Embedding_Compress)):
         return old
-    w = old.weight
+    w = getattr(old, "weight", None)
+    if w is None:
+        return None
     has_bias = getattr(old, "bias", None) is not None
     new: torch.nn.Module
-    if isinstance(old, torch.nn.Linear):
+    if mpu is not None and isinstance(old, mpu.ColumnParallelLinear):
+        from deepspeed_c.compression.parallel_layer import ColumnParallelLinear_Compress
+
+        new = ColumnParallelLinear_Compress(mpu, old.input_size, old.output_size, bias=has_bias,
+                                            gather_output=old.gather_output, skip_bias_add=old.skip_bias_add)
+    elif mpu is not None and isinstance(old, mpu.RowParallelLinear):
+        from deepspeed_c.compression.parallel_layer import RowParallelLinear_Compress
+
+        new = RowParallelLinear_Compress(mpu, old.input_size, old.output_size, bias=has_bias,
+                                         input_is_parallel=old.input_is_parallel, skip_bias_add=old.skip_bias_add)
+    elif isinstance(old, torch.nn.Linear):
         new = LinearLayer_Compress(old.in_features, old.out_features, bias=has_bias)
     elif isinstance(old, torch.nn.Conv2d):
         new = Conv2dLayer_Compress(old.in_channels, old.out_channels, old.kernel_size, old.stride, old.padding,
@@ -93,7 +105,7 @@ _SUPPORTS = {C.ROW_PRUNING: "enable_row_pruning", C.HEAD_PRUNING: "enable_head_p
 
 def module_replacement(model: torch.nn.Module, module_name: str, compression_technique: Optional[dict] = None,
                        mpu: Any = None) -> None:
-    new = _compressed(recursive_getattr(model, module_name))
+    new = _compressed(recursive_getattr(model, module_name), mpu)
     if compression_technique is not None and new is not None:
         for technique, v in compression_technique.items():
             need = _SUPPORTS.get(technique)
@@ -112,7 +124,7 @@ def compression_preparation(model: torch.nn.Module, compression_technique_list: 
     for module_name_lists, _, technique in compression_technique_list:
         for names in module_name_lists:
             for module_name in names:
-                module_replacement(model, module_name, technique)
+                module_replacement(model, module_name, technique, mpu=mpu)
     return model
 
 
