@@ -148,6 +148,9 @@ class InferenceEngine(nn.Module):
         if self.mp_world_size > 1:
             raise NotImplementedError("init_inference: zero (ZeRO-Inference) with tensor_parallel.tp_size > 1 is not "
                                       "built; it streams the layers of one model copy on one accelerator")
+        if self._config.enable_cuda_graph:
+            raise ValueError("init_inference: zero (ZeRO-Inference) and enable_cuda_graph=True cannot be combined: a "
+                             "replayed graph would skip the hooks that stream each layer's weights in")
         if self._config.keep_module_on_host:
             raise ValueError("init_inference: zero (ZeRO-Inference) and keep_module_on_host=True contradict each other: "
                              "ZeRO-Inference streams the layers to the accelerator")
