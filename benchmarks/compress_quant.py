@@ -5,8 +5,9 @@ the same data (bit-equal, stochastic rounding included: both draw the same count
 reference run on the GPU (DeepSpeed's own arithmetic; bit-equal for nearest rounding).
 Timing at --log2 elements (fp32): the fused kernel, DeepSpeed 0.19.6's torch quantizer arithmetic
 (quant_reference, the competitor) and torch's copy_, interleaved reps. Bandwidth counts the bytes each must move:
-fake quant reads x twice (range, then quantize) and writes once (3 x 4 B per element), copy reads and writes
-once (2 x 4 B); the ratio is effective fake-quant bandwidth over copy bandwidth (bar >= 0.85)."""
+fake quant reads x twice (range, then quantize) and writes once (3 x 4 B per element; groups of <= 4096
+elements: once each, "1pass"), copy reads and writes once (2 x 4 B); the ratio is effective fake-quant
+bandwidth over copy bandwidth (bar >= 0.85)."""
 from __future__ import annotations
 
 import argparse
@@ -34,7 +35,8 @@ def correctness() -> list[tuple[str, bool]]:
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         x = (torch.randn(1 << 20, generator=g) * 3).to(dtype)
         xc = x.cuda()
-        for groups, bits, asym in ((1, 8, False), (1, 8, True), (64, 4, False), (256, 3, True), (4096, 8, True)):
+        for groups, bits, asym in ((1, 8, False), (1, 8, True), (64, 4, False), (256, 3, True), (4096, 8, True),
+                                   (1 << 12, 5, False), (3 << 8, 8, True)):
             for seed in (0, 12345):
                 a = _raw(cuda_op, xc, groups, bits, asym, seed).cpu()
                 b = _raw(cpu_op, x, groups, bits, asym, seed)
@@ -70,7 +72,8 @@ def bandwidth(log2: int, reps: int, rounds: int) -> None:
     cases = {
         "fq sym8 g1": lambda: op.fake_quant(x, out, 1, 8, 0, None, None, 0, 0),
         "fq asym4 g1": lambda: op.fake_quant(x, out, 1, 4, 1, None, None, 0, 0),
-        "fq sym8 g=n/4096": lambda: op.fake_quant(x, out, n // 4096, 8, 0, None, None, 0, 0),
+        "fq sym8 g=n/2^16": lambda: op.fake_quant(x, out, n >> 16, 8, 0, None, None, 0, 0),
+        "fq asym8 4096/g 1pass": lambda: op.fake_quant(x, out, n // 4096, 8, 1, None, None, 0, 0),
         "fq sym8 stochastic": lambda: op.fake_quant(x, out, 1, 8, 0, None, None, 0, 7),
         "torch ref sym8 g1": lambda: R.fake_quant(x, 8, 1, False),
         "copy_": lambda: out.copy_(x),
@@ -86,7 +89,7 @@ def bandwidth(log2: int, reps: int, rounds: int) -> None:
     print(f"\n2^{log2} fp32 elements ({4 * n / 2**30:.2f} GiB), best of {rounds} rounds x {reps} reps")
     print(f"{'case':<22}{'ms':>9}{'GB/s':>10}{'vs copy':>9}")
     for k, t in best.items():
-        moved = 2 if k == "copy_" else 3
+        moved = 2 if k == "copy_" or "1pass" in k else 3
         bw = moved * 4 * n / t / 1e9
         print(f"{k:<22}{t * 1e3:>9.3f}{bw:>10.0f}{bw / copy_bw:>9.2f}")
     speedup = best["torch ref sym8 g1"] / best["fq sym8 g1"]

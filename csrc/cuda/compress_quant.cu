@@ -8,7 +8,8 @@
  *              the values), into a stream-ordered scratch buffer
  *   params     one thread per group: scale, 1/scale, zero point from the keys (or the given range)
  *   apply      grid-stride over the elements, 4 per thread per iteration where the group length is a
- *              multiple of 4 (16-byte fp32 / 8-byte half loads and stores)
+ *              multiple of 4 (16-byte fp32 loads and stores)
+ *   groups of at most 4096 elements skip the three steps: one block per group keeps it in registers
  * Two reads and one write per element: at 2^28 elements a pass streams from HBM like a copy does. */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -210,6 +211,75 @@ __global__ void apply_kernel_f32x4(const float4 *__restrict__ x, float4 *__restr
     }
 }
 
+/* Small groups (n <= kThreads * kPerThread): one block per group holds the group in registers between the
+ * range and the quantization, so x is read once (per-token activations, fine weight groups). */
+constexpr int kPerThread = 16;
+
+template <typename T>
+__global__ void group_kernel(const T *__restrict__ x, T *__restrict__ out, int64_t groups, int64_t n, int bits,
+                             int asym, int recip, uint64_t seed) {
+    __shared__ unsigned int smin[kThreads / 32], smax[kThreads / 32];
+    __shared__ Params shared_p;
+    const float q = (float)(1 << bits);
+    const float qlo = asym ? 0.0f : -q / 2, qhi = asym ? q - 1 : q / 2 - 1;
+    for (int64_t g = blockIdx.x; g < groups; g += gridDim.x) {
+        const int64_t base = g * n;
+        float v[kPerThread];
+        unsigned int kmin = 0xffffffffu, kmax = 0u;
+#pragma unroll
+        for (int j = 0; j < kPerThread; j++) {
+            const int64_t k = threadIdx.x + (int64_t)j * kThreads;
+            v[j] = k < n ? Io<T>::ld(x, base + k) : 0.0f;
+            if (k < n) {
+                if (asym) {
+                    const unsigned int key = order_key(v[j]);
+                    kmin = key < kmin ? key : kmin;
+                    kmax = key > kmax ? key : kmax;
+                } else {
+                    const unsigned int b = __float_as_uint(v[j]) & 0x7fffffffu;
+                    kmax = b > kmax ? b : kmax;
+                }
+            }
+        }
+        for (int off = 16; off > 0; off >>= 1) {
+            const unsigned int a = __shfl_xor_sync(0xffffffffu, kmin, off), b = __shfl_xor_sync(0xffffffffu, kmax, off);
+            kmin = a < kmin ? a : kmin;
+            kmax = b > kmax ? b : kmax;
+        }
+        if ((threadIdx.x & 31) == 0) {
+            smin[threadIdx.x >> 5] = kmin;
+            smax[threadIdx.x >> 5] = kmax;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            for (int w = 1; w < kThreads / 32; w++) {
+                kmin = smin[w] < kmin ? smin[w] : kmin;
+                kmax = smax[w] > kmax ? smax[w] : kmax;
+            }
+            const float vhi = asym ? from_key(kmax) : __uint_as_float(kmax);
+            const float vlo = asym ? from_key(kmin) : vhi;
+            Params p;
+            p.s = asym ? Io<T>::st(__fdiv_rn(Io<T>::st(__fsub_rn(vhi, vlo)), q))
+                       : Io<T>::st(__fdiv_rn(Io<T>::st(__fmul_rn(2.0f, vhi)), q));
+            p.inv = __fdiv_rn(1.0f, p.s);
+            p.zp = 0.0f;
+            if (asym) {
+                const float d = Io<T>::st(recip ? __fmul_rn(vlo, p.inv) : __fdiv_rn(vlo, p.s));
+                p.zp = Io<T>::st(__fmul_rn(rintf(d), p.s));
+            }
+            shared_p = p;
+        }
+        __syncthreads();
+        const Params p = shared_p;
+#pragma unroll
+        for (int j = 0; j < kPerThread; j++) {
+            const int64_t k = threadIdx.x + (int64_t)j * kThreads;
+            if (k < n) Io<T>::put(out, base + k, quant_one<T>(v[j], p, qlo, qhi, asym, recip, seed, base + k));
+        }
+        __syncthreads(); /* shared_p and the reduction slots are reused by the next group */
+    }
+}
+
 template <typename T>
 __global__ void ternary_kernel(const T *__restrict__ x, T *__restrict__ out, int64_t total, int64_t n,
                                const float *thres, const float *alpha) {
@@ -245,6 +315,11 @@ template <typename T>
 int fake_quant_t(const T *x, T *out, int64_t groups, int64_t n, int bits, int asym, const float *lo, const float *hi,
                  int recip, uint64_t seed, cudaStream_t stream) {
     const int64_t total = groups * n;
+    if (!lo && n <= (int64_t)kThreads * kPerThread) {
+        const int64_t blocks = groups < 65535 * 8 ? groups : 65535 * 8;
+        group_kernel<T><<<(unsigned int)blocks, kThreads, 0, stream>>>(x, out, groups, n, bits, asym, recip, seed);
+        return static_cast<int>(cudaGetLastError());
+    }
     unsigned int *keys = nullptr;
     Params *params = nullptr;
     cudaError_t err = cudaMallocAsync(reinterpret_cast<void **>(&keys),
