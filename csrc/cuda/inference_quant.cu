@@ -33,6 +33,40 @@ __device__ __forceinline__ void unpack16(const uint8_t *p, int bits, float w[kPe
     }
 }
 
+// 16 consecutive activations (16-element aligned) as floats: vector loads from shared memory (a lane's
+// scalar loads at a 32-byte stride would hit the same banks 8 lanes at a time).
+__device__ __forceinline__ void load16(const float *p, float v[kPerLane]) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const float4 f = reinterpret_cast<const float4 *>(p)[i];
+        v[4 * i] = f.x, v[4 * i + 1] = f.y, v[4 * i + 2] = f.z, v[4 * i + 3] = f.w;
+    }
+}
+__device__ __forceinline__ void load16(const __half *p, float v[kPerLane]) {
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const uint4 u = reinterpret_cast<const uint4 *>(p)[i];
+        const __half2 *h = reinterpret_cast<const __half2 *>(&u);
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const float2 f = __half22float2(h[j]);
+            v[8 * i + 2 * j] = f.x, v[8 * i + 2 * j + 1] = f.y;
+        }
+    }
+}
+__device__ __forceinline__ void load16(const __nv_bfloat16 *p, float v[kPerLane]) {
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const uint4 u = reinterpret_cast<const uint4 *>(p)[i];
+        const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&u);
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const float2 f = __bfloat1622float2(h[j]);
+            v[8 * i + 2 * j] = f.x, v[8 * i + 2 * j + 1] = f.y;
+        }
+    }
+}
+
 template <typename T>
 __global__ void quant_gemv_kernel(const T *__restrict__ x, const uint8_t *__restrict__ q,
                                   const float *__restrict__ scales, T *__restrict__ out, int M, int64_t N, int64_t K,
@@ -58,10 +92,11 @@ __global__ void quant_gemv_kernel(const T *__restrict__ x, const uint8_t *__rest
 #pragma unroll
         for (int m = 0; m < kMaxRows; m++) {
             if (m >= M) break;
-            const T *xm = xs + (int64_t)m * K + k0;
+            float xv[kPerLane];
+            load16(xs + (int64_t)m * K + k0, xv);
             float part = 0.f;
 #pragma unroll
-            for (int j = 0; j < kPerLane; j++) part += w[j] * load(xm + j);
+            for (int j = 0; j < kPerLane; j++) part += w[j] * xv[j];
             acc[m] += s * part;
         }
     }
