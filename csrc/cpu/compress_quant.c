@@ -35,10 +35,15 @@ static inline void put(void *out, int dtype, int64_t i, float v) {
 static inline float fmax_nan(float a, float b) { return a != a ? a : (b != b || b > a) ? b : a; }
 static inline float fmin_nan(float a, float b) { return a != a ? a : (b != b || b < a) ? b : a; }
 
-/* per-group (min, max), or (amax, amax) of |x| for symmetric */
-static void group_ranges(const void *x, int dtype, int64_t groups, int64_t n, int asym, float *glo, float *ghi) {
+/* per-group (min, max), or (amax, amax) of |x| for symmetric; -1 when out of memory */
+static int group_ranges(const void *x, int dtype, int64_t groups, int64_t n, int asym, float *glo, float *ghi) {
     const int64_t tiles_per = (n + TILE - 1) / TILE, tiles = groups * tiles_per;
     float *tlo = (float *)malloc(sizeof(float) * (size_t)tiles), *thi = (float *)malloc(sizeof(float) * (size_t)tiles);
+    if (!tlo || !thi) {
+        free(tlo);
+        free(thi);
+        return -1;
+    }
 #pragma omp parallel for schedule(static) if (groups * n > TILE)
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t g = t / tiles_per, start = (t % tiles_per) * TILE;
@@ -68,6 +73,7 @@ static void group_ranges(const void *x, int dtype, int64_t groups, int64_t n, in
     }
     free(tlo);
     free(thi);
+    return 0;
 }
 
 static inline float divide(float a, float s, float inv, int recip, int dtype) {
@@ -82,12 +88,20 @@ static inline float clampf(float r, float lo, float hi) {
 int dsc_cq_fake_quant(const void *x, void *out, int dtype, int64_t groups, int64_t n, int bits, int asym,
                       const float *lo, const float *hi, int recip, uint64_t seed) {
     if (!x || !out || dsc_cq_check(groups, n, bits, dtype) != DSC_CQ_OK || (!lo) != (!hi)) return DSC_CQ_EINVAL;
-    float *glo = (float *)malloc(sizeof(float) * (size_t)groups), *ghi = (float *)malloc(sizeof(float) * (size_t)groups);
+    float *glo = (float *)malloc(sizeof(float) * (size_t)groups);
+    float *ghi = (float *)malloc(sizeof(float) * (size_t)groups);
+    if (!glo || !ghi) {
+        free(glo);
+        free(ghi);
+        return DSC_CQ_ENOMEM;
+    }
     if (lo) {
         memcpy(glo, lo, sizeof(float) * (size_t)groups);
         memcpy(ghi, hi, sizeof(float) * (size_t)groups);
-    } else {
-        group_ranges(x, dtype, groups, n, asym, glo, ghi);
+    } else if (group_ranges(x, dtype, groups, n, asym, glo, ghi) < 0) {
+        free(glo);
+        free(ghi);
+        return DSC_CQ_ENOMEM;
     }
     const float q_range = (float)(1 << bits);
     const float qlo = asym ? 0.0f : -q_range / 2, qhi = asym ? q_range - 1 : q_range / 2 - 1;
@@ -96,7 +110,8 @@ int dsc_cq_fake_quant(const void *x, void *out, int dtype, int64_t groups, int64
     for (int64_t g = 0; g < groups; g++) {
         /* the scale and zero point, each operation rounded as torch rounds it (division by a power of two
          * is exact, so x * (1/q) and x / q agree) */
-        const float s = asym ? st(st(ghi[g] - glo[g], dtype) / q_range, dtype) : st(st(2.0f * ghi[g], dtype) / q_range, dtype);
+        const float s = asym ? st(st(ghi[g] - glo[g], dtype) / q_range, dtype)
+                             : st(st(2.0f * ghi[g], dtype) / q_range, dtype);
         const float inv = 1.0f / s;
         const float zp = asym ? st(rintf(divide(glo[g], s, inv, recip, dtype)) * s, dtype) : 0.0f;
         const int64_t base = g * n;

@@ -352,7 +352,8 @@ int fake_quant_t(const T *x, T *out, int64_t groups, int64_t n, int bits, int as
             reinterpret_cast<const float4 *>(x), reinterpret_cast<float4 *>(out), total / 4, n / 4, params, qlo, qhi,
             asym, seed);
     else
-        apply_kernel<T><<<grid_for(total), kThreads, 0, stream>>>(x, out, total, n, params, qlo, qhi, asym, recip, seed);
+        apply_kernel<T><<<grid_for(total), kThreads, 0, stream>>>(x, out, total, n, params, qlo, qhi, asym, recip,
+                                                                 seed);
     cudaFreeAsync(keys, stream);
     return static_cast<int>(cudaGetLastError());
 }

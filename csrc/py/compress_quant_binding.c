@@ -62,6 +62,7 @@ static PyObject *fail(int rc, const char *fname) {
 #ifdef DSC_CQ_ON_CUDA
     if (rc > 0) return PyErr_Format(PyExc_RuntimeError, "%s: CUDA error %d (%s)", fname, rc, dsc_cq_cuda_strerror(rc));
 #endif
+    if (rc == DSC_CQ_ENOMEM) return PyErr_NoMemory();
     return PyErr_Format(PyExc_ValueError, "%s: invalid arguments (bits must be 2..16)", fname);
 }
 
@@ -93,7 +94,8 @@ static PyObject *py_fake_quant(PyObject *self, PyObject *const *args, Py_ssize_t
         stats(args[6], "hi", &x, groups, 1, &hi) < 0 || dsc_arg_int64(args[7], "recip", &recip) < 0 ||
         dsc_arg_int64(args[8], "seed", &seed) < 0)
         return NULL;
-    if (bits < 2 || bits > 16) return PyErr_Format(PyExc_ValueError, "argument 'bits' must be 2..16, got %lld", (long long)bits);
+    if (bits < 2 || bits > 16)
+        return PyErr_Format(PyExc_ValueError, "argument 'bits' must be 2..16, got %lld", (long long)bits);
     if ((lo == NULL) != (hi == NULL)) return PyErr_Format(PyExc_ValueError, "arguments 'lo' and 'hi' go together");
     if (x.numel == 0) Py_RETURN_NONE;
     ENTER(x);

@@ -1,7 +1,8 @@
 """The `quantize_training` section (the MoQ tutorial's format) and the parameters it schedules.
 
     "quantize_training": {"enabled": true, "quantize_verbose": true, "quantizer_kernel": true,
-                          "quantize_type": "symmetric" | "asymmetric", "quantize-algo": {"q_type": ..., "rounding": ...},
+                          "quantize_type": "symmetric" | "asymmetric",
+                          "quantize-algo": {"q_type": ..., "rounding": ...},
                           "quantize_bits": {"start_bits": 16, "target_bits": 8},
                           "quantize_schedule": {"quantize_period": 400, "schedule_offset": 0},
                           "quantize_groups": 8,

@@ -51,7 +51,8 @@ def _split_last(x: torch.Tensor, group: Any) -> torch.Tensor:
     if world == 1:
         return x
     if x.size(-1) % world:
-        raise ValueError(f"RowParallelLinear_Compress: the input's last dim {x.size(-1)} does not split over {world} ranks")
+        raise ValueError(f"RowParallelLinear_Compress: the input's last dim {x.size(-1)} does not split over "
+                         f"{world} ranks")
     return x.chunk(world, dim=-1)[dist.get_rank(group=group)].contiguous()
 
 
@@ -95,7 +96,8 @@ class ColumnParallelLinear_Compress(LinearLayer_Compress):
                  skip_bias_add: bool = False) -> None:
         world = mpu.get_model_parallel_world_size()
         if output_size % world:
-            raise ValueError(f"ColumnParallelLinear_Compress: output_size {output_size} does not split over {world} ranks")
+            raise ValueError(f"ColumnParallelLinear_Compress: output_size {output_size} does not split over "
+                             f"{world} ranks")
         self.input_size, self.output_size = input_size, output_size
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
         self.output_size_per_partition = output_size // world

@@ -35,7 +35,8 @@ W8A8 = {
 }
 
 
-def run(steps: int = 300, qat_steps: int = 60, seed: int = 0, base: Optional[torch.nn.Module] = None) -> dict[str, float]:
+def run(steps: int = 300, qat_steps: int = 60, seed: int = 0,
+        base: Optional[torch.nn.Module] = None) -> dict[str, float]:
     """Accuracies; `base` skips training the fp32 model (a fine-tuned TinyBert to start from)."""
     base = base if base is not None else teacher(steps, layers=2, seed=seed)
     out = {"fp32": accuracy(base)}

@@ -145,7 +145,8 @@ def test_bad_input_named():
     # the engine's config parse fails the same way, before any model work
     with pytest.raises(CompressionConfigError, match="did you mean 'head_pruning'"):
         deepspeed_c.initialize(model=_bert(), config=_cfg({"head_prunning": {}}))
-    with pytest.raises(CompressionConfigError, match=r"quantize_training.quantize_bits: target_bits \(8\) > start_bits"):
+    with pytest.raises(CompressionConfigError,
+                       match=r"quantize_training.quantize_bits: target_bits \(8\) > start_bits"):
         deepspeed_c.initialize(model=_bert(), config=_cfg({}, quantize_training={
             "enabled": True, "quantize_bits": {"start_bits": 4, "target_bits": 8}}))
 

@@ -14,7 +14,7 @@
  * ternary / binary take their per-group statistics (thres, alpha; m) computed by the caller:
  *   ternary     out = alpha * (x > thres) - alpha * (x < -thres)
  *   binary      out = sign(x) * m
- * Returns DSC_CQ_OK or DSC_CQ_EINVAL (bad sizes, bits outside 2..16, dtype). */
+ * Returns DSC_CQ_OK, DSC_CQ_EINVAL (bad sizes, bits outside 2..16, dtype) or DSC_CQ_ENOMEM (host scratch). */
 #ifndef DSC_COMPRESS_QUANT_H
 #define DSC_COMPRESS_QUANT_H
 
@@ -30,7 +30,7 @@ extern "C" {
 #define DSC_CQ_HD
 #endif
 
-enum { DSC_CQ_OK = 0, DSC_CQ_EINVAL = -1 };
+enum { DSC_CQ_OK = 0, DSC_CQ_EINVAL = -1, DSC_CQ_ENOMEM = -2 };
 enum { DSC_CQ_F32 = 0, DSC_CQ_BF16 = 1, DSC_CQ_F16 = 2 };
 
 static inline int dsc_cq_check(int64_t groups, int64_t n, int bits, int dtype) {
