@@ -3,10 +3,11 @@ implementation (materialised [B, N, H, L, L] scores), torch SDPA with the two bi
 as one [B*N, H, L, L] mask, FlexAttention with the biases as a score_mod, and DeepSpeed's CUTLASS
 kernel when it builds. One GPU.
 
-First a correctness table: our fp16/bf16 kernels against float32 naive math (outputs and the
+"ours" runs the tensor-core forward (the default on sm_80+), "ours-simt" the CUDA-core forward; both
+share the CUDA-core backward. First a correctness table: our fp16/bf16 kernels against float32 naive math (outputs and the
 gradients of Q, K, V, the mask bias and the pair bias, relative max error), on small odd shapes
-and on the benchmark shape. Then forward+backward time (median of interleaved reps) and peak
-memory above the inputs, with ratios against ours.
+and on the benchmark shape. Then forward+backward and forward-only time (median of interleaved
+reps) and the forward+backward peak memory above the inputs, with ratios against ours.
 
     python benchmarks/evoformer.py                      # L 512, N 128, 4 heads, D 32 (the issue's bar)
     python benchmarks/evoformer.py --small              # a quick pass (.devrun/gpu_41.sh)
@@ -14,6 +15,7 @@ memory above the inputs, with ratios against ours.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import statistics
 import sys
@@ -25,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from deepspeed_c.ops.deepspeed4science import DS4Sci_EvoformerAttention  # noqa: E402
+from deepspeed_c.ops.deepspeed4science import evoformer_attn  # noqa: E402
 
 
 def naive(q, k, v, b1, b2):
@@ -94,11 +97,13 @@ def rel_err(a, b):
 
 
 def check(shapes, dtypes) -> bool:
-    """Ours (fp16/bf16) against float32 naive math; prints one row per case."""
+    """Ours (fp16/bf16; each forward kernel) against float32 naive math; one row per case."""
     ok = True
-    print("correctness: ours vs float32 naive (max |err| / max |ref|)")
-    print(f"{'shape B,N,L,H,D':>22} {'dtype':>9} {'out':>9} {'dQ':>9} {'dK':>9} {'dV':>9} {'dmask':>9} {'dpair':>9}")
-    for shape in shapes:
+    print("correctness: ours vs float32 naive (max |err| / max |ref|); fwd: tc = tensor cores, simt = CUDA cores")
+    print(f"{'shape B,N,L,H,D':>22} {'fwd':>4} {'dtype':>9} {'out':>9} {'dQ':>9} {'dK':>9} {'dV':>9} {'dmask':>9} "
+          f"{'dpair':>9}")
+    for shape, kernel in itertools.product(shapes, ("tc", "simt")):
+        evoformer_attn.forward_kernel = kernel
         for dtype in dtypes:
             t = inputs(*shape, dtype=dtype, seed=sum(shape))
             d_o = torch.randn_like(t[0])
@@ -108,8 +113,9 @@ def check(shapes, dtypes) -> bool:
             tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
             good = all(e < tol for e in errs) and all(torch.isfinite(x).all() for x in [got, *gg])
             ok &= good
-            print(f"{str(shape):>22} {str(dtype)[6:]:>9} " + " ".join(f"{e:9.2e}" for e in errs)
+            print(f"{str(shape):>22} {kernel:>4} {str(dtype)[6:]:>9} " + " ".join(f"{e:9.2e}" for e in errs)
                   + ("" if good else f"  FAIL (tol {tol})"))
+    evoformer_attn.forward_kernel = "auto"
     return ok
 
 
@@ -136,6 +142,7 @@ def bench(shape, dtype, reps: int, systems: dict) -> None:
         torch.cuda.synchronize()
         peak[name] = (torch.cuda.max_memory_allocated() - base) / 2**20
     times = {name: [] for name in live}
+    fwd_times = {name: [] for name in live}
     for _ in range(reps):
         for name, fn in live.items():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -144,13 +151,21 @@ def bench(shape, dtype, reps: int, systems: dict) -> None:
             end.record()
             torch.cuda.synchronize()
             times[name].append(start.elapsed_time(end))
+            start.record()
+            with torch.no_grad():
+                fn(*t)
+            end.record()
+            torch.cuda.synchronize()
+            fwd_times[name].append(start.elapsed_time(end))
     B, N, L, H, D = shape
     print(f"\nforward+backward, B={B} N={N} L={L} H={H} D={D} {str(dtype)[6:]}, median of {reps} interleaved reps")
-    print(f"{'system':>12} {'ms':>9} {'vs ours':>9} {'peak MiB':>10} {'mem vs ours':>12}")
-    ms_ours = statistics.median(times["ours"])
+    print(f"{'system':>12} {'fwd+bwd ms':>11} {'/ ours':>7} {'fwd ms':>8} {'/ ours':>7} {'peak MiB':>10} "
+          f"{'/ ours':>7}")
+    ms_ours, fwd_ours = statistics.median(times["ours"]), statistics.median(fwd_times["ours"])
     for name in live:
-        ms = statistics.median(times[name])
-        print(f"{name:>12} {ms:9.3f} {ms / ms_ours:8.2f}x {peak[name]:10.1f} {peak[name] / peak['ours']:11.2f}x")
+        ms, fwd = statistics.median(times[name]), statistics.median(fwd_times[name])
+        print(f"{name:>12} {ms:11.3f} {ms / ms_ours:6.2f}x {fwd:8.3f} {fwd / fwd_ours:6.2f}x {peak[name]:10.1f} "
+              f"{peak[name] / peak['ours']:6.2f}x")
 
 
 def main() -> None:
@@ -171,7 +186,14 @@ def main() -> None:
     ok = check([(1, 2, 17, 2, 8), (2, 3, 100, 4, 32), (1, 2, 130, 2, 64)], [torch.float16, torch.bfloat16])
     shape = (args.batch, args.nseq, args.length, args.heads, args.dim)
     ok &= check([shape], [torch.bfloat16])
-    systems = {"ours": ours, "naive": naive, "sdpa": sdpa}
+    def ours_simt(*a):
+        evoformer_attn.forward_kernel = "simt"
+        try:
+            return ours(*a)
+        finally:
+            evoformer_attn.forward_kernel = "auto"
+
+    systems = {"ours": ours, "ours-simt": ours_simt, "naive": naive, "sdpa": sdpa}
     if not args.no_flex:
         try:
             systems["flex"] = make_flex()

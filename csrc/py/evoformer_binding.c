@@ -2,7 +2,8 @@
  * The shim (deepspeed_c/ops/deepspeed4science/evoformer_attn.py) allocates every output; each
  * argument is checked here (CUDA, contiguous, dtype, shape, one device) before a kernel runs.
  *
- *   forward(q, k, v, bias1|None, bias2|None, o, lse, scale)
+ *   forward(q, k, v, bias1|None, bias2|None, o, lse, scale)       CUDA cores
+ *   forward_tc(q, k, v, bias1|None, bias2|None, o, lse, scale)    tensor cores (sm_80+)
  *   backward(d_o, q, k, v, o, lse, bias1|None, bias2|None, delta, dq, dk, dv, dbias1|None, dbias2|None, scale) */
 #include "dsc/tensor_view.h" /* Python.h first */
 #include "dsc/cuda_binding_util.h"
@@ -73,9 +74,11 @@ static int q_arg(PyObject *obj, dsc_view *q, shapes *s) {
     return 0;
 }
 
-static PyObject *py_forward(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if (dsc_check_nargs("forward", nargs, 8) < 0) return NULL;
+typedef int (*forward_fn)(const void *, const void *, const void *, const void *, const void *, void *, float *,
+                          int64_t, int64_t, int64_t, int64_t, int64_t, float, int, int, cudaStream_t);
+
+static PyObject *forward_with(PyObject *const *args, Py_ssize_t nargs, const char *fname, forward_fn fn) {
+    if (dsc_check_nargs(fname, nargs, 8) < 0) return NULL;
     dsc_view q, k, v, b1, b2, o, lse;
     shapes s;
     double scale;
@@ -88,12 +91,21 @@ static PyObject *py_forward(PyObject *self, PyObject *const *args, Py_ssize_t na
     if (dsc_cuda_stream_arg(q.device_id, &stream) < 0) return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = dsc_evo_forward(q.data, k.data, v.data, b1.is_none ? NULL : b1.data, b2.is_none ? NULL : b2.data, o.data,
-                         (float *)lse.data, s.B, s.N, s.L, s.H, s.D, (float)scale, cuda_dtype(q.dtype), q.device_id,
-                         stream);
+    rc = fn(q.data, k.data, v.data, b1.is_none ? NULL : b1.data, b2.is_none ? NULL : b2.data, o.data,
+            (float *)lse.data, s.B, s.N, s.L, s.H, s.D, (float)scale, cuda_dtype(q.dtype), q.device_id, stream);
     Py_END_ALLOW_THREADS
-    if (dsc_cuda_check(rc, "evoformer forward") < 0) return NULL;
+    if (dsc_cuda_check(rc, fname) < 0) return NULL;
     Py_RETURN_NONE;
+}
+
+static PyObject *py_forward(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    return forward_with(args, nargs, "forward", dsc_evo_forward);
+}
+
+static PyObject *py_forward_tc(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    return forward_with(args, nargs, "forward_tc", dsc_evo_forward_tc);
 }
 
 static PyObject *py_backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -132,6 +144,7 @@ static PyObject *py_backward(PyObject *self, PyObject *const *args, Py_ssize_t n
 
 static PyMethodDef methods[] = {
     METHOD("forward", py_forward, "forward(q, k, v, bias1, bias2, o, lse, scale): flash-style Evoformer attention."),
+    METHOD("forward_tc", py_forward_tc, "forward_tc(q, k, v, bias1, bias2, o, lse, scale): the same on tensor cores."),
     METHOD("backward", py_backward,
            "backward(d_o, q, k, v, o, lse, bias1, bias2, delta, dq, dk, dv, dbias1, dbias2, scale): its gradients."),
     {NULL, NULL, 0, NULL},

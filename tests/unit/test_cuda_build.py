@@ -32,7 +32,7 @@ EXPECTED = {
     "onebit_cuda": {"compensate", "pack", "unpack"},
     "quantizer_cuda": {"quantize", "dequantize", "dequantize_sum"},
     "random_ltd_cuda": {"gather", "scatter", "mask_gather"},
-    "evoformer_attn": {"forward", "backward"},
+    "evoformer_attn": {"forward", "forward_tc", "backward"},
     "transformer": {"bias_gelu", "gelu_backward", "residual_norm", "norm_backward", "softmax", "softmax_backward"},
     "transformer_inference": {"add_norm", "qkv_rotary_cache", "attention", "masked_softmax", "bias_gelu",
                               "silu_mul", "quant_gemv", "dequantize"},

@@ -120,3 +120,21 @@ def test_bad_input_names_the_expected_shape():
         DS4Sci_EvoformerAttention(q, k.float(), v, [])
     with pytest.raises(ValueError, match="at most two"):
         DS4Sci_EvoformerAttention(q, k, v, [b1, b2, b2])
+
+
+def test_cuda_binding_refuses_bad_arguments_by_name():
+    """The CUDA op checks every argument before a kernel runs (no GPU needed to see it)."""
+    from op_builder import toolchain
+    if toolchain.nvcc() is None or not toolchain.cudart_static_available():
+        pytest.skip("nvcc and libcudart_static are needed to build the op")
+    from deepspeed_c.ops.deepspeed4science.evoformer_attn import cuda_op
+
+    op = cuda_op()
+    q = torch.zeros(1, 2, 8, 2, 16, dtype=torch.float16)
+    lse = torch.zeros(1, 2, 2, 8)
+    with pytest.raises(ValueError, match="'q' must be on the cuda device"):
+        op.forward(q, q, q, None, None, q, lse, 0.25)
+    with pytest.raises(TypeError, match="argument 'q'.*(dtype|float32)"):
+        op.forward_tc(q.float(), q, q, None, None, q, lse, 0.25)
+    with pytest.raises(TypeError, match="takes exactly 15 arguments"):
+        op.backward(q, q, q)

@@ -1,4 +1,4 @@
-/* DS4Sci Evoformer attention (csrc/cuda/evoformer_fwd.cu, evoformer_bwd.cu): flash-style attention with up to two
+/* DS4Sci Evoformer attention (csrc/cuda/evoformer_fwd.cu, evoformer_fwd_tc.cu, evoformer_bwd.cu): flash-style attention with up to two
  * additive biases, forward and backward, never materialising the L x L scores in global memory.
  *
  * Shapes (contiguous; BN = B * N rows of the MSA or pair stack):
@@ -27,6 +27,11 @@ extern "C" {
 int dsc_evo_forward(const void *q, const void *k, const void *v, const void *bias1, const void *bias2, void *o,
                     float *lse, int64_t B, int64_t N, int64_t L, int64_t H, int64_t D, float scale, int dtype,
                     int device, cudaStream_t stream);
+
+/* The same forward on tensor cores (WMMA, evoformer_fwd_tc.cu; compute capability 8.0 or newer). */
+int dsc_evo_forward_tc(const void *q, const void *k, const void *v, const void *bias1, const void *bias2, void *o,
+                       float *lse, int64_t B, int64_t N, int64_t L, int64_t H, int64_t D, float scale, int dtype,
+                       int device, cudaStream_t stream);
 
 /* delta: float32 [B, N, H, L] scratch the launcher fills first. dbias1/dbias2 NULL: not wanted. */
 int dsc_evo_backward(const void *d_o, const void *q, const void *k, const void *v, const void *o, const float *lse,

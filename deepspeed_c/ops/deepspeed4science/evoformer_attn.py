@@ -3,11 +3,14 @@
 [B, 1, H, L, L], in forward and backward, without materialising the L x L scores of all rows.
 
 fp16/bf16 tensors on a GPU run the flash-style CUDA kernels (op `evoformer_attn`,
-csrc/cuda/evoformer_{fwd,bwd}.cu); everything else runs the chunked torch path
-(`evoformer_reference`), which follows the same algorithm."""
+csrc/cuda/evoformer_{fwd,fwd_tc,bwd}.cu); everything else runs the chunked torch path
+(`evoformer_reference`), which follows the same algorithm. `forward_kernel` picks the forward:
+"auto" (tensor cores on compute capability 8.0+, else CUDA cores), "tc" or "simt"; the
+DSC_EVO_FORWARD environment variable sets its initial value."""
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from types import ModuleType
 from typing import Sequence
@@ -21,6 +24,14 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_KERNEL_HEAD_DIM = 64
 _op: ModuleType | None = None
 _warned_head_dim = False
+forward_kernel: str = os.environ.get("DSC_EVO_FORWARD", "auto")
+
+
+def _forward_fn(q: torch.Tensor):
+    if forward_kernel not in ("auto", "tc", "simt"):
+        raise ValueError(f"evoformer_attn.forward_kernel must be 'auto', 'tc' or 'simt', got {forward_kernel!r}")
+    tc = forward_kernel == "tc" or (forward_kernel == "auto" and torch.cuda.get_device_capability(q.device)[0] >= 8)
+    return cuda_op().forward_tc if tc else cuda_op().forward
 
 
 def cuda_op() -> ModuleType:
@@ -59,7 +70,7 @@ class EvoformerFusedAttention(torch.autograd.Function):
             B, N, L, H, _ = q.shape
             o = torch.empty_like(q)
             lse = torch.empty((B, N, H, L), dtype=torch.float32, device=q.device)
-            cuda_op().forward(q, k, v, bias1, bias2, o, lse, scale)
+            _forward_fn(q)(q, k, v, bias1, bias2, o, lse, scale)
         else:
             o, lse = ref.forward(q, k, v, bias1, bias2, scale)
         ctx.save_for_backward(q, k, v, o, lse, bias1, bias2)
