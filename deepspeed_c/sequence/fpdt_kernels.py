@@ -100,12 +100,12 @@ def block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     ke, ve = _expand_kv(k, heads), _expand_kv(v, heads)
     if _use_flash(q):
         sq, sk = q.shape[1], k.shape[1]
-        empty = torch.empty(0, device=q.device)
         zero = torch.zeros((), dtype=torch.int64, device=q.device)  # philox state: unused without dropout
         try:
+            # cumulative lengths None (undefined): a defined one, even empty, selects the varlen kernel
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
                 dout.transpose(1, 2), q.transpose(1, 2), ke.transpose(1, 2), ve.transpose(1, 2),
-                out.to(q.dtype).transpose(1, 2), lse.float().contiguous(), empty, empty, sq, sk, 0.0, causal, zero,
+                out.to(q.dtype).transpose(1, 2), lse.float().contiguous(), None, None, sq, sk, 0.0, causal, zero,
                 zero, scale=scale)
             dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
             return dq, _fold_kv(dk, kv_heads), _fold_kv(dv, kv_heads)
