@@ -3,8 +3,8 @@ implementation (materialised [B, N, H, L, L] scores), torch SDPA with the two bi
 as one [B*N, H, L, L] mask, FlexAttention with the biases as a score_mod, and DeepSpeed's CUTLASS
 kernel when it builds. One GPU.
 
-"ours" runs the tensor-core forward (the default on sm_80+), "ours-simt" the CUDA-core forward; both
-share the CUDA-core backward. First a correctness table: our fp16/bf16 kernels against float32 naive math (outputs and the
+"ours" runs the tensor-core kernels (the default on sm_80+: forward and dK/dV, dQ on CUDA cores),
+"ours-simt" the CUDA-core kernels throughout. First a correctness table: our fp16/bf16 kernels against float32 naive math (outputs and the
 gradients of Q, K, V, the mask bias and the pair bias, relative max error), on small odd shapes
 and on the benchmark shape. Then forward+backward and forward-only time (median of interleaved
 reps) and the forward+backward peak memory above the inputs, with ratios against ours.
@@ -99,11 +99,11 @@ def rel_err(a, b):
 def check(shapes, dtypes) -> bool:
     """Ours (fp16/bf16; each forward kernel) against float32 naive math; one row per case."""
     ok = True
-    print("correctness: ours vs float32 naive (max |err| / max |ref|); fwd: tc = tensor cores, simt = CUDA cores")
-    print(f"{'shape B,N,L,H,D':>22} {'fwd':>4} {'dtype':>9} {'out':>9} {'dQ':>9} {'dK':>9} {'dV':>9} {'dmask':>9} "
+    print("correctness: ours vs float32 naive (max |err| / max |ref|); tc = tensor cores, simt = CUDA cores")
+    print(f"{'shape B,N,L,H,D':>22} {'kern':>4} {'dtype':>9} {'out':>9} {'dQ':>9} {'dK':>9} {'dV':>9} {'dmask':>9} "
           f"{'dpair':>9}")
     for shape, kernel in itertools.product(shapes, ("tc", "simt")):
-        evoformer_attn.forward_kernel = kernel
+        evoformer_attn.kernel = kernel
         for dtype in dtypes:
             t = inputs(*shape, dtype=dtype, seed=sum(shape))
             d_o = torch.randn_like(t[0])
@@ -115,7 +115,7 @@ def check(shapes, dtypes) -> bool:
             ok &= good
             print(f"{str(shape):>22} {kernel:>4} {str(dtype)[6:]:>9} " + " ".join(f"{e:9.2e}" for e in errs)
                   + ("" if good else f"  FAIL (tol {tol})"))
-    evoformer_attn.forward_kernel = "auto"
+    evoformer_attn.kernel = "auto"
     return ok
 
 
@@ -187,11 +187,11 @@ def main() -> None:
     shape = (args.batch, args.nseq, args.length, args.heads, args.dim)
     ok &= check([shape], [torch.bfloat16])
     def ours_simt(*a):
-        evoformer_attn.forward_kernel = "simt"
+        evoformer_attn.kernel = "simt"
         try:
             return ours(*a)
         finally:
-            evoformer_attn.forward_kernel = "auto"
+            evoformer_attn.kernel = "auto"
 
     systems = {"ours": ours, "ours-simt": ours_simt, "naive": naive, "sdpa": sdpa}
     if not args.no_flex:

@@ -8,4 +8,5 @@ class EvoformerAttnBuilder(MultiTensorCUDABuilder):
     NAME = "evoformer_attn"
 
     def sources(self) -> list[str]:
-        return [*MT_COMMON, "cuda/evoformer_fwd.cu", "cuda/evoformer_fwd_tc.cu", "cuda/evoformer_bwd.cu", "py/evoformer_binding.c"]
+        return [*MT_COMMON, "cuda/evoformer_fwd.cu", "cuda/evoformer_fwd_tc.cu", "cuda/evoformer_bwd.cu",
+                "cuda/evoformer_bwd_tc.cu", "py/evoformer_binding.c"]

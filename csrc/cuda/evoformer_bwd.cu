@@ -130,7 +130,8 @@ using namespace dsc_evo;
 extern "C" int dsc_evo_backward(const void *d_o, const void *q, const void *k, const void *v, const void *o,
                                 const float *lse, const void *bias1, const void *bias2, float *delta, void *dq,
                                 void *dk, void *dv, float *dbias1, float *dbias2, int64_t B, int64_t N, int64_t L,
-                                int64_t H, int64_t D, float scale, int dtype, int device, cudaStream_t stream) {
+                                int64_t H, int64_t D, float scale, int tc, int dtype, int device,
+                                cudaStream_t stream) {
     if (!d_o || !q || !k || !v || !o || !lse || !delta || !dq || !dk || !dv || bad_shape(B, N, L, H, D) ||
         (dbias1 && !bias1) || (dbias2 && !bias2))
         return DSC_CUDA_EARG;
@@ -155,6 +156,9 @@ extern "C" int dsc_evo_backward(const void *d_o, const void *q, const void *k, c
                                                                       (int)D, scale);
             const int rc2 = launch_error();
             if (rc2 != 0) return rc2;
+            if (tc)
+                return launch_dkv_tc(d_o, q, k, v, lse, delta, bias1, bias2, dk, dv, dbias1, dbias2, B, N, L, H, D,
+                                     scale, dtype, stream);
             evo_dkv_kernel<E, DP><<<kgrid, kKeysPerBlock, 0, stream>>>(
                 gO, Q, K, V, lse, delta, b1, b2, static_cast<E *>(dk), static_cast<E *>(dv), dbias1, dbias2, (int)N,
                 (int)L, (int)H, (int)D, scale);

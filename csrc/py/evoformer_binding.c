@@ -4,7 +4,8 @@
  *
  *   forward(q, k, v, bias1|None, bias2|None, o, lse, scale)       CUDA cores
  *   forward_tc(q, k, v, bias1|None, bias2|None, o, lse, scale)    tensor cores (sm_80+)
- *   backward(d_o, q, k, v, o, lse, bias1|None, bias2|None, delta, dq, dk, dv, dbias1|None, dbias2|None, scale) */
+ *   backward(d_o, q, k, v, o, lse, bias1|None, bias2|None, delta, dq, dk, dv, dbias1|None, dbias2|None, scale, tc)
+ *            tc: dK/dV and the bias gradients on tensor cores (sm_80+) */
 #include "dsc/tensor_view.h" /* Python.h first */
 #include "dsc/cuda_binding_util.h"
 #include "dsc/evoformer_cuda.h"
@@ -110,10 +111,11 @@ static PyObject *py_forward_tc(PyObject *self, PyObject *const *args, Py_ssize_t
 
 static PyObject *py_backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (dsc_check_nargs("backward", nargs, 15) < 0) return NULL;
+    if (dsc_check_nargs("backward", nargs, 16) < 0) return NULL;
     dsc_view go, q, k, v, o, lse, b1, b2, delta, dq, dk, dv, db1, db2;
     shapes s;
     double scale;
+    int tc;
     if (q_arg(args[1], &q, &s) < 0 || arg(args[0], "d_o", ACT, 0, &q, 1, 5, s.qkv, &go) < 0 ||
         arg(args[2], "k", ACT, 0, &q, 1, 5, s.qkv, &k) < 0 || arg(args[3], "v", ACT, 0, &q, 1, 5, s.qkv, &v) < 0 ||
         arg(args[4], "o", ACT, 0, &q, 1, 5, s.qkv, &o) < 0 || arg(args[5], "lse", DSC_F32, 0, &q, 0, 4, s.rows, &lse) < 0 ||
@@ -123,7 +125,8 @@ static PyObject *py_backward(PyObject *self, PyObject *const *args, Py_ssize_t n
         arg(args[9], "dq", ACT, 0, &q, 1, 5, s.qkv, &dq) < 0 || arg(args[10], "dk", ACT, 0, &q, 1, 5, s.qkv, &dk) < 0 ||
         arg(args[11], "dv", ACT, 0, &q, 1, 5, s.qkv, &dv) < 0 ||
         arg(args[12], "dbias1", DSC_F32, 1, &q, 0, 5, s.bias1, &db1) < 0 ||
-        arg(args[13], "dbias2", DSC_F32, 1, &q, 0, 5, s.bias2, &db2) < 0 || dsc_arg_double(args[14], "scale", &scale) < 0)
+        arg(args[13], "dbias2", DSC_F32, 1, &q, 0, 5, s.bias2, &db2) < 0 || dsc_arg_double(args[14], "scale", &scale) < 0 ||
+        dsc_flag_arg(args[15], "tc", &tc) < 0)
         return NULL;
     if ((!db1.is_none && b1.is_none) || (!db2.is_none && b2.is_none))
         return PyErr_Format(PyExc_ValueError, "a bias gradient ('dbias1'/'dbias2') was given without its bias");
@@ -134,7 +137,7 @@ static PyObject *py_backward(PyObject *self, PyObject *const *args, Py_ssize_t n
     rc = dsc_evo_backward(go.data, q.data, k.data, v.data, o.data, (const float *)lse.data, b1.is_none ? NULL : b1.data,
                           b2.is_none ? NULL : b2.data, (float *)delta.data, dq.data, dk.data, dv.data,
                           db1.is_none ? NULL : (float *)db1.data, db2.is_none ? NULL : (float *)db2.data, s.B, s.N, s.L,
-                          s.H, s.D, (float)scale, cuda_dtype(q.dtype), q.device_id, stream);
+                          s.H, s.D, (float)scale, tc, cuda_dtype(q.dtype), q.device_id, stream);
     Py_END_ALLOW_THREADS
     if (dsc_cuda_check(rc, "evoformer backward") < 0) return NULL;
     Py_RETURN_NONE;
@@ -146,7 +149,7 @@ static PyMethodDef methods[] = {
     METHOD("forward", py_forward, "forward(q, k, v, bias1, bias2, o, lse, scale): flash-style Evoformer attention."),
     METHOD("forward_tc", py_forward_tc, "forward_tc(q, k, v, bias1, bias2, o, lse, scale): the same on tensor cores."),
     METHOD("backward", py_backward,
-           "backward(d_o, q, k, v, o, lse, bias1, bias2, delta, dq, dk, dv, dbias1, dbias2, scale): its gradients."),
+           "backward(d_o, q, k, v, o, lse, bias1, bias2, delta, dq, dk, dv, dbias1, dbias2, scale, tc): its gradients."),
     {NULL, NULL, 0, NULL},
 };
 

@@ -136,5 +136,5 @@ def test_cuda_binding_refuses_bad_arguments_by_name():
         op.forward(q, q, q, None, None, q, lse, 0.25)
     with pytest.raises(TypeError, match="argument 'q'.*(dtype|float32)"):
         op.forward_tc(q.float(), q, q, None, None, q, lse, 0.25)
-    with pytest.raises(TypeError, match="takes exactly 15 arguments"):
+    with pytest.raises(TypeError, match="takes exactly 16 arguments"):
         op.backward(q, q, q)

@@ -1,4 +1,4 @@
-/* DS4Sci Evoformer attention (csrc/cuda/evoformer_fwd.cu, evoformer_fwd_tc.cu, evoformer_bwd.cu): flash-style attention with up to two
+/* DS4Sci Evoformer attention (csrc/cuda/evoformer_{fwd,fwd_tc,bwd,bwd_tc}.cu): flash-style attention with up to two
  * additive biases, forward and backward, never materialising the L x L scores in global memory.
  *
  * Shapes (contiguous; BN = B * N rows of the MSA or pair stack):
@@ -33,11 +33,12 @@ int dsc_evo_forward_tc(const void *q, const void *k, const void *v, const void *
                        float *lse, int64_t B, int64_t N, int64_t L, int64_t H, int64_t D, float scale, int dtype,
                        int device, cudaStream_t stream);
 
-/* delta: float32 [B, N, H, L] scratch the launcher fills first. dbias1/dbias2 NULL: not wanted. */
+/* delta: float32 [B, N, H, L] scratch the launcher fills first. dbias1/dbias2 NULL: not wanted.
+ * tc != 0: dK, dV and the bias gradients on tensor cores (evoformer_bwd_tc.cu; sm_80+). */
 int dsc_evo_backward(const void *d_o, const void *q, const void *k, const void *v, const void *o, const float *lse,
                      const void *bias1, const void *bias2, float *delta, void *dq, void *dk, void *dv, float *dbias1,
-                     float *dbias2, int64_t B, int64_t N, int64_t L, int64_t H, int64_t D, float scale, int dtype,
-                     int device, cudaStream_t stream);
+                     float *dbias2, int64_t B, int64_t N, int64_t L, int64_t H, int64_t D, float scale, int tc,
+                     int dtype, int device, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

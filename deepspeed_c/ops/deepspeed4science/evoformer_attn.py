@@ -4,9 +4,10 @@
 
 fp16/bf16 tensors on a GPU run the flash-style CUDA kernels (op `evoformer_attn`,
 csrc/cuda/evoformer_{fwd,fwd_tc,bwd}.cu); everything else runs the chunked torch path
-(`evoformer_reference`), which follows the same algorithm. `forward_kernel` picks the forward:
-"auto" (tensor cores on compute capability 8.0+, else CUDA cores), "tc" or "simt"; the
-DSC_EVO_FORWARD environment variable sets its initial value."""
+(`evoformer_reference`), which follows the same algorithm. `kernel` picks the kernels: "auto"
+(tensor cores on compute capability 8.0+, else CUDA cores), "tc" or "simt". On tensor cores run the
+forward and the dK/dV/bias-gradient pass; dQ always runs on CUDA cores. The DSC_EVO_KERNEL
+environment variable sets its initial value."""
 from __future__ import annotations
 
 import math
@@ -24,14 +25,13 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_KERNEL_HEAD_DIM = 64
 _op: ModuleType | None = None
 _warned_head_dim = False
-forward_kernel: str = os.environ.get("DSC_EVO_FORWARD", "auto")
+kernel: str = os.environ.get("DSC_EVO_KERNEL", "auto")
 
 
-def _forward_fn(q: torch.Tensor):
-    if forward_kernel not in ("auto", "tc", "simt"):
-        raise ValueError(f"evoformer_attn.forward_kernel must be 'auto', 'tc' or 'simt', got {forward_kernel!r}")
-    tc = forward_kernel == "tc" or (forward_kernel == "auto" and torch.cuda.get_device_capability(q.device)[0] >= 8)
-    return cuda_op().forward_tc if tc else cuda_op().forward
+def _tensor_cores(q: torch.Tensor) -> bool:
+    if kernel not in ("auto", "tc", "simt"):
+        raise ValueError(f"evoformer_attn.kernel must be 'auto', 'tc' or 'simt', got {kernel!r}")
+    return kernel == "tc" or (kernel == "auto" and torch.cuda.get_device_capability(q.device)[0] >= 8)
 
 
 def cuda_op() -> ModuleType:
@@ -70,7 +70,8 @@ class EvoformerFusedAttention(torch.autograd.Function):
             B, N, L, H, _ = q.shape
             o = torch.empty_like(q)
             lse = torch.empty((B, N, H, L), dtype=torch.float32, device=q.device)
-            _forward_fn(q)(q, k, v, bias1, bias2, o, lse, scale)
+            forward = cuda_op().forward_tc if _tensor_cores(q) else cuda_op().forward
+            forward(q, k, v, bias1, bias2, o, lse, scale)
         else:
             o, lse = ref.forward(q, k, v, bias1, bias2, scale)
         ctx.save_for_backward(q, k, v, o, lse, bias1, bias2)
@@ -88,7 +89,8 @@ class EvoformerFusedAttention(torch.autograd.Function):
             delta = torch.empty_like(lse)
             db1 = torch.zeros(bias1.shape, dtype=torch.float32, device=q.device) if want1 else None
             db2 = torch.zeros(bias2.shape, dtype=torch.float32, device=q.device) if want2 else None
-            cuda_op().backward(d_o, q, k, v, o, lse, bias1, bias2, delta, dq, dk, dv, db1, db2, ctx.scale)
+            cuda_op().backward(d_o, q, k, v, o, lse, bias1, bias2, delta, dq, dk, dv, db1, db2, ctx.scale,
+                               _tensor_cores(q))
             db1 = None if db1 is None else db1.to(bias1.dtype)
             db2 = None if db2 is None else db2.to(bias2.dtype)
         else:
