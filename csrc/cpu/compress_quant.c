@@ -105,24 +105,30 @@ int dsc_cq_fake_quant(const void *x, void *out, int dtype, int64_t groups, int64
     }
     const float q_range = (float)(1 << bits);
     const float qlo = asym ? 0.0f : -q_range / 2, qhi = asym ? q_range - 1 : q_range / 2 - 1;
-    const int64_t total = groups * n;
-#pragma omp parallel for schedule(static) if (total > TILE)
+    /* the scale and zero point per group (in place of the range), each operation rounded as torch rounds it
+     * (division by a power of two is exact, so x * (1/q) and x / q agree) */
     for (int64_t g = 0; g < groups; g++) {
-        /* the scale and zero point, each operation rounded as torch rounds it (division by a power of two
-         * is exact, so x * (1/q) and x / q agree) */
         const float s = asym ? st(st(ghi[g] - glo[g], dtype) / q_range, dtype)
                              : st(st(2.0f * ghi[g], dtype) / q_range, dtype);
-        const float inv = 1.0f / s;
-        const float zp = asym ? st(rintf(divide(glo[g], s, inv, recip, dtype)) * s, dtype) : 0.0f;
+        glo[g] = asym ? st(rintf(divide(glo[g], s, 1.0f / s, recip, dtype)) * s, dtype) : 0.0f;
+        ghi[g] = s;
+    }
+    /* tiles of TILE elements inside a group, so one big group spreads over every thread too */
+    const int64_t tiles_per = (n + TILE - 1) / TILE, tiles = groups * tiles_per;
+#pragma omp parallel for schedule(static) if (groups * n > TILE)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t g = t / tiles_per, start = (t % tiles_per) * TILE;
+        const int64_t end = start + TILE < n ? start + TILE : n;
+        const float s = ghi[g], inv = 1.0f / s, zp = glo[g];
         const int64_t base = g * n;
-        for (int64_t k = 0; k < n; k++) {
-            const float v = ld(x, dtype, base + k);
+        for (int64_t k = base + start; k < base + end; k++) {
+            const float v = ld(x, dtype, k);
             float r = divide(asym ? st(v - zp, dtype) : v, s, inv, recip, dtype);
-            if (seed) r = st(r + st(dsc_cq_noise(seed, (uint64_t)(base + k)), dtype), dtype);
+            if (seed) r = st(r + st(dsc_cq_noise(seed, (uint64_t)k), dtype), dtype);
             r = clampf(rintf(r), qlo, qhi);
             float o = st(r * s, dtype);
             if (asym) o = st(o + zp, dtype);
-            put(out, dtype, base + k, o);
+            put(out, dtype, k, o);
         }
     }
     free(glo);
