@@ -177,3 +177,23 @@ def test_moq_eigenvalue_stretches_each_blocks_period():
         assert (p.start_bits, p.q_period) == (7, 2 * (1 + math.floor(ev * 4)))
     assert max(ev for ev, _ in block_eigenvalue.values()) == 1.0  # the sharpest block waits 5x longer
     assert q.any_precision_switch()
+
+
+def test_moq_under_fp16_quantizes_the_half_weights():
+    """DeepSpeed's MoQ setting (fp16 engine): the model's half weights are requantized after each step."""
+    torch.manual_seed(0)
+    model = cases.TinyBert(2)
+    cfg = _cfg({"weight_quantization": WQ_MOQ}, fp16={"enabled": True, "initial_scale_power": 4})
+    init_compression(model, copy.deepcopy(cfg))
+    engine, *_ = deepspeed_c.initialize(model=model, config=cfg)
+    x, y = cases._inputs("bert")
+    try:
+        for _ in range(4):
+            engine.backward(torch.nn.functional.mse_loss(engine(x).float(), y))
+            engine.step()
+        q = engine.module.layer[0].query.weight
+        assert q.dtype == torch.float16 and (q.start_bits, q.q_period) == (6, 8)
+        assert len(torch.unique(q.detach())) <= 2 * 2 ** 6  # two groups on a 6-bit grid
+        assert len(torch.unique(engine.module.layer[0].dense.weight.detach())) == 64  # not in the groups
+    finally:
+        engine.destroy()
