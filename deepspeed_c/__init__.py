@@ -55,4 +55,6 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "InferenceEngine": "deepspeed_c.inference.engine:InferenceEngine",
     "DeepSpeedInferenceConfig": "deepspeed_c.inference.config:DeepSpeedInferenceConfig",
     "inference": "deepspeed_c.inference",
+    "DeepSpeedTransformerLayer": "deepspeed_c.ops.transformer:DeepSpeedTransformerLayer",
+    "DeepSpeedTransformerConfig": "deepspeed_c.ops.transformer:DeepSpeedTransformerConfig",
 })
