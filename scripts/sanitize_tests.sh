@@ -21,7 +21,8 @@ rm -rf "$REPORTS" "$OUT/fuzz"
 mkdir -p "$REPORTS" "$OUT/fuzz/aio"
 start=$(date +%s)
 
-DSC_SANITIZE=1 "$PY" setup.py -q build_ext -j 2 >"$OUT/build.log" 2>&1 || { cat "$OUT/build.log"; exit 1; }
+# --force: setuptools would keep an older build whose .c files did not change while a header did
+DSC_SANITIZE=1 "$PY" setup.py -q build_ext --force -j 2 >"$OUT/build.log" 2>&1 || { cat "$OUT/build.log"; exit 1; }
 test -f "$OUT"/deepspeed_c/_C*.so
 
 # the fuzz drivers: built here, run in the background while the unit tests run
@@ -47,7 +48,7 @@ test -f "$LIBASAN" || { echo "libasan.so not found (gcc -print-file-name=libasan
 # first C++ exception torch throws (a bad argument to a torch op) aborts in ASan's own CHECK
 PRELOAD="$LIBASAN:$(gcc -print-file-name=libstdc++.so)"
 cache=$(mktemp -d -t dsc-sanitize-cache-XXXXXX)
-trap 'rm -rf "$cache"' EXIT
+trap 'kill "${fuzz_pid[@]}" 2>/dev/null || true; rm -rf "$cache"' EXIT  # no driver outlives a failed step
 san_env=(env DSC_SANITIZE=1 DSC_CORE_DIR="$OUT/deepspeed_c" DSC_CACHE_DIR="$cache" OMP_NUM_THREADS=1
          LD_PRELOAD="$PRELOAD"
          ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:abort_on_error=1:log_path=$REPORTS/asan"
