@@ -194,6 +194,6 @@ def test_moq_under_fp16_quantizes_the_half_weights():
         q = engine.module.layer[0].query.weight
         assert q.dtype == torch.float16 and (q.start_bits, q.q_period) == (6, 8)
         assert len(torch.unique(q.detach())) <= 2 * 2 ** 6  # two groups on a 6-bit grid
-        assert len(torch.unique(engine.module.layer[0].dense.weight.detach())) == 64  # not in the groups
+        assert len(torch.unique(engine.module.layer[0].dense.weight.detach())) > 56  # not in the groups: untouched
     finally:
         engine.destroy()
