@@ -10,8 +10,9 @@
                           "eigenvalue": {"enabled": false, ...}}
 
 Every weight of two or more dimensions starts at start_bits and steps down to target_bits, one bit per period
-(the period doubling after each drop), from schedule_offset on (runtime/quantize.py steps it). DeepSpeed 0.19.6
-reads only `eigenvalue` from this section (its MoQ runs from compression_training.weight_quantization without
+(the period doubling after each drop, stretched by the block's Hessian eigenvalue when `eigenvalue.enabled`:
+compression/engine_hooks.py), from schedule_offset on (runtime/quantize.py steps it). DeepSpeed 0.19.6 reads
+only `eigenvalue` from this section (its MoQ runs from compression_training.weight_quantization without
 quantize_weight_in_forward, which this engine supports as well)."""
 from __future__ import annotations
 

@@ -197,3 +197,31 @@ def test_moq_under_fp16_quantizes_the_half_weights():
         assert len(torch.unique(engine.module.layer[0].dense.weight.detach())) > 56  # not in the groups: untouched
     finally:
         engine.destroy()
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph")
+def test_engine_moq_eigenvalue_timed_periods():
+    """quantize_training.eigenvalue: the engine computes the blocks' eigenvalues before the optimizer step (from a
+    create_graph backward) and each block's period at its bit drop is multiplied by 1 + floor(4 * eigenvalue)."""
+    import math
+
+    torch.manual_seed(0)
+    model = cases.TinyBert(2)
+    moq = {"enabled": True, "quantize_bits": {"start_bits": 8, "target_bits": 4},
+           "quantize_schedule": {"quantize_period": 1, "schedule_offset": 0},
+           "eigenvalue": {"enabled": True, "max_iter": 10, "tol": 1e-2, "layer_name": "layer", "layer_num": 2}}
+    engine, *_ = deepspeed_c.initialize(model=model, config=_cfg({}, quantize_training=moq))
+    x, y = cases._inputs("bert")
+    try:
+        engine.scale(torch.nn.functional.mse_loss(engine(x), y)).backward(create_graph=True)
+        engine.step()
+        eig = engine.compression_hooks.block_eigenvalue
+        assert {b for _, b in eig.values()} == {0, 1} and max(v for v, _ in eig.values()) == 1.0
+        # the forward at step 0 quantized once (DeepSpeed's engine does): 8 -> 7 bits, period 1 -> 2; the step
+        # drops to 6 bits with the period 2 -> 4, times the block's factor
+        for p in model.layer.parameters():
+            if p.dim() > 1:
+                assert (p.start_bits, p.q_period) == (6, 4 * (1 + math.floor(4 * eig[id(p)][0])))
+        assert model.classifier.weight.q_period == 4  # outside the blocks: no eigenvalue, plain doubling
+    finally:
+        engine.destroy()

@@ -429,6 +429,9 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
         if boundary:
             self.gas_boundary_ctr += 1
             self.data_schedules.at_boundary(self.global_steps)  # PLD theta, before the step counts
+            if self.compression_hooks is not None:  # MoQ's eigenvalues, from gradients that still carry their graph
+                self.compression_hooks.before_step(self.gas_boundary_ctr, self.precision.loss_scale()
+                                                   if self.precision.needs_scaler else 1.0)
             self._take_model_step(lr_kwargs)
         self.report.stop(rep.STEP_TIMERS)
         self.flops_profile.after_step(profiled, boundary, self.global_steps)  # reads the timers before their reset
