@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from deepspeed_c.checkpoint import ds_pickle, safe_load
+from deepspeed_c.checkpoint import digests, ds_pickle, safe_load
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "dsc_manifest.json"
@@ -51,28 +51,11 @@ def check_plain(obj: Any, where: str = "state") -> None:
                     "lists, strings and numbers")
 
 
-def _tensor_digest(t: torch.Tensor) -> str:
-    # hashed through the buffer protocol: a host tensor is not copied (a checkpoint's partitions can be
-    # most of a rank's memory)
-    flat = t.detach().cpu().contiguous().reshape(-1)
-    return hashlib.sha256(flat.view(torch.uint8).numpy() if flat.numel() else b"").hexdigest()
-
-
 def tensor_entries(obj: Any, prefix: str = "", digest: bool = True) -> dict[str, dict[str, Any]]:
-    """name -> shape, dtype (and sha256 unless digest=False) of every tensor in `obj`."""
-    out: dict[str, dict[str, Any]] = {}
-    if isinstance(obj, torch.Tensor):
-        entry = {"shape": list(obj.shape), "dtype": str(obj.dtype).replace("torch.", "")}
-        if digest:
-            entry["sha256"] = _tensor_digest(obj)
-        out[prefix or "<root>"] = entry
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            out.update(tensor_entries(v, f"{prefix}.{k}" if prefix else str(k), digest))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            out.update(tensor_entries(v, f"{prefix}.{i}" if prefix else str(i), digest))
-    return out
+    """name -> shape, dtype (and sha256 unless digest=False) of every tensor in `obj` (hashed on threads)."""
+    if prefix:
+        return {f"{prefix}.{k}" if k != "<root>" else prefix: v for k, v in digests.tensor_entries(obj, digest).items()}
+    return digests.tensor_entries(obj, digest)
 
 
 def _fsync_dir(path: str) -> None:
@@ -96,16 +79,41 @@ def _file_sha(path: str) -> str:
     return h.hexdigest()
 
 
+_HASH_SLICE = 32 << 20  # bytes of a large record hashed on the side while the next slice is written
+
+
 class _WriteRecorder:
     """The file object torch.save writes through, remembering the OSError of a failed write: torch's zip
     writer swallows it and raises its own "[enforce fail at inline_container.cc:...] unexpected pos ..."
     instead, which says neither that the disk is full nor which file was being written."""
 
-    def __init__(self, f: Any) -> None:
+    def __init__(self, f: Any, hasher: Any = None) -> None:
         self._f = f
+        self._hasher = hasher  # the file's sha256, fed the bytes as they are written (no second read)
         self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
+        if self._hasher is None or len(memoryview(data).cast("B")) < _HASH_SLICE:
+            n = self._write(data)
+            if self._hasher is not None:
+                self._hasher.update(data)
+            return n
+        # a large record (a tensor's storage, gigabytes in a ZeRO file): hashed on a thread, slice by slice,
+        # while the same slices are written, so hashing costs no wall time next to the write. Every slice's
+        # update is done before write() returns: torch may reuse the buffer after that.
+        view = memoryview(data).cast("B")
+        pending = []
+        try:
+            for off in range(0, len(view), _HASH_SLICE):
+                piece = view[off:off + _HASH_SLICE]
+                pending.append(digests.hash_thread().submit(self._hasher.update, piece))
+                self._write(piece)
+        finally:
+            for fut in pending:
+                fut.result()
+        return len(view)
+
+    def _write(self, data: Any) -> int:
         try:
             return self._f.write(data)
         except OSError as e:
@@ -154,14 +162,15 @@ def _write_failed(target: str, written: str, error: BaseException, recorded: OSE
     return OSError(cause.errno, f"{reason} while writing checkpoint file{via}{hint}", target)
 
 
-def _write_new(path: str, write: Callable[[Any], None], target: str | None = None) -> None:
-    """`write(file)` into a new file at `path`, flushed and fsynced. On failure the partial file is removed
-    and, for a failed write (a full disk above all), an OSError with its errno names `target` (default
-    `path`), the file the caller meant to write."""
+def _write_new(path: str, write: Callable[[Any], None], target: str | None = None, hasher: Any = None) -> None:
+    """`write(file)` into a new file at `path`, flushed and fsynced (the bytes fed to `hasher` as written;
+    `write` must write sequentially, as torch.save does). On failure the partial file is removed and, for a
+    failed write (a full disk above all), an OSError with its errno names `target` (default `path`), the
+    file the caller meant to write."""
     recorder: _WriteRecorder | None = None
     try:
         with open(path, "wb") as f:
-            recorder = _WriteRecorder(f)
+            recorder = _WriteRecorder(f, hasher)
             write(recorder)
             f.flush()
             os.fsync(f.fileno())
@@ -244,8 +253,13 @@ def save_file(obj: dict, path: str) -> dict[str, Any]:
     check_plain(obj, os.path.basename(path))
     # DeepSpeed's objects need the pickler that writes them under DeepSpeed's names (slower: only then)
     pickler = {"pickle_module": ds_pickle} if ds_pickle.contains_stand_ins(obj) else {}
-    _write_new(path, lambda f: torch.save(obj, f, **pickler))
-    return {"size": os.path.getsize(path), "sha256": _file_sha(path), "tensors": tensor_entries(obj)}
+    tensors = digests.tensor_entries_async(obj)  # hashed on threads while torch.save writes
+    file_sha = hashlib.sha256()
+    try:
+        _write_new(path, lambda f: torch.save(obj, f, **pickler), hasher=file_sha)
+    finally:
+        entries = tensors()
+    return {"size": os.path.getsize(path), "sha256": file_sha.hexdigest(), "tensors": entries}
 
 
 def staging_dir(save_dir: str, tag: str) -> str:
