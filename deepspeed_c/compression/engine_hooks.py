@@ -98,7 +98,7 @@ def _eigenvalue(raw: Optional[dict]) -> Any:
     return Eigenvalue(**{k: raw.get(k, v) for k, v in defaults.items()})
 
 
-def configure(engine: Any) -> Optional[CompressionHooks]:
-    """The hooks for `engine` (None when its config asks for neither compression nor MoQ)."""
-    param_dict = engine._config.user_dict
-    return CompressionHooks(engine.module, param_dict) if CompressionHooks.wanted(param_dict) else None
+def configure(module: torch.nn.Module, param_dict: dict) -> Optional[CompressionHooks]:
+    """The hooks for an engine over `module` with config `param_dict` (None when it asks for neither
+    compression nor MoQ)."""
+    return CompressionHooks(module, param_dict) if CompressionHooks.wanted(param_dict) else None

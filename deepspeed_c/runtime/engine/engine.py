@@ -119,7 +119,8 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
         self._params = list(model.parameters())  # walked every step: keep the list, not the module tree
         from deepspeed_c.compression.engine_hooks import configure as configure_compression
 
-        self.compression_hooks = configure_compression(self)  # compression_training / quantize_training (MoQ)
+        # compression_training / quantize_training (MoQ)
+        self.compression_hooks = configure_compression(self.module, self._config.user_dict)
         self.compression_scheduler = self.compression_hooks.scheduler if self.compression_hooks else None
         self.quantizer = self.compression_hooks.quantizer if self.compression_hooks else None
         if self.torch_autocast_enabled():
