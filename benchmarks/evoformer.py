@@ -3,8 +3,7 @@ implementation (materialised [B, N, H, L, L] scores), torch SDPA with the two bi
 as one [B*N, H, L, L] mask, FlexAttention with the biases as a score_mod, and DeepSpeed's CUTLASS
 kernel when it builds. One GPU.
 
-"ours" runs the tensor-core kernels (the default on sm_80+: forward and dK/dV, dQ on CUDA cores),
-"ours-simt" the CUDA-core kernels throughout. First a correctness table: our fp16/bf16 kernels against float32 naive math (outputs and the
+"ours" runs the tensor-core kernels (WMMA; the default on sm_80+), "ours-simt" the CUDA-core ones. First a correctness table: our fp16/bf16 kernels against float32 naive math (outputs and the
 gradients of Q, K, V, the mask bias and the pair bias, relative max error), on small odd shapes
 and on the benchmark shape. Then forward+backward and forward-only time (median of interleaved
 reps) and the forward+backward peak memory above the inputs, with ratios against ours.

@@ -149,6 +149,9 @@ extern "C" int dsc_evo_backward(const void *d_o, const void *q, const void *k, c
                                                                       (int)L, (int)H, (int)D);
         int rc = launch_error();
         if (rc != 0) return rc;
+        if (tc)
+            return launch_bwd_tc(d_o, q, k, v, lse, delta, bias1, bias2, dq, dk, dv, dbias1, dbias2, B, N, L, H, D,
+                                 scale, dtype, stream);
         return dispatch_dim(D, [&](auto dp) {
             constexpr int DP = decltype(dp)::value;
             evo_dq_kernel<E, DP><<<qgrid, kRowsPerBlock, 0, stream>>>(gO, Q, K, V, lse, delta, b1, b2,
@@ -156,9 +159,6 @@ extern "C" int dsc_evo_backward(const void *d_o, const void *q, const void *k, c
                                                                       (int)D, scale);
             const int rc2 = launch_error();
             if (rc2 != 0) return rc2;
-            if (tc)
-                return launch_dkv_tc(d_o, q, k, v, lse, delta, bias1, bias2, dk, dv, dbias1, dbias2, B, N, L, H, D,
-                                     scale, dtype, stream);
             evo_dkv_kernel<E, DP><<<kgrid, kKeysPerBlock, 0, stream>>>(
                 gO, Q, K, V, lse, delta, b1, b2, static_cast<E *>(dk), static_cast<E *>(dv), dbias1, dbias2, (int)N,
                 (int)L, (int)H, (int)D, scale);

@@ -5,7 +5,7 @@
  *   forward(q, k, v, bias1|None, bias2|None, o, lse, scale)       CUDA cores
  *   forward_tc(q, k, v, bias1|None, bias2|None, o, lse, scale)    tensor cores (sm_80+)
  *   backward(d_o, q, k, v, o, lse, bias1|None, bias2|None, delta, dq, dk, dv, dbias1|None, dbias2|None, scale, tc)
- *            tc: dK/dV and the bias gradients on tensor cores (sm_80+) */
+ *            tc: the gradients on tensor cores (sm_80+) */
 #include "dsc/tensor_view.h" /* Python.h first */
 #include "dsc/cuda_binding_util.h"
 #include "dsc/evoformer_cuda.h"

@@ -5,8 +5,8 @@
 fp16/bf16 tensors on a GPU run the flash-style CUDA kernels (op `evoformer_attn`,
 csrc/cuda/evoformer_{fwd,fwd_tc,bwd}.cu); everything else runs the chunked torch path
 (`evoformer_reference`), which follows the same algorithm. `kernel` picks the kernels: "auto"
-(tensor cores on compute capability 8.0+, else CUDA cores), "tc" or "simt". On tensor cores run the
-forward and the dK/dV/bias-gradient pass; dQ always runs on CUDA cores. The DSC_EVO_KERNEL
+(tensor cores on compute capability 8.0+, else CUDA cores), "tc" or "simt". Both the forward and the
+backward (dQ by query rows, dK/dV and the bias gradients by key rows) have each form. The DSC_EVO_KERNEL
 environment variable sets its initial value."""
 from __future__ import annotations
 
