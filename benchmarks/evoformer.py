@@ -130,7 +130,7 @@ def bench(shape, dtype, reps: int, systems: dict) -> None:
             live[name] = fn
             print(f"  {name}: agrees with ours to {err:.2e} (max rel err over out and all grads)")
         except Exception as e:  # a competitor that does not run here is reported and dropped
-            print(f"  {name}: not run: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            print(f"  {name}: not run: {type(e).__name__}: {' '.join(str(e).split())[:400]}")
     torch.cuda.synchronize()
     peak = {}
     for name, fn in live.items():
