@@ -105,12 +105,39 @@ def bandwidth(log2: int, reps: int, rounds: int) -> None:
     print(f"fused kernel vs DeepSpeed's torch arithmetic (sym8 g1): {speedup:.1f}x")
 
 
+def cpu(log2: int, reps: int, rounds: int) -> None:
+    """The C kernel against DeepSpeed's torch arithmetic and clone() on host tensors (bit-equality first)."""
+    import time
+
+    n = 1 << log2
+    x = torch.randn(n)
+    same = all(torch.equal(K.fake_quant(x, b, g, a), R.fake_quant(x, b, g, a))
+               for b, g, a in ((8, 1, False), (4, 64, True)))
+    print(f"cpu correctness: C kernel == torch reference: {same}")
+    cases = {"C sym8 g1": lambda: K.fake_quant(x, 8, 1, False), "C asym4 g64": lambda: K.fake_quant(x, 4, 64, True),
+             "torch ref sym8 g1": lambda: R.fake_quant(x, 8, 1, False), "clone": lambda: x.clone()}
+    best = {k: float("inf") for k in cases}
+    for _ in range(rounds):
+        for k, fn in cases.items():
+            t = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            best[k] = min(best[k], (time.perf_counter() - t) / reps)
+    print(f"2^{log2} fp32 on {torch.get_num_threads()} threads: " +
+          ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in best.items()) +
+          f"; C vs torch {best['torch ref sym8 g1'] / best['C sym8 g1']:.1f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--log2", type=int, default=28)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cpu", action="store_true", help="time the C kernel on host tensors instead")
     args = ap.parse_args()
+    if args.cpu:
+        cpu(args.log2, args.reps, args.rounds)
+        return
     rows = correctness()
     bad = [name for name, ok in rows if not ok]
     print(f"correctness: {len(rows) - len(bad)}/{len(rows)} bit-equal" + (f"; FAILED: {bad}" if bad else ""))
