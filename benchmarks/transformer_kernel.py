@@ -4,7 +4,9 @@ Hugging Face's BertLayer, eager and under torch.compile, on a BERT-Large layer s
 joins when it builds (its error is printed otherwise). One GPU.
 
 "ours" runs the attention core through torch's fused SDPA (the GPU default), "ours-softmax"
-through our masked-softmax kernel between two GEMMs. First correctness: our fp16/bf16 layer against float32 references (post-LN: HF BertLayer with the
+through our masked-softmax kernel between two GEMMs. "hf" is BertLayer as transformers 5 builds it
+(SDPA attention), "hf-eager-attn" with the eager attention (scores materialised), "hf-compile" the
+"hf" stack under torch.compile. First correctness: our fp16/bf16 layer against float32 references (post-LN: HF BertLayer with the
 same weights; pre-LN: the layer written out in torch), odd sequence lengths and random padding
 masks, and every memory flag on against off. Then step time (median of interleaved reps),
 tokens/s and ratios; then the activation memory a forward keeps with and without the memory flags.
@@ -34,12 +36,13 @@ from deepspeed_c.ops.transformer.transformer_function import WEIGHT_NAMES  # noq
 FLAGS = ("normalize_invertible", "gelu_checkpoint", "attn_dropout_checkpoint")
 
 
-def bert_config(hidden, heads, inter, dropout):
+def bert_config(hidden, heads, inter, dropout, attn="sdpa"):
+    """HF BERT's config; transformers 5's default attention is SDPA, "eager" materialises the scores."""
     from transformers import BertConfig
 
     cfg = BertConfig(hidden_size=hidden, num_attention_heads=heads, intermediate_size=inter,
                      hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = attn
     return cfg
 
 
@@ -203,7 +206,16 @@ def bench(hidden, heads, inter, n_layers, B, S, dtype, reps, compile_hf: bool, w
             layer.attention_impl = impl
         return stack
 
-    systems = {"ours": lambda: ours("sdpa"), "ours-softmax": lambda: ours("softmax"), "hf": lambda: Stack(hf_layers)}
+    def hf_eager_attention():
+        layers = []
+        for layer in hf_layers:
+            twin = BertLayer(bert_config(hidden, heads, inter, dropout, attn="eager")).cuda().to(dtype)
+            twin.load_state_dict(layer.state_dict())
+            layers.append(twin)
+        return Stack(layers)
+
+    systems = {"ours": lambda: ours("sdpa"), "ours-softmax": lambda: ours("softmax"), "hf": lambda: Stack(hf_layers),
+               "hf-eager-attn": hf_eager_attention}
     if compile_hf:
         systems["hf-compile"] = lambda: torch.compile(Stack(hf_layers))
     try:
