@@ -68,7 +68,7 @@ def _shared(technique: str, raw: dict) -> dict:
     where = f"{technique}.{C.SHARED_PARAMETERS}"
     if technique == C.WEIGHT_QUANTIZATION:
         defaults = dict(_WQ_SHARED)
-        check_keys(raw, [*defaults, C.WEIGHT_QUANTIZE_FP16_MIXED_QUANTIZE], where)
+        check_keys(raw, [*defaults, C.WEIGHT_QUANTIZE_FP16_MIXED_QUANTIZE, C.WEIGHT_QUANTIZE_CHANGE_RATIO], where)
     elif technique == C.ACTIVATION_QUANTIZATION:
         defaults = dict(_AQ_SHARED)
         check_keys(raw, defaults, where)
@@ -85,10 +85,13 @@ def _shared(technique: str, raw: dict) -> dict:
         _choice(out, C.WEIGHT_QUANTIZE_ROUNDING,
                 (C.WEIGHT_QUANTIZE_NEAREST_ROUNDING, C.WEIGHT_QUANTIZE_STOCHASTIC_ROUNDING), where)
         mixed = raw.get(C.WEIGHT_QUANTIZE_FP16_MIXED_QUANTIZE, {})
+        if isinstance(mixed, bool):  # a flat spelling found in the wild (DeepSpeed itself fails on it)
+            mixed = {C.WEIGHT_QUANTIZE_FP16_MIXED_QUANTIZE_ENABLED: mixed}
         check_keys(mixed, (C.WEIGHT_QUANTIZE_FP16_MIXED_QUANTIZE_ENABLED, C.WEIGHT_QUANTIZE_CHANGE_RATIO),
                    f"{where}.{C.WEIGHT_QUANTIZE_FP16_MIXED_QUANTIZE}")
         out[C.WEIGHT_QUANTIZE_FP16_MIXED_QUANTIZE] = mixed.get(C.WEIGHT_QUANTIZE_FP16_MIXED_QUANTIZE_ENABLED, False)
-        out[C.WEIGHT_QUANTIZE_CHANGE_RATIO] = mixed.get(C.WEIGHT_QUANTIZE_CHANGE_RATIO, 0.001)
+        out[C.WEIGHT_QUANTIZE_CHANGE_RATIO] = mixed.get(C.WEIGHT_QUANTIZE_CHANGE_RATIO,
+                                                        raw.get(C.WEIGHT_QUANTIZE_CHANGE_RATIO, 0.001))
         if not isinstance(out[C.WEIGHT_QUANTIZE_GROUPS], int) or out[C.WEIGHT_QUANTIZE_GROUPS] < 1:
             raise CompressionConfigError(f"compression_training.{where}.{C.WEIGHT_QUANTIZE_GROUPS} = "
                                          f"{out[C.WEIGHT_QUANTIZE_GROUPS]!r}: expected an int >= 1")
