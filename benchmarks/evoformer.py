@@ -101,7 +101,7 @@ def check(shapes, dtypes) -> bool:
     print("correctness: ours vs float32 naive (max |err| / max |ref|); tc = tensor cores, simt = CUDA cores")
     print(f"{'shape B,N,L,H,D':>22} {'kern':>4} {'dtype':>9} {'out':>9} {'dQ':>9} {'dK':>9} {'dV':>9} {'dmask':>9} "
           f"{'dpair':>9}")
-    for shape, kernel in itertools.product(shapes, ("simt", "tc")):  # simt first: checked even if tc faults
+    for kernel, shape in itertools.product(("simt", "tc"), shapes):  # simt first: checked even if tc faults
         evoformer_attn.kernel = kernel
         for dtype in dtypes:
             t = inputs(*shape, dtype=dtype, seed=sum(shape))
