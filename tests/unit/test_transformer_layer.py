@@ -269,3 +269,41 @@ def test_sdpa_attention_core_equals_the_softmax_path(pre_ln):
     with pytest.raises(ValueError, match="attention_impl must be"):
         layer.attention_impl = "flash"
         layer(x, mask)
+
+
+class _PreLNBertLayer(torch.nn.Module):
+    """The layout of NVIDIA's / DeepSpeed's pre-LN BERT example layer (names module_inject reads)."""
+
+    def __init__(self):
+        super().__init__()
+        lin = torch.nn.Linear
+        self.attention = torch.nn.Module()
+        self.attention.self = torch.nn.Module()
+        for name in ("query", "key", "value"):
+            setattr(self.attention.self, name, lin(HID, HID))
+        self.attention.output = torch.nn.Module()
+        self.attention.output.dense = lin(HID, HID)
+        self.intermediate = torch.nn.Module()
+        self.intermediate.dense_act = lin(HID, INTER)
+        self.output = torch.nn.Module()
+        self.output.dense = lin(INTER, HID)
+        self.PreAttentionLayerNorm = torch.nn.LayerNorm(HID, eps=1e-12)
+        self.PostAttentionLayerNorm = torch.nn.LayerNorm(HID, eps=1e-12)
+
+
+def test_module_inject_maps_a_pre_ln_bert_layer_as_deepspeed_does():
+    from deepspeed_c.ops.transformer.hf_bert import module_inject
+
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(_PreLNBertLayer())
+    randomize(model, 6)
+    src = model[0]
+    cfg = bert_config()
+    module_inject(_PreLNBertLayer, model, cfg, micro_batch_size=2, max_seq_length=16, seed=1, preln=True, fp16=False)
+    layer = model[0]
+    assert isinstance(layer, DeepSpeedTransformerLayer) and layer.config.pre_layer_norm
+    assert layer.config.max_seq_length == 16 and layer.config.return_tuple is False
+    assert torch.equal(layer.norm_w, src.PreAttentionLayerNorm.weight)
+    assert torch.equal(layer.attn_nw, src.PostAttentionLayerNorm.weight)
+    assert torch.equal(layer.inter_w, src.intermediate.dense_act.weight)
+    assert torch.equal(layer.attn_qkvw[HID:2 * HID], src.attention.self.key.weight)
