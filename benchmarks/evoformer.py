@@ -32,7 +32,8 @@ from deepspeed_c.ops.deepspeed4science import evoformer_attn  # noqa: E402
 def naive(q, k, v, b1, b2):
     qh, kh, vh = (t.transpose(-2, -3) for t in (q, k, v))
     s = torch.matmul(qh, kh.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
-    s = s + b1 + b2
+    for b in (b1, b2):
+        s = s if b is None else s + b
     return torch.matmul(torch.softmax(s.float(), dim=-1).to(q.dtype), vh).transpose(-2, -3)
 
 
@@ -85,34 +86,41 @@ def inputs(B, N, L, H, D, dtype, seed=0):
 
 
 def fwd_bwd(fn, tensors, d_o):
-    leaves = [t.detach().requires_grad_(True) for t in tensors]
+    leaves = [None if t is None else t.detach().requires_grad_(True) for t in tensors]
     out = fn(*leaves)
     out.backward(d_o)
-    return out.detach(), [t.grad for t in leaves]
+    return out.detach(), [None if t is None else t.grad for t in leaves]
 
 
 def rel_err(a, b):
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
 
 
-def check(shapes, dtypes) -> bool:
-    """Ours (fp16/bf16; each forward kernel) against float32 naive math; one row per case."""
+def check(shapes, dtypes, drop_biases: bool = False) -> bool:
+    """Ours (fp16/bf16; each kernel) against float32 naive math; one row per case (drop_biases: also
+    without the pair bias and without either bias)."""
     ok = True
-    print("correctness: ours vs float32 naive (max |err| / max |ref|); tc = tensor cores, simt = CUDA cores")
-    print(f"{'shape B,N,L,H,D':>22} {'kern':>4} {'dtype':>9} {'out':>9} {'dQ':>9} {'dK':>9} {'dV':>9} {'dmask':>9} "
-          f"{'dpair':>9}")
-    for kernel, shape in itertools.product(("simt", "tc"), shapes):  # simt first: checked even if tc faults
+    if not getattr(check, "header_printed", False):
+        check.header_printed = True
+        print("correctness: ours vs float32 naive (max |err| / max |ref|); tc = tensor cores, simt = CUDA cores")
+        print(f"{'shape B,N,L,H,D':>32} {'kern':>4} {'dtype':>9} {'out':>9} {'dQ':>9} {'dK':>9} {'dV':>9} "
+              f"{'dmask':>9} {'dpair':>9}")
+    keeps = [(True, True)] + ([(True, False), (False, False)] if drop_biases else [])
+    for kernel, shape, keep in itertools.product(("simt", "tc"), shapes, keeps):  # simt first: checked even if tc faults
         evoformer_attn.kernel = kernel
         for dtype in dtypes:
-            t = inputs(*shape, dtype=dtype, seed=sum(shape))
+            t = list(inputs(*shape, dtype=dtype, seed=sum(shape)))
+            t[3], t[4] = (t[3] if keep[0] else None), (t[4] if keep[1] else None)
             d_o = torch.randn_like(t[0])
-            want, wg = fwd_bwd(naive, [x.float() for x in t], d_o.float())
+            want, wg = fwd_bwd(naive, [None if x is None else x.float() for x in t], d_o.float())
             got, gg = fwd_bwd(ours, t, d_o)
-            errs = [rel_err(got, want)] + [rel_err(a, b) for a, b in zip(gg, wg)]
+            errs = [rel_err(got, want)] + [float("nan") if b is None else rel_err(a, b) for a, b in zip(gg, wg)]
             tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
-            good = all(e < tol for e in errs) and all(torch.isfinite(x).all() for x in [got, *gg])
+            good = all(e < tol for e in errs if e == e) and all(torch.isfinite(x).all() for x in [got, *gg]
+                                                               if x is not None)
             ok &= good
-            print(f"{str(shape):>22} {kernel:>4} {str(dtype)[6:]:>9} " + " ".join(f"{e:9.2e}" for e in errs)
+            label = str(shape) + ("" if keep == (True, True) else " mask only" if keep[0] else " no bias")
+            print(f"{label:>32} {kernel:>4} {str(dtype)[6:]:>9} " + " ".join(f"{e:9.2e}" if e == e else f"{'-':>9}" for e in errs)
                   + ("" if good else f"  FAIL (tol {tol})"))
     evoformer_attn.kernel = "auto"
     return ok
@@ -188,6 +196,7 @@ def main() -> None:
     ok = True
     if not args.skip_check:
         ok &= check([(1, 2, 17, 2, 8), (2, 3, 100, 4, 32), (1, 2, 130, 2, 64)], [torch.float16, torch.bfloat16])
+        ok &= check([(2, 3, 45, 2, 16)], [torch.bfloat16], drop_biases=True)
         ok &= check([shape], [torch.bfloat16])
     def ours_simt(*a):
         evoformer_attn.kernel = "simt"
