@@ -50,6 +50,19 @@ static int group_ranges(const void *x, int dtype, int64_t groups, int64_t n, int
         const int64_t end = start + TILE < n ? start + TILE : n;
         const int64_t base = g * n;
         float lo = INFINITY, hi = asym ? -INFINITY : 0.0f;
+        if (dtype == DSC_CQ_F32) { /* branch-free so it vectorises; a NaN anywhere is the answer, as torch's */
+            const float *xf = (const float *)x + base;
+            int nan = 0;
+            for (int64_t k = start; k < end; k++) {
+                const float v = xf[k], a = fabsf(v);
+                nan |= v != v;
+                lo = v < lo ? v : lo;
+                hi = asym ? (v > hi ? v : hi) : (a > hi ? a : hi);
+            }
+            tlo[t] = nan ? NAN : lo;
+            thi[t] = nan ? NAN : hi;
+            continue;
+        }
         for (int64_t k = start; k < end; k++) {
             const float v = ld(x, dtype, base + k);
             if (asym) {
@@ -121,6 +134,17 @@ int dsc_cq_fake_quant(const void *x, void *out, int dtype, int64_t groups, int64
         const int64_t end = start + TILE < n ? start + TILE : n;
         const float s = ghi[g], inv = 1.0f / s, zp = glo[g];
         const int64_t base = g * n;
+        if (dtype == DSC_CQ_F32 && !seed && !recip) { /* the common case, branch-free so it vectorises */
+            const float *xf = (const float *)x;
+            float *of = (float *)out;
+            for (int64_t k = base + start; k < base + end; k++) {
+                float r = rintf((asym ? xf[k] - zp : xf[k]) / s);
+                r = r < qlo ? qlo : r;
+                r = r > qhi ? qhi : r;
+                of[k] = asym ? r * s + zp : r * s;
+            }
+            continue;
+        }
         for (int64_t k = base + start; k < base + end; k++) {
             const float v = ld(x, dtype, k);
             float r = divide(asym ? st(v - zp, dtype) : v, s, inv, recip, dtype);
