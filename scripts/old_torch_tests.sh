@@ -41,7 +41,7 @@ case "$old" in "$TORCH"*) ;; *) echo "the old-torch venv does not run torch $TOR
     tests/unit/test_cpu_optimizers.py tests/unit/test_cpu_multi_tensor.py tests/unit/test_cpu_adam_subgroup.py \
     tests/unit/test_partition.py tests/unit/test_bucket_plan.py tests/unit/test_fetch_plan.py \
     tests/unit/test_pipe_schedule.py tests/unit/test_tensor_view.py tests/unit/test_aio_handle.py \
-    tests/unit/test_moe_gating.py tests/unit/test_torch_range.py \
+    tests/unit/test_moe_gating.py tests/unit/test_pipe_topology.py tests/unit/test_torch_range.py \
     "tests/distributed/test_zero12_flat_params.py::test_flat_params_train_like_float64_adamw[2-2-fp32]" \
     "tests/distributed/test_zero3_meta_init.py::test_skip_init_modules_partition_and_train_like_pytorch[2]"
 echo "older torch ($TORCH): the same _C passed; $(( $(date +%s) - start ))s"

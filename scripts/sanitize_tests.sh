@@ -3,10 +3,10 @@
 #  1. builds `_C` with DSC_SANITIZE=1 into build/sanitize/ (setup.py never writes a sanitized `_C` in place);
 #  2. runs the fuzz drivers of the fetch planner, the bucket planner and the async I/O core, each for
 #     DSC_FUZZ_SECONDS (default 20), built with the same sanitizers (leak checking on), beside
-#  3. the C-core unit tests (CPU optimizers, partition / bucket / fetch / pipe planners and their property
-#     tests, DLPack views, async I/O, MoE gating) in a Python whose `_C` is the sanitized one (DSC_CORE_DIR)
-#     and whose JIT ops are built with the sanitizers too (DSC_SANITIZE=1, a private op cache), libasan
-#     preloaded. Any sanitizer report fails the step: every report is also written under
+#  3. the C-core unit tests (CPU optimizers, partition / bucket / fetch / pipe / fused-step planners and their
+#     property tests, DLPack views, async I/O, MoE gating, the index merge) in a Python whose `_C` is the
+#     sanitized one (DSC_CORE_DIR) and whose JIT ops are built with the sanitizers too (DSC_SANITIZE=1, a
+#     private op cache), libasan preloaded. Any sanitizer report fails the step: every report is also written under
 #     build/sanitize/reports/, and a report there fails it even when the process that wrote it was a
 #     subprocess whose exit a test tolerated.
 # Needs the setup of scripts/setup.sh (.venv) and gcc with libasan/libubsan.
@@ -71,7 +71,8 @@ set +e
     tests/unit/test_cpu_optimizers.py tests/unit/test_cpu_multi_tensor.py tests/unit/test_cpu_adam_subgroup.py \
     tests/unit/test_partition.py tests/unit/test_bucket_plan.py tests/unit/test_fetch_plan.py \
     tests/unit/test_pipe_schedule.py tests/unit/test_tensor_view.py tests/unit/test_aio_handle.py \
-    tests/unit/test_moe_gating.py
+    tests/unit/test_moe_gating.py tests/unit/test_pipe_topology.py tests/unit/test_fused_step_plan.py \
+    tests/unit/test_index_merge.py
 tests_rc=$?
 fuzz_rc=0
 for drv in "${!fuzz_pid[@]}"; do
