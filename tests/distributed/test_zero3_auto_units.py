@@ -64,9 +64,9 @@ class TiedGPT(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.tok(x)
-        # not under checkpointing: torch's checkpoint keeps a frozen parameter itself (no detached alias) for its
-        # recompute check, and per-module units (the DSC_Z3_AUTO_UNITS=0 baseline) have released it by then
-        h = self.frozen(h)
+        # checkpointed too: torch's checkpoint keeps a frozen parameter itself (no detached alias) for its
+        # recompute check, so its unit must stay gathered from the recompute to its backward
+        h = self._run(self.frozen, h)
         for b in self.blocks:
             h = self._run(b, h)
             h = self._run(self.twice, h)

@@ -229,6 +229,11 @@ class ParamCoordinator:
         self._open: dict[int, list[int]] = {}  # key -> stack of step indices of its running steps
         self._running: list[int] = []  # keys of the forwards running now, innermost last
         self._access_pins: dict[int, list[int]] = {}  # key -> units gathered on attribute access in its forward
+        # key -> units its recomputed forward (activation checkpointing, inside the backward) keeps gathered and
+        # pinned until its backward ends: torch's checkpoint keeps a frozen parameter itself, not a detached
+        # alias, among the recomputed tensors and checks their shapes at the first unpack, after the recompute
+        # of the whole region: a unit released at the end of its recomputed forward would show its placeholder
+        self._held: dict[int, list[int]] = {}
         self.plans_built = 0
         self._plans: dict[tuple, Any] = {}  # trace -> plan, the paths this model has taken lately
 
@@ -279,7 +284,8 @@ class ParamCoordinator:
                 if key in self._access_pins:
                     self.end_step(key, "f")
                 return None
-            self.end_step(key, "f")  # also drops the units its attribute reads gathered
+            # also drops the units its attribute reads gathered; a recompute holds its own until the backward
+            self.end_step(key, "f", hold=self._in_backward_round())
             # under torch.func the transform differentiates functionally (no autograd backward to mark)
             if torch.is_grad_enabled() and not autograd_paths.transforms_active():
                 stack = self._fired_stack(key)
@@ -389,22 +395,28 @@ class ParamCoordinator:
         self.following = False
         self.store.release([u for u in range(len(self.store.full)) if not self.store.persistent[u]])
 
-    def end_step(self, key: int, phase: str) -> None:
+    def end_step(self, key: int, phase: str, hold: bool = False) -> None:
         store = self.store
         extra = self._access_pins.pop(key, ()) if phase == "f" else ()
         for u in extra:
             store.pins[u] -= 1
+        held = self._held.pop(key, []) if phase == "b" else []
+        for u in held:
+            store.pins[u] -= 1
         stack = self._open.get(key)
         if not stack:
-            store.release([u for u in extra if not store.persistent[u]])
+            store.release([u for u in set(extra) | set(held) if not store.persistent[u]])
             return
         i, units = stack.pop()
-        for u in units:
-            store.pins[u] -= 1
-        if self.following:
-            store.release([u for u in self.plan.release_at(i) if not store.persistent[u]])
+        if hold:  # pinned units are skipped by every release below until the backward drops the pin
+            self._held.setdefault(key, []).extend(units)
         else:
-            store.release([u for u in set(units) | set(extra) if not store.persistent[u]])
+            for u in units:
+                store.pins[u] -= 1
+        if self.following:
+            store.release([u for u in set(self.plan.release_at(i)) | set(held) if not store.persistent[u]])
+        else:
+            store.release([u for u in set(units) | set(extra) | set(held) if not store.persistent[u]])
 
     def fetch_on_access(self, p: torch.nn.Parameter) -> None:
         if not self._running:
@@ -431,6 +443,7 @@ class ParamCoordinator:
         self._open.clear()
         self._running.clear()
         self._access_pins.clear()
+        self._held.clear()  # unpin_all below drops their pins
         self.__dict__.pop("_fired", None)
         self.store.unpin_all()
         self.store.release_all(keep_persistent=True)
