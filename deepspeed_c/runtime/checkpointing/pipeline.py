@@ -71,12 +71,50 @@ class PipeCheckpointer:
     and ZeRO-1 alike."""
 
     def __init__(self, options: CheckpointOptions) -> None:
-        self.options = options
-        if options.writer is not None:
-            from deepspeed_c.utils.logging import logger
+        from deepspeed_c.runtime.checkpointing.async_writer import BackgroundWriter, at_exit
 
-            logger.warning("checkpoint.writer: pipeline engines write their checkpoints synchronously (the background "
-                           "writer is built for the other engines)")
+        self.options = options
+        # checkpoint.writer: each rank's files staged and written in the background; the commit (every rank's
+        # manifest entries gathered, rank 0 commits) at the next commit point, as for the other engines
+        self.writer = BackgroundWriter(options.writer) if options.writer is not None else None
+        self._pending: Optional[tuple] = None
+        if self.writer is not None:
+            at_exit(self)
+
+    @property
+    def has_pending(self) -> bool:
+        return self._pending is not None
+
+    def commit_pending(self) -> bool:
+        """Waits for this rank's background write of the last save and commits it (collective). A failed
+        write raises on every rank and its staging directory is removed. False when no save is pending."""
+        pending, self._pending = self._pending, None
+        if pending is None or self.writer is None:
+            return False
+        save_dir, tag, save_latest, mine = pending
+        leader = dist.get_rank() == 0
+        try:
+            with rank_local_step("checkpoint_commit (this rank's background write)"):
+                mine = {**mine, **self.writer.wait()}
+            self._commit(save_dir, tag, save_latest, mine, commit=self.writer.writes)
+        except BaseException:
+            if leader:
+                store.abort(save_dir, tag)
+            raise
+        return True
+
+    def _commit(self, save_dir: str, tag: str, save_latest: bool, mine: dict[str, dict], commit: bool = True) -> None:
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        files: dict[str, dict] = {}
+        for theirs in every:
+            files.update(theirs)
+        with rank_local_step("save_checkpoint (committing the checkpoint)"):
+            if dist.get_rank() == 0:
+                if commit:
+                    store.commit(save_dir, tag, files, save_latest)
+                else:  # the mock writer: nothing was written, nothing is committed
+                    store.abort(save_dir, tag)
 
     def save(self, st: PipeCheckpointStates, save_dir: str, tag: Any, client_state: dict, save_latest: bool,
              exclude_frozen_parameters: bool) -> bool:
@@ -90,6 +128,7 @@ class PipeCheckpointer:
         store.check_plain(client_state, "client_state")
         tag = f"global_step{st.train_state.global_steps}" if tag is None else str(tag)
         _check_tag(tag)
+        self.commit_pending()  # the previous background save first: its failure is raised here
         writer = dist.get_rank() == 0
         with rank_local_step("save_checkpoint (creating the checkpoint directory)"):
             if writer:
@@ -105,6 +144,8 @@ class PipeCheckpointer:
             # directory any more: its partial files would only hold the space
             if writer:
                 store.abort(save_dir, tag)
+            if self.writer is not None:
+                self.writer.discard()
             raise
 
     def _save_staged(self, st: PipeCheckpointStates, save_dir: str, tag: str, client_state: dict, save_latest: bool,
@@ -124,7 +165,11 @@ class PipeCheckpointer:
         def write(name: str, obj: dict) -> None:
             if name in mine:
                 raise ValueError(f"save_checkpoint: two files of this rank are named {name!r}")
-            mine[name] = store.save_file(obj, os.path.join(staging, name))
+            if self.writer is None:
+                mine[name] = store.save_file(obj, os.path.join(staging, name))
+            else:  # staged into host memory now, written by the background writer
+                self.writer.stage(name, obj, os.path.join(staging, name))
+                mine[name] = None
 
         with rank_local_step("save_checkpoint (writing this rank's files)"):
             for name, sd in layer_file_states(module, exclude_frozen_parameters,
@@ -146,14 +191,11 @@ class PipeCheckpointer:
             if st.stage_dp_rank == 0:
                 write(_state_file(st.mp_rank), self._stage_state(st, names, part is None, client_state))
             write(*run_state.rng_file(dist.get_rank(), dist.get_world_size()))  # an exact resume's RNG
-        every: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-        files: dict[str, dict] = {}
-        for theirs in every:
-            files.update(theirs)
-        with rank_local_step("save_checkpoint (committing the checkpoint)"):
-            if writer:
-                store.commit(save_dir, tag, files, save_latest)
+        if self.writer is not None:
+            self.writer.start()
+            self._pending = (save_dir, tag, save_latest, {k: v for k, v in mine.items() if v is not None})
+            return True
+        self._commit(save_dir, tag, save_latest, mine)
         return True
 
     def _stage_state(self, st: PipeCheckpointStates, names: dict[int, str], optimizer_here: bool,
@@ -193,6 +235,7 @@ class PipeCheckpointer:
         load_dir = check_dir_arg("load_checkpoint", "load_dir", load_dir)
         if custom_load_fn is not None:
             raise ValueError("custom_load_fn not supported w. pipeline parallelism")
+        self.commit_pending()  # a save still being written is committed first: it may be the one loaded
         if tag is None:
             with rank_local_step("load_checkpoint (reading latest)"):  # an empty `latest` raises on every rank
                 tag = (universal_load.read_latest if self.options.load_universal else store.read_latest)(load_dir)
