@@ -11,6 +11,8 @@ Sections (random-weight models built from configs, no downloads; bf16 on a GPU):
          with the whole model on the GPU as the upper bound. Correctness: greedy tokens equal to HF's.
   tp     kernel injection at tensor_parallel.tp_size 2 vs tp_size 1 decode (2 GPUs, NCCL, spawned ranks).
          Correctness: TP2's first-step logits against TP1's.
+  ckpt   host memory of loading a save_mp_checkpoint_path folder (TP 2, injected, meta-built, 2 gloo ranks on
+         the host): each rank's peak RSS growth against the whole model's size; loaded logits vs the saver's.
 Timings: medians of --reps interleaved rounds (each system once a round); decode ms = (generate(new) -
 generate(1)) / (new - 1).
 
@@ -35,7 +37,7 @@ sys.path.insert(0, ROOT)
 
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("section", nargs="?", default="all", choices=["quant", "bert", "zero", "tp", "all"])
+    ap.add_argument("section", nargs="?", default="all", choices=["quant", "bert", "zero", "tp", "ckpt", "all"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=4)
@@ -74,9 +76,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def llama(hidden: int, layers: int, device: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
     import transformers as tf
 
-    heads = max(1, hidden // 128)
+    heads = max(2, hidden // 128)
     cfg = tf.LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=int(hidden * 2.6875) // 64 * 64,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(2, heads // 4),
                          max_position_embeddings=2048)
     torch.manual_seed(seed)
     with torch.device(device):
@@ -243,6 +245,23 @@ def zero(args: argparse.Namespace) -> None:
         print(f"  {n:12s} {args.new / v:9.2f} {ratio}")
 
 
+def _collect(q: Any, procs: list, n: int) -> list:
+    """n results from the spawned ranks; a rank that died raises instead of waiting forever."""
+    import queue
+
+    got = []
+    while len(got) < n:
+        try:
+            got.append(q.get(timeout=2))
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"a spawned rank failed (exit codes {[p.exitcode for p in procs]})")
+    return got
+
+
 # ---- tp ----------------------------------------------------------------------------------------------
 def _tp_worker(rank: int, args: argparse.Namespace, port: int, out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
@@ -295,7 +314,7 @@ def tp(args: argparse.Namespace) -> None:
     procs = [ctx.Process(target=_tp_worker, args=(r, args, port, q)) for r in range(2)]
     for p in procs:
         p.start()
-    err, t1, t2 = q.get(timeout=600)
+    err, t1, t2 = _collect(q, procs, 1)[0]
     for p in procs:
         p.join()
     print(f"  TP2 prefill logits rel err vs TP1: {err:.2e}")
@@ -303,12 +322,87 @@ def tp(args: argparse.Namespace) -> None:
           f"  {'tp2':6s} {t2:16.3f} {t1 / t2:6.2f}x")
 
 
+# ---- ckpt --------------------------------------------------------------------------------------------
+def _ckpt_worker(rank: int, args: argparse.Namespace, port: int, folder: str, mode: str, out: Any) -> None:
+    import resource
+
+    import psutil
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank), CUDA_VISIBLE_DEVICES="")
+    import transformers
+
+    import deepspeed_c
+
+    transformers.logging.set_verbosity_error()
+    deepspeed_c.init_distributed(dist_backend="gloo")
+    dt = torch.bfloat16
+    ids = torch.randint(3, 32000, (1, 8), generator=torch.Generator().manual_seed(5))
+    cfg = dict(dtype=dt, replace_with_kernel_inject=True, max_out_tokens=64, tensor_parallel={"tp_size": 2},
+               keep_module_on_host=True)
+    with torch.no_grad():
+        if mode == "save":
+            model = llama(args.zero_hidden, args.zero_layers, "cpu", dt)
+            engine = deepspeed_c.init_inference(model, save_mp_checkpoint_path=folder, **cfg)
+            logits = engine(input_ids=ids).logits  # collective: every rank of the TP group
+            if rank == 0:
+                torch.save(logits, os.path.join(folder, "ref_logits.pt"))
+                out.put(sum(p.numel() * p.element_size() for p in model.parameters()))
+        else:
+            before = psutil.Process().memory_info().rss
+            with deepspeed_c.OnDevice(dtype=dt, device="meta"):
+                model = llama(args.zero_hidden, args.zero_layers, "meta", dt)
+            engine = deepspeed_c.init_inference(model, checkpoint=os.path.join(folder, "ds_inference_config.json"),
+                                                **cfg)
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            logits = engine(input_ids=ids).logits
+            if rank == 0:
+                ref = torch.load(os.path.join(folder, "ref_logits.pt"))
+                out.put((rel(logits, ref), peak - before))
+            else:
+                out.put((0.0, peak - before))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def ckpt(args: argparse.Namespace) -> None:
+    """Host memory of loading a save_mp_checkpoint_path folder (TP 2, injected, meta-built), per rank: each
+    rank's peak RSS growth against the whole model's bytes. Runs on the host (gloo), no GPU needed."""
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    print(f"== ckpt: sharded checkpoint load (TP 2, injected, bf16, meta-built), LLaMA hidden {args.zero_hidden} x "
+          f"{args.zero_layers} layers, host RSS per rank ==")
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as folder:
+        results = {}
+        for mode in ("save", "load"):
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            q = ctx.Queue()
+            procs = [ctx.Process(target=_ckpt_worker, args=(r, args, port, folder, mode, q)) for r in range(2)]
+            for p in procs:
+                p.start()
+            results[mode] = _collect(q, procs, 1 if mode == "save" else 2)
+            for p in procs:
+                p.join()
+        full = results["save"][0]
+        files = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".pt"))
+    print(f"  model {full / 2**20:.0f} MiB, checkpoint files {files / 2**20:.0f} MiB; loaded logits rel err vs the "
+          f"saving engine: {max(r[0] for r in results['load']):.1e}")
+    for r, (_, grew) in enumerate(results["load"]):
+        print(f"  rank {r}: peak RSS growth {grew / 2**20:.0f} MiB = {grew / full:.2f} x the whole model")
+
+
 def main() -> None:
     args = parse()
     import transformers
 
     transformers.logging.set_verbosity_error()
-    for name, fn in (("quant", quant), ("bert", bert), ("zero", zero), ("tp", tp)):
+    for name, fn in (("quant", quant), ("bert", bert), ("zero", zero), ("tp", tp), ("ckpt", ckpt)):
         if args.section in (name, "all"):
             try:
                 fn(args)
