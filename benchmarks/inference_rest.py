@@ -49,8 +49,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--sizes-as-given", action="store_true", help="on the host, keep the sizes given (ckpt)")
     args = ap.parse_args()
-    if args.device == "cpu":  # smoke sizes
+    if args.device == "cpu" and not args.sizes_as_given:  # smoke sizes
         args.hidden, args.layers, args.zero_hidden, args.zero_layers, args.bert_layers = 64, 2, 64, 3, 2
         args.batch, args.seq, args.new, args.reps = 2, 16, 4, 1
     return args
