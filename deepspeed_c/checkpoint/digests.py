@@ -39,6 +39,17 @@ def hash_thread() -> ThreadPoolExecutor:
         return _serial[1]
 
 
+def submit(pool: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> Future:
+    """pool.submit, or `fn` run here when the interpreter is shutting down (an exit-time checkpoint commit:
+    concurrent.futures refuses new work then)."""
+    try:
+        return pool.submit(fn, *args)
+    except RuntimeError:
+        done: Future = Future()
+        done.set_result(fn(*args))
+        return done
+
+
 def tensor_digest(t: torch.Tensor) -> str:
     # through the buffer protocol: a host tensor is not copied (a checkpoint's partitions can be most of a
     # rank's memory)
@@ -66,7 +77,7 @@ def tensor_entries_async(obj: Any, digest: bool = True) -> Callable[[], dict[str
     if not digest:
         return lambda: entries
     pool = _executor()
-    futures: list[tuple[str, Future]] = [(name, pool.submit(tensor_digest, t)) for name, t in named]
+    futures: list[tuple[str, Future]] = [(name, submit(pool, tensor_digest, t)) for name, t in named]
 
     def finish() -> dict[str, dict[str, Any]]:
         for name, fut in futures:

@@ -106,7 +106,7 @@ class _WriteRecorder:
         try:
             for off in range(0, len(view), _HASH_SLICE):
                 piece = view[off:off + _HASH_SLICE]
-                pending.append(digests.hash_thread().submit(self._hasher.update, piece))
+                pending.append(digests.submit(digests.hash_thread(), self._hasher.update, piece))
                 self._write(piece)
         finally:
             for fut in pending:

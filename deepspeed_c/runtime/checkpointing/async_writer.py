@@ -13,8 +13,8 @@ background write is raised at the commit point (and its staging directory remove
 Writer types: "python" and "fast" write with torch.save from the writer thread ("fast" stages device
 tensors into pinned host memory, copied without blocking; staging buffers are reused from save to save,
 staging_pool.py); "mock" stages and writes nothing and commits nothing (DeepSpeed's
-benchmark writer: it measures the staging alone). `decoupled` is accepted (DeepSpeed writes from another
-process then; here the writer thread is always decoupled from training). io_buffer_size,
+benchmark writer: it measures the staging alone). `decoupled: true` stages into shared memory and a child
+process writes the files (process_writer.py), as DeepSpeed's decoupled writer; the thread then only waits. io_buffer_size,
 io_buffer_double, io_multiplier and data_parallel are validated and reported with show_statistics."""
 from __future__ import annotations
 
@@ -117,7 +117,17 @@ class BackgroundWriter:
         self._staged_s = 0.0
         self._staged_bytes = 0
         self._written: dict[str, dict] = {}  # files over the host cache, written while staging
-        self._pool = StagingPool()  # host buffers reused from one save to the next
+        self._pool = StagingPool(shared=config.decoupled)  # host buffers reused from one save to the next
+        self._process: Optional[Any] = None  # decoupled: the child process that writes
+        if config.decoupled and self.writes:
+            from deepspeed_c.runtime.checkpointing.process_writer import ProcessWriter
+
+            self._process = ProcessWriter()
+
+    @property
+    def process_pid(self) -> Optional[int]:
+        """The pid of the decoupled writer's child process (None: written by a thread, or not started yet)."""
+        return self._process.pid if self._process is not None else None
 
     @property
     def writes(self) -> bool:
@@ -149,15 +159,19 @@ class BackgroundWriter:
     def _run(self, jobs: list[tuple[str, Any, str]]) -> None:
         start, total = time.perf_counter(), 0
         try:
-            for name, obj, path in jobs:
-                total += _nbytes(obj)
-                if self.writes:
+            total = sum(_nbytes(obj) for _, obj, _ in jobs)
+            if self._process is not None:  # decoupled: the child process writes, this thread only waits
+                self._entries.update(self._process.write(jobs))
+            elif self.writes:
+                for name, obj, path in jobs:
                     self._entries[name] = store.save_file(obj, path)
         except BaseException as e:  # noqa: BLE001 (raised on the training thread at the commit point)
             self._error = e
+        jobs.clear()  # the staged views are dropped before wait() lets the pool reuse the buffers
         if self.config.show_statistics:
             took = time.perf_counter() - start
-            logger.info(f"checkpoint writer ({self.config.type.lower()}): staged in {self._staged_s:.3f}s, "
+            logger.info(f"checkpoint writer ({self.config.type.lower()}"
+                        f"{', decoupled process' if self._process is not None else ''}): staged in {self._staged_s:.3f}s, "
                         f"wrote {total / 1e6:.1f} MB in {took:.3f}s ({total / 1e6 / max(took, 1e-9):.1f} MB/s)")
 
     def wait(self) -> dict[str, dict]:

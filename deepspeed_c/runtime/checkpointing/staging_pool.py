@@ -18,7 +18,8 @@ import torch
 
 
 class StagingPool:
-    def __init__(self) -> None:
+    def __init__(self, shared: bool = False) -> None:
+        self._shared = shared  # buffers in shared memory, handed to a writer process by handle
         self._free: list[torch.Tensor] = []  # the previous save's buffers, in the order they were handed out
         self._used: list[torch.Tensor] = []  # this save's buffers, in order
         self._cursor = 0
@@ -34,13 +35,15 @@ class StagingPool:
     def _buffer(self, like: torch.Tensor, pin: bool) -> torch.Tensor:
         if self._cursor < len(self._free):
             cand = self._free[self._cursor]
-            if cand.shape == like.shape and cand.dtype == like.dtype and cand.is_pinned() == pin:
+            if cand.shape == like.shape and cand.dtype == like.dtype and (self._shared or cand.is_pinned() == pin):
                 self._cursor += 1
                 self._used.append(cand)
                 return cand
             # the layout changed (a different model or save): the rest of the old order is no guide
             self._free = self._free[:self._cursor]
-        out = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=pin)
+        out = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=pin and not self._shared)
+        if self._shared:
+            out.share_memory_()
         self._used.append(out)
         return out
 
