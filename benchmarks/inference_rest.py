@@ -344,15 +344,19 @@ def _ckpt_worker(rank: int, args: argparse.Namespace, port: int, folder: str, mo
     with torch.no_grad():
         if mode == "save":
             model = llama(args.zero_hidden, args.zero_layers, "cpu", dt)
+            whole = sum(p.numel() * p.element_size() for p in model.parameters())  # before sharding
             engine = deepspeed_c.init_inference(model, save_mp_checkpoint_path=folder, **cfg)
             logits = engine(input_ids=ids).logits  # collective: every rank of the TP group
             if rank == 0:
                 torch.save(logits, os.path.join(folder, "ref_logits.pt"))
-                out.put(sum(p.numel() * p.element_size() for p in model.parameters()))
+                out.put(whole)
         else:
-            before = psutil.Process().memory_info().rss
+            import deepspeed_c.inference.engine  # noqa: F401 -- imports done before the measured window
+            import deepspeed_c.module_inject.kernel_inject  # noqa: F401
+
             with deepspeed_c.OnDevice(dtype=dt, device="meta"):
                 model = llama(args.zero_hidden, args.zero_layers, "meta", dt)
+            before = psutil.Process().memory_info().rss
             engine = deepspeed_c.init_inference(model, checkpoint=os.path.join(folder, "ds_inference_config.json"),
                                                 **cfg)
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -395,7 +399,8 @@ def ckpt(args: argparse.Namespace) -> None:
     print(f"  model {full / 2**20:.0f} MiB, checkpoint files {files / 2**20:.0f} MiB; loaded logits rel err vs the "
           f"saving engine: {max(r[0] for r in results['load']):.1e}")
     for r, (_, grew) in enumerate(results["load"]):
-        print(f"  rank {r}: peak RSS growth {grew / 2**20:.0f} MiB = {grew / full:.2f} x the whole model")
+        print(f"  rank {r}: peak RSS growth {grew / 2**20:.0f} MiB = {grew / full:.2f} x the whole model (its share: "
+              f"half the blocks + the replicated embedding, head and norms)")
 
 
 def main() -> None:
