@@ -5,8 +5,12 @@
   and a fixed update_interval 4 with overlap and reselection: 200 fine-tune steps whose losses stay within
   the tolerance stated at test_fine_tune_tracks_plain_offload of plain offload's;
 - a checkpoint taken with a host step in flight and gradient accumulated resumes exactly: the next steps'
-  losses and the final weights equal the uninterrupted run's."""
+  losses and the final weights equal the uninterrupted run's.
+Each group of cases runs in one shared launch of 2 ranks (a module fixture), and the fine-tunes of one
+ZeRO stage share plain offload's run: the same runs and assertions as one launch per case, less startup."""
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -17,56 +21,88 @@ from tests.harness import run_distributed
 ONE = {"update_interval": 1, "overlap_step": False, "select_strategy": "step", "select_interval": 1000}
 
 
-def _pair_body(rank: int, world: int, stage: int, zen: dict, steps: int, extra: dict | None = None) -> dict:
-    plain, e0 = train(rank, world, dict(ds_config(stage), **(extra or {})), steps)
-    w0 = flat_weights(e0).numpy()
-    zf, e1 = train(rank, world, dict(ds_config(stage, zenflow=zen), **(extra or {})), steps)
-    assert type(e1.optimizer).__name__ == ("ZenFlowZeroOptimizer_Stage3" if stage == 3 else "ZenFlowZeroOptimizer")
-    w1 = flat_weights(e1).numpy()
-    e1.destroy()
-    return {"plain": plain, "zen": zf, "w_plain": w0, "w_zen": w1}
+def _pair_body(rank: int, world: int, cases: list) -> dict:
+    """Per case (id, stage, zenflow knobs, steps, extra config): plain offload and ZenFlow from the same
+    weights, in one launch for all cases (a launch of 2 ranks costs more than these 8-step runs)."""
+    out = {}
+    for case, stage, zen, steps, extra in cases:
+        plain, e0 = train(rank, world, dict(ds_config(stage), **(extra or {})), steps)
+        w0 = flat_weights(e0).numpy()
+        e0.destroy()
+        zf, e1 = train(rank, world, dict(ds_config(stage, zenflow=zen), **(extra or {})), steps)
+        name = type(e1.optimizer).__name__
+        assert name == ("ZenFlowZeroOptimizer_Stage3" if stage == 3 else "ZenFlowZeroOptimizer"), (case, name)
+        w1 = flat_weights(e1).numpy()
+        e1.destroy()
+        out[case] = {"plain": plain, "zen": zf, "w_plain": w0, "w_zen": w1}
+    return out
+
+
+EXTRAS = {"gas2": {"gradient_accumulation_steps": 2}, "fp16-overflow": {"fp16": {"enabled": True, "initial_scale_power": 20}}}
+
+
+@pytest.fixture(scope="module")
+def pairs() -> list[dict]:
+    cases = [(f"stage{s}", s, ONE, 8, None) for s in (1, 2, 3)] + [(k, 2, ONE, 8, v) for k, v in EXTRAS.items()]
+    return run_distributed(_pair_body, world_size=2, args=(cases,), timeout=600)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_update_interval_1_equals_plain_offload(stage):
-    out = run_distributed(_pair_body, world_size=2, args=(stage, ONE, 8), timeout=300)
+def test_update_interval_1_equals_plain_offload(pairs, stage):
+    out = [r[f"stage{stage}"] for r in pairs]
     for r in out:
         np.testing.assert_allclose(r["zen"], r["plain"], rtol=1e-6, atol=1e-7)
         np.testing.assert_allclose(r["w_zen"], r["w_plain"], rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(out[0]["w_zen"], out[1]["w_zen"])  # the ranks hold one model
 
 
-@pytest.mark.parametrize("extra", [{"gradient_accumulation_steps": 2},
-                                   {"fp16": {"enabled": True, "initial_scale_power": 20}}], ids=["gas2", "fp16-overflow"])
-def test_update_interval_1_equals_plain_offload_with_accumulation_and_fp16(extra):
+@pytest.mark.parametrize("extra", list(EXTRAS))
+def test_update_interval_1_equals_plain_offload_with_accumulation_and_fp16(pairs, extra):
     """Gradient accumulation, and fp16 whose first steps overflow and are skipped: still plain offload's run."""
-    out = run_distributed(_pair_body, world_size=2, args=(2, ONE, 8, extra), timeout=300)
-    for r in out:
+    for r in (rank[extra] for rank in pairs):
         np.testing.assert_array_equal(r["zen"], r["plain"])
         np.testing.assert_array_equal(r["w_zen"], r["w_plain"])
 
 
-def _tune_body(rank: int, world: int, zen: dict, stage: int) -> dict:
+TUNES = {"defaults": ({}, True, 2), "defaults-overlap": ({"overlap_step": True}, True, 2),
+         "interval4-overlap-reselect": ({"update_interval": 4, "overlap_step": True, "select_strategy": "step",
+                                         "select_interval": 40}, False, 2),
+         "stage3-defaults-overlap": ({"overlap_step": True}, True, 3)}
+
+
+def _tune_body(rank: int, world: int, cases: list) -> dict:
+    """Per case (id, zenflow knobs, stage): the 200-step fine-tune's 25-step window means, ZenFlow's and plain
+    offload's. Plain offload's run depends only on the stage: run once per stage, shared by its cases."""
     from tests.distributed.zenflow_models import pretrained_gpt
 
     model = pretrained_gpt()
-    plain, _ = train(rank, world, ds_config(stage, lr=1e-3), 200, model=model, rule=2)
-    zf, e = train(rank, world, ds_config(stage, zenflow=zen, lr=1e-3), 200, model=model, rule=2)
-    e.destroy()
-    return {"plain": np.asarray(plain).reshape(-1, 25).mean(1), "zen": np.asarray(zf).reshape(-1, 25).mean(1)}
+    plain: dict = {}
+    out = {}
+    for case, zen, stage in cases:
+        if stage not in plain:
+            plain[stage], e = train(rank, world, ds_config(stage, lr=1e-3), 200, model=model, rule=2)
+            e.destroy()
+        zf, e = train(rank, world, ds_config(stage, zenflow=zen, lr=1e-3), 200, model=model, rule=2)
+        e.destroy()
+        out[case] = {"plain": np.asarray(plain[stage]).reshape(-1, 25).mean(1),
+                     "zen": np.asarray(zf).reshape(-1, 25).mean(1)}
+    return out
 
 
-@pytest.mark.parametrize("zen,default_knobs,stage", [
-    ({}, True, 2), ({"overlap_step": True}, True, 2),
-    ({"update_interval": 4, "overlap_step": True, "select_strategy": "step", "select_interval": 40}, False, 2),
-    ({"overlap_step": True}, True, 3)],
-    ids=["defaults", "defaults-overlap", "interval4-overlap-reselect", "stage3-defaults-overlap"])
-def test_fine_tune_tracks_plain_offload(zen, default_knobs, stage):
+@pytest.fixture(scope="module")
+def fine_tunes() -> dict:
+    cases = [(case, zen, stage) for case, (zen, _, stage) in TUNES.items()]
+    return run_distributed(_tune_body, world_size=2, args=(cases,), timeout=1200)[0]
+
+
+@pytest.mark.parametrize("case", list(TUNES))
+def test_fine_tune_tracks_plain_offload(fine_tunes, case):
     """The stated tolerance, over 25-step windows of a 200-step fine-tune (pretrained on one rule, tuned to
     another): with DeepSpeed's default knobs ZenFlow's window means stay within 2.5x plain offload's + 0.05
     nats and its last window within 0.05 nats (measured: at most 2.2x, last window +0.03); a host step only
     every 4 steps (and reselection every 40) lags more (measured 5.6x, +0.08): within 6x + 0.05 and 0.1 nats."""
-    r = run_distributed(_tune_body, world_size=2, args=(zen, stage), timeout=600)[0]
+    r = fine_tunes[case]
+    default_knobs = TUNES[case][1]
     plain, zf = r["plain"], r["zen"]
     assert plain[-1] < 0.1 * plain[0], f"the fine-tune does not learn: {plain}"
     assert zf[-1] < 0.1 * zf[0], f"ZenFlow does not learn: {zf}"
@@ -75,15 +111,21 @@ def test_fine_tune_tracks_plain_offload(zen, default_knobs, stage):
     assert abs(zf[-1] - plain[-1]) <= last, (zf, plain)
 
 
-def _resume_body(rank: int, world: int, ckpt: str, stage: int) -> dict:
+def _resume_body(rank: int, world: int, root: str, stages: list) -> dict:
     zen = {"update_interval": 3, "overlap_step": True, "select_strategy": "step", "select_interval": 6}
     # saved after step 5: 2 accumulated steps and a host step in flight
-    return resume_run(rank, world, ds_config(stage, zenflow=zen), 10, 5, ckpt, "zf")
+    return {s: resume_run(rank, world, ds_config(s, zenflow=zen), 10, 5, os.path.join(root, f"z{s}"), "zf")
+            for s in stages}
+
+
+@pytest.fixture(scope="module")
+def resumes(tmp_path_factory) -> list[dict]:
+    root = str(tmp_path_factory.mktemp("zf_ck"))
+    return run_distributed(_resume_body, world_size=2, args=(root, [2, 3]), timeout=600)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_checkpoint_resumes_with_accumulated_state(tmp_path, stage):
-    out = run_distributed(_resume_body, world_size=2, args=(str(tmp_path / "ck"), stage), timeout=300)
-    for r in out:
+def test_checkpoint_resumes_with_accumulated_state(resumes, stage):
+    for r in (rank[stage] for rank in resumes):
         np.testing.assert_array_equal(r["resumed"], r["full"])
         np.testing.assert_array_equal(r["w_res"], r["w_full"])
