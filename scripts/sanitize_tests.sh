@@ -16,6 +16,7 @@ PY=${PYTHON:-.venv/bin/python}
 FUZZ_SECONDS=${DSC_FUZZ_SECONDS:-20}
 OUT=$PWD/build/sanitize
 REPORTS=$OUT/reports
+# shellcheck disable=SC2054  # the comma belongs to the flag
 SAN=(-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -g -O1)
 rm -rf "$REPORTS" "$OUT/fuzz"
 mkdir -p "$REPORTS" "$OUT/fuzz/aio"
