@@ -75,6 +75,7 @@ def configure_zero_optimizer(engine: Any, config: Any, should_reduce_at_boundary
         accumulate_fp32=(stage == 1 and engine.precision.model_dtype == torch.bfloat16 and offload_device is None
                          and parse_dtype(config.grad_accum_dtype, "data_types.grad_accum_dtype") == torch.float32),
         nvme_offload=nvme_offload_args(zero_cfg, config.aio_config, stage, rank))
+    _check_fits(engine, stage, basic, zero_cfg)
     sp = engine.parallel_dims.sequence  # Ulysses: gradients summed over the sequence ranks
     if engine.has_moe_layers:
         if zero_cfg.zenflow is not None:
@@ -145,6 +146,33 @@ def _bf16_offloaded_moments(basic: Any, client_built: bool, optimizer_params: An
         "bf16.bf16_optimizer_states with ZeRO-Offload (zero_optimization.offload_optimizer) needs the client "
         "optimizer to be a DeepSpeedCPUAdam built with fp32_optimizer_states=False, so its moments are kept in bf16; "
         f"got {type(basic).__name__} with fp32_optimizer_states={getattr(basic, 'fp32_optimizer_states', None)}")
+
+
+def _check_fits(engine: Any, stage: int, basic: Any, zero_cfg: Any) -> None:
+    """A model whose ZeRO model states cannot fit the device is refused now, naming the figures
+    (runtime/zero/fit_check.py), not by an out-of-memory error mid-allocation."""
+    import os
+
+    from deepspeed_c.runtime.zero import fit_check
+    from deepspeed_c.runtime.zero.stage3_estimators import model_to_params
+
+    if engine.has_moe_layers:  # experts are split over the expert-parallel group: not this estimate
+        return
+    params, largest = model_to_params(engine.module)
+    trainable = sum(int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters() if p.requires_grad)
+    world = max(1, engine.dp_world_size)
+    local = min(world, max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    def where(section: Any) -> Any:  # "cpu" / "nvme", or None when not offloaded
+        device = getattr(getattr(section, "device", None), "value", getattr(section, "device", None))
+        return None if device in (None, "none") else str(device)
+
+    off_opt, off_par = where(zero_cfg.offload_optimizer), where(zero_cfg.offload_param)
+    need = fit_check.lower_bounds(stage, params, trainable, largest, world, local,
+                                  torch.finfo(engine.precision.model_dtype).bits // 8,
+                                  fit_check.optimizer_state_bytes(basic),
+                                  off_opt, off_par if stage >= 3 else None)
+    fit_check.check(need, stage, params, fit_check.device_capacity(torch.device(engine.device)),
+                    fit_check.host_capacity())
 
 
 def _store_args(engine: Any, zero_cfg: Any) -> dict:
