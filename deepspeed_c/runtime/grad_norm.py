@@ -52,7 +52,8 @@ def _group_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def global_norm(tensors: Sequence[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
     """The norm of all tensors together, as a float32 0-dim tensor on the first tensor's device."""
-    tensors = [t for t in tensors if t is not None]
+    # a sparse gradient (sparse_gradients' embedding rows) counts as its dense form: its coalesced values
+    tensors = [t.detach().coalesce().values() if t.is_sparse else t for t in tensors if t is not None]
     if not tensors:
         return torch.tensor(0.0)
     device = tensors[0].device
@@ -76,4 +77,9 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
 
 def scale_(tensors: Sequence[torch.Tensor], factor: float) -> None:
     if factor != 1.0 and tensors:
-        torch._foreach_mul_(list(tensors), factor)
+        dense = [t for t in tensors if not t.is_sparse]
+        if dense:
+            torch._foreach_mul_(dense, factor)
+        for t in tensors:
+            if t.is_sparse:  # torch's foreach kernels take strided tensors only
+                t.mul_(factor)

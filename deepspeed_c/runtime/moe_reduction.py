@@ -118,9 +118,3 @@ class ReducerSet(BucketOrderKeeping):
     @property
     def collectives(self) -> int:
         return sum(r.collectives for r in self.reducers)
-
-
-def build_reducers(sets: Sequence[ReductionSet], make: Callable[[ReductionSet], Any]) -> Any:
-    """One reducer per set (make builds it), as one object; the single reducer itself when one set."""
-    reducers = [make(s) for s in sets]
-    return reducers[0] if len(reducers) == 1 else ReducerSet(reducers)

@@ -184,7 +184,7 @@ BAD_CONFIGS = [
     (cfg(aio={"use_gds": True}), NotImplementedError, "aio.use_gds"),
     (cfg(expert_parallel={"enabled": True, "autoep_size": 2}), NotImplementedError, "expert_parallel"),
     (cfg(amp={"enabled": True, "opt_level": "O1"}), NotImplementedError, "amp.enabled"),
-    (cfg(sparse_gradients=True), NotImplementedError, "sparse_gradients"),
+    (cfg(sparse_gradients=True, zero_optimization={"stage": 2}), ValueError, "sparse_gradients"),  # stage 0 only
     (cfg(eigenvalue={"enabled": True}), NotImplementedError, "eigenvalue.enabled"),
     (cfg(progressive_layer_drop={"enabled": True, "theta": "high"}), ValueError, "progressive_layer_drop.theta"),
     (cfg(curriculum_learning={"enabled": True, "curriculum_type": "seqlen", "min_difficulty": 8, "max_difficulty": 64,

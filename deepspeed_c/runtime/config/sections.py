@@ -148,8 +148,11 @@ def check_unbuilt_sections(param_dict: dict[str, Any]) -> None:
     for key, (what, asks) in UNBUILT_SECTIONS.items():
         if key in param_dict and asks(param_dict[key]):
             raise unbuilt(key, what)
-    if param_dict.get("sparse_gradients", False) is True:
-        raise unbuilt("sparse_gradients", "sparse gradient all-reduce")
+    zero = param_dict.get("zero_optimization") or {}
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    if param_dict.get("sparse_gradients", False) is True and stage:
+        raise ValueError(f"sparse_gradients: sparse embedding gradients are exchanged at zero_optimization.stage 0 "
+                         f"only (got stage {stage}); ZeRO partitions dense gradients")
 
 
 def parse_misc_sections(param_dict: dict[str, Any]) -> dict[str, Any]:

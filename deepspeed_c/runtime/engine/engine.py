@@ -296,10 +296,15 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
             return
         if self.dp_world_size <= 1:
             return
-        from deepspeed_c.runtime.moe_reduction import build_reducers
+        from deepspeed_c.runtime.moe_reduction import ReducerSet
         from deepspeed_c.runtime.reducer import GradientReducer
+        from deepspeed_c.runtime.sparse_grads import sparse_reducer
 
         trainable = [p for p in self.module.parameters() if p.requires_grad]
+        sparse = sparse_reducer(self.module, self._config, self.dp_world_size, self.data_parallel_group,
+                                self.gradient_average, self.sequence_parallel_size, self._should_reduce)
+        if sparse is not None:  # their rows go through the sparse reducer, not the dense buckets
+            trainable = [p for p in trainable if all(p is not q for q in sparse.params)]
         comm_dtype = self.communication_data_type
 
         def reducer_for(s: Any) -> GradientReducer:  # expert sets reduce over their expert-data-parallel group
@@ -312,7 +317,9 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
                 slots=self.stepper.reduction_slots() if self.stepper is not None else None,
                 sequence_parallel_size=self.sequence_parallel_size)
 
-        self.reducer = build_reducers(self.moe.reduction_sets(trainable, self.data_parallel_group), reducer_for)
+        sets = self.moe.reduction_sets(trainable, self.data_parallel_group) if trainable else []
+        reducers = [reducer_for(s) for s in sets] + ([sparse] if sparse is not None else [])
+        self.reducer = reducers[0] if len(reducers) == 1 else ReducerSet(reducers)
 
     def _any_rank_overflowed(self, overflow: bool) -> bool:
         import torch.distributed as tdist
