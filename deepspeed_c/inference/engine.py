@@ -200,7 +200,7 @@ class InferenceEngine(nn.Module):
             self._quantize()
             self.quant = None
         rank = dist.get_rank(self.mp_group) if self.mp_group is not None else 0
-        mp_checkpoint.load(self.module, desc, rank, cfg.base_dir)
+        mp_checkpoint.load(self.module, desc, rank, cfg.base_dir, run_tp=self.mp_world_size)
 
     def _autotp(self, policy: Optional[dict], files: Optional[list[str]]) -> None:
         from deepspeed_c.module_inject.auto_tp_inference import shard_for_inference

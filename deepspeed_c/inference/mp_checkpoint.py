@@ -12,8 +12,9 @@ them into a model prepared the other way fails naming both instead of a list of 
 
 Loading: the model is prepared as it was when saved (sharded / injected; on the meta device it stays
 unallocated until here), then each rank reads only non-tp.pt and its own tp files: no rank ever holds
-the whole model. A checkpoint saved at another tp_size is not resharded (the injected blocks' splits are
-segment-wise: heads of q, k and v); the error names both sizes. DeepSpeed's own files of this form carry
+the whole model. A checkpoint saved at another tp_size is resharded (mp_reshard.py: every saved rank's tp files
+are read part by part, each tensor rebuilt whole and cut for this rank); what cannot be (quantized weights,
+AutoTP layers with a custom split) raises naming both sizes. DeepSpeed's own files of this form carry
 DeepSpeed's injected-module names (`attn_qkvw`, ...), which the error lists as names our model lacks."""
 from __future__ import annotations
 
@@ -109,11 +110,6 @@ def check(desc: dict, tp_size: int, injected: bool) -> None:
     kind = desc.get("parallelization", "tp")
     if kind != "tp":
         raise NotImplementedError(f"init_inference: checkpoint parallelization={kind!r} is not built (only 'tp')")
-    saved = int(desc.get("tp_size", desc.get("mp_size", 1)))
-    if saved != tp_size:
-        raise ValueError(f"init_inference: the checkpoint was saved with tp_size={saved} but this run has "
-                         f"tensor_parallel.tp_size={tp_size}; resharding a pre-sharded checkpoint is not built: run with "
-                         f"tp_size={saved}, or load the unsharded weights (checkpoint type 'ds_model' file list)")
     ours = desc.get("deepspeed_c")
     if isinstance(ours, dict) and bool(ours.get("kernel_inject")) != injected:
         said = "replace_with_kernel_inject=True" if ours.get("kernel_inject") else "replace_with_kernel_inject=False"
@@ -139,8 +135,9 @@ def real_buffers(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def load(model: nn.Module, desc: dict, tp_rank: int, base_dir: str = "") -> None:
-    """Fills `model` (prepared as when saved) from non-tp.pt and this rank's tp files only."""
+def load(model: nn.Module, desc: dict, tp_rank: int, base_dir: str = "", run_tp: Optional[int] = None) -> None:
+    """Fills `model` (prepared as when saved) from non-tp.pt and this rank's tp files only; saved at another
+    tp_size (`run_tp` differs), from every saved rank's files, resharded (mp_reshard)."""
     from deepspeed_c.inference.checkpoint_loader import _materialize, _read
 
     _materialize(model, torch.device("cpu"))
@@ -148,10 +145,17 @@ def load(model: nn.Module, desc: dict, tp_rank: int, base_dir: str = "") -> None
     tp_size = int(desc.get("tp_size", desc.get("mp_size", 1)))
     root = desc.get("base_dir") or base_dir
     tp_list = list(files["tp"])
-    mine = [tp_list[i] for i in range(len(tp_list)) if i % tp_size == tp_rank]
-    names = list(files.get("non_tp", [])) + mine
+    if run_tp is not None and run_tp != tp_size:
+        from deepspeed_c.inference.mp_reshard import load_resharded
+
+        names = list(files.get("non_tp", []))
+        paths = [os.path.join(root, n) if root else n for n in tp_list]
+        loaded_tp = load_resharded(model, paths, tp_size, tp_rank, run_tp)
+    else:
+        names = list(files.get("non_tp", [])) + [tp_list[i] for i in range(len(tp_list)) if i % tp_size == tp_rank]
+        loaded_tp = set()
     state = model.state_dict(keep_vars=True)
-    loaded: set[str] = set()
+    loaded: set[str] = set(loaded_tp)
     unexpected: list[str] = []
     for name in names:
         path = os.path.join(root, name) if root else name

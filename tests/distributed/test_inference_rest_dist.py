@@ -2,8 +2,8 @@
 - kernel injection with tensor parallelism (tp_size 2): GPT-2 and LLaMA (GQA) greedy tokens equal HF eager's;
   each rank's fused blocks hold half the heads and half the MLP rows;
 - save_mp_checkpoint_path at TP 2 (injected and AutoTP) writes DeepSpeed's JSON and per-rank tp files;
-  `checkpoint=` that JSON on a meta-built model gives HF's tokens, each rank holding only its shard;
-  loading it at tp_size 1 names both sizes;
+  `checkpoint=` that JSON on a meta-built model gives HF's tokens, each rank holding only its shard; loaded at
+  tp_size 1 it is resharded (same tokens); a quantized one loaded at another tp_size names both sizes;
 - MoE inference (moe={"enabled": True, "ep_size": 2}) of deepspeed.moe.layer.MoE models, each rank with its own
   tokens: 4 experts (2 a rank, all-to-all), a residual MoE, and expert slicing (1 expert split over both
   ranks): outputs equal the one-process model's on the same tokens; a Hugging Face Mixtral (4 experts, top 2)
@@ -70,10 +70,18 @@ def _tp_inject(out: dict, folder: str, ids: torch.Tensor) -> None:
     out["ckpt"]["llama/autotp"] = (bool(torch.equal(_gen(loaded, ids), ref)), 0.0)
     out["desc"] = {k: desc[k] for k in ("type", "version", "parallelization", "tp_size", "dtype")}
     out["desc"]["files"] = sorted(os.listdir(path))
-    with deepspeed_c.OnDevice(dtype=torch.float32, device="meta"):
+    with deepspeed_c.OnDevice(dtype=torch.float32, device="meta"):  # saved at TP 2, loaded at TP 1: resharded
         meta = im.make("llama", seed=4)
-    out["errors"]["tp_mismatch"] = _error(lambda: deepspeed_c.init_inference(meta, dtype=torch.float32,
-                                                                             checkpoint=desc))
+    out["ckpt"]["llama/autotp->tp1"] = (bool(torch.equal(_gen(deepspeed_c.init_inference(
+        meta, dtype=torch.float32, checkpoint=desc), ids), ref)), 0.0)
+    for kind in ("gpt2", "llama"):  # injected TP 2 -> TP 1
+        with deepspeed_c.OnDevice(dtype=torch.float32, device="meta"):
+            meta = im.make(kind, seed=3)
+        one = deepspeed_c.init_inference(meta, dtype=torch.float32, replace_with_kernel_inject=True,
+                                         max_out_tokens=32,
+                                         checkpoint=os.path.join(folder, f"{kind}-inj", "ds_inference_config.json"))
+        out["ckpt"][f"{kind}/inject->tp1"] = (bool(torch.equal(_gen(one, ids), _gen(im.make(kind, seed=3), ids))),
+                                              0.0)
 
 
 class MoENet(torch.nn.Module):
@@ -129,16 +137,23 @@ def _moe(out: dict, rank: int) -> None:
                                                                      moe={"ep_size": 3}))
 
 
-def _quant_tp(out: dict, ids: torch.Tensor) -> None:
+def _quant_tp(out: dict, ids: torch.Tensor, folder: str) -> None:
     import deepspeed_c
 
     model = im.make("llama", seed=3)
     q = {"weight": {"num_bits": 8, "group_size": 16}}
     one = deepspeed_c.init_inference(copy.deepcopy(model), dtype=torch.float32, replace_with_kernel_inject=True,
                                      max_out_tokens=32, quant=q)
+    path = os.path.join(folder, "llama-q8")
     two = deepspeed_c.init_inference(copy.deepcopy(model), dtype=torch.float32, replace_with_kernel_inject=True,
-                                     max_out_tokens=32, quant=q, tensor_parallel={"tp_size": 2})
+                                     max_out_tokens=32, quant=q, tensor_parallel={"tp_size": 2},
+                                     save_mp_checkpoint_path=path)
     out["quant_tp2"] = bool(torch.equal(_gen(one, ids), _gen(two, ids)))
+    with deepspeed_c.OnDevice(dtype=torch.float32, device="meta"):
+        meta = im.make("llama", seed=3)
+    out["errors"]["tp_mismatch"] = _error(lambda: deepspeed_c.init_inference(  # quantized: not reshardable
+        meta, dtype=torch.float32, replace_with_kernel_inject=True, max_out_tokens=32, quant=q,
+        checkpoint=os.path.join(path, "ds_inference_config.json")))
 
 
 def body(rank: int, world: int, folder: str) -> dict:
@@ -147,7 +162,7 @@ def body(rank: int, world: int, folder: str) -> dict:
     with torch.no_grad():
         _tp_inject(out, folder, ids)
         _moe(out, rank)
-        _quant_tp(out, ids)
+        _quant_tp(out, ids, folder)
     return out
 
 
