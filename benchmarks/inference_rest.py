@@ -113,15 +113,13 @@ def quant(args: argparse.Namespace) -> None:
           f"layers, batch 1 ==")
     k = args.hidden
     for bits in (8, 4):  # kernels vs reference
-        w = torch.randn(3 * k, k, device=dev)
-        q, s = Q.quantize(w.cpu(), bits, 128 if k % 128 == 0 else 16)
         group = 128 if k % 128 == 0 else 16
-        q, s = q.to(dev), s.to(dev)
+        q, s = Q.quantize(torch.randn(3 * k, k, device=dev), bits, group)  # torch ops (the host path's math)
         x = torch.randn(1, k, device=dev, dtype=dt)
-        ref_w = Q.dequantize_reference(q.cpu(), s.cpu(), bits, group, torch.float32)
-        ref = x.float().cpu() @ ref_w.t()
-        print(f"  kernel int{bits}: quant_gemv rel err {rel(Q.linear(x, q, s, bits, group).cpu(), ref):.2e}  "
-              f"dequantize rel err {rel(Q.dequantize(q, s, bits, group, torch.float32).cpu(), ref_w):.2e}")
+        ref_w = Q.dequantize_reference(q, s, bits, group, torch.float32)  # torch ops, float32
+        ref = x.float() @ ref_w.t()
+        print(f"  kernel int{bits}: quant_gemv rel err {rel(Q.linear(x, q, s, bits, group), ref):.2e} (bf16 output)  "
+              f"dequantize rel err {rel(Q.dequantize(q, s, bits, group, torch.float32), ref_w):.2e}")
     base = llama(args.hidden, args.layers, dev, dt)
     ids = torch.randint(3, 32000, (1, args.prompt), generator=torch.Generator().manual_seed(1)).to(dev)
     engines = {}
