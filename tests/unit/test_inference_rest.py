@@ -72,6 +72,8 @@ def test_injected_quantized_tokens_equal_hf_with_rounded_weights(kind, bits):
     assert torch.equal(_gen(engine), _gen(ref))
     rel = (engine(input_ids=IDS).logits - ref(input_ids=IDS).logits).abs().max() / ref(input_ids=IDS).logits.abs().max()
     assert float(rel) < 1e-5
+    if kind == "gpt2":
+        return
     # the same section without injection quantizes each Linear alike
     plain = deepspeed_c.init_inference(copy.deepcopy(model), dtype=torch.float32, max_out_tokens=32,
                                        quant={"weight": {"num_bits": bits, "group_size": 16}})
