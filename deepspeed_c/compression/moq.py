@@ -80,6 +80,13 @@ def parse_quantize_training(param_dict: dict) -> MoQConfig:
     return cfg
 
 
+def drop_one_bit(p: torch.Tensor, factor: int = 1) -> None:
+    """One step of a weight's MoQ bit schedule (the per-parameter protocol this module and init_compression set
+    up): one bit less, the period doubled and multiplied by `factor` (the block's eigenvalue factor)."""
+    p.q_period = (p.q_period << 1) * factor
+    p.start_bits -= 1
+
+
 def mark_moq_parameters(module: torch.nn.Module, start_bits: int, target_bits: int, period: int) -> int:
     """Give every weight of 2+ dimensions its bit schedule; returns how many were marked."""
     count = 0

@@ -19,6 +19,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from deepspeed_c.compression import quant_kernels as K
+from deepspeed_c.compression.moq import drop_one_bit
 from deepspeed_c.utils.logging import logger
 
 TWO_D_PARAMS = 6
@@ -86,8 +87,7 @@ class Quantizer:
     def compute_quantization(self, input: torch.nn.Parameter, index: int = 0, factor: int = 1) -> torch.Tensor:
         if input.start_bits != input.target_bits and self.qsteps >= input.q_period:
             self.quantize_real_ratio = 1.0
-            input.q_period = (input.q_period << 1) * factor
-            input.start_bits -= 1
+            drop_one_bit(input, factor)
             if self.q_verbose:
                 logger.info(f"Quantization settings: current bit-precision = {input.start_bits}, step = {self.qsteps}, "
                             f"quantization period = {input.q_period}, index = {index}")
