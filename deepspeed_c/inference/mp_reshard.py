@@ -24,21 +24,24 @@ Reshard = Callable[[list[Tensor]], Tensor]
 
 
 def _block_rule(block: FusedDecoderBlock, attr: str, run_tp: int, rank: int) -> Reshard:
-    """wqkv / bqkv, wo / w2 and the whole tensors of an injected block (w1 / b1: _rule)."""
+    """An injected block's tensor: wqkv / bqkv by heads of q, k and v; w1 / b1 by the MLP's halves (gate, up);
+    wo / w2 by columns; the rest whole."""
     s = block.spec  # the run's (local) spec: whole counts are its counts times run_tp
     heads, kv, d = s.n_heads * run_tp, s.n_kv * run_tp, s.head_dim
 
-    def rows(parts_of: Callable[[int], list[int]]) -> Reshard:
+    def rows(segments: Callable[[list[Tensor]], list[int]]) -> Reshard:
         def merge(pieces: list[Tensor]) -> Tensor:
-            saved = len(pieces)
-            segs = parts_of(saved)  # segment sizes of one saved piece
+            segs = segments(pieces)  # segment sizes within one saved piece
             starts = [sum(segs[:i]) for i in range(len(segs))]
             whole = torch.cat([torch.cat([p[a:a + n] for p in pieces]) for a, n in zip(starts, segs)])
-            return hybrid_tp._rows(whole, [n * saved for n in segs], rank, run_tp)
+            return hybrid_tp._rows(whole, [n * len(pieces) for n in segs], rank, run_tp)
         return merge
 
     if attr in ("wqkv", "bqkv"):
-        return rows(lambda saved: [heads // saved * d, kv // saved * d, kv // saved * d])
+        return rows(lambda pieces: [heads // len(pieces) * d, kv // len(pieces) * d, kv // len(pieces) * d])
+    if attr in ("w1", "b1"):
+        halves = 2 if s.gated_silu else 1
+        return rows(lambda pieces: [pieces[0].shape[0] // halves] * halves)
     if attr in ("wo", "w2"):
         return lambda pieces: hybrid_tp._rows(torch.cat(pieces, dim=1).t(), [sum(p.shape[1] for p in pieces)],
                                               rank, run_tp).t()
@@ -47,15 +50,6 @@ def _block_rule(block: FusedDecoderBlock, attr: str, run_tp: int, rank: int) -> 
 
 def _rule(module: nn.Module, attr: str, run_tp: int, rank: int, key: str) -> Reshard:
     if isinstance(module, FusedDecoderBlock):
-        if attr in ("w1", "b1"):
-            gated = module.spec.gated_silu
-
-            def merge(pieces: list[Tensor]) -> Tensor:
-                halves = 2 if gated else 1
-                n = pieces[0].shape[0] // halves
-                whole = torch.cat([torch.cat([p[h * n:(h + 1) * n] for p in pieces]) for h in range(halves)])
-                return hybrid_tp._rows(whole, [n * len(pieces)] * halves, rank, run_tp)
-            return merge
         return _block_rule(module, attr, run_tp, rank)
     if type(module) is LinearLayer:
         return lambda pieces: module.cut_shard(torch.cat(pieces), 0, key)
