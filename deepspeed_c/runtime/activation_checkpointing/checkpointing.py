@@ -5,9 +5,11 @@ backward. The recompute must draw the same random numbers as the forward (dropou
 CPU RNG, the accelerator RNG and the model-parallel tracker's named RNG states are captured before
 the forward and reinstated around the recompute, then put back as backward found them.
 
-Memory-layout options (partition_activations, contiguous_memory_optimization) are accepted and
-validated like DeepSpeed's; they change only where saved inputs live, never the numbers, and here
-`checkpoint_in_cpu` moves the saved inputs to host memory while the others keep them as they are."""
+Memory-layout options change only where saved inputs live, never the numbers: with a model-parallel `mpu`
+(configure(mpu, ...)) `partition_activations` keeps each rank's 1/mp slice of the saved inputs and gathers
+them for the recompute, `cpu_checkpointing` keeps the slices in host memory and
+`contiguous_memory_optimization` in preallocated buffers of `number_checkpoints` slots (partition.py);
+without a model-parallel group `checkpoint_in_cpu` moves the whole saved inputs to host memory."""
 from __future__ import annotations
 
 import contextlib
@@ -17,6 +19,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from deepspeed_c.runtime.activation_checkpointing import partition
 from deepspeed_c.utils.logging import logger
 
 _MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
@@ -134,6 +137,14 @@ class _RNGSnapshot:
 
 
 # -- checkpoint --------------------------------------------------------------------------------------
+_CONTIGUOUS = partition.ContiguousSlots()
+
+
+def _partitioning() -> bool:
+    """partition_activations acts with a model-parallel group of more than one rank (else a no-op)."""
+    return bool(PARTITION_ACTIVATIONS and mpu is not None and mpu.get_model_parallel_world_size() > 1)
+
+
 def _sync() -> None:
     if SYNCHRONIZE and torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -147,7 +158,12 @@ class CheckpointFunction(torch.autograd.Function):
         ctx.run_function = run_function
         ctx.rng = _RNGSnapshot()
         ctx.devices = [a.device if torch.is_tensor(a) else None for a in args]
-        saved = [a.detach().to("cpu") if CPU_CHECKPOINT and torch.is_tensor(a) else a for a in args]
+        ctx.partitioned = None
+        if _partitioning():  # each model-parallel rank keeps its slice of the inputs (partition.py)
+            saved, ctx.partitioned = partition.partition(list(args), mpu, CPU_CHECKPOINT,
+                                                         _CONTIGUOUS if CONTIGUOUS_CHECKPOINTING else None, num_layers)
+        else:
+            saved = [a.detach().to("cpu") if CPU_CHECKPOINT and torch.is_tensor(a) else a for a in args]
         ctx.tensor_idx = [i for i, a in enumerate(saved) if torch.is_tensor(a)]
         ctx.others = [None if torch.is_tensor(a) else a for a in saved]
         ctx.save_for_backward(*[saved[i] for i in ctx.tensor_idx])
@@ -165,7 +181,13 @@ class CheckpointFunction(torch.autograd.Function):
         start = time.perf_counter()
         args = list(ctx.others)
         for i, t in zip(ctx.tensor_idx, ctx.saved_tensors):
-            t = t.to(ctx.devices[i]) if ctx.devices[i] is not None else t
+            args[i] = t
+        if ctx.partitioned is not None:
+            args = partition.gather(args, ctx.partitioned, mpu)
+            if CONTIGUOUS_CHECKPOINTING:
+                _CONTIGUOUS.release()
+        for i in ctx.tensor_idx:
+            t = args[i].to(ctx.devices[i]) if ctx.devices[i] is not None else args[i]
             args[i] = t.detach().requires_grad_(t.requires_grad or t.is_floating_point())
         now = _RNGSnapshot()
         ctx.rng.restore()
@@ -261,6 +283,10 @@ def configure(mpu_: Any, deepspeed_config: Any = None, partition_activations: Op
         raise ValueError("contiguous_checkpointing requires num_checkpoints (number_checkpoints)")
     if cur["cpu"] and not cur["partition"]:
         raise ValueError("checkpoint_in_cpu (cpu_checkpointing) requires partition_activations")
+    if cur["partition"] and (mpu_ is None or mpu_.get_model_parallel_world_size() <= 1):
+        logger.warning("activation_checkpointing.partition_activations: no model-parallel group of more than one "
+                       "rank was given to checkpointing.configure(mpu, ...), so the saved activations are not "
+                       "partitioned (cpu_checkpointing still moves them to host memory)")
     mpu = mpu_
     PARTITION_ACTIVATIONS, CONTIGUOUS_CHECKPOINTING, num_layers = cur["partition"], cur["contiguous"], cur["layers"]
     CPU_CHECKPOINT, SYNCHRONIZE, PROFILE_TIME = cur["cpu"], cur["sync"], cur["profile"]

@@ -54,10 +54,6 @@ NO_EFFECT: tuple[NoEffect, ...] = (
     NoEffect(("dump_state",), False, "the engine state is not printed at initialize"),
     NoEffect(("disable_allgather",), False, "ZeRO 1/2 always all-gathers the updated weights"),
     NoEffect(("checkpoint", "checkpoint_serialization"), True, "files are written with torch.save's zip format"),
-    NoEffect(("activation_checkpointing", "partition_activations"), False,
-             "partitioning saved activations needs a model-parallel group (mpu), which is not built yet"),
-    NoEffect(("activation_checkpointing", "contiguous_memory_optimization"), False,
-             "it only applies to partitioned activations (partition_activations), which need an mpu"),
 )
 
 _WARNED: set[tuple[str, ...]] = set()
