@@ -2,7 +2,8 @@
 
 Sections (random-weight models built from configs, no downloads; bf16 on a GPU):
   quant  weight-only int8 / int4 (quant section, group 128) vs bf16, kernel-injected LLaMA-shaped decoder, batch 1
-         decode, all three with enable_cuda_graph (the decode step replayed). Correctness: the quant_gemv / dequantize CUDA kernels against the torch reference, and each
+         decode, all three with enable_cuda_graph (the decode step replayed). Correctness: the quant_gemv /
+         dequantize CUDA kernels against the torch reference, and each
          quantized model's prefill logits against the bf16 model's (quantization error, printed).
   bert   BERT-large masked LM, kernel-injected encoder (ours) vs HF eager vs HF sdpa, batch x seq with padding.
          Correctness: each system's logits against the fp32 HF model (a system over 3x HF bf16's error: WRONG).
@@ -176,7 +177,8 @@ def bert(args: argparse.Namespace) -> None:
         for n, m in systems.items():
             errs[n] = rel(m(input_ids=ids, attention_mask=mask).logits, exact)
     bad = {n for n, e in errs.items() if e > 3 * errs["hf-eager"] + 1e-6}
-    print("  logits rel err vs fp32: " + "  ".join(f"{n} {e:.2e}{' WRONG' if n in bad else ''}" for n, e in errs.items()))
+    print("  logits rel err vs fp32: " + "  ".join(f"{n} {e:.2e}{' WRONG' if n in bad else ''}"
+                                                   for n, e in errs.items()))
 
     def fwd(m: Any) -> float:
         with torch.no_grad():

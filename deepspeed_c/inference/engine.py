@@ -9,7 +9,8 @@ quantized) -> tensor-parallel group -> one of
 -> checkpoint files loaded shard by shard (or a save_mp_checkpoint_path folder: the model prepared as
 saved, then each rank's own files: mp_checkpoint) -> MoE experts sharded (moe_inference) -> weights
 quantized (quant section / int8) -> sharded checkpoint written (save_mp_checkpoint_path) -> ZeRO-Inference
-layer streaming (zero_inference) -> the module moved to the accelerator (unless keep_module_on_host). `module` is the (sharded / injected) model; forward, __call__ and generate pass
+layer streaming (zero_inference) -> the module moved to the accelerator (unless keep_module_on_host).
+`module` is the (sharded / injected) model; forward, __call__ and generate pass
 through to it, so `pipeline("text-generation", model=engine.module, ...)` works on every rank."""
 from __future__ import annotations
 
@@ -152,7 +153,8 @@ class InferenceEngine(nn.Module):
             raise ValueError("init_inference: zero (ZeRO-Inference) and enable_cuda_graph=True cannot be combined: a "
                              "replayed graph would skip the hooks that stream each layer's weights in")
         if self._config.keep_module_on_host:
-            raise ValueError("init_inference: zero (ZeRO-Inference) and keep_module_on_host=True contradict each other: "
+            raise ValueError("init_inference: zero (ZeRO-Inference) and keep_module_on_host=True contradict each "
+                             "other: "
                              "ZeRO-Inference streams the layers to the accelerator")
         from deepspeed_c.accelerator import get_accelerator
 
@@ -310,4 +312,5 @@ def _check_kernel_policy(model: nn.Module, policy: dict) -> None:
             blocks = {type(m) for m in model.modules() if type(m).__name__.endswith(("Block", "DecoderLayer"))}
             if cls not in blocks:
                 raise ValueError(f"injection_policy with replace_with_kernel_inject=True: {cls.__name__} is not a "
-                                 f"transformer block of {type(model).__name__} (kernel injection replaces whole blocks)")
+                                 f"transformer block of {type(model).__name__} (kernel injection replaces whole "
+                                 "blocks)")

@@ -155,8 +155,9 @@ def prepare(model: nn.Module, spec: dict) -> int:
                              "MoE inference shards a model holding all experts (build it with ep_size=1)")
         want = spec["experts"]
         if want and want != [1] and want[min(i, len(want) - 1)] != total:
-            raise ValueError(f"init_inference: moe.moe_experts says {want[min(i, len(want) - 1)]} experts for MoE layer "
-                             f"{i}, which has {total}")
+            said = want[min(i, len(want) - 1)]
+            raise ValueError(f"init_inference: moe.moe_experts says {said} experts for MoE layer {i}, which has "
+                             f"{total}")
         if (spec["type"] == "residual") != bool(layer.use_residual):
             raise ValueError(f"init_inference: moe.type={spec['type']!r} but MoE layer {i} was built with "
                              f"use_residual={layer.use_residual}")

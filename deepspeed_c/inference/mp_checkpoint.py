@@ -106,7 +106,8 @@ def check(desc: dict, tp_size: int, injected: bool) -> None:
                              f"'checkpoints', 'version'; got {sorted(desc)})")
     files = desc["checkpoints"]
     if "tp" not in files:
-        raise ValueError(f"init_inference: a sharded checkpoint description needs checkpoints['tp'] (got {sorted(files)})")
+        raise ValueError(f"init_inference: a sharded checkpoint description needs checkpoints['tp'] (got "
+                         f"{sorted(files)})")
     kind = desc.get("parallelization", "tp")
     if kind != "tp":
         raise NotImplementedError(f"init_inference: checkpoint parallelization={kind!r} is not built (only 'tp')")

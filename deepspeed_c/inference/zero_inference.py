@@ -7,7 +7,8 @@ reaches each layer: a forward pre-hook makes the layer's weights views of its de
 its copy) and starts the copy of the next layer into the other buffer (on a side stream, after the layer
 that last used that buffer finished), so reading layer i+1 overlaps computing layer i. After the last
 layer the first is fetched again: the next decode step starts with it in place. Everything outside the
-layers (embeddings, final norm, head) and the layers' 1-D parameters (biases, norm weights) stay on the device. A model larger than the device's memory
+layers (embeddings, final norm, head) and the layers' 1-D parameters (biases, norm weights) stay on the
+device. A model larger than the device's memory
 generates on it: the device holds two layers and the rest.
 
 The layers are the model's largest nn.ModuleList (by parameter count): HF decoders' `h` / `layers`,

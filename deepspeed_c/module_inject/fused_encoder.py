@@ -133,7 +133,8 @@ def _kind(layer: nn.Module) -> Optional[str]:
     return None
 
 
-def inject_encoder(model: nn.Module, dtype: Optional[torch.dtype], classes: Optional[tuple] = None) -> Optional[nn.Module]:
+def inject_encoder(model: nn.Module, dtype: Optional[torch.dtype],
+                   classes: Optional[tuple] = None) -> Optional[nn.Module]:
     """Replaces every encoder layer of `model` (only instances of `classes` when given: the keys of an
     injection_policy) by a FusedEncoderLayer, in place; None when `model` is no supported encoder."""
     cfg = getattr(model, "config", None)
