@@ -28,5 +28,14 @@ def test_qgz_without_reduce_scatter_and_loco_raise() -> None:
     with pytest.raises(NotImplementedError, match="zero_optimization.zero_quantized_gradients"):
         parse_zero_config({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True,
                                                  "reduce_scatter": False}})
-    with pytest.raises(NotImplementedError, match="zero_optimization.zeropp_loco_param"):
+    # LoCo is qgZ's error feedback: without qgZ it is refused, naming the key
+    with pytest.raises(ValueError, match="zero_optimization.zeropp_loco_param"):
         parse_zero_config({"zero_optimization": {"stage": 3, "zeropp_loco_param": {"err_beta": 0.8}}})
+    with pytest.raises(ValueError, match="zeropp_loco_param.err_beta"):
+        parse_zero_config({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True,
+                                                 "zeropp_loco_param": {"err_beta": 1.5}}})
+    with pytest.raises(ValueError, match="zeropp_loco_param: unknown keys"):
+        parse_zero_config({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True,
+                                                 "zeropp_loco_param": {"err_beta": 0.8, "reset": 5}}})
+    parse_zero_config({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True,
+                                             "zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024}}})

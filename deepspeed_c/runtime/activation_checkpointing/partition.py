@@ -59,6 +59,10 @@ class ContiguousSlots:
         buf[k].copy_(piece.reshape(-1))
         return buf[k]
 
+    def hold(self) -> None:
+        """A segment's slices were taken: its backward will release them."""
+        self.outstanding += 1
+
     def release(self) -> None:
         """A segment's backward ran; with none outstanding the slots start over."""
         self.outstanding = max(0, self.outstanding - 1)
@@ -93,7 +97,7 @@ def partition(args: list[Any], mpu: Any, to_cpu: bool, contiguous: Optional[Cont
         saved.append(piece)
         meta.append(Slice(a.shape, a.dtype, a.device, a.requires_grad))
     if contiguous is not None:
-        contiguous.outstanding += 1
+        contiguous.hold()
     return saved, meta
 
 

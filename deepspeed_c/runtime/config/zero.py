@@ -187,11 +187,17 @@ def _check_built(cfg: DeepSpeedZeroConfig) -> None:
              ("zero_hpz_partition_size", cfg.zero_hpz_partition_size > 1 and below3, "ZeRO++ below stage 3"),
              ("zero_quantized_gradients", cfg.zero_quantized_gradients and not cfg.reduce_scatter,
               "ZeRO++ quantized gradients with reduce_scatter false (qgZ replaces the reduce-scatter)"),
-             ("zeropp_loco_param", cfg.zeropp_loco_param is not None, "ZeRO++ LoCo"),
              ("mics_shard_size", cfg.mics_shard_size > 0, "MiCS sharding"))
     for key, on, what in flags:
         if on:
             raise unbuilt(f"{path}.{key}", what)
+    if cfg.zeropp_loco_param is not None and not (cfg.zero_quantized_gradients and not below3):
+        raise ValueError(f"{path}.zeropp_loco_param: LoCo is error feedback for qgZ's quantized gradients; it needs "
+                         f"{path}.zero_quantized_gradients true at stage 3")
+    if cfg.zeropp_loco_param is not None:
+        from deepspeed_c.runtime.zero.loco import LocoErrorFeedback
+
+        LocoErrorFeedback.from_config(cfg.zeropp_loco_param, 1)  # its values checked now, naming the key
 
 
 def _check_fast_offload(cfg: DeepSpeedZeroConfig) -> None:

@@ -130,8 +130,8 @@ class _Stage3Round(BucketOrderKeeping):
     """What the engine drives each backward: the gradient reduce-scatter, then the end of the parameters'
     iteration (everything still gathered released, the recorded trace becoming the fetch plan)."""
 
-    def __init__(self, partitioner: Any, coordinator: Optional[ParamCoordinator]) -> None:
-        self.partitioner, self.coordinator = partitioner, coordinator
+    def __init__(self, partitioner: Any, coordinator: Optional[ParamCoordinator], zeropp: Any = None) -> None:
+        self.partitioner, self.coordinator, self.zeropp = partitioner, coordinator, zeropp
 
     def claim_round(self) -> None:
         if self.partitioner is not None:
@@ -144,6 +144,8 @@ class _Stage3Round(BucketOrderKeeping):
     def end_backward(self) -> None:
         if self.partitioner is not None:
             self.partitioner.end_backward()
+        if self.zeropp is not None:
+            self.zeropp.end_round()
         if self.coordinator is not None:
             self.coordinator.end_iteration()
 
@@ -181,6 +183,10 @@ def _unit_roots(module: torch.nn.Module, zero_cfg: Any, store_args: dict, world_
                                         max_unit=int(swap["buffer_size"]) * world_size if swap else None)
 
 
+def loco_file(rank: int, world: int) -> str:
+    return f"loco_errors_rank_{rank:05d}_of_{world:05d}.pt"
+
+
 class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (DeepSpeed's class name)
     STAGES = (3,)
 
@@ -202,8 +208,37 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (Deep
         self.sub_group_size = int(zero_cfg.sub_group_size)  # DeepSpeed's checkpoint sub-groups
         self.zero_quantized_nontrainable_weights = bool(zero_cfg.zero_quantized_nontrainable_weights)
         self.coordinator = _coordinator(module, self.store, zero_cfg, roots)
-        self._round = _Stage3Round(self.reducer, self.coordinator)
+        self._round = _Stage3Round(self.reducer, self.coordinator, self.zeropp)
         self.store.follow_write_backs(self._master_follows_shard)
+
+    def rank_checkpoint_file(self) -> Optional[tuple[str, dict]]:
+        """LoCo's error buffers differ between ranks: this rank's own file (None without LoCo)."""
+        loco = self.zeropp.loco if self.zeropp is not None else None
+        if loco is None:
+            return None
+        return loco_file(self.rank, self.world_size), {"loco": loco.state_dict(), "world_size": self.world_size}
+
+    def load_rank_checkpoint_file(self, saved: Any) -> None:
+        """LoCo's error buffers back when the checkpoint has this rank's file at this world size; otherwise
+        they start from zero (as after reset_T steps), said once."""
+        loco = self.zeropp.loco if self.zeropp is not None else None
+        if loco is None:
+            return
+        import os
+
+        from deepspeed_c.checkpoint import store
+
+        name = loco_file(self.rank, self.world_size)
+        if os.path.isfile(os.path.join(saved.tag_dir, name)):
+            state = store.load_file(saved.tag_dir, name, saved.manifest)
+            if state.get("world_size") == self.world_size:
+                loco.load_state_dict(state["loco"], self.store.compute_device)
+                return
+        if self.rank == 0:
+            from deepspeed_c.utils.logging import logger
+
+            logger.warning(f"zeropp_loco_param: the checkpoint in {saved.tag_dir} has no LoCo error buffers for "
+                           f"{self.world_size} ranks; they start from zero")
 
     @_states_resident
     @torch.no_grad()

@@ -29,6 +29,7 @@ from typing import Any, Optional
 import torch
 
 from deepspeed_c.ops.quantizer import GRAD_BLOCK, WEIGHT_BLOCK, dequantize, dequantize_sum, quantize
+from deepspeed_c.runtime.zero.loco import LocoErrorFeedback
 
 HPZ_KEY = "zero_optimization.zero_hpz_partition_size"
 
@@ -81,6 +82,12 @@ class ZeroPlusPlus:
     weight_block: int = WEIGHT_BLOCK
     grad_block: int = GRAD_BLOCK
     gathers: dict = field(default_factory=lambda: {"quantized": 0, "secondary": 0, "primary": 0})
+    loco: Any = None  # LoCo-Zero++ error feedback (loco.py), or None
+    _reduces: int = 0  # quantized reduce-scatters since the round began
+
+    def end_round(self) -> None:
+        """The backward's reductions are over: the next bucket reduced is the first of a new round."""
+        self._reduces = 0
 
     @classmethod
     def from_config(cls, zero_cfg: Any, *, rank: int, world_size: int, group: Any) -> Optional["ZeroPlusPlus"]:
@@ -94,6 +101,7 @@ class ZeroPlusPlus:
                   quantized_nontrainable_weights=bool(zero_cfg.zero_quantized_nontrainable_weights),
                   quantized_gradients=bool(zero_cfg.zero_quantized_gradients),
                   hpz_size=max(1, min(hpz, world_size)), rank=rank, world_size=world_size, group=group)
+        zpp.loco = LocoErrorFeedback.from_config(getattr(zero_cfg, "zeropp_loco_param", None), GRAD_BLOCK)
         if world_size > 1:
             zpp._make_groups()
         return zpp
@@ -140,12 +148,15 @@ class ZeroPlusPlus:
         """fp32 [len(buf) / W]: this rank's chunk of the sum of every rank's `buf`, through int4 all-to-alls."""
         W, L = self.world_size, self.local_size
         c = buf.numel() // W
+        key = (self._reduces, buf.numel())  # the bucket's place in this round: LoCo's error buffers follow it
+        self._reduces += 1
         if L >= W:  # one hop: segment d of buf goes to rank d
-            return _a2a_sum(buf, W, self.group, self.grad_block)
+            return _a2a_sum(buf, W, self.group, self.grad_block, self.loco, key + ("intra",))
         N = W // L  # nodes; rank = node * L + local index
         by_local = buf.view(N, L, c).transpose(0, 1).contiguous()  # [local peer][node][c]
-        partial = _a2a_sum(by_local.view(-1), L, self.local_group, self.grad_block)  # [node][c], node sums
-        return _a2a_sum(partial, N, self.cross_group, self.grad_block)
+        partial = _a2a_sum(by_local.view(-1), L, self.local_group, self.grad_block, self.loco,
+                           key + ("intra",))  # [node][c], node sums
+        return _a2a_sum(partial, N, self.cross_group, self.grad_block, self.loco, key + ("inter",))
 
 
 class QuantizedGather:
@@ -171,11 +182,12 @@ class QuantizedGather:
         dequantize(self.q, self.scales, self.full.numel(), 8, self.block, self.world, out=self.full)
 
 
-def _a2a_sum(x: torch.Tensor, peers: int, group: Any, block: int) -> torch.Tensor:
-    """x holds `peers` equal segments, segment p for peer p: each is sent as int4 codes, and the pieces
-    received from every peer are dequantized and summed (fp32)."""
+def _a2a_sum(x: torch.Tensor, peers: int, group: Any, block: int, loco: Any = None,
+             key: Any = None) -> torch.Tensor:
+    """x holds `peers` equal segments, segment p for peer p: each is sent as int4 codes (with LoCo's error
+    feedback when `loco`), and the pieces received from every peer are dequantized and summed (fp32)."""
     seg = x.numel() // peers
-    q, scales = quantize(x.contiguous(), 4, block, peers)
+    q, scales = quantize(x.contiguous(), 4, block, peers) if loco is None else loco.quantize(key, x, 4, peers)
     rq, rs = torch.empty_like(q), torch.empty_like(scales)
     dist = _comm()
     works = [dist.all_to_all_single(rq, q, group=group, async_op=True),
