@@ -26,8 +26,8 @@ def one_value_per_sample(parts: Sequence[MMapIndexedDataset]) -> bool:
     """True when every item of every part is one element stored back to back (what the C merge reads)."""
     for p in parts:
         n = len(p)
-        if n and (not bool(np.all(p.sizes == 1)) or int(p._pointers[-1]) != (n - 1) * p.dtype.itemsize
-                  or int(p._pointers[0]) != 0):
+        if n and (not bool(np.all(p.sizes == 1)) or int(p.pointers[-1]) != (n - 1) * p.dtype.itemsize
+                  or int(p.pointers[0]) != 0):
             return False
     return True
 

@@ -76,6 +76,11 @@ class MMapIndexedDataset:
         return self._sizes
 
     @property
+    def pointers(self) -> np.ndarray:
+        """Byte offset of each item in the .bin file."""
+        return self._pointers
+
+    @property
     def doc_idx(self) -> np.ndarray:
         return self._doc_idx
 

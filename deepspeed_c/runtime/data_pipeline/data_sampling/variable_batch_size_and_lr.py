@@ -200,6 +200,9 @@ class _ConstantLR:
     def get_lr(self) -> list:
         return list(self.base_lrs)
 
+    def get_last_lr(self) -> list:
+        return list(self._last_lr)
+
     def step(self, epoch: Optional[int] = None) -> None:
         self.last_epoch = self.last_epoch + 1 if epoch is None else epoch
         for g, lr in zip(self.optimizer.param_groups, self.base_lrs):
@@ -211,13 +214,6 @@ class _ConstantLR:
 
     def load_state_dict(self, state: dict) -> None:
         self.__dict__.update(state)
-
-
-def _last_lr(scheduler: Any) -> list:
-    last = getattr(scheduler, "_last_lr", None)
-    if last is None and hasattr(scheduler, "get_last_lr"):
-        last = scheduler.get_last_lr()
-    return list(last)
 
 
 class VariableBatchSizeLR(torch.optim.lr_scheduler.LRScheduler):
@@ -238,7 +234,7 @@ class VariableBatchSizeLR(torch.optim.lr_scheduler.LRScheduler):
         return self.base_lr_scheduler.optimizer
 
     def get_last_lr(self) -> list:
-        return _last_lr(self.base_lr_scheduler)
+        return list(self.base_lr_scheduler.get_last_lr())
 
     def get_lr(self) -> list:
         return [g["lr"] for g in self.optimizer.param_groups]
@@ -271,9 +267,10 @@ class VariableBatchSizeLR(torch.optim.lr_scheduler.LRScheduler):
 def lr_scheduler_for_variable_batch_size(base_batch_size: int, batch_sizes: Sequence[int], dataloader: Any,
                                          lr_scheduler_or_optimizer: Any, lr_scaling_method: str = "linear",
                                          verbose: bool = False) -> VariableBatchSizeLR:
-    """An LR scheduler (anything with .optimizer and .step) or an optimizer (anything with param_groups)."""
+    """An LR scheduler (anything with .optimizer, .step and .get_last_lr) or an optimizer (anything with
+    param_groups)."""
     target = lr_scheduler_or_optimizer
-    if hasattr(target, "optimizer") and hasattr(target, "step") and hasattr(target, "get_lr"):
+    if all(hasattr(target, a) for a in ("optimizer", "step", "get_lr", "get_last_lr")):
         scheduler = target
     elif hasattr(target, "param_groups"):
         scheduler = _ConstantLR(target)
@@ -338,7 +335,7 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
 
     from deepspeed_c.runtime.pipe.engine import PipelineEngine
 
-    de_config = engine._config.data_efficiency_config
+    de_config = engine.data_efficiency_config()
     sampling = de_config["data_sampling"]
     batching = sampling["dynamic_batching"]
     if not batching["enabled"]:
