@@ -55,6 +55,18 @@ def _write(prefix: str, dtype: Any, items: Sequence[np.ndarray], chunks: Optiona
     close_mmap_dataset_builder(builder, prefix)
 
 
+def _write_rows(prefix: str, dtype: Any, batches: Sequence[np.ndarray]) -> None:
+    """One item per row of each [rows, values] batch; rows of one value go in one write per batch."""
+    builder = create_mmap_dataset_builder(prefix, dtype)
+    for batch in batches:
+        if batch.shape[1] == 1:
+            builder.add_scalar_items_numpy(batch)
+        else:
+            for row in batch:
+                builder.add_item_numpy(row)
+    close_mmap_dataset_builder(builder, prefix)
+
+
 class DataAnalyzer:
     # "c": single-value metrics reduce through the C merge over the memory-mapped map files (index_merge.py);
     # "python": the one-process numpy sort. Both write the same bytes.
@@ -105,8 +117,8 @@ class DataAnalyzer:
         subset = Subset(self.dataset, list(range(start, end)))
         loader = DataLoader(subset, batch_sampler=BatchSampler(SequentialSampler(subset), self.batch_size, False),
                             num_workers=0, collate_fn=self.collate_fn)
-        values: list[list[np.ndarray]] = [[] for _ in self.metric_names]
-        ids: list[int] = []
+        values: list[list[np.ndarray]] = [[] for _ in self.metric_names]  # per batch: [rows, values per row]
+        ids: list[np.ndarray] = []
         sums: list[Optional[torch.Tensor]] = [None for _ in self.metric_names]
         done = 0
         for data in loader:
@@ -119,28 +131,29 @@ class DataAnalyzer:
                                     f"metric_dtype {dtype}")
                 out = torch.from_numpy(out) if isinstance(out, np.ndarray) else out
                 if kind == SINGLE:
-                    values[m].extend(out[r].reshape(-1).numpy() for r in range(out.shape[0]))
+                    values[m].append(out.reshape(out.shape[0], -1).numpy())
                     n = out.shape[0]
                 else:
                     sums[m] = out.clone() if sums[m] is None else sums[m].add_(out)
-            for r in range(n):
-                ids.append(self._sample_id(data, r, start + done + r))
-            done += len(data)
+            ids.append(self._sample_ids(data, n, start + done))
+            done += n if n else len(data)
         for m, (name, kind, dtype) in enumerate(zip(self.metric_names, self.metric_types, self.metric_dtypes)):
             out_dir = self._thread_dir(name, self.worker_id, thread_id)
             os.makedirs(out_dir, exist_ok=True)
             if kind == SINGLE:
-                _write(os.path.join(out_dir, f"{name}_sample_to_metric"), _np_dtype(dtype), values[m])
-                _write(os.path.join(out_dir, f"{name}_sample_ids"), np.int64, [np.asarray(ids, dtype=np.int64)])
+                _write_rows(os.path.join(out_dir, f"{name}_sample_to_metric"), _np_dtype(dtype), values[m])
+                all_ids = np.concatenate(ids).astype(np.int64) if ids else np.zeros(0, np.int64)
+                _write(os.path.join(out_dir, f"{name}_sample_ids"), np.int64, [all_ids])
             elif sums[m] is not None:
                 _write(os.path.join(out_dir, f"{name}_metric_value"), _np_dtype(dtype), [sums[m].reshape(-1).numpy()])
 
-    def _sample_id(self, data: Any, row: int, position: int) -> int:
+    def _sample_ids(self, data: Any, rows: int, position: int) -> np.ndarray:
+        """The ids of a batch's `rows` samples, the first at `position` in the dataset."""
         if isinstance(data, dict) and "index" in data:  # Megatron's datasets carry the id
-            return int(data["index"][row][0])
+            return np.asarray(data["index"]).reshape(rows, -1)[:, 0].astype(np.int64)
         if self.sample_indices is not None:
-            return int(self.sample_indices[position])
-        return position
+            return np.asarray(self.sample_indices[position:position + rows], dtype=np.int64)
+        return np.arange(position, position + rows, dtype=np.int64)
 
     def run_map(self) -> None:
         threads = self.specific_threads or list(range(self.num_threads))

@@ -119,6 +119,12 @@ class MMapIndexedDatasetBuilder:
     def add_item(self, tensor: Any) -> None:
         self.add_item_numpy(np.asarray(tensor.numpy() if hasattr(tensor, "numpy") else tensor))
 
+    def add_scalar_items_numpy(self, array: np.ndarray) -> None:
+        """Each element of `array` as an item of its own (one write for all of them)."""
+        array = np.ascontiguousarray(array, dtype=self._dtype).reshape(-1)
+        self._data_file.write(array.tobytes(order="C"))
+        self._sizes.extend([1] * array.size)
+
     def add_items(self, arrays: list) -> None:
         for a in arrays:
             self.add_item_numpy(a)
