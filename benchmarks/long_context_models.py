@@ -168,10 +168,9 @@ class FPDTBlock(nn.Module):
         # the weights become FPDT_Attention's parameters (ZeRO-3 gathers them around its forward)
         self.attn = FPDT_Attention(cfg, wqkv, None, wo, None, spg, chunk_size=a.chunk, enable_offloading=a.offload)
         self.mlp = SwiGLU(a.hidden, a.inter, a.tile)
-        self.rotary: Any = None
 
-    def forward(self, x: Tensor) -> Tensor:
-        h, _ = self.attn(self.norm1(x), None, None, self.rotary)
+    def forward(self, x: Tensor, rotary: tuple) -> Tensor:
+        h, _ = self.attn(self.norm1(x), None, None, rotary)
         x = x + h
         return x + self.mlp(self.norm2(x))
 
@@ -213,7 +212,6 @@ class FPDTLlama(nn.Module):
         rot = self.rotary(global_seq, tokens.device)
         x = self.embed(tokens).transpose(0, 1).contiguous()  # [s_local, b, h]
         for blk in self.layers:
-            blk.rotary = rot
-            x = CpuCheckpoint.apply(blk, x)
+            x = CpuCheckpoint.apply(lambda t, b=blk: b(t, rot), x)
         losses = self.head(x, labels)  # [S, b] in FPDT order
         return (losses.t() * loss_mask).sum() / loss_mask.sum()
