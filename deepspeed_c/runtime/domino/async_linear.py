@@ -58,23 +58,20 @@ class DominoAsyncColumnParallelLinearImpl(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None
 
 
-def _mark_split(param: Parameter, dim: int) -> None:
-    # Megatron's attributes, read by the engine's gradient norm (tp_norm) and ZeRO's
-    param.tensor_model_parallel = True
-    param.partition_dim = dim
-    param.partition_stride = 1
-
-
-def _make_params(module: torch.nn.Module, output_size: int, input_size: int, config: Any, init_method: Callable,
-                 bias: bool) -> None:
+def _new_params(output_size: int, input_size: int, config: Any, init_method: Callable, bias: bool,
+                split_bias: bool) -> tuple[Parameter, Optional[Parameter]]:
+    """The layer's weight (split over the TP ranks) and bias (split or replicated), tagged for the engine's
+    gradient norm and ZeRO (`ds_is_tensor_model_parallel`: a shard counts on every TP rank)."""
     device = get_accelerator().current_device_name()
-    module.weight = Parameter(torch.empty(output_size, input_size, device=device, dtype=config.params_dtype))
+    weight = Parameter(torch.empty(output_size, input_size, device=device, dtype=config.params_dtype))
     if config.perform_initialization:
-        init_method(module.weight)
-    if bias:
-        module.bias = Parameter(torch.zeros(output_size, device=device, dtype=config.params_dtype))
-    else:
-        module.register_parameter("bias", None)
+        init_method(weight)
+    weight.ds_is_tensor_model_parallel = True
+    if not bias:
+        return weight, None
+    bias_param = Parameter(torch.zeros(output_size, device=device, dtype=config.params_dtype))
+    bias_param.ds_is_tensor_model_parallel = split_bias
+    return weight, bias_param
 
 
 class DominoAsyncColumnParallelLinear(torch.nn.Module):
@@ -88,10 +85,8 @@ class DominoAsyncColumnParallelLinear(torch.nn.Module):
             TP_group = _tp_group
         self.tp_group = _tp_group
         self.skip_bias_add = skip_bias_add
-        _make_params(self, output_size, input_size, config, init_method, bias)
-        _mark_split(self.weight, 0)
-        if self.bias is not None:
-            _mark_split(self.bias, 0)
+        self.weight, bias_param = _new_params(output_size, input_size, config, init_method, bias, split_bias=True)
+        self.register_parameter("bias", bias_param)
 
     def forward(self, input_: torch.Tensor, handle_dic: dict, h_id: Any) -> tuple:
         bias = None if self.skip_bias_add else self.bias
@@ -106,8 +101,9 @@ class RowParallelLinearNoComm(torch.nn.Module):
                  stride: int = 1, skip_bias_add: bool = False) -> None:
         super().__init__()
         self.skip_bias_add = skip_bias_add
-        _make_params(self, output_size, input_size, config, init_method, bias)
-        _mark_split(self.weight, 1)  # the bias is replicated: added once, after the sum
+        # the bias is replicated: added once, after the sum
+        self.weight, bias_param = _new_params(output_size, input_size, config, init_method, bias, split_bias=False)
+        self.register_parameter("bias", bias_param)
 
     def forward(self, input_: torch.Tensor) -> tuple:
         bias = None if self.skip_bias_add else self.bias
