@@ -1,10 +1,13 @@
 """Where Domino waits for the all-reduce a backward launched: the pending handles of each half.
 
 The asynchronous linear's backward starts the all-reduce of its input gradient and files the handle
-under its half's key; `_Wait_bwd_comm` sits on the linear's input in the forward, so its backward (the
-first op that needs the reduced gradient) waits for the handles filed under that key. Autograd runs
-the nodes of the later-created half first, so the other half's backward computes while this waits.
-A key holds a list: a handle filed is always waited, even if two were filed before one wait."""
+under its half's key, then computes its weight (and bias) gradient while the all-reduce runs;
+`_Wait_bwd_comm` sits on the linear's input in the forward, so its backward (the first op that reads
+the reduced gradient) waits for the handles filed under that key. Autograd runs that wait node next
+(it was created right before the linear, so it is the newest ready node), so in the backward the
+all-reduce hides behind the weight-gradient GEMM, as in DeepSpeed's Domino; the other half's compute
+overlaps the forward's all-reduces (transformer.py). A key holds a list: every filed handle is waited,
+even if two were filed before one wait."""
 from __future__ import annotations
 
 from typing import Any, Optional
