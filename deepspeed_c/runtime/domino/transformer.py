@@ -7,7 +7,7 @@ Half 1's computation runs while half 0's sum is in flight, and half 0's next com
 1's is. DominoTransformerLayer keeps that overlap inside a layer (DeepSpeed's intra-layer overlap);
 DominoTransformer's default schedule carries it across layer boundaries (inter-layer overlap). In the
 backward, the asynchronous linears overlap their input-gradient all-reduce with the weight-gradient GEMM
-and with the other half (async_linear.py, handles.py). Both schedules compute exactly the unsplit layers.
+(async_linear.py, handles.py). Both schedules compute exactly the unsplit layers.
 Activations are [sequence, batch, hidden]; pre-LayerNorm (post with apply_residual_connection_post_layernorm)."""
 from __future__ import annotations
 
