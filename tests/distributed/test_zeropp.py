@@ -220,17 +220,24 @@ def _two_body(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
     res["lora_quantized"] = (before, engine.optimizer.zeropp.gathers["quantized"])
     engine.destroy()
     # checkpoint with ZeRO++ on: 3 steps, save, 3 more; a new engine loads and runs the same 3
-    data = _data(world, 6)
-    engine = _engine(world, qq)
-    _steps(engine, data[:3], rank)
-    engine.save_checkpoint(ckpt_dir, tag="zpp")
-    res["uninterrupted"] = _steps(engine, data[3:], rank)
-    engine.destroy()
-    engine = _engine(world, qq)
-    engine.load_checkpoint(ckpt_dir, tag="zpp")
-    res["resumed"] = _steps(engine, data[3:], rank)
-    engine.destroy()
+    res["uninterrupted"], res["resumed"] = resume_run(world, qq, rank, ckpt_dir, before=3, after=3)
     return res
+
+
+def resume_run(world: int, zero: dict, rank: int, ckpt_dir: str, before: int, after: int) -> tuple[list, list]:
+    """(losses of `after` steps run on after a save at step `before`, the same steps of a new engine that
+    loaded the save)."""
+    data = _data(world, before + after)
+    engine = _engine(world, zero)
+    _steps(engine, data[:before], rank)
+    engine.save_checkpoint(ckpt_dir, tag="zpp")
+    straight = _steps(engine, data[before:], rank)
+    engine.destroy()
+    engine = _engine(world, zero)
+    engine.load_checkpoint(ckpt_dir, tag="zpp")
+    resumed = _steps(engine, data[before:], rank)
+    engine.destroy()
+    return straight, resumed
 
 
 def test_zeropp_two_ranks_quantized_bytes_frozen_and_checkpoint(tmp_path) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tests.distributed.test_zeropp import _close, _converged, _data, _engine, _run, _steps
+from tests.distributed.test_zeropp import _close, _converged, _run, resume_run
 from tests.harness import rank_device, run_distributed
 
 
@@ -60,16 +60,7 @@ def body(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     out["train_plain"] = _run(world, {}, rank, steps=12)
     out["train_loco"] = _run(world, loco_cfg, rank, steps=12)
     # the error buffers are per-rank checkpoint state: a resumed run continues exactly
-    data = _data(world, 7)
-    engine = _engine(world, loco_cfg)
-    _steps(engine, data[:4], rank)
-    engine.save_checkpoint(ckpt, tag="t")
-    out["straight"] = _steps(engine, data[4:], rank)
-    engine.destroy()
-    fresh = _engine(world, loco_cfg)
-    fresh.load_checkpoint(ckpt, tag="t")
-    out["resumed"] = _steps(fresh, data[4:], rank)
-    fresh.destroy()
+    out["straight"], out["resumed"] = resume_run(world, loco_cfg, rank, ckpt, before=4, after=3)
     return out
 
 
