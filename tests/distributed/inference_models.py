@@ -110,3 +110,26 @@ class Block(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(x)
         return x + self.mlp(x)
+
+
+class MoENet(torch.nn.Module):
+    """Embedding -> one deepspeed.moe.layer.MoE (all experts local, no token dropping) -> head; the experts'
+    weights spread so that each differs from the others."""
+
+    def __init__(self, experts: int, residual: bool = False, seed: int = 1) -> None:
+        from deepspeed_c.moe.layer import MoE
+
+        super().__init__()
+        torch.manual_seed(seed)
+        expert = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.GELU(), torch.nn.Linear(24, 16))
+        self.emb = torch.nn.Embedding(23, 16)
+        self.moe = MoE(16, expert, num_experts=experts, k=1, use_residual=residual, drop_tokens=False, use_rts=False)
+        self.head = torch.nn.Linear(16, 23)
+        with torch.no_grad():
+            for p in self.moe.parameters():
+                p.add_(torch.randn(p.shape) * 0.3)
+        self.eval()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        return self.head(x + self.moe(x)[0])

@@ -13,6 +13,8 @@ One 4-rank gloo run, fp32, tensor_parallel.tp_size 1, 2 and 4 (TP 2: groups {0,1
   {Block: ('attn.out_proj', 'mlp.down_proj')} shards a plain-PyTorch model no AutoTP rule knows (TP 4);
 - a LLaMA and a GPT-2 saved in 2 files (torch.save and safetensors), described by a DeepSpeed checkpoint JSON, built on the meta device and
   loaded file by file at TP 1, 2 and 4 give the unsharded model's logits;
+- MoE inference at ep_size 4 (deepspeed.moe layers, each rank its own tokens): 4 experts one a rank, and 2
+  experts each sliced over 2 ranks, equal the one-process layer;
 - bad input: tp_size not dividing the world or the heads, unsupported dtype, prompts past max_out_tokens."""
 from __future__ import annotations
 
@@ -147,6 +149,13 @@ def body(rank: int, world: int, folder: str) -> dict:
             ref = _save_two_files(kind, folder, rank)(input_ids=ids).logits
             for tp in (1, 2, 4):
                 out["checkpoint"][f"{kind}/tp{tp}"] = _checkpoint(kind, tp, folder, ids, ref)
+    out["moe_ep4"] = {}  # MoE inference at ep_size 4: one expert a rank (all-to-all), 2 experts sliced over 2 ranks
+    tokens = torch.randint(0, 23, (2, 5), generator=torch.Generator().manual_seed(40 + rank))
+    for experts in (4, 2):
+        net = im.MoENet(experts)
+        with torch.no_grad():
+            engine = deepspeed_c.init_inference(copy.deepcopy(net), dtype="fp32", moe={"ep_size": 4})
+            out["moe_ep4"][experts] = _rel(engine(tokens), net(tokens))
     gpt2 = im.make("gpt2")
     out["errors"] = {
         "world": _error(lambda: deepspeed_c.init_inference(gpt2, dtype="fp32", tensor_parallel={"tp_size": 3})),
@@ -182,6 +191,7 @@ def test_init_inference_autotp_matches_unsharded(tmp_path):
         assert len(ckpt) == 6 and max(rel for rel, _ in ckpt.values()) < 1e-5, ckpt
         for kind in ("llama", "gpt2"):  # a rank holds its shards, not the whole model (norms stay replicated)
             assert ckpt[f"{kind}/tp1"][1] == 1.0 and ckpt[f"{kind}/tp4"][1] < 0.5, ckpt
+        assert len(res["moe_ep4"]) == 2 and max(res["moe_ep4"].values()) < 1e-5, res["moe_ep4"]
         errs = res["errors"]
         assert "tp_size=3" in errs["world"] and "world size 4" in errs["world"], errs["world"]
         assert "tp_size=4" in errs["heads"] and "=2" in errs["heads"], errs["heads"]
