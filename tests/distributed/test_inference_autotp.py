@@ -13,6 +13,7 @@ One 4-rank gloo run, fp32, tensor_parallel.tp_size 1, 2 and 4 (TP 2: groups {0,1
   {Block: ('attn.out_proj', 'mlp.down_proj')} shards a plain-PyTorch model no AutoTP rule knows (TP 4);
 - a LLaMA and a GPT-2 saved in 2 files (torch.save and safetensors), described by a DeepSpeed checkpoint JSON, built on the meta device and
   loaded file by file at TP 1, 2 and 4 give the unsharded model's logits;
+- kernel injection at tp_size 4 (GPT-2, LLaMA: one head a rank): greedy tokens equal HF eager's;
 - MoE inference at ep_size 4 (deepspeed.moe layers, each rank its own tokens): 4 experts one a rank, and 2
   experts each sliced over 2 ranks, equal the one-process layer;
 - bad input: tp_size not dividing the world or the heads, unsupported dtype, prompts past max_out_tokens."""
@@ -149,6 +150,14 @@ def body(rank: int, world: int, folder: str) -> dict:
             ref = _save_two_files(kind, folder, rank)(input_ids=ids).logits
             for tp in (1, 2, 4):
                 out["checkpoint"][f"{kind}/tp{tp}"] = _checkpoint(kind, tp, folder, ids, ref)
+    out["inject_tp4"] = {}  # kernel injection at tp_size 4: one head (and kv head) a rank
+    for kind in ("gpt2", "llama"):
+        model = im.make(kind, kv_heads=4)
+        engine = deepspeed_c.init_inference(copy.deepcopy(model), dtype="fp32", tensor_parallel={"tp_size": 4},
+                                            replace_with_kernel_inject=True, max_out_tokens=32)
+        ref = model.generate(input_ids=ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+        got = engine.generate(input_ids=ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+        out["inject_tp4"][kind] = (bool(torch.equal(got, ref)), engine.module.base_model.layers[0].spec.n_heads)
     out["moe_ep4"] = {}  # MoE inference at ep_size 4: one expert a rank (all-to-all), 2 experts sliced over 2 ranks
     tokens = torch.randint(0, 23, (2, 5), generator=torch.Generator().manual_seed(40 + rank))
     for experts in (4, 2):
@@ -191,6 +200,7 @@ def test_init_inference_autotp_matches_unsharded(tmp_path):
         assert len(ckpt) == 6 and max(rel for rel, _ in ckpt.values()) < 1e-5, ckpt
         for kind in ("llama", "gpt2"):  # a rank holds its shards, not the whole model (norms stay replicated)
             assert ckpt[f"{kind}/tp1"][1] == 1.0 and ckpt[f"{kind}/tp4"][1] < 0.5, ckpt
+        assert res["inject_tp4"] == {"gpt2": (True, 1), "llama": (True, 1)}, res["inject_tp4"]
         assert len(res["moe_ep4"]) == 2 and max(res["moe_ep4"].values()) < 1e-5, res["moe_ep4"]
         errs = res["errors"]
         assert "tp_size=3" in errs["world"] and "world size 4" in errs["world"], errs["world"]
