@@ -234,9 +234,12 @@ class InferenceEngine(nn.Module):
     def _sync_rng(self) -> None:
         """Every rank of a TP group samples the same tokens: the group's first rank's RNG state is broadcast."""
         src = dist.get_global_rank(self.mp_group, 0)
+        # NCCL moves device tensors only: there the host generator's state travels through the accelerator
+        nccl = str(torch.distributed.get_backend(self.mp_group)).lower() == "nccl"
         state = torch.get_rng_state()
+        state = state.to(torch.device("cuda", torch.cuda.current_device())) if nccl else state
         dist.broadcast(state, src, group=self.mp_group)
-        torch.set_rng_state(state)
+        torch.set_rng_state(state.cpu())
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             cuda_state = torch.cuda.get_rng_state().to(torch.cuda.current_device())
             dist.broadcast(cuda_state, src, group=self.mp_group)
