@@ -13,13 +13,13 @@ if [ -d /tmp/ds_real/deepspeed ]; then DSREADY=1; else
   (bash -c 'source scripts/device_deepspeed.sh' >/tmp/ds39_install.log 2>&1) & DSPID=$!; DSREADY=0; fi
 F="INFO|Warning|warn\(|UserWarning|^\s*$"
 S=$(date +%s)
-timeout 45 python3 -c "from deepspeed_c.ops.op_builder import InferenceBuilder as B; B().load()" 2>&1 | tail -3
+timeout 40 python3 -c "from deepspeed_c.ops.op_builder import InferenceBuilder as B; B().load()" 2>&1 | tail -3
 echo "op build: $(( $(date +%s) - S )) s"
-timeout 22 python3 benchmarks/inference_rest.py quant --hidden 4096 --layers 8 --new 32 --reps 3 2>&1 | grep -vE "$F"
+timeout 20 python3 benchmarks/inference_rest.py quant --hidden 4096 --layers 8 --new 32 --reps 3 2>&1 | grep -vE "$F"
 timeout 12 python3 benchmarks/inference_rest.py bert --bert-layers 24 --batch 8 --seq 128 --reps 5 2>&1 | grep -vE "$F"
 [ "$DSREADY" = 0 ] && { wait $DSPID || tail -5 /tmp/ds39_install.log; }
 case "${TORCH_CUDA_ARCH_LIST:-}" in *a*) export TORCH_CUDA_ARCH_LIST=9.0 ;; esac
-PYTHONPATH=/tmp/ds_real${PYTHONPATH:+:$PYTHONPATH} timeout 25 python3 benchmarks/inference_rest.py zero \
+PYTHONPATH=/tmp/ds_real${PYTHONPATH:+:$PYTHONPATH} timeout 28 python3 benchmarks/inference_rest.py zero \
   --zero-hidden 2048 --zero-layers 8 --new 8 --reps 2 2>&1 | grep -vE "$F|^\[|ds_accelerator|Stage 3|DeepSpeed"
 timeout 18 python3 benchmarks/inference_rest.py tp --hidden 4096 --layers 4 --new 32 --reps 3 2>&1 | grep -vE "$F"
 echo "total: $(( $(date +%s) - S )) s"
