@@ -10,6 +10,7 @@ of gradient accumulation a step (ZeRO 0 and 2)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from tests.distributed import megatron_models as mm
@@ -83,12 +84,23 @@ def _check(results: list, keys: tuple) -> None:
             assert got["loss_err"] < 1e-5, (s, got)
 
 
-def test_tp2_dp2_zero_0_1_equal_unsplit_training():
-    _check(run_distributed(body, 4, args=((0, 1),), timeout=400), (0, 1))
+def _all_body(rank: int, world: int) -> dict:
+    return {"stages": body(rank, world, (0, 1, 2, 3)), "gas": gas_body(rank, world, (0, 2))}
 
 
-def test_tp2_dp2_zero_2_3_and_offload_equal_unsplit_training():
-    _check(run_distributed(body, 4, args=((2, 3),), timeout=400), (2, 3, "offload"))
+@pytest.fixture(scope="module")
+def runs() -> list:
+    """Every case of this module in one 4-rank launch (a 4-rank start on 2 cores costs more than a case):
+    the same engines, steps and references as one launch per test."""
+    return run_distributed(_all_body, 4, timeout=900)
+
+
+def test_tp2_dp2_zero_0_1_equal_unsplit_training(runs):
+    _check([r["stages"] for r in runs], (0, 1))
+
+
+def test_tp2_dp2_zero_2_3_and_offload_equal_unsplit_training(runs):
+    _check([r["stages"] for r in runs], (2, 3, "offload"))
 
 
 def gas_body(rank: int, world: int, stages: tuple) -> dict:
@@ -115,8 +127,8 @@ def gas_body(rank: int, world: int, stages: tuple) -> dict:
     return out
 
 
-def test_tp2_dp2_gradient_accumulation_equals_unsplit_training():
-    for r in run_distributed(gas_body, 4, args=((0, 2),), timeout=400):
+def test_tp2_dp2_gradient_accumulation_equals_unsplit_training(runs):
+    for r in (rank["gas"] for rank in runs):
         for stage in (0, 2):
             got = r[stage]
             assert got["steps"] == STEPS and got["norm_rel"] < 1e-5 and got["weight_rel"] < 1e-5, (stage, got)
