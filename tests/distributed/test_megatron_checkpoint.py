@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pytest
 
 from tests.distributed import megatron_models as mm
 from tests.distributed.test_megatron_mpu import MICRO, config, train
@@ -62,9 +63,16 @@ def _check(results: list, stages: tuple) -> None:
                 assert got["path"] == f"mp_rank_{rank % 2:02d}_model_states.pt", got
 
 
-def test_tp2_dp2_resume_zero_0_1(tmp_path):
-    _check(run_distributed(body, 4, args=((0, 1), str(tmp_path)), timeout=400), (0, 1))
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory) -> list:
+    """All four stages in one 4-rank launch (each stage saves under its own folder): the same runs as
+    one launch per test, one 4-rank start on 2 cores instead of two."""
+    return run_distributed(body, 4, args=((0, 1, 2, 3), str(tmp_path_factory.mktemp("mp_ckpt"))), timeout=600)
 
 
-def test_tp2_dp2_resume_zero_2_3(tmp_path):
-    _check(run_distributed(body, 4, args=((2, 3), str(tmp_path)), timeout=400), (2, 3))
+def test_tp2_dp2_resume_zero_0_1(resumed):
+    _check(resumed, (0, 1))
+
+
+def test_tp2_dp2_resume_zero_2_3(resumed):
+    _check(resumed, (2, 3))
