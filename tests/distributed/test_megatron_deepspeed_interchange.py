@@ -49,10 +49,21 @@ def load_deepspeed_written(rank: int, world: int) -> dict:
     return {"loaded": loaded, "losses": losses, "steps": engine.global_steps}
 
 
-def test_deepspeed_written_tp_checkpoint_loads_and_continues():
+def _load_both(rank: int, world: int) -> dict:
+    return {"tp": load_deepspeed_written(rank, world), "3d": load_deepspeed_written_3d(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def loaded_here() -> list:
+    """Both DeepSpeed-written fixtures (TP2xDP2, PP2xTP2) loaded in one 4-rank launch: the same loads and
+    steps as a launch per test, one 4-rank start on 2 cores instead of two."""
+    return run_distributed(_load_both, 4, timeout=600)
+
+
+def test_deepspeed_written_tp_checkpoint_loads_and_continues(loaded_here):
     expected = torch.load(os.path.join(FIXTURES, fx.CASE, "expected.pt"), weights_only=True)
     want = {k: v.numpy() for k, v in expected["loaded_weights"].items()}
-    for r in run_distributed(load_deepspeed_written, 4, timeout=300):
+    for r in (rank["tp"] for rank in loaded_here):
         errs = mm.rel_errors(r["loaded"], want)
         assert max(errs.values()) < 1e-6, errs
         assert r["steps"] == fx.STEPS_BEFORE_SAVE + fx.STEPS_AFTER_RESUME
@@ -120,10 +131,10 @@ def load_deepspeed_written_3d(rank: int, world: int) -> dict:
     return {"loaded": loaded, "losses": losses, "path": os.path.basename(path)}
 
 
-def test_deepspeed_written_3d_checkpoint_loads_and_continues():
+def test_deepspeed_written_3d_checkpoint_loads_and_continues(loaded_here):
     expected = torch.load(os.path.join(FIXTURES, fx.CASE_3D, "expected.pt"), weights_only=True)
     want = {k: v.numpy() for k, v in expected["loaded_weights"].items()}
-    for rank, r in enumerate(run_distributed(load_deepspeed_written_3d, 4, timeout=300)):
+    for rank, r in enumerate(rank_out["3d"] for rank_out in loaded_here):
         assert r["path"] == f"mp_rank_{rank:02d}_model_states.pt", r["path"]
         assert sorted(r["loaded"]) == sorted(want)
         errs = mm.rel_errors(r["loaded"], want)
