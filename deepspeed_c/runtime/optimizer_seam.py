@@ -35,6 +35,17 @@ class SavedCheckpoint:
     model_rank: Optional[int] = None  # whose per-rank model-states file model_state is (stage 3)
     mp_rank: int = 0  # a pipeline checkpoint: the stage whose ZeRO files (..._mp_rank_{stage:02d}_...) to read
 
+    def read_rank_file(self, name: str) -> Optional[dict]:
+        """A rank's own file `name` of the tag directory (rank_checkpoint_file's), verified against the
+        manifest; None when the checkpoint has none of that name."""
+        import os
+
+        from deepspeed_c.checkpoint import store
+
+        if not os.path.isfile(os.path.join(self.tag_dir, name)):
+            return None
+        return store.load_file(self.tag_dir, name, self.manifest)
+
 
 @dataclass
 class PartitionExport:

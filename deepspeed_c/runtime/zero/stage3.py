@@ -224,16 +224,10 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (Deep
         loco = self.zeropp.loco if self.zeropp is not None else None
         if loco is None:
             return
-        import os
-
-        from deepspeed_c.checkpoint import store
-
-        name = loco_file(self.rank, self.world_size)
-        if os.path.isfile(os.path.join(saved.tag_dir, name)):
-            state = store.load_file(saved.tag_dir, name, saved.manifest)
-            if state.get("world_size") == self.world_size:
-                loco.load_state_dict(state["loco"], self.store.compute_device)
-                return
+        state = saved.read_rank_file(loco_file(self.rank, self.world_size))
+        if state is not None and state.get("world_size") == self.world_size:
+            loco.load_state_dict(state["loco"], self.store.compute_device)
+            return
         if self.rank == 0:
             from deepspeed_c.utils.logging import logger
 
