@@ -146,6 +146,8 @@ def test_csv_resumed_run_appends_without_second_header(tmp_path):
 
 def test_only_rank_zero_writes(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "1")
+    # a process group another test of this worker left initialised (world of one) would say rank 0
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     cfg = get_monitor_config({"csv_monitor": {"enabled": True, "output_path": str(tmp_path), "job_name": "j"},
                               "tensorboard": {"enabled": True, "output_path": str(tmp_path), "job_name": "t"}})
     monitor = MonitorMaster(cfg)
