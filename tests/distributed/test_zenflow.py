@@ -38,7 +38,8 @@ def _pair_body(rank: int, world: int, cases: list) -> dict:
     return out
 
 
-EXTRAS = {"gas2": {"gradient_accumulation_steps": 2}, "fp16-overflow": {"fp16": {"enabled": True, "initial_scale_power": 20}}}
+EXTRAS = {"gas2": {"gradient_accumulation_steps": 2},
+          "fp16-overflow": {"fp16": {"enabled": True, "initial_scale_power": 20}}}
 
 
 @pytest.fixture(scope="module")
