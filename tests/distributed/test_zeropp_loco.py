@@ -1,4 +1,4 @@
-"""LoCo-Zero++ (runtime/zero/loco.py: `zeropp_loco_param`) on 2 gloo ranks.
+"""LoCo-Zero++ (runtime/zero/loco.py: `zeropp_loco_param`) on 2 gloo ranks, and on 4 with qgZ's two hops.
 
 - The error feedback does what it is for: one bucket reduced through qgZ 24 times with the same gradients,
   the mean of LoCo's int4 results is at least 4x closer to the exact sum than plain qgZ's (plain int4
@@ -13,6 +13,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 from tests.distributed.test_zeropp import _close, _converged, _run, resume_run
@@ -31,11 +32,16 @@ def _zpp(loco: Any) -> Any:
 
 
 def body(rank: int, world: int, ckpt: str) -> dict[str, Any]:
+    import os
+
+    if world == 4:
+        os.environ["LOCAL_WORLD_SIZE"] = "2"  # qgZ's two hops (2 "nodes" of 2): LoCo's intra and inter errors
     g = torch.Generator().manual_seed(5 + rank)
     buf = (torch.randn(4096, generator=g) * torch.rand(4096, generator=g) ** 3).to(rank_device())
     exact = buf.clone()
     torch.distributed.all_reduce(exact)
-    mine = exact[rank * 2048:(rank + 1) * 2048]
+    chunk = 4096 // world
+    mine = exact[rank * chunk:(rank + 1) * chunk]
     out: dict[str, Any] = {}
     for name, loco in (("plain", None), ("loco", {"err_beta": 0.0, "reset_T": 1000}),
                        ("loco_beta", {"err_beta": 0.5, "reset_T": 1000})):
@@ -64,8 +70,9 @@ def body(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     return out
 
 
-def test_loco_error_feedback_training_and_resume(tmp_path: Any) -> None:
-    for r in run_distributed(body, 2, args=(str(tmp_path / "ckpt"),), timeout=300):
+@pytest.mark.parametrize("world", [2, 4])
+def test_loco_error_feedback_training_and_resume(tmp_path: Any, world: int) -> None:
+    for r in run_distributed(body, world, args=(str(tmp_path / "ckpt"),), timeout=300):
         assert r["loco"] * 4 <= r["plain"], (r["loco"], r["plain"])
         assert r["loco_beta"] < r["plain"], (r["loco_beta"], r["plain"])
         assert r["resumed_equal"]
