@@ -1,14 +1,15 @@
 """partition_activations with a model-parallel mpu (runtime/activation_checkpointing/partition.py), 2 gloo
-ranks forming one model-parallel group: two checkpointed segments with dropout, an input whose size does not
+and 4 gloo ranks, each world one model-parallel group: two checkpointed segments with dropout, an input whose size does not
 divide by 2, a non-float tensor and a non-tensor argument. With partitioning (alone, with cpu_checkpointing,
 with contiguous_memory_optimization) outputs and gradients equal the unpartitioned run bit for bit, and each
-rank saves about half the activation elements (counted through saved-tensor hooks). More segments waiting for
+rank saves 1/world of the activation elements (counted through saved-tensor hooks). More segments waiting for
 backward than number_checkpoints is refused naming the key."""
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
+import pytest
 
 from tests.harness import run_distributed
 
@@ -17,7 +18,8 @@ class _MPU:
     def __init__(self) -> None:
         import torch.distributed as dist
 
-        self.group = dist.new_group([0, 1])
+        self.size = dist.get_world_size()
+        self.group = dist.new_group(list(range(self.size)))
 
     def get_model_parallel_group(self) -> Any:
         return self.group
@@ -28,7 +30,7 @@ class _MPU:
         return dist.get_rank()
 
     def get_model_parallel_world_size(self) -> int:
-        return 2
+        return self.size
 
 
 def _segment(x: Any, w: Any, ids: Any, scale: float) -> Any:
@@ -90,13 +92,15 @@ def body(rank: int, world: int) -> dict[str, Any]:
     return {mode: _run(mode) for mode in ("none", "partition", "cpu", "contiguous")}
 
 
-def test_partitioned_checkpoints_equal_and_halve_saved_activations() -> None:
-    for res in run_distributed(body, 2, timeout=180):
+@pytest.mark.parametrize("world", [2, 4])
+def test_partitioned_checkpoints_equal_and_split_saved_activations(world: int) -> None:
+    for res in run_distributed(body, world, timeout=180):
         base = res["none"]
         for mode in ("partition", "cpu", "contiguous"):
             got = res[mode]
             for key in ("y0", "gx0", "y1", "gx1", "gw1", "gw2"):
                 np.testing.assert_array_equal(got[key], base[key], err_msg=f"{mode} {key}")
-            # x (35 elements) and h (35) are saved as 18-element slices: about half
-            assert got["saved0"] <= base["saved0"] // 2 + 2, (mode, got["saved0"], base["saved0"])
+            # x, h (35 elements) and w1, w2 (49) are saved as slices of ceil(n / world): 1/world of them
+            want = 2 * (-(-35 // world)) + 2 * (-(-49 // world))
+            assert got["saved0"] == want and base["saved0"] == 2 * 35 + 2 * 49, (mode, got["saved0"], want)
         assert "number_checkpoints" in res["contiguous"]["overflow"]
