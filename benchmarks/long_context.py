@@ -11,7 +11,8 @@ TiledMLP, TiledFusedLogitsLoss; Ulysses SP over the ranks when launched on sever
 The search doubles the sequence from --start-seq until a step fails with out-of-memory, --max-seq is
 passed, or the next step would not fit in --time-limit seconds (estimated from the last step, x3); it
 reports per length: the forward+backward and optimizer-step times, tokens/s of the whole step, MFU
-(model FLOPs of the step, no recompute, over the ranks' --peak-tflops) and the peak device memory.
+(model FLOPs of the step, no recompute, over the ranks' --peak-tflops; "MFU f+b" over the forward+backward
+time alone, the host optimizer step excluded) and the peak device memory.
 Each implementation in --impls (dsc: deepspeed_c, ds: the real DeepSpeed 0.19.8 importable as
 `deepspeed`) runs the same search in this process, dsc first; a first step's loss at --start-seq is
 compared between them (same model and data) before any timing is reported. The 8B shape is the default
@@ -147,15 +148,15 @@ def search(a: argparse.Namespace, name: str, step: Callable[[int], dict]) -> lis
     return rows
 
 
-def timed_step(a: argparse.Namespace, world: int, seq: int, loss_fn: Callable[[], torch.Tensor],
+def timed_step(a: argparse.Namespace, world: int, seq: int, fwd_bwd: Callable[[], torch.Tensor],
                engine: Any, partial_loss: bool = False) -> dict:
-    """One training step, timed; partial_loss: each rank's loss is its share (ALST), summed for the report."""
+    """One training step, timed: fwd_bwd() runs forward and engine.backward and returns the loss; partial_loss:
+    each rank's loss is its share (ALST), summed for the report."""
     if a.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     sync(a)
     t = time.perf_counter()
-    loss = loss_fn()
-    engine.backward(loss)
+    loss = fwd_bwd()
     sync(a)
     t_fb = time.perf_counter()
     engine.step()
@@ -167,8 +168,9 @@ def timed_step(a: argparse.Namespace, world: int, seq: int, loss_fn: Callable[[]
         torch.distributed.all_reduce(shown)
     flops = lcm.flops_per_token(a, seq) * seq
     peak = torch.cuda.max_memory_allocated() / 2 ** 30 if a.device.type == "cuda" else 0.0
+    peak_flops = a.peak_tflops * 1e12 * world
     return {"seq": seq, "fb_s": t_fb - t, "step_s": t_step - t_fb, "tok_s": seq / total, "loss": float(shown),
-            "mfu": flops / total / (a.peak_tflops * 1e12 * world), "peak_gb": peak}
+            "mfu": flops / total / peak_flops, "mfu_fb": flops / (t_fb - t) / peak_flops, "peak_gb": peak}
 
 
 def run_alst(a: argparse.Namespace, ds: Any, name: str, rank: int, world: int) -> list:
@@ -186,7 +188,7 @@ def run_alst(a: argparse.Namespace, ds: Any, name: str, rank: int, world: int) -
         ids, pos, labels = batch(a, seq)
         part = slice(rank * seq // world, (rank + 1) * seq // world)  # the adapter's contiguous slice
         ids, pos, labels = (t[:, part].to(a.device) for t in (ids, pos, labels))
-        return timed_step(a, world, seq, lambda: lcm.alst_loss(ds, engine, ids, pos, labels, a.tile, sp_group),
+        return timed_step(a, world, seq, lambda: lcm.alst_fwd_bwd(ds, engine, ids, pos, labels, a.tile, sp_group),
                           engine, partial_loss=True)
 
     try:
@@ -219,7 +221,12 @@ def run_fpdt(a: argparse.Namespace, ds: Any, rank: int, world: int) -> list:
         mask = (labels != -100).float()
         ids, labels, mask = (t.to(a.device) for t in (ids, labels.clamp(min=0), mask))
         tok, lab, lmask, _, _ = FPDT_InputConstruct(ids, labels, mask, None, None, args, world, rank).generate()
-        return timed_step(a, world, seq, lambda: engine(tok, lab, lmask, seq), engine)
+        def fwd_bwd() -> torch.Tensor:
+            loss = engine(tok, lab, lmask, seq)
+            engine.backward(loss)
+            return loss
+
+        return timed_step(a, world, seq, fwd_bwd, engine)
 
     try:
         return search(a, "dsc-fpdt", step)
@@ -235,13 +242,14 @@ def header(a: argparse.Namespace, world: int) -> None:
 
 def rows_table(name: str, rows: list) -> None:
     """One implementation's rows, printed as soon as its search ends (a cut-off run keeps what it has)."""
-    say(f"{'impl':10s} {'seq':>9s} {'fwd+bwd s':>10s} {'step s':>8s} {'tokens/s':>10s} {'MFU':>6s} {'peak GB':>8s}")
+    say(f"{'impl':10s} {'seq':>9s} {'fwd+bwd s':>10s} {'step s':>8s} {'tokens/s':>10s} {'MFU':>6s} "
+        f"{'MFU f+b':>8s} {'peak GB':>8s}")
     for r in rows:
         if "note" in r:
             say(f"{name:10s} {r['seq']:9d}  {r['note']}")
         else:
             say(f"{name:10s} {r['seq']:9d} {r['fb_s']:10.2f} {r['step_s']:8.2f} {r['tok_s']:10.0f} "
-                f"{100 * r['mfu']:5.1f}% {r['peak_gb']:8.1f}")
+                f"{100 * r['mfu']:5.1f}% {100 * r['mfu_fb']:7.1f}% {r['peak_gb']:8.1f}")
 
 
 def summary(a: argparse.Namespace, results: dict) -> None:

@@ -74,24 +74,28 @@ def tile_mlps(ds: Any, model: nn.Module, tile_tokens: int) -> None:
             m.forward = types.MethodType(tiled, m)
 
 
-def alst_loss(ds: Any, engine: Any, ids: Tensor, pos: Tensor, labels: Tensor, tile_tokens: int,
-              sp_group: Any) -> Tensor:
-    """Mean next-token loss of the whole sequence: hidden states with checkpoint offload, tiled LM head."""
+def alst_fwd_bwd(ds: Any, engine: Any, ids: Tensor, pos: Tensor, labels: Tensor, tile_tokens: int,
+                 sp_group: Any) -> Tensor:
+    """Forward and backward of the mean next-token loss: hidden states with checkpoint offload, tiled LM head.
+    The backward runs inside the offload context: DeepSpeed 0.19.8 drops the offloaded checkpoints when the
+    context exits (deepspeed_c keeps them until backward, so either order works there)."""
     usp = submodule(ds, "runtime.sequence_parallel.ulysses_sp")
     offload = submodule(ds, "runtime.activation_checkpointing.offload_activations")
     with offload.get_checkpoint_hidden_states_offloading_ctx_manager():
         hidden = engine.module.model(input_ids=ids, position_ids=pos).last_hidden_state
-    head = engine.module.lm_head
-    shards = max(1, math.ceil(ids.numel() / tile_tokens))
+        head = engine.module.lm_head
+        shards = max(1, math.ceil(ids.numel() / tile_tokens))
 
-    def ce_sum(self, x, y):
-        return nn.functional.cross_entropy(self(x).float(), y, ignore_index=-100, reduction="sum")
+        def ce_sum(self, x, y):
+            return nn.functional.cross_entropy(self(x).float(), y, ignore_index=-100, reduction="sum")
 
-    loss_sum = usp.TiledFusedLogitsLoss.apply(ce_sum, head, hidden, labels, None, shards, [head.weight], "sum")
-    good = (labels != -100).sum().float()
-    if sp_group is not None and torch.distributed.get_world_size(sp_group) > 1:
-        torch.distributed.all_reduce(good, group=sp_group)
-    return loss_sum / good
+        loss_sum = usp.TiledFusedLogitsLoss.apply(ce_sum, head, hidden, labels, None, shards, [head.weight], "sum")
+        good = (labels != -100).sum().float()
+        if sp_group is not None and torch.distributed.get_world_size(sp_group) > 1:
+            torch.distributed.all_reduce(good, group=sp_group)
+        loss = loss_sum / good
+        engine.backward(loss)
+    return loss
 
 
 # ---------------------------------------------------------------- FPDT (deepspeed_c.sequence.fpdt_layer)
