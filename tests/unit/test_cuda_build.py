@@ -7,6 +7,7 @@ import torch
 
 from op_builder import ALL_OPS, toolchain
 from op_builder.builder import csrc_root
+from op_builder.compress_quant import CompressQuantCUDABuilder
 from op_builder.evoformer_attn import EvoformerAttnBuilder
 from op_builder.fused_adam import FusedAdamBuilder
 from op_builder.fused_lamb import FusedLambBuilder
@@ -21,8 +22,9 @@ from op_builder.transformer_inference import InferenceBuilder
 
 CUDA_BUILDERS = [MultiTensorOpsBuilder, FusedAdamBuilder, FusedLambBuilder, FusedLionBuilder, MoEGatingCUDABuilder,
                  InferenceBuilder, OnebitCUDABuilder, QuantizerCUDABuilder, RandomLTDCUDABuilder,
-                 EvoformerAttnBuilder, TransformerBuilder]
+                 EvoformerAttnBuilder, TransformerBuilder, CompressQuantCUDABuilder]
 EXPECTED = {
+    "compress_quant_cuda": {"fake_quant", "ternary", "binary"},
     "multi_tensor_ops": {"l2norm", "scale", "copy", "flatten", "unflatten", "adam_epilogue",
                          "tensors_per_launch", "chunk_elems"},
     "fused_adam": {"multi_tensor_adam"},
