@@ -303,8 +303,10 @@ def get_dataloader_and_lr_scheduler_for_variable_batch_size(
     return loader, scheduler, io_kwargs
 
 
-def _seqlens_from_metrics(dataset: Any, engine: Any, metrics_path: str, collate_fn: Optional[Callable],
-                          batch_seqlens_fn: Optional[Callable]) -> np.ndarray:
+def seqlens_from_metrics(dataset: Any, world_size: int, rank: int, metrics_path: str, collate_fn: Optional[Callable],
+                         batch_seqlens_fn: Optional[Callable]) -> np.ndarray:
+    """The dataset's sequence lengths from the DataAnalyzer's seqlen metric files (written first, by
+    `world_size` workers of which this is `rank`, when absent)."""
     from deepspeed_c.runtime.data_pipeline.data_sampling.data_analyzer import DataAnalyzer
     from deepspeed_c.runtime.data_pipeline.data_sampling.indexed_dataset import MMapIndexedDataset
 
@@ -315,7 +317,7 @@ def _seqlens_from_metrics(dataset: Any, engine: Any, metrics_path: str, collate_
                              "(give dataset_seqlens, run the DataAnalyzer's seqlen metric into "
                              f"'{_PATH}.metrics_path', or pass batch_seqlens_fn)")
         logger.warning("dynamic batching: %s not found; running the DataAnalyzer's seqlen metric", prefix)
-        DataAnalyzer(dataset, num_workers=engine.world_size, worker_id=engine.global_rank, batch_size=1024,
+        DataAnalyzer(dataset, num_workers=world_size, worker_id=rank, batch_size=1024,
                      metric_names=["seqlen"], metric_functions=[batch_seqlens_fn],
                      metric_types=["single_value_per_sample"], metric_dtypes=[torch.int64], save_path=metrics_path,
                      collate_fn=collate_fn).run_map_reduce()
@@ -326,39 +328,11 @@ def _seqlens_from_metrics(dataset: Any, engine: Any, metrics_path: str, collate_
     return np.concatenate(lens[0:len(lens)]).astype(np.int64)
 
 
-def get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed(
-        dataset: Any, engine: Any, dataset_seqlens: Optional[Sequence[int]] = None,
-        dataset_filter_ids: Optional[Sequence[int]] = None, dataloader_collate_fn: Optional[Callable] = None,
-        sample_padding_fn: Optional[Callable] = None, batch_seqlens_fn: Optional[Callable] = None):
-    """The engine's `dynamic_batching` section applied: -> (dataloader, lr_scheduler, deepspeed_io kwargs)."""
-    import torch.distributed as dist
-
-    from deepspeed_c.runtime.pipe.engine import PipelineEngine
-
-    de_config = engine.data_efficiency_config()
-    sampling = de_config["data_sampling"]
-    batching = sampling["dynamic_batching"]
-    if not batching["enabled"]:
-        raise ValueError(f"dynamic batching is not enabled in the config ('{_PATH}.enabled')")
-    if dataset_seqlens is None:
-        if "metrics_path" not in batching:
-            raise DeepSpeedConfigError(f"Config key '{_PATH}.metrics_path' is required when dataset_seqlens is not "
-                                       "given")
-        dataset_seqlens = _seqlens_from_metrics(dataset, engine, batching["metrics_path"], dataloader_collate_fn,
-                                                batch_seqlens_fn)
-    group = engine.data_parallel_group
-    distributed = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank(group) if distributed else 0
-    replicas = dist.get_world_size(group) if distributed else 1
-    pipeline = isinstance(engine, PipelineEngine)
-    return get_dataloader_and_lr_scheduler_for_variable_batch_size(
-        dataset=dataset, dataset_seqlens=dataset_seqlens, max_tokens=batching["max_tokens"],
-        effective_batch_size=engine.train_batch_size(), dataset_filter_ids=dataset_filter_ids,
-        lr_scaling_method=batching["lr_scaling_method"], min_batch_size=batching["min_batch_size"],
-        max_batch_size=batching["max_batch_size"], sequence_picking_order=batching["sequence_picking_order"],
-        dataloader_batch_size=engine.train_micro_batch_size_per_gpu(), dataloader_rank=rank,
-        dataloader_num_replicas=replicas, dataloader_num_workers=sampling["num_workers"],
-        dataloader_collate_fn=dataloader_collate_fn, dataloader_pin_memory=sampling["pin_memory"],
-        lr_scheduler_or_optimizer=engine.lr_scheduler or engine.optimizer,
-        required_microbatches_of_same_size=pipeline, required_microbatches_of_same_seqlen=pipeline,
-        sample_padding_fn=sample_padding_fn, verbose=batching["verbose"], seed=de_config["seed"])
+def __getattr__(name: str) -> Any:
+    # DeepSpeed's engine-taking entry point lives with the engine (runtime/engine/dynamic_batching.py: no
+    # function outside the engine takes it); it is importable from here under DeepSpeed's path
+    if name == "get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed":
+        from deepspeed_c.runtime.engine.dynamic_batching import \
+            get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed
+        return get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
