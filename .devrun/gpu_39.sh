@@ -12,6 +12,6 @@ F="INFO|Warning|warn\(|UserWarning|^\s*$"
 S=$(date +%s)
 timeout 40 python3 -c "from deepspeed_c.ops.op_builder import InferenceBuilder as B; B().load()" 2>&1 | tail -3
 echo "op build: $(( $(date +%s) - S )) s"
-timeout 35 python3 benchmarks/inference_rest.py quant --hidden 4096 --layers 8 --new 32 --reps 3 2>&1 | grep -vE "$F"
+timeout 45 python3 benchmarks/inference_rest.py quant --hidden 4096 --layers 8 --new 32 --reps 3 2>&1 | grep -vE "$F"
 timeout 40 python3 benchmarks/inference_rest.py bert --bert-layers 24 --batch 8 --seq 128 --reps 5 2>&1 | grep -vE "$F"
 echo "total: $(( $(date +%s) - S )) s"

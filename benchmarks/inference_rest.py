@@ -88,6 +88,20 @@ def llama(hidden: int, layers: int, device: str, dtype: torch.dtype, seed: int =
     return model.to(dtype).eval()
 
 
+@torch.no_grad()
+def _rounded_hf(base: torch.nn.Module, bits: int, group: int) -> torch.nn.Module:
+    """A copy of the HF model whose block Linear weights are the dequantized int8/int4 values (torch ops)."""
+    from deepspeed_c.ops.transformer.inference import quant as Q
+
+    model = copy.deepcopy(base)
+    head = model.get_output_embeddings()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear) and m is not head:
+            q, s = Q.quantize(m.weight.float(), bits, group)
+            m.weight.copy_(Q.dequantize_reference(q, s, bits, group, m.weight.dtype))
+    return model
+
+
 def decode_ms(model: Any, ids: torch.Tensor, new: int, device: str) -> tuple[float, float]:
     """(ms per decoded token, generate(new) seconds)."""
     gen = dict(do_sample=False, pad_token_id=0)
@@ -131,11 +145,25 @@ def quant(args: argparse.Namespace) -> None:
         engines[name] = deepspeed_c.init_inference(copy.deepcopy(base), dtype=dt, replace_with_kernel_inject=True,
                                                    max_out_tokens=args.prompt + args.new + 8,
                                                    enable_cuda_graph=dev != "cpu", **extra)
-    del base
     with torch.no_grad():
         ref = engines["bf16"](input_ids=ids).logits
-        for name in ("int8", "int4"):
-            print(f"  {name} prefill logits rel err vs bf16: {rel(engines[name](input_ids=ids).logits, ref):.3e}")
+        hf = base(input_ids=ids).logits
+        print(f"  bf16 injected prefill logits rel err vs HF eager bf16 (same weights): {rel(ref, hf):.3e}")
+        for name, bits in (("int8", 8), ("int4", 4)):
+            got = engines[name](input_ids=ids).logits
+            # the quantization's own error (vs the unquantized model) against the path's error (vs HF eager run
+            # with the dequantized weights, torch math): only the second can reveal a kernel or layout fault
+            deq = _rounded_hf(base, bits, group)(input_ids=ids).logits
+            print(f"  {name} prefill logits rel err: vs bf16 {rel(got, ref):.3e} (quantization)   vs HF with "
+                  f"dequantized weights {rel(got, deq):.3e} (path; bf16 level above)   HF dequantized vs bf16 "
+                  f"{rel(deq, ref):.3e}")
+            # decode (quant_gemv, one row) against prefill (dequantize + GEMM) on the same last position
+            e = engines[name]
+            out = e(input_ids=ids[:, :-1], use_cache=True)
+            step = e(input_ids=ids[:, -1:], past_key_values=out.past_key_values, use_cache=True).logits[:, -1]
+            print(f"  {name} decode-step logits vs prefill's last position: rel err {rel(step, got[:, -1]):.3e}")
+            del deq
+    del base
     torch.cuda.empty_cache() if dev != "cpu" else None
     for e in engines.values():
         decode_ms(e, ids, 4, dev)  # warm-up
