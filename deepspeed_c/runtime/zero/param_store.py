@@ -257,6 +257,12 @@ class ParamStore:
                 self.live_numel -= full.numel()
 
     # -- what the stage-3 optimizer and the coordinator configure -----------------------------------
+    def use_gatherer(self, gatherer: Any) -> None:
+        """Plain unit gathers go through `gatherer` (gather(outputs, inputs) -> waitable) instead of one
+        all-gather over the store's group: MiCS's hierarchical gather (runtime/zero/mics.py)."""
+        if self.world_size > 1:
+            self.gatherer = gatherer
+
     def use_zeropp(self, zeropp: Optional[Any]) -> None:
         """Gathers go through ZeRO++ (`zeropp`, None: plain all-gathers); its frozen units are marked."""
         self.zeropp = zeropp
