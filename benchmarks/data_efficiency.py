@@ -26,6 +26,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -177,7 +178,23 @@ def _engine(model: torch.nn.Module, layers: int, seq: int, micro: int, steps: in
     return engine
 
 
-def bench_train(layers: int, seq: int, d: int, micro: int, steps: int, warmup: int, vocab: int = 1024) -> None:
+def _profile_step(name: str, engine: Any, tokens: torch.Tensor) -> None:
+    """Top ops of one training step by device and host time (where a slow step spends it)."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if tokens.is_cuda else [])
+    with profile(activities=acts) as prof:
+        loss = engine(tokens)
+        engine.backward(loss)
+        engine.step()
+        loss.item()
+    key = "self_cuda_time_total" if tokens.is_cuda else "self_cpu_time_total"
+    print(f"## profile of one step: {name} (sorted by {key})")
+    print(prof.key_averages().table(sort_by=key, row_limit=12, max_name_column_width=48))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=48))
+
+
+def bench_train(layers: int, seq: int, d: int, micro: int, steps: int, warmup: int, vocab: int = 1024,
+                profile: bool = False) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     base = GPT(layers, d, seq, vocab)
@@ -213,6 +230,10 @@ def bench_train(layers: int, seq: int, d: int, micro: int, steps: int, warmup: i
               f"{statistics.mean(losses[name][-last:]):22.4f} {evals[name]:10.4f}")
     print(f"wall-time ratio random-LTD / dense: {wall['random-LTD'] / wall['dense']:.3f}; eval loss difference "
           f"{(evals['random-LTD'] - evals['dense']) / evals['dense']:+.2%} (log(vocab) = {math.log(vocab):.2f})")
+    if profile:
+        for name, engine in engines.items():
+            engine.train()
+            _profile_step(name, engine, batches[warmup])
     for e in engines.values():
         e.destroy()
 
@@ -323,6 +344,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--samples", type=int, default=1_000_000)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="train: print a profile of one step of each system")
     args = ap.parse_args()
     if args.what == "kernels":
         if args.tiny:
@@ -330,7 +352,7 @@ def main() -> None:
         else:
             bench_kernels(32, 2048, 1024, args.reps, 10)  # 2^26 elements
     elif args.what == "train":
-        bench_train(args.layers, args.seq, args.d, args.micro, args.steps, args.warmup)
+        bench_train(args.layers, args.seq, args.d, args.micro, args.steps, args.warmup, profile=args.profile)
     else:
         bench_merge(args.samples, 3)
 
