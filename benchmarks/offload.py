@@ -1,16 +1,21 @@
 """Faster offload, side by side in one process on one GPU: deepspeed_c's plain ZeRO-Offload (ZeRO-2 +
 offload_optimizer cpu), ZenFlow (ZeRO-2 + zero_optimization.zenflow) and SuperOffload (ZeRO-3 +
 offload_optimizer.super_offload) against the real DeepSpeed 0.19.8 on the same configs, and against
-deepspeed_c without offload (ZeRO-2 on the device). The same GPT, the same batches, bf16, AdamW, clipping 1.0.
+deepspeed_c without offload (ZeRO-2 on the device). The same GPT, the same batches, bf16, AdamW, clipping 1.0 (--clip).
 
 Correctness first, within bf16 tolerance (2e-2 relative), else nothing is timed: each DeepSpeed engine's
 losses over the first --check steps against deepspeed_c's on the same config, and deepspeed_c's variants'
-first 3 against its plain offload (lr 1e-4: tiny updates). Then interleaved timed blocks of whole steps
-(forward + backward + step, synchronised at block ends; a block is a multiple of update_interval so ZenFlow's
-host step falls inside it; ZenFlow's host step still in flight at a block's end is waited for inside it). Prints tokens/s, peak device memory, the ratios the issue asks for (ZenFlow / plain offload,
-SuperOffload / plain offload, deepspeed_c / DeepSpeed per config, each / no offload), and with --profile the
-GPU idle time per step of each engine (one profiled block: step wall time minus the union of the device's
-kernel and copy intervals).
+first 3 against its plain offload (lr 1e-4: tiny updates); deepspeed_c's SuperOffload's device weights after
+them against its host masters (every host-stepped element their bf16 rounding, exactly). Then
+interleaved timed blocks of whole steps (forward + backward + step, synchronised at block ends). ZenFlow is
+timed in its steady state: a block starts right after an update boundary handed a host step to the
+background (untimed lead-in steps get there) and is a multiple of update_interval, so it ends the same way,
+with one host step in flight as at its start; that one is then waited for outside the clock (its wait is
+printed as the tail), before the next engine runs. Prints tokens/s, peak device memory, the ratios the
+issue asks for (ZenFlow / plain offload, SuperOffload / plain offload, deepspeed_c / DeepSpeed per config,
+each / no offload), each offload engine's host-side timings per step, and with --profile the GPU idle time
+per step of each engine (one profiled block: step wall time minus the union of the device's kernel and copy
+intervals). --ratio takes a list: one SuperOffload engine per value ("superoffload@0.8").
 
 Every offload engine keeps fp32 masters and moments in host memory (16 bytes a parameter; SuperOffload's
 rollback snapshot 12 more): a 1.3B model fits a 128 GiB host a few engines at a time, so --variants picks
@@ -42,6 +47,7 @@ ZENFLOW = {"topk_ratio": 0.05, "select_strategy": "auto", "select_interval": "au
 
 def config(args: argparse.Namespace, variant: str) -> dict:
     cuda = torch.cuda.is_available() and not args.tiny
+    variant, _, ratio = variant.partition("@")
     zero: dict[str, Any] = {"stage": 2, "reduce_bucket_size": int(args.bucket),
                             "allgather_bucket_size": int(args.bucket), "overlap_comm": True,
                             "contiguous_gradients": True}
@@ -51,10 +57,11 @@ def config(args: argparse.Namespace, variant: str) -> dict:
     if variant == "zenflow":
         zero["zenflow"] = dict(ZENFLOW)
     if variant == "superoffload":
-        zero.update(stage=3, offload_optimizer=dict(offload, super_offload=True, ratio=args.ratio,
+        zero.update(stage=3, offload_optimizer=dict(offload, super_offload=True,
+                                                    ratio=float(ratio or args.ratio.split(",")[0]),
                                                     cpuadam_cores_perc=args.cpuadam_cores_perc))
     cfg = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
-           "steps_per_print": 10**9, "gradient_clipping": 1.0,
+           "steps_per_print": 10**9, "gradient_clipping": args.clip,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
            "zero_optimization": zero}
     if cuda:
@@ -98,6 +105,57 @@ def gpu_idle_ms(step_fn: Any, steps: int) -> float:
     return max(0.0, wall_us - busy) / steps / 1e3
 
 
+def stale_weights(engine: Any) -> int:
+    """SuperOffload: elements of the model's weights on the device (the stage-3 shards) that are not the host
+    masters rounded to the model dtype, over the host-stepped part of each partition (after a device share)."""
+    opt = engine.optimizer
+    share = opt.offload.share
+    bad = 0
+    for g, master in enumerate(opt.fp32_partitions):
+        cut = share.cut[g] if share is not None else 0
+        shard = opt.store.shards[g][cut:]
+        bad += int((shard != master.detach()[cut:].to(device=shard.device, dtype=shard.dtype)).sum())
+    return bad
+
+
+def host_stats(engines: dict[str, Any], steps: int = 1, reset: bool = False) -> list[str]:
+    """Per offload engine, host-side milliseconds per step: plain offload's waits and CPU step, SuperOffload's
+    drain and path counts, ZenFlow's host step and the training thread's waits for it. reset: zero them."""
+    out = []
+    for name, e in engines.items():
+        opt = getattr(e, "optimizer", None)
+        off, zf = getattr(opt, "offload", None), getattr(opt, "zenflow_step", None)
+        if not name.startswith("dsc") or (off is None and zf is None):
+            continue
+        if reset:
+            if zf is not None:
+                zf.stats = {k: 0 for k in zf.stats}
+            if off is not None:
+                off.stats = type(off.stats)()
+                for k in ("drain_s", "spec_s", "commits", "rollbacks", "plain_steps"):
+                    if hasattr(off, k):
+                        setattr(off, k, 0)
+            continue
+        parts = []
+        if zf is not None:
+            st = zf.stats
+            n = max(1, int(st["host_steps"]))
+            parts.append(f"host steps {int(st['host_steps'])}, C Adam {st['host_adam_s'] / n * 1e3:.0f} ms each, "
+                         f"worker awaiting the D2H {st['d2h_wait_s'] / n * 1e3:.0f} ms each, training thread "
+                         f"blocked {st['wait_s'] / steps * 1e3:.1f} ms/step")
+        elif off is not None:
+            st = off.stats.as_dict()
+            ms = {k: st[k] / steps * 1e3 for k in ("d2h_wait_s", "cpu_step_s", "tail_s")}
+            parts.append(f"D2H wait {ms['d2h_wait_s']:.1f}, CPU step {ms['cpu_step_s']:.1f}, tail {ms['tail_s']:.1f}, "
+                         f"D2H copies {st['d2h_copy_ms'] / steps:.1f}, H2D copies {st['h2d_copy_ms'] / steps:.1f} ms/step")
+            if hasattr(off, "drain_s"):
+                parts.append(f"speculation: worker {off.spec_s / steps * 1e3:.1f}, drain "
+                             f"{off.drain_s / steps * 1e3:.1f} ms/step, commits {off.commits}, "
+                             f"rollbacks {off.rollbacks}, not speculated {off.plain_steps}")
+        out.append(f"host {name:18s} " + "; ".join(parts))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke: tiny GPT, gloo, one rank")
@@ -112,8 +170,10 @@ def main() -> None:
                     help="comma list of offload, zenflow, superoffload (no offload always runs)")
     ap.add_argument("--impls", default="dsc,ds", help="dsc (deepspeed_c), ds (the real DeepSpeed)")
     ap.add_argument("--cpuadam_cores_perc", type=float, default=0.8)
-    ap.add_argument("--ratio", type=float, default=1.0,
-                    help="SuperOffload's offload_optimizer.ratio (share of the optimizer state on the host)")
+    ap.add_argument("--ratio", default="1.0",
+                    help="SuperOffload's offload_optimizer.ratio (share of the optimizer state on the host); a comma "
+                         "list runs one SuperOffload engine per value")
+    ap.add_argument("--clip", type=float, default=1.0, help="gradient_clipping of every engine (0: off)")
     ap.add_argument("--blocks", type=int, default=3, help="timed blocks per engine, interleaved")
     ap.add_argument("--steps", type=int, default=8, help="steps per timed block (a multiple of update_interval)")
     ap.add_argument("--check", type=int, default=3, help="steps whose losses are compared first")
@@ -144,13 +204,16 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name() if cuda else 'CPU'}  torch {torch.__version__}  deepspeed_c "
           f"{deepspeed_c.__version__}  DeepSpeed {getattr(ds, '__version__', 'not run')}", flush=True)
     print(f"GPT {nparams / 1e6:.1f}M params (d {args.n_embd}, {args.n_layer} layers, seq {args.seq}, micro "
-          f"{args.micro}), {'bf16' if cuda else 'fp32'}, AdamW, clipping 1.0; ZenFlow {ZENFLOW}", flush=True)
-    variants = [v for v in args.variants.split(",") if v]
+          f"{args.micro}), {'bf16' if cuda else 'fp32'}, AdamW, clipping {args.clip}; ZenFlow {ZENFLOW}", flush=True)
+    variants = []
+    for v in (v for v in args.variants.split(",") if v):
+        ratios = [r for r in args.ratio.split(",") if r] if v == "superoffload" else [""]
+        variants += [v if i == 0 else f"{v}@{r}" for i, r in enumerate(ratios)]
     plan = [("dsc no-offload", deepspeed_c, "none")]
     for v in variants:
         if "dsc" in args.impls.split(","):
             plan.append((f"dsc {v}", deepspeed_c, v))
-        if ds is not None:
+        if ds is not None and "@" not in v:
             plan.append((f"DS {v}", ds, v))
     engines = {}
     for name, lib, variant in plan:
@@ -188,33 +251,67 @@ def main() -> None:
         print(f"check {name:20s} losses {', '.join(f'{v:.5f}' for v in ls)}  max rel diff vs {ref} over {n} steps "
               f"{rel:.2e}", flush=True)
         assert rel <= 2e-2, f"{name}: losses disagree with {ref} beyond bf16 tolerance: not timing"
+    for name in engines:
+        if name.startswith("dsc superoffload"):
+            bad = stale_weights(engines[name])
+            print(f"check {name:20s} device weights = host masters (host-stepped part): {bad} elements differ; "
+                  f"speculation {engines[name].optimizer.speculation_stats()}", flush=True)
+            assert bad == 0, f"{name}: the device weights are not the host step's: not timing"
     times: dict[str, list[float]] = {n: [] for n in engines}
+    tails: dict[str, list[float]] = {n: [] for n in engines}
     peaks: dict[str, int] = {n: 0 for n in engines}
+
+    def lead_in(name: str) -> None:
+        """ZenFlow: untimed steps until an update boundary has just handed a host step to the background."""
+        zf = getattr(engines[name].optimizer, "zenflow_step", None)
+        for _ in range(64):
+            if zf is None or (zf.pending is not None and zf.accumulated == 0):
+                return
+            step(name)
+
+    def settle(name: str) -> float:
+        zf = getattr(engines[name].optimizer, "zenflow_step", None)
+        t0 = time.perf_counter()
+        if zf is not None:
+            zf.settle()
+        return time.perf_counter() - t0
+
+    if args.profile:
+        host_stats(engines, reset=True)
     for _ in range(args.blocks):
         for name in engines:
+            lead_in(name)
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 step(name)
-            settle = getattr(engines[name].optimizer, "zenflow_step", None)
-            if settle is not None:  # ZenFlow's host step in flight counts in its own block, not the next engine's
-                settle.settle()
             if cuda:
                 torch.cuda.synchronize()
                 peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated())
             times[name].append((time.perf_counter() - t0) / args.steps)
+            tails[name].append(settle(name))  # ZenFlow's host step in flight, outside the clock
     tokens = args.micro * args.seq
     tps = {n: tokens / statistics.median(v) for n, v in times.items()}
-    idle = {n: gpu_idle_ms(lambda n=n: step(n), args.steps) for n in engines} if args.profile and cuda else {}
+    if args.profile:
+        for line in host_stats(engines, steps=args.blocks * args.steps):
+            print(line, flush=True)
+    idle = {}
+    if args.profile and cuda:
+        for n in engines:
+            lead_in(n)
+            idle[n] = gpu_idle_ms(lambda n=n: step(n), args.steps)
+            settle(n)
     for name in engines:
         extra = f"  GPU idle {idle[name]:7.1f} ms/step" if name in idle else ""
+        if any(tails[name]) and "zenflow" in name:
+            extra += f"  tail {statistics.median(tails[name]) * 1e3:.0f} ms/block"
         print(f"{name:20s} step {statistics.median(times[name]) * 1e3:9.1f} ms  {tps[name]:10.0f} tokens/s  peak "
               f"{peaks[name] / 2**30:6.2f} GiB{extra}  blocks {', '.join(f'{t * 1e3:.1f}' for t in times[name])} ms",
               flush=True)
-    for v in ("zenflow", "superoffload"):
-        if f"dsc {v}" in tps and "dsc offload" in tps:
+    for v in variants:
+        if v != "offload" and f"dsc {v}" in tps and "dsc offload" in tps:
             print(f"ratio dsc {v} / dsc offload tokens/s: {tps[f'dsc {v}'] / tps['dsc offload']:.2f}x", flush=True)
     for v in variants:
         if f"dsc {v}" in tps and f"DS {v}" in tps:

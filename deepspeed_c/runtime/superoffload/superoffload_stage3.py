@@ -29,10 +29,13 @@ class SuperOffloadOptimizer_Stage3(DeepSpeedZeroOptimizer_Stage3):  # noqa: N801
     def _offload_class(self) -> type:
         return SpeculativeOffload
 
-    def speculation_stats(self) -> dict[str, int]:
-        """How many steps committed their speculative host step, how many rolled it back, and how many of this
-        rank's partition elements the device steps (offload_optimizer.ratio < 1)."""
+    def speculation_stats(self) -> dict[str, Any]:
+        """How many steps committed their speculative host step, how many rolled it back, how many were taken the
+        ordinary way without speculating (the step before was clipped), how many of this rank's partition
+        elements the device steps (offload_optimizer.ratio < 1), and the seconds the steps waited for the
+        speculative host step still running."""
         assert isinstance(self.offload, SpeculativeOffload)
         share = self.offload.share
         return {"commits": self.offload.commits, "rollbacks": self.offload.rollbacks,
-                "device_elements": 0 if share is None else sum(share.cut)}
+                "plain_steps": self.offload.plain_steps, "device_elements": 0 if share is None else sum(share.cut),
+                "drain_s": self.offload.drain_s}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -43,6 +44,19 @@ class SpeculativeOffload(CPUOffload):
         self.share: Optional[DeviceShare] = None  # offload_optimizer.ratio < 1: the groups' first buckets
         self.resident_depth = 0
         self.rollbacks = 0
+        # a step clipped (its coefficient not the speculated one) makes the next backward not speculate: under a
+        # norm that stays above gradient_clipping every speculative step would be thrown away, costing host
+        # time and memory bandwidth the ordinary step then lacks; the norm of each step re-decides
+        self.speculating = True
+        self.plain_steps = 0  # steps taken the ordinary way without a speculation to roll back
+        self.drain_s = 0.0  # the step blocked on the speculative host step still running
+        self.spec_s = 0.0  # the worker's time in speculative steps (awaiting each chunk's copy down included)
+        # GPU: each speculatively stepped chunk goes up at once (its own stream, beside the gradients' copies
+        # down) into a device staging buffer the commit gathers from; a rollback just ignores it
+        self.up_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.dev_stage: Optional[list[torch.Tensor]] = None
+        self.up_event: Any = None  # the last chunk's copy up in this speculation
+        self.stage_free: Any = None  # the compute stream is done reading the staging buffer (last commit)
 
     def set_device_share(self, ratio: float) -> None:
         """offload_optimizer.ratio: the share of each group's state offloaded; the rest (whole buckets from the
@@ -83,6 +97,8 @@ class SpeculativeOffload(CPUOffload):
             self._staged[g] += end - start  # the device steps it: nothing goes to the host
             return
         super()._stage_chunk(g, start, end, chunk)
+        if not self.speculating:
+            return
         arrived = None
         if self.cuda:
             arrived = torch.cuda.Event()
@@ -95,12 +111,16 @@ class SpeculativeOffload(CPUOffload):
     def _work(self) -> None:
         if self.threads is not None:
             self.optimizer.ds_opt_op.num_threads(int(self.threads))
+        if self.cuda:
+            torch.cuda.set_device(self.device)
         while True:
             job = self.jobs.get()
             try:
                 if job is None:
                     return
+                t0 = time.perf_counter()
                 self._speculate(*job)
+                self.spec_s += time.perf_counter() - t0
             except BaseException as e:  # reported at the step
                 self.errors.append(e)
             finally:
@@ -122,10 +142,15 @@ class SpeculativeOffload(CPUOffload):
         self.coef_used = coef
         host = self.host_grads[g]
         assert host is not None
+        last_up = self._last_h2d  # the previous step's copies up still read the host weights: awaited first
+        if last_up is not None:
+            last_up.synchronize()
         if self.spare is None:
             for lo in range(start, end, self.sub_chunk):
                 self._kernel(group, state, master, host, self.host_lp[g], lo, min(end, lo + self.sub_chunk), coef,
                              step)
+            lp = self.host_lp[g]
+            self._send_up(g, start, end, lp if lp is not None else master.detach())
             return
         if self.spare[g] is None:
             pin = self.cuda
@@ -143,9 +168,28 @@ class SpeculativeOffload(CPUOffload):
             opt.step_tensors_into(group, [w[lo:hi]], [grad], [[state[k][lo:hi]] for k in opt.MOMENTS],
                                   None if lp is None else [lp[lo:hi]], [out["master"][lo:hi]],
                                   [[out[k][lo:hi]] for k in opt.MOMENTS], step)
+        self._send_up(g, start, end, lp if lp is not None else out["master"])
+
+    def _send_up(self, g: int, start: int, end: int, src: torch.Tensor) -> None:
+        """The speculative result [start, end) of group g into the device staging buffer (GPU; worker thread)."""
+        if self.up_stream is None:
+            return
+        if self.dev_stage is None:
+            self.dev_stage = [torch.empty(n, dtype=dt, device=self.device) for n, dt in zip(self.sizes, self.lp_dtypes)]
+        with torch.cuda.stream(self.up_stream):
+            if self.stage_free is not None:  # the last commit's gathers read the buffer until then
+                self.up_stream.wait_event(self.stage_free)
+            t0 = self._event()
+            self.dev_stage[g][start:end].copy_(src[start:end], non_blocking=True)
+            t1 = self._event()
+        self.stats.record_copy("h2d", t0, t1)
+        self.stats.h2d_bytes += (end - start) * src.element_size()
+        self.up_event = t1
 
     def _drain(self) -> None:
+        t0 = time.perf_counter()
         self.jobs.join()
+        self.drain_s += time.perf_counter() - t0
         if self.errors:
             err, self.errors = self.errors[0], []
             self._undo()
@@ -167,7 +211,11 @@ class SpeculativeOffload(CPUOffload):
         if self.stepped and self.complete() and coef == self.coef_used:
             self._commit(gatherer)
             return
+        if not self.stepped:
+            self.plain_steps += 1
         self._undo()
+        # the next backward speculates when this step's coefficient is the one it would have assumed (unclipped)
+        self.speculating = coef == self.spec_coef()
         super().step(coef, gatherer, parts)
 
     def rollback(self) -> None:
@@ -176,6 +224,9 @@ class SpeculativeOffload(CPUOffload):
         self._undo()
 
     def _undo(self) -> None:
+        if self.up_event is not None:  # whatever went up is ignored (the staging buffer is not the model), but
+            self.up_event.synchronize()  # its copies read the host weights the ordinary step rewrites
+            self.up_event = None
         if not self.stepped:
             return
         opt = self.optimizer
@@ -206,6 +257,9 @@ class SpeculativeOffload(CPUOffload):
             self._last_h2d = None
         self.stats.collect()
         self._swap_in_spares()
+        if self.cuda and self.dev_stage is not None and self.up_event is not None:
+            self._commit_staged(gatherer)
+            return
         dev_lps: list[Optional[torch.Tensor]] = [None] * len(self.masters)
         if self.cuda:
             dev_lps = [torch.empty(n, dtype=dt, device=self.device) for n, dt in zip(self.sizes, self.lp_dtypes)]
@@ -226,6 +280,25 @@ class SpeculativeOffload(CPUOffload):
             with torch.cuda.stream(self.stream):
                 self._last_h2d = self._event()
         gatherer.finish()
+        self.stepped, self.bumped, self.coef_used = [], set(), None
+        self.commits += 1
+        self.stats.steps += 1
+
+    def _commit_staged(self, gatherer: Any) -> None:
+        """GPU commit: every chunk is on its way up already; the compute stream awaits the last copy and the
+        buckets' gathers read the staging buffer."""
+        assert self.dev_stage is not None
+        up = self.up_event
+        torch.cuda.current_stream().wait_event(up)
+        for g in range(len(self.masters)):
+            for b, (start, end) in enumerate(self.chunk_ranges[g]):
+                if self.share is not None and b < self.share.buckets[g]:
+                    continue  # stepped and gathered on the device
+                gatherer.submit(g, b, self.dev_stage[g][start:end])
+        gatherer.finish()
+        self.stage_free = torch.cuda.Event()
+        self.stage_free.record()
+        self._last_h2d, self.up_event = up, None  # host weights are rewritten only once these copies are done
         self.stepped, self.bumped, self.coef_used = [], set(), None
         self.commits += 1
         self.stats.steps += 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional, Sequence
 
@@ -28,6 +29,8 @@ from deepspeed_c.runtime.zenflow.selection import (GroupSlices, SelectedAdam, co
 from deepspeed_c.runtime.zenflow.zenflow_config import ZenFlowSchedule
 from deepspeed_c.runtime.zero.grad_partition import chunk_range
 from deepspeed_c.runtime.zero.step_strategy import Decide, GradNorm, ZeroStepStrategy
+
+HOST_PIECE = 1 << 25  # elements of the accumulator per device-to-host copy the host step can start on
 
 
 class ZenFlowStep(ZeroStepStrategy):
@@ -68,6 +71,14 @@ class ZenFlowStep(ZeroStepStrategy):
                         else torch.empty(n, dtype=self.lp_dtype, pin_memory=pin) for b, n in zip(given, sizes)]
         # the model's weights as this rank last wrote them (never the master itself, which the host steps)
         self.dev_lp = [m.detach().to(device=self.device, dtype=self.lp_dtype, copy=True) for m in self.masters]
+        # on a GPU the host step's result is copied up by the worker as soon as it is done, on the side stream,
+        # into these buffers, which become dev_lp at the boundary that takes the result: the compute stream
+        # never runs that copy itself (incoming_ready: the copy's event, None when none is in flight)
+        self.incoming = [torch.empty_like(lp) for lp in self.dev_lp] if cuda else []
+        self.incoming_ready: Any = None
+        # host_steps, host_adam_s (the C Adam), d2h_wait_s (the worker awaiting the accumulator's copy),
+        # wait_s (the training thread blocked on a host step at a boundary)
+        self.stats: dict[str, float] = {"host_steps": 0, "host_adam_s": 0.0, "d2h_wait_s": 0.0, "wait_s": 0.0}
         self.accumulated = 0  # steps in the accumulator
         self.steps = 0  # applied (not skipped) steps
         self.layouts: Optional[list[columns.ColumnLayout]] = None
@@ -207,10 +218,16 @@ class ZenFlowStep(ZeroStepStrategy):
             grads = [h for h in self.acc_host if h is not None]
             self.side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.side):
-                for host, acc in zip(grads, accs):
-                    host.copy_(acc, non_blocking=True)
-                copied = torch.cuda.Event()
-                copied.record()
+                # in pieces, each with its event: the host steps a piece as soon as it has arrived, while the
+                # next ones are still on their way
+                copied = []
+                for g, (host, acc) in enumerate(zip(grads, accs)):
+                    for lo in range(0, acc.numel(), HOST_PIECE):
+                        hi = min(acc.numel(), lo + HOST_PIECE)
+                        host[lo:hi].copy_(acc[lo:hi], non_blocking=True)
+                        ev = torch.cuda.Event()
+                        ev.record()
+                        copied.append((g, lo, hi, ev))
                 for acc in accs:
                     acc.zero_()
                 zeroed = torch.cuda.Event()
@@ -230,20 +247,41 @@ class ZenFlowStep(ZeroStepStrategy):
         """The accumulator taking this interval's gradients."""
         return self.acc_sets[self.cur]
 
-    def _host_adam(self, groups: list[dict[str, Any]], grads: list[torch.Tensor], copied: Any) -> None:
+    def _host_adam(self, groups: list[dict[str, Any]], grads: list[torch.Tensor],
+                   copied: Optional[list[tuple[int, int, int, Any]]]) -> None:
         if self.worker_threads and threading.current_thread() is not threading.main_thread():
             self.optimizer.ds_opt_op.num_threads(self.worker_threads)
-        if copied is not None:
-            copied.synchronize()
+        t0 = time.perf_counter()
         if self.h2d_done is not None:  # lp_host is still being read by the previous result's copy
             self.h2d_done.synchronize()
+        waited = time.perf_counter() - t0
         opt = self.optimizer
-        for g, (master, grad) in enumerate(zip(self.masters, grads)):
-            live = opt.param_groups[g]
-            state = opt.ready_state(live, master, f"params[{g}][0]")
-            step = int(opt.ds_opt_op.bump_steps([state["step"]])[0])
-            moments = [[state[k]] for k in opt.MOMENTS]
-            opt.step_tensors(groups[g], [master.detach()], [grad], moments, [self.lp_host[g]], step)
+        steps = []
+        for g, master in enumerate(self.masters):
+            state = opt.ready_state(opt.param_groups[g], master, f"params[{g}][0]")
+            steps.append((state, int(opt.ds_opt_op.bump_steps([state["step"]])[0])))
+        # the pieces of the accumulator's copy (GPU), else every group whole
+        pieces = copied if copied is not None else [(g, 0, m.numel(), None) for g, m in enumerate(self.masters)]
+        for g, lo, hi, arrived in pieces:
+            if arrived is not None:
+                t1 = time.perf_counter()
+                arrived.synchronize()
+                waited += time.perf_counter() - t1
+            state, step = steps[g]
+            moments = [[state[k][lo:hi]] for k in opt.MOMENTS]
+            opt.step_tensors(groups[g], [self.masters[g].detach()[lo:hi]], [grads[g][lo:hi]], moments,
+                             [self.lp_host[g][lo:hi]], step)
+        self.stats["host_adam_s"] += time.perf_counter() - t0 - waited
+        self.stats["d2h_wait_s"] += waited
+        self.stats["host_steps"] += 1
+        if self.side is not None:  # the result goes up now, on the side stream (after the accumulator's copy)
+            torch.cuda.set_device(self.device)
+            with torch.cuda.stream(self.side):
+                for inc, lp in zip(self.incoming, self.lp_host):
+                    inc.copy_(lp, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record()
+            self.incoming_ready = ready
 
     def _finish_pending(self) -> None:
         self._wait_pending()
@@ -254,16 +292,25 @@ class ZenFlowStep(ZeroStepStrategy):
     def _wait_pending(self) -> None:
         if self.pending is not None:
             job, self.pending = self.pending, None
-            job.result()  # re-raises the host step's error here
+            t0 = time.perf_counter()
+            try:
+                job.result()  # re-raises the host step's error here
+            finally:
+                self.stats["wait_s"] += time.perf_counter() - t0
             self.unapplied = True
 
     def _apply_host(self) -> None:
         """The host's updated weights into the device copy; the selected elements keep the device's."""
-        for g, lp in enumerate(self.dev_lp):
-            lp.copy_(self.lp_host[g], non_blocking=True)
-        if self.device.type == "cuda":
-            self.h2d_done = torch.cuda.Event()
-            self.h2d_done.record()
+        if self.incoming_ready is not None:  # already copied up by the worker: the buffers change places
+            torch.cuda.current_stream().wait_event(self.incoming_ready)
+            self.dev_lp, self.incoming = self.incoming, self.dev_lp
+            self.h2d_done, self.incoming_ready = self.incoming_ready, None
+        else:
+            for g, lp in enumerate(self.dev_lp):
+                lp.copy_(self.lp_host[g], non_blocking=True)
+            if self.device.type == "cuda":
+                self.h2d_done = torch.cuda.Event()
+                self.h2d_done.record()
         self._selected_into_lp()
 
     def _selected_into_lp(self) -> None:
@@ -348,6 +395,7 @@ class ZenFlowStep(ZeroStepStrategy):
         """Waits for a host step in flight and drops its result (superseded by a load)."""
         self._wait_pending()
         self.unapplied = False
+        self.incoming_ready = None
 
     def close(self) -> None:
         self.close_pending()
