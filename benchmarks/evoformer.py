@@ -3,7 +3,8 @@ implementation (materialised [B, N, H, L, L] scores), torch SDPA with the two bi
 as one [B*N, H, L, L] mask, FlexAttention with the biases as a score_mod, and DeepSpeed's CUTLASS
 kernel when it builds. One GPU.
 
-"ours" runs the tensor-core kernels (WMMA; the default on sm_80+), "ours-simt" the CUDA-core ones. First a correctness table: our fp16/bf16 kernels against float32 naive math (outputs and the
+"ours" runs the default kernels (mma.sync tensor-core tiles on sm_80+), "ours-tc" the WMMA tensor-core
+ones, "ours-simt" the CUDA-core ones. First a correctness table: our fp16/bf16 kernels against float32 naive math (outputs and the
 gradients of Q, K, V, the mask bias and the pair bias, relative max error), on small odd shapes
 and on the benchmark shape. Then forward+backward and forward-only time (median of interleaved
 reps) and the forward+backward peak memory above the inputs, with ratios against ours.
@@ -75,6 +76,18 @@ def ours(q, k, v, b1, b2):
     return DS4Sci_EvoformerAttention(q, k, v, [b1, b2])
 
 
+def with_kernel(name: str):
+    """Ours with evoformer_attn.kernel set to `name` for the call."""
+    def run(*a):
+        evoformer_attn.kernel = name
+        try:
+            return ours(*a)
+        finally:
+            evoformer_attn.kernel = "auto"
+
+    return run
+
+
 def inputs(B, N, L, H, D, dtype, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (torch.randn(B, N, L, H, D, device="cuda", dtype=dtype, generator=g) for _ in range(3))
@@ -96,17 +109,18 @@ def rel_err(a, b):
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
 
 
-def check(shapes, dtypes, drop_biases: bool = False) -> bool:
+def check(shapes, dtypes, kernels=("simt", "tc", "mma"), drop_biases: bool = False) -> bool:
     """Ours (fp16/bf16; each kernel) against float32 naive math; one row per case (drop_biases: also
     without the pair bias and without either bias)."""
     ok = True
     if not getattr(check, "header_printed", False):
         check.header_printed = True
-        print("correctness: ours vs float32 naive (max |err| / max |ref|); tc = tensor cores, simt = CUDA cores")
+        print("correctness: ours vs float32 naive (max |err| / max |ref|); mma = mma.sync tensor-core tiles, "
+              "tc = WMMA tensor cores, simt = CUDA cores")
         print(f"{'shape B,N,L,H,D':>32} {'kern':>4} {'dtype':>9} {'out':>9} {'dQ':>9} {'dK':>9} {'dV':>9} "
               f"{'dmask':>9} {'dpair':>9}")
     keeps = [(True, True)] + ([(True, False), (False, False)] if drop_biases else [])
-    for kernel, shape, keep in itertools.product(("simt", "tc"), shapes, keeps):  # simt first: checked even if tc faults
+    for kernel, shape, keep in itertools.product(kernels, shapes, keeps):  # the newest kernel last: a fault ends the run
         evoformer_attn.kernel = kernel
         for dtype in dtypes:
             t = list(inputs(*shape, dtype=dtype, seed=sum(shape)))
@@ -150,22 +164,25 @@ def bench(shape, dtype, reps: int, systems: dict) -> None:
         peak[name] = (torch.cuda.max_memory_allocated() - base) / 2**20
     times = {name: [] for name in live}
     fwd_times = {name: [] for name in live}
+    inner = 3  # calls per timed sample: one call of ~1 ms is too close to the launch overheads
     for _ in range(reps):
         for name, fn in live.items():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fwd_bwd(fn, t, d_o)
+            for _ in range(inner):
+                fwd_bwd(fn, t, d_o)
             end.record()
             torch.cuda.synchronize()
-            times[name].append(start.elapsed_time(end))
+            times[name].append(start.elapsed_time(end) / inner)
             start.record()
             with torch.no_grad():
-                fn(*t)
+                for _ in range(inner):
+                    fn(*t)
             end.record()
             torch.cuda.synchronize()
-            fwd_times[name].append(start.elapsed_time(end))
+            fwd_times[name].append(start.elapsed_time(end) / inner)
     B, N, L, H, D = shape
-    print(f"\nforward+backward, B={B} N={N} L={L} H={H} D={D} {str(dtype)[6:]}, median of {reps} interleaved reps")
+    print(f"\nforward+backward, B={B} N={N} L={L} H={H} D={D} {str(dtype)[6:]}, median of {reps} interleaved reps of 3 calls")
     print(f"{'system':>12} {'fwd+bwd ms':>11} {'/ ours':>7} {'fwd ms':>8} {'/ ours':>7} {'peak MiB':>10} "
           f"{'/ ours':>7}")
     ms_ours, fwd_ours = statistics.median(times["ours"]), statistics.median(fwd_times["ours"])
@@ -173,6 +190,26 @@ def bench(shape, dtype, reps: int, systems: dict) -> None:
         ms, fwd = statistics.median(times[name]), statistics.median(fwd_times[name])
         print(f"{name:>12} {ms:11.3f} {ms / ms_ours:6.2f}x {fwd:8.3f} {fwd / fwd_ours:6.2f}x {peak[name]:10.1f} "
               f"{peak[name] / peak['ours']:6.2f}x")
+
+
+def profile(shape, dtype, iters: int = 3) -> None:
+    """CUDA time of each kernel of ours' forward+backward (torch.profiler), per call."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    t = inputs(*shape, dtype=dtype)
+    d_o = torch.randn_like(t[0])
+    fwd_bwd(ours, t, d_o)
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fwd_bwd(ours, t, d_o)
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / iters / 1e3, e.count // iters) for e in prof.key_averages()
+            if e.device_time_total > 0]
+    rows.sort(key=lambda r: -r[1])
+    print(f"\nours per fwd+bwd call, kernel by kernel ({str(dtype)[6:]}, {iters} calls profiled)")
+    for name, ms, count in rows[:10]:
+        print(f"  {ms:8.3f} ms  x{count:<3} {name[:90]}")
 
 
 def main() -> None:
@@ -187,25 +224,25 @@ def main() -> None:
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compile takes a while)")
     ap.add_argument("--skip-check", action="store_true", help="no correctness table (timings still check agreement)")
     ap.add_argument("--only", default="", help="comma-separated systems to time besides ours (e.g. flex)")
+    ap.add_argument("--profile", action="store_true", help="also our kernels' times from torch.profiler")
+    ap.add_argument("--kernels", default="simt,tc,mma", help="our kernels in the correctness table, in order")
     args = ap.parse_args()
+    kernels = tuple(args.kernels.split(","))
     if not torch.cuda.is_available():
         sys.exit("benchmarks/evoformer.py needs a GPU")
-    reps = 5 if args.small else args.reps
+    reps = 7 if args.small else args.reps
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     shape = (args.batch, args.nseq, args.length, args.heads, args.dim)
     ok = True
     if not args.skip_check:
-        ok &= check([(1, 2, 17, 2, 8), (2, 3, 100, 4, 32), (1, 2, 130, 2, 64)], [torch.float16, torch.bfloat16])
-        ok &= check([(2, 3, 45, 2, 16)], [torch.bfloat16], drop_biases=True)
-        ok &= check([shape], [torch.bfloat16])
-    def ours_simt(*a):
-        evoformer_attn.kernel = "simt"
-        try:
-            return ours(*a)
-        finally:
-            evoformer_attn.kernel = "auto"
+        ok &= check([(1, 2, 17, 2, 8), (2, 3, 100, 4, 32), (1, 2, 130, 2, 64)], [torch.float16, torch.bfloat16],
+                    kernels)
+        ok &= check([(2, 3, 45, 2, 16)], [torch.bfloat16], kernels, drop_biases=True)
+        ok &= check([(1, 2, 200, 2, 12)], [torch.float16], kernels, drop_biases=True)
+        ok &= check([shape], [torch.bfloat16], kernels)
 
-    systems = {"ours": ours, "ours-simt": ours_simt, "naive": naive, "sdpa": sdpa}
+    systems = {"ours": ours, "ours-tc": with_kernel("tc"), "ours-simt": with_kernel("simt"), "naive": naive,
+               "sdpa": sdpa}
     if not args.no_flex and (not args.only or "flex" in args.only.split(",")):
         try:
             systems["flex"] = make_flex()
@@ -226,6 +263,11 @@ def main() -> None:
         except Exception:
             traceback.print_exc()
             ok = False
+    if args.profile:
+        try:
+            profile(shape, torch.bfloat16)
+        except Exception:
+            traceback.print_exc()
     print("\nevoformer correctness:", "PASS" if ok else "FAIL")
 
 

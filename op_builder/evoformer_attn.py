@@ -9,4 +9,5 @@ class EvoformerAttnBuilder(MultiTensorCUDABuilder):
 
     def sources(self) -> list[str]:
         return [*MT_COMMON, "cuda/evoformer_fwd.cu", "cuda/evoformer_fwd_tc.cu", "cuda/evoformer_bwd.cu",
-                "cuda/evoformer_bwd_tc.cu", "py/evoformer_binding.c"]
+                "cuda/evoformer_bwd_tc.cu", "cuda/evoformer_fwd_mma.cu", "cuda/evoformer_bwd_mma.cu",
+                "py/evoformer_binding.c"]

@@ -116,6 +116,11 @@ int launch_bwd_tc(const void *d_o, const void *q, const void *k, const void *v, 
                   const void *bias1, const void *bias2, void *dq, void *dk, void *dv, float *dbias1, float *dbias2,
                   int64_t B, int64_t N, int64_t L, int64_t H, int64_t D, float scale, int dtype, cudaStream_t stream);
 
+// The same on mma.sync tiles (evoformer_bwd_mma.cu); the pair bias's gradient without per-row atomics.
+int launch_bwd_mma(const void *d_o, const void *q, const void *k, const void *v, const float *lse, const float *delta,
+                   const void *bias1, const void *bias2, void *dq, void *dk, void *dv, float *dbias1, float *dbias2,
+                   int64_t B, int64_t N, int64_t L, int64_t H, int64_t D, float scale, int dtype, cudaStream_t stream);
+
 inline bool bad_shape(int64_t B, int64_t N, int64_t L, int64_t H, int64_t D) {
     return B < 1 || N < 1 || L < 1 || H < 1 || D < 1 || D > DSC_EVO_MAX_HEAD_DIM || L > 0x7fffffffLL ||
            B * N * H > 0x7fffffffLL || (L + kRowsPerBlock - 1) / kRowsPerBlock > 65535;

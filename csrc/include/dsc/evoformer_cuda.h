@@ -33,8 +33,14 @@ int dsc_evo_forward_tc(const void *q, const void *k, const void *v, const void *
                        float *lse, int64_t B, int64_t N, int64_t L, int64_t H, int64_t D, float scale, int dtype,
                        int device, cudaStream_t stream);
 
+/* The same forward on mma.sync tiles (evoformer_fwd_mma.cu; compute capability 8.0 or newer): the fast path. */
+int dsc_evo_forward_mma(const void *q, const void *k, const void *v, const void *bias1, const void *bias2, void *o,
+                        float *lse, int64_t B, int64_t N, int64_t L, int64_t H, int64_t D, float scale, int dtype,
+                        int device, cudaStream_t stream);
+
 /* delta: float32 [B, N, H, L] scratch the launcher fills first. dbias1/dbias2 NULL: not wanted.
- * tc != 0: dQ, dK, dV and the bias gradients on tensor cores (evoformer_bwd_tc.cu; sm_80+). */
+ * tc: 0 CUDA cores (evoformer_bwd.cu), 1 WMMA tensor cores (evoformer_bwd_tc.cu), 2 mma.sync tensor cores
+ * (evoformer_bwd_mma.cu); 1 and 2 need sm_80+. */
 int dsc_evo_backward(const void *d_o, const void *q, const void *k, const void *v, const void *o, const float *lse,
                      const void *bias1, const void *bias2, float *delta, void *dq, void *dk, void *dv, float *dbias1,
                      float *dbias2, int64_t B, int64_t N, int64_t L, int64_t H, int64_t D, float scale, int tc,

@@ -3,11 +3,12 @@
 [B, 1, H, L, L], in forward and backward, without materialising the L x L scores of all rows.
 
 fp16/bf16 tensors on a GPU run the flash-style CUDA kernels (op `evoformer_attn`,
-csrc/cuda/evoformer_{fwd,fwd_tc,bwd}.cu); everything else runs the chunked torch path
-(`evoformer_reference`), which follows the same algorithm. `kernel` picks the kernels: "auto"
-(tensor cores on compute capability 8.0+, else CUDA cores), "tc" or "simt". Both the forward and the
-backward (dQ by query rows, dK/dV and the bias gradients by key rows) have each form. The DSC_EVO_KERNEL
-environment variable sets its initial value."""
+csrc/cuda/evoformer_*.cu); everything else runs the chunked torch path (`evoformer_reference`), which
+follows the same algorithm. `kernel` picks the kernels: "auto" (mma on compute capability 8.0+, else
+CUDA cores), "mma" (mma.sync tensor-core tiles, the fast path), "tc" (WMMA tensor cores, the first
+tensor-core form) or "simt" (CUDA cores). The forward and the backward (dQ by query rows, dK/dV and the
+mask bias's gradient by key rows; with "mma" the pair bias's gradient by (query, key) blocks summed over
+the stack in registers) have each form. The DSC_EVO_KERNEL environment variable sets its initial value."""
 from __future__ import annotations
 
 import math
@@ -28,10 +29,16 @@ _warned_head_dim = False
 kernel: str = os.environ.get("DSC_EVO_KERNEL", "auto")
 
 
-def _tensor_cores(q: torch.Tensor) -> bool:
-    if kernel not in ("auto", "tc", "simt"):
-        raise ValueError(f"evoformer_attn.kernel must be 'auto', 'tc' or 'simt', got {kernel!r}")
-    return kernel == "tc" or (kernel == "auto" and torch.cuda.get_device_capability(q.device)[0] >= 8)
+_KERNELS = ("auto", "mma", "tc", "simt")
+_BACKWARD_CODE = {"simt": 0, "tc": 1, "mma": 2}  # the binding's `tc` argument
+
+
+def _kernel_for(q: torch.Tensor) -> str:
+    if kernel not in _KERNELS:
+        raise ValueError(f"evoformer_attn.kernel must be one of {_KERNELS}, got {kernel!r}")
+    if kernel != "auto":
+        return kernel
+    return "mma" if torch.cuda.get_device_capability(q.device)[0] >= 8 else "simt"
 
 
 def cuda_op() -> ModuleType:
@@ -70,7 +77,8 @@ class EvoformerFusedAttention(torch.autograd.Function):
             B, N, L, H, _ = q.shape
             o = torch.empty_like(q)
             lse = torch.empty((B, N, H, L), dtype=torch.float32, device=q.device)
-            forward = cuda_op().forward_tc if _tensor_cores(q) else cuda_op().forward
+            op = cuda_op()
+            forward = {"mma": op.forward_mma, "tc": op.forward_tc, "simt": op.forward}[_kernel_for(q)]
             forward(q, k, v, bias1, bias2, o, lse, scale)
         else:
             o, lse = ref.forward(q, k, v, bias1, bias2, scale)
@@ -90,7 +98,7 @@ class EvoformerFusedAttention(torch.autograd.Function):
             db1 = torch.zeros(bias1.shape, dtype=torch.float32, device=q.device) if want1 else None
             db2 = torch.zeros(bias2.shape, dtype=torch.float32, device=q.device) if want2 else None
             cuda_op().backward(d_o, q, k, v, o, lse, bias1, bias2, delta, dq, dk, dv, db1, db2, ctx.scale,
-                               _tensor_cores(q))
+                               _BACKWARD_CODE[_kernel_for(q)])
             db1 = None if db1 is None else db1.to(bias1.dtype)
             db2 = None if db2 is None else db2.to(bias2.dtype)
         else:
