@@ -3,9 +3,14 @@
 //   int8: q[n, k] = round(w / s) in [-127, 127]
 //   int4: byte q[n, k / 2] holds k even in its low nibble, k odd in its high one, each as
 //         round(w / s) + 8 in [1, 15]
-// quant_gemv: out[m, n] = sum_k x[m, k] * s[n, k / group] * q[n, k] for a few rows m (decode): one
-// warp a weight row, 16 weights a lane a step read as one 16- or 8-byte load, the activations staged
-// in shared memory once a block; memory-bound on the weights, which is the point of quantizing them.
+// quant_gemv: out[m, n] = sum_k x[m, k] * s[n, k / group] * q[n, k] for a few rows m (decode). At
+// batch 1 this is bound by the weight bytes read, which is the point of quantizing them, so the
+// kernel is built to keep HBM busy: one warp a weight row, each lane streams 16-byte weight chunks
+// (16 int8 or 32 int4 values) with U of them in flight before any is used (the loads bypass L1,
+// the weights are read once), the activations are read straight from global memory (a few KiB,
+// L1-resident after the first warp of an SM), and the integer -> float conversion is a byte
+// permute into a float's mantissa plus one subtraction (no int -> float convert instructions,
+// which run at a quarter of the FMA rate and would make the kernel compute-bound, int4 most).
 // dequantize: the weights back in the activation dtype (for prefill's tensor-core GEMM).
 #include "inference_common.cuh"
 
@@ -13,101 +18,172 @@ namespace {
 using namespace dsc_inf;
 
 constexpr int kMaxRows = 8;
-constexpr int kWarps = 8;
-constexpr int kPerLane = 16;
 
-__device__ __forceinline__ void unpack16(const uint8_t *p, int bits, float w[kPerLane]) {
-    if (bits == 8) {
-        const uint4 v = *reinterpret_cast<const uint4 *>(p);
-        const int8_t *b = reinterpret_cast<const int8_t *>(&v);
-#pragma unroll
-        for (int j = 0; j < kPerLane; j++) w[j] = static_cast<float>(b[j]);
+// Bytes 0..255 become 2^23 + byte as a float (the byte in the low mantissa bits under exponent
+// 0x4B); subtracting 2^23 + offset leaves byte - offset exactly.
+template <int I> __device__ __forceinline__ float byte_as_float(uint32_t word, float magic_minus) {
+    return __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7440u + I)) - magic_minus;
+}
+constexpr float kInt8Magic = 8388608.f + 128.f;  // int8 bytes are flipped to offset binary (v + 128)
+constexpr float kInt4Magic = 8388608.f + 8.f;    // int4 nibbles are stored as v + 8
+
+__device__ __forceinline__ uint32_t word_of(const uint4 &v, int j) {
+    return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
+}
+
+// The 8 weights of 16-byte chunk `raw` that meet activations [8 j, 8 j + 8) of the chunk, in order.
+template <int BITS> __device__ __forceinline__ void weights8(const uint4 &raw, int j, float w[8]) {
+    if (BITS == 8) {
+        const uint32_t a = word_of(raw, 2 * j) ^ 0x80808080u, b = word_of(raw, 2 * j + 1) ^ 0x80808080u;
+        w[0] = byte_as_float<0>(a, kInt8Magic), w[1] = byte_as_float<1>(a, kInt8Magic);
+        w[2] = byte_as_float<2>(a, kInt8Magic), w[3] = byte_as_float<3>(a, kInt8Magic);
+        w[4] = byte_as_float<0>(b, kInt8Magic), w[5] = byte_as_float<1>(b, kInt8Magic);
+        w[6] = byte_as_float<2>(b, kInt8Magic), w[7] = byte_as_float<3>(b, kInt8Magic);
     } else {
-        const uint2 v = *reinterpret_cast<const uint2 *>(p);
-        const uint8_t *b = reinterpret_cast<const uint8_t *>(&v);
-#pragma unroll
-        for (int j = 0; j < kPerLane / 2; j++) {
-            w[2 * j] = static_cast<float>(static_cast<int>(b[j] & 15) - 8);
-            w[2 * j + 1] = static_cast<float>(static_cast<int>(b[j] >> 4) - 8);
-        }
+        const uint32_t word = word_of(raw, j);
+        const uint32_t lo = word & 0x0F0F0F0Fu, hi = (word >> 4) & 0x0F0F0F0Fu;
+        w[0] = byte_as_float<0>(lo, kInt4Magic), w[1] = byte_as_float<0>(hi, kInt4Magic);
+        w[2] = byte_as_float<1>(lo, kInt4Magic), w[3] = byte_as_float<1>(hi, kInt4Magic);
+        w[4] = byte_as_float<2>(lo, kInt4Magic), w[5] = byte_as_float<2>(hi, kInt4Magic);
+        w[6] = byte_as_float<3>(lo, kInt4Magic), w[7] = byte_as_float<3>(hi, kInt4Magic);
     }
 }
 
-// 16 consecutive activations (16-element aligned) as floats: vector loads from shared memory (a lane's
-// scalar loads at a 32-byte stride would hit the same banks 8 lanes at a time).
-__device__ __forceinline__ void load16(const float *p, float v[kPerLane]) {
+// 8 consecutive activations (16-byte aligned) as floats, through the read-only cache.
+__device__ __forceinline__ void load8(const float *p, float v[8]) {
+    const float4 a = __ldg(reinterpret_cast<const float4 *>(p)), b = __ldg(reinterpret_cast<const float4 *>(p) + 1);
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+__device__ __forceinline__ void load8(const __half *p, float v[8]) {
+    const uint4 u = __ldg(reinterpret_cast<const uint4 *>(p));
+    const __half2 *h = reinterpret_cast<const __half2 *>(&u);
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const float4 f = reinterpret_cast<const float4 *>(p)[i];
-        v[4 * i] = f.x, v[4 * i + 1] = f.y, v[4 * i + 2] = f.z, v[4 * i + 3] = f.w;
+    for (int j = 0; j < 4; j++) {
+        const float2 f = __half22float2(h[j]);
+        v[2 * j] = f.x, v[2 * j + 1] = f.y;
     }
 }
-__device__ __forceinline__ void load16(const __half *p, float v[kPerLane]) {
+__device__ __forceinline__ void load8(const __nv_bfloat16 *p, float v[8]) {
+    const uint4 u = __ldg(reinterpret_cast<const uint4 *>(p));
 #pragma unroll
-    for (int i = 0; i < 2; i++) {
-        const uint4 u = reinterpret_cast<const uint4 *>(p)[i];
-        const __half2 *h = reinterpret_cast<const __half2 *>(&u);
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const float2 f = __half22float2(h[j]);
-            v[8 * i + 2 * j] = f.x, v[8 * i + 2 * j + 1] = f.y;
-        }
-    }
-}
-__device__ __forceinline__ void load16(const __nv_bfloat16 *p, float v[kPerLane]) {
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        const uint4 u = reinterpret_cast<const uint4 *>(p)[i];
-        const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&u);
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const float2 f = __bfloat1622float2(h[j]);
-            v[8 * i + 2 * j] = f.x, v[8 * i + 2 * j + 1] = f.y;
-        }
+    for (int j = 0; j < 4; j++) {  // a bfloat16 is the top half of a float
+        const uint32_t w = word_of(u, j);
+        v[2 * j] = __uint_as_float(w << 16), v[2 * j + 1] = __uint_as_float(w & 0xFFFF0000u);
     }
 }
 
-template <typename T>
-__global__ void quant_gemv_kernel(const T *__restrict__ x, const uint8_t *__restrict__ q,
-                                  const float *__restrict__ scales, T *__restrict__ out, int M, int64_t N, int64_t K,
-                                  int bits, int64_t group) {
-    extern __shared__ unsigned char smem_raw[];
-    T *xs = reinterpret_cast<T *>(smem_raw);
-    for (int64_t i = threadIdx.x; i < (int64_t)M * K; i += blockDim.x) xs[i] = x[i];
-    __syncthreads();
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int64_t n = (int64_t)blockIdx.x * kWarps + warp;
+// Weights are streamed once: no L1 allocation, so the activations stay cached.
+__device__ __forceinline__ uint4 load_stream(const uint4 *p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
+// One warp an output row n. Chunk c of the row (16 bytes) holds weights [c W, c W + W) with
+// W = 16 (int8) or 32 (int4); its scale is scales[n, c / (group / W)], the division done as a
+// multiply-high by ceil(2^32 / (group / W)) (exact for c < 2^16, checked by the launcher; 0 when
+// group == W: one scale a chunk).
+template <typename T, int BITS, int U, int R>
+__global__ void __launch_bounds__(256) quant_gemv_kernel(const T *__restrict__ x, const uint8_t *__restrict__ q,
+                                                         const float *__restrict__ scales, T *__restrict__ out, int M,
+                                                         int N, int K, int groups, uint32_t scale_div) {
+    constexpr int W = BITS == 8 ? 16 : 32;
+    const int lane = threadIdx.x & 31;
+    const int n = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (n >= N) return;
-    const int64_t row_bytes = bits == 8 ? K : K / 2;
-    const int64_t groups = K / group;
-    const uint8_t *qr = q + n * row_bytes;
-    const float *sr = scales + n * groups;
-    float acc[kMaxRows];
+    const int chunks = K / W;
+    const uint4 *qr = reinterpret_cast<const uint4 *>(q + static_cast<int64_t>(n) * (K / (8 / BITS)));
+    const float *sr = scales + static_cast<int64_t>(n) * groups;
+    float acc[R];
 #pragma unroll
-    for (int m = 0; m < kMaxRows; m++) acc[m] = 0.f;
-    for (int64_t k0 = (int64_t)lane * kPerLane; k0 < K; k0 += 32 * kPerLane) {
-        float w[kPerLane];
-        unpack16(qr + (bits == 8 ? k0 : k0 / 2), bits, w);
-        const float s = sr[k0 / group];
+    for (int m = 0; m < R; m++) acc[m] = 0.f;
+    for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
+        uint4 raw[U];
+        float s[U];
 #pragma unroll
-        for (int m = 0; m < kMaxRows; m++) {
-            if (m >= M) break;
-            float xv[kPerLane];
-            load16(xs + (int64_t)m * K + k0, xv);
-            float part = 0.f;
+        for (int u = 0; u < U; u++) {  // every load of this round issued before any is used
+            const int c = c0 + 32 * u;
+            raw[u] = make_uint4(0u, 0u, 0u, 0u), s[u] = 0.f;
+            if (c < chunks) {
+                const uint32_t g = scale_div ? __umulhi(static_cast<uint32_t>(c), scale_div) : c;
+                raw[u] = load_stream(qr + c);
+                s[u] = __ldg(sr + g);
+            }
+        }
 #pragma unroll
-            for (int j = 0; j < kPerLane; j++) part += w[j] * xv[j];
-            acc[m] += s * part;
+        for (int u = 0; u < U; u++) {
+            const int c = c0 + 32 * u;
+            if (c >= chunks) break;
+            float part[R];
+#pragma unroll
+            for (int m = 0; m < R; m++) part[m] = 0.f;
+#pragma unroll
+            for (int j = 0; j < W / 8; j++) {
+                float w[8];
+                weights8<BITS>(raw[u], j, w);
+#pragma unroll
+                for (int m = 0; m < R; m++) {
+                    if (R > 1 && m >= M) break;
+                    float xv[8];
+                    load8(x + static_cast<int64_t>(m) * K + c * W + 8 * j, xv);
+#pragma unroll
+                    for (int i = 0; i < 8; i++) part[m] = fmaf(w[i], xv[i], part[m]);
+                }
+            }
+#pragma unroll
+            for (int m = 0; m < R; m++) acc[m] = fmaf(s[u], part[m], acc[m]);
         }
     }
 #pragma unroll
-    for (int m = 0; m < kMaxRows; m++) {
-        if (m >= M) break;
+    for (int m = 0; m < R; m++) {
+        if (R > 1 && m >= M) break;
         const float v = warp_sum(acc[m]);
-        if (lane == 0) store(out + (int64_t)m * N + n, v);
+        if (lane == 0) store(out + static_cast<int64_t>(m) * N + n, v);
     }
 }
 
+template <typename T> __device__ __forceinline__ void store8(T *p, const float v[8]);
+template <> __device__ __forceinline__ void store8(float *p, const float v[8]) {
+    reinterpret_cast<float4 *>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4 *>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+template <> __device__ __forceinline__ void store8(__half *p, const float v[8]) {
+    uint4 u;
+    __half2 *h = reinterpret_cast<__half2 *>(&u);
+#pragma unroll
+    for (int j = 0; j < 4; j++) h[j] = __floats2half2_rn(v[2 * j], v[2 * j + 1]);
+    *reinterpret_cast<uint4 *>(p) = u;
+}
+template <> __device__ __forceinline__ void store8(__nv_bfloat16 *p, const float v[8]) {
+    uint4 u;
+    __nv_bfloat162 *h = reinterpret_cast<__nv_bfloat162 *>(&u);
+#pragma unroll
+    for (int j = 0; j < 4; j++) h[j] = __floats2bfloat162_rn(v[2 * j], v[2 * j + 1]);
+    *reinterpret_cast<uint4 *>(p) = u;
+}
+
+// One thread a 16-byte chunk (the layout of quant_gemv_kernel), written as 16-byte stores.
+template <typename T, int BITS>
+__global__ void dequantize_vec_kernel(const uint8_t *__restrict__ q, const float *__restrict__ scales,
+                                      T *__restrict__ out, int64_t chunks, int64_t chunks_per_group) {
+    constexpr int W = BITS == 8 ? 16 : 32;
+    for (int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; c < chunks; c += (int64_t)gridDim.x * blockDim.x) {
+        const uint4 raw = load_stream(reinterpret_cast<const uint4 *>(q) + c);
+        const float s = __ldg(scales + c / chunks_per_group);
+#pragma unroll
+        for (int j = 0; j < W / 8; j++) {
+            float w[8];
+            weights8<BITS>(raw, j, w);
+#pragma unroll
+            for (int i = 0; i < 8; i++) w[i] *= s;
+            store8(out + c * W + 8 * j, w);
+        }
+    }
+}
+
+// Any shape the vector kernel does not take (group or width not a multiple of a chunk).
 template <typename T>
 __global__ void dequantize_kernel(const uint8_t *__restrict__ q, const float *__restrict__ scales, T *__restrict__ out,
                                   int64_t N, int64_t K, int bits, int64_t group) {
@@ -124,25 +200,57 @@ __global__ void dequantize_kernel(const uint8_t *__restrict__ q, const float *__
         store(out + i, v * scales[n * groups + k / group]);
     }
 }
+
+bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+template <typename T, int BITS, int U>
+int launch_gemv(const void *x, const void *q, const float *scales, void *out, int M, int N, int K, int group, int warps,
+                cudaStream_t stream) {
+    constexpr int W = BITS == 8 ? 16 : 32;
+    const uint32_t per_scale = static_cast<uint32_t>(group / W);
+    const uint32_t div = per_scale == 1 ? 0u : static_cast<uint32_t>((0x100000000ull + per_scale - 1) / per_scale);
+    const unsigned blocks = static_cast<unsigned>((N + warps - 1) / warps);
+    const T *xt = static_cast<const T *>(x);
+    T *ot = static_cast<T *>(out);
+    const uint8_t *qb = static_cast<const uint8_t *>(q);
+    if (M == 1)  // decode at batch 1: no row loop
+        quant_gemv_kernel<T, BITS, U, 1><<<blocks, 32 * warps, 0, stream>>>(xt, qb, scales, ot, M, N, K, K / group, div);
+    else
+        quant_gemv_kernel<T, BITS, U, kMaxRows><<<blocks, 32 * warps, 0, stream>>>(xt, qb, scales, ot, M, N, K,
+                                                                                  K / group, div);
+    return launch_error();
+}
+
+template <typename T, int BITS>
+int launch_gemv_unroll(int unroll, const void *x, const void *q, const float *scales, void *out, int M, int N, int K,
+                       int group, int warps, cudaStream_t stream) {
+    if constexpr (sizeof(T) == 4) {  // float activations: the default launch only
+        return launch_gemv<T, BITS, 4>(x, q, scales, out, M, N, K, group, warps, stream);
+    } else {
+        if (unroll == 2) return launch_gemv<T, BITS, 2>(x, q, scales, out, M, N, K, group, warps, stream);
+        if (unroll == 8) return launch_gemv<T, BITS, 8>(x, q, scales, out, M, N, K, group, warps, stream);
+        return launch_gemv<T, BITS, 4>(x, q, scales, out, M, N, K, group, warps, stream);
+    }
+}
 } // namespace
 
 extern "C" int dsc_inf_quant_gemv(const void *x, const void *q, const float *scales, void *out, int64_t M, int64_t N,
-                                  int64_t K, int bits, int64_t group, int dtype, int device, cudaStream_t stream) {
-    if (!x || !q || !scales || !out || M < 1 || M > kMaxRows || N < 1 || K < kPerLane || K % kPerLane ||
-        group < kPerLane || group % kPerLane || K % group || (bits != 8 && bits != 4))
+                                  int64_t K, int bits, int64_t group, int dtype, int device, cudaStream_t stream,
+                                  int variant) {
+    const int64_t w = bits == 8 ? 16 : 32;  // weights a 16-byte chunk
+    const int unroll = variant % 100, warps = variant / 100 == 0 ? 8 : static_cast<int>(variant / 100);
+    if (!x || !q || !scales || !out || M < 1 || M > kMaxRows || N < 1 || N > INT32_MAX || K < w || K % w ||
+        group < w || group % w || K % group || K / w >= 65536 || (bits != 8 && bits != 4) || variant < 0 ||
+        (unroll != 0 && unroll != 2 && unroll != 4 && unroll != 8) || (warps != 4 && warps != 8) ||
+        !aligned16(x) || !aligned16(q))
         return DSC_CUDA_EARG;
     DeviceGuard guard(device);
     if (guard.error() != 0) return guard.error();
     return dispatch(dtype, [&](auto *tag) {
         using E = std::remove_pointer_t<decltype(tag)>;
-        const size_t smem = static_cast<size_t>(M * K) * sizeof(E);
-        int rc = allow_smem(quant_gemv_kernel<E>, smem, 0);
-        if (rc != 0) return rc;
-        const unsigned blocks = static_cast<unsigned>((N + kWarps - 1) / kWarps);
-        quant_gemv_kernel<E><<<blocks, 32 * kWarps, smem, stream>>>(
-            static_cast<const E *>(x), static_cast<const uint8_t *>(q), scales, static_cast<E *>(out),
-            static_cast<int>(M), N, K, bits, group);
-        return launch_error();
+        const int m = static_cast<int>(M), n = static_cast<int>(N), k = static_cast<int>(K), g = static_cast<int>(group);
+        return bits == 8 ? launch_gemv_unroll<E, 8>(unroll, x, q, scales, out, m, n, k, g, warps, stream)
+                         : launch_gemv_unroll<E, 4>(unroll, x, q, scales, out, m, n, k, g, warps, stream);
     });
 }
 
@@ -153,10 +261,22 @@ extern "C" int dsc_inf_dequantize(const void *q, const float *scales, void *out,
         return DSC_CUDA_EARG;
     DeviceGuard guard(device);
     if (guard.error() != 0) return guard.error();
+    const int64_t w = bits == 8 ? 16 : 32;
+    const bool vec = group % w == 0 && aligned16(q) && aligned16(out);
     return dispatch(dtype, [&](auto *tag) {
         using E = std::remove_pointer_t<decltype(tag)>;
-        dequantize_kernel<E><<<grid_for(N * K, 256), 256, 0, stream>>>(static_cast<const uint8_t *>(q), scales,
-                                                                       static_cast<E *>(out), N, K, bits, group);
+        if (vec) {
+            const int64_t chunks = N * K / w;
+            if (bits == 8)
+                dequantize_vec_kernel<E, 8><<<grid_for(chunks, 256), 256, 0, stream>>>(
+                    static_cast<const uint8_t *>(q), scales, static_cast<E *>(out), chunks, group / w);
+            else
+                dequantize_vec_kernel<E, 4><<<grid_for(chunks, 256), 256, 0, stream>>>(
+                    static_cast<const uint8_t *>(q), scales, static_cast<E *>(out), chunks, group / w);
+        } else {
+            dequantize_kernel<E><<<grid_for(N * K, 256), 256, 0, stream>>>(static_cast<const uint8_t *>(q), scales,
+                                                                           static_cast<E *>(out), N, K, bits, group);
+        }
         return launch_error();
     });
 }

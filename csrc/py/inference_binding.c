@@ -9,7 +9,7 @@
  *   masked_softmax(scores, t, rows_per_batch, past, key_mask|None, scale)
  *   bias_gelu(h, bias|None, approximate)
  *   silu_mul(gu, bias|None, out)
- *   quant_gemv(x, q, scales, out, bits, group)      weight-only int8/int4 GEMV (decode)
+ *   quant_gemv(x, q, scales, out, bits, group[, variant])  weight-only int8/int4 GEMV (decode)
  *   dequantize(q, scales, out, bits, group)         the weights in the activation dtype (prefill) */
 #include "dsc/tensor_view.h" /* Python.h first */
 #include <cuda_runtime_api.h> /* C-compatible: cudaGetErrorString */
@@ -330,23 +330,36 @@ static int quant_args(PyObject *const *args, int64_t bits, int64_t group, int64_
 
 static PyObject *py_quant_gemv(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (dsc_check_nargs("quant_gemv", nargs, 6) < 0) return NULL;
+    if (nargs != 7 && dsc_check_nargs("quant_gemv", nargs, 6) < 0) return NULL;
     dsc_view x, q, scales, out;
     if (arg(args[0], "x", ACT, 0, NULL, NULL, 0, &x) < 0) return NULL;
     if (x.ndim != 2) return PyErr_Format(PyExc_ValueError, "argument 'x' must be 2-D [M, K]");
     const int64_t M = x.shape[0], K = x.shape[1];
     const long long bits = PyLong_AsLongLong(args[4]), group = PyLong_AsLongLong(args[5]);
+    const long long variant = nargs == 7 ? PyLong_AsLongLong(args[6]) : 0;
     if (PyErr_Occurred()) return NULL;
+    if (M < 1 || M > 8) return PyErr_Format(PyExc_ValueError, "argument 'x' must have 1 to 8 rows, got %lld",
+                                            (long long)M);
+    if (variant < 0 || variant > 808)
+        return PyErr_Format(PyExc_ValueError, "argument 'variant' (%lld) must be 0 or 100 * warps + unroll",
+                            variant);
     if (arg(args[3], "out", ACT, 0, &x, "x", 1, &out) < 0 || out.ndim != 2 || out.shape[0] != M)
         return PyErr_Occurred() ? NULL : PyErr_Format(PyExc_ValueError, "argument 'out' must be [M, N]");
     const int64_t N = out.shape[1];
     if (quant_args(args + 1, bits, group, N, K, &x, &q, &scales) < 0) return NULL;
+    const int64_t chunk = bits == 8 ? 16 : 32; /* weights a 16-byte load */
+    if (K % chunk || group % chunk || K / chunk >= 65536)
+        return PyErr_Format(PyExc_ValueError, "quant_gemv: int%lld needs the input width (%lld) and group (%lld) "
+                            "multiples of %lld and the width below %lld", bits, (long long)K, group,
+                            (long long)chunk, (long long)(chunk * 65536));
+    if (((uintptr_t)x.data | (uintptr_t)q.data) & 15)
+        return PyErr_Format(PyExc_ValueError, "quant_gemv: 'x' and 'q' must start 16-byte aligned");
     cudaStream_t stream;
     if (stream_of(x.device_id, &stream) < 0) return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = dsc_inf_quant_gemv(x.data, q.data, (const float *)scales.data, out.data, M, N, K, (int)bits, group,
-                            cuda_dtype(x.dtype), x.device_id, stream);
+                            cuda_dtype(x.dtype), x.device_id, stream, (int)variant);
     Py_END_ALLOW_THREADS
     return finish(rc, "quant_gemv");
 }
@@ -383,7 +396,8 @@ static PyMethodDef methods[] = {
            "masked_softmax(scores, t, rows_per_batch, past, key_mask, scale): prefill attention's softmax, in place."),
     METHOD("bias_gelu", py_bias_gelu, "bias_gelu(h, bias, approximate): h = gelu(h + bias) in place."),
     METHOD("silu_mul", py_silu_mul, "silu_mul(gu, bias, out): out = silu(gate) * up."),
-    METHOD("quant_gemv", py_quant_gemv, "quant_gemv(x, q, scales, out, bits, group): weight-only int8/int4 GEMV."),
+    METHOD("quant_gemv", py_quant_gemv,
+           "quant_gemv(x, q, scales, out, bits, group[, variant]): weight-only int8/int4 GEMV (variant: tuning)."),
     METHOD("dequantize", py_dequantize, "dequantize(q, scales, out, bits, group): int8/int4 weights to out's dtype."),
     {NULL, NULL, 0, NULL},
 };

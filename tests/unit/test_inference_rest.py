@@ -74,6 +74,14 @@ def test_injected_quantized_tokens_equal_hf_with_rounded_weights(kind, bits):
     assert float(rel) < 1e-5
     if kind == "gpt2":
         return
+    # decode steps (one row: the GEMV path on a GPU) continue the prefix's cache to the full prefill's logits
+    full = ref(input_ids=IDS).logits
+    out = engine(input_ids=IDS[:, :3], use_cache=True)
+    past = out.past_key_values
+    for t in range(3, IDS.shape[1]):
+        step = engine(input_ids=IDS[:, t:t + 1], past_key_values=past, use_cache=True)
+        past = step.past_key_values
+        assert float((step.logits[:, -1] - full[:, t]).abs().max() / full.abs().max()) < 1e-5
     # the same section without injection quantizes each Linear alike
     plain = deepspeed_c.init_inference(copy.deepcopy(model), dtype=torch.float32, max_out_tokens=32,
                                        quant={"weight": {"num_bits": bits, "group_size": 16}})

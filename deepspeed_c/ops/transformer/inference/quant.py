@@ -13,7 +13,14 @@ import torch.nn.functional as F
 
 QMAX = {8: 127, 4: 7}
 GEMV_MAX_ROWS = 8  # the CUDA GEMV serves up to this many activation rows (decode); more go to a GEMM
-_GEMV_SMEM = 96 * 1024  # activations staged in shared memory
+CHUNK = {8: 16, 4: 32}  # weights a 16-byte load of the GEMV: width and group must be multiples of it
+_GEMV_MAX_CHUNKS = 65536
+
+
+def gemv_serves(rows: int, k: int, bits: int, group: int) -> bool:
+    """Whether quant_gemv takes this shape (else dequantize + GEMM)."""
+    w = CHUNK[bits]
+    return 1 <= rows <= GEMV_MAX_ROWS and k % w == 0 and group % w == 0 and k // w < _GEMV_MAX_CHUNKS
 
 
 def check_group(what: str, in_features: int, bits: int, group: int) -> None:
@@ -64,17 +71,23 @@ def dequantize(q: Tensor, scales: Tensor, bits: int, group: int, dtype: torch.dt
     return out
 
 
+def gemv(x2: Tensor, q: Tensor, scales: Tensor, bits: int, group: int, variant: int = 0) -> Tensor:
+    """The CUDA GEMV on x2 [rows, K] (rows <= GEMV_MAX_ROWS); variant: a launch for tuning (0 = default)."""
+    from deepspeed_c.ops.transformer.inference.kernels import cuda_op
+
+    if x2.data_ptr() % 16:  # the kernel reads activations 16 bytes at a time
+        x2 = x2.clone()
+    out = torch.empty(x2.shape[0], q.shape[0], dtype=x2.dtype, device=x2.device)
+    cuda_op().quant_gemv(x2, q, scales, out, bits, group, variant)
+    return out
+
+
 def linear(x: Tensor, q: Tensor, scales: Tensor, bits: int, group: int, bias: Tensor | None = None) -> Tensor:
     """x [..., K] @ dequant(q)^T (+ bias) in x's dtype."""
     k = x.shape[-1]
     rows = x.numel() // k
-    if x.is_cuda and rows <= GEMV_MAX_ROWS and k % 16 == 0 and group % 16 == 0 \
-            and rows * k * x.element_size() <= _GEMV_SMEM:
-        from deepspeed_c.ops.transformer.inference.kernels import cuda_op
-
-        x2 = x.reshape(rows, k).contiguous()
-        out = torch.empty(rows, q.shape[0], dtype=x.dtype, device=x.device)
-        cuda_op().quant_gemv(x2, q, scales, out, bits, group)
+    if x.is_cuda and gemv_serves(rows, k, bits, group) and q.data_ptr() % 16 == 0:
+        out = gemv(x.reshape(rows, k).contiguous(), q, scales, bits, group)
         out = out.view(*x.shape[:-1], q.shape[0])
         return out if bias is None else out + bias
     return F.linear(x, dequantize(q, scales, bits, group, x.dtype), bias)
