@@ -26,10 +26,13 @@ in it where it can), ZeRO++ qgZ's quantized one (`quantized_reduce`), or with `u
 an all-reduce keeping the local chunk (DeepSpeed's switch; twice the bytes). A `side_stream` (CUDA,
 the offload path's) finishes each bucket there instead of at the end of backward, and
 `on_bucket_final(g, start, end, chunk)` then runs on that stream on the accumulation boundary: the
-device-to-host copy of the finished chunk overlaps the rest of backward. Same interface as
+device-to-host copy of the finished chunk overlaps the rest of backward. Without one, at most
+`in_flight_window` sent buckets stay unfinished: sending another finishes the oldest (a rank holds the
+buckets being filled and two in flight, not every bucket of the backward). Same interface as
 runtime/reducer.GradientReducer (end_backward, remove), so the engine drives either one."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -47,6 +50,25 @@ def chunk_range(plan: PartitionPlan, b: int, world_size: int) -> tuple[int, int]
     """[start, end) of bucket b's chunk inside each rank's partition of the plan's group."""
     start = plan.bucket_offset[b] // world_size
     return start, start + plan.bucket_size[b] // world_size
+
+
+IN_FLIGHT_ENV = "DSC_ZERO_REDUCE_WINDOW"  # sent buckets kept unfinished (0: all, to the end of backward)
+IN_FLIGHT_DEFAULT = 2
+
+
+def in_flight_window() -> int:
+    """How many sent buckets may be unfinished at once (DSC_ZERO_REDUCE_WINDOW, default 2; 0 keeps every
+    one to the end of backward, the earlier behaviour, for A/B runs)."""
+    raw = os.environ.get(IN_FLIGHT_ENV, "").strip()
+    if not raw:
+        return IN_FLIGHT_DEFAULT
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{IN_FLIGHT_ENV} must be an integer >= 0, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"{IN_FLIGHT_ENV} must be an integer >= 0, got {value}")
+    return value
 
 
 def grad_dtypes(groups: Sequence[Sequence[torch.nn.Parameter]], comm_dtype: Optional[torch.dtype],
@@ -136,6 +158,11 @@ class ZeroGradPartitioner(BackwardRound):
         self._next = 0
         self._in_flight: list[_InFlight] = []
         self._finished: list[_InFlight] = []  # finished on the side stream: kept alive until end of round
+        # sent buckets not yet finished, at most: the oldest is finished (its collective waited for on the
+        # current stream, its chunk folded into the partition, its buffer freed) as a newer one goes out.
+        # Holding every bucket to the end of backward kept a whole unsharded gradient alive at its end
+        # (2 bytes a parameter in bf16, on every rank); a bucket two launches old has long finished
+        self.in_flight_window = in_flight_window()
         self._boundary = True
         self.side_stream = side_stream
         self.on_bucket_final = on_bucket_final
@@ -354,6 +381,9 @@ class ZeroGradPartitioner(BackwardRound):
                 self._finish_bucket(entry)
                 return
             self._in_flight.append(entry)
+            window = self.in_flight_window
+            if window and len(self._in_flight) > window:
+                self._finish_bucket(self._in_flight.pop(0))
             return
         # finish this bucket on the side stream right away (queued, not waited for), so its
         # device-to-host copy can run while backward goes on. The side stream first waits for the

@@ -15,6 +15,7 @@ forward gathers what it uses). Gather-on-use is param_hooks.ParamCoordinator."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -28,6 +29,7 @@ from deepspeed_c.runtime.zero.param_hooks import ParamCoordinator, _is_leaf, mar
 from deepspeed_c.runtime.zero.param_store import ParamStore, placeholder
 from deepspeed_c.runtime.zero.partition_parameters import adopt, is_zero_param
 from deepspeed_c.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer, _states_resident
+from deepspeed_c.runtime.zero.step_strategy import FusedEpilogueStep, ZeroStepStrategy
 from deepspeed_c.runtime.zero.zeropp import ZeroPlusPlus, check_hpz_size
 
 __all__ = ["DeepSpeedZeroOptimizer_Stage3", "build_param_store", "Zero3Params",
@@ -106,9 +108,37 @@ def build_param_store(module: torch.nn.Module, groups: Sequence[Sequence[torch.n
     return store
 
 
+STEP_INTO_SHARD_ENV = "DSC_Z3_STEP_INTO_SHARD"  # 0: the fused step writes a scratch copy first (A/B runs)
+
+
+class ShardSlots:
+    """Where the fused step (step_strategy.FusedEpilogueStep) writes each updated 16-bit chunk: straight
+    into this rank's shard, when the shard is an ordinary tensor of the step's dtype on its device. The
+    step otherwise keeps a partition-sized 16-bit scratch (2 bytes a parameter over the world size, held
+    between steps) that the shard writer then copies from."""
+
+    def __init__(self, store: ParamStore) -> None:
+        self.store = store
+
+    def own_slot(self, g: int, b: int, rank: int, world_size: int) -> Optional[torch.Tensor]:
+        store = self.store
+        if store.file_backed or g >= len(store.shards):
+            return None
+        start, end = store.chunk_range(store.first_unit[g] + b)
+        return store.shards[g][start:end]
+
+    @staticmethod
+    def usable(store: ParamStore, master: torch.Tensor, lp_dtype: torch.dtype) -> bool:
+        if os.environ.get(STEP_INTO_SHARD_ENV, "1").strip().lower() in ("0", "false", "off", "no"):
+            return False
+        return not store.file_backed and all(s.device == master.device and s.dtype == lp_dtype
+                                             for s in store.shards)
+
+
 class ShardWriter:
     """The stage-3 stand-in for the stage 1/2 all-gather of updated weights: each updated partition chunk
-    is written into this rank's shard; once all are in, every gathered copy is stale and released."""
+    is written into this rank's shard (unless the step wrote it there already: ShardSlots); once all are
+    in, every gathered copy is stale and released."""
 
     def __init__(self, store: ParamStore) -> None:
         self.store = store
@@ -117,7 +147,9 @@ class ShardWriter:
     def submit(self, g: int, b: int, chunk: torch.Tensor) -> None:
         plan = self.store.plans[g]
         start = plan.bucket_offset[b] // self.store.world_size
-        self.store.shards[g][start:start + chunk.numel()].copy_(chunk, non_blocking=True)
+        dst = self.store.shards[g][start:start + chunk.numel()]
+        if dst.data_ptr() != chunk.data_ptr():
+            dst.copy_(chunk, non_blocking=True)
         self.store.wrote(g, start, start + chunk.numel())
         self.store.drop_secondary([self.store.first_unit[g] + b])
 
@@ -261,6 +293,13 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (Deep
 
     def _weights_writer(self) -> Any:
         return ShardWriter(self.store)
+
+    def _step_strategy(self, epilogue: Any) -> ZeroStepStrategy:
+        strategy = super()._step_strategy(epilogue)
+        if isinstance(strategy, FusedEpilogueStep) and \
+                ShardSlots.usable(self.store, self.fp32_partitions[0], strategy.lp_dtype):
+            strategy.flat = ShardSlots(self.store)  # type: ignore[assignment]  (own_slot is all it reads)
+        return strategy
 
     def owned_reducer(self) -> Any:
         return self._round
