@@ -171,6 +171,11 @@ class EngineOptimizer:
     def load_checkpoint_state(self, saved: SavedCheckpoint, load_optimizer_states: bool) -> None:
         raise NotImplementedError
 
+    def writes_partition_files(self) -> bool:
+        """Whether this rank writes its partition's files (ZeRO file, stage 3's model-states file); False on a
+        rank whose partition another rank holds too and writes (MiCS's replicas: the first shard group writes)."""
+        return True
+
     def rank_checkpoint_file(self) -> Optional[tuple[str, dict]]:
         """(file name, contents) of this rank's own optimizer state, which the checkpointer writes into the
         tag directory beside the shared files: state that differs between ranks and that the shared files

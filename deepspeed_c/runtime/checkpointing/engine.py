@@ -156,18 +156,21 @@ class EngineCheckpointer:
         # ZeRO-3: every rank writes its own model-states file, with its shards of the frozen parameters
         shards = (zero3.partitioned_model_state(st.stepper, name_of, exclude_frozen_parameters)
                   if st.stepper is not None else None)
+        # MiCS: the replicas of a partition hold what the first shard group writes
+        writes_part = st.stepper is None or st.stepper.writes_partition_files()
         with rank_local_step("save_checkpoint (writing this rank's files)", distributed=_dist()):
             if st.has_moe_layers:
                 my_files.update(moe.save_files(st.module, st.stepper, self.options.zero, stage))
-            if part is not None:
+            if part is not None and writes_part:
                 name = zero_file(self.options.bf16, part[0], st.mp_rank)
                 state = {"optimizer_state_dict": part[1], "ds_config": self.options.ds_config,
                          "ds_version": DEEPSPEED_API_VERSION}
                 my_files[name] = self._write(state, stage, name)
             if shards is not None:
-                model_state = self._model_state(st, client_state, exclude_frozen_parameters, True, shards)
-                name = zero3_model_file(shards[0], st.mp_rank)
-                my_files[name] = self._write(model_state, stage, name)
+                if writes_part:
+                    model_state = self._model_state(st, client_state, exclude_frozen_parameters, True, shards)
+                    name = zero3_model_file(shards[0], st.mp_rank)
+                    my_files[name] = self._write(model_state, stage, name)
             elif scope.writer if st.mp_world_size == 1 else st.dp_rank == 0:  # model parallel: each mp rank's
                 model_state = self._model_state(st, client_state, exclude_frozen_parameters, part is not None)
                 name = model_file(st.mp_rank)

@@ -252,7 +252,9 @@ def read_zero_files(ex: PartitionExport, tag_dir: str, manifest: Any, model_stat
 
 
 def check_node_local(ex: PartitionExport, saved: SavedCheckpoint) -> None:
-    saved_world = saved.model_state.get("dp_world_size") or 1
+    from deepspeed_c.runtime.checkpointing.zero3 import saved_partition_world
+
+    saved_world = saved_partition_world(saved.model_state)
     if saved.node_local and saved_world != ex.world_size:
         raise RuntimeError(
             f"load_checkpoint: checkpoint.use_node_local_storage: the checkpoint in {saved.tag_dir} was saved by "

@@ -53,6 +53,19 @@ def is_stage3_checkpoint(tag_dir: str, dp_rank: int = 0) -> bool:
     return any(os.path.isfile(os.path.join(tag_dir, model_file_name(r))) for r in (0, dp_rank))
 
 
+def saved_partition_world(model_state: dict) -> int:
+    """The ranks a stage-3 checkpoint's partitions are cut over: its dp_world_size, except under MiCS, whose
+    model-states files record the whole data-parallel world (DeepSpeed's layout) while the partitions (and
+    the zero_pp_rank files) are the saved config's mics_shard_size."""
+    world = int(model_state.get("dp_world_size") or 1)
+    cfg = model_state.get("ds_config")
+    zero = cfg.get("zero_optimization") if isinstance(cfg, dict) else None
+    mics = zero.get("mics_shard_size") if isinstance(zero, dict) else None
+    if isinstance(mics, int) and not isinstance(mics, bool) and 0 < mics < world and world % mics == 0:
+        return mics
+    return world
+
+
 def shard_size(numel: int, world: int) -> int:
     return -(-int(numel) // int(world))
 
@@ -194,7 +207,7 @@ class Stage3Files:
 
     def __init__(self, ex: Any, tag_dir: str, manifest: Any, model_state: dict, bf16: bool, mp_rank: int = 0) -> None:
         self.tag_dir, self.manifest, self.bf16, self.mp_rank = tag_dir, manifest, bf16, mp_rank
-        self.world = int(model_state.get("dp_world_size") or 1)
+        self.world = saved_partition_world(model_state)
         self.shapes = model_state.get("param_shapes")
         if not isinstance(self.shapes, (list, tuple)) or not self.shapes:
             raise ValueError(f"ZeRO-3 checkpoint {tag_dir}: its model-states file names no param_shapes (saved without "
@@ -298,7 +311,7 @@ def load_frozen_shards(store_: Any, tag_dir: str, manifest: Any, model_state: di
         raise ValueError(f"ZeRO-3 checkpoint {tag_dir} holds frozen parameters of sizes {numels}; this model's "
                          f"parameters outside the optimizer have sizes {list(plan.numels)}")
     names = list(saved)
-    world = int(model_state.get("dp_world_size") or 1)
+    world = saved_partition_world(model_state)
     src_plan = per_param_plan(numels, world)
     assert src_plan is not None
     routes = layout_route(src_plan, "runtime", plan, "runtime")
@@ -338,7 +351,7 @@ def whole_frozen_params(tag_dir: str, manifest: Any, model_state: dict,
     saved = _saved_frozen(model_state)
     if not saved:
         return OrderedDict()
-    world = int(model_state.get("dp_world_size") or 1)
+    world = saved_partition_world(model_state)
     per_rank = [model_state if model_rank == r else
                 store.load_file(tag_dir, model_file_name(r), manifest) for r in range(world)]
     out: OrderedDict[str, torch.Tensor] = OrderedDict()

@@ -186,11 +186,11 @@ def _check_built(cfg: DeepSpeedZeroConfig) -> None:
              ("zero_quantized_gradients", cfg.zero_quantized_gradients and below3, "ZeRO++ below stage 3"),
              ("zero_hpz_partition_size", cfg.zero_hpz_partition_size > 1 and below3, "ZeRO++ below stage 3"),
              ("zero_quantized_gradients", cfg.zero_quantized_gradients and not cfg.reduce_scatter,
-              "ZeRO++ quantized gradients with reduce_scatter false (qgZ replaces the reduce-scatter)"),
-             ("mics_shard_size", cfg.mics_shard_size > 0, "MiCS sharding"))
+              "ZeRO++ quantized gradients with reduce_scatter false (qgZ replaces the reduce-scatter)"))
     for key, on, what in flags:
         if on:
             raise unbuilt(f"{path}.{key}", what)
+    _check_mics(cfg)
     if cfg.zeropp_loco_param is not None and not (cfg.zero_quantized_gradients and not below3):
         raise ValueError(f"{path}.zeropp_loco_param: LoCo is error feedback for qgZ's quantized gradients; it needs "
                          f"{path}.zero_quantized_gradients true at stage 3")
@@ -198,6 +198,32 @@ def _check_built(cfg: DeepSpeedZeroConfig) -> None:
         from deepspeed_c.runtime.zero.loco import LocoErrorFeedback
 
         LocoErrorFeedback.from_config(cfg.zeropp_loco_param, 1)  # its values checked now, naming the key
+
+
+def _check_mics(cfg: DeepSpeedZeroConfig) -> None:
+    """MiCS (runtime/zero/mics.py) shards ZeRO stage 3; the shard size dividing the world is checked when the
+    engine builds its groups (mics_utils.check_shard_size)."""
+    path = ZERO_OPTIMIZATION
+    if cfg.mics_shard_size <= 0:
+        return
+    if cfg.stage != ZeroStageEnum.weights:
+        raise ValueError(f"{path}.mics_shard_size={cfg.mics_shard_size}: MiCS shards ZeRO stage 3's parameters, "
+                         f"gradients and optimizer states over groups of that many ranks; {path}.stage is "
+                         f"{int(cfg.stage)}: set it to 3, or remove mics_shard_size")
+    off = cfg.offload_optimizer
+    if off is not None and off.device != OffloadDeviceEnum.none.value:
+        raise unbuilt(f"{path}.offload_optimizer", "optimizer offload with MiCS (mics_shard_size; DeepSpeed's MiCS "
+                                                   "refuses it too: 'Local sharding has no support for CPU offloading')")
+    par = cfg.offload_param
+    if par is not None and par.device == OffloadDeviceEnum.nvme.value:
+        raise unbuilt(f"{path}.offload_param.device", "NVMe parameter offload with MiCS (mics_shard_size)")
+    for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients"):
+        if getattr(cfg, key):
+            raise unbuilt(f"{path}.{key}", "ZeRO++ together with MiCS (mics_shard_size)")
+    if cfg.zero_hpz_partition_size > 1:
+        raise unbuilt(f"{path}.zero_hpz_partition_size", "ZeRO++ hpZ together with MiCS (mics_shard_size)")
+    if cfg.zenflow is not None:
+        raise unbuilt(f"{path}.zenflow", "ZenFlow together with MiCS (mics_shard_size)")
 
 
 def _check_fast_offload(cfg: DeepSpeedZeroConfig) -> None:

@@ -11,9 +11,9 @@ from deepspeed_c.runtime.zero.partition_parameters import (GatheredParameters, I
 from deepspeed_c.runtime.zero.tiling import TiledLinear, TiledLinearReturnBias  # noqa: F401
 
 __all__ = ["Init", "GatheredParameters", "register_external_parameter", "unregister_external_parameter",
-           "ZeroParamStatus", "TiledLinear", "TiledLinearReturnBias"]
+           "ZeroParamStatus", "TiledLinear", "TiledLinearReturnBias", "MiCS_Init"]
 
 from deepspeed_c._lazy import lazy_exports as _lazy_exports
 
 # submodules resolve on attribute access, as after DeepSpeed's eager imports
-__getattr__, __dir__ = _lazy_exports(__name__, {})
+__getattr__, __dir__ = _lazy_exports(__name__, {"MiCS_Init": "deepspeed_c.runtime.zero.mics:MiCS_Init"})
