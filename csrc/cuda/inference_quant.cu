@@ -86,7 +86,7 @@ __device__ __forceinline__ uint4 load_stream(const uint4 *p) {
 // multiply-high by ceil(2^32 / (group / W)) (exact for c < 2^16, checked by the launcher; 0 when
 // group == W: one scale a chunk).
 template <typename T, int BITS, int U, int R>
-__global__ void __launch_bounds__(256) quant_gemv_kernel(const T *__restrict__ x, const uint8_t *__restrict__ q,
+__global__ void __launch_bounds__(256, R == 1 ? 4 : 1) quant_gemv_kernel(const T *__restrict__ x, const uint8_t *__restrict__ q,
                                                          const float *__restrict__ scales, T *__restrict__ out, int M,
                                                          int N, int K, int groups, uint32_t scale_div) {
     constexpr int W = BITS == 8 ? 16 : 32;
@@ -227,6 +227,10 @@ int launch_gemv_unroll(int unroll, const void *x, const void *q, const float *sc
     if constexpr (sizeof(T) == 4) {  // float activations: the default launch only
         return launch_gemv<T, BITS, 4>(x, q, scales, out, M, N, K, group, warps, stream);
     } else {
+        if (unroll == 0) {  // enough chunks in flight to cover a lane's share of the row in about one round
+            const int per_lane = (K / (BITS == 8 ? 16 : 32) + 31) / 32;
+            unroll = per_lane >= 6 ? 8 : per_lane >= 3 ? 4 : 2;
+        }
         if (unroll == 2) return launch_gemv<T, BITS, 2>(x, q, scales, out, M, N, K, group, warps, stream);
         if (unroll == 8) return launch_gemv<T, BITS, 8>(x, q, scales, out, M, N, K, group, warps, stream);
         return launch_gemv<T, BITS, 4>(x, q, scales, out, M, N, K, group, warps, stream);

@@ -330,7 +330,8 @@ static int quant_args(PyObject *const *args, int64_t bits, int64_t group, int64_
 
 static PyObject *py_quant_gemv(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 7 && dsc_check_nargs("quant_gemv", nargs, 6) < 0) return NULL;
+    if (nargs != 6 && nargs != 7)
+        return PyErr_Format(PyExc_TypeError, "quant_gemv() takes 6 or 7 arguments (%zd given)", nargs);
     dsc_view x, q, scales, out;
     if (arg(args[0], "x", ACT, 0, NULL, NULL, 0, &x) < 0) return NULL;
     if (x.ndim != 2) return PyErr_Format(PyExc_ValueError, "argument 'x' must be 2-D [M, K]");
