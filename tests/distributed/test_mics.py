@@ -14,7 +14,7 @@ clipping 0.5 and AdamW, every rank feeding its own micro-batches:
 - checkpoints: written in DeepSpeed's MiCS layout (first shard group only: zero_pp_rank_0/1 files,
   dp_world_size 4); a MiCS engine resuming from the step-2 checkpoint repeats the uninterrupted run's
   steps 3-4 exactly, and a plain ZeRO-3 engine on 4 ranks loads the same checkpoint (resharded 2 -> 4)
-  with exactly the saved weights;
+  with exactly the saved weights, which zero_to_fp32 consolidates too;
 - bad input: mics_shard_size 3 on 4 ranks raises naming the key; at stage 2 the config is refused naming it."""
 from __future__ import annotations
 
@@ -201,9 +201,13 @@ def _equal(a: dict, b: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: Any) -> list[dict[str, Any]]:
-    ckpt = str(tmp_path_factory.mktemp("mics") / "ckpt")
-    return run_distributed(body, WORLD, args=(ckpt,), timeout=300)
+def ckpt_dir(tmp_path_factory: Any) -> str:
+    return str(tmp_path_factory.mktemp("mics") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def runs(ckpt_dir: str) -> list[dict[str, Any]]:
+    return run_distributed(body, WORLD, args=(ckpt_dir,), timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -235,8 +239,13 @@ def test_hierarchical_gather_is_bitwise_the_flat_one(runs: list[dict[str, Any]])
         assert r["hier_collectives"] > 0
 
 
-def test_checkpoint_layout_resume_and_reshard(runs: list[dict[str, Any]], reference: Any) -> None:
+def test_checkpoint_layout_resume_and_reshard(runs: list[dict[str, Any]], reference: Any, ckpt_dir: str) -> None:
+    from deepspeed_c.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
     _, ref_mid, _ = reference
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(ckpt_dir, tag="mid")  # 2 partitions, 4 ranks ran
+    for name, w in ref_mid.items():
+        assert np.array_equal(consolidated[name].numpy(), runs[0]["zero3_loaded"][name]), name
     files = runs[0]["files"]
     assert [f for f in files if "zero_pp_rank" in f] == [
         "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
