@@ -19,6 +19,7 @@ from .moe_gating import MoEGatingBuilder, MoEGatingCUDABuilder
 from .multi_tensor import MultiTensorOpsBuilder
 from .onebit import OnebitBuilder, OnebitCUDABuilder
 from .quantizer import QuantizerBuilder, QuantizerCUDABuilder
+from .sparse_attn import SparseAttnBuilder
 from .transformer import TransformerBuilder
 from .random_ltd import RandomLTDBuilder, RandomLTDCUDABuilder
 from .transformer_inference import InferenceBuilder

@@ -17,12 +17,13 @@ from op_builder.multi_tensor import MultiTensorOpsBuilder
 from op_builder.onebit import OnebitCUDABuilder
 from op_builder.quantizer import QuantizerCUDABuilder
 from op_builder.random_ltd import RandomLTDCUDABuilder
+from op_builder.sparse_attn import SparseAttnBuilder
 from op_builder.transformer import TransformerBuilder
 from op_builder.transformer_inference import InferenceBuilder
 
 CUDA_BUILDERS = [MultiTensorOpsBuilder, FusedAdamBuilder, FusedLambBuilder, FusedLionBuilder, MoEGatingCUDABuilder,
                  InferenceBuilder, OnebitCUDABuilder, QuantizerCUDABuilder, RandomLTDCUDABuilder,
-                 EvoformerAttnBuilder, TransformerBuilder, CompressQuantCUDABuilder]
+                 EvoformerAttnBuilder, TransformerBuilder, CompressQuantCUDABuilder, SparseAttnBuilder]
 EXPECTED = {
     "compress_quant_cuda": {"fake_quant", "ternary", "binary"},
     "multi_tensor_ops": {"l2norm", "scale", "copy", "flatten", "unflatten", "adam_epilogue",
@@ -35,6 +36,7 @@ EXPECTED = {
     "quantizer_cuda": {"quantize", "dequantize", "dequantize_sum"},
     "random_ltd_cuda": {"gather", "scatter", "mask_gather"},
     "evoformer_attn": {"forward", "forward_tc", "backward"},
+    "sparse_attn": {"forward", "backward"},
     "transformer": {"bias_gelu", "gelu_backward", "residual_norm", "norm_backward", "softmax", "softmax_backward"},
     "transformer_inference": {"add_norm", "qkv_rotary_cache", "attention", "masked_softmax", "bias_gelu",
                               "silu_mul", "quant_gemv", "dequantize"},

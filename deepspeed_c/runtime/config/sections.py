@@ -136,7 +136,6 @@ def _present(raw: Any) -> bool:
 
 
 UNBUILT_SECTIONS: dict[str, tuple[str, Any]] = {
-    "sparse_attention": ("sparse attention", _present),
     "weight_quantization": ("weight quantization", _present),
     "elasticity": ("elastic training", _enabled),
     "expert_parallel": ("AutoEP expert parallelism (MoE)", _enabled),
@@ -202,7 +201,10 @@ def parse_misc_sections(param_dict: dict[str, Any]) -> dict[str, Any]:
 
     compression_config = get_compression_config(param_dict)
     parse_quantize_training(param_dict)
+    from deepspeed_c.ops.sparse_attention.config import parse_sparse_attention
+
     return {
+        "sparse_attention": parse_sparse_attention(param_dict.get("sparse_attention")),
         "pipeline_config": pipeline, "compression_config": compression_config,
         "curriculum_enabled_legacy": curriculum_enabled, "curriculum_params_legacy": curriculum_params,
         **data_efficiency,

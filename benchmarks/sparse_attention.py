@@ -1,0 +1,227 @@
+"""Block-sparse attention (deepspeed_c.ops.sparse_attention: our fused CUDA kernels) side by side
+with PyTorch's FlexAttention given the same layout as a BlockMask (torch.compile'd), dense SDPA
+(flash backend: the full square, the speed a sparse kernel must beat) and dense SDPA with the
+layout as a boolean mask (same math as ours, L x L memory). One GPU.
+
+First a correctness table: our fp16/bf16 kernels against float32 dense masked math (output and the
+gradients of q, k, v; relative max error) for every config family, block sizes 16-128, head dims
+32/64/128, odd head counts, batch 1, key-padding / attention masks and rpe. Then forward+backward
+time (median of interleaved reps), the output agreement with FlexAttention on the timed shape,
+ratios against ours, and each method's forward+backward peak memory above the inputs.
+
+    python benchmarks/sparse_attention.py                          # seq 4k-16k, block 64, 16 heads, D 64
+    python benchmarks/sparse_attention.py --seqs 4096,16384 --reps 5 --no-masked   # .devrun/gpu_45.sh
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from deepspeed_c.ops.sparse_attention import (BigBirdSparsityConfig, BSLongformerSparsityConfig,  # noqa: E402
+                                              DenseSparsityConfig, FixedSparsityConfig,
+                                              LocalSlidingWindowSparsityConfig, SparseSelfAttention,
+                                              VariableSparsityConfig)
+from deepspeed_c.ops.sparse_attention.reference import dense_sparse_attention, token_mask  # noqa: E402
+
+
+def layout_config(name: str, heads: int, block: int, seq: int):
+    """The timed layouts, about 10% dense at 16k with block 64."""
+    nb = seq // block
+    if name == "fixed":  # 16-block local windows, one global block per window
+        return FixedSparsityConfig(num_heads=heads, block=block, num_local_blocks=min(16, nb), num_global_blocks=1)
+    if name == "bigbird":
+        return BigBirdSparsityConfig(num_heads=heads, block=block, num_random_blocks=8, num_sliding_window_blocks=15,
+                                     num_global_blocks=2)
+    raise ValueError(f"--layouts: unknown layout {name!r} (fixed, bigbird)")
+
+
+def check_configs(heads: int, block: int):
+    yield "dense", DenseSparsityConfig(num_heads=heads, block=block)
+    yield "fixed", FixedSparsityConfig(num_heads=heads, block=block, num_local_blocks=4, num_global_blocks=1)
+    yield "fixed-uni-perhead", FixedSparsityConfig(num_heads=heads, block=block, different_layout_per_head=True,
+                                                   attention="unidirectional", num_local_blocks=4,
+                                                   num_different_global_patterns=2, num_global_blocks=2)
+    yield "variable", VariableSparsityConfig(num_heads=heads, block=block, num_random_blocks=1,
+                                             local_window_blocks=[2, 3], global_block_indices=[0, 5])
+    yield "bigbird", BigBirdSparsityConfig(num_heads=heads, block=block, different_layout_per_head=True,
+                                           num_random_blocks=2)
+    yield "bslongformer", BSLongformerSparsityConfig(num_heads=heads, block=block, global_block_indices=[1])
+    yield "local-window", LocalSlidingWindowSparsityConfig(num_heads=heads, block=block)
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6))
+
+
+def check_one(label, cfg, B, H, L, D, dtype, masks: bool, tol: float) -> bool:
+    torch.manual_seed(0)
+    mod = SparseSelfAttention(cfg, max_seq_length=L, key_padding_mask_mode="add", attn_mask_mode="mul").cuda()
+    q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    kpm = am = rpe = None
+    if masks:
+        kpm = torch.zeros(B, L, device="cuda")
+        kpm[:, -L // 8:] = -10000.0  # padded tail keys
+        am = (torch.rand(L, L, device="cuda") > 0.1).float()  # 'mul': zeros masked out
+        rpe = 0.5 * torch.randn(1, H, L, L, device="cuda")
+    out = mod(q, k, v, rpe=rpe, key_padding_mask=kpm, attn_mask=am)
+    go = torch.randn_like(out)
+    out.backward(go)
+    grads = [t.grad for t in (q, k, v)]
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    am_add = None if am is None else torch.zeros_like(am).masked_fill(am == 0, float("-inf"))
+    ref = dense_sparse_attention(q32, k32, v32, mod.get_layout(L), cfg.block, D ** -0.5, kpm, am_add, rpe)
+    ref.backward(go.float())
+    errs = [rel_err(out, ref)] + [rel_err(g, r.grad) for g, r in zip(grads, (q32, k32, v32))]
+    ok = all(e <= tol for e in errs)
+    print(f"  {label:<44} {str(dtype)[6:]:<9} " + " ".join(f"{e:9.2e}" for e in errs) + f"   {'ok' if ok else 'FAIL'}")
+    return ok
+
+
+def correctness(quick: bool) -> bool:
+    print("correctness vs float32 dense masked math (relative max error: out, dq, dk, dv)")
+    ok = True
+    tol = {torch.float16: 1e-2, torch.bfloat16: 3e-2}
+    for name, cfg in check_configs(3, 64):
+        ok &= check_one(f"{name} B2 H3 L512 D64 b64", cfg, 2, 3, 512, 64, torch.bfloat16, False, tol[torch.bfloat16])
+    for dtype in (torch.float16, torch.bfloat16):
+        cfg = BigBirdSparsityConfig(num_heads=3, block=32, num_random_blocks=2)
+        ok &= check_one("bigbird masks+rpe B2 H3 L256 D64 b32", cfg, 2, 3, 256, 64, dtype, True, tol[dtype])
+    for block, D in ((16, 32), (32, 128), (128, 64), (64, 128), (16, 64)) if not quick else ((16, 32), (128, 128)):
+        cfg = FixedSparsityConfig(num_heads=5, block=block, num_local_blocks=2)
+        ok &= check_one(f"fixed B1 H5 L{8 * block} D{D} b{block}", cfg, 1, 5, 8 * block, D, torch.float16, True,
+                        tol[torch.float16])
+    return ok
+
+
+def flex_block_mask(layout: torch.Tensor, block: int, L: int):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    lay = layout.bool().cuda()
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return lay[h, q_idx // block, kv_idx // block]
+
+    return create_block_mask(mask_mod, B=None, H=lay.shape[0], Q_LEN=L, KV_LEN=L, device="cuda", BLOCK_SIZE=block)
+
+
+def fwd_bwd(fn, q, k, v, go):
+    for t in (q, k, v):
+        t.grad = None
+    out = fn(q, k, v)
+    out.backward(go)
+    return out
+
+
+def time_ms(fn, q, k, v, go) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fwd_bwd(fn, q, k, v, go)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def peak_mb(fn, q, k, v, go) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fwd_bwd(fn, q, k, v, go)
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def bench(seq: int, layout_name: str, args) -> None:
+    B, H, D, block = args.batch, args.heads, args.head_dim, args.block
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    cfg = layout_config(layout_name, H, block, seq)
+    mod = SparseSelfAttention(cfg, max_seq_length=seq).cuda()
+    layout = mod.get_layout(seq)
+    density = float(layout.float().mean())
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, seq, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    go = torch.randn_like(q)
+    methods = {"ours": lambda a, b, c: mod(a, b, c)}
+    if not args.no_flex:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        bm = flex_block_mask(layout, block, seq)
+        flex = torch.compile(flex_attention, dynamic=False)
+        methods["flex"] = lambda a, b, c: flex(a, b, c, block_mask=bm)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def sdpa(a, b, c):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(a, b, c)
+
+    methods["sdpa-dense"] = sdpa
+    if not args.no_masked:
+        tmask = token_mask(layout, block).cuda().unsqueeze(0)
+
+        def masked(a, b, c):
+            with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+                return F.scaled_dot_product_attention(a, b, c, attn_mask=tmask)
+
+        methods["sdpa-masked"] = masked
+    # agreement on this shape before timing (flex and the masked SDPA compute the same function)
+    ref = fwd_bwd(methods["ours"], q, k, v, go).detach()
+    ref_grads = [t.grad.clone() for t in (q, k, v)]
+    agree = {}
+    for name in [m for m in methods if m not in ("ours", "sdpa-dense")]:
+        try:
+            out = fwd_bwd(methods[name], q, k, v, go)
+            agree[name] = max([rel_err(out, ref)] + [rel_err(t.grad, g) for t, g in zip((q, k, v), ref_grads)])
+        except torch.OutOfMemoryError:
+            agree[name] = float("nan")
+            methods.pop(name)
+            torch.cuda.empty_cache()
+    for fn in methods.values():  # warm-up (compiles flex)
+        fwd_bwd(fn, q, k, v, go)
+    times = {m: [] for m in methods}
+    for _ in range(args.reps):
+        for m, fn in methods.items():
+            times[m].append(time_ms(fn, q, k, v, go))
+    med = {m: statistics.median(t) for m, t in times.items()}
+    mem = {m: peak_mb(fn, q, k, v, go) for m, fn in methods.items()}
+    print(f"seq {seq:>6} {layout_name:<8} density {density:5.1%}  agree(max rel err vs ours) "
+          + " ".join(f"{m}={e:.1e}" for m, e in agree.items()))
+    for m in methods:
+        ratio = med[m] / med["ours"]
+        print(f"    {m:<12} {med[m]:9.3f} ms   {ratio:6.2f}x ours time   peak {mem[m]:9.1f} MB")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seqs", default="4096,8192,16384")
+    p.add_argument("--layouts", default="fixed,bigbird")
+    p.add_argument("--block", type=int, default=64)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--no-flex", action="store_true")
+    p.add_argument("--no-masked", action="store_true", help="skip dense SDPA with the L x L boolean mask")
+    p.add_argument("--quick-check", action="store_true")
+    p.add_argument("--skip-check", action="store_true")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/sparse_attention.py needs a GPU")
+    if not args.skip_check and not correctness(args.quick_check):
+        print("correctness FAILED: timings below are of wrong kernels")
+    print(f"\nforward+backward, batch {args.batch}, {args.heads} heads, head dim {args.head_dim}, block {args.block}, "
+          f"{args.dtype}, median of {args.reps} interleaved reps (ratio > 1: slower than ours)")
+    for seq in (int(s) for s in args.seqs.split(",")):
+        for name in args.layouts.split(","):
+            bench(seq, name, args)
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

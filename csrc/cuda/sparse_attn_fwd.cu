@@ -1,0 +1,131 @@
+// Block-sparse attention forward: one block of BLK / 16 warps per (layout block row, batch x head),
+// an online softmax over that row's nonzero key blocks (see sparse_attn_common.cuh).
+#include "sparse_attn_common.cuh"
+
+namespace dsc_sa {
+
+template <typename T, int BLK, int DP>
+__global__ void __launch_bounds__(BLK * 2)
+    sa_forward_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, T *__restrict__ o,
+                      float *__restrict__ lse, const int *__restrict__ row_ptr, const int *__restrict__ cols,
+                      const float *kpm, const float *am, const float *rpe, int64_t rpe_sb, int64_t rpe_sh, int H,
+                      int L, int D, float scale) {
+    constexpr int C = chunk<BLK, DP>();
+    __shared__ __align__(16) T sk[C][DP + 8];
+    __shared__ __align__(16) T svt[DP][C + 8];
+    const int rb = blockIdx.x, bh = blockIdx.y, h = bh % H, b = bh / H, nb = L / BLK;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int64_t base = (int64_t)bh * L * D;
+    const int r0 = rb * BLK + warp * 16, i0 = r0 + g, i1 = i0 + 8;
+    const Bias bias(kpm, am, rpe, rpe_sb, rpe_sh, b, h, L);
+
+    uint32_t qf[DP / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < DP / 16; kk++) frag_a_global(qf[kk], q + base, D, r0, kk * 16, lane);
+    float acc[DP / 8][4];
+#pragma unroll
+    for (int n = 0; n < DP / 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+
+    const int lo = row_ptr[h * nb + rb], hi = row_ptr[h * nb + rb + 1];
+    for (int e = lo; e < hi; e++) {
+        const int cb = cols[e];
+        for (int c0 = 0; c0 < BLK; c0 += C) {
+            const int j0 = cb * BLK + c0;
+            __syncthreads();  // the previous chunk is no longer read
+            stage_rows<T, C, DP>(sk, k + base + (int64_t)j0 * D, D);
+            stage_cols<T, C, DP>(svt, v + base + (int64_t)j0 * D, D);
+            __syncthreads();
+            float s[C / 8][4];
+#pragma unroll
+            for (int n = 0; n < C / 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < DP / 16; kk++) {
+#pragma unroll
+                for (int n = 0; n < C / 8; n++) {
+                    uint32_t b0, b1;
+                    frag_b(b0, b1, &sk[0][0], DP + 8, n * 8, kk * 16, lane);
+                    mma<T>(s[n], qf[kk], b0, b1);
+                }
+            }
+            float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+            for (int n = 0; n < C / 8; n++) {
+#pragma unroll
+                for (int u = 0; u < 2; u++) {
+                    const int j = j0 + n * 8 + 2 * t + u;
+                    float x0 = s[n][u] * scale, x1 = s[n][2 + u] * scale;
+                    if (bias.any()) x0 += bias.at(i0, j), x1 += bias.at(i1, j);
+                    s[n][u] = x0, s[n][2 + u] = x1;
+                    mx0 = fmaxf(mx0, x0), mx1 = fmaxf(mx1, x1);
+                }
+            }
+            const float mn0 = fmaxf(m0, quad_max(mx0)), mn1 = fmaxf(m1, quad_max(mx1));
+            const float corr0 = mn0 == -INFINITY ? 1.f : __expf(m0 - mn0);
+            const float corr1 = mn1 == -INFINITY ? 1.f : __expf(m1 - mn1);
+            float ls0 = 0.f, ls1 = 0.f;
+#pragma unroll
+            for (int n = 0; n < C / 8; n++) {
+#pragma unroll
+                for (int u = 0; u < 2; u++) {
+                    s[n][u] = mn0 == -INFINITY ? 0.f : __expf(s[n][u] - mn0);
+                    s[n][2 + u] = mn1 == -INFINITY ? 0.f : __expf(s[n][2 + u] - mn1);
+                    ls0 += s[n][u], ls1 += s[n][2 + u];
+                }
+            }
+            l0 = l0 * corr0 + ls0, l1 = l1 * corr1 + ls1;  // per-lane partial sums; the quad adds them at the end
+            m0 = mn0, m1 = mn1;
+#pragma unroll
+            for (int n = 0; n < DP / 8; n++) acc[n][0] *= corr0, acc[n][1] *= corr0, acc[n][2] *= corr1, acc[n][3] *= corr1;
+#pragma unroll
+            for (int kk = 0; kk < C / 16; kk++) {
+                uint32_t a[4];
+                acc_to_a<T>(a, s, kk);
+#pragma unroll
+                for (int n = 0; n < DP / 8; n++) {
+                    uint32_t b0, b1;
+                    frag_b(b0, b1, &svt[0][0], C + 8, n * 8, kk * 16, lane);
+                    mma<T>(acc[n], a, b0, b1);
+                }
+            }
+        }
+    }
+    l0 = quad_sum(l0), l1 = quad_sum(l1);
+    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+    T *o0 = o + base + (int64_t)i0 * D, *o1 = o + base + (int64_t)i1 * D;
+#pragma unroll
+    for (int n = 0; n < DP / 8; n++) {
+        const int d = n * 8 + 2 * t;
+        if (d < D) {
+            *reinterpret_cast<uint32_t *>(o0 + d) = pack2<T>(acc[n][0] * inv0, acc[n][1] * inv0);
+            *reinterpret_cast<uint32_t *>(o1 + d) = pack2<T>(acc[n][2] * inv1, acc[n][3] * inv1);
+        }
+    }
+    if (t == 0) {
+        lse[(int64_t)bh * L + i0] = l0 > 0.f ? m0 + logf(l0) : INFINITY;
+        lse[(int64_t)bh * L + i1] = l1 > 0.f ? m1 + logf(l1) : INFINITY;
+    }
+}
+} // namespace dsc_sa
+
+using namespace dsc_sa;
+
+extern "C" int dsc_sa_forward(const void *q, const void *k, const void *v, void *o, float *lse, const int *row_ptr,
+                              const int *cols, const float *kpm, const float *am, const float *rpe, int64_t rpe_sb,
+                              int64_t rpe_sh, int64_t B, int64_t H, int64_t L, int64_t D, int block, float scale,
+                              int dtype, int device, cudaStream_t stream) {
+    if (!q || !k || !v || !o || !lse || !row_ptr || !cols || block < 16 || bad_shape(B, H, L, D, block))
+        return DSC_CUDA_EARG;
+    dsc_cuda::DeviceGuard guard(device);
+    if (guard.error() != 0) return guard.error();
+    if (const int rc = check_arch(device)) return rc;
+    const dim3 grid((unsigned)(L / block), (unsigned)(B * H));
+    return dispatch(dtype, block, D, [&](auto *tag, auto blk, auto dp) {
+        using E = std::remove_pointer_t<decltype(tag)>;
+        constexpr int BLK = decltype(blk)::value, DP = decltype(dp)::value;
+        sa_forward_kernel<E, BLK, DP><<<grid, BLK * 2, 0, stream>>>(
+            static_cast<const E *>(q), static_cast<const E *>(k), static_cast<const E *>(v), static_cast<E *>(o), lse,
+            row_ptr, cols, kpm, am, rpe, rpe_sb, rpe_sh, (int)H, (int)L, (int)D, scale);
+        return launch_error();
+    });
+}

@@ -1,0 +1,48 @@
+/* Block-sparse attention (csrc/cuda/sparse_attn_{fwd,bwd}.cu), DeepSpeed's sparse self-attention:
+ * o_i = softmax_j(scale * q_i . k_j + rpe[i, j] + kpm[j] + am[i, j]) v over the keys j whose block
+ * the layout marks for query i's block row. One fused flash-style kernel per direction: the scores
+ * of a query block live in registers, the softmax runs online over the row's nonzero blocks, and
+ * the backward recomputes the probabilities from the saved log-sum-exp, so memory is linear in the
+ * number of layout blocks (nothing L x L is ever stored).
+ *
+ * Shapes (contiguous):
+ *   q, k, v, o, d_o, dq, dk, dv    [B, H, L, D]   fp16 or bf16 (`dtype`); L a multiple of `block`,
+ *                                                 D a multiple of 8, at most DSC_SA_MAX_HEAD_DIM
+ *   lse, delta                     float32 [B, H, L]
+ *   row_ptr [H * nb + 1], cols     int32: head h's block row r attends to key blocks
+ *                                  cols[row_ptr[h*nb+r] .. row_ptr[h*nb+r+1]) (nb = L / block)
+ *   col_ptr [H * nb + 1], rows     int32: the transpose (query block rows of each key block column)
+ *   kpm   float32 [B, L] additive key-padding bias, or NULL
+ *   am    float32 [L, L] additive attention-mask bias, or NULL
+ *   rpe   float32 additive bias with element (b, h, i, j) at b*rpe_sb + h*rpe_sh + i*L + j, or NULL
+ * block: 16, 32, 64 or 128. A row whose every score is -inf gets o = 0 and lse = +inf.
+ * Launchers run on `stream` without synchronising and return 0, a cudaError_t (> 0) or a
+ * DSC_CUDA_E* code (< 0). Plain C: the binding (gcc) includes this header. */
+#ifndef DSC_SPARSE_ATTN_CUDA_H
+#define DSC_SPARSE_ATTN_CUDA_H
+
+#include "dsc/cuda_multi_tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define DSC_SA_MAX_HEAD_DIM 128
+
+int dsc_sa_forward(const void *q, const void *k, const void *v, void *o, float *lse, const int *row_ptr,
+                   const int *cols, const float *kpm, const float *am, const float *rpe, int64_t rpe_sb,
+                   int64_t rpe_sh, int64_t B, int64_t H, int64_t L, int64_t D, int block, float scale, int dtype,
+                   int device, cudaStream_t stream);
+
+/* delta: float32 [B, H, L] scratch the launcher fills (rowsum of d_o * o) before the gradient kernels. */
+int dsc_sa_backward(const void *d_o, const void *q, const void *k, const void *v, const void *o, const float *lse,
+                    float *delta, const int *row_ptr, const int *cols, const int *col_ptr, const int *rows,
+                    const float *kpm, const float *am, const float *rpe, int64_t rpe_sb, int64_t rpe_sh, void *dq,
+                    void *dk, void *dv, int64_t B, int64_t H, int64_t L, int64_t D, int block, float scale, int dtype,
+                    int device, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,93 @@
+"""The CUDA path of SparseSelfAttention: the layout's block tables and the autograd Function over
+the fused kernels of op `sparse_attn` (csrc/cuda/sparse_attn_{fwd,bwd}.cu)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+KERNEL_BLOCKS = (16, 32, 64, 128)
+MAX_KERNEL_HEAD_DIM = 128
+_op: ModuleType | None = None
+
+
+def cuda_op() -> ModuleType:
+    """The built op (compiled on first use; OpBuildError quotes the compiler when that fails)."""
+    global _op
+    if _op is None:
+        from op_builder.sparse_attn import SparseAttnBuilder
+
+        _op = SparseAttnBuilder().load()
+    return _op
+
+
+@dataclass(frozen=True)
+class BlockTables:
+    """A layout [H, nb, nb] as CSR (each block row's key blocks) and CSC (each block column's query
+    block rows), int32 on the kernels' device."""
+    row_ptr: torch.Tensor
+    cols: torch.Tensor
+    col_ptr: torch.Tensor
+    rows: torch.Tensor
+    nnz: int
+
+    @staticmethod
+    def from_layout(layout: torch.Tensor, device: torch.device) -> "BlockTables":
+        layout = layout.detach().to("cpu", torch.bool)
+
+        def csr(lay: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            counts = lay.sum(dim=-1).flatten()
+            ptr = torch.zeros(counts.numel() + 1, dtype=torch.int64)
+            torch.cumsum(counts, 0, out=ptr[1:])
+            idx = lay.nonzero()[:, 2]  # nonzero walks (head, row, col) in order: row-major per head
+            return ptr.to(device, torch.int32), idx.to(device, torch.int32)
+
+        row_ptr, cols = csr(layout)
+        col_ptr, rows = csr(layout.transpose(1, 2))
+        return BlockTables(row_ptr, cols, col_ptr, rows, int(layout.sum()))
+
+
+def kernel_supports(q: torch.Tensor, block: int) -> bool:
+    return (q.is_cuda and q.dtype in KERNEL_DTYPES and block in KERNEL_BLOCKS and q.shape[-1] % 8 == 0
+            and q.shape[-1] <= MAX_KERNEL_HEAD_DIM and torch.cuda.get_device_capability(q.device)[0] >= 8)
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+class SparseAttentionFunction(torch.autograd.Function):
+    """o = block-sparse softmax(scale q k^T + biases) v; gradients for q, k and v (the additive
+    biases get none: DeepSpeed's kernels gave none either)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, tables: BlockTables, block: int, scale: float, kpm, am, rpe):
+        q, k, v = _aligned(q), _aligned(k), _aligned(v)
+        B, H, L, _ = q.shape
+        o = torch.empty_like(q)
+        lse = torch.empty((B, H, L), dtype=torch.float32, device=q.device)
+        cuda_op().forward(q, k, v, o, lse, tables.row_ptr, tables.cols, kpm, am, rpe, block, scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.extras = (tables, block, scale, kpm, am, rpe)
+        return o
+
+    @staticmethod
+    def backward(ctx, d_o):
+        q, k, v, o, lse = ctx.saved_tensors
+        tables, block, scale, kpm, am, rpe = ctx.extras
+        d_o = _aligned(d_o)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        delta = torch.empty_like(lse)
+        cuda_op().backward(d_o, q, k, v, o, lse, delta, tables.row_ptr, tables.cols, tables.col_ptr, tables.rows,
+                           kpm, am, rpe, dq, dk, dv, block, scale)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def sparse_attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: BlockTables, block: int,
+                          scale: float, kpm: torch.Tensor | None = None, am: torch.Tensor | None = None,
+                          rpe: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernels' entry for [B, H, L, D] fp16/bf16 CUDA tensors; the biases float32, contiguous."""
+    return SparseAttentionFunction.apply(q, k, v, tables, block, scale, kpm, am, rpe)
