@@ -127,8 +127,19 @@ class AdamEpilogue:
         or fp32 gradients); out_params[g][i] receives its 16-bit copy. grad_norm: float32 device [1],
         the global norm of the scaled gradients; a non-finite norm (or found_inf != 0) skips the step
         on the device."""
+        for counters in self.launch(grads, out_params, grad_norm, loss_scale, max_grad_norm, found_inf, params):
+            counters.advance()
+
+    @torch.no_grad()
+    def launch(self, grads: Sequence[Sequence[torch.Tensor]], out_params: Optional[Sequence[Sequence[torch.Tensor]]],
+               grad_norm: torch.Tensor, loss_scale: float, max_grad_norm: float,
+               found_inf: Optional[torch.Tensor] = None,
+               params: Optional[Sequence[Sequence[torch.Tensor]]] = None) -> list[_GroupCounters]:
+        """step's kernels only (device work: a CUDA graph may record it); returns the counters of the groups
+        stepped, whose host side the caller advances once per step taken (step does)."""
         from deepspeed_c.ops.cuda_multi_tensor import fused_adam_epilogue_
 
+        launched = []
         for g, group in enumerate(self.optimizer.param_groups):
             params_g = group["params"] if params is None else params[g]
             if not params_g:
@@ -141,7 +152,23 @@ class AdamEpilogue:
                 step=counters.device, grad_norm=grad_norm, found_inf=found_inf,
                 model_params=None if out_params is None else [t.view(-1) for t in out_params[g]],
                 **self._hyper(group, loss_scale, max_grad_norm))
-            counters.advance()
+            launched.append(counters)
+        return launched
+
+    def replay_key(self, params: Sequence[Sequence[torch.Tensor]], loss_scale: float, max_grad_norm: float) -> tuple:
+        """What a recorded launch() depends on besides its tensors' addresses: every group's hyperparameters,
+        its moments' and device step counter's addresses (new after a state dict was loaded)."""
+        key: list[Any] = []
+        for g, group in enumerate(self.optimizer.param_groups):
+            params_g = params[g]
+            if not params_g:
+                continue
+            states = self._states(params_g)
+            counters = self._counter(g, states, params_g[0].device)
+            hyper = self._hyper(group, loss_scale, max_grad_norm)
+            key.append((tuple(sorted(hyper.items())), counters.device.data_ptr(),
+                        tuple(s[k].data_ptr() for s in states for k in _MOMENTS)))
+        return tuple(key)
 
     @torch.no_grad()
     def step_ranges(self, g: int, grad: torch.Tensor, ranges: Sequence[tuple[int, int]],

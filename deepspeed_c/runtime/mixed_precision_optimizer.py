@@ -29,7 +29,7 @@ class MixedPrecisionOptimizer(EngineOptimizer):
                  loss_scaler: LossScalerBase, clip_grad: float = 0.0, check_overflow: bool = True,
                  sync_overflow: Optional[Callable[[bool], bool]] = None,
                  grad_accum_dtype: Optional[torch.dtype] = None,
-                 norm_across_ranks: Optional[Callable[[Any], Any]] = None) -> None:
+                 norm_across_ranks: Optional[Callable[[Any], Any]] = None, graph_harvesting: bool = False) -> None:
         self.optimizer = optimizer
         # MoE: ranks hold different experts, so their norms differ; DeepSpeed averages them over the ranks
         self.norm_across_ranks = norm_across_ranks
@@ -62,6 +62,24 @@ class MixedPrecisionOptimizer(EngineOptimizer):
         self.accumulators = Fp32AccumulatorSlots(self._lp_flat, self._master_flat, hook=self.accumulate_fp32)
         device = self._master_flat[0].device if self._master_flat else torch.device("cpu")
         self.epilogue = AdamEpilogue.for_optimizer(optimizer, device)
+        self._launched: list = []  # the epilogue counters of the harvested step's launch
+        self.harvest = self._harvest(graph_harvesting)
+
+    def _harvest(self, on: bool) -> Optional[Any]:
+        """graph_harvesting's recorded step (runtime/graph_harvesting.py), where this step can be one."""
+        if not on:
+            return None
+        from deepspeed_c.runtime import graph_harvesting
+
+        if self.epilogue is None:
+            graph_harvesting.no_effect("the recorded step is the fused epilogue's, which needs a CUDA device and "
+                                       "Adam/AdamW/FusedAdam")
+        elif self.check_overflow or self.norm_across_ranks is not None:
+            graph_harvesting.no_effect("the host reads the gradient norm between the norm and the update (fp16's "
+                                       "overflow check, or MoE's norm across ranks)")
+        else:
+            return graph_harvesting.HarvestedStep()
+        return None
 
     @property
     def _grad_buffers(self) -> list[Optional[torch.Tensor]]:
@@ -152,6 +170,9 @@ class MixedPrecisionOptimizer(EngineOptimizer):
                 assert self.epilogue is not None
                 self.epilogue.step(grads, outs, norm_t, loss_scale, self.clip_grad, params=masters)
 
+            if self.harvest is not None:
+                return self._harvested_step(grads, masters, outs)
+
             if self.norm_across_ranks is not None:
                 norm = self.norm_across_ranks(norm)
             outcome = self._decide(norm, apply_fused=apply_fused, apply_coef=lambda coef: None)
@@ -173,6 +194,37 @@ class MixedPrecisionOptimizer(EngineOptimizer):
         if outcome.skipped:
             self.zero_grad(set_to_none=True)
             return True
+        for m in self._master_flat:
+            m.grad = None
+        if self.accumulate_fp32:
+            self.accumulators.zero_()
+        return False
+
+    def _harvested_step(self, grads: list[list[torch.Tensor]], masters: list[list[torch.Tensor]],
+                        outs: list[list[torch.Tensor]]) -> bool:
+        """graph_harvesting: the norm and the epilogue (no host decision between them: no overflow check) as one
+        device launch, replayed from its CUDA graph while its key holds."""
+        assert self.epilogue is not None and self.harvest is not None
+        epilogue = self.epilogue
+        flat = [g for gs in grads for g in gs]
+        if self.loss_scaler is not None:
+            self.loss_scaler.update_scale(False)
+        scale = self._scale_used
+        key = (tuple(t.data_ptr() for t in flat), tuple(t.data_ptr() for ts in outs for t in ts),
+               tuple(t.data_ptr() for ts in masters for t in ts), scale, self.clip_grad,
+               epilogue.replay_key(masters, scale, self.clip_grad))
+
+        def launch() -> torch.Tensor:
+            norm = device_global_norm(flat) if flat else torch.zeros(1, device=masters[0][0].device)
+            self._launched = epilogue.launch(grads, outs, norm, scale, self.clip_grad, params=masters)
+            return norm
+
+        norm = self.harvest.run(key, launch)
+        for counters in self._launched:
+            counters.advance()
+        self.overflow = False
+        self._global_grad_norm = norm.reshape(-1)[0] / scale
+        self.cur_iter += 1
         for m in self._master_flat:
             m.grad = None
         if self.accumulate_fp32:

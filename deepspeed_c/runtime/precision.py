@@ -67,6 +67,13 @@ class Precision:
         zero_loss_scaling(), so no full-model fp32 copy is ever allocated."""
         if self.autocast_enabled and self.autocast_dtype == torch.float16:
             self.grad_scaler = torch.amp.GradScaler(device=device.type)
+        harvest = bool(self.config.graph_harvesting) and optimizer is not None
+        if harvest and (self.model_dtype != torch.bfloat16 or zero_owns_masters):
+            from deepspeed_c.runtime.graph_harvesting import no_effect
+
+            no_effect("it records the bf16 optimizer's step at ZeRO stage 0 (as DeepSpeed's BF16_Optimizer does); "
+                      "this engine runs " + ("a ZeRO stage" if zero_owns_masters else f"{self.model_dtype}"))
+            harvest = False
         if optimizer is None or not self.low_precision:
             return optimizer
         if zero_owns_masters:
@@ -76,7 +83,7 @@ class Precision:
         self.mixed = MixedPrecisionOptimizer(optimizer, self.model_dtype, scaler,
                                              clip_grad=self.config.gradient_clipping, check_overflow=check,
                                              sync_overflow=sync_overflow, grad_accum_dtype=accum,
-                                             norm_across_ranks=norm_across_ranks)
+                                             norm_across_ranks=norm_across_ranks, graph_harvesting=harvest)
         return self.mixed
 
     def zero_loss_scaling(self) -> tuple[Optional[LossScalerBase], bool]:

@@ -50,7 +50,6 @@ NO_EFFECT: tuple[NoEffect, ...] = (
     NoEffect(("bf16", "immediate_grad_update"), False,
              "bf16 gradients are accumulated by the precision collaborator at the step"),
     NoEffect(("optimizer", "legacy_fusion"), False, "the fused optimizers have one implementation"),
-    NoEffect(("graph_harvesting",), False, "CUDA-graph capture of the optimizer step is not built"),
     NoEffect(("dump_state",), False, "the engine state is not printed at initialize"),
     NoEffect(("disable_allgather",), False, "ZeRO 1/2 always all-gathers the updated weights"),
     NoEffect(("checkpoint", "checkpoint_serialization"), True, "files are written with torch.save's zip format"),
