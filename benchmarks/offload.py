@@ -109,6 +109,7 @@ def stale_weights(engine: Any) -> int:
     """SuperOffload: elements of the model's weights on the device (the stage-3 shards) that are not the host
     masters rounded to the model dtype, over the host-stepped part of each partition (after a device share)."""
     opt = engine.optimizer
+    opt.offload.settle()  # the deferred step done (a forward would take its buckets as it reads them)
     share = opt.offload.share
     bad = 0
     for g, master in enumerate(opt.fp32_partitions):
@@ -127,12 +128,14 @@ def host_stats(engines: dict[str, Any], steps: int = 1, reset: bool = False) -> 
         off, zf = getattr(opt, "offload", None), getattr(opt, "zenflow_step", None)
         if not name.startswith("dsc") or (off is None and zf is None):
             continue
+        if hasattr(off, "settle"):  # SuperOffload's deferred step done: its counters complete
+            off.settle()
         if reset:
             if zf is not None:
                 zf.stats = {k: 0 for k in zf.stats}
             if off is not None:
                 off.stats = type(off.stats)()
-                for k in ("drain_s", "spec_s", "commits", "rollbacks", "plain_steps"):
+                for k in ("drain_s", "worker_s", "commits", "rollbacks", "plain_steps"):
                     if hasattr(off, k):
                         setattr(off, k, 0)
             continue
@@ -149,7 +152,7 @@ def host_stats(engines: dict[str, Any], steps: int = 1, reset: bool = False) -> 
             parts.append(f"D2H wait {ms['d2h_wait_s']:.1f}, CPU step {ms['cpu_step_s']:.1f}, tail {ms['tail_s']:.1f}, "
                          f"D2H copies {st['d2h_copy_ms'] / steps:.1f}, H2D copies {st['h2d_copy_ms'] / steps:.1f} ms/step")
             if hasattr(off, "drain_s"):
-                parts.append(f"speculation: worker {off.spec_s / steps * 1e3:.1f}, drain "
+                parts.append(f"speculation: worker {off.worker_s / steps * 1e3:.1f}, drain "
                              f"{off.drain_s / steps * 1e3:.1f} ms/step, commits {off.commits}, "
                              f"rollbacks {off.rollbacks}, not speculated {off.plain_steps}")
         out.append(f"host {name:18s} " + "; ".join(parts))
@@ -174,6 +177,9 @@ def main() -> None:
                     help="SuperOffload's offload_optimizer.ratio (share of the optimizer state on the host); a comma "
                          "list runs one SuperOffload engine per value")
     ap.add_argument("--clip", type=float, default=1.0, help="gradient_clipping of every engine (0: off)")
+    ap.add_argument("--so_defer", type=int, default=1,
+                    help="SuperOffload's deferred step (1: the next forward takes each bucket as it reaches it; 0: the "
+                         "step waits for the whole host step): an A/B switch")
     ap.add_argument("--blocks", type=int, default=3, help="timed blocks per engine, interleaved")
     ap.add_argument("--steps", type=int, default=8, help="steps per timed block (a multiple of update_interval)")
     ap.add_argument("--check", type=int, default=3, help="steps whose losses are compared first")
@@ -220,6 +226,8 @@ def main() -> None:
         model = copy.deepcopy(base)
         engines[name], *_ = lib.initialize(model=model, model_parameters=model.parameters(),
                                            config=config(args, variant))
+        if hasattr(getattr(engines[name].optimizer, "offload", None), "defer"):
+            engines[name].optimizer.offload.defer = bool(args.so_defer)
         if cuda:
             torch.cuda.synchronize()
         mem = f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated in all" if cuda else ""

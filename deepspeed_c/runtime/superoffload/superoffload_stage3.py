@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from deepspeed_c.runtime.superoffload.superoffload_utils import SpeculativeOffload
 from deepspeed_c.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
@@ -25,6 +27,25 @@ class SuperOffloadOptimizer_Stage3(DeepSpeedZeroOptimizer_Stage3):  # noqa: N801
         ratio = float(kwargs["zero_cfg"].offload_optimizer.ratio)
         if ratio < 1.0:  # the rest of the optimizer state is stepped on the device
             self.offload.set_device_share(ratio)
+        # the step returns before the host is done: the next forward takes each bucket as it reaches its unit
+        self.offload.attach_store(self.store)
+
+    # whatever reads the shards or the masters outside a forward first lets the deferred step finish
+    def lp_storage(self) -> list[torch.Tensor]:
+        self.offload.settle()
+        return super().lp_storage()
+
+    def release_gathered_params(self) -> None:
+        self.offload.settle()
+        super().release_gathered_params()
+
+    def _export(self) -> Any:
+        self.offload.settle()
+        return super()._export()
+
+    def load_module_state(self, module: torch.nn.Module, state_dict: dict) -> None:
+        self.offload.settle()
+        super().load_module_state(module, state_dict)
 
     def _offload_class(self) -> type:
         return SpeculativeOffload
@@ -33,9 +54,11 @@ class SuperOffloadOptimizer_Stage3(DeepSpeedZeroOptimizer_Stage3):  # noqa: N801
         """How many steps committed their speculative host step, how many rolled it back, how many were taken the
         ordinary way without speculating (the step before was clipped), how many of this rank's partition
         elements the device steps (offload_optimizer.ratio < 1), and the seconds the steps waited for the
-        speculative host step still running."""
+        speculative host step still running; deferred_steps: steps that returned before the host was done (the
+        next forward took their buckets)."""
         assert isinstance(self.offload, SpeculativeOffload)
+        self.offload.settle()
         share = self.offload.share
         return {"commits": self.offload.commits, "rollbacks": self.offload.rollbacks,
                 "plain_steps": self.offload.plain_steps, "device_elements": 0 if share is None else sum(share.cut),
-                "drain_s": self.offload.drain_s}
+                "deferred_steps": self.offload.deferred_steps, "drain_s": self.offload.drain_s}

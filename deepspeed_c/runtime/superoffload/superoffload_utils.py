@@ -5,18 +5,25 @@ either commits (the check agrees: the host results only go back to the device an
 rolls back (overflow, or a norm above gradient_clipping), after which the ordinary host step runs with the
 true coefficient: the result is exactly the non-speculative one either way. A step that can roll back
 writes its updated master and moments into spare buffers (the C kernel's out-of-place form, no extra
-memory traffic), which become the live ones at the commit: the rollback discards them and costs nothing."""
+memory traffic), which become the live ones at the commit: the rollback discards them and costs nothing.
+
+With a ZeRO-3 store attached (attach_store), the step is deferred: it returns once it knows whether the
+speculation commits (or has handed the ordinary step's buckets to the worker, first layers first), and the
+next forward takes each bucket's new weights when it reaches the unit that uses them (the store's
+before_read hook), so the host step overlaps the next forward too. Anything else that reads the weights or
+the optimizer state first finishes the step (settle)."""
 from __future__ import annotations
 
 import contextlib
-import queue
 import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from deepspeed_c.runtime.superoffload.deferred import BucketTracker
 from deepspeed_c.runtime.superoffload.device_share import DeviceShare
+from deepspeed_c.runtime.superoffload.job_queue import ForwardOrderQueue
 from deepspeed_c.runtime.zero.offload import CPUOffload
 
 
@@ -36,8 +43,10 @@ class SpeculativeOffload(CPUOffload):
         self.stepped: list[tuple[int, int, int]] = []  # (group, start, end) speculatively stepped
         self.bumped: set[int] = set()  # groups whose step count this speculation advanced
         self.coef_used: Optional[float] = None
-        self.jobs: "queue.Queue[Optional[tuple]]" = queue.Queue()
+        self.jobs = ForwardOrderQueue()
         self.errors: list[BaseException] = []
+        self.queued: list[tuple[int, int, int]] = []  # (group, start, end) handed to the worker this backward
+        self.queued_coef: Optional[float] = None
         self.worker = threading.Thread(target=self._work, name="superoffload-cpu-adam", daemon=True)
         self.worker.start()
         self.commits = 0
@@ -50,13 +59,32 @@ class SpeculativeOffload(CPUOffload):
         self.speculating = True
         self.plain_steps = 0  # steps taken the ordinary way without a speculation to roll back
         self.drain_s = 0.0  # the step blocked on the speculative host step still running
-        self.spec_s = 0.0  # the worker's time in speculative steps (awaiting each chunk's copy down included)
+        self.worker_s = 0.0  # the worker's time in host steps (awaiting each chunk's copy down included)
         # GPU: each speculatively stepped chunk goes up at once (its own stream, beside the gradients' copies
         # down) into a device staging buffer the commit gathers from; a rollback just ignores it
         self.up_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.dev_stage: Optional[list[torch.Tensor]] = None
         self.up_event: Any = None  # the last chunk's copy up in this speculation
         self.stage_free: Any = None  # the compute stream is done reading the staging buffer (last commit)
+        # the deferred step (attach_store): the buckets whose new weights the model has not taken yet
+        self.store: Any = None
+        self.defer = True  # benchmarks' A/B switch
+        self.unit_key: dict[int, tuple[int, int]] = {}  # store unit -> (group, bucket)
+        self.tracker = BucketTracker(self.chunk_ranges)
+        self.inflight: Optional[str] = None  # "commit" or "plain": a decided step still being taken up
+        self.deferred_steps = 0
+        self.deferred: set[tuple[int, int]] = set()
+        self.writer: Any = None
+        self.compute_stream: Any = None
+
+    def attach_store(self, store: Any) -> None:
+        """ZeRO-3's parameter store: its units' reads (before_read) take the deferred step's buckets."""
+        if getattr(store, "file_backed", False):
+            return  # NVMe-backed shards: the step completes before it returns
+        self.store = store
+        self.unit_key = {store.first_unit[g] + b: (g, b) for g in range(len(self.masters))
+                         for b in range(len(self.chunk_ranges[g]))}
+        store.before_reads(self.before_read)
 
     def set_device_share(self, ratio: float) -> None:
         """offload_optimizer.ratio: the share of each group's state offloaded; the rest (whole buckets from the
@@ -68,6 +96,7 @@ class SpeculativeOffload(CPUOffload):
     def resident(self) -> Any:
         """The whole optimizer state in host memory for its readers (checkpoints), the device share re-read
         afterwards (a load may have written it)."""
+        self.settle()
         outer = self.resident_depth == 0  # nested uses (a load's refresh inside it) see the host as it is
         self.resident_depth += 1
         try:
@@ -93,6 +122,7 @@ class SpeculativeOffload(CPUOffload):
 
     # -- backward: each final chunk staged, then stepped speculatively ---------------------------------
     def _stage_chunk(self, g: int, start: int, end: int, chunk: torch.Tensor) -> None:
+        self.settle()  # the last step's host work is done before this backward's gradients overwrite its input
         if self.share is not None and self.share.on_device(g, end):
             self._staged[g] += end - start  # the device steps it: nothing goes to the host
             return
@@ -106,7 +136,12 @@ class SpeculativeOffload(CPUOffload):
         coef = self.spec_coef()
         if coef != 1.0 and self.grad_dtypes[g] == torch.float32:
             return  # the kernel would unscale fp32 gradients in place: this step runs the ordinary way
-        self.jobs.put((g, start, end, arrived, coef))
+        self.queued.append((g, start, end))
+        self.queued_coef = coef
+        # the hyperparameters as of this backward: a deferred step may still run after a scheduler changed them
+        group = dict(self.optimizer.param_groups[g])
+        self.jobs.put((g, start), ("spec", g, start, end, arrived, coef, group),
+                      None if arrived is None else arrived.query)
 
     def _work(self) -> None:
         if self.threads is not None:
@@ -119,21 +154,24 @@ class SpeculativeOffload(CPUOffload):
                 if job is None:
                     return
                 t0 = time.perf_counter()
-                self._speculate(*job)
-                self.spec_s += time.perf_counter() - t0
+                if job[0] == "spec":
+                    self._speculate(*job[1:])
+                else:
+                    self._plain_bucket(*job[1:])
+                self.worker_s += time.perf_counter() - t0
             except BaseException as e:  # reported at the step
                 self.errors.append(e)
+                self.tracker.fail(e)
             finally:
                 self.jobs.task_done()
 
     @torch.no_grad()
-    def _speculate(self, g: int, start: int, end: int, arrived: Any, coef: float) -> None:
+    def _speculate(self, g: int, start: int, end: int, arrived: Any, coef: float, group: dict) -> None:
         if arrived is not None:
             arrived.synchronize()
         opt = self.optimizer
-        group = opt.param_groups[g]
         master = self.masters[g]
-        state = opt.ready_state(group, master, f"params[{g}][0]")
+        state = opt.ready_state(opt.param_groups[g], master, f"params[{g}][0]")
         if g not in self.bumped:
             opt.ds_opt_op.bump_steps([state["step"]])
             self.bumped.add(g)
@@ -150,7 +188,7 @@ class SpeculativeOffload(CPUOffload):
                 self._kernel(group, state, master, host, self.host_lp[g], lo, min(end, lo + self.sub_chunk), coef,
                              step)
             lp = self.host_lp[g]
-            self._send_up(g, start, end, lp if lp is not None else master.detach())
+            self._done(g, start, end, lp if lp is not None else master.detach())
             return
         if self.spare[g] is None:
             pin = self.cuda
@@ -168,12 +206,28 @@ class SpeculativeOffload(CPUOffload):
             opt.step_tensors_into(group, [w[lo:hi]], [grad], [[state[k][lo:hi]] for k in opt.MOMENTS],
                                   None if lp is None else [lp[lo:hi]], [out["master"][lo:hi]],
                                   [[out[k][lo:hi]] for k in opt.MOMENTS], step)
-        self._send_up(g, start, end, lp if lp is not None else out["master"])
+        self._done(g, start, end, lp if lp is not None else out["master"])
 
-    def _send_up(self, g: int, start: int, end: int, src: torch.Tensor) -> None:
-        """The speculative result [start, end) of group g into the device staging buffer (GPU; worker thread)."""
+    @torch.no_grad()
+    def _plain_bucket(self, g: int, b: int, coef: float, step: int, group: dict) -> None:
+        """The deferred ordinary step of bucket b of group g (worker thread)."""
+        start, end = self.chunk_ranges[g][b]
+        master = self.masters[g]
+        state = self.optimizer.state[master]
+        grad, lp = self.host_grads[g], self.host_lp[g]
+        for lo in range(start, end, self.sub_chunk):
+            self._kernel(group, state, master, grad, lp, lo, min(end, lo + self.sub_chunk), coef, step)
+        self._done(g, start, end, lp if lp is not None else master.detach())
+
+    def _done(self, g: int, start: int, end: int, src: torch.Tensor) -> None:
+        """[start, end) of group g is stepped, its model-dtype result in src: sent up (GPU) and marked."""
+        self.tracker.stepped(g, start, end, self._send_up(g, start, end, src), src)
+
+    def _send_up(self, g: int, start: int, end: int, src: torch.Tensor) -> Any:
+        """The result [start, end) of group g into the device staging buffer (GPU; worker thread): the event
+        that follows the copy."""
         if self.up_stream is None:
-            return
+            return None
         if self.dev_stage is None:
             self.dev_stage = [torch.empty(n, dtype=dt, device=self.device) for n, dt in zip(self.sizes, self.lp_dtypes)]
         with torch.cuda.stream(self.up_stream):
@@ -185,6 +239,7 @@ class SpeculativeOffload(CPUOffload):
         self.stats.record_copy("h2d", t0, t1)
         self.stats.h2d_bytes += (end - start) * src.element_size()
         self.up_event = t1
+        return t1
 
     def _drain(self) -> None:
         t0 = time.perf_counter()
@@ -196,16 +251,23 @@ class SpeculativeOffload(CPUOffload):
             raise err
 
     # -- the step: commit or roll back -------------------------------------------------------------------
-    def complete(self) -> bool:
+    def complete(self, ranges: Optional[Sequence[tuple[int, int, int]]] = None) -> bool:
+        """Whether `ranges` (default: the speculatively stepped ones) cover every host-stepped element."""
         covered = [0] * len(self.sizes)
-        for g, start, end in self.stepped:
+        for g, start, end in (self.stepped if ranges is None else ranges):
             covered[g] += end - start
         cut = self.share.cut if self.share is not None else [0] * len(self.sizes)
         return covered == [n - c for n, c in zip(self.sizes, cut)]
 
     @torch.no_grad()
     def step(self, coef: float, gatherer: Any, parts: Sequence[Optional[torch.Tensor]]) -> None:
+        self.settle()
+        if self.store is not None and self.defer:
+            self._deferred_step(coef, gatherer, parts)
+            return
         self._drain()
+        self.queued, self.queued_coef = [], None
+        self.tracker.clear()  # only a deferred step waits on it
         if self.share is not None:
             self.share.step(coef, parts, gatherer, self.chunk_ranges)
         if self.stepped and self.complete() and coef == self.coef_used:
@@ -219,11 +281,98 @@ class SpeculativeOffload(CPUOffload):
         super().step(coef, gatherer, parts)
 
     def rollback(self) -> None:
-        """The step was skipped (overflow): the speculative updates are undone."""
+        """The step was skipped (overflow), or gradients were dropped without one: the speculation is undone."""
+        self.settle()
         self._drain()
         self._undo()
 
+    # -- the deferred step (a ZeRO-3 store attached) -------------------------------------------------------
+    def _deferred_step(self, coef: float, gatherer: Any, parts: Sequence[Optional[torch.Tensor]]) -> None:
+        """Decides the step and returns: the speculation commits as its chunks finish, or the ordinary step's
+        buckets go to the worker (the first layers first); the model takes each bucket when it reads it."""
+        self.writer = gatherer
+        self.compute_stream = torch.cuda.current_stream() if self.cuda else None
+        self.deferred_steps += 1
+        if self.share is not None:
+            self.share.step(coef, parts, gatherer, self.chunk_ranges)
+        if self.queued and self.complete(self.queued) and coef == self.queued_coef:
+            self.inflight = "commit"  # the chunks still queued finish in the background
+        else:
+            self._drain()
+            if not self.stepped:
+                self.plain_steps += 1
+            self._undo()
+            self.tracker.clear()
+            self.speculating = coef == self.spec_coef()
+            self._host_grads(parts)  # every gradient chunk in host memory
+            if self._last_h2d is not None:  # the pinned host weights are about to be rewritten
+                self._last_h2d.synchronize()
+                self._last_h2d = None
+            opt = self.optimizer
+            for g, master in enumerate(self.masters):
+                state = opt.ready_state(opt.param_groups[g], master, f"params[{g}][0]")
+                step = int(opt.ds_opt_op.bump_steps([state["step"]])[0])
+                group = dict(opt.param_groups[g])  # a scheduler may change the live one before the worker reads it
+                for b, (start, _) in enumerate(self.chunk_ranges[g]):
+                    if self.share is None or b >= self.share.buckets[g]:
+                        self.jobs.put((g, start), ("plain", g, b, coef, step, group))
+            self.inflight = "plain"
+        self.queued, self.queued_coef = [], None
+        self._staged = [0] * len(self.sizes)
+        self._last_d2h = None
+        self.deferred = {(g, b) for g in range(len(self.masters)) for b in range(len(self.chunk_ranges[g]))
+                         if self.share is None or b >= self.share.buckets[g]}
+        gatherer.finish()  # gathered copies are stale: the next reads gather again, taking the new buckets first
+
+    def before_read(self, units: Sequence[int]) -> None:
+        """The store is about to read these units' shards (a forward's gather, GatheredParameters): their
+        buckets of the deferred step go into the shards first."""
+        if not self.deferred:
+            return
+        for u in units:
+            key = self.unit_key.get(u)
+            if key is not None and key in self.deferred:
+                self._commit_bucket(key)
+        if not self.deferred:
+            self.settle()
+
+    def _commit_bucket(self, key: tuple[int, int]) -> None:
+        event, source = self.tracker.wait(key)
+        g, b = key
+        start, end = self.chunk_ranges[g][b]
+        if self.cuda:
+            with torch.cuda.stream(self.compute_stream):
+                self.compute_stream.wait_event(event)
+                assert self.dev_stage is not None
+                self.writer.submit(g, b, self.dev_stage[g][start:end])
+        else:
+            self.writer.submit(g, b, source[start:end])
+        self.deferred.discard(key)
+
+    def settle(self) -> None:
+        """The deferred step finished: every bucket in the model, the worker idle, a commit's spares live."""
+        if self.inflight is None:
+            return
+        for key in sorted(self.deferred):  # buckets no forward read yet
+            self._commit_bucket(key)
+        self._drain()
+        if self.inflight == "commit":
+            self.stats.collect()
+            self._swap_in_spares()
+            self.stepped, self.bumped, self.coef_used = [], set(), None
+            self.commits += 1
+        self.stats.steps += 1
+        if self.cuda:
+            with torch.cuda.stream(self.compute_stream):
+                self.stage_free = torch.cuda.Event()
+                self.stage_free.record()
+            self._last_h2d, self.up_event = self.up_event, None  # host weights rewritten only after these copies
+        self.tracker.clear()
+        self.inflight = None
+
     def _undo(self) -> None:
+        self.queued, self.queued_coef = [], None
+        self.tracker.clear()
         if self.up_event is not None:  # whatever went up is ignored (the staging buffer is not the model), but
             self.up_event.synchronize()  # its copies read the host weights the ordinary step rewrites
             self.up_event = None
@@ -341,12 +490,16 @@ class SpeculativeOffload(CPUOffload):
                 state[k], out[k] = out[k], state[k]
 
     def reset(self) -> None:
-        """Gradients dropped without a step (zero_grad, a skipped step): any speculation is undone."""
-        self.rollback()
+        """Gradients dropped without a step (zero_grad, a skipped step): any speculation is undone. Right after
+        a step (the engine's zero_grad) there is none: a deferred step goes on."""
+        if self.inflight is None:
+            self.rollback()
         super().reset()
 
     def close(self) -> None:
         self.rollback()
-        self.jobs.put(None)
+        if self.store is not None:
+            self.store.before_reads(None)
+        self.jobs.put((float("inf"),), None)
         self.worker.join(timeout=30)
         super().close()

@@ -89,6 +89,7 @@ class ParamStore:
         self.works: list[Any] = [None] * n_units
         self.ready = [False] * n_units  # gathered and its parameters point at the gathered values
         self.on_write_back: Optional[Any] = None  # (group, start, end) -> None: the optimizer's masters follow
+        self.on_before_read: Optional[Any] = None  # (units) -> None: a deferred step writes their chunks first
         self.pins = [0] * n_units  # users of a live unit (running modules, GatheredParameters): not released
         # DeepSpeed's persistence: small units stay gathered between uses (until the weights change),
         # as long as the persistent total stays under the model threshold
@@ -155,6 +156,8 @@ class ParamStore:
         `lossy`: gather-on-use may take ZeRO++'s quantized or secondary (hpZ) gathers. The plain gathers of
         one call go out as one coalesced collective (one NCCL launch for a fetch-plan group). Nothing here
         records autograd history (shards never require grad), so no no_grad context: this runs per module."""
+        if self.on_before_read is not None:
+            self.on_before_read(units)
         plain: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (unit, gathered buffer, this rank's chunk)
         for u in units:
             if self.full[u] is not None:
@@ -193,6 +196,8 @@ class ParamStore:
 
     def wait(self, units: Sequence[int], private: bool = False, lossy: bool = False) -> None:
         """The units' parameters point at their gathered values (fetching any not started)."""
+        if self.on_before_read is not None:  # also for units live already (views of the shards on one rank)
+            self.on_before_read(units)
         self.fetch(units, private, lossy)
         for u in units:
             work = self.works[u]
@@ -279,6 +284,10 @@ class ParamStore:
     def follow_write_backs(self, callback: Optional[Any]) -> None:
         """callback(group, start, end) after each write_back (the optimizer's masters follow the shard)."""
         self.on_write_back = callback
+
+    def before_reads(self, callback: Optional[Any]) -> None:
+        """callback(units) before units' shards are read (SuperOffload's deferred step commits them first)."""
+        self.on_before_read = callback
 
     def unpin_all(self) -> None:
         """No unit has users any more (the end of an iteration): every one may be released."""
