@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
-# needs 4 GPUs (one host), <= 280 s. Issue 48 ZeRO-3 memory: deepspeed_c ZeRO-3 with DeepSpeed's default JSON (auto
-# units) new (reduce-scatter buckets finished two launches later instead of at the end of backward; fused step writes
-# its bf16 output straight into the param shards, no partition-sized scratch) vs old (same tree, the two env switches
-# off) vs FSDP2, GPT 2.7B then 1.3B, seq 2048, micro 4, bf16. Correctness first (each system's first 2 losses vs
-# dsc3's, printed as "check rel"), then tokens/s, MFU, peak GiB per system, interleaved in one process.
+# needs 4 GPUs (one host), <= 280 s. Issue 48 ZeRO-3 memory, DeepSpeed's default JSON (auto units), seq 2048, bf16:
+# deepspeed_c ZeRO-3 new (reduce-scatter buckets finished two launches later instead of all at the end of backward;
+# the fused step writes its bf16 output straight into the param shards; reuse distance counted as DeepSpeed counts)
+# vs old (the first two switched off by env; the reuse change is compiled in both) vs FSDP2 at 2.7B (micro 4), then
+# new vs FSDP2 at 6.7B (micro 2) and 1.3B (micro 4) as time allows. Correctness first (each system's first 2 losses
+# vs dsc3's: "check rel"), then tokens/s, MFU, peak GiB per system, interleaved in one process.
 # Run from the repo root after `source scripts/device_setup.sh`.
 set -u
 OLD='dsc3@DSC_ZERO_REDUCE_WINDOW=0+DSC_Z3_STEP_INTO_SHARD=0'
 OUT=${OUT:-/tmp}
-for m in 2.7B 1.3B; do
-  T=$(( 270 - SECONDS )); [ $T -lt 60 ] && { echo "== $m skipped: ${SECONDS}s used of 280"; continue; }
-  [ $m = 2.7B ] && [ $T -gt 160 ] && T=160
-  echo "== GPT $m, 4 GPUs: dsc3 new, dsc3 old, fsdp2 (limit ${T}s)"
-  timeout $T python3 benchmarks/train_throughput.py --nprocs 4 --model $m --micro 4 --systems "dsc3,$OLD,fsdp2" \
-    --rounds 1 --check 2 --blocks 2 --steps 4 --out $OUT/z3mem_$m.jsonl 2>&1 \
-    | grep -E "^(round|system|dsc|fsdp|ds3|NVIDIA|H|Traceback|[A-Za-z]*Error)" | cut -c1-220
-  python3 benchmarks/train_throughput.py --report $OUT/z3mem_$m.jsonl 2>&1 | tail -8
-done
+run() {  # model micro systems limit
+  local T=$(( 272 - SECONDS )); [ $T -gt $4 ] && T=$4
+  [ $T -lt 50 ] && { echo "== $1 skipped: ${SECONDS}s used of 280"; return; }
+  echo "== GPT $1 micro $2, 4 GPUs: $3 (limit ${T}s)"
+  timeout $T python3 benchmarks/train_throughput.py --nprocs 4 --model $1 --micro $2 --systems "$3" \
+    --rounds 1 --check 2 --blocks 2 --steps 4 --out $OUT/z3mem_$1.jsonl 2>&1 \
+    | grep -E "^(round|system|dsc|fsdp|NVIDIA|Traceback|[A-Za-z.]*Error)" | cut -c1-200
+  [ -s $OUT/z3mem_$1.jsonl ] && python3 benchmarks/train_throughput.py --report $OUT/z3mem_$1.jsonl 2>&1 | sed -n 2,6p
+}
+run 2.7B 4 "dsc3,$OLD,fsdp2" 130
+run 6.7B 2 "dsc3,fsdp2" 100
+run 1.3B 4 "dsc3,fsdp2" 90

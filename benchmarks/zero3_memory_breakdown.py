@@ -23,8 +23,11 @@ reduce), fused AdamW, as throughput_systems.py builds it): sharded fp32 paramete
 the prefetched one), and in the backward one block's bf16 gradients and its reduce-scatter output.
 
     python benchmarks/zero3_memory_breakdown.py [--world 2] [--n_layer 4] [--n_embd 256] [--vocab 512]
-        [--seq 32] [--micro 2] [--steps 2]
+        [--seq 32] [--micro 2] [--steps 2] [--like 2.7B]
 
+`--like 2.7B` (the default) scales stage3_prefetch_bucket_size, stage3_max_live_parameters and
+stage3_max_reuse_distance (DeepSpeed's defaults) by this model's size over the 2.7B benchmark GPT's, so the
+small model keeps gathered the share of itself the large one does; `--like ''` keeps the defaults.
 Environment variables set for the run reach the engine (e.g. an A/B switch of a memory change).
 """
 from __future__ import annotations
@@ -133,6 +136,21 @@ def fsdp2_expected(model: torch.nn.Module, world: int) -> dict[str, dict[str, fl
     }
 
 
+# DeepSpeed 0.19.8's defaults of the element-count limits that decide what stays gathered
+LIMITS = {"stage3_prefetch_bucket_size": 5e7, "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9}
+
+
+def scaled_limits(n_params: int, like: str) -> dict[str, int]:
+    """The default limits scaled by n_params / params of the benchmark GPT `like`, so the small model keeps
+    gathered the share of itself the large one keeps under the defaults."""
+    from throughput_systems import MODELS, build_model
+
+    if like not in MODELS:
+        raise ValueError(f"--like: unknown model {like!r}, choose from {sorted(MODELS)}")
+    big = sum(p.numel() for p in build_model(like, 50304, 2048, "meta").parameters())
+    return {k: max(1, int(v * n_params / big)) for k, v in LIMITS.items()}
+
+
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
@@ -147,6 +165,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) 
     cfg = ds_config("dsc3", args.micro)
     gcfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_head=args.n_head,
                      n_embd=args.n_embd)
+    if args.like:
+        cfg["zero_optimization"].update(scaled_limits(sum(p.numel() for p in GPT(gcfg).parameters()), args.like))
     with deepspeed_c.zero.Init(config_dict_or_path=cfg):
         model = GPT(gcfg)
     n_params = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
@@ -216,6 +236,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--micro", type=int, default=2)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--like", default="2.7B", help="scale the default prefetch/live/reuse limits to this benchmark "
+                    "GPT's size ('' keeps DeepSpeed's defaults as they are)")
     args = ap.parse_args()
     if args.world < 1:
         raise ValueError(f"--world must be >= 1, got {args.world}")

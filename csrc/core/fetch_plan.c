@@ -81,6 +81,8 @@ void dsc_fetch_plan_free(dsc_fetch_plan *p) {
 
 static void *alloc(size_t n, size_t size) { return malloc((n ? n : 1) * size); }
 
+static int64_t sat_add(int64_t a, int64_t b) { return b > INT64_MAX - a ? INT64_MAX : a + b; } /* a, b >= 0 */
+
 static int is_persistent(const unsigned char *persistent, int64_t u) { return persistent && persistent[u]; }
 
 static int cmp_i64(const void *a, const void *b) {
@@ -250,8 +252,9 @@ int dsc_fetch_plan_build_batched(int64_t S, const int64_t *step_start, const int
         s.seen[u] = s.seen2[u] = s.is_cand[u] = -1;
         s.live_pos[u] = -1;
     }
+    /* the largest reuse distance the trace allows: every entry's numel (saturating) */
     int64_t total = 0, n_future = 0;
-    for (int64_t u = 0; u < U; u++) total += numels[u];
+    for (int64_t e = 0; e < step_start[S]; e++) total = sat_add(total, numels[step_units[e]]);
     for (int64_t i = S - 1; i >= 0; i--) {
         int64_t own = 0;
         s.future[i] = n_future;
@@ -388,17 +391,19 @@ int dsc_fetch_plan_build_batched(int64_t S, const int64_t *step_start, const int
                 }
             }
             /* Walk steps i+1, i+2, ... once: a candidate first met at step m has its next use
-             * at m and reuse distance = the distinct numel of steps i+1..m-1 walked so far. The
-             * candidates of one step go in ascending id order. Stop once every candidate is met
-             * or the distance is past max_reuse (it only grows). */
+             * at m and reuse distance = the numel of steps i+1..m-1 walked so far, each step
+             * counting all its units (a unit used again counts again, as DeepSpeed's walk over
+             * the module order counts parameters). The candidates of one step go in ascending id
+             * order. Stop once every candidate is met or the distance is past max_reuse (it only
+             * grows). */
             int64_t dist = 0, met = 0;
             for (int64_t m = i + 1; m < S && met < n_cand && dist <= max_reuse; m++) {
                 int64_t n_here = 0, add = 0;
                 for (int64_t e = step_start[m]; e < step_start[m + 1]; e++) {
                     int64_t w = step_units[e];
+                    add = sat_add(add, numels[w]);
                     if (s.seen2[w] == i) continue;
                     s.seen2[w] = i;
-                    add += numels[w];
                     if (s.is_cand[w] == i) s.cand[n_here++] = w;
                 }
                 qsort(s.cand, (size_t)n_here, sizeof(int64_t), cmp_i64);
@@ -410,7 +415,7 @@ int dsc_fetch_plan_build_batched(int64_t S, const int64_t *step_start, const int
                     }
                 }
                 met += n_here;
-                dist += add;
+                dist = sat_add(dist, add);
             }
             for (int64_t k = 0; k < n_live; k++) {
                 int64_t u = s.live_list[k];

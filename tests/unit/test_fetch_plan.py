@@ -37,11 +37,8 @@ def check_plan(plan, steps, numels, persistent, bucket, max_live, reuse, min_bat
     def next_use(u, after):
         return next((j for j in range(after + 1, S) if u in steps[j]), None)
 
-    def distance(i, j):
-        seen = set()
-        for m in range(i + 1, j):
-            seen.update(steps[m])
-        return sum(numels[w] for w in seen)
+    def distance(i, j):  # every use counts (DeepSpeed's walk over its module order)
+        return sum(numels[w] for m in range(i + 1, j) for w in steps[m])
 
     assert plan.num_steps == S
     live: set[int] = set()
@@ -210,14 +207,18 @@ def test_prefetch_waits_for_room_under_max_live():
 
 def test_forward_backward_reuse_distance():
     steps = [[0], [1], [2], [2], [1], [0]]
-    # distance 10 keeps unit 1 across step 2-3 (unit 2 in between); unit 0 (20 between) is released
-    plan = build(steps, [10, 10, 10], reuse=10)
+    # distance 20 keeps unit 1 across steps 2-3 (unit 2 used twice in between: 20, each use counting, as
+    # DeepSpeed counts); unit 0 (40 between) is released
+    plan = build(steps, [10, 10, 10], reuse=20)
     assert plan_lists(plan) == ([[[0]], [[1]], [[2]], [[]], [[]], [[0]]], [[0], [], [], [2], [1], [0]])
+    # at 10 unit 1 is released too: the second use of unit 2 counts again
+    plan = build(steps, [10, 10, 10], reuse=10)
+    assert plan_lists(plan) == ([[[0]], [[1]], [[2]], [[]], [[1]], [[0]]], [[0], [1], [], [2], [1], [0]])
     # distance 0 keeps only what the very next step needs
     plan = build(steps, [10, 10, 10], reuse=0)
     assert plan_lists(plan) == ([[[0]], [[1]], [[2]], [[]], [[1]], [[0]]], [[0], [1], [], [2], [1], [0]])
     # max_live 15 leaves no room to keep unit 1 beside unit 2
-    plan = build(steps, [10, 10, 10], max_live=15, reuse=10)
+    plan = build(steps, [10, 10, 10], max_live=15, reuse=20)
     assert plan_lists(plan) == ([[[0]], [[1]], [[2]], [[]], [[1]], [[0]]], [[0], [1], [], [2], [1], [0]])
     assert plan.peak_live_numel == 10
 

@@ -32,7 +32,8 @@
  *
  * Release after step i < last. Kept: every pinned unit; then, in order of next use (ties: lower
  * id), each live non-persistent unit whose next use j exists and whose reuse distance (the numel
- * of the distinct units, persistent ones included, used by steps i+1..j-1) is <= max_reuse,
+ * of the units used by steps i+1..j-1, persistent ones included, a unit counted at each step that
+ * uses it, as DeepSpeed counts the parameters of its module order) is <= max_reuse,
  * while live numel after step i+1's group 0 stays <= cap(i+1) (a unit that does not fit is
  * released and the next is tried). A unit used by step i+1 has distance 0 and costs nothing
  * against cap(i+1), so it is always kept. Everything else non-persistent is released, in
