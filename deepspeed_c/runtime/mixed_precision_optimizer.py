@@ -125,6 +125,8 @@ class MixedPrecisionOptimizer(EngineOptimizer):
         return isinstance(self.loss_scaler, DynamicLossScaler)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.harvest is not None:  # the recorded step reads the gradients where they are: zeroed in place
+            set_to_none = False      # (DeepSpeed's harvesting asserts the same)
         for p in self._lp_flat:
             if set_to_none:
                 p.grad = None
