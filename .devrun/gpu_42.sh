@@ -9,5 +9,7 @@ nvidia-smi --query-gpu=name --format=csv,noheader | head -1
 python3 -c "from op_builder.random_ltd import RandomLTDBuilder, RandomLTDCUDABuilder as C; RandomLTDBuilder().load(); C().load()" \
     2>&1 | tail -3
 timeout 40 python3 benchmarks/data_efficiency.py kernels 2>&1 | grep -vE "INFO|Warning|warn\(" | tail -8
-timeout 60 python3 benchmarks/data_efficiency.py train --layers 24 --seq 2048 --d 1024 --micro 4 --steps 30 \
-    --warmup 5 2>&1 | grep -vE "INFO|Warning|warn\(" | tail -6
+for sps in 256 16; do
+timeout 60 python3 benchmarks/data_efficiency.py train --layers 24 --seq 2048 --d 1024 --micro 4 --steps 60 \
+    --warmup 5 --seq_per_step $sps 2>&1 | grep -vE "INFO|Warning|warn\(" | tail -5
+done

@@ -162,7 +162,7 @@ def _batch(micro: int, seq: int, vocab: int, gen: torch.Generator, device: torch
     return tokens.to(device)
 
 
-def _engine(model: torch.nn.Module, layers: int, seq: int, micro: int, steps: int, ltd: bool):
+def _engine(model: torch.nn.Module, layers: int, seq: int, micro: int, steps: int, ltd: bool, seq_per_step: int = 16):
     cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": 1.0, "steps_per_print": 10**9,
            "bf16": {"enabled": True}, "optimizer": {"type": "Adam", "params": {"lr": 3e-4}}}
     if ltd:
@@ -171,7 +171,7 @@ def _engine(model: torch.nn.Module, layers: int, seq: int, micro: int, steps: in
             "random_ltd_layer_id": list(range(1, layers - 1)), "model_mask_name": None, "model_type": "decoder",
             "hidden_state_order": "batch_seq_dim",
             "random_ltd_schedule": {"min_value": seq // 4, "max_value": seq, "schedule_type": "fixed_linear",
-                                    "schedule_config": {"require_steps": steps, "seq_per_step": 16}}}}}
+                                    "schedule_config": {"require_steps": steps, "seq_per_step": seq_per_step}}}}}
     engine, *_ = deepspeed_c.initialize(model=model, config=cfg)
     if ltd:
         engine = convert_to_random_ltd(engine, Block)
@@ -194,16 +194,21 @@ def _profile_step(name: str, engine: Any, tokens: torch.Tensor) -> None:
 
 
 def bench_train(layers: int, seq: int, d: int, micro: int, steps: int, warmup: int, vocab: int = 1024,
-                profile: bool = False) -> None:
+                profile: bool = False, seq_per_step: int = 16) -> None:
+    """Each new kept length is a new attention shape: cuDNN's SDPA (torch's choice on sm_90) builds a plan per
+    shape (~0.1 s). DeepSpeed's seq_per_step of 16 over a schedule of tens of thousands of steps makes that a
+    step in thousands; over a ramp of tens of steps it is every step, so short runs take a coarser
+    --seq_per_step to keep the ratio of new shapes to steps near a real run's."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     base = GPT(layers, d, seq, vocab)
     engines = {"dense": _engine(copy.deepcopy(base), layers, seq, micro, steps, False),
-               "random-LTD": _engine(copy.deepcopy(base), layers, seq, micro, steps, True)}
+               "random-LTD": _engine(copy.deepcopy(base), layers, seq, micro, steps, True, seq_per_step)}
     gen = torch.Generator().manual_seed(1)
     batches = [_batch(micro, seq, vocab, gen, device) for _ in range(steps)]
     held_out = [_batch(micro, seq, vocab, gen, device) for _ in range(4)]
     wall = {k: 0.0 for k in engines}
+    step_ms: dict[str, list[float]] = {k: [] for k in engines}
     losses: dict[str, list[float]] = {k: [] for k in engines}
     for i, tokens in enumerate(batches):
         for name, engine in engines.items():  # interleaved: both systems see step i before either sees i + 1
@@ -216,6 +221,7 @@ def bench_train(layers: int, seq: int, d: int, micro: int, steps: int, warmup: i
             losses[name].append(loss.item())  # syncs
             if i >= warmup:
                 wall[name] += time.perf_counter() - t
+                step_ms[name].append((time.perf_counter() - t) * 1e3)
     evals = {}
     for name, engine in engines.items():
         engine.eval()
@@ -223,10 +229,12 @@ def bench_train(layers: int, seq: int, d: int, micro: int, steps: int, warmup: i
             evals[name] = statistics.mean(engine(t).item() for t in held_out)
     last = max(1, steps // 8)
     print(f"# GPT {layers} layers, d {d}, seq {seq}, micro-batch {micro}, bf16, {steps} steps (timed after {warmup}); "
-          f"random-LTD on {layers - 2} layers, kept length {seq // 4} -> {seq}")
-    print(f"{'system':11s} {'wall s':>8s} {'ms/step':>8s} {'train loss (last ' + str(last) + ')':>22s} {'eval loss':>10s}")
+          f"random-LTD on {layers - 2} layers, kept length {seq // 4} -> {seq} in steps of {seq_per_step}")
+    print(f"{'system':11s} {'wall s':>8s} {'ms/step':>8s} {'median':>8s} {'max':>8s} "
+          f"{'train loss (last ' + str(last) + ')':>22s} {'eval loss':>10s}")
     for name in engines:
         print(f"{name:11s} {wall[name]:8.2f} {wall[name] / (steps - warmup) * 1e3:8.1f} "
+              f"{statistics.median(step_ms[name]):8.1f} {max(step_ms[name]):8.1f} "
               f"{statistics.mean(losses[name][-last:]):22.4f} {evals[name]:10.4f}")
     print(f"wall-time ratio random-LTD / dense: {wall['random-LTD'] / wall['dense']:.3f}; eval loss difference "
           f"{(evals['random-LTD'] - evals['dense']) / evals['dense']:+.2%} (log(vocab) = {math.log(vocab):.2f})")
@@ -344,6 +352,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--samples", type=int, default=1_000_000)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--seq_per_step", type=int, default=16, help="train: random-LTD's kept-length granularity")
     ap.add_argument("--profile", action="store_true", help="train: print a profile of one step of each system")
     args = ap.parse_args()
     if args.what == "kernels":
@@ -352,7 +361,8 @@ def main() -> None:
         else:
             bench_kernels(32, 2048, 1024, args.reps, 10)  # 2^26 elements
     elif args.what == "train":
-        bench_train(args.layers, args.seq, args.d, args.micro, args.steps, args.warmup, profile=args.profile)
+        bench_train(args.layers, args.seq, args.d, args.micro, args.steps, args.warmup, profile=args.profile,
+                    seq_per_step=args.seq_per_step)
     else:
         bench_merge(args.samples, 3)
 
