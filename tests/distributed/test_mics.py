@@ -4,7 +4,8 @@
 A tiny GPT (embeddings, causal attention without q/k/v bias (the key bias's gradient is rounding noise that
 Adam would blow up to a step), MLP, untied head) trained 4 steps with gradient accumulation 2,
 clipping 0.5 and AdamW, every rank feeding its own micro-batches:
-- mics_shard_size 2 (2 shard groups x 2), model built under MiCS_Init: each rank holds 1/2 of every
+- mics_shard_size 2 (2 shard groups x 2), model partitioned by MiCS_Init(module=...) (the resumed engine's is
+  built under the MiCS_Init context): each rank holds 1/2 of every
   parameter; the weights and losses equal single-process float64 PyTorch training on all 4 ranks' batches
   within 1e-5 (norm-wise relative; measured ~3e-7: fp32 sums in another order);
 - the replica all-reduce runs once per step (not per micro-step);
@@ -15,7 +16,8 @@ clipping 0.5 and AdamW, every rank feeding its own micro-batches:
   dp_world_size 4); a MiCS engine resuming from the step-2 checkpoint repeats the uninterrupted run's
   steps 3-4 exactly, and a plain ZeRO-3 engine on 4 ranks loads the same checkpoint (resharded 2 -> 4)
   with exactly the saved weights, which zero_to_fp32 consolidates too;
-- bad input: mics_shard_size 3 on 4 ranks raises naming the key; at stage 2 the config is refused naming it."""
+- bad input: mics_shard_size 3 on 4 ranks raises naming the key; at stage 2 the config is refused naming it.
+Under DSC_TEST_BACKEND=nccl the same run takes one GPU a rank (.devrun/gpu_46b.sh, 4 GPUs)."""
 from __future__ import annotations
 
 import os
@@ -26,7 +28,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.harness import run_distributed
+from tests.harness import deterministic, rank_device, run_distributed
 
 VOCAB, SEQ, D, MICRO, GAS, STEPS, WORLD, SAVE_AT = 32, 8, 16, 2, 2, 4, 4, 2
 TOL = 1e-5
@@ -55,7 +57,7 @@ class GPT(torch.nn.Module):
         self.ln, self.head = torch.nn.LayerNorm(D), torch.nn.Linear(D, VOCAB, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1]))
+        x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
         for blk in self.blocks:
             x = blk(x)
         logits = self.head(self.ln(x))
@@ -83,7 +85,7 @@ def _weights(engine: Any) -> dict[str, np.ndarray]:
 
     params = list(engine.module.named_parameters())
     with deepspeed_c.zero.GatheredParameters([p for _, p in params]):
-        return {n: p.detach().clone().numpy() for n, p in params}
+        return {n: p.detach().cpu().clone().numpy() for n, p in params}
 
 
 def _train(engine: Any, rank: int, steps: range, save: str = "") -> list[float]:
@@ -92,30 +94,35 @@ def _train(engine: Any, rank: int, steps: range, save: str = "") -> list[float]:
         if save and step == SAVE_AT:
             engine.save_checkpoint(save, tag="mid")
         for micro in range(GAS):
-            loss = engine(_tokens(step, micro, rank))
+            loss = engine(_tokens(step, micro, rank).to(rank_device()))
             engine.backward(loss)
             engine.step()
             losses.append(float(loss.detach()))
     return losses
 
 
-def _engine(cfg: dict, mics_init: bool, seed: int = 7) -> Any:
+def _engine(cfg: dict, mics_init: str = "", seed: int = 7) -> Any:
+    """mics_init: "module" partitions a model built whole on the host (DeepSpeed's MiCS_Init(module=...): the host
+    generator's weights on every backend), "context" builds it under MiCS_Init (on the GPU under nccl)."""
     import deepspeed_c
 
-    if mics_init:
+    if mics_init == "context":
         with deepspeed_c.zero.MiCS_Init(config_dict_or_path=cfg):
             model = _gpt(seed)
     else:
         model = _gpt(seed)
+        if mics_init == "module":
+            deepspeed_c.zero.MiCS_Init(module=model, config_dict_or_path=cfg)
     engine, *_ = deepspeed_c.initialize(model=model, config=cfg, model_parameters=model.parameters())
     return engine
 
 
 def body(rank: int, world: int, ckpt: str) -> dict[str, Any]:
+    deterministic()  # DSC_TEST_BACKEND=nccl (.devrun/gpu_46b.sh): one GPU a rank, bitwise checks hold there too
     out: dict[str, Any] = {}
     # MiCS 2 x 2, built under MiCS_Init; saved at step 2
     cfg2 = _config(mics_shard_size=2)
-    engine = _engine(cfg2, mics_init=True)
+    engine = _engine(cfg2, mics_init="module")
     store = engine.optimizer.store
     out["shard"] = (store.world_size, sum(int(s.numel()) for s in store.shards),
                     sum(int(p.ds_numel) for p in engine.module.parameters()))
@@ -125,30 +132,30 @@ def body(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     out["optimizer"] = type(engine.optimizer).__name__
     # hierarchical gather, one rank per node: the same numbers
     os.environ["NDEV_PER_NODE"] = "1"
-    engine = _engine(_config(mics_shard_size=2, mics_hierarchical_params_gather=True), mics_init=False)
+    engine = _engine(_config(mics_shard_size=2, mics_hierarchical_params_gather=True))
     out["mics2h_losses"] = _train(engine, rank, range(STEPS))
     out["mics2h"] = _weights(engine)
     # shard size = world, 2 nodes of 2 ranks: cross-node + intra-node gathers; and plain ZeRO-3
     os.environ["NDEV_PER_NODE"] = "2"
-    engine = _engine(_config(mics_shard_size=4, mics_hierarchical_params_gather=True), mics_init=True)
+    engine = _engine(_config(mics_shard_size=4, mics_hierarchical_params_gather=True), mics_init="module")
     out["mics4h_losses"] = _train(engine, rank, range(STEPS))
     out["hier_collectives"] = engine.optimizer.store.gatherer.collectives
     out["mics4h"] = _weights(engine)
-    engine = _engine(_config(), mics_init=False)
+    engine = _engine(_config())
     out["zero3_losses"] = _train(engine, rank, range(STEPS))
     out["zero3"] = _weights(engine)
     # resume: another MiCS engine (other initial weights) from the step-2 checkpoint
-    engine = _engine(cfg2, mics_init=True, seed=99)
+    engine = _engine(cfg2, mics_init="context", seed=99)
     engine.load_checkpoint(ckpt, tag="mid")
     out["resumed_losses"] = _train(engine, rank, range(SAVE_AT, STEPS))
     out["resumed"] = _weights(engine)
     # plain ZeRO-3 on 4 ranks loads the MiCS checkpoint (partitions resharded 2 -> 4)
-    engine = _engine(_config(), mics_init=False, seed=99)
+    engine = _engine(_config(), seed=99)
     engine.load_checkpoint(ckpt, tag="mid")
     out["zero3_loaded"] = _weights(engine)
     out["files"] = sorted(os.listdir(os.path.join(ckpt, "mid")))
     try:
-        _engine(_config(mics_shard_size=3), mics_init=False)
+        _engine(_config(mics_shard_size=3))
         out["bad_size"] = ""
     except ValueError as e:
         out["bad_size"] = str(e)
