@@ -163,6 +163,8 @@ class MixedPrecisionOptimizer(EngineOptimizer):
     def step(self, closure: Any = None) -> bool:
         """Returns True when the step was skipped for overflow (DeepSpeed's convention)."""
         fused = self._fused_inputs() if self.epilogue is not None else None
+        if fused is not None and self.harvest is not None:
+            return self._harvested_step(*fused)
         if fused is not None:
             grads, masters, outs = fused
             flat = [g for gs in grads for g in gs]
@@ -171,9 +173,6 @@ class MixedPrecisionOptimizer(EngineOptimizer):
             def apply_fused(norm_t: torch.Tensor, loss_scale: float) -> None:
                 assert self.epilogue is not None
                 self.epilogue.step(grads, outs, norm_t, loss_scale, self.clip_grad, params=masters)
-
-            if self.harvest is not None:
-                return self._harvested_step(grads, masters, outs)
 
             if self.norm_across_ranks is not None:
                 norm = self.norm_across_ranks(norm)
@@ -217,7 +216,7 @@ class MixedPrecisionOptimizer(EngineOptimizer):
                epilogue.replay_key(masters, scale, self.clip_grad))
 
         def launch() -> torch.Tensor:
-            norm = device_global_norm(flat) if flat else torch.zeros(1, device=masters[0][0].device)
+            norm = device_global_norm(flat) if flat else torch.zeros(1, device=self._master_flat[0].device)
             self._launched = epilogue.launch(grads, outs, norm, scale, self.clip_grad, params=masters)
             return norm
 
