@@ -5,7 +5,8 @@ Correctness first: each kernel's output against x @ dequantize_reference(q)^T in
 over 1e-2 relative error is marked WRONG and not timed. Timings: each call captured 20 times in one CUDA graph
 (the decode step runs as a graph, so launch gaps are not what is measured), replayed; medians of --reps
 interleaved rounds. Bandwidth = weight bytes read (bf16: 2 a weight; int8: 1 + scales; int4: 1/2 + scales) / time.
---variants times the tuning launches of the kernel too (100 * warps a block + 16-byte chunks in flight a lane).
+--variants times the tuning launches of the kernel too (100 * warps a block + 16-byte chunks in flight a lane,
++ 1000: two weight rows a warp at batch 1).
 
     python benchmarks/inference_quant.py [--hidden 4096 --inter 11008 --group 128 --reps 5 --variants]"""
 from __future__ import annotations
@@ -68,7 +69,7 @@ def main() -> None:
     kv = max(2, heads // 4)
     shapes = {"qkv": ((heads + 2 * kv) * 128 if h % 128 == 0 else 3 * h, h), "o": (h, h), "gate_up": (2 * f, h),
               "down": (h, f)}
-    variants = [0] + ([802, 804, 808, 402, 404, 408] if args.variants else [])
+    variants = [0] + ([802, 804, 808, 404, 1802, 1804, 1404] if args.variants else [])
     print(f"== quant_gemv vs cuBLAS bf16 GEMV: LLaMA hidden {h} / inter {f} linears, {args.rows} row(s), group "
           f"{args.group}, {torch.cuda.get_device_name()} ==")
     torch.manual_seed(0)

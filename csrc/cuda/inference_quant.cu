@@ -5,8 +5,9 @@
 //         round(w / s) + 8 in [1, 15]
 // quant_gemv: out[m, n] = sum_k x[m, k] * s[n, k / group] * q[n, k] for a few rows m (decode). At
 // batch 1 this is bound by the weight bytes read, which is the point of quantizing them, so the
-// kernel is built to keep HBM busy: one warp a weight row, each lane streams 16-byte weight chunks
-// (16 int8 or 32 int4 values) with U of them in flight before any is used (the loads bypass L1,
+// kernel is built to keep HBM busy: one warp a weight row (two in a tuning variant), each lane
+// streams 16-byte weight chunks (16 int8 or 32 int4 values) with U of them in flight before any
+// is used (the loads bypass L1,
 // the weights are read once), the activations are read straight from global memory (a few KiB,
 // L1-resident after the first warp of an SM), and the integer -> float conversion is a byte
 // permute into a float's mantissa plus one subtraction (no int -> float convert instructions,
@@ -144,6 +145,63 @@ __global__ void __launch_bounds__(256, R == 1 ? 4 : 1) quant_gemv_kernel(const T
     }
 }
 
+// Batch 1, two weight rows a warp (a tuning variant): each activation load and conversion serves both rows,
+// which matters most for int4 (a byte of weights meets 4 bytes of bf16 activations).
+template <typename T, int BITS, int U>
+__global__ void __launch_bounds__(256, 3) quant_gemv_rows2_kernel(const T *__restrict__ x, const uint8_t *__restrict__ q,
+                                                                  const float *__restrict__ scales, T *__restrict__ out,
+                                                                  int N, int K, int groups, uint32_t scale_div) {
+    constexpr int W = BITS == 8 ? 16 : 32;
+    const int lane = threadIdx.x & 31;
+    const int n0 = 2 * (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5));
+    if (n0 >= N) return;
+    const bool second = n0 + 1 < N;
+    const int chunks = K / W;
+    const int64_t row_bytes = K / (8 / BITS);
+    const uint4 *qr0 = reinterpret_cast<const uint4 *>(q + static_cast<int64_t>(n0) * row_bytes);
+    const uint4 *qr1 = reinterpret_cast<const uint4 *>(q + static_cast<int64_t>(second ? n0 + 1 : n0) * row_bytes);
+    const float *sr0 = scales + static_cast<int64_t>(n0) * groups;
+    const float *sr1 = scales + static_cast<int64_t>(second ? n0 + 1 : n0) * groups;
+    float acc0 = 0.f, acc1 = 0.f;
+    for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
+        uint4 raw0[U], raw1[U];
+        float s0[U], s1[U];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int c = c0 + 32 * u;
+            raw0[u] = raw1[u] = make_uint4(0u, 0u, 0u, 0u), s0[u] = s1[u] = 0.f;
+            if (c < chunks) {
+                const uint32_t g = scale_div ? __umulhi(static_cast<uint32_t>(c), scale_div) : c;
+                raw0[u] = load_stream(qr0 + c), raw1[u] = load_stream(qr1 + c);
+                s0[u] = __ldg(sr0 + g), s1[u] = __ldg(sr1 + g);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int c = c0 + 32 * u;
+            if (c >= chunks) break;
+            float p0 = 0.f, p1 = 0.f;
+#pragma unroll
+            for (int j = 0; j < W / 8; j++) {
+                float xv[8], w[8];
+                load8(x + c * W + 8 * j, xv);
+                weights8<BITS>(raw0[u], j, w);
+#pragma unroll
+                for (int i = 0; i < 8; i++) p0 = fmaf(w[i], xv[i], p0);
+                weights8<BITS>(raw1[u], j, w);
+#pragma unroll
+                for (int i = 0; i < 8; i++) p1 = fmaf(w[i], xv[i], p1);
+            }
+            acc0 = fmaf(s0[u], p0, acc0), acc1 = fmaf(s1[u], p1, acc1);
+        }
+    }
+    acc0 = warp_sum(acc0), acc1 = warp_sum(acc1);
+    if (lane == 0) {
+        store(out + n0, acc0);
+        if (second) store(out + n0 + 1, acc1);
+    }
+}
+
 template <typename T> __device__ __forceinline__ void store8(T *p, const float v[8]);
 template <> __device__ __forceinline__ void store8(float *p, const float v[8]) {
     reinterpret_cast<float4 *>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
@@ -205,7 +263,7 @@ bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 
 
 template <typename T, int BITS, int U>
 int launch_gemv(const void *x, const void *q, const float *scales, void *out, int M, int N, int K, int group, int warps,
-                cudaStream_t stream) {
+                bool rows2, cudaStream_t stream) {
     constexpr int W = BITS == 8 ? 16 : 32;
     const uint32_t per_scale = static_cast<uint32_t>(group / W);
     const uint32_t div = per_scale == 1 ? 0u : static_cast<uint32_t>((0x100000000ull + per_scale - 1) / per_scale);
@@ -213,6 +271,15 @@ int launch_gemv(const void *x, const void *q, const float *scales, void *out, in
     const T *xt = static_cast<const T *>(x);
     T *ot = static_cast<T *>(out);
     const uint8_t *qb = static_cast<const uint8_t *>(q);
+    if constexpr (sizeof(T) < 4) {
+        if (M == 1 && rows2) {  // two rows' loads in flight a chunk: at most 4 chunks deep
+            constexpr int U2 = U > 4 ? 4 : U;
+            const unsigned blocks2 = static_cast<unsigned>((N + 2 * warps - 1) / (2 * warps));
+            quant_gemv_rows2_kernel<T, BITS, U2><<<blocks2, 32 * warps, 0, stream>>>(xt, qb, scales, ot, N, K,
+                                                                                      K / group, div);
+            return launch_error();
+        }
+    }
     if (M == 1)  // decode at batch 1: no row loop
         quant_gemv_kernel<T, BITS, U, 1><<<blocks, 32 * warps, 0, stream>>>(xt, qb, scales, ot, M, N, K, K / group, div);
     else
@@ -223,17 +290,17 @@ int launch_gemv(const void *x, const void *q, const float *scales, void *out, in
 
 template <typename T, int BITS>
 int launch_gemv_unroll(int unroll, const void *x, const void *q, const float *scales, void *out, int M, int N, int K,
-                       int group, int warps, cudaStream_t stream) {
+                       int group, int warps, bool rows2, cudaStream_t stream) {
     if constexpr (sizeof(T) == 4) {  // float activations: the default launch only
-        return launch_gemv<T, BITS, 4>(x, q, scales, out, M, N, K, group, warps, stream);
+        return launch_gemv<T, BITS, 4>(x, q, scales, out, M, N, K, group, warps, rows2, stream);
     } else {
         if (unroll == 0) {  // enough chunks in flight to cover a lane's share of the row in about one round
             const int per_lane = (K / (BITS == 8 ? 16 : 32) + 31) / 32;
             unroll = per_lane >= 6 ? 8 : per_lane >= 3 ? 4 : 2;
         }
-        if (unroll == 2) return launch_gemv<T, BITS, 2>(x, q, scales, out, M, N, K, group, warps, stream);
-        if (unroll == 8) return launch_gemv<T, BITS, 8>(x, q, scales, out, M, N, K, group, warps, stream);
-        return launch_gemv<T, BITS, 4>(x, q, scales, out, M, N, K, group, warps, stream);
+        if (unroll == 2) return launch_gemv<T, BITS, 2>(x, q, scales, out, M, N, K, group, warps, rows2, stream);
+        if (unroll == 8) return launch_gemv<T, BITS, 8>(x, q, scales, out, M, N, K, group, warps, rows2, stream);
+        return launch_gemv<T, BITS, 4>(x, q, scales, out, M, N, K, group, warps, rows2, stream);
     }
 }
 } // namespace
@@ -242,10 +309,11 @@ extern "C" int dsc_inf_quant_gemv(const void *x, const void *q, const float *sca
                                   int64_t K, int bits, int64_t group, int dtype, int device, cudaStream_t stream,
                                   int variant) {
     const int64_t w = bits == 8 ? 16 : 32;  // weights a 16-byte chunk
-    const int unroll = variant % 100, warps = variant / 100 == 0 ? 8 : static_cast<int>(variant / 100);
+    const int unroll = variant % 100, warps = (variant / 100) % 10 == 0 ? 8 : (variant / 100) % 10;
+    const bool rows2 = variant >= 1000;
     if (!x || !q || !scales || !out || M < 1 || M > kMaxRows || N < 1 || N > INT32_MAX || K < w || K % w ||
         group < w || group % w || K % group || K / w >= 65536 || (bits != 8 && bits != 4) || variant < 0 ||
-        (unroll != 0 && unroll != 2 && unroll != 4 && unroll != 8) || (warps != 4 && warps != 8) ||
+        (unroll != 0 && unroll != 2 && unroll != 4 && unroll != 8) || (warps != 4 && warps != 8) || variant > 1808 ||
         !aligned16(x) || !aligned16(q))
         return DSC_CUDA_EARG;
     DeviceGuard guard(device);
@@ -253,8 +321,8 @@ extern "C" int dsc_inf_quant_gemv(const void *x, const void *q, const float *sca
     return dispatch(dtype, [&](auto *tag) {
         using E = std::remove_pointer_t<decltype(tag)>;
         const int m = static_cast<int>(M), n = static_cast<int>(N), k = static_cast<int>(K), g = static_cast<int>(group);
-        return bits == 8 ? launch_gemv_unroll<E, 8>(unroll, x, q, scales, out, m, n, k, g, warps, stream)
-                         : launch_gemv_unroll<E, 4>(unroll, x, q, scales, out, m, n, k, g, warps, stream);
+        return bits == 8 ? launch_gemv_unroll<E, 8>(unroll, x, q, scales, out, m, n, k, g, warps, rows2, stream)
+                         : launch_gemv_unroll<E, 4>(unroll, x, q, scales, out, m, n, k, g, warps, rows2, stream);
     });
 }
 

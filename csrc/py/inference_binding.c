@@ -341,8 +341,8 @@ static PyObject *py_quant_gemv(PyObject *self, PyObject *const *args, Py_ssize_t
     if (PyErr_Occurred()) return NULL;
     if (M < 1 || M > 8) return PyErr_Format(PyExc_ValueError, "argument 'x' must have 1 to 8 rows, got %lld",
                                             (long long)M);
-    if (variant < 0 || variant > 808)
-        return PyErr_Format(PyExc_ValueError, "argument 'variant' (%lld) must be 0 or 100 * warps + unroll",
+    if (variant < 0 || variant > 1808)
+        return PyErr_Format(PyExc_ValueError, "argument 'variant' (%lld) must be 0 or [1000 +] 100 * warps + unroll",
                             variant);
     if (arg(args[3], "out", ACT, 0, &x, "x", 1, &out) < 0 || out.ndim != 2 || out.shape[0] != M)
         return PyErr_Occurred() ? NULL : PyErr_Format(PyExc_ValueError, "argument 'out' must be [M, N]");
