@@ -24,6 +24,9 @@ __global__ void __launch_bounds__(kRowsPerBlock)
                   const T *__restrict__ v, const float *__restrict__ lse, const float *__restrict__ delta,
                   const T *__restrict__ bias1, const T *__restrict__ bias2, T *__restrict__ dq, int N, int L, int H,
                   int D, float scale) {
+#if !DSC_EVO_SIMT_BODY
+    __trap();
+#else
     __shared__ KeyTiles<DP> t;
     const Geometry g(N, L, H, D);
     const Slice s(g);
@@ -56,6 +59,7 @@ __global__ void __launch_bounds__(kRowsPerBlock)
 #pragma unroll
     for (int d = 0; d < DP; d++)
         if (d < D) store(row + d, acc[d] * scale);
+#endif
 }
 
 // dK, dV and the bias gradients: one thread per key row, query rows streamed through shared memory.
@@ -65,6 +69,9 @@ __global__ void __launch_bounds__(kKeysPerBlock)
                    const T *__restrict__ v, const float *__restrict__ lse, const float *__restrict__ delta,
                    const T *__restrict__ bias1, const T *__restrict__ bias2, T *__restrict__ dk, T *__restrict__ dv,
                    float *__restrict__ dbias1, float *__restrict__ dbias2, int N, int L, int H, int D, float scale) {
+#if !DSC_EVO_SIMT_BODY
+    __trap();
+#else
     __shared__ float qs[kQueryTile][DP], dos[kQueryTile][DP], pair[kQueryTile][kKeysPerBlock + 1];
     __shared__ float ls[kQueryTile], dls[kQueryTile];
     const Geometry g(N, L, H, D);
@@ -121,6 +128,7 @@ __global__ void __launch_bounds__(kKeysPerBlock)
         }
     }
     if (dbias1) atomicAdd(dbias1 + s.b1_off + j, db1);
+#endif
 }
 
 } // namespace dsc_evo
@@ -137,6 +145,7 @@ extern "C" int dsc_evo_backward(const void *d_o, const void *q, const void *k, c
         return DSC_CUDA_EARG;
     DeviceGuard guard(device);
     if (guard.error() != 0) return guard.error();
+    if (tc == 0 && simt_unavailable()) return DSC_CUDA_EARG;
     const int64_t rows = B * N * L * H;
     const dim3 qgrid((unsigned)(B * N * H), (unsigned)((L + kRowsPerBlock - 1) / kRowsPerBlock));
     const dim3 kgrid((unsigned)(B * N * H), (unsigned)((L + kKeysPerBlock - 1) / kKeysPerBlock));

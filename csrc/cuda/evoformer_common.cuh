@@ -16,8 +16,25 @@
 #include "inference_common.cuh"
 #include "dsc/evoformer_cuda.h"
 
+// The CUDA-core kernels serve GPUs without bf16 tensor cores (before sm_80). In a build for sm_80 or
+// newer their device code is left out (the tensor-core kernels run there): it would be half of the
+// op's compile time for nothing. Their launchers refuse such a device (simt_unavailable) instead.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define DSC_EVO_SIMT_BODY 0
+#else
+#define DSC_EVO_SIMT_BODY 1
+#endif
+
 namespace dsc_evo {
 using namespace dsc_inf;
+
+// The current device runs the tensor-core kernels, so the CUDA-core ones are not built for it.
+inline bool simt_unavailable() {
+    int dev = 0, major = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return false;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return false;
+    return major >= 8;
+}
 
 constexpr int kRowsPerBlock = 128;  // forward and dQ: query rows per block (one per thread)
 constexpr int kKeyTile = 32;        // forward and dQ: keys per shared-memory tile

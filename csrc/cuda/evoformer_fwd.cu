@@ -7,6 +7,9 @@ __global__ void __launch_bounds__(kRowsPerBlock)
     evo_forward_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                        const T *__restrict__ bias1, const T *__restrict__ bias2, T *__restrict__ o,
                        float *__restrict__ lse, int N, int L, int H, int D, float scale) {
+#if !DSC_EVO_SIMT_BODY
+    __trap();
+#else
     __shared__ KeyTiles<DP> t;
     const Geometry g(N, L, H, D);
     const Slice s(g);
@@ -58,6 +61,7 @@ __global__ void __launch_bounds__(kRowsPerBlock)
     for (int d = 0; d < DP; d++)
         if (d < D) store(orow + d, acc[d] * inv);
     lse[s.lse_row + i] = l > 0.f ? m + logf(l) : INFINITY;
+#endif
 }
 
 } // namespace dsc_evo
@@ -70,6 +74,7 @@ extern "C" int dsc_evo_forward(const void *q, const void *k, const void *v, cons
     if (!q || !k || !v || !o || !lse || bad_shape(B, N, L, H, D)) return DSC_CUDA_EARG;
     DeviceGuard guard(device);
     if (guard.error() != 0) return guard.error();
+    if (simt_unavailable()) return DSC_CUDA_EARG;
     const dim3 grid((unsigned)(B * N * H), (unsigned)((L + kRowsPerBlock - 1) / kRowsPerBlock));
     return dispatch_half(dtype, [&](auto *tag) {
         using E = std::remove_pointer_t<decltype(tag)>;

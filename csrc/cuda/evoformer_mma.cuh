@@ -16,6 +16,7 @@
 #include <initializer_list>
 
 #include "evoformer_common.cuh"
+#include "evoformer_emulate.cuh"  // empty unless DSC_EVO_EMULATE (the host check of these kernels)
 
 namespace dsc_evo {
 
@@ -29,6 +30,10 @@ template <int DP> struct Pad {
     static constexpr int S = DP + 8;  // row stride of a [rows][DP] tile, in elements
 };
 
+#ifdef DSC_EVO_EMULATE
+inline void ldsm_x4(uint32_t (&r)[4], const void *p) { dsc_emu::ldsm(r, p, false); }
+inline void ldsm_x4_t(uint32_t (&r)[4], const void *p) { dsc_emu::ldsm(r, p, true); }
+#else
 __device__ __forceinline__ uint32_t smem_addr(const void *p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -44,6 +49,7 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void *p) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(smem_addr(p)));
 }
+#endif
 
 template <typename T> struct Mma;
 
@@ -54,6 +60,8 @@ template <> struct Mma<__nv_bfloat16> {
                      "{%8,%9}, {%0,%1,%2,%3};\n"
                      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#elif defined(DSC_EVO_EMULATE)
+        dsc_emu::mma(c, a, b0, b1, true);
 #else
         __trap();
 #endif
@@ -71,6 +79,8 @@ template <> struct Mma<__half> {
                      "{%8,%9}, {%0,%1,%2,%3};\n"
                      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#elif defined(DSC_EVO_EMULATE)
+        dsc_emu::mma(c, a, b0, b1, false);
 #else
         __trap();
 #endif
@@ -180,6 +190,14 @@ __device__ __forceinline__ void load_bias_tile(T *tile, const T *__restrict__ pl
 
 constexpr int kBiasStride = kMmaTile + 8;
 
+// Two neighbouring elements (col even) of a padded bias tile as floats: one 32-bit shared load.
+__device__ __forceinline__ float2 pair2(const __nv_bfloat16 *tile, int row, int col) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(tile + row * kBiasStride + col));
+}
+__device__ __forceinline__ float2 pair2(const __half *tile, int row, int col) {
+    return __half22float2(*reinterpret_cast<const __half2 *>(tile + row * kBiasStride + col));
+}
+
 // Shared tile for the 4 operand tiles a kernel streams or keeps, the pair bias and the mask bias.
 template <typename T, int DP> struct MmaSmem {
     __align__(16) T a[kMmaRows * Pad<DP>::S];
@@ -187,7 +205,7 @@ template <typename T, int DP> struct MmaSmem {
     __align__(16) T c[kMmaTile * Pad<DP>::S];
     __align__(16) T d[kMmaTile * Pad<DP>::S];
     __align__(16) T pair[kMmaTile * kBiasStride];
-    float mask[kMmaTile];
+    __align__(16) float mask[kMmaTile];
     float rowf[2][kMmaTile];  // per-row floats (lse, delta) of a streamed query tile
 };
 

@@ -6,7 +6,7 @@ fp16/bf16 tensors on a GPU run the flash-style CUDA kernels (op `evoformer_attn`
 csrc/cuda/evoformer_*.cu); everything else runs the chunked torch path (`evoformer_reference`), which
 follows the same algorithm. `kernel` picks the kernels: "auto" (mma on compute capability 8.0+, else
 CUDA cores), "mma" (mma.sync tensor-core tiles, the fast path), "tc" (WMMA tensor cores, the first
-tensor-core form) or "simt" (CUDA cores). The forward and the backward (dQ by query rows, dK/dV and the
+tensor-core form), both sm_80+, or "simt" (CUDA cores, built for GPUs before sm_80 only). The forward and the backward (dQ by query rows, dK/dV and the
 mask bias's gradient by key rows; with "mma" the pair bias's gradient by (query, key) blocks summed over
 the stack in registers) have each form. The DSC_EVO_KERNEL environment variable sets its initial value."""
 from __future__ import annotations
@@ -36,9 +36,15 @@ _BACKWARD_CODE = {"simt": 0, "tc": 1, "mma": 2}  # the binding's `tc` argument
 def _kernel_for(q: torch.Tensor) -> str:
     if kernel not in _KERNELS:
         raise ValueError(f"evoformer_attn.kernel must be one of {_KERNELS}, got {kernel!r}")
-    if kernel != "auto":
-        return kernel
-    return "mma" if torch.cuda.get_device_capability(q.device)[0] >= 8 else "simt"
+    ampere = torch.cuda.get_device_capability(q.device)[0] >= 8
+    if kernel == "auto":
+        return "mma" if ampere else "simt"
+    if kernel == "simt" and ampere:  # its device code is left out of sm_80+ builds (evoformer_common.cuh)
+        raise ValueError("evoformer_attn.kernel 'simt' (CUDA cores) serves GPUs before compute capability 8.0; "
+                         "use 'mma' or 'tc' here")
+    if kernel != "simt" and not ampere:
+        raise ValueError(f"evoformer_attn.kernel {kernel!r} needs compute capability 8.0 or newer; use 'simt'")
+    return kernel
 
 
 def cuda_op() -> ModuleType:
