@@ -228,7 +228,10 @@ class InjectedDecoder(torch.nn.Module):
                 self._body(ids, None, pos, past)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            # tensor-parallel blocks capture NCCL all-reduces; the process group's watchdog thread keeps querying
+            # its events meanwhile, which the default (global) capture mode would turn into a capture error
+            tp = any(getattr(block, "group", None) is not None for block in self.layers)
+            with torch.cuda.graph(graph, capture_error_mode="thread_local" if tp else "global"):
                 out = self._body(ids, None, pos, past)
             g = self._graphs[batch] = {"graph": graph, "ids": ids, "pos": pos, "out": out}
         g["ids"].copy_(input_ids)
