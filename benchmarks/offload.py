@@ -160,6 +160,7 @@ def host_stats(engines: dict[str, Any], steps: int = 1, reset: bool = False) -> 
 
 
 def main() -> None:
+    start = time.perf_counter()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke: tiny GPT, gloo, one rank")
     ap.add_argument("--n_embd", type=int, default=2048)
@@ -231,7 +232,7 @@ def main() -> None:
         if cuda:
             torch.cuda.synchronize()
         mem = f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated in all" if cuda else ""
-        print(f"{name:20s} initialised {mem}", flush=True)
+        print(f"{name:20s} initialised {mem} (at {time.perf_counter() - start:.0f} s)", flush=True)
     del base
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, args.vocab, (args.micro, args.seq), generator=g).to(dev),
@@ -265,6 +266,7 @@ def main() -> None:
             print(f"check {name:20s} device weights = host masters (host-stepped part): {bad} elements differ; "
                   f"speculation {engines[name].optimizer.speculation_stats()}", flush=True)
             assert bad == 0, f"{name}: the device weights are not the host step's: not timing"
+    print(f"checked (at {time.perf_counter() - start:.0f} s)", flush=True)
     times: dict[str, list[float]] = {n: [] for n in engines}
     tails: dict[str, list[float]] = {n: [] for n in engines}
     peaks: dict[str, int] = {n: 0 for n in engines}
@@ -305,6 +307,7 @@ def main() -> None:
     if args.profile:
         for line in host_stats(engines, steps=args.blocks * args.steps):
             print(line, flush=True)
+    print(f"timed (at {time.perf_counter() - start:.0f} s)", flush=True)
     idle = {}
     if args.profile and cuda:
         for n in engines:
