@@ -154,6 +154,12 @@ def body(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     engine.load_checkpoint(ckpt, tag="mid")
     out["zero3_loaded"] = _weights(engine)
     out["files"] = sorted(os.listdir(os.path.join(ckpt, "mid")))
+    # stage 3 without an optimizer (evaluation): the store sharded over the shard group
+    cfg = {k: v for k, v in cfg2.items() if k != "optimizer"}
+    engine = _engine(cfg, mics_init="module")
+    out["eval_shard_world"] = engine.optimizer.store.world_size
+    with torch.no_grad():
+        out["eval_loss"] = float(engine(_tokens(0, 0, rank).to(rank_device())))
     try:
         _engine(_config(mics_shard_size=3))
         out["bad_size"] = ""
@@ -234,6 +240,8 @@ def test_mics_2x2_equals_single_process_training(runs: list[dict[str, Any]], ref
             np.testing.assert_allclose(r["mics2_losses"], ref_losses, rtol=TOL)
         assert r["replica_all_reduces"] == STEPS  # once per step, after the boundary's reduce-scatters
         _equal(r["mics2"], runs[0]["mics2"])  # every replica holds the same model
+        assert r["eval_loss"] == r["mics2_losses"][0]  # no optimizer: same gathers, same first loss
+        assert r["eval_shard_world"] == 2
 
 
 def test_hierarchical_gather_is_bitwise_the_flat_one(runs: list[dict[str, Any]]) -> None:
