@@ -2,7 +2,8 @@
 # needs 1 GPU, <= 150 s. Issue 52 (offload): one H200, ~1.4B GPT, seq 2048, micro 4, bf16, AdamW.
 # A (clip 1.0, the issue's config): no offload / plain ZeRO-Offload / ZenFlow (default knobs, interval 4, steady
 #   state: a block starts and ends with one host step in flight, the last waited for outside the clock and printed
-#   as "tail") / SuperOffload ratio 1 (deferred step: the next forward takes each bucket as it is stepped); correctness checks first, then interleaved blocks, per-engine host timings
+#   as "tail") / SuperOffload ratio 1 (deferred step: the next forward takes each bucket as it is stepped);
+#   correctness checks first, then interleaved blocks, per-engine host timings
 #   and GPU idle per step (--profile), ratios.
 # B (if time is left; clip 0: SuperOffload's speculation can commit): plain offload vs SuperOffload ratio 1 and 0.8.
 # Run from the repo root after `source scripts/device_setup.sh`.

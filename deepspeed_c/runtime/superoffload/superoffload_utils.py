@@ -356,8 +356,8 @@ class SpeculativeOffload(CPUOffload):
         for key in sorted(self.deferred):  # buckets no forward read yet
             self._commit_bucket(key)
         self._drain()
+        self.stats.collect()  # the worker's copy timings (their list would grow step after step)
         if self.inflight == "commit":
-            self.stats.collect()
             self._swap_in_spares()
             self.stepped, self.bumped, self.coef_used = [], set(), None
             self.commits += 1
