@@ -28,7 +28,10 @@ from deepspeed_c.ops.sparse_attention import (BigBirdSparsityConfig, BSLongforme
                                               DenseSparsityConfig, FixedSparsityConfig,
                                               LocalSlidingWindowSparsityConfig, SparseSelfAttention,
                                               VariableSparsityConfig)
+from deepspeed_c.ops.sparse_attention import kernel as sa_kernel  # noqa: E402
 from deepspeed_c.ops.sparse_attention.reference import dense_sparse_attention, token_mask  # noqa: E402
+
+FORMS = ("pipelined", "simple")
 
 
 def layout_config(name: str, heads: int, block: int, seq: int):
@@ -61,6 +64,11 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def check_one(label, cfg, B, H, L, D, dtype, masks: bool, tol: float) -> bool:
+    return all([check_form(form, label, cfg, B, H, L, D, dtype, masks, tol) for form in FORMS])
+
+
+def check_form(form, label, cfg, B, H, L, D, dtype, masks: bool, tol: float) -> bool:
+    sa_kernel.kernel = form
     torch.manual_seed(0)
     mod = SparseSelfAttention(cfg, max_seq_length=L, key_padding_mask_mode="add", attn_mask_mode="mul").cuda()
     q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
@@ -80,7 +88,7 @@ def check_one(label, cfg, B, H, L, D, dtype, masks: bool, tol: float) -> bool:
     ref.backward(go.float())
     errs = [rel_err(out, ref)] + [rel_err(g, r.grad) for g, r in zip(grads, (q32, k32, v32))]
     ok = all(e <= tol for e in errs)
-    print(f"  {label:<44} {str(dtype)[6:]:<9} " + " ".join(f"{e:9.2e}" for e in errs) + f"   {'ok' if ok else 'FAIL'}")
+    print(f"  {form:<9} {label:<42} {str(dtype)[6:]:<9} " + " ".join(f"{e:9.2e}" for e in errs) + f"   {'ok' if ok else 'FAIL'}")
     return ok
 
 
@@ -101,14 +109,50 @@ def correctness(quick: bool) -> bool:
 
 
 def flex_block_mask(layout: torch.Tensor, block: int, L: int):
-    from torch.nn.attention.flex_attention import create_block_mask
+    """The layout as a BlockMask whose blocks are all "full" (no mask_mod runs inside a block: the
+    fastest FlexAttention can do with a block-aligned pattern)."""
+    from torch.nn.attention.flex_attention import BlockMask
 
+    lay = layout.bool().cuda().unsqueeze(0)  # [1, H, nb, nb]
+    full_num = lay.sum(-1).to(torch.int32)
+    full_idx = torch.argsort(lay.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    zeros_num = torch.zeros_like(full_num)
+    zeros_idx = torch.zeros_like(full_idx)
+    return BlockMask.from_kv_blocks(zeros_num, zeros_idx, full_num, full_idx, BLOCK_SIZE=block)
+
+
+_flex_compiled = None
+
+
+def make_flex(layout, block, L, q, k, v, go):
+    """The first FlexAttention form that runs here: the layout's block mask as is, then with 64 x 64
+    kernel tiles, then as a 128-token mask_mod BlockMask (mask evaluated inside partial blocks)."""
+    global _flex_compiled
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if _flex_compiled is None:
+        _flex_compiled = torch.compile(flex_attention, dynamic=False)
+    flex = _flex_compiled
+    bm = flex_block_mask(layout, block, L)
     lay = layout.bool().cuda()
 
     def mask_mod(b, h, q_idx, kv_idx):
         return lay[h, q_idx // block, kv_idx // block]
 
-    return create_block_mask(mask_mod, B=None, H=lay.shape[0], Q_LEN=L, KV_LEN=L, device="cuda", BLOCK_SIZE=block)
+    tries = [("block mask", lambda a, b, c: flex(a, b, c, block_mask=bm)),
+             ("block mask, 64x64 tiles", lambda a, b, c: flex(a, b, c, block_mask=bm, kernel_options={
+                 "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32}))]
+    if block < 128:
+        bm128 = create_block_mask(mask_mod, B=None, H=lay.shape[0], Q_LEN=L, KV_LEN=L, device="cuda")
+        tries.append(("mask_mod, 128 blocks", lambda a, b, c: flex(a, b, c, block_mask=bm128)))
+    for label, fn in tries:
+        try:
+            fwd_bwd(fn, q, k, v, go)
+            print(f"    flex form: {label}")
+            return fn
+        except Exception as e:  # noqa: BLE001 - report and try the next form
+            print(f"    flex form {label!r} failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+    raise RuntimeError("no FlexAttention form ran")
 
 
 def fwd_bwd(fn, q, k, v, go):
@@ -147,13 +191,15 @@ def bench(seq: int, layout_name: str, args) -> None:
     torch.manual_seed(0)
     q, k, v = (torch.randn(B, H, seq, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
     go = torch.randn_like(q)
-    methods = {"ours": lambda a, b, c: mod(a, b, c)}
-    if not args.no_flex:
-        from torch.nn.attention.flex_attention import flex_attention
+    def ours(form):
+        def run(a, b, c):
+            sa_kernel.kernel = form  # the backward keeps the form its forward ran
+            return mod(a, b, c)
+        return run
 
-        bm = flex_block_mask(layout, block, seq)
-        flex = torch.compile(flex_attention, dynamic=False)
-        methods["flex"] = lambda a, b, c: flex(a, b, c, block_mask=bm)
+    methods = {"ours": ours("pipelined"), "ours-simple": ours("simple")}
+    if not args.no_flex:
+        methods["flex"] = make_flex(layout, block, seq, q, k, v, go)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def sdpa(a, b, c):

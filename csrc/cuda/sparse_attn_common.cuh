@@ -201,8 +201,8 @@ inline int check_arch(int device) {
 
 inline int launch_error() { return static_cast<int>(cudaGetLastError()); }
 
-// The backward's two gradient passes (sparse_attn_dq.cu, sparse_attn_dkv.cu: separate files so the
-// build compiles them in parallel); arguments as dsc_sa_backward's, delta already filled.
+// Each pass lives in its own file so the build compiles them in parallel; arguments as the C
+// launchers' (sparse_attn.cu), delta already filled for the gradient passes.
 struct BackwardArgs {
     const void *d_o, *q, *k, *v;
     const float *lse, *delta;
@@ -216,6 +216,25 @@ struct BackwardArgs {
     int dtype;
     cudaStream_t stream;
 };
-int launch_dq(const BackwardArgs &a);
-int launch_dkv(const BackwardArgs &a);
+struct ForwardArgs {
+    const void *q, *k, *v;
+    void *o;
+    float *lse;
+    const int *row_ptr, *cols;
+    const float *kpm, *am, *rpe;
+    int64_t rpe_sb, rpe_sh;
+    int64_t B, H, L, D;
+    int block;
+    float scale;
+    int dtype;
+    cudaStream_t stream;
+};
+// Two forms of each pass: v1 (sparse_attn_{fwd,dq,dkv}.cu: synchronous staging, transposed tiles)
+// and v2 (sparse_attn_{fwd,dq,dkv}_v2.cu: cp.async double buffering, ldmatrix); same results.
+int launch_forward_v1(const ForwardArgs &a);
+int launch_forward_v2(const ForwardArgs &a);
+int launch_dq_v1(const BackwardArgs &a);
+int launch_dq_v2(const BackwardArgs &a);
+int launch_dkv_v1(const BackwardArgs &a);
+int launch_dkv_v2(const BackwardArgs &a);
 } // namespace dsc_sa

@@ -1,5 +1,5 @@
 // Block-sparse attention backward, dK and dV: per layout block column, over the query block rows
-// that attend to it (the layout's transpose), dV = P^T dO, dK = scale * dS^T Q (see sparse_attn_bwd.cu).
+// that attend to it (the layout's transpose), dV = P^T dO, dK = scale * dS^T Q (see sparse_attn.cu).
 #include "sparse_attn_common.cuh"
 
 namespace dsc_sa {
@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(BLK * 2)
     }
 }
 
-int launch_dkv(const BackwardArgs &a) {
+int launch_dkv_v1(const BackwardArgs &a) {
     const dim3 grid((unsigned)(a.L / a.block), (unsigned)(a.B * a.H));
     return dispatch(a.dtype, a.block, a.D, [&](auto *tag, auto blk, auto dp) {
         using E = std::remove_pointer_t<decltype(tag)>;

@@ -1,5 +1,5 @@
 // Block-sparse attention backward, dQ: per layout block row, over its nonzero key blocks,
-// P = exp(S - lse), dS = P (dO V^T - delta), dQ = scale * dS K (see sparse_attn_bwd.cu).
+// P = exp(S - lse), dS = P (dO V^T - delta), dQ = scale * dS K (see sparse_attn.cu).
 #include "sparse_attn_common.cuh"
 
 namespace dsc_sa {
@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(BLK * 2)
 }
 
 
-int launch_dq(const BackwardArgs &a) {
+int launch_dq_v1(const BackwardArgs &a) {
     const dim3 grid((unsigned)(a.L / a.block), (unsigned)(a.B * a.H));
     return dispatch(a.dtype, a.block, a.D, [&](auto *tag, auto blk, auto dp) {
         using E = std::remove_pointer_t<decltype(tag)>;

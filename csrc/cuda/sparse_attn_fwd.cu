@@ -106,26 +106,17 @@ __global__ void __launch_bounds__(BLK * 2)
         lse[(int64_t)bh * L + i1] = l1 > 0.f ? m1 + logf(l1) : INFINITY;
     }
 }
-} // namespace dsc_sa
 
-using namespace dsc_sa;
-
-extern "C" int dsc_sa_forward(const void *q, const void *k, const void *v, void *o, float *lse, const int *row_ptr,
-                              const int *cols, const float *kpm, const float *am, const float *rpe, int64_t rpe_sb,
-                              int64_t rpe_sh, int64_t B, int64_t H, int64_t L, int64_t D, int block, float scale,
-                              int dtype, int device, cudaStream_t stream) {
-    if (!q || !k || !v || !o || !lse || !row_ptr || !cols || block < 16 || bad_shape(B, H, L, D, block))
-        return DSC_CUDA_EARG;
-    dsc_cuda::DeviceGuard guard(device);
-    if (guard.error() != 0) return guard.error();
-    if (const int rc = check_arch(device)) return rc;
-    const dim3 grid((unsigned)(L / block), (unsigned)(B * H));
-    return dispatch(dtype, block, D, [&](auto *tag, auto blk, auto dp) {
+int launch_forward_v1(const ForwardArgs &a) {
+    const dim3 grid((unsigned)(a.L / a.block), (unsigned)(a.B * a.H));
+    return dispatch(a.dtype, a.block, a.D, [&](auto *tag, auto blk, auto dp) {
         using E = std::remove_pointer_t<decltype(tag)>;
         constexpr int BLK = decltype(blk)::value, DP = decltype(dp)::value;
-        sa_forward_kernel<E, BLK, DP><<<grid, BLK * 2, 0, stream>>>(
-            static_cast<const E *>(q), static_cast<const E *>(k), static_cast<const E *>(v), static_cast<E *>(o), lse,
-            row_ptr, cols, kpm, am, rpe, rpe_sb, rpe_sh, (int)H, (int)L, (int)D, scale);
+        sa_forward_kernel<E, BLK, DP><<<grid, BLK * 2, 0, a.stream>>>(
+            static_cast<const E *>(a.q), static_cast<const E *>(a.k), static_cast<const E *>(a.v),
+            static_cast<E *>(a.o), a.lse, a.row_ptr, a.cols, a.kpm, a.am, a.rpe, a.rpe_sb, a.rpe_sh, (int)a.H,
+            (int)a.L, (int)a.D, a.scale);
         return launch_error();
     });
 }
+} // namespace dsc_sa
