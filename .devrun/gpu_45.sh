@@ -2,9 +2,10 @@
 # Needs 1 GPU, <= 150 s including the sparse_attn op build. Issue 45: block-sparse attention.
 # Builds op sparse_attn, then benchmarks/sparse_attention.py: the correctness table first (our
 # fp16/bf16 kernels vs float32 dense masked math: out, dq, dk, dv for every config family, blocks
-# 16-128, head dims 32/64/128, masks and rpe), then fwd+bwd timings at seq 4k and 16k (Fixed and
+# 16-128, head dims 32/64/128, masks and rpe), then fwd+bwd timings at seq 16k then 4k (Fixed and
 # BigBird ~10% dense, block 64, 16 heads, D 64, bf16): ours vs FlexAttention (same BlockMask,
-# torch.compile'd) vs dense flash SDPA, interleaved reps, ratios and peak memory.
+# torch.compile'd) vs dense flash SDPA, interleaved reps, ratios and peak memory. Both kernel
+# forms run: 'ours' (pipelined: cp.async + ldmatrix) and 'ours-simple'.
 # Run from the repo root after `source scripts/device_setup.sh`.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -13,6 +14,7 @@ left() { echo $(( $1 - ($(date +%s) - t0) )); }
 echo "== build sparse_attn $(date +%T)"
 timeout 110 python3 -c "from op_builder.sparse_attn import SparseAttnBuilder as B; B().load(verbose=True)" 2>&1 | tail -3
 echo "== benchmark (op built after $(( $(date +%s) - t0 )) s) $(date +%T)"
-timeout "$(left 145)" python3 benchmarks/sparse_attention.py --quick-check --seqs 4096,16384 --reps 5 --no-masked \
+python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
+timeout "$(left 145)" python3 benchmarks/sparse_attention.py --quick-check --seqs 16384,4096 --reps 5 --no-masked \
     2>&1 | grep -vE "^\s*$|UserWarning|warnings.warn"
 echo "== done after $(( $(date +%s) - t0 )) s"
