@@ -130,6 +130,7 @@ def body(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     out["mics2"] = _weights(engine)
     out["replica_all_reduces"] = engine.optimizer.replica_all_reduces
     out["optimizer"] = type(engine.optimizer).__name__
+    out["first_group"] = engine.is_first_weights_partition_group()
     # hierarchical gather, one rank per node: the same numbers
     os.environ["NDEV_PER_NODE"] = "1"
     engine = _engine(_config(mics_shard_size=2, mics_hierarchical_params_gather=True))
@@ -232,6 +233,7 @@ def test_mics_2x2_equals_single_process_training(runs: list[dict[str, Any]], ref
     ref_losses, _, ref = reference
     for rank, r in enumerate(runs):
         assert r["optimizer"] == "MiCS_Optimizer"
+        assert r["first_group"] == (rank < 2)  # DeepSpeed's writer of the MiCS checkpoint files
         world, local, full = r["shard"]
         assert world == 2 and full // 2 <= local <= full // 2 + 64, r["shard"]  # 1/2 of the model, not 1/4
         for name, w in ref.items():

@@ -177,6 +177,14 @@ class EngineConfigAccessors:
     def zero_optimization_partition_weights(self) -> bool:
         return self.zero_optimization_stage() >= ZeroStageEnum.weights
 
+    def is_first_weights_partition_group(self) -> bool:
+        """DeepSpeed's rule: at stage 3, true on every rank, except under MiCS, where only the first shard group
+        (global ranks below mics_shard_size) writes the partitioned checkpoint files."""
+        shard = self.mics_shard_size()
+        if shard > 0:
+            return self.global_rank < shard
+        return self.zero_optimization_partition_weights()
+
     # -- DeepCompile passes (compile.passes; building any of them is refused at config time) -------------
     def compile_zero_optimization_stage(self) -> bool:
         passes = self._config.compile_config.passes or []
