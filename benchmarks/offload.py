@@ -185,7 +185,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="steps per timed block (a multiple of update_interval)")
     ap.add_argument("--check", type=int, default=3, help="steps whose losses are compared first")
     ap.add_argument("--profile", action="store_true", help="also report GPU idle time per step")
+    ap.add_argument("--watchdog", type=float, default=0.0,
+                    help="seconds after which every thread's stack is printed and the run ends (0: never)")
     args = ap.parse_args()
+    if args.watchdog > 0:  # a run cut by an outer timeout still says where it was
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.watchdog, exit=True)
     if args.tiny:
         args.n_embd, args.n_layer, args.n_head, args.vocab, args.seq, args.micro = 64, 2, 2, 128, 32, 2
         args.blocks, args.steps, args.check, args.bucket = 2, 4, 2, 2e4
@@ -308,16 +314,8 @@ def main() -> None:
         for line in host_stats(engines, steps=args.blocks * args.steps):
             print(line, flush=True)
     print(f"timed (at {time.perf_counter() - start:.0f} s)", flush=True)
-    idle = {}
-    if args.profile and cuda:
-        for n in engines:
-            lead_in(n)
-            idle[n] = gpu_idle_ms(lambda n=n: step(n), args.steps)
-            settle(n)
     for name in engines:
-        extra = f"  GPU idle {idle[name]:7.1f} ms/step" if name in idle else ""
-        if any(tails[name]) and "zenflow" in name:
-            extra += f"  tail {statistics.median(tails[name]) * 1e3:.0f} ms/block"
+        extra = f"  tail {statistics.median(tails[name]) * 1e3:.0f} ms/block" if "zenflow" in name else ""
         print(f"{name:20s} step {statistics.median(times[name]) * 1e3:9.1f} ms  {tps[name]:10.0f} tokens/s  peak "
               f"{peaks[name] / 2**30:6.2f} GiB{extra}  blocks {', '.join(f'{t * 1e3:.1f}' for t in times[name])} ms",
               flush=True)
@@ -330,6 +328,11 @@ def main() -> None:
     for name in engines:
         if name != "dsc no-offload":
             print(f"ratio {name} / dsc no-offload tokens/s: {tps[name] / tps['dsc no-offload']:.2f}x", flush=True)
+    if args.profile and cuda:  # one more block per engine under the profiler, printed as it ends
+        for n in engines:
+            lead_in(n)
+            print(f"{n:20s} GPU idle {gpu_idle_ms(lambda n=n: step(n), args.steps):7.1f} ms/step", flush=True)
+            settle(n)
     for e in engines.values():
         if hasattr(e, "destroy"):
             e.destroy()
