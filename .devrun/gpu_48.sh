@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # needs 4 GPUs (one host), <= 280 s. Issue 48 ZeRO-3 memory, DeepSpeed's default JSON (auto units), seq 2048, bf16:
-# deepspeed_c ZeRO-3 new (reduce-scatter buckets finished two launches later instead of all at the end of backward;
+# deepspeed_c ZeRO-3 new (gradient buckets sent in backward order, so reduce-scatters overlap the backward instead of
+# all going out after its last hook; sent buckets finished two launches later instead of at the end of backward;
 # the fused step writes its bf16 output straight into the param shards; reuse distance counted as DeepSpeed counts)
-# vs old (the first two switched off by env; the reuse change is compiled in both) vs FSDP2 at 2.7B (micro 4), then
+# vs old (the first three switched off by env; the reuse change is compiled in both) vs FSDP2 at 2.7B (micro 4), then
 # new vs FSDP2 at 6.7B (micro 2) and 1.3B (micro 4) as time allows. Correctness first (each system's first 2 losses
 # vs dsc3's: "check rel"), then tokens/s, MFU, peak GiB per system, interleaved in one process.
 # Run from the repo root after `source scripts/device_setup.sh`.
 set -u
-OLD='dsc3@DSC_ZERO_REDUCE_WINDOW=0+DSC_Z3_STEP_INTO_SHARD=0'
+OLD='dsc3@DSC_ZERO_REDUCE_WINDOW=0+DSC_Z3_STEP_INTO_SHARD=0+DSC_Z3_REDUCE_ORDER=plan'
 OUT=${OUT:-/tmp}
 run() {  # model micro systems limit
   local T=$(( 272 - SECONDS )); [ $T -gt $4 ] && T=$4

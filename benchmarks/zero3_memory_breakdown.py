@@ -7,6 +7,7 @@ engine and its optimizer can reach (object graph walk from the engine: attribute
 optimizer's state; one storage counted once) at three moments of a step:
 
 - `bwd start`: the forward has returned the loss (activation peak: what is held beside the activations);
+- `mid bwd`: half of the parameters' gradient hooks have run (buckets filling and in flight);
 - `bwd end`: every gradient hook has run, before the partitioner finishes its round (gradient peak);
 - `after step`: what stays between steps.
 
@@ -129,6 +130,9 @@ def fsdp2_expected(model: torch.nn.Module, world: int) -> dict[str, dict[str, fl
     return {
         "bwd start": {"fp32 parameter shards": sharded_params, "optimizer states": adam,
                       "unsharded bf16 (root + 2 blocks)": 2 * root + 2 * 2 * block},
+        "mid bwd": {"fp32 parameter shards": sharded_params, "optimizer states": adam, "fp32 gradient shards": grads / 2,
+                    "unsharded bf16 (root + 1 block, 1 block grads, RS out)":
+                        2 * root + 2 * block + 2 * block + 2 * block / world},
         "bwd end": {"fp32 parameter shards": sharded_params, "optimizer states": adam, "fp32 gradient shards": grads,
                     "unsharded bf16 (root + 1 block, 1 block grads, RS out)":
                         2 * root + 2 * block + 2 * block + 2 * block / world},
@@ -182,6 +186,16 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) 
         finish()
 
     reducer._finish_round = finish_round
+    on_grad, arrived = reducer._on_grad, [0]
+    half = len(reducer.reduced_params) // 2
+
+    def counted(k: int) -> None:  # half way through the backward: activations and gradients side by side
+        on_grad(k)
+        arrived[0] += 1
+        if arrived[0] % len(reducer.reduced_params) == half:
+            snaps["mid bwd"] = categorise(reachable_tensors(engine, "engine"), store)
+
+    reducer._on_grad = counted
     gen = torch.Generator().manual_seed(1)
     for _ in range(args.steps):
         x = torch.randint(0, args.vocab, (args.micro, args.seq), generator=gen)
@@ -209,7 +223,7 @@ def _free_port() -> int:
 def print_table(n: int, world: int, snaps: dict[str, dict[str, int]], peak_live: int,
                 fsdp2: dict[str, dict[str, float]]) -> None:
     print(f"model parameters: {n:,}   world: {world}   bytes per parameter per rank (xW: times the world size)")
-    for moment in ("bwd start", "bwd end", "after step"):
+    for moment in ("bwd start", "mid bwd", "bwd end", "after step"):
         ours, theirs = snaps.get(moment, {}), fsdp2[moment]
         print(f"\n-- {moment} " + "-" * (70 - len(moment)))
         print(f"{'deepspeed_c ZeRO-3':<58} {'B/param':>8} {'xW':>7}")

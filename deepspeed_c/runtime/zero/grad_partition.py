@@ -128,20 +128,10 @@ class ZeroGradPartitioner(BackwardRound):
         self._post = self.strategy.post_factor
         # only a reduce-scatter receives into the partition itself (the others produce the chunk elsewhere)
         self._into_partition = self.strategy.writes_out
-        # the order every rank sends buckets in: group-major, bucket order of each plan
-        self.order: list[tuple[int, int]] = [(g, b) for g, plan in enumerate(self.plans)
-                                             for b in range(plan.num_buckets)]
-        self._slot_of = {(g, b): k for k, (g, b) in enumerate(self.order)}
         self._where: list[tuple[int, int]] = [(g, i) for g, params in enumerate(self.groups)
                                               for i in range(len(params))]
         self._flat_params = [p for params in self.groups for p in params]
         self._index_of = {id(p): k for k, p in enumerate(self._flat_params)}
-        # readiness and launch order on the C bucket planner, over the partition plans' buckets (one
-        # planner slot per (group, bucket), in the order every rank sends them)
-        self.readiness = BucketPlan([self.plans[g].numels[i] for g, i in self._where], 1,
-                                    assignment=[self._slot_of[(g, self.plans[g].param_bucket[i])]
-                                                for g, i in self._where])
-        self._mark = self.readiness.marker()
         self._frontier = 0
         # accumulate_fp32 (stage 1, bf16 model, data_types.grad_accum_dtype "fp32": DeepSpeed's
         # BF16_Optimizer): each micro-step's gradient is folded into an fp32 accumulator as soon as
@@ -151,7 +141,6 @@ class ZeroGradPartitioner(BackwardRound):
         self.comm_dtypes = grad_dtypes(self.groups, comm_dtype, accumulate_fp32)
         self.grad_partitions: list[Optional[torch.Tensor]] = [None] * len(self.groups)
         self._fresh = [True] * len(self.groups)  # partition not yet written in this accumulation window
-        self._bufs: list[Optional[torch.Tensor]] = [None] * len(self.order)
         self._arrived = [False] * len(self._flat_params)
         self._direct = [False] * len(self._flat_params)  # a Linear wrote part of the gradient in place this round
         self._late: dict[int, torch.Tensor] = {}  # slot -> second contributions after its bucket went out
@@ -168,9 +157,27 @@ class ZeroGradPartitioner(BackwardRound):
         self.on_bucket_final = on_bucket_final
         self.rounds = 0
         self.direct_writes = 0  # weight gradients a Linear wrote into their bucket slot (bucket_linear), for tests
+        # the order every rank sends buckets in: group-major, bucket order of each plan (set_send_order changes it)
+        self._lay_out([(g, b) for g, plan in enumerate(self.plans) for b in range(plan.num_buckets)])
+        self.direct_linears: list = []  # set by install_direct_linears, with their sink
+        self._direct_sink: Any = None
+        self._attach_hooks(self._flat_params)
+
+    # -- layout helpers ----------------------------------------------------------------------------
+    def _lay_out(self, order: list[tuple[int, int]]) -> None:
+        """Everything that depends on the send order: slots, readiness, gaps, each parameter's slot."""
+        self.order = order
+        self._slot_of = {(g, b): k for k, (g, b) in enumerate(order)}
+        # readiness and launch order on the C bucket planner, over the partition plans' buckets (one
+        # planner slot per (group, bucket), in the order every rank sends them)
+        self.readiness = BucketPlan([self.plans[g].numels[i] for g, i in self._where], 1,
+                                    assignment=[self._slot_of[(g, self.plans[g].param_bucket[i])]
+                                                for g, i in self._where])
+        self._mark = self.readiness.marker()
+        self._bufs: list[Optional[torch.Tensor]] = [None] * len(order)
         # the bucket elements no parameter covers (alignment padding): zeroed when a bucket is allocated,
         # every other element is written by its parameter's deposit
-        self._gaps = [self._bucket_gaps(g, b) for g, b in self.order]
+        self._gaps = [self._bucket_gaps(g, b) for g, b in order]
         # per parameter (flat index): its bucket slot, offset in the bucket and numel (the plan's: at stage 3 a
         # released parameter is an empty placeholder); fixed by the plans, read by every gradient hook
         self._dst_spec: list[tuple[int, int, int]] = []
@@ -179,11 +186,18 @@ class ZeroGradPartitioner(BackwardRound):
             b = plan.param_bucket[i]
             self._dst_spec.append((self._slot_of[(g, b)], plan.param_offset[i] - plan.bucket_offset[b],
                                    plan.numels[i]))
-        self.direct_linears: list = []  # set by install_direct_linears, with their sink
-        self._direct_sink: Any = None
-        self._attach_hooks(self._flat_params)
 
-    # -- layout helpers ----------------------------------------------------------------------------
+    def set_send_order(self, order: Sequence[tuple[int, int]]) -> None:
+        """Buckets go out in `order` (every (group, bucket) once; the same on every rank) instead of group-major
+        plan order. A bucket goes out once it and every bucket before it are complete, so the order should be
+        the one backward completes them in. Only between rounds."""
+        order = [(int(g), int(b)) for g, b in order]
+        if sorted(order) != sorted(self.order):
+            raise ValueError("set_send_order: order must list every (group, bucket) of the plans exactly once")
+        if self._round_open or any(b is not None for b in self._bufs):
+            raise RuntimeError("set_send_order: a backward round is under way")
+        self._lay_out(order)
+
     def _device(self, g: int) -> torch.device:
         return self.groups[g][0].device
 

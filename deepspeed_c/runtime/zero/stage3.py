@@ -215,6 +215,28 @@ def _unit_roots(module: torch.nn.Module, zero_cfg: Any, store_args: dict, world_
                                         max_unit=int(swap["buffer_size"]) * world_size if swap else None)
 
 
+SEND_ORDER_ENV = "DSC_Z3_REDUCE_ORDER"  # "plan": buckets sent in the plans' (forward) order, for A/B runs
+
+
+def backward_send_order(module: torch.nn.Module, groups: Sequence[Sequence[torch.nn.Parameter]],
+                        plans: Sequence[PartitionPlan]) -> list[tuple[int, int]]:
+    """The stage-3 gradient buckets, (group, bucket), latest-registered parameters first. The store lays a
+    group's buckets out in module order (a unit's parameters together, as the forward meets them), and the
+    reducer sends a bucket only once every bucket before it is complete: in that order the first bucket (the
+    embeddings) completes last, so nothing went out before the end of backward and every bucket of the whole
+    unsharded gradient was alive at once. Backward completes them roughly in reverse module order; groups
+    interleave by position (a block's weights and its biases in two groups go out together)."""
+    position = {id(p): k for k, p in enumerate(module.parameters())}
+    keyed = []
+    for g, (params, plan) in enumerate(zip(groups, plans)):
+        first: dict[int, int] = {}
+        for i, p in enumerate(params):
+            b = plan.param_bucket[i]
+            first[b] = min(first.get(b, 1 << 62), position.get(id(p), 1 << 62))
+        keyed += [(-first.get(b, 0), g, b) for b in range(plan.num_buckets)]
+    return [(g, b) for _, g, b in sorted(keyed)]
+
+
 def loco_file(rank: int, world: int) -> str:
     return f"loco_errors_rank_{rank:05d}_of_{world:05d}.pt"
 
@@ -237,6 +259,8 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (Deep
         qgz = self.zeropp is not None and self.zeropp.quantized_gradients and kwargs["world_size"] > 1
         super().__init__(init_optimizer, stage=3, quantized_reduce=self.zeropp.reduce_scatter if qgz else None,
                          **kwargs)
+        if os.environ.get(SEND_ORDER_ENV, "").strip().lower() != "plan":
+            self.reducer.set_send_order(backward_send_order(module, self.bit16_groups, self.partition_plans))
         self.sub_group_size = int(zero_cfg.sub_group_size)  # DeepSpeed's checkpoint sub-groups
         self.zero_quantized_nontrainable_weights = bool(zero_cfg.zero_quantized_nontrainable_weights)
         self.coordinator = _coordinator(module, self.store, zero_cfg, roots)
