@@ -13,8 +13,21 @@
 
 namespace dsc_evo {
 
+// Shared tiles of the dQ and dK/dV kernels: two tiles kept for the whole block (a, b) and a two-stage
+// ring of streamed tiles (c, d, the pair-bias block, per-column floats), so the next step's tiles are
+// copied (cp.async) while this step's are used.
+template <typename T, int DP> struct BwdSmem {
+    __align__(16) T a[kMmaRows * Pad<DP>::S];
+    __align__(16) T b[kMmaRows * Pad<DP>::S];
+    __align__(16) T c[2][kMmaTile * Pad<DP>::S];
+    __align__(16) T d[2][kMmaTile * Pad<DP>::S];
+    __align__(16) T pair[2][kMmaTile * kBiasStride];
+    __align__(16) float colf[2][2][kMmaTile];  // mask bias (dQ) or lse and delta (dK/dV) of a tile's columns
+};
+
+// grid: one block per 64 query rows of each (b, n, h) slice, the row blocks of a slice adjacent.
 template <typename T, int DP>
-__global__ void __launch_bounds__(32 * kMmaWarps)
+__global__ void __launch_bounds__(32 * kMmaWarps, DP == 32 ? 4 : 2)
     evo_dq_mma_kernel(const T *__restrict__ d_o, const T *__restrict__ q, const T *__restrict__ k,
                       const T *__restrict__ v, const float *__restrict__ lse, const float *__restrict__ delta,
                       const T *__restrict__ bias1, const T *__restrict__ bias2, T *__restrict__ dq, int N, int L,
@@ -22,19 +35,29 @@ __global__ void __launch_bounds__(32 * kMmaWarps)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
     __trap();
 #else
-    __shared__ MmaSmem<T, DP> t;  // a: Q rows, b: dO rows, c: K tile, d: V tile
+    using Smem = BwdSmem<T, DP>;
+    DSC_EVO_SMEM(Smem, t);  // a: Q rows, b: dO rows, c: K tiles, d: V tiles, colf[.][0]: mask bias
     const Geometry g(N, L, H, D);
-    const Slice sl(g);
+    const int blocks = (L + kMmaRows - 1) / kMmaRows;
+    const Slice sl(g, blockIdx.x / blocks);
     const T *b1 = bias1 ? bias1 + sl.b1_off : nullptr;
     const T *b2 = bias2 ? bias2 + sl.b2_off : nullptr;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, tq = lane & 3;
-    const int q0 = blockIdx.y * kMmaRows, wr = warp * 16;
+    const int q0 = (blockIdx.x % blocks) * kMmaRows, wr = warp * 16;
+    auto issue = [&](int k0, int st) {  // key tile k0 into stage st, one cp.async group
+        load_tile<T, DP>(t.c[st], k + sl.base, g.HD, L, D, k0, kMmaTile, vec);
+        load_tile<T, DP>(t.d[st], v + sl.base, g.HD, L, D, k0, kMmaTile, vec);
+        if (b2) load_bias_tile<T>(t.pair[st], b2, L, q0, k0, bvec);
+        for (int c = threadIdx.x; c < kMmaTile; c += blockDim.x) {
+            const int j = k0 + c;
+            t.colf[st][0][c] = j < L ? (b1 ? load(b1 + j) * kLog2e : 0.f) : -INFINITY;
+        }
+        cp_commit();
+    };
     load_tile<T, DP>(t.a, q + sl.base, g.HD, L, D, q0, kMmaRows, vec);
     load_tile<T, DP>(t.b, d_o + sl.base, g.HD, L, D, q0, kMmaRows, vec);
-    __syncthreads();
-    uint32_t qf[DP / 16][4], dof[DP / 16][4];
-    load_a<T, DP>(qf, t.a, wr);
-    load_a<T, DP>(dof, t.b, wr);
+    cp_commit();
+    issue(0, 0);
     float li[2], di[2];
 #pragma unroll
     for (int h = 0; h < 2; h++) {
@@ -42,32 +65,35 @@ __global__ void __launch_bounds__(32 * kMmaWarps)
         li[h] = i < L ? lse[sl.lse_row + i] * kLog2e : INFINITY;  // +inf: p = 0 on rows past L
         di[h] = i < L ? delta[sl.lse_row + i] : 0.f;
     }
+    cp_wait<1>();  // Q and dO have landed
+    __syncthreads();
+    uint32_t qf[DP / 16][4], dof[DP / 16][4];
+    load_a<T, DP>(qf, t.a, wr);
+    load_a<T, DP>(dof, t.b, wr);
     float acc[DP / 8][4];
 #pragma unroll
     for (int n = 0; n < DP / 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
     const float sl2 = scale * kLog2e;
-    for (int k0 = 0; k0 < L; k0 += kMmaTile) {
-        __syncthreads();
-        load_tile<T, DP>(t.c, k + sl.base, g.HD, L, D, k0, kMmaTile, vec);
-        load_tile<T, DP>(t.d, v + sl.base, g.HD, L, D, k0, kMmaTile, vec);
-        if (b2) load_bias_tile<T>(t.pair, b2, L, q0, k0, bvec);
-        for (int c = threadIdx.x; c < kMmaTile; c += blockDim.x) {
-            const int j = k0 + c;
-            t.mask[c] = j < L ? (b1 ? load(b1 + j) * kLog2e : 0.f) : -INFINITY;
+    for (int k0 = 0, st = 0; k0 < L; k0 += kMmaTile, st ^= 1) {
+        if (k0 + kMmaTile < L) {
+            issue(k0 + kMmaTile, st ^ 1);  // that stage was last read before the barrier ending the previous step
+            cp_wait<1>();
+        } else {
+            cp_wait<0>();
         }
         __syncthreads();
         float s[kMmaTile / 8][4], dp[kMmaTile / 8][4];
-        rows_x_tile_t<T, DP>(s, qf, t.c);
-        rows_x_tile_t<T, DP>(dp, dof, t.d);
+        rows_x_tile_t<T, DP>(s, qf, t.c[st]);
+        rows_x_tile_t<T, DP>(dp, dof, t.d[st]);
 #pragma unroll
         for (int n = 0; n < kMmaTile / 8; n++) {
             const int col = n * 8 + 2 * tq;
-            const float2 mk = *reinterpret_cast<const float2 *>(&t.mask[col]);
+            const float2 mk = *reinterpret_cast<const float2 *>(&t.colf[st][0][col]);
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 float x0 = fmaf(s[n][2 * h], sl2, mk.x), x1 = fmaf(s[n][2 * h + 1], sl2, mk.y);
                 if (b2) {
-                    const float2 pb = pair2(t.pair, wr + gr + h * 8, col);
+                    const float2 pb = pair2(t.pair[st], wr + gr + h * 8, col);
                     x0 = fmaf(pb.x, kLog2e, x0);
                     x1 = fmaf(pb.y, kLog2e, x1);
                 }
@@ -77,7 +103,8 @@ __global__ void __launch_bounds__(32 * kMmaWarps)
         }
         uint32_t dsf[kMmaTile / 16][4];
         c_to_a<T>(dsf, s);
-        acc_p_x_tile<T, DP>(acc, dsf, t.c);
+        acc_p_x_tile<T, DP>(acc, dsf, t.c[st]);
+        __syncthreads();  // this stage is refilled by the next step's issue
     }
 #pragma unroll
     for (int h = 0; h < 2; h++) {
@@ -98,6 +125,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps)
 #endif
 }
 
+// grid: one block per 64 key rows of each (b, n, h) slice, the key blocks of a slice adjacent.
 template <typename T, int DP>
 __global__ void __launch_bounds__(32 * kMmaWarps)
     evo_dkv_mma_kernel(const T *__restrict__ d_o, const T *__restrict__ q, const T *__restrict__ k,
@@ -108,63 +136,77 @@ __global__ void __launch_bounds__(32 * kMmaWarps)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
     __trap();
 #else
-    __shared__ MmaSmem<T, DP> t;  // a: K rows, b: V rows, c: Q tile, d: dO tile
+    using Smem = BwdSmem<T, DP>;
+    DSC_EVO_SMEM(Smem, t);  // a: K rows, b: V rows, c: Q tiles, d: dO tiles, colf: lse and delta
     const Geometry g(N, L, H, D);
-    const Slice sl(g);
+    const int blocks = (L + kMmaRows - 1) / kMmaRows;
+    const Slice sl(g, blockIdx.x / blocks);
     const T *b2 = bias2 ? bias2 + sl.b2_off : nullptr;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, tq = lane & 3;
-    const int j0 = blockIdx.y * kMmaRows, wr = warp * 16;
+    const int j0 = (blockIdx.x % blocks) * kMmaRows, wr = warp * 16;
+    auto issue = [&](int i0, int st) {  // query tile i0 into stage st
+        load_tile<T, DP>(t.c[st], q + sl.base, g.HD, L, D, i0, kMmaTile, vec);
+        load_tile<T, DP>(t.d[st], d_o + sl.base, g.HD, L, D, i0, kMmaTile, vec);
+        if (b2) load_bias_tile<T>(t.pair[st], b2, L, i0, j0, bvec);  // [query][key]
+        for (int c = threadIdx.x; c < kMmaTile; c += blockDim.x) {
+            const int i = i0 + c;
+            t.colf[st][0][c] = i < L ? lse[sl.lse_row + i] * kLog2e : INFINITY;
+            t.colf[st][1][c] = i < L ? delta[sl.lse_row + i] : 0.f;
+        }
+        cp_commit();
+    };
     load_tile<T, DP>(t.a, k + sl.base, g.HD, L, D, j0, kMmaRows, vec);
     load_tile<T, DP>(t.b, v + sl.base, g.HD, L, D, j0, kMmaRows, vec);
-    __syncthreads();
-    uint32_t kf[DP / 16][4], vf[DP / 16][4];
-    load_a<T, DP>(kf, t.a, wr);
-    load_a<T, DP>(vf, t.b, wr);
+    cp_commit();
+    issue(0, 0);
     float bj[2];
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         const int j = j0 + wr + gr + h * 8;
         bj[h] = j < L ? (bias1 ? load(bias1 + sl.b1_off + j) * kLog2e : 0.f) : -INFINITY;
     }
+    cp_wait<1>();
+    __syncthreads();
+    uint32_t kf[DP / 16][4], vf[DP / 16][4];
+    load_a<T, DP>(kf, t.a, wr);
+    load_a<T, DP>(vf, t.b, wr);
     float dka[DP / 8][4], dva[DP / 8][4];
 #pragma unroll
     for (int n = 0; n < DP / 8; n++)
         dka[n][0] = dka[n][1] = dka[n][2] = dka[n][3] = dva[n][0] = dva[n][1] = dva[n][2] = dva[n][3] = 0.f;
     float db1[2] = {0.f, 0.f};
     const float sl2 = scale * kLog2e;
-    for (int i0 = 0; i0 < L; i0 += kMmaTile) {
-        __syncthreads();
-        load_tile<T, DP>(t.c, q + sl.base, g.HD, L, D, i0, kMmaTile, vec);
-        load_tile<T, DP>(t.d, d_o + sl.base, g.HD, L, D, i0, kMmaTile, vec);
-        if (b2) load_bias_tile<T>(t.pair, b2, L, i0, j0, bvec);  // [query][key]
-        for (int c = threadIdx.x; c < kMmaTile; c += blockDim.x) {
-            const int i = i0 + c;
-            t.rowf[0][c] = i < L ? lse[sl.lse_row + i] * kLog2e : INFINITY;
-            t.rowf[1][c] = i < L ? delta[sl.lse_row + i] : 0.f;
+    for (int i0 = 0, st = 0; i0 < L; i0 += kMmaTile, st ^= 1) {
+        if (i0 + kMmaTile < L) {
+            issue(i0 + kMmaTile, st ^ 1);
+            cp_wait<1>();
+        } else {
+            cp_wait<0>();
         }
         __syncthreads();
-        float st[kMmaTile / 8][4], dpt[kMmaTile / 8][4];
-        rows_x_tile_t<T, DP>(st, kf, t.c);
-        rows_x_tile_t<T, DP>(dpt, vf, t.d);
+        float sT[kMmaTile / 8][4], dpT[kMmaTile / 8][4];
+        rows_x_tile_t<T, DP>(sT, kf, t.c[st]);
+        rows_x_tile_t<T, DP>(dpT, vf, t.d[st]);
 #pragma unroll
         for (int n = 0; n < kMmaTile / 8; n++) {
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int h = e >> 1, key = wr + gr + h * 8, col = n * 8 + 2 * tq + (e & 1);
-                float x = fmaf(st[n][e], sl2, bj[h]);
-                if (b2) x = fmaf(load(&t.pair[col * kBiasStride + key]), kLog2e, x);
-                const float p = exp2f(x - t.rowf[0][col]);
-                const float ds = p * (dpt[n][e] - t.rowf[1][col]);
+                float x = fmaf(sT[n][e], sl2, bj[h]);
+                if (b2) x = fmaf(load(&t.pair[st][col * kBiasStride + key]), kLog2e, x);
+                const float p = exp2f(x - t.colf[st][0][col]);
+                const float ds = p * (dpT[n][e] - t.colf[st][1][col]);
                 db1[h] += ds;
-                st[n][e] = p;
-                dpt[n][e] = ds;
+                sT[n][e] = p;
+                dpT[n][e] = ds;
             }
         }
         uint32_t af[kMmaTile / 16][4];
-        c_to_a<T>(af, st);
-        acc_p_x_tile<T, DP>(dva, af, t.d);
-        c_to_a<T>(af, dpt);
-        acc_p_x_tile<T, DP>(dka, af, t.c);
+        c_to_a<T>(af, sT);
+        acc_p_x_tile<T, DP>(dva, af, t.d[st]);
+        c_to_a<T>(af, dpT);
+        acc_p_x_tile<T, DP>(dka, af, t.c[st]);
+        __syncthreads();
     }
 #pragma unroll
     for (int h = 0; h < 2; h++) {
@@ -189,71 +231,105 @@ __global__ void __launch_bounds__(32 * kMmaWarps)
 #endif
 }
 
+// The dpair kernel's tiles: per stage (one row n of the stack) Q and dO of the query block, K and V of
+// the key block, the mask bias of the key block, lse and delta of the query block; the pair-bias block
+// once.
+template <typename T, int DP> struct DpairSmem {
+    __align__(16) T qo[2][2][kMmaRows * Pad<DP>::S];  // [stage][Q, dO]
+    __align__(16) T kv[2][2][kMmaTile * Pad<DP>::S];  // [stage][K, V]
+    __align__(16) T pair[kMmaRows * kBiasStride];
+    __align__(16) float mask[2][kMmaTile];
+    float rowf[2][2][kMmaRows];  // [stage][lse, delta]
+};
+
 // dbias2[b, h, i, j] += sum over n in this block's share of the stack of dS[b, n, h, i, j].
-// grid: x = B * H, y = query blocks, z = key blocks * splits of the stack.
+// grid (one dimension): key blocks fastest (they share the query block's Q and dO), then query
+// blocks, then the splits of the stack, then the (b, h) planes.
 template <typename T, int DP>
 __global__ void __launch_bounds__(32 * kMmaWarps)
     evo_dpair_mma_kernel(const T *__restrict__ d_o, const T *__restrict__ q, const T *__restrict__ k,
                          const T *__restrict__ v, const float *__restrict__ lse, const float *__restrict__ delta,
                          const T *__restrict__ bias1, const T *__restrict__ bias2, float *__restrict__ dbias2, int N,
-                         int L, int H, int D, float scale, int n_per_block, bool vec, bool bvec) {
+                         int L, int H, int D, float scale, int n_per_block, int splits, bool vec, bool bvec) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
     __trap();
 #else
-    __shared__ MmaSmem<T, DP> t;  // a: Q rows, b: dO rows, c: K tile, d: V tile
+    using Smem = DpairSmem<T, DP>;
+    DSC_EVO_SMEM(Smem, t);
     const int64_t HD = (int64_t)H * D;
-    const int bh = blockIdx.x, b = bh / H, h = bh % H;
-    const int jblocks = (L + kMmaTile - 1) / kMmaTile;
-    const int i0 = blockIdx.y * kMmaRows, j0 = (blockIdx.z % jblocks) * kMmaTile;
-    const int n_lo = (blockIdx.z / jblocks) * n_per_block, n_hi = min(N, n_lo + n_per_block);
+    const int blocks = (L + kMmaRows - 1) / kMmaRows;
+    int64_t idx = blockIdx.x;
+    const int jb = (int)(idx % blocks);
+    idx /= blocks;
+    const int ib = (int)(idx % blocks);
+    idx /= blocks;
+    const int split = (int)(idx % splits);
+    const int bh = (int)(idx / splits), b = bh / H, h = bh % H;
+    const int i0 = ib * kMmaRows, j0 = jb * kMmaTile;
+    const int n_lo = split * n_per_block, n_hi = min(N, n_lo + n_per_block);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, tq = lane & 3, wr = warp * 16;
     const int64_t plane = (int64_t)bh * L * L;
+    auto issue = [&](int n, int st) {  // row n of the stack into stage st
+        const int64_t bn = (int64_t)b * N + n, base = bn * L * HD + (int64_t)h * D, row0 = (bn * H + h) * L;
+        load_tile<T, DP>(t.qo[st][0], q + base, HD, L, D, i0, kMmaRows, vec);
+        load_tile<T, DP>(t.qo[st][1], d_o + base, HD, L, D, i0, kMmaRows, vec);
+        load_tile<T, DP>(t.kv[st][0], k + base, HD, L, D, j0, kMmaTile, vec);
+        load_tile<T, DP>(t.kv[st][1], v + base, HD, L, D, j0, kMmaTile, vec);
+        for (int c = threadIdx.x; c < kMmaTile; c += blockDim.x) {
+            const int j = j0 + c, i = i0 + c;
+            t.mask[st][c] = j < L ? (bias1 ? load(bias1 + bn * L + j) * kLog2e : 0.f) : -INFINITY;
+            t.rowf[st][0][c] = i < L ? lse[row0 + i] * kLog2e : INFINITY;
+            t.rowf[st][1][c] = i < L ? delta[row0 + i] : 0.f;
+        }
+        cp_commit();
+    };
     load_bias_tile<T>(t.pair, bias2 + plane, L, i0, j0, bvec);
+    cp_commit();
+    if (n_lo < n_hi) issue(n_lo, 0);
+    cp_wait<1>();
     __syncthreads();
     float pb[kMmaTile / 8][4], acc[kMmaTile / 8][4];
 #pragma unroll
-    for (int n = 0; n < kMmaTile / 8; n++) {
+    for (int c = 0; c < kMmaTile / 8; c++) {
 #pragma unroll
         for (int e = 0; e < 4; e++) {
-            pb[n][e] = load(&t.pair[(wr + gr + (e >> 1) * 8) * kBiasStride + n * 8 + 2 * tq + (e & 1)]) * kLog2e;
-            acc[n][e] = 0.f;
+            pb[c][e] = load(&t.pair[(wr + gr + (e >> 1) * 8) * kBiasStride + c * 8 + 2 * tq + (e & 1)]) * kLog2e;
+            acc[c][e] = 0.f;
         }
     }
     const float sl2 = scale * kLog2e;
-    for (int n = n_lo; n < n_hi; n++) {
-        const int64_t bn = (int64_t)b * N + n, base = bn * L * HD + (int64_t)h * D, row0 = (bn * H + h) * L;
-        __syncthreads();
-        load_tile<T, DP>(t.a, q + base, HD, L, D, i0, kMmaRows, vec);
-        load_tile<T, DP>(t.b, d_o + base, HD, L, D, i0, kMmaRows, vec);
-        load_tile<T, DP>(t.c, k + base, HD, L, D, j0, kMmaTile, vec);
-        load_tile<T, DP>(t.d, v + base, HD, L, D, j0, kMmaTile, vec);
-        for (int c = threadIdx.x; c < kMmaTile; c += blockDim.x) {
-            const int j = j0 + c;
-            t.mask[c] = j < L ? (bias1 ? load(bias1 + bn * L + j) * kLog2e : 0.f) : -INFINITY;
+    for (int n = n_lo, st = 0; n < n_hi; n++, st ^= 1) {
+        if (n + 1 < n_hi) {
+            issue(n + 1, st ^ 1);
+            cp_wait<1>();
+        } else {
+            cp_wait<0>();
         }
         __syncthreads();
         uint32_t qf[DP / 16][4], dof[DP / 16][4];
-        load_a<T, DP>(qf, t.a, wr);
-        load_a<T, DP>(dof, t.b, wr);
+        load_a<T, DP>(qf, t.qo[st][0], wr);
+        load_a<T, DP>(dof, t.qo[st][1], wr);
         float li[2], di[2];
 #pragma unroll
         for (int r = 0; r < 2; r++) {
-            const int i = i0 + wr + gr + r * 8;
-            li[r] = i < L ? lse[row0 + i] * kLog2e : INFINITY;
-            di[r] = i < L ? delta[row0 + i] : 0.f;
+            li[r] = t.rowf[st][0][wr + gr + r * 8];
+            di[r] = t.rowf[st][1][wr + gr + r * 8];
         }
         float s[kMmaTile / 8][4], dp[kMmaTile / 8][4];
-        rows_x_tile_t<T, DP>(s, qf, t.c);
-        rows_x_tile_t<T, DP>(dp, dof, t.d);
+        rows_x_tile_t<T, DP>(s, qf, t.kv[st][0]);
+        rows_x_tile_t<T, DP>(dp, dof, t.kv[st][1]);
 #pragma unroll
         for (int c = 0; c < kMmaTile / 8; c++) {
+            const int col = c * 8 + 2 * tq;
+            const float2 mk = *reinterpret_cast<const float2 *>(&t.mask[st][col]);
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const int r = e >> 1, col = c * 8 + 2 * tq + (e & 1);
-                const float x = fmaf(s[c][e], sl2, t.mask[col]) + pb[c][e];
+                const int r = e >> 1;
+                const float x = fmaf(s[c][e], sl2, (e & 1) ? mk.y : mk.x) + pb[c][e];
                 acc[c][e] += exp2f(x - li[r]) * (dp[c][e] - di[r]);
             }
         }
+        __syncthreads();
     }
 #pragma unroll
     for (int c = 0; c < kMmaTile / 8; c++) {
@@ -266,33 +342,43 @@ __global__ void __launch_bounds__(32 * kMmaWarps)
 #endif
 }
 
+// The stack split of the dpair kernel: enough (b, h) plane blocks times splits to fill the GPU a few
+// times over, each split at least a few rows of the stack.
+inline void dpair_split(int64_t B, int64_t N, int64_t L, int64_t H, int64_t &per, int64_t &splits) {
+    const int64_t blocks = (L + kMmaRows - 1) / kMmaRows, planes = B * H * blocks * blocks;
+    splits = (2048 + planes - 1) / planes;
+    splits = splits < 1 ? 1 : splits > N ? N : splits;
+    per = (N + splits - 1) / splits;
+    splits = (N + per - 1) / per;
+}
+
 #ifndef DSC_EVO_EMULATE  // the host check calls the kernels itself
 template <typename E, int DP>
 int launch_bwd_mma_typed(const E *gO, const E *Q, const E *K, const E *V, const float *lse, const float *delta,
                          const E *b1, const E *b2, E *dq, E *dk, E *dv, float *db1, float *db2, int64_t B, int64_t N,
                          int64_t L, int64_t H, int64_t D, float scale, cudaStream_t stream) {
     const bool vec = vec_ok(D, {gO, Q, K, V, dq, dk, dv}), bvec = vec_ok(L, {b2});
-    const unsigned blocks = (unsigned)((L + kMmaRows - 1) / kMmaRows);
-    const dim3 grid((unsigned)(B * N * H), blocks);
-    evo_dq_mma_kernel<E, DP><<<grid, 32 * kMmaWarps, 0, stream>>>(gO, Q, K, V, lse, delta, b1, b2, dq, (int)N, (int)L,
-                                                                  (int)H, (int)D, scale, vec, bvec);
-    int rc = launch_error();
+    const int64_t blocks = (L + kMmaRows - 1) / kMmaRows, grid = B * N * H * blocks;
+    int64_t per = 1, splits = 1;
+    dpair_split(B, N, L, H, per, splits);
+    if (grid > 0x7fffffffLL || B * H * splits * blocks * blocks > 0x7fffffffLL) return DSC_CUDA_EARG;
+    const size_t smem = sizeof(BwdSmem<E, DP>);
+    int rc = allow_smem(evo_dq_mma_kernel<E, DP>, smem, 0);
+    if (rc == 0) rc = allow_smem(evo_dkv_mma_kernel<E, DP>, smem, 0);
+    if (rc == 0) rc = allow_smem(evo_dpair_mma_kernel<E, DP>, sizeof(DpairSmem<E, DP>), 0);
     if (rc != 0) return rc;
-    evo_dkv_mma_kernel<E, DP><<<grid, 32 * kMmaWarps, 0, stream>>>(gO, Q, K, V, lse, delta, b1, b2, dk, dv, db1,
-                                                                   (int)N, (int)L, (int)H, (int)D, scale, vec, bvec);
+    evo_dq_mma_kernel<E, DP><<<(unsigned)grid, 32 * kMmaWarps, smem, stream>>>(
+        gO, Q, K, V, lse, delta, b1, b2, dq, (int)N, (int)L, (int)H, (int)D, scale, vec, bvec);
+    rc = launch_error();
+    if (rc != 0) return rc;
+    evo_dkv_mma_kernel<E, DP><<<(unsigned)grid, 32 * kMmaWarps, smem, stream>>>(
+        gO, Q, K, V, lse, delta, b1, b2, dk, dv, db1, (int)N, (int)L, (int)H, (int)D, scale, vec, bvec);
     rc = launch_error();
     if (rc != 0 || !db2) return rc;
-    // split the stack so that the (b, h) planes' blocks times the splits fill the GPU a few times over
-    const int64_t planes = B * H * (int64_t)blocks * blocks;
-    int64_t splits = (2048 + planes - 1) / planes;
-    splits = splits < 1 ? 1 : splits > N ? N : splits;
-    const int64_t per = (N + splits - 1) / splits;
-    splits = (N + per - 1) / per;
-    if ((int64_t)blocks * splits > 65535) return DSC_CUDA_EARG;
-    const dim3 pgrid((unsigned)(B * H), blocks, (unsigned)(blocks * splits));
-    evo_dpair_mma_kernel<E, DP><<<pgrid, 32 * kMmaWarps, 0, stream>>>(gO, Q, K, V, lse, delta, b1, b2, db2, (int)N,
-                                                                      (int)L, (int)H, (int)D, scale, (int)per, vec,
-                                                                      bvec);
+    evo_dpair_mma_kernel<E, DP><<<(unsigned)(B * H * splits * blocks * blocks), 32 * kMmaWarps,
+                                  sizeof(DpairSmem<E, DP>), stream>>>(gO, Q, K, V, lse, delta, b1, b2, db2, (int)N,
+                                                                      (int)L, (int)H, (int)D, scale, (int)per,
+                                                                      (int)splits, vec, bvec);
     return launch_error();
 }
 

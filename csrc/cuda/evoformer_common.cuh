@@ -104,8 +104,9 @@ __device__ __forceinline__ void load_key_tiles(KeyTiles<DP> &t, const T *k, cons
 struct Slice {
     int64_t bnh, base, lse_row;
     int64_t b1_off, b2_off;
-    __device__ Slice(const Geometry &g) {
-        bnh = blockIdx.x;
+    __device__ Slice(const Geometry &g) : Slice(g, blockIdx.x) {}
+    __device__ Slice(const Geometry &g, int64_t index) {
+        bnh = index;
         const int h = (int)(bnh % g.H);
         const int64_t bn = bnh / g.H, b = bn / g.N;
         base = bn * g.L * g.HD + (int64_t)h * g.D;

@@ -1,7 +1,7 @@
 // Evoformer attention forward on tensor cores with mma.sync (evoformer_mma.cuh), flash style.
 // A block of 4 warps owns 64 query rows of one (b, n, h) slice, 16 per warp, whose Q fragments stay
-// in registers. Per 64-key tile the block loads K, V and the pair-bias block with 16-byte loads
-// into padded shared tiles; each warp computes its 16 x 64 scores on tensor cores, adds the biases,
+// in registers. The block streams 64-key tiles of K, V and the pair-bias block into padded shared
+// tiles with 16-byte cp.async copies, two stages deep (the next tile lands while this one is used); each warp computes its 16 x 64 scores on tensor cores, adds the biases,
 // runs the online softmax in the accumulator registers (a row's 64 scores are spread over the 4
 // lanes of a quad: max and sum reduce with two shuffles), and multiplies the probabilities, still in
 // registers, by V into its float32 output fragments. Same contract and outputs (O, lse) as the
@@ -10,31 +10,49 @@
 
 namespace dsc_evo {
 
+// Two stages of the streamed tiles: tile k + 1 is copied (cp.async) while tile k is multiplied.
 template <typename T, int DP> struct FwdSmem {
     __align__(16) T q[kMmaRows * Pad<DP>::S];
-    __align__(16) T k[kMmaTile * Pad<DP>::S];
-    __align__(16) T v[kMmaTile * Pad<DP>::S];
-    __align__(16) T pair[kMmaTile * kBiasStride];
-    __align__(16) float mask[kMmaTile];
+    __align__(16) T k[2][kMmaTile * Pad<DP>::S];
+    __align__(16) T v[2][kMmaTile * Pad<DP>::S];
+    __align__(16) T pair[2][kMmaTile * kBiasStride];
+    __align__(16) float mask[2][kMmaTile];
 };
 
+// grid: one block per 64 query rows of each (b, n, h) slice, the row blocks of a slice adjacent
+// (they share its K and V through L2).
 template <typename T, int DP>
-__global__ void __launch_bounds__(32 * kMmaWarps)
+__global__ void __launch_bounds__(32 * kMmaWarps, DP == 32 ? 4 : 2)
     evo_forward_mma_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                            const T *__restrict__ bias1, const T *__restrict__ bias2, T *__restrict__ o,
                            float *__restrict__ lse, int N, int L, int H, int D, float scale, bool vec, bool bvec) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
     __trap();  // mma.sync on bf16 needs sm_80; the launcher never picks this kernel below it
 #else
-    __shared__ FwdSmem<T, DP> t;
+    using Smem = FwdSmem<T, DP>;
+    DSC_EVO_SMEM(Smem, t);
     const Geometry g(N, L, H, D);
-    const Slice sl(g);
+    const int blocks = (L + kMmaRows - 1) / kMmaRows;
+    const Slice sl(g, blockIdx.x / blocks);
     const T *b1 = bias1 ? bias1 + sl.b1_off : nullptr;
     const T *b2 = bias2 ? bias2 + sl.b2_off : nullptr;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, tq = lane & 3;
-    const int q0 = blockIdx.y * kMmaRows;
+    const int q0 = (blockIdx.x % blocks) * kMmaRows;
     const int wr = warp * 16;  // the warp's first row in the block
+    auto issue = [&](int k0, int st) {  // tile k0 into stage st, one cp.async group
+        load_tile<T, DP>(t.k[st], k + sl.base, g.HD, L, D, k0, kMmaTile, vec);
+        load_tile<T, DP>(t.v[st], v + sl.base, g.HD, L, D, k0, kMmaTile, vec);
+        if (b2) load_bias_tile<T>(t.pair[st], b2, L, q0, k0, bvec);
+        for (int c = threadIdx.x; c < kMmaTile; c += blockDim.x) {
+            const int j = k0 + c;
+            t.mask[st][c] = j < L ? (b1 ? load(b1 + j) * kLog2e : 0.f) : -INFINITY;
+        }
+        cp_commit();
+    };
     load_tile<T, DP>(t.q, q + sl.base, g.HD, L, D, q0, kMmaRows, vec);
+    cp_commit();
+    issue(0, 0);
+    cp_wait<1>();  // Q has landed
     __syncthreads();
     uint32_t qf[DP / 16][4];
     load_a<T, DP>(qf, t.q, wr);
@@ -43,28 +61,26 @@ __global__ void __launch_bounds__(32 * kMmaWarps)
     for (int n = 0; n < DP / 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
     const float sl2 = scale * kLog2e;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // rows gr and gr + 8, log2 units
-    for (int k0 = 0; k0 < L; k0 += kMmaTile) {
-        __syncthreads();  // the previous tiles are no longer read
-        load_tile<T, DP>(t.k, k + sl.base, g.HD, L, D, k0, kMmaTile, vec);
-        load_tile<T, DP>(t.v, v + sl.base, g.HD, L, D, k0, kMmaTile, vec);
-        if (b2) load_bias_tile<T>(t.pair, b2, L, q0, k0, bvec);
-        for (int c = threadIdx.x; c < kMmaTile; c += blockDim.x) {
-            const int j = k0 + c;
-            t.mask[c] = j < L ? (b1 ? load(b1 + j) * kLog2e : 0.f) : -INFINITY;
+    for (int k0 = 0, st = 0; k0 < L; k0 += kMmaTile, st ^= 1) {
+        if (k0 + kMmaTile < L) {
+            issue(k0 + kMmaTile, st ^ 1);  // that stage was last read before the barrier ending the previous step
+            cp_wait<1>();
+        } else {
+            cp_wait<0>();
         }
         __syncthreads();
         float s[kMmaTile / 8][4];
-        rows_x_tile_t<T, DP>(s, qf, t.k);
+        rows_x_tile_t<T, DP>(s, qf, t.k[st]);
         float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int n = 0; n < kMmaTile / 8; n++) {
             const int col = n * 8 + 2 * tq;
-            const float2 mk = *reinterpret_cast<const float2 *>(&t.mask[col]);
+            const float2 mk = *reinterpret_cast<const float2 *>(&t.mask[st][col]);
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 float x0 = fmaf(s[n][2 * h], sl2, mk.x), x1 = fmaf(s[n][2 * h + 1], sl2, mk.y);
                 if (b2) {
-                    const float2 pb = pair2(t.pair, wr + gr + h * 8, col);
+                    const float2 pb = pair2(t.pair[st], wr + gr + h * 8, col);
                     x0 = fmaf(pb.x, kLog2e, x0);
                     x1 = fmaf(pb.y, kLog2e, x1);
                 }
@@ -105,7 +121,8 @@ __global__ void __launch_bounds__(32 * kMmaWarps)
         }
         uint32_t pf[kMmaTile / 16][4];
         c_to_a<T>(pf, s);
-        acc_p_x_tile<T, DP>(acc, pf, t.v);
+        acc_p_x_tile<T, DP>(acc, pf, t.v[st]);
+        __syncthreads();  // this stage is refilled by the next step's issue
     }
 #pragma unroll
     for (int h = 0; h < 2; h++) {
@@ -143,12 +160,17 @@ extern "C" int dsc_evo_forward_mma(const void *q, const void *k, const void *v, 
     if (!q || !k || !v || !o || !lse || bad_shape(B, N, L, H, D)) return DSC_CUDA_EARG;
     DeviceGuard guard(device);
     if (guard.error() != 0) return guard.error();
-    const dim3 grid((unsigned)(B * N * H), (unsigned)((L + kMmaRows - 1) / kMmaRows));
+    const int64_t blocks = B * N * H * ((L + kMmaRows - 1) / kMmaRows);
+    if (blocks > 0x7fffffffLL) return DSC_CUDA_EARG;
     const bool vec = vec_ok(D, {q, k, v, o}), bvec = vec_ok(L, {bias2});
     return dispatch_half(dtype, [&](auto *tag) {
         using E = std::remove_pointer_t<decltype(tag)>;
         return dispatch_dim(D, [&](auto dp) {
-            evo_forward_mma_kernel<E, decltype(dp)::value><<<grid, 32 * kMmaWarps, 0, stream>>>(
+            constexpr int DP = decltype(dp)::value;
+            const size_t smem = sizeof(FwdSmem<E, DP>);
+            const int rc = allow_smem(evo_forward_mma_kernel<E, DP>, smem, 0);
+            if (rc != 0) return rc;
+            evo_forward_mma_kernel<E, DP><<<(unsigned)blocks, 32 * kMmaWarps, smem, stream>>>(
                 static_cast<const E *>(q), static_cast<const E *>(k), static_cast<const E *>(v),
                 static_cast<const E *>(bias1), static_cast<const E *>(bias2), static_cast<E *>(o), lse, (int)N,
                 (int)L, (int)H, (int)D, scale, vec, bvec);

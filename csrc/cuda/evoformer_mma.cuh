@@ -13,6 +13,7 @@
 #pragma once
 #include <stdint.h>
 
+#include <cstring>
 #include <initializer_list>
 
 #include "evoformer_common.cuh"
@@ -38,17 +39,75 @@ __device__ __forceinline__ uint32_t smem_addr(const void *p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// The asm below exists from sm_80 on; a build that also targets older GPUs compiles traps there (the
+// launchers never pick these kernels on such a device).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define DSC_EVO_SM80 1
+#else
+#define DSC_EVO_SM80 0
+#endif
+
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void *p) {
+#if DSC_EVO_SM80
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(smem_addr(p)));
+#else
+    __trap();
+#endif
 }
 
 __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void *p) {
+#if DSC_EVO_SM80
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(smem_addr(p)));
+#else
+    __trap();
+#endif
 }
+#endif
+
+// 16 bytes global -> shared without passing through registers (cp.async, sm_80+); zeros when !valid
+// (src then only has to be some valid address). cp_commit closes a group of copies; cp_wait<N>
+// waits until at most N groups are in flight. The copies become visible to the other threads after
+// the __syncthreads that follows the wait.
+__device__ __forceinline__ void cp16(void *dst, const void *src, bool valid) {
+#if defined(DSC_EVO_EMULATE)
+    if (valid)
+        std::memcpy(dst, src, 16);
+    else
+        std::memset(dst, 0, 16);
+#elif DSC_EVO_SM80
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(valid ? 16 : 0));
+#else
+    __trap();
+#endif
+}
+
+__device__ __forceinline__ void cp_commit() {
+#if !defined(DSC_EVO_EMULATE) && DSC_EVO_SM80
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
+template <int N> __device__ __forceinline__ void cp_wait() {
+#if !defined(DSC_EVO_EMULATE) && DSC_EVO_SM80
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+
+// A kernel's shared tiles: dynamic shared memory (past the 48 KiB of static), one static object per
+// kernel under the host emulation. Type must be a single token (a using-alias).
+#ifdef DSC_EVO_EMULATE
+#define DSC_EVO_SMEM(Type, name)                                                                                       \
+    static Type name##_store;                                                                                          \
+    Type &name = name##_store
+#else
+#define DSC_EVO_SMEM(Type, name)                                                                                       \
+    extern __shared__ __align__(16) unsigned char dsc_evo_smem[];                                                      \
+    Type &name = *reinterpret_cast<Type *>(dsc_evo_smem)
 #endif
 
 template <typename T> struct Mma;
@@ -150,7 +209,7 @@ __device__ __forceinline__ void acc_p_x_tile(float (&acc)[DP / 8][4], const uint
 
 // Rows [r0, r0 + rows) of one (b, n, h) slice ([L, H, D] at `src`, row stride HD) into a padded
 // tile, zeros past L and past D. vec: D % 8 == 0 and 16-byte aligned rows, so 8 elements move per
-// load; otherwise element by element.
+// cp.async (complete after cp_commit / cp_wait); otherwise element by element through registers.
 template <typename T, int DP>
 __device__ __forceinline__ void load_tile(T *tile, const T *__restrict__ src, int64_t HD, int L, int D, int r0,
                                           int rows, bool vec) {
@@ -159,9 +218,8 @@ __device__ __forceinline__ void load_tile(T *tile, const T *__restrict__ src, in
         const int r = e / C, c = (e % C) * 8, i = r0 + r;
         T *dst = tile + r * Pad<DP>::S + c;
         if (vec) {
-            uint4 val = make_uint4(0, 0, 0, 0);
-            if (i < L && c < D) val = *reinterpret_cast<const uint4 *>(src + (int64_t)i * HD + c);
-            *reinterpret_cast<uint4 *>(dst) = val;
+            const bool ok = i < L && c < D;
+            cp16(dst, ok ? src + (int64_t)i * HD + c : src, ok);
         } else {
 #pragma unroll
             for (int x = 0; x < 8; x++)
@@ -171,7 +229,7 @@ __device__ __forceinline__ void load_tile(T *tile, const T *__restrict__ src, in
 }
 
 // The pair-bias block [r0, r0 + 64) x [c0, c0 + 64) of an [L, L] plane into a [64][72] tile
-// (zeros outside); 16-byte loads when rows are 16-byte aligned (L % 8 == 0).
+// (zeros outside); cp.async when rows are 16-byte aligned (L % 8 == 0), as load_tile.
 template <typename T>
 __device__ __forceinline__ void load_bias_tile(T *tile, const T *__restrict__ plane, int L, int r0, int c0,
                                                bool vec) {
@@ -179,8 +237,9 @@ __device__ __forceinline__ void load_bias_tile(T *tile, const T *__restrict__ pl
     for (int e = threadIdx.x; e < kMmaTile * C; e += blockDim.x) {
         const int r = e / C, c = (e % C) * 8, i = r0 + r, j = c0 + c;
         T *dst = tile + r * S + c;
-        if (vec && i < L && j + 8 <= L) {
-            *reinterpret_cast<uint4 *>(dst) = *reinterpret_cast<const uint4 *>(plane + (int64_t)i * L + j);
+        if (vec) {
+            const bool ok = i < L && j < L;  // L % 8 == 0: then all 8 are
+            cp16(dst, ok ? plane + (int64_t)i * L + j : plane, ok);
         } else {
 #pragma unroll
             for (int x = 0; x < 8; x++) dst[x] = (i < L && j + x < L) ? plane[(int64_t)i * L + j + x] : T(0.f);
@@ -198,18 +257,7 @@ __device__ __forceinline__ float2 pair2(const __half *tile, int row, int col) {
     return __half22float2(*reinterpret_cast<const __half2 *>(tile + row * kBiasStride + col));
 }
 
-// Shared tile for the 4 operand tiles a kernel streams or keeps, the pair bias and the mask bias.
-template <typename T, int DP> struct MmaSmem {
-    __align__(16) T a[kMmaRows * Pad<DP>::S];
-    __align__(16) T b[kMmaRows * Pad<DP>::S];
-    __align__(16) T c[kMmaTile * Pad<DP>::S];
-    __align__(16) T d[kMmaTile * Pad<DP>::S];
-    __align__(16) T pair[kMmaTile * kBiasStride];
-    __align__(16) float mask[kMmaTile];
-    float rowf[2][kMmaTile];  // per-row floats (lse, delta) of a streamed query tile
-};
-
-// A pointer is 16-byte aligned and D rows start 16-byte aligned too.
+// Every pointer is 16-byte aligned and D % 8 == 0: rows of D elements start 16-byte aligned too.
 inline bool vec_ok(int64_t D, std::initializer_list<const void *> ptrs) {
     if (D % 8 != 0) return false;
     for (const void *p : ptrs)

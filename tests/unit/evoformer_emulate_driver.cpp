@@ -110,9 +110,9 @@ template <typename T, int DP> int run(int B, int N, int L, int H, int D, bool us
     std::vector<float> lse(n_rows), delta(n_rows), db1(b10.size(), 0.f), db2(b20.size(), 0.f);
     const T *B1 = use1 ? b1.data() : nullptr, *B2 = use2 ? b2.data() : nullptr;
     const bool vec = D % 8 == 0, bvec = L % 8 == 0;
-    const unsigned blocks = (unsigned)((L + kMmaRows - 1) / kMmaRows), bnh = (unsigned)(B * N * H);
+    const unsigned blocks = (unsigned)((L + kMmaRows - 1) / kMmaRows), grid = (unsigned)(B * N * H) * blocks;
     const float sc = (float)scale;
-    dsc_emu::launch({bnh, blocks, 1}, 32 * kMmaWarps, [&] {
+    dsc_emu::launch({grid, 1, 1}, 32 * kMmaWarps, [&] {
         evo_forward_mma_kernel<T, DP>(q.data(), k.data(), v.data(), B1, B2, o.data(), lse.data(), N, L, H, D, sc, vec,
                                       bvec);
     });
@@ -125,20 +125,20 @@ template <typename T, int DP> int run(int B, int N, int L, int H, int D, bool us
                     for (int d = 0; d < D; d++) s = fmaf(load(&d_o[at + d]), load(&o[at + d]), s);
                     delta[(bn * H + h) * L + i] = s;
                 }
-    dsc_emu::launch({bnh, blocks, 1}, 32 * kMmaWarps, [&] {
+    dsc_emu::launch({grid, 1, 1}, 32 * kMmaWarps, [&] {
         evo_dq_mma_kernel<T, DP>(d_o.data(), q.data(), k.data(), v.data(), lse.data(), delta.data(), B1, B2,
                                  dq.data(), N, L, H, D, sc, vec, bvec);
     });
-    dsc_emu::launch({bnh, blocks, 1}, 32 * kMmaWarps, [&] {
+    dsc_emu::launch({grid, 1, 1}, 32 * kMmaWarps, [&] {
         evo_dkv_mma_kernel<T, DP>(d_o.data(), q.data(), k.data(), v.data(), lse.data(), delta.data(), B1, B2,
                                   dk.data(), dv.data(), use1 ? db1.data() : nullptr, N, L, H, D, sc, vec, bvec);
     });
     if (use2) {
         const int per = (N + 1) / 2;  // two shares of the stack: the cross-block atomics are exercised too
         const unsigned splits = (unsigned)((N + per - 1) / per);
-        dsc_emu::launch({(unsigned)(B * H), blocks, blocks * splits}, 32 * kMmaWarps, [&] {
+        dsc_emu::launch({(unsigned)(B * H) * splits * blocks * blocks, 1, 1}, 32 * kMmaWarps, [&] {
             evo_dpair_mma_kernel<T, DP>(d_o.data(), q.data(), k.data(), v.data(), lse.data(), delta.data(), B1, B2,
-                                        db2.data(), N, L, H, D, sc, per, vec, bvec);
+                                        db2.data(), N, L, H, D, sc, per, (int)splits, vec, bvec);
         });
     }
     std::printf("out %.3e lse %.3e dq %.3e dk %.3e dv %.3e dmask %.3e dpair %.3e\n", rel_err(widen(o), o_ref),
