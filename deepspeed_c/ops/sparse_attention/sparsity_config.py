@@ -77,14 +77,15 @@ def _sliding_window(layout: torch.Tensor, h: int, window_blocks: int, causal: bo
     layout[h][inside] = 1
 
 
-def _local_windows(layout: torch.Tensor, h: int, first: int, stop: int, causal: bool) -> None:
-    """One local window [first, stop): a full square, or its lower triangle (with the diagonal)."""
-    size = stop - first
-    if size <= 0:
-        return
-    square = torch.ones((size, size), dtype=layout.dtype)
-    window = layout[h, first:stop, first:stop]  # a view: blocks set before (random ones) stay set
-    window |= torch.tril(square) if causal else square
+def _local_windows(layout: torch.Tensor, h: int, window_of: list[int], causal: bool) -> None:
+    """Local windows given as each block's window id (-1: in none): a block attends to the blocks of
+    its own window (only those before it, and itself, when causal). One vectorised pass per head."""
+    wid = torch.tensor(window_of, dtype=torch.int64)
+    inside = (wid.unsqueeze(1) == wid.unsqueeze(0)) & (wid >= 0).unsqueeze(1)
+    if causal:
+        n = wid.numel()
+        inside &= torch.arange(n).unsqueeze(0) <= torch.arange(n).unsqueeze(1)
+    layout[h] |= inside.to(layout.dtype)  # blocks set before (random ones) stay set
 
 
 def _random_blocks(layout: torch.Tensor, h: int, count: int, causal: bool) -> None:
@@ -137,8 +138,7 @@ class FixedSparsityConfig(SparsityConfig):
 
     def set_local_layout(self, h: int, layout: torch.Tensor) -> torch.Tensor:
         n = layout.shape[1]
-        for first in range(0, n, self.num_local_blocks):
-            _local_windows(layout, h, first, min(first + self.num_local_blocks, n), self.attention == "unidirectional")
+        _local_windows(layout, h, [b // self.num_local_blocks for b in range(n)], self.attention == "unidirectional")
         return layout
 
     def _global_columns(self, h: int, layout: torch.Tensor, first: int, stop: int) -> None:
@@ -195,14 +195,12 @@ class VariableSparsityConfig(SparsityConfig):
 
     def set_local_layout(self, h: int, layout: torch.Tensor) -> torch.Tensor:
         n = layout.shape[1]
-        causal = self.attention == "unidirectional"
-        first = 0
-        for size in self.local_window_blocks:
-            _local_windows(layout, h, first, min(first + size, n), causal)
-            first += size
-        size = self.local_window_blocks[-1]
-        for start in range(first, n, size):
-            _local_windows(layout, h, start, min(start + size, n), causal)
+        sizes = self.local_window_blocks
+        window_of: list[int] = []
+        while len(window_of) < n:  # the listed windows, then the last size repeated
+            w = len(window_of) and window_of[-1] + 1
+            window_of += [w] * (sizes[w] if w < len(sizes) else sizes[-1])
+        _local_windows(layout, h, window_of[:n], self.attention == "unidirectional")
         return layout
 
     def set_global_layout(self, h: int, layout: torch.Tensor) -> torch.Tensor:
