@@ -8,7 +8,8 @@ clipping 0.5 and AdamW, every rank feeding its own micro-batches:
   built under the MiCS_Init context): each rank holds 1/2 of every
   parameter; the weights and losses equal single-process float64 PyTorch training on all 4 ranks' batches
   within 1e-5 (norm-wise relative; measured ~3e-7: fp32 sums in another order);
-- the replica all-reduce runs once per step (not per micro-step);
+- the replica all-reduce runs once per step (not per micro-step); mics_shard_size 1 (whole parameters on every
+  rank, the replica all-reduce alone) trains the same within the same tolerance;
 - hierarchical gather on (one rank per node: the cross-node gather is the shard group's) equals it off,
   bit for bit; at shard size 4 (= world) with 2 "nodes" of 2 (NDEV_PER_NODE=2: cross-node, then intra-node
   gather and the permutation) it equals plain ZeRO-3 bit for bit;
@@ -131,6 +132,10 @@ def body(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     out["replica_all_reduces"] = engine.optimizer.replica_all_reduces
     out["optimizer"] = type(engine.optimizer).__name__
     out["first_group"] = engine.is_first_weights_partition_group()
+    # shard size 1: whole parameters on every rank, only the replica all-reduce
+    engine = _engine(_config(mics_shard_size=1), mics_init="module")
+    _train(engine, rank, range(STEPS))
+    out["mics1"] = _weights(engine)
     # hierarchical gather, one rank per node: the same numbers
     os.environ["NDEV_PER_NODE"] = "1"
     engine = _engine(_config(mics_shard_size=2, mics_hierarchical_params_gather=True))
@@ -238,6 +243,7 @@ def test_mics_2x2_equals_single_process_training(runs: list[dict[str, Any]], ref
         assert world == 2 and full // 2 <= local <= full // 2 + 64, r["shard"]  # 1/2 of the model, not 1/4
         for name, w in ref.items():
             _close(r["mics2"][name], w)
+            _close(r["mics1"][name], w)
         if rank == 0:
             np.testing.assert_allclose(r["mics2_losses"], ref_losses, rtol=TOL)
         assert r["replica_all_reduces"] == STEPS  # once per step, after the boundary's reduce-scatters
