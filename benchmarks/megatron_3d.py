@@ -9,7 +9,8 @@ Layouts:
 
 One process per rank (spawned here; NCCL with one GPU each, or gloo on the host with --device cpu).
 Both engines live in the same processes: correctness first (the first --check steps' global losses of
-the two engines from the same initial weights; bf16 tolerance on GPU), then --blocks interleaved timed
+the two engines from the same initial weights; bf16 tolerance on GPU; every later step's loss is printed
+side by side too), then --blocks interleaved timed
 blocks of --steps steps each (synchronised at block ends). Rank 0 prints tokens/s, the median step
 time and the ratio deepspeed_c / DeepSpeed. The real DeepSpeed must be importable as `deepspeed` and
 not be deepspeed_c's compat alias (e.g. PYTHONPATH=/tmp/ds_real); without it only deepspeed_c runs.
@@ -171,26 +172,43 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> Non
             _sync(device)
             t0 = time.perf_counter()
             for s in range(args.steps):
-                r.step(batches[args.check + b * args.steps + s])
+                losses[name].append(r.step(batches[args.check + b * args.steps + s]))
             _sync(device)
             times[name].append((time.perf_counter() - t0) / args.steps)
     if rank == 0:
-        tokens = args.micro * args.gas * args.dp * args.seq
-        print(f"layout={args.layout} pp={args.pp} tp={args.tp} dp={args.dp} zero={args.stage} hidden={args.hidden} "
-              f"layers={args.layers} seq={args.seq} micro={args.micro} gas={args.gas} device={args.device}")
-        for name in runners:
-            print(f"  {name:12s} first losses {[round(x, 4) for x in losses[name]]}")
-        if len(runners) == 2:
-            diff = max(abs(a - b) for a, b in zip(losses["deepspeed_c"], losses["deepspeed"]))
-            tol = 5e-2 if device.type == "cuda" else 1e-4
-            print(f"  losses agree: {diff <= tol} (max |diff| {diff:.2e}, tolerance {tol:g})")
-        med = {name: statistics.median(t) for name, t in times.items()}
-        for name, t in med.items():
-            print(f"  {name:12s} step {t * 1e3:9.2f} ms  {tokens / t:12.0f} tokens/s")
-        if len(med) == 2:
-            print(f"  deepspeed_c / DeepSpeed tokens/s: {med['deepspeed'] / med['deepspeed_c']:.3f}x")
+        report(args, losses, times, device)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+
+
+def report(args: argparse.Namespace, losses: dict[str, list[float]], times: dict[str, list[float]],
+           device: torch.device) -> None:
+    """Every step's global loss side by side (the same batches in the same order for both engines), then
+    the timings. bf16 on GPU: the two engines round differently, so losses drift apart a little."""
+    tokens = args.micro * args.gas * args.dp * args.seq
+    print(f"layout={args.layout} pp={args.pp} tp={args.tp} dp={args.dp} zero={args.stage} hidden={args.hidden} "
+          f"heads={args.heads} layers={args.layers} vocab={args.vocab} seq={args.seq} micro={args.micro} "
+          f"gas={args.gas} device={args.device} torch_adam={args.torch_adam}")
+    names = list(losses)
+    if len(names) == 2:
+        tol = 5e-2 if device.type == "cuda" else 1e-4
+        a, b = losses["deepspeed_c"], losses["deepspeed"]
+        print(f"  {'step':>4s} {'deepspeed_c':>12s} {'DeepSpeed':>12s} {'diff':>10s}")
+        for i, (x, y) in enumerate(zip(a, b)):
+            print(f"  {i:4d} {x:12.5f} {y:12.5f} {x - y:10.2e}{'' if i >= args.check else '  (check)'}")
+        first = max(abs(x - y) for x, y in zip(a[:args.check], b[:args.check]))
+        every = max(abs(x - y) for x, y in zip(a, b))
+        print(f"  losses agree: {first <= tol} (first {args.check} steps max |diff| {first:.2e}, tolerance {tol:g}; "
+              f"all {len(a)} steps max |diff| {every:.2e}, max rel {every / max(min(map(abs, b)), 1e-9):.2e})")
+    else:
+        for name in names:
+            print(f"  {name:12s} losses {[round(x, 4) for x in losses[name]]}")
+    med = {name: statistics.median(t) for name, t in times.items()}
+    for name, t in med.items():
+        print(f"  {name:12s} step {t * 1e3:9.2f} ms  {tokens / t:12.0f} tokens/s  (blocks "
+              f"{', '.join(f'{x * 1e3:.1f}' for x in times[name])} ms)")
+    if len(med) == 2:
+        print(f"  deepspeed_c / DeepSpeed tokens/s: {med['deepspeed'] / med['deepspeed_c']:.3f}x")
 
 
 def main() -> None:
