@@ -242,6 +242,73 @@ def bench(seq: int, layout_name: str, args) -> None:
         print(f"    {m:<12} {med[m]:9.3f} ms   {ratio:6.2f}x ours time   peak {mem[m]:9.1f} MB")
 
 
+def bert_flow(args) -> None:
+    """The tutorial flow: a BERT masked-LM whose self-attention layers SparseAttentionUtils replaced
+    with BertSparseSelfAttention (Fixed layout) trains `--bert-steps` steps at `--bert-seq` under
+    bf16 autocast; the same model with HF attention given the layout as a 4D additive mask (dense
+    masked: the same function) trains on the same batches. Losses side by side, max difference."""
+    import copy
+
+    import transformers
+
+    from deepspeed_c.ops.sparse_attention import SparseAttentionUtils
+
+    L, H = args.bert_seq, 4
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=1024, hidden_size=256, num_hidden_layers=2, num_attention_heads=H,
+                                  intermediate_size=512, max_position_embeddings=L, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0, attn_implementation="eager")
+    dense = transformers.BertForMaskedLM(cfg).cuda()
+    sparse = copy.deepcopy(dense)
+    sc = FixedSparsityConfig(num_heads=H, block=64, num_local_blocks=4, num_global_blocks=1)
+    SparseAttentionUtils.replace_model_self_attention_with_sparse_self_attention(sparse, L, sc)
+    layout = sparse.bert.encoder.layer[0].attention.self.sparse_self_attention.get_layout(L)
+    allowed = token_mask(layout, 64).cuda()[None]
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    batches = []
+    for _ in range(args.bert_steps):
+        ids = torch.randint(5, 1024, (2, L), device="cuda", generator=gen)
+        keep = torch.ones(2, L, dtype=torch.bool, device="cuda")
+        keep[1, L - L // 4:] = False  # a padded second sequence
+        labels = torch.where(torch.rand(2, L, device="cuda", generator=gen) < 0.15, ids, -100)
+        batches.append((ids, keep, labels))
+
+    def train(model, use_4d: bool) -> tuple[list[float], float]:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        torch.cuda.synchronize()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for ids, keep, labels in batches:
+            if use_4d:
+                ok = allowed & keep[:, None, None, :]
+                mask = torch.zeros(ok.shape, device="cuda").masked_fill(~ok, torch.finfo(torch.float32).min)
+            else:
+                mask = keep.long()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+        end.record()
+        end.synchronize()
+        return losses, start.elapsed_time(end) / len(batches)
+
+    ls, ts = train(sparse, False)
+    ld, td = train(dense, True)
+    diff = max(abs(a - b) for a, b in zip(ls, ld))
+    rel = max(abs(a - b) / abs(b) for a, b in zip(ls, ld))
+    print(f"\nBERT flow: seq {L}, {args.bert_steps} steps, Fixed layout density {float(layout.float().mean()):.1%}, "
+          f"bf16 autocast, AdamW 1e-3")
+    for i in sorted({0, 1, 9, 24, len(ls) - 1}):
+        if i < len(ls):
+            print(f"    step {i + 1:>3}: sparse {ls[i]:.5f}   dense-masked {ld[i]:.5f}")
+    print(f"    max |loss diff| {diff:.2e} (relative {rel:.2e}); {'ok' if rel <= 2e-2 else 'FAIL'} at 2e-2   "
+          f"step time: sparse {ts:.1f} ms, dense-masked (HF eager, 4D mask) {td:.1f} ms")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqs", default="4096,8192,16384")
@@ -256,9 +323,15 @@ def main() -> None:
     p.add_argument("--no-masked", action="store_true", help="skip dense SDPA with the L x L boolean mask")
     p.add_argument("--quick-check", action="store_true")
     p.add_argument("--skip-check", action="store_true")
+    p.add_argument("--bert-steps", type=int, default=0, help="also train the BERT flow this many steps")
+    p.add_argument("--bert-seq", type=int, default=4096)
+    p.add_argument("--only-bert", action="store_true")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/sparse_attention.py needs a GPU")
+    if args.only_bert:
+        bert_flow(args)
+        return
     if not args.skip_check and not correctness(args.quick_check):
         print("correctness FAILED: timings below are of wrong kernels")
     print(f"\nforward+backward, batch {args.batch}, {args.heads} heads, head dim {args.head_dim}, block {args.block}, "
@@ -267,6 +340,8 @@ def main() -> None:
         for name in args.layouts.split(","):
             bench(seq, name, args)
             torch.cuda.empty_cache()
+    if args.bert_steps:
+        bert_flow(args)
 
 
 if __name__ == "__main__":
