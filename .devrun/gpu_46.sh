@@ -7,5 +7,5 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name --format=csv,noheader | head -1
 timeout 110 python3 benchmarks/graph_harvesting.py --layers 12 --d 512 --steps 15 --reps 4 2>&1 \
-  | grep -v "INFO\|Warning\|warn("
+  | grep -v "INFO\|Warning\|warn(\|^\s\|^)\|Parameter Group"
 echo "exit ${PIPESTATUS[0]}"
