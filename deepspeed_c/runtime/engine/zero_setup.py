@@ -97,7 +97,7 @@ def configure_zero_optimizer(engine: Any, config: Any, should_reduce_at_boundary
         if offload is not None and offload.super_offload:  # the host step speculates during backward
             from deepspeed_c.runtime.superoffload.superoffload_stage3 import SuperOffloadOptimizer_Stage3 as stage3_cls
         elif zero_cfg.mics_shard_size > 0:  # MiCS: sharded inside groups of mics_shard_size, replicated across
-            _check_mics_parallelism(engine)
+            _check_mics_parallelism(engine, config)
             from deepspeed_c.runtime.zero.mics import MiCS_Optimizer as stage3_cls
         elif zero_cfg.zenflow is not None:
             from deepspeed_c.runtime.zenflow.engine_stage3 import ZenFlowZeroOptimizer_Stage3 as stage3_cls
@@ -190,16 +190,20 @@ def configure_zero3_params(engine: Any, config: Any) -> Any:
     if zero_cfg.mics_shard_size > 0:
         from deepspeed_c.runtime.zero.mics import mics_zero3_params
 
-        _check_mics_parallelism(engine)
+        _check_mics_parallelism(engine, config)
         return mics_zero3_params(engine.module, zero_cfg=zero_cfg, group=engine.data_parallel_group,
                                  store_args=_store_args(engine, zero_cfg))
     return Zero3Params(engine.module, rank=_dp_rank(engine), world_size=engine.dp_world_size,
                        group=engine.data_parallel_group, store_args=_store_args(engine, zero_cfg), zero_cfg=zero_cfg)
 
 
-def _check_mics_parallelism(engine: Any) -> None:
-    """MiCS is built over plain data parallelism: its replica all-reduce and norms assume no tensor or
-    sequence ranks inside the data-parallel group."""
+def _check_mics_parallelism(engine: Any, config: Any) -> None:
+    """MiCS is built over plain data parallelism and the eager backward: its replica all-reduce and norms assume
+    no tensor or sequence ranks inside the data-parallel group, and run after the eager reducer's round (which
+    DeepCompile's in-graph reduce-scatters bypass)."""
     if engine.parallel_dims.tensor_parallel or engine.parallel_dims.sequence > 1:
         raise NotImplementedError("deepspeed_c: zero_optimization.mics_shard_size (MiCS) with tensor or sequence "
                                   "parallelism is not built; remove mics_shard_size to run plain ZeRO-3")
+    if bool(getattr(config.compile_config, "deepcompile", False)):
+        raise NotImplementedError("deepspeed_c: zero_optimization.mics_shard_size (MiCS) with compile.deepcompile "
+                                  "is not built; remove one of the two")
