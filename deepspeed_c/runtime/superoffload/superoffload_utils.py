@@ -191,7 +191,7 @@ class SpeculativeOffload(CPUOffload):
             self._done(g, start, end, lp if lp is not None else master.detach())
             return
         if self.spare[g] is None:
-            pin = self.cuda
+            pin = self.cuda and self.host_lp[g] is None  # the master itself is the copy up's source only then
             self.spare[g] = {"master": torch.empty(master.numel(), dtype=master.dtype, pin_memory=pin),
                              **{k: torch.empty(state[k].numel(), dtype=state[k].dtype, pin_memory=pin)
                                 for k in opt.MOMENTS}}
