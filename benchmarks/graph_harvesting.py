@@ -88,7 +88,7 @@ def _check(args: Any, warmup: bool) -> str:
     h = on.optimizer.harvest
     if h is None or h.captures < 1 or h.replays < 1:
         raise AssertionError(f"graph_harvesting did not record and replay the step (warmup={warmup}): "
-                             f"{None if h is None else (h.captures, h.replays, h.eager)}")
+                             f"{None if h is None else (h.captures, h.replays, h.eager, h.failed)}")
     return (f"{'WarmupLR' if warmup else 'constant lr':12s} {args.check_steps} steps: losses and weights equal bit "
             f"for bit; captures {h.captures}, replays {h.replays}, eager {h.eager}")
 

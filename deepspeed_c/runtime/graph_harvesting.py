@@ -43,6 +43,7 @@ class HarvestedStep:
         self.captures = 0
         self.replays = 0
         self.eager = 0
+        self.failed: Optional[str] = None  # why a recording failed (the step then stays eager)
 
     def run(self, key: tuple, launch: Callable[[], torch.Tensor]) -> torch.Tensor:
         """launch() enqueues the step's device work (no host side effects, no host reads) and returns a device
@@ -55,8 +56,14 @@ class HarvestedStep:
         stable, self._last = key == self._last, key
         out = launch()
         self.eager += 1
-        if stable:
-            self._record(key, launch)
+        if stable and self.failed is None:
+            try:
+                self._record(key, launch)
+            except RuntimeError as e:  # a capture the driver refused: the step stays eager, as without the key
+                self.failed = str(e).splitlines()[0] if str(e) else type(e).__name__
+                self.graph, self.output, self.key = None, None, None
+                logger.warning(f"'{KEY}': recording the optimizer step in a CUDA graph failed ({self.failed}); "
+                               "the step runs eagerly from now on")
         return out
 
     def _record(self, key: tuple, launch: Callable[[], torch.Tensor]) -> None:
