@@ -132,3 +132,37 @@ def test_config_section_parses_like_deepspeed_0_19_6():
         DeepSpeedConfig({**base, "sparse_attention": {"block": "16"}})
     with pytest.raises(NotImplementedError, match="sparse_attention.mode"):
         DeepSpeedConfig({**base, "sparse_attention": {"mode": "strided"}})
+
+
+def test_matmul_and_softmax_building_blocks():
+    """The tutorial's MatMul (sdd, dsd, dds, with transposes) and Softmax compose to the same
+    attention, and each product equals its dense form over the layout's blocks."""
+    torch.manual_seed(3)
+    H, L, D, blk, B = 3, 64, 8, 16, 2
+    lay = sa.BigBirdSparsityConfig(num_heads=H, block=blk, different_layout_per_head=True).make_layout(L)
+    q, k, v = (torch.randn(B, H, L, D, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    kpm = torch.zeros(B, L, dtype=torch.float64)
+    kpm[1, 50:] = -1e4
+    am = torch.randn(L, L, dtype=torch.float64)
+    scores = sa.MatMul(lay, blk, "sdd", trans_a=False, trans_b=True)(q, k)
+    probs = sa.Softmax(lay, blk)(scores, scale=D ** -0.5, key_padding_mask=kpm, attn_mask=am)
+    out = sa.MatMul(lay, blk, "dsd")(probs, v)
+    ref = row_block_reference(q, k, v, lay, blk, kpm, am)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    go = torch.randn_like(out)
+    for g, w in zip(torch.autograd.grad(out, (q, k, v), go), torch.autograd.grad(ref, (q, k, v), go)):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+    # the sparse operand scattered to its dense [B, H, L, L] form
+    p = probs.detach()
+    dense_p = torch.zeros(B, H, L, L, dtype=torch.float64)
+    for n, (h, r, c) in enumerate(lay.nonzero().tolist()):
+        dense_p[:, h, r * blk:(r + 1) * blk, c * blk:(c + 1) * blk] = p[:, n]
+    a = torch.randn(B, H, D, L, dtype=torch.float64)
+    cases = [(sa.MatMul(lay, blk, "dds")(a, p), a @ dense_p),
+             (sa.MatMul(lay, blk, "dds", trans_b=True)(a, p), a @ dense_p.transpose(-1, -2)),
+             (sa.MatMul(lay, blk, "dds", trans_a=True)(a.transpose(-1, -2), p), a @ dense_p),
+             (sa.MatMul(lay, blk, "dsd", trans_a=True)(p, v.detach()), dense_p.transpose(-1, -2) @ v.detach())]
+    for got, want in cases:
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(NotImplementedError, match="mode"):
+        sa.MatMul(lay, blk, "ssd")

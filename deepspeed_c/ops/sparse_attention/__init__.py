@@ -11,3 +11,7 @@ from .config import sparsity_config_from_dict
 __all__ = ["SparsityConfig", "DenseSparsityConfig", "FixedSparsityConfig", "VariableSparsityConfig",
            "BigBirdSparsityConfig", "BSLongformerSparsityConfig", "LocalSlidingWindowSparsityConfig",
            "SparseSelfAttention", "BertSparseSelfAttention", "SparseAttentionUtils", "sparsity_config_from_dict"]
+from .matmul import MatMul  # noqa: E402  (DeepSpeed's building blocks, by their module paths too)
+from .softmax import Softmax  # noqa: E402
+
+__all__ += ["MatMul", "Softmax"]
