@@ -15,6 +15,11 @@ echo "== build sparse_attn $(date +%T)"
 timeout 110 python3 -c "from op_builder.sparse_attn import SparseAttnBuilder as B; B().load(verbose=True)" 2>&1 | tail -3
 echo "== benchmark (op built after $(( $(date +%s) - t0 )) s) $(date +%T)"
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
-timeout "$(left 145)" python3 benchmarks/sparse_attention.py --quick-check --seqs 16384,4096 --reps 5 --no-masked \
-    2>&1 | grep -vE "^\s*$|UserWarning|warnings.warn"
+timeout "$(left 118)" python3 benchmarks/sparse_attention.py --quick-check --seqs 16384,4096 --reps 5 --no-masked \
+    2>&1 | grep -vE "^\s*$|UserWarning|warnings.warn|Consider using tensor.detach|return float"
+if [ "$(left 150)" -gt 25 ]; then
+    echo "== BERT flow, seq 4096, 50 steps $(date +%T)"
+    timeout "$(left 148)" python3 benchmarks/sparse_attention.py --only-bert --bert-steps 50 --bert-seq 4096 2>&1 \
+        | grep -vE "^\s*$|UserWarning|warnings.warn"
+fi
 echo "== done after $(( $(date +%s) - t0 )) s"

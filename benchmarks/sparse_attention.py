@@ -60,7 +60,8 @@ def check_configs(heads: int, block: int):
 
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((a.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6))
+    a, ref = a.detach().float(), ref.detach().float()
+    return float((a - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
 
 
 def check_one(label, cfg, B, H, L, D, dtype, masks: bool, tol: float) -> bool:
@@ -141,7 +142,9 @@ def make_flex(layout, block, L, q, k, v, go):
 
     tries = [("block mask", lambda a, b, c: flex(a, b, c, block_mask=bm)),
              ("block mask, 64x64 tiles", lambda a, b, c: flex(a, b, c, block_mask=bm, kernel_options={
-                 "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32}))]
+                 "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32})),
+             ("block mask, 64x64 forward tiles", lambda a, b, c: flex(a, b, c, block_mask=bm, kernel_options={
+                 "BLOCK_M": 64, "BLOCK_N": 64}))]
     if block < 128:
         bm128 = create_block_mask(mask_mod, B=None, H=lay.shape[0], Q_LEN=L, KV_LEN=L, device="cuda")
         tries.append(("mask_mod, 128 blocks", lambda a, b, c: flex(a, b, c, block_mask=bm128)))
