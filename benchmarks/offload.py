@@ -11,11 +11,12 @@ interleaved timed blocks of whole steps (forward + backward + step, synchronised
 timed in its steady state: a block starts right after an update boundary handed a host step to the
 background (untimed lead-in steps get there) and is a multiple of update_interval, so it ends the same way,
 with one host step in flight as at its start; that one is then waited for outside the clock (its wait is
-printed as the tail), before the next engine runs. Prints tokens/s, peak device memory, the ratios the
-issue asks for (ZenFlow / plain offload, SuperOffload / plain offload, deepspeed_c / DeepSpeed per config,
-each / no offload), each offload engine's host-side timings per step, and with --profile the GPU idle time
-per step of each engine (one profiled block: step wall time minus the union of the device's kernel and copy
-intervals). --ratio takes a list: one SuperOffload engine per value ("superoffload@0.8").
+printed as the tail), before the next engine runs. SuperOffload's deferred step the same way: one untimed
+step first, so the block's first forward meets a host step in flight as every later one does. Prints
+tokens/s, peak device memory, the ratios the issue asks for (ZenFlow / plain offload, SuperOffload / plain
+offload, deepspeed_c / DeepSpeed per config, each / no offload), each offload engine's host-side timings per
+step, and with --profile the GPU idle time per step of each engine (one profiled block: step wall time minus
+the union of the device's kernel and copy intervals). --ratio takes a list: one SuperOffload engine per value ("superoffload@0.8").
 
 Every offload engine keeps fp32 masters and moments in host memory (16 bytes a parameter; SuperOffload's
 rollback snapshot 12 more): a 1.3B model fits a 128 GiB host a few engines at a time, so --variants picks
@@ -186,6 +187,8 @@ def main() -> None:
     ap.add_argument("--check", type=int, default=3, help="steps whose losses are compared first")
     ap.add_argument("--profile", action="store_true", help="also report GPU idle time per step")
     ap.add_argument("--baseline", type=int, default=1, help="0: no no-offload engine (a shorter run)")
+    ap.add_argument("--budget", type=float, default=0.0,
+                    help="seconds after which no further timed block or profile starts (0: no limit)")
     ap.add_argument("--watchdog", type=float, default=0.0,
                     help="seconds after which every thread's stack is printed and the run ends (0: never)")
     args = ap.parse_args()
@@ -280,23 +283,33 @@ def main() -> None:
     peaks: dict[str, int] = {n: 0 for n in engines}
 
     def lead_in(name: str) -> None:
-        """ZenFlow: untimed steps until an update boundary has just handed a host step to the background."""
-        zf = getattr(engines[name].optimizer, "zenflow_step", None)
+        """Untimed steps into the steady state: ZenFlow's until an update boundary has just handed a host step to
+        the background; SuperOffload's deferred step one step, whose host work the block's first forward meets."""
+        opt = engines[name].optimizer
+        zf = getattr(opt, "zenflow_step", None)
+        if getattr(getattr(opt, "offload", None), "inflight", "no") is None:
+            step(name)
         for _ in range(64):
             if zf is None or (zf.pending is not None and zf.accumulated == 0):
                 return
             step(name)
 
     def settle(name: str) -> float:
-        zf = getattr(engines[name].optimizer, "zenflow_step", None)
+        """The host work left in flight at the end of a block finished (outside the clock), before another engine
+        runs: ZenFlow's background host step, SuperOffload's deferred step."""
+        opt = engines[name].optimizer
         t0 = time.perf_counter()
-        if zf is not None:
-            zf.settle()
+        for part in (getattr(opt, "zenflow_step", None), getattr(opt, "offload", None)):
+            if hasattr(part, "settle"):
+                part.settle()
         return time.perf_counter() - t0
 
     if args.profile:
         host_stats(engines, reset=True)
-    for _ in range(args.blocks):
+    for blk in range(args.blocks):
+        if blk and args.budget and time.perf_counter() - start > args.budget:
+            print(f"(--budget: {blk} block(s) timed)", flush=True)
+            break
         for name in engines:
             lead_in(name)
             if cuda:
@@ -317,7 +330,7 @@ def main() -> None:
             print(line, flush=True)
     print(f"timed (at {time.perf_counter() - start:.0f} s)", flush=True)
     for name in engines:
-        extra = f"  tail {statistics.median(tails[name]) * 1e3:.0f} ms/block" if "zenflow" in name else ""
+        extra = f"  tail {statistics.median(tails[name]) * 1e3:.0f} ms/block" if max(tails[name]) > 1e-3 else ""
         print(f"{name:20s} step {statistics.median(times[name]) * 1e3:9.1f} ms  {tps[name]:10.0f} tokens/s  peak "
               f"{peaks[name] / 2**30:6.2f} GiB{extra}  blocks {', '.join(f'{t * 1e3:.1f}' for t in times[name])} ms",
               flush=True)
@@ -332,6 +345,9 @@ def main() -> None:
             print(f"ratio {name} / dsc no-offload tokens/s: {tps[name] / tps['dsc no-offload']:.2f}x", flush=True)
     if args.profile and cuda:  # one more block per engine under the profiler, printed as it ends
         for n in engines:
+            if args.budget and time.perf_counter() - start > args.budget:
+                print("(--budget: profile cut)", flush=True)
+                break
             lead_in(n)
             print(f"{n:20s} GPU idle {gpu_idle_ms(lambda n=n: step(n), args.steps):7.1f} ms/step", flush=True)
             settle(n)
