@@ -16,7 +16,8 @@ step first, so the block's first forward meets a host step in flight as every la
 tokens/s, peak device memory, the ratios the issue asks for (ZenFlow / plain offload, SuperOffload / plain
 offload, deepspeed_c / DeepSpeed per config, each / no offload), each offload engine's host-side timings per
 step, and with --profile the GPU idle time per step of each engine (one profiled block: step wall time minus
-the union of the device's kernel and copy intervals). --ratio takes a list: one SuperOffload engine per value ("superoffload@0.8").
+the union of the device's kernel and copy intervals). --ratio takes a list: one SuperOffload engine per value
+("superoffload@0.8").
 
 Every offload engine keeps fp32 masters and moments in host memory (16 bytes a parameter; SuperOffload's
 rollback snapshot 12 more): a 1.3B model fits a 128 GiB host a few engines at a time, so --variants picks
@@ -151,7 +152,8 @@ def host_stats(engines: dict[str, Any], steps: int = 1, reset: bool = False) -> 
             st = off.stats.as_dict()
             ms = {k: st[k] / steps * 1e3 for k in ("d2h_wait_s", "cpu_step_s", "tail_s")}
             parts.append(f"D2H wait {ms['d2h_wait_s']:.1f}, CPU step {ms['cpu_step_s']:.1f}, tail {ms['tail_s']:.1f}, "
-                         f"D2H copies {st['d2h_copy_ms'] / steps:.1f}, H2D copies {st['h2d_copy_ms'] / steps:.1f} ms/step")
+                         f"D2H copies {st['d2h_copy_ms'] / steps:.1f}, H2D copies {st['h2d_copy_ms'] / steps:.1f} "
+                         "ms/step")
             if hasattr(off, "drain_s"):
                 parts.append(f"speculation: worker {off.worker_s / steps * 1e3:.1f}, drain "
                              f"{off.drain_s / steps * 1e3:.1f} ms/step, commits {off.commits}, "
