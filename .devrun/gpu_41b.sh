@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Needs 1 GPU, <= 150 s including the op build. Issue 41 (b): DS4Sci EvoformerAttention on mma.sync
-# tensor-core tiles (the new default on sm_80+). Builds the op; correctness of the WMMA ("tc") and new
-# mma kernels against float32 naive math (outputs and all gradients incl. both biases; odd shapes,
-# D 8/12/16/32/64, no-bias and mask-only cases, the benchmark shape); then B=1 N=128 L=512 H=4 D=32
-# bf16 fwd+bwd and fwd time, interleaved: ours (mma) vs ours-tc vs SDPA with the materialised bias vs
-# FlexAttention (score_mod), with peak memory; our kernels' profile; then the cold build of the op on
+# tensor-core tiles (replacing the WMMA ones). Builds the op; correctness of the kernels against
+# float32 naive math (outputs and all gradients incl. both biases; odd shapes, D 8/12/16/32/64,
+# no-bias and mask-only cases, the benchmark shape); then B=1 N=128 L=512 H=4 D=32 bf16 fwd+bwd and
+# fwd time, interleaved: ours vs SDPA with the materialised bias vs FlexAttention (score_mod), with
+# peak memory; our kernels' profile (torch.profiler); then the cold build of the op on
 # 2 cores (taskset -c 0,1: the #43 bar is a 2-core machine). Run from the repo root after
 # `source scripts/device_setup.sh`.
 set -uo pipefail
@@ -15,7 +15,7 @@ quiet() { grep -vE "^\s*$|UserWarning|warnings.warn"; }
 echo "== build evoformer_attn $(date +%T)"
 python3 -c "from op_builder.evoformer_attn import EvoformerAttnBuilder as B; B().load(verbose=True)" 2>&1 | tail -3
 echo "== evoformer (op built after $(( $(date +%s) - t0 )) s) $(date +%T)"
-timeout "$(left 110)" python3 benchmarks/evoformer.py --small --kernels tc,mma --only ours-tc,sdpa,flex --profile 2>&1 \
+timeout "$(left 110)" python3 benchmarks/evoformer.py --small --only sdpa,flex --profile 2>&1 \
     | quiet
 echo "== cold build of evoformer_attn pinned to 2 cores $(date +%T)"
 pin=""; command -v taskset >/dev/null && pin="taskset -c 0,1"

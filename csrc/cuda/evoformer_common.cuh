@@ -129,12 +129,8 @@ template <typename F> int dispatch_half(int dtype, F &&f) {
     return DSC_CUDA_EDTYPE;
 }
 
-// dQ, dK, dV and the bias gradients on tensor cores (evoformer_bwd_tc.cu); fp16/bf16, sm_80+; delta ready.
-int launch_bwd_tc(const void *d_o, const void *q, const void *k, const void *v, const float *lse, const float *delta,
-                  const void *bias1, const void *bias2, void *dq, void *dk, void *dv, float *dbias1, float *dbias2,
-                  int64_t B, int64_t N, int64_t L, int64_t H, int64_t D, float scale, int dtype, cudaStream_t stream);
-
-// The same on mma.sync tiles (evoformer_bwd_mma.cu); the pair bias's gradient without per-row atomics.
+// dQ, dK, dV and the bias gradients on mma.sync tensor-core tiles (evoformer_bwd_mma.cu); fp16/bf16, sm_80+; delta
+// ready.
 int launch_bwd_mma(const void *d_o, const void *q, const void *k, const void *v, const float *lse, const float *delta,
                    const void *bias1, const void *bias2, void *dq, void *dk, void *dv, float *dbias1, float *dbias2,
                    int64_t B, int64_t N, int64_t L, int64_t H, int64_t D, float scale, int dtype, cudaStream_t stream);

@@ -154,9 +154,9 @@ __global__ void __launch_bounds__(32 * kMmaWarps, DP == 32 ? 4 : 2)
 #ifndef DSC_EVO_EMULATE  // the host check calls the kernel itself
 using namespace dsc_evo;
 
-extern "C" int dsc_evo_forward_mma(const void *q, const void *k, const void *v, const void *bias1, const void *bias2,
-                                   void *o, float *lse, int64_t B, int64_t N, int64_t L, int64_t H, int64_t D,
-                                   float scale, int dtype, int device, cudaStream_t stream) {
+extern "C" int dsc_evo_forward_tc(const void *q, const void *k, const void *v, const void *bias1, const void *bias2,
+                                  void *o, float *lse, int64_t B, int64_t N, int64_t L, int64_t H, int64_t D,
+                                  float scale, int dtype, int device, cudaStream_t stream) {
     if (!q || !k || !v || !o || !lse || bad_shape(B, N, L, H, D)) return DSC_CUDA_EARG;
     DeviceGuard guard(device);
     if (guard.error() != 0) return guard.error();

@@ -3,10 +3,9 @@
  * argument is checked here (CUDA, contiguous, dtype, shape, one device) before a kernel runs.
  *
  *   forward(q, k, v, bias1|None, bias2|None, o, lse, scale)       CUDA cores
- *   forward_tc(q, k, v, bias1|None, bias2|None, o, lse, scale)    tensor cores, WMMA (sm_80+)
- *   forward_mma(q, k, v, bias1|None, bias2|None, o, lse, scale)   tensor cores, mma.sync tiles (sm_80+)
+ *   forward_tc(q, k, v, bias1|None, bias2|None, o, lse, scale)    tensor cores, mma.sync tiles (sm_80+)
  *   backward(d_o, q, k, v, o, lse, bias1|None, bias2|None, delta, dq, dk, dv, dbias1|None, dbias2|None, scale, tc)
- *            tc: 0 CUDA cores, 1 (or True) WMMA, 2 mma.sync (1 and 2 need sm_80+) */
+ *            tc: the gradients on tensor cores (sm_80+), else on CUDA cores (before sm_80) */
 #include "dsc/tensor_view.h" /* Python.h first */
 #include "dsc/cuda_binding_util.h"
 #include "dsc/evoformer_cuda.h"
@@ -110,27 +109,6 @@ static PyObject *py_forward_tc(PyObject *self, PyObject *const *args, Py_ssize_t
     return forward_with(args, nargs, "forward_tc", dsc_evo_forward_tc);
 }
 
-static PyObject *py_forward_mma(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    return forward_with(args, nargs, "forward_mma", dsc_evo_forward_mma);
-}
-
-/* The backward's kernel choice: a bool (False: CUDA cores, True: WMMA) or 0, 1, 2. */
-static int kernel_arg(PyObject *obj, int *out) {
-    if (!PyBool_Check(obj) && !PyLong_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "argument 'tc' must be a bool or 0, 1, 2, got %R", (PyObject *)Py_TYPE(obj));
-        return -1;
-    }
-    const long v = PyLong_AsLong(obj);
-    if (v == -1 && PyErr_Occurred()) return -1;
-    if (v < 0 || v > 2) {
-        PyErr_Format(PyExc_ValueError, "argument 'tc' must be 0 (CUDA cores), 1 (WMMA) or 2 (mma.sync), got %ld", v);
-        return -1;
-    }
-    *out = (int)v;
-    return 0;
-}
-
 static PyObject *py_backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (dsc_check_nargs("backward", nargs, 16) < 0) return NULL;
@@ -148,7 +126,7 @@ static PyObject *py_backward(PyObject *self, PyObject *const *args, Py_ssize_t n
         arg(args[11], "dv", ACT, 0, &q, 1, 5, s.qkv, &dv) < 0 ||
         arg(args[12], "dbias1", DSC_F32, 1, &q, 0, 5, s.bias1, &db1) < 0 ||
         arg(args[13], "dbias2", DSC_F32, 1, &q, 0, 5, s.bias2, &db2) < 0 || dsc_arg_double(args[14], "scale", &scale) < 0 ||
-        kernel_arg(args[15], &tc) < 0)
+        dsc_flag_arg(args[15], "tc", &tc) < 0)
         return NULL;
     if ((!db1.is_none && b1.is_none) || (!db2.is_none && b2.is_none))
         return PyErr_Format(PyExc_ValueError, "a bias gradient ('dbias1'/'dbias2') was given without its bias");
@@ -170,8 +148,6 @@ static PyObject *py_backward(PyObject *self, PyObject *const *args, Py_ssize_t n
 static PyMethodDef methods[] = {
     METHOD("forward", py_forward, "forward(q, k, v, bias1, bias2, o, lse, scale): flash-style Evoformer attention."),
     METHOD("forward_tc", py_forward_tc, "forward_tc(q, k, v, bias1, bias2, o, lse, scale): the same on tensor cores."),
-    METHOD("forward_mma", py_forward_mma,
-           "forward_mma(q, k, v, bias1, bias2, o, lse, scale): the same on mma.sync tensor-core tiles."),
     METHOD("backward", py_backward,
            "backward(d_o, q, k, v, o, lse, bias1, bias2, delta, dq, dk, dv, dbias1, dbias2, scale, tc): its gradients."),
     {NULL, NULL, 0, NULL},

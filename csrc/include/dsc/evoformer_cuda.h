@@ -1,4 +1,4 @@
-/* DS4Sci Evoformer attention (csrc/cuda/evoformer_{fwd,fwd_tc,bwd,bwd_tc}.cu): flash-style attention with up to two
+/* DS4Sci Evoformer attention (csrc/cuda/evoformer_{fwd,fwd_mma,bwd,bwd_mma}.cu): flash-style attention with up to two
  * additive biases, forward and backward, never materialising the L x L scores in global memory.
  *
  * Shapes (contiguous; BN = B * N rows of the MSA or pair stack):
@@ -28,19 +28,14 @@ int dsc_evo_forward(const void *q, const void *k, const void *v, const void *bia
                     float *lse, int64_t B, int64_t N, int64_t L, int64_t H, int64_t D, float scale, int dtype,
                     int device, cudaStream_t stream);
 
-/* The same forward on tensor cores (WMMA, evoformer_fwd_tc.cu; compute capability 8.0 or newer). */
+/* The same forward on tensor cores (mma.sync tiles, evoformer_fwd_mma.cu; compute capability 8.0 or newer). */
 int dsc_evo_forward_tc(const void *q, const void *k, const void *v, const void *bias1, const void *bias2, void *o,
                        float *lse, int64_t B, int64_t N, int64_t L, int64_t H, int64_t D, float scale, int dtype,
                        int device, cudaStream_t stream);
 
-/* The same forward on mma.sync tiles (evoformer_fwd_mma.cu; compute capability 8.0 or newer): the fast path. */
-int dsc_evo_forward_mma(const void *q, const void *k, const void *v, const void *bias1, const void *bias2, void *o,
-                        float *lse, int64_t B, int64_t N, int64_t L, int64_t H, int64_t D, float scale, int dtype,
-                        int device, cudaStream_t stream);
-
 /* delta: float32 [B, N, H, L] scratch the launcher fills first. dbias1/dbias2 NULL: not wanted.
- * tc: 0 CUDA cores (evoformer_bwd.cu), 1 WMMA tensor cores (evoformer_bwd_tc.cu), 2 mma.sync tensor cores
- * (evoformer_bwd_mma.cu); 1 and 2 need sm_80+. */
+ * tc != 0: on tensor cores (mma.sync tiles, evoformer_bwd_mma.cu; sm_80+), else on CUDA cores (evoformer_bwd.cu;
+ * built for GPUs before sm_80 only). */
 int dsc_evo_backward(const void *d_o, const void *q, const void *k, const void *v, const void *o, const float *lse,
                      const void *bias1, const void *bias2, float *delta, void *dq, void *dk, void *dv, float *dbias1,
                      float *dbias2, int64_t B, int64_t N, int64_t L, int64_t H, int64_t D, float scale, int tc,

@@ -4,11 +4,11 @@
 
 fp16/bf16 tensors on a GPU run the flash-style CUDA kernels (op `evoformer_attn`,
 csrc/cuda/evoformer_*.cu); everything else runs the chunked torch path (`evoformer_reference`), which
-follows the same algorithm. `kernel` picks the kernels: "auto" (mma on compute capability 8.0+, else
-CUDA cores), "mma" (mma.sync tensor-core tiles, the fast path), "tc" (WMMA tensor cores, the first
-tensor-core form), both sm_80+, or "simt" (CUDA cores, built for GPUs before sm_80 only). The forward and the backward (dQ by query rows, dK/dV and the
-mask bias's gradient by key rows; with "mma" the pair bias's gradient by (query, key) blocks summed over
-the stack in registers) have each form. The DSC_EVO_KERNEL environment variable sets its initial value."""
+follows the same algorithm. `kernel` picks the kernels: "auto" (tensor cores on compute capability 8.0+,
+else CUDA cores), "tc" (mma.sync tensor-core tiles, sm_80+) or "simt" (CUDA cores; built for GPUs before
+sm_80 only). The forward and the backward (dQ by query rows, dK/dV and the mask bias's gradient by key rows;
+on tensor cores the pair bias's gradient by (query, key) blocks summed over the stack in registers) have
+each form. The DSC_EVO_KERNEL environment variable sets its initial value."""
 from __future__ import annotations
 
 import math
@@ -29,8 +29,7 @@ _warned_head_dim = False
 kernel: str = os.environ.get("DSC_EVO_KERNEL", "auto")
 
 
-_KERNELS = ("auto", "mma", "tc", "simt")
-_BACKWARD_CODE = {"simt": 0, "tc": 1, "mma": 2}  # the binding's `tc` argument
+_KERNELS = ("auto", "tc", "simt")
 
 
 def _kernel_for(q: torch.Tensor) -> str:
@@ -38,12 +37,12 @@ def _kernel_for(q: torch.Tensor) -> str:
         raise ValueError(f"evoformer_attn.kernel must be one of {_KERNELS}, got {kernel!r}")
     ampere = torch.cuda.get_device_capability(q.device)[0] >= 8
     if kernel == "auto":
-        return "mma" if ampere else "simt"
+        return "tc" if ampere else "simt"
     if kernel == "simt" and ampere:  # its device code is left out of sm_80+ builds (evoformer_common.cuh)
         raise ValueError("evoformer_attn.kernel 'simt' (CUDA cores) serves GPUs before compute capability 8.0; "
-                         "use 'mma' or 'tc' here")
-    if kernel != "simt" and not ampere:
-        raise ValueError(f"evoformer_attn.kernel {kernel!r} needs compute capability 8.0 or newer; use 'simt'")
+                         "use 'tc' or 'auto' here")
+    if kernel == "tc" and not ampere:
+        raise ValueError("evoformer_attn.kernel 'tc' needs compute capability 8.0 or newer; use 'simt' or 'auto'")
     return kernel
 
 
@@ -84,7 +83,7 @@ class EvoformerFusedAttention(torch.autograd.Function):
             o = torch.empty_like(q)
             lse = torch.empty((B, N, H, L), dtype=torch.float32, device=q.device)
             op = cuda_op()
-            forward = {"mma": op.forward_mma, "tc": op.forward_tc, "simt": op.forward}[_kernel_for(q)]
+            forward = op.forward_tc if _kernel_for(q) == "tc" else op.forward
             forward(q, k, v, bias1, bias2, o, lse, scale)
         else:
             o, lse = ref.forward(q, k, v, bias1, bias2, scale)
@@ -104,7 +103,7 @@ class EvoformerFusedAttention(torch.autograd.Function):
             db1 = torch.zeros(bias1.shape, dtype=torch.float32, device=q.device) if want1 else None
             db2 = torch.zeros(bias2.shape, dtype=torch.float32, device=q.device) if want2 else None
             cuda_op().backward(d_o, q, k, v, o, lse, bias1, bias2, delta, dq, dk, dv, db1, db2, ctx.scale,
-                               _BACKWARD_CODE[_kernel_for(q)])
+                               _kernel_for(q) == "tc")
             db1 = None if db1 is None else db1.to(bias1.dtype)
             db2 = None if db2 is None else db2.to(bias2.dtype)
         else:
