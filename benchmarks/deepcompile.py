@@ -14,8 +14,9 @@ with DeepSpeed's defaults, micro batch --micro, no accumulation.
 
 Correctness first: each engine's losses over the first --check steps are compared with dsc-eager's
 (relative difference <= 2e-2, bf16 tolerance); an engine that disagrees is reported and not timed. Compile
-time: the first step's time minus the median timed step (the compiled engines compile in their first
-step). Then --blocks rounds of interleaved timed blocks (each engine --steps whole steps per block, engines
+time: the untimed steps' time minus as many median timed steps (our compiled engines compile in their
+first step; DeepSpeed's DeepCompile compiles at its first step and again at its step 5 with its prefetch
+and selective-gather passes, so it runs 7 more untimed steps than --warmup asks). Then --blocks rounds of interleaved timed blocks (each engine --steps whole steps per block, engines
 in turn, synchronised at block ends): median ms/step, tokens/s (all ranks), the ratio to dsc-eager, and
 the peak device memory of the engine's blocks above what was allocated when its block began, plus what it
 holds once set up (parameters, gradients, optimizer states). Rank 0 prints a table and, with --json, writes
@@ -48,6 +49,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples", "train_gpt"))
 
 ALL = ("dsc-eager", "dsc-dc", "ds-eager", "ds-dc", "fsdp2", "fsdp2-tc")
+DS_WARMUP = 5  # DeepSpeed 0.19's deepspeed/compile/init_z3.py WARMUP: the step its full pass schedule starts
 
 
 def ds_config(micro: int, deepcompile: bool) -> dict:
@@ -67,7 +69,7 @@ class Engine:
                  around: Callable[[], Any] = contextlib.nullcontext) -> None:
         self.name, self._step, self.around = name, step, around
         self.losses: list[float] = []
-        self.first_step_s = 0.0
+        self.untimed_s: list[float] = []  # check and warm-up steps (the compiles happen in them)
         self.held = 0
         self.times: list[float] = []
         self.peaks: list[int] = []
@@ -159,13 +161,15 @@ def run(rank: int, world: int, args: Any) -> None:
     cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_head=args.n_head,
                     n_embd=args.n_embd)
 
-    def make_model() -> torch.nn.Module:
-        torch.manual_seed(0)
-        return GPT(cfg)
+    torch.manual_seed(0)
+    base = GPT(cfg)  # built once (a 1.3B init on the host takes seconds); every engine starts from a copy
 
-    nparams = sum(p.numel() for p in make_model().parameters())
+    def make_model() -> torch.nn.Module:
+        return copy.deepcopy(base)
+
+    nparams = sum(p.numel() for p in base.parameters())
     g = torch.Generator().manual_seed(1234)
-    total_steps = args.check + 1 + args.blocks * args.steps
+    total_steps = args.check + args.warmup + args.blocks * args.steps
     batches = [torch.randint(0, args.vocab, (args.micro * world, args.seq + 1), generator=g) for _ in range(8)]
 
     def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,15 +189,22 @@ def run(rank: int, world: int, args: Any) -> None:
             continue
         e.held = _allocated(dev) - before
         engines.append(e)
-    # correctness first: the first steps (the compiled engines compile in the first one)
+        say(f"   {name}: built ({e.held / 2**30:.2f} GiB held)", flush=True)
+    del base
+    # correctness first: the first steps (our compiled engines compile in the first one; DeepSpeed's
+    # DeepCompile runs DS_WARMUP eager steps, then compiles again with its prefetch/selective-gather passes,
+    # so it gets that many more untimed steps)
     for e in engines:
-        for i in range(args.check):
+        warm = args.warmup + (DS_WARMUP + 2 if e.name == "ds-dc" else 0)
+        for i in range(args.check + warm):
             _sync(dev)
             t = time.perf_counter()
-            e.losses.append(e.step(*batch(i)))
+            loss = e.step(*batch(i))
             _sync(dev)
-            if i == 0:
-                e.first_step_s = time.perf_counter() - t
+            e.untimed_s.append(time.perf_counter() - t)
+            if i < args.check:
+                e.losses.append(loss)
+        say(f"   {e.name}: {len(e.untimed_s)} untimed steps in {sum(e.untimed_s):.1f} s", flush=True)
     anchor = engines[0].losses
     for e in engines[1:]:
         rel = max(abs(a - b) / max(abs(a), 1e-6) for a, b in zip(anchor, e.losses))
@@ -223,7 +234,7 @@ def run(rank: int, world: int, args: Any) -> None:
     for e in timed:
         ms = statistics.median(e.times) * 1e3
         tok = args.micro * args.seq * world / (ms / 1e3)
-        comp = max(e.first_step_s - ms / 1e3, 0.0)
+        comp = max(sum(e.untimed_s) - len(e.untimed_s) * ms / 1e3, 0.0)
         peak = max(e.peaks) / 2**30 if e.peaks else float("nan")
         row = {"engine": e.name, "ms_per_step": ms, "tokens_per_s": tok, "ratio_vs_anchor": base * 1e3 / ms,
                "compile_s": comp, "held_gib": e.held / 2**30, "peak_above_held_gib": peak, "losses": e.losses}
@@ -259,6 +270,7 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=1)
     ap.add_argument("--engines", default=",".join(ALL))
     ap.add_argument("--check", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=0, help="untimed steps after the check steps (every engine)")
     ap.add_argument("--blocks", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--json", default=None)
