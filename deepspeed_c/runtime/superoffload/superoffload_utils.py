@@ -140,8 +140,13 @@ class SpeculativeOffload(CPUOffload):
         self.queued_coef = coef
         # the hyperparameters as of this backward: a deferred step may still run after a scheduler changed them
         group = dict(self.optimizer.param_groups[g])
-        self.jobs.put((g, start), ("spec", g, start, end, arrived, coef, group),
+        self.jobs.put(self._order(g, start), ("spec", g, start, end, arrived, coef, group),
                       None if arrived is None else arrived.query)
+
+    def _order(self, g: int, start: int) -> tuple:
+        """Where a chunk comes in the next forward: each group is laid out in module order, so its depth is the
+        chunk's place in its group (groups, say with and without weight decay, interleave by depth)."""
+        return (start / max(1, self.sizes[g]), g, start)
 
     def _work(self) -> None:
         if self.threads is not None:
@@ -315,7 +320,7 @@ class SpeculativeOffload(CPUOffload):
                 group = dict(opt.param_groups[g])  # a scheduler may change the live one before the worker reads it
                 for b, (start, _) in enumerate(self.chunk_ranges[g]):
                     if self.share is None or b >= self.share.buckets[g]:
-                        self.jobs.put((g, start), ("plain", g, b, coef, step, group))
+                        self.jobs.put(self._order(g, start), ("plain", g, b, coef, step, group))
             self.inflight = "plain"
         self.queued, self.queued_coef = [], None
         self._staged = [0] * len(self.sizes)
