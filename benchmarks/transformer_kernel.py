@@ -265,6 +265,42 @@ def bench(hidden, heads, inter, n_layers, B, S, dtype, reps, compile_hf: bool, w
         print(f"{name:>12} {t:9.2f} {B * S / t * 1e3:11.0f} {t / t_ours:13.2f}x")
 
 
+def profile(hidden, heads, inter, n_layers, B, S, dtype, steps: int = 3) -> None:
+    """Per training step, the CUDA time of the costliest kernels of ours and of HF (SDPA and eager
+    attention), from torch.profiler: where the step's time goes."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from transformers.models.bert.modeling_bert import BertLayer
+
+    dropout = 0.1
+    torch.manual_seed(0)
+    hf_layers = [BertLayer(bert_config(hidden, heads, inter, dropout)).cuda().to(dtype) for _ in range(n_layers)]
+    eager = []
+    for layer in hf_layers:
+        twin = BertLayer(bert_config(hidden, heads, inter, dropout, attn="eager")).cuda().to(dtype)
+        twin.load_state_dict(layer.state_dict())
+        eager.append(twin)
+    systems = {"ours": Stack([layer_from_bert(layer, ds_config(hidden, heads, inter, dropout)) for layer in hf_layers]),
+               "hf": Stack(hf_layers), "hf-eager-attn": Stack(eager)}
+    x = torch.randn(B, S, hidden, device="cuda", dtype=dtype)
+    mask = padding_mask(B, S, dtype, 0).clamp_min(-1e4)
+    for name, model in systems.items():
+        model.train()
+        step(model, x, mask)
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step(model, x, mask)
+            torch.cuda.synchronize()
+        rows = [(e.key, e.device_time_total / steps / 1e3, e.count // steps) for e in prof.key_averages()
+                if e.device_time_total > 0]
+        total = sum(r[1] for r in rows)
+        rows.sort(key=lambda r: -r[1])
+        print(f"\n{name}: {total:.2f} ms of kernels per step ({n_layers} layers, batch {B} x seq {S}), "
+              f"{sum(r[2] for r in rows)} launches; costliest:")
+        for key, ms, count in rows[:12]:
+            print(f"  {ms:7.3f} ms x{count:<4} {key[:100]}")
+
+
 def activation_memory(hidden, heads, inter, n_layers, B, S, dtype) -> None:
     from transformers.models.bert.modeling_bert import BertLayer
 
@@ -312,12 +348,17 @@ def main() -> None:
     ap.add_argument("--deepspeed", action="store_true", help="build and time DeepSpeed's own kernel (minutes)")
     ap.add_argument("--skip-check", action="store_true", help="no correctness table (timings still check agreement)")
     ap.add_argument("--no-memory", action="store_true", help="skip the activation-memory table")
+    ap.add_argument("--profile-only", action="store_true",
+                    help="only the per-kernel CUDA time of a step (ours, HF SDPA, HF eager), 2 layers, seq 128")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/transformer_kernel.py needs a GPU")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     hidden, heads, inter = 1024, 16, 4096
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    if args.profile_only:
+        profile(hidden, heads, inter, 2, 64, 128, dtype)
+        return
     ok = True if args.skip_check else check(hidden, heads, inter)
     layers = 2 if args.small else args.layers
     reps = 5 if args.small else args.reps
