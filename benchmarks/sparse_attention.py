@@ -210,7 +210,7 @@ def bench(seq: int, layout_name: str, args) -> None:
             return F.scaled_dot_product_attention(a, b, c)
 
     methods["sdpa-dense"] = sdpa
-    if not args.no_masked:
+    if not args.no_masked and seq <= args.masked_max_seq:
         tmask = token_mask(layout, block).cuda().unsqueeze(0)
 
         def masked(a, b, c):
@@ -324,6 +324,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--no-flex", action="store_true")
     p.add_argument("--no-masked", action="store_true", help="skip dense SDPA with the L x L boolean mask")
+    p.add_argument("--masked-max-seq", type=int, default=8192, help="dense masked SDPA only up to this length")
     p.add_argument("--quick-check", action="store_true")
     p.add_argument("--skip-check", action="store_true")
     p.add_argument("--bert-steps", type=int, default=0, help="also train the BERT flow this many steps")
