@@ -48,16 +48,21 @@ __global__ void __launch_bounds__(32 * kMmaWarps, DP == 32 ? 4 : 2)
         load_tile<T, DP>(t.c[st], k + sl.base, g.HD, L, D, k0, kMmaTile, vec);
         load_tile<T, DP>(t.d[st], v + sl.base, g.HD, L, D, k0, kMmaTile, vec);
         if (b2) load_bias_tile<T>(t.pair[st], b2, L, q0, k0, bvec);
-        for (int c = threadIdx.x; c < kMmaTile; c += blockDim.x) {
-            const int j = k0 + c;
-            t.colf[st][0][c] = j < L ? (b1 ? load(b1 + j) * kLog2e : 0.f) : -INFINITY;
-        }
         cp_commit();
+    };
+    // the mask bias of key k0 + threadIdx.x: fetched into a register at issue, stored after the step
+    auto fetch = [&](int k0) {
+        const int j = k0 + (int)threadIdx.x;
+        return threadIdx.x < kMmaTile ? (j < L ? (b1 ? load(b1 + j) * kLog2e : 0.f) : -INFINITY) : 0.f;
+    };
+    auto put = [&](int st, float m) {
+        if (threadIdx.x < kMmaTile) t.colf[st][0][threadIdx.x] = m;
     };
     load_tile<T, DP>(t.a, q + sl.base, g.HD, L, D, q0, kMmaRows, vec);
     load_tile<T, DP>(t.b, d_o + sl.base, g.HD, L, D, q0, kMmaRows, vec);
     cp_commit();
     issue(0, 0);
+    put(0, fetch(0));
     float li[2], di[2];
 #pragma unroll
     for (int h = 0; h < 2; h++) {
@@ -75,8 +80,11 @@ __global__ void __launch_bounds__(32 * kMmaWarps, DP == 32 ? 4 : 2)
     for (int n = 0; n < DP / 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
     const float sl2 = scale * kLog2e;
     for (int k0 = 0, st = 0; k0 < L; k0 += kMmaTile, st ^= 1) {
-        if (k0 + kMmaTile < L) {
+        const bool more = k0 + kMmaTile < L;
+        float next_mask = 0.f;
+        if (more) {
             issue(k0 + kMmaTile, st ^ 1);  // that stage was last read before the barrier ending the previous step
+            next_mask = fetch(k0 + kMmaTile);
             cp_wait<1>();
         } else {
             cp_wait<0>();
@@ -104,6 +112,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps, DP == 32 ? 4 : 2)
         uint32_t dsf[kMmaTile / 16][4];
         c_to_a<T>(dsf, s);
         acc_p_x_tile<T, DP>(acc, dsf, t.c[st]);
+        if (more) put(st ^ 1, next_mask);
         __syncthreads();  // this stage is refilled by the next step's issue
     }
 #pragma unroll
@@ -148,17 +157,23 @@ __global__ void __launch_bounds__(32 * kMmaWarps)
         load_tile<T, DP>(t.c[st], q + sl.base, g.HD, L, D, i0, kMmaTile, vec);
         load_tile<T, DP>(t.d[st], d_o + sl.base, g.HD, L, D, i0, kMmaTile, vec);
         if (b2) load_bias_tile<T>(t.pair[st], b2, L, i0, j0, bvec);  // [query][key]
-        for (int c = threadIdx.x; c < kMmaTile; c += blockDim.x) {
-            const int i = i0 + c;
-            t.colf[st][0][c] = i < L ? lse[sl.lse_row + i] * kLog2e : INFINITY;
-            t.colf[st][1][c] = i < L ? delta[sl.lse_row + i] : 0.f;
-        }
         cp_commit();
+    };
+    // lse (log2 units; +inf past L) and delta of query i0 + threadIdx.x: fetched at issue, stored after
+    // the step
+    auto fetch = [&](int i0) {
+        const int i = i0 + (int)threadIdx.x;
+        const bool in = threadIdx.x < kMmaTile && i < L;
+        return make_float2(in ? lse[sl.lse_row + i] * kLog2e : INFINITY, in ? delta[sl.lse_row + i] : 0.f);
+    };
+    auto put = [&](int st, float2 f) {
+        if (threadIdx.x < kMmaTile) t.colf[st][0][threadIdx.x] = f.x, t.colf[st][1][threadIdx.x] = f.y;
     };
     load_tile<T, DP>(t.a, k + sl.base, g.HD, L, D, j0, kMmaRows, vec);
     load_tile<T, DP>(t.b, v + sl.base, g.HD, L, D, j0, kMmaRows, vec);
     cp_commit();
     issue(0, 0);
+    put(0, fetch(0));
     float bj[2];
 #pragma unroll
     for (int h = 0; h < 2; h++) {
@@ -177,8 +192,11 @@ __global__ void __launch_bounds__(32 * kMmaWarps)
     float db1[2] = {0.f, 0.f};
     const float sl2 = scale * kLog2e;
     for (int i0 = 0, st = 0; i0 < L; i0 += kMmaTile, st ^= 1) {
-        if (i0 + kMmaTile < L) {
+        const bool more = i0 + kMmaTile < L;
+        float2 next_rows = make_float2(0.f, 0.f);
+        if (more) {
             issue(i0 + kMmaTile, st ^ 1);
+            next_rows = fetch(i0 + kMmaTile);
             cp_wait<1>();
         } else {
             cp_wait<0>();
@@ -206,6 +224,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps)
         acc_p_x_tile<T, DP>(dva, af, t.d[st]);
         c_to_a<T>(af, dpT);
         acc_p_x_tile<T, DP>(dka, af, t.c[st]);
+        if (more) put(st ^ 1, next_rows);
         __syncthreads();
     }
 #pragma unroll
@@ -270,22 +289,33 @@ __global__ void __launch_bounds__(32 * kMmaWarps)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, tq = lane & 3, wr = warp * 16;
     const int64_t plane = (int64_t)bh * L * L;
     auto issue = [&](int n, int st) {  // row n of the stack into stage st
-        const int64_t bn = (int64_t)b * N + n, base = bn * L * HD + (int64_t)h * D, row0 = (bn * H + h) * L;
+        const int64_t bn = (int64_t)b * N + n, base = bn * L * HD + (int64_t)h * D;
         load_tile<T, DP>(t.qo[st][0], q + base, HD, L, D, i0, kMmaRows, vec);
         load_tile<T, DP>(t.qo[st][1], d_o + base, HD, L, D, i0, kMmaRows, vec);
         load_tile<T, DP>(t.kv[st][0], k + base, HD, L, D, j0, kMmaTile, vec);
         load_tile<T, DP>(t.kv[st][1], v + base, HD, L, D, j0, kMmaTile, vec);
-        for (int c = threadIdx.x; c < kMmaTile; c += blockDim.x) {
-            const int j = j0 + c, i = i0 + c;
-            t.mask[st][c] = j < L ? (bias1 ? load(bias1 + bn * L + j) * kLog2e : 0.f) : -INFINITY;
-            t.rowf[st][0][c] = i < L ? lse[row0 + i] * kLog2e : INFINITY;
-            t.rowf[st][1][c] = i < L ? delta[row0 + i] : 0.f;
-        }
         cp_commit();
+    };
+    // row n's mask bias of key j0 + threadIdx.x and lse, delta of query i0 + threadIdx.x: fetched at
+    // issue, stored after the step
+    auto fetch = [&](int n) {
+        const int64_t bn = (int64_t)b * N + n, row0 = (bn * H + h) * L;
+        const int j = j0 + (int)threadIdx.x, i = i0 + (int)threadIdx.x;
+        const bool lane_in = threadIdx.x < kMmaTile;
+        return make_float3(lane_in && j < L ? (bias1 ? load(bias1 + bn * L + j) * kLog2e : 0.f) : -INFINITY,
+                           lane_in && i < L ? lse[row0 + i] * kLog2e : INFINITY,
+                           lane_in && i < L ? delta[row0 + i] : 0.f);
+    };
+    auto put = [&](int st, float3 f) {
+        if (threadIdx.x < kMmaTile)
+            t.mask[st][threadIdx.x] = f.x, t.rowf[st][0][threadIdx.x] = f.y, t.rowf[st][1][threadIdx.x] = f.z;
     };
     load_bias_tile<T>(t.pair, bias2 + plane, L, i0, j0, bvec);
     cp_commit();
-    if (n_lo < n_hi) issue(n_lo, 0);
+    if (n_lo < n_hi) {
+        issue(n_lo, 0);
+        put(0, fetch(n_lo));
+    }
     cp_wait<1>();
     __syncthreads();
     float pb[kMmaTile / 8][4], acc[kMmaTile / 8][4];
@@ -299,8 +329,11 @@ __global__ void __launch_bounds__(32 * kMmaWarps)
     }
     const float sl2 = scale * kLog2e;
     for (int n = n_lo, st = 0; n < n_hi; n++, st ^= 1) {
-        if (n + 1 < n_hi) {
+        const bool more = n + 1 < n_hi;
+        float3 next_f = make_float3(0.f, 0.f, 0.f);
+        if (more) {
             issue(n + 1, st ^ 1);
+            next_f = fetch(n + 1);
             cp_wait<1>();
         } else {
             cp_wait<0>();
@@ -329,6 +362,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps)
                 acc[c][e] += exp2f(x - li[r]) * (dp[c][e] - di[r]);
             }
         }
+        if (more) put(st ^ 1, next_f);
         __syncthreads();
     }
 #pragma unroll

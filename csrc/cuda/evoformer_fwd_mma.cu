@@ -43,15 +43,21 @@ __global__ void __launch_bounds__(32 * kMmaWarps, DP == 32 ? 4 : 2)
         load_tile<T, DP>(t.k[st], k + sl.base, g.HD, L, D, k0, kMmaTile, vec);
         load_tile<T, DP>(t.v[st], v + sl.base, g.HD, L, D, k0, kMmaTile, vec);
         if (b2) load_bias_tile<T>(t.pair[st], b2, L, q0, k0, bvec);
-        for (int c = threadIdx.x; c < kMmaTile; c += blockDim.x) {
-            const int j = k0 + c;
-            t.mask[st][c] = j < L ? (b1 ? load(b1 + j) * kLog2e : 0.f) : -INFINITY;
-        }
         cp_commit();
+    };
+    // the mask bias of tile k0's key threadIdx.x (log2 units; -inf past L): loaded into a register when
+    // the tile is issued, stored after this step's products, so its latency hides behind them
+    auto fetch = [&](int k0) {
+        const int j = k0 + (int)threadIdx.x;
+        return threadIdx.x < kMmaTile ? (j < L ? (b1 ? load(b1 + j) * kLog2e : 0.f) : -INFINITY) : 0.f;
+    };
+    auto put = [&](int st, float m) {
+        if (threadIdx.x < kMmaTile) t.mask[st][threadIdx.x] = m;
     };
     load_tile<T, DP>(t.q, q + sl.base, g.HD, L, D, q0, kMmaRows, vec);
     cp_commit();
     issue(0, 0);
+    put(0, fetch(0));
     cp_wait<1>();  // Q has landed
     __syncthreads();
     uint32_t qf[DP / 16][4];
@@ -62,8 +68,11 @@ __global__ void __launch_bounds__(32 * kMmaWarps, DP == 32 ? 4 : 2)
     const float sl2 = scale * kLog2e;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // rows gr and gr + 8, log2 units
     for (int k0 = 0, st = 0; k0 < L; k0 += kMmaTile, st ^= 1) {
-        if (k0 + kMmaTile < L) {
+        const bool more = k0 + kMmaTile < L;
+        float next_mask = 0.f;
+        if (more) {
             issue(k0 + kMmaTile, st ^ 1);  // that stage was last read before the barrier ending the previous step
+            next_mask = fetch(k0 + kMmaTile);
             cp_wait<1>();
         } else {
             cp_wait<0>();
@@ -122,6 +131,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps, DP == 32 ? 4 : 2)
         uint32_t pf[kMmaTile / 16][4];
         c_to_a<T>(pf, s);
         acc_p_x_tile<T, DP>(acc, pf, t.v[st]);
+        if (more) put(st ^ 1, next_mask);
         __syncthreads();  // this stage is refilled by the next step's issue
     }
 #pragma unroll

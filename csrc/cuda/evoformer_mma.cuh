@@ -24,6 +24,7 @@ namespace dsc_evo {
 constexpr int kMmaWarps = 4;
 constexpr int kMmaRows = 16 * kMmaWarps;  // rows a block owns (queries or keys)
 constexpr int kMmaTile = 64;              // rows of the streamed tiles
+static_assert(kMmaTile <= 32 * kMmaWarps, "one thread per streamed row fetches its per-row floats");
 constexpr float kLog2e = 1.4426950408889634f;  // scores go through exp2: one FMUL folded into the FMA
 constexpr float kLn2 = 0.6931471805599453f;
 
