@@ -286,10 +286,18 @@ class ZeroGradPartitioner(BackwardRound):
         self._finished = []
         for g in range(len(self.groups)):
             if self.grad_partitions[g] is None:
-                size = self.plans[g].runtime_partition_size
-                # every element is written by the first round's collectives (padding included)
-                self.grad_partitions[g] = torch.empty(size, dtype=self.comm_dtypes[g], device=self._device(g))
                 self._fresh[g] = True
+                # without a side stream the partition is made when the first bucket is folded into it (after a
+                # few units of backward, whose activations are gone by then, not at the activation peak); the
+                # side stream's buckets are finished on that stream, which must not own the partition's memory
+                if self.side_stream is not None or not self.in_flight_window:
+                    self._new_partition(g)
+
+    def _new_partition(self, g: int) -> torch.Tensor:
+        # every element is written by the first round's collectives (padding included)
+        part = torch.empty(self.plans[g].runtime_partition_size, dtype=self.comm_dtypes[g], device=self._device(g))
+        self.grad_partitions[g] = part
+        return part
 
     def _bucket(self, slot: int) -> torch.Tensor:
         buf = self._bufs[slot]
@@ -384,9 +392,8 @@ class ZeroGradPartitioner(BackwardRound):
             buf = late
         start, end = self.chunk_range(g, b)
         out = None
-        if fresh and self._into_partition:  # the first round of the window receives straight into the partition
-            part = self.grad_partitions[g]
-            assert part is not None
+        part = self.grad_partitions[g]
+        if fresh and self._into_partition and part is not None:  # the first round receives into the partition
             out = part[start:end]
         work, recv = self.strategy.reduce(buf, out)
         entry = _InFlight(g, b, work, buf, recv, start, end, fresh)
@@ -417,7 +424,8 @@ class ZeroGradPartitioner(BackwardRound):
         if e.work is not None:
             e.work.wait()
         part = self.grad_partitions[e.g]
-        assert part is not None
+        if part is None:
+            part = self._new_partition(e.g)
         dst = part[e.start:e.end]
         post = self._post
         if e.fresh:
