@@ -146,6 +146,9 @@ extern "C" int dsc_evo_backward(const void *d_o, const void *q, const void *k, c
     DeviceGuard guard(device);
     if (guard.error() != 0) return guard.error();
     if (tc == 0 && simt_unavailable()) return DSC_CUDA_EARG;
+    if (tc)  // delta is computed by the tensor-core dQ kernel
+        return launch_bwd_mma(d_o, q, k, v, o, lse, delta, bias1, bias2, dq, dk, dv, dbias1, dbias2, B, N, L, H, D,
+                              scale, dtype, stream);
     const int64_t rows = B * N * L * H;
     const dim3 qgrid((unsigned)(B * N * H), (unsigned)((L + kRowsPerBlock - 1) / kRowsPerBlock));
     const dim3 kgrid((unsigned)(B * N * H), (unsigned)((L + kKeysPerBlock - 1) / kKeysPerBlock));
@@ -158,9 +161,6 @@ extern "C" int dsc_evo_backward(const void *d_o, const void *q, const void *k, c
                                                                       (int)L, (int)H, (int)D);
         int rc = launch_error();
         if (rc != 0) return rc;
-        if (tc)
-            return launch_bwd_mma(d_o, q, k, v, lse, delta, bias1, bias2, dq, dk, dv, dbias1, dbias2, B, N, L, H, D,
-                                  scale, dtype, stream);
         return dispatch_dim(D, [&](auto dp) {
             constexpr int DP = decltype(dp)::value;
             evo_dq_kernel<E, DP><<<qgrid, kRowsPerBlock, 0, stream>>>(gO, Q, K, V, lse, delta, b1, b2,

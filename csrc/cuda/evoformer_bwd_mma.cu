@@ -2,7 +2,8 @@
 // recomputed from the forward's log-sum-exp; every product runs on tensor cores with the operands
 // of the second product of each pair (P, dS) kept in registers. Three kernels, none with atomics
 // on a [B, N, L, H, D] gradient:
-//   dQ      by query rows: S = Q K^T, dP = dO V^T, dS = P (dP - delta), dQ += dS K
+//   dQ      by query rows: delta = rowsum(dO O) first (written out for the other two), then
+//           S = Q K^T, dP = dO V^T, dS = P (dP - delta), dQ += dS K
 //   dK, dV  by key rows:   S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q; the mask bias's
 //           gradient (a sum over heads and queries) as one atomic per key and head
 //   dpair   by (query block, key block) of one (b, h) plane, looping over the N rows of the stack
@@ -29,14 +30,15 @@ template <typename T, int DP> struct BwdSmem {
 template <typename T, int DP>
 __global__ void __launch_bounds__(32 * kMmaWarps, DP == 32 ? 4 : 2)
     evo_dq_mma_kernel(const T *__restrict__ d_o, const T *__restrict__ q, const T *__restrict__ k,
-                      const T *__restrict__ v, const float *__restrict__ lse, const float *__restrict__ delta,
-                      const T *__restrict__ bias1, const T *__restrict__ bias2, T *__restrict__ dq, int N, int L,
-                      int H, int D, float scale, bool vec, bool bvec) {
+                      const T *__restrict__ v, const T *__restrict__ o, const float *__restrict__ lse,
+                      float *__restrict__ delta, const T *__restrict__ bias1, const T *__restrict__ bias2,
+                      T *__restrict__ dq, int N, int L, int H, int D, float scale, bool vec, bool bvec) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
     __trap();
 #else
     using Smem = BwdSmem<T, DP>;
-    DSC_EVO_SMEM(Smem, t);  // a: Q rows, b: dO rows, c: K tiles, d: V tiles, colf[.][0]: mask bias
+    // a: Q rows, b: dO rows, c: K tiles (first O rows), d: V tiles, colf[.][0]: mask bias, colf[1][1]: delta
+    DSC_EVO_SMEM(Smem, t);
     const Geometry g(N, L, H, D);
     const int blocks = (L + kMmaRows - 1) / kMmaRows;
     const Slice sl(g, blockIdx.x / blocks);
@@ -60,6 +62,7 @@ __global__ void __launch_bounds__(32 * kMmaWarps, DP == 32 ? 4 : 2)
     };
     load_tile<T, DP>(t.a, q + sl.base, g.HD, L, D, q0, kMmaRows, vec);
     load_tile<T, DP>(t.b, d_o + sl.base, g.HD, L, D, q0, kMmaRows, vec);
+    load_tile<T, DP>(t.c[1], o + sl.base, g.HD, L, D, q0, kMmaRows, vec);  // stage 1 is free until the loop
     cp_commit();
     issue(0, 0);
     put(0, fetch(0));
@@ -68,10 +71,27 @@ __global__ void __launch_bounds__(32 * kMmaWarps, DP == 32 ? 4 : 2)
     for (int h = 0; h < 2; h++) {
         const int i = q0 + wr + gr + h * 8;
         li[h] = i < L ? lse[sl.lse_row + i] * kLog2e : INFINITY;  // +inf: p = 0 on rows past L
-        di[h] = i < L ? delta[sl.lse_row + i] : 0.f;
     }
-    cp_wait<1>();  // Q and dO have landed
+    cp_wait<1>();  // Q, dO and O have landed
     __syncthreads();
+    {
+        // delta = rowsum(dO * O) of the block's rows, two threads a row; written out for the dK/dV and
+        // dpair kernels, which run after this one
+        static_assert(kMmaRows * 2 == 32 * kMmaWarps, "two threads per row");
+        const int r = (int)threadIdx.x >> 1, c0 = ((int)threadIdx.x & 1) * (DP / 2);
+        const T *x = t.b + r * Pad<DP>::S + c0, *y = t.c[1] + r * Pad<DP>::S + c0;
+        float s = 0.f;
+#pragma unroll
+        for (int c = 0; c < DP / 2; c++) s = fmaf(load(x + c), load(y + c), s);
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        if ((threadIdx.x & 1) == 0) {
+            t.colf[1][1][r] = s;
+            if (q0 + r < L) delta[sl.lse_row + q0 + r] = s;
+        }
+    }
+    __syncthreads();  // delta is in shared memory, and stage 1 (O) may be refilled
+#pragma unroll
+    for (int h = 0; h < 2; h++) di[h] = t.colf[1][1][wr + gr + h * 8];
     uint32_t qf[DP / 16][4], dof[DP / 16][4];
     load_a<T, DP>(qf, t.a, wr);
     load_a<T, DP>(dof, t.b, wr);
@@ -388,10 +408,10 @@ inline void dpair_split(int64_t B, int64_t N, int64_t L, int64_t H, int64_t &per
 
 #ifndef DSC_EVO_EMULATE  // the host check calls the kernels itself
 template <typename E, int DP>
-int launch_bwd_mma_typed(const E *gO, const E *Q, const E *K, const E *V, const float *lse, const float *delta,
+int launch_bwd_mma_typed(const E *gO, const E *Q, const E *K, const E *V, const E *O, const float *lse, float *delta,
                          const E *b1, const E *b2, E *dq, E *dk, E *dv, float *db1, float *db2, int64_t B, int64_t N,
                          int64_t L, int64_t H, int64_t D, float scale, cudaStream_t stream) {
-    const bool vec = vec_ok(D, {gO, Q, K, V, dq, dk, dv}), bvec = vec_ok(L, {b2});
+    const bool vec = vec_ok(D, {gO, Q, K, V, O, dq, dk, dv}), bvec = vec_ok(L, {b2});
     const int64_t blocks = (L + kMmaRows - 1) / kMmaRows, grid = B * N * H * blocks;
     int64_t per = 1, splits = 1;
     dpair_split(B, N, L, H, per, splits);
@@ -402,7 +422,7 @@ int launch_bwd_mma_typed(const E *gO, const E *Q, const E *K, const E *V, const 
     if (rc == 0) rc = allow_smem(evo_dpair_mma_kernel<E, DP>, sizeof(DpairSmem<E, DP>), 0);
     if (rc != 0) return rc;
     evo_dq_mma_kernel<E, DP><<<(unsigned)grid, 32 * kMmaWarps, smem, stream>>>(
-        gO, Q, K, V, lse, delta, b1, b2, dq, (int)N, (int)L, (int)H, (int)D, scale, vec, bvec);
+        gO, Q, K, V, O, lse, delta, b1, b2, dq, (int)N, (int)L, (int)H, (int)D, scale, vec, bvec);
     rc = launch_error();
     if (rc != 0) return rc;
     evo_dkv_mma_kernel<E, DP><<<(unsigned)grid, 32 * kMmaWarps, smem, stream>>>(
@@ -416,16 +436,17 @@ int launch_bwd_mma_typed(const E *gO, const E *Q, const E *K, const E *V, const 
     return launch_error();
 }
 
-int launch_bwd_mma(const void *d_o, const void *q, const void *k, const void *v, const float *lse, const float *delta,
-                   const void *bias1, const void *bias2, void *dq, void *dk, void *dv, float *dbias1, float *dbias2,
-                   int64_t B, int64_t N, int64_t L, int64_t H, int64_t D, float scale, int dtype, cudaStream_t stream) {
+int launch_bwd_mma(const void *d_o, const void *q, const void *k, const void *v, const void *o, const float *lse,
+                   float *delta, const void *bias1, const void *bias2, void *dq, void *dk, void *dv, float *dbias1,
+                   float *dbias2, int64_t B, int64_t N, int64_t L, int64_t H, int64_t D, float scale, int dtype,
+                   cudaStream_t stream) {
     return dispatch_half(dtype, [&](auto *tag) {
         using E = std::remove_pointer_t<decltype(tag)>;
         return dispatch_dim(D, [&](auto dp) {
             return launch_bwd_mma_typed<E, decltype(dp)::value>(
                 static_cast<const E *>(d_o), static_cast<const E *>(q), static_cast<const E *>(k),
-                static_cast<const E *>(v), lse, delta, static_cast<const E *>(bias1), static_cast<const E *>(bias2),
-                static_cast<E *>(dq), static_cast<E *>(dk), static_cast<E *>(dv), dbias1, dbias2, B, N, L, H, D,
+                static_cast<const E *>(v), static_cast<const E *>(o), lse, delta, static_cast<const E *>(bias1),
+                static_cast<const E *>(bias2), static_cast<E *>(dq), static_cast<E *>(dk), static_cast<E *>(dv), dbias1, dbias2, B, N, L, H, D,
                 scale, stream);
         });
     });

@@ -131,9 +131,10 @@ template <typename F> int dispatch_half(int dtype, F &&f) {
 
 // dQ, dK, dV and the bias gradients on mma.sync tensor-core tiles (evoformer_bwd_mma.cu); fp16/bf16, sm_80+; delta
 // ready.
-int launch_bwd_mma(const void *d_o, const void *q, const void *k, const void *v, const float *lse, const float *delta,
-                   const void *bias1, const void *bias2, void *dq, void *dk, void *dv, float *dbias1, float *dbias2,
-                   int64_t B, int64_t N, int64_t L, int64_t H, int64_t D, float scale, int dtype, cudaStream_t stream);
+int launch_bwd_mma(const void *d_o, const void *q, const void *k, const void *v, const void *o, const float *lse,
+                   float *delta, const void *bias1, const void *bias2, void *dq, void *dk, void *dv, float *dbias1,
+                   float *dbias2, int64_t B, int64_t N, int64_t L, int64_t H, int64_t D, float scale, int dtype,
+                   cudaStream_t stream);
 
 inline bool bad_shape(int64_t B, int64_t N, int64_t L, int64_t H, int64_t D) {
     return B < 1 || N < 1 || L < 1 || H < 1 || D < 1 || D > DSC_EVO_MAX_HEAD_DIM || L > 0x7fffffffLL ||

@@ -107,7 +107,7 @@ template <typename T, int DP> int run(int B, int N, int L, int H, int D, bool us
             }
     // the kernels
     std::vector<T> o(n_qkv), dq(n_qkv), dk(n_qkv), dv(n_qkv);
-    std::vector<float> lse(n_rows), delta(n_rows), db1(b10.size(), 0.f), db2(b20.size(), 0.f);
+    std::vector<float> lse(n_rows), delta(n_rows, std::nanf("")), db1(b10.size(), 0.f), db2(b20.size(), 0.f);
     const T *B1 = use1 ? b1.data() : nullptr, *B2 = use2 ? b2.data() : nullptr;
     const bool vec = D % 8 == 0, bvec = L % 8 == 0;
     const unsigned blocks = (unsigned)((L + kMmaRows - 1) / kMmaRows), grid = (unsigned)(B * N * H) * blocks;
@@ -116,18 +116,9 @@ template <typename T, int DP> int run(int B, int N, int L, int H, int D, bool us
         evo_forward_mma_kernel<T, DP>(q.data(), k.data(), v.data(), B1, B2, o.data(), lse.data(), N, L, H, D, sc, vec,
                                       bvec);
     });
-    for (int b = 0; b < B; b++)  // delta = rowsum(dO * O) as evo_delta_kernel computes it
-        for (int n = 0; n < N; n++)
-            for (int h = 0; h < H; h++)
-                for (int i = 0; i < L; i++) {
-                    const size_t bn = (size_t)b * N + n, at = bn * L * HD + (size_t)i * HD + (size_t)h * D;
-                    float s = 0;
-                    for (int d = 0; d < D; d++) s = fmaf(load(&d_o[at + d]), load(&o[at + d]), s);
-                    delta[(bn * H + h) * L + i] = s;
-                }
     dsc_emu::launch({grid, 1, 1}, 32 * kMmaWarps, [&] {
-        evo_dq_mma_kernel<T, DP>(d_o.data(), q.data(), k.data(), v.data(), lse.data(), delta.data(), B1, B2,
-                                 dq.data(), N, L, H, D, sc, vec, bvec);
+        evo_dq_mma_kernel<T, DP>(d_o.data(), q.data(), k.data(), v.data(), o.data(), lse.data(), delta.data(), B1,
+                                 B2, dq.data(), N, L, H, D, sc, vec, bvec);  // delta: written by this kernel
     });
     dsc_emu::launch({grid, 1, 1}, 32 * kMmaWarps, [&] {
         evo_dkv_mma_kernel<T, DP>(d_o.data(), q.data(), k.data(), v.data(), lse.data(), delta.data(), B1, B2,
