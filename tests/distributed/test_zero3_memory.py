@@ -3,8 +3,11 @@
 - Sent reduce-scatter buckets: at most DSC_ZERO_REDUCE_WINDOW (default 2) are unfinished at any launch, where
   before every bucket of the backward stayed alive to its end (a whole unsharded gradient per rank); with the
   window at 0 (the old behaviour) they pile up to every bucket of the backward, which shows the count is live.
-  Both runs train the same: identical losses and fp32 master partitions, bit for bit (the window changes when a
-  bucket is folded into the partition, not what is added), and those match plain PyTorch on the whole batch.
+- The step gathers the next forward's first units once their chunks are written (DSC_Z3_PREFETCH_IN_STEP):
+  they are gathered between the step and the forward, and none are with the switch off.
+- The new run (buckets sent in backward order too) and the old one (window 0, plan order, no gathers in the
+  step) train the same: identical losses and fp32 master partitions, bit for bit (what is added and gathered
+  does not change, only when), and those match plain PyTorch on the whole batch.
 - ShardSlots (where the fused CUDA step writes the updated 16-bit chunk) hands out exactly the span of the
   shard the shard writer fills for that bucket, so a chunk written there is the shard's value, and the writer
   then skips the copy; a chunk from elsewhere is copied in."""
@@ -41,10 +44,17 @@ def _config() -> dict[str, Any]:
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
 
 
-def _train(rank: int, window: str) -> tuple[tuple[list[float], np.ndarray, int, int], Any]:
+OLD_ENV = {"DSC_ZERO_REDUCE_WINDOW": "0", "DSC_Z3_REDUCE_ORDER": "plan", "DSC_Z3_PREFETCH_IN_STEP": "0"}
+
+
+def _train(rank: int, old: bool) -> tuple[tuple[list[float], np.ndarray, int, int, list[int]], Any]:
     import deepspeed_c
 
-    os.environ["DSC_ZERO_REDUCE_WINDOW"] = window
+    for key, value in OLD_ENV.items():
+        if old:
+            os.environ[key] = value
+        else:
+            os.environ.pop(key, None)
     engine, *_ = deepspeed_c.initialize(model=_model(), config=_config())
     reducer = engine.optimizer.reducer
     launch = reducer._launch
@@ -56,15 +66,17 @@ def _train(rank: int, window: str) -> tuple[tuple[list[float], np.ndarray, int, 
         seen["max"] = max(seen["max"], len(reducer._in_flight))
 
     reducer._launch = counted
-    losses = []
+    losses, early = [], []
+    store = engine.optimizer.store
     for x, y in _batches():
         mine = slice(rank * MICRO, (rank + 1) * MICRO)
         loss = torch.nn.functional.mse_loss(engine(x[mine]), y[mine])
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+        early.append(sum(f is not None for f in store.full))  # gathered between the step and the next forward
     master = engine.optimizer.fp32_partitions[0].detach().clone().numpy()
-    return (losses, master, seen["max"], seen["launches"] // STEPS), engine
+    return (losses, master, seen["max"], seen["launches"] // STEPS, early), engine
 
 
 def _shard_slots(rank: int, engine: Any) -> bool:
@@ -90,9 +102,9 @@ def _shard_slots(rank: int, engine: Any) -> bool:
 
 
 def _body(rank: int, world_size: int) -> dict[str, Any]:
-    new, engine = _train(rank, "2")
+    new, engine = _train(rank, False)
     engine.destroy()
-    old, engine = _train(rank, "0")
+    old, engine = _train(rank, True)
     return {"new": new, "old": old, "slots": _shard_slots(rank, engine)}
 
 
@@ -109,15 +121,17 @@ def _reference() -> list[float]:
     return losses
 
 
-def test_reduce_window_bounds_sent_buckets_and_trains_the_same() -> None:
+def test_reduce_window_prefetch_in_step_and_send_order_train_the_same() -> None:
     results = run_distributed(_body, world_size=WORLD, timeout=240)
     ref = _reference()
     for res in results:
-        new_losses, new_master, new_max, launches = res["new"]
-        old_losses, old_master, old_max, _ = res["old"]
+        new_losses, new_master, new_max, launches, new_early = res["new"]
+        old_losses, old_master, old_max, _, old_early = res["old"]
         assert launches >= 4, f"{launches} buckets a backward: the window is not exercised"
         assert new_max <= 2, f"{new_max} sent buckets unfinished at once with the window at 2"
         assert old_max == launches, f"window 0 kept {old_max} of {launches} buckets (expected all)"
+        # the step gathered the next forward's first unit(s) (the fetch plan's first step) after writing them
+        assert all(n >= 1 for n in new_early) and not any(old_early), (new_early, old_early)
         assert new_losses == old_losses
         assert np.array_equal(new_master, old_master)
         assert res["slots"]

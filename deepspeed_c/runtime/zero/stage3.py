@@ -135,14 +135,24 @@ class ShardSlots:
                                              for s in store.shards)
 
 
+PREFETCH_IN_STEP_ENV = "DSC_Z3_PREFETCH_IN_STEP"  # 0: the next forward gathers its first units itself (A/B runs)
+
+
 class ShardWriter:
     """The stage-3 stand-in for the stage 1/2 all-gather of updated weights: each updated partition chunk
     is written into this rank's shard (unless the step wrote it there already: ShardSlots); once all are
-    in, every gathered copy is stale and released."""
+    in, every gathered copy is stale and released.
 
-    def __init__(self, store: ParamStore) -> None:
+    `ahead()` (optional) names the units the next forward gathers first (the fetch plan's first step). The
+    step writes buckets in module order, so those come first: once all of them are written their all-gather
+    goes out, while the step goes on with the rest of the model, and they stay gathered for the forward."""
+
+    def __init__(self, store: ParamStore, ahead: Optional[Callable[[], Sequence[int]]] = None) -> None:
         self.store = store
         self.plans = store.plans
+        self.ahead = ahead
+        self._want: Optional[set[int]] = None  # this step's units to gather ahead, not yet written
+        self._early: list[int] = []  # gathered ahead in this step (kept by finish)
 
     def submit(self, g: int, b: int, chunk: torch.Tensor) -> None:
         plan = self.store.plans[g]
@@ -151,11 +161,38 @@ class ShardWriter:
         if dst.data_ptr() != chunk.data_ptr():
             dst.copy_(chunk, non_blocking=True)
         self.store.wrote(g, start, start + chunk.numel())
-        self.store.drop_secondary([self.store.first_unit[g] + b])
+        u = self.store.first_unit[g] + b
+        self.store.drop_secondary([u])
+        if self.ahead is not None:
+            self._gather_ahead(u)
+
+    def _gather_ahead(self, u: int) -> None:
+        store = self.store
+        if self._want is None:  # the first chunk of this step
+            self._early = []
+            units = [v for v in self.ahead() if store.pins[v] == 0]
+            # units of the store's last group (parameters nobody steps) are never written: current already
+            self._want = {v for v in units if store.unit_of[v][0] < len(self.plans) - 1}
+            self._units = units
+        self._want.discard(u)
+        if not self._want and self._units:
+            units, self._units = self._units, []
+            store.release(units, keep_secondary=False)  # stale copies from before the step
+            store.fetch(units)
+            self._early = units
 
     def finish(self) -> None:
-        # gathered copies are stale now (views of the shards, on one rank, are not)
-        self.store.release_all(keep_persistent=self.store.aliased)
+        # gathered copies are stale now (views of the shards, on one rank, are not); the units gathered ahead
+        # in this step are current
+        self._want = None
+        early, self._early = set(self._early), []
+        store = self.store
+        if not early:
+            store.release_all(keep_persistent=store.aliased)
+            return
+        store.unpin_all()
+        store.drop_secondary()
+        store.release([u for u in range(len(store.full)) if u not in early], keep_secondary=False)
 
 
 class _Stage3Round(BucketOrderKeeping):
@@ -213,6 +250,15 @@ def _unit_roots(module: torch.nn.Module, zero_cfg: Any, store_args: dict, world_
     swap = store_args.get("param_swap")
     return auto_units.choose_unit_roots(module, zero_cfg.max_live_parameters, is_leaf=_is_leaf,
                                         max_unit=int(swap["buffer_size"]) * world_size if swap else None)
+
+
+def _prefetch_in_step(store: ParamStore) -> bool:
+    """Whether the step may gather the next forward's first units: plain gathers of shards on the compute
+    device across ranks (ZeRO++ gathers them its own way at use; one rank's units are views of the shards)."""
+    if os.environ.get(PREFETCH_IN_STEP_ENV, "1").strip().lower() in ("0", "false", "off", "no"):
+        return False
+    return store.world_size > 1 and store.zeropp is None and not store.file_backed and \
+        store.home_device == store.compute_device
 
 
 SEND_ORDER_ENV = "DSC_Z3_REDUCE_ORDER"  # "plan": buckets sent in the plans' (forward) order, for A/B runs
@@ -316,7 +362,17 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (Deep
         return self.store.plans[g], flat
 
     def _weights_writer(self) -> Any:
-        return ShardWriter(self.store)
+        # the host step (offload_optimizer) hands chunks back from its own pipeline: no gathers from there
+        early = _prefetch_in_step(self.store) and getattr(self, "offload", None) is None
+        return ShardWriter(self.store, ahead=self._units_ahead if early else None)
+
+    def _units_ahead(self) -> list[int]:
+        """The units the next forward gathers at its first step (none without a fetch plan yet)."""
+        coordinator = getattr(self, "coordinator", None)
+        plan = None if coordinator is None or not coordinator.use_plan else coordinator.plan
+        if plan is None or plan.num_steps == 0:
+            return []
+        return sorted({u for group in plan.fetch_at(0) for u in group})
 
     def _step_strategy(self, epilogue: Any) -> ZeroStepStrategy:
         strategy = super()._step_strategy(epilogue)
