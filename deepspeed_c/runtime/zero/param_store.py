@@ -106,6 +106,9 @@ class ParamStore:
                 budget -= real
         self.live_numel = 0
         self.peak_live_numel = 0
+        # units the optimizer step gathered ahead of the next forward (stage3.ShardWriter): the forward's first
+        # step takes them over; any other gather first drops them (they were never asked for by a user)
+        self.early: set[int] = set()
         self.gathers = 0
         # ZeRO++ (zeropp.py), attached by the stage-3 optimizer (use_zeropp): quantized gathers, hpZ secondary shards
         self.zeropp: Optional[Any] = None
@@ -188,6 +191,13 @@ class ParamStore:
                 p.ds_status = ZeroParamStatus.INFLIGHT
         if plain:
             self._issue(plain)
+
+    def drop_early(self, keep: Sequence[int] = ()) -> None:
+        """Releases the units gathered ahead of the next forward, except `keep`, so a gather from elsewhere
+        (GatheredParameters between the step and the forward) stays within the live limit."""
+        units = [u for u in self.early if u not in keep]
+        self.early = set()
+        self.release(units)
 
     def _issue(self, plain: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
         work = self.gatherer.gather([f for _, f, _ in plain], [c for _, _, c in plain])

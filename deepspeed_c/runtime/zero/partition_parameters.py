@@ -91,6 +91,8 @@ def _units(params: Iterable[torch.nn.Parameter]) -> dict[ParamStore, list[int]]:
 
 def _gather(params: Iterable[torch.nn.Parameter]) -> None:
     for store, units in _units(params).items():
+        if store.early:
+            store.drop_early(units)
         store.wait(units)
 
 
@@ -145,6 +147,8 @@ class GatheredParameters:
         if not self.enabled:
             return self
         for store, units in _units(self.params).items():
+            if store.early:
+                store.drop_early(units)
             private = self.modifier_rank is None and store.aliased
             if private:  # a view of the shard would keep edits DeepSpeed drops: gather copies, drop them on exit
                 store.release(units)

@@ -180,6 +180,7 @@ class ShardWriter:
             store.release(units, keep_secondary=False)  # stale copies from before the step
             store.fetch(units)
             self._early = units
+            store.early = set(units)
 
     def finish(self) -> None:
         # gathered copies are stale now (views of the shards, on one rank, are not); the units gathered ahead
