@@ -13,10 +13,8 @@
 #ifdef DSC_CQ_ON_CUDA
 #include "dsc/compress_quant_cuda.h"
 #define DEV DSC_DEV_CUDA
-#define CALL(fn, ...) fn##_cuda(__VA_ARGS__, (cudaStream_t)stream_)
 #else
 #define DEV DSC_DEV_CPU
-#define CALL(fn, ...) fn(__VA_ARGS__)
 #endif
 
 static const dsc_arg_spec X = {"x", DSC_F32 | DSC_BF16 | DSC_F16, DEV, DSC_CONTIGUOUS};
@@ -67,21 +65,11 @@ static PyObject *fail(int rc, const char *fname) {
 }
 
 #ifdef DSC_CQ_ON_CUDA
-#define ENTER(view)                                                                                \
-    int prev_ = -1;                                                                                \
-    const int dev_ = (view).device_id;                                                             \
-    const int erc_ = dsc_cq_cuda_enter(dev_, &prev_);                                              \
-    if (erc_ != 0) return fail(erc_, "set device");                                                \
-    void *stream_ = dsc_current_cuda_stream(dev_);                                                 \
-    if (!stream_ && PyErr_Occurred()) {                                                            \
-        dsc_cq_cuda_leave(dev_, prev_);                                                            \
-        return NULL;                                                                               \
-    }
-#define LEAVE() dsc_cq_cuda_leave(dev_, prev_)
-#else
-#define ENTER(view) (void)0
-#define LEAVE() (void)0
+#define DSC_DEVICE_ENTER dsc_cq_cuda_enter
+#define DSC_DEVICE_LEAVE dsc_cq_cuda_leave
 #endif
+#define DSC_DEVICE_FAIL fail
+#include "dsc/binding_device.h"
 
 static PyObject *py_fake_quant(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
@@ -98,13 +86,13 @@ static PyObject *py_fake_quant(PyObject *self, PyObject *const *args, Py_ssize_t
         return PyErr_Format(PyExc_ValueError, "argument 'bits' must be 2..16, got %lld", (long long)bits);
     if ((lo == NULL) != (hi == NULL)) return PyErr_Format(PyExc_ValueError, "arguments 'lo' and 'hi' go together");
     if (x.numel == 0) Py_RETURN_NONE;
-    ENTER(x);
+    STREAM_OF(x, stream);
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = CALL(dsc_cq_fake_quant, x.data, out.data, cq_dtype(x.dtype), groups, n, (int)bits, (int)(asym != 0), lo, hi,
               (int)(recip != 0), (uint64_t)seed);
     Py_END_ALLOW_THREADS
-    LEAVE();
+    LEAVE_DEVICE();
     if (rc != DSC_CQ_OK) return fail(rc, "fake_quant");
     Py_RETURN_NONE;
 }
@@ -119,12 +107,12 @@ static PyObject *py_ternary(PyObject *self, PyObject *const *args, Py_ssize_t na
         stats(args[4], "alpha", &x, groups, 0, &alpha) < 0)
         return NULL;
     if (x.numel == 0) Py_RETURN_NONE;
-    ENTER(x);
+    STREAM_OF(x, stream);
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = CALL(dsc_cq_ternary, x.data, out.data, cq_dtype(x.dtype), groups, n, thres, alpha);
     Py_END_ALLOW_THREADS
-    LEAVE();
+    LEAVE_DEVICE();
     if (rc != DSC_CQ_OK) return fail(rc, "ternary");
     Py_RETURN_NONE;
 }
@@ -137,12 +125,12 @@ static PyObject *py_binary(PyObject *self, PyObject *const *args, Py_ssize_t nar
     float *m;
     if (prepare(args, &x, &out, &groups, &n) < 0 || stats(args[3], "m", &x, groups, 0, &m) < 0) return NULL;
     if (x.numel == 0) Py_RETURN_NONE;
-    ENTER(x);
+    STREAM_OF(x, stream);
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = CALL(dsc_cq_binary, x.data, out.data, cq_dtype(x.dtype), groups, n, m);
     Py_END_ALLOW_THREADS
-    LEAVE();
+    LEAVE_DEVICE();
     if (rc != DSC_CQ_OK) return fail(rc, "binary");
     Py_RETURN_NONE;
 }

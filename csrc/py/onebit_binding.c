@@ -76,25 +76,14 @@ static int check_segs(const dsc_view *segs, int64_t max_len, int64_t elems, cons
 }
 
 #ifdef DSC_ONEBIT_ON_CUDA
-#define STREAM_OF(view, var)                                                                       \
-    int prev_device_ = -1;                                                                          \
-    const int device_ = (view).device_id;                                                           \
-    const int enter_rc_ = dsc_onebit_cuda_enter(device_, &prev_device_);                            \
-    if (enter_rc_ != 0) return core_error(enter_rc_, "set device");                                 \
-    void *var = dsc_current_cuda_stream(device_);                                                   \
-    if (!var && PyErr_Occurred()) {                                                                 \
-        dsc_onebit_cuda_leave(device_, prev_device_);                                               \
-        return NULL;                                                                                \
-    }
-#define LEAVE_DEVICE() dsc_onebit_cuda_leave(device_, prev_device_)
-#define CALL(fn, ...) fn##_cuda(__VA_ARGS__, (cudaStream_t)stream)
+#define DSC_DEVICE_ENTER dsc_onebit_cuda_enter
+#define DSC_DEVICE_LEAVE dsc_onebit_cuda_leave
 #define MAXLEN(m) m,
 #else
-#define STREAM_OF(view, var) (void)0
-#define LEAVE_DEVICE() (void)0
-#define CALL(fn, ...) fn(__VA_ARGS__)
 #define MAXLEN(m)
 #endif
+#define DSC_DEVICE_FAIL core_error
+#include "dsc/binding_device.h"
 
 static int same_numel(const dsc_view *a, const char *an, const dsc_view *b, const char *bn) {
     if (b->is_none) return 0;

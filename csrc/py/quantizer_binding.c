@@ -73,24 +73,11 @@ static PyObject *core_error(int rc, const char *fname) {
 }
 
 #ifdef DSC_Q_ON_CUDA
-/* the tensors' device is made current around the launch (and the caller's restored after) */
-#define STREAM_OF(view, var)                                                                       \
-    int prev_device_ = -1;                                                                          \
-    const int device_ = (view).device_id;                                                           \
-    const int enter_rc_ = dsc_q_cuda_enter(device_, &prev_device_);                                 \
-    if (enter_rc_ != 0) return core_error(enter_rc_, "set device");                                \
-    void *var = dsc_current_cuda_stream(device_);                                                   \
-    if (!var && PyErr_Occurred()) {                                                                 \
-        dsc_q_cuda_leave(device_, prev_device_);                                                    \
-        return NULL;                                                                                \
-    }
-#define LEAVE_DEVICE() dsc_q_cuda_leave(device_, prev_device_)
-#define CALL(fn, ...) fn##_cuda(__VA_ARGS__, (cudaStream_t)stream)
-#else
-#define STREAM_OF(view, var) (void)0
-#define LEAVE_DEVICE() (void)0
-#define CALL(fn, ...) fn(__VA_ARGS__)
+#define DSC_DEVICE_ENTER dsc_q_cuda_enter
+#define DSC_DEVICE_LEAVE dsc_q_cuda_leave
 #endif
+#define DSC_DEVICE_FAIL core_error
+#include "dsc/binding_device.h"
 
 static int same_device(const dsc_view *a, const char *an, const dsc_view *b, const char *bn) {
     return dsc_check_same_device(an, a, bn, b);

@@ -103,23 +103,11 @@ static int flag(PyObject *o, const char *name, int *out) {
 }
 
 #ifdef DSC_RLTD_ON_CUDA
-#define STREAM_OF(view, var)                                                                       \
-    int prev_device_ = -1;                                                                          \
-    const int device_ = (view).device_id;                                                           \
-    const int enter_rc_ = dsc_rltd_cuda_enter(device_, &prev_device_);                              \
-    if (enter_rc_ != 0) return core_error(enter_rc_, "set device");                                \
-    void *var = dsc_current_cuda_stream(device_);                                                   \
-    if (!var && PyErr_Occurred()) {                                                                 \
-        dsc_rltd_cuda_leave(device_, prev_device_);                                                 \
-        return NULL;                                                                                \
-    }
-#define LEAVE_DEVICE() dsc_rltd_cuda_leave(device_, prev_device_)
-#define CALL(fn, ...) fn##_cuda(__VA_ARGS__, (cudaStream_t)stream)
-#else
-#define STREAM_OF(view, var) (void)0
-#define LEAVE_DEVICE() (void)0
-#define CALL(fn, ...) fn(__VA_ARGS__)
+#define DSC_DEVICE_ENTER dsc_rltd_cuda_enter
+#define DSC_DEVICE_LEAVE dsc_rltd_cuda_leave
 #endif
+#define DSC_DEVICE_FAIL core_error
+#include "dsc/binding_device.h"
 
 static PyObject *py_gather(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
