@@ -49,89 +49,74 @@ __device__ __forceinline__ float from_key(unsigned int k) {
     return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
 
-/* keys[g] = min key, keys[groups + g] = max key (asym), or keys[groups + g] = bits of amax (sym) */
+/* One element into a thread's running range: min / max order keys (asym), or the largest |x| bits (sym). */
+__device__ __forceinline__ void take_key(float v, int asym, unsigned int &kmin, unsigned int &kmax) {
+    if (asym) {
+        const unsigned int k = order_key(v);
+        kmin = k < kmin ? k : kmin;
+        kmax = k > kmax ? k : kmax;
+    } else {
+        const unsigned int b = __float_as_uint(v) & 0x7fffffffu;
+        kmax = b > kmax ? b : kmax;
+    }
+}
+
+/* The block's range: warp shuffles, then the warps' partials through smin / smax. Only thread 0's kmin / kmax
+ * hold the block's result. Ends with the block synchronised, so the slots may be reused at once. */
+__device__ __forceinline__ void block_keys(unsigned int &kmin, unsigned int &kmax, unsigned int *smin,
+                                           unsigned int *smax) {
+    for (int off = 16; off > 0; off >>= 1) {
+        const unsigned int a = __shfl_xor_sync(0xffffffffu, kmin, off), b = __shfl_xor_sync(0xffffffffu, kmax, off);
+        kmin = a < kmin ? a : kmin;
+        kmax = b > kmax ? b : kmax;
+    }
+    if ((threadIdx.x & 31) == 0) {
+        smin[threadIdx.x >> 5] = kmin;
+        smax[threadIdx.x >> 5] = kmax;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < kThreads / 32; w++) {
+            kmin = smin[w] < kmin ? smin[w] : kmin;
+            kmax = smax[w] > kmax ? smax[w] : kmax;
+        }
+    }
+    __syncthreads();
+}
+
+/* x[i] of a group as floats: element i of T, or the 4 floats of float4 i (the 16-byte path of fp32) */
+template <typename T> struct Elems {
+    static constexpr int kWidth = 1;
+    static __device__ __forceinline__ void get(const T *src, int64_t i, float *e) { e[0] = Io<T>::ld(src, i); }
+};
+template <> struct Elems<float4> {
+    static constexpr int kWidth = 4;
+    static __device__ __forceinline__ void get(const float4 *src, int64_t i, float *e) {
+        const float4 v = src[i];
+        e[0] = v.x, e[1] = v.y, e[2] = v.z, e[3] = v.w;
+    }
+};
+
+/* keys[g] = min key, keys[groups + g] = max key (asym), or keys[groups + g] = bits of amax (sym); n counts
+ * loads (elements, or float4s) per group */
 template <typename T>
 __global__ void ranges_kernel(const T *__restrict__ x, int64_t n, int64_t groups, int asym, unsigned int *keys) {
     __shared__ unsigned int smin[kThreads / 32], smax[kThreads / 32];
     for (int64_t g = blockIdx.y; g < groups; g += gridDim.y) {
-    const T *src = x + g * n;
-    unsigned int kmin = 0xffffffffu, kmax = 0u;
-    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        const float v = Io<T>::ld(src, i);
-        if (asym) {
-            const unsigned int k = order_key(v);
-            kmin = k < kmin ? k : kmin;
-            kmax = k > kmax ? k : kmax;
-        } else {
-            const unsigned int b = __float_as_uint(v) & 0x7fffffffu;
-            kmax = b > kmax ? b : kmax;
-        }
-    }
-    for (int off = 16; off > 0; off >>= 1) {
-        const unsigned int a = __shfl_xor_sync(0xffffffffu, kmin, off), b = __shfl_xor_sync(0xffffffffu, kmax, off);
-        kmin = a < kmin ? a : kmin;
-        kmax = b > kmax ? b : kmax;
-    }
-    if ((threadIdx.x & 31) == 0) {
-        smin[threadIdx.x >> 5] = kmin;
-        smax[threadIdx.x >> 5] = kmax;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int w = 1; w < kThreads / 32; w++) {
-            kmin = smin[w] < kmin ? smin[w] : kmin;
-            kmax = smax[w] > kmax ? smax[w] : kmax;
-        }
-        if (asym) atomicMin(&keys[g], kmin);
-        atomicMax(&keys[groups + g], kmax);
-    }
-    __syncthreads(); /* smin / smax are reused by the next group */
-    }
-}
-
-/* the float4 path of ranges: 4 elements per load */
-__global__ void ranges_kernel_f32x4(const float4 *__restrict__ x, int64_t n4, int64_t groups, int asym,
-                                    unsigned int *keys) {
-    __shared__ unsigned int smin[kThreads / 32], smax[kThreads / 32];
-    for (int64_t g = blockIdx.y; g < groups; g += gridDim.y) {
-    const float4 *src = x + g * n4;
-    unsigned int kmin = 0xffffffffu, kmax = 0u;
-    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += stride) {
-        const float4 v = src[i];
-        const float e[4] = {v.x, v.y, v.z, v.w};
+        const T *src = x + g * n;
+        unsigned int kmin = 0xffffffffu, kmax = 0u;
+        const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+        for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+            float e[Elems<T>::kWidth];
+            Elems<T>::get(src, i, e);
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            if (asym) {
-                const unsigned int k = order_key(e[j]);
-                kmin = k < kmin ? k : kmin;
-                kmax = k > kmax ? k : kmax;
-            } else {
-                const unsigned int b = __float_as_uint(e[j]) & 0x7fffffffu;
-                kmax = b > kmax ? b : kmax;
-            }
+            for (int j = 0; j < Elems<T>::kWidth; j++) take_key(e[j], asym, kmin, kmax);
         }
-    }
-    for (int off = 16; off > 0; off >>= 1) {
-        const unsigned int a = __shfl_xor_sync(0xffffffffu, kmin, off), b = __shfl_xor_sync(0xffffffffu, kmax, off);
-        kmin = a < kmin ? a : kmin;
-        kmax = b > kmax ? b : kmax;
-    }
-    if ((threadIdx.x & 31) == 0) {
-        smin[threadIdx.x >> 5] = kmin;
-        smax[threadIdx.x >> 5] = kmax;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int w = 1; w < kThreads / 32; w++) {
-            kmin = smin[w] < kmin ? smin[w] : kmin;
-            kmax = smax[w] > kmax ? smax[w] : kmax;
+        block_keys(kmin, kmax, smin, smax);
+        if (threadIdx.x == 0) {
+            if (asym) atomicMin(&keys[g], kmin);
+            atomicMax(&keys[groups + g], kmax);
         }
-        if (asym) atomicMin(&keys[g], kmin);
-        atomicMax(&keys[groups + g], kmax);
-    }
-    __syncthreads(); /* smin / smax are reused by the next group */
     }
 }
 
@@ -139,36 +124,40 @@ struct Params {
     float s, inv, zp;
 };
 
+/* scale, its reciprocal and the zero point of a group whose range is [vlo, vhi] (sym: vhi = amax) */
 template <typename T>
-__global__ void params_kernel(const unsigned int *keys, const float *lo, const float *hi, int64_t groups, int bits,
-                              int asym, int recip, Params *out) {
-    const int64_t g = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (g >= groups) return;
-    const float q = (float)(1 << bits);
-    float vlo, vhi;
-    if (lo) {
-        vlo = lo[g];
-        vhi = hi[g];
-    } else if (asym) {
-        vlo = from_key(keys[g]);
-        vhi = from_key(keys[groups + g]);
-    } else {
-        vhi = __uint_as_float(keys[groups + g]);
-        vlo = vhi;
-    }
+__device__ __forceinline__ Params make_params(float vlo, float vhi, float q, int asym, int recip) {
     Params p;
-    if (asym) {
-        p.s = Io<T>::st(__fdiv_rn(Io<T>::st(__fsub_rn(vhi, vlo)), q));
-    } else {
-        p.s = Io<T>::st(__fdiv_rn(Io<T>::st(__fmul_rn(2.0f, vhi)), q));
-    }
+    p.s = asym ? Io<T>::st(__fdiv_rn(Io<T>::st(__fsub_rn(vhi, vlo)), q))
+               : Io<T>::st(__fdiv_rn(Io<T>::st(__fmul_rn(2.0f, vhi)), q));
     p.inv = __fdiv_rn(1.0f, p.s);
     p.zp = 0.0f;
     if (asym) {
         const float d = Io<T>::st(recip ? __fmul_rn(vlo, p.inv) : __fdiv_rn(vlo, p.s));
         p.zp = Io<T>::st(__fmul_rn(rintf(d), p.s));
     }
-    out[g] = p;
+    return p;
+}
+
+/* the range [vlo, vhi] the keys of ranges_kernel / block_keys stand for */
+__device__ __forceinline__ void keys_range(unsigned int kmin, unsigned int kmax, int asym, float &vlo, float &vhi) {
+    vhi = asym ? from_key(kmax) : __uint_as_float(kmax);
+    vlo = asym ? from_key(kmin) : vhi;
+}
+
+template <typename T>
+__global__ void params_kernel(const unsigned int *keys, const float *lo, const float *hi, int64_t groups, int bits,
+                              int asym, int recip, Params *out) {
+    const int64_t g = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= groups) return;
+    float vlo, vhi;
+    if (lo) {
+        vlo = lo[g];
+        vhi = hi[g];
+    } else {
+        keys_range(keys[g], keys[groups + g], asym, vlo, vhi);
+    }
+    out[g] = make_params<T>(vlo, vhi, (float)(1 << bits), asym, recip);
 }
 
 template <typename T>
@@ -230,44 +219,13 @@ __global__ void group_kernel(const T *__restrict__ x, T *__restrict__ out, int64
         for (int j = 0; j < kPerThread; j++) {
             const int64_t k = threadIdx.x + (int64_t)j * kThreads;
             v[j] = k < n ? Io<T>::ld(x, base + k) : 0.0f;
-            if (k < n) {
-                if (asym) {
-                    const unsigned int key = order_key(v[j]);
-                    kmin = key < kmin ? key : kmin;
-                    kmax = key > kmax ? key : kmax;
-                } else {
-                    const unsigned int b = __float_as_uint(v[j]) & 0x7fffffffu;
-                    kmax = b > kmax ? b : kmax;
-                }
-            }
+            if (k < n) take_key(v[j], asym, kmin, kmax);
         }
-        for (int off = 16; off > 0; off >>= 1) {
-            const unsigned int a = __shfl_xor_sync(0xffffffffu, kmin, off), b = __shfl_xor_sync(0xffffffffu, kmax, off);
-            kmin = a < kmin ? a : kmin;
-            kmax = b > kmax ? b : kmax;
-        }
-        if ((threadIdx.x & 31) == 0) {
-            smin[threadIdx.x >> 5] = kmin;
-            smax[threadIdx.x >> 5] = kmax;
-        }
-        __syncthreads();
+        block_keys(kmin, kmax, smin, smax);
         if (threadIdx.x == 0) {
-            for (int w = 1; w < kThreads / 32; w++) {
-                kmin = smin[w] < kmin ? smin[w] : kmin;
-                kmax = smax[w] > kmax ? smax[w] : kmax;
-            }
-            const float vhi = asym ? from_key(kmax) : __uint_as_float(kmax);
-            const float vlo = asym ? from_key(kmin) : vhi;
-            Params p;
-            p.s = asym ? Io<T>::st(__fdiv_rn(Io<T>::st(__fsub_rn(vhi, vlo)), q))
-                       : Io<T>::st(__fdiv_rn(Io<T>::st(__fmul_rn(2.0f, vhi)), q));
-            p.inv = __fdiv_rn(1.0f, p.s);
-            p.zp = 0.0f;
-            if (asym) {
-                const float d = Io<T>::st(recip ? __fmul_rn(vlo, p.inv) : __fdiv_rn(vlo, p.s));
-                p.zp = Io<T>::st(__fmul_rn(rintf(d), p.s));
-            }
-            shared_p = p;
+            float vlo, vhi;
+            keys_range(kmin, kmax, asym, vlo, vhi);
+            shared_p = make_params<T>(vlo, vhi, q, asym, recip);
         }
         __syncthreads();
         const Params p = shared_p;
@@ -276,7 +234,8 @@ __global__ void group_kernel(const T *__restrict__ x, T *__restrict__ out, int64
             const int64_t k = threadIdx.x + (int64_t)j * kThreads;
             if (k < n) Io<T>::put(out, base + k, quant_one<T>(v[j], p, qlo, qhi, asym, recip, seed, base + k));
         }
-        __syncthreads(); /* shared_p and the reduction slots are reused by the next group */
+        /* the next group's thread 0 writes shared_p only after block_keys' barriers, which every thread reaches
+         * after it read p here */
     }
 }
 
@@ -336,8 +295,8 @@ int fake_quant_t(const T *x, T *out, int64_t groups, int64_t n, int bits, int as
         bx = bx < 1 ? 1 : (bx > need ? need : bx);
         dim3 grid((unsigned int)bx, (unsigned int)(groups < 65535 ? groups : 65535));
         if (vec)
-            ranges_kernel_f32x4<<<grid, kThreads, 0, stream>>>(reinterpret_cast<const float4 *>(x), per_group, groups,
-                                                               asym, keys);
+            ranges_kernel<float4><<<grid, kThreads, 0, stream>>>(reinterpret_cast<const float4 *>(x), per_group,
+                                                                 groups, asym, keys);
         else
             ranges_kernel<T><<<grid, kThreads, 0, stream>>>(x, n, groups, asym, keys);
     }
