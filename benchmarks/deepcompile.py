@@ -3,6 +3,8 @@ every rank, trained by
 
   dsc-eager   deepspeed_c ZeRO-3, eager (the anchor: every ratio is against it)
   dsc-dc      deepspeed_c ZeRO-3 with compile.deepcompile + engine.compile(backend="inductor")
+  dsc-dc-nb   the same, each graph scheduled on its own (no unit kept or prefetched across the
+              forward/backward boundary: zero3_compile.ACROSS_BOUNDARY off while it compiles and runs)
   ds-eager    DeepSpeed 0.19.x ZeRO-3, eager            (when the real DeepSpeed is importable as `deepspeed`)
   ds-dc       DeepSpeed 0.19.x DeepCompile ZeRO-3        (same)
   fsdp2       torch FSDP2: fully_shard per block + root, bf16 compute, fp32 reduce, fp32 sharded masters,
@@ -48,7 +50,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples", "train_gpt"))
 
-ALL = ("dsc-eager", "dsc-dc", "ds-eager", "ds-dc", "fsdp2", "fsdp2-tc")
+ALL = ("dsc-eager", "dsc-dc", "ds-eager", "ds-dc", "fsdp2", "fsdp2-tc")  # and dsc-dc-nb (A/B, not in the default)
 DS_WARMUP = 5  # DeepSpeed 0.19's deepspeed/compile/init_z3.py WARMUP: the step its full pass schedule starts
 
 
@@ -91,27 +93,31 @@ def _real_deepspeed() -> Optional[Any]:
 def build(name: str, make_model: Callable[[], torch.nn.Module], args: Any, dev: torch.device) -> Optional[Engine]:
     import torch.nn.functional as F
 
-    if name in ("dsc-eager", "dsc-dc", "ds-eager", "ds-dc"):
+    if name in ("dsc-eager", "dsc-dc", "dsc-dc-nb", "ds-eager", "ds-dc"):
         lib = _real_deepspeed() if name.startswith("ds-") else __import__("deepspeed_c")
         if lib is None:
             return None
         torch_linear = F.linear
         model = make_model()
-        engine, *_ = lib.initialize(model=model, config=ds_config(args.micro, name.endswith("-dc")),
+        dc = name.endswith("-dc") or name == "dsc-dc-nb"
+        engine, *_ = lib.initialize(model=model, config=ds_config(args.micro, dc),
                                     model_parameters=model.parameters())
         # DeepSpeed's eager ZeRO-3 swaps F.linear process-wide for its own; keep it to DeepSpeed's steps
         own_linear = F.linear
         F.linear = torch_linear
-        if name.endswith("-dc"):
+        if dc:
             engine.compile(backend="inductor")
+        from deepspeed_c.compile.passes import zero3_compile
 
         @contextlib.contextmanager
         def around() -> Any:
             F.linear = own_linear
+            zero3_compile.ACROSS_BOUNDARY = name != "dsc-dc-nb"
             try:
                 yield
             finally:
                 F.linear = torch_linear
+                zero3_compile.ACROSS_BOUNDARY = True
 
         def step(x: torch.Tensor, y: torch.Tensor) -> float:
             loss = engine(x, y)

@@ -8,6 +8,8 @@ after the compiled backward, and divides by the ranks (DeepSpeed's gradient aver
 Z3GraphContext (the process group and the store's shards live there: an operator schema carries no Python
 objects). `prefetch`, set by the schedule pass per compiled graph, is the unit this call starts gathering
 asynchronously for a later z3_gather of the same graph (-1: none); its result is taken when that call comes.
+The last gather of a forward graph passes BACKWARD_FIRST: the unit the backward gathers first (as the last
+backward did), when a backward will follow.
 
 Releasing a unit is the end of its tensor's life: the gathered buffer is an intermediate of the graph that
 inductor frees after its last reader, and the backward re-gathers it (the partition pass marks the gather
@@ -21,6 +23,7 @@ from typing import Any, Optional
 import torch
 
 _CONTEXTS: dict[int, "Z3GraphContext"] = {}
+BACKWARD_FIRST = -2  # z3_gather's `prefetch` for the last gather of a forward graph: the backward's first unit
 
 
 @dataclass
@@ -35,8 +38,39 @@ class Z3GraphContext:
     gathers: int = 0
     reduces: int = 0
     prefetched: int = 0
+    # counted when the ops run (a graph loaded from inductor's caches runs them without the passes):
+    # z3_gather calls, and the gathers / prefetches of them issued while autograd runs a backward node
+    # (the compiled backward's)
+    gather_calls: int = 0
+    backward_gathers: int = 0
+    backward_prefetches: int = 0
+    # across the forward/backward boundary: the unit the last backward gathered first (learned at run time:
+    # the forward graph is compiled before the backward one), prefetched by the forward's last gather when
+    # a backward will follow, so that all-gather overlaps the forward's tail and the loss instead of
+    # stalling the backward's start
+    first_backward_unit: int = -1
+    expect_backward: bool = False
+    _await_first_backward: bool = False
+
+    def begin_forward(self, expect_backward: bool) -> None:
+        """A forward call starts: a prefetch left from an earlier forward whose backward did not take it is
+        dropped (the optimizer may have changed the shards since)."""
+        self.drain()
+        self.expect_backward = expect_backward
+        self._await_first_backward = expect_backward
+
+    def end_forward(self) -> None:
+        """Waits for the prefetches nobody took, except the one kept for the backward's first gather."""
+        keep = self.first_backward_unit if self.expect_backward else -1
+        for unit in [u for u in self.pending if u != keep]:
+            self.pending.pop(unit)[1].wait()
 
     def gather(self, chunk: torch.Tensor, unit: int) -> torch.Tensor:
+        self.gather_calls += 1
+        if torch._C._current_autograd_node() is not None:
+            self.backward_gathers += 1
+            if self._await_first_backward:
+                self.first_backward_unit, self._await_first_backward = unit, False
         hit = self.pending.pop(unit, None)
         if hit is not None:
             buf, work = hit
@@ -45,11 +79,17 @@ class Z3GraphContext:
         return self._start(chunk, unit, async_op=False)[0]
 
     def prefetch(self, unit: int) -> None:
+        if unit == BACKWARD_FIRST:
+            if not self.expect_backward or self.first_backward_unit < 0:
+                return
+            unit = self.first_backward_unit
         if unit in self.pending:
             return
         g, start, end = self.unit_of[unit]
         self.pending[unit] = self._start(self.shards[g][start:end], unit, async_op=True)
         self.prefetched += 1
+        if torch._C._current_autograd_node() is not None:
+            self.backward_prefetches += 1
 
     def _start(self, chunk: torch.Tensor, unit: int, async_op: bool) -> tuple[torch.Tensor, Any]:
         self.gathers += 1
@@ -121,7 +161,7 @@ def context(handle: int) -> Z3GraphContext:
 def z3_gather(chunk: torch.Tensor, handle: int, unit: int, prefetch: int) -> torch.Tensor:
     ctx = context(handle)
     out = ctx.gather(chunk, unit)
-    if prefetch >= 0:
+    if prefetch >= 0 or prefetch == BACKWARD_FIRST:
         ctx.prefetch(prefetch)
     return out
 

@@ -105,10 +105,12 @@ class Z3GraphRunner:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         before = len(dc_backend.graphs_compiled)
+        leaves = self._leaves()
+        self.context.begin_forward(expect_backward=any(leaf.requires_grad for leaf in leaves))
         try:
-            return self._compiled(self._leaves(), args, kwargs)
+            return self._compiled(leaves, args, kwargs)
         finally:
-            self.context.drain()
+            self.context.end_forward()
             if self.calls == 0:
                 self._report_first_call(len(dc_backend.graphs_compiled) - before)
             self.calls += 1

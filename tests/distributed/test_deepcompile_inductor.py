@@ -14,8 +14,10 @@ from tests.distributed.test_deepcompile import _check_graph_ops, _check_losses, 
 
 @pytest.fixture(scope="module")
 def kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """A fresh inductor cache directory for this module's runs (both ranks, both stages): kernels are
-    compiled cold once, then loaded by whichever rank or stage needs the same kernel again."""
+    """A fresh inductor cache directory for this module's runs (both ranks, both stages): kernels and graphs
+    are compiled cold once, then loaded by whichever rank or stage needs them again. The graph-op checks
+    count the ops as they run, so they hold for a graph served from a warm cache too (the passes do not
+    run then: the cached graph carries their placement and prefetch arguments)."""
     root: pathlib.Path = tmp_path_factory.mktemp("inductor")
     return {"TORCHINDUCTOR_CACHE_DIR": str(root)}
 

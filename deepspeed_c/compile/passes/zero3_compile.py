@@ -7,10 +7,12 @@
   its views are recomputed in the backward instead of saved between forward and backward; the partitioner
   then places each re-gather just before its first use in the backward (it reorders a graph with
   recomputed nodes the way the autograd engine would run it), and the forward frees the unit after its
-  last reader. That is the release after last use, in both directions.
+  last reader. That is the release after last use, in both directions. The forward's last unit is the
+  exception: the backward needs it first, so it is saved (kept) rather than released and re-gathered.
 - `schedule_prefetch` (each of the forward and backward graphs after partitioning): every gather starts
   the next gather of the same graph asynchronously (`prefetch` argument), so unit k+1 travels while unit
-  k computes; the last one of a graph prefetches nothing, so no collective crosses a graph boundary."""
+  k computes; the last one of a backward graph prefetches nothing, the last one of a forward graph the
+  unit the backward gathers first (learned from the previous backward; custom_ops.BACKWARD_FIRST)."""
 from __future__ import annotations
 
 import operator
@@ -18,6 +20,9 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 _VIEW_METHODS = {"narrow", "view", "reshape", "as_strided", "t", "contiguous"}
+# keep the forward's last unit for the backward and prefetch the backward's first unit from the forward;
+# read when a graph compiles (False: the one-graph-at-a-time schedule, for A/B runs in benchmarks/deepcompile.py)
+ACROSS_BOUNDARY = True
 
 
 def _is_gather(node: Node) -> bool:
@@ -95,11 +100,19 @@ def sink_gathers(gm: GraphModule) -> int:
 
 
 def mark_gathers_recomputed(graph: Graph) -> int:
-    """Tags gathers and the views of their outputs MUST_RECOMPUTE for the min-cut partitioner."""
+    """Tags gathers and the views of their outputs MUST_RECOMPUTE for the min-cut partitioner, except the
+    forward's last gather, which is saved: the backward starts with that unit (its gradient comes first),
+    so re-gathering it would only stall the backward's start on a collective, for no memory back."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     marked = 0
-    frontier = gather_nodes(graph)
+    gathers = gather_nodes(graph)
+    if not gathers:
+        return 0
+    frontier = list(gathers)
+    if ACROSS_BOUNDARY:
+        gathers[-1].meta["recompute"] = CheckpointPolicy.MUST_SAVE
+        frontier = gathers[:-1] + [u for u in gathers[-1].users if _is_view_node(u)]
     seen: set[Node] = set()
     while frontier:
         node = frontier.pop()
@@ -108,21 +121,33 @@ def mark_gathers_recomputed(graph: Graph) -> int:
         seen.add(node)
         node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
         marked += 1
-        for user in node.users:
-            if user.op == "call_function" and isinstance(user.target, torch._ops.OpOverload) and user.target.is_view:
-                frontier.append(user)
+        frontier.extend(user for user in node.users if _is_view_node(user))
     return marked
+
+
+def _is_view_node(node: Node) -> bool:
+    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
+
+
+def _is_backward(graph: Graph) -> bool:
+    """AOT autograd names a backward graph's incoming gradients tangents_*."""
+    return any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)
 
 
 scheduled: list[int] = []  # gathers per graph the schedule saw (forward and backward graphs), for tests
 
 
 def schedule_prefetch(graph: Graph) -> int:
-    """Each gather prefetches the unit of the next gather in this graph (the last one, none)."""
+    """Each gather prefetches the unit of the next gather in this graph; the last one of a backward graph
+    none, the last one of a forward graph the unit the backward will gather first (BACKWARD_FIRST, known at
+    run time: the backward graph is compiled after this one)."""
+    from deepspeed_c.compile.custom_ops import BACKWARD_FIRST
+
     gathers = gather_nodes(graph)
     scheduled.append(len(gathers))
+    last = -1 if _is_backward(graph) or not ACROSS_BOUNDARY else BACKWARD_FIRST
     for here, nxt in zip(gathers, gathers[1:] + [None]):
-        unit = -1 if nxt is None else int(nxt.args[2])
+        unit = last if nxt is None else int(nxt.args[2])
         if unit == int(here.args[2]):
             unit = -1
         here.args = (*here.args[:3], unit)
