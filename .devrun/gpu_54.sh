@@ -17,7 +17,7 @@ echo "== 3d pp2 tp2 dp1 zero1 micro 2 gas 8 ${ADAM:-fused adam} $(date +%T)"
 timeout 115 python3 benchmarks/megatron_3d.py --layout 3d --pp 2 --tp 2 --dp 1 --stage 1 $SIZE --micro 2 --gas 8 \
     --check 3 --blocks 4 --steps 4 $ADAM 2>&1 | grep -vE "INFO|WARNING|UserWarning|^\s*$|^stage=|^ +[0-9]+: |^  loss: " | tail -30
 L=$(left)
-echo "== tp-dp tp2 dp2 zero1 micro 4 ${ADAM:-fused adam} $(date +%T) (${L} s left)"
-[ "$L" -gt 40 ] && timeout "$L" python3 benchmarks/megatron_3d.py --layout tp-dp --tp 2 --dp 2 --stage 1 $SIZE --micro 4 \
+echo "== tp-dp tp2 dp2 zero1 micro 4 layers 4 (each rank builds the whole model on the host first) ${ADAM:-fused adam} $(date +%T) (${L} s left)"
+[ "$L" -gt 40 ] && timeout "$L" python3 benchmarks/megatron_3d.py --layout tp-dp --tp 2 --dp 2 --stage 1 $SIZE --micro 4 --layers 4 \
     --check 3 --blocks 4 --steps 4 $ADAM 2>&1 | grep -vE "INFO|WARNING|UserWarning|^\s*$" | tail -28
 echo "== done $(( $(date +%s) - T0 )) s"
