@@ -8,7 +8,8 @@ parameter takes the auxiliary Adam step (bias-corrected, eps outside the root, d
 frozen layer keeps its weights. The engine runs fp32 with small reduce buckets, so ZeRO 1/2/3 cut the
 matrices across the two ranks and the step must exchange them whole. After 20 steps every parameter matches
 the reference norm-wise to 2e-5 relative (fp32 rounding through 20 Newton-Schulz runs is ~1e-6). Under
-DSC_TEST_BACKEND=nccl Newton-Schulz runs in 16 bits on the GPUs, and the bound is 5e-2."""
+DSC_TEST_BACKEND=nccl Newton-Schulz runs in 16 bits on the GPUs, and the bound is 5e-2. The module's engine runs
+share one launch per world size (RUNS): each run is a fresh model and engine on the same ranks."""
 from __future__ import annotations
 
 import functools
@@ -153,16 +154,50 @@ def _reference(gas: int = 1, world: int = WORLD) -> dict[str, torch.Tensor]:
     return reference(gas, world)
 
 
+# Every engine run of the module, by world size: (stage, ns_method, gas, precision) for the config path, or
+# ("client", stage) for the user's own optimizer. One launch per world size runs them one after another.
+RUNS: dict[int, tuple[tuple, ...]] = {
+    WORLD: tuple((stage, "gram", 1, ()) for stage in (0, 1, 2, 3)) + ((2, "standard", 1, ()),)
+    + tuple((stage, "gram", 2, ()) for stage in (1, 2, 3))
+    + ((0, "gram", 1, ("fp16", 128)), (2, "gram", 1, ("fp16", 128)), (2, "gram", 1, ("fp16", 1024)),
+       (3, "gram", 1, ("fp16", 128)), (2, "gram", 1, ("bf16",)), (3, "gram", 1, ("bf16",)))
+    + (("client", 2), ("client", 3)),
+    3: tuple((stage, "gram", 1, ()) for stage in (1, 2, 3)),
+}
+
+
+def runs_body(rank: int, world: int, runs: tuple[tuple, ...]) -> list[Any]:
+    """The runs one after another on the same ranks, each a fresh model and engine (destroyed before the next);
+    a run that raises gives its traceback, so only the tests reading that run fail."""
+    import traceback
+
+    out: list[Any] = []
+    for run in runs:
+        try:
+            out.append(client_body(rank, world, run[1]) if run[0] == "client" else body(rank, world, *run))
+        except Exception:
+            out.append(f"rank {rank}, run {run}:\n{traceback.format_exc()}")
+    return out
+
+
 @functools.lru_cache(maxsize=None)
-def _run(stage: int, ns_method: str, gas: int = 1, precision: tuple = (), world: int = WORLD) -> list[dict[str, Any]]:
-    return run_distributed(body, world, args=(stage, ns_method, gas, precision), timeout=240)
+def _launch(world: int) -> dict[tuple, list[Any]]:
+    per_rank = run_distributed(runs_body, world, args=(RUNS[world],), timeout=600)
+    return {run: [ranks[i] for ranks in per_rank] for i, run in enumerate(RUNS[world])}
+
+
+def _run(*run: Any, world: int = WORLD) -> list[Any]:
+    got = _launch(world)[run]
+    for res in got:
+        assert not isinstance(res, str), res
+    return got
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_muon_matches_reference(stage: int) -> None:
     ref = _reference()
     start = {n: p.detach().double() for n, p in _model(torch.float64).named_parameters()}
-    for rank, res in enumerate(_run(stage, "gram")):
+    for rank, res in enumerate(_run(stage, "gram", 1, ())):
         assert stage == 0 or res["cut"] >= 2, res["cut"]
         assert res["flags"]["up.weight"] and res["flags"]["mix"] and res["flags"]["down.weight"]
         assert not res["flags"]["embed.weight"] and not res["flags"]["lm_head.weight"]
@@ -179,7 +214,7 @@ def test_muon_matches_reference(stage: int) -> None:
 
 def test_muon_standard_method_at_stage_2() -> None:
     ref = _reference()
-    for res in _run(2, "standard"):
+    for res in _run(2, "standard", 1, ()):
         for name, want in ref.items():
             got = torch.from_numpy(res["params"][name]).double()
             assert ((got - want).norm() / want.norm()).item() < TOL, name
@@ -190,7 +225,7 @@ def test_muon_with_gradient_accumulation(stage: int) -> None:
     """gradient_accumulation_steps 2: Muon steps once per boundary on the accumulated mean gradient (DeepSpeed's
     stage 3 orthogonalises at every micro-step's reduction instead; here every stage steps once)."""
     ref = _reference(2)
-    for res in _run(stage, "gram", 2):
+    for res in _run(stage, "gram", 2, ()):
         for name, want in ref.items():
             got = torch.from_numpy(res["params"][name]).double()
             assert ((got - want).norm() / want.norm()).item() < TOL, name
@@ -245,7 +280,7 @@ def client_body(rank: int, world: int, stage: int) -> dict[str, Any]:
 @pytest.mark.parametrize("stage", [2, 3])
 def test_client_muon_optimizer(stage: int) -> None:
     ref = _reference()
-    for res in run_distributed(client_body, WORLD, args=(stage,), timeout=240):
+    for res in _run("client", stage):
         for name, want in ref.items():
             got = torch.from_numpy(res[name]).double()
             assert ((got - want).norm() / want.norm()).item() < TOL, name
@@ -255,7 +290,7 @@ def test_client_muon_optimizer(stage: int) -> None:
 def test_muon_on_three_ranks(stage: int) -> None:
     """Three ranks: matrices cut in three, owners spread unevenly, every source/destination pair exchanging."""
     ref = _reference(1, 3)
-    for res in _run(stage, "gram", 1, (), 3):
+    for res in _run(stage, "gram", 1, (), world=3):
         assert res["cut"] >= 1
         for name, want in ref.items():
             got = torch.from_numpy(res["params"][name]).double()
