@@ -19,7 +19,7 @@ run() {  # model micro systems limit
   timeout $T python3 benchmarks/train_throughput.py --nprocs 4 --model $1 --micro $2 --systems "$3" \
     --rounds 1 --check 2 --blocks 2 --steps 4 --out $OUT/z3mem_$1.jsonl 2>&1 \
     | grep -E "^(round|system|dsc|fsdp|NVIDIA|Traceback|[A-Za-z.]*Error)" | cut -c1-200
-  [ -s $OUT/z3mem_$1.jsonl ] && python3 benchmarks/train_throughput.py --report $OUT/z3mem_$1.jsonl 2>&1 | sed -n 2,6p
+  [ -s $OUT/z3mem_$1.jsonl ] && python3 benchmarks/train_throughput.py --report $OUT/z3mem_$1.jsonl 2>&1 | sed -n 2,8p
 }
 run 2.7B 4 "dsc3,$NOPF,$OLD,fsdp2" 150
 run 6.7B 2 "dsc3,fsdp2" 90
