@@ -26,7 +26,7 @@ stage() {  # stage NAME DEADLINE_S MIN_S CMD...: runs CMD if at least MIN_S seco
 }
 pin=""; command -v taskset >/dev/null && pin="taskset -c 0,1"
 stage "cold build of evoformer_attn pinned to 2 cores ($pin)" 118 15 \
-    $pin python3 benchmarks/build_time.py --ops evoformer_attn --skip-torch
+    env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" $pin python3 benchmarks/build_time.py --ops evoformer_attn --skip-torch
 stage "transformer layer: per-kernel time of a step (ours, HF SDPA, HF eager)" 148 25 \
     python3 benchmarks/transformer_kernel.py --profile-only
 echo "== done after $(( $(date +%s) - t0 )) s"
