@@ -110,11 +110,15 @@ def categorise(found: dict[int, tuple[str, int, torch.dtype]], store: Any) -> di
     # a gathered unit is reached first through the module's parameters (views of it): named by the store
     units = {store.full[u].untyped_storage().data_ptr(): store.persistent[u] for u in range(len(store.full))
              if store.full[u] is not None}
+    early = {store.full[u].untyped_storage().data_ptr() for u in getattr(store, "early", ())
+             if store.full[u] is not None}
     out: dict[str, int] = collections.Counter()
     for ptr, (path, nbytes, dtype) in found.items():
         cat = next((c for key, c in CATEGORIES if key in path), None)
         if ptr in units or cat == "gathered units":
             cat = "gathered units (persistent)" if units.get(ptr) else "gathered units (live)"
+            if ptr in early:
+                cat = "gathered ahead by the step (next forward's first)"
         if cat is None:
             cat = f"other: {path} ({str(dtype).replace('torch.', '')})"
         out[cat] += nbytes
@@ -238,6 +242,8 @@ def print_table(n: int, world: int, snaps: dict[str, dict[str, int]], peak_live:
         print(f"  {'total':<56} {ftotal / n:8.3f} {ftotal * world / n:7.2f}   ours/FSDP2 {total / ftotal:.3f}")
     print(f"\npeak gathered (non-persistent) units during the steps: {peak_live / n:.3f} B/param "
           f"({peak_live:,} bytes)")
+    print("not on the CPU: the fused CUDA step (Adam/AdamW, fp32 masters on the device) writes its 16-bit output "
+          "straight into the shards; it kept a partition-sized 16-bit scratch before (2/W B/param, held between steps)")
 
 
 def main() -> None:
