@@ -155,12 +155,33 @@ def _close(a: dict, b: dict) -> None:
         assert torch.allclose(a[k], b[k], atol=1e-5, rtol=1e-4), k
 
 
+# -- runs several tests start from (each a launch of its own; no test writes into their checkpoints) ----------
+@pytest.fixture(scope="module")
+def saved_w2(tmp_path_factory) -> tuple[str, list]:
+    """Stage 3 on 2 ranks, 3 steps from the start, saved: the checkpoint's path and the run's results."""
+    ckpt = str(tmp_path_factory.mktemp("z3_w2") / "ckpt")
+    return ckpt, run_distributed(body, 2, args=(3, None, ckpt, 0, 3), timeout=300)
+
+
+@pytest.fixture(scope="module")
+def resumed_w2(saved_w2) -> list:
+    """Stage 3 on 2 ranks loading saved_w2 and training on to STEPS."""
+    return run_distributed(body, 2, args=(3, saved_w2[0], None, 3, STEPS), timeout=300)
+
+
+@pytest.fixture(scope="module")
+def stage2_copy(saved_w2, tmp_path_factory) -> tuple[str, list]:
+    """saved_w2 loaded at stage 2 on 2 ranks and saved again (no training): the same state in a stage-2
+    checkpoint. Its path and the run's results."""
+    out = str(tmp_path_factory.mktemp("z2_w2") / "ckpt")
+    return out, run_distributed(body, 2, args=(2, saved_w2[0], out, 3, 3), timeout=300)
+
+
 # -- tests ---------------------------------------------------------------------------------------------------
-def test_exact_resume_and_layout(tmp_path):
-    ckpt = str(tmp_path / "ckpt")
+def test_exact_resume_and_layout(saved_w2, resumed_w2):
+    ckpt, first = saved_w2
     whole = run_distributed(body, 2, args=(3, None, None, 0, STEPS), timeout=300)
-    first = run_distributed(body, 2, args=(3, None, ckpt, 0, 3), timeout=300)
-    resumed = run_distributed(body, 2, args=(3, ckpt, None, 3, STEPS), timeout=300)
+    resumed = resumed_w2
     assert resumed[0]["steps"] == 3
     assert first[0]["losses"] + resumed[0]["losses"] == whole[0]["losses"]
     for r in range(2):
@@ -200,9 +221,13 @@ def test_exact_resume_and_layout(tmp_path):
 
 
 @pytest.mark.parametrize("n,m", [(2, 4), (4, 2)])
-def test_reshard(tmp_path, n, m):
-    a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    saved = run_distributed(body, n, args=(3, None, a, 0, 3), timeout=300)
+def test_reshard(tmp_path, request, n, m):
+    b = str(tmp_path / "b")
+    if n == 2:
+        a, saved = request.getfixturevalue("saved_w2")
+    else:
+        a = str(tmp_path / "a")
+        saved = run_distributed(body, n, args=(3, None, a, 0, 3), timeout=300)
     got = run_distributed(body, m, args=(3, a, b, 3, 3), timeout=300)  # load, save again, no training
     for r in range(m):
         assert got[r]["steps"] == 3
@@ -215,15 +240,13 @@ def test_reshard(tmp_path, n, m):
     if n > m:
         return
     # and training goes on from the resharded state as from the original (same global batches)
-    on_n = run_distributed(body, n, args=(3, a, None, 3, STEPS), timeout=300)
+    on_n = request.getfixturevalue("resumed_w2")  # n == 2 here
     on_m = run_distributed(body, m, args=(3, b, None, 3, STEPS), timeout=300)
     _close(on_n[0]["live"], on_m[0]["live"])
 
 
-def test_stage3_to_stage2_and_back(tmp_path):
-    a, b, c = (str(tmp_path / x) for x in "abc")
-    saved = run_distributed(body, 2, args=(3, None, a, 0, 3), timeout=300)
-    on2 = run_distributed(body, 2, args=(2, a, b, 3, 3), timeout=300)
+def test_stage3_to_stage2_and_back(tmp_path, saved_w2, resumed_w2, stage2_copy):
+    (a, saved), (b, on2), c = saved_w2, stage2_copy, str(tmp_path / "c")
     for r in range(2):
         assert on2[r]["steps"] == 3
         _same(on2[r]["loaded"], saved[0]["live"], "stage 2 loaded")
@@ -239,15 +262,13 @@ def test_stage3_to_stage2_and_back(tmp_path):
         for key in ma:
             _same(ma[key], mo[key], (other, key))
     # training on from each gives the same weights
-    w3 = run_distributed(body, 2, args=(3, a, None, 3, STEPS), timeout=300)[0]["live"]
+    w3 = resumed_w2[0]["live"]
     w2 = run_distributed(body, 2, args=(2, a, None, 3, STEPS), timeout=300)[0]["live"]
     _close(w3, w2)
 
 
-def test_module_only_and_no_optimizer_states(tmp_path):
-    a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    saved = run_distributed(body, 2, args=(3, None, a, 0, 3), timeout=300)
-    run_distributed(body, 2, args=(2, a, b, 3, 3), timeout=300)  # b: the same weights in a stage-2 checkpoint
+def test_module_only_and_no_optimizer_states(saved_w2, stage2_copy):
+    (a, saved), b = saved_w2, stage2_copy[0]  # b: the same weights in a stage-2 checkpoint
     only = {"load_module_only": True}
     for src, kwargs, stage, world in ((a, only, 3, 4), (a, only, 2, 2), (b, only, 3, 2),
                                       (a, {"load_optimizer_states": False}, 3, 2)):
