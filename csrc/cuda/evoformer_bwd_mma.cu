@@ -113,15 +113,17 @@ __global__ void __launch_bounds__(32 * kMmaWarps, DP == 32 ? 4 : 2)
         float s[kMmaTile / 8][4], dp[kMmaTile / 8][4];
         rows_x_tile_t<T, DP>(s, qf, t.c[st]);
         rows_x_tile_t<T, DP>(dp, dof, t.d[st]);
+        uint32_t pbr[4] = {0u, 0u, 0u, 0u};  // the bias of n-tiles n and n + 1 (n even)
 #pragma unroll
         for (int n = 0; n < kMmaTile / 8; n++) {
             const int col = n * 8 + 2 * tq;
             const float2 mk = *reinterpret_cast<const float2 *>(&t.colf[st][0][col]);
+            if (b2 && (n & 1) == 0) bias_x4<false>(pbr, t.pair[st], wr, n >> 1);
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 float x0 = fmaf(s[n][2 * h], sl2, mk.x), x1 = fmaf(s[n][2 * h + 1], sl2, mk.y);
                 if (b2) {
-                    const float2 pb = pair2(t.pair[st], wr + gr + h * 8, col);
+                    const float2 pb = unpack2(pbr[2 * (n & 1) + h], t.pair[st]);
                     x0 = fmaf(pb.x, kLog2e, x0);
                     x1 = fmaf(pb.y, kLog2e, x1);
                 }
@@ -225,13 +227,18 @@ __global__ void __launch_bounds__(32 * kMmaWarps)
         float sT[kMmaTile / 8][4], dpT[kMmaTile / 8][4];
         rows_x_tile_t<T, DP>(sT, kf, t.c[st]);
         rows_x_tile_t<T, DP>(dpT, vf, t.d[st]);
+        uint32_t pbr[4] = {0u, 0u, 0u, 0u};  // the (transposed) bias of n-tiles n and n + 1 (n even)
 #pragma unroll
         for (int n = 0; n < kMmaTile / 8; n++) {
+            if (b2 && (n & 1) == 0) bias_x4<true>(pbr, t.pair[st], wr, n >> 1);
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const int h = e >> 1, key = wr + gr + h * 8, col = n * 8 + 2 * tq + (e & 1);
+                const int h = e >> 1, col = n * 8 + 2 * tq + (e & 1);
                 float x = fmaf(sT[n][e], sl2, bj[h]);
-                if (b2) x = fmaf(load(&t.pair[st][col * kBiasStride + key]), kLog2e, x);
+                if (b2) {
+                    const float2 pb = unpack2(pbr[2 * (n & 1) + h], t.pair[st]);
+                    x = fmaf((e & 1) ? pb.y : pb.x, kLog2e, x);
+                }
                 const float p = exp2f(x - t.colf[st][0][col]);
                 const float ds = p * (dpT[n][e] - t.colf[st][1][col]);
                 db1[h] += ds;

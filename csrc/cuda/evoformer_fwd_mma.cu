@@ -81,15 +81,17 @@ __global__ void __launch_bounds__(32 * kMmaWarps, DP == 32 ? 4 : 2)
         float s[kMmaTile / 8][4];
         rows_x_tile_t<T, DP>(s, qf, t.k[st]);
         float mx[2] = {-INFINITY, -INFINITY};
+        uint32_t pbr[4] = {0u, 0u, 0u, 0u};  // the bias of n-tiles n and n + 1 (n even)
 #pragma unroll
         for (int n = 0; n < kMmaTile / 8; n++) {
             const int col = n * 8 + 2 * tq;
             const float2 mk = *reinterpret_cast<const float2 *>(&t.mask[st][col]);
+            if (b2 && (n & 1) == 0) bias_x4<false>(pbr, t.pair[st], wr, n >> 1);
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 float x0 = fmaf(s[n][2 * h], sl2, mk.x), x1 = fmaf(s[n][2 * h + 1], sl2, mk.y);
                 if (b2) {
-                    const float2 pb = pair2(t.pair[st], wr + gr + h * 8, col);
+                    const float2 pb = unpack2(pbr[2 * (n & 1) + h], t.pair[st]);
                     x0 = fmaf(pb.x, kLog2e, x0);
                     x1 = fmaf(pb.y, kLog2e, x1);
                 }

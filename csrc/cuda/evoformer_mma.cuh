@@ -250,12 +250,25 @@ __device__ __forceinline__ void load_bias_tile(T *tile, const T *__restrict__ pl
 
 constexpr int kBiasStride = kMmaTile + 8;
 
-// Two neighbouring elements (col even) of a padded bias tile as floats: one 32-bit shared load.
-__device__ __forceinline__ float2 pair2(const __nv_bfloat16 *tile, int row, int col) {
-    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(tile + row * kBiasStride + col));
+// A packed pair of fp16/bf16 values (low half: the lower column) as floats.
+__device__ __forceinline__ float2 unpack2(uint32_t v, const __nv_bfloat16 *) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&v));
 }
-__device__ __forceinline__ float2 pair2(const __half *tile, int row, int col) {
-    return __half22float2(*reinterpret_cast<const __half2 *>(tile + row * kBiasStride + col));
+__device__ __forceinline__ float2 unpack2(uint32_t v, const __half *) {
+    return __half22float2(*reinterpret_cast<const __half2 *>(&v));
+}
+
+// The pair-bias values under a warp's C fragments of n-tiles 2np and 2np + 1 (16 fragment rows from
+// r0), with one ldmatrix: x[2 * nn + h] holds n-tile 2np + nn, fragment row gr + 8h, columns 2t and
+// 2t + 1. Trans false: the [64][72] bias tile's rows are the fragment rows (S = Q K^T, tile [query][key]);
+// true: its columns are (S^T = K Q^T of the dK/dV kernel, tile still [query][key]).
+template <bool Trans, typename T>
+__device__ __forceinline__ void bias_x4(uint32_t (&x)[4], const T *tile, int r0, int np) {
+    const int lane = threadIdx.x & 31, m = lane >> 3, r = lane & 7;
+    if (Trans)
+        ldsm_x4_t(x, tile + (np * 16 + (m >> 1) * 8 + r) * kBiasStride + r0 + (m & 1) * 8);
+    else
+        ldsm_x4(x, tile + (r0 + (m & 1) * 8 + r) * kBiasStride + np * 16 + (m >> 1) * 8);
 }
 
 // Every pointer is 16-byte aligned and D % 8 == 0: rows of D elements start 16-byte aligned too.
