@@ -28,7 +28,7 @@ the offload path's) finishes each bucket there instead of at the end of backward
 `on_bucket_final(g, start, end, chunk)` then runs on that stream on the accumulation boundary: the
 device-to-host copy of the finished chunk overlaps the rest of backward. Without one, at most
 `in_flight_window` sent buckets stay unfinished: sending another finishes the oldest (a rank holds the
-buckets being filled and two in flight, not every bucket of the backward). Same interface as
+buckets being filled and one in flight, not every bucket of the backward). Same interface as
 runtime/reducer.GradientReducer (end_backward, remove), so the engine drives either one."""
 from __future__ import annotations
 
@@ -53,11 +53,11 @@ def chunk_range(plan: PartitionPlan, b: int, world_size: int) -> tuple[int, int]
 
 
 IN_FLIGHT_ENV = "DSC_ZERO_REDUCE_WINDOW"  # sent buckets kept unfinished (0: all, to the end of backward)
-IN_FLIGHT_DEFAULT = 2
+IN_FLIGHT_DEFAULT = 1
 
 
 def in_flight_window() -> int:
-    """How many sent buckets may be unfinished at once (DSC_ZERO_REDUCE_WINDOW, default 2; 0 keeps every
+    """How many sent buckets may be unfinished at once (DSC_ZERO_REDUCE_WINDOW, default 1; 0 keeps every
     one to the end of backward, the earlier behaviour, for A/B runs)."""
     raw = os.environ.get(IN_FLIGHT_ENV, "").strip()
     if not raw:
@@ -150,7 +150,7 @@ class ZeroGradPartitioner(BackwardRound):
         # sent buckets not yet finished, at most: the oldest is finished (its collective waited for on the
         # current stream, its chunk folded into the partition, its buffer freed) as a newer one goes out.
         # Holding every bucket to the end of backward kept a whole unsharded gradient alive at its end
-        # (2 bytes a parameter in bf16, on every rank); a bucket two launches old has long finished
+        # (2 bytes a parameter in bf16, on every rank); a bucket sent a unit's backward ago has finished
         self.in_flight_window = in_flight_window()
         self._boundary = True
         self.side_stream = side_stream
