@@ -30,7 +30,7 @@ def _graph_pass(fn: Callable[[torch.fx.Graph], Any], name: str) -> Any:
             _timed(name, fn, graph)
 
         def uuid(self) -> Any:  # the FX graph cache keys on this: bump with the pass's behaviour
-            return f"deepspeed_c.compile.{name}.v2.{int(zero3_compile.ACROSS_BOUNDARY)}"
+            return f"deepspeed_c.compile.{name}.v3.{int(zero3_compile.ACROSS_BOUNDARY)}"
 
     return _Pass()
 

@@ -157,8 +157,7 @@ def context(handle: int) -> Z3GraphContext:
                            "a compiled graph outlived the engine that built it") from None
 
 
-@torch.library.custom_op("dsc::z3_gather", mutates_args=())
-def z3_gather(chunk: torch.Tensor, handle: int, unit: int, prefetch: int) -> torch.Tensor:
+def _gather(chunk: torch.Tensor, handle: int, unit: int, prefetch: int) -> torch.Tensor:
     ctx = context(handle)
     out = ctx.gather(chunk, unit)
     if prefetch >= 0 or prefetch == BACKWARD_FIRST:
@@ -166,8 +165,27 @@ def z3_gather(chunk: torch.Tensor, handle: int, unit: int, prefetch: int) -> tor
     return out
 
 
+@torch.library.custom_op("dsc::z3_gather", mutates_args=())
+def z3_gather(chunk: torch.Tensor, handle: int, unit: int, prefetch: int) -> torch.Tensor:
+    return _gather(chunk, handle, unit, prefetch)
+
+
 @z3_gather.register_fake
 def _(chunk: torch.Tensor, handle: int, unit: int, prefetch: int) -> torch.Tensor:
+    return chunk.new_empty(chunk.numel() * context(handle).world_size)
+
+
+@torch.library.custom_op("dsc::z3_gather_after", mutates_args=())
+def z3_gather_after(chunk: torch.Tensor, after: torch.Tensor, handle: int, unit: int, prefetch: int) -> torch.Tensor:
+    """z3_gather that reads `after` (a reduce-scatter's result, unused): placed in a backward graph so that
+    the scheduler issues that reduce-scatter, and computes the gradient it sends, before this gather; inductor
+    otherwise fused the equal-sized gradient assemblies of several units into one kernel and sent their
+    reduce-scatters together at the backward's end, where nothing overlaps them."""
+    return _gather(chunk, handle, unit, prefetch)
+
+
+@z3_gather_after.register_fake
+def _(chunk: torch.Tensor, after: torch.Tensor, handle: int, unit: int, prefetch: int) -> torch.Tensor:
     return chunk.new_empty(chunk.numel() * context(handle).world_size)
 
 
@@ -192,6 +210,7 @@ def _gather_backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tenso
 z3_gather.register_autograd(_gather_backward, setup_context=_gather_setup)
 
 GATHER = torch.ops.dsc.z3_gather.default
+GATHER_AFTER = torch.ops.dsc.z3_gather_after.default
 REDUCE_SCATTER = torch.ops.dsc.z3_reduce_scatter.default
 
 

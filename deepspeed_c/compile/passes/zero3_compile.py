@@ -27,7 +27,12 @@ ACROSS_BOUNDARY = True
 
 def _is_gather(node: Node) -> bool:
     # dynamo's graph names the overload packet, AOT autograd's graphs the default overload
-    return node.op == "call_function" and node.target in (torch.ops.dsc.z3_gather, torch.ops.dsc.z3_gather.default)
+    return node.op == "call_function" and node.target in (torch.ops.dsc.z3_gather, torch.ops.dsc.z3_gather.default,
+                                                          torch.ops.dsc.z3_gather_after.default)
+
+
+def _unit(gather: Node) -> int:
+    return int(gather.args[-2])  # both gathers end (..., unit, prefetch)
 
 
 def gather_nodes(graph: Graph) -> list[Node]:
@@ -143,12 +148,41 @@ def schedule_prefetch(graph: Graph) -> int:
     run time: the backward graph is compiled after this one)."""
     from deepspeed_c.compile.custom_ops import BACKWARD_FIRST
 
+    backward = _is_backward(graph)
+    if backward:
+        order_reduce_scatters(graph)
     gathers = gather_nodes(graph)
     scheduled.append(len(gathers))
-    last = -1 if _is_backward(graph) or not ACROSS_BOUNDARY else BACKWARD_FIRST
+    last = -1 if backward or not ACROSS_BOUNDARY else BACKWARD_FIRST
     for here, nxt in zip(gathers, gathers[1:] + [None]):
-        unit = last if nxt is None else int(nxt.args[2])
-        if unit == int(here.args[2]):
+        unit = last if nxt is None else _unit(nxt)
+        if unit == _unit(here):
             unit = -1
-        here.args = (*here.args[:3], unit)
+        here.args = (*here.args[:-1], unit)
     return len(gathers)
+
+
+def order_reduce_scatters(graph: Graph) -> int:
+    """In a backward graph, each gather that follows reduce-scatters (in the partitioner's order: the
+    autograd engine's) becomes z3_gather_after reading the latest of them, so the scheduler cannot move that
+    reduce-scatter, or the gradient assembly it sends, past the gather: each unit's gradient leaves while
+    the next units' backward computes. Returns how many gathers it tied."""
+    rs_op = torch.ops.dsc.z3_reduce_scatter.default
+    plain = torch.ops.dsc.z3_gather.default
+    after_op = torch.ops.dsc.z3_gather_after.default
+    latest, tied = None, 0
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is rs_op:
+            latest = node
+        elif node.target is plain and latest is not None:
+            chunk, *rest = node.args
+            with graph.inserting_before(node):
+                new = graph.call_function(after_op, (chunk, latest, *rest))
+            # the fake value and the rest; not the eager inputs inductor recorded for the old op's schema
+            new.meta.update({k: v for k, v in node.meta.items() if k != "eager_input_vals"})
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+            latest, tied = None, tied + 1
+    return tied
