@@ -211,6 +211,10 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, ba
         results.put((rank, _PORT_TAKEN if is_port_in_use(e) else _FAILED, traceback.format_exc()))
 
 
+# deepspeed_c modules the rank server imports before forking ranks (see _context)
+PRELOADED_DSC = ("deepspeed_c.runtime.engine", "deepspeed_c.runtime.zero.stage_1_and_2", "deepspeed_c.runtime.zero.stage3")
+
+
 def _context() -> Any:
     """Rank processes fork from a server that has already imported torch (a fresh interpreter
     importing torch costs seconds, on every rank of every distributed test). The server is a clean
@@ -219,10 +223,14 @@ def _context() -> Any:
     test process's environment at first use. torch._dynamo (imported by a rank's first optimizer
     step, ~1.5 CPU-s) and transformers.modeling_utils (~3 CPU-s, the Hugging Face tests) are preloaded
     too: neither touches torch.cuda on import; a missing one is skipped by the server. Last,
-    tests.harness_freeze moves all of it out of the cyclic garbage collector's reach (gc.freeze)."""
+    tests.harness_freeze moves all of it out of the cyclic garbage collector's reach (gc.freeze).
+    deepspeed_c's engine and ZeRO modules are preloaded as well (~0.7 CPU-s a rank, hundreds of ranks a suite):
+    importing them touches no CUDA (the accelerator is chosen at first get_accelerator(), in the rank, under
+    the rank's environment; tests/unit/test_harness.py holds that), and what they read from the environment
+    at import (DSC_CORE_DIR) is the test process's, as it is for a rank."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "transformers.modeling_utils",
-                                "tests.harness", "tests.harness_freeze"])
+                                *PRELOADED_DSC, "tests.harness", "tests.harness_freeze"])
     return ctx
 
 

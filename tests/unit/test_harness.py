@@ -2,7 +2,7 @@
 DSC_TEST_BACKEND names, each rank on its rank_device()), a failing rank reported with its
 traceback, a hang that fails in bounded time leaving no process behind, an NCCL run with too
 few GPUs skipped with the reason, and ports: a run whose port another process holds is retried on a
-fresh one, any other init failure is not."""
+fresh one, any other init failure is not; the deepspeed_c modules the rank server preloads touch no CUDA."""
 import os
 import socket
 import time
@@ -147,3 +147,38 @@ def test_gloo_run_joins_a_store_the_caller_already_listens_on(monkeypatch):
     with pytest.raises(DistributedTestError, match="(?i)nonexistent_if0"):
         run_distributed(store_port_body, 2, backend="gloo", timeout=60, env={"GLOO_SOCKET_IFNAME": "nonexistent_if0"})
     assert len(stores) == 2
+
+
+PRELOAD_PROBE = """
+import sys
+import torch
+import torch._C as C
+
+called = []
+for name in dir(C):
+    if name.startswith("_cuda_") and callable(getattr(C, name)):
+        def spy(*a, _name=name, _fn=getattr(C, name), **k):
+            called.append(_name)
+            return _fn(*a, **k)
+        try:
+            setattr(C, name, spy)
+        except (AttributeError, TypeError):
+            pass
+for module in sys.argv[1:]:
+    __import__(module)
+import deepspeed_c.accelerator.real_accelerator as chosen
+print(called, torch.cuda.is_initialized(), chosen._accelerator)
+"""
+
+
+def test_preloaded_deepspeed_c_modules_touch_no_cuda():
+    """The rank server imports harness.PRELOADED_DSC before it forks ranks: importing them may neither call into
+    CUDA (a rank forked from a server that had initialised CUDA could not use its GPU) nor choose the
+    accelerator (each rank chooses under its own environment)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", PRELOAD_PROBE, *harness.PRELOADED_DSC], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[] False None", out.stdout
