@@ -12,7 +12,9 @@
 - `schedule_prefetch` (each of the forward and backward graphs after partitioning): every gather starts
   the next gather of the same graph asynchronously (`prefetch` argument), so unit k+1 travels while unit
   k computes; the last one of a backward graph prefetches nothing, the last one of a forward graph the
-  unit the backward gathers first (learned from the previous backward; custom_ops.BACKWARD_FIRST)."""
+  unit the backward gathers first (learned from the previous backward; custom_ops.BACKWARD_FIRST). In a
+  backward graph `order_reduce_scatters` first ties each gather to the reduce-scatter before it, so no
+  unit's gradient reduction drifts to the backward's end."""
 from __future__ import annotations
 
 import operator
