@@ -7,7 +7,8 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # A private op cache, so the suite also proves cold builds (and never trusts a stale one).
 export DSC_CACHE_DIR=${DSC_CACHE_DIR:-$(mktemp -d -t dsc-cache-XXXXXX)}
 # Two workers where there are two cores or more; each test file stays whole on one worker (--dist
-# loadfile), so a module's shared multi-rank run happens once. Distributed tests start up to four
+# loadfile), so a module's shared multi-rank run happens once; the longest files are handed out first
+# (tests/xdist_order.py), so none starts last while the other worker idles. Distributed tests start up to four
 # ranks each: more workers would only oversubscribe the cores.
 # (getconf, not nproc: nproc obeys the OMP_NUM_THREADS=1 set above)
 if [ "$(getconf _NPROCESSORS_ONLN)" -ge 2 ]; then

@@ -42,3 +42,11 @@ def pytest_collection_finish(session) -> None:
 
     gc.collect()
     gc.freeze()
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: plain pytest (no xdist installed) passes it over
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` hands out the longest test files first (tests/xdist_order.py)."""
+    from tests.xdist_order import make_scheduler
+
+    return make_scheduler(config, log)

@@ -1,0 +1,63 @@
+"""The order in which `pytest -n N --dist loadfile` hands test files to its workers (tests/conftest.py installs
+it): the longest files first, then the rest as xdist orders them (most tests first).
+
+Under loadfile a file runs whole on one worker, so the suite's wall time is at least its longest file, and a
+long file handed out last runs while the other worker idles. xdist's own order (most tests first) hands out
+last exactly the files of few long tests (the CUDA build, HF launches, autotuning). Longest first (the LPT
+rule) keeps both workers busy to the end. FILE_SECONDS: each file's time in a suite run on 2 loaded cores
+(session 4, the top durations summed per file); only the order matters, a file not listed counts as short."""
+from __future__ import annotations
+
+from typing import Iterable
+
+FILE_SECONDS = {
+    "tests/unit/test_cuda_build.py": 300,  # nvcc compiles every CUDA op (cold op cache)
+    "tests/distributed/test_deepcompile.py": 680,
+    "tests/distributed/test_deepcompile_inductor.py": 280,
+    "tests/distributed/test_checkpoint_zero3.py": 180,
+    "tests/distributed/test_zenflow.py": 140,
+    "tests/distributed/test_hf_zero3.py": 130,
+    "tests/unit/test_packaging.py": 130,
+    "tests/distributed/test_autotuning.py": 120,
+    "tests/distributed/test_checkpoint_zero_memory.py": 115,
+    "tests/distributed/test_client_accelerate.py": 105,
+    "tests/distributed/test_hf_trainer.py": 105,
+    "tests/distributed/test_checkpoint_async_writer.py": 100,
+    "tests/distributed/test_moe_parity.py": 95,
+    "tests/distributed/test_pipe_checkpoint_crash.py": 80,
+    "tests/unit/test_evoformer_attn.py": 75,
+    "tests/distributed/test_nvme_offload.py": 70,
+    "tests/distributed/test_client_lightning.py": 57,
+    "tests/distributed/test_zero3_parity.py": 55,
+    "tests/distributed/test_checkpoint_async_kill.py": 55,
+    "tests/distributed/test_client_peft_trl.py": 53,
+    "tests/distributed/test_zero3_dist.py": 50,
+    "tests/distributed/test_rlhf_example.py": 45,
+}
+
+
+def longest_first(nodeids: Iterable[str]) -> list[str]:
+    """nodeids reordered file by file: the listed files longest first, then the others by their number of
+    tests, most first (xdist's own rule); a file's tests keep their order."""
+    by_file: dict[str, list[str]] = {}
+    for nodeid in nodeids:
+        by_file.setdefault(nodeid.split("::", 1)[0], []).append(nodeid)
+    files = sorted(by_file, key=lambda f: (-FILE_SECONDS.get(f, 0), -len(by_file[f])))
+    return [nodeid for f in files for nodeid in by_file[f]]
+
+
+def make_scheduler(config, log):  # type: ignore[no-untyped-def]
+    """xdist's loadfile scheduler, handed the files longest first (None: xdist's own for other --dist modes)."""
+    if config.getoption("dist", "no") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LongestFirst(LoadFileScheduling):
+        def schedule(self) -> None:
+            if self.collection is None:  # the first call: every worker's collection is in, none handed out
+                for node, collection in self.registered_collections.items():
+                    self.registered_collections[node] = longest_first(collection)
+                self.config.option.loadscopereorder = False  # keep this order
+            super().schedule()
+
+    return LongestFirst(config, log)
