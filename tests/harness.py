@@ -309,14 +309,17 @@ def _run_once(ctx: Any, fn: Callable[..., Any], world_size: int, args: tuple, ti
                 raise DistributedTestError(
                     f"distributed test timed out after {timeout:.0f}s; ranks finished: {sorted(out)}")
             try:
-                rank, kind, value = results.get(timeout=min(remaining, 0.5))
+                rank, kind, value = results.get(timeout=min(remaining, 0.1))
             except queue.Empty:
                 dead = [i for i, p in enumerate(procs)
                         if p.exitcode is not None and i not in out and p.exitcode != 0]
                 if dead:
-                    # give a dying rank's report a moment to arrive before declaring it lost
+                    # give a dying rank's report a moment to arrive before declaring it lost: a rank that exited
+                    # (code > 0) may have sent one on its way out; ranks killed by a signal (code < 0, the
+                    # crash tests' SIGKILL) send nothing more, only what already sits in the pipe
+                    grace = 2.0 if any(procs[i].exitcode > 0 for i in dead) else 0.05
                     try:
-                        rank, kind, value = results.get(timeout=2.0)
+                        rank, kind, value = results.get(timeout=grace)
                     except queue.Empty:
                         raise DistributedTestError(
                             f"rank(s) {dead} died with exit code(s) "
