@@ -18,9 +18,9 @@ Correctness first: each engine's losses over the first --check steps are compare
 (relative difference <= 2e-2, bf16 tolerance); an engine that disagrees is reported and not timed. Compile
 time: the untimed steps' time minus as many median timed steps (our compiled engines compile in their
 first step; DeepSpeed's DeepCompile compiles at its first step and again at its step 5 with its prefetch
-and selective-gather passes, so it runs 7 more untimed steps than --warmup asks). Then --blocks rounds of interleaved timed blocks (each engine --steps whole steps per block, engines
-in turn, synchronised at block ends): median ms/step, tokens/s (all ranks), the ratio to dsc-eager, and
-the peak device memory of the engine's blocks above what was allocated when its block began, plus what it
+and selective-gather passes, so it runs 7 more untimed steps than --warmup asks). Then --blocks rounds
+of interleaved timed blocks (each engine --steps whole steps per block, engines in turn, synchronised
+at block ends): median ms/step, tokens/s (all ranks), the ratio to dsc-eager, and the peak device memory of the engine's blocks above what was allocated when its block began, plus what it
 holds once set up (parameters, gradients, optimizer states). Rank 0 prints a table and, with --json, writes
 the figures there.
 

@@ -52,9 +52,11 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--gas", type=int, default=4, help="micro-batches per step (the pipeline's; 1 for tp-dp)")
-    ap.add_argument("--blocks", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--check", type=int, default=3)
+    ap.add_argument("--blocks", type=int, default=None, help="timed blocks (4; 2 on cpu)")
+    ap.add_argument("--steps", type=int, default=None, help="steps per timed block (5; 2 on cpu)")
+    ap.add_argument("--check", type=int, default=None, help="untimed steps first (3; 2 on cpu)")
+    ap.add_argument("--fp32", action="store_true", help="fp32 on the GPU too (no bf16): the engines' algorithms "
+                                                        "compared without bf16 rounding noise")
     ap.add_argument("--impl", choices=["both", "deepspeed_c", "deepspeed"], default="both")
     ap.add_argument("--torch_adam", action="store_true",
                     help="torch.optim.Adam on both sides (\"torch_adam\": true; always on the host) instead of the "
@@ -64,14 +66,17 @@ def parse() -> argparse.Namespace:
         args.pp, args.gas = 1, 1
     if args.device == "cpu":  # smoke sizes
         args.hidden, args.heads, args.layers, args.vocab, args.seq, args.micro = 32, 4, 2, 64, 16, 2
-        args.blocks, args.steps, args.check = 2, 2, 2
+    cpu = args.device == "cpu"
+    args.blocks = (2 if cpu else 4) if args.blocks is None else args.blocks
+    args.steps = (2 if cpu else 5) if args.steps is None else args.steps
+    args.check = (2 if cpu else 3) if args.check is None else args.check
     if args.layout == "3d" and args.stage > 1:
         ap.error("--layout 3d runs ZeRO stage 0 or 1 (pipeline parallelism, as DeepSpeed)")
     return args
 
 
 def config(args: argparse.Namespace) -> dict:
-    bf16 = args.device == "cuda"
+    bf16 = args.device == "cuda" and not args.fp32
     return {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": args.gas,
             "train_batch_size": args.micro * args.gas * args.dp, "steps_per_print": 10**9,
             "gradient_clipping": 1.0, "bf16": {"enabled": bf16}, "zero_optimization": {"stage": args.stage},
@@ -188,10 +193,11 @@ def report(args: argparse.Namespace, losses: dict[str, list[float]], times: dict
     tokens = args.micro * args.gas * args.dp * args.seq
     print(f"layout={args.layout} pp={args.pp} tp={args.tp} dp={args.dp} zero={args.stage} hidden={args.hidden} "
           f"heads={args.heads} layers={args.layers} vocab={args.vocab} seq={args.seq} micro={args.micro} "
-          f"gas={args.gas} device={args.device} torch_adam={args.torch_adam}")
+          f"gas={args.gas} device={args.device} torch_adam={args.torch_adam} "
+          f"{'bf16' if config(args)['bf16']['enabled'] else 'fp32'}")
     names = list(losses)
     if len(names) == 2:
-        tol = 5e-2 if device.type == "cuda" else 1e-4
+        tol = 5e-2 if device.type == "cuda" and not args.fp32 else 1e-4
         a, b = losses["deepspeed_c"], losses["deepspeed"]
         print(f"  {'step':>4s} {'deepspeed_c':>12s} {'DeepSpeed':>12s} {'diff':>10s}")
         for i, (x, y) in enumerate(zip(a, b)):
