@@ -20,8 +20,8 @@ time: the untimed steps' time minus as many median timed steps (our compiled eng
 first step; DeepSpeed's DeepCompile compiles at its first step and again at its step 5 with its prefetch
 and selective-gather passes, so it runs 7 more untimed steps than --warmup asks). Then --blocks rounds
 of interleaved timed blocks (each engine --steps whole steps per block, engines in turn, synchronised
-at block ends): median ms/step, tokens/s (all ranks), the ratio to dsc-eager, and the peak device memory of the engine's blocks above what was allocated when its block began, plus what it
-holds once set up (parameters, gradients, optimizer states). Rank 0 prints a table and, with --json, writes
+at block ends): median ms/step, tokens/s (all ranks), the ratio to dsc-eager, and the peak device memory
+of the engine's blocks above what was allocated when its block began, plus what it holds once set up (parameters, gradients, optimizer states). Rank 0 prints a table and, with --json, writes
 the figures there.
 
 All engines stay resident together (interleaving needs them at once): at the default 1.3B on 4 H200s each
