@@ -21,8 +21,9 @@ first step; DeepSpeed's DeepCompile compiles at its first step and again at its 
 and selective-gather passes, so it runs 7 more untimed steps than --warmup asks). Then --blocks rounds
 of interleaved timed blocks (each engine --steps whole steps per block, engines in turn, synchronised
 at block ends): median ms/step, tokens/s (all ranks), the ratio to dsc-eager, and the peak device memory
-of the engine's blocks above what was allocated when its block began, plus what it holds once set up (parameters, gradients, optimizer states). Rank 0 prints a table and, with --json, writes
-the figures there.
+of the engine's blocks above what was allocated when its block began, plus what it holds once set up
+(parameters, gradients, optimizer states). Rank 0 prints a table and, with --json, writes the figures
+there.
 
 All engines stay resident together (interleaving needs them at once): at the default 1.3B on 4 H200s each
 holds ~5-6 GiB per GPU. --engines picks a subset.
