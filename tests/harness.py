@@ -234,6 +234,12 @@ def _context() -> Any:
     return ctx
 
 
+def rank_server_context() -> Any:
+    """The multiprocessing context whose processes fork from the rank server (see _context), for tests that
+    start and kill their own processes (the crash tests) instead of calling run_distributed."""
+    return _context()
+
+
 def _kill_tree(proc: mp.process.BaseProcess) -> None:
     try:
         parent = psutil.Process(proc.pid)

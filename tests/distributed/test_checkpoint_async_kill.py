@@ -11,7 +11,6 @@ the save), never an earlier one than the previous round's."""
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import random
 import signal
@@ -20,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tests.harness import free_port
+from tests.harness import free_port, rank_server_context
 
 KILLS = 20
 KILL_WINDOW_S = 0.5
@@ -73,10 +72,10 @@ def _round(save_dir: str, record_path: str, started_path: str, port: int) -> Non
 
 
 def test_kills_during_background_writes_leave_the_previous_checkpoint(tmp_path: Any) -> None:
-    # forkserver, not fork: a pytest worker may hold a default process group another test left, which a
-    # forked round would inherit (and could not initialise its own); the server imports torch once, clean
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "deepspeed_c"])
+    # forked from the harness's rank server, not from this process: a pytest worker may hold a default process
+    # group another test left, which a forked round would inherit (and could not initialise its own); the
+    # server has imported torch, dynamo and deepspeed_c's engine once, clean
+    ctx = rank_server_context()
     save_dir = str(tmp_path / "ckpt")
     rng = random.Random(51)
     best = 0
