@@ -211,7 +211,7 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, ba
         results.put((rank, _PORT_TAKEN if is_port_in_use(e) else _FAILED, traceback.format_exc()))
 
 
-# deepspeed_c modules the rank server imports before forking ranks (see _context)
+# deepspeed_c modules the rank server imports (tests/harness_preload.py) before forking ranks (see _context)
 PRELOADED_DSC = ("deepspeed_c.runtime.engine", "deepspeed_c.runtime.zero.stage_1_and_2", "deepspeed_c.runtime.zero.stage3")
 
 
@@ -230,7 +230,7 @@ def _context() -> Any:
     at import (DSC_CORE_DIR) is the test process's, as it is for a rank."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "transformers.modeling_utils",
-                                *PRELOADED_DSC, "tests.harness", "tests.harness_freeze"])
+                                "tests.harness", "tests.harness_preload", "tests.harness_freeze"])
     return ctx
 
 
