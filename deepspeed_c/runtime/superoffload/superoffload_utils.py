@@ -318,16 +318,19 @@ class SpeculativeOffload(CPUOffload):
                 state = opt.ready_state(opt.param_groups[g], master, f"params[{g}][0]")
                 step = int(opt.ds_opt_op.bump_steps([state["step"]])[0])
                 group = dict(opt.param_groups[g])  # a scheduler may change the live one before the worker reads it
-                for b, (start, _) in enumerate(self.chunk_ranges[g]):
-                    if self.share is None or b >= self.share.buckets[g]:
-                        self.jobs.put(self._order(g, start), ("plain", g, b, coef, step, group))
+                for b in self._host_buckets(g):
+                    self.jobs.put(self._order(g, self.chunk_ranges[g][b][0]), ("plain", g, b, coef, step, group))
             self.inflight = "plain"
         self.queued, self.queued_coef = [], None
         self._staged = [0] * len(self.sizes)
         self._last_d2h = None
-        self.deferred = {(g, b) for g in range(len(self.masters)) for b in range(len(self.chunk_ranges[g]))
-                         if self.share is None or b >= self.share.buckets[g]}
+        self.deferred = {(g, b) for g in range(len(self.masters)) for b in self._host_buckets(g)}
         gatherer.finish()  # gathered copies are stale: the next reads gather again, taking the new buckets first
+
+    def _host_buckets(self, g: int) -> list[int]:
+        """Group g's buckets the host steps: past the device share, and not empty on this rank."""
+        first = self.share.buckets[g] if self.share is not None else 0
+        return [b for b, (start, end) in enumerate(self.chunk_ranges[g]) if b >= first and end > start]
 
     def before_read(self, units: Sequence[int]) -> None:
         """The store is about to read these units' shards (a forward's gather, GatheredParameters): their
