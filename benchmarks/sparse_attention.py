@@ -125,6 +125,26 @@ def flex_block_mask(layout: torch.Tensor, block: int, L: int):
 _flex_compiled = None
 
 
+def coarse_block_mask(lay: torch.Tensor, block: int, mask_mod):
+    """FlexAttention's default 128-token BlockMask of a finer layout, built from the layout itself (no
+    L x L mask is materialised): a 128 block is full when all its layout blocks are set, partial
+    (mask_mod evaluated inside) when some are."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    f = 128 // block
+    H, nb, _ = lay.shape
+    counts = lay.reshape(H, nb // f, f, nb // f, f).sum(dim=(2, 4))  # [H, nb/f, nb/f]
+    full, partial = counts == f * f, (counts > 0) & (counts < f * f)
+
+    def table(sel):
+        sel = sel.unsqueeze(0)
+        return sel.sum(-1).to(torch.int32), torch.argsort(sel.to(torch.int8), dim=-1, descending=True,
+                                                          stable=True).to(torch.int32)
+
+    (pn, pi), (fn, fi) = table(partial), table(full)
+    return BlockMask.from_kv_blocks(pn, pi, fn, fi, BLOCK_SIZE=128, mask_mod=mask_mod)
+
+
 def make_flex(layout, block, L, q, k, v, go):
     """The first FlexAttention form that runs here: the layout's block mask as is, then with 64 x 64
     kernel tiles, then as a 128-token mask_mod BlockMask (mask evaluated inside partial blocks)."""
@@ -145,8 +165,8 @@ def make_flex(layout, block, L, q, k, v, go):
                  "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32})),
              ("block mask, 64x64 forward tiles", lambda a, b, c: flex(a, b, c, block_mask=bm, kernel_options={
                  "BLOCK_M": 64, "BLOCK_N": 64}))]
-    if block < 128:
-        bm128 = create_block_mask(mask_mod, B=None, H=lay.shape[0], Q_LEN=L, KV_LEN=L, device="cuda")
+    if block < 128 and 128 % block == 0:
+        bm128 = coarse_block_mask(lay, block, mask_mod)
         tries.append(("mask_mod, 128 blocks", lambda a, b, c: flex(a, b, c, block_mask=bm128)))
     for label, fn in tries:
         try:

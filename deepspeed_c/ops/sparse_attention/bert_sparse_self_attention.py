@@ -25,7 +25,10 @@ class BertSparseSelfAttention(nn.Module):
         self.query = nn.Linear(config.hidden_size, self.all_head_size)
         self.key = nn.Linear(config.hidden_size, self.all_head_size)
         self.value = nn.Linear(config.hidden_size, self.all_head_size)
-        self.sparse_self_attention = SparseSelfAttention(sparsity_config)
+        # DeepSpeed built the layout for 2048 tokens whatever the model; the model's own length (set by
+        # replace_model_self_attention_with_sparse_self_attention) lets the tutorial's 4096-token flow run
+        max_len = max(2048, int(getattr(config, "max_position_embeddings", 2048) or 2048))
+        self.sparse_self_attention = SparseSelfAttention(sparsity_config, max_seq_length=max_len)
 
     def transpose_for_scores(self, x: torch.Tensor) -> torch.Tensor:
         return x.view(*x.shape[:-1], self.num_attention_heads, self.attention_head_size).permute(0, 2, 1, 3)
