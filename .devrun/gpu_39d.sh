@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# needs 2 GPUs, <= 150 s incl. the op build. Issue 39, session 4: kernel injection at tp_size 2 vs 1 with CUDA
-# graphs on both sides (TP2's NCCL all-reduces captured in the decode graph; call 1 of this session ran both
-# without graphs: TP2 0.58x of TP1, launch-bound), plus TP2 without graphs; LLaMA hidden 4096 x 4 layers, batch 1.
-# Correctness first: TP2 prefill logits vs TP1, TP2 (graph) greedy tokens vs TP1's.
+# needs 2 GPUs, <= 150 s incl. the op build. Issue 39, session 4: kernel injection at tp_size 2 vs 1. NOTE: init_inference
+# refuses enable_cuda_graph with tp_size > 1 until capture of the NCCL all-reduces is verified (the decoder already
+# captures in thread_local mode): lift the check in inference/engine.py to run TP2 with graphs; else the tp2 row
+# repeats tp2-eager.
+# Call 1 of this session ran TP1 and TP2 without graphs: TP2 0.58x of TP1 (launch-bound). LLaMA 4096 x 4 layers, batch 1.
 # Run from the repo root after `source scripts/device_setup.sh`.
 set -u
 export PYTHONUNBUFFERED=1

@@ -309,8 +309,14 @@ extern "C" int dsc_inf_quant_gemv(const void *x, const void *q, const float *sca
                                   int64_t K, int bits, int64_t group, int dtype, int device, cudaStream_t stream,
                                   int variant) {
     const int64_t w = bits == 8 ? 16 : 32;  // weights a 16-byte chunk
-    const int unroll = variant % 100, warps = (variant / 100) % 10 == 0 ? 8 : (variant / 100) % 10;
-    const bool rows2 = variant >= 1000;
+    int unroll = variant % 100;
+    const int warps = (variant / 100) % 10 == 0 ? 8 : (variant / 100) % 10;
+    bool rows2 = variant >= 1000;
+    if (variant == 0 && M == 1 && dtype != DSC_CUDA_F32) {
+        // batch 1 at 16-bit activations: two rows a warp, 2 chunks deep (H200, LLaMA-7B linears, session 4:
+        // 1.73x (int8) / 2.00x (int4) cuBLAS bf16 over a layer's four GEMVs, the best of the launches swept)
+        rows2 = true, unroll = 2;
+    }
     if (!x || !q || !scales || !out || M < 1 || M > kMaxRows || N < 1 || N > INT32_MAX || K < w || K % w ||
         group < w || group % w || K % group || K / w >= 65536 || (bits != 8 && bits != 4) || variant < 0 ||
         (unroll != 0 && unroll != 2 && unroll != 4 && unroll != 8) || (warps != 4 && warps != 8) || variant > 1808 ||

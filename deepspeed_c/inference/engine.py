@@ -55,10 +55,11 @@ class InferenceEngine(nn.Module):
             model.to(config.dtype)  # floating tensors only: integer buffers keep their dtype
         self.mp_group = self._tp_group(config)
         self.mp_world_size = dist.get_world_size(self.mp_group) if self.mp_group is not None else 1
-        if config.enable_cuda_graph and self.mp_world_size > 1 and not config.replace_with_kernel_inject:
-            # injected blocks capture their decode step with the NCCL all-reduces inside; AutoTP's layers do not
-            raise ValueError(f"init_inference: enable_cuda_graph=True with tensor_parallel.tp_size="
-                             f"{self.mp_world_size} needs replace_with_kernel_inject=True (AutoTP is not captured)")
+        if config.enable_cuda_graph and self.mp_world_size > 1:
+            # the injected decoder can capture its NCCL all-reduces (thread_local capture mode), but that has not
+            # run on GPUs yet: refused until it has
+            raise ValueError(f"init_inference: enable_cuda_graph=True needs tensor_parallel.tp_size=1 (got "
+                             f"{self.mp_world_size}): CUDA graphs are not captured across tensor-parallel ranks")
         desc = mp_checkpoint.read_description(config.checkpoint) if config.checkpoint is not None else None
         if mp_checkpoint.is_sharded(desc):
             self._prepare_sharded(desc)
@@ -138,10 +139,6 @@ class InferenceEngine(nn.Module):
                           f"{arch}; running it with AutoTP (tensor_parallel.tp_size={self.mp_world_size}) instead",
                           stacklevel=4)
         if self.mp_world_size > 1:
-            if cfg.enable_cuda_graph:
-                raise ValueError(f"init_inference: enable_cuda_graph=True with tensor_parallel.tp_size="
-                                 f"{self.mp_world_size} is built for kernel-injected architectures only; "
-                                 f"{_architecture(self.module)} would run with AutoTP")
             self._autotp(None, files)
         elif files is not None:
             load_checkpoint_shards(self.module, files, cfg.dtype)

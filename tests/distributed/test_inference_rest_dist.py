@@ -43,10 +43,9 @@ def _tp_inject(out: dict, folder: str, ids: torch.Tensor) -> None:
         model = im.make(kind, seed=3)
         ref = _gen(model, ids)
         path = os.path.join(folder, f"{kind}-inj")
-        # enable_cuda_graph is accepted with TP (captured on a GPU; the host runs the blocks as they are)
         engine = deepspeed_c.init_inference(copy.deepcopy(model), dtype=torch.float32, tensor_parallel={"tp_size": 2},
                                             replace_with_kernel_inject=True, max_out_tokens=32,
-                                            save_mp_checkpoint_path=path, enable_cuda_graph=True)
+                                            save_mp_checkpoint_path=path)
         block = engine.module.base_model.layers[0]
         out["inject"][kind] = (bool(torch.equal(_gen(engine, ids), ref)), type(block).__name__,
                                block.spec.n_heads, block.w2.shape[1])
@@ -164,8 +163,8 @@ def test_inference_rest_two_ranks(tmp_path):
         assert (desc["type"], desc["version"], desc["parallelization"], desc["tp_size"], desc["dtype"]) == \
             ("ds_model", 1.0, "tp", 2, "float32"), desc
         assert "non-tp.pt" in desc["files"] and "tp_01_07.pt" in desc["files"], desc["files"]
-        assert "enable_cuda_graph=True with tensor_parallel.tp_size=2 needs replace_with_kernel_inject=True" in \
-            res["errors"]["autotp_graph"], res["errors"]["autotp_graph"]
+        assert "enable_cuda_graph=True needs tensor_parallel.tp_size=1 (got 2)" in res["errors"]["autotp_graph"], \
+            res["errors"]["autotp_graph"]
         err = res["errors"]["tp_mismatch"]
         assert "tp_size=2" in err and "tp_size=1" in err, err
         for name, (rel, frac) in res["moe"].items():

@@ -72,7 +72,7 @@ int dsc_inf_silu_mul(const void *gu, const void *bias, void *out, int64_t rows, 
  * (bits 4: low nibble k even, high nibble k odd, each value + 8); scales float32 [N, K / group].
  * quant_gemv: out [M, N] = x [M, K] . dequant(q)^T for 1 <= M <= 8; K and group multiples of a 16-byte
  * weight chunk (16 for int8, 32 for int4), K below 2^16 chunks, x and q 16-byte aligned. variant 0 picks
- * the launch (by K); else 100 * warps a block (4 or 8; 0 = 8) + chunks in flight a lane (2, 4 or 8), plus 1000
+ * the launch (M = 1, 16-bit: 1802; else by K); else 100 * warps a block (4 or 8; 0 = 8) + chunks in flight a lane (2, 4 or 8), plus 1000
  * for two weight rows a warp at M = 1; for tuning.
  * dequantize: out [N, K] in the activation dtype. */
 int dsc_inf_quant_gemv(const void *x, const void *q, const float *scales, void *out, int64_t M, int64_t N, int64_t K,
