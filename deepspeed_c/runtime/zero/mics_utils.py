@@ -118,7 +118,7 @@ def create_mics_comm_groups(shard_size: int, dp_group: Any, hierarchical_allgath
         return cached
     layout = mics_layout(ranks, int(shard_size), bool(hierarchical_allgather), per_node)
     me = dist.get_rank()
-    out = MiCS_CommGroups()
+    fields: dict[str, Any] = {}
 
     def make(blocks: list[list[int]]) -> tuple[Any, list[int]]:
         mine: tuple[Any, list[int]] = (None, [])
@@ -128,16 +128,17 @@ def create_mics_comm_groups(shard_size: int, dp_group: Any, hierarchical_allgath
                 mine = (group, block)
         return mine
 
-    out.param_shard_group, shard = make(layout.shard_groups)
-    out.param_shard_size, out.param_shard_rank = len(shard), shard.index(me)
+    fields["param_shard_group"], shard = make(layout.shard_groups)
+    fields["param_shard_size"], fields["param_shard_rank"] = len(shard), shard.index(me)
     if len(layout.replica_groups[0]) > 1:
-        out.param_repli_group, replica = make(layout.replica_groups)
-        out.param_repli_size, out.param_repli_rank = len(replica), replica.index(me)
+        fields["param_repli_group"], replica = make(layout.replica_groups)
+        fields["param_repli_size"], fields["param_repli_rank"] = len(replica), replica.index(me)
     else:  # one shard group: nothing to replicate over
-        out.param_repli_group, out.param_repli_size, out.param_repli_rank = None, 1, 0
+        fields.update(param_repli_group=None, param_repli_size=1, param_repli_rank=0)
     if layout.intra_node_groups:
-        out.param_intra_node_group, intra = make(layout.intra_node_groups)
-        out.param_inter_node_shard_group, inter = make(layout.inter_node_groups)
-        out.intra_node_size, out.inter_node_size = len(intra), len(inter)
+        fields["param_intra_node_group"], intra = make(layout.intra_node_groups)
+        fields["param_inter_node_shard_group"], inter = make(layout.inter_node_groups)
+        fields["intra_node_size"], fields["inter_node_size"] = len(intra), len(inter)
+    out = MiCS_CommGroups(**fields)
     _CACHE[key] = out
     return out

@@ -351,7 +351,7 @@ class ParamCoordinator:
                 self._switch_plan(i)
         units = self.units[key]
         if store.early:  # gathered ahead by the optimizer step: the plan's from here on
-            store.early = set()
+            store.take_early()
         if not self.following and store.world_size > 1:
             self._check_same_step(i, key, phase, units)
         self._make_room(units)

@@ -192,6 +192,14 @@ class ParamStore:
         if plain:
             self._issue(plain)
 
+    def mark_early(self, units: Sequence[int]) -> None:
+        """The optimizer step gathered these ahead of the next forward (the forward's first step takes them over)."""
+        self.early = set(units)
+
+    def take_early(self) -> None:
+        """The forward's first gather took the units gathered ahead over: they are the plan's from here on."""
+        self.early = set()
+
     def drop_early(self, keep: Sequence[int] = ()) -> None:
         """Releases the units gathered ahead of the next forward, except `keep`, so a gather from elsewhere
         (GatheredParameters between the step and the forward) stays within the live limit."""

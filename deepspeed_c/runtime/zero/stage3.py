@@ -180,7 +180,7 @@ class ShardWriter:
             store.release(units, keep_secondary=False)  # stale copies from before the step
             store.fetch(units)
             self._early = units
-            store.early = set(units)
+            store.mark_early(units)
 
     def finish(self) -> None:
         # gathered copies are stale now (views of the shards, on one rank, are not); the units gathered ahead
@@ -379,7 +379,7 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (Deep
         strategy = super()._step_strategy(epilogue)
         if isinstance(strategy, FusedEpilogueStep) and \
                 ShardSlots.usable(self.store, self.fp32_partitions[0], strategy.lp_dtype):
-            strategy.flat = ShardSlots(self.store)  # type: ignore[assignment]  (own_slot is all it reads)
+            strategy.use_slots(ShardSlots(self.store))
         return strategy
 
     def owned_reducer(self) -> Any:

@@ -63,6 +63,11 @@ class FusedEpilogueStep(ZeroStepStrategy):
         self.lp_dtype = lp_dtype
         self.lp_out: Optional[list[torch.Tensor]] = None
 
+    def use_slots(self, slots: Any) -> None:
+        """Where each bucket's 16-bit output goes: anything with `own_slot(group, bucket, rank, world)` (stage 3's
+        ShardSlots writes straight into the parameter shards instead of the flat model buffer)."""
+        self.flat = slots
+
     def step(self, parts: Sequence[torch.Tensor], *, clip_grad: float, grad_norm: GradNorm,
              decide: Decide) -> StepOutcome:
         return decide(grad_norm(parts, True),
