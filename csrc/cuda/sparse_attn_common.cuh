@@ -229,6 +229,27 @@ struct ForwardArgs {
     int dtype;
     cudaStream_t stream;
 };
+// The forward's epilogue, shared by both forms: rows i0 / i1 of O normalised by their softmax sums (summed
+// over the quad here), and their log-sum-exp (+inf for a row with no visible key, whose O is zero).
+template <typename T, int DP>
+__device__ __forceinline__ void store_forward_rows(const float (&acc)[DP / 8][4], float m0, float m1, float l0, float l1,
+                                                   T *o0, T *o1, float *lse_row, int i0, int i1, int D, int t) {
+    l0 = quad_sum(l0), l1 = quad_sum(l1);
+    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+#pragma unroll
+    for (int n = 0; n < DP / 8; n++) {
+        const int d = n * 8 + 2 * t;
+        if (d < D) {
+            *reinterpret_cast<uint32_t *>(o0 + d) = pack2<T>(acc[n][0] * inv0, acc[n][1] * inv0);
+            *reinterpret_cast<uint32_t *>(o1 + d) = pack2<T>(acc[n][2] * inv1, acc[n][3] * inv1);
+        }
+    }
+    if (t == 0) {
+        lse_row[i0] = l0 > 0.f ? m0 + logf(l0) : INFINITY;
+        lse_row[i1] = l1 > 0.f ? m1 + logf(l1) : INFINITY;
+    }
+}
+
 // Two forms of each pass: v1 (sparse_attn_{fwd,dq,dkv}.cu: synchronous staging, transposed tiles)
 // and v2 (sparse_attn_{fwd,dq,dkv}_v2.cu: cp.async double buffering, ldmatrix); same results.
 int launch_forward_v1(const ForwardArgs &a);

@@ -90,21 +90,8 @@ __global__ void __launch_bounds__(BLK * 2)
             }
         }
     }
-    l0 = quad_sum(l0), l1 = quad_sum(l1);
-    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
-    T *o0 = o + base + (int64_t)i0 * D, *o1 = o + base + (int64_t)i1 * D;
-#pragma unroll
-    for (int n = 0; n < DP / 8; n++) {
-        const int d = n * 8 + 2 * t;
-        if (d < D) {
-            *reinterpret_cast<uint32_t *>(o0 + d) = pack2<T>(acc[n][0] * inv0, acc[n][1] * inv0);
-            *reinterpret_cast<uint32_t *>(o1 + d) = pack2<T>(acc[n][2] * inv1, acc[n][3] * inv1);
-        }
-    }
-    if (t == 0) {
-        lse[(int64_t)bh * L + i0] = l0 > 0.f ? m0 + logf(l0) : INFINITY;
-        lse[(int64_t)bh * L + i1] = l1 > 0.f ? m1 + logf(l1) : INFINITY;
-    }
+    store_forward_rows<T, DP>(acc, m0, m1, l0, l1, o + base + (int64_t)i0 * D, o + base + (int64_t)i1 * D,
+                              lse + (int64_t)bh * L, i0, i1, D, t);
 }
 
 int launch_forward_v1(const ForwardArgs &a) {
