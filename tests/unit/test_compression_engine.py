@@ -16,6 +16,8 @@ from deepspeed_c.compression.scheduler import compression_scheduler
 from deepspeed_c.runtime.quantize import Quantizer
 from tests.fixtures.compression import cases
 
+pytestmark = pytest.mark.usefixtures("world_of_one")  # in-process initialize: no process group leaks
+
 
 def _cfg(compression: dict, **extra) -> dict:
     return {"train_micro_batch_size_per_gpu": cases.BATCH, "optimizer": {"type": "SGD", "params": {"lr": 0.05}},

@@ -11,6 +11,8 @@ import torch
 
 import deepspeed_c
 
+pytestmark = pytest.mark.usefixtures("world_of_one")  # in-process initialize: no process group leaks
+
 
 class Net(torch.nn.Module):
     def __init__(self) -> None:

@@ -18,6 +18,8 @@ from deepspeed_c.runtime.data_pipeline.data_sampling import variable_batch_size_
 from tests.fixtures.data_efficiency import dynamic_batching_cases as C
 from tests.fixtures.data_efficiency.make_dynamic_batching_fixtures import run_cases
 
+pytestmark = pytest.mark.usefixtures("world_of_one")  # in-process initialize: no process group leaks
+
 
 def test_packing_loader_and_lr_equal_deepspeeds():
     with open(C.FIXTURE) as f:

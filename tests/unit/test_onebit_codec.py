@@ -13,6 +13,8 @@ from deepspeed_c.ops.op_builder import toolchain
 from deepspeed_c.ops.op_builder.builder import SIMD_LEVELS
 from deepspeed_c.ops.op_builder.onebit import OnebitBuilder
 
+pytestmark = pytest.mark.usefixtures("world_of_one")  # in-process initialize: no process group leaks
+
 RUNNABLE = [s for s in SIMD_LEVELS if not toolchain.missing_isa(s)]
 SIZES = [1, 7, 8, 9, 15, 17, 31, 33, 255, 4097, 12345]
 

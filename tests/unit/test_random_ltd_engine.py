@@ -13,6 +13,8 @@ import deepspeed_c
 from deepspeed_c.runtime.data_pipeline.data_routing.helper import convert_to_random_ltd
 from deepspeed_c.runtime.data_pipeline.data_routing.scheduler import RandomLTDScheduler
 
+pytestmark = pytest.mark.usefixtures("world_of_one")  # in-process initialize: no process group leaks
+
 S, H, MICRO = 16, 8, 2
 
 

@@ -10,6 +10,8 @@ import torch
 from deepspeed_c.runtime.zero import TiledLinear, TiledLinearReturnBias
 from tests.harness import run_distributed
 
+pytestmark = pytest.mark.usefixtures("world_of_one")  # in-process initialize: no process group leaks
+
 
 def _ref(in_f: int, out_f: int, bias: bool = True) -> torch.nn.Linear:
     torch.manual_seed(0)
