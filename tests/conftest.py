@@ -35,6 +35,18 @@ def world_of_one():
         dist.destroy_process_group()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _no_process_group_across_modules():
+    """Every test module starts without a default process group: one that a module's in-process initialize
+    started (world_of_one says so explicitly) is destroyed once the module ends, so the order xdist hands
+    files out in (tests/xdist_order.py) cannot make one module see another's group."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def pytest_collection_finish(session) -> None:
     """What collection loaded (torch, the test modules) lives for the whole run: out of the cyclic
     collector's reach, each full collection during a test walks only what tests made since."""
