@@ -35,7 +35,9 @@ import errno
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
+import tempfile
 import time
 import traceback
 from typing import Any, Callable, Sequence
@@ -171,6 +173,7 @@ def _parent_store(world_size: int, timeout: float) -> Any:
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, backend: str,
                args: Sequence[Any], env: dict[str, str], results: "mp.Queue[Any]") -> None:
     os.environ.update(env)
+    _register_stack_dump()
     # The rank starts its own children (DataLoader workers, ...) the platform's default way, as a launched rank
     # would: it inherits the fork-server method it was started with, and a fork server of its own is a fresh
     # interpreter importing torch again (a DataLoader's first batch took ~18 s on 4 ranks of 2 cores).
@@ -209,6 +212,38 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, ba
         results.put((rank, _OK, value))
     except BaseException as e:  # report everything, including SystemExit from the body
         results.put((rank, _PORT_TAKEN if is_port_in_use(e) else _FAILED, traceback.format_exc()))
+
+
+def _stack_file(pid: int) -> str:
+    return os.path.join(tempfile.gettempdir(), f"dsc-test-rank-{pid}.stacks")
+
+
+def _register_stack_dump() -> None:
+    """SIGUSR1 makes this rank write every thread's Python stack to its stack file: a hung rank then says
+    where it waits (the parent asks before killing it, see _stacks_of)."""
+    import faulthandler
+
+    dump = open(_stack_file(os.getpid()), "w")  # noqa: SIM115 (open for the process's life)
+    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
+
+
+def _stacks_of(procs: Sequence[mp.process.BaseProcess], ranks: Sequence[int]) -> str:
+    """The Python stacks of the still-running ranks among `ranks` (asked with SIGUSR1), as text."""
+    alive = [(r, procs[r]) for r in ranks if procs[r].is_alive() and procs[r].pid is not None]
+    for _, p in alive:
+        try:
+            os.kill(p.pid, signal.SIGUSR1)
+        except OSError:
+            pass
+    time.sleep(1.0)
+    parts = []
+    for r, p in alive:
+        try:
+            with open(_stack_file(p.pid)) as f:
+                parts.append(f"--- rank {r} (pid {p.pid}) stacks ---\n{f.read()[-6000:]}")
+        except OSError:
+            parts.append(f"--- rank {r} (pid {p.pid}): no stacks ---")
+    return "\n".join(parts)
 
 
 # deepspeed_c modules the rank server imports (tests/harness_preload.py) before forking ranks (see _context)
@@ -312,8 +347,10 @@ def _run_once(ctx: Any, fn: Callable[..., Any], world_size: int, args: tuple, ti
         while len(out) + len(failures) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                hung = [r for r in range(world_size) if r not in out]
                 raise DistributedTestError(
-                    f"distributed test timed out after {timeout:.0f}s; ranks finished: {sorted(out)}")
+                    f"distributed test timed out after {timeout:.0f}s; ranks finished: {sorted(out)}\n"
+                    + _stacks_of(procs, hung))
             try:
                 rank, kind, value = results.get(timeout=min(remaining, 0.1))
             except queue.Empty:
@@ -350,5 +387,10 @@ def _run_once(ctx: Any, fn: Callable[..., Any], world_size: int, args: tuple, ti
             if p.is_alive():
                 _kill_tree(p)
             p.join(timeout=5)
+            if p.pid is not None:
+                try:
+                    os.unlink(_stack_file(p.pid))
+                except OSError:
+                    pass
         results.close()
         del store

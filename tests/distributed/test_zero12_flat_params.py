@@ -109,8 +109,10 @@ def _body(rank: int, world: int, stage: int, disturb: str, save_dir: str, dtype:
             losses.append(float(loss.detach()))
     res["losses"] = losses
     # every rank's model weights are exactly its masters (all ranks' partitions) in the model dtype
-    res["model_is_masters"] = all(torch.equal(p.detach(), safe_get_full_fp32_param(p).to(p.dtype))
-                                  for p in model.parameters() if p.requires_grad)
+    # a list, not a short-circuiting all(): each safe_get_full_fp32_param is a collective every rank must call
+    masters_equal = [torch.equal(p.detach(), safe_get_full_fp32_param(p).to(p.dtype))
+                     for p in model.parameters() if p.requires_grad]
+    res["model_is_masters"] = all(masters_equal)
     # plain lists: tensors would travel back through shared memory the exiting rank takes with it
     res["weights"] = {n: p.detach().double().cpu().tolist() for n, p in model.named_parameters()}
     if save_dir:
