@@ -20,6 +20,7 @@ import torch
 
 from deepspeed_c.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from tests.harness import run_distributed
+from tests.shared_launch import run_worlds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DS_REAL = os.environ.get("DSC_DEEPSPEED_REAL", "/tmp/ds_real")
@@ -91,6 +92,7 @@ def body(rank: int, world: int, stage: int, src: str | None, dst: str | None, fi
         engine.save_checkpoint(dst)
     live = _weights(engine) if stage == 3 else {k: v.detach().float().clone()
                                                 for k, v in engine.module.state_dict().items()}
+    engine.destroy()  # the next case of the same launch builds its own
     return {"losses": losses, "loaded": _np(loaded), "live": _np(live), "steps": steps_after_load}
 
 
@@ -155,33 +157,51 @@ def _close(a: dict, b: dict) -> None:
         assert torch.allclose(a[k], b[k], atol=1e-5, rtol=1e-4), k
 
 
-# -- runs several tests start from (each a launch of its own; no test writes into their checkpoints) ----------
-@pytest.fixture(scope="module")
-def saved_w2(tmp_path_factory) -> tuple[str, list]:
-    """Stage 3 on 2 ranks, 3 steps from the start, saved: the checkpoint's path and the run's results."""
-    ckpt = str(tmp_path_factory.mktemp("z3_w2") / "ckpt")
-    return ckpt, run_distributed(body, 2, args=(3, None, ckpt, 0, 3), timeout=300)
+# -- every run of the module, in one launch (tests/shared_launch.py: a fresh process group per world) -------
+ONLY = {"load_module_only": True}
+
+
+def _cases(rank: int, world: int, cases: list) -> dict:
+    """Each case (id, body or ds_body, its args) in turn on the same ranks; every case builds its own engine."""
+    return {cid: fn(rank, world, *args) for cid, fn, args in cases}
 
 
 @pytest.fixture(scope="module")
-def resumed_w2(saved_w2) -> list:
-    """Stage 3 on 2 ranks loading saved_w2 and training on to STEPS."""
-    return run_distributed(body, 2, args=(3, saved_w2[0], None, 3, STEPS), timeout=300)
-
-
-@pytest.fixture(scope="module")
-def stage2_copy(saved_w2, tmp_path_factory) -> tuple[str, list]:
-    """saved_w2 loaded at stage 2 on 2 ranks and saved again (no training): the same state in a stage-2
-    checkpoint. Its path and the run's results."""
-    out = str(tmp_path_factory.mktemp("z2_w2") / "ckpt")
-    return out, run_distributed(body, 2, args=(2, saved_w2[0], out, 3, 3), timeout=300)
+def runs(tmp_path_factory, deepspeed_zero3) -> dict:
+    """All runs the tests check, by id: a world of 2 saves (`a`: stage 3, 3 steps), resumes, copies `a` into a
+    stage-2 checkpoint (`b`) and loads it every way; a world of 4 reshards `a` (2 -> 4), saves its own (`a4`)
+    and brings `b` back to stage 3; a world of 2 reshards `a4` (4 -> 2); worlds of 2 and 3 load the
+    DeepSpeed-written checkpoint. Each id's value: per rank, body's (or ds_body's) result."""
+    root = tmp_path_factory.mktemp("z3")
+    p = {k: str(root / k) for k in ("a", "b", "a4", "b24", "b42", "c")}
+    first2 = [("whole", body, (3, None, None, 0, STEPS)),
+              ("saved", body, (3, None, p["a"], 0, 3)),  # stage 3, 3 steps from the start, saved
+              ("resumed", body, (3, p["a"], None, 3, STEPS)),  # and trained on to STEPS from it
+              # the same state in a stage-2 checkpoint (loaded at stage 2, saved again, no training)
+              ("stage2_copy", body, (2, p["a"], p["b"], 3, 3)),
+              ("stage2_on", body, (2, p["a"], None, 3, STEPS)),
+              ("only_a_s2_w2", body, (2, p["a"], None, 3, 4, ONLY)),
+              ("only_b_s3_w2", body, (3, p["b"], None, 3, 4, ONLY)),
+              ("no_optim_a_s3_w2", body, (3, p["a"], None, 3, 4, {"load_optimizer_states": False}))]
+    four = [("reshard_2_4", body, (3, p["a"], p["b24"], 3, 3)),  # load, save again, no training
+            ("on4", body, (3, p["b24"], None, 3, STEPS)),
+            ("saved4", body, (3, None, p["a4"], 0, 3)),
+            ("back_from_s2", body, (3, p["b"], p["c"], 3, 3)),
+            ("only_a_s3_w4", body, (3, p["a"], None, 3, 4, ONLY))]
+    last2 = [("reshard_4_2", body, (3, p["a4"], p["b42"], 3, 3)), ("ds_w2", ds_body, (deepspeed_zero3,))]
+    three = [("ds_w3", ds_body, (deepspeed_zero3,))]
+    phases = run_worlds([(2, _cases, (first2,)), (4, _cases, (four,)), (2, _cases, (last2,)), (3, _cases, (three,))],
+                        timeout=600)
+    out: dict = {"paths": p}
+    for per_rank in phases:
+        for cid in per_rank[0]:
+            out[cid] = [r[cid] for r in per_rank]
+    return out
 
 
 # -- tests ---------------------------------------------------------------------------------------------------
-def test_exact_resume_and_layout(saved_w2, resumed_w2):
-    ckpt, first = saved_w2
-    whole = run_distributed(body, 2, args=(3, None, None, 0, STEPS), timeout=300)
-    resumed = resumed_w2
+def test_exact_resume_and_layout(runs):
+    ckpt, first, whole, resumed = runs["paths"]["a"], runs["saved"], runs["whole"], runs["resumed"]
     assert resumed[0]["steps"] == 3
     assert first[0]["losses"] + resumed[0]["losses"] == whole[0]["losses"]
     for r in range(2):
@@ -221,14 +241,12 @@ def test_exact_resume_and_layout(saved_w2, resumed_w2):
 
 
 @pytest.mark.parametrize("n,m", [(2, 4), (4, 2)])
-def test_reshard(tmp_path, request, n, m):
-    b = str(tmp_path / "b")
-    if n == 2:
-        a, saved = request.getfixturevalue("saved_w2")
-    else:
-        a = str(tmp_path / "a")
-        saved = run_distributed(body, n, args=(3, None, a, 0, 3), timeout=300)
-    got = run_distributed(body, m, args=(3, a, b, 3, 3), timeout=300)  # load, save again, no training
+def test_reshard(runs, n, m):
+    paths = runs["paths"]
+    a, b = (paths["a"], paths["b24"]) if n == 2 else (paths["a4"], paths["b42"])
+    saved = runs["saved" if n == 2 else "saved4"]
+    got = runs[f"reshard_{n}_{m}"]  # loaded at m ranks, saved again, no training
+    assert len(got) == m
     for r in range(m):
         assert got[r]["steps"] == 3
         _same(got[r]["loaded"], saved[0]["live"], f"loaded on rank {r}")
@@ -240,17 +258,16 @@ def test_reshard(tmp_path, request, n, m):
     if n > m:
         return
     # and training goes on from the resharded state as from the original (same global batches)
-    on_n = request.getfixturevalue("resumed_w2")  # n == 2 here
-    on_m = run_distributed(body, m, args=(3, b, None, 3, STEPS), timeout=300)
-    _close(on_n[0]["live"], on_m[0]["live"])
+    _close(runs["resumed"][0]["live"], runs["on4"][0]["live"])
 
 
-def test_stage3_to_stage2_and_back(tmp_path, saved_w2, resumed_w2, stage2_copy):
-    (a, saved), (b, on2), c = saved_w2, stage2_copy, str(tmp_path / "c")
+def test_stage3_to_stage2_and_back(runs):
+    a, b, c = (runs["paths"][k] for k in ("a", "b", "c"))
+    saved, on2, back = runs["saved"], runs["stage2_copy"], runs["back_from_s2"]
     for r in range(2):
         assert on2[r]["steps"] == 3
         _same(on2[r]["loaded"], saved[0]["live"], "stage 2 loaded")
-    back = run_distributed(body, 4, args=(3, b, c, 3, 3), timeout=300)
+    assert len(back) == 4
     for r in range(4):
         _same(back[r]["loaded"], saved[0]["live"], "stage 3 loaded from stage 2")
     ref = get_fp32_state_dict_from_zero_checkpoint(a)
@@ -262,20 +279,18 @@ def test_stage3_to_stage2_and_back(tmp_path, saved_w2, resumed_w2, stage2_copy):
         for key in ma:
             _same(ma[key], mo[key], (other, key))
     # training on from each gives the same weights
-    w3 = resumed_w2[0]["live"]
-    w2 = run_distributed(body, 2, args=(2, a, None, 3, STEPS), timeout=300)[0]["live"]
-    _close(w3, w2)
+    _close(runs["resumed"][0]["live"], runs["stage2_on"][0]["live"])
 
 
-def test_module_only_and_no_optimizer_states(saved_w2, stage2_copy):
-    (a, saved), b = saved_w2, stage2_copy[0]  # b: the same weights in a stage-2 checkpoint
-    only = {"load_module_only": True}
-    for src, kwargs, stage, world in ((a, only, 3, 4), (a, only, 2, 2), (b, only, 3, 2),
-                                      (a, {"load_optimizer_states": False}, 3, 2)):
-        got = run_distributed(body, world, args=(stage, src, None, 3, 4, kwargs), timeout=300)
-        _same(got[0]["loaded"], saved[0]["live"], (src, kwargs, stage, world))
-        assert got[0]["steps"] == (0 if kwargs.get("load_module_only") else 3)
-        assert all(np.isfinite(x) for x in got[0]["losses"])
+@pytest.mark.parametrize("case", ["only_a_s3_w4", "only_a_s2_w2", "only_b_s3_w2", "no_optim_a_s3_w2"])
+def test_module_only_and_no_optimizer_states(runs, case):
+    """load_module_only from the stage-3 checkpoint at stage 3 on 4 ranks and at stage 2, from its stage-2
+    copy at stage 3; load_optimizer_states=False at stage 3: the saved weights, and training goes on."""
+    saved, got = runs["saved"], runs[case]
+    assert len(got) == int(case[-1])
+    _same(got[0]["loaded"], saved[0]["live"], case)
+    assert got[0]["steps"] == (3 if case.startswith("no_optim") else 0)
+    assert all(np.isfinite(x) for x in got[0]["losses"])
 
 
 # -- a checkpoint the real DeepSpeed wrote --------------------------------------------------------------------
@@ -329,12 +344,14 @@ def ds_body(rank: int, world: int, out: str) -> dict:
     loss = engine(torch.randint(0, 11, (2, 3), generator=g))  # trains on from the loaded state
     engine.backward(loss)
     engine.step()
+    engine.destroy()
     return {"weights": _np(weights), "steps": engine.global_steps, "loss": float(loss)}
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_loads_deepspeed_written_stage3(deepspeed_zero3, world):
-    got = run_distributed(ds_body, world, args=(deepspeed_zero3,), timeout=300)
+def test_loads_deepspeed_written_stage3(runs, deepspeed_zero3, world):
+    got = runs[f"ds_w{world}"]
+    assert len(got) == world
     gathered = torch.load(os.path.join(deepspeed_zero3, "gathered.pt"))
     ds_fp32 = torch.load(os.path.join(deepspeed_zero3, "deepspeed_fp32.pt"))
     for r in range(world):
