@@ -6,8 +6,9 @@
   the tolerance stated at test_fine_tune_tracks_plain_offload of plain offload's;
 - a checkpoint taken with a host step in flight and gradient accumulated resumes exactly: the next steps'
   losses and the final weights equal the uninterrupted run's.
-Each group of cases runs in one shared launch of 2 ranks (a module fixture), and the fine-tunes of one
-ZeRO stage share plain offload's run: the same runs and assertions as one launch per case, less startup."""
+All cases run in one shared launch of 2 ranks (a module fixture), the fine-tunes of one ZeRO stage share
+plain offload's run, and the pretrained model they start from is trained once (rank 0) and broadcast: the
+same runs and assertions as one launch per case, less startup."""
 from __future__ import annotations
 
 import os
@@ -42,10 +43,12 @@ EXTRAS = {"gas2": {"gradient_accumulation_steps": 2},
           "fp16-overflow": {"fp16": {"enabled": True, "initial_scale_power": 20}}}
 
 
+PAIRS = [(f"stage{s}", s, ONE, 8, None) for s in (1, 2, 3)] + [(k, 2, ONE, 8, v) for k, v in EXTRAS.items()]
+
+
 @pytest.fixture(scope="module")
-def pairs() -> list[dict]:
-    cases = [(f"stage{s}", s, ONE, 8, None) for s in (1, 2, 3)] + [(k, 2, ONE, 8, v) for k, v in EXTRAS.items()]
-    return run_distributed(_pair_body, world_size=2, args=(cases,), timeout=600)
+def pairs(runs) -> list[dict]:
+    return [r["pairs"] for r in runs]
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -74,9 +77,17 @@ TUNES = {"defaults": ({}, True, 2), "defaults-overlap": ({"overlap_step": True},
 def _tune_body(rank: int, world: int, cases: list) -> dict:
     """Per case (id, zenflow knobs, stage): the 200-step fine-tune's 25-step window means, ZenFlow's and plain
     offload's. Plain offload's run depends only on the stage: run once per stage, shared by its cases."""
-    from tests.distributed.zenflow_models import pretrained_gpt
+    import torch
+    import torch.distributed as dist
 
-    model = pretrained_gpt()
+    from tests.distributed.zenflow_models import make_gpt, pretrained_gpt
+
+    # every rank starts from the same pretrained weights: rank 0 trains them (the same plain-torch steps every
+    # rank would run, bit for bit) and broadcasts them
+    model = pretrained_gpt() if rank == 0 else make_gpt()
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            dist.broadcast(t, 0)
     plain: dict = {}
     out = {}
     for case, zen, stage in cases:
@@ -91,9 +102,8 @@ def _tune_body(rank: int, world: int, cases: list) -> dict:
 
 
 @pytest.fixture(scope="module")
-def fine_tunes() -> dict:
-    cases = [(case, zen, stage) for case, (zen, _, stage) in TUNES.items()]
-    return run_distributed(_tune_body, world_size=2, args=(cases,), timeout=1200)[0]
+def fine_tunes(runs) -> dict:
+    return runs[0]["tunes"]
 
 
 @pytest.mark.parametrize("case", list(TUNES))
@@ -120,9 +130,21 @@ def _resume_body(rank: int, world: int, root: str, stages: list) -> dict:
 
 
 @pytest.fixture(scope="module")
-def resumes(tmp_path_factory) -> list[dict]:
+def resumes(runs) -> list[dict]:
+    return [r["resumes"] for r in runs]
+
+
+def _all_body(rank: int, world: int, root: str) -> dict:
+    return {"pairs": _pair_body(rank, world, PAIRS),
+            "tunes": _tune_body(rank, world, [(case, zen, stage) for case, (zen, _, stage) in TUNES.items()]),
+            "resumes": _resume_body(rank, world, root, [2, 3])}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> list[dict]:
+    """Every case of the module in one launch of 2 ranks: per rank, {"pairs", "tunes", "resumes"}."""
     root = str(tmp_path_factory.mktemp("zf_ck"))
-    return run_distributed(_resume_body, world_size=2, args=(root, [2, 3]), timeout=600)
+    return run_distributed(_all_body, world_size=2, args=(root,), timeout=1800)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
