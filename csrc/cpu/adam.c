@@ -1,5 +1,5 @@
 /* Adam / AdamW on the CPU. Per element, in fp32 (the update rule of torch.optim.Adam/AdamW):
- *   g  = grad (+ weight_decay * p in Adam mode)
+ *   g  = grad * grad_scale (+ weight_decay * p in Adam mode)
  *   m  = beta1 * m + (1 - beta1) * g
  *   v  = beta2 * v + (1 - beta2) * g * g
  *   p  = p * (1 - lr * weight_decay) in AdamW mode
@@ -14,8 +14,8 @@
 #include "dsc/cpu_walk.h"
 
 typedef struct {
-    dsc_vf b1, omb1, b2, omb2, eps, step_size, inv_sqrt_bc2, decay, l2;
-    int use_l2;
+    dsc_vf b1, omb1, b2, omb2, eps, step_size, inv_sqrt_bc2, decay, l2, gscale;
+    int use_l2, use_gscale;
 } adam_consts;
 
 static adam_consts adam_prepare(const dsc_adam_hparams *hp) {
@@ -35,6 +35,9 @@ static adam_consts adam_prepare(const dsc_adam_hparams *hp) {
     k.decay = dsc_vset1(hp->adamw_mode ? (float)(1.0 - hp->lr * hp->weight_decay) : 1.0f);
     k.l2 = dsc_vset1((float)hp->weight_decay);
     k.use_l2 = !hp->adamw_mode && hp->weight_decay != 0.0;
+    /* an fp32 multiply, as torch's grad.float().mul_(coef) does: the same bits as scaling a copy first */
+    k.gscale = dsc_vset1((float)hp->grad_scale);
+    k.use_gscale = (float)hp->grad_scale != 1.0f;
     return k;
 }
 
@@ -49,6 +52,7 @@ DSC_INLINE void adam_lanes(const void *P, const void *G, const void *M, const vo
                            int32_t cd) {
     dsc_vf p = dsc_vload(P, pd, i), g = dsc_vload(G, gd, i);
     dsc_vf m = dsc_vload(M, md, i), v = dsc_vload(V, vd, i);
+    if (k->use_gscale) g = dsc_vmul(g, k->gscale);
     if (k->use_l2) g = dsc_vadd(g, dsc_vmul(k->l2, p));
     m = dsc_vadd(dsc_vmul(k->b1, m), dsc_vmul(k->omb1, g));
     v = dsc_vadd(dsc_vmul(k->b2, v), dsc_vmul(dsc_vmul(k->omb2, g), g));

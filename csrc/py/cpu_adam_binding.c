@@ -1,7 +1,21 @@
 /* The cpu_adam op: adam_step(params, grads, exp_avgs, exp_avg_sqs, copies, lr, beta1, beta2, eps,
- * weight_decay, step, bias_correction, adamw_mode) updates every tensor in one pass. */
+ * weight_decay, step, bias_correction, adamw_mode[, grad_scale]) updates every tensor in one pass. */
+#include <math.h>
+
 #include "dsc/cpu_optim_args.h"
 #include "dsc/module.h"
+
+/* The optional trailing grad_scale argument (args[at] when nargs > at; else 1.0); -1 with an exception set. */
+static int parse_grad_scale(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t at, double *out) {
+    *out = 1.0;
+    if (nargs <= at) return 0;
+    if (dsc_arg_double(args[at], "grad_scale", out) < 0) return -1;
+    if (!isfinite(*out)) {
+        PyErr_Format(PyExc_ValueError, "argument 'grad_scale' must be finite, got %R", args[at]);
+        return -1;
+    }
+    return 0;
+}
 
 /* the typed entry point behind dsc_run_opt_step */
 static int run_adam(dsc_opt_tensor *ts, int64_t n, const void *hp) {
@@ -10,8 +24,11 @@ static int run_adam(dsc_opt_tensor *ts, int64_t n, const void *hp) {
 
 static PyObject *adam_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (dsc_check_nargs("adam_step", nargs, 13) < 0) return NULL;
+    if (nargs != 13 && nargs != 14)
+        return PyErr_Format(PyExc_TypeError, "adam_step() takes exactly 13 arguments, or 14 with grad_scale "
+                            "(%zd given)", nargs);
     dsc_adam_hparams hp;
+    if (parse_grad_scale(args, nargs, 13, &hp.grad_scale) < 0) return NULL;
     int64_t bias_correction, adamw_mode;
     if (dsc_arg_double(args[5], "lr", &hp.lr) < 0 || dsc_arg_double(args[6], "beta1", &hp.beta1) < 0 ||
         dsc_arg_double(args[7], "beta2", &hp.beta2) < 0 || dsc_arg_double(args[8], "eps", &hp.eps) < 0 ||
@@ -64,9 +81,11 @@ static int run_adam_into(dsc_opt_tensor *ts, int64_t n, const void *a) {
  * its input's dtype and size and may not overlap another operand (except being that input itself). */
 static PyObject *adam_step_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (dsc_check_nargs("adam_step_into", nargs, 16) < 0) return NULL;
+    if (nargs != 16 && nargs != 17)
+        return PyErr_Format(PyExc_TypeError, "adam_step_into() takes exactly 16 arguments, or 17 with grad_scale "
+                            "(%zd given)", nargs);
     dsc_adam_hparams hp;
-    if (parse_hparams(args + 8, &hp) < 0) return NULL;
+    if (parse_hparams(args + 8, &hp) < 0 || parse_grad_scale(args, nargs, 16, &hp.grad_scale) < 0) return NULL;
     dsc_opt_tensor *ts, *os;
     Py_ssize_t n, no;
     if (dsc_parse_opt_lists(args[0], args[1], args[2], "exp_avgs", args[3], "exp_avg_sqs", args[4], &ts, &n) < 0)
@@ -100,12 +119,13 @@ static PyObject *adam_step_into(PyObject *self, PyObject *const *args, Py_ssize_
 static PyMethodDef methods[] = {
     {"adam_step_into", (PyCFunction)(void (*)(void))adam_step_into, METH_FASTCALL,
      "adam_step_into(params, grads, exp_avgs, exp_avg_sqs, copies, out_params, out_exp_avgs, out_exp_avg_sqs, lr, "
-     "beta1, beta2, eps, weight_decay, step, bias_correction, adamw_mode): adam_step writing the updated params "
-     "and moments into the out lists (inputs untouched unless they are the outs)."},
+     "beta1, beta2, eps, weight_decay, step, bias_correction, adamw_mode[, grad_scale]): adam_step writing the "
+     "updated params and moments into the out lists (inputs untouched unless they are the outs)."},
     {"adam_step", (PyCFunction)(void (*)(void))adam_step, METH_FASTCALL,
      "adam_step(params, grads, exp_avgs, exp_avg_sqs, copies, lr, beta1, beta2, eps, weight_decay, step, "
-     "bias_correction, adamw_mode): one Adam/AdamW step over lists of CPU tensors (copies: None or a list "
-     "receiving the updated params in their own dtype)."},
+     "bias_correction, adamw_mode[, grad_scale]): one Adam/AdamW step over lists of CPU tensors (copies: None or "
+     "a list receiving the updated params in their own dtype; grad_scale, default 1.0: every gradient is "
+     "multiplied by it in fp32 inside the kernel, no scaled copy made)."},
     DSC_SIMD_METHOD,
     DSC_BUMP_STEPS_METHOD,
     DSC_NUM_THREADS_METHOD,

@@ -20,6 +20,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 class CPUOptimizerBase(torch.optim.Optimizer):
     MOMENTS: tuple[str, ...] = ()
     OP_BUILDER: str = ""  # class name in deepspeed_c.ops.op_builder
+    FOLDS_GRAD_SCALE: bool = False  # whether _kernel takes grad_scale itself (else step_tensors scales a copy)
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], fp32_optimizer_states: bool) -> None:
         if defaults.get("amsgrad"):
@@ -95,10 +96,20 @@ class CPUOptimizerBase(torch.optim.Optimizer):
         return self._ready_state(group, p, name)
 
     def step_tensors(self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
-                     moments: list[list[torch.Tensor]], copies: Optional[list[torch.Tensor]], step: int) -> None:
+                     moments: list[list[torch.Tensor]], copies: Optional[list[torch.Tensor]], step: int,
+                     grad_scale: float = 1.0) -> None:
         """One C kernel call over `params` (sharing step count `step`) with their gradients and moment
-        tensors (one list per MOMENTS entry); `copies` receive the updated values in their own dtype."""
-        self._kernel(group, params, grads, moments, copies, step)
+        tensors (one list per MOMENTS entry); `copies` receive the updated values in their own dtype.
+        grad_scale: the gradients count multiplied by it (in fp32; the loss-scale and clip coefficient):
+        inside the kernel where it takes one (FOLDS_GRAD_SCALE), else through a scaled fp32 copy."""
+        if grad_scale == 1.0:
+            self._kernel(group, params, grads, moments, copies, step)
+        elif self.FOLDS_GRAD_SCALE:
+            self._kernel(group, params, grads, moments, copies, step, grad_scale=grad_scale)
+        else:
+            scaled = [g.float().mul(grad_scale) for g in grads]
+            scaled = [s if p.dtype == torch.float32 else s.to(p.dtype) for s, p in zip(scaled, params)]
+            self._kernel(group, params, scaled, moments, copies, step)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None,

@@ -36,6 +36,8 @@ typedef struct {
     int64_t step;         /* 1-based step count after this update */
     int bias_correction;
     int adamw_mode;       /* 1: decoupled weight decay; 0: L2 added to the gradient */
+    double grad_scale;    /* the gradient is multiplied by (float)grad_scale first (loss-scale and clip factor,
+                           * the mean over accumulated steps): no scaled copy of it is made; 1.0: none */
 } dsc_adam_hparams;
 
 typedef struct {

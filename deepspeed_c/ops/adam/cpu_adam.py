@@ -23,6 +23,7 @@ class DeepSpeedCPUAdam(CPUOptimizerBase):
 
     MOMENTS = ("exp_avg", "exp_avg_sq")
     OP_BUILDER = "CPUAdamBuilder"
+    FOLDS_GRAD_SCALE = True  # the C kernel multiplies the gradient by step_tensors' grad_scale itself
     optimizer_id = 0
 
     def __init__(self, model_params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
@@ -36,23 +37,28 @@ class DeepSpeedCPUAdam(CPUOptimizerBase):
         self.adam_w_mode = adamw_mode
 
     def _kernel(self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
-                moments: list[list[torch.Tensor]], copies: Optional[list[torch.Tensor]], step: int) -> None:
+                moments: list[list[torch.Tensor]], copies: Optional[list[torch.Tensor]], step: int,
+                grad_scale: float = 1.0) -> None:
         beta1, beta2 = group["betas"]
         self.ds_opt_op.adam_step(params, grads, moments[0], moments[1], copies, float(group["lr"]), float(beta1),
                                  float(beta2), float(group["eps"]), float(group["weight_decay"]), step,
-                                 int(bool(group.get("bias_correction", True))), int(bool(self.adam_w_mode)))
+                                 int(bool(group.get("bias_correction", True))), int(bool(self.adam_w_mode)),
+                                 float(grad_scale))
 
 
     def step_tensors_into(self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
                           moments: list[list[torch.Tensor]], copies: Optional[list[torch.Tensor]],
-                          out_params: list[torch.Tensor], out_moments: list[list[torch.Tensor]], step: int) -> None:
+                          out_params: list[torch.Tensor], out_moments: list[list[torch.Tensor]], step: int,
+                          grad_scale: float = 1.0) -> None:
         """step_tensors writing the updated params and moments into `out_params` / `out_moments` (same dtypes and
-        sizes) and leaving the inputs as they were: SuperOffload's speculative step, whose rollback is then free."""
+        sizes) and leaving the inputs as they were: SuperOffload's speculative step, whose rollback is then free.
+        grad_scale: as step_tensors'."""
         beta1, beta2 = group["betas"]
         self.ds_opt_op.adam_step_into(params, grads, moments[0], moments[1], copies, out_params, out_moments[0],
                                       out_moments[1], float(group["lr"]), float(beta1), float(beta2),
                                       float(group["eps"]), float(group["weight_decay"]), step,
-                                      int(bool(group.get("bias_correction", True))), int(bool(self.adam_w_mode)))
+                                      int(bool(group.get("bias_correction", True))), int(bool(self.adam_w_mode)),
+                                      float(grad_scale))
 
     # -- SuperOffload's per-sub-group API (DeepSpeed's names; its tests call them) --------------------------
     @torch.no_grad()
@@ -129,7 +135,8 @@ def adam_inverse(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.
 def cpu_adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
                   exp_avg_sqs: Sequence[torch.Tensor], *, lr: float, betas: tuple[float, float], eps: float,
                   weight_decay: float, step: int, bias_correction: bool = True, adamw_mode: bool = True,
-                  copies: Optional[Sequence[torch.Tensor]] = None, simd: Optional[str] = None) -> None:
+                  copies: Optional[Sequence[torch.Tensor]] = None, simd: Optional[str] = None,
+                  grad_scale: float = 1.0) -> None:
     """One Adam step over tensor lists in one pass over memory: the ZeRO-Offload hot path.
 
     params: the fp32 master (typically one flat partition per group), updated in place.
@@ -140,12 +147,15 @@ def cpu_adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
         params in their own dtype in the same pass: the model's low-precision weights.
     step: the 1-based step count after this update (bias correction).
     simd: force a narrower SIMD path ("avx2", "scalar"); default the widest this CPU runs.
+    grad_scale: every gradient is multiplied by it (in fp32, as grad.float() * grad_scale) inside the
+        kernel, so a loss-scale / clip coefficient costs no scaled copy of the gradient; the grads are
+        left as they were.
     Every list must have the same length and matching element counts; wrong dtypes, devices,
     non-contiguous or overlapping tensors raise naming the argument and index."""
     _adam_op(simd).adam_step(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
                              None if copies is None else list(copies), float(lr), float(betas[0]),
                              float(betas[1]), float(eps), float(weight_decay), int(step),
-                             int(bool(bias_correction)), int(bool(adamw_mode)))
+                             int(bool(bias_correction)), int(bool(adamw_mode)), float(grad_scale))
 
 
 @functools.lru_cache(maxsize=None)

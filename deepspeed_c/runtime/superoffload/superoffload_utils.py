@@ -205,12 +205,10 @@ class SpeculativeOffload(CPUOffload):
         w = master.detach()
         for lo in range(start, end, self.sub_chunk):
             hi = min(end, lo + self.sub_chunk)
-            grad = host[lo:hi]
-            if coef != 1.0:  # 16-bit gradients (fp32 ones are not speculated under a loss scale): a copy
-                grad = grad.float().mul_(coef)
-            opt.step_tensors_into(group, [w[lo:hi]], [grad], [[state[k][lo:hi]] for k in opt.MOMENTS],
+            # the coefficient folded into the kernel (an fp32 multiply as it reads the gradient): no scaled copy
+            opt.step_tensors_into(group, [w[lo:hi]], [host[lo:hi]], [[state[k][lo:hi]] for k in opt.MOMENTS],
                                   None if lp is None else [lp[lo:hi]], [out["master"][lo:hi]],
-                                  [[out[k][lo:hi]] for k in opt.MOMENTS], step)
+                                  [[out[k][lo:hi]] for k in opt.MOMENTS], step, grad_scale=coef)
         self._done(g, start, end, lp if lp is not None else out["master"])
 
     @torch.no_grad()

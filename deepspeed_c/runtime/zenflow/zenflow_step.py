@@ -57,10 +57,11 @@ class ZenFlowStep(ZeroStepStrategy):
         pin = pin_memory and self.device.type == "cuda"
         sizes = [m.numel() for m in self.masters]
         # two accumulators on a GPU: one takes the gradients while the other's copy to the host (on a side
-        # stream) and its zeroing finish, so the step never waits for that copy
+        # stream) and its zeroing finish, so the step never waits for that copy; on a CPU run with
+        # overlap_step: one takes the gradients while the background host step reads the other in place
         cuda = self.device.type == "cuda"
         self.acc_sets = [[torch.zeros(n, dtype=torch.float32, device=self.device) for n in sizes]
-                         for _ in range(2 if cuda else 1)]
+                         for _ in range(2 if cuda or schedule.overlap_step else 1)]
         self.cur = 0
         self.zeroed: list[Any] = [None] * len(self.acc_sets)  # events: that set's copy and zeroing are done
         self.side = torch.cuda.Stream(self.device) if cuda else None
@@ -203,17 +204,15 @@ class ZenFlowStep(ZeroStepStrategy):
         """Hands the accumulated mean gradient to the host (one copy), then steps it there: now, or in the
         background with its result applied at the next boundary (the previous one's result first)."""
         self._finish_pending()
-        n = max(1, self.accumulated)
+        # the mean over the accumulated steps is the C Adam's grad_scale (the same fp32 multiply as scaling
+        # the accumulator first, without that pass over it)
+        scale = 1.0 / max(1, self.accumulated)
         accs = self.acc
-        if n != 1:
-            for acc in accs:
-                acc.mul_(1.0 / n)
         self.accumulated = 0
         copied = None
-        if self.side is None:  # CPU run: the accumulator is host memory already; the host steps a copy
-            grads = [acc.clone() for acc in accs]
-            for acc in accs:
-                acc.zero_()
+        if self.side is None:  # CPU run: the host steps the accumulator itself and zeroes it after
+            grads = list(accs)
+            self.cur = (self.cur + 1) % len(self.acc_sets)
         else:
             grads = [h for h in self.acc_host if h is not None]
             self.side.wait_stream(torch.cuda.current_stream())
@@ -236,11 +235,11 @@ class ZenFlowStep(ZeroStepStrategy):
             self.cur = (self.cur + 1) % len(self.acc_sets)
         groups = [dict(g) for g in self.optimizer.param_groups]  # lr as of this step
         if sync:
-            self._host_adam(groups, grads, copied)
+            self._host_adam(groups, grads, copied, scale)
             self._apply_host()
         else:
             assert self.pool is not None
-            self.pending = self.pool.submit(self._host_adam, groups, grads, copied)
+            self.pending = self.pool.submit(self._host_adam, groups, grads, copied, scale)
 
     @property
     def acc(self) -> list[torch.Tensor]:
@@ -248,7 +247,7 @@ class ZenFlowStep(ZeroStepStrategy):
         return self.acc_sets[self.cur]
 
     def _host_adam(self, groups: list[dict[str, Any]], grads: list[torch.Tensor],
-                   copied: Optional[list[tuple[int, int, int, Any]]]) -> None:
+                   copied: Optional[list[tuple[int, int, int, Any]]], scale: float) -> None:
         if self.worker_threads and threading.current_thread() is not threading.main_thread():
             self.optimizer.ds_opt_op.num_threads(self.worker_threads)
         t0 = time.perf_counter()
@@ -270,7 +269,10 @@ class ZenFlowStep(ZeroStepStrategy):
             state, step = steps[g]
             moments = [[state[k][lo:hi]] for k in opt.MOMENTS]
             opt.step_tensors(groups[g], [self.masters[g].detach()[lo:hi]], [grads[g][lo:hi]], moments,
-                             [self.lp_host[g][lo:hi]], step)
+                             [self.lp_host[g][lo:hi]], step, grad_scale=scale)
+        if self.side is None:  # CPU run: the accumulator just stepped takes gradients again from zero
+            for grad in grads:
+                grad.zero_()
         self.stats["host_adam_s"] += time.perf_counter() - t0 - waited
         self.stats["d2h_wait_s"] += waited
         self.stats["host_steps"] += 1

@@ -251,9 +251,13 @@ class CPUOffload:
 
     def _kernel(self, group: dict[str, Any], state: Any, master: torch.Tensor, grad: torch.Tensor,
                 lp: Optional[torch.Tensor], lo: int, hi: int, coef: float, step: int) -> None:
-        g = unscaled_grad(grad[lo:hi], coef, master.dtype)
         moments = [[state[k][lo:hi]] for k in self.optimizer.MOMENTS]
         copies = None if lp is None else [lp[lo:hi]]
+        if folds_coef(self.optimizer, master.dtype):  # the kernel scales as it reads: no scaled copy, grad kept
+            self.optimizer.step_tensors(group, [master.detach()[lo:hi]], [grad[lo:hi]], moments, copies, step,
+                                        grad_scale=coef)
+            return
+        g = unscaled_grad(grad[lo:hi], coef, master.dtype)
         self.optimizer.step_tensors(group, [master.detach()[lo:hi]], [g], moments, copies, step)
 
     def _to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -263,6 +267,12 @@ class CPUOffload:
             t1 = self._event()
         self.stats.record_copy("h2d", t0, t1)
         self.stats.h2d_bytes += src.numel() * src.element_size()
+
+
+def folds_coef(optimizer: Any, master_dtype: torch.dtype) -> bool:
+    """Whether the optimizer's C kernel applies the coefficient itself, bit for bit as unscaled_grad would
+    (an fp32 multiply; with a 16-bit master unscaled_grad also rounds the scaled gradient to its dtype)."""
+    return bool(getattr(optimizer, "FOLDS_GRAD_SCALE", False)) and master_dtype == torch.float32
 
 
 def unscaled_grad(g: torch.Tensor, coef: float, master_dtype: torch.dtype) -> torch.Tensor:
