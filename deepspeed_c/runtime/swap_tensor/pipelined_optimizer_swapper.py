@@ -17,7 +17,7 @@ import torch
 
 from deepspeed_c.runtime.swap_tensor.aio_config import AioConfig
 from deepspeed_c.runtime.swap_tensor.partitioned_optimizer_swapper import MASTER, PartitionedOptimizerSwapper
-from deepspeed_c.runtime.zero.offload import CPUOffload, unscaled_grad
+from deepspeed_c.runtime.zero.offload import CPUOffload, folds_coef, unscaled_grad
 from deepspeed_c.runtime.zero.param_gather import BucketGatherer
 
 
@@ -106,8 +106,12 @@ class NVMeOffload(CPUOffload):
     def _kernel_on(self, group: dict[str, Any], views: dict[str, torch.Tensor], base: int, grad: torch.Tensor,
                    lp: torch.Tensor, a: int, b: int, coef: float, step: int, master_dtype: torch.dtype) -> None:
         """CPUOffload._kernel's arithmetic on a slot's tensors (the sub-group starts at `base`)."""
-        g = unscaled_grad(grad[a:b], coef, master_dtype)
         moments = [[views[k][a - base:b - base]] for k in self.optimizer.MOMENTS]
+        if folds_coef(self.optimizer, master_dtype):  # the kernel scales as it reads: no scaled copy
+            self.optimizer.step_tensors(group, [views[MASTER][a - base:b - base]], [grad[a:b]], moments, [lp[a:b]],
+                                        step, grad_scale=coef)
+            return
+        g = unscaled_grad(grad[a:b], coef, master_dtype)
         self.optimizer.step_tensors(group, [views[MASTER][a - base:b - base]], [g], moments, [lp[a:b]], step)
 
 
