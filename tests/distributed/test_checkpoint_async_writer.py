@@ -6,7 +6,8 @@ Checked: the checkpoint holds the state at the save, not the weights trained aft
 repeats the uninterrupted run's losses exactly); nothing of it is visible before the commit; the next save
 and load_checkpoint commit a pending save; a failed background write raises at the commit point on every
 rank, leaves the previous checkpoint and `latest` loadable, and does not stop the next save; the mock
-writer commits nothing; an unknown writer type is refused at initialize."""
+writer commits nothing; an unknown writer type is refused at initialize. The in-process runs share one
+launch (tests/shared_launch.py: a world of 2 ranks, then one of 1 for the refused configs)."""
 from __future__ import annotations
 
 import os
@@ -15,7 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.harness import free_port, run_distributed
+from tests.harness import free_port
+from tests.shared_launch import run_worlds
 
 MICRO = 3
 
@@ -107,8 +109,9 @@ def body(rank: int, world: int, root: str) -> dict:
     return res
 
 
-def test_async_writer(tmp_path: Any) -> None:
-    for res in run_distributed(body, 2, args=(str(tmp_path / "ckpt"),), timeout=300):
+def test_async_writer(runs: dict) -> None:
+    assert len(runs["async"]) == 2
+    for res in runs["async"]:
         assert res["visible_before_commit"] is False
         assert res["committed"] is True and res["again"] is False and res["latest_a"] == "a"
         assert "background write of the previous checkpoint failed" in res["failure"], res["failure"]
@@ -133,8 +136,8 @@ def _bad_writer(rank: int, world: int, writer: dict) -> str:
 @pytest.mark.parametrize("writer,named", [({"type": "turbo"}, "checkpoint.writer.type"),
                                           ({"type": "python", "buffer": 1}, "buffer"),
                                           ({"type": "python", "data_parallel": "rack"}, "data_parallel")])
-def test_bad_writer_config_is_named(writer: dict, named: str) -> None:
-    assert named in run_distributed(_bad_writer, 1, args=(writer,), timeout=120)[0]
+def test_bad_writer_config_is_named(runs: dict, writer: dict, named: str) -> None:
+    assert named in runs[("bad", repr(writer))][0]
 
 
 def datastates_body(rank: int, world: int, root: str, cache_gb: float) -> dict:
@@ -154,8 +157,9 @@ def datastates_body(rank: int, world: int, root: str, cache_gb: float) -> dict:
 
 
 @pytest.mark.parametrize("cache_gb", [16, 1e-6])  # all staged; the host cache full at once: written while saving
-def test_datastates_config_runs_on_the_background_writer(tmp_path: Any, cache_gb: float) -> None:
-    for res in run_distributed(datastates_body, 2, args=(str(tmp_path / "ckpt"), cache_gb), timeout=300):
+def test_datastates_config_runs_on_the_background_writer(runs: dict, cache_gb: float) -> None:
+    assert len(runs[("datastates", cache_gb)]) == 2
+    for res in runs[("datastates", cache_gb)]:
         assert res == {"committed": True, "equal": True}
 
 
@@ -171,8 +175,33 @@ def _bad_datastates(rank: int, world: int) -> str:
     return "accepted"
 
 
-def test_bad_datastates_config_is_named() -> None:
-    assert "datastates_ckpt.host_cache_size" in run_distributed(_bad_datastates, 1, timeout=120)[0]
+def test_bad_datastates_config_is_named(runs: dict) -> None:
+    assert "datastates_ckpt.host_cache_size" in runs["bad_datastates"][0]
+
+
+BAD_WRITERS = [{"type": "turbo"}, {"type": "python", "buffer": 1}, {"type": "python", "data_parallel": "rack"}]
+CACHES = [16, 1e-6]
+
+
+def _cases(rank: int, world: int, cases: list) -> dict:
+    """Each case (id, body, its args) in turn on the same ranks; each builds its own engines."""
+    return {cid: fn(rank, world, *args) for cid, fn, args in cases}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: Any) -> dict:
+    """Every in-process run of the module in one launch: on 2 ranks the writer's run and the datastates runs
+    (each in a checkpoint directory of its own), then on 1 rank the configs initialize must refuse. Per id,
+    the results of its ranks."""
+    root = tmp_path_factory.mktemp("async")
+    two = [("async", body, (str(root / "ckpt"),))]
+    two += [(("datastates", c), datastates_body, (str(root / f"ds{i}"), c)) for i, c in enumerate(CACHES)]
+    one = [(("bad", repr(w)), _bad_writer, (w,)) for w in BAD_WRITERS] + [("bad_datastates", _bad_datastates, ())]
+    out: dict = {}
+    for cases, per_rank in zip((two, one), run_worlds([(2, _cases, (two,)), (1, _cases, (one,))], timeout=600)):
+        for cid, _, _ in cases:
+            out[cid] = [r[cid] for r in per_rank]
+    return out
 
 
 _EXIT_SCRIPT = """
