@@ -1,9 +1,12 @@
 """ZenFlow's ZeRO step (a ZeroStepStrategy): each step the selected columns of this rank's partition are
 stepped on the device (SelectedAdam) and the whole unscaled, clipped gradient is added to a device-side
-accumulator; on an update boundary the accumulated mean goes to the host once and the C CPU Adam steps the
-whole fp32 master with it (in a background thread with overlap_step, whose result is applied at the next
-boundary, so the device never waits for the host), after which the host's weights replace the
-unselected elements of the model while the selected ones keep the device's values.
+accumulator; on an update boundary the accumulated sum goes to the host once and the C CPU Adam steps the
+whole fp32 master with its mean (1/n as the kernel's grad_scale: no pass over the accumulator) (in a
+background thread with overlap_step, whose result is applied at the next boundary, so the device never waits
+for the host), after which the host's weights replace the unselected elements of the model while the
+selected ones keep the device's values. The host step covers the selected elements too, as DeepSpeed's
+(ZenFlowCPUAdam steps the whole partition): their host moments are read again once a reselection drops
+them, and are checkpointed; skipping them would change results.
 
 Boundaries follow DeepSpeed's ZenFlow: the first full_warm_up_rounds steps are plain ZeRO-Offload steps;
 then columns are (re)selected at the first step and every select_interval steps (the selected
