@@ -3,14 +3,15 @@ ZeRO-3 offload on the same config: the speculative host step commits when the st
 is rolled back to its snapshot (then stepped the ordinary way) when gradient clipping scales the gradient or
 an fp16 overflow skips the step; after a clipped step the next backward does not speculate (the ordinary
 step), until a step is taken unclipped again. Either way the losses and weights equal the non-speculative run
-bit for bit, and the speculation counters say which path each step took."""
+bit for bit, and the speculation counters say which path each step took. Every run of the module shares one
+launch (tests/shared_launch.py: the 2-rank cases, then the refused config on 1 rank)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from tests.distributed.zenflow_models import ds_config, flat_weights, resume_run, train
-from tests.harness import run_distributed
+from tests.shared_launch import run_worlds
 
 STEPS = 6
 
@@ -46,11 +47,33 @@ def _body(rank: int, world: int, clip: float, fp16: bool, ratio: float = 1.0) ->
     return {"plain": plain, "spec": spec, "w0": w0, "w1": w1, "stats": stats, "skipped": skipped}
 
 
+def _cases(rank: int, world: int, cases: list) -> dict:
+    """Each case (id, body, its args) in turn on the same ranks; each builds its own engines."""
+    return {cid: fn(rank, world, *args) for cid, fn, args in cases}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Every run of the module in one launch, by id: per id, the results of its ranks."""
+    root = tmp_path_factory.mktemp("so")
+    two = [(("spec", clip, fp16), _body, (clip, fp16)) for clip, fp16 in ((0.0, False), (1e-3, False), (1.0, False),
+                                                                          (0.0, True))]
+    two += [(("ratio", clip), _body, (clip, False, 0.5)) for clip in (0.0, 1e-3)]
+    two += [(("zero_grad", clip), _zero_grad_body, (clip,)) for clip in (1.0, 0.0)]
+    two += [(("resume", ratio), _resume_body, (str(root / f"ck{ratio}"), ratio)) for ratio in (1.0, 0.5)]
+    one = [("below_stage_3", _bad_body, ())]
+    out: dict = {}
+    for cases, per_rank in zip((two, one), run_worlds([(2, _cases, (two,)), (1, _cases, (one,))], timeout=900)):
+        for cid, _, _ in cases:
+            out[cid] = [r[cid] for r in per_rank]
+    return out
+
+
 @pytest.mark.parametrize("clip,fp16,expect", [
     (0.0, False, "commits"), (1e-3, False, "rollbacks"), (1.0, False, "mixed"), (0.0, True, "overflow")],
     ids=["no-clip", "always-clipped", "clip-1", "fp16-overflow"])
-def test_speculation_equals_plain_offload(clip, fp16, expect):
-    out = run_distributed(_body, world_size=2, args=(clip, fp16), timeout=300)
+def test_speculation_equals_plain_offload(runs, clip, fp16, expect):
+    out = runs[("spec", clip, fp16)]
     for r in out:
         np.testing.assert_array_equal(r["spec"], r["plain"])
         np.testing.assert_array_equal(r["w1"], r["w0"])
@@ -67,11 +90,11 @@ def test_speculation_equals_plain_offload(clip, fp16, expect):
 
 
 @pytest.mark.parametrize("clip", [0.0, 1e-3], ids=["commits", "rollbacks"])
-def test_ratio_steps_a_share_on_the_device(clip):
+def test_ratio_steps_a_share_on_the_device(runs, clip):
     """offload_optimizer.ratio 0.5: the groups' first buckets (about half the state) stepped on the device, the
     rest speculatively on the host: still plain ZeRO-3 offload's run bit for bit (on a CPU run the device share
     takes the same C kernel)."""
-    out = run_distributed(_body, world_size=2, args=(clip, False, 0.5), timeout=300)
+    out = runs[("ratio", clip)]
     assert out[0]["stats"]["device_elements"] > 0, out[0]["stats"]
     for r in out:
         np.testing.assert_array_equal(r["spec"], r["plain"])
@@ -90,8 +113,8 @@ def _bad_body(rank: int, world: int) -> str:
     return "accepted"
 
 
-def test_super_offload_below_stage_3_is_refused():
-    msg = run_distributed(_bad_body, world_size=1, timeout=120)[0]
+def test_super_offload_below_stage_3_is_refused(runs):
+    msg = runs["below_stage_3"][0]
     assert "zero_optimization.offload_optimizer.super_offload' needs ZeRO stage 3" in msg, msg
 
 
@@ -116,8 +139,8 @@ def _zero_grad_body(rank: int, world: int, clip: float) -> dict:
 
 
 @pytest.mark.parametrize("clip", [1.0, 0.0], ids=["snapshot", "inverse"])
-def test_zero_grad_without_step_undoes_the_speculation(clip):
-    out = run_distributed(_zero_grad_body, world_size=2, args=(clip,), timeout=300)
+def test_zero_grad_without_step_undoes_the_speculation(runs, clip):
+    out = runs[("zero_grad", clip)]
     for r in out:
         if clip:
             np.testing.assert_array_equal(r["got"], r["ref"])
@@ -135,8 +158,8 @@ def _resume_body(rank: int, world: int, ckpt: str, ratio: float) -> dict:
 
 
 @pytest.mark.parametrize("ratio", [1.0, 0.5])
-def test_checkpoint_resumes(tmp_path, ratio):
-    out = run_distributed(_resume_body, world_size=2, args=(str(tmp_path / "ck"), ratio), timeout=300)
+def test_checkpoint_resumes(runs, ratio):
+    out = runs[("resume", ratio)]
     for r in out:
         np.testing.assert_array_equal(r["resumed"], r["full"])
         np.testing.assert_array_equal(r["w_res"], r["w_full"])
