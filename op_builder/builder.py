@@ -113,6 +113,18 @@ class OpBuilder:
         return None
 
     # --- DeepSpeed's builder interface ---------------------------------------------------
+    @staticmethod
+    def is_rocm_pytorch() -> bool:
+        """Whether torch was built for ROCm (DeepSpeed's query; Megatron-DeepSpeed reads it at import)."""
+        import torch
+
+        return getattr(torch.version, "hip", None) is not None
+
+    @staticmethod
+    def is_sycl_enabled() -> bool:
+        """DeepSpeed's query; deepspeed_c builds no SYCL ops."""
+        return False
+
     def absolute_name(self) -> str:
         return f"deepspeed_c.ops.{self.NAME}_op"
 

@@ -81,6 +81,54 @@ class DeepSpeedAccelerator(abc.ABC):
 
         return torch.random
 
+    def default_generator(self, device_index: int) -> Any:
+        """The device's default torch.Generator (Megatron's RNG tracker swaps its state)."""
+        import torch
+
+        return torch.default_generator
+
+    # --- typed tensor constructors (DeepSpeed's FloatTensor, LongTensor, ...) -------------------
+    # On the host DeepSpeed hands out torch's legacy types (which also take sizes); on a device, a
+    # torch.tensor(data) constructor placed there.
+    _legacy_tensor_types: bool = False
+
+    def _typed(self, dtype_name: str, legacy: str) -> Any:
+        import functools
+
+        import torch
+
+        if self._legacy_tensor_types:
+            return getattr(torch, legacy)
+        return functools.partial(torch.tensor, dtype=getattr(torch, dtype_name), device=self._name)
+
+    @property
+    def BFloat16Tensor(self) -> Any:
+        return self._typed("bfloat16", "BFloat16Tensor")
+
+    @property
+    def ByteTensor(self) -> Any:
+        return self._typed("uint8", "ByteTensor")
+
+    @property
+    def DoubleTensor(self) -> Any:
+        return self._typed("double", "DoubleTensor")
+
+    @property
+    def FloatTensor(self) -> Any:
+        return self._typed("float", "FloatTensor")
+
+    @property
+    def HalfTensor(self) -> Any:
+        return self._typed("half", "HalfTensor")
+
+    @property
+    def IntTensor(self) -> Any:
+        return self._typed("int", "IntTensor")
+
+    @property
+    def LongTensor(self) -> Any:
+        return self._typed("long", "LongTensor")
+
     # --- dtypes -------------------------------------------------------------------------
     @abc.abstractmethod
     def is_bf16_supported(self) -> bool: ...

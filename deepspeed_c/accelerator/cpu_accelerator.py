@@ -47,6 +47,7 @@ class _HostStream:
 class CPU_Accelerator(DeepSpeedAccelerator):
     _name = "cpu"
     _communication_backend_name = "gloo"
+    _legacy_tensor_types = True
 
     def is_available(self) -> bool:
         return True

@@ -47,6 +47,9 @@ class CUDA_Accelerator(DeepSpeedAccelerator):
     def random(self) -> Any:
         return self._torch.cuda.random
 
+    def default_generator(self, device_index: int) -> Any:
+        return self._torch.cuda.default_generators[device_index]
+
     def is_bf16_supported(self) -> bool:
         return self._torch.cuda.is_bf16_supported()
 

@@ -100,5 +100,7 @@ def is_model_parallel_parameter(p: torch.Tensor) -> bool:
     return bool(getattr(p, "model_parallel", False) or getattr(p, "tensor_model_parallel", False))
 
 
-__all__ = ["see_memory_usage", "move_to_device", "get_global_norm", "clip_grad_norm_", "noop_decorator",
-           "is_model_parallel_parameter"]
+from deepspeed_c.runtime.partitioned_tensor import PartitionedTensor  # noqa: E402  (DeepSpeed's home for it)
+
+__all__ = ["PartitionedTensor", "see_memory_usage", "move_to_device", "get_global_norm", "clip_grad_norm_",
+           "noop_decorator", "is_model_parallel_parameter"]

@@ -111,17 +111,39 @@ def get_cuda_rng_tracker() -> CudaRNGStatesTracker:
     return _CUDA_RNG_STATE_TRACKER
 
 
-def model_parallel_cuda_manual_seed(seed: int) -> None:
-    """Default RNG: `seed` (same across the model-parallel group); tracker RNG: seed + 2718 + mp rank
-    (different within the model-parallel group, same across data parallel)."""
-    mp_rank = mpu.get_model_parallel_rank() if mpu is not None else 0
-    model_parallel_seed = seed + 2718 + mp_rank
-    _CUDA_RNG_STATE_TRACKER.reset()
+def _tensor_rank() -> int:
+    """The configured mpu's tensor-parallel rank, by DeepSpeed's preference: Megatron's
+    get_tensor_model_parallel_rank, then get_slice_parallel_rank, then get_model_parallel_rank (under
+    pipeline parallelism the model-parallel rank also counts stages, which share one tracker seed)."""
+    if mpu is None:
+        return 0
+    for name in ("get_tensor_model_parallel_rank", "get_slice_parallel_rank", "get_model_parallel_rank"):
+        if hasattr(mpu, name):
+            return int(getattr(mpu, name)())
+    return 0
+
+
+def _seed_device(seed: int) -> None:
     if torch.cuda.is_available():
         torch.cuda.manual_seed(seed)
     else:
         torch.manual_seed(seed)
+
+
+def model_parallel_cuda_manual_seed(seed: int) -> None:
+    """Default RNG: `seed` (same across the tensor-parallel group); tracker RNG: seed + 2718 + tensor
+    rank (different within the tensor-parallel group, same across data parallel and pipeline stages)."""
+    model_parallel_seed = seed + 2718 + _tensor_rank()
+    _CUDA_RNG_STATE_TRACKER.reset()
+    _seed_device(seed)
     _CUDA_RNG_STATE_TRACKER.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, model_parallel_seed)
+
+
+def model_parallel_reconfigure_tp_seed(seed: int) -> None:
+    """Reseeds only the tracker's model-parallel stream with seed + 2718 + tensor rank (the default RNG is
+    left as it is); Megatron-DeepSpeed calls it after loading a universal checkpoint at another degree."""
+    with _CUDA_RNG_STATE_TRACKER.fork():
+        _seed_device(seed + 2718 + _tensor_rank())
 
 
 class _RNGSnapshot:

@@ -1,0 +1,177 @@
+"""The DeepSpeed names Megatron-DeepSpeed (pretrain_gpt.py and megatron/) imports or calls, each
+resolving under deepspeed_c with DeepSpeed 0.19.8's behaviour: the module-level imports its training
+script needs before it runs a step, the accelerator's typed-tensor constructors and default generator
+(its model-parallel RNG tracker swaps that generator's state), OpBuilder.is_rocm_pytorch (read at import
+of megatron/initialize.py) and runtime.utils.PartitionedTensor (its zero-bubble pipeline engine), the
+last on 2 gloo ranks against the unsplit tensor."""
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import torch
+
+from tests.harness import run_distributed
+
+# (module, name) pairs Megatron-DeepSpeed imports at module level or calls; from its source (megatron/,
+# pretrain_gpt.py), the list in README "Megatron-DeepSpeed as a client".
+MEGATRON_IMPORTS = [
+    ("", "initialize"), ("", "init_distributed"), ("", "add_config_arguments"), ("", "PipelineEngine"),
+    ("", "get_accelerator"), ("comm", "get_rank"), ("comm", "all_reduce"), ("comm", "barrier"),
+    ("accelerator", "get_accelerator"), ("accelerator.real_accelerator", "get_accelerator"),
+    ("checkpointing", "configure"), ("checkpointing", "is_configured"), ("checkpointing", "checkpoint"),
+    ("checkpointing", "get_cuda_rng_tracker"), ("checkpointing", "model_parallel_cuda_manual_seed"),
+    ("checkpointing", "model_parallel_reconfigure_tp_seed"),
+    ("runtime.activation_checkpointing.checkpointing", "checkpoint"),
+    ("checkpoint", "ORIGINAL_VOCAB_SIZE"), ("checkpoint", "PADDED_VOCAB_SIZE"),
+    ("checkpoint", "UNIVERSAL_CHECKPOINT_INFO"), ("checkpoint", "UNIVERSAL_CHECKPOINT_VERSION_KEY"),
+    ("checkpoint", "UNIVERSAL_CHECKPOINT_VERSION_VALUE"), ("checkpoint", "VOCABULARY_PARAMETER_PATTERNS"),
+    ("checkpoint", "PIPELINE_REPLICATED_PARAMETER_PATTERNS"), ("checkpoint", "TP_REPLICATED_PARAMETER_PATTERNS"),
+    ("checkpoint", "PARAMETER_WITH_ROW_PARALLELISM_PATTERNS"), ("checkpoint", "PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0"),
+    ("compression.compress", "init_compression"), ("compression.compress", "redundancy_clean"),
+    ("env_report", "main"), ("moe.layer", "MoE"), ("moe.utils", "split_params_into_different_moe_groups_for_optimizer"),
+    ("ops.adam", "DeepSpeedCPUAdam"), ("ops.adam", "FusedAdam"), ("ops.op_builder.builder", "OpBuilder"),
+    ("pipe", "PipelineModule"), ("pipe", "LayerSpec"), ("pipe", "TiedLayerSpec"),
+    ("runtime.data_pipeline.curriculum_scheduler", "CurriculumScheduler"),
+    ("runtime.data_pipeline.data_routing.helper", "convert_to_random_ltd"),
+    ("runtime.data_pipeline.data_routing.helper", "remove_random_ltd_state_dict"),
+    ("runtime.dataloader", "RepeatingLoader"), ("runtime.pipe.engine", "PipelineEngine"),
+    *[("runtime.pipe.schedule", n) for n in ("PipeSchedule", "PipeInstruction", "BufferOpInstruction", "LoadMicroBatch",
+                                               "RecvActivation", "SendActivation", "RecvGrad", "SendGrad", "ForwardPass",
+                                               "BackwardPass", "ReduceGrads", "ReduceTiedGrads", "OptimizerStep",
+                                               "TrainSchedule")],
+    ("runtime.pipe.topology", "PipeModelDataParallelTopology"), ("runtime.utils", "PartitionedTensor"),
+    ("runtime.utils", "see_memory_usage"), ("runtime.zero", "GatheredParameters"), ("zero", "Init"),
+    ("zero", "TiledLinear"), ("sequence.fpdt_layer", "FPDT_InputConstruct"), ("sequence.fpdt_layer", "FPDT_FFN"),
+    ("sequence.fpdt_layer", "FPDT_Attention"), ("sequence.fpdt_layer", "FPDT_LogitsLoss"),
+    ("sequence.layer", "DistributedAttention"), ("utils", "safe_get_full_fp32_param"),
+    *[("utils.timer", n) for n in ("BACKWARD_MICRO_TIMER", "BACKWARD_GLOBAL_TIMER", "BACKWARD_INNER_MICRO_TIMER",
+                                    "BACKWARD_INNER_GLOBAL_TIMER")],
+]
+
+
+def test_every_name_megatron_deepspeed_imports_resolves():
+    missing = []
+    for mod, name in MEGATRON_IMPORTS:
+        module, path = importlib.import_module("deepspeed_c"), "deepspeed_c"
+        for part in mod.split(".") if mod else []:  # `deepspeed.checkpointing` is an attribute, not a module
+            path += "." + part
+            module = getattr(module, part) if hasattr(module, part) else importlib.import_module(path)
+        if not hasattr(module, name):
+            missing.append(f"deepspeed.{mod + '.' if mod else ''}{name}")
+    assert not missing, missing
+
+
+def test_accelerator_typed_tensors_and_default_generator():
+    from deepspeed_c.accelerator.cpu_accelerator import CPU_Accelerator
+    from deepspeed_c.accelerator.cuda_accelerator import CUDA_Accelerator
+
+    cpu = CPU_Accelerator()
+    # DeepSpeed's host accelerator hands out torch's legacy types: data or sizes
+    assert cpu.LongTensor([1, 2]).dtype == torch.int64 and cpu.LongTensor([1, 2]).tolist() == [1, 2]
+    assert cpu.FloatTensor(3).shape == (3,) and cpu.FloatTensor(3).dtype == torch.float32
+    for prop, dtype in [("BFloat16Tensor", torch.bfloat16), ("ByteTensor", torch.uint8), ("DoubleTensor", torch.float64),
+                        ("HalfTensor", torch.float16), ("IntTensor", torch.int32)]:
+        assert getattr(cpu, prop)([1]).dtype == dtype, prop
+    # Megatron's RNG tracker: get_state/set_state on the default generator moves torch's host stream
+    gen = cpu.default_generator(0)
+    state = gen.get_state()
+    a = torch.rand(4)
+    gen.set_state(state)
+    assert torch.equal(torch.rand(4), a)
+    # the device accelerator builds torch.tensor(data) on its device (not called here: no GPU needed)
+    ctor = CUDA_Accelerator().FloatTensor
+    assert ctor.keywords == {"dtype": torch.float32, "device": "cuda"}
+
+
+def test_op_builder_is_rocm_pytorch():
+    from deepspeed_c.ops.op_builder.builder import OpBuilder
+
+    assert OpBuilder.is_rocm_pytorch() is (getattr(torch.version, "hip", None) is not None)
+    assert OpBuilder.is_sycl_enabled() is False
+
+
+def _partitioned_body(rank: int, world_size: int) -> list:
+    import torch.distributed as dist
+
+    from deepspeed_c.runtime.utils import PartitionedTensor
+
+    out = []
+    for shape in [(4, 6), (3, 5)]:  # 24 elements split evenly, 15 unevenly (8 + 7)
+        full = torch.arange(float(np.prod(shape))).reshape(shape) * 0.5 + 1
+        part = PartitionedTensor(full, group=dist.group.WORLD)
+        meta, local = part.to_meta(), part.data()
+        # a receiver rebuilds it from the meta and its own slice, then gathers the whole tensor
+        again = PartitionedTensor.from_meta(meta, local, group=dist.group.WORLD, device="cpu")
+        out.append((meta.tolist(), local.numpy().copy(), again.full().numpy(), part.full_size(), tuple(part.local_size())))
+    other = part.to_meta().clone()
+    other[1 + 2 + 1] = 1 - rank  # the meta another rank wrote: its slice is not ours
+    errors = []
+    for bad in (other, other.float()):
+        try:
+            PartitionedTensor.from_meta(bad, part.data(), group=dist.group.WORLD)
+        except (ValueError, TypeError) as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+    out.append(errors)
+    return out
+
+
+def test_partitioned_tensor_two_ranks_even_and_uneven():
+    results = run_distributed(_partitioned_body, world_size=2)
+    for idx, shape in enumerate([(4, 6), (3, 5)]):
+        full = (np.arange(float(np.prod(shape))).reshape(shape) * 0.5 + 1).astype(np.float32)
+        n = full.size
+        bounds = [0, (n + 1) // 2, n]  # the first part takes the remainder
+        for rank in range(2):
+            meta, local, gathered, size, local_size = results[rank][idx]
+            assert meta == [2, *shape, 2, rank, *bounds]
+            np.testing.assert_array_equal(local, full.reshape(-1)[bounds[rank]:bounds[rank + 1]])
+            np.testing.assert_array_equal(gathered, full)
+            assert list(size) == list(shape) and local_size == (bounds[rank + 1] - bounds[rank],)
+    for rank in range(2):
+        wrong_rank, wrong_dtype = results[rank][2]
+        assert wrong_rank.startswith("ValueError") and f"part {1 - rank} of 2" in wrong_rank
+        assert wrong_dtype.startswith("TypeError") and "torch.long" in wrong_dtype
+
+
+class _MegatronMpu:
+    """Megatron's parallel_state spellings: model-parallel rank 3 counts stages, tensor rank 1 does not."""
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 3
+
+
+def test_model_parallel_seeds_follow_the_tensor_rank_and_reconfigure_reseeds_only_the_tracker():
+    from deepspeed_c.runtime.activation_checkpointing import checkpointing as ckpt
+
+    # the tracker forks the accelerator's RNG where there is one, else the host's
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    seed_ref = torch.cuda.manual_seed if dev == "cuda" else torch.manual_seed
+    state_ref = torch.cuda.get_rng_state if dev == "cuda" else torch.get_rng_state
+
+    saved = ckpt.mpu
+    ckpt.mpu = _MegatronMpu()
+    try:
+        ckpt.model_parallel_cuda_manual_seed(100)
+        default_next = torch.rand(3, device=dev)
+        seed_ref(100)
+        assert torch.equal(default_next, torch.rand(3, device=dev))  # default RNG: the seed itself
+        with ckpt.get_cuda_rng_tracker().fork():
+            tracked = torch.rand(3, device=dev)
+        seed_ref(100 + 2718 + 1)  # the tensor rank, not the model-parallel rank 3
+        assert torch.equal(tracked, torch.rand(3, device=dev))
+
+        seed_ref(5)
+        before = state_ref()
+        ckpt.model_parallel_reconfigure_tp_seed(40)
+        assert torch.equal(state_ref(), before)  # the default stream is untouched
+        with ckpt.get_cuda_rng_tracker().fork():
+            tracked = torch.rand(3, device=dev)
+        seed_ref(40 + 2718 + 1)
+        assert torch.equal(tracked, torch.rand(3, device=dev))
+    finally:
+        ckpt.mpu = saved
+        ckpt.get_cuda_rng_tracker().reset()
