@@ -8,7 +8,9 @@
   stage3_gather_16bit_weights_on_model_save, else rank 0's file holds the whole 16-bit model, tied
   names included, equal to the gathered weights.
 Under DSC_TEST_BACKEND=nccl (one GPU a rank) the same checks run with the data on the rank's GPU; the
-memory check then measures the GPU's allocated bytes (zero.Init builds on the GPU) instead of host RSS."""
+memory check then measures the GPU's allocated bytes (zero.Init builds on the GPU) instead of host RSS.
+The 2-rank runs share one launch (a module fixture; the diverging ranks' error last): the memory check keeps
+its own 4 fresh (spawned) ranks."""
 from __future__ import annotations
 
 import os
@@ -118,8 +120,28 @@ def _modifier_body(rank: int, world: int) -> list[float]:
     return out
 
 
-def test_gathered_parameters_modifier_edits_reach_every_rank() -> None:
-    for res in run_distributed(_modifier_body, 2, timeout=120):
+def _cases(rank: int, world: int, cases: list) -> dict:
+    """Each case (id, body, its args) in turn on the same ranks; each builds its own model or engine."""
+    return {cid: fn(rank, world, *args) for cid, fn, args in cases}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict:
+    """Every 2-rank run of the module in one launch, by id: per id, the results of its ranks. The diverging
+    ranks go last (their engine is left mid-forward, as the error found it)."""
+    out_dir = tmp_path_factory.mktemp("save16")
+    cases = [("modifier", _modifier_body, ()), ("save16", _save16_body, (str(out_dir),)),
+             ("generate0", _generate_body, (0,)), ("generate3", _generate_body, (3,)),
+             ("diverging", _diverging_body, ())]
+    per_rank = run_distributed(_cases, 2, args=(cases,), timeout=600)
+    res: dict = {cid: [r[cid] for r in per_rank] for cid, _, _ in cases}
+    res["save16_dir"] = out_dir
+    return res
+
+
+def test_gathered_parameters_modifier_edits_reach_every_rank(two_ranks) -> None:
+    assert len(two_ranks["modifier"]) == 2
+    for res in two_ranks["modifier"]:
         assert res == [1.0, -1.0, 2.0, -2.0]
 
 
@@ -150,8 +172,9 @@ def _diverging_body(rank: int, world: int) -> str:
     return "no error"
 
 
-def test_ranks_running_different_modules_get_an_error_naming_them() -> None:
-    for res in run_distributed(_diverging_body, 2, timeout=120):
+def test_ranks_running_different_modules_get_an_error_naming_them(two_ranks) -> None:
+    assert len(two_ranks["diverging"]) == 2
+    for res in two_ranks["diverging"]:
         assert "ran different modules" in res, res
         assert "module 'a'" in res and "module 'b'" in res, res
 
@@ -180,8 +203,8 @@ def _save16_body(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     return results
 
 
-def test_save_16bit_model_at_stage3(tmp_path) -> None:
-    res = run_distributed(_save16_body, 2, args=(str(tmp_path),), timeout=180)
+def test_save_16bit_model_at_stage3(two_ranks) -> None:
+    res, tmp_path = two_ranks["save16"], two_ranks["save16_dir"]
     assert res[0]["saved_False"] is False and res[1]["saved_False"] is False
     assert not os.path.exists(tmp_path / "model_False.bin")
     assert res[0]["saved_True"] is True
@@ -226,9 +249,8 @@ def _generate_body(rank: int, world: int, stage: int) -> dict[str, Any]:
     return {"losses": losses, "generated": generated}
 
 
-def test_generate_loops_between_training_steps() -> None:
-    ref = run_distributed(_generate_body, 2, args=(0,), timeout=180)
-    got = run_distributed(_generate_body, 2, args=(3,), timeout=180)
+def test_generate_loops_between_training_steps(two_ranks) -> None:
+    ref, got = two_ranks["generate0"], two_ranks["generate3"]
     for r in range(2):
         assert got[r]["generated"] == ref[r]["generated"]
         assert max(abs(a - b) for a, b in zip(got[r]["losses"], ref[r]["losses"])) < 1e-5
