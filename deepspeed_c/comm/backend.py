@@ -154,6 +154,11 @@ class TorchBackend:
         return self.reduce_scatter_function is not None
 
     # ---- fallback bookkeeping ------------------------------------------------------------
+    def uses_fallback(self, op: str, group: Any = None) -> bool:
+        """Whether `op` (a FALLBACK_OPS name) is served by its fallback on `group`: forced by DSC_COMM_FALLBACK,
+        or refused by the backend before (callers that issue the op on the process group themselves ask)."""
+        return self._use_fallback(op, group)
+
     def _use_fallback(self, op: str, group: Any) -> bool:
         if op in self._forced:
             return True

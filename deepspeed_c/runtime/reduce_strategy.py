@@ -26,6 +26,19 @@ def _comm() -> Any:
     return dist
 
 
+_REAL_COMM = _comm
+# ReduceScatter's direct call (see there): torch's function as imported (a wrapper someone installs replaces
+# it), the process group's own method, and its options per op (asynchronous by default), made once
+_DIST = torch.distributed.is_available()
+_TORCH_REDUCE_SCATTER = getattr(torch.distributed, "reduce_scatter_tensor", None)
+_PG_REDUCE_SCATTER = torch.distributed.ProcessGroup._reduce_scatter_base if _DIST else None
+_RS_SUM = torch.distributed.ReduceScatterOptions() if _DIST else None
+_RS_AVG = torch.distributed.ReduceScatterOptions() if _DIST else None
+if _RS_AVG is not None:
+    _RS_AVG.reduceOp = torch.distributed.ReduceOp.AVG
+_RS_OPTIONS = {"sum": _RS_SUM, "avg": _RS_AVG}
+
+
 @dataclass(frozen=True)
 class ReduceFactors:
     pre: float   # applied to the bucket before the collective
@@ -96,7 +109,15 @@ class AllReduce(BucketReduce):
 
 class ReduceScatter(BucketReduce):
     """Reduce-scatter the bucket into `out` (or a new chunk). With `average` NCCL divides by the world
-    size while it loads the inputs (ReduceOp.AVG), so no pass over the result is left: post factor 1."""
+    size while it loads the inputs (ReduceOp.AVG), so no pass over the result is left: post factor 1.
+
+    The collective goes straight to the process group (as ZeRO-3's unit gathers do, unit_gather.py): the
+    layers above it (deepspeed_c.comm's logger and fallback checks, torch.distributed's argument checks,
+    group lookup and options) cost more host time a bucket than enqueuing it, once per unit in a ZeRO-3
+    backward. It is the same collective with the same options. deepspeed_c.comm serves it instead while
+    its comms logger is on (it records what goes through it), when torch.distributed.reduce_scatter_tensor
+    was replaced (a byte counter or profiler wrapping it sees every call), when deepspeed_c.comm forces or
+    has learnt a fallback for it, and from the first refusal on."""
     kind = "reduce_scatter"
     writes_out = True
 
@@ -106,14 +127,53 @@ class ReduceScatter(BucketReduce):
         self.world_size = world_size
         self.average = average
         self.op = torch.distributed.ReduceOp.AVG if average else torch.distributed.ReduceOp.SUM
+        self._pg: Any = None  # the process group and options of the direct call, resolved at the first bucket
+        self._opts: Any = None
+        self._direct = True
 
     def reduce(self, buf: torch.Tensor, out: Optional[torch.Tensor] = None) -> tuple[Any, torch.Tensor]:
         self._prescale(buf)
         if out is None:
             out = torch.empty(buf.numel() // self.world_size, dtype=buf.dtype, device=buf.device)
-        work = _comm().reduce_scatter_tensor(out, buf, op=self.op, group=self.group, async_op=True)
+        work = self._direct_call(out, buf) if self._direct else None
+        if work is None:
+            work = _comm().reduce_scatter_tensor(out, buf, op=self.op, group=self.group, async_op=True)
         self.collectives += 1
         return work, out
+
+    def _direct_call(self, out: torch.Tensor, buf: torch.Tensor) -> Any:
+        """The process group's own reduce-scatter (asynchronous), or None where deepspeed_c.comm must serve it."""
+        if _comm is not _REAL_COMM or torch.distributed.reduce_scatter_tensor is not _TORCH_REDUCE_SCATTER:
+            return None
+        comm = _comm()
+        if comm.comms_logger.enabled:
+            return None
+        if self._pg is None and not self._resolve(comm):
+            return None
+        try:
+            return _PG_REDUCE_SCATTER(self._pg, out, buf, self._opts)
+        except (RuntimeError, NotImplementedError) as err:
+            text = str(err).lower()
+            if "not supported" not in text and "not implemented" not in text and "unsupported" not in text:
+                raise
+            self._direct = False  # deepspeed_c.comm's fallbacks from now on
+            return None
+
+    def _resolve(self, comm: Any) -> bool:
+        import torch.distributed as dist
+
+        backend = getattr(comm, "cdb", None)
+        pg = self.group if self.group is not None else (
+            dist.distributed_c10d._get_default_group() if dist.is_initialized() else None)
+        forced = backend is None or any(backend.uses_fallback(op, self.group) for op in
+                                        (("reduce_scatter_tensor", "avg") if self.average
+                                         else ("reduce_scatter_tensor",)))
+        opts = _RS_OPTIONS.get("avg" if self.average else "sum")
+        if pg is None or forced or opts is None or not isinstance(pg, dist.ProcessGroup):
+            self._direct = False
+            return False
+        self._pg, self._opts = pg, opts
+        return True
 
 
 class QuantizedReduceScatter(BucketReduce):

@@ -324,9 +324,18 @@ class ZeroGradPartitioner(BackwardRound):
         return grad
 
     def _deposit(self, k: int) -> int:
+        # once per parameter per backward: _take_grad's and _bucket's common paths inlined
         slot, off, n = self._dst_spec[k]
-        grad = self._take_grad(k)
-        dst = self._bucket(slot)[off:off + n]
+        if self.accumulate_fp32:
+            grad = self._take_grad(k)
+        else:
+            p = self._flat_params[k]
+            grad = p.grad
+            if grad is not None:
+                grad = grad.detach().reshape(-1)
+                p.grad = None
+        buf = self._bufs[slot]
+        dst = (buf if buf is not None else self._bucket(slot))[off:off + n]
         if self._direct[k]:  # a Linear wrote a first part there; .grad holds the sum of any others
             if grad is not None:
                 dst.add_(grad)

@@ -27,10 +27,11 @@ import torch
 
 from deepspeed_c.runtime import autograd_paths
 from deepspeed_c.runtime.zero import linear as zero_linear
-from deepspeed_c.runtime.zero.param_store import ParamStore
+from deepspeed_c.runtime.zero.param_store import ParamStore, ZeroParamStatus
 from deepspeed_c.runtime.zero.partition_parameters import drop_guard, external_parameters, is_zero_param
 
 _Z3_LEAF_ATTR = "_z3_leaf"
+_AVAILABLE = ZeroParamStatus.AVAILABLE
 PLAN_CACHE = 8  # plans kept for models whose path changes between iterations
 
 
@@ -149,8 +150,12 @@ class ZeroParamDict(dict):
 
     def __getitem__(self, key: str) -> Any:
         p = dict.__getitem__(self, key)
-        if p is not None and getattr(p, "ds_status", None) is not None and p.ds_status.value != 1:
-            self.coordinator.fetch_on_access(p)
+        if p is not None:
+            status = getattr(p, "ds_status", None)
+            # every read of a module attribute comes here (a Linear's weight and bias at each call): the
+            # gathered case is one identity test, the enum's value only for other members
+            if status is not None and status is not _AVAILABLE and status.value != 1:
+                self.coordinator.fetch_on_access(p)
         return p
 
 

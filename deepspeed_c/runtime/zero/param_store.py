@@ -88,6 +88,7 @@ class ParamStore:
         self.full: list[Optional[torch.Tensor]] = [None] * n_units
         self.works: list[Any] = [None] * n_units
         self.ready = [False] * n_units  # gathered and its parameters point at the gathered values
+        self._views: list[Optional[list]] = [None] * n_units  # per unit, its parameters' views (_view_specs)
         self.on_write_back: Optional[Any] = None  # (group, start, end) -> None: the optimizer's masters follow
         self.on_before_read: Optional[Any] = None  # (units) -> None: a deferred step writes their chunks first
         self.pins = [0] * n_units  # users of a live unit (running modules, GatheredParameters): not released
@@ -187,8 +188,9 @@ class ParamStore:
             if not self.persistent[u]:  # stage3_max_live_parameters counts the units that come and go
                 self.live_numel += full.numel()
                 self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
+            inflight = ZeroParamStatus.INFLIGHT
             for p, _ in self.unit_params[u]:
-                p.ds_status = ZeroParamStatus.INFLIGHT
+                p.ds_status = inflight
         if plain:
             self._issue(plain)
 
@@ -227,10 +229,19 @@ class ParamStore:
             full = self.full[u]
             assert full is not None
             base = full.storage_offset()  # as_strided's offset counts from the storage (a shard view has one)
-            for p, off in self.unit_params[u]:
-                p.data = full.as_strided(p.ds_shape, _contiguous_strides(p.ds_shape), base + off)
-                p.ds_status = ZeroParamStatus.AVAILABLE
+            views = self._views[u]
+            if views is None:
+                views = self._views[u] = self._view_specs(u)
+            available = ZeroParamStatus.AVAILABLE
+            for p, shape, strides, off in views:
+                p.data = full.as_strided(shape, strides, base + off)
+                p.ds_status = available
             self.ready[u] = True
+
+    def _view_specs(self, u: int) -> list[tuple[torch.nn.Parameter, Any, tuple[int, ...], int]]:
+        """(param, shape, strides, offset in the unit) of each parameter of unit u: fixed for the store's life,
+        and read at every gather of the unit (twice an iteration: forward and backward)."""
+        return [(p, p.ds_shape, _contiguous_strides(p.ds_shape), off) for p, off in self.unit_params[u]]
 
     def _zeropp_gather(self, u: int, chunk: torch.Tensor, full: torch.Tensor) -> Any:
         """ZeRO++'s gather of unit u: from its hpZ secondary shard inside the group of H when it has one,
@@ -271,9 +282,10 @@ class ParamStore:
             if keep_secondary and zpp is not None and zpp.hpz_size > 1 and self.ready[u] and \
                     self.secondary[u] is None and not self.persistent[u]:
                 self.secondary[u] = zpp.secondary_piece(full)
+            device, gone = self.compute_device, ZeroParamStatus.NOT_AVAILABLE
             for p, _ in self.unit_params[u]:
-                p.data = placeholder(p.dtype, self.compute_device)
-                p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+                p.data = torch.empty(0, dtype=p.dtype, device=device)  # placeholder(), inlined: once a parameter
+                p.ds_status = gone
             self.full[u] = None
             self.ready[u] = False
             if not self.persistent[u]:
