@@ -3,9 +3,10 @@ command, or in one plain process for the reference runs). Three commands:
 
   make DIR [COMMAND ...]        a small GPT-2 built from a config (no download), save_pretrained to DIR; then
                                 COMMAND, if given, in the same process
-  load DIR OUT.json             HfDeepSpeedConfig(ds_config) kept alive, from_pretrained(DIR) under zero.Init,
-                                then resize_token_embeddings; writes what it saw per rank to OUT.json (rank r
-                                writes OUT.rank<r>.json)
+  load DIR OUT CFG [COMMAND ...] HfDeepSpeedConfig(CFG) kept alive, from_pretrained(DIR) under zero.Init,
+                                then resize_token_embeddings; writes what it saw per rank to OUT (rank r
+                                writes OUT.rank<r>.json); then COMMAND, if given, in the same processes (the
+                                HfDeepSpeedConfig gone with load's frame, as when a user's script moves on)
   train DIR <TrainingArguments> the Trainer on from_pretrained(DIR) (under zero.Init when --deepspeed names a
                                 stage-3 config, TrainingArguments being created first); writes
                                 <output_dir>/final (trainer.save_model), <output_dir>/losses.json and
@@ -177,6 +178,11 @@ def main(argv: list) -> None:
             main(rest[1:])
     elif cmd == "load":
         load(rest[0], rest[1], rest[2])
+        if rest[3:]:  # a command after it runs in the same processes (the ZeRO-3 Trainer run: a launch less)
+            import gc
+
+            gc.collect()  # load's HfDeepSpeedConfig and engine are garbage now: nothing of them is alive
+            main(rest[3:])
     elif cmd == "train":
         train(rest[0], rest[1:])
     else:

@@ -72,11 +72,11 @@ def work(compat_alias, tmp_path_factory) -> pathlib.Path:
     # the model, then the plain reference Trainer on it, in one process (one interpreter start and import less)
     _run([sys.executable, str(SCRIPT), "make", "model", "train", "model", "--output_dir", "ref",
           "--per_device_train_batch_size", "8", *COMMON], alias, work)
-    _run([*launcher(), "load", "model", "load", "ds_load.json"], alias, work)
-    ds = [*launcher(), "train", "model", "--deepspeed", "ds_train.json", "--per_device_train_batch_size", "4",
-          *COMMON, "--save_strategy", "steps", "--save_steps", "4"]
-    _run([*ds, "--output_dir", "ds"], alias, work)
-    _run([*ds, "--output_dir", "resumed", "--resume_from_checkpoint", "ds/checkpoint-4"], alias, work)
+    train = ["train", "model", "--deepspeed", "ds_train.json", "--per_device_train_batch_size", "4", *COMMON,
+             "--save_strategy", "steps", "--save_steps", "4"]
+    # the loads, then the ZeRO-3 Trainer, in the same 2 ranks (a launch less); the resumed run in fresh ones
+    _run([*launcher(), "load", "model", "load", "ds_load.json", *train, "--output_dir", "ds"], alias, work)
+    _run([*launcher(), *train, "--output_dir", "resumed", "--resume_from_checkpoint", "ds/checkpoint-4"], alias, work)
     return work
 
 
