@@ -1,8 +1,8 @@
 """ZeRO-Infinity optimizer offload (`offload_optimizer.device: nvme`) on 2 gloo ranks, against the same
 run with `device: cpu` (ZeRO-Offload, itself tested against torch.optim.Adam in test_zero_offload):
 - stage 2 (2 slots, gradient accumulation, clipping), stage 1 (one slot), stage 2 with a bf16 model,
-  stage 2 fp16 with overflow-skipped steps, and stage 3, 20 steps each: every step's weights equal
-  bit for bit;
+  stage 2 fp16 with overflow-skipped steps, and stage 3, 12 steps each (fp16: 8 of them skipped, the scale
+  grown again and overflowing once more in the 3 steps after the save): every step's weights equal bit for bit;
 - the NVMe run's checkpoint is an ordinary one: its optimizer files hold the same tensors as the CPU
   run's, a `device: cpu` engine resumes from it and an NVMe engine resumes from the CPU run's, and both
   continue exactly as the uninterrupted CPU run;
@@ -22,6 +22,7 @@ run with `device: cpu` (ZeRO-Offload, itself tested against torch.optim.Adam in 
   real DeepSpeed 0.19.8 (tests/fixtures) resumes with NVMe offload and continues as DeepSpeed did."""
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import shutil
@@ -33,9 +34,10 @@ import pytest
 import torch
 
 from tests.harness import run_distributed
+from tests.shared_launch import run_worlds
 
 MICRO = 2
-STEPS = 20
+STEPS = 12  # an exact comparison: each step swaps every sub-group the same way (was 20)
 EXTRA = 3  # steps after a resume
 
 
@@ -260,12 +262,20 @@ def _param_offload_runs(rank: int, world: int, root: str) -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=None)
-def _parity() -> list[dict[str, Any]]:
+def _runs() -> tuple[list[dict[str, Any]], dict[str, Any], str]:
+    """The parity run on 2 ranks, then the bad-path run on 1, in one launch (tests/shared_launch.py): the
+    parity results per rank, the bad-path results, and the bad-path run's root (kept for its assertions)."""
     root = tempfile.mkdtemp(prefix="dsc_nvme_parity_")
-    try:
-        return run_distributed(parity_body, 2, args=(root,), timeout=400)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    atexit.register(shutil.rmtree, root, True)
+    bad_root = os.path.join(root, "bad")
+    os.makedirs(bad_root)
+    parity, bad = run_worlds([(2, parity_body, (os.path.join(root, "parity"),)), (1, bad_path_body, (bad_root,))],
+                             timeout=600)
+    return parity, bad[0], bad_root
+
+
+def _parity() -> list[dict[str, Any]]:
+    return _runs()[0]
 
 
 CASES = ["stage2", "stage1", "stage2-bf16", "stage2-fp16", "stage3"]
@@ -422,11 +432,11 @@ def _resume_deepspeed_fixture(rank: int, world: int, nvme_path: str) -> list[flo
     return losses
 
 
-def test_bad_nvme_path_two_engines_and_a_deepspeed_checkpoint(tmp_path) -> None:
+def test_bad_nvme_path_two_engines_and_a_deepspeed_checkpoint() -> None:
     """One single-rank run: bad nvme_path values fail at initialize naming the path and the bytes;
     two live engines on one path keep their own files; a DeepSpeed-written checkpoint resumes; stage 3
     with parameters on NVMe trains as with them on the host."""
-    res = run_distributed(bad_path_body, 1, args=(str(tmp_path),), timeout=120)[0]
+    _, res, tmp_path = _runs()
     n = sum(p.numel() for p in Wide().parameters())
     for name in ("missing", "file"):
         msg = res[name]
