@@ -1,0 +1,1 @@
+"""Import stand-in for NVIDIA apex (see ../README.md): what Megatron-DeepSpeed imports on CUDA."""
