@@ -14,6 +14,7 @@ collective by default, part before it with gradient_predivide_factor, all before
 prescale_gradients, none with gradient_allreduce_op "sum"."""
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -115,9 +116,9 @@ class ReduceScatter(BucketReduce):
     layers above it (deepspeed_c.comm's logger and fallback checks, torch.distributed's argument checks,
     group lookup and options) cost more host time a bucket than enqueuing it, once per unit in a ZeRO-3
     backward. It is the same collective with the same options. deepspeed_c.comm serves it instead while
-    its comms logger is on (it records what goes through it), when torch.distributed.reduce_scatter_tensor
-    was replaced (a byte counter or profiler wrapping it sees every call), when deepspeed_c.comm forces or
-    has learnt a fallback for it, and from the first refusal on."""
+    its comms logger is on (it records what goes through it), when torch.distributed's or deepspeed_c.comm's
+    reduce_scatter_tensor was replaced (a byte counter or profiler wrapping it sees every call), when
+    deepspeed_c.comm forces or has learnt a fallback for it, and from the first refusal on."""
     kind = "reduce_scatter"
     writes_out = True
 
@@ -129,6 +130,7 @@ class ReduceScatter(BucketReduce):
         self.op = torch.distributed.ReduceOp.AVG if average else torch.distributed.ReduceOp.SUM
         self._pg: Any = None  # the process group and options of the direct call, resolved at the first bucket
         self._opts: Any = None
+        self._comm_module: Any = None
         self._direct = True
 
     def reduce(self, buf: torch.Tensor, out: Optional[torch.Tensor] = None) -> tuple[Any, torch.Tensor]:
@@ -150,6 +152,8 @@ class ReduceScatter(BucketReduce):
             return None
         if self._pg is None and not self._resolve(comm):
             return None
+        if comm.reduce_scatter_tensor is not self._comm_module.reduce_scatter_tensor:
+            return None  # deepspeed_c.comm.reduce_scatter_tensor was replaced (a counter wrapping it)
         try:
             return _PG_REDUCE_SCATTER(self._pg, out, buf, self._opts)
         except (RuntimeError, NotImplementedError) as err:
@@ -173,6 +177,7 @@ class ReduceScatter(BucketReduce):
             self._direct = False
             return False
         self._pg, self._opts = pg, opts
+        self._comm_module = sys.modules["deepspeed_c.comm.comm"]  # the module defining the function, never patched
         return True
 
 
