@@ -4,6 +4,8 @@ real DeepSpeed's, with the same flags. Prints the loss of every iteration and th
 
     python benchmarks/megatron_client/run_pretrain_gpt.py --mds /path/to/Megatron-DeepSpeed \
         --launcher /path/to/bin/deepspeed --pythonpath DIR[:DIR] --tp 2 --pp 2 --gpus 4 --iters 6
+    python benchmarks/megatron_client/run_pretrain_gpt.py --mds ... --alias /tmp/dsc_alias --real /tmp/ds_real ...
+        (side by side: each iteration's loss, then tokens/s per GPU and the ratio)
 
 Workarounds for Megatron-DeepSpeed's own assumptions (none is on DeepSpeed's side):
 - its CoreAttention `.view`s a strided q/k slice, which fails unless there is one attention head per
@@ -101,17 +103,20 @@ def parse(text: str) -> list[tuple[int, float, float]]:
     return [(int(m.group(1)), float(m.group(2)), float(m.group(3))) for m in _ITER.finditer(text)]
 
 
-def real_with_compress_stub(real: str, dest: pathlib.Path) -> str:
-    """A copy of the real DeepSpeed at `dest` with an import-only deepspeed.compression.compress."""
-    if not (dest / "deepspeed").exists():
-        shutil.copytree(real, dest, symlinks=True)
-    stub = dest / "deepspeed" / "compression" / "compress.py"
+def real_with_compress_stub(real: str, dest: Optional[pathlib.Path]) -> str:
+    """The real DeepSpeed with an import-only deepspeed.compression.compress: in place when `dest` is None
+    or the stub is already there, else in a copy at `dest` (leaving a shared install untouched)."""
+    if not (pathlib.Path(real) / "deepspeed" / "compression" / "compress.py").exists() and dest is not None:
+        if not (dest / "deepspeed").exists():
+            shutil.copytree(real, dest, symlinks=True)
+        real = str(dest)
+    stub = pathlib.Path(real) / "deepspeed" / "compression" / "compress.py"
     if not stub.exists():
         stub.write_text("# import-only stub (not DeepSpeed's): 0.19.8 ships no compression.compress\n"
                         "def init_compression(*args, **kwargs):\n"
                         "    raise NotImplementedError('deepspeed.compression.compress is not in DeepSpeed 0.19.8')\n\n\n"
                         "redundancy_clean = init_compression\n")
-    return str(dest)
+    return real
 
 
 def run(args: argparse.Namespace, work: pathlib.Path, timeout: Optional[float] = None) -> tuple[list, str]:
@@ -135,7 +140,7 @@ def run(args: argparse.Namespace, work: pathlib.Path, timeout: Optional[float] =
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mds", required=True, help="the Megatron-DeepSpeed checkout (outside this project)")
-    p.add_argument("--launcher", required=True, help="the `deepspeed` command to launch with")
+    p.add_argument("--launcher", default="", help="the `deepspeed` command to launch with (one run)")
     p.add_argument("--pythonpath", default="", help="prepended to PYTHONPATH (the alias or the real DeepSpeed, deps)")
     p.add_argument("--tag", default="run")
     p.add_argument("--work", default="/tmp/mds_work")
@@ -157,8 +162,48 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _median(xs: list) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else float("nan")
+
+
+def side_by_side(args: argparse.Namespace) -> None:
+    """Ours (the alias at --alias) then the real DeepSpeed (--real) on the same command: every iteration's
+    loss side by side first, then tokens/s per GPU (median over the iterations after the first two)."""
+    work = pathlib.Path(args.work)
+    base = args.pythonpath
+    results = {}
+    for tag, root in (("dsc", args.alias), ("real", real_with_compress_stub(args.real, work / "ds_real_stub"))):
+        args.tag, args.launcher = f"{tag}_tp{args.tp}_pp{args.pp}", os.path.join(root, "bin", "deepspeed")
+        args.pythonpath = os.pathsep.join(p for p in [root, base] if p)
+        try:
+            results[tag] = run(args, work)[0]
+        except RuntimeError as exc:
+            print(f"{tag}: FAILED {str(exc)[-1500:]}")
+            results[tag] = []
+    ours, theirs = results["dsc"], results["real"]
+    print(f"pretrain_gpt.py TP {args.tp} x PP {args.pp} on {args.gpus} {args.device} ranks, layers {args.layers} "
+          f"hidden {args.hidden} seq {args.seq} micro {args.micro} global {args.global_batch} "
+          f"{'bf16' if args.bf16 else 'fp32'} zero {args.stage} clip {args.clip}")
+    print(f"{'iter':>4} {'loss dsc':>12} {'loss ds':>12} {'rel diff':>9} | {'tgs dsc':>10} {'tgs ds':>10}")
+    for i in range(max(len(ours), len(theirs))):
+        a = ours[i] if i < len(ours) else (i + 1, float("nan"), float("nan"))
+        b = theirs[i] if i < len(theirs) else (i + 1, float("nan"), float("nan"))
+        rel = abs(a[1] - b[1]) / max(abs(b[1]), 1e-12)
+        print(f"{a[0]:>4} {a[1]:>12.6f} {b[1]:>12.6f} {rel:>9.2e} | {a[2]:>10.1f} {b[2]:>10.1f}")
+    ta, tb = _median([r[2] for r in ours[2:]]), _median([r[2] for r in theirs[2:]])
+    print(f"tokens/s per GPU (median, iterations 3+): deepspeed_c {ta:.1f}  DeepSpeed {tb:.1f}  ratio {ta / tb:.3f}"
+          if tb == tb and tb > 0 else f"tokens/s per GPU: deepspeed_c {ta:.1f}  DeepSpeed n/a")
+
+
 def main() -> None:
-    args = parser().parse_args()
+    p = parser()
+    p.add_argument("--alias", default="", help="side by side: the alias install dir (pip --target)")
+    p.add_argument("--real", default="", help="side by side: where DeepSpeed 0.19.8 is installed")
+    args = p.parse_args()
+    if args.alias and args.real:
+        side_by_side(args)
+        return
     rows, _ = run(args, pathlib.Path(args.work))
     if not rows:
         raise SystemExit("no iteration lines in the log")
