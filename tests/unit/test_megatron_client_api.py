@@ -175,3 +175,20 @@ def test_model_parallel_seeds_follow_the_tensor_rank_and_reconfigure_reseeds_onl
     finally:
         ckpt.mpu = saved
         ckpt.get_cuda_rng_tracker().reset()
+
+
+def test_set_data_post_process_func_reaches_the_training_loader(world_of_one):
+    import deepspeed_c
+
+    cfg = {"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    data = torch.utils.data.TensorDataset(torch.arange(8.0).reshape(8, 1))
+    engine, _, loader, _ = deepspeed_c.initialize(model=torch.nn.Linear(1, 1), config=cfg, training_data=data)
+
+    def fn(batch, sampler_state):
+        return batch
+
+    engine.set_data_post_process_func(fn)
+    assert loader is engine.training_dataloader and loader.post_process_func is fn
+    bare, *_ = deepspeed_c.initialize(model=torch.nn.Linear(1, 1), config=cfg)
+    bare.set_data_post_process_func(fn)  # no training loader: nothing to set, as DeepSpeed
+    assert bare.training_dataloader is None

@@ -73,6 +73,12 @@ class EngineDataSchedules:
         pld = self.data_schedules.progressive_layer_drop
         return pld.get_theta() if pld is not None else None
 
+    def set_data_post_process_func(self, post_process_func: Any) -> None:
+        """fn(batch, sampler_state) -> batch, applied by the training loader to each batch it yields (Megatron-
+        DeepSpeed sets it with data-efficiency curriculum learning); without a training loader, nothing."""
+        if self.training_dataloader is not None:
+            self.training_dataloader.post_process_func = post_process_func
+
     def set_custom_curriculum_learning_schedule(self, schedule_func_dict: Any) -> None:
         """The function of a `schedule_type: "custom"` curriculum: global_step -> difficulty. With the
         data-efficiency sampler, DeepSpeed's {metric_name: function} dict goes to its metrics; for the legacy
