@@ -8,6 +8,7 @@
 # pure-Python deps .mds/deps: six, einops, pybind11) and .dsref (the DeepSpeed 0.19.8 sdist), plus .whl as
 # usual: run(carry=[".mds", ".dsref", ".whl"]). Run from the repo root after `source scripts/device_setup.sh`.
 #
+# Then TP 2 x DP 2 at ZeRO-1 (--no-pipeline-parallel) when time is left.
 # Two phases, so the timed part stays <= 150 s:
 #   bash .devrun/gpu_54c.sh setup   # ~3-4 min once per machine: alias + real DeepSpeed install, DeepSpeed's
 #                                   # fused_adam JIT, Megatron's dataset helper and (in a 1-iteration warm-up run
@@ -89,5 +90,11 @@ timeout 140 python3 benchmarks/megatron_client/run_pretrain_gpt.py --mds $MDS \
     --alias /tmp/dsc_alias --real /tmp/ds_real --pythonpath $DEPS --device cuda --gpus 4 --tp 2 --pp 2 \
     --layers 8 --hidden 2048 --seq 1024 --micro 2 --global-batch 16 --iters 10 --stage 1 --clip 0 --bf16 \
     --work /tmp/mds_work 2>&1 | grep -vE "INFO|WARNING|UserWarning|^\s*$" | tail -20
+L=$(( 148 - ($(date +%s) - T1) ))
+echo "== TP 2 x DP 2 (its mpu through initialize, --no-pipeline-parallel), bf16, ZeRO-1, clipping 1.0 $(date +%T) (${L} s left)"
+[ "$L" -gt 50 ] && timeout "$L" python3 benchmarks/megatron_client/run_pretrain_gpt.py --mds $MDS \
+    --alias /tmp/dsc_alias --real /tmp/ds_real --pythonpath $DEPS --device cuda --gpus 4 --tp 2 --pp 1 \
+    --layers 8 --hidden 2048 --seq 1024 --micro 2 --global-batch 16 --iters 10 --stage 1 --clip 1.0 --bf16 \
+    --port 29621 --work /tmp/mds_work 2>&1 | grep -vE "INFO|WARNING|UserWarning|^\s*$" | tail -16
 echo "== done: comparison $(( $(date +%s) - T1 )) s, total $(( $(date +%s) - T0 )) s"
 for f in /tmp/mds_work/log_*.txt; do [ -f "$f" ] && { echo "-- $f (tail)"; grep -E "Error|error|Traceback" "$f" | tail -5; }; done
