@@ -14,7 +14,8 @@ stage3_max_live_parameters.
 
 Under DSC_TEST_BACKEND=nccl the same cases run one GPU a rank (TF32 off, same tolerances). zero.Init
 builds on the GPU, as DeepSpeed's does, so its stage-0 reference is built on the rank's GPU too (the
-same seeded CUDA generator gives both the same initial weights)."""
+same seeded CUDA generator gives both the same initial weights). On gloo the three world sizes share one
+launch (a fresh process group each); on NCCL each has its own."""
 from __future__ import annotations
 
 import functools
@@ -24,7 +25,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.harness import deterministic, rank_device, run_distributed
+from tests.harness import backend_choice, deterministic, rank_device, run_distributed
+from tests.shared_launch import run_worlds
 
 MICRO = 2
 STEPS = 8
@@ -172,7 +174,17 @@ def body(rank: int, world: int, names: list[str]) -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=None)
+def _all_worlds() -> dict[int, list[dict[str, Any]]]:
+    """On gloo every world size's cases in one launch (tests/shared_launch.py: a fresh process group per world)."""
+    worlds = sorted(WORLD_CASES)
+    return dict(zip(worlds, run_worlds([(w, body, (WORLD_CASES[w],)) for w in worlds], timeout=900)))
+
+
+@functools.lru_cache(maxsize=None)
 def _results(world: int) -> list[dict[str, Any]]:
+    if backend_choice() == "gloo":
+        return _all_worlds()[world]
+    # NCCL: a launch per world size, so a host with fewer GPUs than the largest world still runs the smaller ones
     return run_distributed(body, world, args=(WORLD_CASES[world],), timeout=900)
 
 
