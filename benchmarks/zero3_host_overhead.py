@@ -174,7 +174,11 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
             ours(*batches[k % 8])
         prof.disable()
         if rank == 0:
-            for key in ("cumulative", "tottime"):
+            stats = pstats.Stats(prof)
+            print(f"-- ours, {args.steps} steps profiled: {stats.total_calls / args.steps:.0f} Python function calls "
+                  f"a step ({stats.prim_calls / args.steps:.0f} primitive), {stats.total_tt * 1e3 / args.steps:.1f} "
+                  "ms a step under the profiler")
+            for key in args.sort.split(","):
                 s = io.StringIO()
                 pstats.Stats(prof, stream=s).strip_dirs().sort_stats(key).print_stats(args.top)
                 print(f"-- ours, {args.steps} steps, by {key}")
@@ -193,6 +197,7 @@ def main() -> None:
     ap.add_argument("--check", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--top", type=int, default=30, help="rows of each profile table")
+    ap.add_argument("--sort", default="cumulative,tottime", help="pstats sort keys of the profile tables (ncalls, ...)")
     args = ap.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
