@@ -46,12 +46,14 @@ class LinearFunctionForZeroStage3(torch.autograd.Function):  # DeepSpeed's name
             # the parameter may be a placeholder again; a view holds the gathered weight (as torch's
             # linear holds `weight.t()`) and still passes gradients on to the parameter
             weight = weight.view_as(weight)
+        dtype = grad_output.dtype  # a cast only where the dtypes differ (`.to` of the same dtype is the tensor itself)
         if ctx.needs_input_grad[0]:
-            grad_input = grad_output.matmul(weight.to(grad_output.dtype))
+            grad_input = grad_output.matmul(weight if weight.dtype == dtype else weight.to(dtype))
         out_features = grad_output.shape[-1]
         flat_grad = grad_output.reshape(-1, out_features)
         if ctx.needs_input_grad[1]:
-            grad_weight = flat_grad.t().matmul(input.reshape(-1, input.shape[-1]).to(grad_output.dtype))
+            flat_input = input.reshape(-1, input.shape[-1])
+            grad_weight = flat_grad.t().matmul(flat_input if flat_input.dtype == dtype else flat_input.to(dtype))
         if bias is not None and ctx.needs_input_grad[2]:
             grad_bias = flat_grad.sum(0)
         return grad_input, grad_weight, grad_bias
