@@ -85,7 +85,7 @@ def command(args: argparse.Namespace, data: str, cfg: str) -> list[str]:
            "--no-gradient-accumulation-fusion", "--attention-dropout", "0", "--hidden-dropout", "0",
            "--distributed-backend", "nccl" if args.device == "cuda" else "gloo",
            "--deepspeed", "--deepspeed_config", cfg, "--zero-stage", str(args.stage)]
-    if args.pp == 1:
+    if args.pp == 1 and not args.pipe_engine:  # else GPTModelPipe on a one-stage PipelineEngine
         cmd.append("--no-pipeline-parallel")
     if args.device == "cuda":  # each DeepSpeed's own FusedAdam (on the host Megatron takes torch's Adam)
         cmd.append("--ds_fused_adam")
@@ -159,6 +159,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--stage", type=int, default=0)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--pipe-engine", action="store_true", help="at --pp 1 too: Megatron's GPTModelPipe and the "
+                   "PipelineEngine (its default without --no-pipeline-parallel) instead of its mpu through initialize")
     return p
 
 
