@@ -3,7 +3,8 @@ resolving under deepspeed_c with DeepSpeed 0.19.8's behaviour: the module-level 
 script needs before it runs a step, the accelerator's typed-tensor constructors and default generator
 (its model-parallel RNG tracker swaps that generator's state), OpBuilder.is_rocm_pytorch (read at import
 of megatron/initialize.py) and runtime.utils.PartitionedTensor (its zero-bubble pipeline engine), the
-last on 2 gloo ranks against the unsplit tensor."""
+last on 2 gloo ranks against the unsplit tensor, in the same launch as a PipelineEngine whose second tensor rank has
+no data iterator (Megatron's get_batch_pipe broadcasts tensor rank 0's batch)."""
 from __future__ import annotations
 
 import importlib
@@ -113,10 +114,47 @@ def _partitioned_body(rank: int, world_size: int) -> list:
         except (ValueError, TypeError) as exc:
             errors.append(f"{type(exc).__name__}: {exc}")
     out.append(errors)
+    out.append(_pipe_batch_fn_without_iterator(rank))
     return out
 
 
-def test_partitioned_tensor_two_ranks_even_and_uneven():
+def _pipe_layers() -> list:
+    torch.manual_seed(0)
+    return [torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)]
+
+
+_PIPE_X = torch.linspace(-1, 1, 16).reshape(4, 4)
+_PIPE_Y = torch.linspace(0, 1, 4).reshape(4, 1)
+
+
+def _pipe_batch_fn_without_iterator(rank: int) -> float:
+    """Megatron's layout: tensor rank 0 reads the data, its batch_fn broadcasts over the tensor (slice) group,
+    so the other tensor rank has no iterator and its batch_fn gets None (DeepSpeed's engine allows that)."""
+    import torch.distributed as dist
+
+    import deepspeed_c
+    from deepspeed_c.pipe import PipelineModule
+    from deepspeed_c.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    module = PipelineModule(layers=_pipe_layers(), loss_fn=torch.nn.functional.mse_loss,
+                            topology=PipeModelDataParallelTopology(num_pp=1, num_mp=2, num_dp=1))
+    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, *_ = deepspeed_c.initialize(model=module, model_parameters=module.parameters(), config=cfg)
+    group = engine.grid.get_slice_parallel_group()
+
+    def batch_fn(batch):
+        x, y = (torch.empty(2, 4), torch.empty(2, 1)) if batch is None else batch
+        dist.broadcast(x, 0, group=group)
+        dist.broadcast(y, 0, group=group)
+        return x, y
+
+    engine.set_batch_fn(batch_fn)
+    data = iter([(_PIPE_X[:2].clone(), _PIPE_Y[:2].clone()), (_PIPE_X[2:].clone(), _PIPE_Y[2:].clone())])
+    return float(engine.train_batch(data_iter=data if rank == 0 else None))
+
+
+def test_two_ranks_partitioned_tensor_and_pipeline_batch_fn_without_iterator():
     results = run_distributed(_partitioned_body, world_size=2)
     for idx, shape in enumerate([(4, 6), (3, 5)]):
         full = (np.arange(float(np.prod(shape))).reshape(shape) * 0.5 + 1).astype(np.float32)
@@ -128,6 +166,11 @@ def test_partitioned_tensor_two_ranks_even_and_uneven():
             np.testing.assert_array_equal(local, full.reshape(-1)[bounds[rank]:bounds[rank + 1]])
             np.testing.assert_array_equal(gathered, full)
             assert list(size) == list(shape) and local_size == (bounds[rank + 1] - bounds[rank],)
+    model = torch.nn.Sequential(*_pipe_layers())
+    with torch.no_grad():  # the first batch's loss, before the step: mean over its 2 micro-batches
+        ref = 0.5 * sum(float(torch.nn.functional.mse_loss(model(_PIPE_X[i:i + 2]), _PIPE_Y[i:i + 2])) for i in (0, 2))
+    for rank in range(2):
+        np.testing.assert_allclose(results[rank][3], ref, rtol=1e-6)
     for rank in range(2):
         wrong_rank, wrong_dtype = results[rank][2]
         assert wrong_rank.startswith("ValueError") and f"part {1 - rank} of 2" in wrong_rank

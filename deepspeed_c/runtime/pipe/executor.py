@@ -145,17 +145,20 @@ class PipeExecutor:
         return x
 
     def _next_batch(self) -> Any:
-        it = self.data_iter
-        if it is None:
+        it, fn = self.data_iter, self.batch_fn
+        if it is None and not fn:
             raise RuntimeError(f"stage {self.stage_id} has no data iterator: pass train_batch(data_iter=...) "
                                "or call set_dataiterator() on the first and last stages")
-        try:
-            batch = next(it)
-        except StopIteration:
-            raise RuntimeError(f"the data iterator ran out after {self.loaded} of {self.n_micro} micro-batches "
-                               f"(gradient_accumulation_steps={self.n_micro}) on stage {self.stage_id}") from None
+        # With a batch_fn a rank may have no iterator (as in DeepSpeed): Megatron reads data on tensor rank 0
+        # only and its batch_fn(None) receives that rank's broadcast
+        batch = None
+        if it is not None:
+            try:
+                batch = next(it)
+            except StopIteration:
+                raise RuntimeError(f"the data iterator ran out after {self.loaded} of {self.n_micro} micro-batches "
+                                   f"(gradient_accumulation_steps={self.n_micro}) on stage {self.stage_id}") from None
         self.loaded += 1
-        fn = self.batch_fn
         if fn:
             batch = fn(batch)
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
