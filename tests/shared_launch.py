@@ -7,7 +7,8 @@ is a fresh default process group of its own world size on the first `world` rank
 next phase), so every phase is still a real multi-process run of that world size, its collectives among
 exactly its ranks, and phases see each other's files only (a later phase loads what an earlier one saved).
 What carries over between phases is a rank's process: its imports, and process-global state, which the
-bodies given here must not rely on (each builds its own model and engine).
+bodies given here must not rely on (each builds its own model and engine); the expert and tensor-parallel
+groups deepspeed_c caches are forgotten after each phase.
 
     phases = [(2, save_body, (path,)), (4, load_body, (path,))]
     by_phase = run_worlds(phases)   # by_phase[1][r]: load_body's result on rank r of the 4-rank world
@@ -23,6 +24,17 @@ from typing import Any, Callable, Sequence
 from tests.harness import run_distributed
 
 Phase = tuple[int, Callable[..., Any], Sequence[Any]]
+
+
+def _forget_cached_groups() -> None:
+    """deepspeed_c.utils.groups caches the expert and tensor-parallel groups it made; they belong to the process
+    group just destroyed (a later phase reusing them on some ranks only would hang), so they are forgotten."""
+    import sys
+
+    groups = sys.modules.get("deepspeed_c.utils.groups")
+    if groups is not None:
+        groups._reset_expert_groups()
+        groups._reset_tp_groups()
 
 
 def _phases_body(rank: int, size: int, phases: Sequence[Phase]) -> list[Any]:
@@ -45,6 +57,7 @@ def _phases_body(rank: int, size: int, phases: Sequence[Phase]) -> list[Any]:
             out.append(fn(rank, world, *args))
         finally:
             dist.destroy_process_group()
+            _forget_cached_groups()
     os.environ.update(WORLD_SIZE=str(size), LOCAL_WORLD_SIZE=str(size))
     return out
 
