@@ -2,10 +2,11 @@
 DSC_MEGATRON_DEEPSPEED) trains a tiny GPT on 2 CPU ranks (gloo) with `import deepspeed` resolving to
 deepspeed_c through the opt-in alias and its `deepspeed` launcher, unchanged flags
 (benchmarks/megatron_client/run_pretrain_gpt.py builds them): pipeline 2 (Megatron's GPTModelPipe on our
-PipelineEngine, tied embedding across the stages) and tensor 2 (its mpu handed to initialize). Every loss
+PipelineEngine, tied embedding across the stages), tensor 2 (its mpu handed to initialize) and tensor 2 on a
+one-stage PipelineEngine (only tensor rank 0 reads data; its batch_fn broadcasts it). Every loss
 is finite and the last is below the first; with DSC_DEEPSPEED_REAL (a directory where DeepSpeed 0.19.8 is
 installed) the same commands under the real DeepSpeed give the same losses (1e-5 relative; Megatron logs 7
-significant digits). Gradient clipping is off in the pipeline comparison: for a pipeline DeepSpeed's
+significant digits). Gradient clipping is off in the 2-stage comparison: across stages DeepSpeed's
 fp32 clipping norm counts the non-tensor-parallel parameters of stage 0 only and the tied embedding on
 both stages (its clip_grad_norm_ over the stage x tensor group); ours is the model's norm (README).
 
@@ -32,7 +33,10 @@ pytestmark = pytest.mark.skipif(
     not MDS, reason="runs Megatron-DeepSpeed's pretrain_gpt.py when DSC_MEGATRON_DEEPSPEED names its checkout "
                     "(outside the project); nothing here checks it otherwise")
 
-LAYOUTS = {"pp2": dict(tp=1, pp=2, clip=0.0), "tp2": dict(tp=2, pp=1, clip=1.0)}
+# tp2: its mpu through initialize (--no-pipeline-parallel); tp2pipe: its default GPTModelPipe on a one-stage
+# PipelineEngine, where only tensor rank 0 has a data iterator
+LAYOUTS = {"pp2": dict(tp=1, pp=2, clip=0.0), "tp2": dict(tp=2, pp=1, clip=1.0),
+           "tp2pipe": dict(tp=2, pp=1, clip=1.0, pipe_engine=True)}
 
 
 def _args(launcher: str, pythonpath: str, tag: str, layout: dict) -> argparse.Namespace:
