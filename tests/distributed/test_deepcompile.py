@@ -1,24 +1,29 @@
 """DeepCompile (`compile: {deepcompile: true}` + engine.compile) and compiled training on 2 real gloo ranks
 (or 2 GPUs under DSC_TEST_BACKEND=nccl).
 
-Every run trains the same model from the same weights twice, in one process per rank: the eager engine
+Every case trains the same model from the same weights twice, in one process per rank: the eager engine
 (no compile) is the reference, then the compiled engine. At ZeRO-3 DeepCompile puts the unit gathers and
 gradient reduce-scatters in the graph (deepspeed_c/compile), and the checks also see the ops at work:
 one graph per forward, gathers in the backward graph (re-gathered, not saved), prefetches, reduce-scatters.
+
+One launch for the module: a compile costs seconds of dynamo tracing and AOT autograd per graph, far more
+than the steps or a launch, so all cases run one after another inside the same 2 ranks (dynamo's caches
+reset between cases, so each compiles cold as in a fresh process) and each test asserts on its own case's
+results; a case that raised fails its own test with the rank's traceback.
 
 Tolerances: fp32 through the "eager" backend (AOT autograd with our passes, no code generation) runs the
 same kernels as the eager engine: losses within 1e-5 relative, final weights within 1e-5 (1e-4 on NCCL,
 whose sums may run in another order than the eager engine's buckets). bf16 (and
 inductor's fused kernels) round differently: each loss within 2e-2 absolute of the eager one (losses
 ~3.5: about 4 bf16 ulps) over the 20 steps. Inductor's C++ compiles cost tens of seconds per run on 2
-CPU cores, so the inductor runs (one ZeRO-3 and one ZeRO-1 run, marked slow) live in test_deepcompile_inductor.py, which
-pytest -n 2 --dist loadfile can run beside this file instead of after it. Plain engine.compile at stages
-0-2 is marked slow too (stage 2 is also test_engine_save16_compile's); the rest uses the "eager" backend,
+CPU cores, so the inductor runs (ZeRO-1 and ZeRO-3, one launch) live in test_deepcompile_inductor.py, which
+pytest -n 2 --dist loadfile can run beside this file instead of after it; the rest uses the "eager" backend,
 which runs the same dynamo capture, custom ops, FX passes and partitioner."""
 from __future__ import annotations
 
 import logging
-from typing import Any
+import traceback
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 import pytest
@@ -26,22 +31,59 @@ import torch
 
 from tests.harness import backend_choice, rank_device, run_distributed
 
-STEPS = 20
+STEPS = 20  # bf16 cases: the tolerance holds over this many steps
+EXACT_STEPS = 6  # fp32 cases compare with the eager engine exactly: a few steps show the updates are seen
 BF16_ATOL = 2e-2
 
 
-def _engine(kind: str, stage: int, bf16: Any, ckpt: bool, gas: int, deepcompile: bool) -> Any:
+class Case(NamedTuple):
+    kind: str
+    stage: int
+    precision: Any  # False (fp32), True (bf16) or "fp16"
+    ckpt: bool = True
+    gas: int = 2
+    deepcompile: bool = True
+    steps: int = STEPS
+    evaluate: bool = False  # also compare a no_grad forward after training (the compiled inference graph)
+    resume_at: Optional[int] = None  # save the compiled engine here; a fresh compiled engine resumes from it
+
+
+# What each case adds (every one is checked against its own eager run). GPT in bf16 with compile.deepcompile at
+# ZeRO-1 and 3 runs in test_deepcompile_inductor.py (the same runs, compiled by inductor); below stage 3 the
+# deepcompile key compiles as plain engine.compile does (runtime/compiler.py), plain_z1's path.
+CASES: dict[str, Case] = {
+    # fp32 ZeRO-3, exact. The model checkpoints through deepspeed.checkpointing.checkpoint: eager, that is
+    # DeepSpeed's reentrant checkpoint (the reference); inside a compiled graph it is torch's non-reentrant
+    # checkpoint (activation_checkpointing/checkpointing.py), the graph a model calling torch's checkpoint
+    # compiles to. The compiled engine saves a checkpoint halfway, a fresh DeepCompile engine loads it and
+    # must continue bit for bit.
+    "fp32_z3": Case("gpt-dsckpt", 3, False, steps=EXACT_STEPS, evaluate=True, resume_at=EXACT_STEPS // 2),
+    # bf16 ZeRO-3 on Hugging Face's LLaMA (gradient checkpointing, accumulation)
+    "bf16_z3_llama": Case("llama", 3, True),
+    # compile.deepcompile at ZeRO-1: torch.compile with the bucketed reduction after the compiled backward
+    "bf16_z1_llama": Case("llama", 1, True),
+    "fp16_z3": Case("gpt", 3, "fp16", ckpt=False, steps=8),
+    # data-dependent control flow: dynamo breaks the graph, the numbers stay exact, the log says it once
+    "graph_break": Case("branchy", 3, False, ckpt=False, gas=1, steps=EXACT_STEPS, evaluate=True),
+    # engine.compile alone at every stage (ZeRO-3: its gather/release hooks outside the graphs)
+    **{f"plain_z{s}": Case("gpt", s, True, deepcompile=False, steps=6) for s in range(4)},
+}
+
+
+def _engine(kind: str, stage: int, precision: Any, ckpt: bool, gas: int, deepcompile: bool,
+            optimizer: bool = True) -> Any:
     import deepspeed_c
     from tests.distributed.compile_models import make
 
     model = make(kind, seed=1, checkpointing=ckpt)
     cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas,
                            "steps_per_print": 10**9, "gradient_clipping": 1.0,
-                           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
                            "zero_optimization": {"stage": stage}}
-    if bf16 == "fp16":  # a fixed loss scale: the dynamic one's first skipped steps would differ by chance
+    if optimizer:
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 3e-3}}
+    if precision == "fp16":  # a fixed loss scale: the dynamic one's first skipped steps would differ by chance
         cfg["fp16"] = {"enabled": True, "loss_scale": 256}
-    elif bf16:
+    elif precision:
         cfg["bf16"] = {"enabled": True}
     if deepcompile:
         cfg["compile"] = {"deepcompile": True}
@@ -49,11 +91,9 @@ def _engine(kind: str, stage: int, bf16: Any, ckpt: bool, gas: int, deepcompile:
     return engine
 
 
-def _train(engine: Any, rank: int, world: int, steps: int, gas: int) -> list[float]:
-    from tests.distributed.compile_models import batches
-
+def _train(engine: Any, rank: int, micro: list[torch.Tensor]) -> list[float]:
     losses = []
-    for x in batches(steps * gas, 2 * world, seed=3):
+    for x in micro:
         loss = engine(x[2 * rank:2 * rank + 2].to(rank_device()))
         engine.backward(loss)
         engine.step()
@@ -89,42 +129,105 @@ class _Count(logging.Handler):
         self.hits += self.needle in record.getMessage()
 
 
-def _body(rank: int, world: int, kind: str, stage: int, bf16: bool, ckpt: bool, gas: int, backend: str,
-          deepcompile: bool, steps: int) -> dict:
+def _run_case(rank: int, world: int, c: Case, backend: str, root: str) -> dict:
     from deepspeed_c.compile import custom_ops
     from deepspeed_c.utils.logging import logger
+    from tests.distributed.compile_models import batches
 
+    micro = batches(c.steps * c.gas, 2 * world, seed=3)
     torch.manual_seed(0)
-    eager = _engine(kind, stage, bf16, ckpt, gas, False)
-    ref = _train(eager, rank, world, steps, gas)
-    ref_w = _weights(eager)
-    ref_eval = _evaluate(eager, rank) if not bf16 else None
+    eager = _engine(c.kind, c.stage, c.precision, c.ckpt, c.gas, False)
+    res: dict[str, Any] = {"ref": _train(eager, rank, micro), "ref_w": _weights(eager)}
+    res["ref_eval"] = _evaluate(eager, rank) if c.evaluate else None
     count = _Count("did not compile as one graph")
     logger.addHandler(count)
-    engine = _engine(kind, stage, bf16, ckpt, gas, deepcompile)
-    engine.compile(backend=backend)
-    got = _train(engine, rank, world, steps, gas)
-    got_eval = _evaluate(engine, rank) if not bf16 else None
-    res = {"ref": ref, "got": got, "ref_w": ref_w, "got_w": _weights(engine), "active": engine.is_deepcompile_active(),
-           "ref_eval": ref_eval, "got_eval": got_eval,
-           "break_notes": count.hits, "compiled": engine.is_compiled}
-    ctxs = custom_ops.contexts()
-    if ctxs:
-        c = ctxs[-1]
-        res.update(gathers=c.gathers, reduces=c.reduces, prefetched=c.prefetched, pending=len(c.pending),
-                   gather_calls=c.gather_calls, backward_gathers=c.backward_gathers,
-                   backward_prefetches=c.backward_prefetches)
+    try:
+        engine = _engine(c.kind, c.stage, c.precision, c.ckpt, c.gas, c.deepcompile)
+        engine.compile(backend=backend)
+        ctx = custom_ops.contexts()[-1] if engine.is_deepcompile_active() else None  # the one it registered
+        cut = len(micro) if c.resume_at is None else c.resume_at * c.gas
+        got = _train(engine, rank, micro[:cut])
+        if c.resume_at is not None:
+            engine.save_checkpoint(root)
+        res["got"] = got + _train(engine, rank, micro[cut:])
+        res["got_eval"] = _evaluate(engine, rank) if c.evaluate else None
+    finally:
+        logger.removeHandler(count)
+    res.update(got_w=_weights(engine), active=engine.is_deepcompile_active(), compiled=engine.is_compiled,
+               break_notes=count.hits)
+    if ctx is not None:
+        res.update(gathers=ctx.gathers, reduces=ctx.reduces, prefetched=ctx.prefetched, pending=len(ctx.pending),
+                   gather_calls=ctx.gather_calls, backward_gathers=ctx.backward_gathers,
+                   backward_prefetches=ctx.backward_prefetches)
+    if c.resume_at is not None:  # a fresh engine, compiling its own graph, from the checkpoint
+        again = _engine(c.kind, c.stage, c.precision, c.ckpt, c.gas, c.deepcompile)
+        again.compile(backend=backend)
+        again.load_checkpoint(root)
+        res["resumed"] = _train(again, rank, micro[cut:])
     return res
 
 
-def _run(kind: str, stage: int, *, bf16: bool, ckpt: bool = True, gas: int = 2, backend: str = "eager",
-         deepcompile: bool = True, steps: int = STEPS, timeout: float = 600,
-         env: dict[str, str] | None = None) -> list[dict]:
-    return run_distributed(_body, 2, args=(kind, stage, bf16, ckpt, gas, backend, deepcompile, steps),
-                           timeout=timeout, env=env)
+def _no_optimizer(rank: int) -> str:
+    """engine.compile of a DeepCompile ZeRO-3 engine without an optimizer: the refusal's message."""
+    engine = _engine("gpt", 3, False, False, 1, True, optimizer=False)
+    try:
+        engine.compile(backend="eager")
+    except ValueError as e:
+        return str(e)
+    return ""
 
 
-def _check_losses(res: list[dict], bf16: bool, fused: bool = False) -> None:
+def _cases_body(rank: int, world: int, cases: dict[str, Case], backend: str, root: str,
+                no_optimizer: bool) -> dict[str, Any]:
+    """Every case in these ranks, one after another: its results, or the traceback it raised."""
+    import os
+
+    if backend == "inductor":
+        import torch._inductor.config as inductor_config
+
+        # inductor's build-and-load probe of each vector ISA the CPU reports (a fresh interpreter importing torch
+        # per ISA and rank: tens of seconds on 2 cores) trusts the CPU's flags instead, so a compiler that builds
+        # them gets the same ISA. The kernels compile in the rank, not in a pool of 2 more interpreters per rank
+        # (2 ranks on 2 cores gain nothing from it). Neither changes a kernel or a check.
+        inductor_config.cpp.vec_isa_ok = True
+        inductor_config.compile_threads = 1
+    out: dict[str, Any] = {}
+    for name, c in cases.items():
+        torch._dynamo.reset()  # each case compiles cold, as in a fresh process (and no recompile limit is hit)
+        try:
+            out[name] = _run_case(rank, world, c, backend, os.path.join(root, name))
+        except Exception:
+            out[name] = {"error": traceback.format_exc()}
+    if no_optimizer:
+        try:
+            out["no_optimizer"] = _no_optimizer(rank)
+        except Exception:
+            out["no_optimizer"] = {"error": traceback.format_exc()}
+    return out
+
+
+def run_cases(cases: dict[str, Case], root: str, backend: str = "eager", no_optimizer: bool = False,
+              timeout: float = 840, env: Optional[dict[str, str]] = None) -> dict[str, list[Any]]:
+    """Runs the cases in one 2-rank launch; per case, the per-rank results."""
+    ranks = run_distributed(_cases_body, 2, args=(cases, backend, root, no_optimizer), timeout=timeout, env=env)
+    return {name: [r[name] for r in ranks] for name in ranks[0]}
+
+
+def case_results(runs: dict[str, list[Any]], name: str) -> list[Any]:
+    """A case's per-rank results; its test fails with the rank's traceback where it raised."""
+    res = runs[name]
+    for rank, r in enumerate(res):
+        if isinstance(r, dict) and "error" in r:
+            pytest.fail(f"case {name!r} raised on rank {rank}:\n{r['error']}", pytrace=False)
+    return res
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
+    return run_cases(CASES, str(tmp_path_factory.mktemp("deepcompile")), no_optimizer=True)
+
+
+def check_losses(res: list[dict], bf16: bool, fused: bool = False) -> None:
     for r in res:
         ref, got = np.array(r["ref"]), np.array(r["got"])
         assert len(got) == len(ref) and np.isfinite(got).all()
@@ -140,7 +243,7 @@ def _check_losses(res: list[dict], bf16: bool, fused: bool = False) -> None:
         assert not np.allclose(r["ref_w"], r["got_w"] * 0)  # it trained (weights present)
 
 
-def _check_graph_ops(res: list[dict]) -> None:
+def check_graph_ops(res: list[dict]) -> None:
     for r in res:
         assert r["active"] and r["compiled"]
         # counted as the ops run, so a graph inductor's FX-graph / AOT-autograd caches served (the passes did
@@ -150,101 +253,53 @@ def _check_graph_ops(res: list[dict]) -> None:
         assert r["reduces"] > 0 and r["pending"] == 0, r
 
 
-def test_zero3_gpt_fp32_matches_eager_exactly() -> None:
-    res = _run("gpt", 3, bf16=False)
-    _check_losses(res, bf16=False)
-    _check_graph_ops(res)
+def test_zero3_fp32_matches_eager_exactly(runs: dict) -> None:
+    """fp32 ZeRO-3 with deepspeed.checkpointing.checkpoint in the compiled graph (reentrant in eager)."""
+    res = case_results(runs, "fp32_z3")
+    check_losses(res, bf16=False)
+    check_graph_ops(res)
     assert all(r["break_notes"] == 0 for r in res)
 
 
-@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_zero3_checkpoint_resume(runs: dict) -> None:
+    """A DeepCompile engine's checkpoint, loaded by a fresh DeepCompile engine, continues bit for bit."""
+    for r in case_results(runs, "fp32_z3"):
+        whole = r["got"][CASES["fp32_z3"].resume_at * CASES["fp32_z3"].gas:]
+        assert len(whole) > 0
+        np.testing.assert_allclose(r["resumed"], whole, rtol=1e-6 if backend_choice() == "nccl" else 0, atol=0)
+
+
 @pytest.mark.parametrize("stage", [1, 3])
-def test_bf16_accumulation_checkpointing_matches_eager(kind: str, stage: int) -> None:
-    res = _run(kind, stage, bf16=True)
-    _check_losses(res, bf16=True)
+def test_bf16_accumulation_checkpointing_matches_eager(runs: dict, stage: int) -> None:
+    res = case_results(runs, f"bf16_z{stage}_llama")
+    check_losses(res, bf16=True)
     if stage == 3:
-        _check_graph_ops(res)
+        check_graph_ops(res)
     else:  # ZeRO-1 keeps its bucketed reduction after the compiled backward
         assert all(r["compiled"] and not r["active"] for r in res)
 
 
-def test_zero3_deepspeed_checkpointing_api() -> None:
-    """deepspeed.checkpointing.checkpoint (reentrant in eager) inside the compiled graph."""
-    res = _run("gpt-dsckpt", 3, bf16=False, gas=1, steps=6)
-    _check_losses(res, bf16=False)
-    _check_graph_ops(res)
+def test_zero3_fp16_matches_eager(runs: dict) -> None:
+    res = case_results(runs, "fp16_z3")
+    check_losses(res, bf16=True)
+    check_graph_ops(res)
 
 
-def test_zero3_fp16_matches_eager() -> None:
-    res = _run("gpt", 3, bf16="fp16", ckpt=False, steps=8)
-    _check_losses(res, bf16=True)
-    _check_graph_ops(res)
-
-
-def test_graph_break_same_numbers_said_once() -> None:
-    res = _run("branchy", 3, bf16=False, ckpt=False, gas=1)
-    _check_losses(res, bf16=False)
-    assert res[0]["break_notes"] == 1  # rank 0 logs it, once in 20 steps
+def test_graph_break_same_numbers_said_once(runs: dict) -> None:
+    res = case_results(runs, "graph_break")
+    check_losses(res, bf16=False)
+    assert res[0]["break_notes"] == 1  # rank 0 logs it, once over all the steps
     assert res[1]["break_notes"] == 0
 
 
-@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), pytest.param(1, marks=pytest.mark.slow),
-                                   pytest.param(2, marks=pytest.mark.slow), 3])
-def test_engine_compile_without_deepcompile(stage: int) -> None:
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_engine_compile_without_deepcompile(runs: dict, stage: int) -> None:
     """engine.compile alone at every stage (ZeRO-3: its gather/release hooks outside the graphs)."""
-    res = _run("gpt", stage, bf16=True, deepcompile=False, steps=6)
-    _check_losses(res, bf16=True)
+    res = case_results(runs, f"plain_z{stage}")
+    check_losses(res, bf16=True)
     assert all(r["compiled"] and not r["active"] for r in res)
 
 
-def _resume_body(rank: int, world: int, root: str) -> tuple[list[float], list[float]]:
-    from tests.distributed.compile_models import batches
-
-    xs = batches(5, 2 * world, seed=3)
-
-    def engine() -> Any:
-        e = _engine("gpt", 3, False, False, 1, True)
-        e.compile(backend="eager")
-        return e
-
-    def run(e: Any, part: list) -> list[float]:
-        out = []
-        for x in part:
-            loss = e(x[2 * rank:2 * rank + 2].to(rank_device()))
-            e.backward(loss)
-            e.step()
-            out.append(loss.item())
-        return out
-
-    whole = run(engine(), xs)  # three engines in one process: each compiles its own graph
-    first = engine()
-    losses = run(first, xs[:3])
-    first.save_checkpoint(root)
-    again = engine()
-    again.load_checkpoint(root)
-    return whole, losses + run(again, xs[3:])
-
-
-def test_zero3_checkpoint_resume(tmp_path) -> None:
-    """A DeepCompile engine's checkpoint, loaded by a fresh DeepCompile engine, continues bit for bit."""
-    for whole, resumed in run_distributed(_resume_body, 2, args=(str(tmp_path),), timeout=600):
-        np.testing.assert_allclose(resumed, whole, rtol=1e-6 if backend_choice() == "nccl" else 0, atol=0)
-
-
-def _no_optimizer_body(rank: int, world: int) -> str:
-    import deepspeed_c
-    from tests.distributed.compile_models import make
-
-    model = make("gpt", seed=1)
-    engine, *_ = deepspeed_c.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}, "compile": {"deepcompile": True}})
-    try:
-        engine.compile(backend="eager")
-    except ValueError as e:
-        return str(e)
-    return ""
-
-
-def test_zero3_without_optimizer_is_refused_at_compile() -> None:
-    msg = run_distributed(_no_optimizer_body, 1, timeout=120)[0]
-    assert "compile.deepcompile" in msg and "optimizer" in msg, msg
+def test_zero3_without_optimizer_is_refused_at_compile(runs: dict) -> None:
+    for msg in case_results(runs, "no_optimizer"):
+        assert "compile.deepcompile" in msg and "optimizer" in msg, msg

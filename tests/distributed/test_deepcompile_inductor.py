@@ -2,30 +2,35 @@
 ranks: the same runs and checks as test_deepcompile.py's "eager"-backend ones (the eager engine is the
 reference; bf16 losses within BF16_ATOL over 20 steps), with inductor's fused kernels. A file of its own
 so that, under `pytest -n 2 --dist loadfile`, its minutes of compilation run beside test_deepcompile.py
-on the other worker instead of after it."""
+on the other worker instead of after it. Both stages run in one launch (test_deepcompile.run_cases): the
+ZeRO-1 case compiles first, and the ZeRO-3 one finds the kernels they share in inductor's caches."""
 from __future__ import annotations
 
 import pathlib
+from typing import Any
 
 import pytest
 
-from tests.distributed.test_deepcompile import _check_graph_ops, _check_losses, _run
+from tests.distributed.test_deepcompile import Case, case_results, check_graph_ops, check_losses, run_cases
+
+CASES = {f"inductor_z{s}": Case("gpt", s, True) for s in (1, 3)}
 
 
 @pytest.fixture(scope="module")
-def kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """A fresh inductor cache directory for this module's runs (both ranks, both stages): kernels and graphs
-    are compiled cold once, then loaded by whichever rank or stage needs them again. The graph-op checks
-    count the ops as they run, so they hold for a graph served from a warm cache too (the passes do not
-    run then: the cached graph carries their placement and prefetch arguments)."""
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
+    """One launch for both stages, with a fresh inductor cache directory (shared by both ranks and both
+    stages): kernels and graphs are compiled cold once, then loaded by whichever rank or stage needs them
+    again. The graph-op checks count the ops as they run, so they hold for a graph served from a warm cache
+    too (the passes do not run then: the cached graph carries their placement and prefetch arguments)."""
     root: pathlib.Path = tmp_path_factory.mktemp("inductor")
-    return {"TORCHINDUCTOR_CACHE_DIR": str(root)}
+    return run_cases(CASES, str(root / "ckpt"), backend="inductor", timeout=840,
+                     env={"TORCHINDUCTOR_CACHE_DIR": str(root / "cache")})
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 3])
-def test_inductor_bf16(stage: int, kernel_cache: dict[str, str]) -> None:
-    res = _run("gpt", stage, bf16=True, backend="inductor", timeout=1500, env=kernel_cache)
-    _check_losses(res, bf16=True, fused=True)
+def test_inductor_bf16(runs: dict, stage: int) -> None:
+    res = case_results(runs, f"inductor_z{stage}")
+    check_losses(res, bf16=True, fused=True)
     if stage == 3:
-        _check_graph_ops(res)
+        check_graph_ops(res)
