@@ -110,6 +110,11 @@ class DeepSpeedDataLoader(ResumableLoader):
         self._create_dataloader()
         return self
 
+    def set_post_process_func(self, post_process_func: Optional[Callable[..., Any]]) -> None:
+        """DeepSpeed's attribute, kept for its readers: this loader applies no post-processing (DeepSpeed's
+        curriculum loader does, see CurriculumDataLoader)."""
+        self.post_process_func = post_process_func
+
     def __len__(self) -> int:
         if self.len is None:
             raise TypeError("DeepSpeedDataLoader over an IterableDataset has no len()")

@@ -77,7 +77,7 @@ class EngineDataSchedules:
         """fn(batch, sampler_state) -> batch, applied by the training loader to each batch it yields (Megatron-
         DeepSpeed sets it with data-efficiency curriculum learning); without a training loader, nothing."""
         if self.training_dataloader is not None:
-            self.training_dataloader.post_process_func = post_process_func
+            self.training_dataloader.set_post_process_func(post_process_func)
 
     def set_custom_curriculum_learning_schedule(self, schedule_func_dict: Any) -> None:
         """The function of a `schedule_type: "custom"` curriculum: global_step -> difficulty. With the

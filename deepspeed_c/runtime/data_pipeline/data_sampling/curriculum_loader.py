@@ -35,6 +35,10 @@ class CurriculumDataLoader:
     def __len__(self) -> int:
         return self.len
 
+    def set_post_process_func(self, post_process_func: Optional[Callable[[Any, dict], Any]]) -> None:
+        """fn(batch, sampler_state) -> batch, applied to every batch this loader yields (None: none)."""
+        self.post_process_func = post_process_func
+
     def __iter__(self) -> "CurriculumDataLoader":
         self._create_dataloader()
         return self
