@@ -14,8 +14,8 @@ from typing import Iterable
 
 FILE_SECONDS = {
     "tests/unit/test_cuda_build.py": 150,  # nvcc compiles every CUDA op (cold op cache): 78 s on 2 idle cores
-    "tests/distributed/test_deepcompile.py": 680,
-    "tests/distributed/test_deepcompile_inductor.py": 280,
+    "tests/distributed/test_deepcompile.py": 202,  # one launch (f3e325e): 190.6/161.9 -> 58.2/46.4 s
+    "tests/distributed/test_deepcompile_inductor.py": 138,  # one launch (f3e325e): 214.7/185.2 -> 103.9/92.6 s
     "tests/distributed/test_checkpoint_zero3.py": 95,  # its 16 runs in one launch: 27.0 -> 14.2 s standalone
     "tests/distributed/test_zenflow.py": 129,  # one launch for its 3 groups: 44.3 -> 40.7 s
     "tests/distributed/test_hf_zero3.py": 93,  # loads + ZeRO-3 Trainer in one launch: 38.9 -> 27.9 s
