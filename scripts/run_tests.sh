@@ -4,6 +4,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# Bytecode for the package once, up front: where PYTHONDONTWRITEBYTECODE is set (it is on the CI machine) every
+# launched rank, CLI subprocess and worker would otherwise compile deepspeed_c's ~700 modules again (the variable
+# only stops writing .pyc files; existing ones are still read).
+.venv/bin/python -m compileall -q -j 0 deepspeed_c tests benchmarks >/dev/null
 # A private op cache, so the suite also proves cold builds (and never trusts a stale one).
 export DSC_CACHE_DIR=${DSC_CACHE_DIR:-$(mktemp -d -t dsc-cache-XXXXXX)}
 # Two workers where there are two cores or more; each test file stays whole on one worker (--dist
