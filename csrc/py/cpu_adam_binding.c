@@ -1,9 +1,9 @@
 /* The cpu_adam op: adam_step(params, grads, exp_avgs, exp_avg_sqs, copies, lr, beta1, beta2, eps,
  * weight_decay, step, bias_correction, adamw_mode[, grad_scale]) updates every tensor in one pass. */
-#include <math.h>
-
-#include "dsc/cpu_optim_args.h"
+#include "dsc/cpu_optim_args.h"  /* first: it includes Python.h, which must precede the system headers */
 #include "dsc/module.h"
+
+#include <math.h>
 
 /* The optional trailing grad_scale argument (args[at] when nargs > at; else 1.0); -1 with an exception set. */
 static int parse_grad_scale(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t at, double *out) {
