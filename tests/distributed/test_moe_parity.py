@@ -30,6 +30,7 @@ case asserts the smallest margin of the reference's own training forwards. Drops
 from __future__ import annotations
 
 import atexit
+import io
 import math
 import os
 import shutil
@@ -42,7 +43,8 @@ import torch
 
 from tests.distributed.moe_models import (EXPERTS, T, V, MarginRecorder, local_name, make_batches, make_full,
                                           make_sharded)
-from tests.harness import backend_choice, rank_device, run_distributed
+from tests.harness import backend_choice, rank_device
+from tests.shared_launch import run_worlds
 
 STEPS = 20
 MICRO = 2
@@ -304,14 +306,30 @@ def _reference(name: str, world: int) -> dict[str, Any]:
     return _REFERENCES[(name, world)]
 
 
+def _pack(obj: Any) -> bytes:
+    """The batches as bytes: handed to the ranks as tensors, both worlds' would pass more file descriptors
+    than the forkserver takes in one launch (`too many fds`)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _packed_body(rank: int, world: int, names: list[str], packed: bytes, ckpt: str | None) -> dict[str, Any]:
+    return body(rank, world, names, torch.load(io.BytesIO(packed), weights_only=False), ckpt)
+
+
 def _results(world: int) -> list[dict[str, Any]]:
-    if world not in _RESULTS:
-        ckpt = tempfile.mkdtemp(prefix="dsc_moe_ckpt_") if world == 4 else None
-        if ckpt is not None:
-            atexit.register(shutil.rmtree, ckpt, True)
-        batches = {name: _reference(name, world)["batches"] for name in WORLD_CASES[world]}  # the ranks' data
-        _RESULTS[world] = run_distributed(body, world_size=world, args=(WORLD_CASES[world], batches, ckpt),
-                                          timeout=600)
+    """Both world sizes run in ONE launch (run_worlds: a 4-rank phase, then a fresh 2-rank group on ranks 0-1,
+    the expert groups of the first forgotten before the second): a launch's start-up paid once."""
+    if not _RESULTS:
+        ckpt = tempfile.mkdtemp(prefix="dsc_moe_ckpt_")
+        atexit.register(shutil.rmtree, ckpt, True)
+        phases = []
+        for w, names in WORLD_CASES.items():
+            batches = {name: _reference(name, w)["batches"] for name in names}  # the ranks' data
+            phases.append((w, _packed_body, (names, _pack(batches), ckpt if w == 4 else None)))
+        for (w, _, _), per_rank in zip(phases, run_worlds(phases, timeout=600)):
+            _RESULTS[w] = per_rank
     return _RESULTS[world]
 
 
