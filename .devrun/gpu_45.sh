@@ -5,7 +5,7 @@
 # 16-128, head dims 32/64/128, masks and rpe), then fwd+bwd timings at seq 16k then 4k (Fixed and
 # BigBird ~10% dense, block 64, 16 heads, D 64, bf16): ours vs FlexAttention (same BlockMask,
 # torch.compile'd) vs dense flash SDPA, interleaved reps, ratios and peak memory. Both kernel
-# forms run: 'ours' (pipelined: cp.async + ldmatrix) and 'ours-simple'.
+# 'ours' = the fused kernels (cp.async + ldmatrix; the simple form was removed in session 5).
 # Run from the repo root after `source scripts/device_setup.sh`.
 set -uo pipefail
 export PYTHONUNBUFFERED=1

@@ -28,10 +28,7 @@ from deepspeed_c.ops.sparse_attention import (BigBirdSparsityConfig, BSLongforme
                                               DenseSparsityConfig, FixedSparsityConfig,
                                               LocalSlidingWindowSparsityConfig, SparseSelfAttention,
                                               VariableSparsityConfig)
-from deepspeed_c.ops.sparse_attention import kernel as sa_kernel  # noqa: E402
 from deepspeed_c.ops.sparse_attention.reference import dense_sparse_attention, token_mask  # noqa: E402
-
-FORMS = ("pipelined", "simple")
 
 
 def layout_config(name: str, heads: int, block: int, seq: int):
@@ -65,11 +62,6 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def check_one(label, cfg, B, H, L, D, dtype, masks: bool, tol: float) -> bool:
-    return all([check_form(form, label, cfg, B, H, L, D, dtype, masks, tol) for form in FORMS])
-
-
-def check_form(form, label, cfg, B, H, L, D, dtype, masks: bool, tol: float) -> bool:
-    sa_kernel.kernel = form
     torch.manual_seed(0)
     mod = SparseSelfAttention(cfg, max_seq_length=L, key_padding_mask_mode="add", attn_mask_mode="mul").cuda()
     q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
@@ -89,7 +81,7 @@ def check_form(form, label, cfg, B, H, L, D, dtype, masks: bool, tol: float) -> 
     ref.backward(go.float())
     errs = [rel_err(out, ref)] + [rel_err(g, r.grad) for g, r in zip(grads, (q32, k32, v32))]
     ok = all(e <= tol for e in errs)
-    print(f"  {form:<9} {label:<42} {str(dtype)[6:]:<9} " + " ".join(f"{e:9.2e}" for e in errs) + f"   {'ok' if ok else 'FAIL'}")
+    print(f"  {label:<42} {str(dtype)[6:]:<9} " + " ".join(f"{e:9.2e}" for e in errs) + f"   {'ok' if ok else 'FAIL'}")
     return ok
 
 
@@ -214,13 +206,7 @@ def bench(seq: int, layout_name: str, args) -> None:
     torch.manual_seed(0)
     q, k, v = (torch.randn(B, H, seq, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
     go = torch.randn_like(q)
-    def ours(form):
-        def run(a, b, c):
-            sa_kernel.kernel = form  # the backward keeps the form its forward ran
-            return mod(a, b, c)
-        return run
-
-    methods = {"ours": ours("pipelined"), "ours-simple": ours("simple")}
+    methods = {"ours": mod}
     if not args.no_flex:
         methods["flex"] = make_flex(layout, block, seq, q, k, v, go)
     from torch.nn.attention import SDPBackend, sdpa_kernel

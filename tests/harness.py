@@ -249,7 +249,7 @@ def _stacks_of(procs: Sequence[mp.process.BaseProcess], ranks: Sequence[int]) ->
 # deepspeed_c modules the rank server imports (tests/harness_preload.py) before forking ranks (see _context).
 # runtime.engine is a lazy package: the engine itself, initialize and what a first initialize / save / load pulls in
 # are named too (without them each rank imported ~180 modules itself: ~0.2 CPU-s a rank, ~1 s of a 2-rank
-# launch's wall time on 2 loaded cores). Not the sparse-attention kernels (they read DSC_SA_KERNEL at import).
+# launch's wall time on 2 loaded cores).
 PRELOADED_DSC = ("deepspeed_c.runtime.engine", "deepspeed_c.runtime.zero.stage_1_and_2", "deepspeed_c.runtime.zero.stage3",
                  "deepspeed_c.runtime.engine.engine", "deepspeed_c.runtime.initialize",
                  "deepspeed_c.runtime.engine.zero_setup", "deepspeed_c.runtime.engine.profile_setup",

@@ -1,5 +1,4 @@
 // The C launchers of the block-sparse attention kernels (dsc/sparse_attn_cuda.h), and the delta pass.
-// `kernel` picks the form of each pass: 0 the simple kernels, 1 the pipelined ones (sparse_attn_common.cuh).
 // Backward, flash style from the saved log-sum-exp:
 //   delta_i = rowsum(dO_i * O_i)                                   one warp per row
 //   dQ: per layout block row, over its nonzero key blocks           P = exp(S - lse), dS = P (dO V^T - delta)
@@ -28,26 +27,25 @@ using namespace dsc_sa;
 extern "C" int dsc_sa_forward(const void *q, const void *k, const void *v, void *o, float *lse, const int *row_ptr,
                               const int *cols, const float *kpm, const float *am, const float *rpe, int64_t rpe_sb,
                               int64_t rpe_sh, int64_t B, int64_t H, int64_t L, int64_t D, int block, float scale,
-                              int kernel, int dtype, int device, cudaStream_t stream) {
-    if (!q || !k || !v || !o || !lse || !row_ptr || !cols || block < 16 || bad_shape(B, H, L, D, block) ||
-        (kernel != 0 && kernel != 1))
+                              int dtype, int device, cudaStream_t stream) {
+    if (!q || !k || !v || !o || !lse || !row_ptr || !cols || block < 16 || bad_shape(B, H, L, D, block))
         return DSC_CUDA_EARG;
     dsc_cuda::DeviceGuard guard(device);
     if (guard.error() != 0) return guard.error();
     if (const int rc = check_arch(device)) return rc;
     const ForwardArgs a{q, k, v, o, lse, row_ptr, cols, kpm, am, rpe, rpe_sb, rpe_sh, B, H, L, D, block, scale, dtype,
                         stream};
-    return kernel == 1 ? launch_forward_v2(a) : launch_forward_v1(a);
+    return launch_forward(a);
 }
 
 extern "C" int dsc_sa_backward(const void *d_o, const void *q, const void *k, const void *v, const void *o,
                                const float *lse, float *delta, const int *row_ptr, const int *cols, const int *col_ptr,
                                const int *rows, const float *kpm, const float *am, const float *rpe, int64_t rpe_sb,
                                int64_t rpe_sh, void *dq, void *dk, void *dv, int64_t B, int64_t H, int64_t L,
-                               int64_t D, int block, float scale, int kernel, int dtype, int device,
+                               int64_t D, int block, float scale, int dtype, int device,
                                cudaStream_t stream) {
     if (!d_o || !q || !k || !v || !o || !lse || !delta || !row_ptr || !cols || !col_ptr || !rows || !dq || !dk ||
-        !dv || block < 16 || bad_shape(B, H, L, D, block) || (kernel != 0 && kernel != 1))
+        !dv || block < 16 || bad_shape(B, H, L, D, block))
         return DSC_CUDA_EARG;
     if (dtype != DSC_CUDA_F16 && dtype != DSC_CUDA_BF16) return DSC_CUDA_EDTYPE;
     dsc_cuda::DeviceGuard guard(device);
@@ -66,6 +64,6 @@ extern "C" int dsc_sa_backward(const void *d_o, const void *q, const void *k, co
     if (rc) return rc;
     const BackwardArgs a{d_o, q, k, v, lse, delta, row_ptr, cols, col_ptr, rows, kpm, am, rpe, rpe_sb, rpe_sh,
                          dq, dk, dv, B, H, L, D, block, scale, dtype, stream};
-    if ((rc = kernel == 1 ? launch_dq_v2(a) : launch_dq_v1(a))) return rc;
-    return kernel == 1 ? launch_dkv_v2(a) : launch_dkv_v1(a);
+    if ((rc = launch_dq(a))) return rc;
+    return launch_dkv(a);
 }

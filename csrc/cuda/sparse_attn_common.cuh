@@ -250,12 +250,8 @@ __device__ __forceinline__ void store_forward_rows(const float (&acc)[DP / 8][4]
     }
 }
 
-// Two forms of each pass: v1 (sparse_attn_{fwd,dq,dkv}.cu: synchronous staging, transposed tiles)
-// and v2 (sparse_attn_{fwd,dq,dkv}_v2.cu: cp.async double buffering, ldmatrix); same results.
-int launch_forward_v1(const ForwardArgs &a);
-int launch_forward_v2(const ForwardArgs &a);
-int launch_dq_v1(const BackwardArgs &a);
-int launch_dq_v2(const BackwardArgs &a);
-int launch_dkv_v1(const BackwardArgs &a);
-int launch_dkv_v2(const BackwardArgs &a);
+// One file per pass (sparse_attn_{fwd,dq,dkv}.cu), built in parallel.
+int launch_forward(const ForwardArgs &a);
+int launch_dq(const BackwardArgs &a);
+int launch_dkv(const BackwardArgs &a);
 } // namespace dsc_sa

@@ -1,28 +1,36 @@
 // Block-sparse attention backward, dQ: per layout block row, over its nonzero key blocks,
-// P = exp(S - lse), dS = P (dO V^T - delta), dQ = scale * dS K (see sparse_attn.cu).
-#include "sparse_attn_common.cuh"
+// P = exp(S - lse), dS = P (dO V^T - delta), dQ = scale * dS K (see sparse_attn.cu); K/V chunks
+// double-buffered with cp.async (sparse_attn_pipe.cuh), K read transposed by ldmatrix for dS K
+// instead of a second, transposed copy.
+#include "sparse_attn_pipe.cuh"
 
 namespace dsc_sa {
 
 template <typename T, int BLK, int DP>
 __global__ void __launch_bounds__(BLK * 2)
     sa_dq_kernel(const T *__restrict__ d_o, const T *__restrict__ q, const T *__restrict__ k,
-                 const T *__restrict__ v, const float *__restrict__ lse, const float *__restrict__ delta,
-                 const int *__restrict__ row_ptr, const int *__restrict__ cols, const float *kpm, const float *am,
-                 const float *rpe, int64_t rpe_sb, int64_t rpe_sh, T *__restrict__ dq, int H, int L, int D,
-                 float scale) {
+                    const T *__restrict__ v, const float *__restrict__ lse, const float *__restrict__ delta,
+                    const int *__restrict__ row_ptr, const int *__restrict__ cols, const float *kpm, const float *am,
+                    const float *rpe, int64_t rpe_sb, int64_t rpe_sh, T *__restrict__ dq, int H, int L, int D,
+                    float scale) {
     constexpr int C = chunk<BLK, DP>();
-    __shared__ __align__(16) T sk[C][DP + 8];
-    __shared__ __align__(16) T skt[DP][C + 8];
-    __shared__ __align__(16) T sv[C][DP + 8];
+    __shared__ __align__(16) T sk[2][C][DP + 8];
+    __shared__ __align__(16) T sv[2][C][DP + 8];
     const int rb = blockIdx.x, bh = blockIdx.y, h = bh % H, b = bh / H, nb = L / BLK;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int64_t base = (int64_t)bh * L * D;
     const int r0 = rb * BLK + warp * 16, i0 = r0 + g;
     const Bias bias(kpm, am, rpe, rpe_sb, rpe_sh, b, h, L);
+    const ChunkWalk<BLK, C> walk(cols, row_ptr[h * nb + rb], row_ptr[h * nb + rb + 1]);
+
+    if (walk.total > 0) {
+        const int j = walk.first_row(0);
+        stage_rows_async<T, C, DP>(sk[0], k + base + (int64_t)j * D, D);
+        stage_rows_async<T, C, DP>(sv[0], v + base + (int64_t)j * D, D);
+    }
+    cp_async_commit();
     const float lse_r[2] = {lse[(int64_t)bh * L + i0], lse[(int64_t)bh * L + i0 + 8]};
     const float dl0 = delta[(int64_t)bh * L + i0], dl1 = delta[(int64_t)bh * L + i0 + 8];
-
     uint32_t qf[DP / 16][4], df[DP / 16][4];
 #pragma unroll
     for (int kk = 0; kk < DP / 16; kk++) {
@@ -33,49 +41,40 @@ __global__ void __launch_bounds__(BLK * 2)
 #pragma unroll
     for (int n = 0; n < DP / 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
 
-    const int lo = row_ptr[h * nb + rb], hi = row_ptr[h * nb + rb + 1];
-    for (int e = lo; e < hi; e++) {
-        const int cb = cols[e];
-        for (int c0 = 0; c0 < BLK; c0 += C) {
-            const int j0 = cb * BLK + c0;
-            __syncthreads();
-            stage_rows<T, C, DP>(sk, k + base + (int64_t)j0 * D, D);
-            stage_cols<T, C, DP>(skt, k + base + (int64_t)j0 * D, D);
-            stage_rows<T, C, DP>(sv, v + base + (int64_t)j0 * D, D);
-            __syncthreads();
-            float s[C / 8][4], dp[C / 8][4];
-#pragma unroll
-            for (int n = 0; n < C / 8; n++)
-                s[n][0] = s[n][1] = s[n][2] = s[n][3] = dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < DP / 16; kk++) {
-#pragma unroll
-                for (int n = 0; n < C / 8; n++) {
-                    uint32_t b0, b1;
-                    frag_b(b0, b1, &sk[0][0], DP + 8, n * 8, kk * 16, lane);
-                    mma<T>(s[n], qf[kk], b0, b1);
-                    frag_b(b0, b1, &sv[0][0], DP + 8, n * 8, kk * 16, lane);
-                    mma<T>(dp[n], df[kk], b0, b1);
-                }
-            }
-            probabilities<C / 8, false>(s, bias, scale, i0, j0, t, lse_r, nullptr);
-#pragma unroll
-            for (int n = 0; n < C / 8; n++) {
-                s[n][0] *= dp[n][0] - dl0, s[n][1] *= dp[n][1] - dl0;
-                s[n][2] *= dp[n][2] - dl1, s[n][3] *= dp[n][3] - dl1;
-            }
-#pragma unroll
-            for (int kk = 0; kk < C / 16; kk++) {
-                uint32_t a[4];
-                acc_to_a<T>(a, s, kk);
-#pragma unroll
-                for (int n = 0; n < DP / 8; n++) {
-                    uint32_t b0, b1;
-                    frag_b(b0, b1, &skt[0][0], C + 8, n * 8, kk * 16, lane);
-                    mma<T>(acc[n], a, b0, b1);
-                }
-            }
+    for (int x = 0; x < walk.total; x++) {
+        const int cur = x & 1, j0 = walk.first_row(x);
+        if (x + 1 < walk.total) {
+            const int jn = walk.first_row(x + 1);
+            stage_rows_async<T, C, DP>(sk[cur ^ 1], k + base + (int64_t)jn * D, D);
+            stage_rows_async<T, C, DP>(sv[cur ^ 1], v + base + (int64_t)jn * D, D);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
         }
+        __syncthreads();
+        float s[C / 8][4], dp[C / 8][4];
+#pragma unroll
+        for (int n = 0; n < C / 8; n++)
+            s[n][0] = s[n][1] = s[n][2] = s[n][3] = dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < DP / 16; kk++) {
+            mma_row<T, C / 8, false>(s, qf[kk], &sk[cur][0][0], DP + 8, kk * 16, lane);
+            mma_row<T, C / 8, false>(dp, df[kk], &sv[cur][0][0], DP + 8, kk * 16, lane);
+        }
+        probabilities<C / 8, false>(s, bias, scale, i0, j0, t, lse_r, nullptr);
+#pragma unroll
+        for (int n = 0; n < C / 8; n++) {
+            s[n][0] *= dp[n][0] - dl0, s[n][1] *= dp[n][1] - dl0;
+            s[n][2] *= dp[n][2] - dl1, s[n][3] *= dp[n][3] - dl1;
+        }
+#pragma unroll
+        for (int kk = 0; kk < C / 16; kk++) {
+            uint32_t a[4];
+            acc_to_a<T>(a, s, kk);
+            mma_row<T, DP / 8, true>(acc, a, &sk[cur][0][0], DP + 8, kk * 16, lane);
+        }
+        __syncthreads();
     }
     T *q0 = dq + base + (int64_t)i0 * D, *q1 = q0 + 8 * (int64_t)D;
 #pragma unroll
@@ -88,8 +87,7 @@ __global__ void __launch_bounds__(BLK * 2)
     }
 }
 
-
-int launch_dq_v1(const BackwardArgs &a) {
+int launch_dq(const BackwardArgs &a) {
     const dim3 grid((unsigned)(a.L / a.block), (unsigned)(a.B * a.H));
     return dispatch(a.dtype, a.block, a.D, [&](auto *tag, auto blk, auto dp) {
         using E = std::remove_pointer_t<decltype(tag)>;

@@ -1,24 +1,32 @@
 // Block-sparse attention forward: one block of BLK / 16 warps per (layout block row, batch x head),
-// an online softmax over that row's nonzero key blocks (see sparse_attn_common.cuh).
-#include "sparse_attn_common.cuh"
+// an online softmax over that row's nonzero key blocks (see sparse_attn_common.cuh); K/V chunks
+// double-buffered with cp.async, B operands by ldmatrix (sparse_attn_pipe.cuh).
+#include "sparse_attn_pipe.cuh"
 
 namespace dsc_sa {
 
 template <typename T, int BLK, int DP>
 __global__ void __launch_bounds__(BLK * 2)
-    sa_forward_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, T *__restrict__ o,
-                      float *__restrict__ lse, const int *__restrict__ row_ptr, const int *__restrict__ cols,
-                      const float *kpm, const float *am, const float *rpe, int64_t rpe_sb, int64_t rpe_sh, int H,
-                      int L, int D, float scale) {
+    sa_forward_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
+                         T *__restrict__ o, float *__restrict__ lse, const int *__restrict__ row_ptr,
+                         const int *__restrict__ cols, const float *kpm, const float *am, const float *rpe,
+                         int64_t rpe_sb, int64_t rpe_sh, int H, int L, int D, float scale) {
     constexpr int C = chunk<BLK, DP>();
-    __shared__ __align__(16) T sk[C][DP + 8];
-    __shared__ __align__(16) T svt[DP][C + 8];
+    __shared__ __align__(16) T sk[2][C][DP + 8];
+    __shared__ __align__(16) T sv[2][C][DP + 8];
     const int rb = blockIdx.x, bh = blockIdx.y, h = bh % H, b = bh / H, nb = L / BLK;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int64_t base = (int64_t)bh * L * D;
     const int r0 = rb * BLK + warp * 16, i0 = r0 + g, i1 = i0 + 8;
     const Bias bias(kpm, am, rpe, rpe_sb, rpe_sh, b, h, L);
+    const ChunkWalk<BLK, C> walk(cols, row_ptr[h * nb + rb], row_ptr[h * nb + rb + 1]);
 
+    if (walk.total > 0) {
+        const int j = walk.first_row(0);
+        stage_rows_async<T, C, DP>(sk[0], k + base + (int64_t)j * D, D);
+        stage_rows_async<T, C, DP>(sv[0], v + base + (int64_t)j * D, D);
+    }
+    cp_async_commit();
     uint32_t qf[DP / 16][4];
 #pragma unroll
     for (int kk = 0; kk < DP / 16; kk++) frag_a_global(qf[kk], q + base, D, r0, kk * 16, lane);
@@ -27,74 +35,65 @@ __global__ void __launch_bounds__(BLK * 2)
     for (int n = 0; n < DP / 8; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
 
-    const int lo = row_ptr[h * nb + rb], hi = row_ptr[h * nb + rb + 1];
-    for (int e = lo; e < hi; e++) {
-        const int cb = cols[e];
-        for (int c0 = 0; c0 < BLK; c0 += C) {
-            const int j0 = cb * BLK + c0;
-            __syncthreads();  // the previous chunk is no longer read
-            stage_rows<T, C, DP>(sk, k + base + (int64_t)j0 * D, D);
-            stage_cols<T, C, DP>(svt, v + base + (int64_t)j0 * D, D);
-            __syncthreads();
-            float s[C / 8][4];
+    for (int x = 0; x < walk.total; x++) {
+        const int cur = x & 1, j0 = walk.first_row(x);
+        if (x + 1 < walk.total) {  // the next chunk's copy overlaps this chunk's math
+            const int jn = walk.first_row(x + 1);
+            stage_rows_async<T, C, DP>(sk[cur ^ 1], k + base + (int64_t)jn * D, D);
+            stage_rows_async<T, C, DP>(sv[cur ^ 1], v + base + (int64_t)jn * D, D);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        float s[C / 8][4];
 #pragma unroll
-            for (int n = 0; n < C / 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+        for (int n = 0; n < C / 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll
-            for (int kk = 0; kk < DP / 16; kk++) {
+        for (int kk = 0; kk < DP / 16; kk++) mma_row<T, C / 8, false>(s, qf[kk], &sk[cur][0][0], DP + 8, kk * 16, lane);
+        float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
-                for (int n = 0; n < C / 8; n++) {
-                    uint32_t b0, b1;
-                    frag_b(b0, b1, &sk[0][0], DP + 8, n * 8, kk * 16, lane);
-                    mma<T>(s[n], qf[kk], b0, b1);
-                }
-            }
-            float mx0 = -INFINITY, mx1 = -INFINITY;
+        for (int n = 0; n < C / 8; n++) {
 #pragma unroll
-            for (int n = 0; n < C / 8; n++) {
-#pragma unroll
-                for (int u = 0; u < 2; u++) {
-                    const int j = j0 + n * 8 + 2 * t + u;
-                    float x0 = s[n][u] * scale, x1 = s[n][2 + u] * scale;
-                    if (bias.any()) x0 += bias.at(i0, j), x1 += bias.at(i1, j);
-                    s[n][u] = x0, s[n][2 + u] = x1;
-                    mx0 = fmaxf(mx0, x0), mx1 = fmaxf(mx1, x1);
-                }
-            }
-            const float mn0 = fmaxf(m0, quad_max(mx0)), mn1 = fmaxf(m1, quad_max(mx1));
-            const float corr0 = mn0 == -INFINITY ? 1.f : __expf(m0 - mn0);
-            const float corr1 = mn1 == -INFINITY ? 1.f : __expf(m1 - mn1);
-            float ls0 = 0.f, ls1 = 0.f;
-#pragma unroll
-            for (int n = 0; n < C / 8; n++) {
-#pragma unroll
-                for (int u = 0; u < 2; u++) {
-                    s[n][u] = mn0 == -INFINITY ? 0.f : __expf(s[n][u] - mn0);
-                    s[n][2 + u] = mn1 == -INFINITY ? 0.f : __expf(s[n][2 + u] - mn1);
-                    ls0 += s[n][u], ls1 += s[n][2 + u];
-                }
-            }
-            l0 = l0 * corr0 + ls0, l1 = l1 * corr1 + ls1;  // per-lane partial sums; the quad adds them at the end
-            m0 = mn0, m1 = mn1;
-#pragma unroll
-            for (int n = 0; n < DP / 8; n++) acc[n][0] *= corr0, acc[n][1] *= corr0, acc[n][2] *= corr1, acc[n][3] *= corr1;
-#pragma unroll
-            for (int kk = 0; kk < C / 16; kk++) {
-                uint32_t a[4];
-                acc_to_a<T>(a, s, kk);
-#pragma unroll
-                for (int n = 0; n < DP / 8; n++) {
-                    uint32_t b0, b1;
-                    frag_b(b0, b1, &svt[0][0], C + 8, n * 8, kk * 16, lane);
-                    mma<T>(acc[n], a, b0, b1);
-                }
+            for (int u = 0; u < 2; u++) {
+                const int j = j0 + n * 8 + 2 * t + u;
+                float x0 = s[n][u] * scale, x1 = s[n][2 + u] * scale;
+                if (bias.any()) x0 += bias.at(i0, j), x1 += bias.at(i1, j);
+                s[n][u] = x0, s[n][2 + u] = x1;
+                mx0 = fmaxf(mx0, x0), mx1 = fmaxf(mx1, x1);
             }
         }
+        const float mn0 = fmaxf(m0, quad_max(mx0)), mn1 = fmaxf(m1, quad_max(mx1));
+        const float corr0 = mn0 == -INFINITY ? 1.f : __expf(m0 - mn0);
+        const float corr1 = mn1 == -INFINITY ? 1.f : __expf(m1 - mn1);
+        float ls0 = 0.f, ls1 = 0.f;
+#pragma unroll
+        for (int n = 0; n < C / 8; n++) {
+#pragma unroll
+            for (int u = 0; u < 2; u++) {
+                s[n][u] = mn0 == -INFINITY ? 0.f : __expf(s[n][u] - mn0);
+                s[n][2 + u] = mn1 == -INFINITY ? 0.f : __expf(s[n][2 + u] - mn1);
+                ls0 += s[n][u], ls1 += s[n][2 + u];
+            }
+        }
+        l0 = l0 * corr0 + ls0, l1 = l1 * corr1 + ls1;
+        m0 = mn0, m1 = mn1;
+#pragma unroll
+        for (int n = 0; n < DP / 8; n++) acc[n][0] *= corr0, acc[n][1] *= corr0, acc[n][2] *= corr1, acc[n][3] *= corr1;
+#pragma unroll
+        for (int kk = 0; kk < C / 16; kk++) {
+            uint32_t a[4];
+            acc_to_a<T>(a, s, kk);
+            mma_row<T, DP / 8, true>(acc, a, &sv[cur][0][0], DP + 8, kk * 16, lane);
+        }
+        __syncthreads();  // every warp is done with this stage before the next copy lands in it
     }
     store_forward_rows<T, DP>(acc, m0, m1, l0, l1, o + base + (int64_t)i0 * D, o + base + (int64_t)i1 * D,
                               lse + (int64_t)bh * L, i0, i1, D, t);
 }
 
-int launch_forward_v1(const ForwardArgs &a) {
+int launch_forward(const ForwardArgs &a) {
     const dim3 grid((unsigned)(a.L / a.block), (unsigned)(a.B * a.H));
     return dispatch(a.dtype, a.block, a.D, [&](auto *tag, auto blk, auto dp) {
         using E = std::remove_pointer_t<decltype(tag)>;

@@ -1,4 +1,4 @@
-// The pipelined form of the block-sparse attention kernels (sparse_attn_*_v2.cu): chunks are
+// The pipelined form of the block-sparse attention kernels (sparse_attn_{fwd,dq,dkv}.cu): chunks are
 // staged with cp.async into two shared-memory stages, the next chunk's copy in flight while the
 // current one is multiplied, and every B operand is read with ldmatrix from row-major tiles
 // (.trans where the product needs the tile transposed), so nothing is ever stored transposed.

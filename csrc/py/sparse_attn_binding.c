@@ -3,10 +3,9 @@
  * allocates every output; each argument is checked here (CUDA, contiguous, dtype, shape, one
  * device) before a kernel runs.
  *
- *   forward(q, k, v, o, lse, row_ptr, cols, kpm|None, am|None, rpe|None, block, scale, kernel)
+ *   forward(q, k, v, o, lse, row_ptr, cols, kpm|None, am|None, rpe|None, block, scale)
  *   backward(d_o, q, k, v, o, lse, delta, row_ptr, cols, col_ptr, rows, kpm|None, am|None, rpe|None,
- *            dq, dk, dv, block, scale, kernel)
- * kernel: 0 the simple kernels, 1 the pipelined ones. */
+ *            dq, dk, dv, block, scale) */
 #include "dsc/tensor_view.h" /* Python.h first */
 #include "dsc/cuda_binding_util.h"
 #include "dsc/module.h"
@@ -104,21 +103,14 @@ static int rpe_arg(PyObject *obj, const geom *g, dsc_view *rpe, int64_t *sb, int
     return 0;
 }
 
-static int kernel_arg(PyObject *obj, int64_t *kernel) {
-    if (dsc_arg_int64(obj, "kernel", kernel) < 0) return -1;
-    if (*kernel == 0 || *kernel == 1) return 0;
-    PyErr_Format(PyExc_ValueError, "argument 'kernel' must be 0 (simple) or 1 (pipelined), got %lld", (long long)*kernel);
-    return -1;
-}
-
 static const void *opt(const dsc_view *v) { return v->is_none ? NULL : v->data; }
 
 static PyObject *py_forward(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (dsc_check_nargs("forward", nargs, 13) < 0) return NULL;
+    if (dsc_check_nargs("forward", nargs, 12) < 0) return NULL;
     geom g;
     dsc_view k, v, o, lse, row_ptr, cols, kpm, am, rpe;
-    int64_t sb, sh, kernel;
+    int64_t sb, sh;
     double scale;
     if (q_arg(args[0], args[10], &g) < 0 || arg(args[1], "k", ACT, DSC_ALIGNED16, &g.q, 1, 4, g.qkv, &k) < 0 ||
         arg(args[2], "v", ACT, DSC_ALIGNED16, &g.q, 1, 4, g.qkv, &v) < 0 ||
@@ -128,7 +120,7 @@ static PyObject *py_forward(PyObject *self, PyObject *const *args, Py_ssize_t na
         arg(args[6], "cols", DSC_I32, 0, &g.q, 0, 0, NULL, &cols) < 0 ||
         arg(args[7], "kpm", DSC_F32, DSC_ALLOW_NONE, &g.q, 0, 2, g.kpm2, &kpm) < 0 ||
         arg(args[8], "am", DSC_F32, DSC_ALLOW_NONE, &g.q, 0, 2, g.am2, &am) < 0 || rpe_arg(args[9], &g, &rpe, &sb, &sh) < 0 ||
-        dsc_arg_double(args[11], "scale", &scale) < 0 || kernel_arg(args[12], &kernel) < 0)
+        dsc_arg_double(args[11], "scale", &scale) < 0)
         return NULL;
     cudaStream_t stream;
     if (dsc_cuda_stream_arg(g.q.device_id, &stream) < 0) return NULL;
@@ -136,7 +128,7 @@ static PyObject *py_forward(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_BEGIN_ALLOW_THREADS
     rc = dsc_sa_forward(g.q.data, k.data, v.data, o.data, (float *)lse.data, (const int *)row_ptr.data,
                         (const int *)cols.data, opt(&kpm), opt(&am), opt(&rpe), sb, sh, g.B, g.H, g.L, g.D,
-                        (int)g.block, (float)scale, (int)kernel, cuda_dtype(g.q.dtype), g.q.device_id, stream);
+                        (int)g.block, (float)scale, cuda_dtype(g.q.dtype), g.q.device_id, stream);
     Py_END_ALLOW_THREADS
     if (dsc_cuda_check(rc, "sparse attention forward") < 0) return NULL;
     Py_RETURN_NONE;
@@ -144,10 +136,10 @@ static PyObject *py_forward(PyObject *self, PyObject *const *args, Py_ssize_t na
 
 static PyObject *py_backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (dsc_check_nargs("backward", nargs, 20) < 0) return NULL;
+    if (dsc_check_nargs("backward", nargs, 19) < 0) return NULL;
     geom g;
     dsc_view go, k, v, o, lse, delta, row_ptr, cols, col_ptr, rows, kpm, am, rpe, dq, dk, dv;
-    int64_t sb, sh, kernel;
+    int64_t sb, sh;
     double scale;
     if (q_arg(args[1], args[17], &g) < 0 || arg(args[0], "d_o", ACT, DSC_ALIGNED16, &g.q, 1, 4, g.qkv, &go) < 0 ||
         arg(args[2], "k", ACT, DSC_ALIGNED16, &g.q, 1, 4, g.qkv, &k) < 0 ||
@@ -164,7 +156,7 @@ static PyObject *py_backward(PyObject *self, PyObject *const *args, Py_ssize_t n
         rpe_arg(args[13], &g, &rpe, &sb, &sh) < 0 || arg(args[14], "dq", ACT, DSC_ALIGNED16, &g.q, 1, 4, g.qkv, &dq) < 0 ||
         arg(args[15], "dk", ACT, DSC_ALIGNED16, &g.q, 1, 4, g.qkv, &dk) < 0 ||
         arg(args[16], "dv", ACT, DSC_ALIGNED16, &g.q, 1, 4, g.qkv, &dv) < 0 ||
-        dsc_arg_double(args[18], "scale", &scale) < 0 || kernel_arg(args[19], &kernel) < 0)
+        dsc_arg_double(args[18], "scale", &scale) < 0)
         return NULL;
     cudaStream_t stream;
     if (dsc_cuda_stream_arg(g.q.device_id, &stream) < 0) return NULL;
@@ -173,7 +165,7 @@ static PyObject *py_backward(PyObject *self, PyObject *const *args, Py_ssize_t n
     rc = dsc_sa_backward(go.data, g.q.data, k.data, v.data, o.data, (const float *)lse.data, (float *)delta.data,
                          (const int *)row_ptr.data, (const int *)cols.data, (const int *)col_ptr.data,
                          (const int *)rows.data, opt(&kpm), opt(&am), opt(&rpe), sb, sh, dq.data, dk.data, dv.data,
-                         g.B, g.H, g.L, g.D, (int)g.block, (float)scale, (int)kernel, cuda_dtype(g.q.dtype),
+                         g.B, g.H, g.L, g.D, (int)g.block, (float)scale, cuda_dtype(g.q.dtype),
                          g.q.device_id, stream);
     Py_END_ALLOW_THREADS
     if (dsc_cuda_check(rc, "sparse attention backward") < 0) return NULL;
@@ -184,10 +176,10 @@ static PyObject *py_backward(PyObject *self, PyObject *const *args, Py_ssize_t n
 
 static PyMethodDef methods[] = {
     METHOD("forward", py_forward,
-           "forward(q, k, v, o, lse, row_ptr, cols, kpm, am, rpe, block, scale, kernel): block-sparse attention."),
+           "forward(q, k, v, o, lse, row_ptr, cols, kpm, am, rpe, block, scale): block-sparse attention."),
     METHOD("backward", py_backward,
            "backward(d_o, q, k, v, o, lse, delta, row_ptr, cols, col_ptr, rows, kpm, am, rpe, dq, dk, dv, block, "
-           "scale, kernel): its gradients."),
+           "scale): its gradients."),
     {NULL, NULL, 0, NULL},
 };
 

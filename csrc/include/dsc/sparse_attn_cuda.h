@@ -15,8 +15,8 @@
  *   kpm   float32 [B, L] additive key-padding bias, or NULL
  *   am    float32 [L, L] additive attention-mask bias, or NULL
  *   rpe   float32 additive bias with element (b, h, i, j) at b*rpe_sb + h*rpe_sh + i*L + j, or NULL
- * block: 16, 32, 64 or 128. kernel: 0 the simple kernels (synchronous staging), 1 the pipelined
- * ones (cp.async double buffering, ldmatrix); the same results. A row whose every score is -inf gets o = 0 and lse = +inf.
+ * block: 16, 32, 64 or 128 (kernels: cp.async double buffering, ldmatrix). A row whose every score
+ * is -inf gets o = 0 and lse = +inf.
  * Launchers run on `stream` without synchronising and return 0, a cudaError_t (> 0) or a
  * DSC_CUDA_E* code (< 0). Plain C: the binding (gcc) includes this header. */
 #ifndef DSC_SPARSE_ATTN_CUDA_H
@@ -32,15 +32,15 @@ extern "C" {
 
 int dsc_sa_forward(const void *q, const void *k, const void *v, void *o, float *lse, const int *row_ptr,
                    const int *cols, const float *kpm, const float *am, const float *rpe, int64_t rpe_sb,
-                   int64_t rpe_sh, int64_t B, int64_t H, int64_t L, int64_t D, int block, float scale, int kernel,
-                   int dtype, int device, cudaStream_t stream);
+                   int64_t rpe_sh, int64_t B, int64_t H, int64_t L, int64_t D, int block, float scale, int dtype,
+                   int device, cudaStream_t stream);
 
 /* delta: float32 [B, H, L] scratch the launcher fills (rowsum of d_o * o) before the gradient kernels. */
 int dsc_sa_backward(const void *d_o, const void *q, const void *k, const void *v, const void *o, const float *lse,
                     float *delta, const int *row_ptr, const int *cols, const int *col_ptr, const int *rows,
                     const float *kpm, const float *am, const float *rpe, int64_t rpe_sb, int64_t rpe_sh, void *dq,
                     void *dk, void *dv, int64_t B, int64_t H, int64_t L, int64_t D, int block, float scale,
-                    int kernel, int dtype, int device, cudaStream_t stream);
+                    int dtype, int device, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

@@ -2,7 +2,6 @@
 the fused kernels of op `sparse_attn` (csrc/cuda/sparse_attn*.cu)."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -12,16 +11,6 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 KERNEL_BLOCKS = (16, 32, 64, 128)
 MAX_KERNEL_HEAD_DIM = 128
 _op: ModuleType | None = None
-# Which form of the kernels runs: "pipelined" (cp.async double buffering, ldmatrix) or "simple"
-# (synchronous staging); both compute the same thing. DSC_SA_KERNEL sets the initial value.
-kernel: str = os.environ.get("DSC_SA_KERNEL", "pipelined")
-_FORMS = {"simple": 0, "pipelined": 1}
-
-
-def _form() -> int:
-    if kernel not in _FORMS:
-        raise ValueError(f"sparse_attention kernel must be 'pipelined' or 'simple' (DSC_SA_KERNEL), got {kernel!r}")
-    return _FORMS[kernel]
 
 
 def cuda_op() -> ModuleType:
@@ -81,21 +70,20 @@ class SparseAttentionFunction(torch.autograd.Function):
         B, H, L, _ = q.shape
         o = torch.empty_like(q)
         lse = torch.empty((B, H, L), dtype=torch.float32, device=q.device)
-        form = _form()
-        cuda_op().forward(q, k, v, o, lse, tables.row_ptr, tables.cols, kpm, am, rpe, block, scale, form)
+        cuda_op().forward(q, k, v, o, lse, tables.row_ptr, tables.cols, kpm, am, rpe, block, scale)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.extras = (tables, block, scale, kpm, am, rpe, form)
+        ctx.extras = (tables, block, scale, kpm, am, rpe)
         return o
 
     @staticmethod
     def backward(ctx, d_o):
         q, k, v, o, lse = ctx.saved_tensors
-        tables, block, scale, kpm, am, rpe, form = ctx.extras
+        tables, block, scale, kpm, am, rpe = ctx.extras
         d_o = _aligned(d_o)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         delta = torch.empty_like(lse)
         cuda_op().backward(d_o, q, k, v, o, lse, delta, tables.row_ptr, tables.cols, tables.col_ptr, tables.rows,
-                           kpm, am, rpe, dq, dk, dv, block, scale, form)
+                           kpm, am, rpe, dq, dk, dv, block, scale)
         return dq, dk, dv, None, None, None, None, None, None
 
 
