@@ -2,7 +2,7 @@
 # The C cores under AddressSanitizer + UndefinedBehaviorSanitizer (a CI step of .ci/run; runs alone too):
 #  1. builds `_C` with DSC_SANITIZE=1 into build/sanitize/ (setup.py never writes a sanitized `_C` in place);
 #  2. runs the fuzz drivers of the fetch planner, the bucket planner and the async I/O core, each for
-#     DSC_FUZZ_SECONDS (default 20), built with the same sanitizers (leak checking on), beside
+#     DSC_FUZZ_SECONDS (default 15), built with the same sanitizers (leak checking on), beside
 #  3. the C-core unit tests (CPU optimizers, partition / bucket / fetch / pipe / fused-step planners and their
 #     property tests, DLPack views, async I/O, MoE gating, the index merge) in a Python whose `_C` is the
 #     sanitized one (DSC_CORE_DIR) and whose JIT ops are built with the sanitizers too (DSC_SANITIZE=1, a
@@ -13,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-FUZZ_SECONDS=${DSC_FUZZ_SECONDS:-20}
+FUZZ_SECONDS=${DSC_FUZZ_SECONDS:-15}
 OUT=$PWD/build/sanitize
 REPORTS=$OUT/reports
 # shellcheck disable=SC2054  # the comma belongs to the flag
