@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Needs 1 GPU, <= 150 s including the sparse_attn op build. Issue 45 follow-up: block-sparse attention at
-# seq 16k and 32k (Fixed and BigBird ~10% dense at 16k, block 64, 16 heads, D 64, bf16): our two kernel forms
+# seq 16k and 32k (Fixed and BigBird ~10% dense at 16k, block 64, 16 heads, D 64, bf16): our kernels
 # vs FlexAttention (same block mask, torch.compile'd) vs dense flash SDPA, fwd+bwd, interleaved reps, ratios,
 # peak memory per length (linear in the layout's blocks), after the quick correctness table; then the BERT
 # tutorial flow (seq 4096, 50 steps) against HF attention with the layout as a 4D mask.
