@@ -19,6 +19,7 @@
 
 #include "dsc/compress_quant.h"
 #include "dsc/compress_quant_cuda.h"
+#include "device_guard.cuh"
 
 namespace {
 
@@ -371,12 +372,4 @@ extern "C" const char *dsc_cq_cuda_strerror(int code) {
     return code > 0 ? cudaGetErrorString(static_cast<cudaError_t>(code)) : "unknown compress_quant error";
 }
 
-extern "C" int dsc_cq_cuda_enter(int device, int *prev) {
-    cudaError_t err = cudaGetDevice(prev);
-    if (err == cudaSuccess && *prev != device) err = cudaSetDevice(device);
-    return static_cast<int>(err);
-}
-
-extern "C" void dsc_cq_cuda_leave(int device, int prev) {
-    if (prev >= 0 && prev != device) (void)cudaSetDevice(prev);
-}
+DSC_CUDA_ENTER_LEAVE(dsc_cq)

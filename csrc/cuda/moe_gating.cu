@@ -18,6 +18,7 @@
 
 #include "dsc/moe_gating.h"
 #include "dsc/moe_gating_cuda.h"
+#include "device_guard.cuh"
 
 namespace {
 
@@ -395,12 +396,4 @@ extern "C" const char *dsc_moe_cuda_strerror(int code) {
     return code > 0 ? cudaGetErrorString(static_cast<cudaError_t>(code)) : "unknown deepspeed_c MoE error";
 }
 
-extern "C" int dsc_moe_cuda_enter(int device, int *prev) {
-    cudaError_t err = cudaGetDevice(prev);
-    if (err == cudaSuccess && *prev != device) err = cudaSetDevice(device);
-    return static_cast<int>(err);
-}
-
-extern "C" void dsc_moe_cuda_leave(int device, int prev) {
-    if (prev >= 0 && prev != device) (void)cudaSetDevice(prev);
-}
+DSC_CUDA_ENTER_LEAVE(dsc_moe)

@@ -4,8 +4,9 @@
  * Before including this header a binding defines DSC_DEVICE_FAIL(rc, fname), its function turning a
  * launcher's error code into a Python exception (it returns NULL), and, in its CUDA build only,
  * DSC_DEVICE_ENTER(device, &prev) / DSC_DEVICE_LEAVE(device, prev), its launcher library's pair that makes
- * a device current and gives the caller's back (each op module links its own static cudart, so each
- * module has its own pair). It gets, for use in a function returning PyObject *:
+ * a device current and gives the caller's back (DSC_CUDA_ENTER_LEAVE of csrc/cuda/device_guard.cuh defines
+ * it in the op's .cu: each op module links its own static cudart, so each module has its own pair).
+ * It gets, for use in a function returning PyObject *:
  *   STREAM_OF(view, stream)  the view's device made current and `void *stream`, torch's current stream
  *                            there; on a failure of either it returns (the caller's device restored)
  *   LEAVE_DEVICE()           the caller's device back: after the launch, before the function returns
