@@ -4,15 +4,19 @@ script needs before it runs a step, the accelerator's typed-tensor constructors 
 (its model-parallel RNG tracker swaps that generator's state), OpBuilder.is_rocm_pytorch (read at import
 of megatron/initialize.py) and runtime.utils.PartitionedTensor (its zero-bubble pipeline engine), the
 last on 2 gloo ranks against the unsplit tensor, in the same launch as a PipelineEngine whose second tensor rank has
-no data iterator (Megatron's get_batch_pipe broadcasts tensor rank 0's batch)."""
+no data iterator (Megatron's get_batch_pipe broadcasts tensor rank 0's batch), and as the PipelineEngine extension
+points its zero-bubble engine and MoE path use (a client's schedule and instructions through `_INSTRUCTION_MAP`,
+`get_additional_losses` aggregation: pipe_client_extension.py) against the unsplit model trained in float64."""
 from __future__ import annotations
 
 import importlib
 
 import numpy as np
+import pytest
 import torch
 
 from tests.harness import run_distributed
+from tests.unit import pipe_client_extension as ext
 
 # (module, name) pairs Megatron-DeepSpeed imports at module level or calls; from its source (megatron/,
 # pretrain_gpt.py), the list in README "Megatron-DeepSpeed as a client".
@@ -115,7 +119,14 @@ def _partitioned_body(rank: int, world_size: int) -> list:
             errors.append(f"{type(exc).__name__}: {exc}")
     out.append(errors)
     out.append(_pipe_batch_fn_without_iterator(rank))
+    out.append(ext.body(rank, world_size))
     return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list:
+    """The module's one 2-rank launch: every rank's results of _partitioned_body."""
+    return run_distributed(_partitioned_body, world_size=2)
 
 
 def _pipe_layers() -> list:
@@ -154,8 +165,8 @@ def _pipe_batch_fn_without_iterator(rank: int) -> float:
     return float(engine.train_batch(data_iter=data if rank == 0 else None))
 
 
-def test_two_ranks_partitioned_tensor_and_pipeline_batch_fn_without_iterator():
-    results = run_distributed(_partitioned_body, world_size=2)
+def test_two_ranks_partitioned_tensor_and_pipeline_batch_fn_without_iterator(two_ranks):
+    results = two_ranks
     for idx, shape in enumerate([(4, 6), (3, 5)]):
         full = (np.arange(float(np.prod(shape))).reshape(shape) * 0.5 + 1).astype(np.float32)
         n = full.size
@@ -175,6 +186,53 @@ def test_two_ranks_partitioned_tensor_and_pipeline_batch_fn_without_iterator():
         wrong_rank, wrong_dtype = results[rank][2]
         assert wrong_rank.startswith("ValueError") and f"part {1 - rank} of 2" in wrong_rank
         assert wrong_dtype.startswith("TypeError") and "torch.long" in wrong_dtype
+
+
+def test_client_schedule_and_instructions_train_as_the_unsplit_model(two_ranks):
+    """PP 2, ZeRO 0: a split-backward schedule of the client's own instructions (as --enable-zbh1-pipeline)."""
+    ref = ext.reference(1, ext.STEPS)
+    names: set = set()
+    for rank in range(2):  # stage 0 and stage 1: the loss and the additional losses reach both
+        run = two_ranks[rank][4]
+        ext.check(run["pp2_split"], ref, names)
+        # every micro-batch's backward went through the client's method, and every deferred weight pass ran
+        assert run["calls"] == {"B": ext.GAS * ext.STEPS, "W": ext.GAS * ext.STEPS}
+    assert names == set(ref["weights"])  # the two stages together hold the whole model
+
+
+def test_client_schedule_at_zero_1_data_parallel(two_ranks):
+    ref = ext.reference(2, ext.STEPS)
+    for rank in range(2):
+        names: set = set()
+        ext.check(two_ranks[rank][4]["dp2_split"], ref, names)
+        assert names == set(ref["weights"])
+
+
+def test_additional_losses_on_the_builtin_schedule(two_ranks):
+    ref = ext.reference(1, 1)
+    for rank in range(2):
+        run = two_ranks[rank][4]["pp2_1f1b"]
+        np.testing.assert_allclose(run["losses"], ref["losses"], rtol=1e-5)
+        np.testing.assert_allclose([run["extra"][0]["aux"], run["extra"][0]["aux_max"]],
+                                   [ref["extra"][0]["aux"], ref["extra"][0]["aux_max"]], rtol=1e-5)
+
+
+def test_an_instruction_missing_from_the_map_is_refused(two_ranks):
+    for rank in range(2):
+        assert two_ranks[rank][4]["unknown"] == "PipelineEngine does not understand instruction Unknown(note=1)"
+
+
+def test_deepspeed_names_of_the_pipeline_dispatch():
+    from deepspeed_c.runtime.pipe import schedule as S
+    from deepspeed_c.runtime.pipe.engine import PipelineEngine
+
+    m = PipelineEngine._INSTRUCTION_MAP
+    for cls, name in [(S.ForwardPass, "_exec_forward_pass"), (S.BackwardPass, "_exec_backward_pass"),
+                      (S.LoadMicroBatch, "_exec_load_micro_batch"), (S.SendActivation, "_exec_send_activations"),
+                      (S.RecvActivation, "_exec_recv_activations"), (S.SendGrad, "_exec_send_grads"),
+                      (S.RecvGrad, "_exec_recv_grads"), (S.ReduceGrads, "_exec_reduce_grads"),
+                      (S.ReduceTiedGrads, "_exec_reduce_tied_grads"), (S.OptimizerStep, "_exec_optimizer_step")]:
+        assert m[cls] is getattr(PipelineEngine, name), name
 
 
 class _MegatronMpu:

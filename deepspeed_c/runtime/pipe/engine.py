@@ -2,12 +2,14 @@
 
 train_batch() runs one batch of gradient_accumulation_steps micro-batches through the stages by
 executing the schedule's instructions (runtime/pipe/schedule.py, generated in C) with the
-executor in runtime/pipe/executor.py; precision, the optimizer (plain, bf16/fp16 or ZeRO-1 over
+executor in runtime/pipe/executor.py, each through DeepSpeed's `_INSTRUCTION_MAP` dispatch
+(runtime/pipe/instruction_map.py: a client's own instructions and schedules plug in there); precision, the optimizer (plain, bf16/fp16 or ZeRO-1 over
 the stage's data-parallel group), LR scheduling and checkpoint plumbing are the DeepSpeedEngine's.
 engine.forward/backward/step raise, as DeepSpeed's: the pipeline drives them itself.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Iterator, Optional
 
 import torch
@@ -15,9 +17,12 @@ import torch.distributed as dist
 
 from deepspeed_c.runtime.engine import DeepSpeedEngine
 
+from . import schedule
 from .executor import PipeExecutor, PipeOptions
+from .instruction_map import InstructionDispatch
+from .loss_aggregation import aggregate
 from .module import PipelineModule
-from .schedule import ForwardOnlySchedule, InferenceSchedule, schedule_for
+from .schedule import ForwardOnlySchedule, schedule_for
 
 
 class PipelineError(Exception):
@@ -47,7 +52,7 @@ class DataParallelView:
         return 0
 
 
-class PipelineEngine(DeepSpeedEngine):
+class PipelineEngine(InstructionDispatch, DeepSpeedEngine):
     """A training engine for PipelineModules: train_batch / eval_batch."""
 
     ID_TO_DTYPE = [torch.float32, torch.float64, torch.complex64, torch.complex128, torch.float16, torch.bfloat16,
@@ -104,7 +109,12 @@ class PipelineEngine(DeepSpeedEngine):
         self.is_data_parallel = self.grid.data_parallel_size > 1
         self.is_model_parallel = self.grid.model_parallel_size > 1
         self.total_loss: Optional[torch.Tensor] = None
+        self.total_additional_losses: Optional[OrderedDict] = None  # the last stage's sums over the batch
         self.agg_train_loss: Optional[torch.Tensor] = None
+        self.dp_group_loss: Optional[torch.Tensor] = None  # this data-parallel rank's batch loss
+        # the module's get_additional_losses() of the last batch, averaged over micro-batches and data-parallel
+        # ranks, on every stage (DeepSpeed's agg_additional_losses; None when the module returns None)
+        self.agg_additional_losses: Optional[OrderedDict] = None
         self.dynamic_shape = bool(getattr(model, "dynamic_shape", False))
         if self.zero_optimization_stage() > 1:
             raise NotImplementedError(
@@ -174,7 +184,7 @@ class PipelineEngine(DeepSpeedEngine):
         return self.stepper.flat_grad_partitions() if self.stepper is not None else None
 
     def _engine_step(self, grad_norm: Optional[float] = None) -> None:
-        DeepSpeedEngine.step(self)
+        DeepSpeedEngine.step(self, lr_kwargs=self._lr_kwargs)
         if grad_norm is not None:
             self._global_grad_norm = grad_norm  # the pipeline-wide norm, not the optimizer's local one
 
@@ -196,6 +206,28 @@ class PipelineEngine(DeepSpeedEngine):
     def reset_activation_shape(self) -> None:
         self.executor.reset_links()
 
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """As the engine's; the pipeline then runs the new number of micro-batches per batch."""
+        super().set_train_batch_size(train_batch_size)
+        self.micro_batches = self.gradient_accumulation_steps()
+
+    def get_additional_losses(self) -> Optional[OrderedDict]:
+        """The module's get_additional_losses() of the last train_batch, each averaged over its micro-batches
+        and the data-parallel ranks, on every stage (None when the module has none)."""
+        return self.agg_additional_losses
+
+    def _train_schedule(self) -> schedule.PipeSchedule:
+        """The schedule train_batch runs: `schedule.TrainSchedule` as the module holds it now (a client may
+        have replaced it), or the one the config's pipeline.schedule names."""
+        if self._schedule_name in ("1f1b", "train"):
+            return schedule.TrainSchedule(micro_batches=self.micro_batches, stages=self.num_stages,
+                                          stage_id=self.stage_id)
+        return schedule_for(self._schedule_name, self.micro_batches, self.num_stages, self.stage_id,
+                            self.virtual_stages)
+
+    def _inference_schedule(self, micro_batches: int) -> schedule.PipeSchedule:
+        return schedule.InferenceSchedule(micro_batches=micro_batches, stages=self.num_stages, stage_id=self.stage_id)
+
     def train_batch(self, data_iter: Optional[Iterator] = None) -> torch.Tensor:
         """One batch (gradient_accumulation_steps micro-batches) forward, backward and step; returns
         the loss averaged over micro-batches and data-parallel ranks, on every stage."""
@@ -204,12 +236,12 @@ class PipelineEngine(DeepSpeedEngine):
         if data_iter is not None:
             self.set_dataiterator(data_iter)
         self.module.train()
-        self.total_loss = None
-        sched = schedule_for(self._schedule_name, self.micro_batches, self.num_stages, self.stage_id,
-                             self.virtual_stages)
-        self.total_loss = self.executor.run(sched, training=True, data_iter=self.data_iterator,
-                                            batch_fn=self.batch_fn)["total_loss"]
-        self.agg_train_loss = self._aggregate_total_loss()
+        self.total_loss = self.total_additional_losses = None
+        done = self.executor.run(self._train_schedule(), training=True, data_iter=self.data_iterator,
+                                 batch_fn=self.batch_fn, dispatch=self._exec_instruction)
+        self.total_loss, self.total_additional_losses = done["total_loss"], done["total_additional_losses"]
+        with torch.no_grad():
+            self.agg_train_loss = self._aggregate_total_loss()
         return self.agg_train_loss
 
     def eval_batch(self, data_iter: Iterator, return_logits: bool = False, compute_loss: bool = True,
@@ -229,9 +261,9 @@ class PipelineEngine(DeepSpeedEngine):
             sched: Any = ForwardOnlySchedule(schedule_for("interleaved", micro, self.num_stages, self.stage_id,
                                                           self.virtual_stages))
         else:
-            sched = InferenceSchedule(micro, self.num_stages, self.stage_id)
+            sched = self._inference_schedule(micro)
         outputs = self.executor.run(sched, training=False, compute_loss=compute_loss, data_iter=self.data_iterator,
-                                    batch_fn=self.batch_fn)
+                                    batch_fn=self.batch_fn, dispatch=self._exec_instruction)
         result = None
         if self.is_last_stage():
             losses = outputs["losses"]
@@ -258,13 +290,16 @@ class PipelineEngine(DeepSpeedEngine):
         return buf[0]
 
     def _aggregate_total_loss(self) -> torch.Tensor:
-        loss = None
-        if self.is_last_stage():
-            loss = (self.total_loss / self.micro_batches).detach().float()
-            if self.is_data_parallel:
-                dist.all_reduce(loss, group=self.grid.get_data_parallel_group())
-                loss /= self.grid.get_data_parallel_world_size()
-        return self._bcast_from_last(loss) if self.is_pipe_parallel else loss
+        """The batch loss (and additional losses) per micro-batch, averaged over data-parallel ranks, on every
+        stage (runtime/pipe/loss_aggregation.py)."""
+        names = None
+        if not self.is_last_stage():  # the last stage sends the values; the others know the names
+            extra = self.module.get_additional_losses()
+            names = None if extra is None else list(extra.keys())
+        self.dp_group_loss, agg, self.agg_additional_losses = aggregate(
+            self.total_loss, self.total_additional_losses, self.gradient_accumulation_steps(), self.grid,
+            self.is_last_stage(), names, self.device)
+        return agg
 
 
 def _schedule_choice(cfg: Any, model: PipelineModule) -> tuple[str, int]:

@@ -7,6 +7,10 @@ runs one boundary round (a zero-valued backward through every trainable paramete
 engine's own reducer / ZeRO-1 partitioner reduces the accumulated gradients exactly as after a
 plain engine's last micro-batch.
 
+Instructions reach it one by one through the engine's dispatch (PipelineEngine._INSTRUCTION_MAP, as
+DeepSpeed's): `execute(ins)` runs a built-in one; a client's own instruction methods (Megatron-DeepSpeed's
+zero-bubble passes) read the state they need through `buffer()` / `set_buffer()`, `grad_layer` and `loss`.
+
 The executor gets what it uses, never the engine: the module, the grid and the stage's place in it, the
 precision policy, the engine's backward (runtime/backward_phase.py), the optimizer seam (stepper), the
 options below, and callables for what the engine does (the accumulation boundary, the step). The engine
@@ -15,6 +19,7 @@ reads back what it reports: run() returns the batch's summed loss (training) or 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections import OrderedDict
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -24,6 +29,7 @@ from ..grad_norm import global_norm
 from ..model_parallel.tp_norm import counted_in_norm
 from . import deferred_wgrad
 from . import instructions as I
+from .loss_aggregation import add_to_total
 from .p2p import PipeLink
 
 
@@ -66,6 +72,15 @@ class PipeExecutor:
         S, V = options.num_stages, options.virtual_stages
         self.S, self.V = S, V
         self.total_loss: Optional[torch.Tensor] = None  # the training batch's summed micro-batch losses
+        # the module's get_additional_losses() summed over the batch's micro-batches (last stage, training)
+        self.total_additional_losses: Optional[OrderedDict] = None
+        self.loss: Any = torch.tensor(0.0, device=device)  # the last micro-batch's loss (last stage): DeepSpeed's engine.loss
+        self.grad_layer: Any = None  # the last gradients received (DeepSpeed's engine.grad_layer)
+        self.inputs: dict = {}
+        self.labels: dict = {}
+        self.outputs: dict = {}
+        self.output_tensors: dict = {}
+        self.out_grads: dict = {}
         self._norm_ranges: dict[int, list[tuple[int, int]]] = {}  # ZeRO-1: see _counted_ranges
         # 3D: the tensor-slicing axis the norm also sums over (replicated parameters counted on its rank 0)
         self._tp_rank, self._tp_size = grid.get_slice_parallel_rank(), grid.get_slice_parallel_world_size()
@@ -103,10 +118,11 @@ class PipeExecutor:
 
     # -- driver ---------------------------------------------------------------------------------
     def run(self, sched: Any, training: bool, compute_loss: bool = True, data_iter: Any = None,
-            batch_fn: Any = None) -> dict:
-        """Executes the schedule reading micro-batches from `data_iter` (through `batch_fn` if given).
-        Returns {"losses", "logits"} (evaluation, last stage) and "total_loss": the training batch's
-        summed micro-batch losses on the last stage (None elsewhere)."""
+            batch_fn: Any = None, dispatch: Optional[Callable[[Any], None]] = None) -> dict:
+        """Executes the schedule reading micro-batches from `data_iter` (through `batch_fn` if given), each
+        instruction through `dispatch` (default: execute). Returns {"losses", "logits"} (evaluation, last
+        stage), "total_loss": the training batch's summed micro-batch losses on the last stage (None
+        elsewhere) and "total_additional_losses" (the module's get_additional_losses() summed likewise)."""
         self.training, self.compute_loss = training, compute_loss
         self.data_iter, self.batch_fn = data_iter, batch_fn
         self.n_micro, self.loaded = sched.micro_batches, 0
@@ -120,18 +136,49 @@ class PipeExecutor:
         self.batches: dict = {}  # micro-batch id -> its (inputs, labels), read from the iterator once
         self.in_grads: dict = {}  # split backward: input gradients computed by BackwardInputPass
         self.weight_pending: dict = {}  # split backward: what BackwardWeightPass finishes (see _backward_input)
+        self.output_tensors: dict = {}  # DeepSpeed's pipe_buffers['output_tensors'] (kept for client passes)
+        self.grad_layer = None
         if training:
             self.total_loss = None
+            self.total_additional_losses = None
             self.set_boundary(False)
+        run_one = dispatch or self.execute
         for step in sched.steps():
             for ins in step:
-                handler = self.handlers.get(type(ins))
-                if handler is None:
-                    raise NotImplementedError(f"the PipelineEngine cannot execute {ins!r}")
-                handler(ins)
+                run_one(ins)
         for l in self.links():
             l.wait_sends()
-        return {"losses": self.losses, "logits": self.logits, "total_loss": self.total_loss}
+        return {"losses": self.losses, "logits": self.logits, "total_loss": self.total_loss,
+                "total_additional_losses": self.total_additional_losses}
+
+    def execute(self, ins: Any) -> None:
+        """Runs one built-in instruction (instructions.py)."""
+        handler = self.handlers.get(type(ins))
+        if handler is None:
+            raise NotImplementedError(f"the PipelineEngine cannot execute {ins!r}")
+        handler(ins)
+
+    # -- the per-buffer state, for a client's own instruction methods (DeepSpeed's pipe_buffers) -------------
+    BUFFERS = ("inputs", "labels", "outputs", "output_tensors")
+
+    def _buffers(self, name: str) -> dict:
+        if name not in self.BUFFERS:
+            raise KeyError(f"pipe_buffers has no {name!r}; it holds {', '.join(self.BUFFERS)}")
+        return getattr(self, name)
+
+    def buffer(self, name: str, buffer_id: int) -> Any:
+        """What pipe buffer `buffer_id` of kind `name` holds now (None when empty)."""
+        return self._buffers(name).get(buffer_id)
+
+    def set_buffer(self, name: str, buffer_id: int, value: Any) -> None:
+        """Stores `value` in the buffer; None frees it (freeing outputs frees the gradient received for them)."""
+        held = self._buffers(name)
+        if value is None:
+            held.pop(buffer_id, None)
+            if name == "outputs":
+                self.out_grads.pop(buffer_id, None)
+        else:
+            held[buffer_id] = value
 
     # -- data -----------------------------------------------------------------------------------
     def _to_device(self, x: Any, cast: bool) -> Any:
@@ -200,10 +247,16 @@ class PipeExecutor:
                 loss = module.loss_fn(out, self.labels.pop(b))
             else:
                 loss = out
+            self.loss = loss
             if self.training:
                 self.outputs[b] = loss
-                d = loss.detach()
-                self.total_loss = d.clone() if self.total_loss is None else self.total_loss + d
+                self.total_loss = add_to_total(self.total_loss, loss)
+                extra = module.get_additional_losses()
+                if extra is not None:  # summed per name over the batch's micro-batches, as DeepSpeed's
+                    totals = self.total_additional_losses if self.total_additional_losses is not None else OrderedDict()
+                    for name, value in extra.items():
+                        totals[name] = add_to_total(totals.get(name), value)
+                    self.total_additional_losses = totals
             else:
                 self.losses.append(loss.detach() if isinstance(loss, torch.Tensor) else loss)
                 self.logits.append(out.detach() if isinstance(out, torch.Tensor) else out)
@@ -300,7 +353,10 @@ class PipeExecutor:
         self.grad_out.send(grads, self._vs(ins) - 1)
 
     def _recv_grad(self, ins: Any) -> None:
-        self.out_grads[ins.buffer_id] = self.grad_in.recv(self._vs(ins))
+        got = self.grad_in.recv(self._vs(ins))
+        self.out_grads[ins.buffer_id] = got
+        # DeepSpeed's grad_layer: one tensor for a tensor output, else one per floating-point output
+        self.grad_layer = got[0] if isinstance(self.outputs.get(ins.buffer_id), torch.Tensor) else got
 
     # -- reductions and step --------------------------------------------------------------------
     def _reduce_tied(self, ins: Any) -> None:
