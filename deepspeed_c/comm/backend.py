@@ -24,7 +24,11 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from deepspeed_c.comm import direct
+from deepspeed_c.comm.direct import MISS, PG_REDUCE_SCATTER, TORCH_REDUCE_SCATTER
 from deepspeed_c.comm.reduce_op import is_avg, to_torch_op
+
+_has_torch_function = torch._C._has_torch_function_unary
 
 FALLBACK_ENV = "DSC_COMM_FALLBACK"
 FALLBACK_OPS = ("reduce_scatter_tensor", "reduce_scatter", "all_gather_into_tensor", "all_to_all", "avg")
@@ -90,6 +94,7 @@ def _destroy_gloo_group_at_exit() -> None:
     # are collected here too, also when the caller destroyed the group already (accelerate's
     # end_training does).
     try:
+        direct.clear()  # its entries hold process groups
         if dist.is_initialized() and "gloo" in str(dist.get_backend()):
             dist.destroy_process_group()
         if _GLOO_SEEN:
@@ -154,11 +159,6 @@ class TorchBackend:
         return self.reduce_scatter_function is not None
 
     # ---- fallback bookkeeping ------------------------------------------------------------
-    def uses_fallback(self, op: str, group: Any = None) -> bool:
-        """Whether `op` (a FALLBACK_OPS name) is served by its fallback on `group`: forced by DSC_COMM_FALLBACK,
-        or refused by the backend before (callers that issue the op on the process group themselves ask)."""
-        return self._use_fallback(op, group)
-
     def _use_fallback(self, op: str, group: Any) -> bool:
         if op in self._forced:
             return True
@@ -226,8 +226,53 @@ class TorchBackend:
                              lambda o, a: dist.reduce(tensor, dst=dst, op=o, group=group, async_op=a),
                              [tensor] if is_dst else [])
 
+    def reduce_scatter_direct(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, op: Any,
+                              group: Any, async_op: bool) -> Any:
+        """reduce_scatter_tensor's common path (comm/direct.py): the prebuilt call for (group, op, async_op),
+        the same collective with the same options as the general path's native call; MISS where the
+        general path must serve it (the first call, a fallback due, a replaced function, a coalescing
+        block, a tensor subclass or torch-function mode, tensors other than flat and contiguous, a
+        size mismatch, a refusal: the general path raises, records or falls back as always)."""
+        try:
+            entry = direct.TABLE[(group, op, async_op)]
+        except (KeyError, TypeError):
+            entry = None
+        if entry is None or entry.world is not direct._WORLD._default_pg:
+            entry = direct.prebuild_reduce_scatter(group, op, async_op)
+            if entry is None:
+                return MISS
+        if self.reduce_scatter_function is not TORCH_REDUCE_SCATTER:
+            return MISS
+        forced, refused = self._forced, self._refused
+        if (forced or refused) and entry.fallback_due(forced, refused):
+            return MISS
+        if direct._WORLD._pg_coalesce_state:
+            return MISS
+        try:
+            if (output_tensor.ndim != 1 or input_tensor.ndim != 1
+                    or input_tensor.shape[0] != output_tensor.shape[0] * entry.world_size):
+                return MISS
+        except AttributeError:  # not tensors: the general path says so
+            return MISS
+        if _has_torch_function(input_tensor) or not output_tensor.is_contiguous() or not input_tensor.is_contiguous():
+            return MISS
+        try:
+            work = PG_REDUCE_SCATTER(entry.pg, output_tensor, input_tensor, entry.options)
+        except (RuntimeError, NotImplementedError, ValueError) as err:
+            if not _UNSUPPORTED.search(str(err)):
+                raise
+            return MISS  # a refusal enqueues nothing: the general path meets it again and records it
+        if async_op:
+            return work
+        if work is not None:
+            work.wait()
+        return None
+
     def reduce_scatter_tensor(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM,
                               group: Any = None, async_op: bool = False) -> Any:
+        work = self.reduce_scatter_direct(output_tensor, input_tensor, op, group, async_op)
+        if work is not MISS:
+            return work
         ws = self.get_world_size(group)
         if input_tensor.numel() != output_tensor.numel() * ws:
             raise ValueError(f"reduce_scatter_tensor: input has {input_tensor.numel()} elements, expected "
@@ -397,4 +442,5 @@ class TorchBackend:
         return dist.group.WORLD
 
     def destroy_process_group(self, group: Any = None) -> None:
+        direct.clear()  # its entries hold process groups
         return dist.destroy_process_group(group)

@@ -22,6 +22,7 @@ from deepspeed_c.comm.backend import CompletedWork, Noop, TorchBackend  # noqa: 
 from deepspeed_c.comm.comms_logging import CommsLogger
 from deepspeed_c.comm.config import CommsLoggerConfig, DeepSpeedCommsConfig
 from deepspeed_c.comm.constants import COMMS_LOGGER, default_pg_timeout
+from deepspeed_c.comm.direct import MISS
 from deepspeed_c.comm.reduce_op import ReduceOp
 from deepspeed_c.comm.utils import get_caller_func, get_local_rank_from_launcher
 
@@ -121,9 +122,11 @@ def _synchronize(obj: Any) -> None:
             torch.cuda.synchronize(first.device)
 
 
-def timed_op(size_arg: Optional[str]) -> Callable[[F], F]:
+def timed_op(size_arg: Optional[str], name: Optional[str] = None, depth: int = 2) -> Callable[[F], F]:
     """Log a comm function when the logger is on and the op is profiled (prof=True, prof_all, or
-    its log_name in prof_ops). `size_arg` names the parameter whose bytes are the message size."""
+    its log_name in prof_ops). `size_arg` names the parameter whose bytes are the message size;
+    `name` is the op's name in the log (the function's own by default); `depth` how far up the
+    stack the debug caller is from the wrapper (one more where a public function calls it)."""
 
     def decorate(func: F) -> F:
         params = list(inspect.signature(func).parameters.values())
@@ -132,8 +135,8 @@ def timed_op(size_arg: Optional[str]) -> Callable[[F], F]:
         log_pos = names.index("log_name") if "log_name" in names else -1
         prof_pos = names.index("prof") if "prof" in names else -1
         debug_pos = names.index("debug") if "debug" in names else -1
-        default_log = params[log_pos].default if log_pos >= 0 else func.__name__
-        raw_name = func.__name__
+        raw_name = name or func.__name__
+        default_log = params[log_pos].default if log_pos >= 0 else raw_name
 
         def arg(args: tuple[Any, ...], kwargs: dict[str, Any], pos: int, name: str, default: Any) -> Any:
             if 0 <= pos < len(args):
@@ -150,7 +153,7 @@ def timed_op(size_arg: Optional[str]) -> Callable[[F], F]:
             payload = arg(args, kwargs, size_pos, size_arg or "", None)
             record_name = log_name
             if comms_logger.debug:
-                caller = arg(args, kwargs, debug_pos, "debug", None) or get_caller_func(2)
+                caller = arg(args, kwargs, debug_pos, "debug", None) or get_caller_func(depth)
                 record_name = f"{log_name} | [Caller Func: {caller}]"
             _synchronize(payload)
             start = time.perf_counter()
@@ -286,11 +289,23 @@ def allgather_fn(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group:
     return all_gather(parts, input_tensor, group=group, async_op=async_op, debug=debug)
 
 
-@timed_op("tensor")
+@timed_op("tensor", name="reduce_scatter_tensor", depth=3)
+def _reduce_scatter_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, op: Any = ReduceOp.SUM,
+                           group: Any = None, async_op: bool = False, prof: bool = False,
+                           log_name: str = "reduce_scatter_tensor", debug: Optional[str] = None) -> Any:
+    return _backend().reduce_scatter_tensor(output_tensor, tensor, op, group, async_op)
+
+
 def reduce_scatter_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, op: Any = ReduceOp.SUM,
                           group: Any = None, async_op: bool = False, prof: bool = False,
                           log_name: str = "reduce_scatter_tensor", debug: Optional[str] = None) -> Any:
-    return _backend().reduce_scatter_tensor(output_tensor, tensor, op, group, async_op)
+    # ZeRO's per-bucket call: with the logger off, one test, then the backend's prebuilt call (comm/direct.py)
+    backend = cdb
+    if backend is not None and not comms_logger.enabled:
+        work = backend.reduce_scatter_direct(output_tensor, tensor, op, group, async_op)
+        if work is not MISS:
+            return work
+    return _reduce_scatter_tensor(output_tensor, tensor, op, group, async_op, prof, log_name, debug)
 
 
 def reduce_scatter_fn(output_tensor: torch.Tensor, tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None,
@@ -456,4 +471,4 @@ def stop_profiling_op(op_name_list: list[str]) -> None:
 
 __all__ = [name for name in dir() if not name.startswith("_") and name not in {
     "annotations", "functools", "inspect", "os", "time", "timedelta", "Any", "Callable", "Mapping", "Optional",
-    "TypeVar", "F", "torch", "dist", "cdb"}]
+    "TypeVar", "F", "torch", "dist", "cdb", "MISS"}]

@@ -14,7 +14,6 @@ collective by default, part before it with gradient_predivide_factor, all before
 prescale_gradients, none with gradient_allreduce_op "sum"."""
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -25,19 +24,6 @@ def _comm() -> Any:
     import deepspeed_c.comm as dist
 
     return dist
-
-
-_REAL_COMM = _comm
-# ReduceScatter's direct call (see there): torch's function as imported (a wrapper someone installs replaces
-# it), the process group's own method, and its options per op (asynchronous by default), made once
-_DIST = torch.distributed.is_available()
-_TORCH_REDUCE_SCATTER = getattr(torch.distributed, "reduce_scatter_tensor", None)
-_PG_REDUCE_SCATTER = torch.distributed.ProcessGroup._reduce_scatter_base if _DIST else None
-_RS_SUM = torch.distributed.ReduceScatterOptions() if _DIST else None
-_RS_AVG = torch.distributed.ReduceScatterOptions() if _DIST else None
-if _RS_AVG is not None:
-    _RS_AVG.reduceOp = torch.distributed.ReduceOp.AVG
-_RS_OPTIONS = {"sum": _RS_SUM, "avg": _RS_AVG}
 
 
 @dataclass(frozen=True)
@@ -111,14 +97,8 @@ class AllReduce(BucketReduce):
 class ReduceScatter(BucketReduce):
     """Reduce-scatter the bucket into `out` (or a new chunk). With `average` NCCL divides by the world
     size while it loads the inputs (ReduceOp.AVG), so no pass over the result is left: post factor 1.
-
-    The collective goes straight to the process group (as ZeRO-3's unit gathers do, unit_gather.py): the
-    layers above it (deepspeed_c.comm's logger and fallback checks, torch.distributed's argument checks,
-    group lookup and options) cost more host time a bucket than enqueuing it, once per unit in a ZeRO-3
-    backward. It is the same collective with the same options. deepspeed_c.comm serves it instead while
-    its comms logger is on (it records what goes through it), when torch.distributed's or deepspeed_c.comm's
-    reduce_scatter_tensor was replaced (a byte counter or profiler wrapping it sees every call), when
-    deepspeed_c.comm forces or has learnt a fallback for it, and from the first refusal on."""
+    deepspeed_c.comm serves it: once per unit in a ZeRO-3 backward, so its common path is the call
+    prebuilt per group (comm/direct.py), with the comms logger, wrappers and fallbacks all kept."""
     kind = "reduce_scatter"
     writes_out = True
 
@@ -128,57 +108,16 @@ class ReduceScatter(BucketReduce):
         self.world_size = world_size
         self.average = average
         self.op = torch.distributed.ReduceOp.AVG if average else torch.distributed.ReduceOp.SUM
-        self._pg: Any = None  # the process group and options of the direct call, resolved at the first bucket
-        self._opts: Any = None
-        self._comm_module: Any = None
-        self._direct = True
+        self._dist = _comm()  # the module: a function wrapped on it later (a collective counter) is still seen
 
     def reduce(self, buf: torch.Tensor, out: Optional[torch.Tensor] = None) -> tuple[Any, torch.Tensor]:
-        self._prescale(buf)
+        if self.pre_factor != 1.0:
+            buf.mul_(self.pre_factor)
         if out is None:
             out = torch.empty(buf.numel() // self.world_size, dtype=buf.dtype, device=buf.device)
-        work = self._direct_call(out, buf) if self._direct else None
-        if work is None:
-            work = _comm().reduce_scatter_tensor(out, buf, op=self.op, group=self.group, async_op=True)
+        work = self._dist.reduce_scatter_tensor(out, buf, op=self.op, group=self.group, async_op=True)
         self.collectives += 1
         return work, out
-
-    def _direct_call(self, out: torch.Tensor, buf: torch.Tensor) -> Any:
-        """The process group's own reduce-scatter (asynchronous), or None where deepspeed_c.comm must serve it."""
-        if _comm is not _REAL_COMM or torch.distributed.reduce_scatter_tensor is not _TORCH_REDUCE_SCATTER:
-            return None
-        comm = _comm()
-        if comm.comms_logger.enabled:
-            return None
-        if self._pg is None and not self._resolve(comm):
-            return None
-        if comm.reduce_scatter_tensor is not self._comm_module.reduce_scatter_tensor:
-            return None  # deepspeed_c.comm.reduce_scatter_tensor was replaced (a counter wrapping it)
-        try:
-            return _PG_REDUCE_SCATTER(self._pg, out, buf, self._opts)
-        except (RuntimeError, NotImplementedError) as err:
-            text = str(err).lower()
-            if "not supported" not in text and "not implemented" not in text and "unsupported" not in text:
-                raise
-            self._direct = False  # deepspeed_c.comm's fallbacks from now on
-            return None
-
-    def _resolve(self, comm: Any) -> bool:
-        import torch.distributed as dist
-
-        backend = getattr(comm, "cdb", None)
-        pg = self.group if self.group is not None else (
-            dist.distributed_c10d._get_default_group() if dist.is_initialized() else None)
-        forced = backend is None or any(backend.uses_fallback(op, self.group) for op in
-                                        (("reduce_scatter_tensor", "avg") if self.average
-                                         else ("reduce_scatter_tensor",)))
-        opts = _RS_OPTIONS.get("avg" if self.average else "sum")
-        if pg is None or forced or opts is None or not isinstance(pg, dist.ProcessGroup):
-            self._direct = False
-            return False
-        self._pg, self._opts = pg, opts
-        self._comm_module = sys.modules["deepspeed_c.comm.comm"]  # the module defining the function, never patched
-        return True
 
 
 class QuantizedReduceScatter(BucketReduce):

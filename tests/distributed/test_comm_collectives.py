@@ -190,6 +190,42 @@ def _check_p2p_groups_objects(rank: int, w: int) -> None:
         dc.monitored_barrier()
 
 
+def _check_direct_path(rank: int, w: int) -> None:
+    """reduce_scatter_tensor's prebuilt call (comm/direct.py) and the cases it hands to the general path."""
+    import torch
+
+    import deepspeed_c.comm as dc
+    from deepspeed_c.comm import direct
+
+    f64 = dict(dtype=torch.float64, device=_device())
+    n = 3
+    inp = torch.arange(w * n, **f64) * (rank + 1)
+    want = (torch.arange(w * n, **f64) * (w * (w + 1) / 2))[rank * n:(rank + 1) * n]
+    out = torch.zeros(n, **f64)
+    work = dc.reduce_scatter_tensor(out, inp, group=None, async_op=True)
+    work.wait()
+    _eq(out, want, "reduce_scatter_tensor, async, prebuilt")
+    entry = direct.TABLE[(None, dc.ReduceOp.SUM, True)]
+    assert entry.world_size == w and entry.refused_keys == ((dc.get_backend(), "reduce_scatter_tensor"),)
+    out = torch.zeros(n, **f64)
+    assert dc.reduce_scatter_tensor(out, inp) is None
+    _eq(out, want, "reduce_scatter_tensor, sync, prebuilt")
+    out = torch.zeros(n, **f64)  # the stacked input form: the general path's flat views
+    dc.reduce_scatter_tensor(out, inp.view(w, n))
+    _eq(out, want, "reduce_scatter_tensor, stacked input")
+    out = torch.zeros(n, **f64)  # a strided input: the general path's contiguous copy
+    dc.reduce_scatter_tensor(out, torch.stack([inp, inp]).t().reshape(-1)[::2])
+    _eq(out, want, "reduce_scatter_tensor, strided input")
+    for bad_out, bad_in, words in ((torch.zeros(2 * n, **f64)[::2], inp, "contiguous"),
+                                   (torch.zeros(n + 1, **f64), inp, "expected")):
+        try:
+            dc.reduce_scatter_tensor(bad_out, bad_in)
+        except ValueError as err:
+            assert words in str(err), err
+        else:
+            raise AssertionError(f"reduce_scatter_tensor took a bad output ({words})")
+
+
 def _body(rank: int, w: int, backend: str) -> list[str]:
     import torch.distributed as dist
 
@@ -202,6 +238,7 @@ def _body(rank: int, w: int, backend: str) -> list[str]:
     assert dc.has_all_gather_into_tensor() and dc.has_reduce_scatter_tensor()
     _check_all(rank, w)
     _check_p2p_groups_objects(rank, w)
+    _check_direct_path(rank, w)
     refused_natively = sorted(op for _, op in dc.cdb._refused)
 
     # every fallback forced; native calls would now raise, so passing proves the fallbacks ran

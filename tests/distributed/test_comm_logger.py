@@ -15,6 +15,7 @@ def _counts(raw):
 
 def _caller_for_debug(dc, t):
     dc.all_reduce(t)
+    dc.reduce_scatter_tensor(t[:t.numel() // dc.get_world_size()], t)
 
 
 def _body(rank: int, w: int) -> dict:
@@ -97,7 +98,8 @@ def test_comms_logger_counts_bytes_and_summary():
         # all-reduce: busbw / algbw = (2(n-1)/n) / 2 = (n-1)/n
         assert all(abs(x - (w - 1) / w) < 1e-12 for x in r["ratio"])
         assert r["second"] == {"all_reduce": {40: 1}, "broadcast": {16: 1}}
-        assert r["debug_names"] == ["all_reduce | [Caller Func: _caller_for_debug]"]
+        assert r["debug_names"] == ["all_reduce | [Caller Func: _caller_for_debug]",
+                                    "reduce_scatter_tensor | [Caller Func: _caller_for_debug]"]
         assert r["disabled_has_data"] is False
         p2p = {"send": {24: 1}} if rank == 0 else {"recv": {24: 1}}
         assert r["summary_counts"] == {"all_reduce": {40: 3}, **p2p}
