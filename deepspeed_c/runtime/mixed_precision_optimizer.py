@@ -124,6 +124,21 @@ class MixedPrecisionOptimizer(EngineOptimizer):
     def dynamic_loss_scale(self) -> bool:
         return isinstance(self.loss_scaler, DynamicLossScaler)
 
+    # -- DeepSpeed's BF16_Optimizer names a client's own backward pass calls (Megatron-DeepSpeed's zero-bubble
+    # passes, when the PipelineEngine's using_bf16_optimizer says so: fp32 accumulation) --------------------------
+    def clear_lp_grads(self) -> None:
+        """Drops the 16-bit gradients on the parameters (every one autograd produced is folded already)."""
+        for p in self._lp_flat:
+            p.grad = None
+
+    def update_hp_grads(self, clear_lp_grads: bool = False) -> None:
+        """Folds the 16-bit gradients on the parameters (one a client wrote straight into param.grad) into the
+        fp32 accumulators. They are freed whatever `clear_lp_grads` says: a kept one would be folded again."""
+        if not self.accumulate_fp32:
+            raise RuntimeError("update_hp_grads needs fp32 gradient accumulation (bf16 at ZeRO stage 0)")
+        for k in range(len(self._lp_flat)):
+            self.accumulators.fold(k)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.harvest is not None:  # the recorded step reads the gradients where they are: zeroed in place
             set_to_none = False      # (DeepSpeed's harvesting asserts the same)

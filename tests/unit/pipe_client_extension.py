@@ -77,8 +77,11 @@ def _pipe_module(num_stages: int):
         def get_additional_losses(self):
             return OrderedDict((k, _AUX.get(k)) for k in ("aux", "aux_max"))
 
-    return AuxPipe(layers=_layers(), num_stages=num_stages, loss_fn=torch.nn.functional.mse_loss,
-                   partition_method="uniform")
+    return AuxPipe(layers=_layers(), num_stages=num_stages, loss_fn=_loss, partition_method="uniform")
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(out.float(), y)
 
 
 def _data(dp: int) -> list:
@@ -125,6 +128,10 @@ _CALLS = {"B": 0, "W": 0}
 def _exec_input_grad_only(self, buffer_id):
     from deepspeed_c.runtime.pipe.engine import PipelineEngine
 
+    # bf16 with fp32 accumulation (DeepSpeed's BF16_Optimizer): fold what this pass leaves in param.grad
+    bf16 = self.using_bf16_optimizer and not self.is_last_stage()
+    if bf16:
+        self.optimizer.clear_lp_grads()
     _Store.defer = True
     try:
         if self.is_last_stage():
@@ -138,15 +145,21 @@ def _exec_input_grad_only(self, buffer_id):
             self.pipe_buffers["outputs"][buffer_id] = None
     finally:
         _Store.defer = False
+    if bf16:
+        self.optimizer.update_hp_grads(clear_lp_grads=False)
     _Store.queue.append(_Store.pending)
     _Store.pending = []
     _CALLS["B"] += 1
 
 
 def _exec_weight_only(self):
+    if self.using_bf16_optimizer:
+        self.optimizer.clear_lp_grads()
     for w, x, gy in _Store.queue.pop(0):
         g = gy.t() @ x
         w.grad = g if w.grad is None else w.grad + g
+    if self.using_bf16_optimizer:
+        self.optimizer.update_hp_grads(clear_lp_grads=False)
     _CALLS["W"] += 1
 
 
@@ -165,15 +178,18 @@ def body(rank: int, world: int) -> dict:
     from deepspeed_c.runtime.pipe import schedule as S
     from deepspeed_c.runtime.pipe.engine import PipelineEngine
 
-    def config(dp: int, stage: int) -> dict:
-        return {"train_batch_size": MBS * GAS * dp, "train_micro_batch_size_per_gpu": MBS,
-                "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_optimization": {"stage": stage},
-                "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0}
+    def config(dp: int, stage: int, bf16: bool) -> dict:
+        cfg = {"train_batch_size": MBS * GAS * dp, "train_micro_batch_size_per_gpu": MBS,
+               "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_optimization": {"stage": stage},
+               "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0}
+        if bf16:  # DeepSpeed's BF16_Optimizer: fp32 gradient accumulation
+            cfg.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
+        return cfg
 
-    def build(stages: int, stage: int):
+    def build(stages: int, stage: int, bf16: bool = False):
         module = _pipe_module(stages)
         return deepspeed_c.initialize(model=module, model_parameters=module.parameters(),
-                                      config=config(world // stages, stage))[0]
+                                      config=config(world // stages, stage, bf16))[0]
 
     InputGradOnly, WeightOnly, SplitSchedule = _instructions()
     saved_schedule, saved_map = S.TrainSchedule, dict(PipelineEngine._INSTRUCTION_MAP)
@@ -184,6 +200,12 @@ def body(rank: int, world: int) -> dict:
         out["pp2_split"] = _train(build(2, 0), _data(1), slice(None))
         out["calls"] = dict(_CALLS)
         out["dp2_split"] = _train(build(1, 1), _data(2), slice(rank * GAS, (rank + 1) * GAS))
+        for name, sched in (("split", SplitSchedule), ("1f1b", saved_schedule)):  # bf16: one step each
+            S.TrainSchedule = sched
+            engine = build(2, 0, bf16=True)
+            engine.train_batch(data_iter=iter(_data(1)[0]))
+            out[f"bf16_{name}"] = (engine.using_bf16_optimizer, [m.detach().double().numpy().copy()
+                                                                 for g in engine.optimizer.fp32_groups for m in g])
 
         class Unknown(S.PipeInstruction):
             pass

@@ -208,6 +208,17 @@ def test_client_schedule_at_zero_1_data_parallel(two_ranks):
         assert names == set(ref["weights"])
 
 
+def test_client_schedule_at_bf16_with_fp32_accumulation(two_ranks):
+    """DeepSpeed's BF16_Optimizer case: the client's passes see using_bf16_optimizer and fold the gradients they
+    write through clear_lp_grads / update_hp_grads; the fp32 masters after one step equal 1F1B's."""
+    for rank in range(2):
+        (flag, split), (flag_1f1b, ref) = two_ranks[rank][4]["bf16_split"], two_ranks[rank][4]["bf16_1f1b"]
+        assert flag and flag_1f1b
+        assert len(split) == len(ref) > 0
+        for a, b in zip(split, ref):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_additional_losses_on_the_builtin_schedule(two_ranks):
     ref = ext.reference(1, 1)
     for rank in range(2):

@@ -8,9 +8,10 @@ assigning `deepspeed.runtime.pipe.schedule.TrainSchedule` (what Megatron-DeepSpe
 Its methods see the engine state DeepSpeed's show them: `pipe_buffers[kind][buffer_id]` (inputs, labels,
 outputs, output_tensors; assigning None frees one), `grad_layer` (the last gradients received), `loss` (the
 last micro-batch's loss on the last stage), `super(PipelineEngine, self).backward(loss)`, the timers, and
-the flags `is_pipe_partitioned` / `is_grad_partitioned` / `using_bf16_optimizer` (False: activations travel
-whole, and 16-bit gradients written straight into `param.grad` are folded into the fp32 accumulators at
-ReduceGrads, so no manual clear_lp_grads / update_hp_grads is needed).
+the flags `is_pipe_partitioned` / `is_grad_partitioned` (False: activations and gradients travel whole) and
+`using_bf16_optimizer` (True where DeepSpeed's would be a BF16_Optimizer: bf16 at ZeRO stage 0 with fp32
+accumulation; the optimizer then has its clear_lp_grads / update_hp_grads, which fold a gradient a client
+wrote into `param.grad` into the fp32 accumulators at once. Elsewhere such a gradient is taken at ReduceGrads).
 
 A map entry that is still the engine's own method runs in the executor directly (as DeepSpeed's map, it
 holds PipelineEngine's functions: a subclass overriding `_exec_forward_pass` changes nothing unless it
@@ -60,7 +61,6 @@ class InstructionDispatch:
     _lr_kwargs: Optional[dict] = None  # OptimizerStep(lr_kwargs=...) for the step it runs
     is_pipe_partitioned = False  # activations and gradients travel whole between stages
     is_grad_partitioned = False
-    using_bf16_optimizer = False
 
     # -- the built-in instructions, under DeepSpeed's method names ----------------------------------------
     def _builtin(self, kind: type, **kwargs: Any) -> None:
@@ -142,6 +142,12 @@ class InstructionDispatch:
             self._exec_ins = None
 
     # -- the state a client's instruction method reads ----------------------------------------------------
+    @property
+    def using_bf16_optimizer(self) -> bool:
+        from deepspeed_c.runtime.mixed_precision_optimizer import MixedPrecisionOptimizer
+
+        opt = getattr(self, "optimizer", None)
+        return isinstance(opt, MixedPrecisionOptimizer) and opt.accumulate_fp32
     @property
     def pipe_buffers(self) -> PipeBuffers:
         return PipeBuffers(self.executor)
