@@ -25,10 +25,15 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_c.comm import direct
-from deepspeed_c.comm.direct import MISS, PG_REDUCE_SCATTER, TORCH_REDUCE_SCATTER
+from deepspeed_c.comm.direct import (MISS, PG_ALL_GATHER, PG_ALL_GATHER_COALESCED, PG_REDUCE_SCATTER,
+                                     TORCH_ALL_GATHER, TORCH_REDUCE_SCATTER)
 from deepspeed_c.comm.reduce_op import is_avg, to_torch_op
 
 _has_torch_function = torch._C._has_torch_function_unary
+_any_torch_function = torch._C._has_torch_function  # over a sequence of tensors
+# unbound tensor methods, mapped over a coalesced call's tensors in C
+_DIM, _NUMEL, _CONTIGUOUS = torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.is_contiguous
+_COMPLEX = torch.Tensor.is_complex
 
 FALLBACK_ENV = "DSC_COMM_FALLBACK"
 FALLBACK_OPS = ("reduce_scatter_tensor", "reduce_scatter", "all_gather_into_tensor", "all_to_all", "avg")
@@ -234,7 +239,7 @@ class TorchBackend:
         block, a tensor subclass or torch-function mode, tensors other than flat and contiguous, a
         size mismatch, a refusal: the general path raises, records or falls back as always)."""
         try:
-            entry = direct.TABLE[(group, op, async_op)]
+            entry = direct.REDUCE_SCATTERS[(group, op, async_op)]
         except (KeyError, TypeError):
             entry = None
         if entry is None or entry.world is not direct._WORLD._default_pg:
@@ -323,8 +328,86 @@ class TorchBackend:
                    async_op: bool = False) -> Any:
         return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
 
+    def _all_gather_entry(self, group: Any, async_op: bool) -> Any:
+        """The prebuilt all-gather for (group, async_op) where it may serve a call now, else None."""
+        try:
+            entry = direct.ALL_GATHERS[(group, async_op)]
+        except (KeyError, TypeError):
+            entry = None
+        if entry is None or entry.world is not direct._WORLD._default_pg:
+            entry = direct.prebuild_all_gather(group, async_op)
+            if entry is None:
+                return None
+        if self.all_gather_function is not TORCH_ALL_GATHER or direct._WORLD._pg_coalesce_state:
+            return None
+        forced, refused = self._forced, self._refused
+        if (forced or refused) and entry.fallback_due(forced, refused):
+            return None
+        return entry
+
+    def all_gather_direct(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                          async_op: bool) -> Any:
+        """all_gather_into_tensor's common path, as reduce_scatter_direct (MISS: the general path serves it)."""
+        entry = self._all_gather_entry(group, async_op)
+        if entry is None:
+            return MISS
+        try:
+            if (output_tensor.ndim != 1 or input_tensor.ndim != 1 or input_tensor.dtype.is_complex
+                    or output_tensor.shape[0] != input_tensor.shape[0] * entry.world_size):
+                return MISS
+        except AttributeError:
+            return MISS
+        if _has_torch_function(input_tensor) or not output_tensor.is_contiguous() or not input_tensor.is_contiguous():
+            return MISS
+        try:
+            work = PG_ALL_GATHER(entry.pg, output_tensor, input_tensor, entry.options)
+        except (RuntimeError, NotImplementedError, ValueError) as err:
+            if not _UNSUPPORTED.search(str(err)):
+                raise
+            return MISS
+        if async_op:
+            return work
+        if work is not None:
+            work.wait()
+        return None
+
+    def all_gather_coalesced_direct(self, output_tensors: Sequence[torch.Tensor], input_tensors: Sequence[torch.Tensor],
+                                    group: Any, async_op: bool) -> Any:
+        """Several all_gather_into_tensor as one collective (what torch's coalescing manager issues for a
+        block of them); the checks run over the tensors in C. MISS: the general path serves each pair."""
+        if not output_tensors or PG_ALL_GATHER_COALESCED is None:
+            return MISS
+        entry = self._all_gather_entry(group, async_op)
+        if entry is None:
+            return MISS
+        try:
+            ws = entry.world_size
+            if (max(map(_DIM, output_tensors)) != 1 or max(map(_DIM, input_tensors)) != 1
+                    or any(map(_COMPLEX, input_tensors))
+                    or list(map(_NUMEL, output_tensors)) != [n * ws for n in map(_NUMEL, input_tensors)]):
+                return MISS
+            if (_any_torch_function(input_tensors) or not all(map(_CONTIGUOUS, output_tensors))
+                    or not all(map(_CONTIGUOUS, input_tensors))):
+                return MISS
+        except (TypeError, ValueError):  # not tensors (or no inputs): the general path says so
+            return MISS
+        try:
+            work = PG_ALL_GATHER_COALESCED(entry.pg, list(output_tensors), list(input_tensors), entry.options)
+        except (RuntimeError, NotImplementedError, ValueError) as err:
+            if not _UNSUPPORTED.search(str(err)):
+                raise
+            return MISS
+        if async_op:
+            return work
+        if work is not None:
+            work.wait()
+        return None
+
     def all_gather_into_tensor(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None,
                                async_op: bool = False) -> Any:
+        work = self.all_gather_direct(output_tensor, input_tensor, group, async_op)
+        if work is not MISS:
+            return work
         ws = self.get_world_size(group)
         if output_tensor.numel() != input_tensor.numel() * ws:
             raise ValueError(f"all_gather_into_tensor: output has {output_tensor.numel()} elements, expected "
@@ -356,6 +439,9 @@ class TorchBackend:
                              group: Any = None, async_op: bool = False) -> Any:
         if len(output_tensors) != len(input_tensors):
             raise ValueError(f"all_gather_coalesced: {len(output_tensors)} outputs for {len(input_tensors)} inputs")
+        work = self.all_gather_coalesced_direct(output_tensors, input_tensors, group, async_op)
+        if work is not MISS:
+            return work
         for out, inp in zip(output_tensors, input_tensors):
             self.all_gather_into_tensor(out, inp, group, False)
         return CompletedWork() if async_op else None

@@ -273,11 +273,23 @@ def all_gather_object(object_list: list[Any], obj: Any, group: Any = None, prof:
     return _backend().all_gather_object(object_list, obj, group)
 
 
-@timed_op("tensor")
+@timed_op("tensor", name="all_gather_into_tensor", depth=3)
+def _all_gather_into_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, group: Any = None,
+                            async_op: bool = False, prof: bool = False, log_name: str = "all_gather_into_tensor",
+                            debug: Optional[str] = None) -> Any:
+    return _backend().all_gather_into_tensor(output_tensor, tensor, group, async_op)
+
+
 def all_gather_into_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, group: Any = None,
                            async_op: bool = False, prof: bool = False, log_name: str = "all_gather_into_tensor",
                            debug: Optional[str] = None) -> Any:
-    return _backend().all_gather_into_tensor(output_tensor, tensor, group, async_op)
+    # ZeRO-3's per-fetch call: as reduce_scatter_tensor below
+    backend = cdb
+    if backend is not None and not comms_logger.enabled:
+        work = backend.all_gather_direct(output_tensor, tensor, group, async_op)
+        if work is not MISS:
+            return work
+    return _all_gather_into_tensor(output_tensor, tensor, group, async_op, prof, log_name, debug)
 
 
 def allgather_fn(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None,
@@ -414,6 +426,12 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], op: Any = ReduceOp.SUM, gr
 
 def all_gather_coalesced(output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], group: Any = None,
                          async_op: bool = False) -> Any:
+    """all_gather_into_tensor of each pair, as one collective where the backend can (not logged, as DeepSpeed's)."""
+    backend = cdb
+    if backend is not None and len(output_tensors) == len(input_tensors):
+        work = backend.all_gather_coalesced_direct(output_tensors, input_tensors, group, async_op)
+        if work is not MISS:
+            return work
     return _backend().all_gather_coalesced(output_tensors, input_tensors, group, async_op)
 
 

@@ -1,6 +1,7 @@
 """deepspeed_c.comm's common path for bucket collectives: the call prebuilt once per (group, op, async_op).
 
-ZeRO issues one reduce-scatter per gradient bucket, once per unit in a ZeRO-3 backward. Through the
+ZeRO issues one reduce-scatter per gradient bucket, once per unit in a ZeRO-3 backward, and ZeRO-3 one
+all-gather per parameter fetch (several units' fetch as one coalesced collective). Through the
 general path that is the backend's AVG and fallback bookkeeping (closures, a backend-name lookup per
 call) and torch.distributed's front (its logger decorators, argument checks, group lookup, fresh
 options): more host time than enqueuing the collective. All of that depends only on the group and the
@@ -26,6 +27,11 @@ _WORLD = dist.distributed_c10d._world if dist.is_available() else None
 # group method it ends in, taken from the class: one C call with no bound method made per call
 TORCH_REDUCE_SCATTER = getattr(dist.distributed_c10d, "reduce_scatter_tensor", None) if _WORLD else None
 PG_REDUCE_SCATTER = getattr(dist.ProcessGroup, "_reduce_scatter_base", None) if _WORLD else None
+TORCH_ALL_GATHER = getattr(dist.distributed_c10d, "all_gather_into_tensor", None) if _WORLD else None
+PG_ALL_GATHER = getattr(dist.ProcessGroup, "_allgather_base", None) if _WORLD else None
+# what torch's coalescing manager issues for a block of all_gather_into_tensor calls
+PG_ALL_GATHER_COALESCED = getattr(dist.ProcessGroup, "allgather_into_tensor_coalesced", None) if _WORLD else None
+_ALLGATHER_OPTIONS = getattr(dist.distributed_c10d, "AllgatherOptions", None) if _WORLD else None
 
 
 class Prebuilt:
@@ -47,11 +53,22 @@ class Prebuilt:
         return any(name in forced for name in self.op_names) or any(key in refused for key in self.refused_keys)
 
 
-TABLE: dict[tuple[Any, Any, bool], Prebuilt] = {}
+REDUCE_SCATTERS: dict[tuple[Any, Any, bool], Prebuilt] = {}  # (group, op, async_op) -> entry
+ALL_GATHERS: dict[tuple[Any, bool], Prebuilt] = {}  # (group, async_op) -> entry
 
 
 def clear() -> None:
-    TABLE.clear()
+    REDUCE_SCATTERS.clear()
+    ALL_GATHERS.clear()
+
+
+def _world_now() -> Any:
+    """The default group, after dropping every entry made in a world that no longer stands."""
+    world = _WORLD._default_pg
+    if any(e.world is not world for e in REDUCE_SCATTERS.values()) or any(
+            e.world is not world for e in ALL_GATHERS.values()):
+        clear()
+    return world
 
 
 def prebuild_reduce_scatter(group: Any, op: Any, async_op: bool) -> Optional[Prebuilt]:
@@ -59,9 +76,7 @@ def prebuild_reduce_scatter(group: Any, op: Any, async_op: bool) -> Optional[Pre
     can serve it (no group up, not a process group this rank belongs to, an op torch would refuse)."""
     if _WORLD is None or PG_REDUCE_SCATTER is None or TORCH_REDUCE_SCATTER is None:
         return None
-    world = _WORLD._default_pg
-    if any(entry.world is not world for entry in TABLE.values()):
-        TABLE.clear()  # made in a world since destroyed: drop its groups
+    world = _world_now()
     if world is None:
         return None
     pg = group if group is not None else world
@@ -80,5 +95,29 @@ def prebuild_reduce_scatter(group: Any, op: Any, async_op: bool) -> Optional[Pre
     except (ValueError, TypeError, RuntimeError):
         return None
     names = ("reduce_scatter_tensor", "avg") if is_avg(torch_op) else ("reduce_scatter_tensor",)
-    entry = TABLE[key] = Prebuilt(pg, world, world_size, options, names, backend)
+    entry = REDUCE_SCATTERS[key] = Prebuilt(pg, world, world_size, options, names, backend)
+    return entry
+
+
+def prebuild_all_gather(group: Any, async_op: bool) -> Optional[Prebuilt]:
+    """The entry for all_gather_into_tensor (and its coalesced form) on `group`, or None as above."""
+    if _WORLD is None or PG_ALL_GATHER is None or TORCH_ALL_GATHER is None or _ALLGATHER_OPTIONS is None:
+        return None
+    world = _world_now()
+    if world is None:
+        return None
+    pg = group if group is not None else world
+    if not isinstance(pg, dist.ProcessGroup) or not isinstance(async_op, bool):
+        return None
+    try:
+        options = _ALLGATHER_OPTIONS()
+        if hasattr(options, "asyncOp"):
+            options.asyncOp = async_op
+        backend = str(dist.get_backend(group))
+        world_size = dist.get_world_size(group)
+        key = (group, async_op)
+        hash(key)
+    except (ValueError, TypeError, RuntimeError):
+        return None
+    entry = ALL_GATHERS[key] = Prebuilt(pg, world, world_size, options, ("all_gather_into_tensor",), backend)
     return entry

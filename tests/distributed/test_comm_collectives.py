@@ -76,6 +76,18 @@ def _check_all(rank: int, w: int) -> None:
     out = torch.zeros(w, 2, 3, **f64)
     dc.all_gather_into_tensor(out, inp)
     _eq(out.view(2 * w, 3), want, "all_gather_into_tensor (stacked)")
+    flat_in = inp.view(-1)  # flat tensors: the prebuilt call where it may serve (comm/direct.py)
+    out = torch.zeros(6 * w, **f64)
+    dc.all_gather_into_tensor(out, flat_in, async_op=True).wait()
+    _eq(out, want.view(-1), "all_gather_into_tensor (flat, async)")
+    outs = [torch.full((6 * w, ), float("nan"), **f64), torch.full((w, ), float("nan"), **f64)]
+    dc.all_gather_coalesced(outs, [flat_in, torch.full((1, ), rank + 0.5, **f64)], async_op=True).wait()
+    _eq(outs[0], want.view(-1), "all_gather_coalesced[0]")
+    _eq(outs[1], torch.arange(w, **f64) + 0.5, "all_gather_coalesced[1]")
+    outs = [torch.zeros(w, 2, 3, **f64), torch.zeros(w, **f64)]  # a stacked output: pair by pair
+    assert dc.all_gather_coalesced(outs, [inp, torch.full((1, ), rank + 0.5, **f64)]) is None
+    _eq(outs[0].view(2 * w, 3), want, "all_gather_coalesced (stacked)")
+    _eq(outs[1], torch.arange(w, **f64) + 0.5, "all_gather_coalesced (stacked) [1]")
     out = torch.zeros(2 * w, 3, **f64)
     dc.allgather_fn(out, inp)
     _eq(out, want, "allgather_fn")
@@ -205,8 +217,9 @@ def _check_direct_path(rank: int, w: int) -> None:
     work = dc.reduce_scatter_tensor(out, inp, group=None, async_op=True)
     work.wait()
     _eq(out, want, "reduce_scatter_tensor, async, prebuilt")
-    entry = direct.TABLE[(None, dc.ReduceOp.SUM, True)]
+    entry = direct.REDUCE_SCATTERS[(None, dc.ReduceOp.SUM, True)]
     assert entry.world_size == w and entry.refused_keys == ((dc.get_backend(), "reduce_scatter_tensor"),)
+    assert direct.ALL_GATHERS[(None, True)].op_names == ("all_gather_into_tensor",)  # made by _check_all's gathers
     out = torch.zeros(n, **f64)
     assert dc.reduce_scatter_tensor(out, inp) is None
     _eq(out, want, "reduce_scatter_tensor, sync, prebuilt")
