@@ -1,5 +1,6 @@
 """Host cost of one bucket collective call (issue 48): deepspeed_c.comm against torch.distributed's own
-functions (what FSDP2 calls) and the bare process-group method both end in, on 2 gloo ranks.
+functions (what FSDP2 calls) and the bare process-group method both end in, on 2 gloo ranks
+(or 2 GPUs over NCCL with --backend nccl).
 
 ZeRO issues a reduce-scatter per gradient bucket and ZeRO-3 an all-gather per parameter fetch, through
 deepspeed_c.comm; the time is the enqueue, on the calling thread. Per kind, each rep times --calls calls
@@ -13,7 +14,7 @@ median rep's main-thread CPU microseconds a call, and the ratio to ours.
 
 Correctness first: every contender's outputs are compared with the float64 sum / concatenation.
 
-    .venv/bin/python benchmarks/comm_call_overhead.py [--numel 4096] [--calls 200] [--reps 7]
+    .venv/bin/python benchmarks/comm_call_overhead.py [--numel 4096] [--calls 200] [--reps 7] [--backend nccl]
 """
 from __future__ import annotations
 
@@ -31,19 +32,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def _contenders(n: int, world: int, rank: int) -> dict[str, dict[str, Callable[[], list[Any]]]]:
+def _contenders(n: int, world: int, rank: int, dev: torch.device) -> tuple[dict[str, dict[str, Callable]], tuple]:
     import torch.distributed as dist
 
     import deepspeed_c.comm as comm
 
     pg = dist.distributed_c10d._get_default_group()
     rs_opts, ag_opts = dist.ReduceScatterOptions(), dist.distributed_c10d.AllgatherOptions()
-    bucket = torch.arange(n, dtype=torch.float32) * (rank + 1)
-    chunk = torch.empty(n // world)
-    part = torch.full((n // world,), float(rank))
-    whole = torch.empty(n)
+    bucket = torch.arange(n, dtype=torch.float32, device=dev) * (rank + 1)
+    chunk = torch.empty(n // world, device=dev)
+    part = torch.full((n // world,), float(rank), device=dev)
+    whole = torch.empty(n, device=dev)
     parts = [part.clone() + k for k in range(8)]
-    wholes = [torch.empty(n) for _ in range(8)]
+    wholes = [torch.empty(n, device=dev) for _ in range(8)]
 
     def coalesced_torch() -> list[Any]:
         with dist.distributed_c10d._coalescing_manager(group=None, async_ops=True) as cm:
@@ -85,7 +86,7 @@ def _check(kinds: dict, tensors: tuple, n: int, world: int, rank: int) -> float:
             got = {"reduce_scatter": [(chunk, want_rs)], "all_gather": [(whole, want_ag)],
                    "coalesced x8": [(o, want_ag + k) for k, o in enumerate(wholes)]}[kind]
             for g, want in got:
-                err = (g.double() - want).abs().max().item()
+                err = (g.double().cpu() - want).abs().max().item()
                 if not err == err or err > 1e-3 * max(1.0, want.abs().max().item()):
                     raise SystemExit(f"rank {rank}: {kind} {name} wrong (max error {err})")
                 worst = max(worst, err)
@@ -97,11 +98,15 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    kinds, tensors = _contenders(args.numel, world, rank)
+    dev = torch.device("cpu")
+    if args.backend == "nccl":
+        dev = torch.device("cuda", rank)
+        torch.cuda.set_device(dev)
+    dist.init_process_group(args.backend, rank=rank, world_size=world)
+    kinds, tensors = _contenders(args.numel, world, rank, dev)
     worst = _check(kinds, tensors, args.numel, world, rank)
     if rank == 0:
-        print(f"2 gloo ranks, bucket {args.numel} fp32, {args.calls} calls a rep, {args.reps} reps; "
+        print(f"2 {args.backend} ranks, bucket {args.numel} fp32, {args.calls} calls a rep, {args.reps} reps; "
               f"correctness: every contender's outputs equal the float64 reference (max error {worst:.1e})")
     times: dict[tuple[str, str], list[float]] = {}
     for _ in range(args.reps):
@@ -120,6 +125,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
                         works = []
                 for w in works:
                     w.wait()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
                 times.setdefault((kind, name), []).append(spent * 1e6 / args.calls)
     if rank == 0:
         print(f"{'kind':>15} | {'contender':>17} | {'host us/call':>12} | {'vs ours':>7}")
@@ -136,6 +143,7 @@ def main() -> None:
     ap.add_argument("--numel", type=int, default=4096)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
     args = ap.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -255,11 +255,11 @@ class TorchBackend:
             return MISS
         try:
             if (output_tensor.ndim != 1 or input_tensor.ndim != 1
-                    or input_tensor.shape[0] != output_tensor.shape[0] * entry.world_size):
+                    or input_tensor.shape[0] != output_tensor.shape[0] * entry.world_size
+                    or _has_torch_function(input_tensor) or not output_tensor.is_contiguous()
+                    or not input_tensor.is_contiguous()):
                 return MISS
         except AttributeError:  # not tensors: the general path says so
-            return MISS
-        if _has_torch_function(input_tensor) or not output_tensor.is_contiguous() or not input_tensor.is_contiguous():
             return MISS
         try:
             work = PG_REDUCE_SCATTER(entry.pg, output_tensor, input_tensor, entry.options)
@@ -353,11 +353,11 @@ class TorchBackend:
             return MISS
         try:
             if (output_tensor.ndim != 1 or input_tensor.ndim != 1 or input_tensor.dtype.is_complex
-                    or output_tensor.shape[0] != input_tensor.shape[0] * entry.world_size):
+                    or output_tensor.shape[0] != input_tensor.shape[0] * entry.world_size
+                    or _has_torch_function(input_tensor) or not output_tensor.is_contiguous()
+                    or not input_tensor.is_contiguous()):
                 return MISS
-        except AttributeError:
-            return MISS
-        if _has_torch_function(input_tensor) or not output_tensor.is_contiguous() or not input_tensor.is_contiguous():
+        except AttributeError:  # not tensors: the general path says so
             return MISS
         try:
             work = PG_ALL_GATHER(entry.pg, output_tensor, input_tensor, entry.options)
