@@ -91,6 +91,8 @@ def command(args: argparse.Namespace, data: str, cfg: str) -> list[str]:
         cmd.append("--ds_fused_adam")
     if args.bf16:
         cmd.append("--bf16")
+    if args.zbh1:  # its zero-bubble H1 schedule, plugged into the PipelineEngine through _INSTRUCTION_MAP
+        cmd.append("--enable-zbh1-pipeline")
     return cmd
 
 
@@ -159,6 +161,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--stage", type=int, default=0)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--zbh1", action="store_true", help="--enable-zbh1-pipeline (Megatron's zero-bubble H1 schedule)")
     p.add_argument("--pipe-engine", action="store_true", help="at --pp 1 too: Megatron's GPTModelPipe and the "
                    "PipelineEngine (its default without --no-pipeline-parallel) instead of its mpu through initialize")
     return p

@@ -81,6 +81,7 @@ class PipeExecutor:
         self.outputs: dict = {}
         self.output_tensors: dict = {}
         self.out_grads: dict = {}
+        self.buffer_losses: dict = {}  # last stage, training: each buffer's loss until its backward
         self._norm_ranges: dict[int, list[tuple[int, int]]] = {}  # ZeRO-1: see _counted_ranges
         # 3D: the tensor-slicing axis the norm also sums over (replicated parameters counted on its rank 0)
         self._tp_rank, self._tp_size = grid.get_slice_parallel_rank(), grid.get_slice_parallel_world_size()
@@ -130,6 +131,7 @@ class PipeExecutor:
         self.labels: dict = {}
         self.outputs: dict = {}
         self.out_grads: dict = {}
+        self.buffer_losses: dict = {}  # last stage, training: each buffer's loss until its backward
         self.losses: list = []
         self.logits: list = []
         self.peak_in_flight = 0  # micro-batches whose activations are held for their backward
@@ -249,7 +251,8 @@ class PipeExecutor:
                 loss = out
             self.loss = loss
             if self.training:
-                self.outputs[b] = loss
+                self.outputs[b] = out  # the module's outputs, as DeepSpeed's pipe_buffers['outputs'] on the last stage
+                self.buffer_losses[b] = loss
                 self.total_loss = add_to_total(self.total_loss, loss)
                 extra = module.get_additional_losses()
                 if extra is not None:  # summed per name over the batch's micro-batches, as DeepSpeed's
@@ -276,7 +279,8 @@ class PipeExecutor:
         last virtual stage, else the outputs that need grads with the received gradients."""
         b = ins.buffer_id
         if self._last(ins):
-            loss = self.outputs.pop(b)
+            self.outputs.pop(b, None)
+            loss = self.buffer_losses.pop(b)
             return [self.precision.scale_loss(loss / self.gas())], [None]
         outs = _tup(self.outputs.pop(b))
         received = iter(self.out_grads.pop(b))  # one per floating-point output, in order (see _send_grad)
