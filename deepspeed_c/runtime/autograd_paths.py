@@ -17,7 +17,7 @@ writes step aside too; under torch.func transforms (vmap, grad, jacrev) the cust
 the fast paths do not run at all (functorch would need a vmap rule for each)."""
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch.autograd.graph import get_gradient_edge
@@ -26,6 +26,20 @@ from torch.autograd.graph import get_gradient_edge
 def transforms_active() -> bool:
     """A torch.func transform (vmap, grad, jacrev, ...) is running: use torch's own ops, no custom Functions."""
     return torch._C._are_functorch_transforms_active()
+
+
+def direct_apply(function: type) -> Callable[..., Any]:
+    """`function.apply` without torch's Python prelude (setup_context's argument binding, the torch.func dispatch,
+    a generator unwrapping dead functorch wrappers: seven Python calls an apply, for hooks that run hundreds of
+    times a step). Only for a Function without setup_context, called where no torch.func transform is active and
+    dynamo is not tracing (it knows `apply`, not this), with each tensor argument passed through
+    `unwrap_if_dead` as torch's prelude does."""
+    if function.setup_context is not torch.autograd.function._SingleLevelFunction.setup_context:
+        raise TypeError(f"direct_apply: {function.__name__} defines setup_context; use its apply")
+    return torch._C._FunctionBase.__dict__["apply"].__get__(None, function)
+
+
+unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
 
 def will_execute(node: Any) -> bool:

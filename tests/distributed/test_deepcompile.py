@@ -139,10 +139,16 @@ def _run_case(rank: int, world: int, c: Case, backend: str, root: str) -> dict:
     eager = _engine(c.kind, c.stage, c.precision, c.ckpt, c.gas, False)
     res: dict[str, Any] = {"ref": _train(eager, rank, micro), "ref_w": _weights(eager)}
     res["ref_eval"] = _evaluate(eager, rank) if c.evaluate else None
+    if c.stage == 3 and not c.deepcompile:
+        res["eager_hooks"] = _hook_state(eager)  # before anything compiles
     count = _Count("did not compile as one graph")
     logger.addHandler(count)
     try:
         engine = _engine(c.kind, c.stage, c.precision, c.ckpt, c.gas, c.deepcompile)
+        if c.stage == 3 and not c.deepcompile:
+            # a reset drops dynamo's compile-start callbacks, the one that swaps ZeRO-3's hooks for disabled ones
+            # too: the root module's hook registers it again before dynamo can trace any other (compile_hooks.py)
+            torch._dynamo.reset()
         engine.compile(backend=backend)
         ctx = custom_ops.contexts()[-1] if engine.is_deepcompile_active() else None  # the one it registered
         cut = len(micro) if c.resume_at is None else c.resume_at * c.gas
@@ -155,6 +161,8 @@ def _run_case(rank: int, world: int, c: Case, backend: str, root: str) -> dict:
         logger.removeHandler(count)
     res.update(got_w=_weights(engine), active=engine.is_deepcompile_active(), compiled=engine.is_compiled,
                break_notes=count.hits)
+    if c.stage == 3 and not engine.is_deepcompile_active():
+        res["hooks"] = [_hook_state(e) for e in (eager, engine)]
     if ctx is not None:
         res.update(gathers=ctx.gathers, reduces=ctx.reduces, prefetched=ctx.prefetched, pending=len(ctx.pending),
                    gather_calls=ctx.gather_calls, backward_gathers=ctx.backward_gathers,
@@ -165,6 +173,23 @@ def _run_case(rank: int, world: int, c: Case, backend: str, root: str) -> dict:
         again.load_checkpoint(root)
         res["resumed"] = _train(again, rank, micro[cut:])
     return res
+
+
+def _hook_state(engine: Any) -> tuple[int, int, int, int]:
+    """ZeRO-3's module hooks after a compile (compile_hooks.py): (hooks, hooks disabled for dynamo, dynamo cache
+    entries of the hooks' and the coordinator's step code: frames dynamo compiled inside them, Linear layers
+    still on the eager-only forward)."""
+    from deepspeed_c.runtime.zero import linear
+    from deepspeed_c.runtime.zero.param_hooks import ParamCoordinator
+
+    coordinator = engine.optimizer.coordinator
+    eager_linears = sum(getattr(m.forward, "__func__", None) is linear._efficient_forward for m in coordinator._linears)
+    fns = coordinator._hooks.hooks()
+    disabled = [f for f in fns if getattr(f, "_torchdynamo_disable", False)]
+    codes = {getattr(f, "_torchdynamo_orig_callable", f).__code__ for f in fns}
+    codes |= {ParamCoordinator.begin_step.__code__, ParamCoordinator.end_step.__code__}
+    cached = sum(len(torch._C._dynamo.eval_frame._debug_get_cache_entry_list(code)) for code in codes)
+    return len(fns), len(disabled), cached, eager_linears
 
 
 def _no_optimizer(rank: int) -> str:
@@ -298,6 +323,14 @@ def test_engine_compile_without_deepcompile(runs: dict, stage: int) -> None:
     res = case_results(runs, f"plain_z{stage}")
     check_losses(res, bf16=True)
     assert all(r["compiled"] and not r["active"] for r in res)
+    if stage == 3:
+        # the hooks ran plain in the eager engine until the compile, which swapped every engine's for disabled ones:
+        # dynamo broke the graph at each and compiled no frame inside them
+        for r in res:
+            n, disabled, _, eager_linears = r["eager_hooks"]
+            assert n > 0 and disabled == 0 and eager_linears > 0, r["eager_hooks"]
+            for n, disabled, cached, eager_linears in r["hooks"]:
+                assert n > 0 and disabled == n and cached == 0 and eager_linears == 0, r["hooks"]
 
 
 def test_zero3_without_optimizer_is_refused_at_compile(runs: dict) -> None:

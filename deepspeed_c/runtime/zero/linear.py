@@ -70,12 +70,31 @@ torch.func transforms (which would need a vmap rule for this Function) too."""
     return LinearFunctionForZeroStage3.apply(input, weight, bias)
 
 
+_DIRECT = autograd_paths.direct_apply(LinearFunctionForZeroStage3)
+_unwrap = autograd_paths.unwrap_if_dead
+
+
 def _efficient_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
+    """zero3_linear_wrap for eager execution, which calls it hundreds of times a step: the weight and bias read
+    from the parameter dict (one call less than the module attribute: a parametrized weight is not in it and
+    goes through the attribute) and the Function applied without torch's Python prelude. Dynamo does not trace
+    that: before it compiles, use_traced puts _traced_forward in its place (compile_hooks.py)."""
+    params = self._parameters
+    weight = params["weight"] if "weight" in params else self.weight
+    bias = params["bias"] if "bias" in params else self.bias
+    if torch.is_autocast_enabled(input.device.type) or not torch.is_grad_enabled() or \
+            torch._C._are_functorch_transforms_active():
+        return F.linear(input, weight, bias)
+    # a parameter is never a dead functorch wrapper (under a transform torch's linear runs, above); an input can be
+    return _DIRECT(_unwrap(input), weight, bias)
+
+
+def _traced_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
     return zero3_linear_wrap(input, self.weight, self.bias)
 
 
 # a pickled bound method is rebuilt as getattr(module, __name__): "forward" finds the module's forward
-_efficient_forward.__name__ = "forward"
+_efficient_forward.__name__ = _traced_forward.__name__ = "forward"
 
 
 def install(module: torch.nn.Module) -> list[torch.nn.Linear]:
@@ -89,6 +108,14 @@ def install(module: torch.nn.Module) -> list[torch.nn.Linear]:
             m.forward = types.MethodType(_efficient_forward, m)
             changed.append(m)
     return changed
+
+
+def use_traced(modules: list[torch.nn.Linear]) -> None:
+    """The forward dynamo can trace (LinearFunctionForZeroStage3.apply) in place of the eager one."""
+    for m in modules:
+        f = m.__dict__.get("forward")
+        if f is not None and getattr(f, "__func__", None) is _efficient_forward:
+            m.forward = types.MethodType(_traced_forward, m)
 
 
 def uninstall(modules: list[torch.nn.Linear]) -> None:

@@ -27,6 +27,7 @@ import torch
 
 from deepspeed_c.runtime import autograd_paths
 from deepspeed_c.runtime.zero import linear as zero_linear
+from deepspeed_c.runtime.zero.compile_hooks import CompileAwareHooks
 from deepspeed_c.runtime.zero.param_store import ParamStore, ZeroParamStatus
 from deepspeed_c.runtime.zero.partition_parameters import drop_guard, external_parameters, is_zero_param
 
@@ -36,8 +37,9 @@ PLAN_CACHE = 8  # plans kept for models whose path changes between iterations
 
 
 def _eager(hook: Any) -> Any:
-    """A hook torch.compile never traces: under engine.compile each gather/release hook is a clean graph break
-    (dynamo would otherwise trace into it up to the collective and break there)."""
+    """A hook torch.compile never traces: a clean graph break (dynamo would otherwise trace into it up to the
+    collective and break there). The root's pair, twice a forward; every other module's hooks are plain until
+    dynamo compiles (compile_hooks.py)."""
     return torch.compiler.disable(hook)
 
 
@@ -87,8 +89,15 @@ class _PostBackward(_BackwardMark):
         return (None, None, None) + grads
 
 
-def _wrap_tensors(fn: Any, coord: "ParamCoordinator", key: int, fired: list, value: Any) -> Any:
-    """`value` with its grad-requiring tensors passed through `fn` (one node for all of them)."""
+# the marks are applied only inside the module hooks, which dynamo never traces (compile_hooks.py) and which skip
+# them under torch.func transforms: torch's Python prelude of Function.apply can go
+_PRE_APPLY = autograd_paths.direct_apply(_PreBackward)
+_POST_APPLY = autograd_paths.direct_apply(_PostBackward)
+_unwrap = autograd_paths.unwrap_if_dead
+
+
+def _wrap_tensors(apply: Any, coord: "ParamCoordinator", key: int, fired: list, value: Any) -> Any:
+    """`value` with its grad-requiring tensors passed through the mark `apply` (one node for all of them)."""
     flat: list[torch.Tensor] = []
 
     def collect(v: Any) -> None:
@@ -105,7 +114,7 @@ def _wrap_tensors(fn: Any, coord: "ParamCoordinator", key: int, fired: list, val
     collect(value)
     if not flat:
         return value
-    out = fn.apply(coord, key, fired, *flat)
+    out = apply(coord, key, fired, *map(_unwrap, flat))
     new = dict(zip(map(id, flat), out if len(flat) > 1 else (out,)))
 
     def rebuild(v: Any) -> Any:
@@ -174,6 +183,7 @@ class ParamCoordinator:
         self.units: list[tuple[int, ...]] = []
         self.steady: list[bool] = []  # every unit of the module persistent: no steps, no backward hooks
         self._handles: list[Any] = []
+        self._hooks = CompileAwareHooks()
         names = {id(m): n for n, m in module.named_modules()}
         if leaf_modules is not None:
             mark_leaf_modules(module, leaf_modules)
@@ -211,12 +221,13 @@ class ParamCoordinator:
             self.names.append(names.get(id(m), type(m).__name__) or "<root>")
             self.units.append(units)
             self.steady.append(self._steady(units))
-            self._handles.append(m.register_forward_pre_hook(_eager(self._pre_hook(key)), with_kwargs=True))
-            self._handles.append(m.register_forward_hook(_eager(self._post_hook(key)), with_kwargs=True))
+            self._handles.append(self._hooks.register(m, self._pre_hook(key), pre=True, with_kwargs=True))
+            self._handles.append(self._hooks.register(m, self._post_hook(key), pre=False, with_kwargs=True))
         self._handles.append(module.register_forward_pre_hook(_eager(self._root_pre), prepend=True))
         self._handles.append(module.register_forward_hook(_eager(self._root_post)))
         # Linear layers save the parameter, not a view of its gathered buffer (linear.py says why)
         self._linears = zero_linear.install(module) if memory_efficient_linear else []
+        self._hooks.on_compile(lambda: zero_linear.use_traced(self._linears))
         # A gradient may reach a parameter outside its module's backward: a create_graph penalty's second
         # backward brings d(penalty)/dW to a layer whose forward output the loss never used (the head
         # under an input-gradient penalty), and autograd accumulates into the parameter's shape. Gather its
@@ -244,6 +255,7 @@ class ParamCoordinator:
 
     # -- hooks ---------------------------------------------------------------------------------------
     def _root_pre(self, module: torch.nn.Module, args: Any) -> None:
+        self._hooks.check()
         if not self._in_backward_round():
             self.new_iteration()
 
@@ -273,8 +285,8 @@ class ParamCoordinator:
                 if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
                     if not args[0].requires_grad:
                         return None
-                    return (_PostBackward.apply(self, key, fired, args[0]),), kwargs
-                return _wrap_tensors(_PostBackward, self, key, fired, (args, dict(kwargs)))
+                    return (_POST_APPLY(self, key, fired, _unwrap(args[0])),), kwargs
+                return _wrap_tensors(_POST_APPLY, self, key, fired, (args, dict(kwargs)))
             return None
 
         return hook
@@ -296,8 +308,8 @@ class ParamCoordinator:
                 stack = self._fired_stack(key)
                 fired = stack.pop() if stack else [_NONE, _NONE]
                 if isinstance(output, torch.Tensor):
-                    return _PreBackward.apply(self, key, fired, output) if output.requires_grad else None
-                return _wrap_tensors(_PreBackward, self, key, fired, output)
+                    return _PRE_APPLY(self, key, fired, _unwrap(output)) if output.requires_grad else None
+                return _wrap_tensors(_PRE_APPLY, self, key, fired, output)
             return None
 
         return hook
@@ -318,7 +330,7 @@ class ParamCoordinator:
             m.__dict__["_parameters"] = ZeroParamDict(m._parameters, self)
         if root_key is not None and any(True for _ in m.parameters()):
             drop_guard(m)  # zero.Init's refusal of a call with partitioned parameters: this gathers instead
-            self._handles.append(m.register_forward_pre_hook(_eager(self._outside_call(root_key)), with_kwargs=True))
+            self._handles.append(self._hooks.register(m, self._outside_call(root_key), pre=True, with_kwargs=True))
 
     def _outside_call(self, key: int) -> Any:
         """Pre-hook of a module inside unit root `key`: inside the root's forward it does nothing (the root has
@@ -336,7 +348,7 @@ class ParamCoordinator:
                 once.pop().remove()
                 return post(m, args, kwargs, output)
 
-            once.append(m.register_forward_hook(after, with_kwargs=True, always_call=True))
+            once.append(m.register_forward_hook(self._hooks.wrap(after), with_kwargs=True, always_call=True))
             return pre(m, args, kwargs)
 
         return hook
