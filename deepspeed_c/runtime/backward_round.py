@@ -51,7 +51,8 @@ class BackwardRound(BucketOrderKeeping):
     def _hook_for(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
             self.touched.add(index)
-            if self._enter_round():
+            # once per parameter per backward: _enter_round's open-round case inlined
+            if self._reducing if self._round_open else self._enter_round():
                 self._on_grad(index)
             else:
                 self._on_local_grad(index)

@@ -382,7 +382,7 @@ class ZeroGradPartitioner(BackwardRound):
             self._deposit_again(k)
             return
         self._deposit(k)
-        if self.overlap:
+        if self.overlap and self._next < self._frontier:  # most gradients complete no bucket
             self._launch_ready()
 
     def _launch_ready(self) -> None:
