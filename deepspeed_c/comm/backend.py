@@ -238,12 +238,10 @@ class TorchBackend:
         general path must serve it (the first call, a fallback due, a replaced function, a coalescing
         block, a tensor subclass or torch-function mode, tensors other than flat and contiguous, a
         size mismatch, a refusal: the general path raises, records or falls back as always)."""
-        try:
-            entry = direct.REDUCE_SCATTERS[(group, op, async_op)]
-        except (KeyError, TypeError):
-            entry = None
-        if entry is None or entry.world is not direct._WORLD._default_pg:
-            entry = direct.prebuild_reduce_scatter(group, op, async_op)
+        entry = direct.last_reduce_scatter
+        if (entry is None or entry.group is not group or entry.op is not op or entry.async_op is not async_op
+                or entry.world is not direct._WORLD._default_pg):
+            entry = direct.find_reduce_scatter(group, op, async_op)
             if entry is None:
                 return MISS
         if self.reduce_scatter_function is not TORCH_REDUCE_SCATTER:

@@ -37,10 +37,13 @@ _ALLGATHER_OPTIONS = getattr(dist.distributed_c10d, "AllgatherOptions", None) if
 class Prebuilt:
     """One (group, op, async_op): what a call needs, and which fallbacks would take it over."""
 
-    __slots__ = ("pg", "world", "world_size", "options", "op_names", "refused_keys")
+    __slots__ = ("group", "op", "async_op", "pg", "world", "world_size", "options", "op_names", "refused_keys")
 
-    def __init__(self, pg: Any, world: Any, world_size: int, options: Any, op_names: tuple[str, ...],
-                 backend: str) -> None:
+    def __init__(self, group: Any, op: Any, async_op: bool, pg: Any, world: Any, world_size: int, options: Any,
+                 op_names: tuple[str, ...], backend: str) -> None:
+        # the call's arguments, for an identity test against the next call's (hashing a torch ReduceOp
+        # for a table lookup costs a third of a microsecond, as much as all the other checks together)
+        self.group, self.op, self.async_op = group, op, async_op
         self.pg = pg
         self.world = world  # the default group when this was built: the entry is valid while it stands
         self.world_size = world_size
@@ -57,9 +60,14 @@ REDUCE_SCATTERS: dict[tuple[Any, Any, bool], Prebuilt] = {}  # (group, op, async
 ALL_GATHERS: dict[tuple[Any, bool], Prebuilt] = {}  # (group, async_op) -> entry
 
 
+last_reduce_scatter: Optional[Prebuilt] = None  # the entry of the latest reduce-scatter call
+
+
 def clear() -> None:
+    global last_reduce_scatter
     REDUCE_SCATTERS.clear()
     ALL_GATHERS.clear()
+    last_reduce_scatter = None
 
 
 def _world_now() -> Any:
@@ -69,6 +77,19 @@ def _world_now() -> Any:
             e.world is not world for e in ALL_GATHERS.values()):
         clear()
     return world
+
+
+def find_reduce_scatter(group: Any, op: Any, async_op: bool) -> Optional[Prebuilt]:
+    """The entry for (group, op, async_op), made if new, kept as the latest; None as prebuild_reduce_scatter."""
+    global last_reduce_scatter
+    try:
+        entry = REDUCE_SCATTERS.get((group, op, async_op))
+    except TypeError:  # an unhashable argument: the general path
+        return None
+    if entry is None or entry.world is not _WORLD._default_pg:
+        entry = prebuild_reduce_scatter(group, op, async_op)
+    last_reduce_scatter = entry
+    return entry
 
 
 def prebuild_reduce_scatter(group: Any, op: Any, async_op: bool) -> Optional[Prebuilt]:
@@ -95,7 +116,7 @@ def prebuild_reduce_scatter(group: Any, op: Any, async_op: bool) -> Optional[Pre
     except (ValueError, TypeError, RuntimeError):
         return None
     names = ("reduce_scatter_tensor", "avg") if is_avg(torch_op) else ("reduce_scatter_tensor",)
-    entry = REDUCE_SCATTERS[key] = Prebuilt(pg, world, world_size, options, names, backend)
+    entry = REDUCE_SCATTERS[key] = Prebuilt(group, op, async_op, pg, world, world_size, options, names, backend)
     return entry
 
 
@@ -119,5 +140,6 @@ def prebuild_all_gather(group: Any, async_op: bool) -> Optional[Prebuilt]:
         hash(key)
     except (ValueError, TypeError, RuntimeError):
         return None
-    entry = ALL_GATHERS[key] = Prebuilt(pg, world, world_size, options, ("all_gather_into_tensor",), backend)
+    entry = ALL_GATHERS[key] = Prebuilt(group, None, async_op, pg, world, world_size, options,
+                                          ("all_gather_into_tensor",), backend)
     return entry
