@@ -55,12 +55,12 @@ class CompileAwareHooks:
         if self.compiled:
             return
         self.compiled = True
+        for switch in self._on_compile:  # first: one puts hooks taken off back on, to be swapped below
+            switch()
         for h in self._handles:
             d = h.hooks_dict_ref()
             if d is not None and h.id in d:
                 d[h.id] = torch.compiler.disable(d[h.id])
-        for switch in self._on_compile:
-            switch()
 
     def check(self) -> None:
         """Once per forward, from a disabled hook: the compile-start callback is still registered."""

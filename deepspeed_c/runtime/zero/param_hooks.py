@@ -28,6 +28,7 @@ import torch
 from deepspeed_c.runtime import autograd_paths
 from deepspeed_c.runtime.zero import linear as zero_linear
 from deepspeed_c.runtime.zero.compile_hooks import CompileAwareHooks
+from deepspeed_c.runtime.zero.outside_hooks import OutsideCallHooks
 from deepspeed_c.runtime.zero.param_store import ParamStore, ZeroParamStatus
 from deepspeed_c.runtime.zero.partition_parameters import drop_guard, external_parameters, is_zero_param
 
@@ -184,6 +185,8 @@ class ParamCoordinator:
         self.steady: list[bool] = []  # every unit of the module persistent: no steps, no backward hooks
         self._handles: list[Any] = []
         self._hooks = CompileAwareHooks()
+        self._outside = OutsideCallHooks()  # off while their root's forward runs (outside_hooks.py)
+        self._hooks.on_compile(self._outside.stop)
         names = {id(m): n for n, m in module.named_modules()}
         if leaf_modules is not None:
             mark_leaf_modules(module, leaf_modules)
@@ -271,8 +274,12 @@ class ParamCoordinator:
         return bool(units) and all(self.store.persistent[u] for u in units)
 
     def _pre_hook(self, key: int) -> Any:
+        outside = self._outside.by_root
+
         def hook(m: torch.nn.Module, args: Any, kwargs: Any) -> Any:
             self._running.append(key)
+            if key in outside:
+                self._outside.detach(key)
             if not self.units[key]:
                 return None
             if self.steady[key]:  # persistent units stay gathered until the weights change
@@ -292,7 +299,11 @@ class ParamCoordinator:
         return hook
 
     def _post_hook(self, key: int) -> Any:
+        outside = self._outside.by_root
+
         def hook(m: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+            if key in outside:
+                self._outside.attach(key)
             if self._running and self._running[-1] == key:
                 self._running.pop()
             if not self.units[key]:
@@ -330,7 +341,9 @@ class ParamCoordinator:
             m.__dict__["_parameters"] = ZeroParamDict(m._parameters, self)
         if root_key is not None and any(True for _ in m.parameters()):
             drop_guard(m)  # zero.Init's refusal of a call with partitioned parameters: this gathers instead
-            self._handles.append(self._hooks.register(m, self._outside_call(root_key), pre=True, with_kwargs=True))
+            handle = self._hooks.register(m, self._outside_call(root_key), pre=True, with_kwargs=True)
+            self._handles.append(handle)
+            self._outside.add(root_key, handle)
 
     def _outside_call(self, key: int) -> Any:
         """Pre-hook of a module inside unit root `key`: inside the root's forward it does nothing (the root has
@@ -461,6 +474,7 @@ class ParamCoordinator:
         """Everything still gathered is released (persistent units stay); the trace becomes the plan."""
         self._open.clear()
         self._running.clear()
+        self._outside.attach_all()  # any a forward that raised left off
         self._access_pins.clear()
         self._held.clear()  # unpin_all below drops their pins
         self.__dict__.pop("_fired", None)
@@ -548,6 +562,7 @@ class ParamCoordinator:
         self.store.release_all(keep_persistent=False)
 
     def remove(self) -> None:
+        self._outside.stop()  # before the handles go: it puts back what it took off
         for h in self._handles:
             h.remove()
         self._handles = []
