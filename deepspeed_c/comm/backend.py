@@ -25,8 +25,7 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_c.comm import direct
-from deepspeed_c.comm.direct import (MISS, PG_ALL_GATHER, PG_ALL_GATHER_COALESCED, PG_REDUCE_SCATTER,
-                                     TORCH_ALL_GATHER, TORCH_REDUCE_SCATTER)
+from deepspeed_c.comm.direct import MISS, PG_ALL_GATHER_COALESCED, TORCH_ALL_GATHER, TORCH_REDUCE_SCATTER
 from deepspeed_c.comm.reduce_op import is_avg, to_torch_op
 
 _has_torch_function = torch._C._has_torch_function_unary
@@ -260,7 +259,7 @@ class TorchBackend:
         except AttributeError:  # not tensors: the general path says so
             return MISS
         try:
-            work = PG_REDUCE_SCATTER(entry.pg, output_tensor, input_tensor, entry.options)
+            work = entry.pg._reduce_scatter_base(output_tensor, input_tensor, entry.options)
         except (RuntimeError, NotImplementedError, ValueError) as err:
             if not _UNSUPPORTED.search(str(err)):
                 raise
@@ -358,7 +357,7 @@ class TorchBackend:
         except AttributeError:  # not tensors: the general path says so
             return MISS
         try:
-            work = PG_ALL_GATHER(entry.pg, output_tensor, input_tensor, entry.options)
+            work = entry.pg._allgather_base(output_tensor, input_tensor, entry.options)
         except (RuntimeError, NotImplementedError, ValueError) as err:
             if not _UNSUPPORTED.search(str(err)):
                 raise
@@ -390,7 +389,7 @@ class TorchBackend:
         except (TypeError, ValueError):  # not tensors (or no inputs): the general path says so
             return MISS
         try:
-            work = PG_ALL_GATHER_COALESCED(entry.pg, list(output_tensors), list(input_tensors), entry.options)
+            work = entry.pg.allgather_into_tensor_coalesced(list(output_tensors), list(input_tensors), entry.options)
         except (RuntimeError, NotImplementedError, ValueError) as err:
             if not _UNSUPPORTED.search(str(err)):
                 raise

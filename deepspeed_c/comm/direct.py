@@ -7,7 +7,7 @@ call) and torch.distributed's front (its logger decorators, argument checks, gro
 options): more host time than enqueuing the collective. All of that depends only on the group and the
 op, so it is resolved on the first call into a `Prebuilt` (the process group, its world size, the
 options, the names its fallbacks are recorded under); later calls check a few attributes and call the
-process group's own method, the one torch.distributed's function ends in.
+process group's own method, the one torch.distributed's function ends in, looked up on the group as torch does.
 
 An entry belongs to the world it was made in: when the default group is replaced (destroyed and
 initialised again) every entry is stale and the table is dropped at the next miss; it is also dropped
@@ -24,7 +24,8 @@ MISS = object()  # what a direct call returns where the general path must serve 
 
 _WORLD = dist.distributed_c10d._world if dist.is_available() else None
 # torch's own function (a wrapper installed on torch.distributed later is not this) and the process
-# group method it ends in, taken from the class: one C call with no bound method made per call
+# group methods they end in (called on the group object, as torch does, so a wrapper installed on the
+# ProcessGroup class, a collective counter, sees every call)
 TORCH_REDUCE_SCATTER = getattr(dist.distributed_c10d, "reduce_scatter_tensor", None) if _WORLD else None
 PG_REDUCE_SCATTER = getattr(dist.ProcessGroup, "_reduce_scatter_base", None) if _WORLD else None
 TORCH_ALL_GATHER = getattr(dist.distributed_c10d, "all_gather_into_tensor", None) if _WORLD else None
