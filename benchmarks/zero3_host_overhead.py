@@ -23,7 +23,7 @@ time spent waiting), the part of a step that is host overhead on a GPU.
 by own time.
 
     .venv/bin/python benchmarks/zero3_host_overhead.py [--blocks 48] [--width 64] [--batch 4] [--reps 5]
-                                                        [--steps 10] [--check 3] [--profile]
+                                                        [--steps 10] [--check 3] [--profile [--dump F]]
 """
 from __future__ import annotations
 
@@ -175,6 +175,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         prof.disable()
         if rank == 0:
             stats = pstats.Stats(prof)
+            if args.dump:
+                stats.dump_stats(args.dump)
             print(f"-- ours, {args.steps} steps profiled: {stats.total_calls / args.steps:.0f} Python function calls "
                   f"a step ({stats.prim_calls / args.steps:.0f} primitive), {stats.total_tt * 1e3 / args.steps:.1f} "
                   "ms a step under the profiler")
@@ -197,6 +199,7 @@ def main() -> None:
     ap.add_argument("--check", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--top", type=int, default=30, help="rows of each profile table")
+    ap.add_argument("--dump", default="", help="--profile: also write rank 0's pstats to this file")
     ap.add_argument("--sort", default="cumulative,tottime", help="pstats sort keys of the profile tables (ncalls, ...)")
     args = ap.parse_args()
     with socket.socket() as s:
