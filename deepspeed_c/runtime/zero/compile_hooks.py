@@ -4,14 +4,15 @@ ones from the first dynamo compile of the process on.
 Under torch.compile each hook must be a clean graph break with its body run outside dynamo (traced, dynamo would
 follow it into the gathers and break at the first collective, or compile the bookkeeping frame by frame).
 torch.compiler.disable's wrapper gives that, but in eager execution it costs three Python calls and four
-eval-frame switches per call, and ZeRO-3 calls these hooks twice per module per forward (a ninth of a small
-model's host time per step). So the hooks are registered plain and swapped, in place in the module's hook dict
+eval-frame switches per call, and ZeRO-3 calls these hooks twice per module per forward (9% of the profiled calls
+of a step of benchmarks/zero3_host_overhead.py). So the hooks are registered plain and swapped, in place in the module's hook dict
 (same id and order), for disabled wrappers when dynamo starts compiling anything: the swap runs in dynamo's
 compile-start callback, before the frame is traced, so dynamo never sees a plain hook. A hook already disabled
 (the root module's pair, see ParamCoordinator) is the gate: torch._dynamo.reset() drops the start callbacks,
 and the root's pre-hook, which runs before any hook inside the model can be traced, registers it again and
 swaps (a reset means dynamo is in use). Other eager-only fast paths switch at the same moment (on_compile: the
-memory-efficient Linear's direct Function apply, linear.py)."""
+memory-efficient Linear's direct Function apply, linear.py; the outside-call hooks taken off while their unit
+root runs, outside_hooks.py)."""
 from __future__ import annotations
 
 import weakref
