@@ -33,6 +33,7 @@ _any_torch_function = torch._C._has_torch_function  # over a sequence of tensors
 # unbound tensor methods, mapped over a coalesced call's tensors in C
 _DIM, _NUMEL, _CONTIGUOUS = torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.is_contiguous
 _COMPLEX = torch.Tensor.is_complex
+_FLAT = {1}  # the dims of a coalesced call's tensors where its direct call may serve it
 
 FALLBACK_ENV = "DSC_COMM_FALLBACK"
 FALLBACK_OPS = ("reduce_scatter_tensor", "reduce_scatter", "all_gather_into_tensor", "all_to_all", "avg")
@@ -379,7 +380,7 @@ class TorchBackend:
             return MISS
         try:
             ws = entry.world_size
-            if (max(map(_DIM, output_tensors)) != 1 or max(map(_DIM, input_tensors)) != 1
+            if (set(map(_DIM, output_tensors)) != _FLAT or set(map(_DIM, input_tensors)) != _FLAT
                     or any(map(_COMPLEX, input_tensors))
                     or list(map(_NUMEL, output_tensors)) != [n * ws for n in map(_NUMEL, input_tensors)]):
                 return MISS

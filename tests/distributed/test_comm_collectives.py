@@ -88,6 +88,10 @@ def _check_all(rank: int, w: int) -> None:
     assert dc.all_gather_coalesced(outs, [inp, torch.full((1, ), rank + 0.5, **f64)]) is None
     _eq(outs[0].view(2 * w, 3), want, "all_gather_coalesced (stacked)")
     _eq(outs[1], torch.arange(w, **f64) + 0.5, "all_gather_coalesced (stacked) [1]")
+    outs = [torch.zeros(6 * w, **f64), torch.zeros(w, **f64)]  # a 0-d input among flat ones: pair by pair
+    dc.all_gather_coalesced(outs, [flat_in, torch.tensor(rank + 0.5, **f64)], async_op=True).wait()
+    _eq(outs[0], want.view(-1), "all_gather_coalesced (0-d) [0]")
+    _eq(outs[1], torch.arange(w, **f64) + 0.5, "all_gather_coalesced (0-d) [1]")
     out = torch.zeros(2 * w, 3, **f64)
     dc.allgather_fn(out, inp)
     _eq(out, want, "allgather_fn")
