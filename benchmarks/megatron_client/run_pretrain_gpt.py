@@ -93,6 +93,8 @@ def command(args: argparse.Namespace, data: str, cfg: str) -> list[str]:
         cmd.append("--bf16")
     if args.zbh1:  # its zero-bubble H1 schedule, plugged into the PipelineEngine through _INSTRUCTION_MAP
         cmd.append("--enable-zbh1-pipeline")
+    if args.experts > 1:  # MoE layers: the pipeline reports its 'lm loss' / 'moe loss' (get_additional_losses)
+        cmd += ["--num-experts", str(args.experts)]
     return cmd
 
 
@@ -162,6 +164,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--zbh1", action="store_true", help="--enable-zbh1-pipeline (Megatron's zero-bubble H1 schedule)")
+    p.add_argument("--experts", type=int, default=1, help="--num-experts (MoE layers, every --expert-interval)")
     p.add_argument("--pipe-engine", action="store_true", help="at --pp 1 too: Megatron's GPTModelPipe and the "
                    "PipelineEngine (its default without --no-pipeline-parallel) instead of its mpu through initialize")
     return p
