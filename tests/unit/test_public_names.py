@@ -35,3 +35,31 @@ def test_unknown_attribute_raises_attribute_error():
 
     with pytest.raises(AttributeError, match="no attribute 'no_such_thing'"):
         deepspeed_c.no_such_thing
+
+
+def test_git_version_info_module():
+    import torch
+
+    from deepspeed_c import git_version_info as gvi
+    from deepspeed_c.version import DEEPSPEED_API_VERSION
+
+    assert gvi.version == DEEPSPEED_API_VERSION and gvi.git_hash == deepspeed_c.__git_hash__
+    assert set(gvi.installed_ops) == set(ALL_OPS) and not any(gvi.installed_ops.values())
+    major, minor = torch.__version__.split(".")[:2]
+    assert gvi.torch_info["version"] == f"{major}.{minor}"
+    assert {"cuda_version", "nccl_version", "hip_version", "bf16_support"} <= set(gvi.torch_info)
+
+
+def test_precision_config_readers():
+    import pytest
+
+    from deepspeed_c.runtime.config.utils import DeepSpeedConfigError
+    from deepspeed_c.runtime.precision_config import get_bfloat16_config, get_float16_config
+
+    assert get_bfloat16_config({"bfloat16": {"enabled": True}}).enabled is True
+    assert get_bfloat16_config({"bf16": {"immediate_grad_update": True}}).immediate_grad_update is True
+    assert get_bfloat16_config({}).enabled is False
+    fp16 = get_float16_config({"fp16": {"enabled": True, "loss_scale_window": 50}})
+    assert (fp16.enabled, fp16.loss_scale, fp16.loss_scale_window, fp16.initial_scale_power) == (True, 0.0, 50, 16)
+    with pytest.raises(DeepSpeedConfigError, match="fp16"):
+        get_float16_config({"fp16": {"no_such_key": 1}})
