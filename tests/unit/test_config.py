@@ -112,6 +112,10 @@ def test_legacy_forms():
     assert c.bfloat16_config.enabled and c.model_dtype() == torch.bfloat16
     c = DeepSpeedConfig(cfg(zero_optimization={"stage3_prefetch_bucket_size": 7, "stage": 0}))
     assert c.zero_config.prefetch_bucket_size == 7
+    # the legacy 16-bit save flag also carries over when the section model is built directly
+    from deepspeed_c.runtime.zero.config import DeepSpeedZeroConfig
+    assert DeepSpeedZeroConfig(stage3_gather_fp16_weights_on_model_save=True).gather_16bit_weights_on_model_save
+    assert not DeepSpeedZeroConfig(stage=3).gather_16bit_weights_on_model_save
 
 
 def test_precision_keys_and_dtypes():

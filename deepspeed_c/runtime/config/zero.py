@@ -112,6 +112,10 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     def _dynamic_defaults(self) -> "DeepSpeedZeroConfig":
         if self.overlap_comm is None:
             object.__setattr__(self, "overlap_comm", self.stage == ZeroStageEnum.weights)
+        # the legacy save flag carries over when the model is built directly too (DeepSpeedZeroConfig(**d)),
+        # not only through the config parser, as DeepSpeed's deprecated-field migration does
+        if self.stage3_gather_fp16_weights_on_model_save:
+            object.__setattr__(self, "gather_16bit_weights_on_model_save", True)
         return self
 
 
