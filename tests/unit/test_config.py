@@ -233,3 +233,31 @@ def test_disabled_unbuilt_sections_are_accepted():
                             amp={"enabled": False}, compile={"deepcompile": False},
                             zero_optimization={"stage": 0, "offload_optimizer": {"device": "none"}}))
     assert c.flops_profiler_config.profile_step == 3
+
+
+def test_config_model_base_migrates_deprecated_fields_and_drops_auto():
+    from typing import Optional
+
+    from pydantic import Field
+
+    from deepspeed_c.runtime.config_utils import DeepSpeedConfigModel
+
+    class Inner(DeepSpeedConfigModel):
+        depth: int = 1
+
+    class Section(DeepSpeedConfigModel):
+        inner: Inner = Field(default_factory=Inner)
+        width: Optional[int] = None
+        old_width: Optional[str] = Field(None, json_schema_extra={"deprecated": True, "new_param": "width",
+                                                                  "new_param_fn": int})
+        old_depth: int = Field(0, json_schema_extra={"deprecated": True, "new_param": "inner.depth"})
+        note_only: int = Field(0, json_schema_extra={"deprecated": True})
+
+    assert Section(old_width="12").width == 12
+    assert Section(old_depth=5).inner.depth == 5
+    assert Section(note_only=3).width is None and Section(width=4).width == 4
+    with pytest.raises(AssertionError, match="old_width"):
+        Section(old_width="1", width=2)
+    assert Section(width="auto").width is None  # "auto" takes the default unless strict
+    with pytest.raises(Exception):
+        Section(strict=True, width="auto")

@@ -48,6 +48,38 @@ class DeepSpeedConfigModel(BaseModel):
                               populate_by_name=True, use_enum_values=True, arbitrary_types_allowed=True,
                               protected_namespaces=())
 
+    def __init__(self, strict: bool = False, **data: Any) -> None:
+        # DeepSpeed's base drops top-level "auto" values (left by Hugging Face for keys it did not fill)
+        # unless strict; replace_method is the one field whose own value may be "auto"
+        if not strict:
+            data = {k: v for k, v in data.items() if not (isinstance(v, str) and v == AUTO) or k == "replace_method"}
+        super().__init__(**data)
+        self._migrate_deprecated_fields()
+
+    def _migrate_deprecated_fields(self) -> None:
+        """DeepSpeed's deprecated-field convention, for config classes written against its base:
+        `Field(..., json_schema_extra={"deprecated": True, "new_param": "a.b", "new_param_fn": f,
+        "set_new_param": True, "deprecated_msg": "..."})`. A deprecated field that was given is warned
+        about and its (converted) value moves to new_param; giving both is an AssertionError."""
+        for name, info in type(self).model_fields.items():
+            extra = info.json_schema_extra
+            if not isinstance(extra, dict) or not extra.get("deprecated", False) or name not in self.model_fields_set:
+                continue
+            new_param = str(extra.get("new_param", "") or "")
+            msg = str(extra.get("deprecated_msg", "") or "")
+            logger.warning(f"Config parameter {name} is deprecated" + (f" use {new_param} instead" if new_param else "")
+                           + (f". {msg}" if msg else ""))
+            if not new_param or not extra.get("set_new_param", True):
+                continue
+            convert = extra.get("new_param_fn", lambda x: x)
+            owner: Any = self
+            *parents, leaf = new_param.split(".")
+            for part in parents:
+                owner = getattr(owner, part)
+            assert leaf not in owner.model_fields_set, (
+                f"Cannot provide deprecated parameter '{name}' and replacing parameter '{new_param}' together")
+            setattr(owner, leaf, convert(getattr(self, name)))
+
 
 def join(path: str, key: Any) -> str:
     return f"{path}.{key}" if path else str(key)
