@@ -116,6 +116,12 @@ def test_legacy_forms():
     from deepspeed_c.runtime.zero.config import DeepSpeedZeroConfig
     assert DeepSpeedZeroConfig(stage3_gather_fp16_weights_on_model_save=True).gather_16bit_weights_on_model_save
     assert not DeepSpeedZeroConfig(stage=3).gather_16bit_weights_on_model_save
+    assert DeepSpeedZeroConfig(cpu_offload=True).offload_optimizer.device == "cpu"
+    assert DeepSpeedZeroConfig(cpu_offload_param=True).offload_param.device == "cpu"
+    assert DeepSpeedZeroConfig(cpu_offload=False).offload_optimizer is None
+    from deepspeed_c.runtime.zero.config import DeepSpeedZeroOffloadOptimizerConfig as OffOpt
+    assert [OffOpt(pipeline_read=r, pipeline_write=w).pipeline for r, w in
+            ((False, False), (True, False), (False, True))] == [False, True, True]
 
 
 def test_precision_keys_and_dtypes():

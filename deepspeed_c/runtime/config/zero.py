@@ -55,6 +55,11 @@ class DeepSpeedZeroOffloadOptimizerConfig(DeepSpeedConfigModel):
     super_offload: bool = False
     cpuadam_cores_perc: float = Field(0.8, ge=0.0, le=1.0)
 
+    @property
+    def pipeline(self) -> bool:
+        """Whether tile reads or writes overlap the optimizer step (DeepSpeed's derived flag)."""
+        return bool(self.pipeline_read or self.pipeline_write)
+
 
 class DeepSpeedZeroLeafModuleConfig(DeepSpeedConfigModel):
     classes: list[str] = Field(default_factory=list)
@@ -77,9 +82,15 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     offload_optimizer: Optional[DeepSpeedZeroOffloadOptimizerConfig] = None
     zenflow: Optional[ZenFlowConfig] = None
     sub_group_size: int = Field(int(1e9), ge=0)
-    cpu_offload_param: Optional[bool] = None  # legacy: offload_param.device = cpu
+    # legacy: offload_param.device = cpu. The parser (_apply_legacy_keys) moves it with a config error on
+    # conflicts; a directly built model moves it through the base's deprecated-field migration
+    cpu_offload_param: Optional[bool] = Field(None, json_schema_extra={
+        "deprecated": True, "new_param": "offload_param",
+        "new_param_fn": lambda on: DeepSpeedZeroOffloadParamConfig(device="cpu") if on else None})
     cpu_offload_use_pin_memory: Optional[bool] = None  # legacy: pin_memory of both offload sections
-    cpu_offload: Optional[bool] = None  # legacy: offload_optimizer.device = cpu
+    cpu_offload: Optional[bool] = Field(None, json_schema_extra={  # legacy: offload_optimizer.device = cpu
+        "deprecated": True, "new_param": "offload_optimizer",
+        "new_param_fn": lambda on: DeepSpeedZeroOffloadOptimizerConfig(device="cpu") if on else None})
     prefetch_bucket_size: int = Field(int(5e7), ge=0, alias="stage3_prefetch_bucket_size")
     param_persistence_threshold: int = Field(int(1e5), ge=0, alias="stage3_param_persistence_threshold")
     model_persistence_threshold: int = Field(sys.maxsize, ge=0, alias="stage3_model_persistence_threshold")
@@ -136,8 +147,6 @@ def _apply_legacy_keys(cfg: DeepSpeedZeroConfig) -> None:
         if value is None:
             continue
         config_warning(f"Config key '{path}.{legacy}' is deprecated; use '{path}.{key}'")
-        if getattr(cfg, key) is not None and key in cfg.model_fields_set:
-            raise DeepSpeedConfigError(f"Config keys '{path}.{legacy}' and '{path}.{key}' cannot be given together")
         if value:
             setattr(cfg, key, sub_config(device="cpu"))
     if cfg.cpu_offload_use_pin_memory is not None:
@@ -261,6 +270,11 @@ def parse_zero_config(param_dict: dict[str, Any]) -> DeepSpeedZeroConfig:
     raw = param_dict.get(ZERO_OPTIMIZATION, {})
     if isinstance(raw, bool):
         raw = _legacy_bool_form(param_dict, raw)
+    if isinstance(raw, dict):  # checked on the raw keys: the model's own migration has moved them once built
+        for legacy, key in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
+            if raw.get(legacy) is not None and raw.get(key) is not None:
+                raise DeepSpeedConfigError(f"Config keys '{ZERO_OPTIMIZATION}.{legacy}' and "
+                                           f"'{ZERO_OPTIMIZATION}.{key}' cannot be given together")
     cfg = parse_section(DeepSpeedZeroConfig, raw, ZERO_OPTIMIZATION)
     _apply_legacy_keys(cfg)
     _check_built(cfg)
