@@ -11,7 +11,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 PROBE = r"""
-import importlib.metadata, packaging.version
+import importlib.metadata, packaging.version, sys
 import deepspeed, deepspeed_c
 from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from deepspeed.runtime.engine import DeepSpeedEngine
@@ -19,6 +19,9 @@ from deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES
 import deepspeed.comm as dist
 from deepspeed.launcher.runner import DEEPSPEED_ENVIRONMENT_NAME
 import deepspeed_c.ops.adam, deepspeed_c.runtime.engine, deepspeed_c.comm
+from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+assert "deepspeed_c.moe.layer" not in sys.modules
+assert deepspeed.moe.layer.MoE.__name__ == "MoE"  # a submodule reached as an attribute, never imported by name
 assert deepspeed is deepspeed_c
 assert DeepSpeedCPUAdam is deepspeed_c.ops.adam.DeepSpeedCPUAdam
 assert deepspeed.DeepSpeedEngine is DeepSpeedEngine is deepspeed_c.runtime.engine.DeepSpeedEngine
