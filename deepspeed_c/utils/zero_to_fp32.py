@@ -307,6 +307,18 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir:
     return model
 
 
+# names the converters accept for their output dtype (DeepSpeed's spellings; "torch.x" also works)
+OUTPUT_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+                      "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def _output_dtype(dtype: "str | torch.dtype") -> torch.dtype:
+    got = OUTPUT_DTYPE_NAMES.get(dtype.lower().removeprefix("torch.")) if isinstance(dtype, str) else dtype
+    if got not in OUTPUT_DTYPE_NAMES.values():
+        raise ValueError(f"dtype {dtype!r} is not an output dtype; choose one of {sorted(OUTPUT_DTYPE_NAMES)}")
+    return got
+
+
 def _parse_size(size: str | int) -> int:
     if isinstance(size, int):
         return size
@@ -321,7 +333,23 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_dir: 
                                                exclude_frozen_parameters: bool = False) -> None:
     """Write the consolidated fp32 weights as pytorch_model.bin / model.safetensors (sharded with an
     index json above max_shard_size, named as Hugging Face does)."""
+    convert_zero_checkpoint_to_state_dict(checkpoint_dir, output_dir, torch.float32, max_shard_size,
+                                          safe_serialization, tag, exclude_frozen_parameters)
+
+
+def convert_zero_checkpoint_to_state_dict(checkpoint_dir: str, output_dir: str,
+                                          dtype: "str | torch.dtype" = torch.float32, max_shard_size: str = "5GB",
+                                          safe_serialization: bool = False, tag: str | None = None,
+                                          exclude_frozen_parameters: bool = False) -> None:
+    """As convert_zero_checkpoint_to_fp32_state_dict, with the floating-point tensors cast to `dtype`
+    (float32/float16/bfloat16, a name or a torch dtype); integer buffers keep theirs. Tied names stay
+    one tensor after the cast."""
+    out = _output_dtype(dtype)
     sd = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
+    cast: dict[int, torch.Tensor] = {}
+    for k, v in sd.items():
+        if v.is_floating_point() and v.dtype != out:
+            sd[k] = cast.setdefault(id(v), v.to(out))
     limit = _parse_size(max_shard_size)
     shards: list[OrderedDict] = [OrderedDict()]
     size = 0

@@ -6,13 +6,15 @@ command of the opt-in alias distribution (compat/deepspeed), 2 CPU ranks on gloo
   (weight decay 0: with a DeepSpeed optimizer HF hands every parameter to it, so biases and norms
   would decay too, unlike HF's own optimizer groups);
 - the checkpoints the Trainer saves have DeepSpeed's layout (global_stepN/, `latest`, zero_to_fp32.py
-  at the top), and zero_to_fp32 recovers exactly the weights the Trainer saved;
+  at the top), and zero_to_fp32 recovers exactly the weights the Trainer saved; the copied
+  zero_to_torch.py writes them cast to bf16;
 - `--resume_from_checkpoint` continues bit-exactly: resumed at step 4, step 8 equals the straight run.
 Without a GPU, accelerate needs `--use_cpu` to run several processes (its rule, not ours)."""
 from __future__ import annotations
 
 import json
 import pathlib
+import runpy
 import sys
 
 import pytest
@@ -104,6 +106,26 @@ def test_trainer_checkpoints_have_deepspeed_layout(runs):
     saved = load_file(str(runs["ds"] / "final" / "model.safetensors"))
     for k, v in saved.items():
         assert torch.equal(fp32[k], v), k
+
+
+def test_copied_zero_to_torch_writes_cast_weights(runs, tmp_path, monkeypatch):
+    """DeepSpeed 0.19.8 also copies zero_to_torch.py (a --dtype converter importing its sibling
+    zero_to_fp32.py) into the checkpoint; run there as a script, bf16 out equals the Trainer's saved
+    weights cast by torch."""
+    ckpt = runs["ds"] / "checkpoint-8"
+    monkeypatch.syspath_prepend(str(ckpt))  # what `python zero_to_torch.py` gives the script
+    monkeypatch.setattr(sys, "argv", ["zero_to_torch.py", str(ckpt), str(tmp_path), "--dtype", "bf16",
+                                      "--safe_serialization"])
+    try:
+        runpy.run_path(str(ckpt / "zero_to_torch.py"), run_name="__main__")
+    finally:
+        sys.modules.pop("zero_to_fp32", None)
+    out = load_file(str(tmp_path / "model.safetensors"))
+    for k, v in load_file(str(runs["ds"] / "final" / "model.safetensors")).items():
+        assert out[k].dtype == torch.bfloat16 and torch.equal(out[k], v.to(torch.bfloat16)), k
+    with pytest.raises(ValueError, match="dtype 'int8'"):
+        from deepspeed_c.utils.zero_to_fp32 import convert_zero_checkpoint_to_state_dict
+        convert_zero_checkpoint_to_state_dict(str(ckpt), str(tmp_path), dtype="int8")
 
 
 def test_resume_from_checkpoint_is_exact(runs):

@@ -24,7 +24,8 @@ from deepspeed_c.utils.logging import logger
 from deepspeed_c.version import DEEPSPEED_API_VERSION
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
-RECOVERY_SCRIPT = "zero_to_fp32.py"  # copied beside the tags, as DeepSpeed does
+# copied beside the tags, as DeepSpeed 0.19.8 does (zero_to_torch.py imports its sibling zero_to_fp32.py)
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # deepspeed_c/
 # Keys DeepSpeed's loader keeps for itself; everything else in the model-states file is client state.
 DS_KEYS = ("module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
@@ -121,7 +122,7 @@ class EngineCheckpointer:
             if scope.writer:
                 # what saves killed mid-way left behind: staging directories, temporaries of the replaced files
                 store.remove_stale_staging(save_dir, keep=tag)
-                for name in (store.LATEST_NAME, RECOVERY_SCRIPT):
+                for name in (store.LATEST_NAME, *RECOVERY_SCRIPTS):
                     store.remove_stale_temporaries(os.path.join(save_dir, name))
                 store.begin(save_dir, tag)
         try:
@@ -344,21 +345,22 @@ class EngineCheckpointer:
         return shared
 
     def _copy_recovery_script(self, save_dir: str) -> None:
-        """zero_to_fp32.py into the top-level checkpoint directory, where DeepSpeed puts it (users run
-        `python zero_to_fp32.py . out` there; it follows `latest`); written atomically."""
-        src = os.path.join(_PACKAGE_DIR, "utils", RECOVERY_SCRIPT)
-        if not os.path.isfile(src):
-            return
-        with open(src, "rb") as f:
-            script = f.read()
-        dst = os.path.join(save_dir, RECOVERY_SCRIPT)
-        try:
-            with open(dst, "rb") as f:
-                if f.read() == script:  # already there: no rewrite (nor its temporary's space) every save
-                    return
-        except OSError:
-            pass
-        store.write_bytes_atomic(dst, script)
+        """zero_to_fp32.py and zero_to_torch.py into the top-level checkpoint directory, where DeepSpeed
+        puts them (users run `python zero_to_fp32.py . out` there; it follows `latest`); written atomically."""
+        for name in RECOVERY_SCRIPTS:
+            src = os.path.join(_PACKAGE_DIR, "utils", name)
+            if not os.path.isfile(src):
+                continue
+            with open(src, "rb") as f:
+                script = f.read()
+            dst = os.path.join(save_dir, name)
+            try:
+                with open(dst, "rb") as f:
+                    if f.read() == script:  # already there: no rewrite (nor its temporary's space) every save
+                        continue
+            except OSError:
+                pass
+            store.write_bytes_atomic(dst, script)
 
     # -- load -----------------------------------------------------------------------------------
     # load_checkpoint is collective, and a rank whose read fails (a damaged file, a missing tag on its
