@@ -92,6 +92,20 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
     return total
 
 
+def set_random_seed(seed: int) -> None:
+    """Seed Python's `random`, NumPy's global generator and torch's generators from one integer."""
+    import random
+
+    import numpy
+
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"set_random_seed: seed must be an int, got {type(seed).__name__}")
+    random.seed(seed)
+    # each generator takes a narrower integer than Python's (test runners hand out huge seeds): wrap, don't fail
+    numpy.random.seed(seed % (2**32))
+    torch.manual_seed(seed % (2**63))
+
+
 def noop_decorator(func: Any) -> Any:
     return func
 
@@ -103,4 +117,4 @@ def is_model_parallel_parameter(p: torch.Tensor) -> bool:
 from deepspeed_c.runtime.partitioned_tensor import PartitionedTensor  # noqa: E402  (DeepSpeed's home for it)
 
 __all__ = ["PartitionedTensor", "see_memory_usage", "move_to_device", "get_global_norm", "clip_grad_norm_",
-           "noop_decorator", "is_model_parallel_parameter"]
+           "noop_decorator", "is_model_parallel_parameter", "set_random_seed"]

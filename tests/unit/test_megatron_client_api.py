@@ -89,6 +89,28 @@ def test_accelerator_typed_tensors_and_default_generator():
     assert ctor.keywords == {"dtype": torch.float32, "device": "cuda"}
 
 
+def test_set_random_seed_reseeds_random_numpy_and_torch():
+    import random
+
+    import numpy
+
+    from deepspeed_c.runtime.utils import set_random_seed
+
+    def draw() -> tuple:
+        return random.random(), float(numpy.random.rand()), torch.rand(3).tolist()
+
+    set_random_seed(1138)  # DeepSpeedExamples' pipeline script seeds this way before building its model
+    first = draw()
+    random.seed(1138), numpy.random.seed(1138), torch.manual_seed(1138)
+    assert draw() == first
+    set_random_seed(2**70 + 5)  # wider than numpy's and torch's seeds: wrapped, as DeepSpeed does
+    big = draw()
+    random.seed(2**70 + 5), numpy.random.seed((2**70 + 5) % 2**32), torch.manual_seed((2**70 + 5) % 2**63)
+    assert draw() == big
+    with pytest.raises(TypeError, match="seed"):
+        set_random_seed("1138")
+
+
 def test_op_builder_is_rocm_pytorch():
     from deepspeed_c.ops.op_builder.builder import OpBuilder
 
