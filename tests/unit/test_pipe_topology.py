@@ -71,3 +71,15 @@ def test_partitions():
             assert got == ds.partition_balanced(w, m), (w, m)
     with pytest.raises(ValueError, match="weights\\[1\\]"):
         partition_balanced([1, -2, 3], 2)
+
+
+def test_prime_factors_rejects_non_positive():
+    from math import prod
+
+    from deepspeed_c.runtime.pipe.topology import _prime_factors
+
+    assert _prime_factors(1) == [] and _prime_factors(360) == [2, 2, 2, 3, 3, 5]
+    assert all(prod(_prime_factors(n)) == n for n in range(1, 50))
+    for bad in (0, -6):
+        with pytest.raises(ValueError, match="strictly positive"):
+            _prime_factors(bad)

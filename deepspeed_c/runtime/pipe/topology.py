@@ -102,6 +102,8 @@ class PipeModelDataParallelTopology(ProcessTopology):
 
 
 def _prime_factors(n: int) -> list[int]:
+    if n <= 0:  # 0 would otherwise return [] and a negative its sign-less factors
+        raise ValueError(f"_prime_factors takes a strictly positive integer, got {n}")
     out, p = [], 2
     while n > 1:
         while n % p == 0:
