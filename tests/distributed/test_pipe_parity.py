@@ -226,9 +226,31 @@ def body2(rank: int, world: int) -> list:
             _shape_change(world)]
 
 
+def _from_training_data(world: int) -> dict:
+    """initialize(training_data=...) with train_batch() and no iterator (the shape of DeepSpeed's pipeline
+    tutorials): both stages read the dataset in order; rank 0 prints the 'steps: N loss: L' line."""
+    import contextlib
+    import io
+
+    import deepspeed_c as deepspeed
+    from deepspeed_c.pipe import PipelineModule
+
+    flat = [mb for step in pm.batches(STEPS, 1) for mb in step]
+    data = torch.utils.data.TensorDataset(torch.cat([x for x, _ in flat]), torch.cat([y for _, y in flat]))
+    model = PipelineModule(pm.specs(True), num_stages=2, loss_fn=pm.loss_fn, seed_layers=True)
+    cfg = {"train_micro_batch_size_per_gpu": pm.MBS, "gradient_accumulation_steps": pm.GAS,
+           "gradient_clipping": 0.0, "steps_per_print": 1}
+    engine, *_ = deepspeed.initialize(model=model, config=cfg, training_data=data,
+                                      optimizer=lambda ps: torch.optim.Adam(ps, lr=LR))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        losses = [float(engine.train_batch()) for _ in range(STEPS)]
+    return {"losses": np.array(losses), "printed": out.getvalue()}
+
+
 def body2_rebuilt_params(rank: int, world: int) -> list:
     return [_train(world, 2, schedule="interleaved", virtual=2, params="given"),
-            _train(world, 2, schedule="interleaved", virtual=2, params="client")]
+            _train(world, 2, schedule="interleaved", virtual=2, params="client"), _from_training_data(world)]
 
 
 def _load_on_two_stages(world: int, ckpt_dir: str) -> dict:
@@ -395,6 +417,12 @@ def test_interleaved_keeps_model_parameters_and_client_optimizer():
     results = run_distributed(body2_rebuilt_params, world_size=2, timeout=240)
     _check(results, 0, 1)
     _check(results, 1, 1)
+    want, _ = pm.reference(STEPS, 1, LR, 0.0)
+    for r in results:
+        np.testing.assert_allclose(r[2]["losses"], want, rtol=1e-5)
+    lines = results[0][2]["printed"].splitlines()
+    assert [l.split(" iter time")[0] for l in lines] == [f"steps: {i + 1} loss: {w:0.4f}" for i, w in enumerate(want)]
+    assert all("samples/sec: " in l for l in lines) and results[1][2]["printed"] == ""
 
 
 def test_four_stages_pipe_by_data_zero1_and_checkpoints(tmp_path):

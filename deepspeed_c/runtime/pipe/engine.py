@@ -9,6 +9,7 @@ engine.forward/backward/step raise, as DeepSpeed's: the pipeline drives them its
 """
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from typing import Any, Iterator, Optional
 
@@ -133,6 +134,8 @@ class PipelineEngine(InstructionDispatch, DeepSpeedEngine):
             self.deferred_wgrad = DeferredWeightGrads()
             self.deferred_wgrad.install(self.module)
         self.executor = self._build_executor()
+        if self.training_data is not None:
+            self._build_data_iter(self.training_data)
 
     def destroy(self) -> None:
         if self.deferred_wgrad is not None:
@@ -195,6 +198,22 @@ class PipelineEngine(InstructionDispatch, DeepSpeedEngine):
     def is_last_stage(self) -> bool:
         return self.stage_id == self.num_stages - 1
 
+    def _build_data_iter(self, dataset: Any) -> None:
+        """`initialize(training_data=...)`: the first and last stages read the same micro-batches, so each
+        data-parallel replica takes its share in order (no shuffling) from a loader that never runs out."""
+        from deepspeed_c.runtime.dataloader import RepeatingLoader
+
+        sampler = torch.utils.data.distributed.DistributedSampler(
+            dataset, num_replicas=self.grid.get_data_parallel_world_size(),
+            rank=self.grid.get_data_parallel_rank(), shuffle=False)
+        self.set_dataloader(RepeatingLoader(self.deepspeed_io(dataset, data_sampler=sampler)))
+
+    def set_dataloader(self, loader: Any) -> None:
+        """The loader the first and last stages iterate (other stages ignore it)."""
+        if self.is_first_stage() or self.is_last_stage():
+            self.training_dataloader = loader
+            self.data_iterator = iter(loader)
+
     def set_dataiterator(self, iterator: Iterator) -> None:
         """Where the first and last stages read micro-batches from."""
         if self.is_first_stage() or self.is_last_stage():
@@ -237,12 +256,29 @@ class PipelineEngine(InstructionDispatch, DeepSpeedEngine):
             self.set_dataiterator(data_iter)
         self.module.train()
         self.total_loss = self.total_additional_losses = None
+        started = time.perf_counter()
         done = self.executor.run(self._train_schedule(), training=True, data_iter=self.data_iterator,
                                  batch_fn=self.batch_fn, dispatch=self._exec_instruction)
         self.total_loss, self.total_additional_losses = done["total_loss"], done["total_additional_losses"]
         with torch.no_grad():
             self.agg_train_loss = self._aggregate_total_loss()
+        self._log_train_batch(time.perf_counter() - started)
         return self.agg_train_loss
+
+    def _log_train_batch(self, seconds: float) -> None:
+        """DeepSpeed's pipeline progress line on global rank 0 every steps_per_print batches: the aggregated
+        loss, the module's additional losses, and the mean train_batch time since the last line."""
+        self._batch_secs = getattr(self, "_batch_secs", 0.0) + seconds
+        every = self.steps_per_print()
+        if not every or self.global_steps % every:
+            return
+        iter_time, self._batch_secs = self._batch_secs / every, 0.0
+        if self.global_rank != 0:
+            return
+        line = f"steps: {self.global_steps} loss: {float(self.agg_train_loss):0.4f} "
+        for name, value in (self.agg_additional_losses or {}).items():
+            line += f"{name}: {float(value):0.4f} "
+        print(line + f"iter time (s): {iter_time:0.3f} samples/sec: {self.train_batch_size() / iter_time:0.3f}")
 
     def eval_batch(self, data_iter: Iterator, return_logits: bool = False, compute_loss: bool = True,
                    reduce_output: Optional[str] = "avg", bcast_loss: bool = True,
