@@ -63,3 +63,17 @@ def test_precision_config_readers():
     assert (fp16.enabled, fp16.loss_scale, fp16.loss_scale_window, fp16.initial_scale_power) == (True, 0.0, 50, 16)
     with pytest.raises(DeepSpeedConfigError, match="fp16"):
         get_float16_config({"fp16": {"no_such_key": 1}})
+
+
+def test_runtime_config_optimizer_name_constants():
+    import pytest
+
+    import deepspeed_c.runtime.config as cfg_mod
+    from deepspeed_c.runtime.config import (ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, DEEPSPEED_OPTIMIZERS,
+                                            LAMB_OPTIMIZER, LION_OPTIMIZER, MUON_OPTIMIZER)
+
+    names = [ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER, LION_OPTIMIZER, MUON_OPTIMIZER]
+    assert names == ["adagrad", "adam", "adamw", "lamb", "lion", "muon"]
+    assert set(names) <= set(DEEPSPEED_OPTIMIZERS)
+    with pytest.raises(AttributeError, match="NO_SUCH_OPTIMIZER"):
+        cfg_mod.NO_SUCH_OPTIMIZER

@@ -9,5 +9,10 @@ from deepspeed_c.runtime.config.ds_config import __all__  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:
-    # the rest of the former module's namespace (constants and helpers DeepSpeed's module also exposes)
-    return getattr(ds_config, name)
+    # the rest of the former module's namespace (constants and helpers DeepSpeed's module also exposes),
+    # then the optimizer-name constants (ADAM_OPTIMIZER, ...) that DeepSpeed's module defines itself
+    from deepspeed_c.runtime.config import optim
+    for module in (ds_config, optim):
+        if hasattr(module, name):
+            return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
