@@ -77,3 +77,23 @@ def test_runtime_config_optimizer_name_constants():
     assert set(names) <= set(DEEPSPEED_OPTIMIZERS)
     with pytest.raises(AttributeError, match="NO_SUCH_OPTIMIZER"):
         cfg_mod.NO_SUCH_OPTIMIZER
+
+
+def test_utils_torch_version_helpers():
+    import pytest
+    import torch
+
+    from deepspeed_c.utils.torch import register_grad_hook, required_torch_version
+
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    assert required_torch_version(min_version=f"{major}.{minor}") and required_torch_version(min_version=1.0)
+    assert not required_torch_version(min_version=f"{major + 1}.0")
+    assert not required_torch_version(max_version=f"{major - 1}.9") and required_torch_version(max_version=99)
+    with pytest.raises(AssertionError):
+        required_torch_version()
+    p = torch.nn.Parameter(torch.ones(3))
+    seen = []
+    handle = register_grad_hook(p, lambda t: seen.append(t.grad.clone()))
+    (p * 2).sum().backward()
+    assert len(seen) == 1 and torch.equal(seen[0], torch.full((3,), 2.0))
+    handle.remove()
