@@ -29,6 +29,8 @@ def bad_args_body(rank: int, world: int, root: str) -> dict:
         # only rank 0 writes, and its directory is a regular file: rank 1's part cannot fail
         "save16_unwritable": lambda: engine.save_16bit_model(os.path.join(root, "a_file", "sub")),
         "save_unwritable": lambda: engine.save_checkpoint(os.path.join(root, "a_file", "ckpt")),
+        # a directory named per rank (DeepSpeedExamples' BERT script stamps the time into it)
+        "save_per_rank": lambda: engine.save_checkpoint(os.path.join(root, f"run_{rank}")),
     }
     if rank == 0:
         with open(os.path.join(root, "a_file"), "w") as f:
@@ -63,6 +65,8 @@ def test_bad_arguments_raise_on_every_rank(tmp_path):
                     "Error" in out[name].split(":")[0], (name, out[name])
             else:
                 assert out[name].startswith("RankFailed") and "rank 0" in out[name], (name, out[name])
+        assert out["save_per_rank"].startswith("ValueError") and "same directory on every rank" in \
+            out["save_per_rank"] and "run_1" in out["save_per_rank"], out["save_per_rank"]
         assert out["good_load"] is True
 
 

@@ -25,6 +25,23 @@ def check_dir_arg(entry_point: str, name: str, value: Any) -> str:
     return value
 
 
+def check_same_dir(entry_point: str, name: str, value: str) -> None:
+    """Every rank must name one directory: one writer stages and commits each checkpoint there. DeepSpeed
+    lets each rank write its own files wherever it is told (a split checkpoint); here that would fail
+    inside the write, so every rank raises this ValueError first (collective: the same gathered list)."""
+    import torch.distributed as tdist
+
+    if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() == 1:
+        return
+    dirs: list[Any] = [None] * tdist.get_world_size()
+    tdist.all_gather_object(dirs, os.path.abspath(value))
+    differ = {r: d for r, d in enumerate(dirs) if d != dirs[0]}
+    if differ:
+        shown = ", ".join(f"rank {r}: {d!r}" for r, d in list(differ.items())[:4])
+        raise ValueError(f"{entry_point}: {name} must be the same directory on every rank (rank 0: {dirs[0]!r}; "
+                         f"{shown}); a per-rank name (a timestamp, a random id) gives each rank its own")
+
+
 class RankFailed(RuntimeError):
     """Raised on the ranks whose own part succeeded when another rank's part failed. `errors` maps each
     failing rank (global rank) to its error as text, so this rank's message names what went wrong there

@@ -18,7 +18,7 @@ from deepspeed_c.checkpoint import deepspeed_format, store
 from deepspeed_c.runtime.checkpointing import nodes, reducer_order, run_state, universal_load, zero, zero3
 from deepspeed_c.runtime.checkpointing.options import CheckpointOptions
 from deepspeed_c.runtime.checkpointing.states import CheckpointStates
-from deepspeed_c.runtime.checkpointing.collective_guard import check_dir_arg, rank_local_step
+from deepspeed_c.runtime.checkpointing.collective_guard import check_dir_arg, check_same_dir, rank_local_step
 from deepspeed_c.runtime.optimizer_seam import SavedCheckpoint
 from deepspeed_c.utils.logging import logger
 from deepspeed_c.version import DEEPSPEED_API_VERSION
@@ -99,6 +99,8 @@ class EngineCheckpointer:
              exclude_frozen_parameters: bool) -> bool:
         # every check before the first collective, on every rank: a bad argument raises everywhere
         save_dir = check_dir_arg("save_checkpoint", "save_dir", save_dir)
+        if not nodes.node_local_enabled(self.options.node_local_storage):  # node-local: one directory a node
+            check_same_dir("save_checkpoint", "save_dir", save_dir)
         if st.mp_world_size > 1 and self.options.node_local_storage:
             # each model-parallel rank's files would stay on the node of its data-parallel rank 0 only
             raise NotImplementedError("save_checkpoint: checkpoint.use_node_local_storage with a model-parallel mpu "
