@@ -97,3 +97,13 @@ def test_utils_torch_version_helpers():
     (p * 2).sum().backward()
     assert len(seen) == 1 and torch.equal(seen[0], torch.full((3,), 2.0))
     handle.remove()
+
+
+def test_checkpoint_file_name_helpers():
+    from deepspeed_c.checkpoint.utils import (get_layer_ckpt_name_for_rank, get_model_ckpt_name_for_rank,
+                                              get_zero_ckpt_name_for_rank)
+
+    # the file names of a DeepSpeed checkpoint folder (global_stepN/), spelled out
+    assert get_model_ckpt_name_for_rank("ck/global_step3", "01") == "ck/global_step3/mp_rank_01_model_states.pt"
+    assert get_zero_ckpt_name_for_rank("d", 2, 0) == "d/zero_pp_rank_2_mp_rank_00_optim_states.pt"
+    assert get_layer_ckpt_name_for_rank("d", "layer_05", 1) == "d/layer_05-model_01_model_states.pt"
