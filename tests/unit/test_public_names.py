@@ -59,6 +59,9 @@ def test_precision_config_readers():
     assert get_bfloat16_config({"bfloat16": {"enabled": True}}).enabled is True
     assert get_bfloat16_config({"bf16": {"immediate_grad_update": True}}).immediate_grad_update is True
     assert get_bfloat16_config({}).enabled is False
+    # bf16 steps skip on a non-finite gradient norm unless turned off (DeepSpeed 0.19.8's default)
+    assert get_bfloat16_config({"bf16": {"enabled": True}}).check_grad_overflow is True
+    assert get_bfloat16_config({"bf16": {"check_grad_overflow": False}}).check_grad_overflow is False
     fp16 = get_float16_config({"fp16": {"enabled": True, "loss_scale_window": 50}})
     assert (fp16.enabled, fp16.loss_scale, fp16.loss_scale_window, fp16.initial_scale_power) == (True, 0.0, 50, 16)
     with pytest.raises(DeepSpeedConfigError, match="fp16"):

@@ -56,7 +56,7 @@ class DeepSpeedFP16Config(DeepSpeedConfigModel):
 class DeepSpeedBF16Config(DeepSpeedConfigModel):
     enabled: bool = False
     immediate_grad_update: bool = False
-    check_grad_overflow: bool = Field(False, alias="check_overflow")
+    check_grad_overflow: bool = Field(True, alias="check_overflow")  # DeepSpeed 0.19.8: on by default, as fp16
     bf16_master_weights_and_grads: bool = False
     bf16_optimizer_states: bool = False
 
