@@ -14,8 +14,9 @@ export DSC_CACHE_DIR=${DSC_CACHE_DIR:-$(mktemp -d -t dsc-cache-XXXXXX)}
 # loadfile), so a module's shared multi-rank run happens once; the longest files are handed out first
 # (tests/xdist_order.py), so none starts last while the other worker idles. Distributed tests start up to four
 # ranks each: more workers would only oversubscribe the cores.
-# (getconf, not nproc: nproc obeys the OMP_NUM_THREADS=1 set above)
+# (getconf, not nproc: nproc obeys the OMP_NUM_THREADS=1 set above). --durations: the slowest tests in the CI log,
+# where trimming the suite starts (it is kept under 15 minutes with the two later CI steps).
 if [ "$(getconf _NPROCESSORS_ONLN)" -ge 2 ]; then
-    exec .venv/bin/python -m pytest -q --timeout=900 -n 2 --dist loadfile tests "$@"
+    exec .venv/bin/python -m pytest -q --timeout=900 --durations=40 -n 2 --dist loadfile tests "$@"
 fi
 exec .venv/bin/python -m pytest -q --timeout=900 tests "$@"
