@@ -65,10 +65,11 @@ def _batch(args: Any, step: int) -> torch.Tensor:
     return torch.randn(args.batch, args.seq, args.d, generator=g, device="cuda", dtype=torch.bfloat16)
 
 
-def _step(engine: Any, x: torch.Tensor) -> tuple[float, float, float]:
-    """(loss, host seconds of engine.step() from an idle queue, seconds of the whole step incl. the device)."""
+def _step(engine: Any, x: torch.Tensor, overflow: bool = False) -> tuple[float, float, float]:
+    """(loss, host seconds of engine.step() from an idle queue, seconds of the whole step incl. the device);
+    overflow: the gradients of this step are made non-finite (the step must be skipped)."""
     loss = engine(x)
-    engine.backward(loss)
+    engine.backward(loss * float("inf") if overflow else loss)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     engine.step()
@@ -80,11 +81,15 @@ def _step(engine: Any, x: torch.Tensor) -> tuple[float, float, float]:
 
 def _check(args: Any, warmup: bool) -> str:
     off, on = _engine(args, False, warmup), _engine(args, True, warmup)
+    bad = {args.check_steps - 3}  # after the recording: the replayed step must skip on the device
     for s in range(args.check_steps):
         x = _batch(args, s)
-        a, b = _step(off, x)[0], _step(on, x)[0]
+        a, b = _step(off, x, s in bad)[0], _step(on, x, s in bad)[0]
         if a != b:
             raise AssertionError(f"graph_harvesting changed the loss at step {s} (warmup={warmup}): {a!r} vs {b!r}")
+    if (off.skipped_steps, on.skipped_steps) != (1, 1):
+        raise AssertionError(f"the overflowing step was not skipped once by both (warmup={warmup}): skipped "
+                             f"{off.skipped_steps} eager, {on.skipped_steps} harvested")
     for p, q in zip(off.module.parameters(), on.module.parameters()):
         if not torch.equal(p, q):
             raise AssertionError(f"graph_harvesting changed the weights (warmup={warmup})")
@@ -92,8 +97,8 @@ def _check(args: Any, warmup: bool) -> str:
     if h is None or h.captures < 1 or h.replays < 1:
         raise AssertionError(f"graph_harvesting did not record and replay the step (warmup={warmup}): "
                              f"{None if h is None else (h.captures, h.replays, h.eager, h.failed)}")
-    return (f"{'WarmupLR' if warmup else 'constant lr':12s} {args.check_steps} steps: losses and weights equal bit "
-            f"for bit; captures {h.captures}, replays {h.replays}, eager {h.eager}")
+    return (f"{'WarmupLR' if warmup else 'constant lr':12s} {args.check_steps} steps (one overflowing, skipped by "
+            f"both): losses and weights equal bit for bit; captures {h.captures}, replays {h.replays}, eager {h.eager}")
 
 
 def main() -> None:

@@ -13,9 +13,11 @@ eagerly too, then the capture records the next ones' work without running it), s
 every step never pays for captures that would not be replayed, and a graph follows the schedule once it
 settles. The host part of the step (the step counters, the scheduler) stays in Python.
 
-Where the key has no effect (fp16, whose overflow check reads the norm on the host between the two halves;
-fp32 or ZeRO stages 1-3, which DeepSpeed does not capture either; no CUDA device; an optimizer without the
-fused epilogue) initialize says so once, naming the key and why."""
+bf16's overflow check (`bf16.check_grad_overflow`, on by default in 0.19.8) stays inside the recording: the
+epilogue skips a step with a non-finite norm on the device, and the host reads the norm once after the replay
+to count the skipped step. Where the key has no effect (fp16 or fp32, or ZeRO stages 1-3, which DeepSpeed's
+BF16_Optimizer does not cover; MoE, whose norm is reduced across ranks on the host between the two halves; no
+CUDA device; an optimizer without the fused epilogue) initialize says so once, naming the key and why."""
 from __future__ import annotations
 
 from typing import Callable, Optional

@@ -5,6 +5,7 @@ scale, DeepSpeed's message is logged), and updated masters are copied back into 
 parameters. runtime/precision.Precision decides from the config when to build one."""
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Optional
 
 import torch
@@ -74,9 +75,9 @@ class MixedPrecisionOptimizer(EngineOptimizer):
         if self.epilogue is None:
             graph_harvesting.no_effect("the recorded step is the fused epilogue's, which needs a CUDA device and "
                                        "Adam/AdamW/FusedAdam")
-        elif self.check_overflow or self.norm_across_ranks is not None:
-            graph_harvesting.no_effect("the host reads the gradient norm between the norm and the update (fp16's "
-                                       "overflow check, or MoE's norm across ranks)")
+        elif self.norm_across_ranks is not None:
+            graph_harvesting.no_effect("the host reduces the gradient norm across ranks between the norm and the "
+                                       "update (MoE's experts differ per rank)")
         else:
             return graph_harvesting.HarvestedStep()
         return None
@@ -218,12 +219,14 @@ class MixedPrecisionOptimizer(EngineOptimizer):
 
     def _harvested_step(self, grads: list[list[torch.Tensor]], masters: list[list[torch.Tensor]],
                         outs: list[list[torch.Tensor]]) -> bool:
-        """graph_harvesting: the norm and the epilogue (no host decision between them: no overflow check) as one
-        device launch, replayed from its CUDA graph while its key holds."""
+        """graph_harvesting: the norm and the epilogue as one device launch, replayed from its CUDA graph while its
+        key holds. The overflow check (bf16's check_grad_overflow) needs no host decision between the two: the
+        epilogue skips a non-finite step on the device, and the host reads the norm once after the launch to
+        keep its own books (skipped step, loss scaler)."""
         assert self.epilogue is not None and self.harvest is not None
         epilogue = self.epilogue
         flat = [g for gs in grads for g in gs]
-        if self.loss_scaler is not None:
+        if self.loss_scaler is not None and not self.check_overflow:
             self.loss_scaler.update_scale(False)
         scale = self._scale_used
         key = (tuple(t.data_ptr() for t in flat), tuple(t.data_ptr() for ts in outs for t in ts),
@@ -236,6 +239,12 @@ class MixedPrecisionOptimizer(EngineOptimizer):
             return norm
 
         norm = self.harvest.run(key, launch)
+        if self.check_overflow and self._harvested_overflow(norm):
+            self.overflow = True
+            self._global_grad_norm = None
+            self.cur_iter += 1
+            self.zero_grad()  # in place: the recorded step reads the gradients where they are
+            return True
         for counters in self._launched:
             counters.advance()
         self.overflow = False
@@ -246,6 +255,20 @@ class MixedPrecisionOptimizer(EngineOptimizer):
         if self.accumulate_fp32:
             self.accumulators.zero_()
         return False
+
+    def _harvested_overflow(self, norm: torch.Tensor) -> bool:
+        """Whether the launched step overflowed (its kernels then skipped it on the device and left the device step
+        counters alone); updates the loss scaler as the eager check does."""
+        overflow = not math.isfinite(float(norm.reshape(-1)[0]))
+        if self.sync_overflow is not None:
+            agreed = self.sync_overflow(overflow)
+            if agreed != overflow:  # stage 0 reduces the gradients first, so every rank sees the same norm
+                raise RuntimeError("graph_harvesting: ranks disagree on the gradient overflow of this step (this "
+                                   f"rank's norm is {'not ' if not overflow else ''}finite); the device already "
+                                   "applied its own decision")
+        if self.loss_scaler is not None:
+            self.loss_scaler.update_scale(overflow)
+        return overflow
 
     def _decide(self, norm: Any, **apply: Any) -> StepOutcome:
         return overflow_checked_step(norm, check_overflow=self.check_overflow, sync_overflow=self.sync_overflow,
