@@ -2,14 +2,15 @@
 group (each rank keeps its own slice), with a long-tensor `meta` that lets a receiver rebuild the same
 object from its local slice (`from_meta`) and gather the whole tensor back (`full`). Megatron-DeepSpeed's
 pipeline engines (its zero-bubble schedule) import it; DeepSpeed's pipeline uses it to ship activations
-split over the tensor-parallel group."""
+split over the tensor-parallel group. Its collectives go through deepspeed_c.comm (counted by the comms logger)."""
 from __future__ import annotations
 
 import math
 from typing import Any, Optional, Union
 
 import torch
-import torch.distributed as dist
+
+import deepspeed_c.comm as dist
 
 
 def _device_name() -> str:

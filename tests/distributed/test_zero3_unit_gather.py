@@ -73,8 +73,16 @@ def _plan_body(rank: int, world: int) -> dict[str, Any]:
         engine.backward(engine(x).pow(2).mean())
         engine.step()
 
-    for _ in range(2):  # the first records the trace, the second follows its plan
-        step()
+    import deepspeed_c.comm as dc
+
+    # the first step records the trace (its per-step and whole-trace rank checks logged by deepspeed_c.comm),
+    # the second follows its plan
+    dc.configure(enabled=True, prof_all=True)
+    step()
+    logged = {name: sum(v[0] for v in by_size.values()) for name, by_size in dc.comms_logger.get_raw_data().items()}
+    dc.configure(enabled=False, prof_all=False)
+    dc.reset_log()
+    step()
     store, coord = engine.optimizer.store, engine.optimizer.coordinator
     before = store.gatherer.collectives
     step()
@@ -86,7 +94,8 @@ def _plan_body(rank: int, world: int) -> dict[str, Any]:
     res = {"collectives": store.gatherer.collectives - before, "groups": len(groups),
            "first_groups": len([g for g in plan.fetch_at(0) if g]),
            "greedy_groups": len(greedy_groups), "units": sum(len(g) for g in groups),
-           "greedy_units": sum(len(g) for g in greedy_groups)}
+           "greedy_units": sum(len(g) for g in greedy_groups), "trace": len(trace),
+           "step_checks": logged.get("zero3_step_check", 0), "trace_checks": logged.get("zero3_trace_check", 0)}
     engine.destroy()
     return res
 
@@ -100,3 +109,5 @@ def test_runtime_plan_batches_prefetches_one_collective_per_group() -> None:
         assert r["collectives"] == r["groups"] - r["first_groups"] + 1, r
         assert r["units"] == r["greedy_units"], r
         assert r["groups"] < r["greedy_groups"], r
+        # the recording step's rank checks went through deepspeed_c.comm: one per step, one for the trace
+        assert r["step_checks"] == r["trace"] > 0 and r["trace_checks"] == 1, r

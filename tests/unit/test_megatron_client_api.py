@@ -121,8 +121,10 @@ def test_op_builder_is_rocm_pytorch():
 def _partitioned_body(rank: int, world_size: int) -> list:
     import torch.distributed as dist
 
+    import deepspeed_c.comm as dc
     from deepspeed_c.runtime.utils import PartitionedTensor
 
+    dc.configure(enabled=True, prof_all=True)  # full()'s collectives are deepspeed_c.comm's, counted by its logger
     out = []
     for shape in [(4, 6), (3, 5)]:  # 24 elements split evenly, 15 unevenly (8 + 7)
         full = torch.arange(float(np.prod(shape))).reshape(shape) * 0.5 + 1
@@ -131,6 +133,9 @@ def _partitioned_body(rank: int, world_size: int) -> list:
         # a receiver rebuilds it from the meta and its own slice, then gathers the whole tensor
         again = PartitionedTensor.from_meta(meta, local, group=dist.group.WORLD, device="cpu")
         out.append((meta.tolist(), local.numpy().copy(), again.full().numpy(), part.full_size(), tuple(part.local_size())))
+    logged = {name: sum(v[0] for v in by_size.values()) for name, by_size in dc.comms_logger.get_raw_data().items()}
+    dc.configure(enabled=False, prof_all=False)
+    dc.reset_log()
     other = part.to_meta().clone()
     other[1 + 2 + 1] = 1 - rank  # the meta another rank wrote: its slice is not ours
     errors = []
@@ -142,6 +147,7 @@ def _partitioned_body(rank: int, world_size: int) -> list:
     out.append(errors)
     out.append(_pipe_batch_fn_without_iterator(rank))
     out.append(ext.body(rank, world_size))
+    out.append(logged)
     return out
 
 
@@ -208,6 +214,8 @@ def test_two_ranks_partitioned_tensor_and_pipeline_batch_fn_without_iterator(two
         wrong_rank, wrong_dtype = results[rank][2]
         assert wrong_rank.startswith("ValueError") and f"part {1 - rank} of 2" in wrong_rank
         assert wrong_dtype.startswith("TypeError") and "torch.long" in wrong_dtype
+        # the even split's full() is one all_gather_into_tensor, the uneven one's a broadcast per part
+        assert results[rank][5] == {"all_gather_into_tensor": 1, "broadcast": 2}, results[rank][5]
 
 
 def test_client_schedule_and_instructions_train_as_the_unsplit_model(two_ranks):

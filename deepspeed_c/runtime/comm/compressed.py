@@ -1,5 +1,6 @@
-"""The compressed all-reduce of the 1-bit optimizers (DeepSpeed's `compressed_allreduce`), over
-torch.distributed (gloo on CPU ranks, NCCL on GPUs), with the sign codec in C/CUDA.
+"""The compressed all-reduce of the 1-bit optimizers (DeepSpeed's `compressed_allreduce`), its two
+collectives through deepspeed_c.comm (gloo on CPU ranks, NCCL on GPUs; logged as onebit_all_to_all and
+onebit_all_gather), with the sign codec in C/CUDA.
 
 Per tensor, as DeepSpeed: the tensor is zero-padded to a multiple of W * lcm(W, 8) elements (W
 ranks) and cut into W chunks, one per rank. Phase 1 (worker): add the worker error, scale =

@@ -513,16 +513,16 @@ class ParamCoordinator:
     def _check_same_trace(self, trace: Sequence[tuple[int, str]]) -> None:
         if self.store.world_size == 1:
             return
-        import torch.distributed as dist
+        import deepspeed_c.comm as dist
 
         digest = hashlib.sha1(repr(list(trace)).encode()).digest()[:8]
         mine = torch.tensor(list(digest), dtype=torch.uint8, device=self.store.compute_device)
         every = [torch.empty_like(mine) for _ in range(self.store.world_size)]
-        dist.all_gather(every, mine, group=self.store.group)
+        dist.all_gather(every, mine, group=self.store.group, log_name="zero3_trace_check")
         if all(torch.equal(e, mine) for e in every):
             return
         traces: list[Any] = [None] * self.store.world_size
-        dist.all_gather_object(traces, list(trace), group=self.store.group)
+        dist.all_gather_object(traces, list(trace), group=self.store.group, log_name="zero3_trace_check")
         ref = traces[0]
         k = next((k for k in range(min(len(ref), len(trace))) if ref[k] != trace[k]), min(len(ref), len(trace)))
         mine_s = self._describe(trace, k)
@@ -534,12 +534,13 @@ class ParamCoordinator:
     def _check_same_step(self, i: int, key: int, phase: str, units: Sequence[int]) -> None:
         """On demand (recording a trace) every step's gathers are checked against every rank's first: ranks
         that run different modules get an error naming them instead of mismatched collectives."""
-        import torch.distributed as dist
+        # deepspeed_c.comm: logged apart from the unit gathers; with the logger off, the prebuilt call (comm/direct.py)
+        import deepspeed_c.comm as dist
 
         mine = torch.tensor([i, key, 0 if phase == "f" else 1, len(units), sum(units)], dtype=torch.int64,
                             device=self.store.compute_device)
         every = torch.empty(self.store.world_size * mine.numel(), dtype=torch.int64, device=mine.device)
-        dist.all_gather_into_tensor(every, mine, group=self.store.group)
+        dist.all_gather_into_tensor(every, mine, group=self.store.group, log_name="zero3_step_check")
         rows = every.view(self.store.world_size, -1).tolist()
         odd = [r for r, row in enumerate(rows) if row != rows[0]]
         if not odd:
