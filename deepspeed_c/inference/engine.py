@@ -55,16 +55,13 @@ class InferenceEngine(nn.Module):
             model.to(config.dtype)  # floating tensors only: integer buffers keep their dtype
         self.mp_group = self._tp_group(config)
         self.mp_world_size = dist.get_world_size(self.mp_group) if self.mp_group is not None else 1
-        if config.enable_cuda_graph and self.mp_world_size > 1:
-            # the injected decoder can capture its NCCL all-reduces (thread_local capture mode), but that has not
-            # run on GPUs yet: refused until it has
-            raise ValueError(f"init_inference: enable_cuda_graph=True needs tensor_parallel.tp_size=1 (got "
-                             f"{self.mp_world_size}): CUDA graphs are not captured across tensor-parallel ranks")
         desc = mp_checkpoint.read_description(config.checkpoint) if config.checkpoint is not None else None
         if mp_checkpoint.is_sharded(desc):
             self._prepare_sharded(desc)
         else:
             self._prepare(checkpoint_files(desc, config.base_dir) if desc is not None else None)
+        if config.enable_cuda_graph and self.mp_world_size > 1:
+            self._check_tp_graphs()
         moe = moe_inference.parse(config)
         if moe is not None:
             moe_inference.prepare(self.module, moe)
@@ -145,6 +142,20 @@ class InferenceEngine(nn.Module):
         elif cfg.enable_cuda_graph and torch.cuda.is_available():
             raise NotImplementedError("init_inference: enable_cuda_graph=True is built for kernel-injected models only "
                                       "(replace_with_kernel_inject=True on a supported architecture)")
+
+    def _check_tp_graphs(self) -> None:
+        """enable_cuda_graph with tp_size > 1: the injected decoder captures its decode step with the two
+        all-reduces of every block inside; only NCCL collectives can be captured in a CUDA graph."""
+        tp = self.mp_world_size
+        if not self.injected:
+            raise ValueError(f"init_inference: enable_cuda_graph=True with tensor_parallel.tp_size={tp} needs "
+                             "replace_with_kernel_inject=True on a supported decoder (the kernel-injected decode "
+                             "step captures its all-reduces; AutoTP's sharded layers are not captured)")
+        backend = str(torch.distributed.get_backend(self.mp_group)).lower()
+        if backend != "nccl":
+            raise ValueError(f"init_inference: enable_cuda_graph=True with tensor_parallel.tp_size={tp} captures the "
+                             f"tensor-parallel all-reduces in a CUDA graph, which needs the nccl backend; the group's "
+                             f"backend is {backend!r}: use dist_backend='nccl' or enable_cuda_graph=False")
 
     def _stream_layers(self) -> None:
         """ZeRO-Inference: the layers' weights leave for the host / NVMe; the rest goes to the device."""

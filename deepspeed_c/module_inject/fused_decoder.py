@@ -224,12 +224,16 @@ class InjectedDecoder(torch.nn.Module):
                 pos = position_ids.clone().contiguous()
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up outside capture (lazy allocations, cuBLAS handles)
+            # warm-up outside capture (lazy allocations, cuBLAS handles; with tensor parallelism the NCCL
+            # communicator is created by its first collective, which must not happen under capture)
+            with torch.cuda.stream(side):
                 self._body(ids, None, pos, past)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            # tensor-parallel blocks capture NCCL all-reduces; the process group's watchdog thread keeps querying
-            # its events meanwhile, which the default (global) capture mode would turn into a capture error
+            # tensor-parallel blocks capture NCCL all-reduces (every rank of the group captures the same step, in
+            # the same order, as generate() runs in lockstep there); the process group's watchdog thread keeps
+            # querying its events meanwhile, which the default (global) capture mode would turn into a capture
+            # error
             tp = any(getattr(block, "group", None) is not None for block in self.layers)
             with torch.cuda.graph(graph, capture_error_mode="thread_local" if tp else "global"):
                 out = self._body(ids, None, pos, past)

@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any, Optional
 
 import torch
+from torch.distributed import all_reduce as _all_reduce
 
 from deepspeed_c.module_inject.fused_block import BlockSpec, FusedDecoderBlock
 
@@ -61,7 +62,7 @@ class TPFusedDecoderBlock(FusedDecoderBlock):
         self.group = group
 
     def _sum_partial(self, t: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
-        dist.all_reduce(t, group=self.group)
+        # in place, synchronous: torch runs it on the current stream, so a captured decode step (enable_cuda_graph)
+        # records it as one more node of the graph
+        _all_reduce(t, group=self.group)
         return t

@@ -1,6 +1,7 @@
 """init_inference on 2 gloo ranks, fp32, against the one-process Hugging Face model (one shared launch):
-- kernel injection with tensor parallelism (tp_size 2): GPT-2 and LLaMA (GQA) greedy tokens equal HF eager's;
-  each rank's fused blocks hold half the heads and half the MLP rows;
+- kernel injection with tensor parallelism (tp_size 2): GPT-2 and LLaMA (GQA) greedy tokens equal HF eager's,
+  prefill logits equal tp_size 1's and HF's to fp32 rounding; each rank's fused blocks hold half the heads and
+  half the MLP rows; enable_cuda_graph at tp_size 2 is refused without injection and on gloo (naming why);
 - save_mp_checkpoint_path at TP 2 (injected and AutoTP) writes DeepSpeed's JSON and per-rank tp files;
   `checkpoint=` that JSON on a meta-built model gives HF's tokens, each rank holding only its shard; loaded at
   tp_size 1 it is resharded (same tokens); a quantized one loaded at another tp_size names both sizes;
@@ -31,6 +32,10 @@ def _error(fn) -> str:
     return "no error"
 
 
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
 def _gen(model, ids):
     return model.generate(input_ids=ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
 
@@ -38,7 +43,7 @@ def _gen(model, ids):
 def _tp_inject(out: dict, folder: str, ids: torch.Tensor) -> None:
     import deepspeed_c
 
-    out["inject"], out["ckpt"] = {}, {}
+    out["inject"], out["ckpt"], out["logits"] = {}, {}, {}
     for kind in ("gpt2", "llama"):
         model = im.make(kind, seed=3)
         ref = _gen(model, ids)
@@ -49,6 +54,12 @@ def _tp_inject(out: dict, folder: str, ids: torch.Tensor) -> None:
         block = engine.module.base_model.layers[0]
         out["inject"][kind] = (bool(torch.equal(_gen(engine, ids), ref)), type(block).__name__,
                                block.spec.n_heads, block.w2.shape[1])
+        # prefill logits, fp32: TP 2 against TP 1 (both injected) and against HF eager; only the order of the
+        # partial sums differs, so both stay at fp32 rounding level
+        one = deepspeed_c.init_inference(copy.deepcopy(model), dtype=torch.float32, replace_with_kernel_inject=True,
+                                         max_out_tokens=32)
+        hf, tp1, tp2 = (m(input_ids=ids).logits for m in (model, one, engine))
+        out["logits"][kind] = (_rel(tp2, tp1), _rel(tp2, hf), _rel(tp1, hf))
         with deepspeed_c.OnDevice(dtype=torch.float32, device="meta"):
             meta = im.make(kind, seed=3)
         loaded = deepspeed_c.init_inference(meta, dtype=torch.float32, tensor_parallel={"tp_size": 2},
@@ -59,6 +70,9 @@ def _tp_inject(out: dict, folder: str, ids: torch.Tensor) -> None:
                                          held / sum(p.numel() for p in model.parameters()))
     out["errors"]["autotp_graph"] = _error(lambda: deepspeed_c.init_inference(
         im.make("llama", seed=4), dtype=torch.float32, tensor_parallel={"tp_size": 2}, enable_cuda_graph=True))
+    out["errors"]["gloo_graph"] = _error(lambda: deepspeed_c.init_inference(  # graphs capture NCCL only
+        im.make("llama", seed=4), dtype=torch.float32, tensor_parallel={"tp_size": 2}, enable_cuda_graph=True,
+        replace_with_kernel_inject=True, max_out_tokens=32))
     # AutoTP (no injection): the sharded LinearLayer / LinearAllreduce / vocabulary layers are the tp files
     model = im.make("llama", seed=4)
     ref = _gen(model, ids)
@@ -163,8 +177,12 @@ def test_inference_rest_two_ranks(tmp_path):
         assert (desc["type"], desc["version"], desc["parallelization"], desc["tp_size"], desc["dtype"]) == \
             ("ds_model", 1.0, "tp", 2, "float32"), desc
         assert "non-tp.pt" in desc["files"] and "tp_01_07.pt" in desc["files"], desc["files"]
-        assert "enable_cuda_graph=True needs tensor_parallel.tp_size=1 (got 2)" in res["errors"]["autotp_graph"], \
-            res["errors"]["autotp_graph"]
+        err = res["errors"]["autotp_graph"]
+        assert "enable_cuda_graph=True with tensor_parallel.tp_size=2 needs replace_with_kernel_inject=True" in err, err
+        err = res["errors"]["gloo_graph"]
+        assert "needs the nccl backend" in err and "'gloo'" in err, err
+        for kind, (tp2_tp1, tp2_hf, tp1_hf) in res["logits"].items():
+            assert tp2_tp1 < 1e-5 and tp2_hf < 1e-5 and tp1_hf < 1e-5, (rank, kind, res["logits"][kind])
         err = res["errors"]["tp_mismatch"]
         assert "tp_size=2" in err and "tp_size=1" in err, err
         for name, (rel, frac) in res["moe"].items():
