@@ -12,8 +12,8 @@ rank on the first fit):
   convert_zero_checkpoint_to_fp32_state_dict turns into the weights the model had then (bit for bit, ZeRO-3
   included) plus Lightning's own state; trainer.fit(ckpt_path=...) from it continues with the straight run's
   losses (at stages 2 and 3, as DDP's own checkpoint does);
-- bad input: DeepSpeedStrategy(stage=2, offload_parameters=True) stops fit with our NotImplementedError
-  naming zero_optimization.offload_param.device.
+- DeepSpeedStrategy(stage=2, offload_parameters=True) trains as stage 2 (DeepSpeed reads offload_param at
+  stage 3 only; we warn that it has no effect), with the same losses.
 
 Lightning refuses its DeepSpeed strategy unless the accelerator is CUDA ("The DeepSpeed strategy is only
 supported on CUDA GPUs", with DeepSpeed itself too). On CPU (CI) the strategies are a DeepSpeedStrategy
@@ -40,9 +40,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "tests" / "distributed" / "client_lightning_script.py")
 DEEPSPEED_RUNS = {"stage_1": (1, False, "AdamW"), "stage_2": (2, False, "AdamW"),
                   "stage_2_offload": (2, True, "DeepSpeedCPUAdam"), "stage_3": (3, False, "AdamW"),
-                  "stage_3_offload": (3, True, "DeepSpeedCPUAdam"), "config": (2, False, "FusedAdam")}
+                  "stage_3_offload": (3, True, "DeepSpeedCPUAdam"), "config": (2, False, "FusedAdam"),
+                  "param_offload_2": (2, False, "AdamW")}  # offload_param below stage 3: ignored, as DeepSpeed does
 RESUMED = ("ddp", "stage_2", "stage_3")
-RUNS = ",".join(["ddp", "resume_ddp", *DEEPSPEED_RUNS, *(f"resume_{r}" for r in RESUMED[1:]), "refuse"])
+RUNS = ",".join(["ddp", "resume_ddp", *DEEPSPEED_RUNS, *(f"resume_{r}" for r in RESUMED[1:])])
 
 
 def _run(alias: pathlib.Path, work: pathlib.Path, *flags: str) -> pathlib.Path:
@@ -73,9 +74,6 @@ def check(work: pathlib.Path, world: int, rel: float) -> None:
             straight, resumed = _rank(work, run, r), _rank(work, f"resume_{run}", r)
             assert resumed["global_step"] == 10
             assert close(resumed["losses"], straight["losses"][6:]), (run, r, resumed["losses"], straight["losses"])
-        refused = _rank(work, "refuse", r)
-        assert refused["type"] == "NotImplementedError", refused
-        assert "zero_optimization.offload_param.device" in refused["message"], refused
     for run in DEEPSPEED_RUNS:
         live = torch.load(work / run / "live6.pt")
         converted = torch.load(work / run / "fp32.pt", weights_only=False)

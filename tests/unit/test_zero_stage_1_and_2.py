@@ -48,8 +48,12 @@ def test_config_accepts_stages_1_2_3_and_cpu_offload():
     assert c.zero_config.offload_optimizer.device == "nvme"  # ZeRO-Infinity (the path is checked at initialize)
     with pytest.raises(ValueError, match="offload_optimizer.nvme_path"):
         DeepSpeedConfig(cfg(2, zero_optimization={"stage": 2, "offload_optimizer": {"device": "nvme"}}))
-    with pytest.raises(NotImplementedError, match="offload_param"):  # parameter offload is stage 3's only
-        DeepSpeedConfig(cfg(2, zero_optimization={"stage": 2, "offload_param": {"device": "cpu"}}))
+    # DeepSpeed reads offload_param at stage 3 only: below it the key is accepted with a warning that it has
+    # no effect (and no nvme_path is asked for)
+    for device in ("cpu", "nvme"):
+        with pytest.warns(UserWarning, match=r"zero_optimization\.offload_param.*no effect at ZeRO stage 2"):
+            c = DeepSpeedConfig(cfg(2, zero_optimization={"stage": 2, "offload_param": {"device": device}}))
+        assert c.zero_optimization_stage == 2 and c.zero_config.offload_param.device == device
 
 
 @pytest.mark.parametrize("stage", [1, 2])
