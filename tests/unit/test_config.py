@@ -181,8 +181,6 @@ BAD_CONFIGS = [
      "zero_optimization.offload_param.nvme_path"),
     (cfg(zero_optimization={"stage": 0, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}),
      NotImplementedError, "zero_optimization.offload_optimizer.device"),
-    (cfg(zero_optimization={"stage": 0, "zero_quantized_gradients": True}), NotImplementedError,
-     "zero_optimization.zero_quantized_gradients"),
     (cfg(pipeline={"stagez": 2}), ValueError, "pipeline.stagez"),
     (cfg(pipeline={"schedule": "gpipe"}), ValueError, "pipeline.schedule"),
     (cfg(aio={"block_sise": 1048576}), ValueError, "aio.block_sise"),

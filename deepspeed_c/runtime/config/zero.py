@@ -201,18 +201,23 @@ def _check_built(cfg: DeepSpeedZeroConfig) -> None:
                                                          "offload_optimizer.super_offload at stage 3")
     below3 = cfg.stage != ZeroStageEnum.weights  # ZeRO++ (runtime/zero/zeropp.py) runs on stage 3
     _check_fast_offload(cfg)
-    flags = (("zero_quantized_weights", cfg.zero_quantized_weights and below3, "ZeRO++ below stage 3"),
-             ("zero_quantized_nontrainable_weights", cfg.zero_quantized_nontrainable_weights and below3,
-              "ZeRO++ below stage 3"),
-             ("zero_quantized_gradients", cfg.zero_quantized_gradients and below3, "ZeRO++ below stage 3"),
-             ("zero_hpz_partition_size", cfg.zero_hpz_partition_size > 1 and below3, "ZeRO++ below stage 3"),
-             ("zero_quantized_gradients", cfg.zero_quantized_gradients and not cfg.reduce_scatter,
-              "ZeRO++ quantized gradients with reduce_scatter false (qgZ replaces the reduce-scatter)"))
-    for key, on, what in flags:
-        if on:
-            raise unbuilt(f"{path}.{key}", what)
     _check_mics(cfg)
-    if cfg.zeropp_loco_param is not None and not (cfg.zero_quantized_gradients and not below3):
+    if below3:
+        # DeepSpeed's stage 1/2 optimizer never reads the ZeRO++ keys (they belong to stage 3's partitioner); a
+        # config shared across stages trains there without them, so here too, said once
+        on = [k for k, v in (("zero_quantized_weights", cfg.zero_quantized_weights),
+                             ("zero_quantized_nontrainable_weights", cfg.zero_quantized_nontrainable_weights),
+                             ("zero_quantized_gradients", cfg.zero_quantized_gradients),
+                             ("zero_hpz_partition_size", cfg.zero_hpz_partition_size > 1),
+                             ("zeropp_loco_param", cfg.zeropp_loco_param is not None)) if v]
+        if on:
+            config_warning(f"Config key(s) {', '.join(f'{path}.{k}' for k in on)} (ZeRO++) have no effect at ZeRO "
+                           f"stage {cfg.stage}: ZeRO++ runs at stage 3 only (as in DeepSpeed)")
+        return
+    if cfg.zero_quantized_gradients and not cfg.reduce_scatter:
+        raise unbuilt(f"{path}.zero_quantized_gradients",
+                      "ZeRO++ quantized gradients with reduce_scatter false (qgZ replaces the reduce-scatter)")
+    if cfg.zeropp_loco_param is not None and not cfg.zero_quantized_gradients:
         raise ValueError(f"{path}.zeropp_loco_param: LoCo is error feedback for qgZ's quantized gradients; it needs "
                          f"{path}.zero_quantized_gradients true at stage 3")
     if cfg.zeropp_loco_param is not None:
