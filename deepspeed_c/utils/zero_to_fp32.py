@@ -43,7 +43,7 @@ import math
 import os
 import re
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -382,16 +382,31 @@ def convert_zero_checkpoint_to_state_dict(checkpoint_dir: str, output_dir: str,
             json.dump(index, f, indent=2)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser(description: str, output_help: str,
+                 dtypes: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The command line of this script and of zero_to_torch.py (always copied beside it, and importing it):
+    DeepSpeed's options, with a required --dtype among `dtypes` where given."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("checkpoint_dir", help="directory holding the 'latest' file and tag folders")
-    parser.add_argument("output_dir", help="directory for the fp32 weights")
-    parser.add_argument("--max_shard_size", default="5GB")
-    parser.add_argument("--safe_serialization", action="store_true")
-    parser.add_argument("-t", "--tag", default=None)
-    parser.add_argument("--exclude_frozen_parameters", action="store_true")
-    parser.add_argument("-d", "--debug", action="store_true")
-    args = parser.parse_args(argv)
+    parser.add_argument("output_dir", help=output_help)
+    if dtypes is not None:
+        parser.add_argument("--dtype", required=True, choices=sorted(dtypes),
+                            help="dtype of the floating-point tensors written")
+    parser.add_argument("--max_shard_size", default="5GB",
+                        help="largest output file before the weights are split into shards with an index (e.g. 5GB, "
+                             "500MB)")
+    parser.add_argument("--safe_serialization", action="store_true",
+                        help="write safetensors files instead of torch.save pickles")
+    parser.add_argument("-t", "--tag", default=None,
+                        help="tag folder to convert (e.g. global_step10); default: the one named in 'latest'")
+    parser.add_argument("--exclude_frozen_parameters", action="store_true",
+                        help="leave out parameters that were not trained (requires_grad=False)")
+    parser.add_argument("-d", "--debug", action="store_true", help="accepted for DeepSpeed's command line")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser(__doc__.split("\n\n")[0], "directory for the fp32 weights").parse_args(argv)
     convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_dir, args.max_shard_size,
                                                args.safe_serialization, args.tag, args.exclude_frozen_parameters)
 

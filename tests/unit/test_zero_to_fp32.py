@@ -82,14 +82,30 @@ def test_convert_and_cli_copy_runs_with_only_torch(tmp_path):
     assert copy.exists() and not (tmp_path / "ckpt" / "global_step3" / "zero_to_fp32.py").exists()
     out = tmp_path / "out"
     # -I (isolated) keeps the repo off sys.path; a stub finder refuses any deepspeed_c import.
+    # Both copies' --help first: zero_to_torch.py takes its command line from the zero_to_fp32.py beside it
+    # (the script's own directory on sys.path, as `python zero_to_torch.py` has it).
     guard = ("import sys, runpy\n"
              "class Block:\n"
              "    def find_spec(self, name, path=None, target=None):\n"
              "        if name.split('.')[0] in ('deepspeed_c', 'deepspeed'): raise ImportError(name)\n"
              "sys.meta_path.insert(0, Block())\n"
+             f"sys.path.insert(0, {str(copy.parent)!r})\n"
+             "for name in ('zero_to_fp32.py', 'zero_to_torch.py'):\n"
+             "    sys.argv = [name, '--help']\n"
+             "    try:\n"
+             f"        runpy.run_path({str(copy.parent)!r} + '/' + name, run_name='__main__')\n"
+             "    except SystemExit as e:\n"
+             "        assert e.code == 0, e.code\n"
              f"sys.argv = ['zero_to_fp32.py', {str(tmp_path / 'ckpt')!r}, {str(out)!r}]\n"
              f"runpy.run_path({str(copy)!r}, run_name='__main__')\n")
-    subprocess.run([sys.executable, "-I", "-c", guard], check=True, cwd=str(tmp_path), timeout=300)
+    helps = subprocess.run([sys.executable, "-I", "-c", guard], check=True, cwd=str(tmp_path), timeout=300,
+                           capture_output=True, text=True).stdout
+    # DeepSpeed 0.19.8's command lines: the same options, in the same order
+    usages = [" ".join(h.split("\n\n")[0].split()) for h in helps.split("usage: ")[1:]]
+    common = ("[--max_shard_size MAX_SHARD_SIZE] [--safe_serialization] [-t TAG] [--exclude_frozen_parameters] [-d] "
+              "checkpoint_dir output_dir")
+    assert usages == [f"zero_to_fp32.py [-h] {common}",
+                      f"zero_to_torch.py [-h] --dtype {{bf16,bfloat16,float16,float32,fp16,fp32}} {common}"], helps
     sd = torch.load(out / "pytorch_model.bin", weights_only=True)
     for k, v in engine.module.named_parameters():
         assert torch.equal(sd[k], v.detach()), k
