@@ -54,6 +54,8 @@ def test_config_accepts_stages_1_2_3_and_cpu_offload():
         with pytest.warns(UserWarning, match=r"zero_optimization\.offload_param.*no effect at ZeRO stage 2"):
             c = DeepSpeedConfig(cfg(2, zero_optimization={"stage": 2, "offload_param": {"device": device}}))
         assert c.zero_optimization_stage == 2 and c.zero_config.offload_param.device == device
+    with pytest.warns(UserWarning, match=r"zero_optimization\.offload_optimizer.*no effect at ZeRO stage 0"):
+        DeepSpeedConfig(cfg(0, zero_optimization={"stage": 0, "offload_optimizer": {"device": "nvme"}}))
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -173,13 +173,15 @@ def _check_built(cfg: DeepSpeedZeroConfig) -> None:
         if key == "offload_param" and cfg.stage == 3 and sub is not None and \
                 sub.device in (OffloadDeviceEnum.cpu.value, OffloadDeviceEnum.nvme.value):
             continue  # ZeRO-3 keeps the parameter shards in host memory (or in swap files on NVMe)
-        if key == "offload_param" and cfg.stage != 3 and sub is not None and \
+        unused_at = (0, 1, 2) if key == "offload_param" else (0,)
+        if cfg.stage in unused_at and sub is not None and \
                 sub.device in (OffloadDeviceEnum.cpu.value, OffloadDeviceEnum.nvme.value):
-            # DeepSpeed reads offload_param at stage 3 only and trains the lower stages with the parameters
-            # on the device; configs shared across stages (Lightning's offload_parameters, accelerate's plugin)
-            # rely on that, so the key is ignored here too, said once
-            config_warning(f"Config key '{path}.offload_param' (device '{sub.device}') has no effect at ZeRO stage "
-                           f"{cfg.stage}: parameters are offloaded at stage 3 only (as in DeepSpeed)")
+            # DeepSpeed reads offload_param at stage 3 only (offload_optimizer at stages 1-3) and trains the other
+            # stages with everything on the device; configs shared across stages (Lightning's offload_parameters,
+            # accelerate's plugin) rely on that, so the key is ignored here too, said once
+            config_warning(f"Config key '{path}.{key}' (device '{sub.device}') has no effect at ZeRO stage "
+                           f"{cfg.stage}: {what} runs at stage{' 3' if key == 'offload_param' else 's 1-3'} only "
+                           "(as in DeepSpeed)")
             continue
         if sub is not None and sub.device != OffloadDeviceEnum.none.value:
             device_what = "NVMe offload" if sub.device == OffloadDeviceEnum.nvme.value else what
@@ -188,8 +190,8 @@ def _check_built(cfg: DeepSpeedZeroConfig) -> None:
             and not cfg.offload_param.nvme_path:
         raise DeepSpeedConfigError(f"Config key '{path}.offload_param.nvme_path' must name a directory when "
                                    f"'{path}.offload_param.device' is 'nvme'")
-    if cfg.offload_optimizer is not None and cfg.offload_optimizer.device == OffloadDeviceEnum.nvme.value and \
-            not cfg.offload_optimizer.nvme_path:
+    if cfg.stage > 0 and cfg.offload_optimizer is not None and \
+            cfg.offload_optimizer.device == OffloadDeviceEnum.nvme.value and not cfg.offload_optimizer.nvme_path:
         raise DeepSpeedConfigError(f"Config key '{path}.offload_optimizer.nvme_path' must name a directory when "
                                    f"'{path}.offload_optimizer.device' is 'nvme'")
     if cfg.offload_optimizer is not None and cfg.offload_optimizer.device == OffloadDeviceEnum.nvme.value and \
