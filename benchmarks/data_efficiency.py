@@ -6,22 +6,17 @@
    `copy_` over the same bytes. Bandwidth fraction = copy time / our time: gather moves the kept half
    (read + write, as copying the half does), the one-pass scatter reads and writes the whole tensor (as
    copying the whole does).
-2. train (GPU): a GPT of n_layer pre-LN blocks (causal SDPA + 4x MLP, bf16), all but the first and last
-   wrapped in RandomLayerTokenDrop, against the dense GPT from the same weights, on the same batches of a
-   learnable synthetic sequence task; random-LTD's kept length ramps from seq/4 to seq over the run. Steps
-   alternate between the two; printed: wall time of the steps after warm-up (ratio random-LTD / dense, below
-   1 is time saved), the mean training loss of the last steps and a held-out eval loss (dense forward) each.
+2. train (GPU; CPU with a tiny model): random-LTD against dense training of the same GPT, interleaved steps,
+   per-phase ms/step and ratio after the correctness and loss checks (benchmarks/random_ltd_train.py).
 3. merge (CPU): the DataAnalyzer reduce of a 1M-sample corpus mapped by 2 workers, C merge over the
    memory-mapped map files against the one-process Python sort (see bench_merge).
 
     python benchmarks/data_efficiency.py kernels [--tiny]
-    python benchmarks/data_efficiency.py train --layers 24 --seq 2048 --d 512 --steps 40
+    python benchmarks/data_efficiency.py train --layers 24 --seq 2048 --d 1024 --steps 60 [--sdpa flash]
     python benchmarks/data_efficiency.py merge --samples 1000000"""
 from __future__ import annotations
 
 import argparse
-import copy
-import math
 import os
 import statistics
 import sys
@@ -29,13 +24,12 @@ import time
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script from the checkout
 
-import deepspeed_c  # noqa: E402
 from deepspeed_c.ops.random_ltd import gpt_sample_tokens, token_ops  # noqa: E402
-from deepspeed_c.runtime.data_pipeline.data_routing.helper import convert_to_random_ltd  # noqa: E402
+
+import random_ltd_train  # noqa: E402  (benchmarks/, the script's own folder)
 
 
 # ---- 1. kernels ------------------------------------------------------------------------------------------
@@ -114,136 +108,6 @@ def bench_kernels(batch: int, seq: int, hidden: int, reps: int, inner: int) -> N
     for op, copy_key, moved in (("gather", "copy half", gb), ("scatter", "copy whole", 2 * gb)):
         o, tt, c = t[f"ours {op}"], t[f"torch {op}"], t[copy_key]
         print(f"{op:8s} {o:8.3f} {tt:9.3f} {c:8.3f} {c / o:10.1%} {c / tt:11.1%} {moved / o * 1e3:9.0f}")
-
-
-# ---- 2. train --------------------------------------------------------------------------------------------
-class Block(torch.nn.Module):
-
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
-        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        # random-LTD keeps tokens in order, so causal attention over the kept ones is their causal attention
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
-        x = x + self.proj(a)
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(torch.nn.Module):
-
-    def __init__(self, layers: int, d: int, seq: int, vocab: int) -> None:
-        super().__init__()
-        self.embed, self.pos = torch.nn.Embedding(vocab, d), torch.nn.Embedding(seq, d)
-        self.blocks = torch.nn.ModuleList(Block(d, max(1, d // 64)) for _ in range(layers))
-        self.ln, self.head = torch.nn.LayerNorm(d), torch.nn.Linear(d, vocab)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens) + self.pos.weight[:tokens.shape[1]]
-        for b in self.blocks:
-            x = b(x)
-        logits = self.head(self.ln(x[:, :-1])).float()
-        return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-
-
-def _batch(micro: int, seq: int, vocab: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
-    """Arithmetic sequences mod vocab (a start and a stride per sample) with 10% of tokens replaced by noise:
-    the stride is inferred from the context, so the loss falls well below log(vocab)."""
-    start = torch.randint(0, vocab, (micro, 1), generator=gen)
-    stride = torch.randint(1, 16, (micro, 1), generator=gen)
-    tokens = (start + stride * torch.arange(seq)) % vocab
-    noise = torch.rand(micro, seq, generator=gen) < 0.1
-    tokens = torch.where(noise, torch.randint(0, vocab, (micro, seq), generator=gen), tokens)
-    return tokens.to(device)
-
-
-def _engine(model: torch.nn.Module, layers: int, seq: int, micro: int, steps: int, ltd: bool, seq_per_step: int = 16):
-    cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_clipping": 1.0, "steps_per_print": 10**9,
-           "bf16": {"enabled": True}, "optimizer": {"type": "Adam", "params": {"lr": 3e-4}}}
-    if ltd:
-        cfg["data_efficiency"] = {"enabled": True, "data_routing": {"enabled": True, "random_ltd": {
-            "enabled": True, "total_layer_num": layers, "random_ltd_layer_num": layers - 2,
-            "random_ltd_layer_id": list(range(1, layers - 1)), "model_mask_name": None, "model_type": "decoder",
-            "hidden_state_order": "batch_seq_dim",
-            "random_ltd_schedule": {"min_value": seq // 4, "max_value": seq, "schedule_type": "fixed_linear",
-                                    "schedule_config": {"require_steps": steps, "seq_per_step": seq_per_step}}}}}
-    engine, *_ = deepspeed_c.initialize(model=model, config=cfg)
-    if ltd:
-        engine = convert_to_random_ltd(engine, Block)
-    return engine
-
-
-def _profile_step(name: str, engine: Any, tokens: torch.Tensor) -> None:
-    """Top ops of one training step by device and host time (where a slow step spends it)."""
-    from torch.profiler import ProfilerActivity, profile
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if tokens.is_cuda else [])
-    with profile(activities=acts) as prof:
-        loss = engine(tokens)
-        engine.backward(loss)
-        engine.step()
-        loss.item()
-    key = "self_cuda_time_total" if tokens.is_cuda else "self_cpu_time_total"
-    print(f"## profile of one step: {name} (sorted by {key})")
-    print(prof.key_averages().table(sort_by=key, row_limit=12, max_name_column_width=48))
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=48))
-
-
-def bench_train(layers: int, seq: int, d: int, micro: int, steps: int, warmup: int, vocab: int = 1024,
-                profile: bool = False, seq_per_step: int = 16) -> None:
-    """Each new kept length is a new attention shape: cuDNN's SDPA (torch's choice on sm_90) builds a plan per
-    shape (~0.1 s). DeepSpeed's seq_per_step of 16 over a schedule of tens of thousands of steps makes that a
-    step in thousands; over a ramp of tens of steps it is every step, so short runs take a coarser
-    --seq_per_step to keep the ratio of new shapes to steps near a real run's."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    torch.manual_seed(0)
-    base = GPT(layers, d, seq, vocab)
-    engines = {"dense": _engine(copy.deepcopy(base), layers, seq, micro, steps, False),
-               "random-LTD": _engine(copy.deepcopy(base), layers, seq, micro, steps, True, seq_per_step)}
-    gen = torch.Generator().manual_seed(1)
-    batches = [_batch(micro, seq, vocab, gen, device) for _ in range(steps)]
-    held_out = [_batch(micro, seq, vocab, gen, device) for _ in range(4)]
-    wall = {k: 0.0 for k in engines}
-    step_ms: dict[str, list[float]] = {k: [] for k in engines}
-    losses: dict[str, list[float]] = {k: [] for k in engines}
-    for i, tokens in enumerate(batches):
-        for name, engine in engines.items():  # interleaved: both systems see step i before either sees i + 1
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            loss = engine(tokens)
-            engine.backward(loss)
-            engine.step()
-            losses[name].append(loss.item())  # syncs
-            if i >= warmup:
-                wall[name] += time.perf_counter() - t
-                step_ms[name].append((time.perf_counter() - t) * 1e3)
-    evals = {}
-    for name, engine in engines.items():
-        engine.eval()
-        with torch.no_grad():
-            evals[name] = statistics.mean(engine(t).item() for t in held_out)
-    last = max(1, steps // 8)
-    print(f"# GPT {layers} layers, d {d}, seq {seq}, micro-batch {micro}, bf16, {steps} steps (timed after {warmup}); "
-          f"random-LTD on {layers - 2} layers, kept length {seq // 4} -> {seq} in steps of {seq_per_step}")
-    print(f"{'system':11s} {'wall s':>8s} {'ms/step':>8s} {'median':>8s} {'max':>8s} "
-          f"{'train loss (last ' + str(last) + ')':>22s} {'eval loss':>10s}")
-    for name in engines:
-        print(f"{name:11s} {wall[name]:8.2f} {wall[name] / (steps - warmup) * 1e3:8.1f} "
-              f"{statistics.median(step_ms[name]):8.1f} {max(step_ms[name]):8.1f} "
-              f"{statistics.mean(losses[name][-last:]):22.4f} {evals[name]:10.4f}")
-    print(f"wall-time ratio random-LTD / dense: {wall['random-LTD'] / wall['dense']:.3f}; eval loss difference "
-          f"{(evals['random-LTD'] - evals['dense']) / evals['dense']:+.2%} (log(vocab) = {math.log(vocab):.2f})")
-    if profile:
-        for name, engine in engines.items():
-            engine.train()
-            _profile_step(name, engine, batches[warmup])
-    for e in engines.values():
-        e.destroy()
 
 
 # ---- 3. merge -------------------------------------------------------------------------------------------
@@ -352,8 +216,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--samples", type=int, default=1_000_000)
     ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--seq_per_step", type=int, default=16, help="train: random-LTD's kept-length granularity")
-    ap.add_argument("--profile", action="store_true", help="train: print a profile of one step of each system")
+    ap.add_argument("--vocab", type=int, default=1024)
+    random_ltd_train.add_schedule_args(ap)
     args = ap.parse_args()
     if args.what == "kernels":
         if args.tiny:
@@ -361,8 +225,8 @@ def main() -> None:
         else:
             bench_kernels(32, 2048, 1024, args.reps, 10)  # 2^26 elements
     elif args.what == "train":
-        bench_train(args.layers, args.seq, args.d, args.micro, args.steps, args.warmup, profile=args.profile,
-                    seq_per_step=args.seq_per_step)
+        random_ltd_train.bench_train(args.layers, args.seq, args.d, args.micro, args.steps, args.warmup, args.vocab,
+                                     args.seq_per_step, args.ramp_frac, args.min_frac, args.sdpa, args.profile)
     else:
         bench_merge(args.samples, 3)
 

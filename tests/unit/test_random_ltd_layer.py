@@ -153,6 +153,19 @@ def test_encoder_masks_are_the_kept_rows_and_columns():
             assert torch.equal(masks[layer][b, 0], mask[b, 0][keep][:, keep])
 
 
+@pytest.mark.parametrize("reserved", [1, R, S])
+def test_draw_equals_torch_multinomial_from_the_same_seed(reserved):
+    """The sync-free draw keeps DeepSpeed's positions: torch.multinomial over ones, sorted, per (layer, sample)."""
+    torch.manual_seed(11)
+    idx, _ = gpt_sample_tokens(reserved, S, B, layers=4)
+    torch.manual_seed(11)
+    ref = torch.multinomial(torch.ones(4 * B, S), reserved).sort(dim=-1).values.reshape(4, B, reserved)
+    assert idx.dtype == torch.int32 and torch.equal(idx, ref.to(torch.int32))
+    assert all(len(set(row.tolist())) == reserved for row in idx.reshape(-1, reserved))
+    with pytest.raises(ValueError, match="reserved_length"):
+        gpt_sample_tokens(S + 1, S, B)
+
+
 def test_second_layer_reuses_the_first_layers_draw_and_bad_config_names_the_key():
     sched = _scheduler(R, layers=2)
     first, second = RandomLayerTokenDrop(torch.nn.Identity()), RandomLayerTokenDrop(torch.nn.Identity())

@@ -1,9 +1,9 @@
 """random-LTD's token sampling and the gather/scatter of the kept tokens.
 
 Sampling: each (layer, sample) keeps `reserved_length` of `seq_length` token positions, drawn uniformly
-without replacement (torch.multinomial over ones, as DeepSpeed draws them, so a seeded run draws the same
-positions) and sorted ascending so the kept tokens stay in sequence order. Indices are
-[layers, batch, reserved_length] int32.
+without replacement (torch.multinomial's draw over ones, as DeepSpeed draws them, so a seeded run draws the
+same positions; made here without multinomial's host syncs) and sorted ascending so the kept tokens stay in
+sequence order. Indices are [layers, batch, reserved_length] int32.
 
 Gather / scatter move whole hidden vectors: batch_first hidden states are [batch, seq, hidden], otherwise
 [seq, batch, hidden]. They run in C (token_ops: a CUDA kernel on GPU tensors, the plain-loop C reference on
@@ -85,7 +85,12 @@ def _sample(reserved_length: int, seq_length: int, batch_size: int, layers: int,
     if not 0 < reserved_length <= seq_length:
         raise ValueError(f"random-LTD: reserved_length must be in 1..seq_length={seq_length}, got {reserved_length}")
     prob = torch.ones((layers * batch_size, seq_length), device=device)
-    drawn = torch.multinomial(prob, reserved_length)
+    # torch.multinomial(prob, k) without replacement is top-k of prob / Exp(1) noise, but it first reads the
+    # probabilities back to the host twice (a validity and a zero-sum check: two device syncs per forward). The
+    # same draw without the checks (prob is all ones) takes the same generator values and gives the same indices.
+    noise = torch.empty_like(prob).exponential_(1)
+    keys = prob / noise
+    drawn = (keys.topk(reserved_length, dim=-1).indices if reserved_length > 1 else keys.argmax(-1, keepdim=True))
     return drawn.sort(dim=-1).values.reshape(layers, batch_size, reserved_length).to(torch.int32)
 
 
