@@ -1,13 +1,22 @@
 // Bias + GELU of the transformer layer's FFN and its backward. The pre-activation u is rounded to
 // the activation dtype before GELU, so a gelu_checkpoint recompute from the stored u gives the
 // very numbers the forward produced. Exact GELU (erf), as Hugging Face BERT's "gelu".
+//
+// Layout: a thread owns one chunk of V columns (16 bytes when the row length and the pointers
+// allow it, else V = 1) and walks a strip of rows (grid.y strips), so the bias chunk is read once
+// and, in the backward, the bias gradient's column sums build up in registers: each strip writes
+// its partial sums (float32 [parts, cols]), dsc_tf_sum_parts adds them. The CPU reference is
+// deepspeed_c/ops/transformer/fused_reference.py (bias_gelu, gelu, gelu_backward).
+#include <initializer_list>
 #include <type_traits>
 
-#include "inference_common.cuh"
+#include "transformer_vec.cuh"
 #include "dsc/transformer_cuda.h"
 
 namespace {
-using namespace dsc_inf;
+using namespace dsc_tf;
+
+constexpr int kThreads = 128;
 
 __device__ __forceinline__ float gelu(float u) { return 0.5f * u * (1.f + erff(u * 0.70710678118654752f)); }
 
@@ -17,49 +26,118 @@ __device__ __forceinline__ float gelu_grad(float u) {
     return cdf + u * pdf;
 }
 
-// f and u_out may be the same buffer: each element is read, then written, by one thread.
-template <typename T>
-__global__ void bias_gelu_kernel(const T *f, const T *__restrict__ bias, T *u_out, T *__restrict__ g_out,
-                                 int64_t n, int64_t cols) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        float u = load(f + i);
-        if (bias) u = round_to<T>(u + load(bias + i % cols));
-        if (u_out) store(u_out + i, u);
-        store(g_out + i, gelu(u));
+// f and u_out may be the same buffer: each chunk is read, then written, by one thread.
+template <typename T, int V>
+__global__ void __launch_bounds__(kThreads) bias_gelu_kernel(const T *f, const T *__restrict__ bias, T *u_out,
+                                                             T *__restrict__ g_out, int64_t rows, int cols) {
+    const int c = (blockIdx.x * blockDim.x + threadIdx.x) * V;
+    if (c >= cols) return;
+    float b[V] = {};
+    if (bias) load_chunk<T, V>(bias + c, b);
+#pragma unroll 4
+    for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+        const int64_t off = r * cols + c;
+        float u[V], g[V];
+        load_chunk<T, V>(f + off, u);
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+            if (bias) u[i] = round_to<T>(u[i] + b[i]);
+            g[i] = gelu(u[i]);
+        }
+        if (u_out) store_chunk<T, V>(u_out + off, u);
+        store_chunk<T, V>(g_out + off, g);
     }
 }
 
-template <typename T>
-__global__ void gelu_backward_kernel(T *dg, const T *__restrict__ u, int64_t n) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
-        store(dg + i, load(dg + i) * gelu_grad(load(u + i)));
+// dg = dg * gelu'(u) in place; with dbias_part, strip blockIdx.y's column sums of the new dg.
+template <typename T, int V>
+__global__ void __launch_bounds__(kThreads) gelu_backward_kernel(T *__restrict__ dg, const T *__restrict__ u,
+                                                                 float *__restrict__ dbias_part, int64_t rows,
+                                                                 int cols) {
+    const int c = (blockIdx.x * blockDim.x + threadIdx.x) * V;
+    if (c >= cols) return;
+    float acc[V] = {};
+#pragma unroll 4
+    for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+        const int64_t off = r * cols + c;
+        float d[V], x[V];
+        load_chunk<T, V>(dg + off, d);
+        load_chunk<T, V>(u + off, x);
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+            d[i] = round_to<T>(d[i] * gelu_grad(x[i]));
+            acc[i] += d[i];
+        }
+        store_chunk<T, V>(dg + off, d);
+    }
+    if (dbias_part) {
+        float *out = dbias_part + (int64_t)blockIdx.y * cols + c;
+#pragma unroll
+        for (int i = 0; i < V; ++i) out[i] = acc[i];
+    }
+}
+
+// Strips of rows so that about two waves of threads cover the tensor.
+unsigned strips_for(int64_t rows, unsigned col_blocks) {
+    const int64_t want = (int64_t)sm_count() * 4096 / ((int64_t)col_blocks * kThreads);
+    int64_t s = want < 1 ? 1 : want;
+    if (s > rows) s = rows;
+    if (s > 65535) s = 65535;
+    return (unsigned)(s < 1 ? 1 : s);
+}
+
+template <typename T> bool vectorisable(int64_t cols, std::initializer_list<const void *> ptrs) {
+    if (cols % vec_width<T>() != 0) return false;
+    for (const void *p : ptrs)
+        if (!aligned(p, 16)) return false;
+    return true;
 }
 } // namespace
 
 extern "C" int dsc_tf_bias_gelu(const void *f, const void *bias, void *u_out, void *g_out, int64_t rows, int64_t cols,
                                 int dtype, int device, cudaStream_t stream) {
-    if (!f || !g_out || rows < 0 || cols < 1) return DSC_CUDA_EARG;
-    const int64_t n = rows * cols;
-    if (n == 0) return 0;
+    if (!f || !g_out || rows < 0 || cols < 1 || cols > 0x7fffffffLL / 2) return DSC_CUDA_EARG;
+    if (rows == 0) return 0;
     DeviceGuard guard(device);
     if (guard.error() != 0) return guard.error();
     return dispatch(dtype, [&](auto *tag) {
         using E = std::remove_pointer_t<decltype(tag)>;
-        bias_gelu_kernel<E><<<grid_for(n, 256), 256, 0, stream>>>(static_cast<const E *>(f),
-                                                                  static_cast<const E *>(bias), static_cast<E *>(u_out),
-                                                                  static_cast<E *>(g_out), n, cols);
+        constexpr int V = vec_width<E>();
+        const bool vec = vectorisable<E>(cols, {f, bias, u_out, g_out});
+        const int64_t chunks = vec ? cols / V : cols;
+        const unsigned gx = (unsigned)((chunks + kThreads - 1) / kThreads);
+        const dim3 grid(gx, strips_for(rows, gx));
+        const E *fe = static_cast<const E *>(f), *be = static_cast<const E *>(bias);
+        E *ue = static_cast<E *>(u_out), *ge = static_cast<E *>(g_out);
+        if (vec)
+            bias_gelu_kernel<E, V><<<grid, kThreads, 0, stream>>>(fe, be, ue, ge, rows, (int)cols);
+        else
+            bias_gelu_kernel<E, 1><<<grid, kThreads, 0, stream>>>(fe, be, ue, ge, rows, (int)cols);
         return launch_error();
     });
 }
 
-extern "C" int dsc_tf_gelu_backward(void *dg, const void *u, int64_t n, int dtype, int device, cudaStream_t stream) {
-    if (!dg || !u || n < 0) return DSC_CUDA_EARG;
-    if (n == 0) return 0;
+extern "C" int dsc_tf_gelu_backward(void *dg, const void *u, float *dbias_part, int64_t rows, int64_t cols,
+                                    int64_t parts, int dtype, int device, cudaStream_t stream) {
+    if (!dg || !u || rows < 0 || cols < 1 || cols > 0x7fffffffLL / 2 || (dbias_part && (parts < 1 || parts > 65535)))
+        return DSC_CUDA_EARG;
+    if (rows == 0 && !dbias_part) return 0;
     DeviceGuard guard(device);
     if (guard.error() != 0) return guard.error();
     return dispatch(dtype, [&](auto *tag) {
         using E = std::remove_pointer_t<decltype(tag)>;
-        gelu_backward_kernel<E><<<grid_for(n, 256), 256, 0, stream>>>(static_cast<E *>(dg), static_cast<const E *>(u), n);
+        constexpr int V = vec_width<E>();
+        const bool vec = vectorisable<E>(cols, {dg, u});
+        const int64_t chunks = vec ? cols / V : cols;
+        const unsigned gx = (unsigned)((chunks + kThreads - 1) / kThreads);
+        // With partial sums every strip writes its row of dbias_part (zeros when it has no rows).
+        const dim3 grid(gx, dbias_part ? (unsigned)parts : strips_for(rows, gx));
+        E *de = static_cast<E *>(dg);
+        const E *ue = static_cast<const E *>(u);
+        if (vec)
+            gelu_backward_kernel<E, V><<<grid, kThreads, 0, stream>>>(de, ue, dbias_part, rows, (int)cols);
+        else
+            gelu_backward_kernel<E, 1><<<grid, kThreads, 0, stream>>>(de, ue, dbias_part, rows, (int)cols);
         return launch_error();
     });
 }

@@ -1,48 +1,88 @@
-// Bias + dropout + residual + LayerNorm of the transformer layer, and the LayerNorm backward.
-// Forward: one block per row, the row kept in shared memory as float32 (two-pass variance).
-// Backward: each block walks a strided set of rows, writes dx, and keeps its own float32 partial
-// column sums of dy * xhat and dy (the gamma and beta gradients) in shared memory; the caller sums
-// the blocks' partials. With normalize_invertible the norm's input is never stored: xhat is
-// recovered from the output as (y - beta) / gamma.
+// Bias + dropout + residual + LayerNorm of the transformer layer, the LayerNorm backward, and the
+// sum of per-block partial column sums. The CPU reference is
+// deepspeed_c/ops/transformer/fused_reference.py (residual_norm, norm_backward, sum_parts).
+//
+// Both norm kernels hold a row in registers: a thread owns chunks of V columns (16 bytes when the
+// row length and the pointers allow it, else V = 1), at most 8 / V chunks, so rows up to
+// DSC_TF_MAX_COLS fit in one block of at most 1024 threads. Forward: a block per row, two-pass
+// mean and variance from the registers. Backward: each of `parts` blocks walks a strided set of
+// rows, writes dx (and the dropped-out dx with its column sums, the gradient of the bias before
+// the dropout), and keeps its float32 column sums of dy * xhat and dy (gamma and beta gradients)
+// in registers; it writes them once as its row of the partial buffers, which dsc_tf_sum_parts
+// reduces (a two-stage column reduction, no atomics). With normalize_invertible the norm's input
+// is never stored: xhat is recovered from the output as (y - beta) / gamma.
+#include <initializer_list>
 #include <type_traits>
 
-#include "inference_common.cuh"
+#include "transformer_vec.cuh"
 #include "dsc/transformer_cuda.h"
 
 namespace {
-using namespace dsc_inf;
+using namespace dsc_tf;
 
-template <typename T>
-__global__ void residual_norm_kernel(const T *__restrict__ x, const T *__restrict__ bias, const T *__restrict__ res,
-                                     const uint8_t *__restrict__ keep, float drop_scale, const T *__restrict__ gamma,
-                                     const T *__restrict__ beta, T *__restrict__ r_out, T *__restrict__ y_out,
-                                     float *__restrict__ mean_out, float *__restrict__ rstd_out, int cols,
-                                     float eps) {
-    extern __shared__ float row_s[];  // [cols]
-    __shared__ float scratch[32];
+template <typename T, int V>
+__global__ void __launch_bounds__(1024) residual_norm_kernel(
+    const T *__restrict__ x, const T *__restrict__ bias, const T *__restrict__ res, const uint8_t *__restrict__ keep,
+    float drop_scale, const T *__restrict__ gamma, const T *__restrict__ beta, T *__restrict__ r_out,
+    T *__restrict__ y_out, float *__restrict__ mean_out, float *__restrict__ rstd_out, int cols, float eps) {
+    constexpr int M = 8 / V;  // chunks per thread at most
+    __shared__ float2 scratch[32];
     const int64_t off = (int64_t)blockIdx.x * cols;
-    float sum = 0.f;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-        float v = load(x + off + c);
-        if (bias) v += load(bias + c);
-        if (keep) v = keep[off + c] ? v * drop_scale : 0.f;
-        if (res) v += load(res + off + c);
-        v = round_to<T>(v);
-        if (r_out) store(r_out + off + c, v);
-        row_s[c] = v;
-        sum += v;
+    float v[M][V];
+    float sum = 0.f, unused = 0.f;
+#pragma unroll
+    for (int j = 0; j < M; ++j) {
+        const int c = (j * (int)blockDim.x + (int)threadIdx.x) * V;
+        if (c >= cols) continue;
+        load_chunk<T, V>(x + off + c, v[j]);
+        float t[V];
+        if (bias) {
+            load_chunk<T, V>(bias + c, t);
+#pragma unroll
+            for (int i = 0; i < V; ++i) v[j][i] += t[i];
+        }
+        if (keep) {
+            load_keep<V>(keep + off + c, drop_scale, t);
+#pragma unroll
+            for (int i = 0; i < V; ++i) v[j][i] *= t[i];
+        }
+        if (res) {
+            load_chunk<T, V>(res + off + c, t);
+#pragma unroll
+            for (int i = 0; i < V; ++i) v[j][i] += t[i];
+        }
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+            v[j][i] = round_to<T>(v[j][i]);
+            sum += v[j][i];
+        }
+        if (r_out) store_chunk<T, V>(r_out + off + c, v[j]);
     }
     if (!gamma) return;
-    const float mean = block_sum(sum, scratch) / cols;
+    block_sum2(sum, unused, scratch);
+    const float mean = sum / cols;
     float sq = 0.f;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-        const float d = row_s[c] - mean;
-        sq += d * d;
+#pragma unroll
+    for (int j = 0; j < M; ++j) {
+        if ((j * (int)blockDim.x + (int)threadIdx.x) * V >= cols) continue;
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+            const float d = v[j][i] - mean;
+            sq += d * d;
+        }
     }
-    const float rstd = rsqrtf(block_sum(sq, scratch) / cols + eps);
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-        const float y = (row_s[c] - mean) * rstd * load(gamma + c) + (beta ? load(beta + c) : 0.f);
-        store(y_out + off + c, y);
+    block_sum2(sq, unused, scratch);
+    const float rstd = rsqrtf(sq / cols + eps);
+#pragma unroll
+    for (int j = 0; j < M; ++j) {
+        const int c = (j * (int)blockDim.x + (int)threadIdx.x) * V;
+        if (c >= cols) continue;
+        float gm[V], bt[V] = {}, y[V];
+        load_chunk<T, V>(gamma + c, gm);
+        if (beta) load_chunk<T, V>(beta + c, bt);
+#pragma unroll
+        for (int i = 0; i < V; ++i) y[i] = (v[j][i] - mean) * rstd * gm[i] + bt[i];
+        store_chunk<T, V>(y_out + off + c, y);
     }
     if (threadIdx.x == 0) {
         mean_out[blockIdx.x] = mean;
@@ -50,49 +90,119 @@ __global__ void residual_norm_kernel(const T *__restrict__ x, const T *__restric
     }
 }
 
-template <typename T>
-__global__ void norm_backward_kernel(const T *__restrict__ dy, const T *__restrict__ src, const T *__restrict__ gamma,
-                                     const T *__restrict__ beta, const float *__restrict__ mean,
-                                     const float *__restrict__ rstd, const T *__restrict__ extra, T *__restrict__ dx,
-                                     float *__restrict__ dgamma_part, float *__restrict__ dbeta_part, int64_t rows,
-                                     int cols, int invertible) {
-    extern __shared__ float smem[];  // xhat, g, dgamma partial, dbeta partial: [cols] each
-    __shared__ float scratch[32];
-    float *xh_s = smem, *g_s = smem + cols, *dg_s = smem + 2 * cols, *db_s = smem + 3 * cols;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) dg_s[c] = db_s[c] = 0.f;
+// The vectorised form runs at most 512 threads (rows up to 4096 columns): at 1024 the 64 registers
+// a thread may hold would spill its column sums.
+template <int V> constexpr int norm_backward_threads() { return V == 1 ? 1024 : 512; }
+
+template <typename T, int V>
+__global__ void __launch_bounds__(norm_backward_threads<V>()) norm_backward_kernel(
+    const T *__restrict__ dy, const T *__restrict__ src, const T *__restrict__ gamma, const T *__restrict__ beta,
+    const float *__restrict__ mean, const float *__restrict__ rstd, const T *__restrict__ extra,
+    const uint8_t *__restrict__ keep, float drop_scale, T *__restrict__ dx, T *__restrict__ dx_drop,
+    float *__restrict__ dgamma_part, float *__restrict__ dbeta_part, float *__restrict__ dbias_part, int64_t rows,
+    int cols, int invertible) {
+    constexpr int M = 8 / V;
+    __shared__ float2 scratch[32];
+    // Only the sums live across rows; gamma and beta are re-read per row (L1 hits), which keeps
+    // the registers under the 64 a thread of a 1024-thread block may hold.
+    float acc_g[M][V], acc_b[M][V], acc_d[M][V];
+#pragma unroll
+    for (int j = 0; j < M; ++j)
+#pragma unroll
+        for (int i = 0; i < V; ++i) acc_g[j][i] = acc_b[j][i] = acc_d[j][i] = 0.f;
     for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
         const int64_t off = row * cols;
         const float rs = rstd[row], mu = invertible ? 0.f : mean[row];
+        float xh[M][V], g[M][V];
         float s1 = 0.f, s2 = 0.f;
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-            const float gm = load(gamma + c), d = load(dy + off + c), v = load(src + off + c);
-            const float xh = invertible ? (v - (beta ? load(beta + c) : 0.f)) / gm : (v - mu) * rs;
-            const float g = d * gm;
-            xh_s[c] = xh;
-            g_s[c] = g;
-            dg_s[c] += d * xh;
-            db_s[c] += d;
-            s1 += g;
-            s2 += g * xh;
+#pragma unroll
+        for (int j = 0; j < M; ++j) {
+            const int c = (j * (int)blockDim.x + (int)threadIdx.x) * V;
+            if (c >= cols) continue;
+            float d[V], s[V], gm[V], bt[V] = {};
+            load_chunk<T, V>(dy + off + c, d);
+            load_chunk<T, V>(src + off + c, s);
+            load_chunk<T, V>(gamma + c, gm);
+            if (invertible && beta) load_chunk<T, V>(beta + c, bt);
+#pragma unroll
+            for (int i = 0; i < V; ++i) {
+                xh[j][i] = invertible ? (s[i] - bt[i]) / gm[i] : (s[i] - mu) * rs;
+                g[j][i] = d[i] * gm[i];
+                acc_g[j][i] += d[i] * xh[j][i];
+                acc_b[j][i] += d[i];
+                s1 += g[j][i];
+                s2 += g[j][i] * xh[j][i];
+            }
         }
-        const float m1 = block_sum(s1, scratch) / cols;
-        const float m2 = block_sum(s2, scratch) / cols;
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-            float v = rs * (g_s[c] - m1 - xh_s[c] * m2);
-            if (extra) v += load(extra + off + c);
-            store(dx + off + c, v);
+        block_sum2(s1, s2, scratch);
+        const float m1 = s1 / cols, m2 = s2 / cols;
+#pragma unroll
+        for (int j = 0; j < M; ++j) {
+            const int c = (j * (int)blockDim.x + (int)threadIdx.x) * V;
+            if (c >= cols) continue;
+            float o[V], t[V];
+#pragma unroll
+            for (int i = 0; i < V; ++i) o[i] = rs * (g[j][i] - m1 - xh[j][i] * m2);
+            if (extra) {
+                load_chunk<T, V>(extra + off + c, t);
+#pragma unroll
+                for (int i = 0; i < V; ++i) o[i] += t[i];
+            }
+#pragma unroll
+            for (int i = 0; i < V; ++i) o[i] = round_to<T>(o[i]);
+            store_chunk<T, V>(dx + off + c, o);
+            if (keep) {
+                load_keep<V>(keep + off + c, drop_scale, t);
+#pragma unroll
+                for (int i = 0; i < V; ++i) o[i] = round_to<T>(o[i] * t[i]);
+                if (dx_drop) store_chunk<T, V>(dx_drop + off + c, o);
+            }
+#pragma unroll
+            for (int i = 0; i < V; ++i) acc_d[j][i] += o[i];
         }
     }
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-        dgamma_part[(int64_t)blockIdx.x * cols + c] = dg_s[c];
-        dbeta_part[(int64_t)blockIdx.x * cols + c] = db_s[c];
+    const int64_t prow = (int64_t)blockIdx.x * cols;
+#pragma unroll
+    for (int j = 0; j < M; ++j) {
+        const int c = (j * (int)blockDim.x + (int)threadIdx.x) * V;
+        if (c >= cols) continue;
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+            dgamma_part[prow + c + i] = acc_g[j][i];
+            dbeta_part[prow + c + i] = acc_b[j][i];
+            if (dbias_part) dbias_part[prow + c + i] = acc_d[j][i];
+        }
     }
 }
 
-int threads_for(int64_t cols) {
-    int t = 32;
-    while (t < 1024 && t * 4 < cols) t *= 2;
-    return t;
+// out[k, c] = sum over p of part[k, p, c]: 32 columns a block, 16 rows of partials summed at once.
+template <typename T>
+__global__ void __launch_bounds__(512) sum_parts_kernel(const float *__restrict__ part, T *__restrict__ out,
+                                                        int64_t parts, int64_t cols) {
+    __shared__ float s[16][33];
+    const int64_t c = (int64_t)blockIdx.x * 32 + threadIdx.x;
+    const float *base = part + (int64_t)blockIdx.y * parts * cols;
+    float acc = 0.f;
+    if (c < cols)
+        for (int64_t p = threadIdx.y; p < parts; p += 16) acc += base[p * cols + c];
+    s[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y != 0 || c >= cols) return;
+    float total = 0.f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) total += s[i][threadIdx.x];
+    store(out + (int64_t)blockIdx.y * cols + c, total);
+}
+
+// Threads for a row of `chunks` chunks: one chunk each up to `cap` threads, then several.
+unsigned threads_for(int64_t chunks, int cap = 1024) { return (unsigned)round_up32(chunks < cap ? chunks : cap); }
+
+template <typename T> bool vectorisable(int64_t cols, const uint8_t *keep, std::initializer_list<const void *> ptrs) {
+    constexpr int V = vec_width<T>();
+    if (cols % V != 0 || !aligned(keep, V)) return false;
+    for (const void *p : ptrs)
+        if (!aligned(p, 16)) return false;
+    return true;
 }
 } // namespace
 
@@ -106,37 +216,61 @@ extern "C" int dsc_tf_residual_norm(const void *x, const void *bias, const void 
     if (rows == 0) return 0;
     DeviceGuard guard(device);
     if (guard.error() != 0) return guard.error();
-    const size_t smem = sizeof(float) * (size_t)cols;
     return dispatch(dtype, [&](auto *tag) {
         using E = std::remove_pointer_t<decltype(tag)>;
-        const int rc = allow_smem(residual_norm_kernel<E>, smem, 32 * sizeof(float));
-        if (rc != 0) return rc;
-        residual_norm_kernel<E><<<(unsigned)rows, threads_for(cols), smem, stream>>>(
-            static_cast<const E *>(x), static_cast<const E *>(bias), static_cast<const E *>(res), keep, drop_scale,
-            static_cast<const E *>(gamma), static_cast<const E *>(beta), static_cast<E *>(r_out),
-            static_cast<E *>(y_out), mean_out, rstd_out, (int)cols, eps);
+        constexpr int V = vec_width<E>();
+        const E *xe = static_cast<const E *>(x), *be = static_cast<const E *>(bias), *re = static_cast<const E *>(res);
+        const E *ge = static_cast<const E *>(gamma), *bte = static_cast<const E *>(beta);
+        E *ro = static_cast<E *>(r_out), *yo = static_cast<E *>(y_out);
+        if (vectorisable<E>(cols, keep, {x, bias, res, gamma, beta, r_out, y_out}))
+            residual_norm_kernel<E, V><<<(unsigned)rows, threads_for(cols / V), 0, stream>>>(
+                xe, be, re, keep, drop_scale, ge, bte, ro, yo, mean_out, rstd_out, (int)cols, eps);
+        else
+            residual_norm_kernel<E, 1><<<(unsigned)rows, threads_for(cols), 0, stream>>>(
+                xe, be, re, keep, drop_scale, ge, bte, ro, yo, mean_out, rstd_out, (int)cols, eps);
         return launch_error();
     });
 }
 
 extern "C" int dsc_tf_norm_backward(const void *dy, const void *src, const void *gamma, const void *beta,
-                                    const float *mean, const float *rstd, const void *extra, void *dx,
-                                    float *dgamma_part, float *dbeta_part, int64_t rows, int64_t cols, int64_t parts,
-                                    int invertible, int dtype, int device, cudaStream_t stream) {
-    if (!dy || !src || !gamma || !rstd || !dx || !dgamma_part || !dbeta_part || (!invertible && !mean) || rows < 0 ||
-        cols < 1 || cols > DSC_TF_MAX_COLS || parts < 1 || parts > 65535)
+                                    const float *mean, const float *rstd, const void *extra, const uint8_t *keep,
+                                    float drop_scale, void *dx, void *dx_drop, float *dgamma_part, float *dbeta_part,
+                                    float *dbias_part, int64_t rows, int64_t cols, int64_t parts, int invertible,
+                                    int dtype, int device, cudaStream_t stream) {
+    if (!dy || !src || !gamma || !rstd || !dx || !dgamma_part || !dbeta_part || (!invertible && !mean) ||
+        (dx_drop && !keep) || rows < 0 || cols < 1 || cols > DSC_TF_MAX_COLS || parts < 1 || parts > 65535)
         return DSC_CUDA_EARG;
     DeviceGuard guard(device);
     if (guard.error() != 0) return guard.error();
-    const size_t smem = 4 * sizeof(float) * (size_t)cols;
     return dispatch(dtype, [&](auto *tag) {
         using E = std::remove_pointer_t<decltype(tag)>;
-        const int rc = allow_smem(norm_backward_kernel<E>, smem, 32 * sizeof(float));
-        if (rc != 0) return rc;
-        norm_backward_kernel<E><<<(unsigned)parts, threads_for(cols), smem, stream>>>(
-            static_cast<const E *>(dy), static_cast<const E *>(src), static_cast<const E *>(gamma),
-            static_cast<const E *>(beta), mean, rstd, static_cast<const E *>(extra), static_cast<E *>(dx),
-            dgamma_part, dbeta_part, rows, (int)cols, invertible);
+        constexpr int V = vec_width<E>();
+        const E *dye = static_cast<const E *>(dy), *se = static_cast<const E *>(src);
+        const E *ge = static_cast<const E *>(gamma), *be = static_cast<const E *>(beta);
+        const E *ee = static_cast<const E *>(extra);
+        E *dxe = static_cast<E *>(dx), *dde = static_cast<E *>(dx_drop);
+        constexpr int cap = norm_backward_threads<V>();
+        if (cols <= (int64_t)cap * 8 && vectorisable<E>(cols, keep, {dy, src, gamma, beta, extra, dx, dx_drop}))
+            norm_backward_kernel<E, V><<<(unsigned)parts, threads_for(cols / V, cap), 0, stream>>>(
+                dye, se, ge, be, mean, rstd, ee, keep, drop_scale, dxe, dde, dgamma_part, dbeta_part, dbias_part, rows,
+                (int)cols, invertible);
+        else
+            norm_backward_kernel<E, 1><<<(unsigned)parts, threads_for(cols), 0, stream>>>(
+                dye, se, ge, be, mean, rstd, ee, keep, drop_scale, dxe, dde, dgamma_part, dbeta_part, dbias_part, rows,
+                (int)cols, invertible);
+        return launch_error();
+    });
+}
+
+extern "C" int dsc_tf_sum_parts(const float *part, void *out, int64_t k, int64_t parts, int64_t cols, int dtype,
+                                int device, cudaStream_t stream) {
+    if (!part || !out || k < 1 || k > 65535 || parts < 1 || cols < 1) return DSC_CUDA_EARG;
+    DeviceGuard guard(device);
+    if (guard.error() != 0) return guard.error();
+    return dispatch(dtype, [&](auto *tag) {
+        using E = std::remove_pointer_t<decltype(tag)>;
+        const dim3 grid((unsigned)((cols + 31) / 32), (unsigned)k), block(32, 16);
+        sum_parts_kernel<E><<<grid, block, 0, stream>>>(part, static_cast<E *>(out), parts, cols);
         return launch_error();
     });
 }

@@ -1,12 +1,14 @@
 /* Python face of the transformer layer's fused kernels (dsc/transformer_cuda.h), op `transformer`.
- * The shim (deepspeed_c/ops/transformer/kernels.py) allocates every output; each argument is
+ * The shim (deepspeed_c/ops/transformer/fused_ops.py) allocates every output; each argument is
  * checked here (CUDA, contiguous, dtype, element count, one device) before a kernel runs.
  *
  *   bias_gelu(f, bias|None, u_out|None, g_out)
- *   gelu_backward(dg, u)
+ *   gelu_backward(dg, u, dbias_part|None)                dbias_part float32 [parts, cols]
  *   residual_norm(x, bias|None, res|None, keep|None, drop_scale, gamma|None, beta|None, eps,
  *                 r_out|None, y_out|None, mean_out|None, rstd_out|None)
- *   norm_backward(dy, src, gamma, beta|None, mean|None, rstd, extra|None, dx, dgamma_part, dbeta_part, invertible)
+ *   norm_backward(dy, src, gamma, beta|None, mean|None, rstd, extra|None, keep|None, drop_scale, dx,
+ *                 dx_drop|None, dgamma_part, dbeta_part, dbias_part|None, invertible)
+ *   sum_parts(part, out)                                    part float32 [k, parts, cols], out [k, cols]
  *   softmax(scores, mask|None, scale)              scores [B, heads, Sq, Sk], mask float32 [B, 1|Sq, Sk]
  *   softmax_backward(dp, p, scale)                                                            */
 #include "dsc/tensor_view.h" /* Python.h first */
@@ -86,14 +88,31 @@ static PyObject *py_bias_gelu(PyObject *self, PyObject *const *args, Py_ssize_t 
         "bias_gelu", f.device_id);
 }
 
+/* A float32 [parts, cols] partial-sum buffer with 1 <= parts <= 65535 (None when optional). */
+static int part_arg(PyObject *obj, const char *name, int optional, const dsc_view *ref, const char *ref_name,
+                    int64_t cols, dsc_view *out) {
+    if (arg(obj, name, DSC_F32, optional, ref, ref_name, 0, -1, out) < 0) return -1;
+    if (out->is_none) return 0;
+    if (out->ndim != 2 || out->shape[1] != cols || out->shape[0] < 1 || out->shape[0] > 65535) {
+        PyErr_Format(PyExc_ValueError, "argument '%s' must be float32 [parts, %lld] with 1 <= parts <= 65535", name,
+                     (long long)cols);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *py_gelu_backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (dsc_check_nargs("gelu_backward", nargs, 2) < 0) return NULL;
-    dsc_view dg, u;
-    if (arg(args[0], "dg", ACT, 0, NULL, NULL, 0, -1, &dg) < 0 || arg(args[1], "u", ACT, 0, &dg, "dg", 1, dg.numel, &u) < 0)
+    if (dsc_check_nargs("gelu_backward", nargs, 3) < 0) return NULL;
+    dsc_view dg, u, dbp;
+    int64_t rows, cols;
+    if (arg(args[0], "dg", ACT, 0, NULL, NULL, 0, -1, &dg) < 0 || rows_cols(&dg, "dg", &rows, &cols) < 0 ||
+        arg(args[1], "u", ACT, 0, &dg, "dg", 1, dg.numel, &u) < 0 ||
+        part_arg(args[2], "dbias_part", 1, &dg, "dg", cols, &dbp) < 0)
         return NULL;
-    RUN(dsc_tf_gelu_backward(dg.data, u.data, dg.numel, cuda_dtype(dg.dtype), dg.device_id, stream), "gelu_backward",
-        dg.device_id);
+    RUN(dsc_tf_gelu_backward(dg.data, u.data, (float *)ptr(&dbp), rows, cols, dbp.is_none ? 1 : dbp.shape[0],
+                             cuda_dtype(dg.dtype), dg.device_id, stream),
+        "gelu_backward", dg.device_id);
 }
 
 static PyObject *py_residual_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -126,8 +145,9 @@ static PyObject *py_residual_norm(PyObject *self, PyObject *const *args, Py_ssiz
 
 static PyObject *py_norm_backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (dsc_check_nargs("norm_backward", nargs, 11) < 0) return NULL;
-    dsc_view dy, src, gamma, beta, mean, rstd, extra, dx, dgp, dbp;
+    if (dsc_check_nargs("norm_backward", nargs, 15) < 0) return NULL;
+    dsc_view dy, src, gamma, beta, mean, rstd, extra, keep, dx, dxd, dgp, dbp, dbias;
+    double drop_scale;
     int64_t rows, cols;
     int invertible;
     if (arg(args[0], "dy", ACT, 0, NULL, NULL, 0, -1, &dy) < 0 || rows_cols(&dy, "dy", &rows, &cols) < 0 ||
@@ -137,20 +157,39 @@ static PyObject *py_norm_backward(PyObject *self, PyObject *const *args, Py_ssiz
         arg(args[4], "mean", DSC_F32, 1, &dy, "dy", 0, rows, &mean) < 0 ||
         arg(args[5], "rstd", DSC_F32, 0, &dy, "dy", 0, rows, &rstd) < 0 ||
         arg(args[6], "extra", ACT, 1, &dy, "dy", 1, dy.numel, &extra) < 0 ||
-        arg(args[7], "dx", ACT, 0, &dy, "dy", 1, dy.numel, &dx) < 0 ||
-        arg(args[8], "dgamma_part", DSC_F32, 0, &dy, "dy", 0, -1, &dgp) < 0 ||
-        arg(args[9], "dbeta_part", DSC_F32, 0, &dy, "dy", 0, dgp.numel, &dbp) < 0 ||
-        dsc_flag_arg(args[10], "invertible", &invertible) < 0)
+        arg(args[7], "keep", DSC_U8 | DSC_BOOL, 1, &dy, "dy", 0, dy.numel, &keep) < 0 ||
+        dsc_arg_double(args[8], "drop_scale", &drop_scale) < 0 ||
+        arg(args[9], "dx", ACT, 0, &dy, "dy", 1, dy.numel, &dx) < 0 ||
+        arg(args[10], "dx_drop", ACT, 1, &dy, "dy", 1, dy.numel, &dxd) < 0 ||
+        part_arg(args[11], "dgamma_part", 0, &dy, "dy", cols, &dgp) < 0 ||
+        arg(args[12], "dbeta_part", DSC_F32, 0, &dy, "dy", 0, dgp.numel, &dbp) < 0 ||
+        arg(args[13], "dbias_part", DSC_F32, 1, &dy, "dy", 0, dgp.numel, &dbias) < 0 ||
+        dsc_flag_arg(args[14], "invertible", &invertible) < 0)
         return NULL;
-    if (dgp.ndim != 2 || dgp.shape[1] != cols || dgp.shape[0] < 1 || dgp.shape[0] > 65535)
-        return PyErr_Format(PyExc_ValueError, "argument 'dgamma_part' must be float32 [parts, %lld] with 1 <= parts "
-                            "<= 65535", (long long)cols);
     if (!invertible && mean.is_none)
         return PyErr_Format(PyExc_ValueError, "norm_backward from the norm's input needs 'mean'");
+    if (!dxd.is_none && keep.is_none)
+        return PyErr_Format(PyExc_ValueError, "norm_backward's 'dx_drop' needs 'keep' (the dropout mask)");
     RUN(dsc_tf_norm_backward(dy.data, src.data, gamma.data, ptr(&beta), (const float *)ptr(&mean),
-                             (const float *)rstd.data, ptr(&extra), dx.data, (float *)dgp.data, (float *)dbp.data, rows,
+                             (const float *)rstd.data, ptr(&extra), (const uint8_t *)ptr(&keep), (float)drop_scale,
+                             dx.data, ptr(&dxd), (float *)dgp.data, (float *)dbp.data, (float *)ptr(&dbias), rows,
                              cols, dgp.shape[0], invertible, cuda_dtype(dy.dtype), dy.device_id, stream),
         "norm_backward", dy.device_id);
+}
+
+static PyObject *py_sum_parts(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (dsc_check_nargs("sum_parts", nargs, 2) < 0) return NULL;
+    dsc_view part, out;
+    if (arg(args[0], "part", DSC_F32, 0, NULL, NULL, 0, -1, &part) < 0) return NULL;
+    if (part.ndim != 3 || part.numel < 1 || part.shape[0] > 65535)
+        return PyErr_Format(PyExc_ValueError, "argument 'part' must be a non-empty float32 [k, parts, cols], "
+                            "k <= 65535");
+    const int64_t k = part.shape[0], parts = part.shape[1], cols = part.shape[2];
+    if (arg(args[1], "out", ACT, 0, &part, "part", 0, k * cols, &out) < 0) return NULL;
+    RUN(dsc_tf_sum_parts((const float *)part.data, out.data, k, parts, cols, cuda_dtype(out.dtype), out.device_id,
+                         stream),
+        "sum_parts", out.device_id);
 }
 
 static PyObject *py_softmax(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -194,12 +233,15 @@ static PyObject *py_softmax_backward(PyObject *self, PyObject *const *args, Py_s
 
 static PyMethodDef methods[] = {
     METHOD("bias_gelu", py_bias_gelu, "bias_gelu(f, bias, u_out, g_out): u = f + bias, g = gelu(u)."),
-    METHOD("gelu_backward", py_gelu_backward, "gelu_backward(dg, u): dg *= gelu'(u) in place."),
+    METHOD("gelu_backward", py_gelu_backward,
+           "gelu_backward(dg, u, dbias_part): dg *= gelu'(u) in place; partial column sums of dg."),
     METHOD("residual_norm", py_residual_norm,
            "residual_norm(x, bias, res, keep, drop_scale, gamma, beta, eps, r_out, y_out, mean_out, rstd_out): "
            "bias + dropout + residual, then LayerNorm."),
     METHOD("norm_backward", py_norm_backward,
-           "norm_backward(dy, src, gamma, beta, mean, rstd, extra, dx, dgamma_part, dbeta_part, invertible)."),
+           "norm_backward(dy, src, gamma, beta, mean, rstd, extra, keep, drop_scale, dx, dx_drop, dgamma_part, "
+           "dbeta_part, dbias_part, invertible)."),
+    METHOD("sum_parts", py_sum_parts, "sum_parts(part, out): out[k] = part[k].sum(0) (second stage of column sums)."),
     METHOD("softmax", py_softmax, "softmax(scores, mask, scale): scaled masked softmax in place."),
     METHOD("softmax_backward", py_softmax_backward, "softmax_backward(dp, p, scale): in place."),
     {NULL, NULL, 0, NULL},

@@ -14,7 +14,8 @@
 extern "C" {
 #endif
 
-/* The widest row the norm and softmax kernels take (kept in shared memory as float32). */
+/* The widest row the norm and softmax kernels take (the norm kernels keep a row in registers,
+ * the softmax in shared memory as float32). */
 #define DSC_TF_MAX_COLS 8192
 
 /* u = f + bias (rounded to dtype; written to u_out when given, which may alias f),
@@ -22,8 +23,11 @@ extern "C" {
 int dsc_tf_bias_gelu(const void *f, const void *bias, void *u_out, void *g_out, int64_t rows, int64_t cols, int dtype,
                      int device, cudaStream_t stream);
 
-/* In place: dg = dg * gelu'(u). */
-int dsc_tf_gelu_backward(void *dg, const void *u, int64_t n, int dtype, int device, cudaStream_t stream);
+/* In place on dg [rows, cols]: dg = dg * gelu'(u). With dbias_part (float32 [parts, cols], 1 <= parts
+ * <= 65535), each of `parts` strips of rows writes its column sums of the new dg there (the FFN
+ * input bias's gradient once dsc_tf_sum_parts adds them); parts is unused without it. */
+int dsc_tf_gelu_backward(void *dg, const void *u, float *dbias_part, int64_t rows, int64_t cols, int64_t parts,
+                         int dtype, int device, cudaStream_t stream);
 
 /* r = (x + bias) * (keep ? drop_scale : 0) + res, rounded to dtype (bias, keep [rows, cols] uint8 and
  * res optional); r_out (optional) receives r. With gamma: y = (r - mean) * rstd * gamma + beta
@@ -36,12 +40,20 @@ int dsc_tf_residual_norm(const void *x, const void *bias, const void *res, const
 /* LayerNorm backward: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) + extra, g = dy * gamma.
  * xhat comes from the norm's input (`src` = r, with mean and rstd) or, invertible != 0, from its
  * output (`src` = y: xhat = (y - beta) / gamma; mean unused). extra (optional) is added (a residual
- * branch's gradient). Each of the `parts` blocks sums dy * xhat and dy over its rows into
- * dgamma_part and dbeta_part (float32 [parts, cols]); the caller sums the parts. */
+ * branch's gradient). With keep (uint8 [rows, cols]), dx_drop (optional, needs keep) receives
+ * dx * (keep ? drop_scale : 0): the gradient through the dropout in front of the residual add.
+ * Each of the `parts` blocks sums dy * xhat and dy over its rows into dgamma_part and dbeta_part
+ * (float32 [parts, cols]) and, with dbias_part, the dropped dx (dx without keep) into it (the
+ * gradient of the bias before the dropout); dsc_tf_sum_parts adds the parts. */
 int dsc_tf_norm_backward(const void *dy, const void *src, const void *gamma, const void *beta, const float *mean,
-                         const float *rstd, const void *extra, void *dx, float *dgamma_part, float *dbeta_part,
-                         int64_t rows, int64_t cols, int64_t parts, int invertible, int dtype, int device,
-                         cudaStream_t stream);
+                         const float *rstd, const void *extra, const uint8_t *keep, float drop_scale, void *dx,
+                         void *dx_drop, float *dgamma_part, float *dbeta_part, float *dbias_part, int64_t rows,
+                         int64_t cols, int64_t parts, int invertible, int dtype, int device, cudaStream_t stream);
+
+/* out[i, c] = sum over p of part[i, p, c] (part float32 [k, parts, cols], out [k, cols] in dtype):
+ * the second stage of the column sums above. */
+int dsc_tf_sum_parts(const float *part, void *out, int64_t k, int64_t parts, int64_t cols, int dtype, int device,
+                     cudaStream_t stream);
 
 /* In place on scores [B, heads, Sq, Sk]: p = softmax(scale * s + mask) along Sk; mask (optional)
  * float32 [B, mask_rows, Sk] with mask_rows 1 (one row for every query) or Sq. A row with no

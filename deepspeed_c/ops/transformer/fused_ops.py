@@ -5,6 +5,7 @@ over the GEMM output, the softmax over the scores, its backward over dP) and all
 with torch."""
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 
 import torch
@@ -12,8 +13,17 @@ import torch
 from deepspeed_c.ops.transformer import fused_reference as ref
 
 _op: ModuleType | None = None
-# Blocks sharing the LayerNorm backward's rows (each keeps partial gamma/beta sums).
-_NORM_PARTS = 264
+# Column sums (gamma/beta/bias gradients) are two-stage: `parts` blocks (norm backward: a block per
+# strip of rows) or row strips (gelu backward: a strip spans several blocks across the columns)
+# each write float32 partial sums, `sum_parts` adds them. Per SM: enough blocks to keep the memory
+# busy, few enough that the partials stay small beside the activations.
+_NORM_PARTS_PER_SM = 4
+_GELU_STRIPS_PER_SM = 2
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def cuda_op() -> ModuleType:
@@ -45,12 +55,21 @@ def gelu(u: torch.Tensor) -> torch.Tensor:
     return g
 
 
-def gelu_backward(dg: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """dg * gelu'(u), over dg's storage on a GPU."""
+def gelu_backward(dg: torch.Tensor, u: torch.Tensor, want_bias: bool = False):
+    """(dg * gelu'(u) over dg's storage on a GPU, its column sums (the bias gradient) | None)."""
     if not _kernel(dg):
-        return ref.gelu_backward(dg, u)
-    cuda_op().gelu_backward(dg, u)
-    return dg
+        return ref.gelu_backward(dg, u, want_bias)
+    if not want_bias:
+        cuda_op().gelu_backward(dg, u, None)
+        return dg, None
+    cols = dg.shape[-1]
+    rows = dg.numel() // cols
+    parts = max(1, min(_GELU_STRIPS_PER_SM * _sm_count(dg.device.index), rows, 65535))
+    part = torch.empty(1, parts, cols, dtype=torch.float32, device=dg.device)
+    cuda_op().gelu_backward(dg, u, part[0])
+    dbias = torch.empty(cols, dtype=dg.dtype, device=dg.device)
+    cuda_op().sum_parts(part, dbias)
+    return dg, dbias
 
 
 def residual_norm(x: torch.Tensor, bias: torch.Tensor | None, res: torch.Tensor | None, keep: torch.Tensor | None,
@@ -72,17 +91,25 @@ def residual_norm(x: torch.Tensor, bias: torch.Tensor | None, res: torch.Tensor 
 
 
 def norm_backward(dy: torch.Tensor, src: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor | None,
-                  mean: torch.Tensor | None, rstd: torch.Tensor, invertible: bool, extra: torch.Tensor | None):
-    """(dx, dgamma, dbeta) of LayerNorm, from its input or (invertible) its output; + extra."""
+                  mean: torch.Tensor | None, rstd: torch.Tensor, invertible: bool, extra: torch.Tensor | None,
+                  keep: torch.Tensor | None = None, drop_scale: float = 1.0, want_bias: bool = False):
+    """LayerNorm backward from its input or (invertible) its output, + extra:
+    (dx, dgamma, dbeta, dxd, dbias | None) where dxd = dx * keep * drop_scale (dx itself without
+    keep: the gradient through the dropout in front of the residual add) and dbias its column sums
+    (the gradient of the bias before that dropout)."""
     if not _kernel(dy):
-        return ref.norm_backward(dy, src, gamma, beta, mean, rstd, invertible, extra)
+        return ref.norm_backward(dy, src, gamma, beta, mean, rstd, invertible, extra, keep, drop_scale, want_bias)
     cols = dy.shape[-1]
-    parts = max(1, min(_NORM_PARTS, dy.numel() // cols))
+    rows = dy.numel() // cols
+    parts = max(1, min(_NORM_PARTS_PER_SM * _sm_count(dy.device.index), rows, 65535))
     dx = torch.empty_like(dy)
-    dgp = torch.empty(parts, cols, dtype=torch.float32, device=dy.device)
-    dbp = torch.empty_like(dgp)
-    cuda_op().norm_backward(dy, src, gamma, beta, mean, rstd, extra, dx, dgp, dbp, bool(invertible))
-    return dx, dgp.sum(dim=0).to(gamma.dtype), dbp.sum(dim=0).to(gamma.dtype)
+    dxd = torch.empty_like(dy) if keep is not None else None
+    part = torch.empty(3 if want_bias else 2, parts, cols, dtype=torch.float32, device=dy.device)
+    cuda_op().norm_backward(dy, src, gamma, beta, mean, rstd, extra, keep, float(drop_scale), dx, dxd, part[0],
+                            part[1], part[2] if want_bias else None, bool(invertible))
+    sums = torch.empty(part.shape[0], cols, dtype=gamma.dtype, device=dy.device)
+    cuda_op().sum_parts(part, sums)
+    return dx, sums[0], sums[1], dx if dxd is None else dxd, sums[2] if want_bias else None
 
 
 def softmax(scores: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:

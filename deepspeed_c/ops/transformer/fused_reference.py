@@ -21,11 +21,17 @@ def gelu(u: torch.Tensor) -> torch.Tensor:
     return F.gelu(u.to(_math_dtype(u))).to(u.dtype)
 
 
-def gelu_backward(dg: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def gelu_backward(dg: torch.Tensor, u: torch.Tensor, want_bias: bool = False):
+    """(dg * gelu'(u), its column sums over the rows (the bias gradient) | None)."""
     uf = u.to(_math_dtype(u))
     cdf = 0.5 * (1.0 + torch.erf(uf * 0.7071067811865476))
     pdf = torch.exp(-0.5 * uf * uf) * 0.3989422804014327
-    return (dg.to(uf.dtype) * (cdf + uf * pdf)).to(dg.dtype)
+    du = (dg.to(uf.dtype) * (cdf + uf * pdf)).to(dg.dtype)
+    return du, (_column_sums(du, du.dtype) if want_bias else None)
+
+
+def _column_sums(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1]).to(_math_dtype(t)).sum(dim=0).to(dtype)
 
 
 def residual_norm(x: torch.Tensor, bias: torch.Tensor | None, res: torch.Tensor | None, keep: torch.Tensor | None,
@@ -54,8 +60,11 @@ def residual_norm(x: torch.Tensor, bias: torch.Tensor | None, res: torch.Tensor 
 
 
 def norm_backward(dy: torch.Tensor, src: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor | None,
-                  mean: torch.Tensor | None, rstd: torch.Tensor, invertible: bool, extra: torch.Tensor | None):
-    """LayerNorm backward from the input (src = r) or, invertible, from the output (src = y)."""
+                  mean: torch.Tensor | None, rstd: torch.Tensor, invertible: bool, extra: torch.Tensor | None,
+                  keep: torch.Tensor | None = None, drop_scale: float = 1.0, want_bias: bool = False):
+    """LayerNorm backward from the input (src = r) or, invertible, from the output (src = y), + extra.
+    Returns (dx, dgamma, dbeta, dxd, dbias | None): dxd = dx * keep * drop_scale (dx without keep),
+    dbias = dxd's column sums."""
     md = _math_dtype(dy)
     g32, s32, d32 = gamma.to(md), src.to(md), dy.to(md)
     if invertible:
@@ -66,7 +75,10 @@ def norm_backward(dy: torch.Tensor, src: torch.Tensor, gamma: torch.Tensor, beta
     dx = rstd[:, None].to(md) * (g - g.mean(dim=-1, keepdim=True) - xhat * (g * xhat).mean(dim=-1, keepdim=True))
     if extra is not None:
         dx = dx + extra.to(md)
-    return dx.to(dy.dtype), (d32 * xhat).sum(dim=0).to(gamma.dtype), d32.sum(dim=0).to(gamma.dtype)
+    dx = dx.to(dy.dtype)
+    dxd = dx if keep is None else (dx.to(md) * keep.to(md) * drop_scale).to(dy.dtype)
+    return (dx, (d32 * xhat).sum(dim=0).to(gamma.dtype), d32.sum(dim=0).to(gamma.dtype), dxd,
+            _column_sums(dxd, gamma.dtype) if want_bias else None)
 
 
 def softmax(scores: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:

@@ -146,23 +146,24 @@ class DeepSpeedTransformerFunction(torch.autograd.Function):
         dnw = dnb = None
 
         # FFN output: pre-LN out = r1 + drop(o + outb); post-LN out = LN(h1 + drop(o + outb)).
+        # The bias gradients come out of the kernels that already read the data (column sums).
+        s_hid = 1.0 / (1.0 - spec.hidden_dropout)
         if spec.pre_layer_norm:
             dr2 = dout
+            do_ = _drop_backward(dr2, k2, spec.hidden_dropout)
+            doutb = do_.sum(dim=0)
         else:
-            dr2, dnw, dnb = ops.norm_backward(dout, out if inv else r2, nw, nb, mean2, rstd2, inv, None)
-        do_ = _drop_backward(dr2, k2, spec.hidden_dropout)
-        doutb = do_.sum(dim=0)
+            dr2, dnw, dnb, do_, doutb = ops.norm_backward(dout, out if inv else r2, nw, nb, mean2, rstd2, inv, None,
+                                                          k2, s_hid, want_bias=True)
         doutw = do_.t().mm(g if g is not None else ops.gelu(u))
-        du = ops.gelu_backward(do_.mm(outw), u)
-        dib = du.sum(dim=0)
+        du, dib = ops.gelu_backward(do_.mm(outw), u, want_bias=True)
         diw = du.t().mm(h1)
         dh1 = du.mm(iw) if spec.pre_layer_norm else torch.addmm(dr2, du, iw)
 
         # Attention output: r1 = x + drop(a + ob), h1 = LN(r1); pre-LN's r1 also feeds the output.
-        dr1, danw, danb = ops.norm_backward(dh1, h1 if inv else r1, anw, anb, mean1, rstd1, inv,
-                                            dout if spec.pre_layer_norm else None)
-        da = _drop_backward(dr1, k1, spec.hidden_dropout)
-        dob = da.sum(dim=0)
+        dr1, danw, danb, da, dob = ops.norm_backward(dh1, h1 if inv else r1, anw, anb, mean1, rstd1, inv,
+                                                     dout if spec.pre_layer_norm else None, k1, s_hid,
+                                                     want_bias=True)
         sdpa: _SDPAGraph | None = ctx.sdpa
         ctx.sdpa = None
         if sdpa is not None:
@@ -189,7 +190,7 @@ class DeepSpeedTransformerFunction(torch.autograd.Function):
         a_in = h0 if spec.pre_layer_norm else x2
         dqkvw = dqkv.t().mm(a_in)
         if spec.pre_layer_norm:
-            dx, dnw, dnb = ops.norm_backward(dqkv.mm(qkvw), h0 if inv else x2, nw, nb, mean0, rstd0, inv, dr1)
+            dx, dnw, dnb, _, _ = ops.norm_backward(dqkv.mm(qkvw), h0 if inv else x2, nw, nb, mean0, rstd0, inv, dr1)
         else:
             dx = torch.addmm(dr1, dqkv, qkvw)
         return (None, None, dx.view(B, S, Hd), None, dqkvw, dqkvb, dow, dob, danw, danb, diw, dib, doutw, doutb,
