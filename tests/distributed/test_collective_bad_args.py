@@ -29,7 +29,7 @@ def bad_args_body(rank: int, world: int, root: str) -> dict:
         # only rank 0 writes, and its directory is a regular file: rank 1's part cannot fail
         "save16_unwritable": lambda: engine.save_16bit_model(os.path.join(root, "a_file", "sub")),
         "save_unwritable": lambda: engine.save_checkpoint(os.path.join(root, "a_file", "ckpt")),
-        # a directory named per rank (DeepSpeedExamples' BERT script stamps the time into it)
+        # a directory named per rank (DeepSpeedExamples' BERT script stamps the time into it): a split save
         "save_per_rank": lambda: engine.save_checkpoint(os.path.join(root, f"run_{rank}")),
     }
     if rank == 0:
@@ -49,6 +49,15 @@ def bad_args_body(rank: int, world: int, root: str) -> dict:
     # the ranks are still in step: a good save afterwards works
     engine.save_checkpoint(os.path.join(root, "good"))
     outcome["good_load"] = engine.load_checkpoint(os.path.join(root, "good"))[0] is not None
+    # the split save (each rank its own directory, as DeepSpeed allows) loads back from those directories
+    import torch
+
+    saved = [p.detach().clone() for p in engine.module.parameters()]
+    _train(engine, rank, world, steps=1)
+    own = os.path.join(root, f"run_{rank}")
+    outcome["split_files"] = sorted(os.listdir(os.path.join(own, "global_step1")))
+    outcome["split_load"] = engine.load_checkpoint(own)[0]
+    outcome["split_equal"] = all(torch.equal(a, b) for a, b in zip(saved, engine.module.parameters()))
     return outcome
 
 
@@ -65,8 +74,13 @@ def test_bad_arguments_raise_on_every_rank(tmp_path):
                     "Error" in out[name].split(":")[0], (name, out[name])
             else:
                 assert out[name].startswith("RankFailed") and "rank 0" in out[name], (name, out[name])
-        assert out["save_per_rank"].startswith("ValueError") and "same directory on every rank" in \
-            out["save_per_rank"] and "run_1" in out["save_per_rank"], out["save_per_rank"]
+        assert out["save_per_rank"] == "returned", out["save_per_rank"]
+        # this rank's ZeRO file and a model-states file of the directory's own; no other rank's files
+        files = [f for f in out["split_files"] if f.endswith(".pt")]
+        assert "mp_rank_00_model_states.pt" in files and any(f"rank_{rank}_" in f for f in files), files
+        assert not any(f"rank_{1 - rank}_" in f for f in files), files
+        assert f"run_{rank}" in out["split_load"] and "global_step1" in out["split_load"], out["split_load"]
+        assert out["split_equal"], out
         assert out["good_load"] is True
 
 

@@ -25,21 +25,21 @@ def check_dir_arg(entry_point: str, name: str, value: Any) -> str:
     return value
 
 
-def check_same_dir(entry_point: str, name: str, value: str) -> None:
-    """Every rank must name one directory: one writer stages and commits each checkpoint there. DeepSpeed
-    lets each rank write its own files wherever it is told (a split checkpoint); here that would fail
-    inside the write, so every rank raises this ValueError first (collective: the same gathered list)."""
+def dir_group(value: str) -> Optional[tuple[int, ...]]:
+    """None when every rank names the same directory; else the global ranks that name this rank's (by real
+    path). DeepSpeed lets each rank write its files wherever it is told (a split checkpoint: per-rank
+    experiment directories with a timestamp in the name); the checkpoint engine then saves each directory's
+    ranks as one group with its own writer. Collective over the default group."""
     import torch.distributed as tdist
 
     if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() == 1:
-        return
+        return None
     dirs: list[Any] = [None] * tdist.get_world_size()
-    tdist.all_gather_object(dirs, os.path.abspath(value))
-    differ = {r: d for r, d in enumerate(dirs) if d != dirs[0]}
-    if differ:
-        shown = ", ".join(f"rank {r}: {d!r}" for r, d in list(differ.items())[:4])
-        raise ValueError(f"{entry_point}: {name} must be the same directory on every rank (rank 0: {dirs[0]!r}; "
-                         f"{shown}); a per-rank name (a timestamp, a random id) gives each rank its own")
+    tdist.all_gather_object(dirs, os.path.realpath(value))
+    if len(set(dirs)) == 1:
+        return None
+    mine = dirs[tdist.get_rank()]
+    return tuple(r for r, d in enumerate(dirs) if d == mine)
 
 
 class RankFailed(RuntimeError):

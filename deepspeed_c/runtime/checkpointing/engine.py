@@ -18,7 +18,7 @@ from deepspeed_c.checkpoint import deepspeed_format, store
 from deepspeed_c.runtime.checkpointing import nodes, reducer_order, run_state, universal_load, zero, zero3
 from deepspeed_c.runtime.checkpointing.options import CheckpointOptions
 from deepspeed_c.runtime.checkpointing.states import CheckpointStates
-from deepspeed_c.runtime.checkpointing.collective_guard import check_dir_arg, check_same_dir, rank_local_step
+from deepspeed_c.runtime.checkpointing.collective_guard import check_dir_arg, dir_group, rank_local_step
 from deepspeed_c.runtime.optimizer_seam import SavedCheckpoint
 from deepspeed_c.utils.logging import logger
 from deepspeed_c.version import DEEPSPEED_API_VERSION
@@ -99,8 +99,12 @@ class EngineCheckpointer:
              exclude_frozen_parameters: bool) -> bool:
         # every check before the first collective, on every rank: a bad argument raises everywhere
         save_dir = check_dir_arg("save_checkpoint", "save_dir", save_dir)
-        if not nodes.node_local_enabled(self.options.node_local_storage):  # node-local: one directory a node
-            check_same_dir("save_checkpoint", "save_dir", save_dir)
+        # ranks told different directories (per-rank experiment names): each directory is saved by its ranks
+        split = None if nodes.node_local_enabled(self.options.node_local_storage) else dir_group(save_dir)
+        if st.mp_world_size > 1 and split is not None:
+            raise NotImplementedError("save_checkpoint: ranks name different save_dir directories with a "
+                                      f"model-parallel mpu (model-parallel size {st.mp_world_size}); pass every "
+                                      "rank the same save_dir")
         if st.mp_world_size > 1 and self.options.node_local_storage:
             # each model-parallel rank's files would stay on the node of its data-parallel rank 0 only
             raise NotImplementedError("save_checkpoint: checkpoint.use_node_local_storage with a model-parallel mpu "
@@ -119,7 +123,8 @@ class EngineCheckpointer:
         self._validate_tag(tag)
         self.commit_pending()  # the previous background save first: its failure is raised here
         # the writer of this rank's directory: global rank 0, or its node's local rank 0 (node-local storage)
-        scope = nodes.save_scope(save_dir, self.options.node_local_storage, st.local_rank)
+        scope = (nodes.save_scope(save_dir, self.options.node_local_storage, st.local_rank) if split is None
+                 else nodes.split_scope(split))
         with rank_local_step("save_checkpoint (creating the checkpoint directory)", distributed=_dist()):
             if scope.writer:
                 # what saves killed mid-way left behind: staging directories, temporaries of the replaced files
@@ -384,6 +389,8 @@ class EngineCheckpointer:
     def _load(self, st: CheckpointStates, load_dir: str, tag: Any, load_module_strict: bool,
               load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool,
               custom_load_fn: Optional[Callable]) -> tuple[Optional[str], Any]:
+        # node-local storage, or ranks told different directories (a split save): each rank sees its own files
+        own_dirs = nodes.node_local_enabled(self.options.node_local_storage) or dir_group(load_dir) is not None
         if tag is None:
             with rank_local_step("load_checkpoint (reading the latest file)", distributed=_dist()):
                 read_latest = universal_load.read_latest if self.options.load_universal else store.read_latest
@@ -404,8 +411,7 @@ class EngineCheckpointer:
             tag_dir, manifest, state, model_name, model_rank = self._open_tag(load_dir, tag, dp_rank, st.mp_rank)
             saved = SavedCheckpoint(tag_dir=tag_dir, manifest=manifest, model_state=state,
                                     bf16=self.options.bf16, load_from_fp32_weights=self.options.load_from_fp32_weights,
-                                    node_local=nodes.node_local_enabled(self.options.node_local_storage),
-                                    partitioned_weights=model_rank is not None, model_rank=model_rank,
+                                    node_local=own_dirs, partitioned_weights=model_rank is not None, model_rank=model_rank,
                                     mp_rank=st.mp_rank)
             module_state = self._module_state(st, saved, custom_load_fn)
             if self.options.load_universal:  # the trained weights come from zero/<param>/fp32.pt

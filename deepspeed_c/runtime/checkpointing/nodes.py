@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from deepspeed_c.runtime.checkpointing.collective_guard import rank_local_step
+from deepspeed_c.utils.logging import logger
 
 NODE_RANK_VARS = ("CROSS_RANK", "GROUP_RANK", "NODE_RANK")
 _PROBE = ".dsc_node_probe"
@@ -74,6 +75,16 @@ def global_scope() -> StorageScope:
     world = dist.get_world_size() if _dist() else 1
     rank = dist.get_rank() if _dist() else 0
     return StorageScope(writer=rank == 0, members=tuple(range(world)))
+
+
+def split_scope(members: tuple[int, ...]) -> StorageScope:
+    """A save whose ranks were told different directories: `members` share this rank's; the lowest writes the
+    directory's model-states file and commits it."""
+    rank = dist.get_rank()
+    if rank == 0:
+        logger.warning("save_checkpoint: the ranks name different save_dir directories; each directory holds its "
+                       "ranks' files and a model-states file of its own (DeepSpeed writes a split checkpoint there)")
+    return StorageScope(writer=rank == min(members), members=members)
 
 
 def save_scope(save_dir: str, node_local: bool, local_rank: int) -> StorageScope:

@@ -257,10 +257,10 @@ def check_node_local(ex: PartitionExport, saved: SavedCheckpoint) -> None:
     saved_world = saved_partition_world(saved.model_state)
     if saved.node_local and saved_world != ex.world_size:
         raise RuntimeError(
-            f"load_checkpoint: checkpoint.use_node_local_storage: the checkpoint in {saved.tag_dir} was saved by "
-            f"{saved_world} data-parallel ranks and {ex.world_size} load it; each node holds only its own "
-            "ranks' ZeRO files, so resharding needs them all: copy every node's files into one directory and "
-            "load with use_node_local_storage off")
+            f"load_checkpoint: the checkpoint in {saved.tag_dir} was saved by {saved_world} data-parallel ranks and "
+            f"{ex.world_size} load it; each rank's directory holds only its own ranks' ZeRO files (node-local "
+            "storage, or ranks given different directories), so resharding needs them all: copy every directory's "
+            "files into one and load it from there on every rank (with use_node_local_storage off)")
 
 
 # -- the checkpointers' entry points (runtime/checkpointing/engine.py, pipeline.py) ----------------------
