@@ -6,7 +6,7 @@ joins when it builds (its error is printed otherwise). One GPU.
 "ours" runs the attention core through torch's fused SDPA (the GPU default), "ours-softmax"
 through our masked-softmax kernel between two GEMMs. "hf" is BertLayer as transformers 5 builds it
 (SDPA attention), "hf-eager-attn" with the eager attention (scores materialised), "hf-compile" the
-"hf" stack under torch.compile. First correctness: our fp16/bf16 layer against float32 references (post-LN: HF BertLayer with the
+"hf" layers each under torch.compile (static shapes; one compiled graph serves every layer). First correctness: our fp16/bf16 layer against float32 references (post-LN: HF BertLayer with the
 same weights; pre-LN: the layer written out in torch), odd sequence lengths and random padding
 masks, and every memory flag on against off. Then step time (median of interleaved reps),
 tokens/s and ratios; then the activation memory a forward keeps with and without the memory flags.
@@ -194,7 +194,33 @@ def deepspeed_stack(hidden, heads, inter, dropout, n_layers, dtype, hf_layers):
     return Stack(layers)
 
 
-def bench(hidden, heads, inter, n_layers, B, S, dtype, reps, compile_hf: bool, with_deepspeed: bool) -> None:
+def compiled_stack(hf_layers) -> Stack:
+    """HF's layers, each under torch.compile (static shapes): the layers share one compiled graph
+    (parameters are graph inputs), so a deep stack compiles in the time of one layer."""
+    return Stack([torch.compile(layer, dynamic=False) for layer in hf_layers])
+
+
+def compile_warmup(hidden, heads, inter, shapes, dtype) -> None:
+    """One HF layer's compiled training step at each shape: fills torch.compile's on-disk caches
+    (FX graphs, Triton kernels) so that a later process times instead of compiling."""
+    from transformers.models.bert.modeling_bert import BertLayer
+
+    layer = BertLayer(bert_config(hidden, heads, inter, 0.1)).cuda().to(dtype)
+    model = compiled_stack([layer])
+    for B, S in shapes:  # as bench() runs it: an eval forward (the agreement check), then a step
+        x = torch.randn(B, S, hidden, device="cuda", dtype=dtype)
+        mask = padding_mask(B, S, dtype, 0).clamp_min(-1e4)
+        model.eval()
+        with torch.no_grad():
+            model(x, mask)
+        model.train()
+        step(model, x, mask)
+    torch.cuda.synchronize()
+    print(f"compile warm-up done: {shapes}")
+
+
+def bench(hidden, heads, inter, n_layers, B, S, dtype, reps, compile_hf: bool, with_deepspeed: bool,
+          only: set[str] | None = None) -> None:
     from transformers.models.bert.modeling_bert import BertLayer
 
     dropout = 0.1
@@ -217,7 +243,9 @@ def bench(hidden, heads, inter, n_layers, B, S, dtype, reps, compile_hf: bool, w
     systems = {"ours": lambda: ours("sdpa"), "ours-softmax": lambda: ours("softmax"), "hf": lambda: Stack(hf_layers),
                "hf-eager-attn": hf_eager_attention}
     if compile_hf:
-        systems["hf-compile"] = lambda: torch.compile(Stack(hf_layers))
+        systems["hf-compile"] = lambda: compiled_stack(hf_layers)
+    if only:
+        systems = {k: v for k, v in systems.items() if k == "ours" or k in only}
     try:
         import deepspeed  # noqa: F401
         if with_deepspeed:
@@ -350,23 +378,38 @@ def main() -> None:
     ap.add_argument("--no-memory", action="store_true", help="skip the activation-memory table")
     ap.add_argument("--profile-only", action="store_true",
                     help="only the per-kernel CUDA time of a step (ours, HF SDPA, HF eager), 2 layers, seq 128")
+    ap.add_argument("--check-only", action="store_true", help="only the correctness table against HF BertLayer")
+    ap.add_argument("--systems", default="", help="comma list of the systems timed beside 'ours' "
+                    "(ours-softmax, hf, hf-eager-attn, hf-compile, deepspeed); default: all")
+    ap.add_argument("--seqs", default="128,512", help="sequence lengths timed (batch 64 at 128, 16 at 512)")
+    ap.add_argument("--compile-warmup", action="store_true",
+                    help="only compile one HF layer's step at the timed shapes (fills torch.compile's caches)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/transformer_kernel.py needs a GPU")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     hidden, heads, inter = 1024, 16, 4096
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    batch_for = {128: 64, 512: 16}
+    shapes = [(64, 128)] if args.small else [(batch_for.get(int(S), 8192 // int(S)), int(S))
+                                             for S in args.seqs.split(",")]
+    if args.compile_warmup:
+        compile_warmup(hidden, heads, inter, shapes, dtype)
+        return
     if args.profile_only:
         profile(hidden, heads, inter, 2, 64, 128, dtype)
         return
     ok = True if args.skip_check else check(hidden, heads, inter)
+    if args.check_only:
+        print("\ntransformer layer correctness:", "PASS" if ok else "FAIL")
+        sys.exit(0 if ok else 1)
     layers = 2 if args.small else args.layers
     reps = 5 if args.small else args.reps
-    shapes = [(64, 128)] if args.small else [(64, 128), (16, 512)]
+    only = {n for n in args.systems.split(",") if n} or None
     for B, S in shapes:
         try:
             bench(hidden, heads, inter, layers, B, S, dtype, reps, compile_hf=not args.no_compile,
-                  with_deepspeed=args.deepspeed)
+                  with_deepspeed=args.deepspeed, only=only)
         except Exception:
             traceback.print_exc()
             ok = False
