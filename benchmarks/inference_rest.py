@@ -10,9 +10,8 @@ Sections (random-weight models built from configs, no downloads; bf16 on a GPU):
   zero   ZeRO-Inference (zero stage 3, offload_param cpu) tokens/s: ours (HF modules streamed; and with kernel
          injection) vs the real DeepSpeed's ZeRO-3 param offload (deepspeed.initialize) where importable, and HF
          with the whole model on the GPU as the upper bound. Correctness: greedy tokens equal to HF's.
-  tp     kernel injection at tensor_parallel.tp_size 2 vs tp_size 1 decode (2 GPUs, NCCL, spawned ranks), both
-         with enable_cuda_graph (TP2's all-reduces captured in its decode graph), and TP2 without graphs.
-         Correctness: TP2's prefill logits against TP1's, TP2's greedy tokens (graph replays) equal TP1's.
+  tp     kernel injection at tensor_parallel.tp_size 2 vs tp_size 1 decode: benchmarks/inference_tp.py (which
+         also takes several layer counts, --layers 32,4), run here for --layers.
   ckpt   host memory of loading a save_mp_checkpoint_path folder (TP 2, injected, meta-built, 2 gloo ranks on
          the host): each rank's peak RSS growth against the whole model's size; loaded logits vs the saver's.
 Timings: medians of --reps interleaved rounds (each system once a round); decode ms = (generate(new) -
@@ -313,78 +312,13 @@ def _collect(q: Any, procs: list, n: int) -> list:
 
 
 # ---- tp ----------------------------------------------------------------------------------------------
-def _tp_worker(rank: int, args: argparse.Namespace, port: int, out: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank), NCCL_NVLS_ENABLE="0")
-    torch.cuda.set_device(rank)
-    import deepspeed_c
-
-    deepspeed_c.init_distributed(dist_backend="nccl")
-    dev, dt = f"cuda:{rank}", torch.bfloat16
-    base = llama(args.hidden, args.layers, dev, dt)
-    ids = torch.randint(3, 32000, (1, args.prompt), generator=torch.Generator().manual_seed(4)).to(dev)
-    max_out = args.prompt + args.new + 8
-    kw = dict(dtype=dt, replace_with_kernel_inject=True, max_out_tokens=max_out)
-    # CUDA graphs on both sides (batch-1 decode is launch-bound otherwise); TP2 eager too, as session 4 ran it
-    systems = {"tp1": deepspeed_c.init_inference(copy.deepcopy(base), enable_cuda_graph=True, **kw)
-               if rank == 0 else None,
-               "tp2-eager": deepspeed_c.init_inference(copy.deepcopy(base), tensor_parallel={"tp_size": 2}, **kw)}
-    try:  # TP with CUDA graphs is refused until it has run on GPUs
-        systems["tp2"] = deepspeed_c.init_inference(base, tensor_parallel={"tp_size": 2}, enable_cuda_graph=True, **kw)
-    except ValueError:
-        systems["tp2"] = systems["tp2-eager"]
-    errs = {}
-    with torch.no_grad():
-        ref = systems["tp1"](input_ids=ids).logits if rank == 0 else None
-        for name in ("tp2-eager", "tp2"):
-            got = systems[name](input_ids=ids).logits
-            errs[name] = rel(got, ref) if rank == 0 else 0.0
-    # the greedy tokens of the graph-replayed TP2 decode against TP1's
-    gen = dict(do_sample=False, pad_token_id=0, max_new_tokens=8, min_new_tokens=8)
-    tokens = systems["tp2"].generate(input_ids=ids, **gen)
-    same = bool(torch.equal(tokens, systems["tp1"].generate(input_ids=ids, **gen))) if rank == 0 else True
-    for name, e in systems.items():
-        if e is not None:
-            decode_ms(e, ids, 4, dev)
-    times: dict[str, list[float]] = {n: [] for n in systems}
-    for _ in range(args.reps):
-        for name, e in systems.items():
-            torch.distributed.barrier()
-            if e is not None:
-                times[name].append(decode_ms(e, ids, args.new, dev)[0])
-    if rank == 0:
-        out.put((errs, same, {n: statistics.median(v) for n, v in times.items()}))
-    torch.cuda.synchronize()
-    torch.distributed.barrier()
-
-
 def tp(args: argparse.Namespace) -> None:
-    print(f"== tp: kernel injection, tp_size 2 vs 1, LLaMA hidden {args.hidden} x {args.layers} layers, batch 1 ==")
-    if args.device == "cpu" or torch.cuda.device_count() < 2:
-        print("  skipped: needs 2 GPUs")
-        return
-    import socket
+    """benchmarks/inference_tp.py (its own file: spawned NCCL ranks, a correctness check and a breakdown)."""
+    import inference_tp
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_tp_worker, args=(r, args, port, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    errs, same, res = _collect(q, procs, 1)[0]
-    print("  prefill logits rel err vs TP1: " + "  ".join(f"{n} {e:.2e}" for n, e in errs.items()) +
-          f"   TP2 (graphs) greedy tokens {'equal' if same else 'DIFFER from'} TP1's")
-    print(f"  {'system':9s} {'decode ms/token':>16s} {'vs tp1':>7s}")
-    for n, v in res.items():
-        print(f"  {n:9s} {v:16.3f} {res['tp1'] / v:6.2f}x")
-    for p in procs:  # a process group that captured NCCL work may not tear down cleanly: do not wait on it
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
+    argv = ["--device", args.device, "--hidden", str(args.hidden), "--layers", str(args.layers),
+            "--prompt", str(args.prompt), "--new", str(args.new), "--reps", str(args.reps)]
+    inference_tp.run(inference_tp.parse(argv))
 
 
 # ---- ckpt --------------------------------------------------------------------------------------------
