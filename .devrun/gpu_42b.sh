@@ -21,7 +21,7 @@ run() {  # $1: max seconds; the rest: benchmark arguments. Stops at 118 s of the
     local limit=$(( $1 < left ? $1 : left ))
     if [ "$limit" -lt 15 ]; then echo "skipped (time): $*"; return; fi
     timeout "$limit" python3 benchmarks/random_ltd_train.py --steps 60 --warmup 5 --seq_per_step 256 "${@:2}" 2>&1 \
-        | grep -vE "INFO|Warning|warn\(|warnings.warn|^\s*$|gpuGetDeviceCount" | tail -9
+        | grep -vE "INFO|Warning|warn\(|_warn_once|warnings.warn|^\s*$|gpuGetDeviceCount" | tail -9
     echo "(run took $((SECONDS - START)) s since start; rc ${PIPESTATUS[0]})"
 }
 run 45 --sdpa flash --micro 8

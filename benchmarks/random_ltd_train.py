@@ -190,6 +190,14 @@ def diagnose_step(engine: Any, tokens: torch.Tensor, sdpa: str, show_profile: bo
     return {"busy": busy, "wall": wall, "syncs": float(syncs) if cuda else float("nan")}
 
 
+def _flop_ratio(kept: int, seq: int, d: int, layers: int) -> float:
+    """random-LTD's block FLOPs over dense's at this kept length (per block: the linears' 24 d^2 per token,
+    causal attention's 2 d per token pair kept; the first and last block at full length): the ideal ratio."""
+    def block(k: int) -> float:
+        return 24 * d * d * k + 2 * d * k * k
+    return (2 * block(seq) + (layers - 2) * block(kept)) / (layers * block(seq))
+
+
 def _rows(kept: list[int], new: list[bool], seq: int) -> list[tuple[str, Callable[[int], bool]]]:
     return [("ramp, seen kept length", lambda i: kept[i] < seq and not new[i]),
             ("ramp, new kept length *", lambda i: kept[i] < seq and new[i]),
@@ -260,7 +268,7 @@ def bench_train(layers: int, seq: int, d: int, micro: int, steps: int, warmup: i
           f"random-LTD {evals['random-LTD']:.4f} ({diff:+.2%}, bar within 1%: {'OK' if abs(diff) <= 0.01 else 'FAIL'})"
           f"; train loss (last {last}) {statistics.mean(losses['dense'][-last:]):.4f} / "
           f"{statistics.mean(losses['random-LTD'][-last:]):.4f}")
-    print(f"{'phase':25s} {'steps':>5s} {'kept':>6s} {'dense ms':>9s} {'rLTD ms':>9s} {'ratio':>6s}")
+    print(f"{'phase':25s} {'steps':>5s} {'kept':>6s} {'dense ms':>9s} {'rLTD ms':>9s} {'ratio':>6s} {'FLOP ratio':>10s}")
     out: dict[str, float] = {"eval_diff": diff}
     for label, pick in _rows(plan, new, seq):
         sel = [i for i in timed if pick(i)]
@@ -268,10 +276,12 @@ def bench_train(layers: int, seq: int, d: int, micro: int, steps: int, warmup: i
             continue
         dense = sum(ms["dense"][index[i]] for i in sel)
         rltd = sum(ms["random-LTD"][index[i]] for i in sel)
+        flops = statistics.mean(_flop_ratio(plan[i], seq, d, layers) for i in sel)
         print(f"{label:25s} {len(sel):5d} {statistics.mean(plan[i] for i in sel):6.0f} {dense / len(sel):9.1f} "
-              f"{rltd / len(sel):9.1f} {rltd / dense:6.3f}")
+              f"{rltd / len(sel):9.1f} {rltd / dense:6.3f} {flops:10.3f}")
         out[label] = rltd / dense
-    print("* the step that meets a kept length first (cuDNN plan build, allocator growth): one-time costs")
+    print("* the step that meets a kept length first (cuDNN plan build, allocator growth): one-time costs. FLOP "
+          "ratio: the blocks' FLOPs, random-LTD / dense (the ideal ratio; head and optimizer left out)")
     if diag:
         print(f"active step {diag_step} (kept {plan[diag_step]}), profiled, not timed: "
               + "; ".join(f"{k} device-busy {v['busy']:.1f} ms / wall {v['wall']:.1f} ms, {v['syncs']:.0f} host syncs"
