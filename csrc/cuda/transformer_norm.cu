@@ -114,11 +114,16 @@ __global__ void __launch_bounds__(norm_backward_threads<V>()) norm_backward_kern
         const int64_t off = row * cols;
         const float rs = rstd[row], mu = invertible ? 0.f : mean[row];
         float xh[M][V], g[M][V];
+        // The second pass's inputs are fetched with the first's, before the barrier, kept packed.
+        Chunk<T, V> ex[M];
+        KeepChunk<V> kp[M];
         float s1 = 0.f, s2 = 0.f;
 #pragma unroll
         for (int j = 0; j < M; ++j) {
             const int c = (j * (int)blockDim.x + (int)threadIdx.x) * V;
             if (c >= cols) continue;
+            if (extra) ex[j] = *reinterpret_cast<const Chunk<T, V> *>(extra + off + c);
+            if (keep) kp[j] = *reinterpret_cast<const KeepChunk<V> *>(keep + off + c);
             float d[V], s[V], gm[V], bt[V] = {};
             load_chunk<T, V>(dy + off + c, d);
             load_chunk<T, V>(src + off + c, s);
@@ -140,21 +145,19 @@ __global__ void __launch_bounds__(norm_backward_threads<V>()) norm_backward_kern
         for (int j = 0; j < M; ++j) {
             const int c = (j * (int)blockDim.x + (int)threadIdx.x) * V;
             if (c >= cols) continue;
-            float o[V], t[V];
+            float o[V];
 #pragma unroll
             for (int i = 0; i < V; ++i) o[i] = rs * (g[j][i] - m1 - xh[j][i] * m2);
             if (extra) {
-                load_chunk<T, V>(extra + off + c, t);
 #pragma unroll
-                for (int i = 0; i < V; ++i) o[i] += t[i];
+                for (int i = 0; i < V; ++i) o[i] += load(&ex[j].e[i]);
             }
 #pragma unroll
             for (int i = 0; i < V; ++i) o[i] = round_to<T>(o[i]);
             store_chunk<T, V>(dx + off + c, o);
             if (keep) {
-                load_keep<V>(keep + off + c, drop_scale, t);
 #pragma unroll
-                for (int i = 0; i < V; ++i) o[i] = round_to<T>(o[i] * t[i]);
+                for (int i = 0; i < V; ++i) o[i] = round_to<T>(o[i] * (kp[j].e[i] ? drop_scale : 0.f));
                 if (dx_drop) store_chunk<T, V>(dx_drop + off + c, o);
             }
 #pragma unroll
