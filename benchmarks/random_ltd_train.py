@@ -268,7 +268,8 @@ def bench_train(layers: int, seq: int, d: int, micro: int, steps: int, warmup: i
           f"random-LTD {evals['random-LTD']:.4f} ({diff:+.2%}, bar within 1%: {'OK' if abs(diff) <= 0.01 else 'FAIL'})"
           f"; train loss (last {last}) {statistics.mean(losses['dense'][-last:]):.4f} / "
           f"{statistics.mean(losses['random-LTD'][-last:]):.4f}")
-    print(f"{'phase':25s} {'steps':>5s} {'kept':>6s} {'dense ms':>9s} {'rLTD ms':>9s} {'ratio':>6s} {'FLOP ratio':>10s}")
+    print(f"{'phase':25s} {'steps':>5s} {'kept':>6s} {'dense ms':>9s} {'rLTD ms':>9s} {'ratio':>6s} "
+          f"{'FLOP ratio':>10s}")
     out: dict[str, float] = {"eval_diff": diff}
     for label, pick in _rows(plan, new, seq):
         sel = [i for i in timed if pick(i)]
