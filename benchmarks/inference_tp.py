@@ -14,6 +14,9 @@ Per model (LLaMA shape, random weights, bf16; `--layers 32,4`: the 7B shape firs
   breakdown    one decode step (engine forward, 1 token, LM head included): host time to enqueue it and its
                wall time; and one all-reduce of [1, hidden] (what each block reduces twice) eager and replayed
                in a CUDA graph, us per call: where TP2-eager's extra time per block goes.
+  tp2-symm     experimental (GPU; --no-symm skips it): TP2 with graphs whose decode all-reduces run as one-shot
+               all-reduces over torch symmetric memory (hybrid_tp.use_symmetric_allreduce) instead of NCCL: its
+               logits vs fp32, decode ms/token (timed after the main rounds) and the one-shot's us per call.
 
     python benchmarks/inference_tp.py [--hidden 4096 --layers 32,4 --new 32 --reps 3] [--device cpu]"""
 from __future__ import annotations
@@ -49,6 +52,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-symm", dest="symm", action="store_false",
+                    help="skip the experimental tp2-symm row (symmetric-memory one-shot all-reduce)")
     args = ap.parse_args(argv)
     args.layers = [int(x) for x in str(args.layers).split(",") if x.strip()]
     if not args.layers or min(args.layers) < 1:
@@ -119,21 +124,24 @@ def _step_ms(engine: Any, ids: torch.Tensor, dev: str, reps: int = 15) -> tuple[
     return statistics.median(host), statistics.median(wall)
 
 
-def _allreduce_us(group: Any, hidden: int, dev: str, dt: torch.dtype, n: int = 64) -> tuple[float, float]:
-    """us per all-reduce of [1, hidden], eager (n back to back) and replayed in a CUDA graph (nan off a GPU)."""
+def _allreduce_us(group: Any, hidden: int, dev: str, dt: torch.dtype, n: int = 64) -> tuple[float, float, float]:
+    """us per all-reduce of [1, hidden]: eager (n back to back), its host part (the calls returning), and
+    replayed in a CUDA graph (nan off a GPU)."""
     import torch.distributed as dist
 
     x = torch.zeros(1, hidden, dtype=dt, device=dev)
     for _ in range(8):
         dist.all_reduce(x, group=group)
     _sync(dev)
+    dist.barrier(group=group)
     t = time.perf_counter()
     for _ in range(n):
         dist.all_reduce(x, group=group)
+    host = 1e6 * (time.perf_counter() - t) / n
     _sync(dev)
     eager = 1e6 * (time.perf_counter() - t) / n
     if not dev.startswith("cuda"):
-        return eager, float("nan")
+        return eager, host, float("nan")
     try:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -154,13 +162,13 @@ def _allreduce_us(group: Any, hidden: int, dev: str, dt: torch.dtype, n: int = 6
             graph.replay()
             torch.cuda.synchronize()
             times.append(1e6 * (time.perf_counter() - t) / n)
-        return eager, statistics.median(times)
+        return eager, host, statistics.median(times)
     except Exception as e:  # noqa: BLE001 -- a breakdown figure, not the result
         print(f"  (rank {dist.get_rank()}: all-reduce graph capture failed: {type(e).__name__}: {str(e)[:200]})")
-        return eager, float("nan")
+        return eager, host, float("nan")
 
 
-def _one_model(rank: int, args: argparse.Namespace, layers: int) -> dict:
+def _one_model(rank: int, args: argparse.Namespace, layers: int, out: Any) -> None:
     import torch.distributed as dist
 
     import deepspeed_c
@@ -207,7 +215,6 @@ def _one_model(rank: int, args: argparse.Namespace, layers: int) -> dict:
         res["errs"] = errs
         res["tp2_vs_tp1"] = rel(forced.get("tp2", forced["tp2-eager"]), forced["tp1"])
         res["same_tokens"] = int((tokens[0, args.prompt:] == seq[0, args.prompt:]).sum())
-        del exact
     for e in systems.values():
         if e is not None:
             decode_ms(e, ids, 4, dev)  # warm-up (graphs captured)
@@ -228,11 +235,60 @@ def _one_model(rank: int, args: argparse.Namespace, layers: int) -> dict:
     res["step"] = steps
     dist.barrier()
     res["allreduce"] = _allreduce_us(tp2.mp_group, args.hidden, dev, dt)
+    if rank == 0:
+        out.put(res)  # the main rows are out before the experimental one runs
+    if cuda and args.symm:
+        sym = _symm_phase(rank, args, tp2, seq, ids, dev, dt)
+        if rank == 0:
+            if "logits" in sym:
+                sym["err"] = rel(sym.pop("logits"), exact)
+            out.put(sym)
     del systems, tp1, tp2, forced
     gc.collect()  # the engines' graphs and their memory pools go before the next model is built
     if cuda:
         torch.cuda.empty_cache()
     return res
+
+
+def _symm_phase(rank: int, args: argparse.Namespace, tp2: Any, seq: torch.Tensor, ids: torch.Tensor, dev: str,
+                dt: torch.dtype) -> dict:
+    """Experimental row: TP2 with graphs, its decode all-reduces through hybrid_tp.SymmetricAllReduce (one-shot,
+    symmetric memory) instead of NCCL. Timed right after the main rounds (not interleaved with them)."""
+    import torch.distributed as dist
+
+    from deepspeed_c.module_inject import hybrid_tp
+
+    r: dict[str, Any] = {"kind": "symm"}
+    try:
+        hybrid_tp.use_symmetric_allreduce(tp2.module, tokens=1)
+        r["logits"] = _forced_logits(tp2, seq, args.prompt)
+        decode_ms(tp2, ids, 4, dev)
+        times = []
+        for _ in range(args.reps):
+            dist.barrier()
+            with torch.no_grad():
+                tp2.generate(input_ids=ids, do_sample=False, pad_token_id=0, max_new_tokens=1)
+            times.append(decode_ms(tp2, ids, args.new, dev)[0])
+        r["decode"] = statistics.median(times)
+        dist.barrier()
+        r["step"] = _step_ms(tp2, ids, dev)
+        reducer = _decoder(tp2).layers[0].reducer
+        x = torch.zeros(1, args.hidden, dtype=dt, device=dev)
+        reducer(x)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            for _ in range(64):
+                reducer(x)
+        dist.barrier()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize()
+        r["ar"] = 1e6 * (time.perf_counter() - t) / 64
+    except Exception as e:  # noqa: BLE001 -- an experimental row: its failure is reported, not fatal
+        r["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+    return r
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int, out: Any) -> None:
@@ -252,12 +308,10 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out: Any) -> None:
     deepspeed_c.init_distributed(dist_backend="nccl" if cuda else "gloo")
     for layers in args.layers:
         try:
-            res = _one_model(rank, args, layers)
+            _one_model(rank, args, layers, out)
         except Exception:  # noqa: BLE001 -- reported, then this rank stops (the other may be stuck in a collective)
             out.put({"layers": layers, "rank": rank, "error": traceback.format_exc(limit=8)})
             raise
-        if rank == 0:
-            out.put(res)
     if cuda:
         torch.cuda.synchronize()
     torch.distributed.barrier()
@@ -285,11 +339,26 @@ def _report(args: argparse.Namespace, r: dict) -> None:
     for n, v in dec.items():
         h, w = step.get(n, (float("nan"), float("nan")))
         print(f"  {n:10s} {v:16.3f} {dec['tp1'] / max(v, 1e-6):6.2f}x   {w:8.3f} {h:18.3f}")
-    eager, graph = r["allreduce"]
+    eager, host, graph = r["allreduce"]
     s1, s2 = step.get("tp1-eager", (0, 0))[1], step.get("tp2-eager", (0, 0))[1]
-    print(f"  all-reduce [1 x {args.hidden}]: eager {eager:.1f} us/call, in a CUDA graph {graph:.1f} us/call;  "
+    print(f"  all-reduce [1 x {args.hidden}]: eager {eager:.1f} us/call (host {host:.1f}), in a CUDA graph "
+          f"{graph:.1f} us/call;  "
           f"TP2-eager step - TP1-eager step = {(s2 - s1) / L * 1e3:.0f} us per block (2 all-reduces, half the "
           f"weights)")
+
+
+def _report_symm(main: dict, r: dict) -> None:
+    what = "  tp2-symm (experimental: graphs, decode all-reduces one-shot over torch symmetric memory, not NCCL)"
+    if "error" in r or "decode" not in r:
+        print(f"{what}: FAILED: {r.get('error', 'no result')}")
+        return
+    errs = main["errs"]
+    tol = 3 * errs[next(iter(errs))] + 1e-6
+    tp1 = main["decode"]["tp1"]
+    print(f"{what}:\n    logits rel err vs HF fp32 {r['err']:.2e}{'' if r['err'] <= tol else ' WRONG'}  decode "
+          f"{r['decode']:.3f} ms/token = {tp1 / r['decode']:.2f}x tp1 (tp2 with NCCL: "
+          f"{tp1 / main['decode'].get('tp2', float('nan')):.2f}x)  step {r['step'][1]:.3f} ms  one-shot all-reduce "
+          f"in a graph {r.get('ar', float('nan')):.1f} us/call")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -313,6 +382,9 @@ def run(args: argparse.Namespace) -> None:
             sys.stdout.flush()
             if "error" in r:
                 break
+            if args.device != "cpu" and args.symm:
+                _report_symm(r, _next(q, procs))
+                sys.stdout.flush()
     finally:
         for p in procs:  # a process group that captured NCCL work may not tear down cleanly: do not wait on it
             p.join(timeout=10)
