@@ -151,8 +151,8 @@ class InferenceEngine(nn.Module):
             raise ValueError(f"init_inference: enable_cuda_graph=True with tensor_parallel.tp_size={tp} needs "
                              "replace_with_kernel_inject=True on a supported decoder (the kernel-injected decode "
                              "step captures its all-reduces; AutoTP's sharded layers are not captured)")
-        backend = str(torch.distributed.get_backend(self.mp_group)).lower()
-        if backend != "nccl":
+        backend = str(torch.distributed.get_backend(self.mp_group)).lower()  # "nccl", or e.g. "cpu:gloo,cuda:nccl"
+        if "nccl" not in backend:
             raise ValueError(f"init_inference: enable_cuda_graph=True with tensor_parallel.tp_size={tp} captures the "
                              f"tensor-parallel all-reduces in a CUDA graph, which needs the nccl backend; the group's "
                              f"backend is {backend!r}: use dist_backend='nccl' or enable_cuda_graph=False")
