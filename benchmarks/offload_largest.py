@@ -19,7 +19,7 @@ bf16, AdamW (each system's CPU Adam), gradient clipping 1.0, micro-batch --micro
 The host memory our ZeRO-Offload (zero2) needs is printed before the runs: fp32 masters (pinned), bf16 gradient
 staging (pinned), bf16 step results for the copy back (pinned), each one flat tensor whose pinned allocation torch
 rounds up to a power of two, plus two fp32 Adam moments (pageable, made at the first step): 16 bytes a parameter
-exact, ~17-20 with the rounding.
+exact, 18.0 / 18.5 with the rounding at 6.86B / 13.1B (102 -> 115 GiB; 195 -> 226 GiB: a 13B needs the 256 GiB host).
 
     python benchmarks/offload_largest.py --check --mode zero2,zero3 --impls dsc,ds     # correctness, small GPT
     python benchmarks/offload_largest.py --size 6.7B --mode zero2 --impls dsc,ds --out /tmp/ol.jsonl
