@@ -28,7 +28,25 @@ from deepspeed_c.ops.sparse_attention import (BigBirdSparsityConfig, BSLongforme
                                               DenseSparsityConfig, FixedSparsityConfig,
                                               LocalSlidingWindowSparsityConfig, SparseSelfAttention,
                                               VariableSparsityConfig)
+from deepspeed_c.ops.sparse_attention.kernel import BlockTables  # noqa: E402
 from deepspeed_c.ops.sparse_attention.reference import dense_sparse_attention, token_mask  # noqa: E402
+from deepspeed_c.ops.sparse_attention.work_plan import BALANCE_ENV, balance_enabled  # noqa: E402
+
+
+def pin_grid(mod, L: int, device: torch.device, balance: bool, **plan) -> BlockTables:
+    """Fix the kernels' grid of `mod` at length L: balanced (work_plan.py; `plan`: factor, part) or one
+    CTA per block row in index order, whatever DSC_SPARSE_ATTN_BALANCE says (fills the module's table cache)."""
+    tables = BlockTables.from_layout(mod.get_layout(L), device, balance=balance, **plan)
+    mod._tables[(L, str(device))] = tables
+    return tables
+
+
+def plan_summary(tables: BlockTables) -> str:
+    if tables.row_plan is None:
+        return "grid: index order"
+    rp, cp = tables.row_plan, tables.col_plan
+    return (f"grid: balanced, rows split {rp.merges.shape[0]} into {rp.slots} parts, "
+            f"cols split {cp.merges.shape[0]} into {cp.slots}")
 
 
 def layout_config(name: str, heads: int, block: int, seq: int):
@@ -61,10 +79,15 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
 
 
-def check_one(label, cfg, B, H, L, D, dtype, masks: bool, tol: float) -> bool:
+def check_one(label, cfg, B, H, L, D, dtype, masks: bool, tol: float, split: bool = False) -> bool:
+    """split: every row / column of more than half the mean blocks split into one-block parts (the
+    balanced grid's split path and its combine kernels on every shape)."""
     torch.manual_seed(0)
     mod = SparseSelfAttention(cfg, max_seq_length=L, key_padding_mask_mode="add", attn_mask_mode="mul").cuda()
     q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    if split:
+        tables = pin_grid(mod, L, q.device, True, factor=0.5, part=1)
+        assert tables.row_plan.slots > 0 and tables.col_plan.slots > 0, label
     kpm = am = rpe = None
     if masks:
         kpm = torch.zeros(B, L, device="cuda")
@@ -86,9 +109,22 @@ def check_one(label, cfg, B, H, L, D, dtype, masks: bool, tol: float) -> bool:
 
 
 def correctness(quick: bool) -> bool:
-    print("correctness vs float32 dense masked math (relative max error: out, dq, dk, dv)")
+    grid = "balanced" if balance_enabled() else "index-order"
+    print(f"correctness vs float32 dense masked math (relative max error: out, dq, dk, dv); {BALANCE_ENV}: "
+          f"{grid} grid, 'split' rows: forced one-block parts")
     ok = True
     tol = {torch.float16: 1e-2, torch.bfloat16: 3e-2}
+    for dtype in (torch.float16, torch.bfloat16):
+        cfg = BigBirdSparsityConfig(num_heads=3, block=32, num_random_blocks=2)
+        ok &= check_one("split bigbird masks+rpe B2 H3 L512 D64 b32", cfg, 2, 3, 512, 64, dtype, True, tol[dtype],
+                        split=True)
+    cfg = FixedSparsityConfig(num_heads=5, block=128, num_local_blocks=2)
+    ok &= check_one("split fixed masks+rpe B1 H5 L1024 D128 b128", cfg, 1, 5, 1024, 128, torch.float16, True,
+                    tol[torch.float16], split=True)
+    cfg = FixedSparsityConfig(num_heads=3, block=16, different_layout_per_head=True, attention="unidirectional",
+                              num_local_blocks=4, num_different_global_patterns=2, num_global_blocks=2)
+    ok &= check_one("split fixed-uni-perhead B3 H3 L256 D32 b16", cfg, 3, 3, 256, 32, torch.bfloat16, False,
+                    tol[torch.bfloat16], split=True)
     for name, cfg in check_configs(3, 64):
         ok &= check_one(f"{name} B2 H3 L512 D64 b64", cfg, 2, 3, 512, 64, torch.bfloat16, False, tol[torch.bfloat16])
     for dtype in (torch.float16, torch.bfloat16):
@@ -206,7 +242,12 @@ def bench(seq: int, layout_name: str, args) -> None:
     torch.manual_seed(0)
     q, k, v = (torch.randn(B, H, seq, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
     go = torch.randn_like(q)
+    balance = {"env": balance_enabled(), "on": True, "off": False, "both": True}[args.balance]
+    grid = plan_summary(pin_grid(mod, seq, q.device, balance))
     methods = {"ours": mod}
+    if args.balance == "both":  # the index-order grid side by side
+        methods["ours-old"] = SparseSelfAttention(cfg, max_seq_length=seq).cuda()
+        pin_grid(methods["ours-old"], seq, q.device, False)
     if not args.no_flex:
         methods["flex"] = make_flex(layout, block, seq, q, k, v, go)
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -244,7 +285,7 @@ def bench(seq: int, layout_name: str, args) -> None:
             times[m].append(time_ms(fn, q, k, v, go))
     med = {m: statistics.median(t) for m, t in times.items()}
     mem = {m: peak_mb(fn, q, k, v, go) for m, fn in methods.items()}
-    print(f"seq {seq:>6} {layout_name:<8} density {density:5.1%}  agree(max rel err vs ours) "
+    print(f"seq {seq:>6} {layout_name:<8} density {density:5.1%}  {grid}\n    agree(max rel err vs ours) "
           + " ".join(f"{m}={e:.1e}" for m, e in agree.items()))
     for m in methods:
         ratio = med[m] / med["ours"]
@@ -332,6 +373,8 @@ def main() -> None:
     p.add_argument("--no-masked", action="store_true", help="skip dense SDPA with the L x L boolean mask")
     p.add_argument("--masked-max-seq", type=int, default=8192, help="dense masked SDPA only up to this length")
     p.add_argument("--quick-check", action="store_true")
+    p.add_argument("--balance", choices=("env", "on", "off", "both"), default="env",
+                   help=f"our kernels' grid: {BALANCE_ENV} (env), balanced, index order, or both side by side")
     p.add_argument("--skip-check", action="store_true")
     p.add_argument("--bert-steps", type=int, default=0, help="also train the BERT flow this many steps")
     p.add_argument("--bert-seq", type=int, default=4096)

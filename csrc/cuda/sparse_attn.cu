@@ -20,6 +20,14 @@ __global__ void sa_delta_kernel(const T *__restrict__ d_o, const T *__restrict__
     if (lane == 0) delta[row] = s;
 }
 
+// A plan's items (and merges when any) present, its grid within CUDA's x limit, scratch given when it
+// has slots.
+static bool bad_plan(const dsc_sa_plan *p, int64_t B, const float *part) {
+    if (!p) return false;
+    return !p->items || p->n_items < 1 || p->n_items * B > 0x7fffffffLL || p->n_merges < 0 || p->slots < 0 ||
+           (p->n_merges > 0 && (!p->merges || !part || p->n_merges * B > 0x7fffffffLL));
+}
+
 } // namespace dsc_sa
 
 using namespace dsc_sa;
@@ -27,14 +35,15 @@ using namespace dsc_sa;
 extern "C" int dsc_sa_forward(const void *q, const void *k, const void *v, void *o, float *lse, const int *row_ptr,
                               const int *cols, const float *kpm, const float *am, const float *rpe, int64_t rpe_sb,
                               int64_t rpe_sh, int64_t B, int64_t H, int64_t L, int64_t D, int block, float scale,
-                              int dtype, int device, cudaStream_t stream) {
-    if (!q || !k || !v || !o || !lse || !row_ptr || !cols || block < 16 || bad_shape(B, H, L, D, block))
+                              int dtype, const dsc_sa_plan *plan, float *part, int device, cudaStream_t stream) {
+    if (!q || !k || !v || !o || !lse || !row_ptr || !cols || block < 16 || bad_shape(B, H, L, D, block) ||
+        bad_plan(plan, B, part))
         return DSC_CUDA_EARG;
     dsc_cuda::DeviceGuard guard(device);
     if (guard.error() != 0) return guard.error();
     if (const int rc = check_arch(device)) return rc;
     const ForwardArgs a{q, k, v, o, lse, row_ptr, cols, kpm, am, rpe, rpe_sb, rpe_sh, B, H, L, D, block, scale, dtype,
-                        stream};
+                        plan, part, stream};
     return launch_forward(a);
 }
 
@@ -42,10 +51,11 @@ extern "C" int dsc_sa_backward(const void *d_o, const void *q, const void *k, co
                                const float *lse, float *delta, const int *row_ptr, const int *cols, const int *col_ptr,
                                const int *rows, const float *kpm, const float *am, const float *rpe, int64_t rpe_sb,
                                int64_t rpe_sh, void *dq, void *dk, void *dv, int64_t B, int64_t H, int64_t L,
-                               int64_t D, int block, float scale, int dtype, int device,
-                               cudaStream_t stream) {
+                               int64_t D, int block, float scale, int dtype, const dsc_sa_plan *row_plan,
+                               const dsc_sa_plan *col_plan, float *part, int device, cudaStream_t stream) {
     if (!d_o || !q || !k || !v || !o || !lse || !delta || !row_ptr || !cols || !col_ptr || !rows || !dq || !dk ||
-        !dv || block < 16 || bad_shape(B, H, L, D, block))
+        !dv || block < 16 || bad_shape(B, H, L, D, block) || bad_plan(row_plan, B, part) ||
+        bad_plan(col_plan, B, part))
         return DSC_CUDA_EARG;
     if (dtype != DSC_CUDA_F16 && dtype != DSC_CUDA_BF16) return DSC_CUDA_EDTYPE;
     dsc_cuda::DeviceGuard guard(device);
@@ -63,7 +73,7 @@ extern "C" int dsc_sa_backward(const void *d_o, const void *q, const void *k, co
     int rc = launch_error();
     if (rc) return rc;
     const BackwardArgs a{d_o, q, k, v, lse, delta, row_ptr, cols, col_ptr, rows, kpm, am, rpe, rpe_sb, rpe_sh,
-                         dq, dk, dv, B, H, L, D, block, scale, dtype, stream};
+                         dq, dk, dv, B, H, L, D, block, scale, dtype, row_plan, col_plan, part, stream};
     if ((rc = launch_dq(a))) return rc;
     return launch_dkv(a);
 }

@@ -214,6 +214,8 @@ struct BackwardArgs {
     int block;
     float scale;
     int dtype;
+    const dsc_sa_plan *row_plan, *col_plan;  // NULL: the index-order grid (sparse_attn_plan.cuh)
+    float *part;
     cudaStream_t stream;
 };
 struct ForwardArgs {
@@ -227,6 +229,8 @@ struct ForwardArgs {
     int block;
     float scale;
     int dtype;
+    const dsc_sa_plan *plan;
+    float *part;
     cudaStream_t stream;
 };
 // The forward's epilogue, shared by both forms: rows i0 / i1 of O normalised by their softmax sums (summed

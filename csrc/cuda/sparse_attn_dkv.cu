@@ -3,6 +3,7 @@
 // Q/dO chunks (and their lse/delta) double-buffered with cp.async (sparse_attn_pipe.cuh), read
 // transposed by ldmatrix for P^T dO and dS^T Q.
 #include "sparse_attn_pipe.cuh"
+#include "sparse_attn_plan.cuh"
 
 namespace dsc_sa {
 
@@ -23,19 +24,21 @@ __global__ void __launch_bounds__(BLK * 2)
     sa_dkv_kernel(const T *__restrict__ d_o, const T *__restrict__ q, const T *__restrict__ k,
                      const T *__restrict__ v, const float *__restrict__ lse, const float *__restrict__ delta,
                      const int *__restrict__ col_ptr, const int *__restrict__ rows, const float *kpm, const float *am,
-                     const float *rpe, int64_t rpe_sb, int64_t rpe_sh, T *__restrict__ dk, T *__restrict__ dv, int H,
-                     int L, int D, float scale) {
+                     const float *rpe, int64_t rpe_sb, int64_t rpe_sh, T *__restrict__ dk, T *__restrict__ dv,
+                     const int *__restrict__ items, float *__restrict__ part, int64_t slots, int B, int H, int L, int D,
+                     float scale) {
     constexpr int C = chunk<BLK, DP>();
     __shared__ __align__(16) T sq[2][C][DP + 8];
     __shared__ __align__(16) T sd[2][C][DP + 8];
     __shared__ __align__(16) float slse[2][C];
     __shared__ __align__(16) float sdl[2][C];
-    const int cb = blockIdx.x, bh = blockIdx.y, h = bh % H, b = bh / H, nb = L / BLK;
+    const int nb = L / BLK;
+    const Work w = resolve_work(items, col_ptr, B, H, nb);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int64_t base = (int64_t)bh * L * D, row_base = (int64_t)bh * L;
-    const int r0 = cb * BLK + warp * 16, j0 = r0 + g;
-    const Bias bias(kpm, am, rpe, rpe_sb, rpe_sh, b, h, L);
-    const ChunkWalk<BLK, C> walk(rows, col_ptr[h * nb + cb], col_ptr[h * nb + cb + 1]);
+    const int64_t base = (int64_t)w.bh * L * D, row_base = (int64_t)w.bh * L;
+    const int r0 = w.rb * BLK + warp * 16, j0 = r0 + g;
+    const Bias bias(kpm, am, rpe, rpe_sb, rpe_sh, w.b, w.h, L);
+    const ChunkWalk<BLK, C> walk(rows, w.lo, w.hi);
 
     if (walk.total > 0)
         stage_queries<T, C, DP>(sq[0], sd[0], slse[0], sdl[0], q, d_o, lse, delta, base, row_base, walk.first_row(0),
@@ -93,6 +96,13 @@ __global__ void __launch_bounds__(BLK * 2)
         }
         __syncthreads();
     }
+    if (w.slot >= 0) {  // dK parts [B, slots, BLK, D], then dV parts
+        const int l0 = j0 - w.rb * BLK;
+        store_grad_part<DP>(gk, scale, part_tile(part, w.b, slots, w.slot, BLK, D), l0, l0 + 8, D, t);
+        store_grad_part<DP>(gv, 1.f, part_tile(part + (int64_t)B * slots * BLK * D, w.b, slots, w.slot, BLK, D), l0,
+                            l0 + 8, D, t);
+        return;
+    }
     T *k0 = dk + base + (int64_t)j0 * D, *k1 = k0 + 8 * (int64_t)D;
     T *v0 = dv + base + (int64_t)j0 * D, *v1 = v0 + 8 * (int64_t)D;
 #pragma unroll
@@ -108,15 +118,23 @@ __global__ void __launch_bounds__(BLK * 2)
 }
 
 int launch_dkv(const BackwardArgs &a) {
-    const dim3 grid((unsigned)(a.L / a.block), (unsigned)(a.B * a.H));
+    const dim3 grid = work_grid(a.col_plan, a.B, a.H, a.L / a.block);
+    const int *items = a.col_plan ? a.col_plan->items : nullptr;
+    const int64_t slots = a.col_plan ? a.col_plan->slots : 0;
     return dispatch(a.dtype, a.block, a.D, [&](auto *tag, auto blk, auto dp) {
         using E = std::remove_pointer_t<decltype(tag)>;
         constexpr int BLK = decltype(blk)::value, DP = decltype(dp)::value;
         sa_dkv_kernel<E, BLK, DP><<<grid, BLK * 2, 0, a.stream>>>(
             static_cast<const E *>(a.d_o), static_cast<const E *>(a.q), static_cast<const E *>(a.k),
             static_cast<const E *>(a.v), a.lse, a.delta, a.col_ptr, a.rows, a.kpm, a.am, a.rpe, a.rpe_sb, a.rpe_sh,
-            static_cast<E *>(a.dk), static_cast<E *>(a.dv), (int)a.H, (int)a.L, (int)a.D, a.scale);
-        return launch_error();
+            static_cast<E *>(a.dk), static_cast<E *>(a.dv), items, a.part, slots, (int)a.B, (int)a.H, (int)a.L,
+            (int)a.D, a.scale);
+        if (const int rc = launch_error()) return rc;
+        if (!a.col_plan || a.col_plan->n_merges == 0) return 0;
+        const int64_t n = a.B * slots * BLK * a.D;
+        if (const int rc = launch_sum_combine<E>(*a.col_plan, a.part, a.dk, a.B, a.H, a.L, a.D, BLK, a.stream))
+            return rc;
+        return launch_sum_combine<E>(*a.col_plan, a.part + n, a.dv, a.B, a.H, a.L, a.D, BLK, a.stream);
     });
 }
 } // namespace dsc_sa

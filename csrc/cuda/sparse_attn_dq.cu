@@ -3,6 +3,7 @@
 // double-buffered with cp.async (sparse_attn_pipe.cuh), K read transposed by ldmatrix for dS K
 // instead of a second, transposed copy.
 #include "sparse_attn_pipe.cuh"
+#include "sparse_attn_plan.cuh"
 
 namespace dsc_sa {
 
@@ -11,17 +12,20 @@ __global__ void __launch_bounds__(BLK * 2)
     sa_dq_kernel(const T *__restrict__ d_o, const T *__restrict__ q, const T *__restrict__ k,
                     const T *__restrict__ v, const float *__restrict__ lse, const float *__restrict__ delta,
                     const int *__restrict__ row_ptr, const int *__restrict__ cols, const float *kpm, const float *am,
-                    const float *rpe, int64_t rpe_sb, int64_t rpe_sh, T *__restrict__ dq, int H, int L, int D,
+                    const float *rpe, int64_t rpe_sb, int64_t rpe_sh, T *__restrict__ dq,
+                    const int *__restrict__ items, float *__restrict__ part, int64_t slots, int B, int H, int L, int D,
                     float scale) {
     constexpr int C = chunk<BLK, DP>();
     __shared__ __align__(16) T sk[2][C][DP + 8];
     __shared__ __align__(16) T sv[2][C][DP + 8];
-    const int rb = blockIdx.x, bh = blockIdx.y, h = bh % H, b = bh / H, nb = L / BLK;
+    const int nb = L / BLK;
+    const Work w = resolve_work(items, row_ptr, B, H, nb);
+    const int bh = w.bh;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int64_t base = (int64_t)bh * L * D;
-    const int r0 = rb * BLK + warp * 16, i0 = r0 + g;
-    const Bias bias(kpm, am, rpe, rpe_sb, rpe_sh, b, h, L);
-    const ChunkWalk<BLK, C> walk(cols, row_ptr[h * nb + rb], row_ptr[h * nb + rb + 1]);
+    const int r0 = w.rb * BLK + warp * 16, i0 = r0 + g;
+    const Bias bias(kpm, am, rpe, rpe_sb, rpe_sh, w.b, w.h, L);
+    const ChunkWalk<BLK, C> walk(cols, w.lo, w.hi);
 
     if (walk.total > 0) {
         const int j = walk.first_row(0);
@@ -76,6 +80,11 @@ __global__ void __launch_bounds__(BLK * 2)
         }
         __syncthreads();
     }
+    if (w.slot >= 0) {
+        store_grad_part<DP>(acc, scale, part_tile(part, w.b, slots, w.slot, BLK, D), i0 - w.rb * BLK,
+                            i0 + 8 - w.rb * BLK, D, t);
+        return;
+    }
     T *q0 = dq + base + (int64_t)i0 * D, *q1 = q0 + 8 * (int64_t)D;
 #pragma unroll
     for (int n = 0; n < DP / 8; n++) {
@@ -88,15 +97,18 @@ __global__ void __launch_bounds__(BLK * 2)
 }
 
 int launch_dq(const BackwardArgs &a) {
-    const dim3 grid((unsigned)(a.L / a.block), (unsigned)(a.B * a.H));
+    const dim3 grid = work_grid(a.row_plan, a.B, a.H, a.L / a.block);
+    const int *items = a.row_plan ? a.row_plan->items : nullptr;
+    const int64_t slots = a.row_plan ? a.row_plan->slots : 0;
     return dispatch(a.dtype, a.block, a.D, [&](auto *tag, auto blk, auto dp) {
         using E = std::remove_pointer_t<decltype(tag)>;
         constexpr int BLK = decltype(blk)::value, DP = decltype(dp)::value;
         sa_dq_kernel<E, BLK, DP><<<grid, BLK * 2, 0, a.stream>>>(
             static_cast<const E *>(a.d_o), static_cast<const E *>(a.q), static_cast<const E *>(a.k),
             static_cast<const E *>(a.v), a.lse, a.delta, a.row_ptr, a.cols, a.kpm, a.am, a.rpe, a.rpe_sb, a.rpe_sh,
-            static_cast<E *>(a.dq), (int)a.H, (int)a.L, (int)a.D, a.scale);
-        return launch_error();
+            static_cast<E *>(a.dq), items, a.part, slots, (int)a.B, (int)a.H, (int)a.L, (int)a.D, a.scale);
+        if (const int rc = launch_error()) return rc;
+        return a.row_plan ? launch_sum_combine<E>(*a.row_plan, a.part, a.dq, a.B, a.H, a.L, a.D, BLK, a.stream) : 0;
     });
 }
 } // namespace dsc_sa

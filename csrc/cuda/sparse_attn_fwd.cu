@@ -2,6 +2,7 @@
 // an online softmax over that row's nonzero key blocks (see sparse_attn_common.cuh); K/V chunks
 // double-buffered with cp.async, B operands by ldmatrix (sparse_attn_pipe.cuh).
 #include "sparse_attn_pipe.cuh"
+#include "sparse_attn_plan.cuh"
 
 namespace dsc_sa {
 
@@ -10,16 +11,18 @@ __global__ void __launch_bounds__(BLK * 2)
     sa_forward_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                          T *__restrict__ o, float *__restrict__ lse, const int *__restrict__ row_ptr,
                          const int *__restrict__ cols, const float *kpm, const float *am, const float *rpe,
-                         int64_t rpe_sb, int64_t rpe_sh, int H, int L, int D, float scale) {
+                         int64_t rpe_sb, int64_t rpe_sh, const int *__restrict__ items, float *__restrict__ part,
+                         int64_t slots, int B, int H, int L, int D, float scale) {
     constexpr int C = chunk<BLK, DP>();
     __shared__ __align__(16) T sk[2][C][DP + 8];
     __shared__ __align__(16) T sv[2][C][DP + 8];
-    const int rb = blockIdx.x, bh = blockIdx.y, h = bh % H, b = bh / H, nb = L / BLK;
+    const int nb = L / BLK;
+    const Work w = resolve_work(items, row_ptr, B, H, nb);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int64_t base = (int64_t)bh * L * D;
-    const int r0 = rb * BLK + warp * 16, i0 = r0 + g, i1 = i0 + 8;
-    const Bias bias(kpm, am, rpe, rpe_sb, rpe_sh, b, h, L);
-    const ChunkWalk<BLK, C> walk(cols, row_ptr[h * nb + rb], row_ptr[h * nb + rb + 1]);
+    const int64_t base = (int64_t)w.bh * L * D;
+    const int r0 = w.rb * BLK + warp * 16, i0 = r0 + g, i1 = i0 + 8;
+    const Bias bias(kpm, am, rpe, rpe_sb, rpe_sh, w.b, w.h, L);
+    const ChunkWalk<BLK, C> walk(cols, w.lo, w.hi);
 
     if (walk.total > 0) {
         const int j = walk.first_row(0);
@@ -89,19 +92,32 @@ __global__ void __launch_bounds__(BLK * 2)
         }
         __syncthreads();  // every warp is done with this stage before the next copy lands in it
     }
-    store_forward_rows<T, DP>(acc, m0, m1, l0, l1, o + base + (int64_t)i0 * D, o + base + (int64_t)i1 * D,
-                              lse + (int64_t)bh * L, i0, i1, D, t);
+    if (w.slot < 0) {
+        store_forward_rows<T, DP>(acc, m0, m1, l0, l1, o + base + (int64_t)i0 * D, o + base + (int64_t)i1 * D,
+                                  lse + (int64_t)w.bh * L, i0, i1, D, t);
+    } else {
+        float *plse = part + (int64_t)B * slots * BLK * D + ((int64_t)w.b * slots + w.slot) * BLK;
+        store_forward_part<DP>(acc, m0, m1, l0, l1, part_tile(part, w.b, slots, w.slot, BLK, D), plse,
+                               i0 - w.rb * BLK, i1 - w.rb * BLK, D, t);
+    }
 }
 
 int launch_forward(const ForwardArgs &a) {
-    const dim3 grid((unsigned)(a.L / a.block), (unsigned)(a.B * a.H));
+    const dim3 grid = work_grid(a.plan, a.B, a.H, a.L / a.block);
+    const int *items = a.plan ? a.plan->items : nullptr;
+    const int64_t slots = a.plan ? a.plan->slots : 0;
     return dispatch(a.dtype, a.block, a.D, [&](auto *tag, auto blk, auto dp) {
         using E = std::remove_pointer_t<decltype(tag)>;
         constexpr int BLK = decltype(blk)::value, DP = decltype(dp)::value;
         sa_forward_kernel<E, BLK, DP><<<grid, BLK * 2, 0, a.stream>>>(
             static_cast<const E *>(a.q), static_cast<const E *>(a.k), static_cast<const E *>(a.v),
-            static_cast<E *>(a.o), a.lse, a.row_ptr, a.cols, a.kpm, a.am, a.rpe, a.rpe_sb, a.rpe_sh, (int)a.H,
-            (int)a.L, (int)a.D, a.scale);
+            static_cast<E *>(a.o), a.lse, a.row_ptr, a.cols, a.kpm, a.am, a.rpe, a.rpe_sb, a.rpe_sh, items, a.part,
+            slots, (int)a.B, (int)a.H, (int)a.L, (int)a.D, a.scale);
+        if (const int rc = launch_error()) return rc;
+        if (!a.plan || a.plan->n_merges == 0) return 0;
+        sa_forward_combine_kernel<E><<<(unsigned)(a.plan->n_merges * a.B), 256, 0, a.stream>>>(
+            a.plan->merges, a.part, static_cast<E *>(a.o), a.lse, (int)a.B, (int)a.H, (int)(a.L / BLK), BLK,
+            (int)a.L, (int)a.D, slots);
         return launch_error();
     });
 }

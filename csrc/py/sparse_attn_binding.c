@@ -3,9 +3,13 @@
  * allocates every output; each argument is checked here (CUDA, contiguous, dtype, shape, one
  * device) before a kernel runs.
  *
- *   forward(q, k, v, o, lse, row_ptr, cols, kpm|None, am|None, rpe|None, block, scale)
+ *   forward(q, k, v, o, lse, row_ptr, cols, kpm|None, am|None, rpe|None, block, scale,
+ *           items|None, merges|None, slots, part|None)
  *   backward(d_o, q, k, v, o, lse, delta, row_ptr, cols, col_ptr, rows, kpm|None, am|None, rpe|None,
- *            dq, dk, dv, block, scale) */
+ *            dq, dk, dv, block, scale, row_items|None, row_merges|None, row_slots,
+ *            col_items|None, col_merges|None, col_slots, part|None)
+ * items / merges / slots: a balanced grid (work_plan.py's WorkPlan; None: one CTA per block row in index
+ * order); part: its float32 scratch (dsc/sparse_attn_cuda.h gives the size). */
 #include "dsc/tensor_view.h" /* Python.h first */
 #include "dsc/cuda_binding_util.h"
 #include "dsc/module.h"
@@ -105,9 +109,52 @@ static int rpe_arg(PyObject *obj, const geom *g, dsc_view *rpe, int64_t *sb, int
 
 static const void *opt(const dsc_view *v) { return v->is_none ? NULL : v->data; }
 
+/* A WorkPlan's tables: items int32 [n >= 1, 4], merges int32 [m, 4] or None (no split row; 16-byte
+ * aligned rows), slots >= 0.
+ * *has = 0 when items is None (the index-order grid). */
+static int plan_arg(PyObject *items_obj, PyObject *merges_obj, PyObject *slots_obj, const char *names[3],
+                    const geom *g, dsc_sa_plan *plan, int *has) {
+    dsc_view items, merges;
+    *has = 0;
+    if (arg(items_obj, names[0], DSC_I32, DSC_ALIGNED16 | DSC_ALLOW_NONE, &g->q, 0, 0, NULL, &items) < 0) return -1;
+    if (items.is_none) return 0;
+    if (items.ndim != 2 || items.shape[1] != 4 || items.shape[0] < 1) {
+        PyErr_Format(PyExc_ValueError, "argument '%s' must be [n >= 1, 4] (a WorkPlan's items)", names[0]);
+        return -1;
+    }
+    if (arg(merges_obj, names[1], DSC_I32, DSC_ALIGNED16 | DSC_ALLOW_NONE, &g->q, 0, 0, NULL, &merges) < 0) return -1;
+    if (!merges.is_none && (merges.ndim != 2 || merges.shape[1] != 4)) {
+        PyErr_Format(PyExc_ValueError, "argument '%s' must be [n, 4] (a WorkPlan's merges)", names[1]);
+        return -1;
+    }
+    int64_t slots;
+    if (dsc_arg_int64(slots_obj, names[2], &slots) < 0) return -1;
+    const int64_t n_merges = merges.is_none ? 0 : merges.shape[0];
+    if (slots < 0 || (n_merges > 0 && slots < 2)) {
+        PyErr_Format(PyExc_ValueError, "argument '%s' must be >= 2 when there are merges, >= 0 always, got %lld",
+                     names[2], (long long)slots);
+        return -1;
+    }
+    plan->items = (const int *)items.data, plan->merges = n_merges ? (const int *)merges.data : NULL;
+    plan->n_items = items.shape[0], plan->n_merges = n_merges, plan->slots = slots;
+    *has = 1;
+    return 0;
+}
+
+/* The plans' float32 scratch, at least `need` elements when need > 0. */
+static int part_arg(PyObject *obj, const geom *g, int64_t need, dsc_view *part) {
+    if (arg(obj, "part", DSC_F32, DSC_ALIGNED16 | DSC_ALLOW_NONE, &g->q, 0, 0, NULL, part) < 0) return -1;
+    if (need > 0 && (part->is_none || part->numel < need)) {
+        PyErr_Format(PyExc_ValueError, "argument 'part' must hold at least %lld float32 elements, got %lld",
+                     (long long)need, (long long)(part->is_none ? 0 : part->numel));
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *py_forward(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (dsc_check_nargs("forward", nargs, 12) < 0) return NULL;
+    if (dsc_check_nargs("forward", nargs, 16) < 0) return NULL;
     geom g;
     dsc_view k, v, o, lse, row_ptr, cols, kpm, am, rpe;
     int64_t sb, sh;
@@ -122,13 +169,21 @@ static PyObject *py_forward(PyObject *self, PyObject *const *args, Py_ssize_t na
         arg(args[8], "am", DSC_F32, DSC_ALLOW_NONE, &g.q, 0, 2, g.am2, &am) < 0 || rpe_arg(args[9], &g, &rpe, &sb, &sh) < 0 ||
         dsc_arg_double(args[11], "scale", &scale) < 0)
         return NULL;
+    static const char *names[3] = {"items", "merges", "slots"};
+    dsc_sa_plan plan;
+    dsc_view part;
+    int has;
+    if (plan_arg(args[12], args[13], args[14], names, &g, &plan, &has) < 0 ||
+        part_arg(args[15], &g, has && plan.n_merges > 0 ? g.B * plan.slots * g.block * (g.D + 1) : 0, &part) < 0)
+        return NULL;
     cudaStream_t stream;
     if (dsc_cuda_stream_arg(g.q.device_id, &stream) < 0) return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = dsc_sa_forward(g.q.data, k.data, v.data, o.data, (float *)lse.data, (const int *)row_ptr.data,
                         (const int *)cols.data, opt(&kpm), opt(&am), opt(&rpe), sb, sh, g.B, g.H, g.L, g.D,
-                        (int)g.block, (float)scale, cuda_dtype(g.q.dtype), g.q.device_id, stream);
+                        (int)g.block, (float)scale, cuda_dtype(g.q.dtype), has ? &plan : NULL,
+                        (float *)opt(&part), g.q.device_id, stream);
     Py_END_ALLOW_THREADS
     if (dsc_cuda_check(rc, "sparse attention forward") < 0) return NULL;
     Py_RETURN_NONE;
@@ -136,7 +191,7 @@ static PyObject *py_forward(PyObject *self, PyObject *const *args, Py_ssize_t na
 
 static PyObject *py_backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (dsc_check_nargs("backward", nargs, 19) < 0) return NULL;
+    if (dsc_check_nargs("backward", nargs, 26) < 0) return NULL;
     geom g;
     dsc_view go, k, v, o, lse, delta, row_ptr, cols, col_ptr, rows, kpm, am, rpe, dq, dk, dv;
     int64_t sb, sh;
@@ -158,6 +213,18 @@ static PyObject *py_backward(PyObject *self, PyObject *const *args, Py_ssize_t n
         arg(args[16], "dv", ACT, DSC_ALIGNED16, &g.q, 1, 4, g.qkv, &dv) < 0 ||
         dsc_arg_double(args[18], "scale", &scale) < 0)
         return NULL;
+    static const char *row_names[3] = {"row_items", "row_merges", "row_slots"};
+    static const char *col_names[3] = {"col_items", "col_merges", "col_slots"};
+    dsc_sa_plan row_plan, col_plan;
+    dsc_view part;
+    int has_row, has_col;
+    if (plan_arg(args[19], args[20], args[21], row_names, &g, &row_plan, &has_row) < 0 ||
+        plan_arg(args[22], args[23], args[24], col_names, &g, &col_plan, &has_col) < 0)
+        return NULL;
+    const int64_t tile = g.B * g.block * g.D;
+    const int64_t need_row = has_row && row_plan.n_merges > 0 ? row_plan.slots * tile : 0;
+    const int64_t need_col = has_col && col_plan.n_merges > 0 ? 2 * col_plan.slots * tile : 0;
+    if (part_arg(args[25], &g, need_row > need_col ? need_row : need_col, &part) < 0) return NULL;
     cudaStream_t stream;
     if (dsc_cuda_stream_arg(g.q.device_id, &stream) < 0) return NULL;
     int rc;
@@ -166,7 +233,8 @@ static PyObject *py_backward(PyObject *self, PyObject *const *args, Py_ssize_t n
                          (const int *)row_ptr.data, (const int *)cols.data, (const int *)col_ptr.data,
                          (const int *)rows.data, opt(&kpm), opt(&am), opt(&rpe), sb, sh, dq.data, dk.data, dv.data,
                          g.B, g.H, g.L, g.D, (int)g.block, (float)scale, cuda_dtype(g.q.dtype),
-                         g.q.device_id, stream);
+                         has_row ? &row_plan : NULL, has_col ? &col_plan : NULL, (float *)opt(&part), g.q.device_id,
+                         stream);
     Py_END_ALLOW_THREADS
     if (dsc_cuda_check(rc, "sparse attention backward") < 0) return NULL;
     Py_RETURN_NONE;
@@ -176,10 +244,11 @@ static PyObject *py_backward(PyObject *self, PyObject *const *args, Py_ssize_t n
 
 static PyMethodDef methods[] = {
     METHOD("forward", py_forward,
-           "forward(q, k, v, o, lse, row_ptr, cols, kpm, am, rpe, block, scale): block-sparse attention."),
+           "forward(q, k, v, o, lse, row_ptr, cols, kpm, am, rpe, block, scale, items, merges, slots, part): "
+           "block-sparse attention."),
     METHOD("backward", py_backward,
            "backward(d_o, q, k, v, o, lse, delta, row_ptr, cols, col_ptr, rows, kpm, am, rpe, dq, dk, dv, block, "
-           "scale): its gradients."),
+           "scale, row_items, row_merges, row_slots, col_items, col_merges, col_slots, part): its gradients."),
     {NULL, NULL, 0, NULL},
 };
 

@@ -7,6 +7,8 @@ from types import ModuleType
 
 import torch
 
+from .work_plan import DEFAULT_FACTOR, WorkPlan, balance_enabled
+
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 KERNEL_BLOCKS = (16, 32, 64, 128)
 MAX_KERNEL_HEAD_DIM = 128
@@ -26,16 +28,23 @@ def cuda_op() -> ModuleType:
 @dataclass(frozen=True)
 class BlockTables:
     """A layout [H, nb, nb] as CSR (each block row's key blocks) and CSC (each block column's query
-    block rows), int32 on the kernels' device."""
+    block rows), int32 on the kernels' device; with `balance`, the WorkPlans of the rows (forward,
+    dQ) and the columns (dK/dV) that split long rows over several CTAs (work_plan.py)."""
     row_ptr: torch.Tensor
     cols: torch.Tensor
     col_ptr: torch.Tensor
     rows: torch.Tensor
     nnz: int
+    row_plan: WorkPlan | None = None
+    col_plan: WorkPlan | None = None
 
     @staticmethod
-    def from_layout(layout: torch.Tensor, device: torch.device) -> "BlockTables":
+    def from_layout(layout: torch.Tensor, device: torch.device, balance: bool | None = None,
+                    factor: float = DEFAULT_FACTOR, part: int | None = None) -> "BlockTables":
+        """`balance` None: the DSC_SPARSE_ATTN_BALANCE environment switch (default off)."""
         layout = layout.detach().to("cpu", torch.bool)
+        if balance is None:
+            balance = balance_enabled()
 
         def csr(lay: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             counts = lay.sum(dim=-1).flatten()
@@ -43,11 +52,37 @@ class BlockTables:
             torch.cumsum(counts, 0, out=ptr[1:])
             idx = lay.nonzero()[:, 2]  # nonzero walks (head, row, col) in order: row-major per head
             idx = torch.cat([idx, idx.new_zeros(1)])  # never empty: the kernels take a valid pointer
-            return ptr.to(device, torch.int32), idx.to(device, torch.int32)
+            return ptr, idx
 
         row_ptr, cols = csr(layout)
         col_ptr, rows = csr(layout.transpose(1, 2))
-        return BlockTables(row_ptr, cols, col_ptr, rows, int(layout.sum()))
+        row_plan = col_plan = None
+        if balance:
+            row_plan = WorkPlan.build(row_ptr, factor, part).to(device)
+            col_plan = WorkPlan.build(col_ptr, factor, part).to(device)
+        i32 = [t.to(device, torch.int32) for t in (row_ptr, cols, col_ptr, rows)]
+        return BlockTables(*i32, int(layout.sum()), row_plan, col_plan)
+
+    def forward_part(self, q: torch.Tensor, block: int) -> torch.Tensor | None:
+        """The forward's float32 scratch: B x slots x block x (D + 1) (o parts, lse parts)."""
+        if self.row_plan is None or self.row_plan.slots == 0:
+            return None
+        B, _, _, D = q.shape
+        return torch.empty(B * self.row_plan.slots * block * (D + 1), dtype=torch.float32, device=q.device)
+
+    def backward_part(self, q: torch.Tensor, block: int) -> torch.Tensor | None:
+        """The gradient passes' float32 scratch (dQ parts, then reused for dK and dV parts)."""
+        slots = max(self.row_plan.slots if self.row_plan else 0, 2 * self.col_plan.slots if self.col_plan else 0)
+        if slots == 0:
+            return None
+        B, _, _, D = q.shape
+        return torch.empty(B * slots * block * D, dtype=torch.float32, device=q.device)
+
+
+def _plan_args(plan: WorkPlan | None) -> tuple:
+    if plan is None:
+        return None, None, 0
+    return plan.items, plan.merges if plan.merges.shape[0] else None, plan.slots
 
 
 def kernel_supports(q: torch.Tensor, block: int) -> bool:
@@ -70,7 +105,8 @@ class SparseAttentionFunction(torch.autograd.Function):
         B, H, L, _ = q.shape
         o = torch.empty_like(q)
         lse = torch.empty((B, H, L), dtype=torch.float32, device=q.device)
-        cuda_op().forward(q, k, v, o, lse, tables.row_ptr, tables.cols, kpm, am, rpe, block, scale)
+        cuda_op().forward(q, k, v, o, lse, tables.row_ptr, tables.cols, kpm, am, rpe, block, scale,
+                          *_plan_args(tables.row_plan), tables.forward_part(q, block))
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.extras = (tables, block, scale, kpm, am, rpe)
         return o
@@ -83,7 +119,8 @@ class SparseAttentionFunction(torch.autograd.Function):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         delta = torch.empty_like(lse)
         cuda_op().backward(d_o, q, k, v, o, lse, delta, tables.row_ptr, tables.cols, tables.col_ptr, tables.rows,
-                           kpm, am, rpe, dq, dk, dv, block, scale)
+                           kpm, am, rpe, dq, dk, dv, block, scale, *_plan_args(tables.row_plan),
+                           *_plan_args(tables.col_plan), tables.backward_part(q, block))
         return dq, dk, dv, None, None, None, None, None, None
 
 
