@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# ONE GPU of the 2x H200 host (256 GiB host memory, 32 cores; the 1x H200 kind's 128 GiB host cannot hold 13B), <= 290 s
+# ONE GPU of the 2x H200 host (256 GiB host memory, 32 cores), <= 290 s; on the 1x kind (128 GiB host: no room for 13B's
+# 226 GiB) the sizes drop to 6.7B (ours alone) and 2.7B (both) by themselves
 # including the real DeepSpeed's install and cpu_adam prebuild. Issue 48 bar: "one GPU with CPU offload: at least a 13B
 # GPT trains, at least 1.2x DeepSpeed's tokens/s at the largest size both fit". benchmarks/offload_largest.py,
 # ZeRO-Offload = stage 2 + offload_optimizer cpu (pinned), bf16, AdamW (each system's CPU Adam), clip 1.0, GPT-3 shapes,
@@ -28,6 +29,10 @@ if [ -n "${SMOKE:-}" ]; then
   ( sleep 3; echo "(SMOKE: DeepSpeed install skipped)" ) > $OUT/ds_install_48d.log 2>&1 &
 else
   [ -n "${DSC_CACHE_DIR:-}" ] || source scripts/device_setup.sh || exit 2
+  MEM_GIB=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1048576 ))
+  if [ $MEM_GIB -lt 200 ]; then  # the 1x H200 kind (128 GiB): 13B cannot fit (226 GiB); try 6.7B, compare at 2.7B
+    S13=6.7B; S67=2.7B; ts "host has ${MEM_GIB} GiB: sizes lowered to $S13 (ours alone) and $S67 (both)"
+  fi
   ts "setup done; $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1); $(nproc) CPUs"
   ( export DS_PREBUILD="cpu_adam"; nice -n 19 bash -c 'source scripts/device_deepspeed.sh' ) > $OUT/ds_install_48d.log 2>&1 &
 fi
@@ -35,7 +40,7 @@ DSPID=$!
 ts "DeepSpeed install started (nice 19, background)"
 B=($PY benchmarks/offload_largest.py --mode zero2 --out $R --log $L $TINY)
 
-ts "1. 13B ZeRO-Offload, deepspeed_c (limit 125 s)"
+ts "1. $S13 ZeRO-Offload, deepspeed_c (limit 125 s)"
 timeout 130 "${B[@]}" --size $S13 --impls dsc --warmup 1 --steps 2 --budget 125 | grep -v "^|"
 
 wait $DSPID; ts "DeepSpeed install: $(tail -2 $OUT/ds_install_48d.log | tr '\n' ' ')"
@@ -43,19 +48,19 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/ds_real${SMOKE:+:/tmp/ds_deps}
 if [ "$WHAT" = 13B ]; then
   ts "2. correctness (zero2), small GPT, both in one process"
   timeout 50 "${B[@]}" --check --impls dsc,ds --check_steps 4 --budget 45 || { ts "check failed: stop"; exit 1; }
-  T=$(left); ts "3. 13B ZeRO-Offload, DeepSpeed (limit ${T} s)"
+  T=$(left); ts "3. $S13 ZeRO-Offload, DeepSpeed (limit ${T} s)"
   timeout $((T + 3)) "${B[@]}" --size $S13 --impls ds --warmup 1 --steps 2 --budget $T | grep -v "^|"
 else
   ts "2. correctness (zero2), small GPT, both in one process"
   timeout 50 "${B[@]}" --check --impls dsc,ds --check_steps 4 --budget 45 || { ts "check failed: stop"; exit 1; }
-  T=$(left); ts "3. 6.7B ZeRO-Offload, deepspeed_c then DeepSpeed (limit ${T} s, each child <= 100 s)"
+  T=$(left); ts "3. $S67 ZeRO-Offload, deepspeed_c then DeepSpeed (limit ${T} s, each child <= 100 s)"
   timeout $((T + 3)) "${B[@]}" --size $S67 --impls dsc,ds --warmup 1 --steps 2 --budget $T --timeout 100 | grep -v "^|"
   T=$(left)
   if [ $T -ge 100 ]; then
-    ts "3b. time left: 13B ZeRO-Offload, DeepSpeed (limit ${T} s)"
+    ts "3b. time left: $S13 ZeRO-Offload, DeepSpeed (limit ${T} s)"
     timeout $((T + 3)) "${B[@]}" --size $S13 --impls ds --warmup 1 --steps 2 --budget $T | grep -v "^|"
   else
-    ts "3b. DeepSpeed's 13B skipped: ${T} s left (run: bash .devrun/gpu_48d.sh 13B)"
+    ts "3b. DeepSpeed's $S13 skipped: ${T} s left (run: bash .devrun/gpu_48d.sh 13B)"
   fi
 fi
 ts "4. all runs (columns: build/init/first-step seconds, median s/step of the timed steps, tokens/s = micro*seq/(s/step))"

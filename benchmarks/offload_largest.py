@@ -4,15 +4,17 @@ offload_optimizer cpu) or ZeRO-3 offload (`--mode zero3`: stage 3 + offload_para
 bf16, AdamW (each system's CPU Adam), gradient clipping 1.0, micro-batch --micro x --seq random tokens.
 
 1. Correctness first (`--check`, one process, both systems): a small GPT built once, each engine given a deep copy
-   of the same weights and the same batches; their losses over --check_steps steps must agree within bf16
-   tolerance (2e-2 relative; fp32 on a CPU-only run: 1e-3), else nothing is timed.
+   of the same weights and the same batches (two, alternating, lr 1e-3); their losses over --check_steps steps must
+   agree within bf16 tolerance (2e-2 relative; fp32 on a CPU-only run: 1e-4) and the first batch's loss must fall by
+   more than that tolerance (an optimizer that did not step fails), else this exits 1 and nothing is timed.
 2. Then each system trains the given size in its own process (their host memory must not add up): the model built
    lean (zero2: straight on the GPU in bf16; zero3: under each system's zero.Init, never whole anywhere), then
    initialize (where the pinned host buffers are made: the slow part of init), --warmup untimed steps, --steps
    timed ones (synchronised each). One JSON line per run (also appended to --out), then a table: build and init
    seconds, first-step seconds (the optimizer state's host memory is first touched there), s/step (median),
-   tokens/s, peak host RSS, peak GPU memory (allocated / reserved), the first loss (both systems start from the
-   same seed), and ours/DeepSpeed's tokens/s. A run past its limit (--budget, --timeout) is killed with its
+   tokens/s, peak host RSS and its bytes per parameter, peak GPU memory (allocated / reserved), the first loss
+   (both systems build from the same seed), the largest size each mode trained (ours; both), and per size
+   ours/DeepSpeed's tokens/s. A run past its limit (--budget, --timeout) is killed with its
    process group and reported as such; a SIGTERM to this script (an outer `timeout`) kills the running child
    first, so no orphan keeps tens of GiB of pinned host memory.
 
@@ -213,6 +215,13 @@ def run_child(args: argparse.Namespace) -> None:
 
     cuda = dev.type == "cuda"
     lib = load_lib(args.impl)
+    avail0 = meminfo().get("MemAvailable", 0.0)  # the host's, before this run's model states exist
+    avail_min = [avail0]
+
+    def avail() -> float:
+        avail_min[0] = min(avail_min[0], meminfo().get("MemAvailable", avail0))
+        return avail_min[0]
+
     cfg = config(args, args.mode, cuda)
     mcfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_head=args.n_head,
                      n_embd=args.n_embd)
@@ -242,7 +251,7 @@ def run_child(args: argparse.Namespace) -> None:
     init_s = time.perf_counter() - t
     rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # noqa: E731 (GiB)
     say(f"initialized in {init_s:.1f}s (peak host RSS {rss():.1f} GiB, host MemAvailable "
-        f"{meminfo().get('MemAvailable', 0):.1f} GiB, GPU {torch.cuda.memory_allocated() / 2**30 if cuda else 0:.1f} "
+        f"{avail():.1f} GiB, GPU {torch.cuda.memory_allocated() / 2**30 if cuda else 0:.1f} "
         "GiB allocated)", t0)
     data = batches(args, 4, dev)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -254,6 +263,7 @@ def run_child(args: argparse.Namespace) -> None:
         losses.append(train_step(engine, x, y))
         sync()
         times.append(time.perf_counter() - t)
+        avail()
         say(f"step {i} {'(warm-up) ' if i < args.warmup else ''}{times[-1]:.2f}s loss {losses[-1]:.4f}", t0)
     step_s = statistics.median(times[args.warmup:] or times)
     res = {"impl": args.impl, "mode": args.mode, "size": args.size, "n_embd": args.n_embd, "n_layer": args.n_layer,
@@ -261,7 +271,7 @@ def run_child(args: argparse.Namespace) -> None:
            "build_s": build_s, "init_s": init_s, "first_step_s": times[0], "step_s": step_s, "steps": times,
            "tokens_per_s": args.micro * args.seq / step_s, "losses": losses,
            "ok": all(v == v and abs(v) < 1e4 for v in losses), "peak_host_rss_gib": rss(),
-           "mem_available_after_gib": meminfo().get("MemAvailable", 0.0),
+           "host_used_gib": avail0 - avail(),  # MemAvailable's largest drop (sampled after init and each step)
            "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
            "peak_gpu_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
            "threads": torch.get_num_threads(), "device": torch.cuda.get_device_name() if cuda else "cpu"}
@@ -336,13 +346,14 @@ def row(r: dict) -> str:
     return (f"| {r['size']} | {r['mode']} | {NAMES[r['impl']]} | {r['params'] / 1e9:.2f}B | {r['build_s']:.1f} | "
             f"{r['init_s']:.1f} | {r['first_step_s']:.1f} | {r['step_s']:.2f} | {r['tokens_per_s']:,.0f} | "
             f"{r['peak_host_rss_gib']:.1f} | {r['peak_host_rss_gib'] * 2**30 / r['params']:.1f} | "
+            f"{r.get('host_used_gib', 0.0):.1f} | "
             f"{r['peak_gpu_gib']:.1f} / {r['peak_gpu_reserved_gib']:.1f} | {r['losses'][0]:.4f} |")
 
 
 def report(rows: list[dict]) -> None:
     print("| size | mode | system | params | build s | init s | 1st step s | s/step | tokens/s | peak host RSS GiB "
-          "| host B/param | peak GPU GiB alloc / reserved | loss 0 |")
-    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| host B/param | host used GiB | peak GPU GiB alloc / reserved | loss 0 |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         print(row(r))
     by = {(r["size"], r["mode"], r["impl"]): r for r in rows if r.get("ok")}
