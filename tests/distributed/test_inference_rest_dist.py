@@ -60,6 +60,11 @@ def _tp_inject(out: dict, folder: str, ids: torch.Tensor) -> None:
                                          max_out_tokens=32)
         hf, tp1, tp2 = (m(input_ids=ids).logits for m in (model, one, engine))
         out["logits"][kind] = (_rel(tp2, tp1), _rel(tp2, hf), _rel(tp1, hf))
+        if kind == "llama":  # the experimental symmetric-memory reducer: argument check, nothing to route at TP 1
+            from deepspeed_c.module_inject import hybrid_tp
+
+            out["errors"]["symm_tokens"] = _error(lambda: hybrid_tp.use_symmetric_allreduce(engine.module, -1))
+            out["symm_tp1"] = hybrid_tp.use_symmetric_allreduce(one.module, 1)
         with deepspeed_c.OnDevice(dtype=torch.float32, device="meta"):
             meta = im.make(kind, seed=3)
         loaded = deepspeed_c.init_inference(meta, dtype=torch.float32, tensor_parallel={"tp_size": 2},
@@ -181,6 +186,8 @@ def test_inference_rest_two_ranks(tmp_path):
         assert "enable_cuda_graph=True with tensor_parallel.tp_size=2 needs replace_with_kernel_inject=True" in err, err
         err = res["errors"]["gloo_graph"]
         assert "needs the nccl backend" in err and "'gloo'" in err, err
+        assert "tokens must be >= 0, got -1" in res["errors"]["symm_tokens"], res["errors"]["symm_tokens"]
+        assert res["symm_tp1"] == 0
         for kind, (tp2_tp1, tp2_hf, tp1_hf) in res["logits"].items():
             assert tp2_tp1 < 1e-5 and tp2_hf < 1e-5 and tp1_hf < 1e-5, (rank, kind, res["logits"][kind])
         err = res["errors"]["tp_mismatch"]
