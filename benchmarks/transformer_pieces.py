@@ -68,16 +68,17 @@ def check(device: str) -> bool:
         res = mk(torch.randn(rows, cols, device=device).to(dtype))
         layout = "unaligned" if unal else "aligned"
         errs = {}
-        # bias + gelu (in place over a copy of f), gelu alone
-        u, g = ops.bias_gelu(f.clone() if not unal else unaligned_copy(f), bias)
-        ru, rg = ref.bias_gelu(f, bias)
-        errs["bias_gelu"] = max(rel_err(u, ru), rel_err(g, rg), rel_err(ops.gelu(ru), ref.gelu(ru)))
-        # gelu backward with and without the bias gradient
+        # bias + gelu (g only: the pre-activation is formed again from f and the bias), gelu alone
+        _, g = ops.bias_gelu(f, bias)
+        errs["bias_gelu"] = max(rel_err(g, ref.bias_gelu(f, bias)[1]), rel_err(ops.gelu(f, bias), ref.gelu(f, bias)),
+                                rel_err(ops.gelu(f), ref.gelu(f)))
+        # gelu backward (in place over a copy of dg) with and without the bias and its gradient
         dg = mk(torch.randn(rows, cols, device=device).to(dtype))
-        du, db = ops.gelu_backward(dg.clone() if not unal else unaligned_copy(dg), ru, want_bias=True)
-        rdu, rdb = ref.gelu_backward(dg, ru, want_bias=True)
-        du2, none = ops.gelu_backward(dg.clone(), ru)
-        errs["gelu_backward"] = max(rel_err(du, rdu), rel_err(db, rdb), rel_err(du2, rdu), 0.0 if none is None else 1.0)
+        du, db = ops.gelu_backward(unaligned_copy(dg) if unal else dg.clone(), f, bias, want_bias=True)
+        rdu, rdb = ref.gelu_backward(dg, f, bias, want_bias=True)
+        du2, none = ops.gelu_backward(dg.clone(), f)
+        errs["gelu_backward"] = max(rel_err(du, rdu), rel_err(db, rdb), rel_err(du2, ref.gelu_backward(dg, f)[0]),
+                                    0.0 if none is None else 1.0)
         # bias + dropout + residual + LayerNorm; residual only (no gamma)
         worst = 0.0
         for kp, rs, b in ((keep, res, bias), (None, res, None), (None, None, bias)):
@@ -109,6 +110,8 @@ def check(device: str) -> bool:
 
 
 def timer(device: str):
+    """fn, inner -> ms per call: CUDA events (wall time of the queued calls: launch overhead shows
+    when the GPU outruns the host) or, on the host, perf_counter."""
     if device == "cuda":
         def run(fn, inner):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -125,6 +128,22 @@ def timer(device: str):
                 fn()
             return (time.perf_counter() - t) * 1e3 / inner
     return run
+
+
+def kernel_ms(fn, inner: int, device: str) -> tuple[float, int]:
+    """(GPU kernel time per call in ms, kernels per call) from torch.profiler: the kernels alone,
+    without the host's launch gaps. On the host: (nan, 0)."""
+    if device != "cuda":
+        return float("nan"), 0
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(inner):
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    return sum(e.device_time_total for e in events) / inner / 1e3, sum(e.count for e in events) // inner
 
 
 def bench(device: str, rows: int, hidden: int, inter: int, dtype, reps: int, inner: int) -> None:
@@ -144,14 +163,13 @@ def bench(device: str, rows: int, hidden: int, inter: int, dtype, reps: int, inn
     keep = torch.rand(rows, hidden, device=device) > p
     r, _, mean, rstd = ops.residual_norm(a, ob, x, keep, s, gamma, beta, 1e-12, want_r=True)
     _, mean2, rstd2 = torch.native_layer_norm(r, [hidden], gamma, beta, 1e-12)  # torch's own statistics
-    fw = f.clone()
     cases = {
         f"bias_gelu {rows}x{inter}": [
-            ("ours", lambda: ops.bias_gelu(fw, b_i)),
+            ("ours", lambda: ops.bias_gelu(f, b_i)),
             ("torch gelu", lambda: F.gelu(f)),
             ("torch gelu(f+b)", lambda: F.gelu(f + b_i))],
         f"gelu_backward+db {rows}x{inter}": [
-            ("ours", lambda: ops.gelu_backward(dg, u, want_bias=True)),
+            ("ours", lambda: ops.gelu_backward(dg, u, b_i, want_bias=True)),
             ("torch", lambda: torch.ops.aten.gelu_backward(dg, u).sum(0))],
         f"residual_norm {rows}x{hidden}": [
             ("ours", lambda: ops.residual_norm(a, ob, x, keep, s, gamma, beta, 1e-12, want_r=True)),
@@ -164,9 +182,9 @@ def bench(device: str, rows: int, hidden: int, inter: int, dtype, reps: int, inn
             ("HF chain", lambda: torch.ops.aten.native_dropout_backward(torch.ops.aten.native_layer_norm_backward(
                 dy, r, [hidden], mean2, rstd2, gamma, beta, [True, True, True])[0], keep, s).sum(0))],
     }
-    print(f"\nper call, {str(dtype)[6:]}, median of {reps} interleaved reps x {inner} calls "
-          f"(x ours = their time / ours)")
-    print(f"{'piece':>34} {'ours ms':>9}   competitors (ms, x ours)")
+    print(f"\nper call, {str(dtype)[6:]}: GPU kernel time (torch.profiler, kernels per call in brackets) and "
+          f"wall time (median of {reps} interleaved reps x {inner} calls); x ours = their time / ours")
+    print(f"{'piece':>34} {'system':>16} {'kernel ms':>10} {'x ours':>7} {'wall ms':>9} {'x ours':>7}")
     for name, fns in cases.items():
         for _, fn in fns:
             fn()
@@ -174,10 +192,12 @@ def bench(device: str, rows: int, hidden: int, inter: int, dtype, reps: int, inn
         for _ in range(reps):
             for k, fn in fns:
                 times[k].append(run(fn, inner))
-        med = {k: statistics.median(v) for k, v in times.items()}
-        mine = med["ours"]
-        others = "   ".join(f"{k} {v:.4f} {v / mine:.2f}x" for k, v in med.items() if k != "ours")
-        print(f"{name:>34} {mine:9.4f}   {others}")
+        wall = {k: statistics.median(v) for k, v in times.items()}
+        kern = {k: kernel_ms(fn, inner, device) for k, fn in fns}
+        for k, _ in fns:
+            (km, count), w = kern[k], wall[k]
+            print(f"{name if k == 'ours' else '':>34} {k:>16} {km:10.4f} {km / kern['ours'][0]:7.2f} {w:9.4f} "
+                  f"{w / wall['ours']:7.2f}  [{count}]")
 
 
 def main() -> None:

@@ -1,6 +1,8 @@
-// Bias + GELU of the transformer layer's FFN and its backward. The pre-activation u is rounded to
-// the activation dtype before GELU, so a gelu_checkpoint recompute from the stored u gives the
-// very numbers the forward produced. Exact GELU (erf), as Hugging Face BERT's "gelu".
+// Bias + GELU of the transformer layer's FFN and its backward. The pre-activation u = f + bias is
+// rounded to the activation dtype before GELU. The layer keeps f (the GEMM output) rather than u:
+// the backward and a gelu_checkpoint recompute add the bias again the same way, so they see the
+// very u the forward used, and the forward writes one tensor (g) instead of two. Exact GELU (erf),
+// as Hugging Face BERT's "gelu".
 //
 // Layout: a thread owns one chunk of V columns (16 bytes when the row length and the pointers
 // allow it, else V = 1) and walks a strip of rows (grid.y strips), so the bias chunk is read once
@@ -49,22 +51,26 @@ __global__ void __launch_bounds__(kThreads) bias_gelu_kernel(const T *f, const T
     }
 }
 
-// dg = dg * gelu'(u) in place; with dbias_part, strip blockIdx.y's column sums of the new dg.
+// dg = dg * gelu'(u) in place, u = f + bias (bias optional); with dbias_part, strip blockIdx.y's
+// column sums of the new dg.
 template <typename T, int V>
-__global__ void __launch_bounds__(kThreads) gelu_backward_kernel(T *__restrict__ dg, const T *__restrict__ u,
+__global__ void __launch_bounds__(kThreads) gelu_backward_kernel(T *__restrict__ dg, const T *__restrict__ f,
+                                                                 const T *__restrict__ bias,
                                                                  float *__restrict__ dbias_part, int64_t rows,
                                                                  int cols) {
     const int c = (blockIdx.x * blockDim.x + threadIdx.x) * V;
     if (c >= cols) return;
-    float acc[V] = {};
+    float acc[V] = {}, b[V] = {};
+    if (bias) load_chunk<T, V>(bias + c, b);
 #pragma unroll 4
     for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
         const int64_t off = r * cols + c;
         float d[V], x[V];
         load_chunk<T, V>(dg + off, d);
-        load_chunk<T, V>(u + off, x);
+        load_chunk<T, V>(f + off, x);
 #pragma unroll
         for (int i = 0; i < V; ++i) {
+            if (bias) x[i] = round_to<T>(x[i] + b[i]);
             d[i] = round_to<T>(d[i] * gelu_grad(x[i]));
             acc[i] += d[i];
         }
@@ -117,9 +123,9 @@ extern "C" int dsc_tf_bias_gelu(const void *f, const void *bias, void *u_out, vo
     });
 }
 
-extern "C" int dsc_tf_gelu_backward(void *dg, const void *u, float *dbias_part, int64_t rows, int64_t cols,
-                                    int64_t parts, int dtype, int device, cudaStream_t stream) {
-    if (!dg || !u || rows < 0 || cols < 1 || cols > 0x7fffffffLL / 2 || (dbias_part && (parts < 1 || parts > 65535)))
+extern "C" int dsc_tf_gelu_backward(void *dg, const void *f, const void *bias, float *dbias_part, int64_t rows,
+                                    int64_t cols, int64_t parts, int dtype, int device, cudaStream_t stream) {
+    if (!dg || !f || rows < 0 || cols < 1 || cols > 0x7fffffffLL / 2 || (dbias_part && (parts < 1 || parts > 65535)))
         return DSC_CUDA_EARG;
     if (rows == 0 && !dbias_part) return 0;
     DeviceGuard guard(device);
@@ -127,17 +133,17 @@ extern "C" int dsc_tf_gelu_backward(void *dg, const void *u, float *dbias_part, 
     return dispatch(dtype, [&](auto *tag) {
         using E = std::remove_pointer_t<decltype(tag)>;
         constexpr int V = vec_width<E>();
-        const bool vec = vectorisable<E>(cols, {dg, u});
+        const bool vec = vectorisable<E>(cols, {dg, f, bias});
         const int64_t chunks = vec ? cols / V : cols;
         const unsigned gx = (unsigned)((chunks + kThreads - 1) / kThreads);
         // With partial sums every strip writes its row of dbias_part (zeros when it has no rows).
         const dim3 grid(gx, dbias_part ? (unsigned)parts : strips_for(rows, gx));
         E *de = static_cast<E *>(dg);
-        const E *ue = static_cast<const E *>(u);
+        const E *fe = static_cast<const E *>(f), *be = static_cast<const E *>(bias);
         if (vec)
-            gelu_backward_kernel<E, V><<<grid, kThreads, 0, stream>>>(de, ue, dbias_part, rows, (int)cols);
+            gelu_backward_kernel<E, V><<<grid, kThreads, 0, stream>>>(de, fe, be, dbias_part, rows, (int)cols);
         else
-            gelu_backward_kernel<E, 1><<<grid, kThreads, 0, stream>>>(de, ue, dbias_part, rows, (int)cols);
+            gelu_backward_kernel<E, 1><<<grid, kThreads, 0, stream>>>(de, fe, be, dbias_part, rows, (int)cols);
         return launch_error();
     });
 }

@@ -3,7 +3,7 @@
  * checked here (CUDA, contiguous, dtype, element count, one device) before a kernel runs.
  *
  *   bias_gelu(f, bias|None, u_out|None, g_out)
- *   gelu_backward(dg, u, dbias_part|None)                dbias_part float32 [parts, cols]
+ *   gelu_backward(dg, f, bias|None, dbias_part|None)     u = f + bias; dbias_part float32 [parts, cols]
  *   residual_norm(x, bias|None, res|None, keep|None, drop_scale, gamma|None, beta|None, eps,
  *                 r_out|None, y_out|None, mean_out|None, rstd_out|None)
  *   norm_backward(dy, src, gamma, beta|None, mean|None, rstd, extra|None, keep|None, drop_scale, dx,
@@ -103,14 +103,16 @@ static int part_arg(PyObject *obj, const char *name, int optional, const dsc_vie
 
 static PyObject *py_gelu_backward(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (dsc_check_nargs("gelu_backward", nargs, 3) < 0) return NULL;
-    dsc_view dg, u, dbp;
+    if (dsc_check_nargs("gelu_backward", nargs, 4) < 0) return NULL;
+    dsc_view dg, f, bias, dbp;
     int64_t rows, cols;
     if (arg(args[0], "dg", ACT, 0, NULL, NULL, 0, -1, &dg) < 0 || rows_cols(&dg, "dg", &rows, &cols) < 0 ||
-        arg(args[1], "u", ACT, 0, &dg, "dg", 1, dg.numel, &u) < 0 ||
-        part_arg(args[2], "dbias_part", 1, &dg, "dg", cols, &dbp) < 0)
+        arg(args[1], "f", ACT, 0, &dg, "dg", 1, dg.numel, &f) < 0 ||
+        arg(args[2], "bias", ACT, 1, &dg, "dg", 1, cols, &bias) < 0 ||
+        part_arg(args[3], "dbias_part", 1, &dg, "dg", cols, &dbp) < 0)
         return NULL;
-    RUN(dsc_tf_gelu_backward(dg.data, u.data, (float *)ptr(&dbp), rows, cols, dbp.is_none ? 1 : dbp.shape[0],
+    RUN(dsc_tf_gelu_backward(dg.data, f.data, ptr(&bias), (float *)ptr(&dbp), rows, cols,
+                             dbp.is_none ? 1 : dbp.shape[0],
                              cuda_dtype(dg.dtype), dg.device_id, stream),
         "gelu_backward", dg.device_id);
 }
@@ -234,7 +236,7 @@ static PyObject *py_softmax_backward(PyObject *self, PyObject *const *args, Py_s
 static PyMethodDef methods[] = {
     METHOD("bias_gelu", py_bias_gelu, "bias_gelu(f, bias, u_out, g_out): u = f + bias, g = gelu(u)."),
     METHOD("gelu_backward", py_gelu_backward,
-           "gelu_backward(dg, u, dbias_part): dg *= gelu'(u) in place; partial column sums of dg."),
+           "gelu_backward(dg, f, bias, dbias_part): dg *= gelu'(f + bias) in place; partial column sums of dg."),
     METHOD("residual_norm", py_residual_norm,
            "residual_norm(x, bias, res, keep, drop_scale, gamma, beta, eps, r_out, y_out, mean_out, rstd_out): "
            "bias + dropout + residual, then LayerNorm."),

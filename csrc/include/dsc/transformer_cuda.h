@@ -23,11 +23,12 @@ extern "C" {
 int dsc_tf_bias_gelu(const void *f, const void *bias, void *u_out, void *g_out, int64_t rows, int64_t cols, int dtype,
                      int device, cudaStream_t stream);
 
-/* In place on dg [rows, cols]: dg = dg * gelu'(u). With dbias_part (float32 [parts, cols], 1 <= parts
- * <= 65535), each of `parts` strips of rows writes its column sums of the new dg there (the FFN
- * input bias's gradient once dsc_tf_sum_parts adds them); parts is unused without it. */
-int dsc_tf_gelu_backward(void *dg, const void *u, float *dbias_part, int64_t rows, int64_t cols, int64_t parts,
-                         int dtype, int device, cudaStream_t stream);
+/* In place on dg [rows, cols]: dg = dg * gelu'(u), u = f + bias rounded to dtype (bias optional: u = f),
+ * as dsc_tf_bias_gelu forms it. With dbias_part (float32 [parts, cols], 1 <= parts <= 65535), each
+ * of `parts` strips of rows writes its column sums of the new dg there (the FFN input bias's
+ * gradient once dsc_tf_sum_parts adds them); parts is unused without it. */
+int dsc_tf_gelu_backward(void *dg, const void *f, const void *bias, float *dbias_part, int64_t rows, int64_t cols,
+                         int64_t parts, int dtype, int device, cudaStream_t stream);
 
 /* r = (x + bias) * (keep ? drop_scale : 0) + res, rounded to dtype (bias, keep [rows, cols] uint8 and
  * res optional); r_out (optional) receives r. With gamma: y = (r - mean) * rstd * gamma + beta

@@ -1,8 +1,8 @@
 """Front end of the transformer layer's fused pieces: tensors on a GPU go to the CUDA op
 `transformer` (csrc/cuda/transformer_*.cu, built on first use), tensors on the host to the torch
-forms in `fused_reference`. CUDA calls work in place where the contract allows (the pre-activation
-over the GEMM output, the softmax over the scores, its backward over dP) and allocate the rest
-with torch."""
+forms in `fused_reference`. CUDA calls work in place where the contract allows (the GELU backward
+over its incoming gradient, the softmax over the scores, its backward over dP) and allocate the
+rest with torch."""
 from __future__ import annotations
 
 import functools
@@ -39,34 +39,36 @@ def _kernel(t: torch.Tensor) -> bool:
 
 
 def bias_gelu(f: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(u, g): u = f + bias (may reuse f's storage), g = gelu(u)."""
+    """(f, g): g = gelu(u), u = f + bias rounded to f's dtype. f itself is what the backward and a
+    gelu recompute take (with the same bias): u is never stored."""
     if not _kernel(f):
         return ref.bias_gelu(f, bias)
     g = torch.empty_like(f)
-    cuda_op().bias_gelu(f, bias, f, g)
+    cuda_op().bias_gelu(f, bias, None, g)
     return f, g
 
 
-def gelu(u: torch.Tensor) -> torch.Tensor:
-    if not _kernel(u):
-        return ref.gelu(u)
-    g = torch.empty_like(u)
-    cuda_op().bias_gelu(u, None, None, g)
+def gelu(f: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """gelu(f + bias), as bias_gelu's g."""
+    if not _kernel(f):
+        return ref.gelu(f, bias)
+    g = torch.empty_like(f)
+    cuda_op().bias_gelu(f, bias, None, g)
     return g
 
 
-def gelu_backward(dg: torch.Tensor, u: torch.Tensor, want_bias: bool = False):
-    """(dg * gelu'(u) over dg's storage on a GPU, its column sums (the bias gradient) | None)."""
+def gelu_backward(dg: torch.Tensor, f: torch.Tensor, bias: torch.Tensor | None = None, want_bias: bool = False):
+    """(dg * gelu'(f + bias) over dg's storage on a GPU, its column sums (the bias gradient) | None)."""
     if not _kernel(dg):
-        return ref.gelu_backward(dg, u, want_bias)
+        return ref.gelu_backward(dg, f, bias, want_bias)
     if not want_bias:
-        cuda_op().gelu_backward(dg, u, None)
+        cuda_op().gelu_backward(dg, f, bias, None)
         return dg, None
     cols = dg.shape[-1]
     rows = dg.numel() // cols
     parts = max(1, min(_GELU_STRIPS_PER_SM * _sm_count(dg.device.index), rows, 65535))
     part = torch.empty(1, parts, cols, dtype=torch.float32, device=dg.device)
-    cuda_op().gelu_backward(dg, u, part[0])
+    cuda_op().gelu_backward(dg, f, bias, part[0])
     dbias = torch.empty(cols, dtype=dg.dtype, device=dg.device)
     cuda_op().sum_parts(part, dbias)
     return dg, dbias

@@ -1,7 +1,8 @@
 """Torch forms of the transformer layer's fused pieces (csrc/cuda/transformer_*.cu): the host
 path of DeepSpeedTransformerLayer and the reference its CUDA kernels are checked against. Same
 contracts as `fused_ops`: statistics (mean, rstd) are float32 ([rows]; float64 for float64
-inputs), the pre-activation u is rounded to the activation dtype before GELU."""
+inputs), the pre-activation u = f + bias is rounded to the activation dtype before GELU and formed
+again from f and the bias wherever it is needed (never stored)."""
 from __future__ import annotations
 
 import torch
@@ -12,18 +13,24 @@ def _math_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+def _pre_activation(f: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """u = f + bias rounded to f's dtype (the kernels' u)."""
+    return f if bias is None else f + bias
+
+
 def bias_gelu(f: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    u = f if bias is None else f + bias
-    return u, F.gelu(u.to(_math_dtype(u))).to(u.dtype)
+    """(f, gelu(f + bias)): f, not u, is what gelu and gelu_backward take again with the bias."""
+    return f, gelu(f, bias)
 
 
-def gelu(u: torch.Tensor) -> torch.Tensor:
+def gelu(f: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    u = _pre_activation(f, bias)
     return F.gelu(u.to(_math_dtype(u))).to(u.dtype)
 
 
-def gelu_backward(dg: torch.Tensor, u: torch.Tensor, want_bias: bool = False):
-    """(dg * gelu'(u), its column sums over the rows (the bias gradient) | None)."""
-    uf = u.to(_math_dtype(u))
+def gelu_backward(dg: torch.Tensor, f: torch.Tensor, bias: torch.Tensor | None = None, want_bias: bool = False):
+    """(dg * gelu'(f + bias), its column sums over the rows (the bias gradient) | None)."""
+    uf = _pre_activation(f, bias).to(_math_dtype(f))
     cdf = 0.5 * (1.0 + torch.erf(uf * 0.7071067811865476))
     pdf = torch.exp(-0.5 * uf * uf) * 0.3989422804014327
     du = (dg.to(uf.dtype) * (cdf + uf * pdf)).to(dg.dtype)

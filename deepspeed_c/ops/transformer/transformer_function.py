@@ -7,6 +7,7 @@ activations for recomputation as DeepSpeed documents:
                            xhat = (y - beta) / gamma from the outputs, which are kept anyway
                            (needs gamma without zeros, as DeepSpeed's kernel does)
   gelu_checkpoint          the GELU output is not kept: recomputed from the pre-activation
+                           (kept as the GEMM output before its bias; the bias is added again)
   attn_dropout_checkpoint  the dropped-out attention probabilities are not kept: recomputed
                            from the softmax output and the dropout mask
 
@@ -115,7 +116,7 @@ class DeepSpeedTransformerFunction(torch.autograd.Function):
         # r1 stays for the pre-LN output residual either way; it is saved unless invertible.
         r1, h1, mean1, rstd1 = ops.residual_norm(a, ob, x2, k1, s_hid, anw, anb, spec.eps,
                                                  want_r=spec.pre_layer_norm or not inv)
-        u, g = ops.bias_gelu(F.linear(h1, iw), ib)
+        u, g = ops.bias_gelu(F.linear(h1, iw), ib)  # u: the FFN GEMM's output, before its bias
         o = F.linear(g, outw)
         r2 = mean2 = rstd2 = None
         if spec.pre_layer_norm:
@@ -155,8 +156,8 @@ class DeepSpeedTransformerFunction(torch.autograd.Function):
         else:
             dr2, dnw, dnb, do_, doutb = ops.norm_backward(dout, out if inv else r2, nw, nb, mean2, rstd2, inv, None,
                                                           k2, s_hid, want_bias=True)
-        doutw = do_.t().mm(g if g is not None else ops.gelu(u))
-        du, dib = ops.gelu_backward(do_.mm(outw), u, want_bias=True)
+        doutw = do_.t().mm(g if g is not None else ops.gelu(u, ib))
+        du, dib = ops.gelu_backward(do_.mm(outw), u, ib, want_bias=True)
         diw = du.t().mm(h1)
         dh1 = du.mm(iw) if spec.pre_layer_norm else torch.addmm(dr2, du, iw)
 
