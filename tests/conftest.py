@@ -10,6 +10,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+# `--dist loadfile` runs the longest test files first, each whole on one worker (tests/xdist_order.py)
+from tests.xdist_order import (pytest_collection_modifyitems, pytest_configure_node,  # noqa: E402,F401
+                               pytest_xdist_make_scheduler)
+
 
 @pytest.fixture(scope="session")
 def compat_alias(tmp_path_factory) -> pathlib.Path:
@@ -54,11 +58,3 @@ def pytest_collection_finish(session) -> None:
 
     gc.collect()
     gc.freeze()
-
-
-@pytest.hookimpl(optionalhook=True)  # an xdist hook: plain pytest (no xdist installed) passes it over
-def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadfile` hands out the longest test files first (tests/xdist_order.py)."""
-    from tests.xdist_order import make_scheduler
-
-    return make_scheduler(config, log)

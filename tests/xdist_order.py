@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
+import pytest
+
 FILE_SECONDS = {
     "tests/unit/test_cuda_build.py": 150,  # nvcc compiles every CUDA op (cold op cache): 78 s on 2 idle cores
     "tests/distributed/test_deepcompile.py": 202,  # one launch (f3e325e): 190.6/161.9 -> 58.2/46.4 s
@@ -48,18 +50,39 @@ def longest_first(nodeids: Iterable[str]) -> list[str]:
     return [nodeid for f in files for nodeid in by_file[f]]
 
 
-def make_scheduler(config, log):  # type: ignore[no-untyped-def]
-    """xdist's loadfile scheduler, handed the files longest first (None: xdist's own for other --dist modes)."""
+DIST_KEY = "dsc_dist"  # the controller's --dist, in each worker's workerinput
+
+
+# The hooks below are imported into tests/conftest.py by name (pytest registers them there).
+def pytest_collection_modifyitems(config, items: list) -> None:  # type: ignore[no-untyped-def]
+    """Under --dist loadfile every worker's collection is put in longest_first's order, so the scheduler hands
+    out the files in that order.
+
+    The order is made where the tests are collected, not in the scheduler: xdist's scheduler tells a worker which
+    tests to run by their positions in that worker's own collection, so a scheduler that reordered its copy of
+    the collection sent positions the worker read in its own order: each "file" a worker was handed was a slice
+    of the collection straddling files, a module's tests ran on both workers, and its shared launch (a module
+    fixture) ran twice (in the last CI log test_deepcompile's 45 s launch, test_checkpoint_zero_memory's, ...)."""
+    # a worker's own --dist is "no": the controller's comes in the worker's input (pytest_configure_node)
+    if getattr(config, "workerinput", {}).get(DIST_KEY, config.getoption("dist", "no")) != "loadfile":
+        return
+    position = {nodeid: i for i, nodeid in enumerate(longest_first(item.nodeid for item in items))}
+    items.sort(key=lambda item: position[item.nodeid])
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook, in the controller
+def pytest_configure_node(node) -> None:  # type: ignore[no-untyped-def]
+    """Each worker learns the controller's --dist (its own reads "no")."""
+    node.workerinput[DIST_KEY] = node.config.getoption("dist", "no")
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: plain pytest (no xdist installed) passes it over
+def pytest_xdist_make_scheduler(config, log):  # type: ignore[no-untyped-def]
+    """xdist's loadfile scheduler handing the files out in collection order (pytest_collection_modifyitems's),
+    not re-sorted by their number of tests (None: xdist's own for other --dist modes)."""
     if config.getoption("dist", "no") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    class LongestFirst(LoadFileScheduling):
-        def schedule(self) -> None:
-            if self.collection is None:  # the first call: every worker's collection is in, none handed out
-                for node, collection in self.registered_collections.items():
-                    self.registered_collections[node] = longest_first(collection)
-                self.config.option.loadscopereorder = False  # keep this order
-            super().schedule()
-
-    return LongestFirst(config, log)
+    config.option.loadscopereorder = False
+    return LoadFileScheduling(config, log)
