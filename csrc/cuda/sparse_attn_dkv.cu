@@ -96,10 +96,10 @@ __global__ void __launch_bounds__(BLK * 2)
         }
         __syncthreads();
     }
-    if (w.slot >= 0) {  // dK parts [B, slots, BLK, D], then dV parts
-        const int l0 = j0 - w.rb * BLK;
-        store_grad_part<DP>(gk, scale, part_tile(part, w.b, slots, w.slot, BLK, D), l0, l0 + 8, D, t);
-        store_grad_part<DP>(gv, 1.f, part_tile(part + (int64_t)B * slots * BLK * D, w.b, slots, w.slot, BLK, D), l0,
+    if (const int slot = work_slot(items, B); slot >= 0) {  // dK parts [B, slots, BLK, D], then dV parts
+        const int l0 = warp * 16 + g, pb = work_batch(B);
+        store_grad_part<DP>(gk, scale, part_tile(part, pb, slots, slot, BLK, D), l0, l0 + 8, D, t);
+        store_grad_part<DP>(gv, 1.f, part_tile(part + (int64_t)B * slots * BLK * D, pb, slots, slot, BLK, D), l0,
                             l0 + 8, D, t);
         return;
     }

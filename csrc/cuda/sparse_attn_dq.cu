@@ -80,9 +80,9 @@ __global__ void __launch_bounds__(BLK * 2)
         }
         __syncthreads();
     }
-    if (w.slot >= 0) {
-        store_grad_part<DP>(acc, scale, part_tile(part, w.b, slots, w.slot, BLK, D), i0 - w.rb * BLK,
-                            i0 + 8 - w.rb * BLK, D, t);
+    if (const int slot = work_slot(items, B); slot >= 0) {
+        const int l0 = warp * 16 + g;  // rows local to the block
+        store_grad_part<DP>(acc, scale, part_tile(part, work_batch(B), slots, slot, BLK, D), l0, l0 + 8, D, t);
         return;
     }
     T *q0 = dq + base + (int64_t)i0 * D, *q1 = q0 + 8 * (int64_t)D;

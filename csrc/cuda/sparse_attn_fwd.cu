@@ -92,13 +92,13 @@ __global__ void __launch_bounds__(BLK * 2)
         }
         __syncthreads();  // every warp is done with this stage before the next copy lands in it
     }
-    if (w.slot < 0) {
+    if (const int slot = work_slot(items, B); slot < 0) {
         store_forward_rows<T, DP>(acc, m0, m1, l0, l1, o + base + (int64_t)i0 * D, o + base + (int64_t)i1 * D,
                                   lse + (int64_t)w.bh * L, i0, i1, D, t);
     } else {
-        float *plse = part + (int64_t)B * slots * BLK * D + ((int64_t)w.b * slots + w.slot) * BLK;
-        store_forward_part<DP>(acc, m0, m1, l0, l1, part_tile(part, w.b, slots, w.slot, BLK, D), plse,
-                               i0 - w.rb * BLK, i1 - w.rb * BLK, D, t);
+        const int pb = work_batch(B), r = warp * 16 + g;  // rows local to the block
+        float *plse = part + (int64_t)B * slots * BLK * D + ((int64_t)pb * slots + slot) * BLK;
+        store_forward_part<DP>(acc, m0, m1, l0, l1, part_tile(part, pb, slots, slot, BLK, D), plse, r, r + 8, D, t);
     }
 }
 

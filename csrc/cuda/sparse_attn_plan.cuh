@@ -7,9 +7,9 @@
 namespace dsc_sa {
 
 // One CTA's work: batch b, head h (bh = b * H + h), block row (column) rb, its blocks [lo, hi) of the
-// CSR (CSC) arrays, and the partial's scratch slot (-1: write the result).
+// CSR (CSC) arrays (its scratch slot: work_slot below).
 struct Work {
-    int b, h, bh, rb, lo, hi, slot;
+    int b, h, bh, rb, lo, hi;
 };
 
 // Without a plan the grid is (nb, B * H); with one it is (n_items * B): batch fastest, so every batch's
@@ -18,14 +18,21 @@ __device__ __forceinline__ Work resolve_work(const int *items, const int *ptr, i
     Work w;
     if (items) {
         const int4 it = reinterpret_cast<const int4 *>(items)[blockIdx.x / B];
-        w.b = blockIdx.x % B, w.h = it.x / nb, w.rb = it.x % nb, w.lo = it.y, w.hi = it.z, w.slot = it.w;
+        w.b = blockIdx.x % B, w.h = it.x / nb, w.rb = it.x % nb, w.lo = it.y, w.hi = it.z;
     } else {
-        w.h = blockIdx.y % H, w.b = blockIdx.y / H, w.rb = blockIdx.x, w.slot = -1;
+        w.h = blockIdx.y % H, w.b = blockIdx.y / H, w.rb = blockIdx.x;
         w.lo = ptr[w.h * nb + w.rb], w.hi = ptr[w.h * nb + w.rb + 1];
     }
     w.bh = w.b * H + w.h;
     return w;
 }
+
+// The CTA's scratch slot (-1: write the result) and, when it has one, its batch: re-read after the main
+// loop rather than kept live across it (registers).
+__device__ __forceinline__ int work_slot(const int *items, int B) {
+    return items ? __ldg(items + (int64_t)(blockIdx.x / B) * 4 + 3) : -1;
+}
+__device__ __forceinline__ int work_batch(int B) { return (int)(blockIdx.x % B); }
 
 inline dim3 work_grid(const dsc_sa_plan *plan, int64_t B, int64_t H, int64_t nb) {
     return plan ? dim3((unsigned)(plan->n_items * B)) : dim3((unsigned)nb, (unsigned)(B * H));
