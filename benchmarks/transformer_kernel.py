@@ -415,7 +415,10 @@ def main() -> None:
             ok = False
     if not args.no_memory:
         activation_memory(hidden, heads, inter, layers, 16, 512 if not args.small else 128, dtype)
-    print("\ntransformer layer correctness:", "PASS" if ok else "FAIL")
+    if args.skip_check:
+        print("\ntransformer layer timings:", "done" if ok else "FAIL (see the traceback above)")
+    else:
+        print("\ntransformer layer correctness:", "PASS" if ok else "FAIL")
 
 
 if __name__ == "__main__":
