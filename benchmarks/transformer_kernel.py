@@ -6,8 +6,8 @@ joins when it builds (its error is printed otherwise). One GPU.
 "ours" runs the attention core through torch's fused SDPA (the GPU default), "ours-softmax"
 through our masked-softmax kernel between two GEMMs. "hf" is BertLayer as transformers 5 builds it
 (SDPA attention), "hf-eager-attn" with the eager attention (scores materialised), "hf-compile" the
-"hf" layers each under torch.compile (static shapes; one compiled graph serves every layer). First correctness: our fp16/bf16 layer against float32 references (post-LN: HF BertLayer with the
-same weights; pre-LN: the layer written out in torch), odd sequence lengths and random padding
+"hf" layers each under torch.compile (static shapes; one compiled graph serves every layer).
+First correctness: our fp16/bf16 layer against float32 references (post-LN: HF BertLayer with the same weights; pre-LN: the layer written out in torch), odd sequence lengths and random padding
 masks, and every memory flag on against off. Then step time (median of interleaved reps),
 tokens/s and ratios; then the activation memory a forward keeps with and without the memory flags.
 

@@ -93,8 +93,8 @@ def check(device: str) -> bool:
         r, y = mk(r), mk(y)
         dy = mk(torch.randn(rows, cols, device=device).to(dtype))
         worst = 0.0
-        for inv, extra, kp, want_bias in ((False, None, None, False), (False, res, keep, True), (True, None, keep, True),
-                                          (True, res, None, True)):
+        for inv, extra, kp, want_bias in ((False, None, None, False), (False, res, keep, True),
+                                          (True, None, keep, True), (True, res, None, True)):
             src = y if inv else r
             args = (dy, src, gamma, beta, None if inv else mean, rstd, inv, extra, kp, 1 / 0.9, want_bias)
             got, want = ops.norm_backward(*args), ref.norm_backward(*args)

@@ -54,14 +54,17 @@ __device__ __forceinline__ void block_sum2(float &a, float &b, float2 *scratch32
     }
 }
 
-inline bool aligned(const void *p, size_t bytes) { return p == nullptr || (reinterpret_cast<uintptr_t>(p) % bytes) == 0; }
+inline bool aligned(const void *p, size_t bytes) {
+    return p == nullptr || (reinterpret_cast<uintptr_t>(p) % bytes) == 0;
+}
 
 inline int round_up32(int64_t n) { return (int)((n + 31) / 32 * 32); }
 
 // Streaming multiprocessors of the current device (sizes the grids that walk rows).
 inline int sm_count() {
     int dev = 0, n = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
         return 108;
     return n > 0 ? n : 108;
 }
