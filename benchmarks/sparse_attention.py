@@ -11,6 +11,7 @@ ratios against ours, and each method's forward+backward peak memory above the in
 
     python benchmarks/sparse_attention.py                          # seq 4k-16k, block 64, 16 heads, D 64
     python benchmarks/sparse_attention.py --seqs 4096,16384 --reps 5 --no-masked   # .devrun/gpu_45.sh
+    python benchmarks/sparse_attention.py --seqs 16384 --balance both   # balanced grid vs index order (ours-old)
 """
 from __future__ import annotations
 
@@ -245,8 +246,9 @@ def bench(seq: int, layout_name: str, args) -> None:
     balance = {"env": balance_enabled(), "on": True, "off": False, "both": True}[args.balance]
     grid = plan_summary(pin_grid(mod, seq, q.device, balance))
     methods = {"ours": mod}
-    if args.balance == "both":  # the index-order grid side by side
+    if args.balance == "both":  # the index-order grid side by side, on the same (random) layout
         methods["ours-old"] = SparseSelfAttention(cfg, max_seq_length=seq).cuda()
+        methods["ours-old"].load_state_dict(mod.state_dict())
         pin_grid(methods["ours-old"], seq, q.device, False)
     if not args.no_flex:
         methods["flex"] = make_flex(layout, block, seq, q, k, v, go)
