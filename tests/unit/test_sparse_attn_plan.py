@@ -55,6 +55,8 @@ def test_plan_covers_every_block_once_and_splits_long_rows():
     assert BlockTables.from_layout(layout, torch.device("cpu"), balance=False).row_plan is None
     with pytest.raises(ValueError, match="factor"):
         WorkPlan.build(tables.row_ptr, factor=0)
+    with pytest.raises(ValueError, match="part"):
+        WorkPlan.build(tables.row_ptr, part=0)
 
 
 def test_balance_switch(monkeypatch):

@@ -25,7 +25,8 @@ DEFAULT_FACTOR = 2.0
 
 
 def balance_enabled() -> bool:
-    """The balanced grid is opt-in (`DSC_SPARSE_ATTN_BALANCE=1`) until it is measured on a GPU."""
+    """The balanced grid is opt-in (`DSC_SPARSE_ATTN_BALANCE=1`) until it is measured on a GPU; read when
+    a SparseSelfAttention first builds its block tables for a sequence length (they are cached)."""
     value = os.environ.get(BALANCE_ENV, "0").strip()
     if value not in ("0", "1", ""):
         raise ValueError(f"environment variable {BALANCE_ENV} must be 0 or 1, got {value!r}")
@@ -48,13 +49,13 @@ class WorkPlan:
         the mean, rounded up)."""
         if factor <= 0:
             raise ValueError(f"argument 'factor' must be > 0, got {factor}")
+        if part is not None and part < 1:
+            raise ValueError(f"argument 'part' must be >= 1, got {part}")
         ptr = ptr.detach().to("cpu", torch.int64)
         counts = ptr[1:] - ptr[:-1]
         n_rows = counts.numel()
         mean = float(counts.sum()) / max(n_rows, 1)
-        target = max(1, part if part is not None else math.ceil(mean))
-        if part is not None and part < 1:
-            raise ValueError(f"argument 'part' must be >= 1, got {part}")
+        target = part if part is not None else max(1, math.ceil(mean))
         items: list[tuple[int, int, int, int]] = []
         merges: list[tuple[int, int, int, int]] = []
         slots = 0
