@@ -12,7 +12,8 @@ t0=$(date +%s)
 left() { echo $(( $1 - ($(date +%s) - t0) )); }
 quiet() { grep -vE "^\s*$|UserWarning|warnings.warn|Consider using tensor.detach|return float"; }
 echo "== build sparse_attn $(date +%T)"
-timeout 100 python3 -c "from op_builder.sparse_attn import SparseAttnBuilder as B; B().load(verbose=True)" 2>&1 | tail -3
+timeout 100 python3 -c "from op_builder.sparse_attn import SparseAttnBuilder as B; B().load(verbose=True)" \
+    2>&1 | tail -3
 echo "== check + seq 16384 (op built after $(( $(date +%s) - t0 )) s) $(date +%T)"
 timeout "$(left 95)" python3 benchmarks/sparse_attention.py --quick-check --seqs 16384 --reps 5 --no-masked \
     --balance both 2>&1 | quiet
