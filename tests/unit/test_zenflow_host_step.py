@@ -132,7 +132,13 @@ def test_host_step_equals_float64_zenflow(overlap):
     try:
         for t in range(STEPS):
             z.apply([grads[t].clone()], COEFS[t])
+        # the counters benchmarks/offload.py's steady-state timing asserts on: every boundary hands one host
+        # step to the background and takes the previous one's result; the last is taken by settle
+        hosts = STEPS // INTERVAL
+        assert (z.stats["handoffs"], z.stats["joins"]) == ((hosts, hosts - 1) if overlap else (0, 0))
         z.settle(apply=True)  # with overlap_step the last host step is still running: finished and applied
+        assert (z.stats["handoffs"], z.stats["joins"]) == ((hosts, hosts) if overlap else (0, 0))
+        assert z.stats["host_steps"] == len(z.host_log) == hosts and not z.blocked.is_set()
         model = z.dev_lp[0].double()
         pos = torch.sort(z.positions[0]).values
         assert torch.equal(pos, _expected_positions(grads[0], z))

@@ -81,8 +81,11 @@ class ZenFlowStep(ZeroStepStrategy):
         self.incoming = [torch.empty_like(lp) for lp in self.dev_lp] if cuda else []
         self.incoming_ready: Any = None
         # host_steps, host_adam_s (the C Adam), d2h_wait_s (the worker awaiting the accumulator's copy),
-        # wait_s (the training thread blocked on a host step at a boundary)
-        self.stats: dict[str, float] = {"host_steps": 0, "host_adam_s": 0.0, "d2h_wait_s": 0.0, "wait_s": 0.0}
+        # wait_s (the training thread blocked on a host step at a boundary), handoffs (host steps given to the
+        # background), joins (background host steps the training thread took the result of)
+        self.stats: dict[str, float] = {"host_steps": 0, "host_adam_s": 0.0, "d2h_wait_s": 0.0, "wait_s": 0.0,
+                                        "handoffs": 0, "joins": 0}
+        self.host_log: list[float] = []  # each host step's C Adam seconds (a benchmark reads and clears it)
         self.accumulated = 0  # steps in the accumulator
         self.steps = 0  # applied (not skipped) steps
         self.layouts: Optional[list[columns.ColumnLayout]] = None
@@ -99,12 +102,18 @@ class ZenFlowStep(ZeroStepStrategy):
         self.pool: Optional[ThreadPoolExecutor] = None
         self.h2d_done: Any = None
         self.worker_threads = 0
+        self.all_threads = 0
+        # set while the training thread is blocked on the host step: its reserved cores are idle then, so the
+        # worker steps the pieces left with every core
+        self.blocked = threading.Event()
         if schedule.overlap_step:
             self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zenflow-host-adam")
             # OpenMP's thread count is per calling thread: the worker sets its own (pt_reserved_cores_perc of
             # the cores stay with PyTorch), the main thread's host steps keep theirs
             cores = os.cpu_count() or 1
             self.worker_threads = max(1, int(cores * (1.0 - schedule.pt_reserved_cores_perc)))
+            self.all_threads = max(self.worker_threads, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                   else cores)
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self, parts: Sequence[torch.Tensor], *, clip_grad: float, grad_norm: GradNorm,
@@ -243,6 +252,7 @@ class ZenFlowStep(ZeroStepStrategy):
         else:
             assert self.pool is not None
             self.pending = self.pool.submit(self._host_adam, groups, grads, copied, scale)
+            self.stats["handoffs"] += 1
 
     @property
     def acc(self) -> list[torch.Tensor]:
@@ -251,8 +261,8 @@ class ZenFlowStep(ZeroStepStrategy):
 
     def _host_adam(self, groups: list[dict[str, Any]], grads: list[torch.Tensor],
                    copied: Optional[list[tuple[int, int, int, Any]]], scale: float) -> None:
-        if self.worker_threads and threading.current_thread() is not threading.main_thread():
-            self.optimizer.ds_opt_op.num_threads(self.worker_threads)
+        worker = bool(self.worker_threads) and threading.current_thread() is not threading.main_thread()
+        threads = 0
         t0 = time.perf_counter()
         if self.h2d_done is not None:  # lp_host is still being read by the previous result's copy
             self.h2d_done.synchronize()
@@ -269,6 +279,11 @@ class ZenFlowStep(ZeroStepStrategy):
                 t1 = time.perf_counter()
                 arrived.synchronize()
                 waited += time.perf_counter() - t1
+            if worker:  # per piece: the training thread may have started waiting since the last one
+                want = self.all_threads if self.blocked.is_set() else self.worker_threads
+                if want != threads:
+                    threads = want
+                    opt.ds_opt_op.num_threads(threads)
             state, step = steps[g]
             moments = [[state[k][lo:hi]] for k in opt.MOMENTS]
             opt.step_tensors(groups[g], [self.masters[g].detach()[lo:hi]], [grads[g][lo:hi]], moments,
@@ -276,7 +291,10 @@ class ZenFlowStep(ZeroStepStrategy):
         if self.side is None:  # CPU run: the accumulator just stepped takes gradients again from zero
             for grad in grads:
                 grad.zero_()
-        self.stats["host_adam_s"] += time.perf_counter() - t0 - waited
+        adam = time.perf_counter() - t0 - waited
+        self.stats["host_adam_s"] += adam
+        if len(self.host_log) < 4096:
+            self.host_log.append(adam)
         self.stats["d2h_wait_s"] += waited
         self.stats["host_steps"] += 1
         if self.side is not None:  # the result goes up now, on the side stream (after the accumulator's copy)
@@ -298,10 +316,13 @@ class ZenFlowStep(ZeroStepStrategy):
         if self.pending is not None:
             job, self.pending = self.pending, None
             t0 = time.perf_counter()
+            self.blocked.set()
             try:
                 job.result()  # re-raises the host step's error here
             finally:
+                self.blocked.clear()
                 self.stats["wait_s"] += time.perf_counter() - t0
+            self.stats["joins"] += 1
             self.unapplied = True
 
     def _apply_host(self) -> None:
