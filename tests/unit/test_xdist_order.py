@@ -49,7 +49,9 @@ def test_loadfile_runs_each_file_once_on_one_worker_longest_first(tmp_path):
     for name, n in counts.items():
         (tests / "distributed" / f"{name}.py").write_text(body.replace("N", str(n)))
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
-    env = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")  # xdist alone: each worker starts sooner
+    # a session of its own (none of this worker's PYTEST_* variables), with xdist alone: its workers start sooner
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "xdist", "-p", "no:cacheprovider", "-n", "2",
                            "--dist", "loadfile", "tests"], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)
