@@ -61,10 +61,13 @@ def test_plan_covers_every_block_once_and_splits_long_rows():
 
 def test_balance_switch(monkeypatch):
     monkeypatch.delenv(BALANCE_ENV, raising=False)
+    assert balance_enabled()  # on by default
+    assert BlockTables.from_layout(_layout(1, 256, 16), torch.device("cpu")).row_plan is not None
+    monkeypatch.setenv(BALANCE_ENV, "0")
     assert not balance_enabled()
+    assert BlockTables.from_layout(_layout(1, 256, 16), torch.device("cpu")).row_plan is None
     monkeypatch.setenv(BALANCE_ENV, "1")
     assert balance_enabled()
-    assert BlockTables.from_layout(_layout(1, 256, 16), torch.device("cpu")).row_plan is not None
     monkeypatch.setenv(BALANCE_ENV, "yes")
     with pytest.raises(ValueError, match=BALANCE_ENV):
         balance_enabled()

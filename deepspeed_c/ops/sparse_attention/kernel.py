@@ -41,7 +41,7 @@ class BlockTables:
     @staticmethod
     def from_layout(layout: torch.Tensor, device: torch.device, balance: bool | None = None,
                     factor: float = DEFAULT_FACTOR, part: int | None = None) -> "BlockTables":
-        """`balance` None: the DSC_SPARSE_ATTN_BALANCE environment switch (default off)."""
+        """`balance` None: the DSC_SPARSE_ATTN_BALANCE environment switch (default on)."""
         layout = layout.detach().to("cpu", torch.bool)
         if balance is None:
             balance = balance_enabled()
