@@ -333,10 +333,10 @@ def main() -> None:
     if zf_names:
         print("ZenFlow timing: blocks of " + ", ".join(
             f"{n} {args.steps} steps = {args.steps // steady.interval(engines[n])} host step(s)" for n in zf_names)
-            + " taken inside the clock (a fresh one in flight at a block's start and at its end; the end's waited"
-            " for outside the clock: 'tail'); the first host step ran in untimed warm-up", flush=True)
-    if args.profile:
-        host_stats(engines, reset=True)
+            + " taken inside the clock (a fresh one in flight at a block's start and at its end, DeepSpeed's"
+            " pipeline two; what is in flight at the end waited for outside the clock: 'tail'); the first host"
+            " step ran in untimed warm-up", flush=True)
+    host_stats(engines, reset=True)
     taken: dict[str, list[int]] = {n: [] for n in engines}
     for blk in range(args.blocks):
         if blk and args.budget and time.perf_counter() - start > args.budget:
@@ -368,9 +368,8 @@ def main() -> None:
                     f"expected {args.steps // k}: the timing is not a steady state")
     tokens = args.micro * args.seq
     tps = {n: tokens / statistics.median(v) for n, v in times.items()}
-    if args.profile:
-        for line in host_stats(engines, steps=args.blocks * args.steps):
-            print(line, flush=True)
+    for line in host_stats(engines, steps=max(len(v) for v in times.values()) * args.steps):
+        print(line, flush=True)
     print(f"timed (at {time.perf_counter() - start:.0f} s)", flush=True)
     for name in engines:
         extra = f"  tail {statistics.median(tails[name]) * 1e3:.0f} ms/block" if max(tails[name]) > 1e-3 else ""
