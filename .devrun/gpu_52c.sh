@@ -32,8 +32,8 @@ rm -f /tmp/ds_ready /tmp/ds_ok
     >/tmp/ds_setup.log 2>&1 &
 if [ "$PART" != ds ]; then
     echo "== 1: deepspeed_c plain offload vs ZenFlow (DeepSpeed installing meanwhile; the timing waits for it)"
-    timeout 100 python3 benchmarks/offload.py --impls dsc --variants offload,zenflow --baseline 0 --blocks 2 --steps 8 \
-        --check 2 --hold /tmp/ds_ready --hold_max 60 --budget 80 --watchdog 97 ${BENCH_ARGS:-} 2>&1 \
+    timeout 100 python3 benchmarks/offload.py --impls dsc --variants offload,zenflow --baseline 0 --blocks 3 --steps 8 \
+        --check 2 --hold /tmp/ds_ready --hold_max 60 --budget 84 --watchdog 97 ${BENCH_ARGS:-} 2>&1 \
         | grep -vE "$FILTER" | grep -E "$KEEP" | tail -24
 fi
 while [ ! -e /tmp/ds_ready ] && [ "$SECONDS" -lt 105 ]; do sleep 1; done

@@ -13,7 +13,11 @@ then columns are (re)selected at the first step and every select_interval steps 
 elements' device values are written into the host master first, so it holds the whole model); the host
 steps every update_interval steps, or, with update_interval "auto", once auto_ratio of the matrices have
 gathered as much left-out gradient as selected gradient (DeepSpeed's criterion), and always right before
-a reselection."""
+a reselection.
+
+The background host step runs cores * (1 - pt_reserved_cores_perc) OpenMP threads, and every core for the
+pieces left once the training thread blocks on it at a boundary (its reserved cores are idle then); the
+training thread blocks only there, when the next boundary comes before the host step has finished."""
 from __future__ import annotations
 
 import os
