@@ -44,6 +44,12 @@ class MoQConfig:
     eigenvalue: Optional[dict] = None
 
 
+def _top_level_eigenvalue(param_dict: dict) -> Optional[dict]:
+    """The documented top-level `eigenvalue` section, when enabled: it times MoQ as the nested one does."""
+    top = param_dict.get("eigenvalue")
+    return top if isinstance(top, dict) and top.get("enabled") else None
+
+
 def parse_quantize_training(param_dict: dict) -> MoQConfig:
     raw = param_dict.get("quantize_training") or {}
     check_keys(raw, _KEYS, "quantize_training")
@@ -62,7 +68,8 @@ def parse_quantize_training(param_dict: dict) -> MoQConfig:
                     target_bits=bits.get("target_bits", 8), period=sched.get("quantize_period", 1),
                     schedule_offset=sched.get("schedule_offset", 0), groups=raw.get("quantize_groups", 1),
                     mixed_fp16=bool(mixed.get("enabled", False)),
-                    change_ratio=mixed.get("quantize_change_ratio", 0.001), eigenvalue=raw.get("eigenvalue"))
+                    change_ratio=mixed.get("quantize_change_ratio", 0.001),
+                    eigenvalue=raw.get("eigenvalue") or _top_level_eigenvalue(param_dict))
     if cfg.q_type not in ("symmetric", "asymmetric"):
         raise CompressionConfigError(f"quantize_training.quantize-algo.q_type = {cfg.q_type!r}: expected "
                                      "'symmetric' or 'asymmetric'")

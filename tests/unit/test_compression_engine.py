@@ -202,17 +202,21 @@ def test_moq_under_fp16_quantizes_the_half_weights():
 
 
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph")
-def test_engine_moq_eigenvalue_timed_periods():
-    """quantize_training.eigenvalue: the engine computes the blocks' eigenvalues before the optimizer step (from a
-    create_graph backward) and each block's period at its bit drop is multiplied by 1 + floor(4 * eigenvalue)."""
+@pytest.mark.parametrize("where", ["nested", "top-level"])
+def test_engine_moq_eigenvalue_timed_periods(where: str):
+    """quantize_training.eigenvalue (or the documented top-level `eigenvalue` section): the engine computes the
+    blocks' eigenvalues before the optimizer step (from a create_graph backward) and each block's period at its
+    bit drop is multiplied by 1 + floor(4 * eigenvalue)."""
     import math
 
     torch.manual_seed(0)
     model = cases.TinyBert(2)
+    eigen = {"enabled": True, "max_iter": 10, "tol": 1e-2, "layer_name": "layer", "layer_num": 2}
     moq = {"enabled": True, "quantize_bits": {"start_bits": 8, "target_bits": 4},
-           "quantize_schedule": {"quantize_period": 1, "schedule_offset": 0},
-           "eigenvalue": {"enabled": True, "max_iter": 10, "tol": 1e-2, "layer_name": "layer", "layer_num": 2}}
-    engine, *_ = deepspeed_c.initialize(model=model, config=_cfg({}, quantize_training=moq))
+           "quantize_schedule": {"quantize_period": 1, "schedule_offset": 0}}
+    extra = {"quantize_training": {**moq, "eigenvalue": eigen}} if where == "nested" else \
+        {"quantize_training": moq, "eigenvalue": eigen}
+    engine, *_ = deepspeed_c.initialize(model=model, config=_cfg({}, **extra))
     x, y = cases._inputs("bert")
     try:
         engine.scale(torch.nn.functional.mse_loss(engine(x), y)).backward(create_graph=True)

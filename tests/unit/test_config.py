@@ -101,6 +101,13 @@ def test_unknown_top_level_key_warns_with_closest():
         DeepSpeedConfig(cfg(gradient_clippin=1.0))
 
 
+def test_eigenvalue_without_moq_warns_no_effect():
+    # DeepSpeed reads the eigenvalue section only for MoQ (quantize_training); alone it changes nothing
+    with pytest.warns(DeepSpeedConfigWarning, match=r"eigenvalue\.enabled.*no effect without.*quantize_training"):
+        c = DeepSpeedConfig(cfg(eigenvalue={"enabled": True, "max_iter": 5}))
+    assert c.eigenvalue_enabled and c.eigenvalue_config.max_iter == 5
+
+
 def test_legacy_forms():
     with pytest.warns(DeepSpeedConfigWarning, match="deprecated"):
         c = DeepSpeedConfig(cfg(zero_optimization=False))
@@ -187,7 +194,6 @@ BAD_CONFIGS = [
     (cfg(expert_parallel={"enabled": True, "autoep_size": 2}), NotImplementedError, "expert_parallel"),
     (cfg(amp={"enabled": True, "opt_level": "O1"}), NotImplementedError, "amp.enabled"),
     (cfg(sparse_gradients=True, zero_optimization={"stage": 2}), ValueError, "sparse_gradients"),  # stage 0 only
-    (cfg(eigenvalue={"enabled": True}), NotImplementedError, "eigenvalue.enabled"),
     (cfg(progressive_layer_drop={"enabled": True, "theta": "high"}), ValueError, "progressive_layer_drop.theta"),
     (cfg(curriculum_learning={"enabled": True, "curriculum_type": "seqlen", "min_difficulty": 8, "max_difficulty": 64,
                               "schedule_type": "fixed_cubic"}), ValueError, "curriculum_learning.schedule_type"),

@@ -9,8 +9,8 @@ from typing import Any, Optional
 
 from pydantic import Field, field_validator
 
-from deepspeed_c.runtime.config.utils import (DeepSpeedConfigError, DeepSpeedConfigModel, parse_section,
-                                              unbuilt)
+from deepspeed_c.runtime.config.utils import (DeepSpeedConfigError, DeepSpeedConfigModel, config_warning,
+                                              parse_section, unbuilt)
 
 
 class ValidationMode(str, Enum):
@@ -161,8 +161,11 @@ def parse_misc_sections(param_dict: dict[str, Any]) -> dict[str, Any]:
 
     autotuning = parse_autotuning(param_dict.get("autotuning"))
     eigen = parse_section(EigenvalueConfig, param_dict.get("eigenvalue"), "eigenvalue")
-    if eigen.enabled:
-        raise unbuilt("eigenvalue.enabled", "eigenvalue computation")
+    if eigen.enabled and not (param_dict.get("quantize_training") or {}).get("enabled"):
+        # the eigenvalues time MoQ's precision drops (compression/engine_hooks.py) and nothing else, in DeepSpeed
+        # too (it never reads the section otherwise)
+        config_warning("Config key 'eigenvalue.enabled' has no effect without 'quantize_training.enabled' (MoQ): "
+                       "the blocks' Hessian eigenvalues only stretch MoQ's quantize_period")
     pld = parse_section(ProgressiveLayerDropConfig, param_dict.get("progressive_layer_drop"),
                         "progressive_layer_drop")
     compile_cfg = parse_section(CompileConfig, param_dict.get("compile"), "compile")
