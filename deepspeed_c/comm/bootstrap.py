@@ -29,6 +29,23 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# the MASTER_PORT this process chose itself for a world of one (None: the launcher's or the user's)
+_auto_port: Optional[str] = None
+
+
+def _pick_auto_port() -> None:
+    global _auto_port
+    _auto_port = str(_free_port())
+    os.environ["MASTER_PORT"] = _auto_port
+
+
+def _own_single_port() -> bool:
+    """Whether the environment's MASTER_PORT is one this process picked for a world of one: a port found free is
+    only reserved once the store listens on it, so another process may take it first (then a fresh one is fine)."""
+    return _auto_port is not None and os.environ.get("MASTER_PORT") == _auto_port and \
+        os.environ.get("WORLD_SIZE") == "1"
+
+
 def default_backend() -> str:
     """The accelerator's backend; nccl with CUDA, gloo without, while the accelerator is absent."""
     try:
@@ -118,7 +135,9 @@ def _fill_env(auto_mpi_discovery: bool, distributed_port: int, verbose: bool, ra
     # without a launcher every rank is assumed to be on this node
     _set_default("LOCAL_RANK", 0 if single else os.environ["RANK"])
     _set_default("MASTER_ADDR", LOCALHOST)
-    _set_default("MASTER_PORT", _free_port() if single else distributed_port)
+    if single and os.environ.get("MASTER_PORT", "") == "":
+        _pick_auto_port()
+    _set_default("MASTER_PORT", distributed_port)
     if verbose and single:
         logger.info(f"No launcher environment found; initializing a world of one on "
                     f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
@@ -159,10 +178,20 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
     if not isinstance(timeout, timedelta):
         raise TypeError(f"init_distributed: timeout must be a datetime.timedelta, got {type(timeout).__name__}")
 
-    if init_method is None or init_method.startswith("env://"):
+    env_init = init_method is None or init_method.startswith("env://")
+    if env_init:
+        if _own_single_port():  # a port picked for an earlier group of one (since destroyed): pick afresh
+            _pick_auto_port()
         _fill_env(auto_mpi_discovery, distributed_port, verbose, rank, world_size)
 
     backend = dist_backend if dist_backend is not None else default_backend()
     if verbose and int(os.environ.get("RANK", "0") or 0) == 0:
         logger.info(f"Initializing TorchBackend in DeepSpeed with backend {backend}")
-    _comm.cdb = TorchBackend(backend, timeout, init_method, rank, world_size)
+    for attempt in range(3):
+        try:
+            _comm.cdb = TorchBackend(backend, timeout, init_method, rank, world_size)
+            break
+        except RuntimeError as e:  # torch's DistNetworkError: our own free port taken meanwhile by another process
+            if not (env_init and _own_single_port() and "EADDRINUSE" in str(e)) or attempt == 2:
+                raise
+            _pick_auto_port()
