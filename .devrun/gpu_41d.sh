@@ -18,7 +18,7 @@ timeout "$(left 100)" python3 -c "from deepspeed.ops.op_builder.all_ops import A
     2>&1 | grep -vE "^\s*$" | tail -4
 echo "== layer: ours vs DeepSpeed's kernel vs HF (8 layers) after $(( $(date +%s) - t0 )) s"
 timeout "$(left 135)" python3 benchmarks/transformer_kernel.py --skip-check --no-compile --layers 8 --reps 7 \
-    --seqs 128 --systems hf,deepspeed --deepspeed 2>&1 | quiet | tail -22
+    --seqs 128 --systems hf,deepspeed --deepspeed --dtype fp16 2>&1 | quiet | tail -22
 echo "== evoformer: ours vs DeepSpeed's after $(( $(date +%s) - t0 )) s"
 [ "$(left 148)" -gt 12 ] && timeout "$(left 148)" python3 benchmarks/evoformer.py --small --only sdpa,deepspeed 2>&1 \
     | quiet | tail -8
