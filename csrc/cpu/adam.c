@@ -49,7 +49,7 @@ static adam_consts adam_prepare(const dsc_adam_hparams *hp) {
  * other buffers for SuperOffload's speculative step (the inputs stay as they were: a rollback is free). */
 DSC_INLINE void adam_lanes(const void *P, const void *G, const void *M, const void *V, void *PO, void *MO, void *VO,
                            void *C, int64_t i, const adam_consts *k, int32_t pd, int32_t gd, int32_t md, int32_t vd,
-                           int32_t cd) {
+                           int32_t cd, int nt) {
     dsc_vf p = dsc_vload(P, pd, i), g = dsc_vload(G, gd, i);
     dsc_vf m = dsc_vload(M, md, i), v = dsc_vload(V, vd, i);
     if (k->use_gscale) g = dsc_vmul(g, k->gscale);
@@ -58,10 +58,33 @@ DSC_INLINE void adam_lanes(const void *P, const void *G, const void *M, const vo
     v = dsc_vadd(dsc_vmul(k->b2, v), dsc_vmul(dsc_vmul(k->omb2, g), g));
     dsc_vf denom = dsc_vadd(dsc_vmul(dsc_vsqrt(v), k->inv_sqrt_bc2), k->eps);
     p = dsc_vsub(dsc_vmul(p, k->decay), dsc_vmul(k->step_size, dsc_vdiv(m, denom)));
-    dsc_vstore(PO, pd, i, p);
-    dsc_vstore(MO, md, i, m);
-    dsc_vstore(VO, vd, i, v);
+    if (nt) { /* out of place, all fp32, aligned: the outputs bypass the caches (adam_range) */
+        dsc_vstream_f32(PO, i, p);
+        dsc_vstream_f32(MO, i, m);
+        dsc_vstream_f32(VO, i, v);
+    } else {
+        dsc_vstore(PO, pd, i, p);
+        dsc_vstore(MO, md, i, m);
+        dsc_vstore(VO, vd, i, v);
+    }
     if (cd != NO_COPY) dsc_vstore(C, cd, i, dsc_vround(p, pd)); /* the copy is the stored param, converted */
+}
+
+/* rem (< DSC_VW) elements from i through padded lane buffers: the vector arithmetic, ordinary stores */
+DSC_INLINE void adam_part(const dsc_opt_tensor *t, const dsc_opt_tensor *o, int64_t i, int64_t rem,
+                          const adam_consts *kp, int32_t pd, int32_t gd, int32_t md, int32_t vd, int32_t cd) {
+    const adam_consts k = *kp;
+    {
+        dsc_lane_buf bp, bg, bm, bv, bc;
+        dsc_operand p = dsc_tail_in(&bp, &t->param, i, rem), g = dsc_tail_in(&bg, &t->grad, i, rem);
+        dsc_operand m = dsc_tail_in(&bm, &t->state0, i, rem), v = dsc_tail_in(&bv, &t->state1, i, rem);
+        dsc_operand c = dsc_tail_in(&bc, &t->copy, i, rem);
+        adam_lanes(p.data, g.data, m.data, v.data, p.data, m.data, v.data, c.data, 0, &k, pd, gd, md, vd, cd, 0);
+        dsc_tail_out(&o->param, &bp, i, rem);
+        dsc_tail_out(&o->state0, &bm, i, rem);
+        dsc_tail_out(&o->state1, &bv, i, rem);
+        dsc_tail_out(&t->copy, &bc, i, rem);
+    }
 }
 
 DSC_INLINE void adam_range(const dsc_opt_tensor *t, const dsc_opt_tensor *o, int64_t i, int64_t end,
@@ -70,19 +93,29 @@ DSC_INLINE void adam_range(const dsc_opt_tensor *t, const dsc_opt_tensor *o, int
     const void *P = t->param.data, *M = t->state0.data, *V = t->state1.data;
     void *PO = o->param.data, *MO = o->state0.data, *VO = o->state1.data, *C = t->copy.data;
     const void *G = t->grad.data;
-    for (; i + DSC_VW <= end; i += DSC_VW) adam_lanes(P, G, M, V, PO, MO, VO, C, i, &k, pd, gd, md, vd, cd);
-    if (i < end) {
-        int64_t rem = end - i;
-        dsc_lane_buf bp, bg, bm, bv, bc;
-        dsc_operand p = dsc_tail_in(&bp, &t->param, i, rem), g = dsc_tail_in(&bg, &t->grad, i, rem);
-        dsc_operand m = dsc_tail_in(&bm, &t->state0, i, rem), v = dsc_tail_in(&bv, &t->state1, i, rem);
-        dsc_operand c = dsc_tail_in(&bc, &t->copy, i, rem);
-        adam_lanes(p.data, g.data, m.data, v.data, p.data, m.data, v.data, c.data, 0, &k, pd, gd, md, vd, cd);
-        dsc_tail_out(&o->param, &bp, i, rem);
-        dsc_tail_out(&o->state0, &bm, i, rem);
-        dsc_tail_out(&o->state1, &bv, i, rem);
-        dsc_tail_out(&t->copy, &bc, i, rem);
+    /* SuperOffload's out-of-place step writes 12 bytes a parameter to buffers not in cache: streaming stores
+     * spare the read of each line before its write. The first elements up to the outputs' alignment go through
+     * the padded-lane path (same arithmetic, same bits), the aligned body streams. */
+    int nt = PO != P && MO != M && VO != V && pd == DSC_CPU_F32 && md == DSC_CPU_F32 && vd == DSC_CPU_F32 &&
+             DSC_VW > 1;
+    if (nt) {
+        uintptr_t a = (uintptr_t)((float *)PO + i);
+        nt = (a % 4 == 0) && (a % DSC_STREAM_ALIGN) == ((uintptr_t)((float *)MO + i) % DSC_STREAM_ALIGN) &&
+             (a % DSC_STREAM_ALIGN) == ((uintptr_t)((float *)VO + i) % DSC_STREAM_ALIGN);
+        if (nt) {
+            int64_t head = (int64_t)(((DSC_STREAM_ALIGN - a % DSC_STREAM_ALIGN) % DSC_STREAM_ALIGN) / 4);
+            if (head > end - i) head = end - i;
+            if (head > 0) adam_part(t, o, i, head, &k, pd, gd, md, vd, cd);
+            i += head;
+        }
     }
+    if (nt) {
+        for (; i + DSC_VW <= end; i += DSC_VW) adam_lanes(P, G, M, V, PO, MO, VO, C, i, &k, pd, gd, md, vd, cd, 1);
+        dsc_vstream_fence();
+    } else {
+        for (; i + DSC_VW <= end; i += DSC_VW) adam_lanes(P, G, M, V, PO, MO, VO, C, i, &k, pd, gd, md, vd, cd, 0);
+    }
+    if (i < end) adam_part(t, o, i, end - i, &k, pd, gd, md, vd, cd);
 }
 
 typedef void (*adam_fn)(const dsc_opt_tensor *, const dsc_opt_tensor *, int64_t, int64_t, const adam_consts *);

@@ -86,7 +86,8 @@ def test_multiple_subgroups_keep_their_own_state():
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 def test_step_into_equals_in_place_and_leaves_inputs(simd, state_dtype):
     """adam_step_into (SuperOffload's out-of-place step) gives the in-place step's bits and touches no input;
-    odd sizes exercise the SIMD tails."""
+    odd sizes exercise the SIMD tails; outputs at every misalignment (out_off) the streaming stores' aligned body
+    and its peeled head."""
     from deepspeed_c.ops.op_builder import CPUAdamBuilder, toolchain
 
     if toolchain.missing_isa(simd):
@@ -98,6 +99,13 @@ def test_step_into_equals_in_place_and_leaves_inputs(simd, state_dtype):
     m, v = torch.randn(n).to(state_dtype), torch.rand(n).to(state_dtype)
     ins = [t.clone() for t in (p, m, v)]
     outs = [torch.empty_like(t) for t in (p, m, v)]
+    for out_off in (1, 5, 15):  # fp32 outputs 4, 20, 60 bytes past a 64-byte boundary; the bits as aligned ones
+        shifted = [torch.empty(n + out_off, dtype=t.dtype)[out_off:] for t in (p, m, v)]
+        op.adam_step_into([ins[0]], [g], [ins[1]], [ins[2]], None, [shifted[0]], [shifted[1]], [shifted[2]],
+                          1e-2, 0.9, 0.999, 1e-8, 0.01, 3, 1, 1)
+        op.adam_step_into([ins[0]], [g], [ins[1]], [ins[2]], None, [outs[0]], [outs[1]], [outs[2]],
+                          1e-2, 0.9, 0.999, 1e-8, 0.01, 3, 1, 1)
+        assert all(torch.equal(a, b) for a, b in zip(shifted, outs))
     cp_into, cp_inplace = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
     args = (1e-2, 0.9, 0.999, 1e-8, 0.01, 3, 1, 1)
     op.adam_step_into([ins[0]], [g], [ins[1]], [ins[2]], [cp_into], [outs[0]], [outs[1]], [outs[2]], *args)

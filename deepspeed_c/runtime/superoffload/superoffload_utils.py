@@ -15,6 +15,7 @@ the optimizer state first finishes the step (settle)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -27,12 +28,27 @@ from deepspeed_c.runtime.superoffload.job_queue import ForwardOrderQueue
 from deepspeed_c.runtime.zero.offload import CPUOffload
 
 
+def worker_threads(op: Any, threads: Optional[int], main_threads: int) -> int:
+    """The OpenMP team of the worker's C Adam calls. OpenMP's thread count is per thread: a new thread starts
+    from the process default (every core of the machine, hyperthreads included, whatever torch set for the
+    training thread), so the worker is told. offload_optimizer.cpuadam_cores_perc when set; else the training
+    thread's count (the plain step's), less one core for the training thread itself, which runs backward and
+    the next forward beside the worker: a static OpenMP schedule waits for its slowest thread, and one that
+    shares a core with the training thread is slow."""
+    if threads is not None:
+        return max(1, int(threads))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(int(main_threads), cores - 1))
+
+
 class SpeculativeOffload(CPUOffload):
 
     def __init__(self, *args: Any, stage_on_host: Optional[bool] = None, **kwargs: Any) -> None:
         # every chunk goes through the host buffer (also on a CPU run), where the speculative step picks it up
         super().__init__(*args, stage_on_host=True, **kwargs)
-        self.threads = kwargs.get("threads")  # cpuadam_cores_perc: OpenMP's count is per thread, the worker's too
+        # cpuadam_cores_perc, else the training thread's count less its own core (see worker_threads)
+        self.threads = worker_threads(self.optimizer.ds_opt_op, kwargs.get("threads"),
+                                      self.optimizer.ds_opt_op.num_threads()) if self.fused else None
         if not self.fused:
             raise ValueError("offload_optimizer.super_offload steps with the C CPU optimizers (DeepSpeedCPUAdam); "
                              f"got {type(self.optimizer).__name__}")
@@ -150,7 +166,7 @@ class SpeculativeOffload(CPUOffload):
 
     def _work(self) -> None:
         if self.threads is not None:
-            self.optimizer.ds_opt_op.num_threads(int(self.threads))
+            self.optimizer.ds_opt_op.num_threads(self.threads)
         if self.cuda:
             torch.cuda.set_device(self.device)
         while True:
@@ -189,9 +205,10 @@ class SpeculativeOffload(CPUOffload):
         if last_up is not None:
             last_up.synchronize()
         if self.spare is None:
-            for lo in range(start, end, self.sub_chunk):
-                self._kernel(group, state, master, host, self.host_lp[g], lo, min(end, lo + self.sub_chunk), coef,
-                             step)
+            # one C call for the whole chunk (its copy up waits for all of it anyway): each call returns into the
+            # GIL, which the training thread holds while it runs Python (up to sys.getswitchinterval(), 5 ms,
+            # a wait): sub-chunk calls made the worker wait for the GIL hundreds of times a step
+            self._kernel(group, state, master, host, self.host_lp[g], start, end, coef, step)
             lp = self.host_lp[g]
             self._done(g, start, end, lp if lp is not None else master.detach())
             return
@@ -203,12 +220,11 @@ class SpeculativeOffload(CPUOffload):
         out = self.spare[g]
         lp = self.host_lp[g]
         w = master.detach()
-        for lo in range(start, end, self.sub_chunk):
-            hi = min(end, lo + self.sub_chunk)
-            # the coefficient folded into the kernel (an fp32 multiply as it reads the gradient): no scaled copy
-            opt.step_tensors_into(group, [w[lo:hi]], [host[lo:hi]], [[state[k][lo:hi]] for k in opt.MOMENTS],
-                                  None if lp is None else [lp[lo:hi]], [out["master"][lo:hi]],
-                                  [[out[k][lo:hi]] for k in opt.MOMENTS], step, grad_scale=coef)
+        # the coefficient folded into the kernel (an fp32 multiply as it reads the gradient): no scaled copy; one
+        # call for the whole chunk, GIL released throughout (see above)
+        opt.step_tensors_into(group, [w[start:end]], [host[start:end]], [[state[k][start:end]] for k in opt.MOMENTS],
+                              None if lp is None else [lp[start:end]], [out["master"][start:end]],
+                              [[out[k][start:end]] for k in opt.MOMENTS], step, grad_scale=coef)
         self._done(g, start, end, lp if lp is not None else out["master"])
 
     @torch.no_grad()
@@ -218,8 +234,7 @@ class SpeculativeOffload(CPUOffload):
         master = self.masters[g]
         state = self.optimizer.state[master]
         grad, lp = self.host_grads[g], self.host_lp[g]
-        for lo in range(start, end, self.sub_chunk):
-            self._kernel(group, state, master, grad, lp, lo, min(end, lo + self.sub_chunk), coef, step)
+        self._kernel(group, state, master, grad, lp, start, end, coef, step)  # one call: one GIL wait (_speculate)
         self._done(g, start, end, lp if lp is not None else master.detach())
 
     def _done(self, g: int, start: int, end: int, src: torch.Tensor) -> None:
