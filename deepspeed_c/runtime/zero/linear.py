@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from deepspeed_c.runtime import autograd_paths
+from deepspeed_c.runtime.zero.param_store import ZeroParamStatus
 
 
 class LinearFunctionForZeroStage3(torch.autograd.Function):  # DeepSpeed's name
@@ -72,6 +73,11 @@ torch.func transforms (which would need a vmap rule for this Function) too."""
 
 _DIRECT = autograd_paths.direct_apply(LinearFunctionForZeroStage3)
 _unwrap = autograd_paths.unwrap_if_dead
+_get = dict.get
+_ABSENT = object()
+_AVAILABLE = ZeroParamStatus.AVAILABLE
+# `_parameters` types whose item read returns a gathered parameter as dict.get does (param_hooks adds ZeroParamDict)
+PLAIN_READ_DICTS: set[type] = {dict}
 
 
 def _efficient_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
@@ -80,8 +86,19 @@ def _efficient_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tens
     goes through the attribute) and the Function applied without torch's Python prelude. Dynamo does not trace
     that: before it compiles, use_traced puts _traced_forward in its place (compile_hooks.py)."""
     params = self._parameters
-    weight = params["weight"] if "weight" in params else self.weight
-    bias = params["bias"] if "bias" in params else self.bias
+    # a gathered parameter in a dict whose read is the plain dict read: no Python frame (ZeroParamDict's read
+    # only acts on a parameter not gathered, and that one still goes through it)
+    plain = type(params) in PLAIN_READ_DICTS
+    weight = _get(params, "weight", _ABSENT)
+    if weight is _ABSENT:
+        weight = self.weight
+    elif not plain or (weight is not None and getattr(weight, "ds_status", _AVAILABLE) is not _AVAILABLE):
+        weight = params["weight"]
+    bias = _get(params, "bias", _ABSENT)
+    if bias is _ABSENT:
+        bias = self.bias
+    elif not plain or (bias is not None and getattr(bias, "ds_status", _AVAILABLE) is not _AVAILABLE):
+        bias = params["bias"]
     if torch.is_autocast_enabled(input.device.type) or not torch.is_grad_enabled() or \
             torch._C._are_functorch_transforms_active():
         return F.linear(input, weight, bias)

@@ -169,6 +169,9 @@ class ZeroParamDict(dict):
         return p
 
 
+zero_linear.PLAIN_READ_DICTS.add(ZeroParamDict)
+
+
 class ParamCoordinator:
     def __init__(self, module: torch.nn.Module, store: ParamStore, *, prefetch_bucket_size: int,
                  max_live_parameters: int, max_reuse_distance: int, use_plan: bool = True,
