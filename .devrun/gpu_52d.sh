@@ -7,8 +7,9 @@
 # of waiting per call, and the training thread lost its GIL slices to the worker in turn. Its OpenMP team was the
 # process default (every logical core), not the training thread's count, so one team thread shared a core with the
 # training thread (a static schedule waits for it). And the out-of-place (rollback-free) step's 12 bytes/param of
-# writes read each line first (write-allocate). Now: one C call per bucket, the worker's team = the training
-# thread's count capped at cores-1 (cpuadam_cores_perc still wins), streaming stores for the out-of-place outputs.
+# writes read each line first (write-allocate). Now: one C call per bucket, the GIL switch interval 0.5 ms while a
+# SuperOffload engine lives (restored at destroy), the worker's team = the training thread's count capped at
+# cores-1 (cpuadam_cores_perc still wins), streaming stores for the out-of-place outputs.
 # 1) benchmarks/offload.py: plain offload vs SuperOffload ratio 1 and 0.8, correctness checks first, interleaved,
 #    ratios, host timings (the worker's ms/step beside plain's CPU step), GPU idle per step.
 # 2) if time is left: benchmarks/superoffload_host.py on this host's cores (the worker's host step vs plain's on

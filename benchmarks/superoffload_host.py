@@ -3,9 +3,12 @@
 plain: CPUOffload's step: the C CPU Adam in place, sub-chunk by sub-chunk, on the training thread (which waits).
 spec: SpeculativeOffload's speculative step: the same Adam written out of place into the spare buffers (the
 rollback snapshot), in the worker thread, while the training thread runs (here: a Python loop standing for
-backward's kernel launches). Both start from the same state; the results are compared bit for bit first.
+backward's kernel launches, holding the GIL). before: sub-chunk calls, the process's OpenMP default, CPython's 5 ms
+GIL switch interval; after: one call per bucket, worker_threads, WORKER_SWITCH_INTERVAL; the modes between
+take the changes one at a time. On a 2-core box OMP_NUM_THREADS=1 keeps every mode single-threaded (the
+spinning training thread takes the other core). Both start from the same state; the results are compared bit for bit first.
 
-  .venv/bin/python benchmarks/superoffload_host.py --numel 8000000 --reps 5
+  OMP_NUM_THREADS=1 .venv/bin/python benchmarks/superoffload_host.py --numel 8000000 --reps 7
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import time
 import torch
 
 from deepspeed_c.ops.adam import DeepSpeedCPUAdam
-from deepspeed_c.runtime.superoffload.superoffload_utils import worker_threads
+from deepspeed_c.runtime.superoffload.superoffload_utils import WORKER_SWITCH_INTERVAL, worker_threads
 
 
 def make_state(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -50,10 +53,15 @@ def spec_step(opt: DeepSpeedCPUAdam, s: dict[str, torch.Tensor], out: dict[str, 
                                   step, grad_scale=1.0)
 
 
-def in_worker(fn, threads: int | None, busy: bool) -> float:
+def in_worker(fn, threads: int | None, busy: bool, switch: float = 0.005) -> float:
     """fn in a fresh thread (as SpeculativeOffload's worker sets its OpenMP count: worker_threads), the calling
-    thread spinning meanwhile when busy; the worker's seconds."""
+    thread spinning meanwhile when busy (holding the GIL but for `switch`, sys.setswitchinterval, when the worker
+    asks for it); the worker's seconds."""
     took = [0.0]
+    import sys
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(switch)
 
     def run() -> None:
         if threads is not None:
@@ -68,6 +76,7 @@ def in_worker(fn, threads: int | None, busy: bool) -> float:
     while busy and th.is_alive():
         x += 1  # the training thread's Python work (it holds a core)
     th.join()
+    sys.setswitchinterval(before)
     return took[0]
 
 
@@ -108,12 +117,14 @@ def main() -> None:
         "plain (training thread, in place)": lambda: _timed(lambda: plain_step(opt, a_s, buckets, a.sub, 4)),
         "spec worker, sub-chunk calls (before)": lambda: in_worker(
             lambda: spec_step(opt, b_s, out, buckets, a.sub, 4), None, True),
-        f"spec worker, 1 call/bucket, {fixed} thr (after)": lambda: in_worker(
+        f"spec worker, 1 call/bucket, {fixed} thr, 5 ms GIL": lambda: in_worker(
             lambda: spec_step(opt, b_s, out, buckets, n, 4), fixed, True),
+        f"spec worker, 1 call/bucket, {fixed} thr (after)": lambda: in_worker(
+            lambda: spec_step(opt, b_s, out, buckets, n, 4), fixed, True, WORKER_SWITCH_INTERVAL),
         "spec worker, 1 call/bucket, omp default thr": lambda: in_worker(
             lambda: spec_step(opt, b_s, out, buckets, n, 4), None, True),
         "spec worker, 1 call/bucket, training idle": lambda: in_worker(
-            lambda: spec_step(opt, b_s, out, buckets, n, 4), fixed, False),
+            lambda: spec_step(opt, b_s, out, buckets, n, 4), fixed, False, WORKER_SWITCH_INTERVAL),
     }
     times: dict[str, list[float]] = {k: [] for k in modes}
     for _ in range(a.reps):  # interleaved: the 2 shared cores' noise hits every mode alike

@@ -7,6 +7,8 @@ bit for bit, and the speculation counters say which path each step took. Every r
 launch (tests/shared_launch.py: the 2-rank cases, then the refused config on 1 rank)."""
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -38,13 +40,16 @@ def _body(rank: int, world: int, clip: float, fp16: bool, ratio: float = 1.0) ->
 
     plain, e0 = train(rank, world, cfg(False), STEPS)
     w0 = gathered_weights(e0)
+    switch = [sys.getswitchinterval()]
     spec, e1 = train(rank, world, cfg(True), STEPS)
     assert type(e1.optimizer).__name__ == "SuperOffloadOptimizer_Stage3"
     w1 = gathered_weights(e1)  # read while the last step is still deferred: GatheredParameters takes it first
     stats = e1.optimizer.speculation_stats()
     skipped = e1.skipped_steps
+    switch.append(sys.getswitchinterval())
     e1.destroy()
-    return {"plain": plain, "spec": spec, "w0": w0, "w1": w1, "stats": stats, "skipped": skipped}
+    switch.append(sys.getswitchinterval())
+    return {"plain": plain, "spec": spec, "w0": w0, "w1": w1, "stats": stats, "skipped": skipped, "switch": switch}
 
 
 def _cases(rank: int, world: int, cases: list) -> dict:
@@ -77,6 +82,9 @@ def test_speculation_equals_plain_offload(runs, clip, fp16, expect):
     for r in out:
         np.testing.assert_array_equal(r["spec"], r["plain"])
         np.testing.assert_array_equal(r["w1"], r["w0"])
+    for r in out:  # the worker's GIL waits bounded while the engine lives; the process's interval back at destroy
+        before, during, after = r["switch"]
+        assert during == min(before, 5e-4) and after == before, r["switch"]
     st = out[0]["stats"]
     assert st["deferred_steps"] == STEPS - out[0]["skipped"], st  # every step taken returned before the host was done
     if expect == "commits":

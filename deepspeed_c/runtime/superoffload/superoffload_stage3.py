@@ -47,6 +47,11 @@ class SuperOffloadOptimizer_Stage3(DeepSpeedZeroOptimizer_Stage3):  # noqa: N801
         self.offload.settle()
         super().load_module_state(module, state_dict)
 
+    def destroy(self) -> None:
+        super().destroy()
+        assert isinstance(self.offload, SpeculativeOffload)
+        self.offload.close()  # the deferred step finished, the worker stopped, the GIL switch interval given back
+
     def _offload_class(self) -> type:
         return SpeculativeOffload
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -41,6 +42,28 @@ def worker_threads(op: Any, threads: Optional[int], main_threads: int) -> int:
     return max(1, min(int(main_threads), cores - 1))
 
 
+# While a worker runs: the longest the training thread keeps the GIL from it. Each of the worker's GIL
+# acquisitions (a C call's return, an event's wait, the queue) waits up to this for the training thread, which runs
+# forward/backward Python meanwhile; CPython's default, 5 ms, made those waits a large part of the worker's time. The
+# training thread only gives way when the worker asks (the worker's Python between C calls is short).
+WORKER_SWITCH_INTERVAL = 5e-4
+_switch = {"users": 0, "before": 0.0}
+
+
+def _hold_switch_interval(take: bool) -> None:
+    """The process's GIL switch interval at most WORKER_SWITCH_INTERVAL while any SpeculativeOffload lives; the
+    previous value back when the last one closes (unless someone else changed it meanwhile)."""
+    if take:
+        if _switch["users"] == 0:
+            _switch["before"] = sys.getswitchinterval()
+            sys.setswitchinterval(min(_switch["before"], WORKER_SWITCH_INTERVAL))
+        _switch["users"] += 1
+        return
+    _switch["users"] -= 1
+    if _switch["users"] == 0 and sys.getswitchinterval() == min(_switch["before"], WORKER_SWITCH_INTERVAL):
+        sys.setswitchinterval(_switch["before"])
+
+
 class SpeculativeOffload(CPUOffload):
 
     def __init__(self, *args: Any, stage_on_host: Optional[bool] = None, **kwargs: Any) -> None:
@@ -64,6 +87,8 @@ class SpeculativeOffload(CPUOffload):
         self.queued: list[tuple[int, int, int]] = []  # (group, start, end) handed to the worker this backward
         self.queued_coef: Optional[float] = None
         self.worker = threading.Thread(target=self._work, name="superoffload-cpu-adam", daemon=True)
+        _hold_switch_interval(True)
+        self.switch_held = True
         self.worker.start()
         self.commits = 0
         self.share: Optional[DeviceShare] = None  # offload_optimizer.ratio < 1: the groups' first buckets
@@ -523,4 +548,7 @@ class SpeculativeOffload(CPUOffload):
             self.store.before_reads(None)
         self.jobs.put((float("inf"),), None)
         self.worker.join(timeout=30)
+        if self.switch_held:  # close may run twice (destroy, then the interpreter's exit)
+            self.switch_held = False
+            _hold_switch_interval(False)
         super().close()
