@@ -323,8 +323,44 @@ class ZeroGradPartitioner(BackwardRound):
         p.grad = None
         return grad
 
+    def _hook_for(self, index: int) -> Callable[[torch.Tensor], None]:
+        k = index
+
+        def hook(param: torch.Tensor) -> None:
+            # once per parameter per backward, so one frame: BackwardRound's hook with _on_grad and _deposit's
+            # common path (first arrival, 16-bit accumulation) inlined; every other case goes through them
+            self.touched.add(k)
+            if not (self._reducing if self._round_open else self._enter_round()):
+                if self.accumulate_fp32:  # _on_local_grad
+                    self._fold(k)
+                return
+            if self._arrived[k] or self.accumulate_fp32:
+                self._on_grad(k)
+                return
+            slot, off, n = self._dst_spec[k]
+            p = self._flat_params[k]
+            grad = p.grad
+            if grad is not None:
+                grad = grad.detach().reshape(-1)
+                p.grad = None
+            buf = self._bufs[slot]
+            dst = (buf if buf is not None else self._bucket(slot))[off:off + n]
+            if self._direct[k]:
+                if grad is not None:
+                    dst.add_(grad)
+            elif grad is not None:
+                dst.copy_(grad)
+            else:
+                dst.zero_()
+            self._arrived[k] = True
+            frontier = self._frontier = self._mark(k)
+            if self.overlap and self._next < frontier:
+                self._launch_ready()
+
+        return hook
+
     def _deposit(self, k: int) -> int:
-        # once per parameter per backward: _take_grad's and _bucket's common paths inlined
+        # _hook_for's hook repeats this for the first arrival without fp32 accumulation: change both
         slot, off, n = self._dst_spec[k]
         if self.accumulate_fp32:
             grad = self._take_grad(k)
