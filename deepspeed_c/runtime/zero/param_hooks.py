@@ -387,7 +387,14 @@ class ParamCoordinator:
             store.take_early()
         if not self.following and store.world_size > 1:
             self._check_same_step(i, key, phase, units)
-        self._make_room(units)
+        # _make_room's "already fits" case inlined (once per module step): _missing's sum without its frames
+        full, persistent, unit_numel = store.full, store.persistent, store.unit_numel
+        missing = 0
+        for u in units:
+            if full[u] is None and not persistent[u]:
+                missing += unit_numel[u]
+        if store.live_numel + missing > self.limits["max_live_parameters"]:
+            self._make_room(units)
         if self.following:
             for n, group in enumerate(self.plan.fetch_at(i)):
                 if n == 0:  # the step's own units first: also any the plan kept but _make_room released
@@ -400,6 +407,7 @@ class ParamCoordinator:
         self._open.setdefault(key, []).append((i, units))
 
     def _missing(self, units: Sequence[int]) -> int:
+        # begin_step repeats this sum inline: change both
         store = self.store
         return sum(store.unit_numel[u] for u in units if not store.is_live(u) and not store.persistent[u])
 
