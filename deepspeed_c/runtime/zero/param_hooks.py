@@ -34,6 +34,8 @@ from deepspeed_c.runtime.zero.partition_parameters import drop_guard, external_p
 
 _Z3_LEAF_ATTR = "_z3_leaf"
 _AVAILABLE = ZeroParamStatus.AVAILABLE
+# autograd_paths.transforms_active without its frame, for the module hooks (twice per module call)
+_transforms_active = torch._C._are_functorch_transforms_active
 PLAN_CACHE = 8  # plans kept for models whose path changes between iterations
 
 
@@ -289,9 +291,9 @@ class ParamCoordinator:
                 self.store.wait(self.units[key])
                 return None
             self.begin_step(key, "f")
-            if torch.is_grad_enabled() and not autograd_paths.transforms_active():
+            if torch.is_grad_enabled() and not _transforms_active():
                 fired = [_NONE, _NONE]
-                self._fired_stack(key).append(fired)
+                self.__dict__.setdefault("_fired", {}).setdefault(key, []).append(fired)
                 if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
                     if not args[0].requires_grad:
                         return None
@@ -318,8 +320,8 @@ class ParamCoordinator:
             # also drops the units its attribute reads gathered; a recompute holds its own until the backward
             self.end_step(key, "f", hold=self._in_backward_round())
             # under torch.func the transform differentiates functionally (no autograd backward to mark)
-            if torch.is_grad_enabled() and not autograd_paths.transforms_active():
-                stack = self._fired_stack(key)
+            if torch.is_grad_enabled() and not _transforms_active():
+                stack = self.__dict__.setdefault("_fired", {}).setdefault(key, [])  # key -> stack of its forwards' fired lists
                 fired = stack.pop() if stack else [_NONE, _NONE]
                 if isinstance(output, torch.Tensor):
                     return _PRE_APPLY(self, key, fired, _unwrap(output)) if output.requires_grad else None
@@ -368,9 +370,6 @@ class ParamCoordinator:
             return pre(m, args, kwargs)
 
         return hook
-
-    def _fired_stack(self, key: int) -> list:
-        return self.__dict__.setdefault("_fired", {}).setdefault(key, [])
 
     # -- steps ---------------------------------------------------------------------------------------
     def begin_step(self, key: int, phase: str) -> None:
