@@ -47,7 +47,7 @@ BucketFinal = Callable[[int, int, int, torch.Tensor], None]  # (group, start, en
 
 
 def chunk_range(plan: PartitionPlan, b: int, world_size: int) -> tuple[int, int]:
-    """[start, end) of bucket b's chunk inside each rank's partition of the plan's group."""
+    """[start, end) of bucket b's chunk inside each rank's partition of the plan's group (_launch repeats it)."""
     start = plan.bucket_offset[b] // world_size
     return start, start + plan.bucket_size[b] // world_size
 
@@ -435,7 +435,9 @@ class ZeroGradPartitioner(BackwardRound):
             self._bufs[slot] = None
         else:
             buf = late
-        start, end = self.chunk_range(g, b)
+        plan, world = self.plans[g], self.world_size  # chunk_range inlined (once per bucket per backward)
+        start = plan.bucket_offset[b] // world
+        end = start + plan.bucket_size[b] // world
         out = None
         part = self.grad_partitions[g]
         if fresh and self._into_partition and part is not None:  # the first round receives into the partition
