@@ -21,6 +21,7 @@ differs, instead of mismatched gathers)."""
 from __future__ import annotations
 
 import hashlib
+from itertools import filterfalse
 from typing import Any, Optional, Sequence
 
 import torch
@@ -455,8 +456,8 @@ class ParamCoordinator:
         else:
             for u in units:
                 store.pins[u] -= 1
-        if self.following:
-            store.release([u for u in set(self.plan.release_at(i)) | set(held) if not store.persistent[u]])
+        if self.following:  # once per module step: filterfalse, no comprehension frame
+            store.release(list(filterfalse(store.persistent.__getitem__, set(self.plan.release_at(i)) | set(held))))
         else:
             store.release([u for u in set(units) | set(extra) | set(held) if not store.persistent[u]])
 
