@@ -325,7 +325,7 @@ def profile(hidden, heads, inter, n_layers, B, S, dtype, steps: int = 3) -> None
         rows.sort(key=lambda r: -r[1])
         print(f"\n{name}: {total:.2f} ms of kernels per step ({n_layers} layers, batch {B} x seq {S}), "
               f"{sum(r[2] for r in rows)} launches; costliest:")
-        for key, ms, count in rows[:12]:
+        for key, ms, count in rows[:24]:
             print(f"  {ms:7.3f} ms x{count:<4} {key[:100]}")
 
 
