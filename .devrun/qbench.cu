@@ -208,7 +208,7 @@ int main(int argc, char **argv) {
         return [=]() { fake_quant_t<float>(x, out, groups, n / groups, 8, asym, nullptr, nullptr, 0, seed, 0); };
     };
     // family "g4096": asym8, groups of 4096, one pass (2 x 4 B per element)
-    cases.push_back({"cur group_kernel 256x16", "g4096", cur(G, 1, 0), 8.0 * n});
+    cases.push_back({"cur (group_vec_kernel)", "g4096", cur(G, 1, 0), 8.0 * n});
     cases.push_back({"group4 256x4", "g4096", [&]() { group4<256, 4, false><<<(unsigned)G, 256>>>(x4, o4, G, 1024, 8, 1, 0); }, 8.0 * n});
     cases.push_back({"group4 128x8", "g4096", [&]() { group4<128, 8, false><<<(unsigned)G, 128>>>(x4, o4, G, 1024, 8, 1, 0); }, 8.0 * n});
     cases.push_back({"group4 128x8 cs", "g4096", [&]() { group4<128, 8, true><<<(unsigned)G, 128>>>(x4, o4, G, 1024, 8, 1, 0); }, 8.0 * n});
@@ -234,6 +234,15 @@ int main(int argc, char **argv) {
         };
     };
     cases.push_back({"2pass r1 a1 g8", "stoch", two_pass(0, 7, 1, false, 1, false, 8), 12.0 * n});
+    {
+        auto inner = two_pass(0, 7, 1, false, 1, false, 8);
+        cases.push_back({"2pass r1 a1 g8 +defaultpool", "stoch", [=]() {
+                             void *tmp = nullptr;
+                             cudaMallocAsync(&tmp, 64, 0);
+                             inner();
+                             cudaFreeAsync(tmp, 0);
+                         }, 12.0 * n});
+    }
     cases.push_back({"2pass r2 a2 g8", "stoch", two_pass(0, 7, 2, false, 2, false, 8), 12.0 * n});
     cases.push_back({"2pass r2cs a2cs g8", "stoch", two_pass(0, 7, 2, true, 2, true, 8), 12.0 * n});
     cases.push_back({"2pass r4 a4 g8", "stoch", two_pass(0, 7, 4, false, 4, false, 8), 12.0 * n});

@@ -41,10 +41,15 @@ def correctness() -> list[tuple[str, bool]]:
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         x = (torch.randn(1 << 20, generator=g) * 3).to(dtype)
         odd = (torch.randn(3 * 5003, generator=g) * 3).to(dtype)  # 2-pass, groups not a multiple of 4
-        for groups, bits, asym, t in ((1, 8, False, x), (1, 8, True, x), (64, 4, False, x), (256, 3, True, x),
-                                      (4096, 8, True, x), (1 << 4, 5, False, x), (3, 8, True, odd),
-                                      (3, 4, False, odd)):
+        cases = [(1, 8, False, x), (1, 8, True, x), (64, 4, False, x), (256, 3, True, x), (4096, 8, True, x),
+                 (1 << 4, 5, False, x), (3, 8, True, odd), (3, 4, False, odd),
+                 (1 << 18, 8, False, x),  # n = 4: the 16-bit dtypes take the per-element group kernel
+                 (5003, 4, True, odd),  # n = 3: per-element group kernel
+                 (64, 8, True, x[:1 + 64 * 1024])]  # used one element in: not 16-byte aligned (below)
+        for groups, bits, asym, t in cases:
             tc = t.cuda()
+            if t.numel() == 1 + 64 * 1024:  # slice on each side, so the device view is misaligned too
+                t, tc = t[1:], tc[1:]
             for seed in (0, 12345):
                 a = _raw(cuda_op, tc, groups, bits, asym, seed).cpu()
                 b = _raw(cpu_op, t, groups, bits, asym, seed)
