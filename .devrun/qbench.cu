@@ -243,6 +243,16 @@ int main(int argc, char **argv) {
                              cudaFreeAsync(tmp, 0);
                          }, 12.0 * n});
     }
+    cases.push_back({"mix cur-ranges + apply4<1>", "stoch", [&]() {
+                         g1_params(0, [&]() {
+                             ranges_kernel<float4><<<dim3(S * 8, 1), kThreads>>>(x4, n4, 1, 0, keys);
+                         });
+                         apply4<1, false><<<S * 8, kThreads>>>(x4, o4, n4, n4, params, -128.f, 127.f, 0, 7);
+                     }, 12.0 * n});
+    cases.push_back({"mix ranges4<1> + cur-apply", "stoch", [&]() {
+                         g1_params(0, [&]() { ranges4<1, false><<<S * 8, kThreads>>>(x4, n4, 0, keys); });
+                         apply_kernel_f32x4<<<S * 8, kThreads>>>(x4, o4, n4, n4, params, -128.f, 127.f, 0, 7);
+                     }, 12.0 * n});
     cases.push_back({"2pass r2 a2 g8", "stoch", two_pass(0, 7, 2, false, 2, false, 8), 12.0 * n});
     cases.push_back({"2pass r2cs a2cs g8", "stoch", two_pass(0, 7, 2, true, 2, true, 8), 12.0 * n});
     cases.push_back({"2pass r4 a4 g8", "stoch", two_pass(0, 7, 4, false, 4, false, 8), 12.0 * n});

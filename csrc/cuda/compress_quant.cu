@@ -252,15 +252,22 @@ __global__ __launch_bounds__(kGroupThreads) void group_vec_kernel(const Pack<T> 
     int par = 0;
     for (int64_t g = blockIdx.x; g < groups; g += gridDim.x, par ^= 1) {
         const int64_t base = g * np;
+        /* every load is issued before the first value is used: folded into the range one by one, each load
+         * would wait for the one before it (0.72 of copy instead of 0.99) */
+        uint4 raw[kV];
+#pragma unroll
+        for (int j = 0; j < kV; j++) {
+            const int64_t k = threadIdx.x + (int64_t)j * kGroupThreads;
+            if (k < np) raw[j] = __ldcs(reinterpret_cast<const uint4 *>(x + base + k));
+        }
         float v[kV][kN];
         unsigned int kmin = 0xffffffffu, kmax = 0u;
 #pragma unroll
         for (int j = 0; j < kV; j++) {
             const int64_t k = threadIdx.x + (int64_t)j * kGroupThreads;
             if (k < np) {
-                uint4 raw = __ldcs(reinterpret_cast<const uint4 *>(x + base + k));
                 Pack<T> pk;
-                memcpy(&pk, &raw, sizeof(raw));
+                memcpy(&pk, &raw[j], sizeof(raw[j]));
 #pragma unroll
                 for (int e = 0; e < kN; e++) {
                     v[j][e] = Io<T>::ld(pk.v, e);
@@ -302,11 +309,13 @@ __global__ __launch_bounds__(kGroupThreads) void group_kernel(const T *__restric
         float v[kGroupPerThread];
         unsigned int kmin = 0xffffffffu, kmax = 0u;
 #pragma unroll
-        for (int j = 0; j < kGroupPerThread; j++) {
+        for (int j = 0; j < kGroupPerThread; j++) {  // all loads first, as above
             const int64_t k = threadIdx.x + (int64_t)j * kGroupThreads;
             v[j] = k < n ? Io<T>::ld(x, base + k) : 0.0f;
-            if (k < n) take_key(v[j], asym, kmin, kmax);
         }
+#pragma unroll
+        for (int j = 0; j < kGroupPerThread; j++)
+            if (threadIdx.x + (int64_t)j * kGroupThreads < n) take_key(v[j], asym, kmin, kmax);
         group_keys(kmin, kmax, smin, smax, par);
         float vlo, vhi;
         keys_range(kmin, kmax, asym, vlo, vhi);
