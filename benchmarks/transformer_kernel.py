@@ -21,6 +21,7 @@ import copy
 import itertools
 import statistics
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -274,23 +275,28 @@ def bench(hidden, heads, inter, n_layers, B, S, dtype, reps, compile_hf: bool, w
         except Exception as e:
             print(f"  {name}: not run: {type(e).__name__}: {' '.join(str(e).split())[:400]}")
     times = {name: [] for name in live}
+    host = {name: [] for name in live}  # the time to enqueue the step: ~ the GPU time when host-bound
     for _ in range(reps):
         for name, model in live.items():
             for p in model.parameters():
                 p.grad = None
+            torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
             start.record()
             step(model, x, mask)
             end.record()
+            host[name].append((time.perf_counter() - t0) * 1e3)
             torch.cuda.synchronize()
             times[name].append(start.elapsed_time(end))
     print(f"\ntraining step (fwd+bwd), {n_layers} BERT-Large layers, batch {B} x seq {S}, {str(dtype)[6:]}, "
           f"dropout 0.1, median of {reps} interleaved reps")
-    print(f"{'system':>12} {'ms':>9} {'tokens/s':>11} {'ours speed-up':>14}")
+    print(f"{'system':>12} {'ms':>9} {'host ms':>9} {'tokens/s':>11} {'ours speed-up':>14}")
     t_ours = statistics.median(times["ours"])
     for name in live:
         t = statistics.median(times[name])
-        print(f"{name:>12} {t:9.2f} {B * S / t * 1e3:11.0f} {t / t_ours:13.2f}x")
+        print(f"{name:>12} {t:9.2f} {statistics.median(host[name]):9.2f} {B * S / t * 1e3:11.0f} "
+              f"{t / t_ours:13.2f}x")
 
 
 def profile(hidden, heads, inter, n_layers, B, S, dtype, steps: int = 3) -> None:

@@ -12,10 +12,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from deepspeed_c.ops.transformer.mask_cache import ConvertedMask
 from deepspeed_c.ops.transformer.transformer_function import (WEIGHT_NAMES, DeepSpeedTransformerFunction,
                                                               LayerSpec)
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_LAYER_MASK = ConvertedMask()
 
 
 class TransformerConfig:
@@ -120,6 +122,7 @@ class DeepSpeedTransformerLayer(nn.Module):
         else:
             self._adopt(initial_weights, initial_biases, shapes)
         self._generator: torch.Generator | None = None
+        self._spec_cache: tuple | None = None
         self.attention_impl = "auto"
 
     def _adopt(self, weights, biases, shapes) -> None:
@@ -179,9 +182,9 @@ class DeepSpeedTransformerLayer(nn.Module):
                              f"got {list(mask.shape)}")
         if mask.device != x.device:
             raise ValueError(f"DeepSpeedTransformerLayer: attention_mask is on {mask.device}, the input on {x.device}")
-        return mask[:, 0].to(md).expand(B, mask.shape[2], S).contiguous()
+        return _LAYER_MASK.get(mask, (B, S, md), lambda: mask[:, 0].to(md).expand(B, mask.shape[2], S).contiguous())
 
-    def _check_input(self, x: torch.Tensor) -> None:
+    def _check_input(self, x: torch.Tensor, weights: list) -> None:
         c = self.config
         if x.dim() != 3 or x.shape[-1] != c.hidden_size:
             raise ValueError(f"DeepSpeedTransformerLayer: hidden_states must be [batch, seq, {c.hidden_size}], "
@@ -193,8 +196,7 @@ class DeepSpeedTransformerLayer(nn.Module):
         if x.dtype not in allowed:
             raise TypeError(f"DeepSpeedTransformerLayer: unsupported dtype {x.dtype}; use "
                             f"{', '.join(str(d) for d in allowed)}")
-        for name in WEIGHT_NAMES:
-            p = getattr(self, name)
+        for name, p in zip(WEIGHT_NAMES, weights):
             if p.dtype != x.dtype or p.device != x.device:
                 raise TypeError(f"DeepSpeedTransformerLayer: parameter {name} is {p.dtype} on {p.device} but the "
                                 f"input is {x.dtype} on {x.device}; move the layer with .to(dtype, device)")
@@ -216,20 +218,30 @@ class DeepSpeedTransformerLayer(nn.Module):
         c.is_grad_enabled = torch.is_grad_enabled()
         c.training = self.training
         x = hidden_states.contiguous()
-        self._check_input(x)
-        train = self.training
-        spec = LayerSpec(heads=c.heads, pre_layer_norm=bool(c.pre_layer_norm), eps=float(c.layer_norm_eps),
-                         attn_dropout=float(c.attn_dropout_ratio) if train else 0.0,
-                         hidden_dropout=float(c.hidden_dropout_ratio) if train else 0.0,
-                         normalize_invertible=bool(c.normalize_invertible), gelu_checkpoint=bool(c.gelu_checkpoint),
-                         attn_dropout_checkpoint=bool(c.attn_dropout_checkpoint),
-                         fused_attention=self._fused_attention(x))
         weights = [getattr(self, name) for name in WEIGHT_NAMES]
+        self._check_input(x, weights)
+        spec = self._spec(x)
         if grads is not None:
             self._record_grads(grads)
         out = DeepSpeedTransformerFunction.apply(spec, self._dropout_generator(x.device), x,
                                                  self._mask(attention_mask, x), *weights)
         return (out,) if c.return_tuple else out
+
+    def _spec(self, x: torch.Tensor) -> LayerSpec:
+        # built once per distinct config state (the config is a plain object a user may edit between calls)
+        c, train = self.config, self.training
+        key = (c.heads, c.pre_layer_norm, c.layer_norm_eps, c.attn_dropout_ratio, c.hidden_dropout_ratio,
+               c.normalize_invertible, c.gelu_checkpoint, c.attn_dropout_checkpoint, train,
+               self._fused_attention(x))
+        if self._spec_cache is None or self._spec_cache[0] != key:
+            spec = LayerSpec(heads=c.heads, pre_layer_norm=bool(c.pre_layer_norm), eps=float(c.layer_norm_eps),
+                             attn_dropout=float(c.attn_dropout_ratio) if train else 0.0,
+                             hidden_dropout=float(c.hidden_dropout_ratio) if train else 0.0,
+                             normalize_invertible=bool(c.normalize_invertible),
+                             gelu_checkpoint=bool(c.gelu_checkpoint),
+                             attn_dropout_checkpoint=bool(c.attn_dropout_checkpoint), fused_attention=key[-1])
+            self._spec_cache = (key, spec)
+        return self._spec_cache[1]
 
     def _fused_attention(self, x: torch.Tensor) -> bool:
         impl = self.attention_impl

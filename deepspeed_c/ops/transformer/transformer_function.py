@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from deepspeed_c.ops.transformer import fused_ops as ops
+from deepspeed_c.ops.transformer.mask_cache import ConvertedMask
 
 WEIGHT_NAMES = ("attn_qkvw", "attn_qkvb", "attn_ow", "attn_ob", "attn_nw", "attn_nb", "inter_w", "inter_b",
                 "output_w", "output_b", "norm_w", "norm_b")
@@ -73,12 +74,15 @@ class _SDPAGraph:
         return torch.autograd.grad(self.out, self.inputs, dctx)
 
 
+_SDPA_MASK = ConvertedMask()
+
+
 def _sdpa_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     # [B, 1 | S, S] float32 -> [B, 1, 1 | S, S] in the activation dtype, -inf clamped to the dtype's
     # lowest finite value (a fully padded row then averages, as in Hugging Face, instead of NaN).
     if mask is None:
         return None
-    return mask.clamp_min(torch.finfo(dtype).min).to(dtype)[:, None]
+    return _SDPA_MASK.get(mask, dtype, lambda: mask.clamp_min(torch.finfo(dtype).min).to(dtype)[:, None])
 
 
 class DeepSpeedTransformerFunction(torch.autograd.Function):
@@ -93,8 +97,8 @@ class DeepSpeedTransformerFunction(torch.autograd.Function):
         inv = spec.normalize_invertible
         x2 = x.reshape(T, Hd)
         k_attn = None if spec.fused_attention else _keep_mask((B, nh, S, S), spec.attn_dropout, x, gen)
-        k1 = _keep_mask((T, Hd), spec.hidden_dropout, x, gen)
-        k2 = _keep_mask((T, Hd), spec.hidden_dropout, x, gen)
+        k12 = _keep_mask((2, T, Hd), spec.hidden_dropout, x, gen)  # both hidden dropouts: one draw, one launch
+        k1, k2 = (None, None) if k12 is None else k12.unbind(0)
         s_hid = 1.0 / (1.0 - spec.hidden_dropout)
 
         h0 = mean0 = rstd0 = None
@@ -172,12 +176,11 @@ class DeepSpeedTransformerFunction(torch.autograd.Function):
         dow = da.t().mm(ctx2)
         dctx = da.mm(ow).view(B, S, nh, d).transpose(1, 2)
 
-        dqkv = torch.empty(B, S, 3, nh, d, dtype=qkv.dtype, device=qkv.device)
-        dq, dk, dv = dqkv.permute(2, 0, 3, 1, 4)
-        if sdpa is not None:
-            for dst, src in zip((dq, dk, dv), sdpa.backward(dctx)):
-                dst.copy_(src)
+        if sdpa is not None:  # [B, nh, S, d] each -> [B, S, 3, nh, d] in one kernel
+            dqkv = torch.stack([g.transpose(1, 2) for g in sdpa.backward(dctx)], dim=2)
         else:
+            dqkv = torch.empty(B, S, 3, nh, d, dtype=qkv.dtype, device=qkv.device)
+            dq, dk, dv = dqkv.permute(2, 0, 3, 1, 4)
             q, k, v = qkv.view(B, S, 3, nh, d).permute(2, 0, 3, 1, 4)
             if Pd is None:
                 Pd = _dropped_probs(P, k_attn, spec.attn_dropout)
