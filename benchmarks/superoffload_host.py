@@ -13,14 +13,18 @@ spinning training thread takes the other core). Both start from the same state; 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import threading
 import time
 
 import torch
 
-from deepspeed_c.ops.adam import DeepSpeedCPUAdam
-from deepspeed_c.runtime.superoffload.superoffload_utils import WORKER_SWITCH_INTERVAL, worker_threads
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from deepspeed_c.ops.adam import DeepSpeedCPUAdam  # noqa: E402
+from deepspeed_c.runtime.superoffload.superoffload_utils import WORKER_SWITCH_INTERVAL, worker_threads  # noqa: E402
 
 
 def make_state(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
