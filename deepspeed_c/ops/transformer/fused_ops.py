@@ -107,11 +107,13 @@ def norm_backward(dy: torch.Tensor, src: torch.Tensor, gamma: torch.Tensor, beta
     dx = torch.empty_like(dy)
     dxd = torch.empty_like(dy) if keep is not None else None
     part = torch.empty(3 if want_bias else 2, parts, cols, dtype=torch.float32, device=dy.device)
-    cuda_op().norm_backward(dy, src, gamma, beta, mean, rstd, extra, keep, float(drop_scale), dx, dxd, part[0],
-                            part[1], part[2] if want_bias else None, bool(invertible))
+    p = part.unbind(0)  # one call for the views (host time: the step is launch-bound at BERT sizes)
+    cuda_op().norm_backward(dy, src, gamma, beta, mean, rstd, extra, keep, float(drop_scale), dx, dxd, p[0], p[1],
+                            p[2] if want_bias else None, bool(invertible))
     sums = torch.empty(part.shape[0], cols, dtype=gamma.dtype, device=dy.device)
     cuda_op().sum_parts(part, sums)
-    return dx, sums[0], sums[1], dx if dxd is None else dxd, sums[2] if want_bias else None
+    s = sums.unbind(0)
+    return dx, s[0], s[1], dx if dxd is None else dxd, s[2] if want_bias else None
 
 
 def softmax(scores: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:

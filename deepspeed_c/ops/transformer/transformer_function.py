@@ -135,7 +135,10 @@ class DeepSpeedTransformerFunction(torch.autograd.Function):
             None if (spec.attn_dropout_checkpoint or k_attn is None) else Pd, k_attn,
             None if sdpa is not None else ctx2,  # SDPA keeps its output: ctx2 is rebuilt from it
             None if inv else r1, h1, None if inv else mean1, rstd1, k1, u, None if spec.gelu_checkpoint else g, k2,
-            out if (inv and not spec.pre_layer_norm) else None, r2, None if inv else mean2, rstd2, *w)
+            out if (inv and not spec.pre_layer_norm) else None, r2, None if inv else mean2, rstd2)
+        # the parameters ride on ctx, not through save_for_backward: saved-tensor hooks (save_on_cpu, offload)
+        # then leave them alone, and twelve saved-variable packs and unpacks a layer leave the host's step
+        ctx.weights = w
         return out.view(B, S, Hd)
 
     @staticmethod
@@ -145,8 +148,9 @@ class DeepSpeedTransformerFunction(torch.autograd.Function):
         nh, d, T = spec.heads, Hd // spec.heads, B * S
         scale = d ** -0.5
         inv = spec.normalize_invertible
-        (x2, h0, mean0, rstd0, qkv, P, Pd, k_attn, ctx2, r1, h1, mean1, rstd1, k1, u, g, k2, out, r2, mean2, rstd2,
-         qkvw, qkvb, ow, ob, anw, anb, iw, ib, outw, outb, nw, nb) = ctx.saved_tensors
+        (x2, h0, mean0, rstd0, qkv, P, Pd, k_attn, ctx2, r1, h1, mean1, rstd1, k1, u, g, k2, out, r2, mean2,
+         rstd2) = ctx.saved_tensors
+        qkvw, qkvb, ow, ob, anw, anb, iw, ib, outw, outb, nw, nb = ctx.weights
         dout = dout.reshape(T, Hd).contiguous()
         dnw = dnb = None
 
