@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from deepspeed_c.ops.transformer import fused_ops as ops
 from deepspeed_c.ops.transformer.mask_cache import ConvertedMask
+from deepspeed_c.ops.transformer.sdpa_core import attention_core
 
 WEIGHT_NAMES = ("attn_qkvw", "attn_qkvb", "attn_ow", "attn_ob", "attn_nw", "attn_nb", "inter_w", "inter_b",
                 "output_w", "output_b", "norm_w", "norm_b")
@@ -58,20 +59,6 @@ def _drop_backward(dy: torch.Tensor, keep: torch.Tensor | None, p: float) -> tor
 
 def _dropped_probs(P: torch.Tensor, keep: torch.Tensor | None, p: float) -> torch.Tensor:
     return P if keep is None else P * keep * (1.0 / (1.0 - p))
-
-
-class _SDPAGraph:
-    """The attention core run by SDPA under autograd inside our forward; our backward asks it for
-    dq, dk, dv. It keeps what SDPA saves (q, k, v views of the stored qkv, the output, the
-    log-sum-exp, the dropout seed)."""
-
-    def __init__(self, q, k, v, mask, p: float, scale: float, track: bool):
-        with torch.set_grad_enabled(track):
-            self.inputs = [t.detach().requires_grad_(track) for t in (q, k, v)]
-            self.out = F.scaled_dot_product_attention(*self.inputs, attn_mask=mask, dropout_p=p, scale=scale)
-
-    def backward(self, dctx):
-        return torch.autograd.grad(self.out, self.inputs, dctx)
 
 
 _SDPA_MASK = ConvertedMask()
@@ -109,8 +96,8 @@ class DeepSpeedTransformerFunction(torch.autograd.Function):
         q, k, v = qkv.view(B, S, 3, nh, d).permute(2, 0, 3, 1, 4)
         P = Pd = sdpa = None
         if spec.fused_attention:
-            sdpa = _SDPAGraph(q, k, v, _sdpa_mask(mask, x.dtype), spec.attn_dropout, scale,
-                               track=any(ctx.needs_input_grad))
+            sdpa = attention_core(q, k, v, _sdpa_mask(mask, x.dtype), spec.attn_dropout, scale,
+                                  track=any(ctx.needs_input_grad))
             ctx2 = sdpa.out.detach().transpose(1, 2).reshape(T, Hd)
         else:
             P = ops.softmax(torch.matmul(q, k.transpose(-1, -2)), mask, scale)
@@ -173,7 +160,7 @@ class DeepSpeedTransformerFunction(torch.autograd.Function):
         dr1, danw, danb, da, dob = ops.norm_backward(dh1, h1 if inv else r1, anw, anb, mean1, rstd1, inv,
                                                      dout if spec.pre_layer_norm else None, k1, s_hid,
                                                      want_bias=True)
-        sdpa: _SDPAGraph | None = ctx.sdpa
+        sdpa = ctx.sdpa
         ctx.sdpa = None
         if sdpa is not None:
             ctx2 = sdpa.out.detach().transpose(1, 2).reshape(T, Hd)
