@@ -9,9 +9,9 @@ Two forms with the same contract (`.out`, `.backward(dctx) -> (dq, dk, dv)`):
                BERT-Large step at batch 64 x seq 128 is bound by the host)
   _SDPAGraph   torch's public SDPA under autograd, asked for dq, dk, dv in our backward: any backend, any torch
 
-_CudnnCore is taken where the ops exist with the argument names below, a mask is given (its backward takes the
-bias as a tensor) and its first call on a device ran; anything else, or DSC_TRANSFORMER_CUDNN_SDPA=0, takes
-_SDPAGraph, and a refusal by cuDNN switches that device to _SDPAGraph for the process."""
+_CudnnCore is taken where the ops exist with the argument names below and a mask is given (its backward takes the
+bias as a tensor); anything else, or DSC_TRANSFORMER_CUDNN_SDPA=0, takes _SDPAGraph, and a shape cuDNN refuses
+once (device, dtype, lengths, head size, mask rows) takes _SDPAGraph for the rest of the process."""
 from __future__ import annotations
 
 import os
@@ -36,7 +36,7 @@ def _schema_matches() -> bool:
 
 
 _ENABLED = os.environ.get("DSC_TRANSFORMER_CUDNN_SDPA", "1") != "0" and _schema_matches()
-_REFUSED: set[int] = set()  # devices where cuDNN refused once
+_REFUSED: set[tuple] = set()  # (device, dtype, lengths, head size, mask rows) cuDNN refused once
 _LOCK = threading.Lock()
 
 
@@ -70,12 +70,14 @@ class _CudnnCore:
 
 def attention_core(q, k, v, mask, p: float, scale: float, track: bool):
     """The core for one forward: _CudnnCore when it applies (see the module's doc), else _SDPAGraph."""
-    device = q.device.index if q.is_cuda else None
-    if not (_ENABLED and track and mask is not None and device is not None and device not in _REFUSED):
+    if not (_ENABLED and track and mask is not None and q.is_cuda):
+        return _SDPAGraph(q, k, v, mask, p, scale, track)
+    key = (q.device.index, q.dtype, q.shape[-2], k.shape[-2], q.shape[-1], mask.shape[-2])
+    if key in _REFUSED:
         return _SDPAGraph(q, k, v, mask, p, scale, track)
     try:
         return _CudnnCore(q, k, v, mask, p, scale)
-    except RuntimeError:  # cuDNN does not take this input or device: SDPA chooses from now on
+    except RuntimeError:  # cuDNN does not take this shape here: SDPA chooses for it from now on
         with _LOCK:
-            _REFUSED.add(device)
+            _REFUSED.add(key)
         return _SDPAGraph(q, k, v, mask, p, scale, track)
