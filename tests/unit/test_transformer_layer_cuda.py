@@ -80,3 +80,30 @@ def test_memory_flags_same_numbers_with_dropout():
         assert _rel(a, b) < 2e-2, (name, _rel(a, b))
     other = _run(_layer(0.1), seed=4)  # another seed: other dropout masks, other numbers
     assert _rel(other[0], base[0]) > 1e-3
+
+
+def test_a_refused_shape_does_not_switch_the_others_off():
+    """Odd lengths (13: a mask row cuDNN may not take) fall back to SDPA for that shape only; 128 keeps cuDNN."""
+    if not sdpa_core._ENABLED:
+        pytest.skip("this torch has no cuDNN attention ops with the expected arguments")
+    from deepspeed_c.ops.transformer import transformer_function
+    real, taken = transformer_function.attention_core, []
+
+    def spy(*args, **kwargs):
+        core = real(*args, **kwargs)
+        taken.append((args[0].shape[-2], type(core).__name__))
+        return core
+
+    layer = _layer(0.0)
+    transformer_function.attention_core = spy
+    try:
+        for s in (13, 128):
+            x = torch.randn(2, s, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            mask = torch.zeros(2, 1, 1, s, device="cuda", dtype=torch.bfloat16)
+            mask[1, ..., s // 2:] = -1e4
+            out = layer(x, mask)
+            out.float().sum().backward()
+            assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
+    finally:
+        transformer_function.attention_core = real
+    assert taken[-1] == (128, "_CudnnCore"), taken
