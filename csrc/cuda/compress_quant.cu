@@ -235,6 +235,18 @@ __device__ __forceinline__ void group_keys(unsigned int &kmin, unsigned int &kma
     }
 }
 
+/* the group's scale / zero point from the threads' partial keys (group_keys' one barrier included) */
+template <typename T>
+__device__ __forceinline__ Params group_params(unsigned int kmin, unsigned int kmax,
+                                               unsigned int (*smin)[kGroupThreads / 32],
+                                               unsigned int (*smax)[kGroupThreads / 32], int par, float q, int asym,
+                                               int recip) {
+    group_keys(kmin, kmax, smin, smax, par);
+    float vlo, vhi;
+    keys_range(kmin, kmax, asym, vlo, vhi);
+    return make_params<T>(vlo, vhi, q, asym, recip);
+}
+
 /* 16 bytes of T as floats and back, in registers: 4 floats, or 8 halves / bfloat16s (two to a 32-bit word;
  * each rounded to T as Io<T>::put rounds it) */
 template <typename T> struct Vec16;
@@ -310,10 +322,7 @@ __global__ __launch_bounds__(kGroupThreads) void group_vec_kernel(const typename
                 for (int e = 0; e < kN; e++) take_key(v[j * kN + e], asym, kmin, kmax);
             }
         }
-        group_keys(kmin, kmax, smin, smax, par);
-        float vlo, vhi;
-        keys_range(kmin, kmax, asym, vlo, vhi);
-        const Params p = make_params<T>(vlo, vhi, q, asym, kRecip);
+        const Params p = group_params<T>(kmin, kmax, smin, smax, par, q, asym, kRecip);
 #pragma unroll
         for (int j = 0; j < kV; j++) {
             const int64_t k = threadIdx.x + (int64_t)j * kGroupThreads;
@@ -349,10 +358,7 @@ __global__ __launch_bounds__(kGroupThreads) void group_kernel(const T *__restric
 #pragma unroll
         for (int j = 0; j < kGroupPerThread; j++)
             if (threadIdx.x + (int64_t)j * kGroupThreads < n) take_key(v[j], asym, kmin, kmax);
-        group_keys(kmin, kmax, smin, smax, par);
-        float vlo, vhi;
-        keys_range(kmin, kmax, asym, vlo, vhi);
-        const Params p = make_params<T>(vlo, vhi, q, asym, recip);
+        const Params p = group_params<T>(kmin, kmax, smin, smax, par, q, asym, recip);
 #pragma unroll
         for (int j = 0; j < kGroupPerThread; j++) {
             const int64_t k = threadIdx.x + (int64_t)j * kGroupThreads;
