@@ -59,6 +59,11 @@ def correctness() -> list[tuple[str, bool]]:
                 ref = R.fake_quant(tc, bits, groups, asym).cpu()
                 rows.append((f"cuda==torch {str(dtype)[6:]} g{groups} b{bits} {'asym' if asym else 'sym'}",
                              _same(_raw(cuda_op, tc, groups, bits, asym, 0).cpu(), ref)))
+        if dtype == torch.float32:  # more than 65535 groups of the two-pass length: several range launches
+            big = torch.randn(65537 * 4100, generator=g)
+            rows.append(("cuda==C float32 g65537 n4100 b8 asym near",
+                         _same(_raw(cuda_op, big.cuda(), 65537, 8, True, 0).cpu(), _raw(cpu_op, big, 65537, 8, True, 0))))
+            del big
         xc = x.cuda()
         for groups in (1, 32):
             rows.append((f"ternary cuda==torch {str(dtype)[6:]} g{groups}",
