@@ -168,7 +168,7 @@ class DeepSpeedTransformerFunction(torch.autograd.Function):
         dctx = da.mm(ow).view(B, S, nh, d).transpose(1, 2)
 
         if sdpa is not None:  # [B, nh, S, d] each -> [B, S, 3, nh, d] in one kernel
-            dqkv = torch.stack([g.transpose(1, 2) for g in sdpa.backward(dctx)], dim=2)
+            dqkv = torch.stack([t.transpose(1, 2) for t in sdpa.backward(dctx)], dim=2)
         else:
             dqkv = torch.empty(B, S, 3, nh, d, dtype=qkv.dtype, device=qkv.device)
             dq, dk, dv = dqkv.permute(2, 0, 3, 1, 4)
