@@ -131,6 +131,15 @@ def test_legacy_forms():
             ((False, False), (True, False), (False, True))] == [False, True, True]
 
 
+def test_fp16_scaler_knobs_checked_only_under_dynamic_scaling():
+    # as DeepSpeed 0.19.8: a disabled section or a static scale may carry values the dynamic scaler would refuse,
+    # and loss_scale takes what float() takes
+    for fp16 in ({"enabled": False, "loss_scale_window": 0, "min_loss_scale": -1},
+                 {"enabled": True, "loss_scale": "3", "loss_scale_window": 0, "min_loss_scale": 0}):
+        c = DeepSpeedConfig(cfg(fp16=fp16))
+        assert c.float16_config.loss_scale == float(fp16.get("loss_scale", 0))
+
+
 def test_precision_keys_and_dtypes():
     c = DeepSpeedConfig(cfg(fp16={"enabled": True, "auto_cast": True, "loss_scale": 128},
                             communication_data_type="fp32", data_types={"grad_accum_dtype": "fp16"}))
@@ -147,6 +156,10 @@ BAD_CONFIGS = [
     (cfg(fp16={"enabled": "maybe"}), ValueError, "fp16.enabled"),
     (cfg(fp16={"enabled": True, "loss_scale": -1}), ValueError, "fp16.loss_scale"),
     (cfg(fp16={"enabled": True, "initial_scale_power": "big"}), ValueError, "fp16.initial_scale_power"),
+    (cfg(fp16={"enabled": True, "loss_scale_window": 0}), ValueError, "fp16.loss_scale_window"),
+    (cfg(fp16={"enabled": True, "min_loss_scale": 0}), ValueError, "fp16.min_loss_scale"),
+    (cfg(fp16={"enabled": True, "loss_scale_window": True}), ValueError, "fp16.loss_scale_window"),
+    (cfg(fp16={"enabled": False, "min_loss_scale": float("inf")}), ValueError, "fp16.min_loss_scale"),
     (cfg(fp16={"enabld": True}), ValueError, "fp16.enabld"),
     (cfg(fp16={"enabld": True}), ValueError, "Did you mean 'enabled'"),
     (cfg(bf16={"enabled": True, "imediate_grad_update": True}), ValueError, "bf16.imediate_grad_update"),

@@ -6,7 +6,7 @@ import math
 from typing import Any, Optional
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from deepspeed_c.runtime.config.utils import (DeepSpeedConfigError, DeepSpeedConfigModel, parse_dtype,
                                               parse_section, unbuilt)
@@ -23,22 +23,54 @@ class DeepSpeedFP16Config(DeepSpeedConfigModel):
     enabled: bool = False
     auto_cast: bool = False
     loss_scale: float = 0  # 0 selects dynamic loss scaling
-    initial_scale_power: int = Field(16, ge=0, le=127)
-    loss_scale_window: int = Field(1000, ge=1)
-    hysteresis: int = Field(2, ge=1)
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
     consecutive_hysteresis: bool = False
-    min_loss_scale: float = Field(1, gt=0)
+    min_loss_scale: int = 1
     fp16_master_weights_and_grads: bool = False
 
     @field_validator("loss_scale", mode="before")
     @classmethod
     def _loss_scale(cls, v: Any) -> float:
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ValueError("must be a number >= 0 (0 enables dynamic loss scaling)")
-        v = float(v)
+        # DeepSpeed takes anything float() takes ("3" too), but not a bool
+        if isinstance(v, bool):
+            raise ValueError("must be a number >= 0 (0 enables dynamic loss scaling), not a bool")
+        try:
+            v = float(v)
+        except (TypeError, ValueError):
+            raise ValueError("must be a number >= 0 (0 enables dynamic loss scaling)") from None
         if not math.isfinite(v) or v < 0:
             raise ValueError("must be a finite number >= 0 (0 enables dynamic loss scaling)")
         return v
+
+    @field_validator("loss_scale_window", "min_loss_scale", mode="before")
+    @classmethod
+    def _scaler_integer(cls, v: Any, info: ValidationInfo) -> Any:
+        # pydantic would turn True into 1 and pass inf on to a confusing message
+        if isinstance(v, bool):
+            raise ValueError(f"fp16.{info.field_name} must be an integer, not a bool")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"fp16.{info.field_name} must be a finite integer, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _dynamic_scaler_ranges(self) -> "DeepSpeedFP16Config":
+        # the dynamic scaler's knobs are checked only where the dynamic scaler runs (as DeepSpeed): a
+        # disabled section or a static scale may carry any leftover values
+        if not (self.enabled and self.loss_scale == 0):
+            return self
+        if self.loss_scale_window <= 0:
+            raise ValueError("fp16.loss_scale_window must be > 0 when dynamic loss scaling is enabled "
+                             f"(loss_scale=0), got {self.loss_scale_window}")
+        if self.min_loss_scale <= 0:
+            raise ValueError("fp16.min_loss_scale must be > 0 when dynamic loss scaling is enabled "
+                             f"(loss_scale=0), got {self.min_loss_scale}")
+        if not 0 <= self.initial_scale_power <= 127:
+            raise ValueError(f"fp16.initial_scale_power must be in [0, 127], got {self.initial_scale_power}")
+        if self.hysteresis < 1:
+            raise ValueError(f"fp16.hysteresis must be >= 1, got {self.hysteresis}")
+        return self
 
     def initial_dynamic_scale(self) -> float:
         return float(2**self.initial_scale_power)
