@@ -3,8 +3,8 @@ from deepspeed_c._lazy import lazy_exports
 from deepspeed_c.utils.logging import logger, log_dist
 # eager, as in DeepSpeed: the function z3_leaf_module shadows its module's name on this package
 from deepspeed_c.utils.z3_leaf_module import (  # noqa: F401
-    get_z3_leaf_modules, set_z3_leaf_module, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module,
-    z3_leaf_parameter)
+    get_z3_leaf_modules, set_z3_leaf_module, set_z3_leaf_modules, set_z3_leaf_modules_by_name,
+    set_z3_leaf_modules_by_suffix, unset_z3_leaf_modules, z3_leaf_module, z3_leaf_parameter)
 
 __getattr__, __dir__ = lazy_exports(__name__, {
     "RepeatingLoader": "deepspeed_c.runtime.dataloader:RepeatingLoader",

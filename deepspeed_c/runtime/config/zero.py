@@ -61,10 +61,37 @@ class DeepSpeedZeroOffloadOptimizerConfig(DeepSpeedConfigModel):
         return bool(self.pipeline_read or self.pipeline_write)
 
 
+# DeepSpeed 0.19.8 gathers these Hugging Face MoE blocks whole by default: their experts run data-dependently,
+# so a rank may skip an expert another rank runs and per-expert gathers would not match across ranks
+DEFAULT_LEAF_MODULE_CLASSES: list[str] = [
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+]
+DEFAULT_LEAF_MODULE_NAMES: list[str] = []
+DEFAULT_LEAF_MODULE_NAME_SUFFIXES: list[str] = []
+
+
 class DeepSpeedZeroLeafModuleConfig(DeepSpeedConfigModel):
-    classes: list[str] = Field(default_factory=list)
-    names: list[str] = Field(default_factory=list)
-    name_suffixes: list[str] = Field(default_factory=list)
+    classes: list[str] = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_CLASSES))
+    names: list[str] = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_NAMES))
+    name_suffixes: list[str] = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_NAME_SUFFIXES))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_string_is_a_list(cls, values: Any) -> Any:
+        if values is None:
+            return {}
+        if not isinstance(values, dict):
+            raise TypeError("zero_optimization.leaf_module must be a mapping of classes / names / name_suffixes")
+        return {k: [v] if k in ("classes", "names", "name_suffixes") and isinstance(v, str) else v
+                for k, v in values.items()}
+
+    @model_validator(mode="after")
+    def _dedupe(self) -> "DeepSpeedZeroLeafModuleConfig":
+        for key in ("classes", "names", "name_suffixes"):
+            object.__setattr__(self, key, list(dict.fromkeys(getattr(self, key))))
+        return self
 
 
 class DeepSpeedZeroConfig(DeepSpeedConfigModel):
