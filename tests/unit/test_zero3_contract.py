@@ -118,8 +118,12 @@ def test_nested_init_and_init_of_an_existing_module_and_auto_config() -> None:
         assert torch.equal(existing.weight.cpu(), value.to(torch.bfloat16))
 
 
-def test_remote_device_cpu_keeps_shards_on_the_host() -> None:
-    model = _built_under_init(remote_device="cpu", config_dict_or_path={"zero_optimization": {"stage": 3}})
+@pytest.mark.parametrize("device", ["cpu", "enum"])
+def test_remote_device_cpu_keeps_shards_on_the_host(device: str) -> None:
+    from deepspeed_c.runtime.zero.offload_config import OffloadDeviceEnum
+
+    remote = OffloadDeviceEnum.cpu if device == "enum" else device  # DeepSpeed's tests pass the enum
+    model = _built_under_init(remote_device=remote, config_dict_or_path={"zero_optimization": {"stage": 3}})
     assert all(p.ds_tensor.device.type == "cpu" for p in model.parameters())
 
 

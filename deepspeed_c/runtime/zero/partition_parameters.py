@@ -306,6 +306,8 @@ class Init:
         if remote_device is None and isinstance(offload, dict) and offload.get("device") in ("cpu", "nvme"):
             remote_device = offload["device"]  # DeepSpeed takes them from the config's offload_param
             pin_memory = pin_memory or offload.get("pin_memory") is True
+        # DeepSpeed's own tests and scripts pass OffloadDeviceEnum members, whose str() is not their value
+        remote_device = getattr(remote_device, "value", remote_device)
         if remote_device is not None and str(remote_device) == "nvme":
             # the shards wait in host memory until initialize moves them into the swap files (unpinned:
             # freed pinned memory would stay in torch's pinned-memory cache)
