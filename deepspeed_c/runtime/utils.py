@@ -117,4 +117,25 @@ def is_model_parallel_parameter(p: torch.Tensor) -> bool:
 from deepspeed_c.runtime.partitioned_tensor import PartitionedTensor  # noqa: E402  (DeepSpeed's home for it)
 
 __all__ = ["PartitionedTensor", "see_memory_usage", "move_to_device", "get_global_norm", "clip_grad_norm_",
-           "noop_decorator", "is_model_parallel_parameter", "set_random_seed"]
+           "noop_decorator", "is_model_parallel_parameter", "set_random_seed", "prefix_sum_inc", "partition_uniform",
+           "partition_balanced"]
+
+
+def prefix_sum_inc(weights: Iterable[float]) -> list:
+    """Inclusive prefix sums: [3, 4, 5] -> [3, 7, 12]."""
+    out: list = []
+    for w in weights:
+        out.append(w if not out else out[-1] + w)
+    return out
+
+
+def __getattr__(name: str) -> Any:
+    # DeepSpeed's layer-partition helpers live with the pipeline's partitioner (runtime/pipe/partition.py);
+    # resolved on first use so this module does not load the pipeline package
+    if name in ("partition_uniform", "partition_balanced"):
+        from deepspeed_c.runtime.pipe import partition
+
+        value = getattr(partition, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -103,10 +103,26 @@ def test_utils_torch_version_helpers():
 
 
 def test_checkpoint_file_name_helpers():
+    import deepspeed_c.checkpoint
     from deepspeed_c.checkpoint.utils import (get_layer_ckpt_name_for_rank, get_model_ckpt_name_for_rank,
                                               get_zero_ckpt_name_for_rank)
+
+    assert deepspeed_c.checkpoint.get_zero_ckpt_name_for_rank is get_zero_ckpt_name_for_rank  # DeepSpeed exports it there
 
     # the file names of a DeepSpeed checkpoint folder (global_stepN/), spelled out
     assert get_model_ckpt_name_for_rank("ck/global_step3", "01") == "ck/global_step3/mp_rank_01_model_states.pt"
     assert get_zero_ckpt_name_for_rank("d", 2, 0) == "d/zero_pp_rank_2_mp_rank_00_optim_states.pt"
     assert get_layer_ckpt_name_for_rank("d", "layer_05", 1) == "d/layer_05-model_01_model_states.pt"
+
+
+def test_runtime_utils_partition_helpers():
+    # deepspeed.runtime.utils' layer-partition helpers: the first num_items % num_parts parts take one item more;
+    # balanced parts minimise the heaviest minus the lightest
+    from deepspeed_c.runtime.utils import partition_balanced, partition_uniform, prefix_sum_inc
+
+    assert partition_uniform(5, 4) == [0, 2, 3, 4, 5] and partition_uniform(2, 4) == [0, 1, 2, 2, 2]
+    w = [1, 1, 1, 1, 0, 1]
+    b = partition_balanced(w, 4)
+    sums = [sum(w[i:j]) for i, j in zip(b[:-1], b[1:])]
+    assert b[0] == 0 and b[-1] == len(w) and max(sums) - min(sums) == 1
+    assert prefix_sum_inc([3, 4, 5]) == [3, 7, 12]
