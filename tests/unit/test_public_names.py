@@ -1,6 +1,9 @@
 """DeepSpeed's public import paths that the foundation provides."""
 import logging
 
+import pytest
+import torch
+
 import deepspeed_c
 from deepspeed_c.ops.op_builder import ALL_OPS
 
@@ -126,3 +129,33 @@ def test_runtime_utils_partition_helpers():
     sums = [sum(w[i:j]) for i, j in zip(b[:-1], b[1:])]
     assert b[0] == 0 and b[-1] == len(w) and max(sums) - min(sums) == 1
     assert prefix_sum_inc([3, 4, 5]) == [3, 7, 12]
+
+
+def test_log_dist_rank_choice_and_utils_helpers(monkeypatch):
+    import deepspeed_c
+    from deepspeed_c.utils import logging as dsc_logging
+
+    logged = []
+    monkeypatch.setattr(dsc_logging.logger, "log", lambda level, msg: logged.append(msg))
+    if not torch.distributed.is_initialized():
+        assert dsc_logging.get_dist_msg("m") == "[Rank -1] m"  # before the group: every process, as rank -1
+        deepspeed_c.init_distributed(dist_backend="gloo")
+    # as DeepSpeed: with a process group, ranks=None logs nowhere; [-1] everywhere; a list on those ranks
+    deepspeed_c.utils.log_dist("none")
+    deepspeed_c.utils.log_dist("all", ranks=[-1])
+    deepspeed_c.utils.log_dist("mine", ranks=[torch.distributed.get_rank()])
+    deepspeed_c.utils.log_dist_once("once", ranks=[-1])
+    deepspeed_c.utils.log_dist_once("once", ranks=[-1])
+    assert [m.split("] ", 1)[1] for m in logged] == ["all", "mine", "once"]
+    deepspeed_c.utils.set_log_level_from_string("Error")
+    try:
+        assert dsc_logging.logger.level == logging.ERROR
+    finally:
+        deepspeed_c.utils.set_log_level_from_string("info")
+    with pytest.raises(ValueError, match="verbose"):
+        deepspeed_c.utils.set_log_level_from_string("verbose")
+    m = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    assert deepspeed_c.utils.recursive_getattr(m, "0.weight") is m[0].weight
+    deepspeed_c.utils.recursive_setattr(m, "0", torch.nn.Identity())
+    assert isinstance(m[0], torch.nn.Identity)
+    assert deepspeed_c.utils.instrument_w_nvtx(lambda x: x + 1)(1) == 2
