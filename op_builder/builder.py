@@ -121,6 +121,18 @@ class OpBuilder:
         return getattr(torch.version, "hip", None) is not None
 
     @staticmethod
+    def installed_rocm_version() -> tuple[int, int]:
+        """(major, minor) of the ROCm torch was built for; (0, 0) without ROCm (DeepSpeed's query, which its
+        1-bit optimizer tests read at import)."""
+        import torch
+
+        hip = getattr(torch.version, "hip", None)
+        if not hip:
+            return (0, 0)
+        parts = str(hip).split(".")
+        return (int(parts[0]), int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0)
+
+    @staticmethod
     def is_sycl_enabled() -> bool:
         """DeepSpeed's query; deepspeed_c builds no SYCL ops."""
         return False
