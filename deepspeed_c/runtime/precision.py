@@ -78,7 +78,9 @@ class Precision:
             return optimizer
         if zero_owns_masters:
             return optimizer
-        scaler, check = self.zero_loss_scaling()
+        # DeepSpeed's stage-0 fp16 optimizers keep halving at the minimum scale (skipping steps); its ZeRO
+        # optimizers' scaler raises there
+        scaler, check = self.zero_loss_scaling(raise_at_min_scale=False)
         accum = self.grad_accum_dtype
         self.mixed = MixedPrecisionOptimizer(optimizer, self.model_dtype, scaler,
                                              clip_grad=self.config.gradient_clipping, check_overflow=check,
@@ -86,14 +88,15 @@ class Precision:
                                              norm_across_ranks=norm_across_ranks, graph_harvesting=harvest)
         return self.mixed
 
-    def zero_loss_scaling(self) -> tuple[Optional[LossScalerBase], bool]:
-        """(loss scaler, check overflow) for the configured 16-bit dtype; (None, False) in fp32."""
+    def zero_loss_scaling(self, raise_at_min_scale: bool = True) -> tuple[Optional[LossScalerBase], bool]:
+        """(loss scaler, check overflow) for the configured 16-bit dtype; (None, False) in fp32. A dynamic
+        scaler raises on an overflow at the minimum scale unless raise_at_min_scale is False."""
         if not self.low_precision:
             return None, False
         if self.model_dtype == torch.float16:
             dynamic = self.fp16.loss_scale == 0
-            scaler = CreateLossScaler(torch.float16, self.fp16.loss_scale, dynamic,
-                                      self.fp16.dynamic_loss_scale_args() if dynamic else None)
+            args = dict(self.fp16.dynamic_loss_scale_args(), raise_error_at_min_scale=raise_at_min_scale)
+            scaler = CreateLossScaler(torch.float16, self.fp16.loss_scale, dynamic, args if dynamic else None)
             kind = "dynamic loss scale" if dynamic else f"static loss scale: {scaler.cur_scale}"
             logger.info(f"Creating fp16 optimizer with {kind}")
             check = True

@@ -293,6 +293,20 @@ def test_fp16_overflow_skips_step_and_halves_scale_after_hysteresis(log_capture)
     assert any(not torch.equal(a, p) for a, p in zip(before, engine.module.parameters()))
 
 
+def test_fp16_stage0_keeps_skipping_at_the_minimum_scale():
+    # DeepSpeed 0.19.8's stage-0 fp16 optimizers halve down to min_loss_scale and then keep skipping
+    # overflowing steps (its ZeRO optimizers' scaler raises there instead)
+    cfg = sgd_config(fp16={"enabled": True, "initial_scale_power": 1, "hysteresis": 1, "min_loss_scale": 1})
+    engine, *_ = make(cfg)
+    x, y = data(dtype=torch.float16)
+    for expected in (1, 1, 1):
+        engine.backward(loss_fn(engine(x), y))
+        next(engine.module.parameters()).grad[0, 0] = float("inf")
+        engine.step()
+        assert engine.optimizer.cur_scale == expected and not engine.was_step_applied()
+    assert engine.skipped_steps == 3
+
+
 def test_fp16_master_weights_track_fp32_reference():
     cfg = sgd_config(fp16={"enabled": True, "initial_scale_power": 12})
     engine, *_ = make(cfg)
