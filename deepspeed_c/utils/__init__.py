@@ -26,4 +26,5 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "safe_set_local_fp32_param": "deepspeed_c.utils.tensor_fragment:safe_set_local_fp32_param",
     "safe_set_local_optimizer_state": "deepspeed_c.utils.tensor_fragment:safe_set_local_optimizer_state",
     "safe_set_local_grad": "deepspeed_c.utils.tensor_fragment:safe_set_local_grad",
+    "safe_update_full_grad_vectorized": "deepspeed_c.utils.tensor_fragment:safe_update_full_grad_vectorized",
 })

@@ -256,3 +256,21 @@ def _states_in_memory(fn: Any) -> Any:
 
 for _name in [n for n in __all__ if n.startswith("safe_")]:
     globals()[_name] = _states_in_memory(globals()[_name])
+
+
+def safe_update_full_grad_vectorized(param_list: list, update_func: Any) -> None:
+    """Replaces each parameter's whole gradient g by update_func(g, param): in place in `param.grad` where the
+    parameter holds one, else through ZeRO's partitions (safe_get_full_grad / safe_set_full_grad, so a
+    collective: every rank passes the same list). Parameters without a gradient are left alone. The new value
+    should be in the gradient-accumulation dtype."""
+    for p in param_list:
+        if p.grad is not None:
+            with torch.no_grad():
+                p.grad.copy_(update_func(p.grad, p))
+        elif p.requires_grad:
+            grad = safe_get_full_grad(p)
+            if grad is not None:
+                safe_set_full_grad(p, update_func(grad, p))
+
+
+__all__.append("safe_update_full_grad_vectorized")

@@ -38,6 +38,12 @@ def body(rank: int, world: int, stage: int) -> dict[str, Any]:
     for p, r in zip(params, ref.parameters()):
         g = utils.safe_get_full_grad(p).cpu()
         out["grad_err"].append(float((g.double() - r.grad).norm() / r.grad.norm()))
+    # DeepSpeed's vectorized update: g -> f(g, p) for every parameter (doubled, checked, then halved back: exact)
+    before = [utils.safe_get_full_grad(p).clone() for p in params]
+    utils.safe_update_full_grad_vectorized(params, lambda g, p: g * 2)
+    out["update_err"] = [float((utils.safe_get_full_grad(p) - 2 * b).abs().max()) for p, b in zip(params, before)]
+    utils.safe_update_full_grad_vectorized(params, lambda g, p: g / 2)
+    out["update_err"] += [float((utils.safe_get_full_grad(p) - b).abs().max()) for p, b in zip(params, before)]
     engine.step()
     for p, r in zip(params, ref.parameters()):
         out["master_err"].append(float((utils.safe_get_full_fp32_param(p) - p.detach()).abs().max().cpu()))
@@ -76,6 +82,7 @@ def test_safe_accessors_match_reference(stage: int) -> None:
         assert max(res["v_err"]) < 1e-4
         assert all(res["local"])
         assert max(res["set_err"]) == 0.0
+        assert max(res["update_err"]) == 0.0
 
 
 def test_unpartitioned_param_has_no_state() -> None:
