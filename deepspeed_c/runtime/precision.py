@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from deepspeed_c.runtime.config.precision import DELAYED_SHIFT
 from deepspeed_c.runtime.config.utils import parse_dtype
 from deepspeed_c.runtime.fp16.loss_scaler import CreateLossScaler, LossScalerBase
 # the optimizer's import path before it had a module of its own (DeepSpeed-style imports of it stay valid)
@@ -78,9 +79,7 @@ class Precision:
             return optimizer
         if zero_owns_masters:
             return optimizer
-        # DeepSpeed's stage-0 fp16 optimizers keep halving at the minimum scale (skipping steps); its ZeRO
-        # optimizers' scaler raises there
-        scaler, check = self.zero_loss_scaling(raise_at_min_scale=False)
+        scaler, check = self.zero_loss_scaling(stage0=True)
         accum = self.grad_accum_dtype
         self.mixed = MixedPrecisionOptimizer(optimizer, self.model_dtype, scaler,
                                              clip_grad=self.config.gradient_clipping, check_overflow=check,
@@ -88,14 +87,18 @@ class Precision:
                                              norm_across_ranks=norm_across_ranks, graph_harvesting=harvest)
         return self.mixed
 
-    def zero_loss_scaling(self, raise_at_min_scale: bool = True) -> tuple[Optional[LossScalerBase], bool]:
-        """(loss scaler, check overflow) for the configured 16-bit dtype; (None, False) in fp32. A dynamic
-        scaler raises on an overflow at the minimum scale unless raise_at_min_scale is False."""
+    def zero_loss_scaling(self, stage0: bool = False) -> tuple[Optional[LossScalerBase], bool]:
+        """(loss scaler, check overflow) for the configured 16-bit dtype; (None, False) in fp32. stage0: the
+        scaler of DeepSpeed's stage-0 fp16 optimizers (FP16_Optimizer / FP16_UnfusedOptimizer), which halves at
+        every overflow (they take no `hysteresis`) and keeps skipping at the minimum scale; otherwise the ZeRO
+        optimizers' scaler (hysteresis, and an error on an overflow at the minimum scale)."""
         if not self.low_precision:
             return None, False
         if self.model_dtype == torch.float16:
             dynamic = self.fp16.loss_scale == 0
-            args = dict(self.fp16.dynamic_loss_scale_args(), raise_error_at_min_scale=raise_at_min_scale)
+            args = self.fp16.dynamic_loss_scale_args()
+            if stage0:
+                args.update({DELAYED_SHIFT: 1, "raise_error_at_min_scale": False})
             scaler = CreateLossScaler(torch.float16, self.fp16.loss_scale, dynamic, args if dynamic else None)
             kind = "dynamic loss scale" if dynamic else f"static loss scale: {scaler.cur_scale}"
             logger.info(f"Creating fp16 optimizer with {kind}")

@@ -262,7 +262,9 @@ def test_params_without_grad_and_frozen_params():
 # ---- precision ----------------------------------------------------------------------------------
 
 def test_fp16_overflow_skips_step_and_halves_scale_after_hysteresis(log_capture):
-    cfg = sgd_config(fp16={"enabled": True, "initial_scale_power": 10, "hysteresis": 2})
+    # the ZeRO optimizers' scaler: hysteresis, DeepSpeed's OVERFLOW lines
+    cfg = sgd_config(fp16={"enabled": True, "initial_scale_power": 10, "hysteresis": 2},
+                     zero_optimization={"stage": 1}, zero_allow_untested_optimizer=True)
     engine, *_ = make(cfg)
     assert all(p.dtype == torch.float16 for p in engine.module.parameters())
     assert engine.optimizer.cur_scale == 1024
@@ -270,8 +272,7 @@ def test_fp16_overflow_skips_step_and_halves_scale_after_hysteresis(log_capture)
 
     def overflow_step():
         before = [p.detach().clone() for p in engine.module.parameters()]
-        engine.backward(loss_fn(engine(x), y))
-        next(engine.module.parameters()).grad[0, 0] = float("inf")
+        engine.backward(loss_fn(engine(x), y) * float("inf"))  # ZeRO holds the gradients: overflow them here
         engine.step()
         for a, p in zip(before, engine.module.parameters()):
             assert torch.equal(a, p), "an overflowing step must leave the weights unchanged"
@@ -291,6 +292,18 @@ def test_fp16_overflow_skips_step_and_halves_scale_after_hysteresis(log_capture)
     engine.step()
     assert engine.was_step_applied()
     assert any(not torch.equal(a, p) for a, p in zip(before, engine.module.parameters()))
+
+
+def test_fp16_stage0_halves_at_every_overflow():
+    # DeepSpeed 0.19.8's stage-0 fp16 optimizers take no hysteresis: the first overflow halves the scale
+    cfg = sgd_config(fp16={"enabled": True, "initial_scale_power": 10, "hysteresis": 2})
+    engine, *_ = make(cfg)
+    x, y = data(dtype=torch.float16)
+    for expected in (512, 256):
+        engine.backward(loss_fn(engine(x), y))
+        next(engine.module.parameters()).grad[0, 0] = float("inf")
+        engine.step()
+        assert engine.optimizer.cur_scale == expected and not engine.was_step_applied()
 
 
 def test_fp16_stage0_keeps_skipping_at_the_minimum_scale():
