@@ -56,7 +56,7 @@ def get_global_norm(norm_list: Iterable[float]) -> float:
 def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max_norm: float,
                     norm_type: float = 2, mpu: Any = None) -> float:
     """Clips the gradients of `parameters` in place so their global norm is at most max_norm, and
-    returns the norm before clipping. With an `mpu`, the norm covers every model-parallel rank's
+    returns the norm before clipping (a 0-dim float32 tensor), averaged over the data-parallel ranks. With an `mpu`, the norm covers every model-parallel rank's
     shard (one all-reduce over the model-parallel group), by DeepSpeed's rule: a parameter split over
     the model-parallel ranks (is_model_parallel_parameter) counts on every rank, any other (replicated)
     only on model-parallel rank 0."""
@@ -86,10 +86,30 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
         local = local.to(collective_device(group))
         dist.all_reduce(local, op=op, group=group)
     total = float(local.item()) if norm_type == math.inf else math.sqrt(float(local.item()))
+    total = _mean_over_data_parallel(total)
     coef = clip_coefficient(total, float(max_norm)) if math.isfinite(total) else 1.0
     if coef < 1.0 and grads:
         scale_(grads, coef)
-    return total
+    return torch.tensor(total, dtype=torch.float32, device=dev)  # DeepSpeed returns the norm as a tensor
+
+
+def _mean_over_data_parallel(norm: float) -> float:
+    """DeepSpeed averages the norm over the data-parallel group (MoE parameters differ across ranks), so every
+    rank clips by the same coefficient."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return norm
+    from deepspeed_c.comm import collective_device
+    from deepspeed_c.utils import groups
+
+    group = groups.get_data_parallel_group()
+    world = dist.get_world_size(group=group)
+    if world <= 1:
+        return norm
+    t = torch.tensor([norm / world], dtype=torch.float64, device=collective_device(group))
+    dist.all_reduce(t, group=group)
+    return float(t.item())
 
 
 def set_random_seed(seed: int) -> None:

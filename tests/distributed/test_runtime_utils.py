@@ -59,7 +59,11 @@ def mpu_body(rank: int, world: int) -> dict:
         p.tensor_model_parallel = True
     norm = ds_utils.clip_grad_norm_(mine, 0.5, mpu=_MPU())
     idx = [i for i in range(len(full) - 1) if i % world == rank] + [len(full) - 1]
-    return {"norm": norm, "grads": [p.grad.numpy().copy() for p in mine], "idx": idx}
+    # no mpu, each rank its own gradients (MoE experts): as DeepSpeed, the norm is the ranks' mean, one coefficient
+    own = _params(10 + rank)
+    dp_norm = ds_utils.clip_grad_norm_(own, 0.5)
+    return {"norm": float(norm), "grads": [p.grad.numpy().copy() for p in mine], "idx": idx,
+            "dp_norm": float(dp_norm), "dp_grads": [p.grad.numpy().copy() for p in own]}
 
 
 def test_clip_grad_norm_with_mpu_covers_every_shard():
@@ -71,6 +75,12 @@ def test_clip_grad_norm_with_mpu_covers_every_shard():
         assert abs(r["norm"] - want) <= 1e-6 * want
         for i, g in zip(r["idx"], r["grads"]):
             np.testing.assert_allclose(g, ref[i].grad.numpy(), rtol=1e-6, atol=1e-7)
+    norms = [float(torch.linalg.vector_norm(torch.cat([p.grad for p in _params(10 + r)]))) for r in range(2)]
+    mean = sum(norms) / 2
+    for r, res_r in enumerate(res):
+        assert abs(res_r["dp_norm"] - mean) <= 1e-6 * mean
+        for g, p in zip(res_r["dp_grads"], _params(10 + r)):
+            np.testing.assert_allclose(g, p.grad.numpy() * 0.5 / (mean + 1e-6), rtol=1e-5)
 
 
 def test_move_to_device_nested():
