@@ -49,6 +49,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "PipelineEngine": "deepspeed_c.runtime.pipe.engine:PipelineEngine",
     "DeepSpeedHybridEngine": "deepspeed_c.runtime.hybrid_engine:DeepSpeedHybridEngine",
     "tp_model_init": "deepspeed_c.runtime.tensor_parallel.autotp_setup:tp_model_init",
+    "set_autotp_mode": "deepspeed_c.runtime.tensor_parallel.mode:set_autotp_mode",
     "module_inject": "deepspeed_c.module_inject",
     "sequence": "deepspeed_c.sequence",
     "init_inference": "deepspeed_c.inference.api:init_inference",

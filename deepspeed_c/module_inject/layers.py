@@ -18,6 +18,8 @@ import torch
 from torch import Tensor, nn
 
 from deepspeed_c import comm as dist
+from deepspeed_c.runtime.tensor_parallel.mode import (get_auto_tp_mode, is_autotp_training_mode,  # noqa: F401
+                                                      set_autotp_mode)
 
 
 class ColumnParallel(torch.autograd.Function):

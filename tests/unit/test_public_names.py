@@ -166,3 +166,14 @@ def test_op_builder_installed_rocm_version():
 
     v = OpBuilder.installed_rocm_version()  # DeepSpeed's 1-bit tests compare it at import
     assert isinstance(v, tuple) and len(v) == 2 and (v == (0, 0)) is (getattr(torch.version, "hip", None) is None)
+
+
+def test_set_autotp_mode():
+    from deepspeed_c.module_inject.layers import is_autotp_training_mode
+    from deepspeed_c.runtime.tensor_parallel import AUTOTP_MODE
+    from deepspeed_c.runtime.tensor_parallel.mode import get_auto_tp_mode
+
+    deepspeed_c.set_autotp_mode(training=True)
+    assert is_autotp_training_mode() and get_auto_tp_mode() is AUTOTP_MODE.TRAINING
+    deepspeed_c.module_inject.set_autotp_mode()  # DeepSpeed's default: inference
+    assert not is_autotp_training_mode()

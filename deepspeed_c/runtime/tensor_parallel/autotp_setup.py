@@ -34,6 +34,9 @@ def tp_model_init(model: torch.nn.Module, tp_size: int, dtype: torch.dtype, conf
                                   "supported; deepspeed_c builds the (data, tensor) groups itself from tp_size")
     _RECORDED.clear()
     _RECORDED.update(tp_size=tp_size, dtype=dtype)
+    from deepspeed_c.runtime.tensor_parallel.mode import set_autotp_mode
+
+    set_autotp_mode(training=True)  # as DeepSpeed's tp_model_init
     return model
 
 
