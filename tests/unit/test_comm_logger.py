@@ -59,6 +59,19 @@ def test_convert_size_and_trim_mean():
     assert trim_mean(data, 0.1) == pytest.approx(1.0)
 
 
+def test_utils_comms_logging_path():
+    # DeepSpeed keeps the logger at deepspeed.utils.comms_logging; scripts import it from there
+    from deepspeed_c.utils import comms_logging as ucl
+
+    assert ucl.CommsLogger is CommsLogger and ucl.convert_size is convert_size
+    assert ucl.calc_bw_log("all_reduce", 1000.0, 2.0) == calc_bw_log("all_reduce", 1000.0, 2.0, 1)
+    lg = ucl.CommsLogger()
+    lg.start_profiling_comms()
+    assert lg.prof_all is True
+    lg.stop_profiling_comms()
+    assert lg.prof_all is False
+
+
 def test_config_defaults_and_validation():
     c = CommsLoggerConfig()
     assert (c.enabled, c.verbose, c.prof_all, c.prof_ops, c.debug) == (False, False, True, [], False)

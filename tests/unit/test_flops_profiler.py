@@ -154,6 +154,24 @@ def test_print_model_profile_lists_modules_at_depth(tmp_path, capsys):
     prof.end_profile()
 
 
+def test_print_model_profile_none_dp_world_size(capsys):
+    # an engine under Ulysses sequence parallelism reports dp_world_size None; DeepSpeed prints the
+    # sequence-data-parallel size in its place instead of failing on the format
+    from types import SimpleNamespace
+
+    model = nn.Linear(4, 4)
+    prof = FlopsProfiler(model)
+    prof.ds_engine = SimpleNamespace(world_size=8, dp_world_size=None, seq_dp_world_size=4, mp_world_size=1,
+                                     has_moe_layers=False, train_micro_batch_size_per_gpu=lambda: 1,
+                                     wall_clock_breakdown=lambda: False)
+    prof.start_profile()
+    model(torch.randn(2, 4))
+    prof.print_model_profile(profile_step=1, detailed=False)
+    prof.end_profile()
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("data parallel size:"))
+    assert line.split()[-1] == "4"
+
+
 def test_bad_input_messages():
     model = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="input_shape"):

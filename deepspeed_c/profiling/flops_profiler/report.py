@@ -79,7 +79,10 @@ def _write_summary(prof: Any, out: TextIO, profile_step: int) -> None:
     print(_NOTATIONS, file=out)
     if engine is not None:
         line("world size: ", engine.world_size)
-        line("data parallel size: ", engine.dp_world_size)
+        # an engine under Ulysses sequence parallelism may report dp_world_size as None: its
+        # data-parallel replication is then the sequence-data-parallel group (DeepSpeed prints that)
+        dp = engine.dp_world_size
+        line("data parallel size: ", dp if dp is not None else getattr(engine, "seq_dp_world_size", None))
         line("model parallel size: ", mp)
         line("batch size per GPU: ", engine.train_micro_batch_size_per_gpu())
         if moe:
