@@ -74,3 +74,15 @@ def test_gradient_clipping_default_follows_0_19_8_with_a_note(caplog):
     notes = [r.getMessage() for r in caplog.records if "'gradient_clipping'" in r.getMessage()]
     assert len(notes) == 1 and "1.0" in notes[0] and "0.0" in notes[0]
     assert DeepSpeedConfig({**BASE, "gradient_clipping": 0.0}).gradient_clipping == 0.0
+
+
+def test_flops_profiler_unknown_key_warns_and_is_ignored():
+    # DeepSpeed reads flops_profiler key by key, so its own tests' stale `"step": 1` is simply unused
+    from deepspeed_c.runtime.config.utils import DeepSpeedConfigWarning
+
+    with pytest.warns(DeepSpeedConfigWarning, match=r"flops_profiler\.step.*did you mean 'profile_step'"):
+        cfg = DeepSpeedConfig({**BASE, "flops_profiler": {"enabled": True, "step": 3, "top_modules": 2}})
+    fp = cfg.flops_profiler_config
+    assert fp.enabled is True and fp.top_modules == 2 and fp.profile_step == 1
+    with pytest.raises(DeepSpeedConfigError, match="flops_profiler.top_modules"):
+        DeepSpeedConfig({**BASE, "flops_profiler": {"top_modules": "many"}})

@@ -9,8 +9,8 @@ from typing import Any, Optional
 
 from pydantic import Field, field_validator
 
-from deepspeed_c.runtime.config.utils import (DeepSpeedConfigError, DeepSpeedConfigModel, config_warning,
-                                              parse_section, unbuilt)
+from deepspeed_c.runtime.config.utils import (DeepSpeedConfigError, DeepSpeedConfigModel, closest, config_warning,
+                                              model_keys, parse_section, unbuilt)
 
 
 class ValidationMode(str, Enum):
@@ -154,9 +154,24 @@ def check_unbuilt_sections(param_dict: dict[str, Any]) -> None:
                          f"only (got stage {stage}); ZeRO partitions dense gradients")
 
 
+def _known_keys_only(cls: type, raw: Any, path: str) -> Any:
+    """DeepSpeed reads some sections key by key (get_scalar_param), so a key it does not know there
+    is silently unused; here it is dropped with a warning naming the closest valid key."""
+    if not isinstance(raw, dict):
+        return raw
+    valid = model_keys(cls)
+    for key in raw:
+        if key not in valid:
+            near = closest(str(key), valid)
+            hint = f" (did you mean '{near}'?)" if near else ""
+            config_warning(f"Unknown config key '{path}.{key}' is ignored{hint}")
+    return {k: v for k, v in raw.items() if k in valid}
+
+
 def parse_misc_sections(param_dict: dict[str, Any]) -> dict[str, Any]:
     check_unbuilt_sections(param_dict)
-    flops = parse_section(FlopsProfilerConfig, param_dict.get("flops_profiler"), "flops_profiler")
+    flops = parse_section(FlopsProfilerConfig, _known_keys_only(FlopsProfilerConfig, param_dict.get("flops_profiler"),
+                                                                 "flops_profiler"), "flops_profiler")
     from deepspeed_c.autotuning.config import parse_autotuning
 
     autotuning = parse_autotuning(param_dict.get("autotuning"))
