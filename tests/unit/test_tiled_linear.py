@@ -72,6 +72,9 @@ def test_return_bias_variant():
 def test_bad_arguments_name_the_value():
     with pytest.raises(ValueError, match="in_splits must be an int in \\[1, 4\\], got 5"):
         TiledLinear(4, 3, in_splits=5)
+    for splits in (0, 5):  # DeepSpeed's documented exception for a split count out of range
+        with pytest.raises(RuntimeError, match="out_splits"):
+            TiledLinear(4, 4, out_splits=splits)
     with pytest.raises(ValueError, match="expected a weight of shape \\(3, 4\\)"):
         TiledLinear(4, 3, init_linear=torch.nn.Linear(3, 4))
     with pytest.raises(ValueError, match="no bias but the source has one"):

@@ -21,6 +21,11 @@ def split_tensor_along_last_dim(tensor: torch.Tensor, partitions: list[int],
     return tuple(p.contiguous() for p in parts) if contiguous_split_chunks else parts
 
 
+class TiledSplitsError(RuntimeError, ValueError):
+    """A split count outside [1, features]: DeepSpeed documents (and raises) RuntimeError for it; a ValueError
+    too, as every other bad argument here."""
+
+
 class TiledLinear(torch.nn.Module):
     """y = x W^T + b computed as out_splits column blocks, each the sum over in_splits row blocks of
     x_j W_ij^T; the bias sits on the last input tile of each output block. `input_is_already_split`
@@ -34,7 +39,7 @@ class TiledLinear(torch.nn.Module):
         super().__init__()
         for name, splits, features in (("in_splits", in_splits, in_features), ("out_splits", out_splits, out_features)):
             if not isinstance(splits, int) or splits < 1 or splits > features:
-                raise ValueError(f"TiledLinear: {name} must be an int in [1, {features}], got {splits!r}")
+                raise TiledSplitsError(f"TiledLinear: {name} must be an int in [1, {features}], got {splits!r}")
         self.in_features, self.out_features, self.use_bias = in_features, out_features, bias
         self.in_splits, self.out_splits = in_splits, out_splits
         self.input_is_already_split, self.combine_out_splits = input_is_already_split, combine_out_splits
