@@ -3,6 +3,7 @@ device family. Implementations: cpu_accelerator.CPU_Accelerator, cuda_accelerato
 from __future__ import annotations
 
 import abc
+import contextlib
 from typing import Any
 
 
@@ -158,9 +159,66 @@ class DeepSpeedAccelerator(abc.ABC):
             raise ValueError(f"{backend} not supported by {self._name}. Supported Backends are {supported}")
         self._compile_backend = backend
 
+    # --- capability queries and graphs (DeepSpeed's defaults: no triton, no graph capture) ---
+    supports_nvtx_domain = False
+
+    def is_triton_supported(self) -> bool:
+        return False
+
+    def prefer_triton_grouped_mm(self) -> bool:
+        return False
+
+    def is_fp64_supported(self) -> bool:
+        return True
+
+    def is_current_stream_capturing(self) -> bool:
+        return False
+
+    def create_graph(self) -> Any:
+        return None
+
+    def capture_to_graph(self, graph: Any, pool: Any = None, stream: Any = None) -> Any:
+        return contextlib.nullcontext()
+
+    def replay_graph(self, graph: Any) -> None:
+        return None
+
     # --- memory -------------------------------------------------------------------------
     def pin_memory(self, tensor: Any, align_bytes: int = 1) -> Any:
         return tensor
+
+    def pin_empty(self, *size: Any, dtype: Any, device: Any = "cpu") -> Any:
+        """A new host tensor of `size` and `dtype`, pinned where this accelerator pins host memory."""
+        import torch
+
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"pin_empty allocates host memory; device must be cpu, got {device!r}")
+        shape = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else tuple(size)
+        return self.pin_memory(torch.empty(shape, dtype=dtype, device="cpu"))
+
+    def pin_empty_like(self, tensor: Any, device: Any = "cpu", dtype: Any = None) -> Any:
+        return self.pin_empty(tuple(tensor.shape), dtype=tensor.dtype if dtype is None else dtype, device=device)
+
+    def unpin_memory(self, tensor: Any) -> None:
+        return None  # torch frees page-locked memory with the tensor
+
+    def register_host_memory(self, address: int, num_bytes: int) -> bool:
+        return False
+
+    def unregister_host_memory(self, address: int) -> None:
+        return None
+
+    def pin_memory_alignment(self) -> int:
+        return 1
+
+    def memory_cached(self, device_index: int | None = None) -> int:
+        return self.memory_reserved(device_index)
+
+    def max_memory_cached(self, device_index: int | None = None) -> int:
+        return self.max_memory_reserved(device_index)
+
+    def reset_max_memory_cached(self, device_index: int | None = None) -> None:
+        return self.reset_peak_memory_stats(device_index)
 
     def is_pinned(self, tensor: Any) -> bool:
         return False

@@ -98,6 +98,22 @@ class CPU_Accelerator(DeepSpeedAccelerator):
     def max_memory_allocated(self, device_index: int | None = None) -> int:
         return self.memory_allocated(device_index)
 
+    # host memory has no cache: DeepSpeed's CPU accelerator reports the process's resident set
+    def get_rss(self) -> int:
+        return self.memory_allocated()
+
+    def reset_rss(self) -> int:
+        return self.memory_allocated()
+
+    def memory_cached(self, device_index: int | None = None) -> int:
+        return self.memory_allocated(device_index)
+
+    def max_memory_cached(self, device_index: int | None = None) -> int:
+        return self.max_memory_allocated(device_index)
+
+    def reset_max_memory_cached(self, device_index: int | None = None) -> None:
+        return None
+
     @property
     def Stream(self) -> Any:
         return _HostStream

@@ -111,6 +111,24 @@ class CUDA_Accelerator(DeepSpeedAccelerator):
     def Event(self) -> Any:
         return self._torch.cuda.Event
 
+    supports_nvtx_domain = True
+
+    def is_triton_supported(self) -> bool:
+        # DeepSpeed's rule: triton kernels from compute capability 8 (Ampere) on
+        return self.is_available() and self._torch.cuda.get_device_capability()[0] >= 8
+
+    def is_current_stream_capturing(self) -> bool:
+        return self._torch.cuda.is_current_stream_capturing()
+
+    def create_graph(self) -> Any:
+        return self._torch.cuda.CUDAGraph()
+
+    def capture_to_graph(self, graph: Any, pool: Any = None, stream: Any = None) -> Any:
+        return self._torch.cuda.graph(graph, pool, stream)
+
+    def replay_graph(self, graph: Any) -> None:
+        graph.replay()
+
     def range_push(self, msg: str) -> None:
         self._torch.cuda.nvtx.range_push(msg)
 

@@ -37,6 +37,22 @@ def test_cpu_accelerator_contract():
     ev = acc.Event()
     with pytest.raises(RuntimeError, match="recorded"):
         ev.elapsed_time(acc.Event())
+    # DeepSpeed 0.19.8's queries that inference and pinned-buffer code asks of any accelerator
+    assert acc.is_triton_supported() is False and acc.prefer_triton_grouped_mm() is False
+    assert acc.is_fp64_supported() is True and acc.is_current_stream_capturing() is False
+    assert acc.supports_nvtx_domain is False and acc.pin_memory_alignment() == 1
+    graph = acc.create_graph()
+    with acc.capture_to_graph(graph):
+        pass
+    acc.replay_graph(graph)
+    buf = acc.pin_empty(2, 3, dtype=torch.bfloat16)
+    assert buf.shape == (2, 3) and buf.dtype == torch.bfloat16 and buf.device.type == "cpu"
+    like = acc.pin_empty_like(buf, dtype=torch.float32)
+    assert like.shape == (2, 3) and like.dtype == torch.float32
+    with pytest.raises(ValueError, match="device"):
+        acc.pin_empty((2,), dtype=torch.float32, device="meta")
+    assert acc.memory_cached() > 0 and acc.max_memory_cached() > 0
+    assert acc.get_rss() > 0 and acc.reset_rss() > 0
 
 
 @pytest.mark.parametrize("value,ok", [("cpu", True), ("tpu", False)])
