@@ -39,3 +39,23 @@ def test_deepspeed_zero_file_loads_with_stand_ins() -> None:
     assert int(sd["zero_stage"]) == 2
     mapping = sd["param_slice_mappings"][0]
     assert sum(a.numel for a in mapping.values()) == sd["single_partition_of_fp32_groups"][0].numel()
+
+
+def test_config_with_enum_and_path_values_resumes(tmp_path) -> None:
+    # DeepSpeed's own tests put OffloadDeviceEnum members (and scripts pathlib paths) in config dicts; the
+    # checkpoint keeps the config as plain values, so our weights_only loader takes it back
+    import pathlib
+
+    import deepspeed_c
+    from deepspeed_c.runtime.zero.offload_config import OffloadDeviceEnum
+
+    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 1, "offload_optimizer": {"device": OffloadDeviceEnum.none,
+                                                                  "nvme_path": pathlib.Path(tmp_path)}}}
+    engine, *_ = deepspeed_c.initialize(model=torch.nn.Linear(2, 2), config=cfg)
+    engine.save_checkpoint(str(tmp_path / "ck"), tag="t")
+    path, _ = engine.load_checkpoint(str(tmp_path / "ck"), tag="t")
+    assert path is not None
+    saved = safe_load.load(str(tmp_path / "ck" / "t" / "mp_rank_00_model_states.pt"))["ds_config"]
+    assert saved["zero_optimization"]["offload_optimizer"] == {"device": "none", "nvme_path": str(tmp_path)}
+    engine.destroy()

@@ -2,10 +2,27 @@
 config, so they never read the engine's config (or its raw dict) themselves."""
 from __future__ import annotations
 
+import enum
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from deepspeed_c.runtime.checkpointing.async_writer import WriterConfig
+
+
+def plain_config(value: Any) -> Any:
+    """The user's config as saved into checkpoints: enum members (DeepSpeed's own tests put OffloadDeviceEnum in
+    config dicts) become their values and paths strings, so the file holds only what weights_only loading allows
+    and resumes, here or under DeepSpeed."""
+    if isinstance(value, dict):
+        return {k: plain_config(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(plain_config(v) for v in value)
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    return value
 
 
 @dataclass(frozen=True)
@@ -38,7 +55,7 @@ class CheckpointOptions:
                    parallel_write_pipeline=bool(config.checkpoint_parallel_write_pipeline),
                    load_from_fp32_weights=bool(config.zero_config.load_from_fp32_weights),
                    bf16=bool(config.bfloat16_enabled), zero_stage=int(config.zero_optimization_stage),
-                   ds_config=config.user_dict,
+                   ds_config=plain_config(config.user_dict),
                    load_universal=bool(getattr(config, "load_universal_checkpoint", False)),
                    # DeepSpeed's precedence: checkpoint.writer, else datastates_ckpt (on the same writer)
                    writer=(WriterConfig.parse(config.checkpoint_config.writer)

@@ -6,11 +6,12 @@ stage when its optimizer lands; until then a config asking for it raises NotImpl
 naming `zero_optimization.stage`."""
 from __future__ import annotations
 
+import os
 import sys
 from enum import Enum
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
 
-from pydantic import Field, model_validator
+from pydantic import BeforeValidator, Field, model_validator
 
 from deepspeed_c.runtime.config.utils import (DeepSpeedConfigError, DeepSpeedConfigModel, config_warning,
                                               parse_section, unbuilt)
@@ -34,9 +35,13 @@ class OffloadDeviceEnum(str, Enum):
     nvme = "nvme"
 
 
+# DeepSpeed types nvme_path as a pathlib.Path: a path object is taken, and kept as its string here
+NvmePath = Annotated[Optional[str], BeforeValidator(lambda v: os.fspath(v) if isinstance(v, os.PathLike) else v)]
+
+
 class DeepSpeedZeroOffloadParamConfig(DeepSpeedConfigModel):
     device: OffloadDeviceEnum = OffloadDeviceEnum.none
-    nvme_path: Optional[str] = None
+    nvme_path: NvmePath = None
     buffer_count: int = Field(5, ge=0)
     buffer_size: int = Field(int(1e8), ge=0)
     max_in_cpu: int = Field(int(1e9), ge=0)
@@ -45,7 +50,7 @@ class DeepSpeedZeroOffloadParamConfig(DeepSpeedConfigModel):
 
 class DeepSpeedZeroOffloadOptimizerConfig(DeepSpeedConfigModel):
     device: OffloadDeviceEnum = OffloadDeviceEnum.none
-    nvme_path: Optional[str] = None
+    nvme_path: NvmePath = None
     buffer_count: int = Field(4, ge=0)
     pin_memory: bool = True  # DeepSpeed 0.19.8 pins by default
     pipeline_read: bool = False
