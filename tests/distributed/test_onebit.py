@@ -156,6 +156,7 @@ def _features_body(rank: int, world: int) -> dict:
     w = model.net[0].weight
     mask = torch.ones_like(w)
     mask[:4] = 0.0
+    mask = mask.flatten()  # as DeepSpeed's tests and BERT example give it
     groups = [{"params": [w], "exp_avg_mask": mask}, {"params": [p for p in model.parameters() if p is not w]}]
     cfg = {"train_micro_batch_size_per_gpu": 32, "gradient_clipping": 0.0,
            "optimizer": {"type": "OneBitAdam", "params": {"lr": LR, "freeze_step": 3}}}

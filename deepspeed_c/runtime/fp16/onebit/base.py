@@ -140,6 +140,9 @@ class OnebitOptimizer(torch.optim.Optimizer):
             return
         if mask.device != tensor.device:
             group["exp_avg_mask"] = mask = mask.to(tensor.device)
+        if mask.shape != tensor.shape and mask.numel() == tensor.numel():
+            # DeepSpeed's examples flatten the mask (its 1-bit momentum is flat once compression starts)
+            group["exp_avg_mask"] = mask = mask.view(tensor.shape)
         tensor.mul_(mask)
 
     @staticmethod
