@@ -141,8 +141,9 @@ class OnebitOptimizer(torch.optim.Optimizer):
         if mask.device != tensor.device:
             group["exp_avg_mask"] = mask = mask.to(tensor.device)
         if mask.shape != tensor.shape and mask.numel() == tensor.numel():
-            # DeepSpeed's examples flatten the mask (its 1-bit momentum is flat once compression starts)
-            group["exp_avg_mask"] = mask = mask.view(tensor.shape)
+            # DeepSpeed's examples flatten the mask (its 1-bit momentum is flat once compression starts); the
+            # group keeps the mask as given (a checkpoint holds it so)
+            mask = mask.view(tensor.shape)
         tensor.mul_(mask)
 
     @staticmethod
