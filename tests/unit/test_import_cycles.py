@@ -7,9 +7,10 @@ statement that runs while A is being imported and names B, a deepspeed_c module:
 
 - `import deepspeed_c.x.y` -> deepspeed_c.x.y; `from deepspeed_c.x import y` -> deepspeed_c.x.y when y is a
   submodule, else deepspeed_c.x (the package's __init__); relative imports are resolved against A's package.
-- Edges go to the module named, not to its parent packages (as pylint's cyclic-import counts them): a
-  parent package is in sys.modules before any of its submodules runs, so importing a sibling does not
-  re-enter the parent's __init__.
+- Edges go to the module named and to the packages above it that are not above A: importing
+  deepspeed_c.x.y.z from outside deepspeed_c.x.y runs deepspeed_c.x.y's __init__ first (if it is not imported
+  yet); the packages above A are in sys.modules already (initialising), so importing a sibling does not
+  re-enter them.
 
 Left out, because they do not run when A is imported: imports inside functions and methods (late
 imports, which is how a module legitimately reaches up a layer), imports under `if TYPE_CHECKING:`, and
@@ -91,6 +92,15 @@ def _edges(module: str, path: pathlib.Path, known: set[str]) -> set[str]:
                     out.add(sub)
                 elif target in known:
                     out.add(target)
+    # importing x.y.z runs the __init__ of each package above it that is not yet imported: any that is not
+    # also above `module` (those are initialising already) is entered too
+    above_self = {".".join(module.split(".")[:i]) for i in range(1, module.count(".") + 1)}
+    for target in list(out):
+        parts = target.split(".")
+        for i in range(2, len(parts)):
+            package = ".".join(parts[:i])
+            if package in known and package not in above_self:
+                out.add(package)
     out.discard(module)
     return out
 

@@ -23,7 +23,6 @@ from deepspeed_c.runtime.config.utils import (DeepSpeedConfigError, DeepSpeedCon
                                               closest, config_warning, parse_dtype, parse_section, scalar,
                                               strip_auto)
 from deepspeed_c.runtime.config.zero import ZeroStageEnum, parse_zero_config
-from deepspeed_c.runtime.swap_tensor.aio_config import get_aio_config
 from deepspeed_c.utils.logging import logger
 from deepspeed_c.version import DEEPSPEED_API_VERSION
 
@@ -227,6 +226,9 @@ class DeepSpeedConfig:
                                        "'gradient_allreduce_op' and 'zero_optimization.stage'); use 'mean'")
         self.mics_shard_size = self.zero_config.mics_shard_size
         self.mics_hierarchial_params_gather = self.zero_config.mics_hierarchical_params_gather
+        # imported here: aio_config builds on runtime.config.utils, whose package imports this module
+        from deepspeed_c.runtime.swap_tensor.aio_config import get_aio_config
+
         self.aio_config = get_aio_config(pd)  # DeepNVMe handle settings for NVMe offload
 
         precision = parse_precision(pd, zero_stage=self.zero_optimization_stage)

@@ -15,7 +15,7 @@ from pydantic import BeforeValidator, Field, model_validator
 
 from deepspeed_c.runtime.config.utils import (DeepSpeedConfigError, DeepSpeedConfigModel, config_warning,
                                               parse_section, unbuilt)
-from deepspeed_c.runtime.zenflow.zenflow_config import ZenFlowConfig
+from deepspeed_c.runtime.config.zenflow import ZenFlowConfig
 
 ZERO_OPTIMIZATION = "zero_optimization"
 SUPPORTED_ZERO_STAGES: set[int] = {0, 1, 2, 3}
