@@ -45,5 +45,10 @@ def test_disabled_and_bad_keys():
     engine = _engine({"enabled": False})
     assert engine.flops_profiler is None
     engine.destroy()
-    with pytest.raises(ValueError, match="profile_step"):
-        _engine({"enabled": True, "profile_stepp": 2})
+    # DeepSpeed reads the section key by key: a misspelt key is ignored; here it also warns with the closest key
+    from deepspeed_c.runtime.config.utils import DeepSpeedConfigWarning
+
+    with pytest.warns(DeepSpeedConfigWarning, match="did you mean 'profile_step'"):
+        engine = _engine({"enabled": True, "profile_stepp": 2})
+    assert engine.flops_profiler is not None
+    engine.destroy()
