@@ -17,7 +17,8 @@ run with `device: cpu` (ZeRO-Offload, itself tested against torch.optim.Adam in 
   files' mappings hold no resident memory while the modules run or after a step (/proc/self/smaps,
   which does see them once touched); buffer_size below a chunk, buffer_count 0 and a negative
   max_in_cpu raise naming the key;
-- bad nvme_path values fail at initialize naming the path and the bytes needed; two live NVMe engines
+- a missing nvme_path is created (as DeepSpeed); bad values (a file, a folder under a file) fail at
+  initialize naming the path and the bytes needed; two live NVMe engines
   on one path keep their own files (and remove them on destroy); a stage-2 checkpoint written by the
   real DeepSpeed 0.19.8 (tests/fixtures) resumes with NVMe offload and continues as DeepSpeed did."""
 from __future__ import annotations
@@ -366,13 +367,15 @@ def bad_path_body(rank: int, world: int, root: str) -> dict[str, str]:
     afile = os.path.join(root, "a_file")
     open(afile, "w").close()
     out = {}
-    for name, path in (("missing", os.path.join(root, "missing")), ("file", afile), ("none", None)):
+    for name, path in (("missing", os.path.join(root, "missing", "swap")), ("file", afile),
+                       ("under_file", os.path.join(afile, "swap")), ("none", None)):
         cfg = _config(2, "nvme", path, 1, 0.0, 2)
         try:
             _engine(cfg)
             out[name] = "no error"
         except Exception as e:  # noqa: BLE001  (the message is what is checked)
             out[name] = f"{type(e).__name__}: {e}"
+    out["missing_created"] = os.path.isdir(os.path.join(root, "missing", "swap"))
     # two live engines on one nvme_path (an actor and a critic): separate files, the same training
     shared = os.path.join(root, "shared")
     os.makedirs(shared)
@@ -438,13 +441,15 @@ def test_bad_nvme_path_two_engines_and_a_deepspeed_checkpoint() -> None:
     with parameters on NVMe trains as with them on the host."""
     _, res, tmp_path = _runs()
     n = sum(p.numel() for p in Wide().parameters())
-    for name in ("missing", "file"):
+    # a missing folder is created, as DeepSpeed does; one that cannot be (a parent is a file) is refused
+    assert res["missing"] == "no error" and res["missing_created"]
+    for name in ("file", "under_file"):
         msg = res[name]
         assert str(tmp_path) in msg and "bytes" in msg, msg
         # this rank's master + 2 moments, fp32, padded partition: at least the model's size x 12
         need = int(msg.split(" need ")[1].split(" bytes")[0])
         assert n * 12 <= need < (n + 4096) * 12, msg
-    assert "FileNotFoundError" in res["missing"] and "NotADirectoryError" in res["file"]
+    assert "NotADirectoryError" in res["file"] and "cannot be created" in res["under_file"]
     assert "nvme_path" in res["none"]
     n_folders, same = res["two_engines"]
     assert n_folders == 2 and same

@@ -35,3 +35,18 @@ def test_read_only_filesystem(tmp_path):
             check_nvme_path(KEY, str(mnt), 123)
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_missing_path_is_created_a_file_is_refused(tmp_path):
+    # DeepSpeed creates a missing nvme_path (os.makedirs of its swap folder); parents too
+    missing = tmp_path / "a" / "b"
+    assert check_nvme_path(KEY, missing, 10) == str(missing) and missing.is_dir()
+    assert check_nvme_path(KEY, str(missing), 10) == str(missing)  # existing: unchanged
+    afile = tmp_path / "f"
+    afile.write_text("")
+    with pytest.raises(NotADirectoryError, match=rf"{KEY}.*{afile} is not a directory.*10 bytes"):
+        check_nvme_path(KEY, str(afile), 10)
+    under = afile / "sub"  # cannot be created: a parent is a file
+    with pytest.raises(OSError, match=rf"{KEY}.*{under} does not exist and cannot be created.*10 bytes"):
+        check_nvme_path(KEY, str(under), 10)
+    assert not os.path.exists(under)

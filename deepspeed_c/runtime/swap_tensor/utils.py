@@ -27,16 +27,22 @@ def local_ranks_sharing_disk() -> int:
 
 
 def check_nvme_path(key: str, path: Any, bytes_needed: int) -> str:
-    """`path` (config key `key`) exists, is a writable directory and its filesystem has room for
-    bytes_needed on each of this node's ranks; else ValueError/OSError naming the path and the bytes."""
+    """`path` (config key `key`) is a writable directory, created when missing as DeepSpeed does, and its
+    filesystem has room for bytes_needed on each of this node's ranks; else ValueError/OSError naming the
+    path and the bytes."""
     need = f"{bytes_needed} bytes ({human_bytes(bytes_needed)}) per rank"
     if path is None or str(path) == "":
         raise ValueError(f"config key '{key}' must name a directory for the swap files when device is 'nvme' "
                          f"(they need {need})")
     path = os.fspath(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"config key '{key}': {path} does not exist (the swap files need {need}); create it "
-                                f"or point '{key}' at a directory on a fast local disk")
+    if not os.path.lexists(path):
+        try:
+            os.makedirs(path, exist_ok=True)  # exist_ok: another local rank may create it first
+        except OSError as e:
+            # keep the OS's class (PermissionError, NotADirectoryError when a parent is a file, ...)
+            raise type(e)(e.errno, f"config key '{key}': {path} does not exist and cannot be created "
+                          f"({e.strerror}; the swap files need {need}); point '{key}' at a writable directory "
+                          f"on a fast local disk") from e
     if not os.path.isdir(path):
         raise NotADirectoryError(f"config key '{key}': {path} is not a directory (the swap files need {need})")
     if not os.access(path, os.W_OK | os.X_OK):
