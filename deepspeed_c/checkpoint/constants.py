@@ -66,3 +66,34 @@ UNIVERSAL_ZERO_FOLDER = "zero"
 UNIVERSAL_OPTIMIZER_STATE_FILE = "optimizer_state.pt"
 UNIVERSAL_LATEST = "latest_universal"
 UNIVERSAL_STEP = "step"
+
+# key names DeepSpeed 0.19.8's format reserves for AutoTP/AutoEP universal metadata, the affine shard maps
+# and folding metadata (deepspeed_c writes none of them; exported so code importing them runs)
+PARAM_ALIGNMENT_PADDINGS = "param_alignment_paddings"
+DS_AUTOTP_UC_META = "ds_autotp_universal_checkpoint_meta"
+AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS = "autotp_unsupported_parameter_patterns"
+AFFINE_MAP, AFFINE_MAP_VERSION, AFFINE_MAP_PARAMS = "affine_map", "version", "params"
+AUTOEP_LAYERS_KEY, AUTOEP_LAYERS_KEY_LEGACY = "ds_autoep_layers", "autoep_layers"
+AUTOEP_EXPERT_KEY_PREFIX = "expert_key_prefix"
+AUTOEP_NUM_EXPERTS, AUTOEP_NUM_LOCAL_EXPERTS, AUTOEP_EP_SIZE = "num_experts", "num_local_experts", "ep_size"
+AUTOEP_EXPERT_PLACEMENT, AUTOEP_AFFINE_MAPS = "expert_placement", "affine_maps"
+DS_AUTOEP_UC_META = "ds_autoep_uc_meta"
+AUTOEP_PARAM_LOGICAL_SHAPE, AUTOEP_PARAM_EP_RANK, AUTOEP_PARAM_LOCAL_EXPERTS = "logical_shape", "ep_rank", "local_experts"
+AUTOEP_ZERO12_REQUIRED_FIELDS = (AUTOEP_EXPERT_KEY_PREFIX, AUTOEP_NUM_EXPERTS, AUTOEP_NUM_LOCAL_EXPERTS, AUTOEP_EP_SIZE)
+AUTOEP_ZERO3_EXPERT_STATE_FORMAT_KEY = "checkpoint_format"
+AUTOEP_ZERO3_PARTITIONED_EXPERT_STATE_FORMAT = "zero3_partitioned"
+AUTOEP_ZERO3_EXPERT_STATE_FORMAT_VERSION_KEY, AUTOEP_ZERO3_EXPERT_STATE_FORMAT_VERSION = "checkpoint_format_version", 1
+AUTOEP_PLACEMENT_VERSION_KEY, AUTOEP_PLACEMENT_VERSION = "version", 1
+AUTOEP_PLACEMENT_NUM_EXPERTS, AUTOEP_PLACEMENT_EP_SIZE = "num_experts", "ep_size"
+AUTOEP_PLACEMENT_RANKS, AUTOEP_PLACEMENT_RANK, AUTOEP_PLACEMENT_EXPERTS = "ranks", "rank", "experts"
+EP_IS_EXPERT_PARAM, EP_NUM_EXPERTS = "is_expert_param", "ep_num_experts"
+EXPERT_PARAMETER_PATTERNS = "expert_parameter_patterns"
+FOLDING_METADATA_KEY, FOLDING_METADATA_VERSION = "folding", 1
+FOLDING_TP_SIZE, FOLDING_TP_RANK = "tp_size", "tp_rank"
+FOLDING_EP_SIZE, FOLDING_EP_RANK = "ep_size", "ep_rank"
+FOLDING_ETP_SIZE, FOLDING_ETP_RANK = "etp_size", "etp_rank"
+FOLDING_ZERO_PARTITION_GROUP = "zero_partition_group"
+FOLDING_ZERO_PARTITION_RANK = "zero_partition_rank"
+FOLDING_ZERO_PARTITION_COUNT = "zero_partition_count"
+FOLDING_DISPATCH_STRATEGY, FOLDING_SHARED_EXPERT_PLACEMENT = "dispatch_strategy", "shared_expert_placement"
+FOLDING_FAMILY, FOLDING_PARAM_FAMILIES = "family", "param_families"

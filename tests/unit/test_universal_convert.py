@@ -180,3 +180,81 @@ def test_command_line_with_worker_processes(tmp_path: Any) -> None:
 def test_bad_worker_count_is_named(tmp_path: Any) -> None:
     with pytest.raises(SystemExit):
         parse_arguments(["--input_folder", "x", "--output_folder", "y", "--num_merge_workers", "0"])
+
+
+# -- ZeROCheckpoint and the reshape helpers (deepspeed.checkpoint's) --------------------------------------------
+def test_zero_checkpoint_merges_dp_ranks_of_deepspeeds_checkpoint(tmp_path: Any) -> None:
+    from deepspeed_c.checkpoint import ZeROCheckpoint, get_model_3d_descriptor, model_3d_desc
+
+    ckpt = os.path.join(MEGATRON, "ckpt")
+    src = get_model_3d_descriptor(ckpt)
+    assert (src.pp_degree, src.tp_degree, src.dp_degree) == (1, 2, 2)
+    zc = ZeROCheckpoint(ckpt)
+    assert (zc.get_src_tp_degree(), zc.get_src_dp_degree(), zc.get_src_world_size()) == (2, 2, 4)
+    # the file list is in (dp, mp) order: index = dp * tp + tp_index
+    assert [os.path.basename(f)[:25] for f in zc.file_list] == [
+        f"zero_pp_rank_{dp}_mp_rank_0{mp}" for dp in range(2) for mp in range(2)]
+    assert zc.get_files_for_rank(0, 1, 1) == [zc.file_list[3]]
+    zc.reshape(model_3d_desc(pp_degree=1, tp_degree=2, dp_degree=1))
+    assert zc.get_file_indices_for_rank(0, 1, 0) == [1, 3]
+    for tp in range(2):
+        merged = zc.get_state_for_rank(0, tp, 0)["optimizer_state_dict"]
+        parts = [safe_load.load(os.path.join(ckpt, f"zero_pp_rank_{dp}_mp_rank_0{tp}_optim_states.pt"))
+                 ["optimizer_state_dict"] for dp in range(2)]
+        for g, m in enumerate(merged["single_partition_of_fp32_groups"]):
+            # reference: each dp rank's partition without its padding, concatenated in dp order
+            want = torch.cat([p["single_partition_of_fp32_groups"][g][:p["single_partition_of_fp32_groups"][g].numel()
+                                                                       - p["group_paddings"][g]] for p in parts])
+            assert torch.equal(m, want)
+            moments = [p["base_optimizer_state"]["state"][g]["exp_avg"] for p in parts]
+            assert torch.equal(merged["base_optimizer_state"]["state"][g]["exp_avg"], torch.cat(
+                [m[:m.numel() - p["group_paddings"][g]] for m, p in zip(moments, parts)]))
+        assert merged["partition_count"] == [1] * len(merged["partition_count"])
+        assert merged["group_paddings"] == [0] * len(merged["group_paddings"])
+    with pytest.raises(AssertionError, match="Expansion reshape not supported - DP"):
+        zc.reshape(model_3d_desc(1, 2, 4))
+    with pytest.raises(AssertionError, match="No ZeRO files"):
+        ZeROCheckpoint(str(tmp_path))
+
+
+def test_reshape_maps_match_a_rank_enumeration() -> None:
+    """model_3d_desc.reshape against a brute-force reference: source rank r = dp * (pp*tp) + pp * tp_deg + tp;
+    a target cell takes, pp-major then tp, dp-major in consecutive runs, the source ranks whose cells contract
+    onto it."""
+    from deepspeed_c.checkpoint import model_3d_desc, reshape_meg_2d_parallel
+    from deepspeed_c.checkpoint.reshape_meg_2d import get_mpu_ranks
+
+    src, tgt = model_3d_desc(2, 2, 2), model_3d_desc(1, 1, 1)
+    assert src.reshape(tgt)[0].get_data(0, 0) == [0, 4, 1, 5, 2, 6, 3, 7]
+    maps = src.reshape(model_3d_desc(2, 1, 1))
+    assert maps[0].get_data(0, 0) == [0, 4, 1, 5] and maps[0].get_data(1, 0) == [2, 6, 3, 7]
+    grid = reshape_meg_2d_parallel(old_pp_degree=4, old_tp_degree=2, new_pp_degree=2, new_tp_degree=1)
+    assert grid.get_data(0, 0) == [0, 1, 2, 3] and grid.get_data(1, 0) == [4, 5, 6, 7]
+    assert src.can_reshape(model_3d_desc(4, 1, 1)) == (False, ["Expansion reshape not supported - PP: 2 ---> 4"])
+    assert src.is_valid(1, 2, 0) == (False, ["TP indexing error: index 2 >= degree 2"])
+    tp, pp, dp = get_mpu_ranks(tp_size=2, pp_size=4, dp_size=2)  # Megatron's 16-GPU example
+    assert dp == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert pp == [[0, 1, 4, 5, 8, 9, 12, 13], [2, 3, 6, 7, 10, 11, 14, 15]]
+    assert tp[:2] == [[0, 1], [2, 3]] and len(tp) == 8
+
+
+def test_merge_state_and_zero_file_order(tmp_path: Any) -> None:
+    from collections import OrderedDict
+
+    from deepspeed_c.checkpoint import merge_state
+    from deepspeed_c.checkpoint.reshape_utils import get_zero_files, partition_data
+
+    a = OrderedDict(w=torch.ones(2), n=[torch.zeros(1), 3], s="x")
+    b = OrderedDict(w=torch.full((1,), 2.0), n=[torch.ones(1), 4], extra=5)
+    out = merge_state(a, b)
+    assert list(out) == ["w", "n", "extra"] and isinstance(out, OrderedDict)
+    assert torch.equal(out["w"], torch.tensor([1.0, 1.0, 2.0])) and out["n"][1] == 3 and out["extra"] == 5
+    with pytest.raises(ValueError, match="at n"):
+        merge_state({"n": [1, 2]}, {"n": [1]})
+    with pytest.raises(ValueError, match="types"):
+        merge_state(torch.ones(1), 1.0)
+    assert partition_data(list(range(6)), 3) == [[0, 1], [2, 3], [4, 5]]
+    for dp in (10, 9, 0):  # ranks read as numbers; a ZeRO-3 folder's model-states files are not ZeRO files
+        (tmp_path / f"bf16_zero_pp_rank_{dp}_mp_rank_00_optim_states.pt").write_bytes(b"")
+        (tmp_path / f"zero_pp_rank_{dp}_mp_rank_00_model_states.pt").write_bytes(b"")
+    assert [os.path.basename(f)[18:20] for f in get_zero_files(str(tmp_path))] == ["0_", "9_", "10"]
