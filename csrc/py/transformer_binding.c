@@ -10,7 +10,8 @@
  *                 dx_drop|None, dgamma_part, dbeta_part, dbias_part|None, invertible)
  *   sum_parts(part, out)                                    part float32 [k, parts, cols], out [k, cols]
  *   softmax(scores, mask|None, scale)              scores [B, heads, Sq, Sk], mask float32 [B, 1|Sq, Sk]
- *   softmax_backward(dp, p, scale)                                                            */
+ *   softmax_backward(dp, p, scale)
+ *   dropout_keep(keep, threshold, seed, offset)    keep uint8/bool [n]; threshold < 2^32, seed and offset < 2^64 */
 #include "dsc/tensor_view.h" /* Python.h first */
 #include "dsc/cuda_binding_util.h"
 #include "dsc/module.h"
@@ -231,6 +232,36 @@ static PyObject *py_softmax_backward(PyObject *self, PyObject *const *args, Py_s
         "softmax_backward", dp.device_id);
 }
 
+/* A Python int in [0, limit] as uint64 (seeds and offsets use the whole 64 bits). */
+static int arg_u64(PyObject *obj, const char *name, unsigned long long limit, uint64_t *out) {
+    if (!PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "argument '%s' must be an int", name);
+        return -1;
+    }
+    const unsigned long long v = PyLong_AsUnsignedLongLong(obj);
+    if (PyErr_Occurred() || v > limit) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "argument '%s' must be an int in [0, %llu]", name, limit);
+        return -1;
+    }
+    *out = (uint64_t)v;
+    return 0;
+}
+
+static PyObject *py_dropout_keep(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (dsc_check_nargs("dropout_keep", nargs, 4) < 0) return NULL;
+    dsc_view keep;
+    uint64_t threshold, seed, offset;
+    if (arg(args[0], "keep", DSC_U8 | DSC_BOOL, 0, NULL, NULL, 0, -1, &keep) < 0 ||
+        arg_u64(args[1], "threshold", 0xffffffffull, &threshold) < 0 ||
+        arg_u64(args[2], "seed", ~0ull, &seed) < 0 || arg_u64(args[3], "offset", ~0ull, &offset) < 0)
+        return NULL;
+    RUN(dsc_tf_dropout_keep((uint8_t *)keep.data, keep.numel, (uint32_t)threshold, seed, offset, keep.device_id,
+                            stream),
+        "dropout_keep", keep.device_id);
+}
+
 #define METHOD(name, fn, doc) {name, (PyCFunction)(void (*)(void))fn, METH_FASTCALL, doc}
 
 static PyMethodDef methods[] = {
@@ -246,6 +277,8 @@ static PyMethodDef methods[] = {
     METHOD("sum_parts", py_sum_parts, "sum_parts(part, out): out[k] = part[k].sum(0) (second stage of column sums)."),
     METHOD("softmax", py_softmax, "softmax(scores, mask, scale): scaled masked softmax in place."),
     METHOD("softmax_backward", py_softmax_backward, "softmax_backward(dp, p, scale): in place."),
+    METHOD("dropout_keep", py_dropout_keep,
+           "dropout_keep(keep, threshold, seed, offset): Philox keep mask, keep[e] = word(e) < threshold."),
     {NULL, NULL, 0, NULL},
 };
 

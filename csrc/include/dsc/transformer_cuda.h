@@ -62,6 +62,21 @@ int dsc_tf_sum_parts(const float *part, void *out, int64_t k, int64_t parts, int
 int dsc_tf_softmax(void *scores, const float *mask, int64_t B, int64_t heads, int64_t Sq, int64_t Sk,
                    int64_t mask_rows, float scale, int dtype, int device, cudaStream_t stream);
 
+/* Philox4x32-10's constants, and the salt xor-ed into the key of the dropout streams (see
+ * dsc_tf_dropout_keep); deepspeed_c/ops/transformer/philox_reference.py repeats them. */
+#define DSC_PHILOX_M0 0xD2511F53u
+#define DSC_PHILOX_M1 0xCD9E8D57u
+#define DSC_PHILOX_W0 0x9E3779B9u
+#define DSC_PHILOX_W1 0xBB67AE85u
+#define DSC_PHILOX_SALT0 0x5DEECE66u
+#define DSC_PHILOX_SALT1 0x2545F491u
+
+/* keep[e] = 1 when word e % 4 of Philox4x32-10(counter (e / 4 as 64 bits, offset as 64 bits), key
+ * seed ^ salt) is below threshold, else 0, for e < n (uint8 [n]): a dropout keep mask with keep
+ * probability threshold / 2^32. */
+int dsc_tf_dropout_keep(uint8_t *keep, int64_t n, uint32_t threshold, uint64_t seed, uint64_t offset, int device,
+                        cudaStream_t stream);
+
 /* In place on dp [rows, cols]: ds = scale * p * (dp - sum_j p_j dp_j). */
 int dsc_tf_softmax_backward(void *dp, const void *p, int64_t rows, int64_t cols, float scale, int dtype, int device,
                             cudaStream_t stream);

@@ -11,6 +11,7 @@ from types import ModuleType
 import torch
 
 from deepspeed_c.ops.transformer import fused_reference as ref
+from deepspeed_c.ops.transformer.philox_reference import keep_threshold
 
 _op: ModuleType | None = None
 # Column sums (gamma/beta/bias gradients) are two-stage: `parts` blocks (norm backward: a block per
@@ -114,6 +115,27 @@ def norm_backward(dy: torch.Tensor, src: torch.Tensor, gamma: torch.Tensor, beta
     cuda_op().sum_parts(part, sums)
     s = sums.unbind(0)
     return dx, s[0], s[1], dx if dxd is None else dxd, s[2] if want_bias else None
+
+
+def _cuda_generator(device: torch.device, gen: torch.Generator | None) -> torch.Generator:
+    return gen if gen is not None else torch.cuda.default_generators[device.index or 0]
+
+
+def keep_mask(shape: tuple[int, ...], p: float, device: torch.device, gen: torch.Generator | None):
+    """A dropout keep mask (bool, True with probability 1 - p) or None when p is 0. On a GPU the
+    Philox kernel draws it from gen's seed and offset (the default CUDA generator when gen is None)
+    and advances the offset, so torch's saved RNG state replays it; elsewhere, and while a CUDA
+    graph is being captured, bernoulli_ draws it."""
+    if p <= 0.0:
+        return None
+    keep = torch.empty(shape, dtype=torch.bool, device=device)
+    if keep.is_cuda and not torch.cuda.is_current_stream_capturing():
+        g = _cuda_generator(keep.device, gen)
+        offset = g.get_offset()
+        g.set_offset(offset + 4)  # torch keeps Philox offsets in multiples of 4; a call needs one distinct value
+        cuda_op().dropout_keep(keep, keep_threshold(p), g.initial_seed(), offset)
+        return keep
+    return keep.bernoulli_(1.0 - p, generator=gen)
 
 
 def softmax(scores: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:

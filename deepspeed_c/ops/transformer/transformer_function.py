@@ -47,12 +47,6 @@ class LayerSpec:
     fused_attention: bool = False
 
 
-def _keep_mask(shape, p: float, like: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor | None:
-    if p <= 0.0:
-        return None
-    return torch.empty(shape, dtype=torch.bool, device=like.device).bernoulli_(1.0 - p, generator=gen)
-
-
 def _drop_backward(dy: torch.Tensor, keep: torch.Tensor | None, p: float) -> torch.Tensor:
     return dy if keep is None else dy * keep * (1.0 / (1.0 - p))
 
@@ -83,8 +77,8 @@ class DeepSpeedTransformerFunction(torch.autograd.Function):
         scale = d ** -0.5
         inv = spec.normalize_invertible
         x2 = x.reshape(T, Hd)
-        k_attn = None if spec.fused_attention else _keep_mask((B, nh, S, S), spec.attn_dropout, x, gen)
-        k12 = _keep_mask((2, T, Hd), spec.hidden_dropout, x, gen)  # both hidden dropouts: one draw, one launch
+        k_attn = None if spec.fused_attention else ops.keep_mask((B, nh, S, S), spec.attn_dropout, x.device, gen)
+        k12 = ops.keep_mask((2, T, Hd), spec.hidden_dropout, x.device, gen)  # both hidden dropouts, one launch
         k1, k2 = (None, None) if k12 is None else k12.unbind(0)
         s_hid = 1.0 / (1.0 - spec.hidden_dropout)
 

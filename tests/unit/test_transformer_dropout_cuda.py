@@ -1,0 +1,73 @@
+"""The transformer layer's dropout keep masks on a GPU (csrc/cuda/transformer_dropout.cu): the Philox kernel's
+masks equal the numpy reference bit for bit, and the layer's masks follow torch's CUDA RNG state, so restoring
+the state (as reentrant activation checkpointing does) replays them. Needs a CUDA GPU; skipped elsewhere."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.utils.checkpoint as cp
+
+from deepspeed_c.ops.transformer import DeepSpeedTransformerConfig, DeepSpeedTransformerLayer
+from deepspeed_c.ops.transformer import fused_ops
+from deepspeed_c.ops.transformer.philox_reference import dropout_keep, keep_threshold
+from deepspeed_c.ops.transformer.transformer_function import WEIGHT_NAMES
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("n,seed,offset", [(1, 0, 0), (15, 1, 4), (16, 2**63 + 5, 8), (17, 7, 2**40 + 4),
+                                           (4099, 123, 12), ((1 << 20) + 3, 2**64 - 1, 2**64 - 4)])
+def test_kernel_mask_equals_reference(n, seed, offset):
+    thr = keep_threshold(0.1)
+    keep = torch.empty(n, dtype=torch.uint8, device="cuda")
+    fused_ops.cuda_op().dropout_keep(keep, thr, seed, offset)
+    np.testing.assert_array_equal(keep.cpu().numpy(), dropout_keep(n, thr, seed, offset))
+
+
+def test_unaligned_mask_view_equals_reference():
+    thr = keep_threshold(0.25)
+    buf = torch.empty(1000, dtype=torch.bool, device="cuda")
+    fused_ops.cuda_op().dropout_keep(buf[3:], thr, 99, 0)
+    np.testing.assert_array_equal(buf[3:].cpu().numpy().astype(np.uint8), dropout_keep(997, thr, 99, 0))
+
+
+def test_keep_mask_advances_the_generator_and_replays_from_its_state():
+    g = torch.Generator(device="cuda").manual_seed(5)
+    state = g.get_state()
+    a = fused_ops.keep_mask((64, 1024), 0.1, torch.device("cuda"), g)
+    b = fused_ops.keep_mask((64, 1024), 0.1, torch.device("cuda"), g)
+    assert not torch.equal(a, b)
+    assert abs(a.float().mean().item() - 0.9) < 0.01
+    g.set_state(state)
+    assert torch.equal(fused_ops.keep_mask((64, 1024), 0.1, torch.device("cuda"), g), a)
+
+
+def _layer() -> DeepSpeedTransformerLayer:
+    torch.manual_seed(0)
+    cfg = DeepSpeedTransformerConfig(batch_size=2, hidden_size=128, intermediate_size=512, heads=4,
+                                     attn_dropout_ratio=0.1, hidden_dropout_ratio=0.1, num_hidden_layers=1,
+                                     initializer_range=0.02)
+    return DeepSpeedTransformerLayer(cfg).cuda().to(torch.bfloat16)
+
+
+def test_layer_dropout_follows_cuda_rng_state_and_checkpoint_replays_it():
+    layer = _layer()
+    x = torch.randn(2, 64, 128, device="cuda").to(torch.bfloat16)
+    state = torch.cuda.get_rng_state()
+    out1 = layer(x)
+    torch.cuda.set_rng_state(state)
+    out2 = layer(x)
+    assert torch.equal(out1, out2)
+    assert not torch.equal(layer(x), out1)  # the state moved on: other masks
+
+    grads = []
+    for reentrant in (None, True):
+        layer.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        torch.cuda.set_rng_state(state)
+        out = layer(xi) if reentrant is None else cp.checkpoint(layer, xi, use_reentrant=True)
+        out.float().pow(2).sum().backward()
+        grads.append([out, xi.grad] + [getattr(layer, n).grad for n in WEIGHT_NAMES])
+    for name, a, b in zip(["out", "dx", *WEIGHT_NAMES], grads[1], grads[0]):
+        assert torch.equal(a, b), name
