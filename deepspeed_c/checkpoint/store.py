@@ -284,10 +284,12 @@ def abort(save_dir: str, tag: str) -> None:
     shutil.rmtree(staging_dir(save_dir, tag), ignore_errors=True)
 
 
-def remove_stale_staging(save_dir: str, keep: str | None = None) -> list[str]:
+def remove_stale_staging(save_dir: str, keep: str | tuple[str, ...] | None = None) -> list[str]:
     """Remove the staging directories (`.<tag>.partial`) that killed saves left in `save_dir`, except
-    `keep`'s. For the directory's one writer, before it stages a save: no other save is in flight there.
-    A tag directory and the previous copy of a re-saved tag (`.<tag>.old`) are never touched."""
+    `keep`'s (a tag, or the tags one save stages there when its ranks name different tags). For the
+    writers of this save, before they stage it: no other save is in flight there. A tag directory and the
+    previous copy of a re-saved tag (`.<tag>.old`) are never touched."""
+    kept = {staging_dir(save_dir, t) for t in ((keep,) if isinstance(keep, str) else (keep or ()))}
     removed = []
     try:
         names = os.listdir(save_dir)
@@ -297,7 +299,7 @@ def remove_stale_staging(save_dir: str, keep: str | None = None) -> list[str]:
         path = os.path.join(save_dir, name)
         if (name.startswith(_STAGING_PREFIX) and name.endswith(_STAGING_SUFFIX)
                 and len(name) > len(_STAGING_PREFIX) + len(_STAGING_SUFFIX)
-                and (keep is None or path != staging_dir(save_dir, keep))
+                and path not in kept
                 and os.path.isdir(path) and not os.path.islink(path)):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)

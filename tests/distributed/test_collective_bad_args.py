@@ -7,6 +7,7 @@ user error to be reported, not a reason for the other ranks to wait forever. Bef
 runs under the harness timeout (60 s), so a hang fails the test instead of the suite."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -58,7 +59,50 @@ def bad_args_body(rank: int, world: int, root: str) -> dict:
     outcome["split_files"] = sorted(os.listdir(os.path.join(own, "global_step1")))
     outcome["split_load"] = engine.load_checkpoint(own)[0]
     outcome["split_equal"] = all(torch.equal(a, b) for a, b in zip(saved, engine.module.parameters()))
+    outcome["tags"] = _per_rank_tags(engine, rank, root, saved)
     return outcome
+
+
+def _per_rank_tags(warn_engine, rank: int, root: str, saved: list) -> dict:
+    """Ranks saving under different tags (DeepSpeed's test_tag_validation): FAIL raises on every rank;
+    WARN (the default, `warn_engine`) warns and IGNORE goes on, each rank's files under its own tag."""
+    import logging
+
+    import torch
+
+    from deepspeed_c.utils.logging import logger
+
+    out = {}
+    for mode in ("FAIL", "IGNORE"):
+        engine = _engine(2, False)
+        engine.checkpointer.options = dataclasses.replace(
+            engine.checkpointer.options, tag_validation=mode != "IGNORE", tag_validation_fail=mode == "FAIL")
+        try:
+            engine.save_checkpoint(os.path.join(root, mode), tag=f"tag-{rank}")
+            out[mode] = "returned"
+        except AssertionError as e:
+            out[mode] = f"AssertionError: {e}"
+    records: list = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    try:
+        warn_engine.save_checkpoint(os.path.join(root, "WARN"), tag=f"tag-{rank}")
+    finally:
+        logger.removeHandler(handler)
+    out["WARN_logged"] = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    for mode in ("WARN", "IGNORE"):
+        folder = os.path.join(root, mode)
+        out[f"{mode}_listing"] = {t: sorted(f for f in os.listdir(os.path.join(folder, t)) if f.endswith(".pt"))
+                                  for t in ("tag-0", "tag-1") if os.path.isdir(os.path.join(folder, t))}
+        out[f"{mode}_staging_left"] = [f for f in os.listdir(folder) if f.endswith(".partial")]
+        with open(os.path.join(folder, "latest")) as f:
+            out[f"{mode}_latest"] = f.read().strip()
+    # each rank's tag loads back the weights it saved (the tag directory holds its ranks' files)
+    _train(warn_engine, rank, 2, steps=1)
+    out["WARN_load"] = warn_engine.load_checkpoint(os.path.join(root, "WARN"), tag=f"tag-{rank}")[0]
+    out["WARN_equal"] = all(torch.equal(a, b) for a, b in zip(saved, warn_engine.module.parameters()))
+    return out
 
 
 def test_bad_arguments_raise_on_every_rank(tmp_path):
@@ -82,6 +126,21 @@ def test_bad_arguments_raise_on_every_rank(tmp_path):
         assert f"run_{rank}" in out["split_load"] and "global_step1" in out["split_load"], out["split_load"]
         assert out["split_equal"], out
         assert out["good_load"] is True
+        tags = out["tags"]
+        assert tags["FAIL"].startswith("AssertionError") and f"'tag-{rank}'" in tags["FAIL"], tags["FAIL"]
+        warned = [m for m in tags["WARN_logged"] if "not consistent across all ranks" in m]
+        assert len(warned) == 1 and f"rank={rank}" in warned[0], tags["WARN_logged"]
+        for mode in ("WARN", "IGNORE"):
+            # both tag directories exist, each with its own rank's ZeRO file (DeepSpeed writes each rank's
+            # files under its tag); `latest` names rank 0's tag as only DeepSpeed's rank 0 writes it
+            listing = tags[f"{mode}_listing"]
+            assert sorted(listing) == ["tag-0", "tag-1"], listing
+            for r in (0, 1):
+                assert any(f"rank_{r}_" in f for f in listing[f"tag-{r}"]), listing
+                assert not any(f"rank_{1 - r}_" in f for f in listing[f"tag-{r}"]), listing
+            assert tags[f"{mode}_latest"] == "tag-0" and tags[f"{mode}_staging_left"] == []
+        assert tags["IGNORE"] == "returned"
+        assert f"tag-{rank}" in tags["WARN_load"] and tags["WARN_equal"], tags
 
 
 @pytest.mark.parametrize("value", [None, "", 3])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import torch
@@ -40,6 +41,39 @@ def dir_group(value: str) -> Optional[tuple[int, ...]]:
         return None
     mine = dirs[tdist.get_rank()]
     return tuple(r for r, d in enumerate(dirs) if d == mine)
+
+
+@dataclass(frozen=True)
+class SaveGroup:
+    """A save whose ranks name different (directory, tag) pairs: the ranks sharing this rank's pair save
+    one tag directory, with their own writer. `staging`: every tag staged in this rank's directory by
+    this save (no writer removes another's staging directory as a stale one); `writes_latest`: this
+    group's tag is the one `latest` of the directory names (that of the directory's lowest rank, as
+    only DeepSpeed's rank 0 writes `latest`); `split_dirs`: the ranks name different directories."""
+    members: tuple[int, ...]
+    staging: tuple[str, ...]
+    writes_latest: bool
+    split_dirs: bool
+
+
+def save_group(save_dir: str, tag: str) -> Optional[SaveGroup]:
+    """None when every rank names the same directory and tag; else this rank's SaveGroup. DeepSpeed lets
+    each rank write its files wherever it is told: per-rank directories (experiment names stamped with the
+    time) or, with checkpoint.tag_validation WARN / IGNORE, per-rank tags. Collective over the default
+    group."""
+    import torch.distributed as tdist
+
+    if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() == 1:
+        return None
+    pairs: list[Any] = [None] * tdist.get_world_size()
+    tdist.all_gather_object(pairs, (os.path.realpath(save_dir), tag))
+    if len(set(pairs)) == 1:
+        return None
+    mine = pairs[tdist.get_rank()]
+    members = tuple(r for r, p in enumerate(pairs) if p == mine)
+    same_dir = [r for r, p in enumerate(pairs) if p[0] == mine[0]]
+    return SaveGroup(members=members, staging=tuple(sorted({pairs[r][1] for r in same_dir})),
+                     writes_latest=min(members) == min(same_dir), split_dirs=len({p[0] for p in pairs}) > 1)
 
 
 class RankFailed(RuntimeError):

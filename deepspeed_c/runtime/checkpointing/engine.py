@@ -18,7 +18,7 @@ from deepspeed_c.checkpoint import deepspeed_format, store
 from deepspeed_c.runtime.checkpointing import nodes, reducer_order, run_state, universal_load, zero, zero3
 from deepspeed_c.runtime.checkpointing.options import CheckpointOptions
 from deepspeed_c.runtime.checkpointing.states import CheckpointStates
-from deepspeed_c.runtime.checkpointing.collective_guard import check_dir_arg, dir_group, rank_local_step
+from deepspeed_c.runtime.checkpointing.collective_guard import check_dir_arg, dir_group, rank_local_step, save_group
 from deepspeed_c.runtime.optimizer_seam import SavedCheckpoint
 from deepspeed_c.utils.logging import logger
 from deepspeed_c.version import DEEPSPEED_API_VERSION
@@ -99,17 +99,6 @@ class EngineCheckpointer:
              exclude_frozen_parameters: bool) -> bool:
         # every check before the first collective, on every rank: a bad argument raises everywhere
         save_dir = check_dir_arg("save_checkpoint", "save_dir", save_dir)
-        # ranks told different directories (per-rank experiment names): each directory is saved by its ranks
-        split = None if nodes.node_local_enabled(self.options.node_local_storage) else dir_group(save_dir)
-        if st.mp_world_size > 1 and split is not None:
-            raise NotImplementedError("save_checkpoint: ranks name different save_dir directories with a "
-                                      f"model-parallel mpu (model-parallel size {st.mp_world_size}); pass every "
-                                      "rank the same save_dir")
-        if st.mp_world_size > 1 and self.options.node_local_storage:
-            # each model-parallel rank's files would stay on the node of its data-parallel rank 0 only
-            raise NotImplementedError("save_checkpoint: checkpoint.use_node_local_storage with a model-parallel mpu "
-                                      f"(model-parallel size {st.mp_world_size}, mp_rank_XX files) is not built; "
-                                      "save to shared storage")
         tag = f"global_step{st.train_state.global_steps}" if tag is None else str(tag)
         if not tag or os.sep in tag or tag.startswith("."):
             raise ValueError(f"save_checkpoint: tag {tag!r} must be a non-empty name without '{os.sep}' or a "
@@ -120,15 +109,33 @@ class EngineCheckpointer:
         if clash:
             raise ValueError(f"save_checkpoint: client_state keys {clash} collide with DeepSpeed's own keys")
         store.check_plain(client_state, "client_state")
-        self._validate_tag(tag)
+        self._validate_tag(tag)  # FAIL: raises on every rank when the tags differ
+        # ranks told different directories (per-rank experiment names) or, past tag validation, different
+        # tags: each (directory, tag) is saved by its ranks, as DeepSpeed writes each rank's files there
+        if nodes.node_local_enabled(self.options.node_local_storage):
+            split = None
+            self._check_one_tag_node_local(tag)
+        else:
+            split = save_group(save_dir, tag)
+        if st.mp_world_size > 1 and split is not None:
+            raise NotImplementedError("save_checkpoint: ranks name different save_dir directories or tags with a "
+                                      f"model-parallel mpu (model-parallel size {st.mp_world_size}); pass every "
+                                      "rank the same save_dir and tag")
+        if st.mp_world_size > 1 and self.options.node_local_storage:
+            # each model-parallel rank's files would stay on the node of its data-parallel rank 0 only
+            raise NotImplementedError("save_checkpoint: checkpoint.use_node_local_storage with a model-parallel mpu "
+                                      f"(model-parallel size {st.mp_world_size}, mp_rank_XX files) is not built; "
+                                      "save to shared storage")
+        if split is not None:
+            save_latest = save_latest and split.writes_latest  # `latest` names the lowest rank's tag
         self.commit_pending()  # the previous background save first: its failure is raised here
         # the writer of this rank's directory: global rank 0, or its node's local rank 0 (node-local storage)
         scope = (nodes.save_scope(save_dir, self.options.node_local_storage, st.local_rank) if split is None
-                 else nodes.split_scope(split))
+                 else nodes.split_scope(split.members, warn=split.split_dirs))
         with rank_local_step("save_checkpoint (creating the checkpoint directory)", distributed=_dist()):
             if scope.writer:
                 # what saves killed mid-way left behind: staging directories, temporaries of the replaced files
-                store.remove_stale_staging(save_dir, keep=tag)
+                store.remove_stale_staging(save_dir, keep=split.staging if split is not None else tag)
                 for name in (store.LATEST_NAME, *RECOVERY_SCRIPTS):
                     store.remove_stale_temporaries(os.path.join(save_dir, name))
                 store.begin(save_dir, tag)
@@ -261,6 +268,18 @@ class EngineCheckpointer:
             if self.options.tag_validation_fail:
                 raise AssertionError(msg)  # DeepSpeed asserts here
             logger.warning(msg)
+
+    def _check_one_tag_node_local(self, tag: str) -> None:
+        """Node-local storage commits one tag per node directory: ranks passing different tags (let through
+        by tag_validation WARN / IGNORE) raise on every rank."""
+        if not _dist():
+            return
+        tags: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(tags, tag)
+        if len(set(tags)) > 1:
+            raise NotImplementedError(f"save_checkpoint: the ranks pass different tags {sorted(set(tags))} with "
+                                      "checkpoint.use_node_local_storage (a node directory holds one tag per save); "
+                                      "pass every rank the same tag")
 
     def _gather_files(self, mine: dict[str, dict], members: tuple[int, ...]) -> dict[str, dict]:
         """The manifest entries of the files in this rank's directory (those of `members`)."""

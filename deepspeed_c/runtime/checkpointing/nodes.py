@@ -77,11 +77,12 @@ def global_scope() -> StorageScope:
     return StorageScope(writer=rank == 0, members=tuple(range(world)))
 
 
-def split_scope(members: tuple[int, ...]) -> StorageScope:
-    """A save whose ranks were told different directories: `members` share this rank's; the lowest writes the
-    directory's model-states file and commits it."""
+def split_scope(members: tuple[int, ...], warn: bool = True) -> StorageScope:
+    """A save whose ranks were told different directories (or tags): `members` share this rank's; the lowest
+    writes the tag directory's model-states file and commits it. `warn`: say so (the tag case has already
+    been reported, or not, by checkpoint.tag_validation)."""
     rank = dist.get_rank()
-    if rank == 0:
+    if rank == 0 and warn:
         logger.warning("save_checkpoint: the ranks name different save_dir directories; each directory holds its "
                        "ranks' files and a model-states file of its own (DeepSpeed writes a split checkpoint there)")
     return StorageScope(writer=rank == min(members), members=members)
