@@ -12,6 +12,7 @@ from .cpu_adam import CPUAdamBuilder
 from .cpu_lion import CPULionBuilder
 from .cpu_multi_tensor import CPUMultiTensorBuilder
 from .evoformer_attn import EvoformerAttnBuilder
+from .fp_quantizer import FPQuantizerBuilder
 from .fused_adam import FusedAdamBuilder
 from .fused_lamb import FusedLambBuilder
 from .fused_lion import FusedLionBuilder

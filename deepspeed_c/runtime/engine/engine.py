@@ -208,7 +208,9 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
 
             with torch.no_grad():
                 for p in model.parameters():
-                    if not is_zero_param(p):  # zero.Init made every rank's shards from rank 0's values
+                    # zero.Init made every rank's shards from rank 0's values; an OptimizedLinear base weight
+                    # (ds_optim_param) is a different shard on each rank
+                    if not is_zero_param(p) and not hasattr(p, "ds_optim_param"):
                         group = self.moe.broadcast_group(p, self.data_parallel_group)
                         src = dist.get_global_rank(group, 0) if group is not None else 0
                         dist.broadcast(p.data, src, group=group)
