@@ -134,6 +134,148 @@ __global__ void __launch_bounds__(norm_backward_threads<V>()) nb_prefetch(
     }
 }
 
+// ---- norm backward, G rows at once per block (threadIdx.y picks the row), sums combined in shared memory ----
+__device__ __forceinline__ void group_sum2(float &a, float &b, float2 (*scratch)[32]) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) {
+        a += __shfl_xor_sync(0xffffffffu, a, o);
+        b += __shfl_xor_sync(0xffffffffu, b, o);
+    }
+    if (nwarps == 1) return;
+    __syncthreads();
+    if (lane == 0) scratch[threadIdx.y][warp] = make_float2(a, b);
+    __syncthreads();
+    const float2 v = lane < nwarps ? scratch[threadIdx.y][lane] : make_float2(0.f, 0.f);
+    a = v.x;
+    b = v.y;
+    for (int o = 16; o > 0; o >>= 1) {
+        a += __shfl_xor_sync(0xffffffffu, a, o);
+        b += __shfl_xor_sync(0xffffffffu, b, o);
+    }
+}
+
+template <typename T, int V, int G>
+__global__ void __launch_bounds__(512) nb_groups(
+    const T *__restrict__ dy, const T *__restrict__ src, const T *__restrict__ gamma, const T *__restrict__ beta,
+    const float *__restrict__ mean, const float *__restrict__ rstd, const T *__restrict__ extra,
+    const uint8_t *__restrict__ keep, float drop_scale, T *__restrict__ dx, T *__restrict__ dx_drop,
+    float *__restrict__ dgamma_part, float *__restrict__ dbeta_part, float *__restrict__ dbias_part, int64_t rows,
+    int cols, int invertible) {
+    constexpr int M = 8 / V;
+    __shared__ float2 scratch[G][32];
+    extern __shared__ float comb[];  // (G - 1) * cols
+    float acc_g[M][V], acc_b[M][V], acc_d[M][V];
+#pragma unroll
+    for (int j = 0; j < M; ++j)
+#pragma unroll
+        for (int i = 0; i < V; ++i) acc_g[j][i] = acc_b[j][i] = acc_d[j][i] = 0.f;
+    for (int64_t base = (int64_t)blockIdx.x * G; base < rows; base += (int64_t)gridDim.x * G) {
+        const int64_t row = base + threadIdx.y;
+        const bool active = row < rows;
+        const int64_t off = row * cols;
+        const float rs = active ? rstd[row] : 0.f, mu = (active && !invertible) ? mean[row] : 0.f;
+        float xh[M][V], g[M][V];
+        Chunk<T, V> ex[M];
+        KeepChunk<V> kp[M];
+        float s1 = 0.f, s2 = 0.f;
+#pragma unroll
+        for (int j = 0; j < M; ++j) {
+            const int c = (j * (int)blockDim.x + (int)threadIdx.x) * V;
+            if (!active || c >= cols) continue;
+            if (extra) ex[j] = *reinterpret_cast<const Chunk<T, V> *>(extra + off + c);
+            if (keep) kp[j] = *reinterpret_cast<const KeepChunk<V> *>(keep + off + c);
+            float d[V], s[V], gm[V], bt[V] = {};
+            load_chunk<T, V>(dy + off + c, d);
+            load_chunk<T, V>(src + off + c, s);
+            load_chunk<T, V>(gamma + c, gm);
+            if (invertible && beta) load_chunk<T, V>(beta + c, bt);
+#pragma unroll
+            for (int i = 0; i < V; ++i) {
+                xh[j][i] = invertible ? (s[i] - bt[i]) / gm[i] : (s[i] - mu) * rs;
+                g[j][i] = d[i] * gm[i];
+                acc_g[j][i] += d[i] * xh[j][i];
+                acc_b[j][i] += d[i];
+                s1 += g[j][i];
+                s2 += g[j][i] * xh[j][i];
+            }
+        }
+        group_sum2(s1, s2, scratch);
+        const float m1 = s1 / cols, m2 = s2 / cols;
+#pragma unroll
+        for (int j = 0; j < M; ++j) {
+            const int c = (j * (int)blockDim.x + (int)threadIdx.x) * V;
+            if (!active || c >= cols) continue;
+            float o[V];
+#pragma unroll
+            for (int i = 0; i < V; ++i) o[i] = rs * (g[j][i] - m1 - xh[j][i] * m2);
+            if (extra) {
+#pragma unroll
+                for (int i = 0; i < V; ++i) o[i] += load(&ex[j].e[i]);
+            }
+#pragma unroll
+            for (int i = 0; i < V; ++i) o[i] = round_to<T>(o[i]);
+            store_chunk<T, V>(dx + off + c, o);
+            if (keep) {
+#pragma unroll
+                for (int i = 0; i < V; ++i) o[i] = round_to<T>(o[i] * (kp[j].e[i] ? drop_scale : 0.f));
+                if (dx_drop) store_chunk<T, V>(dx_drop + off + c, o);
+            }
+#pragma unroll
+            for (int i = 0; i < V; ++i) acc_d[j][i] += o[i];
+        }
+    }
+    const int64_t prow = (int64_t)blockIdx.x * cols;
+    float(*accs[3])[V] = {acc_g, acc_b, acc_d};
+    float *outs[3] = {dgamma_part, dbeta_part, dbias_part};
+#pragma unroll
+    for (int a = 0; a < 3; ++a) {
+        if (!outs[a]) continue;
+        __syncthreads();
+        if (threadIdx.y > 0) {
+#pragma unroll
+            for (int j = 0; j < M; ++j) {
+                const int c = (j * (int)blockDim.x + (int)threadIdx.x) * V;
+                if (c >= cols) continue;
+#pragma unroll
+                for (int i = 0; i < V; ++i) comb[(threadIdx.y - 1) * cols + c + i] = accs[a][j][i];
+            }
+        }
+        __syncthreads();
+        if (threadIdx.y == 0) {
+#pragma unroll
+            for (int j = 0; j < M; ++j) {
+                const int c = (j * (int)blockDim.x + (int)threadIdx.x) * V;
+                if (c >= cols) continue;
+#pragma unroll
+                for (int i = 0; i < V; ++i) {
+                    float t = accs[a][j][i];
+                    for (int y = 1; y < G; ++y) t += comb[(y - 1) * cols + c + i];
+                    outs[a][prow + c + i] = t;
+                }
+            }
+        }
+    }
+}
+
+// sum_parts with W columns a block and L lanes down the parts: more blocks for few columns
+template <typename T, int W, int L>
+__global__ void __launch_bounds__(W * L) sum_parts_narrow(const float *__restrict__ part, T *__restrict__ out,
+                                                          int64_t parts, int64_t cols) {
+    __shared__ float s[L][W + 1];
+    const int64_t c = (int64_t)blockIdx.x * W + threadIdx.x;
+    const float *base = part + (int64_t)blockIdx.y * parts * cols;
+    float acc = 0.f;
+    if (c < cols)
+        for (int64_t p = threadIdx.y; p < parts; p += L) acc += base[p * cols + c];
+    s[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    for (int h = L / 2; h > 0; h >>= 1) {
+        if (threadIdx.y < h) s[threadIdx.y][threadIdx.x] += s[threadIdx.y + h][threadIdx.x];
+        __syncthreads();
+    }
+    if (threadIdx.y == 0 && c < cols) store(out + (int64_t)blockIdx.y * cols + c, s[0][threadIdx.x]);
+}
+
 // ---- GELU: R rows' loads issued before any math ----
 template <typename T, int V, int R>
 __global__ void __launch_bounds__(kThreads) bias_gelu_batched(const T *__restrict__ f, const T *__restrict__ bias,
@@ -301,6 +443,26 @@ int main() {
     auto run_nb = [&](int which, int64_t parts, bf *dx, bf *dd, float *p, bf *sums, const bf *extra) {
         constexpr int V = 8;
         const unsigned th = threads_for(H / V, norm_backward_threads<V>());
+        if (which >= 2 && which <= 4) {
+            const size_t smem = (size_t)((which == 2 ? 2 : 4) - 1) * H * 4;
+            if (which == 2)
+                nb_groups<bf, V, 2><<<(unsigned)parts, dim3(th, 2), smem>>>(dy, src, gm, bt, mean, rstd, extra, keep, ds,
+                    dx, dd, p, p + parts * H, p + 2 * parts * H, rows, (int)H, 0);
+            else
+                nb_groups<bf, V, 4><<<(unsigned)parts, dim3(th, 4), smem>>>(dy, src, gm, bt, mean, rstd, extra, keep, ds,
+                    dx, dd, p, p + parts * H, p + 2 * parts * H, rows, (int)H, 0);
+            if (which == 4) sum_parts_narrow<bf, 8, 64><<<dim3((unsigned)((H + 7) / 8), 3), dim3(8, 64)>>>(p, sums, parts, H);
+            else sum_parts_kernel<bf><<<dim3((unsigned)((H + 31) / 32), 3), dim3(32, 16)>>>(p, sums, parts, H);
+            return;
+        }
+        if (which == 5) {
+            sum_parts_kernel<bf><<<dim3((unsigned)((H + 31) / 32), 3), dim3(32, 16)>>>(p, sums, parts, H);
+            return;
+        }
+        if (which == 6) {
+            sum_parts_narrow<bf, 8, 64><<<dim3((unsigned)((H + 7) / 8), 3), dim3(8, 64)>>>(p, sums, parts, H);
+            return;
+        }
         if (which == 0)
             norm_backward_kernel<bf, V><<<(unsigned)parts, th>>>(dy, src, gm, bt, mean, rstd, extra, keep, ds, dx, dd, p,
                                                                  p + parts * H, p + 2 * parts * H, rows, (int)H, 0);
@@ -318,11 +480,13 @@ int main() {
             const char *name;
             int which;
             int per_sm;
-        } vs[] = {{"cur parts4", 0, 4}, {"cur parts8", 0, 8}, {"prefetch parts4", 1, 4}, {"prefetch parts8", 1, 8},
-                  {"prefetch parts2", 1, 2}, {"cur parts16", 0, 16}};
-        std::vector<float> acc(6, 0.f);
-        std::vector<std::string> chk(6);
-        for (int k = 0; k < 6; ++k) {
+        } vs[] = {{"cur parts4", 0, 4}, {"groups2 parts4", 2, 4}, {"groups4 parts2", 3, 2}, {"groups4 parts4", 3, 4},
+                  {"groups4 parts2 narrowsum", 4, 2}, {"cur parts2", 0, 2}, {"sum_parts only p4", 5, 4},
+                  {"narrow sum only p4", 6, 4}};
+        constexpr int NV = 8;
+        std::vector<float> acc(NV, 0.f);
+        std::vector<std::string> chk(NV);
+        for (int k = 0; k < NV; ++k) {
             run_nb(vs[k].which, (int64_t)vs[k].per_sm * sms, dx1, dd1, p1, s1, extra);
             CK(cudaDeviceSynchronize());
             const bool eq = same_bytes(dx0, dx1, n * 2) && same_bytes(dd0, dd1, n * 2);
@@ -330,9 +494,9 @@ int main() {
             chk[k] = std::string(eq ? "dx equal" : "dx DIFFER") + (seq ? ", sums equal" : ", sums differ(order)");
         }
         for (int rep = 0; rep < 5; ++rep)
-            for (int k = 0; k < 6; ++k)
+            for (int k = 0; k < NV; ++k)
                 acc[k] += time_us([&] { run_nb(vs[k].which, (int64_t)vs[k].per_sm * sms, dx1, dd1, p1, s1, extra); }, 20);
-        for (int k = 0; k < 6; ++k) {
+        for (int k = 0; k < NV; ++k) {
             const float us = acc[k] / 5;
             const double bytes = nb_bytes + (extra ? n * 2.0 : 0.0);
             out.push_back({std::string("norm_bwd ") + vs[k].name + tag, us, bytes / us / 1e3, chk[k]});
