@@ -45,9 +45,8 @@ class ZenFlowConfig(DeepSpeedConfigModel):
             raise ValueError(f"select_interval must be \"auto\" or an integer >= 0, got {self.select_interval}")
         if self.full_warm_up_rounds < 0:
             raise ValueError(f"full_warm_up_rounds must be >= 0, got {self.full_warm_up_rounds}")
-        if self.select_strategy == "auto" and not isinstance(self.select_interval, str):
-            raise ValueError("If use auto select strategy, select_interval will be set to 1 and select_strategy will "
-                             "be set to epoch, thus select_interval would be overwritten.")
+        # select_strategy "auto" with a numeric select_interval parses here, as in DeepSpeed's model (its tests build
+        # it); a whole DeepSpeedConfig refuses it (config/zero.py), and so does resolve_schedule
         if self.select_strategy != "auto" and isinstance(self.select_interval, str):
             raise ValueError("If don't use auto select strategy, select_interval must be a number.")
         return self
@@ -72,6 +71,10 @@ class ZenFlowSchedule:
 def resolve_schedule(cfg: ZenFlowConfig, steps_per_epoch: Optional[int] = None) -> ZenFlowSchedule:
     strategy = cfg.select_strategy
     if strategy == "auto":
+        if not isinstance(cfg.select_interval, str):
+            raise ValueError(f"{ZENFLOW}.select_interval is {cfg.select_interval!r} with select_strategy \"auto\", which "
+                             "selects every epoch, so select_interval would be overwritten: "
+                             "set select_strategy to \"step\" or \"epoch\", or select_interval to \"auto\"")
         strategy, select = "epoch", 1
     else:
         select = int(cfg.select_interval)

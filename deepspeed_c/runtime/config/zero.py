@@ -299,6 +299,12 @@ def _check_fast_offload(cfg: DeepSpeedZeroConfig) -> None:
         if cfg.stage not in (1, 2, 3):
             raise unbuilt(f"{path}.zenflow", f"ZenFlow at ZeRO stage {cfg.stage} (DeepSpeed and deepspeed_c run it at "
                                              f"stages 1, 2 and 3)")
+        if cfg.zenflow.select_strategy == "auto" and not isinstance(cfg.zenflow.select_interval, str):
+            # DeepSpeed's model parses it and its engine refuses it; a whole config fails here already
+            raise DeepSpeedConfigError(f"'{path}.zenflow.select_interval' is {cfg.zenflow.select_interval!r} with "
+                                       "select_strategy \"auto\", which selects every epoch, so select_interval would "
+                                       "be overwritten: set select_strategy to \"step\" or \"epoch\", or select_interval "
+                                       "to \"auto\"")
         if cfg.zenflow.offload:
             raise unbuilt(f"{path}.zenflow.offload", "ZenFlow's selected-column moments kept in host memory")
         if off is not None and off.super_offload:
