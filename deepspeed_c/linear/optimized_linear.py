@@ -157,15 +157,19 @@ class LoRAOptimizedLinear(nn.Module):
         return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                              unexpected_keys, error_msgs)
 
-    def full_weight(self) -> torch.Tensor:
-        """The whole (output_dim, input_dim) base weight, all-gathered from the ranks' shards."""
+    def _local_weight(self, device: Any = None) -> torch.Tensor:
+        """This rank's base weight (shard), dequantized, on `device`; an offloaded one (ds_offload) is copied
+        to the accelerator and stays parked on the CPU."""
         w = self.weight
-        offloaded = getattr(w, "ds_offload", False)
-        if offloaded:
-            w.offload(revert=True)
-        local = w.dequantized() if isinstance(w, QuantizedParameter) else w.data
-        if offloaded:
-            w.offload()
+        if device is None and getattr(w, "ds_offload", False):
+            device = get_accelerator().current_device_name()
+        if isinstance(w, QuantizedParameter):
+            return w.dequantized(device)
+        return w if device is None or w.device == torch.device(device) else w.detach().to(device)
+
+    def full_weight(self, device: Any = None) -> torch.Tensor:
+        """The whole (output_dim, input_dim) base weight, all-gathered from the ranks' shards."""
+        local = self._local_weight(device)
         out = torch.empty(self.output_dim * self.input_dim, dtype=local.dtype, device=local.device)
         dist.all_gather_into_tensor(out, local.reshape(-1).contiguous())
         return out.view(self.output_dim, self.input_dim)
@@ -183,10 +187,8 @@ class LoRAOptimizedLinear(nn.Module):
                                "deepspeed.linear.init_lora(model) before the forward")
         if self.zero_shards > 1:
             with torch.no_grad():
-                base = self.full_weight()
-        elif isinstance(self.weight, QuantizedParameter):
-            base = self.weight.dequantized()
+                base = self.full_weight(input_tensor.device)
         else:
-            base = self.weight
+            base = self._local_weight(input_tensor.device)
         lora = self.lora_weight_2(self.lora_weight_1(input_tensor))
         return F.linear(input_tensor, base) + self.lora_scaling_factor * lora

@@ -47,12 +47,14 @@ class QuantizedParameter(nn.Parameter):
             cfg = self.quantization_config
             tensor.data = self.quantizer.quantize(tensor.data, q_bits=cfg.q_bits, q_mantisa_bits=cfg.mantissa_bits)
 
-    def dequantized(self) -> torch.Tensor:
-        """The weight in its original dtype and shape (the data itself when it is not quantized)."""
-        if not self._is_quantized(self.data):
-            return self.data
+    def dequantized(self, device: Any = None) -> torch.Tensor:
+        """The weight in its original dtype and shape (the data itself when it is not quantized); `device`
+        moves the quantized bytes there first (an offloaded weight), not the larger dequantized values."""
+        data = self.data if device is None else self.data.to(device)
+        if not self._is_quantized(data):
+            return data
         cfg = self.quantization_config
-        return self.quantizer.dequantize(self.data, q_bits=cfg.q_bits, q_mantisa_bits=cfg.mantissa_bits)
+        return self.quantizer.dequantize(data, q_bits=cfg.q_bits, q_mantisa_bits=cfg.mantissa_bits)
 
     def offload(self, revert: bool = False) -> None:
         """Move the bytes to the CPU (or back, revert=True) when the engine marked this weight ds_offload."""

@@ -186,6 +186,23 @@ def test_init_context_delays_lora_and_target_mods_choose_on_load():
     torch.testing.assert_close(model["q_proj"](x), x @ w["q_proj"].T, rtol=1e-12, atol=1e-12)
 
 
+def test_offload_ratio_parks_base_weights_in_module_order():
+    from deepspeed_c.linear.placement import place_base_weights
+
+    torch.manual_seed(4)
+    cfg = LoRAConfig(lora_r=2, offload_ratio=0.4)
+    layers = torch.nn.Sequential(*(OptimizedLinear(6, 6, lora_config=cfg, dtype=torch.float64, device="cpu")
+                                   for _ in range(3)))
+    assert place_base_weights(layers) == (True, False)
+    assert [m.weight.ds_offload for m in layers] == [True, True, False]  # 2 of 3 to reach 40%
+    x = torch.randn(2, 6, dtype=torch.float64)
+    torch.testing.assert_close(layers[0](x), x @ layers[0].weight.T, rtol=1e-12, atol=1e-12)
+    assert place_base_weights(torch.nn.Linear(2, 2)) == (False, False)
+    other = OptimizedLinear(6, 6, lora_config=LoRAConfig(lora_r=2, offload_ratio=0.5), dtype=torch.float64)
+    with pytest.raises(ValueError, match="offload_ratio"):
+        place_base_weights(torch.nn.Sequential(layers[0], other))
+
+
 # -- base-weight sharding on 2 gloo ranks --------------------------------------------------------------------
 IN, OUT, R, STEPS, LR = 8, 6, 2, 2, 0.1
 
@@ -226,6 +243,7 @@ def _sharded_body(rank: int, world: int) -> dict:
     engine, *_ = deepspeed_c.initialize(model=lin, config=cfg, model_parameters=[p for p in lin.parameters()
                                                                                  if p.requires_grad])
     kept = torch.equal(engine.module.weight.detach(), shard)
+    assert engine.optimized_linear_lora_enabled and engine.optimized_linear_base_weight_sharding
     for s in range(STEPS):
         x, y = _batch(s, rank)
         loss = F.mse_loss(engine(x), y)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from typing import Any, Iterator, Optional
 
 import torch
@@ -141,6 +142,14 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
             self._report_progress(0)
         self._configure_zero()
         self._configure_reducer()
+        # OptimizedLinear base weights: LoRAConfig.offload_ratio parks them on the CPU (DeepSpeed's attributes); a
+        # model can hold one only once deepspeed_c.linear is imported, so other models do not import it
+        self.optimized_linear_lora_enabled = self.optimized_linear_base_weight_sharding = False
+        if "deepspeed_c.linear" in sys.modules:
+            from deepspeed_c.linear.placement import place_base_weights
+
+            self.optimized_linear_lora_enabled, self.optimized_linear_base_weight_sharding = \
+                place_base_weights(self.module)
         from deepspeed_c.runtime.engine.profile_setup import build_flops_profile
 
         self.flops_profile = build_flops_profile(self, self._config)
