@@ -455,6 +455,12 @@ int main() {
             else sum_parts_kernel<bf><<<dim3((unsigned)((H + 31) / 32), 3), dim3(32, 16)>>>(p, sums, parts, H);
             return;
         }
+        if (which == 7) {
+            if (dsc_tf_norm_backward(dy, src, gm, bt, mean, rstd, extra, keep, ds, dx, dd, p, p + parts * H,
+                                     p + 2 * parts * H, rows, H, parts, 0, DSC_CUDA_BF16, 0, 0) != 0) exit(3);
+            sum_parts_kernel<bf><<<dim3((unsigned)((H + 31) / 32), 3), dim3(32, 16)>>>(p, sums, parts, H);
+            return;
+        }
         if (which == 5) {
             sum_parts_kernel<bf><<<dim3((unsigned)((H + 31) / 32), 3), dim3(32, 16)>>>(p, sums, parts, H);
             return;
@@ -464,7 +470,7 @@ int main() {
             return;
         }
         if (which == 0)
-            norm_backward_kernel<bf, V><<<(unsigned)parts, th>>>(dy, src, gm, bt, mean, rstd, extra, keep, ds, dx, dd, p,
+            norm_backward_kernel<bf, V, 1><<<(unsigned)parts, th>>>(dy, src, gm, bt, mean, rstd, extra, keep, ds, dx, dd, p,
                                                                  p + parts * H, p + 2 * parts * H, rows, (int)H, 0);
         else
             nb_prefetch<bf, V><<<(unsigned)parts, th>>>(dy, src, gm, bt, mean, rstd, extra, keep, ds, dx, dd, p,
@@ -482,8 +488,8 @@ int main() {
             int per_sm;
         } vs[] = {{"cur parts4", 0, 4}, {"groups2 parts4", 2, 4}, {"groups4 parts2", 3, 2}, {"groups4 parts4", 3, 4},
                   {"groups4 parts2 narrowsum", 4, 2}, {"cur parts2", 0, 2}, {"sum_parts only p4", 5, 4},
-                  {"narrow sum only p4", 6, 4}};
-        constexpr int NV = 8;
+                  {"narrow sum only p4", 6, 4}, {"production launcher p4", 7, 4}};
+        constexpr int NV = 9;
         std::vector<float> acc(NV, 0.f);
         std::vector<std::string> chk(NV);
         for (int k = 0; k < NV; ++k) {

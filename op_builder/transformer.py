@@ -11,4 +11,5 @@ class TransformerBuilder(MultiTensorCUDABuilder):
 
     def sources(self) -> list[str]:
         return [*MT_COMMON, "cuda/transformer_gelu.cu", "cuda/transformer_norm.cu", "cuda/transformer_softmax.cu",
-                "cuda/transformer_dropout.cu", "py/transformer_binding.c"]
+                "cuda/transformer_dropout.cu",
+                "cuda/transformer_qkv_grad.cu", "py/transformer_binding.c"]

@@ -11,6 +11,7 @@
  *   sum_parts(part, out)                                    part float32 [k, parts, cols], out [k, cols]
  *   softmax(scores, mask|None, scale)              scores [B, heads, Sq, Sk], mask float32 [B, 1|Sq, Sk]
  *   softmax_backward(dp, p, scale)
+ *   stack_qkv_grad(dq, dk, dv, out, part)           dq/dk/dv [rows, cols]; out [rows, 3 cols]; part f32 [parts, 3 cols]
  *   dropout_keep(keep, threshold, seed, offset)    keep uint8/bool [n]; threshold < 2^32, seed and offset < 2^64 */
 #include "dsc/tensor_view.h" /* Python.h first */
 #include "dsc/cuda_binding_util.h"
@@ -232,6 +233,25 @@ static PyObject *py_softmax_backward(PyObject *self, PyObject *const *args, Py_s
         "softmax_backward", dp.device_id);
 }
 
+static PyObject *py_stack_qkv_grad(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (dsc_check_nargs("stack_qkv_grad", nargs, 5) < 0) return NULL;
+    dsc_view dq, dk, dv, out, part;
+    int64_t rows, cols;
+    if (arg(args[0], "dq", ACT, 0, NULL, NULL, 0, -1, &dq) < 0 || rows_cols(&dq, "dq", &rows, &cols) < 0 ||
+        arg(args[1], "dk", ACT, 0, &dq, "dq", 1, dq.numel, &dk) < 0 ||
+        arg(args[2], "dv", ACT, 0, &dq, "dq", 1, dq.numel, &dv) < 0 ||
+        arg(args[3], "out", ACT, 0, &dq, "dq", 1, 3 * dq.numel, &out) < 0 ||
+        arg(args[4], "part", DSC_F32, 0, &dq, "dq", 0, -1, &part) < 0)
+        return NULL;
+    if (part.ndim != 2 || part.shape[1] != 3 * cols || part.shape[0] < 1 || part.shape[0] > 65535)
+        return PyErr_Format(PyExc_ValueError, "argument 'part' must be float32 [parts, %lld], 1 <= parts <= 65535",
+                            (long long)(3 * cols));
+    RUN(dsc_tf_stack_qkv_grad(dq.data, dk.data, dv.data, out.data, (float *)part.data, rows, cols, part.shape[0],
+                              cuda_dtype(dq.dtype), dq.device_id, stream),
+        "stack_qkv_grad", dq.device_id);
+}
+
 /* A Python int in [0, limit] as uint64 (seeds and offsets use the whole 64 bits). */
 static int arg_u64(PyObject *obj, const char *name, unsigned long long limit, uint64_t *out) {
     if (!PyLong_Check(obj)) {
@@ -277,6 +297,8 @@ static PyMethodDef methods[] = {
     METHOD("sum_parts", py_sum_parts, "sum_parts(part, out): out[k] = part[k].sum(0) (second stage of column sums)."),
     METHOD("softmax", py_softmax, "softmax(scores, mask, scale): scaled masked softmax in place."),
     METHOD("softmax_backward", py_softmax_backward, "softmax_backward(dp, p, scale): in place."),
+    METHOD("stack_qkv_grad", py_stack_qkv_grad,
+           "stack_qkv_grad(dq, dk, dv, out, part): out = [dq | dk | dv] by rows, partial column sums of out."),
     METHOD("dropout_keep", py_dropout_keep,
            "dropout_keep(keep, threshold, seed, offset): Philox keep mask, keep[e] = word(e) < threshold."),
     {NULL, NULL, 0, NULL},

@@ -37,7 +37,8 @@ EXPECTED = {
     "random_ltd_cuda": {"gather", "scatter", "mask_gather"},
     "evoformer_attn": {"forward", "forward_tc", "backward"},
     "sparse_attn": {"forward", "backward"},
-    "transformer": {"bias_gelu", "gelu_backward", "residual_norm", "norm_backward", "softmax", "softmax_backward"},
+    "transformer": {"bias_gelu", "gelu_backward", "residual_norm", "norm_backward", "softmax", "softmax_backward",
+                    "stack_qkv_grad", "dropout_keep"},
     "transformer_inference": {"add_norm", "qkv_rotary_cache", "attention", "masked_softmax", "bias_gelu",
                               "silu_mul", "quant_gemv", "dequantize"},
 }

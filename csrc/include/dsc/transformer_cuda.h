@@ -62,6 +62,12 @@ int dsc_tf_sum_parts(const float *part, void *out, int64_t k, int64_t parts, int
 int dsc_tf_softmax(void *scores, const float *mask, int64_t B, int64_t heads, int64_t Sq, int64_t Sk,
                    int64_t mask_rows, float scale, int dtype, int device, cudaStream_t stream);
 
+/* out [rows, 3 * cols] = [dq | dk | dv] row by row (each [rows, cols]), and each of `parts` strips of rows
+ * (1 <= parts <= 65535) writes its float32 column sums of out to its row of part [parts, 3 * cols]
+ * (the QKV bias gradient once dsc_tf_sum_parts adds them). */
+int dsc_tf_stack_qkv_grad(const void *dq, const void *dk, const void *dv, void *out, float *part, int64_t rows,
+                          int64_t cols, int64_t parts, int dtype, int device, cudaStream_t stream);
+
 /* Philox4x32-10's constants, and the salt xor-ed into the key of the dropout streams (see
  * dsc_tf_dropout_keep); deepspeed_c/ops/transformer/philox_reference.py repeats them. */
 #define DSC_PHILOX_M0 0xD2511F53u

@@ -117,6 +117,20 @@ def norm_backward(dy: torch.Tensor, src: torch.Tensor, gamma: torch.Tensor, beta
     return dx, s[0], s[1], dx if dxd is None else dxd, s[2] if want_bias else None
 
 
+def stack_qkv_grad(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """([dq | dk | dv] by rows as [rows, 3 * cols], its column sums (the QKV bias gradient)): one pass on a GPU."""
+    if not _kernel(dq):
+        return ref.stack_qkv_grad(dq, dk, dv)
+    rows, cols = dq.shape
+    out = torch.empty(rows, 3 * cols, dtype=dq.dtype, device=dq.device)
+    parts = max(1, min(_GELU_STRIPS_PER_SM * _sm_count(dq.device.index), rows, 65535))
+    part = torch.empty(1, parts, 3 * cols, dtype=torch.float32, device=dq.device)
+    cuda_op().stack_qkv_grad(dq, dk, dv, out, part[0])
+    dbias = torch.empty(3 * cols, dtype=dq.dtype, device=dq.device)
+    cuda_op().sum_parts(part, dbias)
+    return out, dbias
+
+
 def _cuda_generator(device: torch.device, gen: torch.Generator | None) -> torch.Generator:
     return gen if gen is not None else torch.cuda.default_generators[device.index or 0]
 

@@ -101,3 +101,9 @@ def softmax_backward(dp: torch.Tensor, p: torch.Tensor, scale: float) -> torch.T
     md = _math_dtype(dp)
     p32, d32 = p.to(md), dp.to(md)
     return (scale * p32 * (d32 - (p32 * d32).sum(dim=-1, keepdim=True))).to(dp.dtype)
+
+
+def stack_qkv_grad(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """([dq | dk | dv] by rows, its column sums)."""
+    out = torch.cat([dq, dk, dv], dim=1)
+    return out, out.sum(dim=0)

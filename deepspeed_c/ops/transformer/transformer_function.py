@@ -161,8 +161,13 @@ class DeepSpeedTransformerFunction(torch.autograd.Function):
         dow = da.t().mm(ctx2)
         dctx = da.mm(ow).view(B, S, nh, d).transpose(1, 2)
 
-        if sdpa is not None:  # [B, nh, S, d] each -> [B, S, 3, nh, d] in one kernel
-            dqkv = torch.stack([t.transpose(1, 2) for t in sdpa.backward(dctx)], dim=2)
+        dqkvb = None
+        if sdpa is not None:  # [B, nh, S, d] each -> [B, S, 3, nh, d], with the bias gradient, in one kernel
+            grads = [t.transpose(1, 2) for t in sdpa.backward(dctx)]
+            if all(t.is_contiguous() for t in grads):
+                dqkv, dqkvb = ops.stack_qkv_grad(*(t.view(T, Hd) for t in grads))
+            else:
+                dqkv = torch.stack(grads, dim=2)
         else:
             dqkv = torch.empty(B, S, 3, nh, d, dtype=qkv.dtype, device=qkv.device)
             dq, dk, dv = dqkv.permute(2, 0, 3, 1, 4)
@@ -175,7 +180,8 @@ class DeepSpeedTransformerFunction(torch.autograd.Function):
             dq.copy_(torch.matmul(dS, k))
             dk.copy_(torch.matmul(dS.transpose(-1, -2), q))
         dqkv = dqkv.view(T, 3 * Hd)
-        dqkvb = dqkv.sum(dim=0)
+        if dqkvb is None:
+            dqkvb = dqkv.sum(dim=0)
         a_in = h0 if spec.pre_layer_norm else x2
         dqkvw = dqkv.t().mm(a_in)
         if spec.pre_layer_norm:

@@ -1,6 +1,8 @@
-"""The transformer layer's dropout keep masks on a GPU (csrc/cuda/transformer_dropout.cu): the Philox kernel's
-masks equal the numpy reference bit for bit, and the layer's masks follow torch's CUDA RNG state, so restoring
-the state (as reentrant activation checkpointing does) replays them. Needs a CUDA GPU; skipped elsewhere."""
+"""The transformer layer's newer CUDA pieces against their references. Dropout keep masks (transformer_dropout.cu):
+the Philox kernel's masks equal the numpy reference bit for bit, and the layer's masks follow torch's CUDA RNG
+state, so restoring the state (as reentrant activation checkpointing does) replays them. The stacked QKV gradient
+with its bias sums (transformer_qkv_grad.cu) and the LayerNorm backward's two-rows-a-block form (odd row counts,
+every option) against fused_reference. Needs a CUDA GPU; skipped elsewhere."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,6 +12,7 @@ import torch.utils.checkpoint as cp
 
 from deepspeed_c.ops.transformer import DeepSpeedTransformerConfig, DeepSpeedTransformerLayer
 from deepspeed_c.ops.transformer import fused_ops
+from deepspeed_c.ops.transformer import fused_reference as ref
 from deepspeed_c.ops.transformer.philox_reference import dropout_keep, keep_threshold
 from deepspeed_c.ops.transformer.transformer_function import WEIGHT_NAMES
 
@@ -71,3 +74,37 @@ def test_layer_dropout_follows_cuda_rng_state_and_checkpoint_replays_it():
         grads.append([out, xi.grad] + [getattr(layer, n).grad for n in WEIGHT_NAMES])
     for name, a, b in zip(["out", "dx", *WEIGHT_NAMES], grads[1], grads[0]):
         assert torch.equal(a, b), name
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows,cols,offset", [(301, 1024, 0), (7, 768, 0), (5, 13, 0), (64, 256, 3)])
+def test_stack_qkv_grad_equals_reference(dtype, rows, cols, offset):
+    g = torch.Generator(device="cuda").manual_seed(rows + cols)
+    ins = [torch.randn(rows * cols + offset, device="cuda", generator=g).to(dtype)[offset:].view(rows, cols)
+           for _ in range(3)]
+    out, db = fused_ops.stack_qkv_grad(*ins)
+    want, wdb = ref.stack_qkv_grad(*(t.float() for t in ins))
+    assert torch.equal(out.float(), want)
+    assert _rel(db, wdb) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows,cols", [(301, 1024), (33, 768), (1, 512), (9, 4096)])
+def test_norm_backward_equals_reference(dtype, rows, cols):
+    g = torch.Generator(device="cuda").manual_seed(rows * cols)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    gamma, beta = (1 + 0.1 * r(cols)).to(dtype), (0.1 * r(cols)).to(dtype)
+    x, res, dy = r(rows, cols).to(dtype), r(rows, cols).to(dtype), r(rows, cols).to(dtype)
+    keep = torch.rand(rows, cols, device="cuda", generator=g) > 0.1
+    src, y, mean, rstd = ref.residual_norm(x, None, None, None, 1.0, gamma, beta, 1e-5, want_r=True)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for inv, extra, kp, want_bias in ((False, None, None, False), (False, res, keep, True), (True, None, keep, True)):
+        args = (dy, y if inv else src, gamma, beta, None if inv else mean, rstd, inv, extra, kp, 1 / 0.9, want_bias)
+        for name, a, b in zip(("dx", "dgamma", "dbeta", "dxd", "dbias"), fused_ops.norm_backward(*args),
+                              ref.norm_backward(*args)):
+            if b is not None:
+                assert _rel(a, b) < tol, (name, inv, _rel(a, b))
