@@ -158,17 +158,19 @@ class LoRAOptimizedLinear(nn.Module):
                                              unexpected_keys, error_msgs)
 
     def _local_weight(self, device: Any = None) -> torch.Tensor:
-        """This rank's base weight (shard), dequantized, on `device`; an offloaded one (ds_offload) is copied
-        to the accelerator and stays parked on the CPU."""
+        """This rank's base weight (shard), dequantized. One the engine parked on the CPU (ds_offload) is
+        copied to `device` (default: the accelerator) and stays parked; any other is used where it is."""
         w = self.weight
-        if device is None and getattr(w, "ds_offload", False):
-            device = get_accelerator().current_device_name()
+        target = None
+        if getattr(w, "ds_offload", False):
+            target = get_accelerator().current_device_name() if device is None else device
         if isinstance(w, QuantizedParameter):
-            return w.dequantized(device)
-        return w if device is None or w.device == torch.device(device) else w.detach().to(device)
+            return w.dequantized(target)
+        return w if target is None else w.detach().to(target)
 
     def full_weight(self, device: Any = None) -> torch.Tensor:
-        """The whole (output_dim, input_dim) base weight, all-gathered from the ranks' shards."""
+        """The whole (output_dim, input_dim) base weight, all-gathered from the ranks' shards (an offloaded
+        shard is gathered on `device`, by default the accelerator)."""
         local = self._local_weight(device)
         out = torch.empty(self.output_dim * self.input_dim, dtype=local.dtype, device=local.device)
         dist.all_gather_into_tensor(out, local.reshape(-1).contiguous())
