@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -59,6 +60,8 @@ struct dsc_aio_ctx {
     int stop;
     worker *workers;
     dsc_aio_stats stats;
+    int64_t n_open, max_open; /* ops holding descriptors (submitted, not finished), and their bound */
+    int64_t n_queued;         /* of those, the ones handed to the workers (each will finish) */
 };
 
 static void fmt(char *err, size_t errlen, const char *f, ...) {
@@ -251,6 +254,8 @@ static void *worker_main(void *arg) {
                 finish_files(op);
                 pthread_mutex_lock(&ctx->mu);
                 op->done = 1;
+                ctx->n_open--;
+                ctx->n_queued--;
                 ctx->stats.ops_completed++;
                 pthread_cond_broadcast(&ctx->done_cv);
             }
@@ -258,6 +263,22 @@ static void *worker_main(void *arg) {
     }
     pthread_mutex_unlock(&ctx->mu);
     return NULL;
+}
+
+/* How many ops of one context may hold descriptors at once (each holds up to two: O_DIRECT and
+ * page cache). Enough to keep every worker's queue full; never more than a 16th of the process's
+ * descriptor limit, so thousands of queued small files (a swapper's sub-groups read for a
+ * checkpoint) wait for earlier ones to finish instead of failing with EMFILE. */
+static int64_t open_bound(const dsc_aio_config *cfg) {
+    int64_t want = 2 * (int64_t)cfg->threads * (int64_t)cfg->queue_depth;
+    if (want < 16) want = 16;
+    if (want > 1024) want = 1024;
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY) {
+        int64_t share = (int64_t)(rl.rlim_cur / 32); /* 32: two descriptors per op, a 16th of the limit */
+        if (want > share) want = share;
+    }
+    return want < 1 ? 1 : want;
 }
 
 dsc_aio_ctx *dsc_aio_create(const dsc_aio_config *cfg, char *err, size_t errlen) {
@@ -278,6 +299,7 @@ dsc_aio_ctx *dsc_aio_create(const dsc_aio_config *cfg, char *err, size_t errlen)
     if (!ctx) goto oom;
     ctx->cfg = *cfg;
     ctx->next_id = 1;
+    ctx->max_open = open_bound(cfg);
     ctx->workers = calloc((size_t)cfg->threads, sizeof *ctx->workers);
     if (!ctx->workers) {
         free(ctx);
@@ -374,12 +396,15 @@ static char *dupstr(const char *s) {
     return d;
 }
 
-/* Open the op's descriptors; 0 or -1 with err filled. */
-static int open_files(dsc_aio_ctx *ctx, aio_op *op, char *err, size_t errlen) {
+/* Open the op's descriptors; 0, or -1 with err filled and *open_errno the errno of a failed open
+ * (0 when something else failed). */
+static int open_files(dsc_aio_ctx *ctx, aio_op *op, char *err, size_t errlen, int *open_errno) {
+    *open_errno = 0;
     int want_direct = ctx->cfg.use_direct && aligned(op->file_offset) && op->nbytes >= DSC_AIO_ALIGNMENT;
     if (!op->is_write) {
         op->fd_buf = open(op->path, O_RDONLY | O_CLOEXEC);
         if (op->fd_buf < 0) {
+            *open_errno = errno;
             fmt(err, errlen, "cannot open %s for reading: %s", op->path, strerror(errno));
             return -1;
         }
@@ -419,6 +444,7 @@ static int open_files(dsc_aio_ctx *ctx, aio_op *op, char *err, size_t errlen) {
         op->fd_buf = open(target, O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
     }
     if (op->fd_buf < 0) {
+        *open_errno = errno;
         fmt(err, errlen, "cannot open %s for writing: %s", op->path, strerror(errno));
         free(op->tmp_path);
         op->tmp_path = NULL;
@@ -460,12 +486,33 @@ int64_t dsc_aio_submit(dsc_aio_ctx *ctx, int is_write, int is_async, void *buf, 
     op->fd_direct = op->fd_buf = -1;
     pthread_mutex_lock(&ctx->mu);
     op->id = ctx->next_id++;
+    while (ctx->n_open >= ctx->max_open) pthread_cond_wait(&ctx->done_cv, &ctx->mu);
+    ctx->n_open++;
     pthread_mutex_unlock(&ctx->mu);
-    if (open_files(ctx, op, err, errlen) != 0) {
-        op->failed = 1; /* removes a temporary already created */
+    for (;;) {
+        int open_errno;
+        if (open_files(ctx, op, err, errlen, &open_errno) == 0) break;
+        op->failed = 1; /* removes a temporary already created, closes what was opened */
         finish_files(op);
-        free_op(op);
-        return -1;
+        pthread_mutex_lock(&ctx->mu);
+        /* out of descriptors while this context's queued ops hold some: retry once one of them is done
+         * (the failed open created nothing: no temporary, no descriptor) */
+        int retry = (open_errno == EMFILE || open_errno == ENFILE) && ctx->n_queued > 0;
+        if (retry) {
+            int64_t before = ctx->stats.ops_completed;
+            while (ctx->stats.ops_completed == before) pthread_cond_wait(&ctx->done_cv, &ctx->mu);
+            op->failed = 0;
+            op->err[0] = 0;
+        } else {
+            ctx->n_open--;
+            pthread_cond_broadcast(&ctx->done_cv);
+        }
+        pthread_mutex_unlock(&ctx->mu);
+        if (!retry) {
+            op->failed = 1;
+            free_op(op);
+            return -1;
+        }
     }
     int64_t bs = ctx->cfg.block_size;
     op->direct_len = op->fd_direct >= 0 ? nbytes - nbytes % DSC_AIO_ALIGNMENT : 0;
@@ -474,6 +521,12 @@ int64_t dsc_aio_submit(dsc_aio_ctx *ctx, int is_write, int is_async, void *buf, 
     if (op->n_blocks == 0) finish_files(op); /* nothing to move (0 bytes): finish inline */
     pthread_mutex_lock(&ctx->mu);
     op->done = op->n_blocks == 0;
+    if (op->done) {
+        ctx->n_open--;
+        pthread_cond_broadcast(&ctx->done_cv);
+    } else {
+        ctx->n_queued++;
+    }
     if (op->done && op->failed) fmt(err, errlen, "%s", op->err);
     if (ctx->tail) ctx->tail->next = op;
     else ctx->head = op;

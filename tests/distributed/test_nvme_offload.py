@@ -20,7 +20,9 @@ run with `device: cpu` (ZeRO-Offload, itself tested against torch.optim.Adam in 
 - a missing nvme_path is created (as DeepSpeed); bad values (a file, a folder under a file) fail at
   initialize naming the path and the bytes needed; two live NVMe engines
   on one path keep their own files (and remove them on destroy); a stage-2 checkpoint written by the
-  real DeepSpeed 0.19.8 (tests/fixtures) resumes with NVMe offload and continues as DeepSpeed did."""
+  real DeepSpeed 0.19.8 (tests/fixtures) resumes with NVMe offload and continues as DeepSpeed did;
+- many small sub-groups under a low descriptor limit (RLIMIT_NOFILE, in the rank's process): a checkpoint
+  save / load round trip, which reads and writes every sub-group's files at once, stays within it."""
 from __future__ import annotations
 
 import atexit
@@ -394,6 +396,7 @@ def bad_path_body(rank: int, world: int, root: str) -> dict[str, str]:
     out["deepspeed_written"] = _resume_deepspeed_fixture(rank, world, shared)
     # one rank, stage 3, parameters on NVMe read through 2 swap-in buffers (each gathered unit is a copy,
     # never a view of the file) against parameters on the host: the same weights after 3 steps
+    out["few_fds"] = _few_descriptors(shared)
     out["one_rank_params"] = []
     for dev in ("nvme", "cpu"):
         cfg = _config(3, "cpu", shared, 1, 0.0, 2, param_device=dev)
@@ -403,6 +406,47 @@ def bad_path_body(rank: int, world: int, root: str) -> dict[str, str]:
         if dev == "nvme":
             out["one_rank_read"] = engine.optimizer.store.bytes_read
         engine.destroy()
+    return out
+
+
+def _few_descriptors(nvme_path: str) -> dict[str, Any]:
+    """Stage 3 with the optimizer state and the parameters on NVMe, 1024-element sub-groups (sub_group_size
+    1 rounds up to that: ~18 of them, 3 files each), under a descriptor limit 24 above what this process
+    holds: checkpoint save and load read or write every sub-group's files at once, which ran out of
+    descriptors. The weights of the step after the save, and of the same step after loading it back."""
+    import resource
+
+    import deepspeed_c
+
+    cfg = _config(3, "nvme", nvme_path, 1, 0.0, 2, param_device="nvme")
+    cfg["zero_optimization"]["sub_group_size"] = 1
+    x = torch.randn(MICRO, 128, generator=torch.Generator().manual_seed(3))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 24, hard))
+    out: dict[str, Any] = {}
+    try:
+        torch.manual_seed(5)
+        model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(128, 8))
+        engine, *_ = deepspeed_c.initialize(model=model, config=cfg)
+        out["sub_groups"] = sum(len(b) for b in engine.optimizer.offload.swapper.bounds)
+
+        def step() -> np.ndarray:
+            engine.backward(engine(x).square().mean())
+            engine.step()
+            return _weights(engine)
+
+        step()
+        saved = _weights(engine)
+        engine.save_checkpoint(os.path.join(nvme_path, "few_fds"), tag="t")
+        after = step()
+        engine.load_checkpoint(os.path.join(nvme_path, "few_fds"), tag="t")
+        out["loaded_equal"] = bool(np.array_equal(_weights(engine), saved))
+        out["resumed_equal"] = bool(np.array_equal(step(), after)) and not np.array_equal(after, saved)
+        engine.destroy()
+    except Exception as e:  # noqa: BLE001  (the message is what is checked)
+        out["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     return out
 
 
@@ -464,6 +508,12 @@ def test_bad_nvme_path_two_engines_and_a_deepspeed_checkpoint() -> None:
     assert res["one_rank_read"] > 0 and not np.array_equal(cpu[0], cpu[-1])
     for got, want in zip(nvme, cpu):
         assert np.array_equal(got, want)
+
+
+def test_many_sub_groups_under_a_low_descriptor_limit() -> None:
+    res = _runs()[1]["few_fds"]
+    assert "error" not in res, res
+    assert res["sub_groups"] >= 17 and res["loaded_equal"] and res["resumed_equal"], res
 
 
 def test_nvme_parameters_match_stage3() -> None:

@@ -14,6 +14,12 @@
  * removed, so a complete file that stood there stays. Writes at a nonzero offset update the
  * existing file in place.
  *
+ * Descriptors: an op holds its file's descriptors from submit until it finishes. A context keeps at
+ * most a bounded number of ops open (enough for its workers, at most a 16th of RLIMIT_NOFILE when it
+ * is created): a further submit waits for one to finish, and an open that fails with EMFILE/ENFILE
+ * while the context has ops in flight waits for one of them and retries, so queueing thousands of
+ * small files never runs the process out of descriptors.
+ *
  * Thread safety: one context may be used from several threads; errors are reported as text in
  * caller-provided buffers (this core knows nothing of Python). */
 #ifndef DSC_ASYNC_IO_H
