@@ -179,6 +179,98 @@ def test_bad_datastates_config_is_named(runs: dict) -> None:
     assert "datastates_ckpt.host_cache_size" in runs["bad_datastates"][0]
 
 
+class RecordingEngine:
+    """A user's checkpoint engine (DeepSpeed's CheckpointEngine interface, torch.save files): records its hooks."""
+
+    def __new__(cls, decoupled: bool) -> Any:
+        from deepspeed_c.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+
+        class Recording(CheckpointEngine):
+            def __init__(self) -> None:
+                super().__init__()
+                self.calls: list = []
+                self.info: Any = None
+
+            def create(self, info: Any) -> None:
+                self.calls.append(("create", info.tag))
+                self.info = info
+
+            def save(self, state_dict: Any, path: str) -> None:
+                self.calls.append(("save", os.path.basename(path)))
+                torch.save(state_dict, path)
+
+            def load(self, path: str, map_location: Any = None) -> Any:
+                self.calls.append(("load", os.path.basename(path)))
+                return torch.load(path, map_location=map_location, weights_only=False)
+
+            def commit(self, info: Any) -> bool:
+                # rank 0 writes `latest` after its commit (another rank's commit may run later than that)
+                self.calls.append(("commit", info.tag,
+                                   _latest(info.save_dir) if torch.distributed.get_rank() == 0 else None))
+                return True
+
+            def is_decoupled(self) -> bool:
+                return decoupled
+
+            def get_commit_info(self) -> Any:
+                return self.info
+
+        return Recording()
+
+
+def user_engine_body(rank: int, world: int, root: str) -> dict:
+    """engine.checkpoint_engine: the built-in kinds by config, then a user's engine saving and (decoupled)
+    committing at checkpoint_commit, and another engine resuming through a user's engine's load."""
+    import deepspeed_c
+
+    res: dict[str, Any] = {}
+    engine = deepspeed_c.initialize(model=_net(), config=_config({"type": "python"}))[0]
+    res["kinds"] = [type(engine.checkpoint_engine).__name__]
+    os.makedirs(root, exist_ok=True)
+    if rank == 0:
+        with open(os.path.join(root, "latest"), "w") as f:
+            f.write("before")
+    torch.distributed.barrier()
+    engine.checkpoint_engine = mine = RecordingEngine(False)
+    _train(engine, rank, 0, 2)
+    engine.save_checkpoint(root, tag="u")
+    straight = _train(engine, rank, 2, 2)
+    res["calls"], res["latest_u"] = mine.calls, _latest(root)
+    engine.checkpoint_engine = later = RecordingEngine(True)
+    engine.save_checkpoint(root, tag="v")
+    res["latest_before_commit"] = _latest(root)
+    res["committed"] = engine.checkpoint_commit()
+    res["decoupled_calls"], res["latest_v"] = later.calls, _latest(root)
+    engine.destroy()
+    engine = deepspeed_c.initialize(model=_net(), config=_config(None))[0]
+    res["kinds"].append(type(engine.checkpoint_engine).__name__)
+    engine.checkpoint_engine = reader = RecordingEngine(False)
+    engine.load_checkpoint(root, tag="u")
+    res["resumed_equal"] = _train(engine, rank, 2, 2) == straight
+    res["loads"] = reader.calls
+    engine.destroy()
+    return res
+
+
+def test_user_checkpoint_engine_gets_every_file_and_hook(runs: dict) -> None:
+    for rank, res in enumerate(runs["user_engine"]):
+        assert res["kinds"] == ["FastCheckpointEngine", "TorchCheckpointEngine"]
+        rng = f"dsc_rng_state_rank_{rank:05d}_of_00002.pt"
+        mine = {f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", rng} | (
+            {"mp_rank_00_model_states.pt"} if rank == 0 else set())
+        calls = res["calls"]
+        assert calls[0] == ("create", "u") and calls[-1] == ("commit", "u", "before" if rank == 0 else None)
+        assert {c[1] for c in calls[1:-1]} == mine and all(c[0] == "save" for c in calls[1:-1])
+        assert res["latest_u"] == "u"
+        # decoupled: committed at the commit point, `latest` only then
+        assert (res["latest_before_commit"], res["committed"], res["latest_v"]) == ("u", True, "v"), res
+        assert res["decoupled_calls"][-1] == ("commit", "v", "u" if rank == 0 else None)
+        assert res["resumed_equal"] is True
+        # every rank reads the model states, then its own files
+        assert {c[1] for c in res["loads"]} == mine | {"mp_rank_00_model_states.pt"}
+        assert all(c[0] == "load" for c in res["loads"])
+
+
 BAD_WRITERS = [{"type": "turbo"}, {"type": "python", "buffer": 1}, {"type": "python", "data_parallel": "rack"}]
 CACHES = [16, 1e-6]
 
@@ -194,7 +286,7 @@ def runs(tmp_path_factory: Any) -> dict:
     (each in a checkpoint directory of its own), then on 1 rank the configs initialize must refuse. Per id,
     the results of its ranks."""
     root = tmp_path_factory.mktemp("async")
-    two = [("async", body, (str(root / "ckpt"),))]
+    two = [("async", body, (str(root / "ckpt"),)), ("user_engine", user_engine_body, (str(root / "user"),))]
     two += [(("datastates", c), datastates_body, (str(root / f"ds{i}"), c)) for i, c in enumerate(CACHES)]
     one = [(("bad", repr(w)), _bad_writer, (w,)) for w in BAD_WRITERS] + [("bad_datastates", _bad_datastates, ())]
     out: dict = {}

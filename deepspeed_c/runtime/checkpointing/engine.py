@@ -6,6 +6,7 @@ crash-safely with a manifest. Its settings come from CheckpointOptions, built on
 never sees the engine."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from collections import OrderedDict
@@ -15,7 +16,9 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_c.checkpoint import deepspeed_format, store
-from deepspeed_c.runtime.checkpointing import nodes, reducer_order, run_state, universal_load, zero, zero3
+from deepspeed_c.runtime.checkpointing import (engine_hooks, nodes, reducer_order, run_state, universal_load, zero,
+                                               zero3)
+from deepspeed_c.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 from deepspeed_c.runtime.checkpointing.options import CheckpointOptions
 from deepspeed_c.runtime.checkpointing.states import CheckpointStates
 from deepspeed_c.runtime.checkpointing.collective_guard import check_dir_arg, dir_group, rank_local_step, save_group
@@ -82,17 +85,33 @@ def _param_names(module: torch.nn.Module) -> dict[int, str]:
 class EngineCheckpointer:
     """save/load for engine.save_checkpoint / engine.load_checkpoint (DeepSpeed signatures)."""
 
-    def __init__(self, options: CheckpointOptions) -> None:
-        from deepspeed_c.runtime.checkpointing.async_writer import BackgroundWriter
-
+    def __init__(self, options: CheckpointOptions, checkpoint_engine: Any = None) -> None:
         self.options = options
-        # checkpoint.writer: files written in the background, committed at the next commit point
-        self.writer = BackgroundWriter(options.writer) if options.writer is not None else None
+        self.writer: Any = None
         self._pending: Optional[tuple] = None
-        if self.writer is not None:
-            from deepspeed_c.runtime.checkpointing.async_writer import at_exit
+        self._engine_pending: Optional[tuple] = None  # a decoupled user engine's save, committed later
+        self._at_exit = False
+        self.checkpoint_engine: Any = None
+        self._native = True  # the files are written by this checkpointer (engine_hooks.native_writer)
+        # checkpoint.writer: files written in the background, committed at the next commit point
+        self.set_checkpoint_engine(checkpoint_engine if checkpoint_engine is not None
+                                   else engine_hooks.builtin_engine(options.writer))
 
-            at_exit(self)  # exit waits for a background write (and commits it where that is rank-local)
+    def set_checkpoint_engine(self, checkpoint_engine: Any) -> None:
+        """engine.checkpoint_engine = ...: a built-in one selects this checkpointer's writer, any other gets
+        every file (runtime/checkpointing/engine_hooks.py). A save still pending is committed first."""
+        engine_hooks.check_engine(checkpoint_engine)
+        if self.checkpoint_engine is not None:
+            self.commit_pending()
+        self._native, config = engine_hooks.native_writer(checkpoint_engine)
+        if config != (self.writer.config if self.writer is not None else None):
+            from deepspeed_c.runtime.checkpointing.async_writer import BackgroundWriter, at_exit
+
+            self.writer = BackgroundWriter(config) if config is not None else None
+            if self.writer is not None and not self._at_exit:
+                at_exit(self)  # exit waits for a background write (and commits it where that is rank-local)
+                self._at_exit = True
+        self.checkpoint_engine = checkpoint_engine
 
     # -- save -----------------------------------------------------------------------------------
     def save(self, st: CheckpointStates, save_dir: str, tag: Any, client_state: dict, save_latest: bool,
@@ -132,6 +151,15 @@ class EngineCheckpointer:
         # the writer of this rank's directory: global rank 0, or its node's local rank 0 (node-local storage)
         scope = (nodes.save_scope(save_dir, self.options.node_local_storage, st.local_rank) if split is None
                  else nodes.split_scope(split.members, warn=split.split_dirs))
+        if not self._native:  # a user's checkpoint engine: DeepSpeed's create / save / commit protocol
+            info = CheckpointCommitInfo(tag=tag, save_dir=save_dir, save_latest=save_latest)
+            tag_dir = engine_hooks.begin(self.checkpoint_engine, info, scope, _dist())
+            with store.through_engine(self.checkpoint_engine):  # every file of the save goes to its save()
+                self._save_staged(st, save_dir, tag, client_state, save_latest, exclude_frozen_parameters, scope,
+                                  into=tag_dir)
+            self._engine_pending = engine_hooks.finish(self.checkpoint_engine, info, scope, _dist(),
+                                                       self._copy_recovery_script)
+            return True
         with rank_local_step("save_checkpoint (creating the checkpoint directory)", distributed=_dist()):
             if scope.writer:
                 # what saves killed mid-way left behind: staging directories, temporaries of the replaced files
@@ -152,9 +180,10 @@ class EngineCheckpointer:
             raise
 
     def _save_staged(self, st: CheckpointStates, save_dir: str, tag: str, client_state: dict, save_latest: bool,
-                     exclude_frozen_parameters: bool, scope: nodes.StorageScope) -> bool:
-        """Every rank's files into the staging directory, then the writer commits it."""
-        stage = store.staging_dir(save_dir, tag)
+                     exclude_frozen_parameters: bool, scope: nodes.StorageScope, into: Optional[str] = None) -> bool:
+        """Every rank's files into the staging directory, then the writer commits it. `into`: write the files
+        there and stop (a user's checkpoint engine commits them: engine_hooks.finish)."""
+        stage = into if into is not None else store.staging_dir(save_dir, tag)
         my_files: dict[str, dict] = {}
         # a partitioned optimizer's state (ZeRO) goes to one file per rank; building it is collective,
         # so it happens outside the rank-local step
@@ -204,6 +233,8 @@ class EngineCheckpointer:
                 my_files[order[0]] = self._write(order[1], stage, order[0])
             rng = run_state.rng_file(*_rank_world())  # this rank's random generators: an exact resume
             my_files[rng[0]] = self._write(rng[1], stage, rng[0])
+        if into is not None:
+            return True
         if self.writer is not None:  # staged: written in the background, committed at the next commit point
             self.writer.start()
             self._pending = (save_dir, tag, save_latest, scope, {k: v for k, v in my_files.items() if v is not None})
@@ -232,6 +263,10 @@ class EngineCheckpointer:
         """Waits for this rank's background write of the last save and commits it (collective: every rank
         calls it at the same point). A failed write raises on every rank and its staging directory is
         removed. False when no save is pending."""
+        if self._engine_pending is not None:  # a decoupled user engine's save
+            (info, scope), self._engine_pending = self._engine_pending, None
+            engine_hooks.commit(self.checkpoint_engine, info, scope, _dist(), self._copy_recovery_script)
+            return True
         pending, self._pending = self._pending, None
         if pending is None or self.writer is None:
             return False
@@ -401,7 +436,8 @@ class EngineCheckpointer:
         self.commit_pending()  # a save still being written is committed first: it may be the one loaded
         if custom_load_fn is not None and not callable(custom_load_fn):
             raise TypeError(f"load_checkpoint: custom_load_fn must be callable, got {type(custom_load_fn).__name__}")
-        with rank_local_step("load_checkpoint", distributed=_dist()):
+        reads = contextlib.nullcontext() if self._native else store.through_engine(self.checkpoint_engine)
+        with rank_local_step("load_checkpoint", distributed=_dist()), reads:
             return self._load(st, load_dir, tag, load_module_strict, load_optimizer_states,
                               load_lr_scheduler_states, load_module_only, custom_load_fn)
 

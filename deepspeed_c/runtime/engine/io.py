@@ -154,6 +154,28 @@ class EngineIO:
                                           load_optimizer_states, load_lr_scheduler_states, load_module_only,
                                           custom_load_fn)
 
+    @property
+    def checkpoint_engine(self) -> Any:
+        """DeepSpeed's engine.checkpoint_engine: the CheckpointEngine every checkpoint file goes through (built from
+        checkpoint.writer; assign a CheckpointEngine subclass to have its create/save/commit/load hooks called)."""
+        engine = getattr(self.checkpointer, "checkpoint_engine", None)
+        if engine is None:  # the pipeline's checkpointer writes with its own writer only
+            from deepspeed_c.runtime.checkpointing.engine_hooks import builtin_engine
+
+            engine = self.__dict__.get("_dsc_pipe_checkpoint_engine")
+            if engine is None:
+                engine = builtin_engine(getattr(getattr(self.checkpointer, "options", None), "writer", None))
+                self.__dict__["_dsc_pipe_checkpoint_engine"] = engine
+        return engine
+
+    @checkpoint_engine.setter
+    def checkpoint_engine(self, engine: Any) -> None:
+        setter = getattr(self.checkpointer, "set_checkpoint_engine", None)
+        if setter is None:
+            raise NotImplementedError(f"{type(self).__name__}.checkpoint_engine: the pipeline engine's checkpoints are "
+                                      "written by its own writer; a user CheckpointEngine is not supported there")
+        setter(engine)
+
     def checkpoint_commit(self) -> bool:
         """checkpoint.writer: waits for the background write of the last save_checkpoint and commits it (its
         manifest, the tag directory moved into place, `latest`); a failed write raises here. Collective: call it

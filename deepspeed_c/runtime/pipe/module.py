@@ -346,20 +346,41 @@ class PipelineModule(nn.Module):
 
     def save_state_dict(self, save_dir: str, checkpoint_engine: Any = None, exclude_frozen_params: bool = False) -> None:
         """Data-parallel rank 0 of each stage writes one file per layer that has a state_dict."""
-        from deepspeed_c.runtime.checkpointing.pipeline_layers import save_layer_files
+        from deepspeed_c.runtime.checkpointing.pipeline_layers import layer_file_states, save_layer_files
 
-        save_layer_files(self, save_dir, exclude_frozen_params,
-                         parallel_write=bool(getattr(self, "checkpoint_parallel_write_pipeline", False)))
+        parallel = bool(getattr(self, "checkpoint_parallel_write_pipeline", False))
+        if not _native_engine(checkpoint_engine):  # a user's CheckpointEngine writes each layer file
+            for name, sd in layer_file_states(self, exclude_frozen_params, parallel).items():
+                checkpoint_engine.save(sd, os.path.join(save_dir, name))
+            return
+        save_layer_files(self, save_dir, exclude_frozen_params, parallel_write=parallel)
 
     def load_state_dir(self, load_dir: str, checkpoint_engine: Any = None, strict: bool = True) -> None:
         """Loads every local layer from its layer file (whatever stage wrote it; weights_only, verified
         against the directory's manifest where it has one), then re-ties."""
+        import contextlib
+
+        from deepspeed_c.checkpoint import store
         from deepspeed_c.runtime.checkpointing.pipeline_layers import apply_layer_states, manifest_if_any, read_layer_files
 
-        apply_layer_states(self, read_layer_files(self, load_dir, manifest_if_any(load_dir)), strict)
+        # a user's CheckpointEngine reads each layer file
+        native = _native_engine(checkpoint_engine)
+        reads = contextlib.nullcontext() if native else store.through_engine(checkpoint_engine)
+        with reads:
+            apply_layer_states(self, read_layer_files(self, load_dir, manifest_if_any(load_dir)), strict)
         self._synchronize_tied_weights()
 
     def synchronize_tied_weights(self) -> None:
         """Every stage's copy of a tied module takes the first holder's weights (collective over the
         stages holding it); the engine's load_checkpoint calls it after the layer files are applied."""
         self._synchronize_tied_weights()
+
+
+def _native_engine(checkpoint_engine: Any) -> bool:
+    """None or a built-in engine: the layer files are this package's own crash-safe, verified files."""
+    if checkpoint_engine is None:
+        return True
+    from deepspeed_c.runtime.checkpointing.engine_hooks import check_engine, native_writer
+
+    check_engine(checkpoint_engine)
+    return native_writer(checkpoint_engine)[0]
