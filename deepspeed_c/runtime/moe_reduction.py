@@ -99,6 +99,11 @@ class ReducerSet(BucketOrderKeeping):
     def order_keepers(self) -> list[Any]:
         return list(self.reducers)
 
+    def set_gradient_average(self, average: bool) -> None:
+        for r in self.reducers:
+            if hasattr(r, "set_gradient_average"):
+                r.set_gradient_average(average)
+
     def claim_round(self) -> None:
         for r in self.reducers:
             r.claim_round()

@@ -75,10 +75,10 @@ class GradientReducer(BackwardRound):
         self.should_reduce = should_reduce
         # Ulysses: the group is data x sequence ranks; a sequence group's partial gradients add up, only the
         # data-parallel replicas are averaged (DeepSpeed divides by world / sequence_parallel_size)
-        factors = averaging_factors(world_size, gradient_average=gradient_average,
-                                    prescale_gradients=prescale_gradients,
-                                    gradient_predivide_factor=gradient_predivide_factor,
-                                    sequence_parallel_size=sequence_parallel_size)
+        self._averaging = dict(prescale_gradients=prescale_gradients,
+                               gradient_predivide_factor=gradient_predivide_factor,
+                               sequence_parallel_size=sequence_parallel_size)
+        factors = averaging_factors(world_size, gradient_average=gradient_average, **self._averaging)
         self.strategy: BucketReduce = data_parallel_strategy(factors, group)
         self._post = self.strategy.post_factor
         self._rebuild_pending = rebuild_from_observed_order and world_size > 1
@@ -115,6 +115,13 @@ class GradientReducer(BackwardRound):
             b, off = layout.bucket_of[i], layout.offset_of[i]
             self._views.append(self.buffers[b][off:off + p.numel()].view(p.shape))
         self._same_dtype = [v.dtype == p.dtype for v, p in zip(self._views, self.params)]
+
+    def set_gradient_average(self, average: bool) -> None:
+        """engine.gradient_average assigned after initialize (DeepSpeed reads it at every reduction): the
+        next reductions average (True) or sum (False) over the data-parallel ranks."""
+        factors = averaging_factors(self.world_size, gradient_average=average, **self._averaging)
+        self.strategy.pre_factor, self.strategy.post_factor = factors.pre, factors.post
+        self._post = factors.post
 
     @property
     def num_buckets(self) -> int:

@@ -48,14 +48,21 @@ class SparseGradReducer(BackwardRound):
     """At a reducing backward's end, each parameter's sparse gradient replaced by every rank's rows."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], *, world_size: int, group: Any,
-                 factors: ReduceFactors, should_reduce: Callable[[], bool]) -> None:
+                 factors: ReduceFactors, should_reduce: Callable[[], bool],
+                 scale_for: Optional[Callable[[bool], float]] = None) -> None:
         self.params = list(params)
         self.world_size = world_size
         self.group = group
         self.scale = factors.pre * factors.post  # what the dense path multiplies a gradient by, in all
+        # the scale with gradient averaging on / off (set_gradient_average); the factors' own by default
+        self._scale_for = scale_for or (lambda average: self.scale if average else 1.0)
         self.should_reduce = should_reduce
         self.collectives = 0
         self._attach_hooks(self.params)
+
+    def set_gradient_average(self, average: bool) -> None:
+        """engine.gradient_average assigned after initialize: the next reductions average or sum."""
+        self.scale = self._scale_for(average)
 
     def _start_reducing(self) -> None:
         pass
@@ -102,9 +109,14 @@ def sparse_reducer(module: torch.nn.Module, config: Any, world_size: int, group:
     params = sparse_embedding_params(module) if config.sparse_gradients_enabled else []
     if not params:
         return None
-    factors = averaging_factors(world_size, gradient_average=gradient_average,
-                                prescale_gradients=config.prescale_gradients,
-                                gradient_predivide_factor=config.gradient_predivide_factor,
-                                sequence_parallel_size=sequence_parallel_size)
-    return SparseGradReducer(params, world_size=world_size, group=group, factors=factors,
-                             should_reduce=should_reduce)
+    def factors(average: bool) -> ReduceFactors:
+        return averaging_factors(world_size, gradient_average=average, prescale_gradients=config.prescale_gradients,
+                                 gradient_predivide_factor=config.gradient_predivide_factor,
+                                 sequence_parallel_size=sequence_parallel_size)
+
+    def scale_for(average: bool) -> float:
+        f = factors(average)
+        return f.pre * f.post
+
+    return SparseGradReducer(params, world_size=world_size, group=group, factors=factors(gradient_average),
+                             should_reduce=should_reduce, scale_for=scale_for)

@@ -3,7 +3,9 @@ gradients, "sum" adds them (DeepSpeed: `gradient_average = gradient_allreduce_op
 "sum" the bucket is all-reduced with no pre- or post-scaling). Checked on 2 gloo ranks at ZeRO
 stages 0, 1 and 2 against single-process PyTorch in float64 that applies SGD to the sum (or mean)
 of the two ranks' gradients: weights after 3 steps within 1e-6 norm-wise relative per tensor (a
-factor-2 error is 0.3 or more here)."""
+factor-2 error is 0.3 or more here). Also at stage 0 configured with the other op and
+`engine.gradient_average` assigned after initialize, as DeepSpeed's tests do (it reads the attribute at
+every reduction)."""
 from __future__ import annotations
 
 import pytest
@@ -19,12 +21,18 @@ def body(rank: int, world: int, op: str) -> dict:
     import deepspeed_c
 
     out = {}
-    for stage in (0, 1, 2):
+    for stage in (0, 1, 2, "assigned"):
         model = make_model("mlp", seed=3)
+        # "assigned": stage 0 configured with the other op, then engine.gradient_average set after initialize
+        # (DeepSpeed reads the attribute at every reduction; its tests assign it so)
+        other = {"sum": "mean", "mean": "sum"}[op]
         cfg = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**9, "gradient_clipping": 0.0,
-               "gradient_allreduce_op": op, "zero_allow_untested_optimizer": True,
-               "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_optimization": {"stage": stage}}
+               "gradient_allreduce_op": other if stage == "assigned" else op, "zero_allow_untested_optimizer": True,
+               "optimizer": {"type": "SGD", "params": {"lr": LR}},
+               "zero_optimization": {"stage": 0 if stage == "assigned" else stage}}
         engine, *_ = deepspeed_c.initialize(model=model, config=cfg, model_parameters=model.parameters())
+        if stage == "assigned":
+            engine.gradient_average = op == "mean"
         for x, y in make_batches("mlp", STEPS, MICRO * world, seed=5):
             sl = slice(MICRO * rank, MICRO * rank + MICRO)
             engine.backward(loss_fn(engine(x[sl].to(engine.device)), y[sl].to(engine.device)))
@@ -53,7 +61,7 @@ def reference(world: int, op: str) -> dict:
 def test_gradient_allreduce_op(op):
     res = run_distributed(body, 2, args=(op,), timeout=180)
     ref = reference(2, op)
-    for stage in (0, 1, 2):
+    for stage in (0, 1, 2, "assigned"):
         for name, want in ref.items():
             got = torch.from_numpy(res[0][stage][name])
             err = ((got - want).norm() / want.norm()).item()

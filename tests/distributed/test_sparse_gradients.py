@@ -3,7 +3,9 @@ an nn.Embedding(sparse=True) and an nn.EmbeddingBag(sparse=True) beside a dense 
 embedding weights' gradients are sparse tensors holding every rank's rows (not a dense all-reduce) whose
 dense form equals the gradient of the mean loss over both ranks' batches (float64 reference on one
 process), and training with SGD equals that single-process training. Without sparse_gradients the same
-model trains the same (the dense path), and a ZeRO stage with sparse_gradients is refused naming the key."""
+model trains the same (the dense path), and a ZeRO stage with sparse_gradients is refused naming the key.
+`engine.gradient_average = False` assigned after initialize sums the next boundary's gradients over the ranks
+(as DeepSpeed, which reads it at every reduction)."""
 from __future__ import annotations
 
 from typing import Any
@@ -55,7 +57,28 @@ def body(rank: int, world: int, sparse_gradients: bool, sparse_modules: bool) ->
                     out["first_grads"] = {n: p.grad.to_dense().numpy().copy() for n, p in engine.module.named_parameters()}
             engine.step()
     out["weights"] = {n: p.detach().numpy().copy() for n, p in engine.module.named_parameters()}  # numpy: host
+    # engine.gradient_average assigned after initialize (DeepSpeed's test_averaging_sparse_gradients): the
+    # next boundary's gradients are summed over the ranks, sparse rows and dense head alike
+    engine.gradient_average = False
+    for micro in range(GAS):
+        engine.backward(engine(*_batch(STEPS, micro, rank)))
+        if micro == GAS - 1:
+            out["summed_grads"] = {n: p.grad.to_dense().numpy().copy() for n, p in engine.module.named_parameters()}
+        engine.step()
     return out
+
+
+def _summed_reference(world: int, weights: dict) -> dict:
+    """float64 gradients at `weights` of the sum over ranks of each rank's mean over its micro-batches."""
+    model = Net(False, torch.float64)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(torch.from_numpy(weights[n]).double())
+    for micro in range(GAS):
+        for rank in range(world):
+            ids, y = _batch(STEPS, micro, rank)
+            (model(ids, y.double()) / GAS).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
 
 
 def _reference(world: int) -> tuple[dict, dict]:
@@ -102,6 +125,8 @@ def test_sparse_rows_equal_the_dense_average(world: int) -> None:
             _close(res["first_grads"][name], g, 1e-6)
         for name, w in final.items():
             _close(res["weights"][name], w, 1e-6)
+        for name, g in _summed_reference(world, res["weights"]).items():
+            _close(res["summed_grads"][name], g, 1e-6)
     if "dense" in runs:
         for a, b in zip(runs["sparse"][0]["weights"].values(), runs["dense"][0]["weights"].values()):
             _close(a, b, 1e-6)

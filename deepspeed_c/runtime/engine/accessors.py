@@ -234,6 +234,23 @@ class EngineConfigAccessors:
     def communication_data_type(self, value: torch.dtype) -> None:
         self._config.set_communication_data_type(value)
 
+    @property
+    def gradient_average(self) -> bool:
+        """Data-parallel gradients averaged (True: gradient_allreduce_op "mean") or summed."""
+        return self.__dict__.get("_gradient_average", True)
+
+    @gradient_average.setter
+    def gradient_average(self, value: bool) -> None:
+        # DeepSpeed reads engine.gradient_average at every reduction (its tests assign it after initialize):
+        # the engine's own reducers follow; ZeRO's keep their setting, as DeepSpeed's ZeRO optimizers,
+        # which copy it when they are built
+        self.__dict__["_gradient_average"] = bool(value)
+        reducer = self.__dict__.get("reducer")
+        stepper = self.__dict__.get("stepper")
+        owned = stepper.owned_reducer() if stepper is not None else None
+        if reducer is not None and reducer is not owned and hasattr(reducer, "set_gradient_average"):
+            reducer.set_gradient_average(bool(value))
+
     def postscale_gradients(self) -> bool:
         return not self._config.prescale_gradients
 
