@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -132,6 +133,7 @@ def two_ranks(tmp_path_factory) -> dict:
     out_dir = tmp_path_factory.mktemp("save16")
     cases = [("modifier", _modifier_body, ()), ("save16", _save16_body, (str(out_dir),)),
              ("generate0", _generate_body, (0,)), ("generate3", _generate_body, (3,)),
+             ("generate3_unwrapped", _generate_body, (3, True)),
              ("diverging", _diverging_body, ())]
     per_rank = run_distributed(_cases, 2, args=(cases,), timeout=600)
     res: dict = {cid: [r[cid] for r in per_rank] for cid, _, _ in cases}
@@ -215,11 +217,16 @@ def test_save_16bit_model_at_stage3(two_ranks) -> None:
         assert sd[n].dtype == torch.bfloat16 and torch.equal(sd[n].float(), torch.from_numpy(t)), n
 
 
-def _generate_body(rank: int, world: int, stage: int) -> dict[str, Any]:
+def _generate_body(rank: int, world: int, stage: int, unwrap: bool = False) -> dict[str, Any]:
     """Training steps interleaved with a generate-style loop on engine.module (eval, no_grad, a longer
     input each call, the path changing as the sequence grows): the fetch plan is switched or rebuilt,
-    never followed into a wrong gather."""
+    never followed into a wrong gather. `unwrap`: the loop runs inside unwrap_model_for_generation(engine),
+    which records the weights it sees there (whole), the gathers the loop made (none) and the parameters'
+    sizes and units after it (partitioned again, as before)."""
+    import contextlib
+
     import deepspeed_c
+    from deepspeed_c.runtime.zero import unwrap_model_for_generation
     from tests.distributed.zero3_models import make_tied, tied_batches, tied_loss
 
     cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "gradient_clipping": 0.0,
@@ -229,7 +236,8 @@ def _generate_body(rank: int, world: int, stage: int) -> dict[str, Any]:
     model = make_tied(5)
     engine, *_ = deepspeed_c.initialize(model=model, config=cfg)
     batches = tied_batches(4, 2 * world, 2)
-    losses, generated = [], []
+    losses, generated, seen = [], [], {"weights": [], "loop_gathers": [], "before_live": [], "after_live": [],
+                                  "after_numel": []}
     for step, ids in enumerate(batches):
         mine = ids[rank * 2:(rank + 1) * 2].to(rank_device())
         model.step_no = step
@@ -238,19 +246,50 @@ def _generate_body(rank: int, world: int, stage: int) -> dict[str, Any]:
         engine.step()
         losses.append(float(loss))
         engine.eval()
-        with torch.no_grad():
+        store = getattr(engine.optimizer, "store", None)
+        if store is not None:  # the units gathered (or gathering) now: none but what the step prefetched
+            seen["before_live"].append([store.is_live(u) for u in range(len(store.full))])
+        with torch.no_grad(), (unwrap_model_for_generation(engine) if unwrap else contextlib.nullcontext()):
+            gathers = store.gathers if store is not None else 0
             seq = mine[:, :2]
             for t in range(4):
                 model.step_no = t  # the path changes with the length
                 nxt = engine.module(seq)[:, -1].argmax(-1, keepdim=True)
                 seq = torch.cat([seq, nxt], dim=1)
+            if unwrap or stage == 0:  # after the loop: whole weights, as stage 0 holds them
+                seen["weights"].append([p.detach().cpu().numpy().copy() for p in engine.module.parameters()])
+                seen["loop_gathers"].append(store.gathers - gathers if store is not None else 0)
+        seen["after_numel"].append(sum(p.numel() for p in engine.module.parameters()))
+        if store is not None:
+            seen["after_live"].append([store.is_live(u) for u in range(len(store.full))])
         generated.append(seq.tolist())
         engine.train()
-    return {"losses": losses, "generated": generated}
+    return {"losses": losses, "generated": generated, **seen}
 
 
 def test_generate_loops_between_training_steps(two_ranks) -> None:
-    ref, got = two_ranks["generate0"], two_ranks["generate3"]
+    ref = two_ranks["generate0"]
+    for got in (two_ranks["generate3"], two_ranks["generate3_unwrapped"]):
+        for r in range(2):
+            assert got[r]["generated"] == ref[r]["generated"]
+            assert max(abs(a - b) for a, b in zip(got[r]["losses"], ref[r]["losses"])) < 1e-5
+
+
+def test_unwrap_model_for_generation(two_ranks) -> None:
+    """DeepSpeed 0.19.8's deepspeed.runtime.zero.unwrap_model_for_generation: inside it every parameter of the
+    ZeRO-3 engine is whole (after a 4-call generation loop too: its forwards released nothing and gathered
+    nothing) and equal to stage 0's weights; after it each is partitioned again, and training goes on as at
+    stage 0 (the losses and generations of test_generate_loops_between_training_steps)."""
+    ref, got = two_ranks["generate0"], two_ranks["generate3_unwrapped"]
+    whole = sum(w.size for w in ref[0]["weights"][0])
     for r in range(2):
-        assert got[r]["generated"] == ref[r]["generated"]
-        assert max(abs(a - b) for a, b in zip(got[r]["losses"], ref[r]["losses"])) < 1e-5
+        assert got[r]["loop_gathers"] == [0] * len(ref[r]["weights"])
+        assert ref[r]["after_numel"] == [whole] * len(ref[r]["weights"])
+        # partitioned again, as before: the units the optimizer step gathers ahead for the next forward
+        # (the embedding's, the first block's) stay gathered, as they would without the context
+        assert got[r]["after_live"] == got[r]["before_live"], got[r]
+        assert all(sum(live) <= 2 for live in got[r]["before_live"]), got[r]["before_live"]
+        assert all(n < whole // 8 for n in got[r]["after_numel"]), got[r]["after_numel"]
+        for mine, theirs in zip(got[r]["weights"], ref[r]["weights"]):
+            for a, b in zip(mine, theirs):
+                assert a.shape == b.shape and np.abs(a - b).max() <= 1e-5 * max(1.0, np.abs(b).max())

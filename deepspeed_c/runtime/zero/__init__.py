@@ -11,9 +11,11 @@ from deepspeed_c.runtime.zero.partition_parameters import (GatheredParameters, I
 from deepspeed_c.runtime.zero.tiling import TiledLinear, TiledLinearReturnBias  # noqa: F401
 
 __all__ = ["Init", "GatheredParameters", "register_external_parameter", "unregister_external_parameter",
-           "ZeroParamStatus", "TiledLinear", "TiledLinearReturnBias", "MiCS_Init"]
+           "ZeroParamStatus", "TiledLinear", "TiledLinearReturnBias", "MiCS_Init", "unwrap_model_for_generation"]
 
 from deepspeed_c._lazy import lazy_exports as _lazy_exports
 
 # submodules resolve on attribute access, as after DeepSpeed's eager imports
-__getattr__, __dir__ = _lazy_exports(__name__, {"MiCS_Init": "deepspeed_c.runtime.zero.mics:MiCS_Init"})
+__getattr__, __dir__ = _lazy_exports(__name__, {
+    "MiCS_Init": "deepspeed_c.runtime.zero.mics:MiCS_Init",
+    "unwrap_model_for_generation": "deepspeed_c.runtime.zero.unwrap:unwrap_model_for_generation"})

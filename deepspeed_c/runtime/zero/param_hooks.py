@@ -20,9 +20,10 @@ trace is checked against rank 0's when a plan is built (an error naming the firs
 differs, instead of mismatched gathers)."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from itertools import filterfalse
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
@@ -261,14 +262,19 @@ class ParamCoordinator:
         self._held: dict[int, list[int]] = {}
         self.plans_built = 0
         self._plans: dict[tuple, Any] = {}  # trace -> plan, the paths this model has taken lately
+        self.off = 0  # hooks_off() depth: every hook passes through
 
     # -- hooks ---------------------------------------------------------------------------------------
     def _root_pre(self, module: torch.nn.Module, args: Any) -> None:
+        if self.off:
+            return
         self._hooks.check()
         if not self._in_backward_round():
             self.new_iteration()
 
     def _root_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self.off:
+            return
         if not torch.is_grad_enabled() or not _requires_grad(output):
             # no backward will follow this forward: its iteration ends here
             self.end_iteration()
@@ -283,6 +289,8 @@ class ParamCoordinator:
         outside = self._outside.by_root
 
         def hook(m: torch.nn.Module, args: Any, kwargs: Any) -> Any:
+            if self.off:
+                return None
             self._running.append(key)
             if key in outside:
                 self._outside.detach(key)
@@ -308,6 +316,8 @@ class ParamCoordinator:
         outside = self._outside.by_root
 
         def hook(m: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+            if self.off:
+                return None
             if key in outside:
                 self._outside.attach(key)
             if self._running and self._running[-1] == key:
@@ -359,7 +369,7 @@ class ParamCoordinator:
         pre, post = self._pre_hook(key), self._post_hook(key)
 
         def hook(m: torch.nn.Module, args: Any, kwargs: Any) -> Any:
-            if key in self._running:
+            if self.off or key in self._running:
                 return None
             once: list = []
 
@@ -568,6 +578,19 @@ class ParamCoordinator:
             return "nothing (its iteration ended)"
         key, phase = trace[k]
         return f"the {'forward' if phase == 'f' else 'backward'} of module '{self.names[key]}'"
+
+    @contextlib.contextmanager
+    def hooks_off(self) -> Iterator[None]:
+        """Every hook passes through in the body (unwrap_model_for_generation; DeepSpeed removes them): the
+        caller has gathered and pinned every unit, and a forward without backward would otherwise end an
+        iteration and release everything, pins included."""
+        if self._running:
+            raise RuntimeError("ZeRO-3: unwrap_model_for_generation inside a forward of the model")
+        self.off += 1
+        try:
+            yield
+        finally:
+            self.off -= 1
 
     def invalidate(self) -> None:
         """The weights changed (an optimizer step, a load): every gathered copy is stale."""

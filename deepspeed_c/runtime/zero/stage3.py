@@ -29,6 +29,7 @@ from deepspeed_c.runtime.zero.param_hooks import ParamCoordinator, _is_leaf, mar
 from deepspeed_c.runtime.zero.param_store import ParamStore, placeholder
 from deepspeed_c.runtime.zero.partition_parameters import adopt, is_zero_param
 from deepspeed_c.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer, _states_resident
+from deepspeed_c.runtime.zero.unwrap import unwrap_model_for_generation  # noqa: F401  (DeepSpeed defines it here)
 from deepspeed_c.runtime.zero.step_strategy import FusedEpilogueStep, ZeroStepStrategy
 from deepspeed_c.runtime.zero.zeropp import ZeroPlusPlus, check_hpz_size
 
