@@ -5,8 +5,9 @@ Sections (random-weight models built from configs, no downloads; bf16 on a GPU):
          decode, all three with enable_cuda_graph (the decode step replayed). Correctness: the quant_gemv /
          dequantize CUDA kernels against the torch reference, and each
          quantized model's prefill logits against the bf16 model's (quantization error, printed).
-  bert   BERT-large masked LM, kernel-injected encoder (ours) vs HF eager vs HF sdpa, batch x seq with padding.
-         Correctness: each system's logits against the fp32 HF model (a system over 3x HF bf16's error: WRONG).
+  bert   BERT-large masked LM, kernel-injected encoder (ours) vs HF eager vs HF sdpa, batch x seq with padding,
+         and the real DeepSpeed's injected BERT (init_inference, replace_with_kernel_inject) where importable.
+         Correctness: each system's logits against the fp32 HF model (a system over 3x HF fp16's error: WRONG).
   zero   ZeRO-Inference (zero stage 3, offload_param cpu) tokens/s: ours (HF modules streamed; and with kernel
          injection) vs the real DeepSpeed's ZeRO-3 param offload (deepspeed.initialize) where importable, and HF
          with the whole model on the GPU as the upper bound. Correctness: greedy tokens equal to HF's.
@@ -219,6 +220,16 @@ def bert(args: argparse.Namespace) -> None:
     sdpa.config._attn_implementation = "sdpa"
     systems["hf-sdpa"] = sdpa
     systems["ours"] = deepspeed_c.init_inference(copy.deepcopy(ref_model), dtype=dt, replace_with_kernel_inject=True)
+    if big:
+        try:
+            import deepspeed  # the real one (scripts/device_deepspeed.sh puts /tmp/ds_real first)
+
+            if "dsc" in str(getattr(deepspeed, "__version__", "")):
+                raise RuntimeError("`import deepspeed` is deepspeed_c's alias, not the real DeepSpeed")
+            systems["deepspeed"] = deepspeed.init_inference(copy.deepcopy(ref_model), dtype=dt,
+                                                            replace_with_kernel_inject=True)
+        except Exception as e:  # noqa: BLE001 - the competitor's failure is reported, ours still runs
+            print(f"  deepspeed: n/a ({type(e).__name__}: {str(e)[:300]})")
     del ref_model
     errs = {}
     with torch.no_grad():
@@ -235,9 +246,10 @@ def bert(args: argparse.Namespace) -> None:
     for m in systems.values():
         fwd(m)
     res = rounds({n: (lambda m=m: fwd(m)) for n, m in systems.items() if n not in bad}, max(args.reps, 5))
-    print(f"  {'system':9s} {'forward ms':>11s} {'eager/sys':>10s}")
+    print(f"  {'system':9s} {'forward ms':>11s} {'eager/sys':>10s}" + ("  deepspeed/sys" if "deepspeed" in res else ""))
     for n, v in res.items():
-        print(f"  {n:9s} {v:11.2f} {res['hf-eager'] / v:9.2f}x")
+        vs_ds = f"  {res['deepspeed'] / v:12.2f}x" if "deepspeed" in res else ""
+        print(f"  {n:9s} {v:11.2f} {res['hf-eager'] / v:9.2f}x{vs_ds}")
 
 
 # ---- zero --------------------------------------------------------------------------------------------
