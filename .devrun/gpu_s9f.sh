@@ -7,7 +7,8 @@ export PYTHONUNBUFFERED=1
 O=${OUT:-/tmp}
 FILTER="INFO|WARNING|Warning|warn|^\s*$"
 export TORCH_CUDA_ARCH_LIST=9.0 DS_PREBUILD="transformer_inference"
-source scripts/device_deepspeed.sh 2>&1 | tail -3
+source scripts/device_deepspeed.sh > $O/dsinst.txt 2>&1; tail -3 $O/dsinst.txt
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/ds_real
 python3 -m pip install -q --no-deps --no-index --target /tmp/tf4 .whl_tf4/*.whl .whl_tf4/extra/*.whl > /dev/null 2>&1
 echo "== transformers 5 $(date +%T)"
 timeout 200 python3 benchmarks/inference_rest.py bert --reps 7 2>&1 | grep -vE "$FILTER" > $O/bert5.txt; tail -9 $O/bert5.txt
