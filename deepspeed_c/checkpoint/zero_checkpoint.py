@@ -1,7 +1,8 @@
 """DeepSpeed's deepspeed.checkpoint.ZeROCheckpoint: the ZeRO optimizer files of a tag folder addressed by
 (pp, tp, dp) rank, optionally for a smaller target shape (reshape), whose ranks each get the merged state
-of the source files they take over (tensors concatenated, the group paddings stripped, partition_count set
-to the target's dp degree)."""
+of the source files they take over (tensors concatenated, each file's base optimizer state first cut to
+its group's unpadded length, partition_count set to the target's dp degree; as in DeepSpeed, the fp32
+partitions are concatenated whole)."""
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence

@@ -238,6 +238,28 @@ def test_reshape_maps_match_a_rank_enumeration() -> None:
     assert tp[:2] == [[0, 1], [2, 3]] and len(tp) == 8
 
 
+def test_zero_checkpoint_strips_each_ranks_padding_before_merging(tmp_path: Any) -> None:
+    from deepspeed_c.checkpoint import ZeROCheckpoint, model_3d_desc
+
+    torch.save({"checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1}},
+               tmp_path / "mp_rank_00_model_states.pt")
+    parts = [torch.arange(6.0), torch.arange(10.0, 16.0)]
+    for dp, pad in enumerate((0, 2)):  # the last rank's partition ends in 2 padding elements
+        osd = {"group_paddings": [pad], "partition_count": [2], "single_partition_of_fp32_groups": [parts[dp]],
+               "base_optimizer_state": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": parts[dp] * 2}}}}
+        torch.save({"optimizer_state_dict": osd}, tmp_path / f"zero_pp_rank_{dp}_mp_rank_00_optim_states.pt")
+    zc = ZeROCheckpoint(str(tmp_path))
+    zc.reshape(model_3d_desc(1, 1, 1))
+    osd = zc.get_state_for_rank(0, 0, 0)["optimizer_state_dict"]
+    state = osd["base_optimizer_state"]["state"][0]
+    assert torch.equal(state["exp_avg"], torch.cat([parts[0], parts[1][:4]]) * 2) and state["step"].item() == 3
+    assert osd["partition_count"] == [1] and osd["group_paddings"] == [0]
+    # as DeepSpeed's: the fp32 partitions are concatenated whole (their padding is the consumer's to drop)
+    assert torch.equal(osd["single_partition_of_fp32_groups"][0], torch.cat(parts))
+    whole = zc.get_state_for_rank(0, 0, 0, strip_tensor_paddings=False)["optimizer_state_dict"]
+    assert torch.equal(whole["base_optimizer_state"]["state"][0]["exp_avg"], torch.cat(parts) * 2)
+
+
 def test_merge_state_and_zero_file_order(tmp_path: Any) -> None:
     from collections import OrderedDict
 
