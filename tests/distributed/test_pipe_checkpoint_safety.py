@@ -8,7 +8,8 @@ checkpoints:
   the marker never appears;
 - a file of one stage corrupted (bytes flipped, size kept): that rank raises CheckpointIntegrityError,
   the other RankFailed, both within seconds (without the collective guard the other rank waits in
-  the tied-weight broadcast until the process group times out; the harness's timeout catches that).
+  the tied-weight broadcast until the process group times out; the harness's timeout catches that);
+- a save with a different tag on each rank raises NotImplementedError on every rank, before writing.
 
 Every rank catches each error and goes on to the next case, as "resume if possible" code does."""
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import os
 import shutil
 import time
+from typing import Any
 
 import torch
 
@@ -49,10 +51,11 @@ def _engine(stages: int, zero: int = 0):
     return engine
 
 
-def _trained_checkpoint(path: str, zero: int) -> None:
+def _trained_checkpoint(path: str, zero: int) -> Any:
     engine = _engine(2, zero)
     engine.train_batch(iter(pm.batches(1, 1)[0]))
     engine.save_checkpoint(path, tag="t")
+    return engine
 
 
 def _forge_manifest(tag_dir: str, name: str) -> None:
@@ -106,9 +109,16 @@ def _body(rank: int, world: int, tmp: str) -> dict:
     import torch.distributed as dist
 
     good = {z: os.path.join(tmp, f"good_zero{z}") for z in (0, 1)}
-    for zero, path in good.items():
-        _trained_checkpoint(path, zero)
+    engines = {zero: _trained_checkpoint(path, zero) for zero, path in good.items()}
     out = {}
+    # ranks passing different tags (tag_validation WARN, the default): a clear error on every rank, before any
+    # file is written (DeepSpeed writes each rank's layer files under its own tag)
+    try:
+        engines[0].save_checkpoint(os.path.join(tmp, "per_rank_tags"), tag=f"t{rank}")
+        out["per_rank_tags"] = ("no error", "")
+    except Exception as e:  # noqa: BLE001
+        out["per_rank_tags"] = (type(e).__name__, str(e))
+    out["per_rank_tags_dir"] = os.path.exists(os.path.join(tmp, "per_rank_tags"))
     for name, file, how, stages, zero in CASES:
         marker = os.path.join(tmp, f"marker_{name}")
         ckpt = os.path.join(tmp, name)
@@ -135,6 +145,9 @@ def test_crafted_and_corrupted_pipeline_files_raise_on_every_rank(tmp_path):
         ran = [name for name, *_ in CASES if os.path.exists(os.path.join(tmp_path, f"marker_{name}"))]
         assert not ran, f"loading a crafted pickle ran its code (cases {ran})"
         raise
+    for res in results:
+        kind, msg = res["per_rank_tags"]
+        assert kind == "NotImplementedError" and "different tags" in msg and not res["per_rank_tags_dir"], res
     for name, file, how, stages, _ in CASES:
         for rank, res in enumerate(results):
             kind, msg, elapsed = res[name]

@@ -43,6 +43,37 @@ def dir_group(value: str) -> Optional[tuple[int, ...]]:
     return tuple(r for r, d in enumerate(dirs) if d == mine)
 
 
+def tags_agree(tag: str) -> bool:
+    """Whether every rank passes this tag (its hash's min and max over the default group). Collective."""
+    import hashlib
+
+    from deepspeed_c.comm import collective_device
+
+    digest = torch.tensor(list(hashlib.sha1(tag.encode()).digest()[:8]), dtype=torch.int64, device=collective_device())
+    lo, hi = digest.clone(), digest.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    return torch.equal(lo, hi)
+
+
+def validate_tag(tag: str, enabled: bool, fail: bool) -> Optional[bool]:
+    """checkpoint.tag_validation as DeepSpeed: ranks passing different tags fail with AssertionError on every
+    rank (FAIL) or log a warning on each (WARN). None when not checked (IGNORE, or not distributed), else
+    whether the tags agree. Collective when checked."""
+    if not enabled or not (dist.is_available() and dist.is_initialized()):
+        return None
+    if tags_agree(tag):
+        return True
+    from deepspeed_c.utils.logging import logger
+
+    msg = (f"[rank={dist.get_rank()}] The checkpoint tag name {tag!r} is not consistent across all ranks "
+           "(checkpoint.tag_validation); a rank-specific tag breaks restoring with another world size")
+    if fail:
+        raise AssertionError(msg)  # DeepSpeed asserts here
+    logger.warning(msg)
+    return False
+
+
 @dataclass(frozen=True)
 class SaveGroup:
     """A save whose ranks name different (directory, tag) pairs: the ranks sharing this rank's pair save

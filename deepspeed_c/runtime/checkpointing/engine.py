@@ -7,7 +7,6 @@ never sees the engine."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 from collections import OrderedDict
 from typing import Any, Callable, Optional
@@ -21,7 +20,8 @@ from deepspeed_c.runtime.checkpointing import (engine_hooks, nodes, reducer_orde
 from deepspeed_c.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 from deepspeed_c.runtime.checkpointing.options import CheckpointOptions
 from deepspeed_c.runtime.checkpointing.states import CheckpointStates
-from deepspeed_c.runtime.checkpointing.collective_guard import check_dir_arg, dir_group, rank_local_step, save_group
+from deepspeed_c.runtime.checkpointing.collective_guard import (check_dir_arg, dir_group, rank_local_step, save_group,
+                                                                validate_tag)
 from deepspeed_c.runtime.optimizer_seam import SavedCheckpoint
 from deepspeed_c.utils.logging import logger
 from deepspeed_c.version import DEEPSPEED_API_VERSION
@@ -288,21 +288,7 @@ class EngineCheckpointer:
         return True
 
     def _validate_tag(self, tag: str) -> None:
-        if not _dist() or not self.options.tag_validation:
-            return
-        from deepspeed_c.comm import collective_device
-
-        digest = torch.tensor(list(hashlib.sha1(tag.encode()).digest()[:8]), dtype=torch.int64,
-                              device=collective_device())
-        lo, hi = digest.clone(), digest.clone()
-        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-        if not torch.equal(lo, hi):
-            msg = (f"[rank={dist.get_rank()}] The checkpoint tag name {tag!r} is not consistent across all ranks "
-                   "(checkpoint.tag_validation); a rank-specific tag breaks restoring with another world size")
-            if self.options.tag_validation_fail:
-                raise AssertionError(msg)  # DeepSpeed asserts here
-            logger.warning(msg)
+        validate_tag(tag, self.options.tag_validation, self.options.tag_validation_fail)
 
     def _check_one_tag_node_local(self, tag: str) -> None:
         """Node-local storage commits one tag per node directory: ranks passing different tags (let through

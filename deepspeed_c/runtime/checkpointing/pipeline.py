@@ -22,7 +22,7 @@ from deepspeed_c.runtime.checkpointing import run_state, universal_load
 from deepspeed_c.runtime.checkpointing.options import CheckpointOptions
 from deepspeed_c.runtime.checkpointing.states import PipeCheckpointStates
 from deepspeed_c.runtime.checkpointing.zero import load_partition, save_partition
-from deepspeed_c.runtime.checkpointing.collective_guard import check_dir_arg, rank_local_step
+from deepspeed_c.runtime.checkpointing.collective_guard import check_dir_arg, rank_local_step, tags_agree, validate_tag
 
 from deepspeed_c.runtime.checkpointing.pipeline_layers import apply_layer_states, layer_file_states, read_layer_files
 
@@ -128,6 +128,11 @@ class PipeCheckpointer:
         store.check_plain(client_state, "client_state")
         tag = f"global_step{st.train_state.global_steps}" if tag is None else str(tag)
         _check_tag(tag)
+        agree = validate_tag(tag, self.options.tag_validation, self.options.tag_validation_fail)
+        if not (agree if agree is not None else tags_agree(tag)):  # the same outcome on every rank
+            # DeepSpeed writes each rank's layer files under its own tag; here one staged tag holds every stage's
+            raise NotImplementedError(f"save_checkpoint: the ranks pass different tags (this rank {tag!r}); a "
+                                      "pipeline-parallel checkpoint takes one tag on every rank")
         self.commit_pending()  # the previous background save first: its failure is raised here
         writer = dist.get_rank() == 0
         with rank_local_step("save_checkpoint (creating the checkpoint directory)"):
