@@ -99,6 +99,11 @@ class ReducerSet(BucketOrderKeeping):
     def order_keepers(self) -> list[Any]:
         return list(self.reducers)
 
+    def grads_released(self) -> None:
+        for r in self.reducers:
+            if hasattr(r, "grads_released"):
+                r.grads_released()
+
     def set_gradient_average(self, average: bool) -> None:
         for r in self.reducers:
             if hasattr(r, "set_gradient_average"):

@@ -87,6 +87,7 @@ class GradientReducer(BackwardRound):
         self._order = list(range(len(self.params) - 1, -1, -1))
         kinds: dict[tuple[torch.dtype, torch.device], int] = {}
         self._keys = [kinds.setdefault((p.dtype, p.device), len(kinds)) for p in self.params]
+        self._handed_out = False  # reduced gradients given to the parameters and not yet released by a step
         self._plan_buckets(None)
         self._launched = 0
         self._works: list[Any] = []
@@ -110,11 +111,36 @@ class GradientReducer(BackwardRound):
             first = self.params[layout.members[b][0]]
             dtype = self.comm_dtype or first.dtype
             self.buffers.append(torch.zeros(numel, dtype=dtype, device=first.device))
+        self._make_views()
+        self._same_dtype = [v.dtype == p.dtype for v, p in zip(self._views, self.params)]
+
+    def _make_views(self) -> None:
+        layout = self.plan.layout
         self._views = []
         for i, p in enumerate(self.params):
             b, off = layout.bucket_of[i], layout.offset_of[i]
             self._views.append(self.buffers[b][off:off + p.numel()].view(p.shape))
-        self._same_dtype = [v.dtype == p.dtype for v, p in zip(self._views, self.params)]
+
+    def grads_released(self) -> None:
+        """The engine's step cleared the gradients it was handed: the next round may reuse the buckets."""
+        self._handed_out = False
+
+    def _keep_handed_out_grads(self) -> None:
+        """A reducing backward with no step since the last one, after a parameter's gradient was taken off it
+        (`p.grad = None`, as DeepSpeed's tests do to compare two backwards): that gradient is a view of a bucket
+        and whoever holds it keeps its values, so this round reduces into new buckets. With a step in between
+        (the engine clears the gradients itself) the buckets are reused."""
+        if not isinstance(self.slots, ParamGradSlots) or \
+                all(p.grad is v for p, v, same in zip(self.params, self._views, self._same_dtype) if same):
+            return
+        old = self._views
+        self.buffers = [torch.zeros_like(b) for b in self.buffers]
+        self._make_views()
+        with torch.no_grad():
+            for p, before, now in zip(self.params, old, self._views):
+                if p.grad is before:  # still the parameter's own (accumulating in place): it moves along
+                    now.copy_(before)
+                    p.grad = now
 
     def set_gradient_average(self, average: bool) -> None:
         """engine.gradient_average assigned after initialize (DeepSpeed reads it at every reduction): the
@@ -157,6 +183,8 @@ class GradientReducer(BackwardRound):
             self._launch(self._launched)
 
     def _start_reducing(self) -> None:
+        if self._handed_out:
+            self._keep_handed_out_grads()
         self.plan.reset()
         self._launched = 0
         self._works = []
@@ -187,6 +215,7 @@ class GradientReducer(BackwardRound):
             torch._foreach_mul_(self.buffers, self._post)
         for i, p in enumerate(self.params):
             self.slots.write(p, self._views[i])
+        self._handed_out = True
         self.rounds += 1
         if self._rebuild_pending:
             self._rebuild_pending = False

@@ -5,7 +5,8 @@ stages 0, 1 and 2 against single-process PyTorch in float64 that applies SGD to 
 of the two ranks' gradients: weights after 3 steps within 1e-6 norm-wise relative per tensor (a
 factor-2 error is 0.3 or more here). Also at stage 0 configured with the other op and
 `engine.gradient_average` assigned after initialize, as DeepSpeed's tests do (it reads the attribute at
-every reduction)."""
+every reduction); gradients kept from a backward (p.grad = None, no copy) keep their values through the
+next backward, as DeepSpeed's."""
 from __future__ import annotations
 
 import pytest
@@ -32,6 +33,8 @@ def body(rank: int, world: int, op: str) -> dict:
                "zero_optimization": {"stage": 0 if stage == "assigned" else stage}}
         engine, *_ = deepspeed_c.initialize(model=model, config=cfg, model_parameters=model.parameters())
         if stage == "assigned":
+            if op == "sum":  # DeepSpeed's test_averaging_sparse_gradients: two backwards, no step between
+                out["kept"] = _two_backwards(engine, rank, world)
             engine.gradient_average = op == "mean"
         for x, y in make_batches("mlp", STEPS, MICRO * world, seed=5):
             sl = slice(MICRO * rank, MICRO * rank + MICRO)
@@ -39,6 +42,25 @@ def body(rank: int, world: int, op: str) -> dict:
             engine.step()
         out[stage] = {n: p.detach().double().cpu().numpy().copy() for n, p in engine.module.named_parameters()}
     return out
+
+
+def _two_backwards(engine, rank: int, world: int) -> dict:
+    """An averaged backward whose gradients are kept (taken off the parameters with `p.grad = None`, not
+    copied), then a summed one: the kept tensors must keep their values (DeepSpeed's are separate tensors;
+    ours view the reducer's buckets, which the second backward must not reuse), the new ones twice them."""
+    x, y = make_batches("mlp", 1, MICRO * world, seed=9)[0]
+    sl = slice(MICRO * rank, MICRO * rank + MICRO)
+    grads = []
+    for average in (True, False):
+        engine.gradient_average = average
+        engine.backward(loss_fn(engine(x[sl]), y[sl]))
+        grads.append([p.grad for p in engine.module.parameters()])
+        if average:
+            snapshot = [g.clone() for g in grads[0]]
+        for p in engine.module.parameters():
+            p.grad = None
+    return {"kept_intact": all(torch.equal(g, s) for g, s in zip(grads[0], snapshot)),
+            "summed_twice": all(torch.allclose(b, 2 * a, rtol=1e-6, atol=0) for a, b in zip(snapshot, grads[1]))}
 
 
 def reference(world: int, op: str) -> dict:
@@ -61,6 +83,8 @@ def reference(world: int, op: str) -> dict:
 def test_gradient_allreduce_op(op):
     res = run_distributed(body, 2, args=(op,), timeout=180)
     ref = reference(2, op)
+    if op == "sum":
+        assert all(r["kept"] == {"kept_intact": True, "summed_twice": True} for r in res), [r["kept"] for r in res]
     for stage in (0, 1, 2, "assigned"):
         for name, want in ref.items():
             got = torch.from_numpy(res[0][stage][name])

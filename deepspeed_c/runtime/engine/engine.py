@@ -469,6 +469,8 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
         if self.compression_hooks is not None:  # MoQ requantizes; the compression schedule advances
             self.compression_hooks.after_step(overflow, self.global_steps, self._params)
         self.stepper.zero_grad()
+        if hasattr(self.reducer, "grads_released"):  # the buckets its gradients viewed may be reused
+            self.reducer.grads_released()
         self._step_applied = not overflow
         if overflow:
             self.train_state.skipped_steps += 1
