@@ -10,7 +10,8 @@
  *   bias_gelu(h, bias|None, approximate)
  *   silu_mul(gu, bias|None, out)
  *   quant_gemv(x, q, scales, out, bits, group[, variant])  weight-only int8/int4 GEMV (decode)
- *   dequantize(q, scales, out, bits, group)         the weights in the activation dtype (prefill) */
+ *   dequantize(q, scales, out, bits, group)         the weights in the activation dtype (prefill)
+ *   moe_gemv(x, idx, wts|None, w, out, combine)     expert GEMVs of MoE decode (inference_moe.cu) */
 #include "dsc/tensor_view.h" /* Python.h first */
 #include <cuda_runtime_api.h> /* C-compatible: cudaGetErrorString */
 #include "dsc/inference_cuda.h"
@@ -384,6 +385,40 @@ static PyObject *py_dequantize(PyObject *self, PyObject *const *args, Py_ssize_t
     return finish(rc, "dequantize");
 }
 
+/* x [T, C] (expand) or [T * k, C] (combine); idx int64 [T, k]; wts float32 [T, k] (combine); w [E, N, C];
+ * out [T * k, N] (expand) or [T, N] (combine). */
+static PyObject *py_moe_gemv(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (dsc_check_nargs("moe_gemv", nargs, 6) < 0) return NULL;
+    dsc_view x, idx, wts, w, out;
+    const int combine = PyObject_IsTrue(args[5]);
+    if (combine < 0) return NULL;
+    if (arg(args[3], "w", ACT, 0, NULL, NULL, 0, &w) < 0) return NULL;
+    if (w.ndim != 3) return PyErr_Format(PyExc_ValueError, "argument 'w' must be [experts, N, C], got %d dims", w.ndim);
+    const int64_t E = w.shape[0], N = w.shape[1], C = w.shape[2];
+    if (arg(args[1], "idx", DSC_I64, 0, &w, "w", 0, &idx) < 0) return NULL;
+    if (idx.ndim != 2 || idx.shape[0] < 1 || idx.shape[1] < 1)
+        return PyErr_Format(PyExc_ValueError, "argument 'idx' must be int64 [tokens, k]");
+    const int64_t T = idx.shape[0], k = idx.shape[1];
+    if ((combine ? T : T * k) > 65535)
+        return PyErr_Format(PyExc_ValueError, "moe_gemv takes at most 65535 %s, got %lld", combine ? "tokens" : "pairs",
+                            (long long)(combine ? T : T * k));
+    const int64_t xshape[2] = {combine ? T * k : T, C}, oshape[2] = {combine ? T : T * k, N}, wshape[2] = {T, k};
+    if (arg(args[0], "x", ACT, 0, &w, "w", 1, &x) < 0 || want_dims(&x, "x", 2, xshape) < 0 ||
+        arg(args[2], "wts", DSC_F32, !combine, &w, "w", 0, &wts) < 0 ||
+        (!wts.is_none && want_dims(&wts, "wts", 2, wshape) < 0) ||
+        arg(args[4], "out", ACT, 0, &w, "w", 1, &out) < 0 || want_dims(&out, "out", 2, oshape) < 0)
+        return NULL;
+    cudaStream_t stream;
+    if (stream_of(w.device_id, &stream) < 0) return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = dsc_inf_moe_gemv(x.data, (const int64_t *)idx.data, wts.is_none ? NULL : (const float *)wts.data, w.data,
+                          out.data, T, k, E, N, C, combine, cuda_dtype(w.dtype), w.device_id, stream);
+    Py_END_ALLOW_THREADS
+    return finish(rc, "moe_gemv");
+}
+
 #define METHOD(name, fn, doc) {name, (PyCFunction)(void (*)(void))fn, METH_FASTCALL, doc}
 
 static PyMethodDef methods[] = {
@@ -399,6 +434,7 @@ static PyMethodDef methods[] = {
     METHOD("silu_mul", py_silu_mul, "silu_mul(gu, bias, out): out = silu(gate) * up."),
     METHOD("quant_gemv", py_quant_gemv,
            "quant_gemv(x, q, scales, out, bits, group[, variant]): weight-only int8/int4 GEMV (variant: tuning)."),
+    METHOD("moe_gemv", py_moe_gemv, "moe_gemv(x, idx, wts, w, out, combine): expert GEMVs of MoE decode."),
     METHOD("dequantize", py_dequantize, "dequantize(q, scales, out, bits, group): int8/int4 weights to out's dtype."),
     {NULL, NULL, 0, NULL},
 };

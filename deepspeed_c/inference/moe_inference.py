@@ -135,6 +135,9 @@ class HFExpertParallel(nn.Module):
 
 def prepare(model: nn.Module, spec: dict) -> int:
     """Shards every MoE layer of `model` over the expert-parallel group; returns the number of layers."""
+    injected = _injected_moe_blocks(model)
+    if injected:
+        return _check_injected(injected, spec)
     layers = _moe_layers(model)
     found = _hf_experts(model) if not layers else []
     if found:
@@ -174,6 +177,30 @@ def prepare(model: nn.Module, spec: dict) -> int:
         else:
             _expert_slicing(layer, group, ep, rank)
     return len(layers)
+
+
+def _injected_moe_blocks(model: nn.Module) -> list[nn.Module]:
+    from deepspeed_c.module_inject.fused_moe_block import FusedMoEDecoderBlock
+
+    return [m for m in model.modules() if isinstance(m, FusedMoEDecoderBlock)]
+
+
+def _check_injected(blocks: list[nn.Module], spec: dict) -> int:
+    """Kernel-injected MoE blocks (replace_with_kernel_inject=True ran first) hold every expert on this rank."""
+    if spec["ep_size"] != 1:
+        raise NotImplementedError(f"init_inference: moe.ep_size={spec['ep_size']} with replace_with_kernel_inject=True "
+                                  "is not built (kernel-injected MoE blocks keep every expert on one rank); for "
+                                  "experts over several ranks pass replace_with_kernel_inject=False")
+    if spec["type"] != "standard":
+        raise ValueError(f"init_inference: moe.type={spec['type']!r}, but the injected blocks are standard "
+                         "(non-residual) MoE")
+    want = spec["experts"]
+    for i, block in enumerate(blocks):
+        total = block.router.shape[0]
+        if want and want != [1] and want[min(i, len(want) - 1)] != total:
+            raise ValueError(f"init_inference: moe.moe_experts says {want[min(i, len(want) - 1)]} experts for MoE "
+                             f"layer {i}, which has {total}")
+    return len(blocks)
 
 
 def _check_world(spec: dict) -> None:

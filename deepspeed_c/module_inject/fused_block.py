@@ -85,14 +85,19 @@ class FusedDecoderBlock(torch.nn.Module):
         r2 = torch.empty_like(x)
         n2 = torch.empty_like(x)
         K.add_norm(r, o, self.bo, self.ln2_w, self.ln2_b, s.eps, r2, n2)
+        y2, b2 = self._mlp(n2)
+        return r2, y2, b2
+
+    def _mlp(self, n2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The MLP of the normed residual: (output before its bias, the bias the next norm adds)."""
         h = self._linear(n2, "w1")
-        if s.gated_silu:
-            act = torch.empty(n_tok, h.shape[1] // 2, dtype=x.dtype, device=x.device)
+        if self.spec.gated_silu:
+            act = torch.empty(n2.shape[0], h.shape[1] // 2, dtype=n2.dtype, device=n2.device)
             K.silu_mul(h, self.b1, act)
         else:
-            K.bias_gelu(h, self.b1, s.gelu_tanh)
+            K.bias_gelu(h, self.b1, self.spec.gelu_tanh)
             act = h
-        return r2, self._sum_partial(self._linear(act, "w2")), self.b2
+        return self._sum_partial(self._linear(act, "w2")), self.b2
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """x @ W^T for one of the block's GEMM weights, through its quantized form when the quant section

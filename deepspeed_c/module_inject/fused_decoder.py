@@ -15,7 +15,13 @@ from typing import Any
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
 
+try:  # transformers >= 4.36 (Mixtral's release); only MoE models, which need a newer one anyway, return it
+    from transformers.modeling_outputs import MoeModelOutputWithPast
+except ImportError:  # pragma: no cover - transformers 4.35
+    MoeModelOutputWithPast = None
+
 from deepspeed_c.module_inject.fused_block import BlockSpec, FusedDecoderBlock, StepContext
+from deepspeed_c.module_inject.fused_moe_block import FusedMoEDecoderBlock
 from deepspeed_c.ops.transformer.inference import kernels as K
 
 
@@ -143,6 +149,9 @@ class InjectedDecoder(torch.nn.Module):
                 return_dict: bool | None = None, **kwargs: Any) -> BaseModelOutputWithPastAndCrossAttentions:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if kwargs.get("output_router_logits"):
+            raise NotImplementedError("output_router_logits is not available from a kernel-injected model (its MoE "
+                                      "blocks keep no router logits)")
         if output_attentions or output_hidden_states:
             raise NotImplementedError("output_attentions/output_hidden_states are not available from a "
                                       "kernel-injected model (the fused blocks keep no per-layer outputs)")
@@ -190,6 +199,8 @@ class InjectedDecoder(torch.nn.Module):
         else:
             self._epoch += 1  # nothing to continue from
             cache = None
+        if isinstance(self.layers[0], FusedMoEDecoderBlock):  # the MoE wrappers read .router_logits
+            return MoeModelOutputWithPast(last_hidden_state=hidden, past_key_values=cache, router_logits=None)
         return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden, past_key_values=cache)
 
     def _embed(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,

@@ -49,6 +49,24 @@ def lora_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if is_lora(m)]
 
 
+def decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's transformer blocks, any family: its longest ModuleList of same-class modules that hold
+    parameters (GPT-2's `h`, LLaMA's and OPT's `layers`, BLOOM's `h`); [] when it has none."""
+    best: list[nn.Module] = []
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > len(best):
+            kinds = {type(m) for m in module}
+            if len(kinds) == 1 and any(True for _ in module[0].parameters()):
+                best = list(module)
+    return best
+
+
+def lora_adapter_ids(model: nn.Module) -> set[int]:
+    """ids of the LoRA adapters' own parameters (not the frozen base weight and bias they wrap)."""
+    return {id(p) for m in lora_modules(model) for p in m.parameters(recurse=False)
+            if p is not getattr(m, "weight", None) and p is not getattr(m, "bias", None)}
+
+
 def linear_weight(module: nn.Module) -> torch.Tensor:
     """[out, in] weight of a Linear, a GPT-2 Conv1D ([in, out] stored) or a LoRA linear with its low-rank
     update fused in (a new tensor; the module's weight is left as it is)."""

@@ -4,7 +4,8 @@ architecture is replaced by an InjectedDecoder whose blocks run the fused infere
 model, or None when the architecture has no kernels (the caller falls back to AutoTP with a
 warning naming it).
 
-Architectures: GPT-2 (`gpt2`) and the LLaMA family (`llama`, `mistral`, `qwen2`).
+Architectures: GPT-2 (`gpt2`), the LLaMA family (`llama`, `mistral`, `qwen2`) and Mixtral (`mixtral`: its
+mixture-of-experts MLP as module_inject.fused_moe_block).
 
 With tensor parallelism (a group of tp ranks) every rank builds its part of each fused block
 (hybrid_tp's Megatron split: its heads, its MLP rows) and the attention-out and MLP-down partial
@@ -19,6 +20,7 @@ import torch
 from deepspeed_c.module_inject import hybrid_tp
 from deepspeed_c.module_inject.fused_block import BlockSpec, FusedDecoderBlock
 from deepspeed_c.module_inject.fused_decoder import InjectedDecoder
+from deepspeed_c.module_inject.fused_moe_block import FusedMoEDecoderBlock
 from deepspeed_c.module_inject.fused_encoder import ENCODER_TYPES, inject_encoder
 from deepspeed_c.module_inject.hf_compat import attention_scale, rope_tables, route_beam_reorder
 
@@ -116,7 +118,7 @@ def _gpt2(body: torch.nn.Module, max_out: int, graphs: bool, mk: _Blocks) -> Inj
                            (body.ln_f.weight, body.ln_f.bias), None, max_out, graphs)
 
 
-def _llama(body: torch.nn.Module, max_out: int, graphs: bool, mk: _Blocks) -> InjectedDecoder:
+def _llama_spec(body: torch.nn.Module, max_out: int) -> BlockSpec:
     cfg = body.config
     if getattr(cfg, "hidden_act", "silu") != "silu":
         raise NotImplementedError(f"kernel injection with hidden_act={cfg.hidden_act!r} is not built (silu only)")
@@ -129,24 +131,56 @@ def _llama(body: torch.nn.Module, max_out: int, graphs: bool, mk: _Blocks) -> In
     first = body.layers[0].self_attn
     nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
     d = first.head_dim
-    spec = BlockSpec(hidden=cfg.hidden_size, n_heads=nh, n_kv=nkv, head_dim=d, eps=cfg.rms_norm_eps,
+    return BlockSpec(hidden=cfg.hidden_size, n_heads=nh, n_kv=nkv, head_dim=d, eps=cfg.rms_norm_eps,
                      layer_norm=False, gated_silu=True, rotary=True)
-    local = mk.spec(spec, cfg.intermediate_size, type(body).__name__)
+
+
+def _llama_attention(blk: torch.nn.Module) -> tuple:
+    """(ln1, ln2, wqkv, bqkv, wo, bo, scale) of a LLaMA-family block."""
+    a = blk.self_attn
+    bq = [p.bias for p in (a.q_proj, a.k_proj, a.v_proj)]
+    bqkv = None if all(b is None for b in bq) else torch.cat([
+        b if b is not None else torch.zeros(p.out_features, dtype=p.weight.dtype, device=p.weight.device)
+        for b, p in zip(bq, (a.q_proj, a.k_proj, a.v_proj))])
+    return ((blk.input_layernorm.weight, None), (blk.post_attention_layernorm.weight, None),
+            torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), bqkv, a.o_proj.weight, a.o_proj.bias,
+            attention_scale(a, a.head_dim))
+
+
+def _llama(body: torch.nn.Module, max_out: int, graphs: bool, mk: _Blocks) -> InjectedDecoder:
+    spec = _llama_spec(body, max_out)
+    local = mk.spec(spec, body.config.intermediate_size, type(body).__name__)
     blocks = []
     for i, blk in enumerate(body.layers):
-        a, m = blk.self_attn, blk.mlp
-        bq = [p.bias for p in (a.q_proj, a.k_proj, a.v_proj)]
-        bqkv = None if all(b is None for b in bq) else torch.cat([
-            b if b is not None else torch.zeros(p.out_features, dtype=p.weight.dtype, device=p.weight.device)
-            for b, p in zip(bq, (a.q_proj, a.k_proj, a.v_proj))])
+        m = blk.mlp
+        *attn, scale = _llama_attention(blk)
         b1 = None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias])
-        blocks.append(mk.make(
-            spec, i, attention_scale(a, d),
-            (blk.input_layernorm.weight, None), (blk.post_attention_layernorm.weight, None),
-            torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), bqkv, a.o_proj.weight, a.o_proj.bias,
-            torch.cat([m.gate_proj.weight, m.up_proj.weight]), b1, m.down_proj.weight, m.down_proj.bias))
-    return InjectedDecoder(cfg, local, blocks, {"embed_tokens": body.embed_tokens}, (body.norm.weight, None),
-                           rope_tables(body, max_out, d), max_out, graphs)
+        blocks.append(mk.make(spec, i, scale, *attn, torch.cat([m.gate_proj.weight, m.up_proj.weight]), b1,
+                              m.down_proj.weight, m.down_proj.bias))
+    return InjectedDecoder(body.config, local, blocks, {"embed_tokens": body.embed_tokens}, (body.norm.weight, None),
+                           rope_tables(body, max_out, spec.head_dim), max_out, graphs)
+
+
+def _mixtral(body: torch.nn.Module, max_out: int, graphs: bool, mk: _Blocks) -> InjectedDecoder:
+    """Mixtral: LLaMA attention, a top-k mixture of SiLU-gated experts for the MLP (transformers 5's fused
+    expert tensors: experts.gate_up_proj [E, 2F, C], experts.down_proj [E, C, F], router gate.weight [E, C])."""
+    if mk.tp > 1:
+        raise NotImplementedError("kernel injection of Mixtral with tensor_parallel.tp_size > 1 is not built "
+                                  "(for experts over several GPUs use moe.ep_size without kernel injection)")
+    spec = _llama_spec(body, max_out)
+    blocks = []
+    for i, blk in enumerate(body.layers):
+        moe = blk.mlp
+        experts = getattr(moe, "experts", None)
+        if not isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
+            raise NotImplementedError(f"kernel injection of Mixtral layer {i}: its experts are not transformers 5's "
+                                      "fused gate_up_proj / down_proj tensors")
+        *attn, scale = _llama_attention(blk)
+        blocks.append(FusedMoEDecoderBlock(spec, i, scale, *attn, router=moe.gate.weight,
+                                           gate_up=experts.gate_up_proj, down=experts.down_proj,
+                                           top_k=int(moe.gate.top_k), norm_topk=True))
+    return InjectedDecoder(body.config, spec, blocks, {"embed_tokens": body.embed_tokens}, (body.norm.weight, None),
+                           rope_tables(body, max_out, spec.head_dim), max_out, graphs)
 
 
 # model_type -> (attribute of the body on the *ForCausalLM wrapper, builder)
@@ -155,6 +189,7 @@ _POLICIES: dict[str, tuple[str, Callable[[torch.nn.Module, int, bool, _Blocks], 
     "llama": ("model", _llama),
     "mistral": ("model", _llama),
     "qwen2": ("model", _llama),
+    "mixtral": ("model", _mixtral),
 }
 
 

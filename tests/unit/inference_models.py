@@ -37,6 +37,10 @@ def tiny_model(kind: str, seed: int = 0) -> torch.nn.Module:
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0.0, 0.2)
+    elif kind == "mixtral":  # 5 experts, top 2; 4 heads over 2 kv heads
+        model = tf.MixtralForCausalLM(tf.MixtralConfig(hidden_size=48, num_attention_heads=4, num_key_value_heads=2,
+                                                       intermediate_size=40, num_hidden_layers=2, num_local_experts=5,
+                                                       num_experts_per_tok=2, **common))
     else:
         raise ValueError(kind)
     return model.eval()

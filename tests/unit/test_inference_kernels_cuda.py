@@ -1,7 +1,7 @@
 """The fused inference kernels on a GPU against their torch reference (reference.py, float32 math)
 over random shapes: odd head counts and head dims, GQA ratios 1-8, query lengths and cache
 lengths that are not multiples of the 32-key tile, padding masks, split-key decode; fp32, fp16 and
-bf16. Then kernel-injected GPT-2 and LLaMA-family models on the GPU: the same 64 greedy tokens as
+bf16; the MoE expert GEMVs. Then kernel-injected GPT-2, LLaMA-family and Mixtral models on the GPU: the same 64 greedy tokens as
 HF eager in fp32 (with and without CUDA graphs, left-padded batches and beam search included) and bf16/fp16 logits
 no further from the fp32 model's than HF eager's own in that dtype allows."""
 from __future__ import annotations
@@ -147,6 +147,31 @@ def test_activations(dtype):
             torch.testing.assert_close(a, r, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_moe_gemv(dtype):
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for tokens, k, experts, n, c in [(1, 2, 8, 96, 256), (3, 2, 5, 40, 48), (8, 4, 16, 33, 1000), (2, 1, 3, 7, 13)]:
+        w = _rand(experts, n, c, dtype=dtype, gen=gen, scale=0.1)
+        idx = torch.randint(0, experts, (tokens, k), device="cuda", generator=gen)
+        idx[0, 0] = experts  # outside [0, E): adds nothing
+        x = _rand(tokens, c, dtype=dtype, gen=gen)
+        out = torch.empty(tokens * k, n, dtype=dtype, device="cuda")
+        want = torch.empty(tokens * k, n, dtype=torch.float32, device="cuda")
+        K.moe_gemv(x, idx, None, w, out, combine=False)
+        R.moe_gemv(x.float(), idx, None, w.float(), want, combine=False)
+        torch.testing.assert_close(out.float(), want, **TOL[dtype])
+        assert out[0].abs().max().item() == 0.0
+        act = _rand(tokens * k, c, dtype=dtype, gen=gen)
+        wts = torch.rand(tokens, k, device="cuda", generator=gen)
+        out = torch.empty(tokens, n, dtype=dtype, device="cuda")
+        want = torch.empty(tokens, n, dtype=torch.float32, device="cuda")
+        K.moe_gemv(act, idx, wts, w, out, combine=True)
+        R.moe_gemv(act.float(), idx, wts, w.float(), want, combine=True)
+        torch.testing.assert_close(out.float(), want, **TOL[dtype])
+    with pytest.raises(ValueError, match="'x' must have shape"):
+        K.moe_gemv(x[:, :-1], idx, None, w, torch.empty(tokens * k, n, dtype=dtype, device="cuda"), combine=False)
+
+
 def test_binding_rejects_bad_input():
     op = K.cuda_op()
     x = torch.zeros(2, 8, device="cuda")
@@ -165,7 +190,7 @@ def test_binding_rejects_bad_input():
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda_graph"])
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "llama_wide", "mistral", "qwen2"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "llama_wide", "mistral", "qwen2", "mixtral"])
 def test_injected_fp32_greedy_equals_hf_eager(kind, graphs):
     ref, inj = injected_pair(kind, max_out_tokens=128, enable_cuda_graph=graphs)
     ref, inj = ref.cuda(), inj.cuda()
@@ -189,7 +214,7 @@ def test_injected_fp32_greedy_equals_hf_eager(kind, graphs):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("kind", ["gpt2", "llama_wide", "qwen2"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama_wide", "qwen2", "mixtral"])
 def test_injected_half_logits_within_dtype_tolerance(kind, dtype):
     ref32, _ = injected_pair(kind)
     ref32 = ref32.cuda()

@@ -15,8 +15,37 @@ import torch
 from tests.unit.inference_models import VOCAB, greedy, injected_pair, tiny_model
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "llama_mha", "mistral", "qwen2"])
+def _need_fused_experts() -> None:
+    import transformers
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("Mixtral's fused expert tensors (gate_up_proj / down_proj) arrived in transformers 5")
+
+
+def test_mixtral_prefill_grouped_experts_equal_the_decode_gemv_path():
+    """The two expert paths of a Mixtral block (grouped GEMMs by expert for prefill, the expert-GEMV kernel path for
+    decode and graph capture) give the same MLP output, against float64 math written out here."""
+    _need_fused_experts()
+    from deepspeed_c.module_inject.fused_moe_block import FusedMoEDecoderBlock
+
+    ref, inj = injected_pair("mixtral")
+    block = next(m for m in inj.modules() if isinstance(m, FusedMoEDecoderBlock)).double()
+    n2 = torch.randn(13, 48, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    probs = torch.softmax(n2 @ block.router.t(), dim=-1)
+    wts, idx = torch.topk(probs, 2, dim=-1)
+    wts = wts / wts.sum(-1, keepdim=True)
+    want = torch.zeros_like(n2)
+    for t in range(13):
+        for j in range(2):
+            gate, up = (block.gate_up[idx[t, j]] @ n2[t]).chunk(2)
+            want[t] += wts[t, j] * (block.down[idx[t, j]] @ (torch.nn.functional.silu(gate) * up))
+    torch.testing.assert_close(block._experts_grouped(n2, idx, wts), want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(block._experts_gemv(n2, idx, wts), want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "llama_mha", "mistral", "qwen2", "mixtral"])
 def test_greedy_tokens_and_logits_equal_hf_eager(kind):
+    if kind == "mixtral":
+        _need_fused_experts()
     ref, inj = injected_pair(kind)
     ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
     seq_ref, logits_ref = greedy(ref, ids, 64)
@@ -68,3 +97,23 @@ def test_errors():
     opt = OPTForCausalLM(OPTConfig(hidden_size=16, num_attention_heads=2, ffn_dim=32, num_hidden_layers=1,
                                    vocab_size=50, word_embed_proj_dim=16))
     assert inject(opt, SimpleNamespace()) is None
+
+
+def test_mixtral_through_init_inference_with_the_moe_section():
+    _need_fused_experts()
+    import copy
+
+    import deepspeed_c
+
+    ref = tiny_model("mixtral")
+    ref.config._attn_implementation = "eager"
+    ids = torch.randint(3, VOCAB, (1, 7), generator=torch.Generator().manual_seed(6))
+    engine = deepspeed_c.init_inference(copy.deepcopy(ref), replace_with_kernel_inject=True, max_out_tokens=64,
+                                        moe={"enabled": True, "ep_size": 1, "moe_experts": [5]})
+    assert torch.equal(greedy(engine.module, ids, 12)[0], greedy(ref, ids, 12)[0])
+    with pytest.raises(NotImplementedError, match="moe.ep_size=2 with replace_with_kernel_inject=True"):
+        deepspeed_c.init_inference(copy.deepcopy(ref), replace_with_kernel_inject=True, moe={"ep_size": 2})
+    with pytest.raises(ValueError, match="moe_experts says 4 experts"):
+        deepspeed_c.init_inference(copy.deepcopy(ref), replace_with_kernel_inject=True, moe={"moe_experts": [4]})
+    with pytest.raises(NotImplementedError, match="output_router_logits"):
+        engine.module(ids, output_router_logits=True)

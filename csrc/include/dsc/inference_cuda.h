@@ -80,6 +80,15 @@ int dsc_inf_quant_gemv(const void *x, const void *q, const float *scales, void *
 int dsc_inf_dequantize(const void *q, const float *scales, void *out, int64_t N, int64_t K, int bits, int64_t group,
                        int dtype, int device, cudaStream_t stream);
 
+/* Expert GEMVs of MoE decode (inference_moe.cu). w [E, N, C] the stacked expert weights (activation dtype),
+ * idx int64 [tokens, k] the experts each token was routed to. combine == 0 (expand): x [tokens, C],
+ * out [tokens * k, N], out[t k + j] = x[t] . w[idx[t, j]]^T. combine != 0: x [tokens * k, C], wts float32
+ * [tokens, k], out [tokens, N] = sum_j wts[t, j] x[t k + j] . w[idx[t, j]]^T (float32 sum, one rounding).
+ * An index outside [0, E) adds nothing. tokens * k (expand) or tokens (combine) at most 65535. */
+int dsc_inf_moe_gemv(const void *x, const int64_t *idx, const float *wts, const void *w, void *out, int64_t tokens,
+                     int64_t k, int64_t experts, int64_t N, int64_t C, int combine, int dtype, int device,
+                     cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -113,3 +113,13 @@ def _attention_gemm(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     cuda_op().masked_softmax(scores, t, hkv * g * t, past_dev, key_mask, float(scale))
     o = torch.matmul(scores, v_cache[:, :, :kv_len])  # [B, Hkv, G*T, D]
     out.copy_(o.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h, d))
+
+
+def moe_gemv(x: torch.Tensor, idx: torch.Tensor, wts: torch.Tensor | None, w: torch.Tensor, out: torch.Tensor,
+             combine: bool) -> None:
+    """Expert GEMVs of MoE decode (see reference.moe_gemv): the experts idx [T, k] chose, read from the stacked
+    weights w [E, N, C] on the device (no host round trip)."""
+    if x.is_cuda:
+        cuda_op().moe_gemv(x, idx, wts, w, out, bool(combine))
+    else:
+        ref.moe_gemv(x, idx, wts, w, out, combine)

@@ -94,9 +94,26 @@ def bias_gelu(h: torch.Tensor, bias: torch.Tensor | None, approximate: bool) -> 
 
 
 def silu_mul(gu: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
-    """gu [N, 2F] holds gate then up (+ bias [2F]): out [N, F] = silu(gate) * up."""
-    x = gu.float()
+    """gu [N, 2F] holds gate then up (+ bias [2F]): out [N, F] = silu(gate) * up (float32 math; float64 inputs
+    keep float64)."""
+    x = gu.double() if gu.dtype == torch.float64 else gu.float()
     if bias is not None:
-        x = x + bias.float()
+        x = x + bias.to(x.dtype)
     f = out.shape[-1]
     out.copy_(torch.nn.functional.silu(x[..., :f]) * x[..., f:])
+
+
+def moe_gemv(x: torch.Tensor, idx: torch.Tensor, wts: torch.Tensor | None, w: torch.Tensor, out: torch.Tensor,
+             combine: bool) -> None:
+    """idx [T, k]. expand: x [T, C] -> out [T k, N], row t k + j = x[t] . w[idx[t, j]]^T. combine: x [T k, C],
+    wts float32 [T, k] -> out [T, N] = sum_j wts[t, j] x[t k + j] . w[idx[t, j]]^T, summed in float32 (float64
+    for float64). An index outside [0, E) adds nothing."""
+    t, k = idx.shape
+    acc = torch.float64 if w.dtype == torch.float64 else torch.float32
+    valid = (idx >= 0) & (idx < w.shape[0])
+    sel = w[idx.clamp(0, w.shape[0] - 1).reshape(-1)].to(acc)  # [T k, N, C]
+    rows = x.to(acc) if combine else x.to(acc).repeat_interleave(k, dim=0)
+    y = torch.einsum("pnc,pc->pn", sel, rows) * valid.reshape(-1, 1)  # [T k, N]
+    if combine:
+        y = (y.view(t, k, -1) * wts.to(acc).unsqueeze(-1)).sum(dim=1)
+    out.copy_(y.view(out.shape))
