@@ -5,7 +5,7 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 O=${OUT:-/tmp}
-timeout 200 python3 -m pytest -q -p no:cacheprovider -x tests/unit/test_inference_kernels_cuda.py 2>&1 | tail -4 \
+timeout 200 python3 -m pytest -q -p no:cacheprovider tests/unit/test_inference_kernels_cuda.py 2>&1 | grep -E "^(FAILED|ERROR)|^E  |passed|failed" | head -24 \
     | tee $O/tests.txt
 export TORCH_CUDA_ARCH_LIST=9.0
 source scripts/device_deepspeed.sh > $O/dsinst.txt 2>&1; tail -3 $O/dsinst.txt

@@ -156,20 +156,20 @@ def test_moe_gemv(dtype):
         idx[0, 0] = experts  # outside [0, E): adds nothing
         x = _rand(tokens, c, dtype=dtype, gen=gen)
         out = torch.empty(tokens * k, n, dtype=dtype, device="cuda")
-        want = torch.empty(tokens * k, n, dtype=torch.float32, device="cuda")
+        want = torch.empty(tokens * k, n, dtype=torch.float64, device="cuda")  # float64: no TF32 in the reference
         K.moe_gemv(x, idx, None, w, out, combine=False)
-        R.moe_gemv(x.float(), idx, None, w.float(), want, combine=False)
-        torch.testing.assert_close(out.float(), want, **TOL[dtype])
+        R.moe_gemv(x.double(), idx, None, w.double(), want, combine=False)
+        torch.testing.assert_close(out.double(), want, **TOL[dtype])
         assert out[0].abs().max().item() == 0.0
         act = _rand(tokens * k, c, dtype=dtype, gen=gen)
         wts = torch.rand(tokens, k, device="cuda", generator=gen)
         out = torch.empty(tokens, n, dtype=dtype, device="cuda")
-        want = torch.empty(tokens, n, dtype=torch.float32, device="cuda")
+        want = torch.empty(tokens, n, dtype=torch.float64, device="cuda")
         K.moe_gemv(act, idx, wts, w, out, combine=True)
-        R.moe_gemv(act.float(), idx, wts, w.float(), want, combine=True)
-        torch.testing.assert_close(out.float(), want, **TOL[dtype])
+        R.moe_gemv(act.double(), idx, wts, w.double(), want, combine=True)
+        torch.testing.assert_close(out.double(), want, **TOL[dtype])
     with pytest.raises(ValueError, match="'x' must have shape"):
-        K.moe_gemv(x[:, :-1], idx, None, w, torch.empty(tokens * k, n, dtype=dtype, device="cuda"), combine=False)
+        K.moe_gemv(x[:, :-1].contiguous(), idx, None, w, torch.empty(tokens * k, n, dtype=dtype, device="cuda"), combine=False)
 
 
 def test_binding_rejects_bad_input():
