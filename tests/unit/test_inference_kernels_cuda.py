@@ -169,7 +169,8 @@ def test_moe_gemv(dtype):
         R.moe_gemv(act.double(), idx, wts, w.double(), want, combine=True)
         torch.testing.assert_close(out.double(), want, **TOL[dtype])
     with pytest.raises(ValueError, match="'x' must have shape"):
-        K.moe_gemv(x[:, :-1].contiguous(), idx, None, w, torch.empty(tokens * k, n, dtype=dtype, device="cuda"), combine=False)
+        K.moe_gemv(x[:, :-1].contiguous(), idx, None, w, torch.empty(tokens * k, n, dtype=dtype, device="cuda"),
+                   combine=False)
 
 
 def test_binding_rejects_bad_input():
