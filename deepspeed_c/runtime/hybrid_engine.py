@@ -16,6 +16,9 @@ generate arguments and runs over the live training weights:
   fused block (module_inject/hybrid_tp.py); the group's prompts are gathered, generated as one batch, and
   each rank returns its own rows.
 
+`fuse_lora_weight()` / `unfuse_lora_weight()` add / take the LoRA updates into / out of the base weights in place
+and `layer_params` lists each transformer block's parameters (DeepSpeed's public names).
+
 `engine.module.generate` is routed to engine.generate (DeepSpeed-Chat calls the module's). `train()` / `eval()`
 switch modes as DeepSpeed's do; eval() logs the last RLHF iteration's latency split
 (gather, generate, train) on rank 0, as DeepSpeed's hybrid engine prints it."""
@@ -65,8 +68,11 @@ class DeepSpeedHybridEngine(DeepSpeedEngine):
                           HybridEngineFallbackWarning, stacklevel=3)
         # DeepSpeed-Chat generates through actor.module.generate: routed here, as DeepSpeed's engine routes it
         self._hf_generate = hi.route_generate(self.module, self.generate)
-        self.all_lora_params = [p for m in hi.lora_modules(self.module) for p in m.parameters(recurse=False)
-                                if p is not getattr(m, "weight", None) and p is not getattr(m, "bias", None)]
+        adapters = hi.lora_adapter_ids(self.module)
+        self.all_lora_params = [p for p in self.module.parameters() if id(p) in adapters]
+        # DeepSpeed's per-transformer-block parameter lists (the base weights, LoRA adapters apart)
+        self.layer_params = [[p for p in block.parameters() if id(p) not in adapters]
+                             for block in hi.decoder_blocks(self.module)]
         # DeepSpeed's performance counters
         self._t_start: Optional[float] = None
         self._total_latency = 0.0
@@ -166,6 +172,31 @@ class DeepSpeedHybridEngine(DeepSpeedEngine):
         generation)."""
         if self._inference is not None:
             self._inference.release()
+
+    # -- LoRA --------------------------------------------------------------------------------------------
+    def fuse_lora_weight(self) -> None:
+        """Adds every LoRA layer's update into its base weight in place, W += s * (right @ left)^T
+        (DeepSpeed's public method; generation here never needs it: the fused copy folds LoRA in itself).
+        Under ZeRO-3 call it inside GatheredParameters, as with DeepSpeed."""
+        self._shift_lora(1.0)
+
+    def unfuse_lora_weight(self) -> None:
+        """Takes the LoRA updates back out of the base weights (fuse_lora_weight's inverse, up to rounding)."""
+        self._shift_lora(-1.0)
+
+    @torch.no_grad()
+    def _shift_lora(self, sign: float) -> None:
+        from deepspeed_c.module_inject import hybrid_inference as hi
+        from deepspeed_c.runtime.zero.param_store import ZeroParamStatus
+
+        for m in hi.lora_modules(self.module):
+            w = m.weight
+            status = getattr(w, "ds_status", None)
+            if status is not None and status != ZeroParamStatus.AVAILABLE:  # partitioned, or a prefetch in flight
+                raise RuntimeError("fuse_lora_weight/unfuse_lora_weight: the LoRA base weights are partitioned by "
+                                   "ZeRO-3; call it inside deepspeed.zero.GatheredParameters(engine.parameters())")
+            delta = torch.matmul(m.lora_right_weight, m.lora_left_weight).t()
+            w.data.add_(delta.to(w.dtype), alpha=sign * float(m.lora_scaling))
 
     # -- modes and counters --------------------------------------------------------------------------
     def eval(self) -> "DeepSpeedHybridEngine":

@@ -11,8 +11,8 @@ VOCAB = 97
 
 
 class LoRALinear(torch.nn.Module):
-    """DeepSpeed-Chat's LinearLayer_LoRA: y = x W^T + b + scaling * (x @ right @ left). `fuse_lora_weight` folds
-    the update into W (DeepSpeed-Chat's in-place `+=`); the tests never call it on a training model."""
+    """DeepSpeed-Chat's LinearLayer_LoRA: y = x W^T + b + scaling * (x @ right @ left). The hybrid engine's
+    `fuse_lora_weight` folds the update into W in place (`+=`) and `unfuse_lora_weight` takes it out."""
 
     def __init__(self, linear: torch.nn.Linear, lora_dim: int = 4, lora_scaling: float = 0.5) -> None:
         super().__init__()

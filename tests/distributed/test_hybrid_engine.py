@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -40,6 +40,32 @@ def _gathered_copy(engine: Any, ref: torch.nn.Module) -> torch.nn.Module:
     return ref.eval()
 
 
+def _fuse_lora_check(engine: Any, stage: int) -> Optional[dict[str, Any]]:
+    """DeepSpeed's engine.fuse_lora_weight / unfuse_lora_weight (its test calls them inside GatheredParameters)
+    against W + s * (right @ left)^T in float64; layer_params: one list per block, LoRA adapters apart."""
+    from deepspeed_c.module_inject.hybrid_inference import lora_modules
+    from deepspeed_c.runtime.zero.partition_parameters import GatheredParameters
+
+    adapters = {id(p) for p in engine.all_lora_params}
+    res: dict[str, Any] = {"blocks": len(engine.layer_params),
+                           "adapters_apart": all(id(p) not in adapters for ps in engine.layer_params for p in ps),
+                           "nonempty": all(len(ps) > 0 for ps in engine.layer_params)}
+    if not lora_modules(engine.module):  # GPT-2's Conv1D layers get no DeepSpeed-Chat LoRA
+        return None
+    with GatheredParameters(list(engine.module.parameters())):
+        mods = lora_modules(engine.module)
+        base = [m.weight.detach().double().clone() for m in mods]
+        want = [b + m.lora_scaling * (m.lora_right_weight.double() @ m.lora_left_weight.double()).t()
+                for b, m in zip(base, mods)]
+        engine.fuse_lora_weight()
+        fused = max(float((m.weight.double() - w).abs().max()) for m, w in zip(mods, want))
+        engine.unfuse_lora_weight()
+        back = max(float((m.weight.double() - b).abs().max()) for m, b in zip(mods, base))
+    res.update(n=len(mods), fused_err=fused, back_err=back, moved=max(float((w - b).abs().max())
+                                                                      for w, b in zip(want, base)))
+    return res
+
+
 def _run(rank: int, kind: str, stage: int, lora: bool, generate: bool, he: dict) -> dict[str, Any]:
     import deepspeed_c
     from tests.distributed.hybrid_models import prompts, tiny_lm
@@ -49,6 +75,9 @@ def _run(rank: int, kind: str, stage: int, lora: bool, generate: bool, he: dict)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engine, *_ = deepspeed_c.initialize(model=model, config=_config(stage, **he))
+        if stage == 3 and lora and generate and kind == "llama":
+            with pytest.raises(RuntimeError, match="GatheredParameters"):  # partitioned base weights
+                engine.fuse_lora_weight()
         dev = rank_device()
         data = prompts(8, 12, seed=10 + rank).to(dev)
         losses, out = [], {}
@@ -83,6 +112,8 @@ def _run(rank: int, kind: str, stage: int, lora: bool, generate: bool, he: dict)
     with GatheredParameters(list(engine.module.parameters())):
         out["weights"] = {n: p.detach().cpu().clone().numpy() for n, p in engine.module.named_parameters()}
     out["losses"] = losses
+    if lora and generate:
+        out["fuse"] = _fuse_lora_check(engine, stage)
     out["warnings"] = [str(w.message) for w in caught if "hybrid engine" in str(w.message)]
     out["engine"] = type(engine).__name__
     out["tp"] = 1 if engine.mp_group is None else torch.distributed.get_world_size(engine.mp_group)
@@ -110,6 +141,11 @@ def _check(results: list[dict], fused: bool, kept: bool = True) -> None:
         for n in gen["weights"]:
             assert (gen["weights"][n] == plain["weights"][n]).all(), n
     assert results[0]["gen"]["got"] != results[1]["gen"]["got"]  # each rank generated its own prompts
+    for r in results:
+        f = r["gen"].get("fuse")
+        if f is not None:
+            assert f["blocks"] == 2 and f["adapters_apart"] and f["nonempty"] and f["n"] > 0, f
+            assert f["moved"] > 1e-3 and f["fused_err"] < 1e-6 and f["back_err"] < 1e-6, f
 
 
 @pytest.mark.parametrize("stage", [2, 3])
