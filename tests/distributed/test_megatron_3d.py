@@ -57,7 +57,8 @@ def _resume(engine: object, tp: mm.TP, cfg: dict, data: list, ckpt: str) -> dict
     errs = mm.rel_errors(mm.full_state(fresh.module, tp), want)
     saved = torch.load(path, weights_only=False, map_location="cpu")
     return {"files": sorted(os.listdir(os.path.join(ckpt, "t"))), "path": os.path.basename(path),
-            "mp_world_size": saved["mp_world_size"], "weight_rel": max(errs.values()),
+            "mp_world_size": saved["mp_world_size"], "engine_mp": fresh.mp_world_size,
+            "engine_mp_rank": fresh.checkpoint_mp_rank, "weight_rel": max(errs.values()),
             "loss_err": float(np.max(np.abs(np.array(straight) - resumed)))}
 
 
@@ -116,5 +117,6 @@ def test_pp2_tp2_equals_unsplit_training(tmp_path):
             if stage:
                 mine.add(f"zero_pp_rank_0_mp_rank_{rank:02d}_optim_states.pt")
             assert mine <= set(res["files"]) and "mp_rank_04_model_states.pt" not in res["files"], res["files"]
-            assert res["path"] == f"mp_rank_{rank:02d}_model_states.pt" and res["mp_world_size"] == 4, res
+            assert res["path"] == f"mp_rank_{rank:02d}_model_states.pt" and res["mp_world_size"] == 4 == res["engine_mp"], res
+            assert res["engine_mp_rank"] == rank, res
             assert res["loss_err"] < 1e-6 and res["weight_rel"] < 1e-6, (stage, res)

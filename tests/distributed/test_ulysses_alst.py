@@ -54,6 +54,11 @@ def _phase(rank: int, world: int, sp: int, stage: int, tiled: bool, use_mesh: bo
         engine, *_ = deepspeed_c.initialize(model=model, config=cfg, optimizer=opt, mpu=mpu)
     sp_group, sp_rank = groups._get_sequence_parallel_group(), groups._get_sequence_parallel_rank()
     assert groups._get_sequence_parallel_world_size() == sp and engine.train_batch_size() == am.BATCH * dp
+    # DeepSpeed's engine attributes: the SP group, no model parallelism, ZeRO over the data x sequence ranks
+    ranks = torch.distributed.get_process_group_ranks
+    assert ranks(engine.seq_parallel_group) == ranks(sp_group) == ranks(engine.get_sequence_parallel_group())
+    assert engine.mp_world_size == 1 and engine.checkpoint_mp_rank == 0 and engine.seq_dp_world_size == world == \
+        torch.distributed.get_world_size(engine.seq_data_parallel_group)
     mine = [am.batch(rank, j) for j in range(-(-STEPS // sp))]
     loader = UlyssesSPDataLoaderAdapter(torch.utils.data.DataLoader(mine, batch_size=None), sp_rank=sp_rank,
                                         sp_group=sp_group, sp_world_size=sp, device=engine.device)

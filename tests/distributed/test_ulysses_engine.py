@@ -66,6 +66,8 @@ def body(rank: int, world: int) -> dict:
     # a client torch Adam: float64 end to end (the key bias's true gradient is zero: eps keeps its noise small)
     engine, *_ = deepspeed_c.initialize(model=TinyLM(torch.distributed.group.WORLD), config=cfg,
                                         optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2, eps=1e-6))
+    # no Ulysses mpu: DeepSpeed's layout attributes say so
+    assert engine.seq_parallel_group is None and engine.mp_world_size == 1 and engine.seq_dp_world_size == world
     lo, hi = rank * SEQ // world, (rank + 1) * SEQ // world  # this rank's slice of every sequence
     losses = []
     for _ in range(STEPS):

@@ -140,6 +140,9 @@ CONFIG_ACCESSORS: dict[str, tuple[Union[str, Fixed], Any]] = {
 
 class EngineConfigAccessors:
     _config: Any
+    parallel_dims: Any
+    mpu: Any
+    sequence_parallel_size: int
 
     def get_batch_info(self) -> tuple[int, int, int]:
         return (self.train_batch_size(), self.train_micro_batch_size_per_gpu(), self.gradient_accumulation_steps())
@@ -253,6 +256,39 @@ class EngineConfigAccessors:
 
     def postscale_gradients(self) -> bool:
         return not self._config.prescale_gradients
+
+    # -- parallel layout (DeepSpeed's engine attributes, read from the one ParallelDims) ---------------
+    @property
+    def mp_world_size(self) -> int:
+        """DeepSpeed's model-parallel world size: a client mpu's (its mp_rank_XX checkpoint files), else 1."""
+        return self.parallel_dims.model
+
+    @property
+    def checkpoint_mp_rank(self) -> int:
+        """The XX of this rank's mp_rank_XX checkpoint files (0 without a model-parallel mpu)."""
+        return self.parallel_dims.model_rank
+
+    @property
+    def seq_dp_world_size(self) -> int:
+        """Ranks of the sequence-data-parallel group (data x sequence under Ulysses, else the data-parallel
+        world): what ZeRO partitions and gradient reductions span."""
+        return self.parallel_dims.data
+
+    @property
+    def seq_data_parallel_group(self) -> Any:
+        return self.parallel_dims.data_group
+
+    @property
+    def seq_parallel_group(self) -> Any:
+        """The Ulysses sequence-parallel group of this rank (DeepSpeed sets it only when
+        sequence_parallel_size > 1; None here otherwise)."""
+        return self.get_sequence_parallel_group()
+
+    def get_sequence_parallel_group(self) -> Any:
+        mpu = self.mpu
+        if self.sequence_parallel_size <= 1 or not hasattr(mpu, "get_sequence_parallel_group"):
+            return None
+        return mpu.get_sequence_parallel_group()
 
     # -- observability and checkpoint flags ------------------------------------------------------
     def checkpoint_writer_enabled(self) -> bool:

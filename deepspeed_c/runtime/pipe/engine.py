@@ -156,6 +156,15 @@ class PipelineEngine(InstructionDispatch, DeepSpeedEngine):
         return self._pipe_max_norm if getattr(self, "_pipe_clips", False) and hasattr(self, "executor") \
             else super().gradient_clipping()
 
+    @property
+    def mp_world_size(self) -> int:
+        """The grid's model-parallel size (stages x tensor slices), as in DeepSpeed's pipeline engine."""
+        return self.grid.get_model_parallel_world_size()
+
+    @property
+    def checkpoint_mp_rank(self) -> int:
+        return self.grid.get_model_parallel_rank()
+
     def _checkpoint_model_parallel(self) -> dict:
         """DeepSpeed's pipeline names its files by the grid's model-parallel rank (the stage x tensor-slice index
         within a data-parallel replica; the stage without tensor slicing) and writes that group's size."""
