@@ -37,11 +37,11 @@ _ENGINE: contextvars.ContextVar[Any] = contextvars.ContextVar("dsc_checkpoint_en
 
 
 @contextlib.contextmanager
-def through_engine(engine: Any) -> Any:
+def through_engine(checkpoint_engine: Any) -> Any:
     """Within: save_file hands each file to engine.save(obj, path) (and returns None: the engine, not a
     manifest, answers for the file), and load_file / load_file_mapped read with engine.load(path, "cpu"),
     unverified. Set on the saving or loading thread only."""
-    token = _ENGINE.set(engine)
+    token = _ENGINE.set(checkpoint_engine)
     try:
         yield
     finally:

@@ -51,9 +51,13 @@ class BucketReduce:
     writes_out = False
 
     def __init__(self, factors: ReduceFactors) -> None:
+        self.set_factors(factors)
+        self.collectives = 0  # collectives issued, for tests and the benchmarks
+
+    def set_factors(self, factors: ReduceFactors) -> None:
+        """The scaling of the next reductions (engine.gradient_average assigned after initialize changes it)."""
         self.pre_factor = factors.pre
         self.post_factor = factors.post
-        self.collectives = 0  # collectives issued, for tests and the benchmarks
 
     def _prescale(self, buf: torch.Tensor) -> None:
         if self.pre_factor != 1.0:

@@ -146,7 +146,7 @@ class GradientReducer(BackwardRound):
         """engine.gradient_average assigned after initialize (DeepSpeed reads it at every reduction): the
         next reductions average (True) or sum (False) over the data-parallel ranks."""
         factors = averaging_factors(self.world_size, gradient_average=average, **self._averaging)
-        self.strategy.pre_factor, self.strategy.post_factor = factors.pre, factors.post
+        self.strategy.set_factors(factors)
         self._post = factors.post
 
     @property

@@ -6,6 +6,7 @@ import os
 import resource
 import signal
 import subprocess
+import sys
 import threading
 
 import pytest
@@ -328,7 +329,7 @@ def test_engine_matches_the_env_report(monkeypatch):
 
 
 def _queue_many_small_files(directory: str, headroom: int) -> str:
-    """In a forked child: 400 async writes then reads of 4 KiB files queued at once, under a descriptor
+    """In a child process: 400 async writes then reads of 4 KiB files queued at once, under a descriptor
     limit `headroom` above what the process holds, with a handle made before the limit was lowered (its
     bound is from the old limit: opens hit EMFILE and wait for its own ops) and one made after. "" or
     what went wrong."""
@@ -354,23 +355,12 @@ def test_queued_files_stay_under_the_descriptor_limit(tmp_path):
     """Each op holds its file's descriptors until it finishes: queueing thousands of small files (a
     swapper's sub-groups read for a checkpoint) once failed with 'Too many open files'. A handle keeps
     at most a 16th of the limit's descriptors in flight, and an open that still finds none waits for
-    the handle's own ops to finish; in a forked child, as the limit is per process."""
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: report and leave without running the parent's cleanup
-        code = 1
-        try:
-            os.close(read_end)
-            msg = _queue_many_small_files(str(tmp_path), headroom=24)
-            os.write(write_end, msg.encode()[:4000])
-            code = 0
-        except BaseException as e:  # noqa: BLE001  (reported to the parent)
-            os.write(write_end, f"{type(e).__name__}: {e}".encode()[:4000])
-        finally:
-            os._exit(code)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as f:
-        report = f.read().decode()
-    _, status = os.waitpid(pid, 0)
-    assert os.WIFEXITED(status) and report == "", (status, report)
+    the handle's own ops to finish; in a fresh child process, as the limit is per process (a fork of a
+    test worker with live threads can deadlock in the child)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = ("import sys; from tests.unit.test_aio_handle import _queue_many_small_files as q; "
+            "r = q(sys.argv[1], headroom=24); print(r); sys.exit(1 if r else 0)")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=root, capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
     assert len(os.listdir(tmp_path)) == 800  # every file written once, no temporaries left

@@ -16,12 +16,15 @@ ENGINE_NAME = "DecoupledCheckpointEngine"
 
 class DecoupledCheckpointEngine(CheckpointEngine):
 
-    def __init__(self, config_params: Any, dp_writer_config: Any = None, optimize_dp_state: bool = False) -> None:
+    def __init__(self, config_params: Any, dp_writer_config: Any = None, optimize_dp_state: bool = False, *,
+                 writer: Any = None) -> None:
+        """DeepSpeed's arguments; `writer` (ours): an already parsed checkpoint.writer section, used instead of
+        the one read from config_params."""
         super().__init__(config_params)
         self.name = ENGINE_NAME
         self.dp_writer_config = dp_writer_config
         self.optimize_dp_state = optimize_dp_state
-        self.writer_config = writer_config(config_params, decoupled=True)
+        self.writer_config = writer if writer is not None else writer_config(config_params, decoupled=True)
         self.commit_info: Optional[CheckpointCommitInfo] = None
         self._writer: Any = None  # a BackgroundWriter, made on the first direct save
         self._staged = 0

@@ -24,13 +24,16 @@ def writer_config(config_params: Any, decoupled: bool) -> Any:
 
 class FastCheckpointEngine(CheckpointEngine):
 
-    def __init__(self, config_params: Any, dp_writer_config: Any = None, optimize_dp_state: bool = False) -> None:
+    def __init__(self, config_params: Any, dp_writer_config: Any = None, optimize_dp_state: bool = False, *,
+                 writer: Any = None) -> None:
+        """DeepSpeed's arguments; `writer` (ours): an already parsed checkpoint.writer section, used instead of
+        the one read from config_params."""
         super().__init__(config_params)
         self.name = "FastCheckpointEngine"
         self.serialization_enabled = bool(config_value(config_params, "checkpoint_serialization", True))
         self.optimize_dp_state = optimize_dp_state
         self.dp_writer_config = dp_writer_config
-        self.writer_config = writer_config(config_params, decoupled=False)
+        self.writer_config = writer if writer is not None else writer_config(config_params, decoupled=False)
 
     @property
     def writes(self) -> bool:

@@ -44,8 +44,12 @@ def dir_group(value: str) -> Optional[tuple[int, ...]]:
 
 
 def tags_agree(tag: str) -> bool:
-    """Whether every rank passes this tag (its hash's min and max over the default group). Collective."""
+    """Whether every rank passes this tag (its hash's min and max over the default group). Collective (not for
+    a world of one)."""
     import hashlib
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return True
 
     from deepspeed_c.comm import collective_device
 
@@ -59,8 +63,8 @@ def tags_agree(tag: str) -> bool:
 def validate_tag(tag: str, enabled: bool, fail: bool) -> Optional[bool]:
     """checkpoint.tag_validation as DeepSpeed: ranks passing different tags fail with AssertionError on every
     rank (FAIL) or log a warning on each (WARN). None when not checked (IGNORE, or not distributed), else
-    whether the tags agree. Collective when checked."""
-    if not enabled or not (dist.is_available() and dist.is_initialized()):
+    whether the tags agree. Collective when checked (not for a world of one: nothing to compare)."""
+    if not enabled or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
     if tags_agree(tag):
         return True

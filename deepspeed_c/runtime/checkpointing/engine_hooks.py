@@ -26,9 +26,8 @@ def builtin_engine(writer_config: Optional[Any]) -> Any:
 
     if writer_config is None:
         return TorchCheckpointEngine()
-    built = (DecoupledCheckpointEngine if writer_config.decoupled else FastCheckpointEngine)(None, True)
-    built.writer_config = writer_config
-    return built
+    return (DecoupledCheckpointEngine if writer_config.decoupled else FastCheckpointEngine)(None, True,
+                                                                                          writer=writer_config)
 
 
 def native_writer(ckpt_engine: Any) -> tuple[bool, Optional[Any]]:
