@@ -61,3 +61,55 @@ def test_bad_partition_config_names_the_key(spec, words):
     with pytest.raises(ValueError) as info:
         plan(tp_models.make_model("llama"), spec)
     assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_preset_model_plans():
+    """tensor_parallel.preset_model (DeepSpeed's presets, as partition_config rules): LLaMA's preset names the
+    layers the built-in detection finds; phi3's leaves its fused projections to the config-aware split; chatglm's
+    splits its stacked [Q, K, V] and [gate, up] in equal parts; a given partition_config comes first or, with
+    use_default_specs false, alone; an unknown name raises naming the known ones."""
+    from deepspeed_c.runtime.tensor_parallel.presets import resolve
+
+    llama = tp_models.make_model("llama")
+    assert _kinds(llama, resolve("llama", None)) == _kinds(llama)
+    phi3 = tp_models.make_model("phi3")
+    assert _kinds(phi3, resolve("Phi3", None)) == _kinds(phi3)
+
+    class Attn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.query_key_value, self.dense = torch.nn.Linear(8, 24), torch.nn.Linear(8, 8)
+
+    class Mlp(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.dense_h_to_4h, self.dense_4h_to_h = torch.nn.Linear(8, 32), torch.nn.Linear(16, 8)
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.self_attention, self.mlp = Attn(), Mlp()
+
+    glm = torch.nn.Module()
+    glm.layers = torch.nn.ModuleList([Layer()])
+    got = _kinds(glm, resolve("chatglm", None))
+    assert got["layers.0.self_attention.query_key_value"] == ("column", [8, 8, 8])
+    assert got["layers.0.mlp.dense_h_to_4h"] == ("column", [16, 16])
+    assert got["layers.0.self_attention.dense"] == ("row", None) and got["layers.0.mlp.dense_4h_to_h"] == ("row", None)
+    mine = {"layer_specs": [{"patterns": [r".*\.mlp\.down_proj"], "partition_type": "skip"}]}
+    merged = _kinds(llama, resolve("llama", mine))
+    assert "model.layers.0.mlp.down_proj" not in merged and merged["model.layers.0.self_attn.o_proj"][0] == "row"
+    alone = _kinds(llama, resolve("llama", {**mine, "use_default_specs": False}))
+    assert alone == {}
+    with pytest.raises(ValueError, match=r"preset_model='gpt5' is not a preset; known: \['bloom'"):
+        resolve("gpt5", None)
+
+
+def test_preset_model_reaches_autotp_from_the_config():
+    from deepspeed_c.runtime.tensor_parallel.autotp_setup import _requested_size
+    from deepspeed_c.runtime.tensor_parallel.presets import PRESETS
+
+    size, partition = _requested_size({"tensor_parallel": {"autotp_size": 2, "preset_model": "qwen2"}})
+    assert size == 2 and partition["layer_specs"] == PRESETS["qwen2"]
+    with pytest.raises(ValueError, match="preset_model"):
+        _requested_size({"tensor_parallel": {"autotp_size": 2, "preset_model": "nope"}})

@@ -96,7 +96,9 @@ def _requested_size(config: dict) -> tuple[int, Optional[dict]]:
     if recorded is not None and size and recorded != size:
         raise ValueError(f"tensor_parallel.autotp_size={size} in the config conflicts with tp_model_init(tp_size="
                          f"{recorded}); give one size")
-    return (size or recorded or 0), section.get("partition_config")
+    from deepspeed_c.runtime.tensor_parallel.presets import resolve
+
+    return (size or recorded or 0), resolve(section.get("preset_model"), section.get("partition_config"))
 
 
 def _refuse_unsupported(config: dict, size: int) -> None:
