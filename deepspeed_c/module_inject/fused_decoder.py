@@ -82,8 +82,6 @@ class InjectedDecoder(torch.nn.Module):
         self._past = 0
         self._epoch = 0
         self._graphs: dict[int, dict[str, Any]] = {}
-        # MoE bodies answer with the MoE output type: their HF wrappers read .router_logits
-        self._moe_output = isinstance(self.layers[0], FusedMoEDecoderBlock)
 
     # --- HF accessors -----------------------------------------------------------------------
     def get_input_embeddings(self) -> torch.nn.Module:
@@ -201,7 +199,7 @@ class InjectedDecoder(torch.nn.Module):
         else:
             self._epoch += 1  # nothing to continue from
             cache = None
-        if self._moe_output:
+        if isinstance(self.layers[0], FusedMoEDecoderBlock):  # the MoE wrappers read .router_logits
             return MoeModelOutputWithPast(last_hidden_state=hidden, past_key_values=cache, router_logits=None)
         return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden, past_key_values=cache)
 
