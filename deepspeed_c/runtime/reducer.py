@@ -24,6 +24,7 @@ The collective each bucket goes through, and its pre/post factors, are a strateg
 (runtime/reduce_strategy.py): an all-reduce of the whole bucket."""
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -34,6 +35,12 @@ from deepspeed_c.runtime.reduce_strategy import BucketReduce, averaging_factors,
 
 
 FIRST_BUCKET_BYTES = 1 << 20
+_use_count = getattr(torch._C, "_storage_Use_Count", None)  # absent in some torch builds: buckets then reused
+
+
+def _storage_refs(buffer: torch.Tensor) -> int:
+    """How many tensors share the buffer's storage (-1 where this torch cannot say)."""
+    return -1 if _use_count is None else int(_use_count(buffer.untyped_storage()._cdata))
 
 
 def _comm() -> Any:
@@ -88,6 +95,7 @@ class GradientReducer(BackwardRound):
         kinds: dict[tuple[torch.dtype, torch.device], int] = {}
         self._keys = [kinds.setdefault((p.dtype, p.device), len(kinds)) for p in self.params]
         self._handed_out = False  # reduced gradients given to the parameters and not yet released by a step
+        self.fresh_buckets = 0  # buckets given new storage because a gradient of theirs was still held
         self._plan_buckets(None)
         self._launched = 0
         self._works: list[Any] = []
@@ -120,6 +128,7 @@ class GradientReducer(BackwardRound):
         for i, p in enumerate(self.params):
             b, off = layout.bucket_of[i], layout.offset_of[i]
             self._views.append(self.buffers[b][off:off + p.numel()].view(p.shape))
+        self._own_refs = [_storage_refs(buf) for buf in self.buffers]  # the bucket and its views, nothing else
 
     def grads_released(self) -> None:
         """The engine's step cleared the gradients it was handed: the next round may reuse the buckets."""
@@ -139,6 +148,32 @@ class GradientReducer(BackwardRound):
         with torch.no_grad():
             for p, before, now in zip(self.params, old, self._views):
                 if p.grad is before:  # still the parameter's own (accumulating in place): it moves along
+                    now.copy_(before)
+                    p.grad = now
+
+    def _keep_held_buckets(self) -> None:
+        """A reducing backward after a step: a gradient the user kept from the last round (`g = p.grad`, kept
+        across engine.step(), as DeepSpeed leaves it) still views its bucket, so that bucket gets new storage
+        instead of being overwritten under the user. Nothing held: the buckets are reused (no allocation)."""
+        # p.grad was the view object itself: a kept `g = p.grad` shows as a Python reference to it; a kept slice
+        # or reshape of it as one more tensor on the bucket's storage
+        held = {b for b, (buf, own) in enumerate(zip(self.buffers, self._own_refs))
+                if own >= 0 and _storage_refs(buf) > own}
+        bucket_of, views = self.plan.layout.bucket_of, self._views
+        for i in range(len(views)):
+            if sys.getrefcount(views[i]) > 2 and self.params[i].grad is not views[i]:  # 2: the list and the call
+                held.add(bucket_of[i])
+        if not held:
+            return
+        grads = [p.grad for p in self.params]
+        for b in held:
+            self.buffers[b] = torch.zeros_like(self.buffers[b])
+        old = self._views
+        self._make_views()
+        self.fresh_buckets += len(held)
+        with torch.no_grad():
+            for p, g, before, now in zip(self.params, grads, old, self._views):
+                if g is not None and g is before and now.data_ptr() != before.data_ptr():
                     now.copy_(before)
                     p.grad = now
 
@@ -185,6 +220,8 @@ class GradientReducer(BackwardRound):
     def _start_reducing(self) -> None:
         if self._handed_out:
             self._keep_handed_out_grads()
+        elif self.rounds:
+            self._keep_held_buckets()
         self.plan.reset()
         self._launched = 0
         self._works = []

@@ -5,8 +5,9 @@ stages 0, 1 and 2 against single-process PyTorch in float64 that applies SGD to 
 of the two ranks' gradients: weights after 3 steps within 1e-6 norm-wise relative per tensor (a
 factor-2 error is 0.3 or more here). Also at stage 0 configured with the other op and
 `engine.gradient_average` assigned after initialize, as DeepSpeed's tests do (it reads the attribute at
-every reduction); gradients kept from a backward (p.grad = None, no copy) keep their values through the
-next backward, as DeepSpeed's."""
+every reduction); gradients kept from a backward (p.grad = None, no copy), or kept across engine.step()
+(`g = p.grad`, or a slice of it), keep their values through the next backward, as DeepSpeed's; nothing
+held, the buckets are reused."""
 from __future__ import annotations
 
 import pytest
@@ -36,11 +37,20 @@ def body(rank: int, world: int, op: str) -> dict:
             if op == "sum":  # DeepSpeed's test_averaging_sparse_gradients: two backwards, no step between
                 out["kept"] = _two_backwards(engine, rank, world)
             engine.gradient_average = op == "mean"
-        for x, y in make_batches("mlp", STEPS, MICRO * world, seed=5):
+        kept: list = []
+        for i, (x, y) in enumerate(make_batches("mlp", STEPS, MICRO * world, seed=5)):
             sl = slice(MICRO * rank, MICRO * rank + MICRO)
             engine.backward(loss_fn(engine(x[sl].to(engine.device)), y[sl].to(engine.device)))
+            if stage == 0 and i == 0:  # kept across engine.step() (`g = p.grad`, and a slice of one)
+                grads = [p.grad for p in engine.module.parameters()]
+                kept = [(g, g.clone()) for g in grads + [grads[0][1:]]]
+                del grads
             engine.step()
         out[stage] = {n: p.detach().double().cpu().numpy().copy() for n, p in engine.module.named_parameters()}
+        if stage in (0, "assigned"):  # new bucket storage only where a gradient was still held
+            out[f"fresh_{stage}"] = engine.reducer.fresh_buckets
+        if kept:
+            out["kept_across_step"] = all(torch.equal(g, c) for g, c in kept)
     return out
 
 
@@ -83,6 +93,9 @@ def reference(world: int, op: str) -> dict:
 def test_gradient_allreduce_op(op):
     res = run_distributed(body, 2, args=(op,), timeout=180)
     ref = reference(2, op)
+    for r in res:  # DeepSpeed's gradients are separate tensors; ours view buckets the next backward must not reuse
+        assert r["kept_across_step"], "a gradient kept across engine.step() was overwritten by the next backward"
+        assert r["fresh_0"] >= 1 and r["fresh_assigned"] == 0, (r["fresh_0"], r["fresh_assigned"])
     if op == "sum":
         assert all(r["kept"] == {"kept_intact": True, "summed_twice": True} for r in res), [r["kept"] for r in res]
     for stage in (0, 1, 2, "assigned"):

@@ -63,7 +63,8 @@ AUTOGRAD_METHODS = {"forward", "backward", "setup_context", "jvp", "vjp"}
 # a moment was not changed in place), and ProcessGroup's flat all-gather.
 # ProcessGroup options keep the group's timeout only as `_timeout` (the pipeline's receive timeout).
 TORCH_INTERNALS = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_backward_hooks",
-                   "_post_accumulate_grad_hooks", "_version", "_allgather_base", "_timeout"}
+                   "_post_accumulate_grad_hooks", "_version", "_allgather_base", "_timeout",
+                   "_cdata"}  # a storage's handle, what torch._C's own functions (_storage_Use_Count) take
 # Other frameworks' attributes with a leading underscore that are their de facto public protocol:
 FOREIGN_PROTOCOL = {
     # DeepSpeed's engine reads a client optimizer's last gradient norm from `_global_grad_norm`
