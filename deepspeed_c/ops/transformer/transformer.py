@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from deepspeed_c.ops.transformer.mask_cache import ConvertedMask
+from deepspeed_c.ops.transformer.layer_math import transformed_forward
 from deepspeed_c.ops.transformer.transformer_function import (WEIGHT_NAMES, DeepSpeedTransformerFunction,
                                                               LayerSpec)
 
@@ -223,8 +224,11 @@ class DeepSpeedTransformerLayer(nn.Module):
         spec = self._spec(x)
         if grads is not None:
             self._record_grads(grads)
-        out = DeepSpeedTransformerFunction.apply(spec, self._dropout_generator(x.device), x,
-                                                 self._mask(attention_mask, x), *weights)
+        if torch._C._are_functorch_transforms_active():  # torch.func: the same math in torch's own ops
+            out = transformed_forward(spec, x, self._mask(attention_mask, x), weights)
+        else:
+            out = DeepSpeedTransformerFunction.apply(spec, self._dropout_generator(x.device), x,
+                                                     self._mask(attention_mask, x), *weights)
         return (out,) if c.return_tuple else out
 
     def _spec(self, x: torch.Tensor) -> LayerSpec:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from deepspeed_c.ops.transformer import fused_ops as ops
+from deepspeed_c.ops.transformer.layer_math import differentiable_backward
 from deepspeed_c.ops.transformer.mask_cache import ConvertedMask
 from deepspeed_c.ops.transformer.sdpa_core import attention_core
 
@@ -110,9 +111,10 @@ class DeepSpeedTransformerFunction(torch.autograd.Function):
             r2, out, mean2, rstd2 = ops.residual_norm(o, outb, h1, k2, s_hid, nw, nb, spec.eps, want_r=not inv)
 
         keep_x = not (spec.pre_layer_norm and inv)
-        ctx.spec, ctx.shape, ctx.sdpa = spec, (B, S, Hd), sdpa
+        ctx.spec, ctx.shape, ctx.sdpa, ctx.mask = spec, (B, S, Hd), sdpa, mask
+        # x is the input itself (not a view of it): a create_graph backward recomputes the layer from it
         ctx.save_for_backward(
-            x2 if keep_x else None, h0, None if inv else mean0, rstd0, qkv, P,
+            x if keep_x else None, h0, None if inv else mean0, rstd0, qkv, P,
             None if (spec.attn_dropout_checkpoint or k_attn is None) else Pd, k_attn,
             None if sdpa is not None else ctx2,  # SDPA keeps its output: ctx2 is rebuilt from it
             None if inv else r1, h1, None if inv else mean1, rstd1, k1, u, None if spec.gelu_checkpoint else g, k2,
@@ -129,8 +131,14 @@ class DeepSpeedTransformerFunction(torch.autograd.Function):
         nh, d, T = spec.heads, Hd // spec.heads, B * S
         scale = d ** -0.5
         inv = spec.normalize_invertible
-        (x2, h0, mean0, rstd0, qkv, P, Pd, k_attn, ctx2, r1, h1, mean1, rstd1, k1, u, g, k2, out, r2, mean2,
+        (x, h0, mean0, rstd0, qkv, P, Pd, k_attn, ctx2, r1, h1, mean1, rstd1, k1, u, g, k2, out, r2, mean2,
          rstd2) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: gradients that carry their own graph, through torch's ops
+            ctx.sdpa = None
+            grads = differentiable_backward(spec, x, ctx.mask, ctx.weights, (k_attn, k1, k2),
+                                            (ctx.needs_input_grad[2],) + ctx.needs_input_grad[4:], dout)
+            return (None, None, grads[0], None, *grads[1:])
+        x2 = None if x is None else x.reshape(T, Hd)
         qkvw, qkvb, ow, ob, anw, anb, iw, ib, outw, outb, nw, nb = ctx.weights
         dout = dout.reshape(T, Hd).contiguous()
         dnw = dnb = None
