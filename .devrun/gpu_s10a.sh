@@ -4,6 +4,7 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 O=${OUT:-/tmp}
-timeout 400 python3 -m pytest -q -p no:cacheprovider -rs tests/unit/test_transformer_layer_autograd_cuda.py \
-    tests/unit/test_transformer_layer_cuda.py \
-    tests/unit/test_transformer_kernels_cuda.py tests/unit/test_transformer_layer_higher_order.py 2>&1 | tail -25 | tee $O/tests.txt
+timeout 400 python3 -m pytest -q -p no:cacheprovider -rs ${TESTS:-tests/unit/test_transformer_layer_autograd_cuda.py \
+    tests/unit/test_transformer_layer_cuda.py tests/unit/test_transformer_kernels_cuda.py \
+    tests/unit/test_transformer_layer_higher_order.py} > $O/tests.txt 2>&1
+grep -E "^(FAILED|ERROR)|^E  |passed|failed" $O/tests.txt | head -40
