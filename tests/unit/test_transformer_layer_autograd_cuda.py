@@ -1,6 +1,6 @@
 """DeepSpeedTransformerLayer's GPU kernel path (cuDNN/SDPA attention core, stacked QKV gradient kernel, fused
 LayerNorm backward, Philox dropout masks) under the ways users call autograd: autograd.grad on the input and the
-weights equals .backward() bit for bit; backward(inputs=[x]) leaves the weights' .grad untouched; two accumulated
+weights equals .backward() bit for bit; two backwards through one retained graph add up; backward(inputs=[x]) leaves the weights' .grad untouched; two accumulated
 backwards equal the sum of their gradients; a create_graph penalty and torch.func.grad match the plain-torch
 layer of tests/unit/test_transformer_layer_higher_order.py (fp32 on the GPU, relative 1e-4: TF32 off); with
 hidden dropout a create_graph backward replays the forward's masks. Skipped without a CUDA GPU."""
@@ -72,6 +72,16 @@ def test_kernel_path_autograd_grad_inputs_and_accumulation(pre_ln):
     _loss(layer(x, mask)).backward(inputs=[x])
     assert torch.equal(x.grad, ref[0]) and all(w.grad is None for w in weights)
 
+    # two losses of one forward, the graph retained between them (the node's attention state must survive)
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+    out = layer(x, mask)
+    _loss(out).backward(retain_graph=True)
+    assert torch.equal(x.grad, ref[0]), "the first of two retained backwards differs from a plain backward"
+    out.float().sum().backward()
+    once = torch.autograd.grad(_loss(layer(x, mask)) + layer(x, mask).float().sum(), [x])[0]
+    assert _rel(x.grad, once) < 1e-2, ("retained backwards", _rel(x.grad, once))
+
     x2, _ = _inputs(torch.bfloat16, seed=5)
     x2.requires_grad_(True)
     layer.zero_grad(set_to_none=True)
@@ -91,7 +101,7 @@ def test_kernel_path_create_graph_and_torch_func(pre_ln):
     params = dict(layer.named_parameters())
     ref_params = {n: p.detach().clone().requires_grad_(True) for n, p in params.items()}
     results = []
-    for fwd, ps in ((lambda t: layer(t, mask), params), (lambda t: _reference(ref_params, t, mask, pre_ln),
+    for fwd, ps in ((lambda t: layer(t, mask), params), (lambda t: _reference(ref_params, t, mask, pre_ln, HEADS),
                                                           ref_params)):
         x = x0.clone().requires_grad_(True)
         loss = _loss(fwd(x))
@@ -103,7 +113,7 @@ def test_kernel_path_create_graph_and_torch_func(pre_ln):
 
     plain = {n: p.detach() for n, p in params.items()}
     got = torch.func.grad(lambda p: _loss(torch.func.functional_call(layer, p, (x0, mask))))(plain)
-    want = torch.func.grad(lambda p: _loss(_reference(p, x0, mask, pre_ln)))(plain)
+    want = torch.func.grad(lambda p: _loss(_reference(p, x0, mask, pre_ln, HEADS)))(plain)
     for n in plain:
         assert _rel(got[n], want[n]) < 1e-4, (n, _rel(got[n], want[n]))
 

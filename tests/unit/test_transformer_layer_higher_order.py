@@ -29,14 +29,16 @@ def _layer(pre_ln: bool, hidden_dropout: float = 0.0, invertible: bool = False) 
     return layer
 
 
-def _reference(p: dict, x: torch.Tensor, mask: torch.Tensor, pre_ln: bool) -> torch.Tensor:
+def _reference(p: dict, x: torch.Tensor, mask: torch.Tensor, pre_ln: bool, heads: int = HEADS) -> torch.Tensor:
+    hidden, seq = x.shape[-1], x.shape[1]
+
     def ln(t, w, b):
-        return F.layer_norm(t, (H,), w, b, EPS)
+        return F.layer_norm(t, (hidden,), w, b, EPS)
 
     def attention(t):
-        q, k, v = F.linear(t, p["attn_qkvw"], p["attn_qkvb"]).view(t.shape[0], S, 3, HEADS, H // HEADS).unbind(2)
+        q, k, v = F.linear(t, p["attn_qkvw"], p["attn_qkvb"]).view(t.shape[0], seq, 3, heads, -1).unbind(2)
         q, k, v = (u.transpose(1, 2) for u in (q, k, v))
-        probs = torch.softmax(q @ k.transpose(-1, -2) / (H // HEADS) ** 0.5 + mask, dim=-1)
+        probs = torch.softmax(q @ k.transpose(-1, -2) / (hidden // heads) ** 0.5 + mask, dim=-1)
         return F.linear((probs @ v).transpose(1, 2).reshape(t.shape), p["attn_ow"], p["attn_ob"])
 
     def ffn(t):

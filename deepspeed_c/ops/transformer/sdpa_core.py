@@ -9,8 +9,9 @@ Two forms with the same contract (`.out`, `.backward(dctx) -> (dq, dk, dv)`):
                BERT-Large step at batch 64 x seq 128 is bound by the host)
   _SDPAGraph   torch's public SDPA under autograd, asked for dq, dk, dv in our backward: any backend, any torch
 
-_CudnnCore is taken where the ops exist with the argument names below and a mask is given (its backward takes the
-bias as a tensor); anything else, or DSC_TRANSFORMER_CUDNN_SDPA=0, takes _SDPAGraph, and a shape cuDNN refuses
+_CudnnCore is taken where the ops exist with the argument names below, a mask is given (its backward takes the
+bias as a tensor) and the activations are fp16 or bf16 (for float32 the op returns NaN on an H200 instead of
+refusing); anything else, or DSC_TRANSFORMER_CUDNN_SDPA=0, takes _SDPAGraph, and a shape cuDNN refuses
 once (device, dtype, lengths, head size, mask rows) takes _SDPAGraph for the rest of the process."""
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ def _schema_matches() -> bool:
 _ENABLED = os.environ.get("DSC_TRANSFORMER_CUDNN_SDPA", "1") != "0" and _schema_matches()
 _REFUSED: set[tuple] = set()  # (device, dtype, lengths, head size, mask rows) cuDNN refused once
 _LOCK = threading.Lock()
+_CUDNN_DTYPES = (torch.float16, torch.bfloat16)
 
 
 class _SDPAGraph:
@@ -49,8 +51,8 @@ class _SDPAGraph:
             self.inputs = [t.detach().requires_grad_(track) for t in (q, k, v)]
             self.out = F.scaled_dot_product_attention(*self.inputs, attn_mask=mask, dropout_p=p, scale=scale)
 
-    def backward(self, dctx):
-        return torch.autograd.grad(self.out, self.inputs, dctx)
+    def backward(self, dctx, retain_graph: bool = False):
+        return torch.autograd.grad(self.out, self.inputs, dctx, retain_graph=retain_graph)
 
 
 class _CudnnCore:
@@ -62,7 +64,7 @@ class _CudnnCore:
          _) = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, mask, True, p, False, False, scale=scale)
         self._q, self._k, self._v, self._mask, self._p, self._scale = q, k, v, mask, p, scale
 
-    def backward(self, dctx):
+    def backward(self, dctx, retain_graph: bool = False):  # the saved state stays usable: nothing to retain
         return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             dctx, self._q, self._k, self._v, self.out, self._lse, self._seed, self._offset, self._mask,
             self._cum_q, self._cum_k, self._max_q, self._max_k, self._p, False, scale=self._scale)
@@ -70,7 +72,7 @@ class _CudnnCore:
 
 def attention_core(q, k, v, mask, p: float, scale: float, track: bool):
     """The core for one forward: _CudnnCore when it applies (see the module's doc), else _SDPAGraph."""
-    if not (_ENABLED and track and mask is not None and q.is_cuda):
+    if not (_ENABLED and track and mask is not None and q.is_cuda and q.dtype in _CUDNN_DTYPES):
         return _SDPAGraph(q, k, v, mask, p, scale, track)
     key = (q.device.index, q.dtype, q.shape[-2], k.shape[-2], q.shape[-1], mask.shape[-2])
     if key in _REFUSED:

@@ -57,6 +57,13 @@ def _dropped_probs(P: torch.Tensor, keep: torch.Tensor | None, p: float) -> torc
 
 
 _SDPA_MASK = ConvertedMask()
+_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+
+
+def _keeps_graph() -> bool:
+    """This backward retains the graph (retain_graph / create_graph): another backward may come through the node.
+    A torch that cannot say is taken as retaining (the attention state then lives as long as the graph)."""
+    return True if _keep_graph is None else bool(_keep_graph())
 
 
 def _sdpa_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -134,7 +141,6 @@ class DeepSpeedTransformerFunction(torch.autograd.Function):
         (x, h0, mean0, rstd0, qkv, P, Pd, k_attn, ctx2, r1, h1, mean1, rstd1, k1, u, g, k2, out, r2, mean2,
          rstd2) = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: gradients that carry their own graph, through torch's ops
-            ctx.sdpa = None
             grads = differentiable_backward(spec, x, ctx.mask, ctx.weights, (k_attn, k1, k2),
                                             (ctx.needs_input_grad[2],) + ctx.needs_input_grad[4:], dout)
             return (None, None, grads[0], None, *grads[1:])
@@ -163,7 +169,9 @@ class DeepSpeedTransformerFunction(torch.autograd.Function):
                                                      dout if spec.pre_layer_norm else None, k1, s_hid,
                                                      want_bias=True)
         sdpa = ctx.sdpa
-        ctx.sdpa = None
+        retained = _keeps_graph()
+        if not retained:  # its output and log-sum-exp go now, as saved tensors do, not when the graph is dropped
+            ctx.sdpa = None
         if sdpa is not None:
             ctx2 = sdpa.out.detach().transpose(1, 2).reshape(T, Hd)
         dow = da.t().mm(ctx2)
@@ -171,7 +179,7 @@ class DeepSpeedTransformerFunction(torch.autograd.Function):
 
         dqkvb = None
         if sdpa is not None:  # [B, nh, S, d] each -> [B, S, 3, nh, d], with the bias gradient, in one kernel
-            grads = [t.transpose(1, 2) for t in sdpa.backward(dctx)]
+            grads = [t.transpose(1, 2) for t in sdpa.backward(dctx, retain_graph=retained)]
             if all(t.is_contiguous() for t in grads):
                 dqkv, dqkvb = ops.stack_qkv_grad(*(t.view(T, Hd) for t in grads))
             else:
