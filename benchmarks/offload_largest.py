@@ -1,7 +1,9 @@
 """The seeds' one-GPU records with CPU offload, ours (deepspeed_c) against the real DeepSpeed 0.19.8 on the
 identical JSON: a GPT of a given size trained on one GPU with ZeRO-Offload (`--mode zero2`: stage 2 +
-offload_optimizer cpu) or ZeRO-3 offload (`--mode zero3`: stage 3 + offload_param and offload_optimizer cpu),
-bf16, AdamW (each system's CPU Adam), gradient clipping 1.0, micro-batch --micro x --seq random tokens.
+offload_optimizer cpu), ZeRO-3 offload (`--mode zero3`: stage 3 + offload_param and offload_optimizer cpu) or
+ZeRO-Infinity (`--mode zero3nvme`: both offloaded to NVMe swap files under --nvme_path/<system>, every parameter
+on the disk (max_in_cpu 0), swap buffers as large as the largest weight, the `aio` section from --aio; the folder
+is emptied after each run), bf16, AdamW (each system's CPU Adam), gradient clipping 1.0, micro-batch --micro x --seq random tokens.
 
 1. Correctness first (`--check`, one process, both systems): a small GPT built once, each engine given a deep copy
    of the same weights and the same batches (two, alternating, lr 1e-3); their losses over --check_steps steps must
@@ -38,6 +40,7 @@ import copy
 import json
 import os
 import resource
+import shutil
 import signal
 import statistics
 import subprocess
@@ -86,20 +89,33 @@ def meminfo() -> dict[str, float]:
     return out
 
 
-def config(args: argparse.Namespace, mode: str, cuda: bool) -> dict:
-    offload = {"device": "cpu", "pin_memory": cuda}
+MODES = ("zero2", "zero3", "zero3nvme")
+
+
+def swap_dir(args: argparse.Namespace, impl: str) -> str:
+    return os.path.join(args.nvme_path, impl)
+
+
+def config(args: argparse.Namespace, mode: str, cuda: bool, impl: str = "dsc") -> dict:
+    offload: dict[str, Any] = {"device": "cpu", "pin_memory": cuda}
+    if mode == "zero3nvme":
+        offload = {"device": "nvme", "pin_memory": cuda, "nvme_path": swap_dir(args, impl)}
     zero: dict[str, Any] = {"stage": 2 if mode == "zero2" else 3, "offload_optimizer": dict(offload)}
     if mode == "zero2":
         zero.update(reduce_bucket_size=int(args.bucket), allgather_bucket_size=int(args.bucket), overlap_comm=True,
                     contiguous_gradients=True)
     else:
         zero["offload_param"] = dict(offload)
+    if mode == "zero3nvme":  # every parameter on the disk; a swap buffer holds the largest weight (the embedding)
+        zero["offload_param"].update(max_in_cpu=0, buffer_size=max(int(1e8), args.vocab * args.n_embd))
     cfg = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
            "steps_per_print": 10**9, "wall_clock_breakdown": False,
            "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.01}},
            "zero_optimization": zero}
     if cuda:
         cfg["bf16"] = {"enabled": True}
+    if mode == "zero3nvme":
+        cfg["aio"] = json.loads(args.aio)
     return cfg
 
 
@@ -181,7 +197,7 @@ def check_child(args: argparse.Namespace) -> None:
         for impl in impls:
             model = copy.deepcopy(base)
             engine, *_ = libs[impl].initialize(model=model, model_parameters=model.parameters(),
-                                               config=config(args, mode, cuda))
+                                               config=config(args, mode, cuda, impl))
             losses[impl] = [train_step(engine, x, y) for x, y in data]
             if hasattr(engine, "destroy"):
                 engine.destroy()
@@ -222,7 +238,7 @@ def run_child(args: argparse.Namespace) -> None:
         avail_min[0] = min(avail_min[0], meminfo().get("MemAvailable", avail0))
         return avail_min[0]
 
-    cfg = config(args, args.mode, cuda)
+    cfg = config(args, args.mode, cuda, args.impl)
     mcfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_head=args.n_head,
                      n_embd=args.n_embd)
     say(f"{NAMES[args.impl]} {getattr(lib, '__version__', '?')}: building the model ({args.mode}, "
@@ -297,7 +313,7 @@ def spawn(args: argparse.Namespace, extra: list[str], limit: float, log: str) ->
     lines, keeps the rest in `log`. Returns (its RESULT, its CHECK lines, why it failed)."""
     cmd = [sys.executable, "-u", os.path.abspath(__file__), *extra, "--vocab", str(args.vocab), "--seq",
            str(args.seq), "--micro", str(args.micro), "--bucket", str(args.bucket), "--port", str(args.port),
-           "--t0", repr(args.t0), "--lr", repr(args.lr)]
+           "--t0", repr(args.t0), "--lr", repr(args.lr), "--nvme_path", args.nvme_path, "--aio", args.aio]
     if args.tiny:
         cmd.append("--tiny")
     result, checks, tail = None, [], []
@@ -331,6 +347,8 @@ def spawn(args: argparse.Namespace, extra: list[str], limit: float, log: str) ->
         finally:
             timer.cancel()
             _CHILD.remove(proc)
+            for impl in NAMES:  # the swap files of a zero3nvme run (tens of GB): only the folders this script made
+                shutil.rmtree(swap_dir(args, impl), ignore_errors=True)
     why = ""
     if killed.is_set():
         why = f"killed at its limit ({limit:.0f}s)"
@@ -385,7 +403,12 @@ def main() -> None:
     ap.add_argument("--size", default="", help=f"one of {', '.join(SIZES)} (n_embd, n_layer, n_head); '' with "
                                                 "--check: the correctness check alone")
     ap.add_argument("--mode", default="zero2", help="zero2 (stage 2 + offload_optimizer cpu), zero3 (stage 3 + "
-                                                    "offload_param and offload_optimizer cpu); a comma list")
+                                                    "offload_param and offload_optimizer cpu), zero3nvme (both on "
+                                                    "NVMe); a comma list")
+    ap.add_argument("--nvme_path", default="/tmp/offload_largest_swap", help="zero3nvme: its dsc/ and ds/ "
+                    "subfolders hold the swap files (made by each run and removed after it; they must not exist)")
+    ap.add_argument("--aio", default='{"block_size": 1048576, "queue_depth": 32, "intra_op_parallelism": 8}',
+                    help="zero3nvme: the aio section")
     ap.add_argument("--impls", default="dsc,ds", help="dsc (deepspeed_c), ds (the real DeepSpeed), run in this order")
     ap.add_argument("--check", action="store_true", help="correctness first, on the small GPT (tiny with --tiny)")
     ap.add_argument("--check_steps", type=int, default=4)
@@ -437,8 +460,13 @@ def main() -> None:
         if i not in NAMES:
             sys.exit(f"--impls: unknown {i!r} (dsc, ds)")
     for m in args.mode.split(","):
-        if m not in ("zero2", "zero3"):
-            sys.exit(f"--mode: unknown {m!r} (zero2, zero3)")
+        if m not in MODES:
+            sys.exit(f"--mode: unknown {m!r} ({', '.join(MODES)})")
+    if "zero3nvme" in args.mode.split(","):
+        taken = [swap_dir(args, i) for i in NAMES if os.path.exists(swap_dir(args, i))]
+        if taken:
+            sys.exit(f"--nvme_path: {', '.join(taken)} exist; this script removes its swap folders after each run, so "
+                     "it will not use folders it did not make")
     if args.size and args.size not in SIZES:
         sys.exit(f"--size: unknown {args.size!r} ({', '.join(SIZES)})")
     if args.check:
