@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_c.compression.basic_layer import LinearLayer_Compress
+from deepspeed_c.module_inject.layers import TPCopy, TPGatherLast, TPReduce, TPSplitLast
+from deepspeed_c.runtime.autograd_paths import transforms_active
 
 
 def _world(group: Any) -> int:
@@ -27,6 +29,8 @@ class _CopyToRegion(torch.autograd.Function):  # identity forward, all-reduce of
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         if _world(ctx.group) > 1:
+            if torch.is_grad_enabled():  # create_graph: the all-reduce stays in the graph (its adjoint: a copy)
+                return TPReduce.apply(ctx.group, grad), None
             grad = grad.contiguous()
             dist.all_reduce(grad, group=ctx.group)
         return grad, None
@@ -36,6 +40,7 @@ class _ReduceFromRegion(torch.autograd.Function):  # all-reduce forward, identit
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
         if _world(group) > 1:
             x = x.contiguous()
             dist.all_reduce(x, group=group)
@@ -43,6 +48,8 @@ class _ReduceFromRegion(torch.autograd.Function):  # all-reduce forward, identit
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        if torch.is_grad_enabled() and _world(ctx.group) > 1:  # create_graph: a copy whose adjoint all-reduces
+            return TPCopy.apply(ctx.group, grad), None
         return grad, None
 
 
@@ -74,6 +81,8 @@ class _Scatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        if torch.is_grad_enabled() and _world(ctx.group) > 1:  # create_graph: the gather stays in the graph
+            return TPGatherLast.apply(ctx.group, grad), None
         return _gather_last(grad, ctx.group), None
 
 
@@ -86,7 +95,17 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        if torch.is_grad_enabled() and _world(ctx.group) > 1:  # create_graph: the split stays in the graph
+            return TPSplitLast.apply(ctx.group, grad), None
         return _split_last(grad, ctx.group), None
+
+
+def _region(fast: type, twin: type, x: torch.Tensor, group: Any) -> torch.Tensor:
+    """`fast` (the Functions above); under a torch.func transform its differentiable twin, which has a vmap
+    rule (module_inject/layers.py), or nothing on a group of one rank."""
+    if not transforms_active():
+        return fast.apply(x, group)
+    return twin.apply(group, x) if _world(group) > 1 else x
 
 
 class ColumnParallelLinear_Compress(LinearLayer_Compress):
@@ -106,12 +125,12 @@ class ColumnParallelLinear_Compress(LinearLayer_Compress):
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:  # type: ignore[override]
         group = self.mpu.get_model_parallel_group()
-        x = _CopyToRegion.apply(input_, group)
+        x = _region(_CopyToRegion, TPCopy, input_, group)
         if self.skip_bias_add:
             out, bias = super().forward(x, True)
         else:
             out, bias = super().forward(x), None
-        return (_Gather.apply(out, group) if self.gather_output else out), bias
+        return (_region(_Gather, TPGatherLast, out, group) if self.gather_output else out), bias
 
 
 class RowParallelLinear_Compress(LinearLayer_Compress):
@@ -130,9 +149,9 @@ class RowParallelLinear_Compress(LinearLayer_Compress):
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:  # type: ignore[override]
         group = self.mpu.get_model_parallel_group()
-        x = input_ if self.input_is_parallel else _Scatter.apply(input_, group)
+        x = input_ if self.input_is_parallel else _region(_Scatter, TPSplitLast, input_, group)
         out, bias = super().forward(x, True)
-        out = _ReduceFromRegion.apply(out, group)
+        out = _region(_ReduceFromRegion, TPReduce, out, group)
         if self.skip_bias_add:
             return out, bias
         return (out + bias if bias is not None else out), None

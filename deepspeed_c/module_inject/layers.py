@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from deepspeed_c import comm as dist
+from deepspeed_c.runtime.autograd_paths import transforms_active
 from deepspeed_c.runtime.tensor_parallel.mode import (get_auto_tp_mode, is_autotp_training_mode,  # noqa: F401
                                                       set_autotp_mode)
 
@@ -32,6 +33,8 @@ class ColumnParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple:  # type: ignore[override]
+        if torch.is_grad_enabled():  # create_graph: the all-reduce must stay differentiable (its adjoint is a copy)
+            return None, TPReduce.apply(ctx.group, grad)
         grad = grad.contiguous()  # all_reduce works in place: never on autograd's buffer seen elsewhere
         out = grad.clone()
         dist.all_reduce(out, group=ctx.group)
@@ -43,13 +46,118 @@ class RowParallel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, group: Any, x: Tensor, is_inference_mode: bool = False) -> Tensor:  # type: ignore[override]
+        ctx.group = group
         out = x.contiguous().clone()
         dist.all_reduce(out, group=group)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple:  # type: ignore[override]
+        if torch.is_grad_enabled():  # create_graph: the gradient of this copy of a replicated grad is all-reduced
+            return None, TPCopy.apply(ctx.group, grad), None
         return None, grad, None
+
+
+# -- the same collectives at every order of differentiation and under torch.func -----------------------
+# Each is the adjoint of its partner (copy <-> all-reduce, gather <-> split), and each backward applies the
+# partner, so a create_graph backward gets a differentiable gradient with the cross-rank terms of its second
+# derivative. They define setup_context and a vmap rule (the collective of a batched tensor is the collective
+# of its physical tensor, the batch dimension kept where it is: equal on every rank, as the model runs
+# replicated), which the fast Functions above leave out to keep torch's cheaper apply.
+
+
+class TPCopy(torch.autograd.Function):
+    """Identity forward (a replicated input entering sharded compute); backward all-reduces (TPReduce)."""
+
+    @staticmethod
+    def forward(group: Any, x: Tensor) -> Tensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        ctx.group = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple:  # type: ignore[override]
+        return None, TPReduce.apply(ctx.group, grad)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, group: Any, x: Tensor) -> tuple:
+        return TPCopy.apply(group, x), in_dims[1]
+
+
+class TPReduce(torch.autograd.Function):
+    """All-reduce (sum) forward of partial results; backward is a copy (TPCopy)."""
+
+    @staticmethod
+    def forward(group: Any, x: Tensor) -> Tensor:  # type: ignore[override]
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        ctx.group = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple:  # type: ignore[override]
+        return None, TPCopy.apply(ctx.group, grad)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, group: Any, x: Tensor) -> tuple:
+        return TPReduce.apply(group, x), in_dims[1]
+
+
+def _batch_first(x: Tensor, bdim: Optional[int]) -> tuple[Tensor, Optional[int]]:
+    # a batch dimension moved to the front leaves the logical last dimension last
+    return (x, None) if bdim is None else (x.movedim(bdim, 0), 0)
+
+
+class TPGatherLast(torch.autograd.Function):
+    """All-gather of the ranks' shards along the last dimension; backward keeps this rank's slice (TPSplitLast)."""
+
+    @staticmethod
+    def forward(group: Any, x: Tensor) -> Tensor:  # type: ignore[override]
+        return gather_full(x, x.dim() - 1, group)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        ctx.group = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple:  # type: ignore[override]
+        return None, TPSplitLast.apply(ctx.group, grad)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, group: Any, x: Tensor) -> tuple:
+        x, bdim = _batch_first(x, in_dims[1])
+        return TPGatherLast.apply(group, x), bdim
+
+
+class TPSplitLast(torch.autograd.Function):
+    """This rank's slice along the last dimension of a replicated tensor; backward all-gathers (TPGatherLast)."""
+
+    @staticmethod
+    def forward(group: Any, x: Tensor) -> Tensor:  # type: ignore[override]
+        world = dist.get_world_size(group)
+        if x.shape[-1] % world:
+            raise ValueError(f"tensor parallel: the last dimension {x.shape[-1]} of a tensor of shape "
+                             f"{tuple(x.shape)} does not split over the group's {world} ranks")
+        n = x.shape[-1] // world
+        return x.narrow(-1, dist.get_rank(group) * n, n).contiguous()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        ctx.group = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple:  # type: ignore[override]
+        return None, TPGatherLast.apply(ctx.group, grad)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, group: Any, x: Tensor) -> tuple:
+        x, bdim = _batch_first(x, in_dims[1])
+        return TPSplitLast.apply(group, x), bdim
 
 
 def _split(tensor: Tensor, dim: int, world: int, rank: int, what: str) -> Tensor:
@@ -182,11 +290,13 @@ class LinearLayer(TensorParallel_Layer):
         return torch.cat([torch.cat([by_part[r][i] for r in range(world)], dim=0) for i in range(len(local))], dim=0)
 
     def forward(self, input: Tensor) -> Tensor:
+        # under a torch.func transform the differentiable twins run: the fast Functions have no vmap rule
+        plain = transforms_active()
         if self.mp_group is not None and self.tp_world_size > 1:
-            input = ColumnParallel.apply(self.mp_group, input)
+            input = (TPCopy if plain else ColumnParallel).apply(self.mp_group, input)
         out = torch.nn.functional.linear(input, self.weight, self.bias)
         if self.gather_output and self.tp_world_size > 1:
-            out = _GatherLastDim.apply(self.mp_group, out)
+            out = (TPGatherLast if plain else _GatherLastDim).apply(self.mp_group, out)
         return out
 
 
@@ -205,7 +315,8 @@ class LinearAllreduce(TensorParallel_Layer):
     def forward(self, input: Tensor) -> Tensor:
         out = torch.matmul(input, self.weight.t())
         if self.mp_group is not None and self.tp_world_size > 1:
-            out = RowParallel.apply(self.mp_group, out, not self.training)
+            out = TPReduce.apply(self.mp_group, out) if transforms_active() else \
+                RowParallel.apply(self.mp_group, out, not self.training)
         return out + self.bias if self.bias is not None else out
 
 
@@ -219,5 +330,7 @@ class _GatherLastDim(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple:  # type: ignore[override]
+        if torch.is_grad_enabled():  # create_graph: the slice's adjoint (an all-gather) must stay in the graph
+            return None, TPSplitLast.apply(ctx.group, grad)
         rank = dist.get_rank(ctx.group)
         return None, grad.narrow(-1, rank * ctx.n, ctx.n).contiguous()

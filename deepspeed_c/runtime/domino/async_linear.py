@@ -15,6 +15,8 @@ from torch.nn.parameter import Parameter
 
 from deepspeed_c import comm as dist
 from deepspeed_c.accelerator import get_accelerator
+from deepspeed_c.module_inject.layers import TPCopy, TPReduce
+from deepspeed_c.runtime.autograd_paths import transforms_active
 from deepspeed_c.runtime.domino.handles import file_handle
 
 __all__ = ["DominoAsyncColumnParallelLinearImpl", "DominoAsyncColumnParallelLinear", "RowParallelLinearNoComm"]
@@ -44,11 +46,28 @@ class DominoAsyncColumnParallelLinearImpl(torch.autograd.Function):
         inp, weight = ctx.saved_tensors
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_input = grad_weight = grad_bias = None
+        # create_graph (grad mode on here): the products below are recorded as they run; the input gradient's
+        # all-reduce must be too, so it is the synchronous differentiable one and nothing is filed for the wait
+        create_graph = torch.is_grad_enabled()
+        if create_graph:
+            # the graph built here reads the saved input: a later backward through this node (the penalty's)
+            # sends a second gradient to that input, which autograd adds to this node's as soon as both exist,
+            # before the wait node runs; so from now on its all-reduce completes before it is returned
+            ctx.synchronous = True
+        tp = _world(ctx.group) > 1
         if need_input:
             grad_input = torch.matmul(grad_output, weight)
-            if _world(ctx.group) > 1:
+            if tp and create_graph:
+                grad_input = TPReduce.apply(ctx.group, grad_input)
+            elif tp and getattr(ctx, "synchronous", False):
+                dist.all_reduce(grad_input, group=ctx.group)
+            elif tp:
                 # in flight while the weight-gradient GEMM below runs; waited by _Wait_bwd_comm's backward
                 file_handle(ctx.handle_dic, ctx.h_id, dist.all_reduce(grad_input, group=ctx.group, async_op=True))
+        if tp and create_graph:
+            # the input is replicated and feeds this rank's shard: what reaches it through the weight gradient is
+            # summed over the group too (the copy's adjoint), as autograd would for copy-then-linear
+            inp = TPCopy.apply(ctx.group, inp)
         out_features = grad_output.shape[-1]
         flat_grad = grad_output.reshape(-1, out_features)
         if need_weight:
@@ -90,6 +109,9 @@ class DominoAsyncColumnParallelLinear(torch.nn.Module):
 
     def forward(self, input_: torch.Tensor, handle_dic: dict, h_id: Any) -> tuple:
         bias = None if self.skip_bias_add else self.bias
+        if transforms_active():  # torch.func: the same math in differentiable pieces (no async handle to file)
+            x = TPCopy.apply(self.tp_group, input_) if _world(self.tp_group) > 1 else input_
+            return F.linear(x, self.weight, bias), (self.bias if self.skip_bias_add else None)
         output = DominoAsyncColumnParallelLinearImpl.apply(input_, self.weight, bias, handle_dic, h_id, self.tp_group)
         return output, (self.bias if self.skip_bias_add else None)
 

@@ -14,6 +14,8 @@ from typing import Any, Optional
 
 import torch
 
+from deepspeed_c.runtime.autograd_paths import transforms_active
+
 __all__ = ["DominoUtil", "NoOper", "_Wait_bwd_comm", "file_handle", "wait_handles"]
 
 
@@ -65,5 +67,8 @@ class NoOper(torch.autograd.Function):
 
 
 def _Wait_bwd_comm(input_: torch.Tensor, dic_: dict, h_id: Any) -> torch.Tensor:
-    """`input_`, whose gradient is waited for (the filed all-reduces of half `h_id`) before autograd uses it."""
+    """`input_`, whose gradient is waited for (the filed all-reduces of half `h_id`) before autograd uses it.
+    Under a torch.func transform nothing is filed (the linear runs its differentiable form): `input_` itself."""
+    if transforms_active():
+        return input_
     return NoOper.apply(input_, dic_, h_id)
