@@ -8,7 +8,11 @@ follows the same algorithm. `kernel` picks the kernels: "auto" (tensor cores on 
 else CUDA cores), "tc" (mma.sync tensor-core tiles, sm_80+) or "simt" (CUDA cores; built for GPUs before
 sm_80 only). The forward and the backward (dQ by query rows, dK/dV and the mask bias's gradient by key rows;
 on tensor cores the pair bias's gradient by (query, key) blocks summed over the stack in registers) have
-each form. The DSC_EVO_KERNEL environment variable sets its initial value."""
+each form. The DSC_EVO_KERNEL environment variable sets its initial value.
+
+The kernels' backward (and the chunked torch one) are first-order only: a create_graph backward recomputes the
+attention in plain torch ops (`attention`) from the saved inputs and differentiates that, keeping the
+second-order terms; under a torch.func transform the whole call is that plain composition."""
 from __future__ import annotations
 
 import math
@@ -20,6 +24,7 @@ from typing import Sequence
 import torch
 
 from deepspeed_c.ops.deepspeed4science import evoformer_reference as ref
+from deepspeed_c.runtime.autograd_paths import transforms_active
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -68,6 +73,36 @@ def _use_kernel(q: torch.Tensor) -> bool:
     return True
 
 
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias1: torch.Tensor | None = None,
+              bias2: torch.Tensor | None = None) -> torch.Tensor:
+    """The same attention in plain torch ops (L x L scores materialised), differentiable at every order and under
+    torch.func; math in float32 for half inputs, as the other paths. A row whose every score is -inf gets 0."""
+    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+
+    def heads(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dt).permute(0, 1, 3, 2, 4)  # [B, N, H, L, D]
+
+    s = torch.matmul(heads(q) * (1.0 / math.sqrt(q.shape[-1])), heads(k).transpose(-1, -2))
+    if bias1 is not None:
+        s = s + bias1.to(dt)
+    if bias2 is not None:
+        s = s + bias2.to(dt)
+    empty = torch.isneginf(s).all(dim=-1, keepdim=True)
+    p = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    return torch.matmul(p, heads(v)).permute(0, 1, 3, 2, 4).to(q.dtype)
+
+
+def _double_backward(ctx, d_o: torch.Tensor, saved: tuple) -> tuple:
+    """create_graph: the gradients of the plain composition, recorded, so their own gradients exist."""
+    wanted = [i for i, t in enumerate(saved) if t is not None and ctx.needs_input_grad[i]]
+    o = attention(*saved)
+    found = torch.autograd.grad(o, [saved[i] for i in wanted], d_o, create_graph=True, allow_unused=True)
+    grads: list = [None] * 5
+    for i, g in zip(wanted, found):
+        grads[i] = g
+    return tuple(grads)
+
+
 class EvoformerFusedAttention(torch.autograd.Function):
     """o = softmax(q k^T / sqrt(D) + bias1 + bias2) v over [*, L, H, D]; gradients for q, k, v and
     each bias that requires one."""
@@ -94,6 +129,8 @@ class EvoformerFusedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_o):
         q, k, v, o, lse, bias1, bias2 = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            return _double_backward(ctx, d_o, (q, k, v, bias1, bias2))
         want1 = bias1 is not None and ctx.needs_input_grad[3]
         want2 = bias2 is not None and ctx.needs_input_grad[4]
         d_o = d_o.contiguous()
@@ -164,4 +201,11 @@ def DS4Sci_EvoformerAttention(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor,
     padded = list(biases) + [None] * (2 - len(biases))
     bias1 = _check_bias(padded[0], 0, (B, N, 1, 1, L), Q)
     bias2 = _check_bias(padded[1], 1, (B, 1, H, L, L), Q)
+    if transforms_active():  # torch.func: the plain composition (a custom Function would need a vmap rule)
+        return attention(Q, K, V, bias1, bias2)
+    # made contiguous here, where autograd records the copy, so the Function saves the caller's tensors with their
+    # history (a create_graph backward differentiates through them)
+    Q, K, V = Q.contiguous(), K.contiguous(), V.contiguous()
+    bias1 = None if bias1 is None else bias1.contiguous()
+    bias2 = None if bias2 is None else bias2.contiguous()
     return EvoformerFusedAttention.apply(Q, K, V, bias1, bias2)

@@ -1,5 +1,9 @@
 """The CUDA path of SparseSelfAttention: the layout's block tables and the autograd Function over
-the fused kernels of op `sparse_attn` (csrc/cuda/sparse_attn*.cu)."""
+the fused kernels of op `sparse_attn` (csrc/cuda/sparse_attn*.cu).
+
+The kernels' backward is first-order only: a create_graph backward recomputes the attention through the plain
+torch composition (reference.dense_sparse_attention, over the layout the tables keep) and differentiates that;
+under a torch.func transform the call is that composition."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,6 +11,9 @@ from types import ModuleType
 
 import torch
 
+from deepspeed_c.runtime.autograd_paths import transforms_active
+
+from .reference import dense_sparse_attention
 from .work_plan import DEFAULT_FACTOR, WorkPlan, balance_enabled
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -37,6 +44,7 @@ class BlockTables:
     nnz: int
     row_plan: WorkPlan | None = None
     col_plan: WorkPlan | None = None
+    layout: torch.Tensor | None = None  # the bool [H, nb, nb] layout on the host, for the plain composition
 
     @staticmethod
     def from_layout(layout: torch.Tensor, device: torch.device, balance: bool | None = None,
@@ -61,7 +69,7 @@ class BlockTables:
             row_plan = WorkPlan.build(row_ptr, factor, part).to(device)
             col_plan = WorkPlan.build(col_ptr, factor, part).to(device)
         i32 = [t.to(device, torch.int32) for t in (row_ptr, cols, col_ptr, rows)]
-        return BlockTables(*i32, int(layout.sum()), row_plan, col_plan)
+        return BlockTables(*i32, int(layout.sum()), row_plan, col_plan, layout)
 
     def forward_part(self, q: torch.Tensor, block: int) -> torch.Tensor | None:
         """The forward's float32 scratch: B x slots x block x (D + 1) (o parts, lse parts)."""
@@ -95,13 +103,20 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
+def _layout(tables: BlockTables) -> torch.Tensor:
+    if tables.layout is None:
+        raise ValueError("SparseSelfAttention: a create_graph backward or a torch.func transform computes with the "
+                         "layout; build the tables with BlockTables.from_layout, which keeps it")
+    return tables.layout
+
+
 class SparseAttentionFunction(torch.autograd.Function):
     """o = block-sparse softmax(scale q k^T + biases) v; gradients for q, k and v (the additive
     biases get none: DeepSpeed's kernels gave none either)."""
 
     @staticmethod
     def forward(ctx, q, k, v, tables: BlockTables, block: int, scale: float, kpm, am, rpe):
-        q, k, v = _aligned(q), _aligned(k), _aligned(v)
+        q, k, v = _aligned(q), _aligned(k), _aligned(v)  # sparse_attention_cuda aligned them: no copies here
         B, H, L, _ = q.shape
         o = torch.empty_like(q)
         lse = torch.empty((B, H, L), dtype=torch.float32, device=q.device)
@@ -115,6 +130,12 @@ class SparseAttentionFunction(torch.autograd.Function):
     def backward(ctx, d_o):
         q, k, v, o, lse = ctx.saved_tensors
         tables, block, scale, kpm, am, rpe = ctx.extras
+        if torch.is_grad_enabled():  # create_graph: gradients of the plain composition, recorded
+            wanted = [t for t, need in zip((q, k, v), ctx.needs_input_grad) if need]
+            out = dense_sparse_attention(q, k, v, _layout(tables), block, scale, kpm, am, rpe)
+            found = iter(torch.autograd.grad(out, wanted, d_o, create_graph=True, allow_unused=True))
+            dq, dk, dv = (next(found) if need else None for need in ctx.needs_input_grad[:3])
+            return dq, dk, dv, None, None, None, None, None, None
         d_o = _aligned(d_o)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         delta = torch.empty_like(lse)
@@ -128,4 +149,8 @@ def sparse_attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tab
                           scale: float, kpm: torch.Tensor | None = None, am: torch.Tensor | None = None,
                           rpe: torch.Tensor | None = None) -> torch.Tensor:
     """The kernels' entry for [B, H, L, D] fp16/bf16 CUDA tensors; the biases float32, contiguous."""
-    return SparseAttentionFunction.apply(q, k, v, tables, block, scale, kpm, am, rpe)
+    if transforms_active():  # torch.func: the plain composition (the Function has no vmap rule)
+        return dense_sparse_attention(q, k, v, _layout(tables), block, scale, kpm, am, rpe)
+    # aligned here, where autograd records a copy, so the Function saves the caller's tensors with their history
+    # (a create_graph backward differentiates through them)
+    return SparseAttentionFunction.apply(_aligned(q), _aligned(k), _aligned(v), tables, block, scale, kpm, am, rpe)

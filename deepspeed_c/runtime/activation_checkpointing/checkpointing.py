@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from deepspeed_c.runtime.activation_checkpointing import partition
+from deepspeed_c.runtime.autograd_paths import transforms_active
 from deepspeed_c.utils.logging import logger
 
 _MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
@@ -198,8 +199,16 @@ class CheckpointFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
+        # The recompute runs its own backward from detached inputs into the parameters' .grad: right only in a
+        # backward that accumulates everything (as DeepSpeed's and torch's reentrant checkpoints)
         if not torch.autograd._is_checkpoint_valid():
-            raise RuntimeError("checkpoint() is not compatible with .grad(); use .backward()")
+            raise RuntimeError("deepspeed checkpointing.checkpoint (reentrant) is not compatible with "
+                               "torch.autograd.grad() or when an `inputs` parameter is passed to .backward(); use "
+                               ".backward() without inputs, or checkpointing.non_reentrant_checkpoint")
+        if torch.is_grad_enabled():
+            # its gradients would carry no graph back through the checkpointed inputs: missing second-order terms
+            raise RuntimeError("deepspeed checkpointing.checkpoint (reentrant) does not support create_graph=True "
+                               "(double backward, gradient penalties); use checkpointing.non_reentrant_checkpoint")
         start = time.perf_counter()
         args = list(ctx.others)
         for i, t in zip(ctx.tensor_idx, ctx.saved_tensors):
@@ -231,14 +240,17 @@ class CheckpointFunction(torch.autograd.Function):
 
 
 def checkpoint(function: Callable, *args: Any) -> Any:
-    """Checkpoint a model or part of the model (reentrant, like DeepSpeed's and torch's original). Inside a
-    graph torch.compile is capturing it is torch's non-reentrant checkpoint, which dynamo captures whole: a
-    reentrant recomputation would run after the compiled forward, outside the parameters its graph bound
-    (DeepCompile's gathered units)."""
+    """Checkpoint a model or part of the model (reentrant, like DeepSpeed's and torch's original: its backward
+    must be a plain `.backward()`; `autograd.grad`, `backward(inputs=...)` and `create_graph` raise). Under a
+    torch.func transform it runs `function` as it is (no recompute). Inside a graph torch.compile is capturing
+    it is torch's non-reentrant checkpoint, which dynamo captures whole: a reentrant recomputation would run
+    after the compiled forward, outside the parameters its graph bound (DeepCompile's gathered units)."""
     if torch.compiler.is_compiling():
         from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
         return torch_checkpoint(function, *args, use_reentrant=False)
+    if transforms_active():  # torch.func (vmap, grad): the function itself, its activations kept
+        return function(*args)
     return CheckpointFunction.apply(function, *args)
 
 
