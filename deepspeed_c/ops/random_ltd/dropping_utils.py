@@ -10,7 +10,11 @@ Gather / scatter move whole hidden vectors: batch_first hidden states are [batch
 host tensors; torch.gather/scatter where neither is built), one pass each. Their gradients are exact on their own: gather's
 input gradient is the incoming one plus the kept tokens' gradients added at their positions; scatter's
 gradient to the full activations is zero at the overwritten positions. (DeepSpeed's pair is only right in
-combination: its gather overwrites the kept positions' gradient, its scatter passes it through.)"""
+combination: its gather overwrites the kept positions' gradient, its scatter passes it through.)
+
+The C moves are not differentiable and torch.func cannot see inside them: under a torch.func transform
+both Functions step aside for torch.gather / torch.scatter, and a create_graph backward (grad mode on
+inside backward) forms its gradients with those differentiable torch ops instead of the C ones."""
 from __future__ import annotations
 
 from typing import Optional
@@ -18,6 +22,7 @@ from typing import Optional
 import torch
 
 from deepspeed_c.ops.random_ltd import token_ops
+from deepspeed_c.runtime.autograd_paths import transforms_active
 
 
 def _check(hidden: torch.Tensor, indices: torch.Tensor, batch_first: bool, what: str) -> None:
@@ -41,8 +46,24 @@ def token_scatter(hidden: torch.Tensor, part: torch.Tensor, indices: torch.Tenso
     return token_ops.scatter(hidden, part, indices, batch_first)
 
 
-class GatherTokens(torch.autograd.Function):
-    """apply(activations, indices, batch_first) -> (activations, kept tokens), DeepSpeed's signature."""
+def _rows(indices: torch.Tensor, batch_first: bool, like: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """(sequence dim, index expanded over the hidden dim) for torch.gather / torch.scatter on `like`."""
+    i = indices.to(device=like.device, dtype=torch.int64)
+    return (1 if batch_first else 0), (i if batch_first else i.t()).unsqueeze(-1).expand(-1, -1, like.shape[-1])
+
+
+def _torch_gather(hidden: torch.Tensor, indices: torch.Tensor, batch_first: bool) -> torch.Tensor:
+    dim, index = _rows(indices, batch_first, hidden)
+    return torch.gather(hidden, dim, index)
+
+
+def _torch_scatter(hidden: torch.Tensor, part: torch.Tensor, indices: torch.Tensor, batch_first: bool) -> torch.Tensor:
+    dim, index = _rows(indices, batch_first, hidden)
+    return torch.scatter(hidden, dim, index, part.to(hidden.dtype))
+
+
+class _GatherTokensNode(torch.autograd.Function):
+    """GatherTokens's autograd node (see GatherTokens)."""
 
     @staticmethod
     def forward(ctx, activations: torch.Tensor, sorted_indices: torch.Tensor, batch_first: bool):
@@ -56,14 +77,31 @@ class GatherTokens(torch.autograd.Function):
         (indices, ) = ctx.saved_tensors
         if g_grad is None:
             return a_grad, None, None
+        if torch.is_grad_enabled():  # create_graph: the same sum through differentiable torch ops
+            base = g_grad.new_zeros(ctx.shape, dtype=ctx.dtype) if a_grad is None else a_grad
+            dim, index = _rows(indices, ctx.batch_first, base)
+            return torch.scatter_add(base, dim, index, g_grad.to(base.dtype)), None, None
         like = g_grad.new_empty(ctx.shape, dtype=ctx.dtype) if a_grad is None else None  # shape only
         # the incoming gradient plus the kept tokens' gradients at their positions
         return token_ops.scatter(a_grad, g_grad, indices, ctx.batch_first, accumulate=True, like=like), None, None
 
 
-class ScatterTokens(torch.autograd.Function):
-    """apply(all_activations, layer_activations, indices, batch_first) -> all_activations with the kept
-    positions replaced, DeepSpeed's signature."""
+class GatherTokens(torch.autograd.Function):
+    """apply(activations, indices, batch_first) -> (activations, kept tokens), DeepSpeed's signature."""
+
+    # the work is a separate Function, called by name: torch.compile traces that apply as torch's own (it
+    # cannot resolve super().apply from an override)
+    @classmethod
+    def apply(cls, activations: torch.Tensor, sorted_indices: torch.Tensor,  # type: ignore[override]
+              batch_first: bool):
+        if not torch.compiler.is_compiling() and transforms_active():
+            _check(activations, sorted_indices, batch_first, "GatherTokens")
+            return activations.view_as(activations), _torch_gather(activations, sorted_indices, batch_first)
+        return _GatherTokensNode.apply(activations, sorted_indices, batch_first)
+
+
+class _ScatterTokensNode(torch.autograd.Function):
+    """ScatterTokens's autograd node (see ScatterTokens)."""
 
     @staticmethod
     def forward(ctx, all_activations: torch.Tensor, layer_activations: torch.Tensor, sorted_indices: torch.Tensor,
@@ -76,9 +114,28 @@ class ScatterTokens(torch.autograd.Function):
     @staticmethod
     def backward(ctx, out_grad: torch.Tensor):
         (indices, ) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: differentiable torch ops
+            layer_grad = _torch_gather(out_grad, indices, ctx.batch_first).to(ctx.layer_dtype)
+            all_grad = _torch_scatter(out_grad, torch.zeros_like(layer_grad), indices, ctx.batch_first)
+            return all_grad, layer_grad, None, None
         layer_grad = token_ops.gather(out_grad, indices, ctx.batch_first).to(ctx.layer_dtype)
         all_grad = token_ops.scatter(out_grad, None, indices, ctx.batch_first)  # kept positions were overwritten
         return all_grad, layer_grad, None, None
+
+
+class ScatterTokens(torch.autograd.Function):
+    """apply(all_activations, layer_activations, indices, batch_first) -> all_activations with the kept
+    positions replaced, DeepSpeed's signature."""
+
+    # the work is a separate Function, called by name: torch.compile traces that apply as torch's own (it
+    # cannot resolve super().apply from an override)
+    @classmethod
+    def apply(cls, all_activations: torch.Tensor, layer_activations: torch.Tensor,  # type: ignore[override]
+              sorted_indices: torch.Tensor, batch_first: bool):
+        if not torch.compiler.is_compiling() and transforms_active():
+            _check(all_activations, sorted_indices, batch_first, "ScatterTokens")
+            return _torch_scatter(all_activations, layer_activations, sorted_indices, batch_first)
+        return _ScatterTokensNode.apply(all_activations, layer_activations, sorted_indices, batch_first)
 
 
 def _sample(reserved_length: int, seq_length: int, batch_size: int, layers: int, device: torch.device) -> torch.Tensor:
