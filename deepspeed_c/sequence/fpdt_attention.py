@@ -11,6 +11,11 @@ each through a ChunkStore (resident, or in host buffers with one-ahead prefetch 
 Backward walks key/value chunks i in order and, for each, the query chunks j >= i, recomputing the
 block's probabilities from q_j, k_i and (out_j, lse_j); dq_j accumulates in the store. After walk i,
 dq_i, dk_i and dv_i are complete, so chunk i's projection gradients and input gradient are formed then.
+
+That backward runs under no_grad on chunks kept apart from the input's history (offloaded, when asked), so it
+cannot give a differentiable gradient: a create_graph backward raises, naming create_graph. Under a torch.func
+transform the function steps aside for the same attention in plain torch ops (whole-sequence causal softmax
+over the gathered chunks, the exchanges through layer.py's torch.func-ready all-to-all).
 """
 from __future__ import annotations
 
@@ -21,7 +26,8 @@ from torch import Tensor
 
 from deepspeed_c.sequence.fpdt_kernels import block_backward, block_forward, merge
 from deepspeed_c.sequence.fpdt_offload import ChunkStore
-from deepspeed_c.sequence.layer import _all_to_all, apply_rotary_pos_emb
+from deepspeed_c.runtime.autograd_paths import transforms_active
+from deepspeed_c.sequence.layer import _all_to_all, _SeqAllToAll, apply_rotary_pos_emb
 
 _SEQ, _HEADS = 1, 2  # [b, s, h, d]
 
@@ -81,8 +87,35 @@ def _project(plan: _Plan, x: Tensor, weight: Tensor, bias: Optional[Tensor], i: 
     return [q, k, v]
 
 
-class FPDTAttentionFunction(torch.autograd.Function):
-    """forward(x [s_local, b, hidden], weight, bias, plan, offload) -> [b, s_local, heads, head_dim]."""
+def _plain_attention(x: Tensor, weight: Tensor, bias: Optional[Tensor], plan: _Plan) -> Tensor:
+    """The same result through differentiable torch ops: every chunk's q/k/v gathered (chunk i of every rank is
+    the global span i, so their concatenation is the sequence in order), one causal softmax, and back."""
+    qkv = torch.matmul(x, weight.t())
+    if bias is not None:
+        qkv = qkv + bias
+    p, kv, n = plan.proj, plan.kv_proj, plan.num_chunks
+    heads = lambda part: _SeqAllToAll.apply(  # noqa: E731 ([c, b, n*hd] -> [b, C, n/sp, hd])
+        plan.spg, part.reshape(part.shape[0], part.shape[1], -1, plan.head_dim).permute(1, 0, 2, 3), _HEADS, _SEQ)
+    qs, ks, vs = [], [], []
+    for i in range(n):
+        chunk = qkv[plan.rows(i)]
+        q, k, v = (heads(chunk[:, :, cols]) for cols in (slice(0, p), slice(p, p + kv), slice(p + kv, None)))
+        if plan.cos is not None:
+            cos, sin = plan.positions(i, q.shape[1])
+            q, k = apply_rotary_pos_emb(q, cos, sin).to(v.dtype), apply_rotary_pos_emb(k, cos, sin).to(v.dtype)
+        qs.append(q), ks.append(k), vs.append(v)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    q, k, v = (torch.cat(t, dim=1).to(acc) for t in (qs, ks, vs))
+    group = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * plan.scale
+    causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=x.device).triu(1)
+    out = torch.einsum("bhqk,bkhd->bqhd", scores.masked_fill(causal, float("-inf")).softmax(-1), v).to(x.dtype)
+    return torch.cat([_SeqAllToAll.apply(plan.spg, o.contiguous(), _SEQ, _HEADS) for o in out.chunk(n, dim=1)], dim=1)
+
+
+class _FPDTAttentionNode(torch.autograd.Function):
+    """FPDTAttentionFunction's autograd node (see FPDTAttentionFunction)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor], plan: _Plan,  # type: ignore[override]
@@ -125,6 +158,11 @@ class FPDTAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple:  # type: ignore[override]
+        if torch.is_grad_enabled():
+            raise RuntimeError("FPDT_Attention: a create_graph backward (autograd.grad(..., create_graph=True) or "
+                               "backward(create_graph=True)) through FPDT's chunked attention is not supported: its "
+                               "backward recomputes detached chunks and cannot return a differentiable gradient; "
+                               "use DistributedAttention (Ulysses without FPDT) for higher-order gradients")
         plan, store = ctx.plan, ctx.store
         weight, bias = ctx.saved_tensors
         n, dtype = plan.num_chunks, ctx.x_dtype
@@ -165,6 +203,19 @@ class FPDTAttentionFunction(torch.autograd.Function):
         ctx.store = None
         return (torch.cat(grad_x, dim=0), grad_w.to(weight.dtype),
                 grad_b.to(bias.dtype) if grad_b is not None else None, None, None)
+
+
+class FPDTAttentionFunction(torch.autograd.Function):
+    """forward(x [s_local, b, hidden], weight, bias, plan, offload) -> [b, s_local, heads, head_dim]."""
+
+    # the work is a separate Function, called by name: torch.compile traces that apply as torch's own (it
+    # cannot resolve super().apply from an override)
+    @classmethod
+    def apply(cls, x: Tensor, weight: Tensor, bias: Optional[Tensor], plan: _Plan,  # type: ignore[override]
+              offload: bool) -> Tensor:
+        if not torch.compiler.is_compiling() and transforms_active():
+            return _plain_attention(x, weight, bias, plan)
+        return _FPDTAttentionNode.apply(x, weight, bias, plan, offload)
 
 
 def _input_grad(plan: _Plan, store: ChunkStore, weight: Tensor, grad_w: Tensor, grad_b: Optional[Tensor],

@@ -3,13 +3,19 @@ chunk's intermediate activation (4x hidden wide) ever exists; backward recompute
 
 x is [s, b, hidden]; chunks are `chunk_size` rows of dim 0. Returns (out, b2) when add_bias is False
 (Megatron's "return the bias for a fused bias-add" convention; b2's gradient is then the caller's), else
-(out + b2, None). Weight gradients accumulate in fp32 (fp64 for fp64)."""
+(out + b2, None). Weight gradients accumulate in fp32 (fp64 for fp64).
+
+The chunked backward runs under no_grad, so its gradients are constants: a create_graph backward (grad mode
+on inside backward) recomputes the MLP through plain autograd from the saved inputs instead (the second-order
+terms included), and under a torch.func transform apply runs that plain composition (no custom Function)."""
 from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
 import torch
 from torch import Tensor
+
+from deepspeed_c.runtime.autograd_paths import transforms_active
 
 _C0, _C1 = 0.79788456, 0.044715  # sqrt(2/pi) and the cubic coefficient of the tanh approximation
 
@@ -30,8 +36,14 @@ def _chunks(who: str, rows: int, chunk_size: int) -> int:
     return rows // chunk_size
 
 
-class FPDT_FFN(torch.autograd.Function):
-    """FPDT_FFN.apply(x, w1, b1, w2, b2, add_bias, chunk_size) -> (out, b2 or None)."""
+def _plain(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, add_bias: bool) -> Tensor:
+    """The same MLP through torch's differentiable ops, unchunked."""
+    out = torch.matmul(bias_gelu(torch.matmul(x, w1.t()) + b1), w2.t())
+    return out + b2 if add_bias else out
+
+
+class _FPDTFFNNode(torch.autograd.Function):
+    """FPDT_FFN's autograd node (see FPDT_FFN)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,  # type: ignore[override]
@@ -50,6 +62,8 @@ class FPDT_FFN(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor, grad_bias: Optional[Tensor]) -> tuple:  # type: ignore[override]
         x, w1, b1, w2, b2 = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            return _differentiable_backward(ctx, (x, w1, b1, w2, b2), grad_out, grad_bias)
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         gw1 = torch.zeros(w1.shape, dtype=acc, device=w1.device)
         gb1 = torch.zeros(b1.shape, dtype=acc, device=b1.device)
@@ -73,3 +87,29 @@ class FPDT_FFN(torch.autograd.Function):
         if grad_bias is not None and not ctx.add_bias:
             gb2.add_(grad_bias.to(acc))
         return gx, gw1.to(w1.dtype), gb1.to(b1.dtype), gw2.to(w2.dtype), gb2.to(b2.dtype), None, None
+
+
+class FPDT_FFN(torch.autograd.Function):
+    """FPDT_FFN.apply(x, w1, b1, w2, b2, add_bias, chunk_size) -> (out, b2 or None)."""
+
+    # the work is a separate Function, called by name: torch.compile traces that apply as torch's own (it
+    # cannot resolve super().apply from an override)
+    @classmethod
+    def apply(cls, x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, add_bias: bool,  # type: ignore[override]
+              chunk_size: int) -> Tuple[Tensor, Optional[Tensor]]:
+        if not torch.compiler.is_compiling() and transforms_active():
+            _chunks("FPDT_FFN", x.shape[0], chunk_size)
+            return _plain(x, w1, b1, w2, b2, add_bias), (None if add_bias else b2)
+        return _FPDTFFNNode.apply(x, w1, b1, w2, b2, add_bias, chunk_size)
+
+
+def _differentiable_backward(ctx: Any, saved: tuple, grad_out: Tensor, grad_bias: Optional[Tensor]) -> tuple:
+    """create_graph: the gradients of the plain MLP from the saved inputs (which keep their history), so the
+    result is differentiable in them and in grad_out."""
+    wrt = [t for t in saved if t.requires_grad]
+    out = _plain(*saved, ctx.add_bias)
+    got = iter(torch.autograd.grad(out, wrt, grad_out, allow_unused=True, create_graph=True))
+    grads = [next(got) if t.requires_grad else None for t in saved]
+    if grad_bias is not None and not ctx.add_bias:
+        grads[4] = grad_bias if grads[4] is None else grads[4] + grad_bias
+    return (*grads, None, None)

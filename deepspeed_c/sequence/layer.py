@@ -3,7 +3,10 @@
 Each rank of the sequence-parallel group holds a contiguous slice of the sequence for every head.
 Attention needs the whole sequence, so q/k/v are all-to-all'ed from sequence-sharded/all-heads to
 whole-sequence/head-sharded, the caller's local attention runs on its heads, and the result is
-all-to-all'ed back. The all-to-all's gradient is the opposite all-to-all, so autograd composes.
+all-to-all'ed back. The all-to-all's gradient is the opposite all-to-all, so autograd composes (its backward
+is the exchange's own autograd node again: create_graph gets the second-order terms). Under a torch.func
+transform the exchange runs as a Function torch.func can carry (setup_context, and a vmap rule that moves the
+vmapped dimension into the exchanged tensor), so torch.func.grad and vmap(grad) work across the group.
 
 Layouts (`batch_dim_idx`): 0 is [batch, seq, heads, head_dim], 1 is [seq, batch, heads, head_dim].
 Heads (query and key/value, GQA included) must divide by the sequence-parallel size: unlike
@@ -20,6 +23,7 @@ from torch import Tensor
 from torch.nn import Module
 
 from deepspeed_c import comm as dist
+from deepspeed_c.runtime.autograd_paths import transforms_active
 
 
 def _seq_dim(batch_dim_idx: int) -> int:
@@ -49,8 +53,8 @@ def _all_to_all(x: Tensor, scatter_dim: int, gather_dim: int, group: Any) -> Ten
     return merged.reshape(out_shape)
 
 
-class _SeqAllToAll(torch.autograd.Function):
-    """all-to-all whose backward is the reverse all-to-all (scatter and gather swapped)."""
+class _SeqAllToAllNode(torch.autograd.Function):
+    """_SeqAllToAll's autograd node (see _SeqAllToAll)."""
 
     @staticmethod
     def forward(ctx: Any, group: Any, x: Tensor, scatter_dim: int, gather_dim: int) -> Tensor:  # type: ignore[override]
@@ -59,7 +63,45 @@ class _SeqAllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple:  # type: ignore[override]
-        return None, _SeqAllToAll.apply(ctx.group, grad.contiguous(), ctx.gather_dim, ctx.scatter_dim), None, None
+        return None, _SeqAllToAllNode.apply(ctx.group, grad.contiguous(), ctx.gather_dim, ctx.scatter_dim), None, None
+
+
+class _SeqAllToAll(torch.autograd.Function):
+    """all-to-all whose backward is the reverse all-to-all (scatter and gather swapped)."""
+
+    # the work is a separate Function, called by name: torch.compile traces that apply as torch's own (it
+    # cannot resolve super().apply from an override)
+    @classmethod
+    def apply(cls, group: Any, x: Tensor, scatter_dim: int, gather_dim: int) -> Tensor:  # type: ignore[override]
+        if not torch.compiler.is_compiling() and transforms_active():
+            return _FuncAllToAll.apply(group, x, scatter_dim, gather_dim)
+        return _SeqAllToAllNode.apply(group, x, scatter_dim, gather_dim)
+
+
+class _FuncAllToAll(torch.autograd.Function):
+    """The same exchange for torch.func (grad, vmap, their compositions)."""
+
+    @staticmethod
+    def forward(group: Any, x: Tensor, scatter_dim: int, gather_dim: int) -> Tensor:  # type: ignore[override]
+        out = _all_to_all(x, scatter_dim, gather_dim, group)
+        return out.view_as(out) if out is x else out  # a new tensor: torch.func does not take an input back
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        ctx.group, _, ctx.scatter_dim, ctx.gather_dim = inputs
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple:  # type: ignore[override]
+        return None, _FuncAllToAll.apply(ctx.group, grad.contiguous(), ctx.gather_dim, ctx.scatter_dim), None, None
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, group: Any, x: Tensor, scatter_dim: int, gather_dim: int) -> tuple:
+        # every rank vmaps the same size: the vmapped dimension leads, the exchanged ones shift by one
+        dim = in_dims[1]
+        if dim is None:
+            return _FuncAllToAll.apply(group, x, scatter_dim, gather_dim), None
+        return _FuncAllToAll.apply(group, x.movedim(dim, 0), scatter_dim % (x.dim() - 1) + 1,
+                                   gather_dim % (x.dim() - 1) + 1), 0
 
 
 def _rotate_half(x: Tensor) -> Tensor:
