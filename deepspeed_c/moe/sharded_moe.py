@@ -3,7 +3,9 @@ combines their outputs (MOELayer), and DeepSpeed's functional gates (top1gating,
 topkgating). The routing math is in deepspeed_c/moe/gating.py, the moves in the C/CUDA core
 (deepspeed_c/moe/gating_core.py): no [tokens, experts, capacity] tensor is built on the layer's path.
 With ep_size > 1 one all_to_all_single before and one after the experts carry each expert's
-capacity buffer to the rank that holds it and back."""
+capacity buffer to the rank that holds it and back. That exchange's backward is its own autograd node again
+(create_graph keeps the second-order terms); under a torch.func transform it runs as a Function torch.func
+can carry (setup_context and a vmap rule)."""
 from __future__ import annotations
 
 from typing import Any, Optional, Union
@@ -16,6 +18,7 @@ from torch.nn import Module
 from deepspeed_c.moe import gating_core as core
 from deepspeed_c.moe.gating import (NOISY_GATE_POLICIES, Routing, capacity_for, dense_combine_weights, gumbel_rsample,
                                     multiplicative_jitter, route_top1, route_top2, route_topk)
+from deepspeed_c.runtime.autograd_paths import transforms_active
 from deepspeed_c.utils.logging import logger
 
 __all__ = ["TopKGate", "MOELayer", "top1gating", "top2gating", "topkgating", "gumbel_rsample",
@@ -33,8 +36,8 @@ def _capacity(gates: Tensor, capacity_factor: Tensor, min_capacity: Tensor) -> T
     return torch.tensor(capacity_for(num_tokens, num_experts, float(capacity_factor), int(min_capacity)))
 
 
-class _AllToAll(torch.autograd.Function):
-    """all_to_all_single with equal splits; its gradient is the same exchange back."""
+class _AllToAllNode(torch.autograd.Function):
+    """_AllToAll's autograd node (see _AllToAll)."""
 
     @staticmethod
     def forward(ctx: Any, group: Any, input: Tensor) -> Tensor:  # noqa: A002 (DeepSpeed's name)
@@ -48,7 +51,51 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_output: Tensor) -> tuple[None, Tensor]:
-        return None, _AllToAll.apply(ctx.group, *grad_output)
+        return None, _AllToAllNode.apply(ctx.group, *grad_output)
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with equal splits; its gradient is the same exchange back."""
+
+    # the work is a separate Function, called by name: torch.compile traces that apply as torch's own (it
+    # cannot resolve super().apply from an override)
+    @classmethod
+    def apply(cls, group: Any, input: Tensor) -> Tensor:  # type: ignore[override]  # noqa: A002
+        if not torch.compiler.is_compiling() and transforms_active():
+            return _FuncAllToAll.apply(group, input)
+        return _AllToAllNode.apply(group, input)
+
+
+def _exchange(group: Any, input: Tensor) -> Tensor:  # noqa: A002
+    import deepspeed_c.comm as dist
+
+    input = input.contiguous()
+    output = torch.empty_like(input)
+    dist.all_to_all_single(output, input, group=group)
+    return output
+
+
+class _FuncAllToAll(torch.autograd.Function):
+    """The same exchange for torch.func (grad, vmap, their compositions)."""
+
+    @staticmethod
+    def forward(group: Any, input: Tensor) -> Tensor:  # type: ignore[override]  # noqa: A002
+        return _exchange(group, input)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        ctx.group = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple:  # type: ignore[override]
+        return None, _FuncAllToAll.apply(ctx.group, grad)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, group: Any, input: Tensor) -> tuple:  # noqa: A002
+        # the exchange splits dimension 0: the vmapped dimension goes second (every rank vmaps the same size)
+        if in_dims[1] is None:
+            return _FuncAllToAll.apply(group, input), None
+        return _FuncAllToAll.apply(group, input.movedim(in_dims[1], 1)), 1
 
 
 def _sparse_tuple(r: Routing) -> tuple:
