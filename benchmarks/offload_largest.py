@@ -106,8 +106,11 @@ def config(args: argparse.Namespace, mode: str, cuda: bool, impl: str = "dsc") -
                     contiguous_gradients=True)
     else:
         zero["offload_param"] = dict(offload)
-    if mode == "zero3nvme":  # every parameter on the disk; a swap buffer holds the largest weight (the embedding)
-        zero["offload_param"].update(max_in_cpu=0, buffer_size=max(int(1e8), args.vocab * args.n_embd))
+    if mode == "zero3nvme":  # every parameter on the disk; a swap buffer holds the largest weight (the embedding);
+        # 16 buffers: with DeepSpeed's default 5 its prefetch runs out of them in the second step ("Not enough
+        # buffers 0 for swapping 1"), as DeepSpeed users then tune it
+        zero["offload_param"].update(max_in_cpu=0, buffer_size=max(int(1e8), args.vocab * args.n_embd),
+                                     buffer_count=16)
     cfg = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
            "steps_per_print": 10**9, "wall_clock_breakdown": False,
            "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.01}},

@@ -60,7 +60,7 @@ def _config(stage: int, device: str, nvme_path: str, gas: int, clip: float, buff
             dtype: str = "fp32", param_device: str = "") -> dict[str, Any]:
     offload: dict[str, Any] = {"device": device}
     if device == "nvme":
-        offload.update(nvme_path=nvme_path, buffer_count=buffer_count)
+        offload.update(nvme_path=nvme_path, buffer_count=4 * buffer_count)  # Adam: 4 tensor buffers a sub-group slot
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
            "steps_per_print": 10**9, "optimizer": {"type": "Adam", "params": {"lr": 2e-3, "weight_decay": 0.01}},
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 5000, "sub_group_size": 4096,

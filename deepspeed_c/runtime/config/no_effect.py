@@ -28,9 +28,11 @@ NO_EFFECT: tuple[NoEffect, ...] = (
     NoEffect(("zero_optimization", "elastic_checkpoint"), False,
              "checkpoints reshard to any world size on load without it"),
     NoEffect(("zero_optimization", "offload_optimizer", "pipeline_read"), False,
-             "the NVMe optimizer step always reads the next sub-group while it steps this one (buffer_count >= 2)"),
+             "the NVMe optimizer step reads the next sub-group while it steps this one whenever buffer_count holds "
+             "two sub-groups' states (8 for Adam)"),
     NoEffect(("zero_optimization", "offload_optimizer", "pipeline_write"), False,
-             "the NVMe optimizer step always writes sub-groups back while it steps the next (buffer_count >= 2)"),
+             "the NVMe optimizer step writes sub-groups back while it steps the next whenever buffer_count holds "
+             "two sub-groups' states (8 for Adam)"),
     NoEffect(("zero_optimization", "offload_optimizer", "fast_init"), False,
              "the NVMe swap files are written once at initialize, sub-group by sub-group"),
     NoEffect(("aio", "single_submit"), False, "each worker submits its whole batch of requests in one system call"),

@@ -5,8 +5,11 @@ are cut into sub-groups of at most `sub_group_size` elements; every (group, sub-
 one file under `<nvme_path>/zero_stage_<s>/optimizer/rank<r>.<pid>.<n>/` (removed with the swapper). Between steps nothing of them is
 in host memory: the master Parameters keep their identity (the optimizer's state is keyed by them)
 but hold an empty tensor, and the moments in the optimizer's state are empty placeholders; only
-the step counters stay. The step streams sub-groups through `buffer_count` page-aligned slots
-(pipelined_optimizer_swapper.NVMeOffload).
+the step counters stay. The step streams sub-groups through page-aligned slots
+(pipelined_optimizer_swapper.NVMeOffload). `buffer_count` counts tensor buffers as DeepSpeed documents it ("at
+least the number of states maintained per parameter by the optimizer", Adam's 4: parameter, gradient, momentum,
+variance), so the same JSON pins the same host memory: a slot holds one sub-group's master and moments, and
+buffer_count // (moments + 2) slots are made (at least one; two or more let the step read ahead).
 
 Anything that needs the whole state at once (checkpoint save and load, masters re-cut from the
 model, the model re-gathered from the masters) runs inside `resident()`: everything is read back
@@ -25,6 +28,12 @@ from deepspeed_c.runtime.swap_tensor.utils import check_nvme_path, fresh_folder,
 
 MASTER = "fp32"
 ELEMENT_ALIGNMENT = 1024  # sub-group bounds on 4 KiB of fp32, so each file starts block-aligned in memory
+
+
+def slots_for(buffer_count: int, n_moments: int) -> int:
+    """Sub-group slots for DeepSpeed's `buffer_count` (tensor buffers; a sub-group's states are the parameter, its
+    gradient and the optimizer's moments)."""
+    return max(1, int(buffer_count) // (n_moments + 2))
 
 
 def sub_group_bounds(numel: int, sub_group_size: int) -> list[tuple[int, int]]:
@@ -62,13 +71,13 @@ class PartitionedOptimizerSwapper:
         self.bounds = [sub_group_bounds(n, sub_group_size) for n in self.sizes]
         self.read_handle = new_handle(aio)
         self.write_handle = new_handle(aio)
-        self.buffer_count = max(1, int(buffer_count))
+        self.slot_count = slots_for(buffer_count, len(self.moments))
         largest = max(hi - lo for b in self.bounds for lo, hi in b)
         self.slot_bytes = largest * max(torch.empty((), dtype=dt).element_size()
                                         for dt in (*self.master_dtypes, *self.state_dtypes))
         example = torch.empty(0, dtype=torch.uint8)
         self.slots = [{k: self.read_handle.new_cpu_locked_tensor(self.slot_bytes, example) for k in self.keys}
-                      for _ in range(self.buffer_count)]
+                      for _ in range(self.slot_count)]
         self._depth = 0
         self._write_initial_state()
 
@@ -183,4 +192,4 @@ class PartitionedOptimizerSwapper:
 
     def slot_bytes_total(self) -> int:
         """Host bytes of the pipeline's slots: the optimizer state's resident bound."""
-        return self.buffer_count * len(self.keys) * self.slot_bytes
+        return self.slot_count * len(self.keys) * self.slot_bytes

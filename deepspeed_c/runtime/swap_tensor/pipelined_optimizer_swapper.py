@@ -3,10 +3,10 @@
 back to the device and into their buckets' all-gathers) with the fp32 masters and moments read from
 and written to files sub-group by sub-group.
 
-Per group, with `buffer_count` slots: the read of sub-group s+1 is in flight while the C kernel
-steps sub-group s, and the write of sub-group s-1 (and earlier) drains meanwhile (DeepSpeed's
-pipeline_read and pipeline_write, always on when buffer_count >= 2; one slot runs read, step,
-write in turn). A bucket's all-gather starts as soon as the sub-groups covering its chunk are done.
+Per group, with two or more slots (buffer_count of 8 or more for Adam: see partitioned_optimizer_swapper): the
+read of sub-group s+1 is in flight while the C kernel steps sub-group s, and the write of sub-group s-1 (and
+earlier) drains meanwhile (DeepSpeed's pipeline_read and pipeline_write); one slot (DeepSpeed's default
+buffer_count 4) runs read, step, write in turn. A bucket's all-gather starts as soon as the sub-groups covering its chunk are done.
 The kernel and its arguments are CPUOffload's, so the run matches `device: cpu` bit for bit."""
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ class NVMeOffload(CPUOffload):
         read is issued before this one is stepped when another slot is free."""
         sw = self.swapper
         bounds = sw.bounds[g]
-        nb = sw.buffer_count
+        nb = sw.slot_count
         written: set[int] = set()  # slots whose write may still be in flight
         views = sw.read_async(0, g, 0)
         for s, bound in enumerate(bounds):
