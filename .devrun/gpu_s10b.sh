@@ -24,5 +24,5 @@ b.load()
 print(f"DeepSpeed async_io built in {time.time() - t:.1f}s")
 PY
 timeout $((BUDGET + 30)) python3 benchmarks/offload_largest.py $CHECK --mode zero3nvme --impls dsc,ds --size $SIZE \
-    --seq 1024 --micro 1 --warmup 1 --steps 2 --budget $BUDGET --nvme_path /tmp/ol_swap --out $O/ol.jsonl \
+    --seq 1024 --micro 1 --warmup 1 --steps ${STEPS:-2} --budget $BUDGET --nvme_path /tmp/ol_swap --out $O/ol.jsonl \
     --log $O/ol.log 2>&1 | grep -v -i "warn" | tail -30 | tee $O/ol_table.txt
