@@ -1,7 +1,11 @@
 """What the compressed layers share: the static activation-range observer (QuantAct), weight
 quantization in the forward pass, activation quantization, sparse pruning, and swapping in a smaller
 weight while keeping the MoQ bit-schedule attributes (start_bits, target_bits, q_period) that
-runtime/quantize.py reads from the parameter."""
+runtime/quantize.py reads from the parameter.
+
+Under torch.func.functional_call the module's parameters are plain tensors substituted for the Parameters, without
+those attributes: the forward reads the bits from the Parameter when it carries them (DeepSpeed's behaviour) and
+from the module's copy of the schedule otherwise."""
 from __future__ import annotations
 
 import math
@@ -12,6 +16,7 @@ from torch import nn
 from torch.nn import init
 
 from deepspeed_c.compression.utils import AsymQuantizer, BinaryQuantizer, SymQuantizer, TernaryQuantizer, TopKBinarizer
+from deepspeed_c.runtime.autograd_paths import transforms_active
 from deepspeed_c.utils.logging import logger
 
 
@@ -28,13 +33,29 @@ class QuantAct(nn.Module):
 
     def forward(self, x: torch.Tensor, num_bits: int, *unused: Any) -> torch.Tensor:
         if self.training:
-            lo, hi = x.data.min(), x.data.max()
-            if self.x_min_max[0] == self.x_min_max[1]:  # first batch seeds the range
-                self.x_min_max[0], self.x_min_max[1] = lo, hi
-            m = self.act_range_momentum
-            self.x_min_max[0] = self.x_min_max[0] * m + lo * (1 - m)
-            self.x_min_max[1] = self.x_min_max[1] * m + hi * (1 - m)
+            self._calibrate(x.detach())
         return self.act_function(x, num_bits, self.x_min_max[0], self.x_min_max[1])
+
+    def _calibrate(self, x: torch.Tensor) -> None:
+        """Move the range towards this batch's; the first batch (range still empty: min == max) seeds it. Written
+        without a data-dependent branch (torch.where), so torch.func.grad can run it when the buffer is an input
+        of functional_call, and no host sync waits on the comparison."""
+        r, m = self.x_min_max, self.act_range_momentum
+        lo, hi = x.min(), x.max()
+        fresh = r[0] == r[1]
+        seeded = torch.stack((torch.where(fresh, lo, r[0]), torch.where(fresh, hi, r[1])))
+        new = seeded * m + torch.stack((lo, hi)) * (1 - m)
+        try:
+            r.copy_(new)
+        except RuntimeError as e:  # vmap: a batched range into the shared buffer; grad: a captured buffer
+            if not transforms_active():
+                raise
+            raise RuntimeError(
+                "QuantAct (static activation quantization): its training-mode range calibration writes the batch's "
+                "[min, max] into the buffer x_min_max, which this torch.func transform cannot do (under vmap each "
+                "sample would have its own range; under torch.func.grad the buffer must be passed to "
+                "functional_call with the parameters). Calibrate outside torch.func, or call .eval() to quantize "
+                f"with the calibrated range. ({e})") from e
 
 
 def _scores(shape: tuple[int, ...], device: torch.device) -> nn.Parameter:
@@ -64,6 +85,7 @@ class CompressMixin:
         self.weight.start_bits = None
         self.weight.target_bits = None
         self.weight.q_period = None
+        self._weight_target_bits: Optional[int] = None  # the schedule's target, kept on the module too
         self.weight_quantization_enabled_in_forward = False
         self.weight_quantization_enabled = False
         self.sparse_pruning_enabled = False
@@ -85,6 +107,7 @@ class CompressMixin:
         self.weight.start_bits = start_bits
         self.weight.target_bits = target_bits
         self.weight.q_period = period
+        self._weight_target_bits = target_bits
         self.weight_quantization_enabled_in_forward = in_forward
         if in_forward and not CompressMixin._warned_in_forward:
             CompressMixin._warned_in_forward = True  # once per process, not once per layer
@@ -99,15 +122,21 @@ class CompressMixin:
             self.weight_quantizer = weight_quantizer_for(target_bits, quantization_type, type(self).__name__)
             self.weight_quantize_num_groups = num_groups
 
+    def _weight_bits(self) -> Optional[int]:
+        """The bits weights are fake-quantized to: the Parameter's target_bits (DeepSpeed reads them there, and a
+        user may set them), or the module's copy when the weight is a tensor without them (functional_call)."""
+        bits = getattr(self.weight, "target_bits", None)
+        return self._weight_target_bits if bits is None else bits
+
     def fix_weight_quantization(self) -> None:
-        self.weight.data = self.weight_quantizer(self.weight, self.weight.target_bits, None, None,
+        self.weight.data = self.weight_quantizer(self.weight, self._weight_bits(), None, None,
                                                  self.weight_quantize_num_groups).data
         self.weight_quantization_enabled_in_forward = False
         return None
 
     def _forward_weight(self) -> torch.Tensor:
         if self.weight_quantization_enabled_in_forward and self.weight_quantization_enabled:
-            return self.weight_quantizer(self.weight, self.weight.target_bits, None, None,
+            return self.weight_quantizer(self.weight, self._weight_bits(), None, None,
                                          self.weight_quantize_num_groups)
         return self.weight
 

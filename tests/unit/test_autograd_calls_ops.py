@@ -115,10 +115,10 @@ def _quantized_ref(quantizer: str, bits: int, groups: int, ratio: float):
 
 
 def test_compression_quantizers_autograd_calls() -> None:
-    # LinearLayer_Compress: torch.func left out, its forward reads `self.weight.target_bits`, an attribute
-    # functional_call's substituted tensor lacks (layer_mixins.py)
+    # LinearLayer_Compress under every call, torch.func's functional_call included (its substituted weights lack
+    # the Parameter's MoQ attributes, which the forward used to read)
     for kind in ("sym8_sparse_act", "binary_ternary_rows"):
-        _check(kind, run(_compression_case(kind), ("grad", "backward", "inputs", "cg_x", "cg_w", "accum")))
+        _check(kind, run(_compression_case(kind)))
     for quantizer, bits, groups in (("SymQuantizer", 8, 2), ("AsymQuantizer", 4, 1), ("TernaryQuantizer", 2, 2),
                                     ("BinaryQuantizer", 1, 1)):
         torch.manual_seed(2)
@@ -127,6 +127,36 @@ def test_compression_quantizers_autograd_calls() -> None:
         full = {k: v.detach().double() for k, v in module.named_parameters()}
         case = Case(module, _quantized_ref(quantizer, bits, groups, ratio), full, torch.randn(3, H), "weight")
         _check(quantizer, run(case))
+
+
+def test_quant_act_calibration_under_torch_func() -> None:
+    """QuantAct's training-mode range calibration: under torch.func.grad with the buffer passed to functional_call
+    it updates the passed buffer as a plain forward would (momentum towards the batch's [min, max]); where a
+    transform cannot write the buffer (vmap, a captured buffer) it raises naming QuantAct and torch.func."""
+    from deepspeed_c.compression.basic_layer import LinearLayer_Compress
+
+    torch.manual_seed(5)
+    layer = LinearLayer_Compress(H, 4)
+    layer.enable_activation_quantization(8, "asymmetric", "static")
+    layer.activation_quantization_enabled = True
+    params = {k: v.detach() for k, v in layer.named_parameters()}
+    x0, x1 = torch.randn(3, H), torch.randn(3, H) * 2
+    buffers = {"activation_quantizer.x_min_max": torch.zeros(2)}
+
+    def loss(p: dict, b: dict, x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(layer, (p, b), (x,)).sum()
+
+    expect = torch.stack((x0.min(), x0.max())).double()  # the first batch seeds the range
+    for x in (x0, x1):
+        torch.func.grad(loss)(params, buffers, x)
+        expect = expect * 0.95 + torch.stack((x.min(), x.max())).double() * 0.05
+        got = buffers["activation_quantizer.x_min_max"]
+        assert ((got.double() - expect).norm() / expect.norm()).item() < 1e-6, (got, expect)
+
+    captured = (lambda: torch.func.grad(lambda p, x: torch.func.functional_call(layer, p, (x,)).sum())(params, x0))
+    per_sample = (lambda: torch.func.vmap(torch.func.grad(loss), in_dims=(None, None, 0))(params, buffers, x0))
+    assert run_raises(captured, "QuantAct", "torch.func", "x_min_max")
+    assert run_raises(per_sample, "QuantAct", "torch.func", "x_min_max")
 
 
 # -- attention ---------------------------------------------------------------------------------------------
