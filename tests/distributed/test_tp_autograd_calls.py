@@ -6,7 +6,10 @@ tanh(x W1^T + b1) W2^T + b2 (each rank compares its shard of every gradient):
 - compression: ColumnParallelLinear_Compress -> RowParallelLinear_Compress (input parallel, and the
   gathered-output / scattered-input pair)
 - Domino: _Wait_bwd_comm -> DominoAsyncColumnParallelLinear (asynchronous input-gradient all-reduce) ->
-  RowParallelLinearNoComm summed over the group."""
+  RowParallelLinearNoComm summed over the group
+- a whole one-layer DominoTransformer (both overlap schedules: the row-parallel sums in flight, _Pending)
+  against the unsplit, unsharded float64 transformer of tests/distributed/domino_models.py (torch's math
+  attention kernel: its fused ones have no double backward)."""
 from __future__ import annotations
 
 import types
@@ -116,8 +119,64 @@ def _cases(rank: int, world: int, group):
     yield "domino", domino, {"1.layer.weight": "w1", "1.layer.bias": "b1", "3.layer.weight": "w2", "4.bias": "b2"}
 
 
+S, DH, HEADS, FFN = 2, 8, 2, 16  # the Domino transformer: sequence, hidden, heads, ffn
+
+
+def _halves(x: torch.Tensor) -> torch.Tensor:
+    """[n, 2*S*DH] -> [S, 2n, DH]: row i holds the sequences of batch entries i and n + i (one in each half of
+    Domino's micro-batch), so a per-sample (vmap) gradient still runs an even micro-batch."""
+    n = x.shape[0]
+    return x.reshape(n, 2, S, DH).permute(2, 1, 0, 3).reshape(S, 2 * n, DH)
+
+
+def _rows(h: torch.Tensor) -> torch.Tensor:
+    n = h.shape[1] // 2
+    return h.reshape(S, 2, n, DH).permute(2, 1, 0, 3).reshape(n, 2 * S * DH)
+
+
+class _DominoNet(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _rows(self.model(_halves(x), None))
+
+
+def _domino_cases(rank: int, world: int):
+    """(name, module, full float64 weights by our names, reference) for each overlap schedule."""
+    from deepspeed_c.runtime.domino import DominoConfig, DominoTransformer, ModelType
+    from tests.distributed import domino_models as dm
+
+    weights = dm.full_weights(11, layers=1, hidden=DH, ffn=FFN)
+    mpu = dm.MPU(world)
+
+    def ref(p: dict, x: torch.Tensor) -> torch.Tensor:
+        w = {k[len("model."):]: v for k, v in p.items()}
+        return _rows(dm.dense_forward(w, _halves(x), heads=HEADS, layers=1))
+
+    for intra in (False, True):
+        config = DominoConfig(num_layers=1, hidden_size=DH, num_attention_heads=HEADS, ffn_hidden_size=FFN,
+                              perform_initialization=False, domino_intra_layer_overlap=intra)
+        model = DominoTransformer(config, mpu, None, ModelType.encoder_or_decoder)
+        dm.load_shards(model, weights, world, rank)
+        yield f"domino_layer_intra{int(intra)}", _DominoNet(model), {f"model.{k}": v for k, v in weights.items()}, ref
+
+
+def _shard_of(ours: dict, rank: int, world: int):
+    """Our rank's piece of a full parameter-shaped tensor: cut along the dimension where our shape differs."""
+    def shard(k: str, t: torch.Tensor) -> torch.Tensor:
+        for dim, (a, b) in enumerate(zip(ours[k], t.shape)):
+            if a != b:
+                return t.chunk(world, dim=dim)[rank]
+        return t
+
+    return shard
+
+
 def body(rank: int, world: int) -> dict[str, dict[str, float]]:
     import torch.distributed as dist
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from deepspeed_c.module_inject.layers import TPReduce
     from tests.unit.autograd_calls import Case, run
@@ -130,18 +189,24 @@ def body(rank: int, world: int) -> dict[str, dict[str, float]]:
     group = dist.new_group(list(range(world)))
     for name, module, names in _cases(rank, world, group):
         ours = {k: tuple(p.shape) for k, p in module.named_parameters()}
-
-        def shard(k: str, t: torch.Tensor, ours=ours) -> torch.Tensor:
-            for dim, (a, b) in enumerate(zip(ours[k], t.shape)):
-                if a != b:
-                    return t.chunk(world, dim=dim)[rank]
-            return t
-
+        shard = _shard_of(ours, rank, world)
         sharded = frozenset(k for k in ours if ours[k] != shape[names[k]])
         case = Case(module, lambda p, xx, names=names: _mlp({names[k]: v for k, v in p.items()}, xx),
                     {k: full[names[k]] for k in ours}, x, next(k for k in ours if names[k] == "w1"),
                     shard=shard, sharded=sharded, reduce=lambda t, g=group: TPReduce.apply(g, t))
         out[name] = run(case)
+    for name, module, full_named, ref in _domino_cases(rank, world):
+        ours = {k: tuple(p.shape) for k, p in module.named_parameters()}
+        torch.manual_seed(1)
+        xd = torch.randn(3, 2 * S * DH)
+        case = Case(module, ref, full_named, xd, "model.layers.0.self_attention.query_key_value.weight",
+                    shard=_shard_of(ours, rank, world),
+                    sharded=frozenset(k for k in ours if ours[k] != tuple(full_named[k].shape)),
+                    reduce=lambda t, g=group: TPReduce.apply(g, t))
+        # torch's fused CPU/CUDA attention kernels have no double backward (a create_graph penalty through them
+        # raises in torch); its math kernel is plain differentiable ops
+        with sdpa_kernel(SDPBackend.MATH):
+            out[name] = run(case)
     return out
 
 
@@ -149,7 +214,7 @@ def test_tensor_parallel_layers_autograd_calls() -> None:
     from tests.unit.autograd_calls import failures
 
     for rank, errs in enumerate(run_distributed(body, 2)):
-        assert len(errs) == 5
+        assert len(errs) == 7
         for name, e in errs.items():
             bad = failures(e)
             assert not bad, f"rank {rank} {name}: {bad} (all: {e})"

@@ -19,6 +19,8 @@ from torch.utils.checkpoint import checkpoint
 
 from deepspeed_c import comm as dist
 from deepspeed_c.accelerator import get_accelerator
+from deepspeed_c.module_inject.layers import TPCopy, TPReduce
+from deepspeed_c.runtime.autograd_paths import transforms_active
 from deepspeed_c.runtime.domino.async_linear import DominoAsyncColumnParallelLinear, RowParallelLinearNoComm
 from deepspeed_c.runtime.domino.attention import CoreAttention, DominoModule, ShardedAttention  # noqa: F401
 from deepspeed_c.runtime.domino.config import check_config, split_micro_batch, tp_group_of
@@ -43,15 +45,46 @@ class bias_dropout_add(torch.nn.Module):
         return self.dropout(x) + residual
 
 
+class _RowSum(torch.autograd.Function):
+    """This rank's partial, which _Pending sums in place over the group outside autograd: the node autograd
+    sees for that sum. Its adjoint is the identity (the loss is replicated); a create_graph backward records
+    it as TPCopy, whose own adjoint is the all-reduce, so the second-order terms reaching the gradient are
+    summed over the ranks as they would be through TPReduce (without the node, autograd saw the output as
+    this rank's partial alone: every create_graph penalty lost the other ranks' terms)."""
+
+    @staticmethod
+    def forward(group: Any, partial: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return partial.view_as(partial)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.group = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:  # type: ignore[override]
+        if torch.is_grad_enabled():  # create_graph: keep the sum's adjoint differentiable
+            return None, TPCopy.apply(ctx.group, grad)
+        return None, grad
+
+
 class _Pending:
     """A partial sum whose all-reduce is in flight, and what to add to it once it lands."""
 
     def __init__(self, partial: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, group: Any,
                  tp: int, add: bias_dropout_add) -> None:
-        self.partial, self.bias, self.residual, self.add = partial, bias, residual, add
-        # summed in place through a detached alias: the sum's gradient is the identity (row-parallel),
-        # and nothing saved the partial for backward, so autograd need not see the collective
-        self.handle = dist.all_reduce(partial.detach(), group=group, async_op=True) if tp > 1 else None
+        self.bias, self.residual, self.add = bias, residual, add
+        self.handle = None
+        if tp > 1 and transforms_active():
+            # torch.func (grad, vmap): the collective must see the transform's tensors (an in-place all-reduce
+            # of a vmapped tensor has no batching rule), so the sum is TPReduce, synchronous
+            self.partial = TPReduce.apply(group, partial)
+        elif tp > 1:
+            # summed in place through a detached alias while the other half computes; _RowSum is the sum's node
+            # in the graph (nothing saves the partial for backward, so the in-place write is safe)
+            self.partial = _RowSum.apply(group, partial)
+            self.handle = dist.all_reduce(self.partial.detach(), group=group, async_op=True)
+        else:
+            self.partial = partial
 
     def finish(self) -> torch.Tensor:
         if self.handle is not None:
