@@ -13,6 +13,7 @@ extern PyMethodDef dsc_fetch_plan_methods[];
 extern PyMethodDef dsc_pipe_schedule_methods[];
 extern PyMethodDef dsc_identity_methods[];
 extern PyMethodDef dsc_index_merge_methods[];
+extern PyMethodDef dsc_host_memory_methods[];
 
 static PyMethodDef *const dsc_core_tables[] = {
     dsc_view_methods,
@@ -23,6 +24,7 @@ static PyMethodDef *const dsc_core_tables[] = {
     dsc_pipe_schedule_methods,
     dsc_identity_methods,
     dsc_index_merge_methods,
+    dsc_host_memory_methods,
     NULL,
 };
 

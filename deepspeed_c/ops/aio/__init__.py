@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from deepspeed_c.accelerator.host_memory import host_empty
 from deepspeed_c.ops.op_builder.async_io import AsyncIOBuilder
 
 _core = AsyncIOBuilder().load_core()
@@ -135,7 +136,7 @@ class aio_handle:  # noqa: N801  (DeepSpeed's class name)
         dtype = example_tensor.dtype
         nbytes = int(num_elem) * torch.empty((), dtype=dtype).element_size()
         if torch.cuda.is_available():
-            t = torch.empty(int(num_elem), dtype=dtype, pin_memory=True)
+            t = host_empty(int(num_elem), dtype, pin=True)
             _locked[t.data_ptr()] = True
             return t
         raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8)

@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from deepspeed_c.accelerator.host_memory import host_empty
 from deepspeed_c.runtime.superoffload.deferred import BucketTracker
 from deepspeed_c.runtime.superoffload.device_share import DeviceShare
 from deepspeed_c.runtime.superoffload.job_queue import ForwardOrderQueue
@@ -239,9 +240,8 @@ class SpeculativeOffload(CPUOffload):
             return
         if self.spare[g] is None:
             pin = self.cuda and self.host_lp[g] is None  # the master itself is the copy up's source only then
-            self.spare[g] = {"master": torch.empty(master.numel(), dtype=master.dtype, pin_memory=pin),
-                             **{k: torch.empty(state[k].numel(), dtype=state[k].dtype, pin_memory=pin)
-                                for k in opt.MOMENTS}}
+            self.spare[g] = {"master": host_empty(master.numel(), master.dtype, pin),
+                             **{k: host_empty(state[k].numel(), state[k].dtype, pin) for k in opt.MOMENTS}}
         out = self.spare[g]
         lp = self.host_lp[g]
         w = master.detach()

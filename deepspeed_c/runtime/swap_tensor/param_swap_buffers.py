@@ -12,6 +12,7 @@ import os
 from typing import Optional
 
 import torch
+from deepspeed_c.accelerator.host_memory import host_empty
 
 
 class SwapInBuffers:
@@ -19,7 +20,7 @@ class SwapInBuffers:
     def __init__(self, count: int, numel: int, dtype: torch.dtype, pin: bool) -> None:
         self.count, self.numel, self.dtype = int(count), int(numel), dtype
         pin = pin and torch.cuda.is_available()
-        self.buffers = [torch.empty(self.numel, dtype=dtype, pin_memory=pin) for _ in range(self.count)]
+        self.buffers = [host_empty(self.numel, dtype, pin) for _ in range(self.count)]
         self.free: list[int] = list(range(self.count - 1, -1, -1))
         self.in_use = 0
         self.peak_in_use = 0

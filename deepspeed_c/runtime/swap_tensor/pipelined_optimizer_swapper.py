@@ -15,6 +15,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
+from deepspeed_c.accelerator.host_memory import host_empty
 from deepspeed_c.runtime.swap_tensor.aio_config import AioConfig
 from deepspeed_c.runtime.swap_tensor.partitioned_optimizer_swapper import MASTER, PartitionedOptimizerSwapper
 from deepspeed_c.runtime.zero.offload import CPUOffload, folds_coef, unscaled_grad
@@ -38,7 +39,7 @@ class NVMeOffload(CPUOffload):
         # the master is not in memory to gather from: every group gets a model-dtype output buffer
         for g, m in enumerate(self.masters):
             if self.host_lp[g] is None:
-                self.host_lp[g] = torch.empty(m.numel(), dtype=self.lp_dtypes[g], pin_memory=pin)
+                self.host_lp[g] = host_empty(m.numel(), self.lp_dtypes[g], pin)
         self.swapper = PartitionedOptimizerSwapper(self.masters, optimizer, nvme_path=nvme_path, stage=stage,
                                                    rank=rank, aio=aio, buffer_count=buffer_count,
                                                    sub_group_size=sub_group_size)

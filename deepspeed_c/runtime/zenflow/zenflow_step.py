@@ -28,6 +28,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from deepspeed_c.accelerator.host_memory import host_empty
 from deepspeed_c.ops.partition import PartitionPlan
 from deepspeed_c.runtime.step_sequence import StepOutcome
 from deepspeed_c.runtime.zenflow import columns
@@ -72,11 +73,11 @@ class ZenFlowStep(ZeroStepStrategy):
         self.cur = 0
         self.zeroed: list[Any] = [None] * len(self.acc_sets)  # events: that set's copy and zeroing are done
         self.side = torch.cuda.Stream(self.device) if cuda else None
-        self.acc_host = [torch.empty(n, dtype=torch.float32, pin_memory=pin) if self.device.type != "cpu" else None
+        self.acc_host = [host_empty(n, torch.float32, pin) if self.device.type != "cpu" else None
                          for n in sizes]
         given = list(host_lp) if host_lp is not None else [None] * len(sizes)
         self.lp_host = [b if b is not None and b.dtype == self.lp_dtype and b.numel() == n
-                        else torch.empty(n, dtype=self.lp_dtype, pin_memory=pin) for b, n in zip(given, sizes)]
+                        else host_empty(n, self.lp_dtype, pin) for b, n in zip(given, sizes)]
         # the model's weights as this rank last wrote them (never the master itself, which the host steps)
         self.dev_lp = [m.detach().to(device=self.device, dtype=self.lp_dtype, copy=True) for m in self.masters]
         # on a GPU the host step's result is copied up by the worker as soon as it is done, on the side stream,

@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from deepspeed_c.accelerator.host_memory import host_empty
 from deepspeed_c.runtime.zero.param_gather import BucketGatherer
 
 SUB_CHUNK = 1 << 22  # elements per C-kernel call / host-to-device copy in the pipelined step
@@ -96,14 +97,14 @@ class CPUOffload:
         sizes = [m.numel() for m in self.masters]
         self.sizes = sizes  # kept: an NVMe subclass empties the masters between steps
         self.host_grads: list[Optional[torch.Tensor]] = [
-            torch.empty(n, dtype=self.grad_dtypes[g], pin_memory=pin) if self.staging else None
+            host_empty(n, self.grad_dtypes[g], pin) if self.staging else None
             for g, n in enumerate(sizes)]
         # the model-dtype result of the step, in host memory, read by the copy to the device (pinned,
         # so that copy is asynchronous); an fp32 model on a CPU-only run gathers the master itself
         self.host_lp: list[Optional[torch.Tensor]] = []
         for m, dt in zip(self.masters, self.lp_dtypes):
             direct = dt == torch.float32 and (not self.cuda or m.is_pinned())
-            self.host_lp.append(None if direct else torch.empty(m.numel(), dtype=dt, pin_memory=pin))
+            self.host_lp.append(None if direct else host_empty(m.numel(), dt, pin))
         self._staged = [0] * len(sizes)
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._last_d2h: Any = None

@@ -19,6 +19,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from deepspeed_c.accelerator.host_memory import host_zeros
 from deepspeed_c.ops.partition import PartitionPlan
 from deepspeed_c.runtime.zero.unit_gather import UnitGatherer
 
@@ -72,7 +73,8 @@ class ParamStore:
             plan = PartitionPlan.build(numels, world_size, 1, 1, None, module_runs(params, owner)) if params else None
             self.plans.append(plan)  # type: ignore[arg-type]
             size = plan.runtime_partition_size if plan is not None else 0
-            self.shards.append(torch.zeros(size, dtype=dtype, device=self.home_device, pin_memory=pin))
+            self.shards.append(host_zeros(size, dtype, pin) if torch.device(self.home_device).type == "cpu" else
+                               torch.zeros(size, dtype=dtype, device=self.home_device))
             self.first_unit.append(len(self.unit_of))
             if plan is None:
                 continue

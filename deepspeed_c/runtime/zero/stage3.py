@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from deepspeed_c.accelerator.host_memory import host_empty
 from deepspeed_c.ops.partition import PartitionPlan
 from deepspeed_c.runtime.backward_round import BucketOrderKeeping
 from deepspeed_c.runtime.optimizer_seam import EngineOptimizer, PartitionExport, SavedCheckpoint
@@ -359,7 +360,8 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (Deep
     def _cut_group(self, g: int, params: list[torch.nn.Parameter], cap: int, master_dtype: torch.dtype,
                    master_device: torch.device, pin: bool) -> tuple[PartitionPlan, torch.Tensor]:
         shard = self.store.shards[g]
-        flat = torch.empty(shard.numel(), dtype=master_dtype, device=master_device, pin_memory=pin)
+        flat = host_empty(shard.numel(), master_dtype, pin) if master_device.type == "cpu" else \
+            torch.empty(shard.numel(), dtype=master_dtype, device=master_device)
         flat.copy_(shard)
         return self.store.plans[g], flat
 

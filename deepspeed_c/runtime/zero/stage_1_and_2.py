@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
+from deepspeed_c.accelerator.host_memory import host_zeros
 from deepspeed_c.ops.partition import DEEPSPEED_ALIGNMENT, PartitionPlan
 from deepspeed_c.runtime.fused_epilogue import AdamEpilogue, device_global_norm
 from deepspeed_c.runtime.optimizer_seam import EngineOptimizer, PartitionExport
@@ -188,7 +189,9 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
         # fp32 copy of the whole model is ever made. master_dtype is fp32, or the model dtype under
         # {bf16,fp16}_master_weights_and_grads (DeepSpeed keeps the partition's masters and gradients
         # in 16 bits then)
-        flat = torch.zeros(plan.partition_size("runtime"), dtype=master_dtype, device=master_device, pin_memory=pin)
+        n = plan.partition_size("runtime")
+        flat = host_zeros(n, master_dtype, pin) if master_device.type == "cpu" else \
+            torch.zeros(n, dtype=master_dtype, device=master_device)
         with torch.no_grad():
             plan.scatter_params([p.detach() for p in params], "runtime", self.rank, out=flat)
         return plan, flat

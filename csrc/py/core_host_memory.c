@@ -1,0 +1,125 @@
+/* Host buffers of exactly the size asked for, page-locked for the GPU, handed to torch as DLPack tensors.
+ *
+ * torch's pinned allocator rounds every block up to a power of two (a 5.2 GiB offload buffer holds 8 GiB of
+ * locked memory) and keeps freed blocks cached for the process. ZeRO-Offload and ZeRO-Infinity keep a few
+ * parameter-sized host buffers for a whole run, so the rounding is host memory a user cannot train with.
+ * Here a buffer is its own anonymous mapping, registered with the CUDA runtime through a function the caller
+ * passes (cudaHostRegister of the runtime torch loaded; the core links no CUDA), and unregistered and unmapped
+ * by the tensor's DLPack deleter when torch frees the storage. Without a registration function (a host without
+ * a GPU, a unit test) the mapping is returned as it is. */
+#ifndef PY_SSIZE_T_CLEAN
+#define PY_SSIZE_T_CLEAN
+#endif
+#include <Python.h>
+
+#include <errno.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "dsc/dlpack_abi.h"
+
+typedef int (*register_fn)(void *ptr, size_t size, unsigned int flags);
+typedef int (*unregister_fn)(void *ptr);
+
+typedef struct {
+    DLManagedTensor managed;
+    int64_t shape[1];
+    void *base;
+    size_t mapped;
+    unregister_fn unregister;
+} host_block;
+
+static void host_block_free(DLManagedTensor *self) {
+    host_block *b = (host_block *)self->manager_ctx;
+    if (b->unregister) (void)b->unregister(b->base);
+    (void)munmap(b->base, b->mapped);
+    free(b);
+}
+
+/* A capsule nobody consumed still owns its block (torch renames the ones it takes). */
+static void capsule_destructor(PyObject *capsule) {
+    if (!PyCapsule_IsValid(capsule, "dltensor")) return;
+    DLManagedTensor *m = (DLManagedTensor *)PyCapsule_GetPointer(capsule, "dltensor");
+    if (m && m->deleter) m->deleter(m);
+}
+
+/* A function pointer from the integer address Python's ctypes gives (0: none). */
+static void *address(unsigned long long value) {
+    void *p = NULL;
+    uintptr_t u = (uintptr_t)value;
+    memcpy(&p, &u, sizeof p);
+    return p;
+}
+
+static PyObject *host_alloc(PyObject *self, PyObject *args) {
+    unsigned long long nbytes = 0, reg_addr = 0, unreg_addr = 0;
+    unsigned int flags = 0;
+    if (!PyArg_ParseTuple(args, "KKKI", &nbytes, &reg_addr, &unreg_addr, &flags)) return NULL;
+    if (nbytes == 0 || nbytes > (unsigned long long)INT64_MAX) {
+        PyErr_Format(PyExc_ValueError, "host_alloc: nbytes must be in [1, 2^63), got %llu", nbytes);
+        return NULL;
+    }
+    if ((reg_addr == 0) != (unreg_addr == 0)) {
+        PyErr_SetString(PyExc_ValueError, "host_alloc: give both the register and unregister functions, or neither");
+        return NULL;
+    }
+    const long page = sysconf(_SC_PAGESIZE);
+    const size_t unit = page > 0 ? (size_t)page : 4096u;
+    if (nbytes > (unsigned long long)(SIZE_MAX - unit)) {
+        PyErr_Format(PyExc_ValueError, "host_alloc: %llu bytes do not fit this address space", nbytes);
+        return NULL;
+    }
+    const size_t mapped = ((size_t)nbytes + unit - 1) / unit * unit;
+    host_block *b = (host_block *)calloc(1, sizeof *b);
+    if (!b) return PyErr_NoMemory();
+    void *base = MAP_FAILED;
+    int err = 0, rc = 0;
+    Py_BEGIN_ALLOW_THREADS
+    base = mmap(NULL, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    err = errno;
+    if (base != MAP_FAILED && reg_addr) rc = ((register_fn)address(reg_addr))(base, mapped, flags);
+    Py_END_ALLOW_THREADS
+    if (base == MAP_FAILED) {
+        free(b);
+        PyErr_Format(PyExc_MemoryError, "host_alloc: mapping %llu bytes failed: %s", nbytes, strerror(err));
+        return NULL;
+    }
+    if (rc != 0) {
+        (void)munmap(base, mapped);
+        free(b);
+        PyErr_Format(PyExc_RuntimeError, "host_alloc: page-locking %llu bytes for the GPU failed (CUDA error %d)",
+                     nbytes, rc);
+        return NULL;
+    }
+    b->base = base;
+    b->mapped = mapped;
+    b->unregister = reg_addr ? (unregister_fn)address(unreg_addr) : NULL;
+    b->shape[0] = (int64_t)nbytes;
+    DLTensor *t = &b->managed.dl_tensor;
+    t->data = base;
+    t->device.device_type = DSC_DL_CPU;
+    t->device.device_id = 0;
+    t->ndim = 1;
+    t->dtype.code = DSC_DL_UINT;
+    t->dtype.bits = 8;
+    t->dtype.lanes = 1;
+    t->shape = b->shape;
+    t->strides = NULL;
+    t->byte_offset = 0;
+    b->managed.manager_ctx = b;
+    b->managed.deleter = host_block_free;
+    PyObject *capsule = PyCapsule_New(&b->managed, "dltensor", capsule_destructor);
+    if (!capsule) host_block_free(&b->managed);
+    return capsule;
+}
+
+PyMethodDef dsc_host_memory_methods[] = {
+    {"host_alloc", host_alloc, METH_VARARGS,
+     "host_alloc(nbytes, register_addr, unregister_addr, flags) -> a DLPack capsule of a uint8 CPU tensor of exactly "
+     "nbytes, its own page-aligned mapping, registered through register_addr(ptr, size, flags) and released through "
+     "unregister_addr(ptr) then unmapped when freed (addresses 0: plain mapping)."},
+    {NULL, NULL, 0, NULL},
+};
