@@ -21,9 +21,10 @@ is emptied after each run), bf16, AdamW (each system's CPU Adam), gradient clipp
    first, so no orphan keeps tens of GiB of pinned host memory.
 
 The host memory our ZeRO-Offload (zero2) needs is printed before the runs: fp32 masters (pinned), bf16 gradient
-staging (pinned), bf16 step results for the copy back (pinned), each one flat tensor whose pinned allocation torch
-rounds up to a power of two, plus two fp32 Adam moments (pageable, made at the first step): 16 bytes a parameter
-exact, 18.0 / 18.5 with the rounding at 6.86B / 13.1B (102 -> 115 GiB; 195 -> 226 GiB: a 13B needs the 256 GiB host).
+staging (pinned), bf16 step results for the copy back (pinned), each one flat tensor page-locked at exactly its size
+(deepspeed_c/accelerator/host_memory.py), plus two fp32 Adam moments (pageable, made at the first step): 16 bytes a
+parameter (6.86B: 102 GiB; 13.1B: 195 GiB). With torch's pinned allocator (DSC_EXACT_PINNED=0), which rounds each
+block up to a power of two, 18.0 / 18.5 bytes (115 / 226 GiB).
 
     python benchmarks/offload_largest.py --check --mode zero2,zero3 --impls dsc,ds     # correctness, small GPT
     python benchmarks/offload_largest.py --size 6.7B --mode zero2 --impls dsc,ds --out /tmp/ol.jsonl
@@ -68,7 +69,8 @@ def pow2(n: int) -> int:
 
 def host_plan(params: int) -> dict[str, float]:
     """GiB of host memory our ZeRO-Offload (stage 2, one param group, bf16) allocates: offload.CPUOffload's
-    buffers and the CPU Adam's moments, exact and with the pinned allocator's power-of-two rounding."""
+    buffers and the CPU Adam's moments: exact (our page-locked buffers), and with torch's pinned allocator's
+    power-of-two rounding (what they took before, and again with DSC_EXACT_PINNED=0)."""
     g = 2.0 ** 30
     pinned = {"fp32 masters": 4 * params, "bf16 grad staging": 2 * params, "bf16 step results": 2 * params}
     exact = sum(pinned.values()) + 8 * params
@@ -387,7 +389,7 @@ def report(rows: list[dict]) -> None:
             print(f"largest {mode} ours trained: {big['params'] / 1e9:.2f}B at {big['tokens_per_s']:,.0f} tokens/s, "
                   f"peak host RSS {big['peak_host_rss_gib']:.1f} GiB" + (
                       f" (zero2 host buffers planned: {plan['exact_gib']:.1f} GiB exact, {plan['rounded_gib']:.1f} "
-                      "with pinned power-of-two rounding)" if mode == "zero2" else ""))
+                      "with torch's power-of-two pinned blocks, DSC_EXACT_PINNED=0)" if mode == "zero2" else ""))
         if both:
             big = max(both, key=lambda r: r["params"])
             print(f"largest {mode} both trained: {big['params'] / 1e9:.2f}B")
@@ -492,7 +494,7 @@ def main() -> None:
     plan = host_plan(n)
     say(f"GPT {args.size}: {n / 1e9:.2f}B params (d {d}, {nl} layers, {nh} heads, vocab {args.vocab}), seq {args.seq}"
         f", micro {args.micro}; our zero2 host buffers: {plan['exact_gib']:.1f} GiB exact, {plan['rounded_gib']:.1f} "
-        f"GiB with pinned power-of-two rounding ({plan['bytes_per_param_rounded']:.1f} B/param)", t0)
+        f"GiB in torch's power-of-two pinned blocks (DSC_EXACT_PINNED=0: {plan['bytes_per_param_rounded']:.1f} B/param)", t0)
     rows = []
     for mode in args.mode.split(","):
         for impl in impls:
