@@ -8,7 +8,7 @@ O=${OUT:-/tmp}
 for exact in 0 1; do
     DSC_EXACT_PINNED=$exact timeout 150 python3 benchmarks/offload_largest.py --check --mode zero2,zero3,zero3nvme \
         --impls dsc --check_steps 4 --nvme_path /tmp/ol_swap_e$exact --log $O/check_e$exact.log 2>&1 \
-        | grep "check .*: deepspeed_c" | sed "s/^.*check /exact=$exact /" | tee -a $O/check.txt
+        | grep -E "check [a-z0-9]+: deepspeed_c" | sed "s/^.*check /exact=$exact /" | tee -a $O/check.txt
 done
 python3 - "$O/check.txt" <<'PY'
 import sys
