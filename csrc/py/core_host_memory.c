@@ -5,14 +5,20 @@
  * parameter-sized host buffers for a whole run, so the rounding is host memory a user cannot train with.
  * Here a buffer is its own anonymous mapping, registered with the CUDA runtime through a function the caller
  * passes (cudaHostRegister of the runtime torch loaded; the core links no CUDA), and unregistered and unmapped
- * by the tensor's DLPack deleter when torch frees the storage. Without a registration function (a host without
- * a GPU, a unit test) the mapping is returned as it is. */
+ * when torch frees the storage. Without a registration function (a host without a GPU, a unit test) the mapping
+ * is returned as it is.
+ *
+ * torch's allocator keeps a freed pinned block until the copies queued on it have run (it records events); here
+ * the DLPack deleter only moves a freed block to a list, and host_release_freed() unregisters and unmaps the
+ * listed blocks. The Python side calls it after synchronizing the device, so no copy still in flight can touch
+ * memory that is gone. */
 #ifndef PY_SSIZE_T_CLEAN
 #define PY_SSIZE_T_CLEAN
 #endif
 #include <Python.h>
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,19 +30,33 @@
 typedef int (*register_fn)(void *ptr, size_t size, unsigned int flags);
 typedef int (*unregister_fn)(void *ptr);
 
-typedef struct {
+typedef struct host_block {
     DLManagedTensor managed;
     int64_t shape[1];
     void *base;
     size_t mapped;
     unregister_fn unregister;
+    struct host_block *next_freed;
 } host_block;
 
-static void host_block_free(DLManagedTensor *self) {
-    host_block *b = (host_block *)self->manager_ctx;
+static pthread_mutex_t freed_lock = PTHREAD_MUTEX_INITIALIZER;
+static host_block *freed_head = NULL;
+static size_t freed_bytes = 0;
+
+static void host_block_release(host_block *b) {
     if (b->unregister) (void)b->unregister(b->base);
     (void)munmap(b->base, b->mapped);
     free(b);
+}
+
+/* The DLPack deleter: may run on any thread, with or without the GIL. */
+static void host_block_free(DLManagedTensor *self) {
+    host_block *b = (host_block *)self->manager_ctx;
+    pthread_mutex_lock(&freed_lock);
+    b->next_freed = freed_head;
+    freed_head = b;
+    freed_bytes += b->mapped;
+    pthread_mutex_unlock(&freed_lock);
 }
 
 /* A capsule nobody consumed still owns its block (torch renames the ones it takes). */
@@ -112,14 +132,43 @@ static PyObject *host_alloc(PyObject *self, PyObject *args) {
     b->managed.manager_ctx = b;
     b->managed.deleter = host_block_free;
     PyObject *capsule = PyCapsule_New(&b->managed, "dltensor", capsule_destructor);
-    if (!capsule) host_block_free(&b->managed);
+    if (!capsule) host_block_release(b);  /* never seen by torch: no copy can use it */
     return capsule;
+}
+
+static PyObject *host_freed_bytes(PyObject *self, PyObject *unused) {
+    pthread_mutex_lock(&freed_lock);
+    const size_t n = freed_bytes;
+    pthread_mutex_unlock(&freed_lock);
+    return PyLong_FromSize_t(n);
+}
+
+static PyObject *host_release_freed(PyObject *self, PyObject *unused) {
+    pthread_mutex_lock(&freed_lock);
+    host_block *b = freed_head;
+    const size_t n = freed_bytes;
+    freed_head = NULL;
+    freed_bytes = 0;
+    pthread_mutex_unlock(&freed_lock);
+    Py_BEGIN_ALLOW_THREADS
+    while (b) {
+        host_block *next = b->next_freed;
+        host_block_release(b);
+        b = next;
+    }
+    Py_END_ALLOW_THREADS
+    return PyLong_FromSize_t(n);
 }
 
 PyMethodDef dsc_host_memory_methods[] = {
     {"host_alloc", host_alloc, METH_VARARGS,
      "host_alloc(nbytes, register_addr, unregister_addr, flags) -> a DLPack capsule of a uint8 CPU tensor of exactly "
      "nbytes, its own page-aligned mapping, registered through register_addr(ptr, size, flags) and released through "
-     "unregister_addr(ptr) then unmapped when freed (addresses 0: plain mapping)."},
+     "unregister_addr(ptr) then unmapped by host_release_freed once torch has freed it (addresses 0: plain mapping)."},
+    {"host_freed_bytes", host_freed_bytes, METH_NOARGS,
+     "host_freed_bytes() -> bytes of host_alloc buffers torch has freed and host_release_freed has not yet released."},
+    {"host_release_freed", host_release_freed, METH_NOARGS,
+     "host_release_freed() -> bytes released: unregisters and unmaps every freed host_alloc buffer. Call it only when "
+     "no copy queued on the device can still use one (after synchronizing)."},
     {NULL, NULL, 0, NULL},
 };

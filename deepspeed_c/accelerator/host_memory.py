@@ -3,8 +3,9 @@
 `torch.empty(n, pin_memory=True)` takes torch's caching pinned allocator, which rounds every block up to a power
 of two: ZeRO-Offload's fp32 master partition of a 6.9B model (27.4 GB) locks 32 GiB, its bf16 gradient staging
 (13.7 GB) 16 GiB. `host_empty` gives a buffer of its own (core_host_memory.c: an anonymous mapping registered with
-the CUDA runtime torch loaded, unregistered and unmapped when torch frees it), so offload's host memory is what
-its buffers hold. Small buffers (under EXACT_MIN_BYTES) still take torch's allocator, whose cache serves their
+the CUDA runtime torch loaded), so offload's host memory is what its buffers hold. A buffer torch frees is
+released (unregistered, unmapped) only after the device has been synchronized, by `release_freed()` (the next
+`host_empty` calls it, and the engine's destroy): a copy still queued on it never meets memory that is gone. Small buffers (under EXACT_MIN_BYTES) still take torch's allocator, whose cache serves their
 repeated allocations; so does everything when the runtime cannot be found, registration fails, or
 DSC_EXACT_PINNED=0. Without a GPU, or with pin=False, a buffer is an ordinary (pageable) CPU tensor."""
 from __future__ import annotations
@@ -39,12 +40,24 @@ def _runtime_register() -> Optional[tuple[int, int]]:
         return None
 
 
+def release_freed() -> int:
+    """Releases the exact buffers torch has freed, after synchronizing the current device; returns their bytes."""
+    from deepspeed_c import _C
+
+    if _C.host_freed_bytes() == 0:
+        return 0
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return int(_C.host_release_freed())
+
+
 def _exact_pinned(nbytes: int) -> Optional[torch.Tensor]:
     fns = _runtime_register()
     if fns is None or not all(fns):
         return None
     from deepspeed_c import _C
 
+    release_freed()
     try:
         return torch.from_dlpack(_C.host_alloc(nbytes, fns[0], fns[1], _PORTABLE))
     except RuntimeError:  # the driver refused (locked-memory limit): torch's allocator decides

@@ -2,8 +2,8 @@
 
 On the host the CUDA registration is stood in for by ctypes callbacks that record their calls: a buffer is its
 own page-aligned mapping of exactly the bytes asked for, registered once with its mapped size and the portable
-flag, unregistered once when torch frees the storage (not while a view of it lives), and an unconsumed capsule
-frees its block too; a refused registration raises naming the bytes and the CUDA error, leaving nothing mapped.
+flag, unregistered once after torch frees the storage (not while a view of it lives) and only when the freed
+blocks are released (after a device synchronize), and an unconsumed capsule's block is released too; a refused registration raises naming the bytes and the CUDA error, leaving nothing mapped.
 host_empty / host_zeros give ordinary CPU tensors without a GPU. On a GPU: buffers are pinned at their exact size
 (torch's allocator would round 5 MB + 1 up to 8 MiB), and a non-blocking round trip through one is exact."""
 from __future__ import annotations
@@ -41,10 +41,13 @@ def test_exact_buffer_lifetime_with_a_recording_registrar():
     ptr = log[0][1]
     del view
     gc.collect()
+    assert len(log) == 1 and _C.host_freed_bytes() == 8192, "released before the device could be synchronized"
+    assert _C.host_release_freed() == 8192 and _C.host_freed_bytes() == 0
     assert log[1:] == [("unreg", ptr)]
     capsule = _C.host_alloc(100, _addr(reg), _addr(unreg), 0)  # never given to torch
     del capsule
     gc.collect()
+    assert host_memory.release_freed() == 4096
     assert [e[0] for e in log] == ["reg", "unreg", "reg", "unreg"]
 
 
