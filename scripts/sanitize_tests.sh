@@ -74,7 +74,7 @@ set +e
     tests/unit/test_partition.py tests/unit/test_bucket_plan.py tests/unit/test_fetch_plan.py \
     tests/unit/test_pipe_schedule.py tests/unit/test_tensor_view.py tests/unit/test_aio_handle.py \
     tests/unit/test_moe_gating.py tests/unit/test_pipe_topology.py tests/unit/test_fused_step_plan.py \
-    tests/unit/test_index_merge.py
+    tests/unit/test_index_merge.py tests/unit/test_host_memory.py
 tests_rc=$?
 fuzz_rc=0
 for drv in "${!fuzz_pid[@]}"; do
