@@ -23,6 +23,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
+from deepspeed_c.accelerator.host_memory import host_empty
+
 _OFFLOAD_KEYS = {"device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu"}
 
 
@@ -131,8 +133,7 @@ class LayerStreamer:
             self._hooks.append(layer.register_forward_hook(self._post_hook(i)))
 
     def _host_buffer(self, n: int, pin: bool) -> Tensor:
-        t = torch.empty(n, dtype=self.dtype)
-        return t.pin_memory() if pin else t
+        return host_empty(n, self.dtype, pin)  # page-locked at exactly its size (a layer's weights, kept all run)
 
     # ---- moving one layer ----------------------------------------------------------------------------
     def _source(self, i: int, slot: int) -> Tensor:
