@@ -100,7 +100,10 @@ static PyObject *host_alloc(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     base = mmap(NULL, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     err = errno;
-    if (base != MAP_FAILED && reg_addr) rc = ((register_fn)address(reg_addr))(base, mapped, flags);
+    /* a fork (DataLoader workers) must not make the parent's pages copy-on-write: the GPU's DMA would keep the
+     * old physical pages while the parent writes new ones; the child does not get the mapping at all */
+    if (base != MAP_FAILED && reg_addr && madvise(base, mapped, MADV_DONTFORK) != 0) rc = -1;
+    if (base != MAP_FAILED && reg_addr && rc == 0) rc = ((register_fn)address(reg_addr))(base, mapped, flags);
     Py_END_ALLOW_THREADS
     if (base == MAP_FAILED) {
         free(b);

@@ -2,7 +2,7 @@
 
 On the host the CUDA registration is stood in for by ctypes callbacks that record their calls: a buffer is its
 own page-aligned mapping of exactly the bytes asked for, registered once with its mapped size and the portable
-flag, unregistered once after torch frees the storage (not while a view of it lives) and only when the freed
+flag (and kept out of forked children: MADV_DONTFORK), unregistered once after torch frees the storage (not while a view of it lives) and only when the freed
 blocks are released (after a device synchronize), and an unconsumed capsule's block is released too; a refused registration raises naming the bytes and the CUDA error, leaving nothing mapped.
 host_empty / host_zeros give ordinary CPU tensors without a GPU. On a GPU: buffers are pinned at their exact size
 (torch's allocator would round 5 MB + 1 up to 8 MiB), and a non-blocking round trip through one is exact."""
@@ -25,6 +25,19 @@ def _addr(fn) -> int:
     return ctypes.cast(fn, ctypes.c_void_p).value
 
 
+def _vm_flags(address: int) -> list[str]:
+    """The kernel's VmFlags of the mapping starting at `address` (/proc/self/smaps)."""
+    with open("/proc/self/smaps") as f:
+        lines = f.read().splitlines()
+    for i, line in enumerate(lines):
+        head = line.split()[0]
+        if "-" in head and int(head.split("-")[0], 16) == address:
+            for follow in lines[i + 1:]:
+                if follow.startswith("VmFlags:"):
+                    return follow.split()[1:]
+    raise AssertionError(f"no mapping starts at {address:#x}")
+
+
 def test_exact_buffer_lifetime_with_a_recording_registrar():
     log: list = []
     reg = REG(lambda p, n, f: log.append(("reg", p, n, f)) or 0)
@@ -32,6 +45,7 @@ def test_exact_buffer_lifetime_with_a_recording_registrar():
     raw = torch.from_dlpack(_C.host_alloc(5000, _addr(reg), _addr(unreg), 1))
     assert raw.shape == (5000,) and raw.dtype == torch.uint8 and raw.data_ptr() % 4096 == 0
     assert log == [("reg", raw.data_ptr(), 8192, 1)]  # whole pages, the flag passed through
+    assert "dc" in _vm_flags(raw.data_ptr()), "a registered buffer must not be copied into forked children"
     view = raw.view(torch.float32)[10:20]
     view.fill_(2.5)
     del raw
