@@ -26,16 +26,16 @@ def _addr(fn) -> int:
 
 
 def _vm_flags(address: int) -> list[str]:
-    """The kernel's VmFlags of the mapping starting at `address` (/proc/self/smaps)."""
+    """The kernel's VmFlags of the mapping holding `address` (/proc/self/smaps; neighbours may be merged in)."""
     with open("/proc/self/smaps") as f:
         lines = f.read().splitlines()
     for i, line in enumerate(lines):
         head = line.split()[0]
-        if "-" in head and int(head.split("-")[0], 16) == address:
+        if "-" in head and int(head.split("-")[0], 16) <= address < int(head.split("-")[1], 16):
             for follow in lines[i + 1:]:
                 if follow.startswith("VmFlags:"):
                     return follow.split()[1:]
-    raise AssertionError(f"no mapping starts at {address:#x}")
+    raise AssertionError(f"no mapping holds {address:#x}")
 
 
 def test_exact_buffer_lifetime_with_a_recording_registrar():
