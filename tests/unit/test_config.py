@@ -204,7 +204,14 @@ BAD_CONFIGS = [
     (cfg(aio={"block_sise": 1048576}), ValueError, "aio.block_sise"),
     (cfg(aio={"block_size": 1000}), ValueError, "aio.block_size"),
     (cfg(aio={"use_gds": True}), NotImplementedError, "aio.use_gds"),
-    (cfg(expert_parallel={"enabled": True, "autoep_size": 2}), NotImplementedError, "expert_parallel"),
+    # AutoEP is built; these combinations are refused naming the key
+    (cfg(expert_parallel={"enabled": True, "autoep_size": 2}, zero_optimization={"stage": 3}), ValueError,
+     "expert_parallel.enabled"),
+    (cfg(expert_parallel={"enabled": True, "autoep_size": 0}), ValueError, "expert_parallel.autoep_size"),
+    (cfg(expert_parallel={"enabled": True, "top_k": 3}), NotImplementedError, "expert_parallel.top_k"),
+    (cfg(expert_parallel={"enabled": True, "load_balance_coeff": 0.1}), ValueError,
+     "expert_parallel.load_balance_coeff"),
+    (cfg(expert_parallel={"enabled": True, "autoep_sise": 2}), ValueError, "expert_parallel.autoep_sise"),
     (cfg(amp={"enabled": True, "opt_level": "O1"}), NotImplementedError, "amp.enabled"),
     (cfg(sparse_gradients=True, zero_optimization={"stage": 2}), ValueError, "sparse_gradients"),  # stage 0 only
     (cfg(progressive_layer_drop={"enabled": True, "theta": "high"}), ValueError, "progressive_layer_drop.theta"),

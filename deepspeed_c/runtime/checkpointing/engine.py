@@ -195,7 +195,7 @@ class EngineCheckpointer:
         if st.has_moe_layers:  # DeepSpeed's MoE layout: experts and optimizer states in files of their own
             from deepspeed_c.runtime.checkpointing import moe
 
-            moe.check_stage(self.options.zero_stage)
+            moe.check_stage(self.options.zero_stage, st.module)
         part = zero.save_partition(st.stepper, name_of) if st.stepper is not None else None
         # ZeRO-3: every rank writes its own model-states file, with its shards of the frozen parameters
         shards = (zero3.partitioned_model_state(st.stepper, name_of, exclude_frozen_parameters)
@@ -491,7 +491,7 @@ class EngineCheckpointer:
         if st.has_moe_layers:  # the experts this rank holds now, from the expert files
             from deepspeed_c.runtime.checkpointing import moe
 
-            moe.check_stage(self.options.zero_stage)
+            moe.check_stage(self.options.zero_stage, st.module)
             module_state = {**module_state, **moe.load_experts(st.module, saved.tag_dir, saved.manifest)}
         if saved.partitioned_weights:
             if not self.options.zero and not self.options.load_universal:  # universal: weights from zero/

@@ -183,11 +183,19 @@ def load_optimizer(module: torch.nn.Module, stepper: Any, tag_dir: str, manifest
     stepper.load_state_dict(mine, load_optimizer_states=True)
 
 
-def check_stage(zero_stage: int) -> None:
-    """MoE checkpoints are built for stages 0, 1 and 2; others raise before any file is written."""
+def check_stage(zero_stage: int, module: Any = None) -> None:
+    """MoE checkpoints are built for stages 0, 1 and 2; others raise before any file is written. So do
+    expert-parallel layers this layout does not know (AutoEP's, split over more than one rank): rank 0's
+    model file would carry only its own experts and every rank would load those."""
     if zero_stage > 2:
         raise NotImplementedError("save_checkpoint/load_checkpoint of a model with MoE layers at "
                                   f"zero_optimization.stage {zero_stage} is not built")
+    known = {id(m) for _, m in moe_layers(module)} if module is not None else set()
+    for name, m in module.named_modules() if module is not None else ():
+        if hasattr(m, "expert_group_name") and id(m) not in known and getattr(m, "ep_size", 1) > 1:
+            raise NotImplementedError(f"save_checkpoint/load_checkpoint with AutoEP experts split over "
+                                      f"expert_parallel.autoep_size={m.ep_size} ranks ('{name}') is not built; "
+                                      "checkpoints are built at autoep_size 1")
 
 
 # -- ZeRO 1/2: the MoE ZeRO members' groups in one file per data-parallel rank ----------------------

@@ -262,6 +262,10 @@ class DeepSpeedConfig:
         misc = parse_misc_sections(pd)
         for name, value in misc.items():
             setattr(self, name, value)
+        from deepspeed_c.runtime.config.expert_parallel import parse_expert_parallel
+
+        self.expert_parallel_config = parse_expert_parallel(pd, self.zero_optimization_stage,
+                                                            self.tensor_parallel_config.autotp_size)
         from deepspeed_c.runtime.config.hybrid_engine import parse_hybrid_engine
 
         self.hybrid_engine = parse_hybrid_engine(pd)

@@ -138,7 +138,6 @@ def _present(raw: Any) -> bool:
 UNBUILT_SECTIONS: dict[str, tuple[str, Any]] = {
     "weight_quantization": ("weight quantization", _present),
     "elasticity": ("elastic training", _enabled),
-    "expert_parallel": ("AutoEP expert parallelism (MoE)", _enabled),
     "nebula": ("Nebula checkpointing", _enabled),
 }
 

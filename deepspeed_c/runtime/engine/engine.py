@@ -201,6 +201,11 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
         # or none: a later engine in the process must not see an earlier one's)
         groups._set_client_mpu(self.mpu if self.parallel_dims.tensor_parallel and not self.parallel_dims.autotp
                                else None)
+        from deepspeed_c.moe.autoep import apply_autoep
+
+        # AutoEP: matched Hugging Face MoE blocks get expert-parallel experts (before the groups below)
+        apply_autoep(model, self._config.expert_parallel_config, self.parallel_dims.tensor_parallel,
+                     self._config.use_data_before_expert_parallel_)
         import torch.distributed as tdist
         from deepspeed_c.runtime.moe_reduction import ExpertParallelism
 
