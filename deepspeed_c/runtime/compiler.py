@@ -56,6 +56,11 @@ def deepcompile_unsupported_reason() -> Optional[str]:
     return None
 
 
+def kwargs_without_options(kwargs: dict) -> dict:
+    """torch.compile's keywords less `options` (a custom backend takes those itself)."""
+    return {k: v for k, v in kwargs.items() if k != "options"}
+
+
 @dataclass
 class CompiledModule:
     """What engine.compile left behind: the DeepCompile runner (ZeRO-3) or None (torch.compile in place)."""
@@ -93,6 +98,15 @@ def compile_engine_module(module: torch.nn.Module, compile_config: Any, *, backe
         runner = init_z3(module, optimizer, group, backend, kwargs, log)
         log(f"Compiling deepcompile=True backend={backend}: ZeRO-3 gathers, releases and reduce-scatters in the graph")
         return CompiledModule(backend, True, runner)
+    if compile_config.deepcompile and "autosp" in (compile_config.passes or []):
+        from deepspeed_c.compile.init_sp import init_autosp
+        from deepspeed_c.utils import groups
+
+        size = groups._get_sequence_parallel_world_size()
+        module.compile(backend=init_autosp(backend, kwargs, groups._get_sequence_parallel_group(), size,
+                                           groups._get_sequence_parallel_rank()), **kwargs_without_options(kwargs))
+        log(f"Compiling deepcompile=True backend={backend}: AutoSP (Ulysses) over a sequence-parallel group of {size}")
+        return CompiledModule(backend, True)
     if compile_config.deepcompile:
         log(f"Compiling deepcompile=True backend={backend}: at ZeRO stage {zero_stage} the compiled model keeps "
             "ZeRO's bucketed gradient reduction (hooks after the compiled backward)")

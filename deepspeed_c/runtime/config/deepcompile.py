@@ -1,7 +1,8 @@
 """What `compile.deepcompile` can run with, checked when the config is parsed (before the model is touched).
 
 deepspeed_c's DeepCompile puts ZeRO-3's gathers and reduce-scatters in the graph; at ZeRO-1/2 the compiled
-model keeps ZeRO's bucketed reduction. It needs a ZeRO stage, an optimizer that steps on the reduced
+model keeps ZeRO's bucketed reduction. With `compile.passes` ["autosp"] it is AutoSP instead (ZeRO stage 0 only).
+Otherwise it needs a ZeRO stage, an optimizer that steps on the reduced
 gradient partition on the device (no offload, ZenFlow, 1-bit or Muon: they reduce or step on their own
 terms), the compile section's keys that deepspeed_c builds, and a torch with the compiler features used."""
 from __future__ import annotations
@@ -22,7 +23,26 @@ _UNBUILT_KEYS = {
 }
 
 
+def _check_passes(compile_cfg: Any, param_dict: dict, stage: int) -> bool:
+    """compile.passes: only "autosp" is built, at ZeRO stage 0 (DeepSpeed's rule). True when AutoSP is on."""
+    passes = list(compile_cfg.passes or [])
+    if not passes:
+        return False
+    unknown = [p for p in passes if p != "autosp"]
+    if unknown:
+        raise unbuilt(f"compile.passes {unknown}", "DeepCompile passes other than 'autosp'")
+    if not compile_cfg.deepcompile:
+        raise DeepSpeedConfigError("config key 'compile.passes' ['autosp'] needs 'compile.deepcompile': true")
+    if stage != 0:
+        raise DeepSpeedConfigError(f"config key 'compile.passes' ['autosp'] needs ZeRO stage 0, got "
+                                   f"'zero_optimization.stage' {stage}: AutoSP shards the sequence, not the weights")
+    return True
+
+
 def check_deepcompile(compile_cfg: Any, param_dict: dict) -> None:
+    zero = param_dict.get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
+    autosp = _check_passes(compile_cfg, param_dict, stage)
     if not compile_cfg.deepcompile:
         return
     from deepspeed_c.runtime.compiler import deepcompile_unsupported_reason
@@ -30,9 +50,7 @@ def check_deepcompile(compile_cfg: Any, param_dict: dict) -> None:
     reason = deepcompile_unsupported_reason()
     if reason is not None:
         raise RuntimeError(f"config key 'compile.deepcompile' needs torch's compiler features: {reason}")
-    zero = param_dict.get("zero_optimization") or {}
-    stage = int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
-    if stage not in (1, 2, 3):
+    if stage not in (1, 2, 3) and not autosp:
         raise DeepSpeedConfigError(f"config key 'compile.deepcompile' needs ZeRO stage 1, 2 or 3, got "
                                    f"'zero_optimization.stage' {stage}: DeepCompile turns ZeRO's partitioning into "
                                    "graph passes (set the stage, or drop compile.deepcompile and call engine.compile)")

@@ -188,7 +188,7 @@ class EngineConfigAccessors:
             return self.global_rank < shard
         return self.zero_optimization_partition_weights()
 
-    # -- DeepCompile passes (compile.passes; building any of them is refused at config time) -------------
+    # -- DeepCompile passes (compile.passes: only "autosp" is built, the others are refused at config time) -
     def compile_zero_optimization_stage(self) -> bool:
         passes = self._config.compile_config.passes or []
         return "z1" in passes or "z3" in passes

@@ -62,6 +62,18 @@ class SequenceDataParallelView:
         return self.get_data_parallel_group()
 
 
+def _autosp_shape(sp: Any) -> tuple:
+    """AutoSP (compile.passes ["autosp"]) takes sequence_parallel_size alone, DeepSpeed's way: the data-parallel
+    size is what is left of the world."""
+    import torch.distributed as tdist
+
+    world = tdist.get_world_size() if tdist.is_initialized() else 1
+    if not isinstance(sp, int) or sp < 1 or world % sp != 0:
+        raise ValueError(f"config key 'sequence_parallel_size' {sp!r} must be a positive int dividing the world "
+                         f"size {world} (AutoSP: compile.passes ['autosp'])")
+    return (world // sp, sp)
+
+
 def sequence_parallel_mpu(config: dict, mpu: Any, mesh_param: Any) -> Optional[Any]:
     """The sequence-parallel mpu initialize should use, building its groups from mesh_param or the
     config's data_parallel_size x sequence_parallel_size when no mpu was given; None if none applies."""
@@ -75,6 +87,8 @@ def sequence_parallel_mpu(config: dict, mpu: Any, mesh_param: Any) -> Optional[A
     elif "sequence_parallel_size" in config and "data_parallel_size" in config:
         shape, source = (config["data_parallel_size"], config["sequence_parallel_size"]), \
             "data_parallel_size x sequence_parallel_size"
+    elif "sequence_parallel_size" in config and "autosp" in ((config.get("compile") or {}).get("passes") or []):
+        shape, source = _autosp_shape(config["sequence_parallel_size"]), "sequence_parallel_size (AutoSP)"
     if shape is None:
         return None
     import torch.distributed as tdist
