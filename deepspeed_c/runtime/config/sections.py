@@ -186,8 +186,6 @@ def parse_misc_sections(param_dict: dict[str, Any]) -> dict[str, Any]:
     from deepspeed_c.runtime.config.deepcompile import check_deepcompile
 
     check_deepcompile(compile_cfg, param_dict)
-    if compile_cfg.passes:
-        raise unbuilt("compile.passes", "DeepCompile passes (AutoSP)")
     tp = parse_section(TPTrainingConfig, param_dict.get("tensor_parallel"), "tensor_parallel")  # AutoTP: initialize
     if tp.autotp_size > 1:
         import torch.distributed as dist
