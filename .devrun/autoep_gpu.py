@@ -9,14 +9,16 @@ import torch
 sys.path.insert(0, os.getcwd())
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1"); os.environ.setdefault("MASTER_PORT", "29577")
 os.environ.setdefault("RANK", "0"); os.environ.setdefault("WORLD_SIZE", "1"); os.environ.setdefault("LOCAL_RANK", "0")
+DEV = os.environ.get("DEV", "cuda")
 torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
 from tests.distributed.test_autoep import LR, batches, make_model  # noqa: E402
 
 import deepspeed_c  # noqa: E402
 
 
+
 def run(kind, dtype, stage, ours):
-    model = make_model(kind).to("cuda", dtype)
+    model = make_model(kind).to(DEV, dtype)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     if ours:
         cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0, "zero_allow_untested_optimizer": True,
@@ -28,7 +30,7 @@ def run(kind, dtype, stage, ours):
             model, opt, _, _ = deepspeed_c.initialize(model=model, optimizer=opt, config=cfg)
     losses = []
     for step in batches(1):
-        b = step[0].cuda()
+        b = step[0].to(DEV)
         loss = model(input_ids=b, labels=b).loss
         if ours:
             model.backward(loss); model.step()
