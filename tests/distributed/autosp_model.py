@@ -9,9 +9,10 @@ VOCAB, HIDDEN, HEADS = 32, 16, 4
 
 
 class TinySdpaLM(torch.nn.Module):
-    def __init__(self, heads: int = HEADS, graph_break: bool = False, attention: bool = True) -> None:
+    def __init__(self, heads: int = HEADS, graph_break: bool = False, attention: bool = True,
+                 loss: str = "ce") -> None:
         super().__init__()
-        self.heads, self.graph_break, self.attention = heads, graph_break, attention
+        self.heads, self.graph_break, self.attention, self.loss = heads, graph_break, attention, loss
         self.tok = torch.nn.Embedding(VOCAB, HIDDEN)
         self.pos = torch.nn.Embedding(64, HIDDEN)
         # no qkv bias: the key bias's true gradient is zero (softmax ignores a per-query constant), so its
@@ -32,6 +33,10 @@ class TinySdpaLM(torch.nn.Module):
             torch._dynamo.graph_break()
         x = x + torch.tanh(self.mlp(x))
         logits = self.head(x)
+        if self.loss == "shifted":  # Hugging Face's in-model shift: pad, then drop the first label
+            labels = F.pad(labels, (0, 1), value=-100)[:, 1:]
+        if self.loss == "mse":  # a loss of the labels that is not a cross entropy
+            return (logits.float().mean(-1) - labels.float()).pow(2).mean(), logits
         loss = F.cross_entropy(logits.view(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
         return loss, logits
 

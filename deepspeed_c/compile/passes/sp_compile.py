@@ -168,6 +168,27 @@ def _arg(node: Node, index: int, name: str, default: Any) -> Any:
     return node.args[index] if len(node.args) > index else default
 
 
+_LAYOUT_ONLY = {"view", "reshape", "flatten", "contiguous", "long", "to"}  # methods that keep the token order
+_LAYOUT_FUNCS = {torch.reshape, torch.flatten}
+
+
+def _check_aligned(target: Node, labels: Node) -> None:
+    """The cross entropy's target must be the labels' tokens in their order (a view or reshape of them): a label
+    shift inside the model (Hugging Face's pad-and-slice) would, on a sequence chunk, lose the token across each
+    chunk boundary, so it is refused rather than trained slightly wrong."""
+    node = target
+    while node is not labels:
+        layout = (node.op == "call_method" and node.target in _LAYOUT_ONLY) or \
+                 (node.op == "call_function" and node.target in _LAYOUT_FUNCS)
+        if not layout or not node.args or not isinstance(node.args[0], Node):
+            raise NotImplementedError(
+                f"AutoSP: the labels reach the cross entropy through {node.op} {getattr(node.target, '__name__', node.target)!r} "
+                "(a shift or slice inside the model); on a sequence chunk that loses the label across each chunk "
+                "boundary. Shift the labels before prepare_autosp_inputs (label_id[:, i] = the token after input_id[:, i], "
+                "-100 at the end) and have the model use them as given")
+        node = node.args[0]
+
+
 def aggregate_losses(gm: GraphModule, labels: Node) -> int:
     """Each mean cross entropy whose target comes from the labels becomes the whole sequence's mean."""
     from deepspeed_c.compile import sp_ops  # noqa: F401
@@ -178,6 +199,7 @@ def aggregate_losses(gm: GraphModule, labels: Node) -> int:
         target = _arg(node, 1, "target", None)
         if target not in from_labels:
             continue
+        _check_aligned(target, labels)
         if _arg(node, 2, "weight", None) is not None or _arg(node, 6, "reduction", "mean") != "mean":
             raise NotImplementedError("AutoSP: a label cross entropy must be reduction='mean' without class "
                                       "weights (its mean over the sequence is aggregated over the group)")
@@ -211,6 +233,11 @@ def apply_autosp(gm: GraphModule, size: int, rank: int) -> dict[str, int]:
     local = shard_inputs(gm, tagged, size, rank)
     attentions = wrap_attention(gm, size)
     losses = aggregate_losses(gm, local["label_id"])
+    if losses == 0:  # each rank's local mean would be summed over the group: a gradient P times too large
+        raise NotImplementedError("AutoSP (config 'compile.passes' ['autosp']): no torch.nn.functional.cross_entropy "
+                                  "against the tagged labels (reduction='mean') in the compiled forward, so the loss "
+                                  "cannot be made the whole sequence's mean over the sequence-parallel group; compute "
+                                  "the loss as F.cross_entropy(logits, labels) inside the model's forward")
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()
