@@ -7,7 +7,9 @@ hyper-parameters. Each rank holds half the sequence and attends over all of it t
 loss it returns is the whole batch's token mean (aggregated over the group, ignored tokens not counted), and
 the engine sums the ranks' gradients. Checked: every step's loss, the weights after the steps (fp32 within
 1e-5 norm-wise per tensor), and the first forward's logits, gathered over the ranks, against the unsharded
-forward. Sequence lengths 8 then 12 (one dynamic-length graph serves both)."""
+forward. Sequence lengths 8 then 12 (one dynamic-length graph serves both). Twice: labels aligned with the
+logits, and labels shifted inside the model as Hugging Face does (pad, then drop the first): AutoSP shifts them
+on the whole sequence and cuts this rank's chunk after the shift, so no label is lost at a chunk boundary."""
 from __future__ import annotations
 
 import copy
@@ -26,6 +28,10 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def _body(rank: int, world: int) -> dict:
+    return {loss: _run(rank, world, loss) for loss in ("ce", "shifted")}
+
+
+def _run(rank: int, world: int, loss_kind: str) -> dict:
     import deepspeed_c
     import torch.distributed as dist
     from deepspeed_c.compile import init_sp
@@ -33,7 +39,7 @@ def _body(rank: int, world: int) -> dict:
     from tests.distributed.autosp_model import TinySdpaLM, batch
 
     torch.manual_seed(0)
-    model = TinySdpaLM()
+    model = TinySdpaLM(loss=loss_kind)
     ref = copy.deepcopy(model).double()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0)
     config = {"train_micro_batch_size_per_gpu": 2, "sequence_parallel_size": 2,
@@ -66,9 +72,11 @@ def _body(rank: int, world: int) -> dict:
 
 
 def test_autosp_sp2_matches_single_process_full_sequence() -> None:
-    for rank, res in enumerate(run_distributed(_body, world_size=2)):
-        assert res["graphs"] and all(g == {"attention": 1, "losses": 1} for g in res["graphs"]), res["graphs"]
-        np.testing.assert_allclose(res["losses"], res["ref_losses"], rtol=1e-5)
-        assert res["logits_err"] < 1e-5, (rank, res["logits_err"])
-        bad = {n: e for n, e in res["weights"].items() if not e < 1e-5}
-        assert not bad, (rank, bad)
+    for rank, both in enumerate(run_distributed(_body, world_size=2)):
+        for kind, res in both.items():
+            assert res["graphs"] and all(g == {"attention": 1, "losses": 1} for g in res["graphs"]), \
+                (kind, res["graphs"])
+            np.testing.assert_allclose(res["losses"], res["ref_losses"], rtol=1e-5, err_msg=kind)
+            assert res["logits_err"] < 1e-5, (kind, rank, res["logits_err"])
+            bad = {n: e for n, e in res["weights"].items() if not e < 1e-5}
+            assert not bad, (kind, rank, bad)

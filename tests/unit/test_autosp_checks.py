@@ -1,7 +1,7 @@
 """AutoSP's refusals, each naming what to change: the config (compile.passes ["autosp"] needs
 compile.deepcompile and ZeRO stage 0; other passes are not built), prepare_autosp_inputs' arguments, and the
 passes on a captured graph (heads not divisible by the sequence-parallel size, no SDPA, a graph break,
-untagged inputs, labels shifted inside the model, no cross entropy against the labels). The passes run here in one process on dynamo's graph with a registered group of 2 that
+untagged inputs, no cross entropy against the labels); labels shifted inside the model are taken. The passes run here in one process on dynamo's graph with a registered group of 2 that
 never communicates: a test backend applies them and then runs the untransformed graph."""
 from __future__ import annotations
 
@@ -74,12 +74,12 @@ def _capture(model: torch.nn.Module, tag: bool = True) -> list[dict]:
 
 def test_passes_transform_and_refuse(group_of_two: None) -> None:
     assert _capture(TinySdpaLM()) == [{"attention": 1, "losses": 1}]
+    assert _capture(TinySdpaLM(loss="shifted")) == [{"attention": 1, "losses": 1}]  # shifted whole, then cut
     for model, tag, exc, words in [
         (TinySdpaLM(heads=1), True, ValueError, ["query has 1 heads", "'sequence_parallel_size' 2"]),
         (TinySdpaLM(attention=False), True, RuntimeError, ["compile.passes", "scaled_dot_product_attention"]),
         (TinySdpaLM(graph_break=True), True, RuntimeError, ["graph break"]),
         (TinySdpaLM(), False, RuntimeError, ["prepare_autosp_inputs"]),
-        (TinySdpaLM(loss="shifted"), True, NotImplementedError, ["Shift the labels before prepare_autosp_inputs"]),
         (TinySdpaLM(loss="mse"), True, NotImplementedError, ["cross_entropy", "compile.passes"]),
     ]:
         with pytest.raises(Exception) as info:

@@ -92,8 +92,10 @@ def _downstream(starts: list[Node]) -> set[Node]:
     return seen
 
 
-def shard_inputs(gm: GraphModule, tagged: dict[str, tuple[Node, int]], size: int, rank: int) -> dict[str, Node]:
-    """Narrows the tagged inputs to this rank's chunk; S becomes S/P in their consumers. Returns role -> local."""
+def shard_inputs(gm: GraphModule, tagged: dict[str, tuple[Node, int]], size: int, rank: int,
+                 whole: frozenset = frozenset()) -> tuple[dict[str, Node], Node, Node]:
+    """Narrows the tagged inputs (but the roles in `whole`) to this rank's chunk; S becomes S/P in their
+    consumers. Returns (role -> local chunk, the chunk's start node, its length node)."""
     graph = gm.graph
     ids, dim = tagged["input_id"]
     seq = _example(ids).shape[dim]
@@ -105,7 +107,7 @@ def shard_inputs(gm: GraphModule, tagged: dict[str, tuple[Node, int]], size: int
                  if isinstance(_example(n), torch.SymInt) and str(_example(n)) == str(seq)]
     if not seq_nodes:
         raise RuntimeError(f"AutoSP: no graph input carries the symbolic sequence length {seq}")
-    consumers = _downstream([node for node, _ in tagged.values()])
+    consumers = _downstream([node for role, (node, _) in tagged.items() if role not in whole])
     last_placeholder = list(graph.find_nodes(op="placeholder"))[-1]
     with graph.inserting_after(last_placeholder):
         local = graph.call_function(operator.floordiv, (seq_nodes[0], size))
@@ -118,11 +120,14 @@ def shard_inputs(gm: GraphModule, tagged: dict[str, tuple[Node, int]], size: int
     out: dict[str, Node] = {}
     anchor = start
     for role, (node, d) in tagged.items():
+        if role in whole:
+            out[role] = node
+            continue
         with graph.inserting_after(anchor):
             part = graph.call_function(torch.narrow, (node, d, start, local))
         node.replace_all_uses_with(part, delete_user_cb=lambda user: user is not part)
         out[role] = anchor = part
-    return out
+    return out, start, local
 
 
 def wrap_attention(gm: GraphModule, size: int) -> int:
@@ -172,21 +177,59 @@ _LAYOUT_ONLY = {"view", "reshape", "flatten", "contiguous", "long", "to"}  # met
 _LAYOUT_FUNCS = {torch.reshape, torch.flatten}
 
 
-def _check_aligned(target: Node, labels: Node) -> None:
-    """The cross entropy's target must be the labels' tokens in their order (a view or reshape of them): a label
-    shift inside the model (Hugging Face's pad-and-slice) would, on a sequence chunk, lose the token across each
-    chunk boundary, so it is refused rather than trained slightly wrong."""
-    node = target
-    while node is not labels:
-        layout = (node.op == "call_method" and node.target in _LAYOUT_ONLY) or \
-                 (node.op == "call_function" and node.target in _LAYOUT_FUNCS)
-        if not layout or not node.args or not isinstance(node.args[0], Node):
+def _is_layout(node: Node) -> bool:
+    return (node.op == "call_method" and node.target in _LAYOUT_ONLY) or \
+        (node.op == "call_function" and node.target in _LAYOUT_FUNCS)
+
+
+def _label_targets(gm: GraphModule, labels: Node) -> list[Node]:
+    """The targets of the cross entropies computed from the labels."""
+    from_labels = _downstream([labels])
+    return [t for n in gm.graph.nodes if n.op == "call_function" and n.target is F.cross_entropy
+            if (t := _arg(n, 1, "target", None)) in from_labels]
+
+
+def _shifted(targets: list[Node], labels: Node) -> bool:
+    """Some target reaches the labels through more than views and reshapes (a shift inside the model)."""
+    for node in targets:
+        while node is not labels:
+            if not _is_layout(node) or not node.args or not isinstance(node.args[0], Node):
+                return True
+            node = node.args[0]
+    return False
+
+
+def narrow_shifted_labels(gm: GraphModule, targets: list[Node], labels: Node, dim: int, start: Node,
+                          local: Node) -> None:
+    """Labels shifted inside the model (Hugging Face's pad-and-slice) are shifted on the whole sequence, and this
+    rank's chunk is cut after the shift: on a chunk the shift would lose the label across each chunk boundary."""
+    full = _example(labels)
+    for target in targets:
+        node = target
+        while _is_layout(node) and isinstance(node.args[0], Node) and _example(node).ndim != full.ndim:
+            node = node.args[0]  # back through the flattening views to the [batch, seq] labels
+        val = _example(node)
+        if val is None or val.ndim != full.ndim or str(val.shape[dim]) != str(full.shape[dim]):
             raise NotImplementedError(
-                f"AutoSP: the labels reach the cross entropy through {node.op} {getattr(node.target, '__name__', node.target)!r} "
-                "(a shift or slice inside the model); on a sequence chunk that loses the label across each chunk "
-                "boundary. Shift the labels before prepare_autosp_inputs (label_id[:, i] = the token after input_id[:, i], "
-                "-100 at the end) and have the model use them as given")
-        node = node.args[0]
+                f"AutoSP: the labels reach the cross entropy through {node.op} "
+                f"{getattr(node.target, '__name__', node.target)!r} with a sequence of "
+                f"{None if val is None else tuple(val.shape)} where the labels have {tuple(full.shape)}; AutoSP "
+                "cuts a shifted label sequence only when the shift keeps its length (pad and slice, as Hugging Face "
+                "does). Shift the labels before prepare_autosp_inputs and have the model use them as given")
+        with gm.graph.inserting_after(node):
+            part = gm.graph.call_function(torch.narrow, (node, dim, start, local))
+        node.replace_all_uses_with(part, delete_user_cb=lambda user: user is not part and user in _upstream(target))
+
+
+def _upstream(node: Node) -> set[Node]:
+    seen: set[Node] = set()
+    work = [node]
+    while work:
+        n = work.pop()
+        if n not in seen:
+            seen.add(n)
+            work.extend(n.all_input_nodes)
+    return seen
 
 
 def aggregate_losses(gm: GraphModule, labels: Node) -> int:
@@ -199,7 +242,6 @@ def aggregate_losses(gm: GraphModule, labels: Node) -> int:
         target = _arg(node, 1, "target", None)
         if target not in from_labels:
             continue
-        _check_aligned(target, labels)
         if _arg(node, 2, "weight", None) is not None or _arg(node, 6, "reduction", "mean") != "mean":
             raise NotImplementedError("AutoSP: a label cross entropy must be reduction='mean' without class "
                                       "weights (its mean over the sequence is aggregated over the group)")
@@ -230,7 +272,12 @@ def apply_autosp(gm: GraphModule, size: int, rank: int) -> dict[str, int]:
                            "not the labels tagged by prepare_autosp_inputs. Pass them to the model's forward, and keep "
                            "the forward in one graph: a graph break before the loss splits it (torch._dynamo."
                            "explain(model)(...) lists the breaks)")
-    local = shard_inputs(gm, tagged, size, rank)
+    labels, label_dim = tagged["label_id"]
+    targets = _label_targets(gm, labels)
+    shifted = _shifted(targets, labels)
+    local, start, length = shard_inputs(gm, tagged, size, rank, frozenset({"label_id"}) if shifted else frozenset())
+    if shifted:
+        narrow_shifted_labels(gm, targets, labels, label_dim, start, length)
     attentions = wrap_attention(gm, size)
     losses = aggregate_losses(gm, local["label_id"])
     if losses == 0:  # each rank's local mean would be summed over the group: a gradient P times too large
