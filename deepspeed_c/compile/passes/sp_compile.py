@@ -17,7 +17,7 @@ before tagging), and run in one graph."""
 from __future__ import annotations
 
 import operator
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -81,15 +81,19 @@ def sdpa_nodes(gm: GraphModule) -> list[Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is F.scaled_dot_product_attention]
 
 
-def _downstream(starts: list[Node]) -> set[Node]:
+def _reach(starts: list[Node], neighbours: Callable[[Node], Any]) -> set[Node]:
     seen: set[Node] = set()
     work = list(starts)
     while work:
         node = work.pop()
         if node not in seen:
             seen.add(node)
-            work.extend(node.users)
+            work.extend(neighbours(node))
     return seen
+
+
+def _downstream(starts: list[Node]) -> set[Node]:
+    return _reach(starts, lambda n: n.users)
 
 
 def shard_inputs(gm: GraphModule, tagged: dict[str, tuple[Node, int]], size: int, rank: int,
@@ -216,20 +220,10 @@ def narrow_shifted_labels(gm: GraphModule, targets: list[Node], labels: Node, di
                 f"{None if val is None else tuple(val.shape)} where the labels have {tuple(full.shape)}; AutoSP "
                 "cuts a shifted label sequence only when the shift keeps its length (pad and slice, as Hugging Face "
                 "does). Shift the labels before prepare_autosp_inputs and have the model use them as given")
+        toward_loss = _reach([target], lambda n: n.all_input_nodes)  # only the path to this cross entropy
         with gm.graph.inserting_after(node):
             part = gm.graph.call_function(torch.narrow, (node, dim, start, local))
-        node.replace_all_uses_with(part, delete_user_cb=lambda user: user is not part and user in _upstream(target))
-
-
-def _upstream(node: Node) -> set[Node]:
-    seen: set[Node] = set()
-    work = [node]
-    while work:
-        n = work.pop()
-        if n not in seen:
-            seen.add(n)
-            work.extend(n.all_input_nodes)
-    return seen
+        node.replace_all_uses_with(part, delete_user_cb=lambda user: user is not part and user in toward_loss)
 
 
 def aggregate_losses(gm: GraphModule, labels: Node) -> int:
