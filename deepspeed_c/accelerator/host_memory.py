@@ -30,9 +30,12 @@ def _runtime_register() -> Optional[tuple[int, int]]:
     torch.cuda.init()
     try:
         with open("/proc/self/maps") as maps:
-            path = next((line.split()[-1] for line in maps if "libcudart.so" in line.split()[-1]), None)
-        if path is None:
+            loaded = sorted({line.split()[-1] for line in maps if "libcudart.so" in line.split()[-1]})
+        if not loaded:
             return None
+        # another package may have loaded another runtime: take the one of torch's CUDA major version
+        major = f"libcudart.so.{(torch.version.cuda or '').split('.')[0]}"
+        path = next((p for p in loaded if major in p), loaded[0])
         lib = ctypes.CDLL(path)  # the already-loaded library: the same runtime state as torch's
         return (ctypes.cast(lib.cudaHostRegister, ctypes.c_void_p).value or 0,
                 ctypes.cast(lib.cudaHostUnregister, ctypes.c_void_p).value or 0)
