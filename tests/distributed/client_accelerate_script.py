@@ -139,6 +139,11 @@ def main() -> None:
         out = os.path.join(args.out, mode)
         os.makedirs(out, exist_ok=True)
         run(mode, out, args.batch)
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # a rank leaving with its gloo group alive can abort at exit while its peer closes
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
