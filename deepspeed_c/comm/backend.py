@@ -12,9 +12,6 @@ backends that misbehave rather than refuse.
 """
 from __future__ import annotations
 
-import atexit
-import gc
-
 import inspect
 import os
 import re
@@ -24,7 +21,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from deepspeed_c.comm import direct
+from deepspeed_c.comm import direct, exit_hook
 from deepspeed_c.comm.direct import MISS, PG_ALL_GATHER_COALESCED, TORCH_ALL_GATHER, TORCH_REDUCE_SCATTER
 from deepspeed_c.comm.reduce_op import is_avg, to_torch_op
 
@@ -89,37 +86,6 @@ def _divide_(t: torch.Tensor, n: int) -> None:
     t.div_(n)
 
 
-def _destroy_gloo_group_at_exit() -> None:
-    # Gloo's worker threads may still hold finished work (and its tensors) when the interpreter is torn
-    # down; freeing them then aborts the process (SIGABRT, "terminate called without an active
-    # exception") after training succeeded. Destroying the group while Python is alive avoids it.
-    # Scripts (the Hugging Face Trainer among them) rarely call destroy_process_group themselves.
-    # destroy_process_group only unregisters a group: its threads live until the last reference to the
-    # group object goes, and a finished script's engines (cyclic garbage by now) still hold some, so they
-    # are collected here too, also when the caller destroyed the group already (accelerate's
-    # end_training does).
-    try:
-        direct.clear()  # its entries hold process groups
-        if dist.is_initialized() and "gloo" in str(dist.get_backend()):
-            dist.destroy_process_group()
-        if _GLOO_SEEN:
-            gc.collect()
-    except Exception:  # exit path: a failure here must not turn a finished run into a failed one
-        pass
-
-
-_EXIT_HOOKED = False
-_GLOO_SEEN = False
-
-
-def _destroy_gloo_group_at_exit_once() -> None:
-    global _EXIT_HOOKED, _GLOO_SEEN
-    _GLOO_SEEN = _GLOO_SEEN or "gloo" in str(dist.get_backend())
-    if not _EXIT_HOOKED:
-        _EXIT_HOOKED = True
-        atexit.register(_destroy_gloo_group_at_exit)
-
-
 class TorchBackend:
     """deepspeed_c.comm's backend object (DeepSpeed calls it `cdb`)."""
 
@@ -151,7 +117,7 @@ class TorchBackend:
                     kwargs["device_id"] = torch.device("cuda", local_rank)
             dist.init_process_group(backend, **kwargs)
         # also when the caller made the group (the Hugging Face Trainer's and accelerate's launches do)
-        _destroy_gloo_group_at_exit_once()
+        exit_hook.register(str(dist.get_backend()))
         self.using_mpi = dist.get_backend() == "mpi"
 
     def is_initialized(self) -> bool:
