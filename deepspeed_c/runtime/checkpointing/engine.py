@@ -370,8 +370,14 @@ class EngineCheckpointer:
         if schedules is not None:
             state[run_state.SCHEDULES_KEY] = schedules
         if st.has_moe_layers:
+            from deepspeed_c.runtime.checkpointing.moe import autoep_layer_infos
+
             state["num_experts"] = st.num_experts
             state["optimizer"] = None  # in the expp_rank_* files
+            state["ds_autoep_layers"] = autoep_layer_infos(module)
+            taken = {"ds_autoep_layers", "autoep_layers"}.intersection(client_state)
+            if taken:  # DeepSpeed refuses them too: its loader reads them
+                raise KeyError(f"save_checkpoint: client_state contains reserved checkpoint keys {sorted(taken)}")
         if shards is not None:
             state.update(shards[1])
             if shards[0] != 0:
@@ -455,6 +461,10 @@ class EngineCheckpointer:
                                     node_local=own_dirs, partitioned_weights=model_rank is not None, model_rank=model_rank,
                                     mp_rank=st.mp_rank)
             module_state = self._module_state(st, saved, custom_load_fn)
+            if st.has_moe_layers and load_optimizer_states and not load_module_only:
+                from deepspeed_c.runtime.checkpointing.autoep import check_optimizer_ep
+
+                check_optimizer_ep(state, st.module, tag_dir)
             if self.options.load_universal:  # the trained weights come from zero/<param>/fp32.pt
                 module_state, load_module_strict = universal_load.untrained_entries(st.stepper, st.module,
                                                                                     module_state), False

@@ -13,17 +13,19 @@ Loading reads the experts a rank holds now (its ep_size may differ from the save
 ep_rank * num_local_experts + j becomes local expert j. The optimizer files also carry `param_names`
 (the model's name of every parameter index, with expert names in global ids; DeepSpeed's loader
 ignores the key), so Adam's moments follow each expert to whichever rank holds it after a change of
-ep_size or world size."""
+ep_size or world size. AutoEP layers (checkpointing/autoep.py) share the layer counter and the files; their
+fused tensors' optimizer state is named by the global expert range it holds."""
 from __future__ import annotations
 
 import dataclasses
 import os
 import re
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from deepspeed_c.checkpoint import deepspeed_format, store
+from deepspeed_c.runtime.checkpointing import autoep
 from deepspeed_c.checkpoint.mapped_pages import MappedPages
 from deepspeed_c.ops.partition import DEEPSPEED_ALIGNMENT, PartitionPlan
 from deepspeed_c.runtime.checkpointing.zero import FP32_KEY, file_state, flat_state_keys, load_same_world
@@ -45,6 +47,14 @@ def moe_layers(module: torch.nn.Module) -> list[tuple[str, Any]]:
             and hasattr(m, "num_local_experts") and hasattr(m, "deepspeed_moe")]
 
 
+def expert_layers(module: torch.nn.Module) -> list[tuple[str, Any, bool]]:
+    """(path, layer, is AutoEP) of every layer whose experts have files of their own, in module order: DeepSpeed
+    numbers native MoE and AutoEP layers with one counter."""
+    native = {id(m) for _, m in moe_layers(module)}
+    return [(n, m, id(m) not in native) for n, m in module.named_modules()
+            if id(m) in native or autoep.is_autoep_experts(m)]
+
+
 def _ranks(group_name: str) -> tuple[int, int]:
     """(expert-parallel rank, expert-data-parallel rank) of this rank in group_name (0, 0 undistributed)."""
     from deepspeed_c.utils import groups
@@ -64,13 +74,33 @@ def global_names(module: torch.nn.Module) -> dict[int, str]:
             if n.startswith(head):
                 local, rest = n[len(head):].split(".", 1)
                 out[id(p)] = f"{head}{ep_rank * layer.num_local_experts + int(local)}.{rest}"
+    for path, layer, is_autoep in expert_layers(module):
+        if is_autoep:  # a fused tensor of this rank's experts: named with their global range
+            for name in (layer.w1_name, layer.w2_name):
+                p = getattr(layer, name)
+                out[id(p)] = autoep.ranged_name(path, name, layer)
     return out
 
 
 def non_expert_state(module: torch.nn.Module, sd: dict) -> dict:
     """The module state dict without the experts' entries (DeepSpeed's _get_non_moe_state_dict)."""
     heads = [f"{prefix}{EXPERTS_INFIX}" if prefix else EXPERTS_INFIX[1:] for prefix, _ in moe_layers(module)]
-    return {k: v for k, v in sd.items() if not any(k.startswith(h) for h in heads)}
+    fused = {k for path, layer, is_autoep in expert_layers(module) if is_autoep for k in autoep.fused_keys(path, layer)}
+    return {k: v for k, v in sd.items() if k not in fused and not any(k.startswith(h) for h in heads)}
+
+
+def autoep_layer_infos(module: torch.nn.Module) -> Optional[list[dict]]:
+    """The model-states file's `ds_autoep_layers` (None without AutoEP layers, as DeepSpeed writes)."""
+    from deepspeed_c.utils import groups
+
+    out = []
+    for layer_id, (path, layer, is_autoep) in enumerate(expert_layers(module)):
+        if is_autoep:
+            _, edp_rank = _ranks(layer.expert_group_name)
+            edp_world = (groups._get_expert_data_parallel_world_size(layer.expert_group_name)
+                         if groups._get_expert_parallel_group_dict() else 1)
+            out.append(autoep.layer_info(layer_id, path, layer, layer.ep_rank, edp_rank, edp_world))
+    return out or None
 
 
 def save_files(module: torch.nn.Module, stepper: Any, zero: bool, stage_dir: str) -> dict[str, dict]:
@@ -80,9 +110,14 @@ def save_files(module: torch.nn.Module, stepper: Any, zero: bool, stage_dir: str
 
     sd = module.state_dict()
     files: dict[str, dict] = {}
-    for layer_id, (prefix, layer) in enumerate(moe_layers(module)):
+    for layer_id, (prefix, layer, is_autoep) in enumerate(expert_layers(module)):
         ep_rank, edp_rank = _ranks(layer.expert_group_name)
         if edp_rank != 0:
+            continue
+        if is_autoep:
+            for g, mine in autoep.expert_states(prefix, layer, sd).items():
+                name = expert_file(layer_id, g)
+                files[name] = store.save_file(mine, os.path.join(stage_dir, name))
             continue
         head = f"{prefix}{EXPERTS_INFIX}" if prefix else EXPERTS_INFIX[1:]
         for j in range(layer.num_local_experts):
@@ -107,16 +142,23 @@ def save_files(module: torch.nn.Module, stepper: Any, zero: bool, stage_dir: str
 def load_experts(module: torch.nn.Module, tag_dir: str, manifest: Any) -> dict:
     """The state-dict entries of the experts this rank holds, read from the expert files."""
     out: dict = {}
-    for layer_id, (prefix, layer) in enumerate(moe_layers(module)):
-        ep_rank, _ = _ranks(layer.expert_group_name)
+    for layer_id, (prefix, layer, is_autoep) in enumerate(expert_layers(module)):
+        ep_rank = layer.ep_rank if is_autoep else _ranks(layer.expert_group_name)[0]
         head = f"{prefix}{EXPERTS_INFIX}" if prefix else EXPERTS_INFIX[1:]
+        per_expert = {}
         for j in range(layer.num_local_experts):
             g = ep_rank * layer.num_local_experts + j
             name = expert_file(layer_id, g)
             if not os.path.isfile(os.path.join(tag_dir, name)):
                 raise FileNotFoundError(f"load_checkpoint: {tag_dir} has no {name} (MoE layer {layer_id} "
                                         f"'{prefix}' expert {g}); was it saved with as many experts?")
-            for k, v in store.load_file(tag_dir, name, manifest).items():
+            per_expert[g] = store.load_file(tag_dir, name, manifest)
+        if is_autoep:
+            out.update(autoep.local_state(prefix, layer, per_expert, f"{tag_dir} layer {layer_id}"))
+            continue
+        for g, entries in per_expert.items():
+            j = g - ep_rank * layer.num_local_experts
+            for k, v in entries.items():
                 out[f"{head}{j}.{k[len(f'{head}{g}.'):]}"] = v
     return out
 
@@ -185,17 +227,17 @@ def load_optimizer(module: torch.nn.Module, stepper: Any, tag_dir: str, manifest
 
 def check_stage(zero_stage: int, module: Any = None) -> None:
     """MoE checkpoints are built for stages 0, 1 and 2; others raise before any file is written. So do
-    expert-parallel layers this layout does not know (AutoEP's, split over more than one rank): rank 0's
-    model file would carry only its own experts and every rank would load those."""
+    expert-parallel layers this layout does not know (split over more than one rank): rank 0's model file
+    would carry only its own experts and every rank would load those."""
     if zero_stage > 2:
         raise NotImplementedError("save_checkpoint/load_checkpoint of a model with MoE layers at "
                                   f"zero_optimization.stage {zero_stage} is not built")
-    known = {id(m) for _, m in moe_layers(module)} if module is not None else set()
+    known = {id(m) for _, m, _ in expert_layers(module)} if module is not None else set()
     for name, m in module.named_modules() if module is not None else ():
         if hasattr(m, "expert_group_name") and id(m) not in known and getattr(m, "ep_size", 1) > 1:
-            raise NotImplementedError(f"save_checkpoint/load_checkpoint with AutoEP experts split over "
-                                      f"expert_parallel.autoep_size={m.ep_size} ranks ('{name}') is not built; "
-                                      "checkpoints are built at autoep_size 1")
+            raise NotImplementedError(f"save_checkpoint/load_checkpoint of expert-parallel layer '{name}' "
+                                      f"({type(m).__name__}, ep_size {m.ep_size}) is not built: its experts have no "
+                                      "files of their own in DeepSpeed's MoE layout")
 
 
 # -- ZeRO 1/2: the MoE ZeRO members' groups in one file per data-parallel rank ----------------------
