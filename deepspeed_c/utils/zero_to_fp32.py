@@ -264,6 +264,28 @@ def _zero3_fp32(model_states: list[dict], parts: list[dict], world: int,
     return out
 
 
+def _fuse_autoep_experts(sd: dict, layers: Any, tag_dir: str) -> None:
+    """deepspeed_c's AutoEP layers back into the model's fused expert tensors, every expert in order: gate_up =
+    [w1; w3] and down = w2 per expert, from the expert files' entries (which replace both them and the fused
+    tensor of the saving rank's own experts). Layers without `expert_fused_names` (DeepSpeed's own AutoEP
+    layer) keep DeepSpeed's per-expert keys."""
+    for entry in layers or ():
+        names = entry.get("expert_fused_names") if isinstance(entry, dict) else None
+        if not names:
+            continue
+        prefix, count = entry["expert_key_prefix"], int(entry["num_experts"])
+        parts: dict[str, list] = {}
+        for w in ("w1", "w2", "w3"):
+            keys = [f"{prefix}.{w}.{g}" for g in range(count)]
+            missing = [k for k in keys if k not in sd]
+            if missing:
+                raise ValueError(f"{tag_dir}: AutoEP layer {entry.get('moe_layer_id')} ('{prefix}') lacks expert "
+                                 f"entries {missing[:4]}: the layer_*_expert_* files are incomplete")
+            parts[w] = [sd.pop(k) for k in keys]
+        sd[f"{prefix}.{names[0]}"] = torch.stack([torch.cat([a, b]) for a, b in zip(parts["w1"], parts["w3"])])
+        sd[f"{prefix}.{names[1]}"] = torch.stack(parts["w2"])
+
+
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | None = None,
                                              exclude_frozen_parameters: bool = False,
                                              lazy_mode: bool = False) -> "OrderedDict[str, torch.Tensor]":
@@ -292,6 +314,7 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
     for f in _expert_files(tag_dir):  # MoE: the model file holds the non-expert weights only
         for k, v in _load(f).items():
             sd[k] = v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+    _fuse_autoep_experts(sd, states.get("ds_autoep_layers"), tag_dir)
     for alias, target in (states.get("shared_params") or {}).items():
         if target in sd:
             sd[alias] = sd[target]

@@ -6,9 +6,10 @@ takes the same third step: its loss and every weight (experts gathered over the 
 moments must equal the first run's, at ZeRO 0 and 2. The files are checked against DeepSpeed 0.19.8's layout: one
 `layer_{L}_expert_{E}_mp_rank_00_model_states.pt` per global expert with keys `<experts>.w1|w2|w3.E` (gate rows,
 down, up rows of the Hugging Face fused tensors, compared with the gathered weights) and `ds_autoep_layers` in the
-model-states file, whose module holds no expert tensor. Then, in one process at autoep_size 1, the 2-rank
-checkpoint's weights load (the expert files hold each expert once) and its optimizer state is refused naming the
-key."""
+model-states file, whose module holds no expert tensor; zero_to_fp32 rebuilds the whole fused tensors. Then, in
+one process at autoep_size 1, the 2-rank checkpoint's weights load (the expert files hold each expert once) and
+its optimizer state is refused naming the key. (Adam's moments are compared directly at ZeRO 0; at ZeRO 2 the
+resumed step's weights, which differ without them, are the check.)"""
 from __future__ import annotations
 
 import os
@@ -130,7 +131,7 @@ def _rank_body(rank: int, world: int, path: str) -> dict[str, Any]:
             "loss": (loss, loss2),
             "weights_differ": [n for n in after if not torch.allclose(after[n], after2[n], rtol=0, atol=1e-6)],
             "moments": (len(m1), len(m2), all(torch.allclose(a, b, rtol=0, atol=1e-7) for a, b in zip(m1, m2))),
-            "full": {n: w.numpy() for n, w in at_save.items()} if rank == 0 else None,
+            "full": {n: w.numpy() for n, w in at_save.items()} if rank == 0 else None,  # fp32 (the masters)
         }
     return out
 
@@ -155,6 +156,16 @@ def test_autoep_checkpoint_two_ranks_resume_and_reshard(tmp_path, world_of_one_a
             assert r["weights_differ"] == [], f"{tag} rank {rank}: after the resumed step: {r['weights_differ']}"
             n1, n2, same = r["moments"]
             assert n1 == n2 and (n1 > 0 or tag == "z2") and same, f"{tag} rank {rank}: Adam moments {r['moments']}"
+
+    # zero_to_fp32 consolidates every expert into the Hugging Face fused tensors
+    from deepspeed_c.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    for tag in ("z0", "z2"):
+        want = {n: torch.from_numpy(w) for n, w in results[0][tag]["full"].items()}
+        sd = get_fp32_state_dict_from_zero_checkpoint(path, tag=tag)
+        assert set(sd) == set(want), f"{tag}: {sorted(set(sd) ^ set(want))}"
+        bad = [n for n in want if sd[n].shape != want[n].shape or not torch.equal(sd[n], want[n].float())]
+        assert bad == [], f"{tag}: zero_to_fp32 differs from the trained weights for {bad}"
 
     # the 2-rank checkpoint at autoep_size 1 in one process: weights load, the optimizer state is refused
     full = {n: torch.from_numpy(w) for n, w in results[0]["z0"]["full"].items()}
