@@ -6,7 +6,8 @@ takes the same third step: its loss and every weight (experts gathered over the 
 moments must equal the first run's, at ZeRO 0 and 2. The files are checked against DeepSpeed 0.19.8's layout: one
 `layer_{L}_expert_{E}_mp_rank_00_model_states.pt` per global expert with keys `<experts>.w1|w2|w3.E` (gate rows,
 down, up rows of the Hugging Face fused tensors, compared with the gathered weights) and `ds_autoep_layers` in the
-model-states file, whose module holds no expert tensor; zero_to_fp32 rebuilds the whole fused tensors. Then, in
+model-states file, whose module holds no expert tensor; zero_to_fp32 and save_16bit_model give the whole fused
+tensors (the latter loads strictly into Hugging Face's class). Then, in
 one process at autoep_size 1, the 2-rank checkpoint's weights load (the expert files hold each expert once) and
 its optimizer state is refused naming the key. (Adam's moments are compared directly at ZeRO 0; at ZeRO 2 the
 resumed step's weights, which differ without them, are the check.)"""
@@ -95,7 +96,8 @@ def _layout(path: str, tag: str, full: dict[str, torch.Tensor]) -> str:
         for e in range(4):
             sd = torch.load(os.path.join(d, f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt"), map_location="cpu")
             prefix = f"model.layers.{layer}.mlp.experts"
-            want = {f"{prefix}.w1.{e}": gate_up[e, :ffn], f"{prefix}.w2.{e}": down[e], f"{prefix}.w3.{e}": gate_up[e, ffn:]}
+            want = {f"{prefix}.w1.{e}": gate_up[e, :ffn], f"{prefix}.w2.{e}": down[e],
+                    f"{prefix}.w3.{e}": gate_up[e, ffn:]}
             if set(sd) != set(want):
                 return f"layer {layer} expert {e}: keys {sorted(sd)}"
             bad = [k for k in want if not torch.equal(sd[k], want[k])]
@@ -115,6 +117,7 @@ def _rank_body(rank: int, world: int, path: str) -> dict[str, Any]:
         for step in data[:2]:
             _step(first, step[rank])
         first.save_checkpoint(path, tag=tag)
+        first.save_16bit_model(os.path.join(path, f"hf_{tag}"), "model.bin")  # every expert, gathered
         at_save = _full(first, 2)
         dist.barrier()
         layout = _layout(path, tag, at_save) if rank == 0 else ""
@@ -166,6 +169,13 @@ def test_autoep_checkpoint_two_ranks_resume_and_reshard(tmp_path, world_of_one_a
         assert set(sd) == set(want), f"{tag}: {sorted(set(sd) ^ set(want))}"
         bad = [n for n in want if sd[n].shape != want[n].shape or not torch.equal(sd[n], want[n].float())]
         assert bad == [], f"{tag}: zero_to_fp32 differs from the trained weights for {bad}"
+
+        # save_16bit_model wrote the unsplit model: Hugging Face's own class loads it strictly
+        exported = torch.load(os.path.join(path, f"hf_{tag}", "model.bin"), map_location="cpu")
+        hf = make_model("mixtral")
+        hf.load_state_dict(exported, strict=True)
+        bad = [n for n, p in hf.named_parameters() if not torch.equal(p.detach(), want[n])]
+        assert bad == [], f"{tag}: save_16bit_model differs from the trained weights for {bad}"
 
     # the 2-rank checkpoint at autoep_size 1 in one process: weights load, the optimizer state is refused
     full = {n: torch.from_numpy(w) for n, w in results[0]["z0"]["full"].items()}

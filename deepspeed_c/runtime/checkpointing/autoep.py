@@ -95,7 +95,8 @@ def layer_info(layer_id: int, path: str, layer: Any, ep_rank: int, edp_rank: int
         "ep_group_name": layer.expert_group_name, "ep_rank": ep_rank, "expert_data_parallel_rank": edp_rank,
         "expert_data_parallel_world_size": edp_world, "global_expert_start": ep_rank * layer.num_local_experts,
         "global_expert_end": (ep_rank + 1) * layer.num_local_experts,
-        "expert_fused_names": [layer.w1_name, layer.w2_name],  # deepspeed_c: the Hugging Face tensors w1/w3/w2 come from
+        # deepspeed_c's own field: the Hugging Face fused tensors w1/w3 and w2 come from (zero_to_fp32 rebuilds them)
+        "expert_fused_names": [layer.w1_name, layer.w2_name],
     }
 
 

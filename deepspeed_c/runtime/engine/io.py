@@ -117,10 +117,16 @@ class EngineIO:
             with whole:
                 consolidated = clone_tensors_for_torch_save(gathered_state_dict(self.module, self.module_state_dict(
                     exclude_frozen_parameters=exclude_frozen_parameters)))
+        from deepspeed_c.moe.autoep.whole import split_layers, with_whole_experts
+
+        autoep_split = bool(split_layers(self.module))
+        if autoep_split:  # AutoEP: every expert, gathered over each expert-parallel group (collective)
+            consolidated = clone_tensors_for_torch_save(with_whole_experts(self.module, self.module_state_dict(
+                exclude_frozen_parameters=exclude_frozen_parameters)))
         # rank 0 writes; a failure there (unwritable directory, full disk) raises on every rank
         with rank_local_step("save_16bit_model (rank 0 writing the file)"):
             if rank == 0:
-                state = consolidated if self.zero_optimization_partition_weights() or tp_sharded else \
+                state = consolidated if self.zero_optimization_partition_weights() or tp_sharded or autoep_split else \
                     clone_tensors_for_torch_save(self.module_state_dict(
                         exclude_frozen_parameters=exclude_frozen_parameters))
                 os.makedirs(save_dir, exist_ok=True)
