@@ -31,10 +31,20 @@ PRESETS: dict[str, Preset] = {
     # Qwen2-MoE has the same routed-expert layout; its shared expert (and gate) stay in the block, replicated
     "qwen3_moe": Preset("qwen3_moe", _LAYERS, "gate", "experts", "gate_up_proj", "down_proj", None,
                         "num_experts", ("qwen3_moe", "qwen2_moe")),
+    # DeepSeek's group-limited, bias-corrected routing stays in its Hugging Face router (replicated), and so do
+    # the shared experts; the dense first layers (first_k_dense_replace) have no experts child and are skipped
+    "deepseek_v2": Preset("deepseek_v2", _LAYERS, "gate", "experts", "gate_up_proj", "down_proj", None,
+                          "n_routed_experts", ("deepseek_v2",)),
+    "deepseek_v3": Preset("deepseek_v3", _LAYERS, "gate", "experts", "gate_up_proj", "down_proj", None,
+                          "n_routed_experts", ("deepseek_v3",)),
+    # the text backbone (Qwen3_5MoeForCausalLM), as DeepSpeed's preset; its gated shared expert stays in the block
+    "qwen3_5_moe": Preset("qwen3_5_moe", _LAYERS, "gate", "experts", "gate_up_proj", "down_proj", None,
+                          "num_experts", ("qwen3_5_moe_text",)),
 }
 
-# DeepSpeed presets deepspeed_c knows by name but has not built (their routers group and bias experts).
-UNBUILT_PRESETS = {"deepseek_v2", "deepseek_v3", "qwen3_5_moe", "llama4"}
+# DeepSpeed presets deepspeed_c knows by name but has not built (MiniMax-M3's text model is not in transformers
+# 5.23 as a causal LM of its own; Llama 4's experts take pre-weighted, expert-major inputs).
+UNBUILT_PRESETS = {"minimax_m3", "llama4"}
 
 
 def preset_for_model_type(model_type: Optional[str]) -> Optional[Preset]:
