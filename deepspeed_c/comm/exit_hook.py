@@ -88,7 +88,9 @@ def drop_destroyed_group_defaults() -> int:
     it is gone); returns how many were dropped. A destroyed group can no longer serve a call anyway."""
     dropped = 0
     for obj in gc.get_objects():
-        if not isinstance(obj, types.FunctionType):
+        # type(), not isinstance: isinstance reads __class__, which some objects answer with a warning
+        # (torch.distributed.reduce_op's deprecation)
+        if type(obj) is not types.FunctionType:
             continue
         defaults = obj.__defaults__
         if defaults and any(_is_destroyed_group(d) for d in defaults):
