@@ -5,7 +5,11 @@ recomputation) and a frozen part (the token embedding), at ZeRO 0 and 2.
 Reference: the same tiny Hugging Face Mixtral in one process, the same embedding frozen, each step the mean loss
 of all ranks' micro-batches back-propagated once, then torch.optim.SGD. Checked: every micro-batch's loss and,
 after the steps, every weight (experts gathered over the expert-parallel group), fp32, norm-wise relative; the
-frozen embedding unchanged."""
+frozen embedding unchanged.
+
+And the ways users call autograd through it: a gradient penalty (create_graph through the experts' exchange:
+its backward must be differentiable; 33% off in the attention weights before) against the unsplit model, and
+torch.func.grad against torch.autograd.grad on each rank (the exchange needs setup_context), leaving .grad alone."""
 from __future__ import annotations
 
 import warnings
@@ -103,3 +107,100 @@ def test_autoep_with_accumulation_checkpointing_and_frozen_embedding() -> None:
                     continue
                 assert _rel(init[n], w) > 2e-4, f"{n}: the reference barely moved it"
                 assert _rel(got, w) < TOL, f"{tag} rank {rank} {n}: relative difference {_rel(got, w):.3g}"
+
+
+PENALTY = 10.0
+
+
+def _penalised(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    """The task loss plus a gradient penalty on the input embeddings (create_graph: the penalty's own gradient
+    runs through the backward of the experts' exchange)."""
+    emb = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+    loss = model(inputs_embeds=emb, labels=ids).loss
+    (g,) = torch.autograd.grad(loss, emb, create_graph=True)
+    return loss + PENALTY * g.pow(2).sum()
+
+
+def _eager_model() -> torch.nn.Module:
+    model = make_model("mixtral")
+    model.set_attn_implementation("eager")  # torch's CPU flash attention has no double backward
+    return model
+
+
+def penalty_reference(world: int) -> dict[str, torch.Tensor]:
+    model = _eager_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    step = _data(world)[0][:world]
+    opt.zero_grad()
+    sum(_penalised(model, b) for b in step).div(world).backward()
+    opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _penalty_body(rank: int, world: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    import deepspeed_c
+
+    model = _eager_model()
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0, "zero_optimization": {"stage": 0},
+           "expert_parallel": {"enabled": True, "autoep_size": 2}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = deepspeed_c.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+                                                 config=cfg)
+    total = _penalised(engine.module, _data(world)[0][rank])
+    engine.backward(total)
+    engine.step()
+    weights = {}
+    for n, p in engine.module.named_parameters():
+        w = p.detach().clone()
+        if getattr(p, "allreduce", True) is False:
+            parts = [torch.empty_like(w) for _ in range(2)]
+            dist.all_gather(parts, w.contiguous())
+            w = torch.cat(parts)
+        weights[n] = w.numpy()
+    return weights
+
+
+def test_autoep_gradient_penalty_through_the_exchange() -> None:
+    """create_graph: the experts' exchange backward is itself differentiable (an exchange with swapped splits)."""
+    results = run_distributed(_penalty_body, 2, timeout=300)
+    ref = penalty_reference(2)
+    init = {n: p.detach() for n, p in make_model("mixtral").named_parameters()}
+    for rank, weights in enumerate(results):
+        for n, w in ref.items():
+            got = torch.from_numpy(weights[n])
+            assert _rel(got, w) < TOL, f"rank {rank} {n}: relative difference {_rel(got, w):.3g} (moved " \
+                                       f"{_rel(init[n], w):.3g})"
+
+
+def _func_grad_body(rank: int, world: int) -> dict[str, Any]:
+    """torch.func.grad through the AutoEP model on each rank, against torch.autograd.grad of the same loss."""
+    import deepspeed_c
+
+    model = make_model("mixtral")
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 0},
+           "optimizer": {"type": "SGD", "params": {"lr": LR}}, "expert_parallel": {"enabled": True, "autoep_size": 2}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = deepspeed_c.initialize(model=model, config=cfg)
+    module, ids = engine.module, _data(world)[0][rank]
+    params = {n: p.detach() for n, p in module.named_parameters()}
+
+    def loss_of(ps: dict) -> torch.Tensor:
+        return torch.func.functional_call(module, ps, (ids,), {"labels": ids}).loss
+
+    got = torch.func.grad(loss_of)(params)
+    names = list(params)
+    want = torch.autograd.grad(module(input_ids=ids, labels=ids).loss, [dict(module.named_parameters())[n]
+                                                                       for n in names])
+    held = [n for n, p in module.named_parameters() if p.grad is not None]
+    return {"rel": {n: _rel(got[n], w) for n, w in zip(names, want)}, "held": held}
+
+
+def test_autoep_torch_func_grad_equals_autograd() -> None:
+    for rank, res in enumerate(run_distributed(_func_grad_body, 2, timeout=300)):
+        bad = {n: r for n, r in res["rel"].items() if not r < TOL}
+        assert not bad, f"rank {rank}: torch.func.grad differs from autograd.grad: {bad}"
+        assert res["held"] == [], f"rank {rank}: .grad written by a gradient taken for other ends: {res['held']}"

@@ -20,17 +20,23 @@ def exchange_rows(rows: torch.Tensor, out_splits: list[int], in_splits: list[int
 
 
 class _Exchange(torch.autograd.Function):
+    """Its backward is an exchange too, applied through this Function, so a backward that builds a graph
+    (create_graph: gradient penalties) differentiates it again; setup_context lets torch.func.grad run it."""
 
     @staticmethod
-    def forward(ctx: Any, rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any
+    def forward(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any  # type: ignore[override]
                 ) -> torch.Tensor:
-        ctx.splits, ctx.group = (out_splits, in_splits), group
         return exchange_rows(rows, out_splits, in_splits, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None, None, None]:
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        _, out_splits, in_splits, group = inputs
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None, None, None]:  # type: ignore[override]
         out_splits, in_splits = ctx.splits
-        return exchange_rows(grad, in_splits, out_splits, ctx.group), None, None, None
+        return _Exchange.apply(grad, in_splits, out_splits, ctx.group), None, None, None
 
 
 def exchange(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
