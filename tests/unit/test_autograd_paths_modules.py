@@ -137,3 +137,33 @@ def test_autograd_paths_tiled_ltd_ffn_moe():
         for target in ("x", case.weights[0]):
             case.penalty_on = target
             check_paths(case)
+
+
+def test_tiled_weights_user_hooks_see_each_tile_once():
+    """A user's tensor hooks on the tiled weights (TiledMLP, TiledFusedLogitsLoss, sequence_tiled_compute): each
+    tile's gradient passes them once, as DeepSpeed's nested per-tile backward does, so the gradients a recording
+    hook sees sum to the whole gradient and a scaling hook scales .grad exactly once. Reference: the same math
+    untiled in plain torch, the same hooks (called once there, with the whole gradient)."""
+    torch.manual_seed(0)
+    y = torch.randint(0, V, (B, S))
+    for name, tiled, plain in (
+            ("TiledMLP", _Mlp(), lambda m, x: m.down(torch.tanh(m.up(x)))),
+            ("TiledFusedLogitsLoss", _Head(y), lambda m, x: F.cross_entropy(m.lm(x).flatten(0, 1), y.flatten())),
+            ("sequence_tiled_compute", _Tiled(), lambda m, x: m.lin(x).tanh())):
+        ref = type(tiled)(y) if name == "TiledFusedLogitsLoss" else type(tiled)()
+        ref.load_state_dict(tiled.state_dict())
+        x = torch.randn(B, S, H)
+        grads = {}
+        for label, module, fn in (("tiled", tiled, lambda m, t: m(t)), ("plain", ref, plain)):
+            seen = []
+            w = next(module.parameters())  # the first weight: recorded and halved by the user's hooks
+            handles = [w.register_hook(lambda g, seen=seen: seen.append(g.clone())),
+                       w.register_hook(lambda g: g * 0.5)]
+            fn(module, x.clone().requires_grad_(True)).pow(2).sum().backward()
+            for h in handles:
+                h.remove()
+            grads[label] = (sum(seen), w.grad.clone(), len(seen))
+        (seen_t, grad_t, calls_t), (seen_p, grad_p, _) = grads["tiled"], grads["plain"]
+        assert calls_t == 3, f"{name}: the recording hook ran {calls_t} times for 3 tiles"
+        assert float((seen_t - seen_p).norm() / seen_p.norm()) < 1e-5, f"{name}: the hooks saw another gradient"
+        assert float((grad_t - grad_p).norm() / grad_p.norm()) < 1e-5, f"{name}: .grad differs (a hook ran twice)"

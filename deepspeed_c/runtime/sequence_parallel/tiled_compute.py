@@ -12,9 +12,9 @@ parameters (the module's, and compute_params) are inputs of the autograd node fo
 edges let torch say which of them this backward accumulates, and give `autograd.grad(loss, [w])` and
 `backward(inputs=[x])` their answer. In the fast path the last tile's parameter gradients travel through
 those edges (an edge given None would run the parameter's AccumulateGrad anyway, calling its hooks with
-None), so each parameter still accumulates once per tile; a parameter tensor hook sees the last tile's
-gradient twice, once in the nested torch.autograd.grad that computes it (where the engine's own hooks step
-aside, per the rule) and once at its accumulation. Elsewhere (autograd.grad, backward(inputs=),
+None), so each parameter still accumulates once per tile; the parameters' tensor hooks are silenced in the
+nested torch.autograd.grad that computes the last tile's gradient (torch would run them there and again at the
+accumulation), so a user's hook sees each tile's gradient once, as in DeepSpeed's per-tile backward. Elsewhere (autograd.grad, backward(inputs=),
 create_graph) each tile's gradients come from `torch.autograd.grad` and are returned to autograd
 (differentiable under create_graph); under torch.func transforms the same tiles run through plain torch
 ops, no custom Function.
@@ -31,8 +31,9 @@ compute_params it is given are known, so without them a backward(inputs=[x]) sti
 parameters' `.grad` (autograd.grad is told apart by the captured input)."""
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -97,6 +98,24 @@ def _leaves(out: Tensor) -> List[Tensor]:
     return found
 
 
+@contextlib.contextmanager
+def _tensor_hooks_paused(params: Sequence[Tensor]) -> Iterator[None]:
+    """The parameters' tensor hooks (`register_hook`) silenced: torch runs them on a gradient that autograd.grad
+    captures, and again when this node's edge accumulates it; the last tile's gradient would be seen (and
+    transformed) twice. The hooks live in each tensor's `_backward_hooks` dict, which torch reads at call time."""
+    held = []
+    for p in params:
+        hooks = p._backward_hooks
+        if hooks:
+            held.append((hooks, list(hooks.items())))
+            hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, items in held:
+            hooks.update(items)
+
+
 def _fast_tile(out: Tensor, grad: Tensor, leaf: Tensor, params: Sequence[Tensor], last: bool,
                returned: List[Optional[Tensor]]) -> Optional[Tensor]:
     """One tile of the fast path; returns the tile input's gradient. Earlier tiles back-propagate into `.grad`
@@ -108,7 +127,8 @@ def _fast_tile(out: Tensor, grad: Tensor, leaf: Tensor, params: Sequence[Tensor]
         known = {id(p) for p in params}
         known.add(id(leaf))
         if all(id(v) in known for v in _leaves(out)):
-            got = torch.autograd.grad(out, [leaf, *params], grad, allow_unused=True)
+            with _tensor_hooks_paused(params):  # they run once, where the edges accumulate these gradients
+                got = torch.autograd.grad(out, [leaf, *params], grad, allow_unused=True)
             returned[:] = got[1:]
             return got[0]
     torch.autograd.backward(out, grad)
