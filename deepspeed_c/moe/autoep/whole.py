@@ -16,7 +16,7 @@ def split_layers(module: torch.nn.Module) -> list[tuple[str, Any]]:
 
 def _gathered(t: torch.Tensor, layer: Any) -> torch.Tensor:
     """t of every rank of the layer's expert-parallel group, stacked in expert order (by ep_rank)."""
-    import torch.distributed as dist
+    import deepspeed_c.comm as dist
 
     group = layer.ep_group
     parts = [torch.empty_like(t) for _ in range(layer.ep_size)]
