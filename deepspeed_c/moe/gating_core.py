@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from deepspeed_c.runtime.autograd_paths import transforms_active
+from deepspeed_c.runtime.autograd_paths import tensor_hooks_paused, transforms_active
 
 TOKEN_MAJOR = 0  # a route's location counts the earlier kept routes of its expert in token order
 ROUTE_MAJOR = 1  # ... in route order: every token's first choice, then every token's second (top-2)
@@ -166,7 +166,8 @@ class Combine(torch.autograd.Function):
         y, w, route_slot, slot_route = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph: torch's gradients of the same sum, differentiable
             wrt = [t for t, need in zip((y, w), ctx.needs_input_grad[:2]) if need]
-            got = iter(torch.autograd.grad(_torch_combine(y, route_slot, w), wrt, grad, create_graph=True))
+            with tensor_hooks_paused(wrt):  # the edges deliver these gradients: hooks run there, once
+                got = iter(torch.autograd.grad(_torch_combine(y, route_slot, w), wrt, grad, create_graph=True))
             return (next(got) if ctx.needs_input_grad[0] else None, next(got) if ctx.needs_input_grad[1] else None,
                     None, None)
         grad = grad.contiguous()

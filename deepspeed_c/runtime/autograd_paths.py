@@ -17,7 +17,8 @@ writes step aside too; under torch.func transforms (vmap, grad, jacrev) the cust
 the fast paths do not run at all (functorch would need a vmap rule for each)."""
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+import contextlib
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch.autograd.graph import get_gradient_edge
@@ -107,3 +108,23 @@ def training_backward(params: Iterable[torch.Tensor]) -> bool:
     if any_accumulates(params):
         return True
     return not partial_below(torch._C._current_autograd_node())
+
+
+@contextlib.contextmanager
+def tensor_hooks_paused(tensors: Iterable[Any]) -> Iterator[None]:
+    """The tensors' own hooks (`register_hook`) silenced, for a backward that computes their gradients with a
+    nested torch.autograd.grad and returns them to autograd through its node's edges: torch runs a tensor's
+    hooks on the gradient autograd.grad captures and again where the edge delivers it, so a user's hook would
+    see (and transform) that gradient twice. Each tensor keeps its hooks in `_backward_hooks`, a dict torch
+    reads when it calls them."""
+    held = []
+    for t in tensors:
+        hooks = getattr(t, "_backward_hooks", None) if isinstance(t, torch.Tensor) else None
+        if hooks:
+            held.append((hooks, list(hooks.items())))
+            hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, items in held:
+            hooks.update(items)

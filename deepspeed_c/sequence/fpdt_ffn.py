@@ -15,7 +15,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from deepspeed_c.runtime.autograd_paths import transforms_active
+from deepspeed_c.runtime.autograd_paths import tensor_hooks_paused, transforms_active
 
 _C0, _C1 = 0.79788456, 0.044715  # sqrt(2/pi) and the cubic coefficient of the tanh approximation
 
@@ -108,7 +108,8 @@ def _differentiable_backward(ctx: Any, saved: tuple, grad_out: Tensor, grad_bias
     result is differentiable in them and in grad_out."""
     wrt = [t for t in saved if t.requires_grad]
     out = _plain(*saved, ctx.add_bias)
-    got = iter(torch.autograd.grad(out, wrt, grad_out, allow_unused=True, create_graph=True))
+    with tensor_hooks_paused(wrt):  # the edges deliver these gradients: hooks run there, once
+        got = iter(torch.autograd.grad(out, wrt, grad_out, allow_unused=True, create_graph=True))
     grads = [next(got) if t.requires_grad else None for t in saved]
     if grad_bias is not None and not ctx.add_bias:
         grads[4] = grad_bias if grads[4] is None else grads[4] + grad_bias

@@ -139,31 +139,47 @@ def test_autograd_paths_tiled_ltd_ffn_moe():
             check_paths(case)
 
 
-def test_tiled_weights_user_hooks_see_each_tile_once():
-    """A user's tensor hooks on the tiled weights (TiledMLP, TiledFusedLogitsLoss, sequence_tiled_compute): each
-    tile's gradient passes them once, as DeepSpeed's nested per-tile backward does, so the gradients a recording
-    hook sees sum to the whole gradient and a scaling hook scales .grad exactly once. Reference: the same math
-    untiled in plain torch, the same hooks (called once there, with the whole gradient)."""
-    torch.manual_seed(0)
-    y = torch.randint(0, V, (B, S))
-    for name, tiled, plain in (
-            ("TiledMLP", _Mlp(), lambda m, x: m.down(torch.tanh(m.up(x)))),
-            ("TiledFusedLogitsLoss", _Head(y), lambda m, x: F.cross_entropy(m.lm(x).flatten(0, 1), y.flatten())),
-            ("sequence_tiled_compute", _Tiled(), lambda m, x: m.lin(x).tanh())):
-        ref = type(tiled)(y) if name == "TiledFusedLogitsLoss" else type(tiled)()
-        ref.load_state_dict(tiled.state_dict())
-        x = torch.randn(B, S, H)
-        grads = {}
-        for label, module, fn in (("tiled", tiled, lambda m, t: m(t)), ("plain", ref, plain)):
-            seen = []
-            w = next(module.parameters())  # the first weight: recorded and halved by the user's hooks
-            handles = [w.register_hook(lambda g, seen=seen: seen.append(g.clone())),
-                       w.register_hook(lambda g: g * 0.5)]
-            fn(module, x.clone().requires_grad_(True)).pow(2).sum().backward()
-            for h in handles:
-                h.remove()
-            grads[label] = (sum(seen), w.grad.clone(), len(seen))
-        (seen_t, grad_t, calls_t), (seen_p, grad_p, _) = grads["tiled"], grads["plain"]
-        assert calls_t == 3, f"{name}: the recording hook ran {calls_t} times for 3 tiles"
-        assert float((seen_t - seen_p).norm() / seen_p.norm()) < 1e-5, f"{name}: the hooks saw another gradient"
-        assert float((grad_t - grad_p).norm() / grad_p.norm()) < 1e-5, f"{name}: .grad differs (a hook ran twice)"
+def _hooked_grads(weight: torch.Tensor, run) -> tuple:
+    """Runs `run()` with a recording and a halving hook on `weight`: (sum of the gradients the hooks saw,
+    weight.grad, number of hook calls)."""
+    seen: list = []
+    handles = [weight.register_hook(lambda g: seen.append(g.detach().double().clone())),
+               weight.register_hook(lambda g: g * 0.5)]
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    return sum(seen), weight.grad.detach().double().clone(), len(seen)
+
+
+def test_user_hooks_see_each_gradient_once():
+    """A user's tensor hooks on a weight of every module above, in a plain backward and in a create_graph
+    penalty on x: the gradients the hooks see sum to the weight's whole gradient and a halving hook halves
+    .grad once, as in plain torch (float64 reference of the same math, the same hooks). Tiled modules call
+    them once per tile in the fast path (DeepSpeed's per-tile backward): 3 calls for 3 tiles. Before, the
+    tiled nodes and the create_graph recomputations ran them twice on the gradients they return to autograd."""
+    for case in _cases():
+        weight = case.weights[0]
+        for form in ("backward", "penalty"):
+            module = case.module
+            module.zero_grad(set_to_none=True)
+            params = {n: p.detach().double().requires_grad_(True) for n, p in module.named_parameters()}
+
+            def run(fn, x, form=form):
+                x = x.clone().requires_grad_(True)
+                loss = fn(x)
+                if form == "penalty":
+                    (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+                    loss = loss + (gx ** 2).sum()
+                loss.backward()
+
+            got = _hooked_grads(dict(module.named_parameters())[weight], lambda: run(lambda x: case.loss(module, x),
+                                                                                    case.x))
+            want = _hooked_grads(params[weight], lambda: run(lambda x: case.ref(params, x), case.x_full.double()))
+            what = f"{case.name} {weight} ({form})"
+            assert float((got[0] - want[0]).norm() / want[0].norm()) < case.tol, f"{what}: the hooks saw another sum"
+            assert float((got[1] - want[1]).norm() / want[1].norm()) < case.tol, f"{what}: .grad differs"
+            tiled = case.name in ("TiledMLP", "TiledFusedLogitsLoss", "SequenceTiledCompute")
+            calls = 3 if tiled else want[2]  # the tiled ones: once a tile; the others: as plain torch
+            assert got[2] == calls, f"{what}: the hooks ran {got[2]} times, expected {calls}"

@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 
 from deepspeed_c.ops.deepspeed4science import evoformer_reference as ref
-from deepspeed_c.runtime.autograd_paths import transforms_active
+from deepspeed_c.runtime.autograd_paths import tensor_hooks_paused, transforms_active
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -96,7 +96,8 @@ def _double_backward(ctx, d_o: torch.Tensor, saved: tuple) -> tuple:
     """create_graph: the gradients of the plain composition, recorded, so their own gradients exist."""
     wanted = [i for i, t in enumerate(saved) if t is not None and ctx.needs_input_grad[i]]
     o = attention(*saved)
-    found = torch.autograd.grad(o, [saved[i] for i in wanted], d_o, create_graph=True, allow_unused=True)
+    with tensor_hooks_paused([saved[i] for i in wanted]):  # the edges deliver these gradients: hooks run there
+        found = torch.autograd.grad(o, [saved[i] for i in wanted], d_o, create_graph=True, allow_unused=True)
     grads: list = [None] * 5
     for i, g in zip(wanted, found):
         grads[i] = g

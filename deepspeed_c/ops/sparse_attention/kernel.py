@@ -11,7 +11,7 @@ from types import ModuleType
 
 import torch
 
-from deepspeed_c.runtime.autograd_paths import transforms_active
+from deepspeed_c.runtime.autograd_paths import tensor_hooks_paused, transforms_active
 
 from .reference import dense_sparse_attention
 from .work_plan import DEFAULT_FACTOR, WorkPlan, balance_enabled
@@ -133,7 +133,8 @@ class SparseAttentionFunction(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph: gradients of the plain composition, recorded
             wanted = [t for t, need in zip((q, k, v), ctx.needs_input_grad) if need]
             out = dense_sparse_attention(q, k, v, _layout(tables), block, scale, kpm, am, rpe)
-            found = iter(torch.autograd.grad(out, wanted, d_o, create_graph=True, allow_unused=True))
+            with tensor_hooks_paused(wanted):  # the edges deliver these gradients: hooks run there, once
+                found = iter(torch.autograd.grad(out, wanted, d_o, create_graph=True, allow_unused=True))
             dq, dk, dv = (next(found) if need else None for need in ctx.needs_input_grad[:3])
             return dq, dk, dv, None, None, None, None, None, None
         d_o = _aligned(d_o)

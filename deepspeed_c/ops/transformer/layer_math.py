@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from deepspeed_c.ops.transformer import fused_reference as ref
+from deepspeed_c.runtime.autograd_paths import tensor_hooks_paused
 
 
 def draw_keep(shape: tuple[int, ...], p: float, device: torch.device) -> Optional[torch.Tensor]:
@@ -78,5 +79,6 @@ def differentiable_backward(spec, x: Optional[torch.Tensor], mask: Optional[torc
     with torch.enable_grad():
         out = layer_forward(spec, x, mask, weights, *keeps)
         inputs = [t for t, need in zip([x, *weights], needs) if need]
-        grads = iter(torch.autograd.grad(out, inputs, dout, create_graph=True, allow_unused=True))
+        with tensor_hooks_paused(inputs):  # the edges deliver these gradients: hooks run there, once
+            grads = iter(torch.autograd.grad(out, inputs, dout, create_graph=True, allow_unused=True))
     return [next(grads) if need else None for need in needs]

@@ -14,8 +14,9 @@ edges let torch say which of them this backward accumulates, and give `autograd.
 those edges (an edge given None would run the parameter's AccumulateGrad anyway, calling its hooks with
 None), so each parameter still accumulates once per tile; the parameters' tensor hooks are silenced in the
 nested torch.autograd.grad that computes the last tile's gradient (torch would run them there and again at the
-accumulation), so a user's hook sees each tile's gradient once, as in DeepSpeed's per-tile backward. Elsewhere (autograd.grad, backward(inputs=),
-create_graph) each tile's gradients come from `torch.autograd.grad` and are returned to autograd
+accumulation), so a user's hook sees each tile's gradient once, as in DeepSpeed's per-tile backward.
+Elsewhere (autograd.grad, backward(inputs=), create_graph) each tile's gradients come from
+`torch.autograd.grad` (hooks silenced there too) and are returned to autograd
 (differentiable under create_graph); under torch.func transforms the same tiles run through plain torch
 ops, no custom Function.
 
@@ -31,15 +32,15 @@ compute_params it is given are known, so without them a backward(inputs=[x]) sti
 parameters' `.grad` (autograd.grad is told apart by the captured input)."""
 from __future__ import annotations
 
-import contextlib
 import math
-from typing import Any, Callable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 
-from deepspeed_c.runtime.autograd_paths import accumulates_in_place, partial_below, transforms_active
+from deepspeed_c.runtime.autograd_paths import (accumulates_in_place, partial_below, tensor_hooks_paused,
+                                                 transforms_active)
 
 
 def _mark_ready(params: Optional[Sequence[Tensor]], ready: bool) -> None:
@@ -98,24 +99,6 @@ def _leaves(out: Tensor) -> List[Tensor]:
     return found
 
 
-@contextlib.contextmanager
-def _tensor_hooks_paused(params: Sequence[Tensor]) -> Iterator[None]:
-    """The parameters' tensor hooks (`register_hook`) silenced: torch runs them on a gradient that autograd.grad
-    captures, and again when this node's edge accumulates it; the last tile's gradient would be seen (and
-    transformed) twice. The hooks live in each tensor's `_backward_hooks` dict, which torch reads at call time."""
-    held = []
-    for p in params:
-        hooks = p._backward_hooks
-        if hooks:
-            held.append((hooks, list(hooks.items())))
-            hooks.clear()
-    try:
-        yield
-    finally:
-        for hooks, items in held:
-            hooks.update(items)
-
-
 def _fast_tile(out: Tensor, grad: Tensor, leaf: Tensor, params: Sequence[Tensor], last: bool,
                returned: List[Optional[Tensor]]) -> Optional[Tensor]:
     """One tile of the fast path; returns the tile input's gradient. Earlier tiles back-propagate into `.grad`
@@ -127,7 +110,7 @@ def _fast_tile(out: Tensor, grad: Tensor, leaf: Tensor, params: Sequence[Tensor]
         known = {id(p) for p in params}
         known.add(id(leaf))
         if all(id(v) in known for v in _leaves(out)):
-            with _tensor_hooks_paused(params):  # they run once, where the edges accumulate these gradients
+            with tensor_hooks_paused(params):  # they run once, where the edges accumulate these gradients
                 got = torch.autograd.grad(out, [leaf, *params], grad, allow_unused=True)
             returned[:] = got[1:]
             return got[0]
@@ -151,7 +134,8 @@ class _Replay:
 
     def run(self, tile: Tensor, out: Tensor, grad: Tensor) -> Tensor:
         """Back-propagates `grad` through one tile's `out`; returns the tile input's gradient."""
-        got = torch.autograd.grad(out, [tile] + self.params, grad, allow_unused=True, create_graph=self.create)
+        with tensor_hooks_paused(self.params):  # the node's edges deliver the sum: the hooks run there, once
+            got = torch.autograd.grad(out, [tile] + self.params, grad, allow_unused=True, create_graph=self.create)
         for j, g in enumerate(got[1:]):
             if g is not None:
                 prev = self.param_grads[j]
