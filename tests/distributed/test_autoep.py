@@ -1,6 +1,7 @@
 """AutoEP (`expert_parallel`): tiny Hugging Face Mixtral, Qwen3-MoE, Qwen2-MoE (shared expert), DeepSeek-V3
-(group-limited routing, a dense first layer), DeepSeek-V2 and Qwen3.5-MoE (linear attention, gated shared expert)
-models trained through deepspeed_c.initialize against plain PyTorch training of the unsplit model in one process.
+(group-limited routing, a dense first layer), DeepSeek-V2, Qwen3.5-MoE (linear attention, gated shared expert) and
+MiniMax-M3 (clamped SwiGLU experts) models trained through deepspeed_c.initialize against plain PyTorch training of
+the unsplit model in one process.
 
 Reference: the same Hugging Face model (same seed), no deepspeed_c, each step every rank's micro-batch run
 separately and their losses averaged (the ranks route their own tokens), then torch.optim.SGD. The runs use
@@ -52,6 +53,12 @@ def make_model(kind: str, experts: int = 4) -> torch.nn.Module:
         cfg = tf.Qwen3_5MoeTextConfig(moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=experts,
                                       head_dim=16, layer_types=["linear_attention", "full_attention"], **common)
         cls = tf.Qwen3_5MoeForCausalLM
+    elif kind == "minimax_m3":  # the text model: sigmoid router with a correction bias, clamped SwiGLU experts
+        from transformers.models.minimax_m3_vl import configuration_minimax_m3_vl as mc, modeling_minimax_m3_vl as mm
+
+        cfg = mc.MiniMaxM3VLTextConfig(intermediate_size=16, shared_intermediate_size=16, num_local_experts=experts,
+                                       head_dim=16, bos_token_id=0, eos_token_id=0, **common)
+        cls = mm.MiniMaxM3VLForCausalLM
     else:
         cfg = tf.Qwen2MoeConfig(intermediate_size=32, moe_intermediate_size=16, shared_expert_intermediate_size=16,
                                 num_experts=experts, decoder_sparse_step=1, **common)
@@ -186,7 +193,7 @@ def make_model_weights(what: str) -> dict[str, torch.Tensor]:
 
 # every preset family, ZeRO 0 and 2
 DIST_CASES = [("mixtral", 0), ("qwen3_moe", 2), ("qwen2_moe", 0), ("deepseek_v3", 2), ("deepseek_v2", 0),
-              ("qwen3_5_moe", 0)]
+              ("qwen3_5_moe", 0), ("minimax_m3", 2)]
 
 
 def _expect_error(fn: Any, exc: type, *words: str) -> str:

@@ -31,10 +31,16 @@ def local_slice(ep_rank: int, ep_size: int, num_experts: int) -> slice:
 
 class AutoEPExperts(nn.Module):
 
-    def __init__(self, w1: nn.Parameter, w2: nn.Parameter, act_fn: Callable[[torch.Tensor], torch.Tensor],
+    def __init__(self, w1: nn.Parameter, w2: nn.Parameter, act_fn: Optional[Callable[[torch.Tensor], torch.Tensor]],
                  num_experts: int, ep_size: int, ep_rank: int, route_scale: float = 1.0,
-                 names: tuple[str, str] = ("gate_up_proj", "down_proj")) -> None:
+                 names: tuple[str, str] = ("gate_up_proj", "down_proj"),
+                 gate_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
+        """act_fn: the experts' activation, act_fn(gate) * up; gate_fn (instead): the Hugging Face experts' own
+        gated activation of the fused gate-and-up output (MiniMax-M3's clamped SwiGLU, `_apply_gate`)."""
         super().__init__()
+        if act_fn is None and gate_fn is None:
+            raise ValueError("AutoEPExperts needs act_fn or gate_fn")
+        self.gate_fn = gate_fn
         self.num_experts = num_experts  # global: the engine's MoE bookkeeping counts the whole layer
         self.ep_size = ep_size
         self.ep_rank = ep_rank
@@ -66,8 +72,13 @@ class AutoEPExperts(nn.Module):
         w1, w2 = getattr(self, self.w1_name), getattr(self, self.w2_name)
         outs = []
         for j, chunk in enumerate(rows.split(counts)):
-            gate, up = F.linear(chunk, w1[j]).chunk(2, dim=-1)
-            outs.append(F.linear(self.act_fn(gate) * up, w2[j]))
+            gate_up = F.linear(chunk, w1[j])
+            if self.gate_fn is not None:
+                hidden = self.gate_fn(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                hidden = self.act_fn(gate) * up
+            outs.append(F.linear(hidden, w2[j]))
         return torch.cat(outs) if outs else rows.new_zeros((0, w2.shape[1]))
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

@@ -40,11 +40,13 @@ PRESETS: dict[str, Preset] = {
     # the text backbone (Qwen3_5MoeForCausalLM), as DeepSpeed's preset; its gated shared expert stays in the block
     "qwen3_5_moe": Preset("qwen3_5_moe", _LAYERS, "gate", "experts", "gate_up_proj", "down_proj", None,
                           "num_experts", ("qwen3_5_moe_text",)),
+    # the text model (MiniMaxM3VLForCausalLM); its experts' clamped SwiGLU is their own _apply_gate
+    "minimax_m3": Preset("minimax_m3", _LAYERS, "gate", "experts", "gate_up_proj", "down_proj", None,
+                         "num_local_experts", ("minimax_m3_vl_text",)),
 }
 
-# DeepSpeed presets deepspeed_c knows by name but has not built (MiniMax-M3's text model is not in transformers
-# 5.23 as a causal LM of its own; Llama 4's experts take pre-weighted, expert-major inputs).
-UNBUILT_PRESETS = {"minimax_m3", "llama4"}
+# presets deepspeed_c knows by name but has not built (Llama 4's experts take pre-weighted, expert-major inputs)
+UNBUILT_PRESETS = {"llama4"}
 
 
 def preset_for_model_type(model_type: Optional[str]) -> Optional[Preset]:

@@ -87,10 +87,13 @@ def apply_autoep(model: nn.Module, cfg: Any, tensor_parallel: bool = False,
             raise ValueError(f"expert_parallel.autoep_size={ep_size} must divide the number of experts of every MoE "
                              f"layer; {name} has {num_experts}")
         act_fn = getattr(experts, "act_fn", None)
-        if act_fn is None:
-            raise ValueError(f"{name}.{preset.expert_pattern} ({type(experts).__name__}) has no act_fn")
+        # no act_fn: the experts' own gated activation of the fused output (MiniMax-M3's clamped SwiGLU)
+        gate_fn = getattr(experts, "_apply_gate", None) if act_fn is None else None
+        if act_fn is None and not callable(gate_fn):
+            raise ValueError(f"{name}.{preset.expert_pattern} ({type(experts).__name__}) has neither act_fn nor "
+                             "_apply_gate: its expert activation is unknown to AutoEP")
         with torch.no_grad():
             layer = AutoEPExperts(w1, w2, act_fn, num_experts, ep_size, ep_rank, cfg.route_scale,
-                                  (preset.expert_w1, preset.expert_w2))
+                                  (preset.expert_w1, preset.expert_w2), gate_fn=gate_fn)
         setattr(block, preset.expert_pattern, layer)
     return [n for n, _ in blocks]
