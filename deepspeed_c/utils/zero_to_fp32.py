@@ -264,6 +264,17 @@ def _zero3_fp32(model_states: list[dict], parts: list[dict], world: int,
     return out
 
 
+def _check_one_model_parallel_rank(tag_dir: str) -> None:
+    """The conversion consolidates data-parallel partitions; a checkpoint cut over model-parallel ranks too (a
+    client mpu's, AutoTP's at ZeRO-3) would come out as rank 0's tensor-parallel shards under the whole names."""
+    pattern = re.compile(r"^(?:.*zero_pp_rank_\d+_)?mp_rank_(\d+)_(?:model|optim)_states\.pt$")
+    ranks = {int(m.group(1)) for f in os.listdir(tag_dir) if (m := pattern.match(f))}
+    if len(ranks) > 1:
+        raise ValueError(f"{tag_dir} holds the files of {len(ranks)} model-parallel (tensor-parallel) ranks: this "
+                         "conversion joins data-parallel partitions only and would return model-parallel rank 0's "
+                         "shards; save the whole weights with engine.save_16bit_model (it gathers both ways)")
+
+
 def _fuse_autoep_experts(sd: dict, layers: Any, tag_dir: str) -> None:
     """deepspeed_c's AutoEP layers back into the model's fused expert tensors, every expert in order: gate_up =
     [w1; w3] and down = w2 per expert, from the expert files' entries (which replace both them and the fused
@@ -292,6 +303,7 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
     """The consolidated fp32 state_dict of a stage 0-3 checkpoint (lazy_mode is accepted; tensors are
     always materialised, and each has the `.contiguous()` that DeepSpeed's lazy tensors offer)."""
     tag_dir = _tag_dir(checkpoint_dir, tag)
+    _check_one_model_parallel_rank(tag_dir)
     files = _zero_files(tag_dir)
     parts = []
     for f in files:

@@ -7,7 +7,8 @@ Each rank also trains the unsharded model alone on the whole global batch with t
 the sharded model's logits, its 10 losses and its gathered weights must match it, at ZeRO stages
 0, 1, 2 and 3 on the data-parallel axis (1-3 and one stage-0 run with gradient clipping); fp16 at ZeRO 2.
 The same run checks the bad-input errors and save_checkpoint/load_checkpoint across TP degrees (fp32 at
-stage 0; bf16 at stage 0 and ZeRO 2, fp32 masters and Adam moments compared exactly after resharding).
+stage 0; bf16 at stage 0 and ZeRO 2, fp32 masters and Adam moments compared exactly after resharding; ZeRO-3
+per tensor-parallel rank, resumed exactly at the same degree, refused at another).
 Under DSC_TEST_BACKEND=nccl the sharded models run one GPU a rank (their data on rank_device()); the
 unsharded references stay on the CPU; same tolerances."""
 from __future__ import annotations
@@ -147,8 +148,8 @@ def _checkpoint(world: int, save_dir: str) -> dict:
     _run(engine, data, range(5), rows // engine.dp_world_size)
     engine.save_checkpoint(ckpt, tag="t")
     out = {"uninterrupted": _run(engine, data, range(5, 10), rows // engine.dp_world_size), "resumed": {}}
-    out["zero3"] = _error(lambda: engine_at(2, 0, stage=3).save_checkpoint(ckpt, tag="z"))
     groups._reset_tp_groups()
+    out["zero3"] = _checkpoint_zero3(engine_at, f"{save_dir}/z3", data, rows)
     for tp in (2, 1, 4):
         engine = engine_at(tp, seed=7)
         engine.load_checkpoint(ckpt, tag="t")
@@ -156,6 +157,33 @@ def _checkpoint(world: int, save_dir: str) -> dict:
         groups._reset_tp_groups()
     out["bf16_s2"] = _checkpoint_bf16(world, f"{save_dir}/bf16_s2", 2, data, rows, round_trip=True)
     out["bf16_s0"] = _checkpoint_bf16(world, f"{save_dir}/bf16_s0", 0, data, rows, round_trip=False)
+    return out
+
+
+def _checkpoint_zero3(engine_at, ckpt: str, data: list, rows: int) -> dict:
+    """ZeRO-3 at TP 2 x DP 2: save_checkpoint after 3 steps writes each rank's partitions of its tensor-parallel
+    shards (DeepSpeed's zero_pp_rank_{dp}_mp_rank_{tp} files); a fresh engine (other weights) at TP 2 loads it and
+    its next 3 losses must equal the uninterrupted run's bit for bit; TP 1 is refused naming both degrees, and so
+    is zero_to_fp32 (it would return TP rank 0's shards)."""
+    import os
+
+    from deepspeed_c.utils import groups
+    from deepspeed_c.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    engine = engine_at(2, 0, stage=3)
+    _run(engine, data, range(3), rows // engine.dp_world_size)
+    engine.save_checkpoint(ckpt, tag="z")
+    out = {"uninterrupted": _run(engine, data, range(3, 6), rows // engine.dp_world_size)}
+    groups._reset_tp_groups()
+    fresh = engine_at(2, 7, stage=3)
+    fresh.load_checkpoint(ckpt, tag="z")
+    out["resumed"] = _run(fresh, data, range(3, 6), rows // fresh.dp_world_size)
+    groups._reset_tp_groups()
+    other = engine_at(1, 7, stage=3)
+    out["tp1"] = _error(lambda: other.load_checkpoint(ckpt, tag="z"))
+    groups._reset_tp_groups()
+    out["files"] = sorted(f for f in os.listdir(os.path.join(ckpt, "z")) if f.startswith("zero_pp_rank"))
+    out["zero_to_fp32"] = _error(lambda: get_fp32_state_dict_from_zero_checkpoint(ckpt, tag="z"))
     return out
 
 
@@ -308,7 +336,13 @@ def test_autotp_matches_single_process_training(tmp_path):
         assert set(ck["resumed"]) == {1, 2, 4}, ck
         for tp, losses in ck["resumed"].items():
             assert np.max(np.abs(np.array(losses) - np.array(ck["uninterrupted"]))) < 1e-5, (tp, ck)
-        assert ck["zero3"].startswith("NotImplementedError") and "stage=3" in ck["zero3"], ck["zero3"]
+        z3 = ck["zero3"]  # ZeRO-3: per-TP-rank files, an exact resume at TP 2, clear refusals elsewhere
+        assert z3["resumed"] == z3["uninterrupted"], z3
+        assert z3["files"] == [f"zero_pp_rank_{d}_mp_rank_{t:02d}_{k}_states.pt" for d in (0, 1) for t in (0, 1)
+                               for k in ("model", "optim")], z3["files"]
+        assert z3["tp1"].startswith("NotImplementedError") and "2 model-parallel" in z3["tp1"], z3["tp1"]
+        assert "runs 1" in z3["tp1"], z3["tp1"]
+        assert z3["zero_to_fp32"].startswith("ValueError") and "model-parallel" in z3["zero_to_fp32"], z3
         for case in ("bf16_s2", "bf16_s0"):  # bf16 at ZeRO 2: TP 2 -> 2, 2 -> 1, 1 -> 2; at stage 0: 2 -> 1
             b = ck[case]
             assert b["moments_nonzero"] > 0, (case, b)

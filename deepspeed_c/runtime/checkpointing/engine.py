@@ -455,7 +455,8 @@ class EngineCheckpointer:
         with rank_local_step("load_checkpoint (reading this rank's model states)", distributed=_dist()):
             if self.options.load_universal:  # a folder ds_to_universal wrote, or a clear error
                 universal_load.check_folder(os.path.join(load_dir, tag))
-            tag_dir, manifest, state, model_name, model_rank = self._open_tag(load_dir, tag, dp_rank, st.mp_rank)
+            tag_dir, manifest, state, model_name, model_rank = self._open_tag(load_dir, tag, dp_rank, st.mp_rank,
+                                                                              st.mp_world_size)
             saved = SavedCheckpoint(tag_dir=tag_dir, manifest=manifest, model_state=state,
                                     bf16=self.options.bf16, load_from_fp32_weights=self.options.load_from_fp32_weights,
                                     node_local=own_dirs, partitioned_weights=model_rank is not None, model_rank=model_rank,
@@ -518,8 +519,8 @@ class EngineCheckpointer:
                                                         saved.model_rank))
         return module_state
 
-    def _open_tag(self, load_dir: str, tag: str, dp_rank: int = 0,
-                  mp_rank: int = 0) -> tuple[str, Any, dict, str, Optional[int]]:
+    def _open_tag(self, load_dir: str, tag: str, dp_rank: int = 0, mp_rank: int = 0,
+                  mp_world_size: int = 1) -> tuple[str, Any, dict, str, Optional[int]]:
         """The tag's directory, its manifest, its model-states file, that file's name and, for a ZeRO-3
         checkpoint (per-rank model-states files), whose file it is (this rank's, else rank 0's)."""
         tag_dir = os.path.join(load_dir, tag)
@@ -532,9 +533,10 @@ class EngineCheckpointer:
             raise FileNotFoundError(f"load_checkpoint: checkpoint tag {tag!r} not found in {load_dir} "
                                     f"(directory holds: {store.listing(load_dir)})")
         manifest = store.read_manifest(tag_dir)
-        from deepspeed_c.runtime.checkpointing.zero3 import is_stage3_checkpoint
+        from deepspeed_c.runtime.checkpointing.zero3 import check_model_parallel_degree, is_stage3_checkpoint
 
         if is_stage3_checkpoint(tag_dir, dp_rank):
+            check_model_parallel_degree(tag_dir, mp_world_size)
             rank = dp_rank if os.path.isfile(os.path.join(tag_dir, zero3_model_file(dp_rank, mp_rank))) else 0
             name = zero3_model_file(rank, mp_rank)
             return tag_dir, manifest, store.load_file(tag_dir, name, manifest), name, rank

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections import OrderedDict
 from typing import Any, Callable, Optional, Sequence
 
@@ -51,6 +52,19 @@ def is_stage3_checkpoint(tag_dir: str, dp_rank: int = 0) -> bool:
     if os.path.isfile(os.path.join(tag_dir, "mp_rank_00_model_states.pt")):
         return False
     return any(os.path.isfile(os.path.join(tag_dir, model_file_name(r))) for r in (0, dp_rank))
+
+
+def check_model_parallel_degree(tag_dir: str, mp_world_size: int) -> None:
+    """A stage-3 checkpoint holds one set of files per model-parallel rank (a client mpu's, or AutoTP's at ZeRO-3):
+    loading it at another model-parallel degree is refused, naming both (DeepSpeed converts such checkpoints with
+    ds_to_universal.py)."""
+    pattern = re.compile(r"^zero_pp_rank_\d+_mp_rank_(\d+)_model_states\.pt$")
+    saved = {int(m.group(1)) for f in os.listdir(tag_dir) if (m := pattern.match(f))}
+    if saved and len(saved) != mp_world_size:
+        raise NotImplementedError(
+            f"load_checkpoint: {tag_dir} holds ZeRO-3 partitions of {len(saved)} model-parallel (tensor-parallel) "
+            f"ranks; this engine runs {mp_world_size} (tensor_parallel.autotp_size or the mpu's model-parallel "
+            "size): a ZeRO-3 checkpoint loads only at the model-parallel degree it was saved at")
 
 
 def saved_partition_world(model_state: dict) -> int:

@@ -201,6 +201,9 @@ class EngineIO:
     def _checkpoint_model_parallel(self) -> dict:
         """DeepSpeed's checkpoint_mp_rank and mp_world_size: a client mpu's model-parallel rank and size (the
         mp_rank_XX of the file names; 0 and 1 without one). The PipelineEngine's are its grid's."""
+        if self.parallel_dims.autotp_sharded and self.zero_optimization_partition_weights():
+            # AutoTP at ZeRO-3: each tensor-parallel rank's partitions in files of its own, as DeepSpeed writes them
+            return {"mp_rank": self.mpu.get_model_parallel_rank(), "mp_world_size": self.mpu.get_model_parallel_world_size()}
         return {"mp_rank": self.parallel_dims.model_rank, "mp_world_size": self.parallel_dims.model}
 
     def _checkpoint_state_fields(self, stepper: Any = None) -> dict:
@@ -225,5 +228,7 @@ def _tp_full_view(engine: Any, what: str) -> Any:
     from deepspeed_c.runtime.checkpointing.tensor_parallel import check_supported, full_view
 
     stage, mpu = engine.zero_optimization_stage(), engine.mpu
+    if stage == 3:  # ZeRO-3: each rank's partitions of its tensor-parallel shards, per TP rank (DeepSpeed's layout)
+        return contextlib.nullcontext()
     check_supported(mpu.get_model_parallel_world_size(), stage, what)
     return full_view(engine.module, engine.stepper, engine.basic_optimizer, stage, mpu.get_model_parallel_rank())
