@@ -85,7 +85,15 @@ def initialize(args: Any = None,
     from deepspeed_c.runtime.tensor_parallel.autotp_setup import prepare_autotp
 
     # AutoTP (tensor_parallel.autotp_size / tp_model_init): shards the model, the engine gets the (data, tensor) mpu
+    from deepspeed_c.runtime.tensor_parallel import param_remap
+
+    before = param_remap.named(model)
     model, mpu = prepare_autotp(model, config, mpu, pipeline=_is_pipeline_module(model))
+    # the client's optimizer and parameter list follow the weights AutoTP replaced with their shards
+    replaced = param_remap.replacements(before, model)
+    param_remap.remap_optimizer(optimizer, replaced)
+    model_parameters = param_remap.remap_parameters(model_parameters, replaced)
+    del before, replaced
     if _is_pipeline_module(model):
         from deepspeed_c.runtime.pipe.engine import DataParallelView, PipelineEngine
 
@@ -99,7 +107,10 @@ def initialize(args: Any = None,
 
     from deepspeed_c.runtime.engine import DeepSpeedEngine
 
-    config_class = DeepSpeedConfig(config, mpu)
+    # AutoTP: DeepSpeed builds the config without an mpu, so its batch arithmetic (train_batch_size = micro x
+    # accumulation x world) counts every rank, as the Hugging Face Trainer's "auto" batch sizes do; the
+    # engine's data-parallel size still comes from the AutoTP mpu
+    config_class = DeepSpeedConfig(config, None if getattr(mpu, "autotp", False) else mpu)
     engine_class = DeepSpeedEngine
     if config_class.hybrid_engine.enabled:  # training and generation in one engine (RLHF)
         from deepspeed_c.runtime.hybrid_engine import DeepSpeedHybridEngine

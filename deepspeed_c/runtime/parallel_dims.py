@@ -51,7 +51,8 @@ class ParallelDims:
         autotp = bool(getattr(mpu, "autotp", False))
         if not autotp and tensor_parallel_size(mpu) > 1:
             return cls._from_model_parallel(mpu, world_size, rank, sequence)
-        data = mpu.get_data_parallel_world_size() if sequence > 1 else config_world_size
+        # AutoTP: the config's world is every rank (DeepSpeed's batch arithmetic), the mpu's is data parallel
+        data = mpu.get_data_parallel_world_size() if sequence > 1 or autotp else config_world_size
         data_group = mpu.get_data_parallel_group()
         if not autotp:
             return cls(data=data, sequence=sequence, data_group=data_group)

@@ -33,7 +33,10 @@ def _config(tp: int, stage: int, clip: float = 0.0, bf16: bool = False) -> dict:
 
 
 def _train(kind: str, tp: int, stage: int, rank: int, world: int, save_dir: str = "", clip: float = 0.0,
-           bf16: bool = False) -> dict:
+           bf16: bool = False, client: bool = False) -> dict:
+    """`client`: as the Hugging Face Trainer does, tp_model_init, then a torch Adam and a parameter list made from
+    the whole model, then initialize with the config's train_batch_size counting every rank (DeepSpeed's
+    arithmetic under AutoTP): the optimizer must step the shards AutoTP puts in place."""
     import deepspeed_c
     from deepspeed_c.utils import groups
 
@@ -43,7 +46,16 @@ def _train(kind: str, tp: int, stage: int, rank: int, world: int, save_dir: str 
     model = tp_models.make_model(kind)
     probe = data[0][:1]
     ref_logits = model(input_ids=probe).logits.detach()
-    engine, *_ = deepspeed_c.initialize(model=model, config=_config(tp, stage, clip, bf16))
+    cfg = _config(tp, stage, clip, bf16)
+    if client:
+        cfg.pop("optimizer")
+        cfg["train_batch_size"] = MICRO * world  # the Trainer's "auto": per-device batch x world size
+        model = deepspeed_c.tp_model_init(model=model, tp_size=tp, dtype=torch.float32, config=cfg)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.Adam(params, lr=LR, eps=EPS)
+        engine, *_ = deepspeed_c.initialize(model=model, optimizer=opt, model_parameters=params, config=cfg)
+    else:
+        engine, *_ = deepspeed_c.initialize(model=model, config=cfg)
     dp_rank = groups.get_data_parallel_rank()
     dev = rank_device()
     logits_err = ((engine.module(input_ids=probe.to(dev)).logits.detach().float().cpu() - ref_logits).abs().max()
@@ -78,6 +90,11 @@ def _train(kind: str, tp: int, stage: int, rank: int, world: int, save_dir: str 
         out["saved_keys_equal"] = sorted(saved) == sorted(ref_state)
         out["saved_rel"] = max(float(np.abs(saved[k].numpy() - v).max() / (np.abs(v).max() + 1e-12))
                                for k, v in ref_state.items())
+        # what accelerate's get_state_dict (the HF Trainer's save_model) calls under AutoTP: the same weights on
+        # rank 0, None on the others
+        whole = engine._consolidated_16bit_state_dict()
+        out["consolidated_equal"] = (whole is None) if rank != 0 else (
+            sorted(whole) == sorted(saved) and all(torch.equal(whole[k].cpu(), saved[k]) for k in saved))
     groups._reset_tp_groups()
     return out
 
@@ -268,6 +285,7 @@ def body(rank: int, world: int, save_dir: str) -> dict:
            # ZeRO 1 and 2 clip with the unsharded model's norm (weighted partitions, summed over every rank)
            "llama_s1": _train("llama", 2, 1, rank, world, clip=0.5),
            "llama_s2": _train("llama", 2, 2, rank, world, clip=0.5),
+           "llama_client_s1": _train("llama", 2, 1, rank, world, client=True),  # the Hugging Face Trainer's way
            # ZeRO-3 partitions each rank's shards over DP; save_16bit_model gathers both ways
            "llama_s3": _train("llama", 2, 3, rank, world, save_dir, clip=0.5),
            "llama_clip": _train("llama", 2, 0, rank, world, clip=0.5), "fp16": _fp16(rank, world),
@@ -312,7 +330,7 @@ def test_autotp_matches_single_process_training(tmp_path):
     batches = [r["llama_s0"]["first_batch"] for r in results]  # TP pairs {0,1}, {2,3}; DP pairs {0,2}, {1,3}
     assert batches[0] == batches[1] and batches[2] == batches[3] and batches[0] != batches[2], batches
     for r in results:
-        for case in ("llama_s0", "gpt2_s0", "llama_s1", "llama_s2", "llama_s3", "llama_clip"):
+        for case in ("llama_s0", "gpt2_s0", "llama_s1", "llama_s2", "llama_s3", "llama_clip", "llama_client_s1"):
             c = r[case]
             assert c["tp_world"] == 2 and c["dp_world"] == 2 and c["sharded"] >= 8, (case, c)
             assert c["loss_drop"] > 0.05, (case, c)  # the reference learns: the comparison is not vacuous
@@ -332,6 +350,7 @@ def test_autotp_matches_single_process_training(tmp_path):
         for case in ("gpt2_s0", "llama_s3"):  # save_16bit_model: GPT-2's Conv1D and fused c_attn back in
             g = r[case]                        # transformers' layout; at ZeRO-3 gathered over DP, then TP
             assert g["saved_keys_equal"] and g["saved_rel"] < 1e-4, (case, g)
+            assert g["consolidated_equal"], (case, g)  # _consolidated_16bit_state_dict: rank 0's whole weights
         ck = r["checkpoint"]  # saved at TP 2 x DP 2, resumed at TP 2, TP 1 (DP 4) and TP 4 (DP 1)
         assert set(ck["resumed"]) == {1, 2, 4}, ck
         for tp, losses in ck["resumed"].items():

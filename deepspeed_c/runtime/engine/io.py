@@ -101,37 +101,52 @@ class EngineIO:
                 logger.info("Did not save the model %s because stage3_gather_16bit_weights_on_model_save is "
                             "False", os.path.join(save_dir, save_filename))
                 return False
-        from deepspeed_c.module_inject.tp_state import gathered_state_dict, has_tp_layers
+        whole = self._whole_16bit_state(exclude_frozen_parameters)  # collective where weights are split
+        # rank 0 writes; a failure there (unwritable directory, full disk) raises on every rank
+        with rank_local_step("save_16bit_model (rank 0 writing the file)"):
+            if rank == 0:
+                state = whole if whole is not None else clone_tensors_for_torch_save(self.module_state_dict(
+                    exclude_frozen_parameters=exclude_frozen_parameters))
+                os.makedirs(save_dir, exist_ok=True)
+                torch_save_atomic(state, os.path.join(save_dir, save_filename))
+        return True
 
-        tp_sharded = has_tp_layers(self.module)
-        if self.zero_optimization_partition_weights() and not tp_sharded:
-            consolidated = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
-        if tp_sharded:  # AutoTP: the whole weights, gathered over each TP group (collective: before rank 0 writes)
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> Optional[dict]:
+        """DeepSpeed's: the whole model's weights where they are split over ranks (ZeRO-3, AutoTP, AutoEP experts)
+        on rank 0, None on the others; every rank must call it. accelerate's get_state_dict (the Hugging Face
+        Trainer's save_model) calls it under AutoTP."""
+        import torch.distributed as dist
+
+        whole = self._whole_16bit_state(exclude_frozen_parameters)
+        if whole is None:
+            raise ValueError("consolidated_16bit_state_dict is only applicable to cases where weights are partitioned, "
+                             "including Zero Stage 3 and tensor parallelism.")
+        return whole if not dist.is_initialized() or dist.get_rank() == 0 else None
+
+    def _whole_16bit_state(self, exclude_frozen_parameters: bool) -> Optional[dict]:
+        """The whole weights (on rank 0 at least) where some are split over ranks, else None (every rank holds
+        them). Collective over the ranks that split them."""
+        from deepspeed_c.checkpoint.utils import clone_tensors_for_torch_save
+        from deepspeed_c.module_inject.tp_state import gathered_state_dict, has_tp_layers
+        from deepspeed_c.moe.autoep.whole import split_layers, with_whole_experts
+
+        zero3 = self.zero_optimization_partition_weights()
+        if has_tp_layers(self.module):  # AutoTP: gathered over each TP group
             import contextlib
 
             from deepspeed_c.runtime.zero.partition_parameters import GatheredParameters
 
             # ZeRO-3 under AutoTP: each rank's TP shards gathered from their data-parallel partitions first
-            whole = GatheredParameters(list(self.module.parameters())) if self.zero_optimization_partition_weights() \
-                else contextlib.nullcontext()
-            with whole:
-                consolidated = clone_tensors_for_torch_save(gathered_state_dict(self.module, self.module_state_dict(
+            gathered = GatheredParameters(list(self.module.parameters())) if zero3 else contextlib.nullcontext()
+            with gathered:
+                return clone_tensors_for_torch_save(gathered_state_dict(self.module, self.module_state_dict(
                     exclude_frozen_parameters=exclude_frozen_parameters)))
-        from deepspeed_c.moe.autoep.whole import split_layers, with_whole_experts
-
-        autoep_split = bool(split_layers(self.module))
-        if autoep_split:  # AutoEP: every expert, gathered over each expert-parallel group (collective)
-            consolidated = clone_tensors_for_torch_save(with_whole_experts(self.module, self.module_state_dict(
+        if zero3:
+            return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+        if split_layers(self.module):  # AutoEP: every expert, gathered over each expert-parallel group
+            return clone_tensors_for_torch_save(with_whole_experts(self.module, self.module_state_dict(
                 exclude_frozen_parameters=exclude_frozen_parameters)))
-        # rank 0 writes; a failure there (unwritable directory, full disk) raises on every rank
-        with rank_local_step("save_16bit_model (rank 0 writing the file)"):
-            if rank == 0:
-                state = consolidated if self.zero_optimization_partition_weights() or tp_sharded or autoep_split else \
-                    clone_tensors_for_torch_save(self.module_state_dict(
-                        exclude_frozen_parameters=exclude_frozen_parameters))
-                os.makedirs(save_dir, exist_ok=True)
-                torch_save_atomic(state, os.path.join(save_dir, save_filename))
-        return True
+        return None
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
         """ZeRO-3: the whole model's 16-bit weights (and persistent buffers) on rank 0's host, one module
