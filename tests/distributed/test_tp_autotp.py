@@ -312,6 +312,21 @@ def body(rank: int, world: int, save_dir: str) -> dict:
         finally:
             groups._reset_tp_groups()
 
+    def mixed_inputs() -> str:
+        """The first forward with other inputs on each rank of a TP pair: every rank raises DeepSpeed's
+        AssertionError; the second forward (checked once, as DeepSpeed) runs."""
+        engine = deepspeed_c.initialize(model=tp_models.make_model("llama"), config=_config(2, 0))[0]
+        ids = tp_models.batches(1, 2 * world)[0][rank * 2:(rank + 1) * 2].to(rank_device())
+        try:
+            engine(input_ids=ids)
+            return "no error"
+        except AssertionError as e:
+            engine(input_ids=ids)
+            return str(e)
+        finally:
+            groups._reset_tp_groups()
+
+    out["mixed_inputs"] = mixed_inputs()
     out["errors"] = {
         "world": _error(lambda: init(_config(3, 0))),
         "kv_heads": _error(lambda: init(_config(4, 0))),  # 2 key/value heads over 4 ranks
@@ -369,6 +384,7 @@ def test_autotp_matches_single_process_training(tmp_path):
                 assert set(b[key].values()) == {0.0}, (case, key, b)  # masters and moments exact, resharded
             assert case == "bf16_s0" or b["tp2"] == b["uninterrupted"] == b["tp1to2"], (case, b)
             assert np.max(np.abs(np.array(b["tp1"]) - np.array(b["uninterrupted"]))) < 1e-2, (case, b)
+        assert r["mixed_inputs"].startswith("Data inconsistency within the TP group"), r["mixed_inputs"]
         e = r["errors"]
         assert "autotp_size=3" in e["world"] and "world size (4)" in e["world"], e["world"]
         assert "num_key_value_heads=2" in e["kv_heads"] and "4" in e["kv_heads"], e["kv_heads"]
