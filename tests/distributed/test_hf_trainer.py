@@ -176,3 +176,28 @@ def test_autotp_trainer_matches_plain_trainer(tp_runs):
     init = load_file(str(tp_runs["tp"] / "checkpoint-4" / "model.safetensors"))
     assert any(not torch.equal(init[k], tp[k]) for k in tp)  # it trained past the step-4 checkpoint
     assert (tp_runs["tp"] / "checkpoint-8" / "global_step8" / "mp_rank_00_model_states.pt").is_file()
+
+
+SP_SCRIPT = ROOT / "tests" / "distributed" / "hf_sp_script.py"
+SP_COMMON = ["--max_steps", "6", "--learning_rate", "1e-3", "--weight_decay", "0.0", "--max_grad_norm", "0",
+             "--lr_scheduler_type", "constant", "--seed", "42", "--report_to", "none", "--use_cpu",
+             "--save_strategy", "no", "--logging_steps", "1", "--per_device_train_batch_size", "2"]
+
+
+def test_alst_trainer_matches_plain_trainer(alias, tmp_path):
+    """ALST/Ulysses through accelerate's ParallelismConfig(sp_backend="deepspeed", sp_size=2) on 2 ranks (one
+    data-parallel rank): every step's loss equals the plain Trainer's on one process (the same batches, the whole
+    sequences) within 1e-4 relative. (Each rank's loss is the whole sequence's, aggregated by the Trainer's
+    differentiable all_gather; with DeepSpeed's reduction (summed over the sequence-parallel ranks) the
+    gradients come out sp_size times the single-process ones, as with DeepSpeed itself; Adam's updates do not
+    see that scale beyond its eps.)"""
+    (tmp_path / "ds.json").write_text(json.dumps(dict(DS_CONFIG, zero_optimization={"stage": 2})))
+    _run([sys.executable, str(SP_SCRIPT), "--output_dir", "ref", *SP_COMMON], alias, tmp_path)
+    _run([str(alias / "bin" / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), str(SP_SCRIPT),
+          "--sp_size", "2", "--deepspeed", "ds.json", "--output_dir", "sp", *SP_COMMON], alias, tmp_path)
+    ref = json.loads((tmp_path / "ref" / "losses.json").read_text())
+    sp = json.loads((tmp_path / "sp" / "losses.json").read_text())
+    assert len(ref) == len(sp) == 6, (ref, sp)
+    assert ref[0] != ref[-1]  # it trained
+    for i, (a, b) in enumerate(zip(sp, ref)):
+        assert abs(a - b) <= 1e-4 * abs(b), (i, sp, ref)
