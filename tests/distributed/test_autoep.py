@@ -112,21 +112,28 @@ def train(kind: str, ep: int, stage: int, rank: int, world: int) -> dict[str, An
         engine.backward(loss)
         engine.step()
         losses.append(float(loss.detach()))
-    weights = {}
-    for n, p in engine.module.named_parameters():
-        w = p.detach().clone()
-        if getattr(p, "allreduce", True) is False and ep > 1:  # this rank's experts: gather the whole layer
-            import torch.distributed as dist
-
-            parts = [torch.empty_like(w) for _ in range(ep)]
-            dist.all_gather(parts, w.contiguous())
-            w = torch.cat(parts)
-        weights[n] = w
+    weights = gathered_weights(engine.module, ep)
     experts = [m for m in engine.module.modules() if type(m).__name__ == "AutoEPExperts"]
     ckpt = _checkpoint(engine, kind, ep, stage) if (kind, stage) == ("mixtral", 0) else None
     # numpy: tensors would cross the harness's result queue as shared memory the exiting rank takes along
     return {"logits0": logits0.numpy(), "losses": losses, "weights": {n: w.numpy() for n, w in weights.items()},
             "local_experts": [m.num_local_experts for m in experts], "ckpt": ckpt}
+
+
+def gathered_weights(module: torch.nn.Module, ep: int) -> dict[str, torch.Tensor]:
+    """Every weight of the module, each AutoEP expert tensor gathered over the expert-parallel group (rank order is
+    expert order): the unsplit model's. Collective when ep > 1."""
+    import torch.distributed as dist
+
+    out = {}
+    for n, p in module.named_parameters():
+        w = p.detach().clone()
+        if getattr(p, "allreduce", True) is False and ep > 1:
+            parts = [torch.empty_like(w) for _ in range(ep)]
+            dist.all_gather(parts, w.contiguous())
+            w = torch.cat(parts)
+        out[n] = w
+    return out
 
 
 def _checkpoint(engine: Any, kind: str, ep: int, stage: int) -> str:

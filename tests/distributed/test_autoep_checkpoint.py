@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.distributed.test_autoep import MICRO, batches, make_model
+from tests.distributed.test_autoep import MICRO, batches, gathered_weights, make_model
 from tests.harness import run_distributed
 
 LR = 0.05
@@ -54,18 +54,7 @@ def _step(engine: Any, batch: torch.Tensor) -> float:
 
 
 def _full(engine: Any, ep: int) -> dict[str, torch.Tensor]:
-    """Every weight, AutoEP experts gathered over the expert-parallel group (rank order = expert order)."""
-    import torch.distributed as dist
-
-    out = {}
-    for n, p in engine.module.named_parameters():
-        w = p.detach().clone()
-        if getattr(p, "allreduce", True) is False and ep > 1:
-            parts = [torch.empty_like(w) for _ in range(ep)]
-            dist.all_gather(parts, w.contiguous())
-            w = torch.cat(parts)
-        out[n] = w
-    return out
+    return gathered_weights(engine.module, ep)
 
 
 def _moments(engine: Any) -> list[torch.Tensor]:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from tests.distributed.test_autoep import MICRO, SEQ, VOCAB, _rel, make_model
+from tests.distributed.test_autoep import MICRO, SEQ, VOCAB, _rel, gathered_weights, make_model
 from tests.harness import run_distributed
 
 STEPS, GAS, LR, TOL = 2, 2, 0.5, 1e-5
@@ -52,8 +52,6 @@ def reference(world: int) -> dict[str, Any]:
 
 
 def _rank_body(rank: int, world: int) -> dict[str, Any]:
-    import torch.distributed as dist
-
     import deepspeed_c
 
     out = {}
@@ -75,14 +73,7 @@ def _rank_body(rank: int, world: int) -> dict[str, Any]:
                 engine.backward(loss)
                 engine.step()
                 losses.append(float(loss.detach()))
-        weights = {}
-        for n, p in engine.module.named_parameters():
-            w = p.detach().clone()
-            if getattr(p, "allreduce", True) is False:
-                parts = [torch.empty_like(w) for _ in range(2)]
-                dist.all_gather(parts, w.contiguous())
-                w = torch.cat(parts)
-            weights[n] = w.numpy()
+        weights = {n: w.numpy() for n, w in gathered_weights(engine.module, 2).items()}
         out[f"z{stage}"] = {"losses": losses, "weights": weights, "steps": engine.global_steps}
     return out
 
@@ -138,8 +129,6 @@ def penalty_reference(world: int) -> dict[str, torch.Tensor]:
 
 
 def _penalty_body(rank: int, world: int) -> dict[str, Any]:
-    import torch.distributed as dist
-
     import deepspeed_c
 
     model = _eager_model()
@@ -152,15 +141,7 @@ def _penalty_body(rank: int, world: int) -> dict[str, Any]:
     total = _penalised(engine.module, _data(world)[0][rank])
     engine.backward(total)
     engine.step()
-    weights = {}
-    for n, p in engine.module.named_parameters():
-        w = p.detach().clone()
-        if getattr(p, "allreduce", True) is False:
-            parts = [torch.empty_like(w) for _ in range(2)]
-            dist.all_gather(parts, w.contiguous())
-            w = torch.cat(parts)
-        weights[n] = w.numpy()
-    return weights
+    return {n: w.numpy() for n, w in gathered_weights(engine.module, 2).items()}
 
 
 def test_autoep_gradient_penalty_through_the_exchange() -> None:
