@@ -195,12 +195,9 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
             from deepspeed_c.runtime.model_parallel.tp_norm import mark_tensor_parallel_params
 
             mark_tensor_parallel_params(model)  # the client's split parameters, as DeepSpeed's norm counts them
-        self.first_dataloader_check = None  # AutoTP: DeepSpeed's check that a TP group's ranks run one batch
-        if self.parallel_dims.autotp_sharded:
-            from deepspeed_c.runtime.tensor_parallel.input_check import install
+        from deepspeed_c.runtime.tensor_parallel.input_check import first_forward_check
 
-            self.first_dataloader_check = install(model, self.mpu.get_model_parallel_group(),
-                                                  self.mpu.get_tensor_model_parallel_src_rank())
+        self.first_dataloader_check = first_forward_check(model, self.parallel_dims, self.mpu)  # AutoTP: one batch
         from deepspeed_c.utils import groups
 
         # DeepSpeed's groups.mpu: deepspeed.utils.groups answers from a client's model-parallel mpu (this engine's

@@ -58,3 +58,10 @@ def install(module: torch.nn.Module, group: Any, src: int) -> Any:
 
     state["handle"] = module.register_forward_pre_hook(hook, prepend=True, with_kwargs=True)
     return state["handle"]
+
+
+def first_forward_check(module: torch.nn.Module, dims: Any, mpu: Any) -> Any:
+    """The engine's `first_dataloader_check` (DeepSpeed's name): the hook's handle under AutoTP sharding, else None."""
+    if not dims.autotp_sharded:
+        return None
+    return install(module, mpu.get_model_parallel_group(), mpu.get_tensor_model_parallel_src_rank())
