@@ -5,12 +5,12 @@ batches) must equal it within fp32 rounding (the data-parallel mean is taken ove
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from tests.distributed import tp_models
+from tests.distributed.test_tp_checkpoint_tp4 import ROWS, _run as run_steps
 from tests.harness import run_distributed
 
-ROWS, LR = 4, 1e-2
+LR = 1e-2
 
 
 def _engine(seed: int, world: int):
@@ -22,33 +22,18 @@ def _engine(seed: int, world: int):
     return deepspeed_c.initialize(model=tp_models.make_model("llama", seed=seed, kv_heads=4), config=cfg)[0]
 
 
-def _run(engine, data: list) -> list[float]:
-    from deepspeed_c.utils import groups
-
-    dp, rank = engine.dp_world_size, groups.get_data_parallel_rank()
-    micro, out = ROWS // dp, []
-    for batch in data:
-        loss = tp_models.loss_of(engine, batch[rank * micro:(rank + 1) * micro])
-        engine.backward(loss)
-        engine.step()
-        t = loss.detach().clone()
-        torch.distributed.all_reduce(t, group=groups.get_data_parallel_group())
-        out.append(t.item() / dp)
-    return out
-
-
 def _save(rank: int, world: int, path: str) -> list[float]:
     data = tp_models.batches(6, ROWS, seed=3)
     engine = _engine(0, world)
-    _run(engine, data[:3])
+    run_steps(engine, data, range(3))
     engine.save_checkpoint(path, tag="t")
-    return _run(engine, data[3:])
+    return run_steps(engine, data, range(3, 6))
 
 
 def _load(rank: int, world: int, path: str) -> list[float]:
     engine = _engine(1, world)  # other initial weights: everything must come from the checkpoint
     engine.load_checkpoint(path, tag="t")
-    return _run(engine, tp_models.batches(6, ROWS, seed=3)[3:])
+    return run_steps(engine, tp_models.batches(6, ROWS, seed=3), range(3, 6))
 
 
 def test_autotp_zero3_checkpoint_loads_at_another_data_parallel_size(tmp_path) -> None:
