@@ -85,15 +85,9 @@ def initialize(args: Any = None,
     from deepspeed_c.runtime.tensor_parallel.autotp_setup import prepare_autotp
 
     # AutoTP (tensor_parallel.autotp_size / tp_model_init): shards the model, the engine gets the (data, tensor) mpu
-    from deepspeed_c.runtime.tensor_parallel import param_remap
-
-    before = param_remap.named(model)
-    model, mpu = prepare_autotp(model, config, mpu, pipeline=_is_pipeline_module(model))
-    # the client's optimizer and parameter list follow the weights AutoTP replaced with their shards
-    replaced = param_remap.replacements(before, model)
-    param_remap.remap_optimizer(optimizer, replaced)
-    model_parameters = param_remap.remap_parameters(model_parameters, replaced)
-    del before, replaced
+    # the client's optimizer and parameter list follow the weights AutoTP replaces with their shards
+    model, mpu, model_parameters = prepare_autotp(model, config, mpu, pipeline=_is_pipeline_module(model),
+                                                  optimizer=optimizer, model_parameters=model_parameters)
     if _is_pipeline_module(model):
         from deepspeed_c.runtime.pipe.engine import DataParallelView, PipelineEngine
 

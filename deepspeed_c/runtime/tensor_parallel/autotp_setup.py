@@ -122,13 +122,15 @@ def _refuse_unsupported(config: dict, size: int) -> None:
                                   "bf16 accumulation (the default), ZeRO 1/2/3, or \"gradient_clipping\": 0")
 
 
-def prepare_autotp(model: torch.nn.Module, config: dict, mpu: Any, pipeline: bool = False) -> tuple[Any, Any]:
-    """(model, mpu) for the engine: unchanged without tensor parallelism; else the model sharded over
-    the tensor-parallel group and the (data, tensor) mpu. Every rank must call it."""
+def prepare_autotp(model: torch.nn.Module, config: dict, mpu: Any, pipeline: bool = False, optimizer: Any = None,
+                   model_parameters: Any = None) -> tuple[Any, Any, Any]:
+    """(model, mpu, model_parameters) for the engine: unchanged without tensor parallelism; else the model sharded
+    over the tensor-parallel group, the (data, tensor) mpu, and the caller's optimizer (in place) and
+    model_parameters made to hold the shards instead of the replaced weights. Every rank must call it."""
     size, partition_config = _requested_size(config)
     _RECORDED.clear()  # consumed: a second initialize in this process starts from its own config
     if size <= 1:
-        return model, mpu
+        return model, mpu, model_parameters
     if pipeline:
         raise NotImplementedError(f"tensor_parallel.autotp_size={size} with a PipelineModule is not supported yet")
     if mpu is not None:
@@ -143,10 +145,16 @@ def prepare_autotp(model: torch.nn.Module, config: dict, mpu: Any, pipeline: boo
     tp_mpu = TensorParallelMPU(size)
     from deepspeed_c.module_inject.auto_tp import apply_autotp
 
+    from deepspeed_c.runtime.tensor_parallel import param_remap
+
     _broadcast_within_tp(model, tp_mpu)
+    before = param_remap.named(model)
     apply_autotp(model, tp_mpu.get_model_parallel_group(), partition_config)
+    replaced = param_remap.replacements(before, model)
+    param_remap.remap_optimizer(optimizer, replaced)
+    model_parameters = param_remap.remap_parameters(model_parameters, replaced)
     log_dist(f"AutoTP: tensor parallel size {size}, data parallel size {world // size}", ranks=[0])
-    return model, tp_mpu
+    return model, tp_mpu, model_parameters
 
 
 @torch.no_grad()
