@@ -326,7 +326,26 @@ def body(rank: int, world: int, save_dir: str) -> dict:
         finally:
             groups._reset_tp_groups()
 
+    def stepped_optimizer() -> str:
+        """An optimizer that already stepped the weights AutoTP would replace: refused before the model is touched
+        (its Linear layers stay whole)."""
+        model = tp_models.make_model("llama")
+        opt = torch.optim.Adam(model.parameters(), lr=LR)
+        tp_models.loss_of(model, tp_models.batches(1, 2)[0]).backward()
+        opt.step()
+        cfg = _config(2, 1)
+        cfg.pop("optimizer")
+        try:
+            deepspeed_c.initialize(model=model, optimizer=opt, config=cfg)
+            return "no error"
+        except RuntimeError as e:
+            whole = type(model.model.layers[0].self_attn.q_proj).__name__ == "Linear"
+            return f"{e} | whole={whole}"
+        finally:
+            groups._reset_tp_groups()
+
     out["mixed_inputs"] = mixed_inputs()
+    out["stepped_optimizer"] = stepped_optimizer()
     out["errors"] = {
         "world": _error(lambda: init(_config(3, 0))),
         "kv_heads": _error(lambda: init(_config(4, 0))),  # 2 key/value heads over 4 ranks
@@ -385,6 +404,8 @@ def test_autotp_matches_single_process_training(tmp_path):
             assert case == "bf16_s0" or b["tp2"] == b["uninterrupted"] == b["tp1to2"], (case, b)
             assert np.max(np.abs(np.array(b["tp1"]) - np.array(b["uninterrupted"]))) < 1e-2, (case, b)
         assert r["mixed_inputs"].startswith("Data inconsistency within the TP group"), r["mixed_inputs"]
+        so = r["stepped_optimizer"]
+        assert "already holds state" in so and "autotp_size" in so and so.endswith("whole=True"), so
         e = r["errors"]
         assert "autotp_size=3" in e["world"] and "world size (4)" in e["world"], e["world"]
         assert "num_key_value_heads=2" in e["kv_heads"] and "4" in e["kv_heads"], e["kv_heads"]

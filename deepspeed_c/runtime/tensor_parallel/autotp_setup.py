@@ -145,11 +145,16 @@ def prepare_autotp(model: torch.nn.Module, config: dict, mpu: Any, pipeline: boo
     tp_mpu = TensorParallelMPU(size)
     from deepspeed_c.module_inject.auto_tp import apply_autotp
 
+    from deepspeed_c.module_inject.auto_tp import plan
     from deepspeed_c.runtime.tensor_parallel import param_remap
 
+    layers = plan(model, partition_config)
+    # refused before the model is touched: state held for a weight that is about to be replaced cannot follow it
+    param_remap.refuse_held_state(optimizer, {id(p) for name, _, _ in layers
+                                              for p in model.get_submodule(name).parameters()})
     _broadcast_within_tp(model, tp_mpu)
     before = param_remap.named(model)
-    apply_autotp(model, tp_mpu.get_model_parallel_group(), partition_config)
+    apply_autotp(model, tp_mpu.get_model_parallel_group(), partition_config, layers=layers)
     replaced = param_remap.replacements(before, model)
     param_remap.remap_optimizer(optimizer, replaced)
     model_parameters = param_remap.remap_parameters(model_parameters, replaced)

@@ -24,15 +24,21 @@ def replacements(before: dict[int, tuple[str, torch.nn.Parameter]], model: torch
     return {pid: after[name] for pid, (name, old) in before.items() if name in after and after[name] is not old}
 
 
-def remap_optimizer(optimizer: Any, mapping: dict[int, Any]) -> None:
-    if not mapping or not isinstance(optimizer, torch.optim.Optimizer):
-        return  # none given, or a callable that initialize calls on the shards
-    held = [p for g in optimizer.param_groups for p in g["params"] if id(p) in mapping and optimizer.state.get(p)]
+def refuse_held_state(optimizer: Any, doomed: set[int]) -> None:
+    """Raises when the optimizer holds state (it has stepped) for a parameter about to be replaced by its shard."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return
+    held = [p for g in optimizer.param_groups for p in g["params"] if id(p) in doomed and optimizer.state.get(p)]
     if held:
         raise RuntimeError(f"deepspeed_c.initialize: the optimizer already holds state for {len(held)} parameter(s) "
                            "that tensor_parallel.autotp_size shards (first shape "
                            f"{tuple(held[0].shape)}); that state cannot follow them to their shards: build the "
                            "optimizer without stepping it, or pass an optimizer callable or the config's 'optimizer'")
+
+
+def remap_optimizer(optimizer: Any, mapping: dict[int, Any]) -> None:
+    if not mapping or not isinstance(optimizer, torch.optim.Optimizer):
+        return  # none given, or a callable that initialize calls on the shards
     for group in optimizer.param_groups:
         group["params"] = [mapping.get(id(p), p) for p in group["params"]]
 
