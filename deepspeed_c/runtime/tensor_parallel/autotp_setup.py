@@ -148,18 +148,33 @@ def prepare_autotp(model: torch.nn.Module, config: dict, mpu: Any, pipeline: boo
     from deepspeed_c.module_inject.auto_tp import plan
     from deepspeed_c.runtime.tensor_parallel import param_remap
 
-    layers = plan(model, partition_config)
-    # refused before the model is touched: state held for a weight that is about to be replaced cannot follow it
-    param_remap.refuse_held_state(optimizer, {id(p) for name, _, _ in layers
-                                              for p in model.get_submodule(name).parameters()})
-    _broadcast_within_tp(model, tp_mpu)
-    before = param_remap.named(model)
-    apply_autotp(model, tp_mpu.get_model_parallel_group(), partition_config, layers=layers)
+    # a model built under zero.Init holds ZeRO-3 partitions: AutoTP reads the whole weights (its shards are copies;
+    # the weights it keeps, such as a row-parallel bias, stay ZeRO-managed and are partitioned again after)
+    with _whole_zero3_weights(model):
+        layers = plan(model, partition_config)
+        # refused before the model is touched: state held for a weight about to be replaced cannot follow it
+        param_remap.refuse_held_state(optimizer, {id(p) for name, _, _ in layers
+                                                  for p in model.get_submodule(name).parameters()})
+        _broadcast_within_tp(model, tp_mpu)
+        before = param_remap.named(model)
+        apply_autotp(model, tp_mpu.get_model_parallel_group(), partition_config, layers=layers)
     replaced = param_remap.replacements(before, model)
     param_remap.remap_optimizer(optimizer, replaced)
     model_parameters = param_remap.remap_parameters(model_parameters, replaced)
     log_dist(f"AutoTP: tensor parallel size {size}, data parallel size {world // size}", ranks=[0])
     return model, tp_mpu, model_parameters
+
+
+def _whole_zero3_weights(model: torch.nn.Module) -> Any:
+    """GatheredParameters over the model's ZeRO-3-managed parameters (none: a no-op context)."""
+    import contextlib
+
+    managed = [p for p in model.parameters() if hasattr(p, "ds_id")]
+    if not managed:
+        return contextlib.nullcontext()
+    from deepspeed_c.runtime.zero.partition_parameters import GatheredParameters
+
+    return GatheredParameters(managed, modifier_rank=None)
 
 
 @torch.no_grad()
