@@ -53,7 +53,7 @@ from typing import Any, Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TAG = "[offload_largest]"
 # GPT-3's shapes (n_embd, n_layer, n_head); with vocab 50304 and seq 1024: 6.86B and 13.1B parameters
-SIZES = {"tiny": (64, 2, 2), "small": (256, 4, 4), "1.3B": (2048, 24, 16), "2.7B": (2560, 32, 32),
+SIZES = {"tiny": (64, 2, 2), "small": (256, 4, 4), "350M": (1024, 24, 16), "760M": (1536, 24, 16), "1.3B": (2048, 24, 16), "2.7B": (2560, 32, 32),
          "6.7B": (4096, 32, 32), "13B": (5120, 40, 40), "20B": (6144, 44, 48)}
 NAMES = {"dsc": "deepspeed_c", "ds": "DeepSpeed"}
 
@@ -113,6 +113,11 @@ def config(args: argparse.Namespace, mode: str, cuda: bool, impl: str = "dsc") -
         # buffers 0 for swapping 1"), as DeepSpeed users then tune it
         zero["offload_param"].update(max_in_cpu=0, buffer_size=max(int(1e8), args.vocab * args.n_embd),
                                      buffer_count=16)
+    if args.prefetch_bucket >= 0:  # DeepSpeed's stage3_prefetch_bucket_size (its default 5e7 when unset)
+        zero["stage3_prefetch_bucket_size"] = int(args.prefetch_bucket)
+    if args.reuse_distance >= 0:  # stage3_max_reuse_distance: 0 releases (and unswaps) every weight after its use;
+        # DeepSpeed's default 1e9 keeps weights the trace says come back, each holding an NVMe swap buffer
+        zero["stage3_max_reuse_distance"] = int(args.reuse_distance)
     cfg = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
            "steps_per_print": 10**9, "wall_clock_breakdown": False,
            "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.01}},
@@ -318,6 +323,7 @@ def spawn(args: argparse.Namespace, extra: list[str], limit: float, log: str) ->
     lines, keeps the rest in `log`. Returns (its RESULT, its CHECK lines, why it failed)."""
     cmd = [sys.executable, "-u", os.path.abspath(__file__), *extra, "--vocab", str(args.vocab), "--seq",
            str(args.seq), "--micro", str(args.micro), "--bucket", str(args.bucket), "--port", str(args.port),
+           "--prefetch_bucket", repr(args.prefetch_bucket), "--reuse_distance", repr(args.reuse_distance),
            "--t0", repr(args.t0), "--lr", repr(args.lr), "--nvme_path", args.nvme_path, "--aio", args.aio]
     if args.tiny:
         cmd.append("--tiny")
@@ -423,6 +429,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--bucket", type=float, default=5e8, help="zero2's reduce/allgather bucket (DeepSpeed's default)")
+    ap.add_argument("--prefetch_bucket", type=float, default=-1.0, help="stage 3's stage3_prefetch_bucket_size "
+                    "for both systems (-1: leave it out of the JSON, the default)")
+    ap.add_argument("--reuse_distance", type=float, default=-1.0, help="stage3_max_reuse_distance for both "
+                    "systems (-1: leave it out of the JSON)")
     ap.add_argument("--budget", type=float, default=0.0, help="seconds for this whole invocation (0: none); each "
                                                               "child gets what is left of it")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per child process")
