@@ -5,7 +5,9 @@ steps) with everything else delegated to collaborators:
     reducer     deepspeed_c.runtime.reducer.GradientReducer  data-parallel gradient all-reduce
     report      deepspeed_c.runtime.engine.report.EngineReport  timers, progress line, monitors
     optimizer   built by deepspeed_c.runtime.optimizer_factory (or the client's), wrapped by precision
-    zero / checkpointer  plugged in by the ZeRO and checkpoint issues (see _configure_zero)."""
+    zero / checkpointer  plugged in by the ZeRO and checkpoint issues (see _configure_zero).
+Setup glue sits beside it: model_setup (the model across ranks), optimizer_setup (optimizer, scheduler,
+reducers), zero_setup and profile_setup."""
 from __future__ import annotations
 
 import contextlib
@@ -23,8 +25,9 @@ from deepspeed_c.runtime.config import DeepSpeedConfig
 from deepspeed_c.runtime.config.precision import check_grad_accum_mix
 from deepspeed_c.runtime.engine.accessors import EngineConfigAccessors
 from deepspeed_c.runtime.engine.io import ROUTE_ENCODE, ROUTE_EVAL, ROUTE_PREDICT, ROUTE_TRAIN, EngineIO
+from deepspeed_c.runtime.engine.model_setup import broadcast_replicas, place_model
+from deepspeed_c.runtime.engine.optimizer_setup import build_basic_optimizer, build_lr_scheduler, build_reducer
 from deepspeed_c.runtime.grad_norm import clip_coefficient, global_norm, scale_
-from deepspeed_c.runtime.optimizer_factory import build_optimizer
 from deepspeed_c.runtime.optimizer_seam import engine_optimizer
 from deepspeed_c.runtime.parallel_dims import ParallelDims
 from deepspeed_c.runtime.output_hooks import is_loss_for_backward, register_output_hooks
@@ -44,8 +47,6 @@ def _comm() -> Any:
 
 def _is_pipeline_module(module: Any) -> bool:
     """A PipelineModule (DeepSpeed's pipeline_parallelism); its module is only loaded when one exists."""
-    import sys
-
     pipe = sys.modules.get("deepspeed_c.runtime.pipe.module")
     return pipe is not None and isinstance(module, pipe.PipelineModule)
 
@@ -138,7 +139,8 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
             model_parameters = list(model_parameters)
         if optimizer is not None or self._config.optimizer_name is not None:
             self._configure_optimizer(optimizer, model_parameters)
-            self._configure_lr_scheduler()
+            self.lr_scheduler = build_lr_scheduler(self.client_lr_scheduler, self._config, self.optimizer,
+                                                   self.basic_optimizer)
             self._report_progress(0)
         self._configure_zero()
         self._configure_reducer()
@@ -188,104 +190,26 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
         if not isinstance(model, Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.module = model
-        self.precision.cast_module(model)
-        if not self.dont_change_device:
-            model.to(self.device)
-        if self.parallel_dims.tensor_parallel and not self.parallel_dims.autotp:
-            from deepspeed_c.runtime.model_parallel.tp_norm import mark_tensor_parallel_params
-
-            mark_tensor_parallel_params(model)  # the client's split parameters, as DeepSpeed's norm counts them
-        from deepspeed_c.runtime.tensor_parallel.input_check import first_forward_check
-
-        self.first_dataloader_check = first_forward_check(model, self.parallel_dims, self.mpu)  # AutoTP: one batch
-        from deepspeed_c.utils import groups
-
-        # DeepSpeed's groups.mpu: deepspeed.utils.groups answers from a client's model-parallel mpu (this engine's
-        # or none: a later engine in the process must not see an earlier one's)
-        groups._set_client_mpu(self.mpu if self.parallel_dims.tensor_parallel and not self.parallel_dims.autotp
-                               else None)
-        from deepspeed_c.moe.autoep import apply_autoep
-
-        # AutoEP: matched Hugging Face MoE blocks get expert-parallel experts (before the groups below)
-        apply_autoep(model, self._config.expert_parallel_config, self.parallel_dims.tensor_parallel,
-                     self._config.use_data_before_expert_parallel_)
-        import torch.distributed as tdist
-        from deepspeed_c.runtime.moe_reduction import ExpertParallelism
-
-        # MoE layers get their expert groups; expert parameters are replicated only over those
-        self.moe = ExpertParallelism(model, self._config.use_data_before_expert_parallel_,
-                                     distributed=tdist.is_available() and tdist.is_initialized())
+        placed = place_model(model, self.precision, self.device, move_to_device=not self.dont_change_device,
+                             parallel_dims=self.parallel_dims, mpu=self.mpu, config=self._config)
+        self.first_dataloader_check, self.moe = placed.first_dataloader_check, placed.moe
         self.has_moe_layers, self.num_experts = self.moe.has_moe_layers, self.moe.num_experts
-        if self.has_moe_layers and self.parallel_dims.tensor_parallel:
-            raise NotImplementedError("MoE layers with tensor parallelism (a model-parallel mpu or AutoTP) are not "
-                                      "built: the expert groups would span the tensor-parallel ranks")
         if self.dp_world_size > 1:
-            dist = _comm()
-            from deepspeed_c.runtime.zero.partition_parameters import is_zero_param
-
-            with torch.no_grad():
-                for p in model.parameters():
-                    # zero.Init made every rank's shards from rank 0's values; an OptimizedLinear base weight
-                    # (ds_optim_param) is a different shard on each rank
-                    if not is_zero_param(p) and not hasattr(p, "ds_optim_param"):
-                        group = self.moe.broadcast_group(p, self.data_parallel_group)
-                        src = dist.get_global_rank(group, 0) if group is not None else 0
-                        dist.broadcast(p.data, src, group=group)
+            broadcast_replicas(model, self.moe, self.data_parallel_group)
 
     def _configure_optimizer(self, client_optimizer: Any, model_parameters: list) -> None:
         check_grad_accum_mix(self._config, pipeline=_is_pipeline_module(self.module))
-        if client_optimizer is None:
-            basic = build_optimizer(self._config.optimizer_name, self._config.optimizer_params, model_parameters,
-                                    torch.device("cpu") if self.zero_use_cpu_optimizer() else self.device,
-                                    cpu_optimizer=bool(self.zero_use_cpu_optimizer()),  # cpu or nvme offload
-                                    deepspeed=self)  # the 1-bit optimizers switch its gradient all-reduce
-            log_dist(f"Using DeepSpeed Optimizer param name {self._config.optimizer_name} as basic optimizer",
-                     ranks=[0])
-        elif isinstance(client_optimizer, torch.optim.Optimizer):
-            basic = client_optimizer
-            log_dist("Using client Optimizer as basic optimizer", ranks=[0])
-        elif callable(client_optimizer):
-            basic = client_optimizer(model_parameters)
-            log_dist("Using client callable to create basic optimizer", ranks=[0])
-        else:
-            raise TypeError(f"Client Optimizer is of unexpected type {type(client_optimizer)}")
-        basic.param_groups[:] = [g for g in basic.param_groups if len(g["params"]) != 0]
-        seen: set[int] = set()
-        for group in basic.param_groups:
-            for p in group["params"]:
-                if id(p) in seen:
-                    raise ValueError("The optimizer has a parameter in more than one param group")
-                seen.add(id(p))
-        self.basic_optimizer = basic
+        cpu_optimizer = bool(self.zero_use_cpu_optimizer())  # cpu or nvme offload: the host steps
+        self.basic_optimizer = build_basic_optimizer(
+            client_optimizer, self._config, model_parameters, torch.device("cpu") if cpu_optimizer else self.device,
+            cpu_optimizer=cpu_optimizer, deepspeed=self)  # the 1-bit optimizers switch its gradient all-reduce
         self.optimizer = self.precision.wrap_optimizer(
-            basic, self.device, sync_overflow=self._any_rank_overflowed
+            self.basic_optimizer, self.device, sync_overflow=self._any_rank_overflowed
             if self.dp_world_size > 1 or self.parallel_dims.tensor_parallel else None,
             dp_world_size=self.dp_world_size, zero_owns_masters=self.zero_optimization_stage() > 0,
             norm_across_ranks=self._tensor_parallel_norm()  # TP: the whole model's
             or self.moe.norm_across_ranks(self.data_parallel_group, self.dp_world_size, self.device))
         log_dist(f"DeepSpeed Final Optimizer = {self.optimizer.__class__.__name__}", ranks=[0])
-
-    def _configure_lr_scheduler(self) -> None:
-        if self.client_lr_scheduler is not None:
-            if callable(self.client_lr_scheduler) and not hasattr(self.client_lr_scheduler, "step"):
-                self.lr_scheduler = self.client_lr_scheduler(self.basic_optimizer)
-            else:
-                self.lr_scheduler = self.client_lr_scheduler
-            return
-        name = self._config.scheduler_name
-        if name is None:
-            return
-        from deepspeed_c.runtime import lr_schedules
-
-        cls = getattr(lr_schedules, name, None) or getattr(torch.optim.lr_scheduler, name)
-        target = self.optimizer if hasattr(lr_schedules, name) else self.basic_optimizer
-        try:
-            self.lr_scheduler = cls(target, **(self._config.scheduler_params or {}))
-        except TypeError as e:
-            from deepspeed_c.runtime.config.utils import DeepSpeedConfigError
-
-            raise DeepSpeedConfigError(f"Invalid 'scheduler.params' for {name}: {e}") from None
-        log_dist(f"DeepSpeed using configured LR scheduler = {name}", ranks=[0])
 
     def _configure_zero(self) -> None:
         # Stage 0 is plain data parallel; stages 1 and 2 replace the optimizer by the partitioned one
@@ -313,32 +237,13 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
         if owned is not None:
             self.reducer = owned
             return
-        if self.dp_world_size <= 1:
-            return
-        from deepspeed_c.runtime.moe_reduction import ReducerSet
-        from deepspeed_c.runtime.reducer import GradientReducer
-        from deepspeed_c.runtime.sparse_grads import sparse_reducer
-
-        trainable = [p for p in self.module.parameters() if p.requires_grad]
-        sparse = sparse_reducer(self.module, self._config, self.dp_world_size, self.data_parallel_group,
-                                self.gradient_average, self.sequence_parallel_size, self._should_reduce)
-        if sparse is not None:  # their rows go through the sparse reducer, not the dense buckets
-            trainable = [p for p in trainable if all(p is not q for q in sparse.params)]
-        comm_dtype = self.communication_data_type
-
-        def reducer_for(s: Any) -> GradientReducer:  # expert sets reduce over their expert-data-parallel group
-            return GradientReducer(
-                s.params, world_size=self.dp_world_size, group=s.group, bucket_cap=self.zero_reduce_bucket_size(),
-                comm_dtype=comm_dtype if any(p.dtype != comm_dtype for p in s.params) else None,
-                prescale_gradients=self._config.prescale_gradients,
-                gradient_predivide_factor=self._config.gradient_predivide_factor,
-                gradient_average=self.gradient_average, should_reduce=self._should_reduce,
+        if self.dp_world_size > 1:
+            self.reducer = build_reducer(
+                self.module, self._config, self.moe, world_size=self.dp_world_size, group=self.data_parallel_group,
+                gradient_average=self.gradient_average, sequence_parallel_size=self.sequence_parallel_size,
+                bucket_cap=self.zero_reduce_bucket_size(), comm_dtype=self.communication_data_type,
                 slots=self.stepper.reduction_slots() if self.stepper is not None else None,
-                sequence_parallel_size=self.sequence_parallel_size)
-
-        sets = self.moe.reduction_sets(trainable, self.data_parallel_group) if trainable else []
-        reducers = [reducer_for(s) for s in sets] + ([sparse] if sparse is not None else [])
-        self.reducer = reducers[0] if len(reducers) == 1 else ReducerSet(reducers)
+                should_reduce=self._should_reduce)
 
     def _any_rank_overflowed(self, overflow: bool) -> bool:
         import torch.distributed as tdist
@@ -643,7 +548,6 @@ def _version() -> str:
     from deepspeed_c.version import __version__
 
     return __version__
-
 
 
 # the class's public home, as DeepSpeed's (`deepspeed.runtime.engine.DeepSpeedEngine`): what clients see in
