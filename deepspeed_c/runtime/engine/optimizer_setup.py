@@ -29,15 +29,26 @@ def build_basic_optimizer(client_optimizer: Any, config: Any, model_parameters: 
         basic = client_optimizer(model_parameters)
         log_dist("Using client callable to create basic optimizer", ranks=[0])
     else:
-        raise TypeError(f"Client Optimizer is of unexpected type {type(client_optimizer)}")
+        raise ClientOptimizerTypeError(f"Client Optimizer is of unexpected type {type(client_optimizer)}")
     basic.param_groups[:] = [g for g in basic.param_groups if len(g["params"]) != 0]
-    seen: set[int] = set()
-    for group in basic.param_groups:
+    seen: dict[int, int] = {}
+    for index, group in enumerate(basic.param_groups):
         for p in group["params"]:
             if id(p) in seen:
-                raise ValueError("The optimizer has a parameter in more than one param group")
-            seen.add(id(p))
+                raise DuplicateParameterError(
+                    f"The optimizer has a parameter in more than one param group: a tensor of shape "
+                    f"{tuple(p.shape)} is in param_groups[{seen[id(p)]}] and param_groups[{index}]")
+            seen[id(p)] = index
     return basic
+
+
+class ClientOptimizerTypeError(TypeError, AssertionError):
+    """An `optimizer=` that is neither a torch optimizer nor a callable (DeepSpeed's check is an assert)."""
+
+
+class DuplicateParameterError(ValueError, AssertionError):
+    """A parameter listed in two param groups. DeepSpeed raises AssertionError here; ValueError is what the
+    argument error is."""
 
 
 def build_lr_scheduler(client_lr_scheduler: Any, config: Any, optimizer: Any,
