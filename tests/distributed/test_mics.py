@@ -174,19 +174,19 @@ def body(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     return out
 
 
-def _reference(steps: int) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """One process, float64: each step's gradient of the mean loss over 4 ranks x 2 micro-batches, clipped to
+def _reference(steps: int, world: int = WORLD) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One process, float64: each step's gradient of the mean loss over `world` ranks x 2 micro-batches, clipped to
     norm 0.5 (DeepSpeed's coefficient), AdamW. Returns rank 0's losses, the weights at SAVE_AT and at the end.
     One thread: the test process's default thread count, on a loaded machine, made it 50x slower."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _reference_steps(steps)
+        return _reference_steps(steps, world)
     finally:
         torch.set_num_threads(threads)
 
 
-def _reference_steps(steps: int) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _reference_steps(steps: int, world: int) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     model = _gpt().double()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     losses, mid = [], {}
@@ -195,9 +195,9 @@ def _reference_steps(steps: int) -> tuple[list[float], dict[str, torch.Tensor], 
             mid = {n: p.detach().clone() for n, p in model.named_parameters()}
         opt.zero_grad()
         for micro in range(GAS):
-            for rank in range(WORLD):
+            for rank in range(world):
                 loss = model(_tokens(step, micro, rank))
-                (loss / (GAS * WORLD)).backward()
+                (loss / (GAS * world)).backward()
                 if rank == 0:
                     losses.append(float(loss.detach()))
         norm = torch.sqrt(sum((p.grad ** 2).sum() for p in model.parameters())).item()
@@ -293,3 +293,46 @@ def test_bad_input_names_the_key(runs: list[dict[str, Any]]) -> None:
     with pytest.raises(NotImplementedError, match="offload_optimizer"):
         parse_zero_config({"zero_optimization": {"stage": 3, "mics_shard_size": 2,
                                                  "offload_optimizer": {"device": "cpu"}}})
+
+
+def body_two(rank: int, world: int) -> dict[str, Any]:
+    """2 ranks: shard size 2 (= world, flat and hierarchical over 2 one-rank "nodes") is ZeRO-3; shard size 1 is
+    the replica all-reduce alone; shard size 4 does not divide 2."""
+    deterministic()
+    out: dict[str, Any] = {}
+    for name, zero in (("mics2", {"mics_shard_size": 2}), ("zero3", {}), ("mics1", {"mics_shard_size": 1})):
+        engine = _engine(_config(**zero), mics_init="module" if zero else "")
+        out[f"{name}_losses"] = _train(engine, rank, range(STEPS))
+        out[name] = _weights(engine)
+        out[f"{name}_optimizer"] = type(engine.optimizer).__name__
+    os.environ["NDEV_PER_NODE"] = "1"
+    engine = _engine(_config(mics_shard_size=2, mics_hierarchical_params_gather=True), mics_init="module")
+    out["mics2h_losses"] = _train(engine, rank, range(STEPS))
+    out["mics2h"] = _weights(engine)
+    out["hier_collectives"] = engine.optimizer.store.gatherer.collectives
+    try:
+        _engine(_config(mics_shard_size=4))
+        out["bad_size"] = ""
+    except ValueError as e:
+        out["bad_size"] = str(e)
+    return out
+
+
+def test_mics_two_ranks_equals_zero3_and_single_process() -> None:
+    """Issue 46's bar on 2 gloo ranks (the module's launch is 4): MiCS at shard size = world equals plain ZeRO-3
+    bit for bit (flat and hierarchical gather); shard size 1 equals single-process float64 training."""
+    runs = run_distributed(body_two, 2, timeout=300)
+    ref_losses, _, ref = _reference(STEPS, world=2)
+    for rank, r in enumerate(runs):
+        assert r["mics2_optimizer"] == r["mics1_optimizer"] == "MiCS_Optimizer", r["mics2_optimizer"]
+        assert r["zero3_optimizer"] != "MiCS_Optimizer"
+        _equal(r["mics2"], r["zero3"])
+        assert r["mics2_losses"] == r["zero3_losses"]
+        _equal(r["mics2h"], r["zero3"])
+        assert r["mics2h_losses"] == r["zero3_losses"] and r["hier_collectives"] > 0
+        for name, w in ref.items():
+            _close(r["mics1"][name], w)
+            _close(r["zero3"][name], w)
+        if rank == 0:
+            np.testing.assert_allclose(r["mics1_losses"], ref_losses, rtol=TOL)
+        assert "mics_shard_size=4" in r["bad_size"] and "(2)" in r["bad_size"], r["bad_size"]
