@@ -105,8 +105,10 @@ class SparseGradReducer(BackwardRound):
 
 def sparse_reducer(module: torch.nn.Module, config: Any, world_size: int, group: Any, gradient_average: bool,
                    sequence_parallel_size: int, should_reduce: Callable[[], bool]) -> Optional[SparseGradReducer]:
-    """The engine's reducer of sparse embedding gradients (config.sparse_gradients_enabled), or None."""
-    params = sparse_embedding_params(module) if config.sparse_gradients_enabled else []
+    """The engine's reducer of sparse embedding gradients, or None. Every embedding with sparse=True is
+    reduced here, with or without `sparse_gradients`: its gradient is a sparse tensor, which the dense buckets
+    cannot hold, and DeepSpeed too exchanges any sparse gradient as sparse rows whatever the key says."""
+    params = sparse_embedding_params(module)
     if not params:
         return None
     def factors(average: bool) -> ReduceFactors:
