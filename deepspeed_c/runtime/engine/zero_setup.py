@@ -175,7 +175,7 @@ def _check_fits(engine: Any, stage: int, basic: Any, zero_cfg: Any) -> None:
                                   fit_check.optimizer_state_bytes(basic),
                                   off_opt, off_par if stage >= 3 else None)
     fit_check.check(need, stage, params, fit_check.device_capacity(torch.device(engine.device)),
-                    fit_check.host_capacity())
+                    fit_check.host_capacity(), off_opt, off_par if stage >= 3 else None)
 
 
 def _store_args(engine: Any, zero_cfg: Any) -> dict:
