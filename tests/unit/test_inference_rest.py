@@ -172,7 +172,8 @@ def test_zero_inference_streams_layers_and_matches_hf(tmp_path):
         assert torch.equal(_gen(engine, new=6), ref), (device, inject)
         if device == "nvme":
             assert streamer.host_bytes() == 0 and len(os.listdir(os.path.dirname(streamer.files[0]))) == 3
-    for zero, needle in (({"stage": 2}, "zero.stage=2"), ({"stage": 3}, "offload_param.device='none'"),
+    for zero, needle in (({"stage": 2}, "zero.stage=2"), ({"stage": "3"}, "zero.stage='3'"),
+                         ({"stage": 3}, "offload_param.device='none'"),
                          ({"stage": 3, "offload_param": {"device": "nvme"}}, "nvme_path")):
         with pytest.raises(ValueError, match=needle):
             deepspeed_c.init_inference(im.make("gpt2"), dtype=torch.float32, zero=zero)
