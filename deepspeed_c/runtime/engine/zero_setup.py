@@ -23,7 +23,10 @@ def configure_zero_optimizer(engine: Any, config: Any, should_reduce_at_boundary
     (backward all-reduce on, outside no_sync, at the accumulation boundary)."""
     from deepspeed_c.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
+    from deepspeed_c.runtime.sparse_grads import check_sparse_supported, sparse_module_names
+
     stage = engine.zero_optimization_stage()
+    check_sparse_supported(sparse_module_names(engine.module), f"zero_optimization.stage={stage}")
     basic = engine.basic_optimizer
     if engine.precision.grad_scaler is not None:
         raise NotImplementedError("deepspeed_c: torch_autocast with fp16 is not supported together with "
