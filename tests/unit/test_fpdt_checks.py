@@ -46,3 +46,17 @@ def test_input_construct_layout_of_a_valid_length():
     tokens, *_ = FPDT_InputConstruct(ids, None, None, None, None,
                                      SimpleNamespace(ds_sequence_parallel_fpdt_chunk_size=12), 4, 0).generate()
     assert tokens.tolist() == [[0, 1, 2, 12, 13, 14, 24, 25, 26, 36, 37, 38]]
+
+
+def test_fpdt_without_a_sequence_parallel_group_names_it():
+    """FPDT without a sequence-parallel group (issue 40's bad input), for the attention and the loss: refused
+    before torch.distributed is even needed."""
+    from deepspeed_c.sequence.fpdt_layer import FPDT_Attention, FPDT_LogitsLoss
+
+    cfg = SimpleNamespace(kv_channels=8, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
+                          attention_dropout=0.0)
+    with pytest.raises(ValueError, match="FPDT_Attention: sequence_process_group is None"):
+        FPDT_Attention(cfg, torch.zeros(64, 32), None, torch.zeros(32, 32), None, None)
+    with pytest.raises(ValueError, match="FPDT_LogitsLoss: sequence_process_group is None"):
+        FPDT_LogitsLoss.apply(torch.zeros(8, 1, 4, requires_grad=True), torch.zeros(1, 8, dtype=torch.long),
+                              torch.zeros(5, 4, requires_grad=True), 0, 2, None, 2)
