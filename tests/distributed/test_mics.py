@@ -11,7 +11,7 @@ clipping 0.5 and AdamW, every rank feeding its own micro-batches:
 - the replica all-reduce runs once per step (not per micro-step); mics_shard_size 1 (whole parameters on every
   rank, the replica all-reduce alone) trains the same within the same tolerance;
 - hierarchical gather on (one rank per node: the cross-node gather is the shard group's) equals it off,
-  bit for bit; at shard size 4 (= world) with 2 "nodes" of 2 (NDEV_PER_NODE=2: cross-node, then intra-node
+  bit for bit; at shard size 4 (= world), flat and with 2 "nodes" of 2 (NDEV_PER_NODE=2: cross-node, then intra-node
   gather and the permutation) it equals plain ZeRO-3 bit for bit;
 - checkpoints: written in DeepSpeed's MiCS layout (first shard group only: zero_pp_rank_0/1 files,
   dp_world_size 4); a MiCS engine resuming from the step-2 checkpoint repeats the uninterrupted run's
@@ -147,6 +147,9 @@ def body(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     out["mics4h_losses"] = _train(engine, rank, range(STEPS))
     out["hier_collectives"] = engine.optimizer.store.gatherer.collectives
     out["mics4h"] = _weights(engine)
+    engine = _engine(_config(mics_shard_size=4), mics_init="module")  # the flat gather at shard size = world
+    out["mics4_losses"] = _train(engine, rank, range(STEPS))
+    out["mics4"] = _weights(engine)
     engine = _engine(_config())
     out["zero3_losses"] = _train(engine, rank, range(STEPS))
     out["zero3"] = _weights(engine)
@@ -259,6 +262,8 @@ def test_hierarchical_gather_is_bitwise_the_flat_one(runs: list[dict[str, Any]])
         # shard size = world: MiCS is ZeRO-3; the 2-level gather (cross-node + intra-node, permuted) too
         _equal(r["mics4h"], r["zero3"])
         assert r["mics4h_losses"] == r["zero3_losses"]
+        _equal(r["mics4"], r["zero3"])
+        assert r["mics4_losses"] == r["zero3_losses"]
         assert r["hier_collectives"] > 0
 
 
