@@ -8,7 +8,8 @@
 - MoE inference (moe={"enabled": True, "ep_size": 2}) of deepspeed.moe.layer.MoE models, each rank with its own
   tokens: 4 experts (2 a rank, all-to-all), a residual MoE, and expert slicing (1 expert split over both
   ranks): outputs equal the one-process model's on the same tokens; a Hugging Face Mixtral (4 experts, top 2)
-  at ep_size 2 generates the one-process model's greedy tokens; ep_size not dividing the world raises;
+  and a Qwen2-MoE (shared expert beside the routed ones) at ep_size 2 generate the one-process model's greedy
+  tokens; ep_size not dividing the world raises;
 - quant section with injection at TP 2 (int8, group 16): greedy tokens equal tp_size 1's."""
 from __future__ import annotations
 
@@ -135,6 +136,18 @@ def _moe(out: dict, rank: int) -> None:
     engine = deepspeed_c.init_inference(copy.deepcopy(mix), dtype=torch.float32, moe={"ep_size": 2})
     kinds = {type(m).__name__ for m in engine.module.modules()}
     out["moe_hf"] = (bool(torch.equal(_gen(engine, ids), ref)), "HFExpertParallel" in kinds)
+    # Qwen2-MoE: fused experts beside a shared expert with its own gate (the shared one stays whole on each rank)
+    qwen = tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(
+        vocab_size=im.VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+        shared_expert_intermediate_size=40, max_position_embeddings=32)).eval()
+    with torch.no_grad():
+        for p in qwen.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    engine = deepspeed_c.init_inference(copy.deepcopy(qwen), dtype=torch.float32, moe={"ep_size": 2})
+    experts = [m for m in engine.module.modules() if type(m).__name__ == "HFExpertParallel"]
+    out["moe_qwen"] = (bool(torch.equal(_gen(engine, ids), _gen(qwen, ids))), len(experts),
+                       _rel(engine(input_ids=ids).logits, qwen(input_ids=ids).logits))
     out["errors"]["ep3"] = _error(lambda: deepspeed_c.init_inference(im.MoENet(4), dtype=torch.float32,
                                                                      moe={"ep_size": 3}))
 
@@ -198,3 +211,5 @@ def test_inference_rest_two_ranks(tmp_path):
         assert "ep_size=3" in res["errors"]["ep3"] and "world size 2" in res["errors"]["ep3"], res["errors"]
         assert res["quant_tp2"]
         assert res["moe_hf"] == (True, True), res["moe_hf"]
+        same, blocks, rel = res["moe_qwen"]
+        assert same and blocks == 2 and rel < 1e-5, res["moe_qwen"]
