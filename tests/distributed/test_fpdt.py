@@ -10,8 +10,8 @@ with one chunk, whose layout is the contiguous one, equals it directly.
 
 One 2-rank launch covers attention with offload off and on (4 chunks, GQA), the Ulysses layer, the FFN, the
 logits loss, the chunk store's residency and the bad inputs; one 4-rank launch covers the same parities
-(attention with 2 chunks, offload on and off, against the reference and the Ulysses layer, FFN, loss). Under DSC_TEST_BACKEND=nccl the
-ranks work on their GPUs (fp32: FPDT's exact math path with the CUDA offload streams and pinned buffers)."""
+(attention with 2 chunks, offload on and off, against the reference and the Ulysses layer, FFN, loss).
+Under DSC_TEST_BACKEND=nccl the ranks work on their GPUs (fp32: FPDT's exact math path with the CUDA offload streams and pinned buffers)."""
 from __future__ import annotations
 
 from types import SimpleNamespace

@@ -72,7 +72,8 @@ def test_everything_offloaded_and_the_largest_layer_too_big_for_the_device():
         fit_check.check(need, 3, 10 * B, device_capacity=8 * GIB, host_capacity=None, offload_optimizer="nvme",
                         offload_param="nvme")
     msg = str(e.value)
-    assert "weights 9.31" in msg and "vs 8.00 GiB the device has" in msg and "host:" not in msg, msg  # NVMe: no host bound
+    assert "weights 9.31 GiB" in msg and "vs 8.00 GiB the device has" in msg, msg
+    assert "host:" not in msg, msg  # NVMe: no host bound
     assert "everything is offloaded already" in msg and "offload the" not in msg, msg
 
 
@@ -90,8 +91,8 @@ def test_initialize_refuses_before_any_step(monkeypatch):
     with pytest.raises(fit_check.ModelDoesNotFitError) as e:
         deepspeed_c.initialize(model=model, config=cfg, model_parameters=model.parameters())
     msg = str(e.value)
-    assert "zero_optimization.stage=2" in msg and f"host: at least {n * 12 / GIB:.2f} GiB" in msg, msg
-    assert "vs 0.00 GiB of host memory" in msg and "nvme" in msg, msg
+    assert "zero_optimization.stage=2" in msg and f"host: at least {n * 12 / (1 << 20):.2f} MiB" in msg, msg
+    assert "vs 1.00 MiB of host memory" in msg and "nvme" in msg, msg
     monkeypatch.setattr(fit_check, "host_capacity", lambda: 1 << 30)  # 1 GiB is enough: it trains
     engine, *_ = deepspeed_c.initialize(model=model, config=cfg, model_parameters=model.parameters())
     engine.backward(engine(torch.randn(1, 256)).sum())
@@ -102,3 +103,23 @@ def test_optimizer_state_bytes():
     p = [torch.nn.Parameter(torch.zeros(2))]
     assert fit_check.optimizer_state_bytes(torch.optim.AdamW(p)) == 8
     assert fit_check.optimizer_state_bytes(torch.optim.SGD(p, lr=0.1)) == 0
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_initialize_without_optimizer_checks_the_weights_alone(monkeypatch):
+    """Stage 3 without an optimizer (ZeRO-Inference through initialize): the offloaded weights are checked
+    against the host, no optimizer states counted."""
+    import deepspeed_c
+
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    n = sum(p.numel() for p in model.parameters())
+    monkeypatch.setattr(fit_check, "host_capacity", lambda: 1 << 10)
+    cfg = {"train_micro_batch_size_per_gpu": 1,
+           "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
+    with pytest.raises(fit_check.ModelDoesNotFitError) as e:
+        deepspeed_c.initialize(model=model, config=cfg)
+    assert f"host: at least {n * 4 / (1 << 20):.2f} MiB" in str(e.value), str(e.value)  # fp32 weights, 4 bytes each
+    monkeypatch.setattr(fit_check, "host_capacity", lambda: n * 4)  # exactly enough
+    engine, *_ = deepspeed_c.initialize(model=model, config=cfg)
+    with torch.no_grad():
+        assert engine(torch.randn(1, 256)).shape == (1, 256)

@@ -154,9 +154,10 @@ def _bf16_offloaded_moments(basic: Any, client_built: bool, optimizer_params: An
         f"got {type(basic).__name__} with fp32_optimizer_states={getattr(basic, 'fp32_optimizer_states', None)}")
 
 
-def _check_fits(engine: Any, stage: int, basic: Any, zero_cfg: Any) -> None:
-    """A model whose ZeRO model states cannot fit the device is refused now, naming the figures
-    (runtime/zero/fit_check.py), not by an out-of-memory error mid-allocation."""
+def _check_fits(engine: Any, stage: int, basic: Any, zero_cfg: Any, training: bool = True) -> None:
+    """A model whose ZeRO model states cannot fit the device or the host is refused now, naming the figures
+    (runtime/zero/fit_check.py), not by an out-of-memory error mid-allocation. training=False (stage 3 without
+    an optimizer): the weights alone."""
     import os
 
     from deepspeed_c.runtime.zero import fit_check
@@ -165,7 +166,8 @@ def _check_fits(engine: Any, stage: int, basic: Any, zero_cfg: Any) -> None:
     if engine.has_moe_layers:  # experts are split over the expert-parallel group: not this estimate
         return
     params, largest = model_to_params(engine.module)
-    trainable = sum(int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters() if p.requires_grad)
+    trainable = sum(int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters()
+                    if p.requires_grad) if training else 0
     world = max(1, engine.dp_world_size)
     local = min(world, max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     def where(section: Any) -> Any:  # "cpu" / "nvme", or None when not offloaded
@@ -190,6 +192,7 @@ def configure_zero3_params(engine: Any, config: Any) -> Any:
     from deepspeed_c.runtime.zero.stage3 import Zero3Params
 
     zero_cfg = config.zero_config
+    _check_fits(engine, 3, None, zero_cfg, training=False)
     if zero_cfg.mics_shard_size > 0:
         from deepspeed_c.runtime.zero.mics import mics_zero3_params
 

@@ -74,18 +74,23 @@ def check(need: StateBytes, stage: int, params: int, device_capacity: Optional[i
     host_short = host_capacity is not None and need.host > host_capacity
     if not (device_short or host_short):
         return
-    device = (f"device: at least {need.device / _GIB:.2f} GiB per rank (weights {need.weights / _GIB:.2f}, gradients "
-              f"{need.gradients / _GIB:.2f}, optimizer states {need.optimizer / _GIB:.2f} GiB) vs "
-              + (f"{device_capacity / _GIB:.2f} GiB the device has" if device_capacity is not None
+    device = (f"device: at least {_size(need.device)} per rank (weights {_size(need.weights)}, gradients "
+              f"{_size(need.gradients)}, optimizer states {_size(need.optimizer)}) vs "
+              + (f"{_size(device_capacity)} the device has" if device_capacity is not None
                  else "not checked (CPU ranks)"))
-    host = (f"host: at least {need.host / _GIB:.2f} GiB for this node's ranks' offloaded model states "
-            + (f"vs {host_capacity / _GIB:.2f} GiB of host memory (RAM + swap)" if host_capacity is not None
+    host = (f"host: at least {_size(need.host)} for this node's ranks' offloaded model states "
+            + (f"vs {_size(host_capacity)} of host memory (RAM + swap)" if host_capacity is not None
                else "(the host's memory was not read)"))
     raise ModelDoesNotFitError(
         f"zero_optimization.stage={stage}: the model's {params / 1e9:.2f}B parameters do not fit, even counting "
         f"their model states alone (estimator lower bounds; activations come on top): {device}"
         f"{f'; {host}' if need.host or host_short else ''}. "
         f"To fit: {'; '.join(_remedies(stage, device_short, host_short, offload_optimizer, offload_param))}")
+
+
+def _size(n: int) -> str:
+    """GiB, or MiB below a tenth of one (so a small figure does not read as 0.00)."""
+    return f"{n / _GIB:.2f} GiB" if n >= _GIB / 10 else f"{n / (1 << 20):.2f} MiB"
 
 
 def _remedies(stage: int, device_short: bool, host_short: bool, offload_optimizer: Optional[str],
