@@ -346,13 +346,14 @@ def test_mics_two_ranks_equals_zero3_and_single_process() -> None:
 
 
 def body_bytes(rank: int, world: int) -> dict[str, Any]:
-    """benchmarks/mics.py's run on 4 gloo ranks: each collective's bytes counted as it is issued, split by
+    """benchmarks/mics.py's run on 4 ranks: each collective's bytes counted as it is issued, split by
     whether they come from inside or outside the rank's block of 2 (MiCS's shard group)."""
     from types import SimpleNamespace
 
     from benchmarks.mics import Bytes, _run
 
-    args = SimpleNamespace(backend="gloo", layers=2, d=32, vocab=64, seq=16, micro=2, gas=2, warmup=1, steps=2,
+    backend = "nccl" if rank_device().type == "cuda" else "gloo"  # DSC_TEST_BACKEND=nccl: one GPU a rank
+    args = SimpleNamespace(backend=backend, layers=2, d=32, vocab=64, seq=16, micro=2, gas=2, warmup=1, steps=2,
                            shard=2)
     counter = Bytes(args.shard)
     try:
