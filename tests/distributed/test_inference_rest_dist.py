@@ -4,7 +4,8 @@
   half the MLP rows; enable_cuda_graph at tp_size 2 is refused without injection and on gloo (naming why);
 - save_mp_checkpoint_path at TP 2 (injected and AutoTP) writes DeepSpeed's JSON and per-rank tp files;
   `checkpoint=` that JSON on a meta-built model gives HF's tokens, each rank holding only its shard; loaded at
-  tp_size 1 it is resharded (same tokens); a quantized one loaded at another tp_size names both sizes;
+  tp_size 1 it is resharded (same tokens), and one saved at tp_size 1 (AutoTP GPT-2 / LLaMA, injected GPT-2) is
+  cut into tp_size 2 shards (same tokens); a quantized one loaded at another tp_size names both sizes;
 - MoE inference (moe={"enabled": True, "ep_size": 2}) of deepspeed.moe.layer.MoE models, each rank with its own
   tokens: 4 experts (2 a rank, all-to-all), a residual MoE, and expert slicing (1 expert split over both
   ranks): outputs equal the one-process model's on the same tokens; a Hugging Face Mixtral (4 experts, top 2)
@@ -171,6 +172,28 @@ def _quant_tp(out: dict, ids: torch.Tensor, folder: str) -> None:
         checkpoint=os.path.join(path, "ds_inference_config.json")))
 
 
+def _tp1_to_tp2(out: dict, folder: str, ids: torch.Tensor) -> None:
+    """Saved at tp_size 1 (the non-tp file holds every tensor whole), loaded at tp_size 2: each rank cuts its
+    shards out of the whole tensors (GPT-2's Conv1D weights transposed as AutoTP does)."""
+    import deepspeed_c
+
+    out["tp1_to_tp2"] = {}
+    for kind, inject in (("gpt2", False), ("llama", False), ("gpt2", True)):
+        model = im.make(kind, seed=5)
+        path = os.path.join(folder, f"{kind}-{inject}-tp1")
+        deepspeed_c.init_inference(copy.deepcopy(model), dtype=torch.float32, replace_with_kernel_inject=inject,
+                                   max_out_tokens=32, save_mp_checkpoint_path=path)
+        with deepspeed_c.OnDevice(dtype=torch.float32, device="meta"):
+            meta = im.make(kind, seed=5)
+        loaded = deepspeed_c.init_inference(meta, dtype=torch.float32, tensor_parallel={"tp_size": 2},
+                                            replace_with_kernel_inject=inject, max_out_tokens=32,
+                                            checkpoint=os.path.join(path, "ds_inference_config.json"))
+        held = sum(p.numel() for p in loaded.module.parameters()) / sum(p.numel() for p in model.parameters())
+        out["tp1_to_tp2"][f"{kind}/{'inject' if inject else 'autotp'}"] = (
+            bool(torch.equal(_gen(loaded, ids), _gen(model, ids))), _rel(loaded(input_ids=ids).logits,
+                                                                         model(input_ids=ids).logits), held)
+
+
 def body(rank: int, world: int, folder: str) -> dict:
     ids = torch.randint(1, im.VOCAB, (2, 6), generator=torch.Generator().manual_seed(7))
     out: dict = {"errors": {}}
@@ -178,6 +201,7 @@ def body(rank: int, world: int, folder: str) -> dict:
         _tp_inject(out, folder, ids)
         _moe(out, rank)
         _quant_tp(out, ids, folder)
+        _tp1_to_tp2(out, folder, ids)
     return out
 
 
@@ -210,6 +234,9 @@ def test_inference_rest_two_ranks(tmp_path):
             assert 0.45 < frac < 0.55, (name, frac)  # half the experts (or half of each, biases whole) a rank
         assert "ep_size=3" in res["errors"]["ep3"] and "world size 2" in res["errors"]["ep3"], res["errors"]
         assert res["quant_tp2"]
+        assert len(res["tp1_to_tp2"]) == 3, res["tp1_to_tp2"]
+        for name, (same, rel, held) in res["tp1_to_tp2"].items():
+            assert same and rel < 1e-5 and held < 0.85, (rank, name, same, rel, held)  # resharded, a rank's shards
         assert res["moe_hf"] == (True, True), res["moe_hf"]
         same, blocks, rel = res["moe_qwen"]
         assert same and blocks == 2 and rel < 1e-5, res["moe_qwen"]
