@@ -146,7 +146,8 @@ def load(model: nn.Module, desc: dict, tp_rank: int, base_dir: str = "", run_tp:
     tp_size = int(desc.get("tp_size", desc.get("mp_size", 1)))
     root = desc.get("base_dir") or base_dir
     tp_list = list(files["tp"])
-    if run_tp is not None and run_tp != tp_size:
+    resharding = run_tp is not None and run_tp != tp_size
+    if resharding:
         from deepspeed_c.inference.mp_reshard import load_resharded
 
         names = list(files.get("non_tp", []))
@@ -168,9 +169,14 @@ def load(model: nn.Module, desc: dict, tp_rank: int, base_dir: str = "", run_tp:
             if isinstance(value, (list, tuple)):  # DeepSpeed's [weight, scale] for int8
                 raise ValueError(f"init_inference: checkpoint tensor '{key}' in {path} is a DeepSpeed int8 "
                                  "[weight, scale] pair, which deepspeed_c does not read")
+            if resharding and tuple(dest.shape) != tuple(value.shape):  # saved whole, held sharded by this run
+                from deepspeed_c.inference.mp_reshard import cut_whole
+
+                value = cut_whole(model, key, value, tp_size, tp_rank, run_tp)
             if tuple(dest.shape) != tuple(value.shape):
+                sizes = f" (saved with tp_size={tp_size}, this run has tp_size={run_tp})" if resharding else ""
                 raise ValueError(f"init_inference: checkpoint tensor '{key}' in {path} has shape {tuple(value.shape)} "
-                                 f"but this rank's model expects {tuple(dest.shape)}")
+                                 f"but this rank's model expects {tuple(dest.shape)}{sizes}")
             dest.data.copy_(value)
             loaded.add(key)
     if unexpected:

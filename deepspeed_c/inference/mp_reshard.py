@@ -84,16 +84,42 @@ def _whole_from_shapes(pieces: list[Tensor], shape: tuple, key: str) -> Tensor:
     raise ValueError(f"cannot rebuild '{key}' of shape {shape} from pieces {[tuple(p.shape) for p in pieces]}")
 
 
+def _owners(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+    owners: dict[str, tuple[nn.Module, str]] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name in list(module._parameters) + list(module._buffers):
+            owners[f"{prefix}.{name}" if prefix else name] = (module, name)
+    return owners
+
+
+def cut_whole(model: nn.Module, key: str, whole: Tensor, saved_tp: int, rank: int, run_tp: int) -> Tensor:
+    """This rank's piece of a tensor saved whole (a non-tp file: the saving run did not shard its module) that
+    the run's model holds sharded over run_tp ranks."""
+    owner = _owners(model).get(key)
+    if owner is None:
+        raise ValueError(f"init_inference: checkpoint tensor '{key}' matches no parameter of {type(model).__name__}")
+    from deepspeed_c.inference.checkpoint_loader import _slicer
+
+    module, attr = owner
+    try:
+        if isinstance(module, FusedDecoderBlock):
+            return _block_rule(module, attr, run_tp, rank)([whole])
+        cut = _slicer(module, attr)  # AutoTP layers and vocabulary splits, as from a whole HF checkpoint
+        if cut is None:
+            raise ValueError(f"cannot reshard '{key}' held by {type(module).__name__}")
+        return cut(whole)
+    except ValueError as e:
+        raise ValueError(f"init_inference: the checkpoint was saved with tp_size={saved_tp} but this run has "
+                         f"tensor_parallel.tp_size={run_tp}: {e}") from None
+
+
 @torch.no_grad()
 def load_resharded(model: nn.Module, paths: list[str], saved_tp: int, rank: int, run_tp: int) -> set[str]:
     """Copies every tp tensor into `model` (this rank of run_tp) from the saved_tp ranks' files; returns the
     names filled."""
     from deepspeed_c.inference.checkpoint_loader import _read
 
-    owners: dict[str, tuple[nn.Module, str]] = {}
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        for name in list(module._parameters) + list(module._buffers):
-            owners[f"{prefix}.{name}" if prefix else name] = (module, name)
+    owners = _owners(model)
     state = model.state_dict(keep_vars=True)
     done: set[str] = set()
     parts = len(paths) // saved_tp

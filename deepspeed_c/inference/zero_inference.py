@@ -33,9 +33,10 @@ def parse(zero: dict) -> Optional[dict]:
     if not zero:
         return None
     stage = zero.get("stage", 0)
-    if stage != 3:
-        raise ValueError(f"init_inference: zero.stage={stage}: ZeRO-Inference streams the parameters of ZeRO stage 3 "
-                         "only; use zero={'stage': 3, 'offload_param': {'device': 'cpu' | 'nvme'}} or leave zero out")
+    if isinstance(stage, bool) or stage != 3:  # repr: a string "3" must not read as the 3 it is refused for
+        raise ValueError(f"init_inference: zero.stage={stage!r}: ZeRO-Inference streams the parameters of ZeRO stage "
+                         "3 only (an int); use zero={'stage': 3, 'offload_param': {'device': 'cpu' | 'nvme'}} or "
+                         "leave zero out")
     off = dict(zero.get("offload_param") or {})
     unknown = sorted(set(off) - _OFFLOAD_KEYS)
     if unknown:

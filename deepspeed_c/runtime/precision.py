@@ -42,6 +42,7 @@ class Precision:
         self.grad_accum_dtype: Optional[torch.dtype] = accum if stage0 else None
         self.grad_scaler: Optional[Any] = None  # torch.amp.GradScaler for fp16 torch_autocast
         self.mixed: Optional[MixedPrecisionOptimizer] = None
+        self._sparse_modules: list[str] = []  # embeddings with sparse=True (cast_module records them)
 
     @property
     def low_precision(self) -> bool:
@@ -49,6 +50,9 @@ class Precision:
 
     def cast_module(self, module: torch.nn.Module) -> None:
         """Floating parameters to the model dtype; buffers only when data_types.buffer_dtype says so."""
+        from deepspeed_c.runtime.sparse_grads import sparse_module_names
+
+        self._sparse_modules = sparse_module_names(module)  # refused by wrap_optimizer when masters are built
         if self.model_dtype != torch.float32:
             for p in module.parameters():
                 if p.is_floating_point() and p.dtype != self.model_dtype:
@@ -79,6 +83,11 @@ class Precision:
             return optimizer
         if zero_owns_masters:
             return optimizer
+        from deepspeed_c.runtime.sparse_grads import check_sparse_supported
+
+        # the fp32 masters flatten the gradients: sparse embeddings refused by name, before any step
+        check_sparse_supported(self._sparse_modules, f"{'bf16' if self.model_dtype == torch.bfloat16 else 'fp16'} "
+                                                     "training (its fp32 master weights)")
         scaler, check = self.zero_loss_scaling(stage0=True)
         accum = self.grad_accum_dtype
         self.mixed = MixedPrecisionOptimizer(optimizer, self.model_dtype, scaler,

@@ -29,6 +29,23 @@ def sparse_embedding_params(module: torch.nn.Module) -> list[torch.nn.Parameter]
     return out
 
 
+def sparse_module_names(module: torch.nn.Module) -> list[str]:
+    """Names of the trainable embedding modules built with sparse=True."""
+    return [n for n, m in module.named_modules()
+            if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
+
+
+def check_sparse_supported(names: Sequence[str], what: str) -> None:
+    """Refuse, at initialize, sparse embedding modules (`names`) under a gradient path that flattens or
+    partitions gradients (`what`: a ZeRO stage, fp16/bf16 fp32 masters): a sparse gradient has no flat view, and
+    the run would otherwise fail inside the first backward or step with torch's 'not implemented for sparse'."""
+    if names:
+        names = list(names)
+        raise ValueError(f"{what} cannot take the sparse gradients of the embedding module(s) {names} built with "
+                         "sparse=True: build them with sparse=False, or train in fp32 at zero_optimization.stage 0 "
+                         "(where sparse_gradients exchanges their rows)")
+
+
 def _comm() -> Any:
     import deepspeed_c.comm as dist
 
@@ -105,8 +122,10 @@ class SparseGradReducer(BackwardRound):
 
 def sparse_reducer(module: torch.nn.Module, config: Any, world_size: int, group: Any, gradient_average: bool,
                    sequence_parallel_size: int, should_reduce: Callable[[], bool]) -> Optional[SparseGradReducer]:
-    """The engine's reducer of sparse embedding gradients (config.sparse_gradients_enabled), or None."""
-    params = sparse_embedding_params(module) if config.sparse_gradients_enabled else []
+    """The engine's reducer of sparse embedding gradients, or None. Every embedding with sparse=True is
+    reduced here, with or without `sparse_gradients`: its gradient is a sparse tensor, which the dense buckets
+    cannot hold, and DeepSpeed too exchanges any sparse gradient as sparse rows whatever the key says."""
+    params = sparse_embedding_params(module)
     if not params:
         return None
     def factors(average: bool) -> ReduceFactors:

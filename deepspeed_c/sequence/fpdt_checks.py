@@ -33,11 +33,12 @@ def check_heads(who: str, heads: int, kv_heads: int, sp: int) -> None:
         raise ValueError(f"{who}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
 
 
-def check_chunk_size(who: str, chunk_size: int, sp: int) -> None:
-    if not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ValueError(f"{who}: chunk_size must be a positive int, got {chunk_size!r}")
+def check_chunk_size(who: str, chunk_size: int, sp: int, key: str = "chunk_size") -> None:
+    """`key` is the name the caller gave the chunk size under (an argument or an args attribute)."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"{who}: {key} must be a positive int, got {chunk_size!r}")
     if chunk_size % sp != 0:
-        raise ValueError(f"{who}: chunk_size={chunk_size} is not a multiple of the sequence parallel size {sp} "
+        raise ValueError(f"{who}: {key}={chunk_size} is not a multiple of the sequence parallel size {sp} "
                          f"(each rank holds chunk_size / sp tokens of a chunk); nearest valid chunk sizes: "
                          f"{_nearest(chunk_size, sp)}")
 
@@ -47,12 +48,14 @@ def _nearest(n: int, step: int) -> str:
     return f"{high}" if low == 0 else f"{low} or {high}"
 
 
-def num_chunks(who: str, global_len: int, chunk_size: int, sp: int) -> int:
+def num_chunks(who: str, global_len: int, chunk_size: int, sp: int, key: str = "chunk_size") -> int:
     """Chunks of the sequence; raises, naming the nearest valid lengths, when it does not divide."""
-    check_chunk_size(who, chunk_size, sp)
+    check_chunk_size(who, chunk_size, sp, key)
     if global_len <= 0 or global_len % chunk_size != 0:
-        raise ValueError(f"{who}: the global sequence length {global_len} (local {global_len // max(sp, 1)} x "
-                         f"sequence parallel size {sp}) is not a multiple of the FPDT chunk size {chunk_size} "
+        # the local length is only meaningful where the caller split the sequence evenly over the ranks
+        split = f" (local {global_len // sp} x sequence parallel size {sp})" if global_len % sp == 0 else ""
+        raise ValueError(f"{who}: the global sequence length {global_len}{split} is not a multiple of the FPDT "
+                         f"chunk size {chunk_size} "
                          f"(= sp {sp} x per-rank chunk {chunk_size // sp}); nearest valid sequence lengths: "
                          f"{_nearest(global_len, chunk_size)} (pad the sequence or change "
                          "ds_sequence_parallel_fpdt_chunk_size)")

@@ -56,7 +56,8 @@ class FPDT_InputConstruct(torch.nn.Module):
         self.tokens, self.labels, self.loss_mask = tokens, labels, loss_mask
         self.attention_mask, self.position_ids = attention_mask, position_ids
         self.global_seq_len, self.batch_size = tokens.shape[1], tokens.shape[0]
-        self.num_chunk_per_gpu = num_chunks("FPDT_InputConstruct", self.global_seq_len, chunk, sp_size)
+        self.num_chunk_per_gpu = num_chunks("FPDT_InputConstruct", self.global_seq_len, chunk, sp_size,
+                                            "args.ds_sequence_parallel_fpdt_chunk_size")
         self.sp_size, self.sp_rank = sp_size, sp_rank
         self.local_seq_len = self.global_seq_len // sp_size
         self.chunk_size = chunk // sp_size

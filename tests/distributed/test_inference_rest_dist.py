@@ -4,11 +4,13 @@
   half the MLP rows; enable_cuda_graph at tp_size 2 is refused without injection and on gloo (naming why);
 - save_mp_checkpoint_path at TP 2 (injected and AutoTP) writes DeepSpeed's JSON and per-rank tp files;
   `checkpoint=` that JSON on a meta-built model gives HF's tokens, each rank holding only its shard; loaded at
-  tp_size 1 it is resharded (same tokens); a quantized one loaded at another tp_size names both sizes;
+  tp_size 1 it is resharded (same tokens), and one saved at tp_size 1 (AutoTP GPT-2 / LLaMA, injected GPT-2) is
+  cut into tp_size 2 shards (same tokens); a quantized one loaded at another tp_size names both sizes;
 - MoE inference (moe={"enabled": True, "ep_size": 2}) of deepspeed.moe.layer.MoE models, each rank with its own
   tokens: 4 experts (2 a rank, all-to-all), a residual MoE, and expert slicing (1 expert split over both
   ranks): outputs equal the one-process model's on the same tokens; a Hugging Face Mixtral (4 experts, top 2)
-  at ep_size 2 generates the one-process model's greedy tokens; ep_size not dividing the world raises;
+  and a Qwen2-MoE (shared expert beside the routed ones) at ep_size 2 generate the one-process model's greedy
+  tokens; ep_size not dividing the world raises;
 - quant section with injection at TP 2 (int8, group 16): greedy tokens equal tp_size 1's."""
 from __future__ import annotations
 
@@ -135,6 +137,18 @@ def _moe(out: dict, rank: int) -> None:
     engine = deepspeed_c.init_inference(copy.deepcopy(mix), dtype=torch.float32, moe={"ep_size": 2})
     kinds = {type(m).__name__ for m in engine.module.modules()}
     out["moe_hf"] = (bool(torch.equal(_gen(engine, ids), ref)), "HFExpertParallel" in kinds)
+    # Qwen2-MoE: fused experts beside a shared expert with its own gate (the shared one stays whole on each rank)
+    qwen = tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(
+        vocab_size=im.VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+        shared_expert_intermediate_size=40, max_position_embeddings=32)).eval()
+    with torch.no_grad():
+        for p in qwen.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    engine = deepspeed_c.init_inference(copy.deepcopy(qwen), dtype=torch.float32, moe={"ep_size": 2})
+    experts = [m for m in engine.module.modules() if type(m).__name__ == "HFExpertParallel"]
+    out["moe_qwen"] = (bool(torch.equal(_gen(engine, ids), _gen(qwen, ids))), len(experts),
+                       _rel(engine(input_ids=ids).logits, qwen(input_ids=ids).logits))
     out["errors"]["ep3"] = _error(lambda: deepspeed_c.init_inference(im.MoENet(4), dtype=torch.float32,
                                                                      moe={"ep_size": 3}))
 
@@ -158,6 +172,28 @@ def _quant_tp(out: dict, ids: torch.Tensor, folder: str) -> None:
         checkpoint=os.path.join(path, "ds_inference_config.json")))
 
 
+def _tp1_to_tp2(out: dict, folder: str, ids: torch.Tensor) -> None:
+    """Saved at tp_size 1 (the non-tp file holds every tensor whole), loaded at tp_size 2: each rank cuts its
+    shards out of the whole tensors (GPT-2's Conv1D weights transposed as AutoTP does)."""
+    import deepspeed_c
+
+    out["tp1_to_tp2"] = {}
+    for kind, inject in (("gpt2", False), ("llama", False), ("gpt2", True)):
+        model = im.make(kind, seed=5)
+        path = os.path.join(folder, f"{kind}-{inject}-tp1")
+        deepspeed_c.init_inference(copy.deepcopy(model), dtype=torch.float32, replace_with_kernel_inject=inject,
+                                   max_out_tokens=32, save_mp_checkpoint_path=path)
+        with deepspeed_c.OnDevice(dtype=torch.float32, device="meta"):
+            meta = im.make(kind, seed=5)
+        loaded = deepspeed_c.init_inference(meta, dtype=torch.float32, tensor_parallel={"tp_size": 2},
+                                            replace_with_kernel_inject=inject, max_out_tokens=32,
+                                            checkpoint=os.path.join(path, "ds_inference_config.json"))
+        held = sum(p.numel() for p in loaded.module.parameters()) / sum(p.numel() for p in model.parameters())
+        out["tp1_to_tp2"][f"{kind}/{'inject' if inject else 'autotp'}"] = (
+            bool(torch.equal(_gen(loaded, ids), _gen(model, ids))), _rel(loaded(input_ids=ids).logits,
+                                                                         model(input_ids=ids).logits), held)
+
+
 def body(rank: int, world: int, folder: str) -> dict:
     ids = torch.randint(1, im.VOCAB, (2, 6), generator=torch.Generator().manual_seed(7))
     out: dict = {"errors": {}}
@@ -165,6 +201,7 @@ def body(rank: int, world: int, folder: str) -> dict:
         _tp_inject(out, folder, ids)
         _moe(out, rank)
         _quant_tp(out, ids, folder)
+        _tp1_to_tp2(out, folder, ids)
     return out
 
 
@@ -197,4 +234,9 @@ def test_inference_rest_two_ranks(tmp_path):
             assert 0.45 < frac < 0.55, (name, frac)  # half the experts (or half of each, biases whole) a rank
         assert "ep_size=3" in res["errors"]["ep3"] and "world size 2" in res["errors"]["ep3"], res["errors"]
         assert res["quant_tp2"]
+        assert len(res["tp1_to_tp2"]) == 3, res["tp1_to_tp2"]
+        for name, (same, rel, held) in res["tp1_to_tp2"].items():
+            assert same and rel < 1e-5 and held < 0.85, (rank, name, same, rel, held)  # resharded, a rank's shards
         assert res["moe_hf"] == (True, True), res["moe_hf"]
+        same, blocks, rel = res["moe_qwen"]
+        assert same and blocks == 2 and rel < 1e-5, res["moe_qwen"]

@@ -11,12 +11,14 @@ clipping 0.5 and AdamW, every rank feeding its own micro-batches:
 - the replica all-reduce runs once per step (not per micro-step); mics_shard_size 1 (whole parameters on every
   rank, the replica all-reduce alone) trains the same within the same tolerance;
 - hierarchical gather on (one rank per node: the cross-node gather is the shard group's) equals it off,
-  bit for bit; at shard size 4 (= world) with 2 "nodes" of 2 (NDEV_PER_NODE=2: cross-node, then intra-node
+  bit for bit; at shard size 4 (= world), flat and with 2 "nodes" of 2 (NDEV_PER_NODE=2: cross-node, then intra-node
   gather and the permutation) it equals plain ZeRO-3 bit for bit;
 - checkpoints: written in DeepSpeed's MiCS layout (first shard group only: zero_pp_rank_0/1 files,
   dp_world_size 4); a MiCS engine resuming from the step-2 checkpoint repeats the uninterrupted run's
   steps 3-4 exactly, and a plain ZeRO-3 engine on 4 ranks loads the same checkpoint (resharded 2 -> 4)
   with exactly the saved weights, which zero_to_fp32 consolidates too;
+- bytes received from outside the shard group, counted per collective (benchmarks/mics.py): 4x fewer than plain
+  ZeRO-3 at shard size 2 on 4 ranks, same losses; a 2-rank launch: shard size 2 = world is ZeRO-3 bit for bit;
 - bad input: mics_shard_size 3 on 4 ranks raises naming the key; at stage 2 the config is refused naming it.
 Under DSC_TEST_BACKEND=nccl the same run takes one GPU a rank (.devrun/gpu_46b.sh, 4 GPUs)."""
 from __future__ import annotations
@@ -147,6 +149,9 @@ def body(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     out["mics4h_losses"] = _train(engine, rank, range(STEPS))
     out["hier_collectives"] = engine.optimizer.store.gatherer.collectives
     out["mics4h"] = _weights(engine)
+    engine = _engine(_config(mics_shard_size=4), mics_init="module")  # the flat gather at shard size = world
+    out["mics4_losses"] = _train(engine, rank, range(STEPS))
+    out["mics4"] = _weights(engine)
     engine = _engine(_config())
     out["zero3_losses"] = _train(engine, rank, range(STEPS))
     out["zero3"] = _weights(engine)
@@ -174,19 +179,19 @@ def body(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     return out
 
 
-def _reference(steps: int) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """One process, float64: each step's gradient of the mean loss over 4 ranks x 2 micro-batches, clipped to
+def _reference(steps: int, world: int = WORLD) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One process, float64: each step's gradient of the mean loss over `world` ranks x 2 micro-batches, clipped to
     norm 0.5 (DeepSpeed's coefficient), AdamW. Returns rank 0's losses, the weights at SAVE_AT and at the end.
     One thread: the test process's default thread count, on a loaded machine, made it 50x slower."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _reference_steps(steps)
+        return _reference_steps(steps, world)
     finally:
         torch.set_num_threads(threads)
 
 
-def _reference_steps(steps: int) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _reference_steps(steps: int, world: int) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     model = _gpt().double()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     losses, mid = [], {}
@@ -195,9 +200,9 @@ def _reference_steps(steps: int) -> tuple[list[float], dict[str, torch.Tensor], 
             mid = {n: p.detach().clone() for n, p in model.named_parameters()}
         opt.zero_grad()
         for micro in range(GAS):
-            for rank in range(WORLD):
+            for rank in range(world):
                 loss = model(_tokens(step, micro, rank))
-                (loss / (GAS * WORLD)).backward()
+                (loss / (GAS * world)).backward()
                 if rank == 0:
                     losses.append(float(loss.detach()))
         norm = torch.sqrt(sum((p.grad ** 2).sum() for p in model.parameters())).item()
@@ -259,6 +264,8 @@ def test_hierarchical_gather_is_bitwise_the_flat_one(runs: list[dict[str, Any]])
         # shard size = world: MiCS is ZeRO-3; the 2-level gather (cross-node + intra-node, permuted) too
         _equal(r["mics4h"], r["zero3"])
         assert r["mics4h_losses"] == r["zero3_losses"]
+        _equal(r["mics4"], r["zero3"])
+        assert r["mics4_losses"] == r["zero3_losses"]
         assert r["hier_collectives"] > 0
 
 
@@ -293,3 +300,74 @@ def test_bad_input_names_the_key(runs: list[dict[str, Any]]) -> None:
     with pytest.raises(NotImplementedError, match="offload_optimizer"):
         parse_zero_config({"zero_optimization": {"stage": 3, "mics_shard_size": 2,
                                                  "offload_optimizer": {"device": "cpu"}}})
+
+
+def body_two(rank: int, world: int) -> dict[str, Any]:
+    """2 ranks: shard size 2 (= world, flat and hierarchical over 2 one-rank "nodes") is ZeRO-3; shard size 1 is
+    the replica all-reduce alone; shard size 4 does not divide 2."""
+    deterministic()
+    out: dict[str, Any] = {}
+    for name, zero in (("mics2", {"mics_shard_size": 2}), ("zero3", {}), ("mics1", {"mics_shard_size": 1})):
+        engine = _engine(_config(**zero), mics_init="module" if zero else "")
+        out[f"{name}_losses"] = _train(engine, rank, range(STEPS))
+        out[name] = _weights(engine)
+        out[f"{name}_optimizer"] = type(engine.optimizer).__name__
+    os.environ["NDEV_PER_NODE"] = "1"
+    engine = _engine(_config(mics_shard_size=2, mics_hierarchical_params_gather=True), mics_init="module")
+    out["mics2h_losses"] = _train(engine, rank, range(STEPS))
+    out["mics2h"] = _weights(engine)
+    out["hier_collectives"] = engine.optimizer.store.gatherer.collectives
+    try:
+        _engine(_config(mics_shard_size=4))
+        out["bad_size"] = ""
+    except ValueError as e:
+        out["bad_size"] = str(e)
+    return out
+
+
+def test_mics_two_ranks_equals_zero3_and_single_process() -> None:
+    """Issue 46's bar on 2 gloo ranks (the module's launch is 4): MiCS at shard size = world equals plain ZeRO-3
+    bit for bit (flat and hierarchical gather); shard size 1 equals single-process float64 training."""
+    runs = run_distributed(body_two, 2, timeout=300)
+    ref_losses, _, ref = _reference(STEPS, world=2)
+    for rank, r in enumerate(runs):
+        assert r["mics2_optimizer"] == r["mics1_optimizer"] == "MiCS_Optimizer", r["mics2_optimizer"]
+        assert r["zero3_optimizer"] != "MiCS_Optimizer"
+        _equal(r["mics2"], r["zero3"])
+        assert r["mics2_losses"] == r["zero3_losses"]
+        _equal(r["mics2h"], r["zero3"])
+        assert r["mics2h_losses"] == r["zero3_losses"] and r["hier_collectives"] > 0
+        for name, w in ref.items():
+            _close(r["mics1"][name], w)
+            _close(r["zero3"][name], w)
+        if rank == 0:
+            np.testing.assert_allclose(r["mics1_losses"], ref_losses, rtol=TOL)
+        assert "mics_shard_size=4" in r["bad_size"] and "(2)" in r["bad_size"], r["bad_size"]
+
+
+def body_bytes(rank: int, world: int) -> dict[str, Any]:
+    """benchmarks/mics.py's run on 4 ranks: each collective's bytes counted as it is issued, split by
+    whether they come from inside or outside the rank's block of 2 (MiCS's shard group)."""
+    from types import SimpleNamespace
+
+    from benchmarks.mics import Bytes, _run
+
+    backend = "nccl" if rank_device().type == "cuda" else "gloo"  # DSC_TEST_BACKEND=nccl: one GPU a rank
+    args = SimpleNamespace(backend=backend, layers=2, d=32, vocab=64, seq=16, micro=2, gas=2, warmup=1, steps=2,
+                           shard=2)
+    counter = Bytes(args.shard)
+    try:
+        return {"zero3": _run(rank, args, "zero3", counter), "mics": _run(rank, args, "mics", counter)}
+    finally:
+        counter.restore()
+
+
+def test_mics_fewer_bytes_between_shard_groups() -> None:
+    """Issue 46's bar (counted on gloo here): MiCS at shard size 2 on 4 ranks trains plain ZeRO-3's losses while
+    receiving far fewer bytes from outside its shard group (gathers stay inside; only the replica all-reduce of
+    the gradient partitions crosses)."""
+    for rank, r in enumerate(run_distributed(body_bytes, WORLD, timeout=300)):
+        z, m = r["zero3"], r["mics"]
+        np.testing.assert_allclose(m["losses"], z["losses"], rtol=1e-4)
+        assert z["outside"] > 0 and m["outside"] > 0, (z, m)  # both counted something across the blocks
+        assert m["outside"] * 3 < z["outside"], (rank, m["outside"], z["outside"])  # 4.0x fewer measured

@@ -3,7 +3,9 @@ an nn.Embedding(sparse=True) and an nn.EmbeddingBag(sparse=True) beside a dense 
 embedding weights' gradients are sparse tensors holding every rank's rows (not a dense all-reduce) whose
 dense form equals the gradient of the mean loss over both ranks' batches (float64 reference on one
 process), and training with SGD equals that single-process training. Without sparse_gradients the same
-model trains the same (the dense path), and a ZeRO stage with sparse_gradients is refused naming the key.
+model trains the same (the dense path); sparse=True modules without the key train the same through the
+sparse rows (DeepSpeed exchanges any sparse gradient so; the dense buckets crashed on them); a ZeRO stage
+with sparse_gradients is refused naming the key.
 `engine.gradient_average = False` assigned after initialize sums the next boundary's gradients over the ranks
 (as DeepSpeed, which reads it at every reduction)."""
 from __future__ import annotations
@@ -116,10 +118,11 @@ def _close(a: Any, b: Any, tol: float) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_sparse_rows_equal_the_dense_average(world: int) -> None:
     runs = {"sparse": run_distributed(body, world, args=(True, True), timeout=180)}
-    if world == 2:  # the dense path once
+    if world == 2:  # the dense path once; sparse=True modules without the key (DeepSpeed: sparse rows anyway)
         runs["dense"] = run_distributed(body, world, args=(False, False), timeout=180)
+        runs["no_key"] = run_distributed(body, world, args=(False, True), timeout=180)
     first, final = _reference(world)
-    for res in runs["sparse"]:
+    for res in runs["sparse"] + runs.get("no_key", []):
         assert res["grad_sparse"] == [True] * STEPS
         for name, g in first.items():
             _close(res["first_grads"][name], g, 1e-6)
@@ -133,13 +136,12 @@ def test_sparse_rows_equal_the_dense_average(world: int) -> None:
         assert runs["dense"][0]["grad_sparse"] == [False] * STEPS
 
 
-def _zero_stage_refused(rank: int, world: int) -> str:
+def _refused(rank: int, world: int, extra: dict) -> str:
     import deepspeed_c
 
     model = Net()
     try:
-        deepspeed_c.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1, "sparse_gradients": True,
-                                                   "zero_optimization": {"stage": 1}},
+        deepspeed_c.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1, **extra},
                                optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     except ValueError as e:
         return str(e)
@@ -147,5 +149,18 @@ def _zero_stage_refused(rank: int, world: int) -> str:
 
 
 def test_sparse_gradients_with_zero_is_refused() -> None:
-    msg = run_distributed(_zero_stage_refused, 1, timeout=120)[0]
+    msg = run_distributed(_refused, 1, args=({"sparse_gradients": True, "zero_optimization": {"stage": 1}},),
+                          timeout=120)[0]
     assert "sparse_gradients" in msg and "stage" in msg
+
+
+@pytest.mark.parametrize("extra,needle", [
+    ({"zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True}, "zero_optimization.stage=1"),
+    ({"zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True}, "zero_optimization.stage=3"),
+    ({"bf16": {"enabled": True}}, "bf16 training"), ({"fp16": {"enabled": True}}, "fp16 training"),
+    ({"bf16": {"enabled": True}, "sparse_gradients": True}, "bf16 training")])
+def test_sparse_modules_where_gradients_are_flattened_are_refused_at_initialize(extra: dict, needle: str) -> None:
+    """sparse=True embeddings under ZeRO or 16-bit masters, with or without the key: refused at initialize
+    naming the modules (before, torch's 'reshape is not implemented for sparse tensors' in the first backward)."""
+    msg = run_distributed(_refused, 2, args=(extra,), timeout=120)[0]
+    assert needle in msg and "['tok', 'bag']" in msg and "sparse=False" in msg, msg

@@ -131,6 +131,10 @@ def _run(world: int, zero: dict, rank: int, steps: int = STEPS, engine: Any = No
     out = {"losses": losses, "weights": _weights(engine)}
     zpp = getattr(engine.optimizer, "zeropp", None)
     out["gathers"] = dict(zpp.gathers) if zpp is not None else {}
+    if zpp is not None and zpp.loco is not None:  # LoCo's error buffers: proof the training used the feedback
+        state = zpp.loco.state_dict()
+        out["loco"] = (len(state["keys"]), sum(int(u) for u in state["uses"]),
+                       sum(float(s.abs().sum()) for s in state["scales"]))
     engine.destroy()
     return out
 

@@ -76,6 +76,9 @@ def test_loco_error_feedback_training_and_resume(tmp_path: Any, world: int) -> N
         assert r["loco"] * 4 <= r["plain"], (r["loco"], r["plain"])
         assert r["loco_beta"] < r["plain"], (r["loco_beta"], r["plain"])
         assert r["resumed_equal"]
+        keys, uses, scales = r["train_loco"]["loco"]  # the engine's qgZ reductions went through LoCo
+        assert keys >= (2 if world == 4 else 1) and uses >= keys and scales > 0, r["train_loco"]["loco"]
+        assert "loco" not in r["train_plain"]
         _close(r["train_loco"], r["train_plain"])
         _converged(r["train_loco"])
         assert np.isfinite(r["train_loco"]["weights"]).all()

@@ -108,3 +108,44 @@ def test_tracker_rules():
     assert not torch.equal(first, second)
     torch.manual_seed(1)
     assert torch.equal(first, torch.rand(2))
+
+
+class _OneRankMPU:
+    """A model-parallel unit of one rank: nothing to partition over."""
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_model_parallel_group(self) -> None:
+        return None
+
+
+@pytest.mark.parametrize("mpu", [None, _OneRankMPU()], ids=["no-mpu", "mp-1"])
+def test_partition_activations_without_model_parallel_group_warns_why(mpu):
+    """Issue 46's bad input: partition_activations from the JSON with no model-parallel group of more than one
+    rank is a warning naming the key and why (nothing to split over), and checkpointing still gives the plain
+    module's gradients."""
+    import io
+    import logging
+
+    from deepspeed_c.utils.logging import logger
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logger.addHandler(handler)  # the package's logger does not propagate to pytest's
+    try:
+        ckpt.configure(mpu, deepspeed_config={"activation_checkpointing": {"partition_activations": True,
+                                                                           "cpu_checkpointing": True}})
+    finally:
+        logger.removeHandler(handler)
+    try:
+        msgs = [m for m in stream.getvalue().splitlines() if "activation_checkpointing.partition_activations" in m]
+        assert len(msgs) == 1 and "no model-parallel group of more than one rank" in msgs[0], stream.getvalue()
+        assert ckpt.PARTITION_ACTIVATIONS and ckpt.CPU_CHECKPOINT
+        assert test_gradients_match_plain_run_with_dropout("checkpoint") is None
+    finally:
+        ckpt.configure(None, partition_activations=False, checkpoint_in_cpu=False)
+        ckpt.reset()

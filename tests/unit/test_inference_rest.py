@@ -89,6 +89,11 @@ def test_injected_quantized_tokens_equal_hf_with_rounded_weights(kind, bits):
     with pytest.raises(ValueError, match="input width 32.*group \\(24\\)"):
         deepspeed_c.init_inference(copy.deepcopy(model), dtype=torch.float32, replace_with_kernel_inject=True,
                                    max_out_tokens=32, quant={"weight": {"num_bits": bits, "group_size": 24}})
+    with pytest.raises(ValueError, match="input width 32, which q_groups=3 does not divide"):  # DeepSpeed's key
+        deepspeed_c.init_inference(copy.deepcopy(model), dtype=torch.float32, max_out_tokens=32,
+                                   quant={"weight": {"num_bits": bits, "q_groups": 3}})
+    with pytest.raises(ValueError, match="quant.weight.num_bits=3"):
+        deepspeed_c.init_inference(copy.deepcopy(model), dtype=torch.float32, quant={"weight": {"num_bits": 3}})
     with pytest.raises(NotImplementedError, match="q_type='asymmetric'"):
         deepspeed_c.init_inference(copy.deepcopy(model), quant={"weight": {"q_type": "asymmetric"}})
 
@@ -172,7 +177,8 @@ def test_zero_inference_streams_layers_and_matches_hf(tmp_path):
         assert torch.equal(_gen(engine, new=6), ref), (device, inject)
         if device == "nvme":
             assert streamer.host_bytes() == 0 and len(os.listdir(os.path.dirname(streamer.files[0]))) == 3
-    for zero, needle in (({"stage": 2}, "zero.stage=2"), ({"stage": 3}, "offload_param.device='none'"),
+    for zero, needle in (({"stage": 2}, "zero.stage=2"), ({"stage": "3"}, "zero.stage='3'"),
+                         ({"stage": 3}, "offload_param.device='none'"),
                          ({"stage": 3, "offload_param": {"device": "nvme"}}, "nvme_path")):
         with pytest.raises(ValueError, match=needle):
             deepspeed_c.init_inference(im.make("gpt2"), dtype=torch.float32, zero=zero)

@@ -23,7 +23,10 @@ def configure_zero_optimizer(engine: Any, config: Any, should_reduce_at_boundary
     (backward all-reduce on, outside no_sync, at the accumulation boundary)."""
     from deepspeed_c.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
+    from deepspeed_c.runtime.sparse_grads import check_sparse_supported, sparse_module_names
+
     stage = engine.zero_optimization_stage()
+    check_sparse_supported(sparse_module_names(engine.module), f"zero_optimization.stage={stage}")
     basic = engine.basic_optimizer
     if engine.precision.grad_scaler is not None:
         raise NotImplementedError("deepspeed_c: torch_autocast with fp16 is not supported together with "
@@ -151,9 +154,10 @@ def _bf16_offloaded_moments(basic: Any, client_built: bool, optimizer_params: An
         f"got {type(basic).__name__} with fp32_optimizer_states={getattr(basic, 'fp32_optimizer_states', None)}")
 
 
-def _check_fits(engine: Any, stage: int, basic: Any, zero_cfg: Any) -> None:
-    """A model whose ZeRO model states cannot fit the device is refused now, naming the figures
-    (runtime/zero/fit_check.py), not by an out-of-memory error mid-allocation."""
+def _check_fits(engine: Any, stage: int, basic: Any, zero_cfg: Any, training: bool = True) -> None:
+    """A model whose ZeRO model states cannot fit the device or the host is refused now, naming the figures
+    (runtime/zero/fit_check.py), not by an out-of-memory error mid-allocation. training=False (stage 3 without
+    an optimizer): the weights alone."""
     import os
 
     from deepspeed_c.runtime.zero import fit_check
@@ -162,7 +166,8 @@ def _check_fits(engine: Any, stage: int, basic: Any, zero_cfg: Any) -> None:
     if engine.has_moe_layers:  # experts are split over the expert-parallel group: not this estimate
         return
     params, largest = model_to_params(engine.module)
-    trainable = sum(int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters() if p.requires_grad)
+    trainable = sum(int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters()
+                    if p.requires_grad) if training else 0
     world = max(1, engine.dp_world_size)
     local = min(world, max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     def where(section: Any) -> Any:  # "cpu" / "nvme", or None when not offloaded
@@ -175,7 +180,7 @@ def _check_fits(engine: Any, stage: int, basic: Any, zero_cfg: Any) -> None:
                                   fit_check.optimizer_state_bytes(basic),
                                   off_opt, off_par if stage >= 3 else None)
     fit_check.check(need, stage, params, fit_check.device_capacity(torch.device(engine.device)),
-                    fit_check.host_capacity())
+                    fit_check.host_capacity(), off_opt, off_par if stage >= 3 else None)
 
 
 def _store_args(engine: Any, zero_cfg: Any) -> dict:
@@ -187,6 +192,7 @@ def configure_zero3_params(engine: Any, config: Any) -> Any:
     from deepspeed_c.runtime.zero.stage3 import Zero3Params
 
     zero_cfg = config.zero_config
+    _check_fits(engine, 3, None, zero_cfg, training=False)
     if zero_cfg.mics_shard_size > 0:
         from deepspeed_c.runtime.zero.mics import mics_zero3_params
 
