@@ -65,6 +65,10 @@ class MixedPrecisionOptimizer(EngineOptimizer):
         self.epilogue = AdamEpilogue.for_optimizer(optimizer, device)
         self._launched: list = []  # the epilogue counters of the harvested step's launch
         self.harvest = self._harvest(graph_harvesting)
+        from deepspeed_c.runtime.optimizer_roles import deepspeed_role
+
+        # the class DeepSpeed's engine would have built here, which its names answer isinstance from
+        self.deepspeed_role = deepspeed_role(optimizer, low_precision_dtype, self.grad_accum_dtype)
 
     def _harvest(self, on: bool) -> Optional[Any]:
         """graph_harvesting's recorded step (runtime/graph_harvesting.py), where this step can be one."""
@@ -124,6 +128,13 @@ class MixedPrecisionOptimizer(EngineOptimizer):
     @property
     def dynamic_loss_scale(self) -> bool:
         return isinstance(self.loss_scaler, DynamicLossScaler)
+
+    @property
+    def loss_scale_config(self) -> Any:
+        """DeepSpeed 0.19.8's LossScaleConfig fields, read live."""
+        from deepspeed_c.runtime.fp16.loss_scale_view import LossScaleView
+
+        return LossScaleView(self)
 
     # -- DeepSpeed's BF16_Optimizer names a client's own backward pass calls (Megatron-DeepSpeed's zero-bubble
     # passes, when the PipelineEngine's using_bf16_optimizer says so: fp32 accumulation) --------------------------

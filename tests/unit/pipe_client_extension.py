@@ -204,8 +204,10 @@ def body(rank: int, world: int) -> dict:
             S.TrainSchedule = sched
             engine = build(2, 0, bf16=True)
             engine.train_batch(data_iter=iter(_data(1)[0]))
-            out[f"bf16_{name}"] = (engine.using_bf16_optimizer, [m.detach().double().numpy().copy()
-                                                                 for g in engine.optimizer.fp32_groups for m in g])
+            from deepspeed_c.runtime.bf16_optimizer import BF16_Optimizer  # DeepSpeed's class there
+
+            out[f"bf16_{name}"] = (engine.using_bf16_optimizer and isinstance(engine.optimizer, BF16_Optimizer),
+                                   [m.detach().double().numpy().copy() for g in engine.optimizer.fp32_groups for m in g])
 
         class Unknown(S.PipeInstruction):
             pass

@@ -134,6 +134,8 @@ class DeepSpeedZeroOptimizer(EngineOptimizer):
                 setattr(p, OWNER_ATTR, (weakref.ref(self), g, i))
         self.partition_numels = [m.numel() for m in self.fp32_partitions]  # masters may be emptied (NVMe)
         accumulate_fp32 = accumulate_fp32 and stage == 1
+        # DeepSpeed builds its BF16_Optimizer for this case (runtime/optimizer_roles.py answers isinstance from it)
+        self.deepspeed_role: Optional[str] = "BF16_Optimizer" if accumulate_fp32 else None
         # the offload path first: its side stream and per-bucket host copy are the partitioner's from the start
         self.offload: Optional[CPUOffload] = None
         if offload_device == "cpu":
