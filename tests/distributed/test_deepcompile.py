@@ -34,6 +34,9 @@ from tests.harness import backend_choice, rank_device, run_distributed
 STEPS = 20  # bf16 cases: the tolerance holds over this many steps
 EXACT_STEPS = 6  # fp32 cases compare with the eager engine exactly: a few steps show the updates are seen
 BF16_ATOL = 2e-2
+# bf16 weights after training: |compiled - eager| below this share of |eager - initial| (observed at most 0.04,
+# LLaMA through inductor; an engine whose updates were lost gives about 1)
+WEIGHT_RATIO = 0.2
 
 
 class Case(NamedTuple):
@@ -137,7 +140,8 @@ def _run_case(rank: int, world: int, c: Case, backend: str, root: str) -> dict:
     micro = batches(c.steps * c.gas, 2 * world, seed=3)
     torch.manual_seed(0)
     eager = _engine(c.kind, c.stage, c.precision, c.ckpt, c.gas, False)
-    res: dict[str, Any] = {"ref": _train(eager, rank, micro), "ref_w": _weights(eager)}
+    init_w = _weights(eager)
+    res: dict[str, Any] = {"init_w": init_w, "ref": _train(eager, rank, micro), "ref_w": _weights(eager)}
     res["ref_eval"] = _evaluate(eager, rank) if c.evaluate else None
     if c.stage == 3 and not c.deepcompile:
         res["eager_hooks"] = _hook_state(eager)  # before anything compiles
@@ -265,7 +269,12 @@ def check_losses(res: list[dict], bf16: bool, fused: bool = False) -> None:
             rel = np.linalg.norm(r["got_w"] - r["ref_w"]) / np.linalg.norm(r["ref_w"])
             assert rel < tol, rel
             np.testing.assert_allclose(r["got_eval"], r["ref_eval"], rtol=tol)
-        assert not np.allclose(r["ref_w"], r["got_w"] * 0)  # it trained (weights present)
+        # both engines trained, and to the same weights: the compiled engine's are far closer to the eager
+        # engine's than either is to the initial ones (a compiled engine whose updates were lost would not be;
+        # bf16 losses alone may move less than their tolerance over these steps)
+        moved = np.linalg.norm(r["ref_w"] - r["init_w"])
+        apart = np.linalg.norm(r["got_w"] - r["ref_w"])
+        assert moved > 0 and apart < WEIGHT_RATIO * moved, (apart, moved)
 
 
 def check_graph_ops(res: list[dict]) -> None:
