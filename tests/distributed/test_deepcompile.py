@@ -65,6 +65,7 @@ CASES: dict[str, Case] = {
     "bf16_z3_llama": Case("llama", 3, True),
     # compile.deepcompile at ZeRO-1: torch.compile with the bucketed reduction after the compiled backward
     "bf16_z1_llama": Case("llama", 1, True),
+    "bf16_z2_llama": Case("llama", 2, True),  # ZeRO-2: the same path, the reduce-scatter after the backward
     "fp16_z3": Case("gpt", 3, "fp16", ckpt=False, steps=8),
     # data-dependent control flow: dynamo breaks the graph, the numbers stay exact, the log says it once
     "graph_break": Case("branchy", 3, False, ckpt=False, gas=1, steps=EXACT_STEPS, evaluate=True),
@@ -303,13 +304,13 @@ def test_zero3_checkpoint_resume(runs: dict) -> None:
         np.testing.assert_allclose(r["resumed"], whole, rtol=1e-6 if backend_choice() == "nccl" else 0, atol=0)
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_bf16_accumulation_checkpointing_matches_eager(runs: dict, stage: int) -> None:
     res = case_results(runs, f"bf16_z{stage}_llama")
     check_losses(res, bf16=True)
     if stage == 3:
         check_graph_ops(res)
-    else:  # ZeRO-1 keeps its bucketed reduction after the compiled backward
+    else:  # ZeRO-1 and 2 keep their bucketed reduction after the compiled backward
         assert all(r["compiled"] and not r["active"] for r in res)
 
 
