@@ -1,6 +1,6 @@
 """Domino (deepspeed.runtime.domino) against the unsplit, unsharded transformer computed in float64.
 
-One 4-rank gloo launch:
+One 4-rank gloo launch (and a 2-rank one, where the TP pair is the whole world):
 - TP 2 (two tensor-parallel pairs, each with its own data) and TP 4: Domino's output and every gradient
   (each parameter's shard, and the input's) equal the float64 reference at fp32 (relative 1e-5): the
   inter-layer schedule (default), the intra-layer one with post-LayerNorm residuals, activation
@@ -209,3 +209,28 @@ def test_domino_matches_unsplit_reference():
         assert bad["heads"].startswith("ValueError") and "num_attention_heads (2)" in bad["heads"], bad
         assert bad["no_mpu"].startswith("ValueError") and "mpu is None" in bad["no_mpu"], bad
         assert "get_tensor_model_parallel_group" in bad["mpu_without_tp"], bad
+
+
+def body_two(rank: int, world: int) -> dict:
+    """World 2: the tensor-parallel group is every rank (TP 2 x DP 1)."""
+    mpu2 = dm.MPU(2)
+    out = {
+        "tp2_inter": _parity(mpu2, 2, 30),
+        "tp2_intra_post_ln": _parity(mpu2, 2, 30, post_ln=True, domino_intra_layer_overlap=True),
+        "tp2_recompute": _parity(mpu2, 2, 30, recompute_granularity="full"),
+        "tp2_padding": _parity(mpu2, 2, 30, padding=True),
+    }
+    out["engine"] = _engine_training(mpu2)
+    return out
+
+
+def test_domino_matches_unsplit_reference_on_two_ranks():
+    """The same fp32 parity on 2 gloo ranks (the issue's bar names 2 and 4): Domino's output and gradients
+    against the float64 unsplit model, and ZeRO-1 training beside TP (data-parallel size 1) against float64
+    single-process Adam."""
+    for rank, r in enumerate(run_distributed(body_two, world_size=2, timeout=240)):
+        for key in ("tp2_inter", "tp2_intra_post_ln", "tp2_recompute", "tp2_padding"):
+            assert r[key] < 1e-5, (rank, key, r[key])
+        eng = r["engine"]
+        assert eng["dp"] == 1, eng
+        assert eng["loss_err"] < 1e-5 and eng["weight_err"] < 1e-5, (rank, eng)

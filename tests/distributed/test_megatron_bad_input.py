@@ -1,6 +1,7 @@
 """Bad client mpus are refused at initialize with errors that name the problem (issue 54), 4 gloo ranks:
 a missing protocol method (named), data-parallel groups that do not partition the world, sizes whose
-product is not the world size, and a model-parallel axis wider than the tensor axis (pipeline stages in
+product is not the world size, stated data-parallel ranks that are not the ranks in the stated groups, and a
+model-parallel axis wider than the tensor axis (pipeline stages in
 the engine's mpu); and, not built, MoE layers with tensor parallelism and node-local checkpoint storage
 with mp_rank files. Every rank raises (no rank is left waiting in a collective)."""
 from __future__ import annotations
@@ -30,6 +31,13 @@ class Overlapping(mm.MegatronMPU):
 class WrongSizes(mm.MegatronMPU):
     def get_data_parallel_world_size(self) -> int:
         return 1
+
+
+class DataRankZero(mm.MegatronMPU):
+    """Every rank says it is data-parallel rank 0: ranks 2 and 3 would write rank 0's zero_pp_rank_0 files."""
+
+    def get_data_parallel_rank(self) -> int:
+        return 0
 
 
 class PipeInMpu(mm.MegatronMPU):
@@ -64,7 +72,8 @@ def body(rank: int, world: int, tmp: str) -> dict:
            "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
     out = {}
     for name, make in (("missing", lambda: NoDataRank(tp=2)), ("overlap", Overlapping),
-                       ("sizes", lambda: WrongSizes(tp=2)), ("pipe", lambda: PipeInMpu(tp=2))):
+                       ("sizes", lambda: WrongSizes(tp=2)), ("pipe", lambda: PipeInMpu(tp=2)),
+                       ("rank", lambda: DataRankZero(tp=2))):
         mpu = make()
         try:
             deepspeed_c.initialize(model=mm.MegatronGPT(mpu.context()), config=cfg, mpu=mpu)
@@ -100,6 +109,9 @@ def test_bad_mpus_are_refused_naming_the_problem(tmp_path):
         assert kind == "ValueError" and "do not partition the world" in msg, msg
         kind, msg = r["sizes"]
         assert kind == "ValueError" and "data-parallel size 1 x model-parallel size 2 = 2, but the world size is 4" in msg
+        kind, msg = r["rank"]  # found on ranks 2 and 3, raised on every rank
+        assert kind == "ValueError" and "mpu.get_data_parallel_rank() is 0 on rank 2" in msg, msg
+        assert "its rank in mpu.get_data_parallel_group() is 1" in msg, msg
         kind, msg = r["pipe"]
         assert kind == "NotImplementedError" and "PipelineModule" in msg, msg
         kind, msg = r["moe"]

@@ -19,7 +19,9 @@ ZENFLOW = "zero_optimization.zenflow"
 
 
 class ZenFlowConfig(DeepSpeedConfigModel):
-    topk_ratio: float = Field(0.1, ge=0.0, le=1.0)  # share of each matrix's columns stepped on the device
+    # share of each matrix's columns stepped on the device; open interval as in DeepSpeed: 0 would select no column
+    # (ZenFlow without its device step), 1 every column (nothing left for the host)
+    topk_ratio: float = Field(0.1, gt=0.0, lt=1.0)
     select_strategy: str = "auto"  # auto, step, epoch
     select_interval: Union[str, int] = "auto"
     update_interval: Union[str, int] = "auto"  # steps between applications of the accumulated gradient

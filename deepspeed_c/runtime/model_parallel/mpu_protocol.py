@@ -5,8 +5,8 @@ Megatron's parallel_state adds `get_tensor_model_parallel_*` (the tensor-slicing
 `get_model_parallel_*` may span pipeline x tensor) and `get_pipeline_model_parallel_*`. Which of those
 an mpu has is probed here, once, into a frozen MPUReading; the engine's ParallelDims is built from it.
 The checks DeepSpeed leaves to a hang or to silently wrong training raise here, at initialize: a
-missing method (named), data-parallel groups that do not partition the world, and data x model sizes
-that do not multiply to the world size."""
+missing method (named), data-parallel groups that do not partition the world, data x model sizes
+that do not multiply to the world size, and stated ranks that are not the ranks in the stated groups."""
 from __future__ import annotations
 
 import dataclasses
@@ -76,6 +76,7 @@ def read_mpu(mpu: Any, world_size: int, rank: int) -> MPUReading:
         sequence=int(_call(mpu, "get_sequence_parallel_world_size") or 1))
     try:
         _check_sizes(reading, world_size)
+        _check_ranks(reading, world_size)
         problem = None
     except ValueError as e:  # raised on every rank below, so none is left waiting in the gather
         problem = str(e)
@@ -98,6 +99,21 @@ def _check_sizes(r: MPUReading, world_size: int) -> None:
         if size < 1 or not 0 <= rank < size:
             raise ValueError(f"initialize(mpu=...): mpu.get_{name}_parallel_world_size() is {size} and "
                              f"mpu.get_{name}_parallel_rank() is {rank}; a rank must lie in [0, size)")
+
+
+def _check_ranks(r: MPUReading, world_size: int) -> None:
+    """The ranks the mpu states must be this process's ranks in the groups it returns: ZeRO shards by the
+    group rank while the data loader and the zero_pp_rank_{D} / mp_rank_{XX} checkpoint names use the mpu's,
+    so a mismatch would feed ranks the same samples or write two ranks' state to one file."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != world_size:
+        return
+    for name, group, stated in (("data", r.data_group, r.data_rank), ("tensor_model", r.tensor_group, r.tensor_rank)):
+        actual = dist.get_rank() if group is None or group is dist.group.WORLD else dist.get_rank(group=group)
+        if actual >= 0 and actual != stated:  # -1: not a member, which _check_groups names
+            raise ValueError(f"initialize(mpu=...): mpu.get_{name}_parallel_rank() is {stated} on rank "
+                             f"{dist.get_rank()}, but its rank in mpu.get_{name}_parallel_group() is {actual}")
 
 
 def _group_ranks(group: Any, world_size: int) -> list[int]:
