@@ -488,6 +488,8 @@ int64_t dsc_aio_submit(dsc_aio_ctx *ctx, int is_write, int is_async, void *buf, 
     op->id = ctx->next_id++;
     while (ctx->n_open >= ctx->max_open) pthread_cond_wait(&ctx->done_cv, &ctx->mu);
     ctx->n_open++;
+    /* ops finished (their descriptors closed) before this open attempt */
+    int64_t seen = ctx->stats.ops_completed;
     pthread_mutex_unlock(&ctx->mu);
     for (;;) {
         int open_errno;
@@ -495,12 +497,14 @@ int64_t dsc_aio_submit(dsc_aio_ctx *ctx, int is_write, int is_async, void *buf, 
         op->failed = 1; /* removes a temporary already created, closes what was opened */
         finish_files(op);
         pthread_mutex_lock(&ctx->mu);
-        /* out of descriptors while this context's queued ops hold some: retry once one of them is done
-         * (the failed open created nothing: no temporary, no descriptor) */
-        int retry = (open_errno == EMFILE || open_errno == ENFILE) && ctx->n_queued > 0;
+        /* out of descriptors while this context's ops hold some: retry once one of them is done (the failed
+         * open created nothing: no temporary, no descriptor). One may have finished between the failed open
+         * and this lock, leaving none queued: its closed descriptors are free now, so retry at once. */
+        int retry = (open_errno == EMFILE || open_errno == ENFILE) &&
+                    (ctx->n_queued > 0 || ctx->stats.ops_completed != seen);
         if (retry) {
-            int64_t before = ctx->stats.ops_completed;
-            while (ctx->stats.ops_completed == before) pthread_cond_wait(&ctx->done_cv, &ctx->mu);
+            while (ctx->stats.ops_completed == seen) pthread_cond_wait(&ctx->done_cv, &ctx->mu);
+            seen = ctx->stats.ops_completed;
             op->failed = 0;
             op->err[0] = 0;
         } else {
