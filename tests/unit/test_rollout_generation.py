@@ -134,6 +134,16 @@ def test_sampled_tokens_lie_in_the_reference_top_k(setup: tuple) -> None:
     assert bool((top == out.input_ids[:, 6:, None]).any(-1).all())
     profile = rollout.get_last_profile()
     assert profile["num_generated_tokens"] == 6 * NEW and profile["num_samples_per_prompt"] == 2
+    assert (profile["batch_size"], profile["prompt_length"], profile["response_length"]) == (3, 6, NEW)
+    # the model that generated (the fused copy or the training module) ran one prefill and NEW - 1 decodes
+    assert profile["num_decode_forwards"] == NEW - 1
+    assert profile["prefill_forward_ms"] > 0 and profile["decode_forward_ms"] > 0
+    assert profile["generation_ms"] >= profile["prefill_forward_ms"] + profile["decode_forward_ms"]
+    assert set(profile) == {"prompt_expansion_ms", "generation_ms", "prefill_forward_ms", "decode_forward_ms",
+                            "generation_overhead_ms", "num_decode_forwards", "post_processing_ms", "total_ms",
+                            "num_generated_tokens", "tokens_per_second", "batch_size", "num_samples_per_prompt",
+                            "prompt_length", "response_length"}
+    assert HybridEngineRollout(engine, Tok()).get_last_profile() is None
 
 
 def test_bad_input_is_named() -> None:

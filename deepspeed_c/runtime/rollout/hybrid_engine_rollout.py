@@ -10,6 +10,7 @@ Not built in deepspeed_c (each raises NotImplementedError naming its knob when i
 (`use_graph_capture`) and shared prompt prefill (`use_shared_prefill`, n_samples_per_prompt > 1)."""
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -18,6 +19,7 @@ import torch
 
 from deepspeed_c.runtime.rollout import continuous_rollout
 from deepspeed_c.runtime.rollout.base import RolloutBatch, RolloutEngine, RolloutRequest, SamplingConfig
+from deepspeed_c.runtime.rollout.rollout_profile import ForwardTimer, profile_dict
 from deepspeed_c.runtime.rollout.sampling_utils import (pad_after_eos, pad_token_id_of, rollout_attention,
                                                         sample_top_p)
 
@@ -68,33 +70,50 @@ class HybridEngineRollout(RolloutEngine):
         cbs = getattr(sampling, "continuous_batch_size", None)
         if isinstance(cbs, int) and not isinstance(cbs, bool):  # SamplingConfig validated it
             return self._generate_continuous(request, sampling, cbs)
-        t0 = time.perf_counter()
         pad = pad_token_id_of(self.tokenizer)
+        greedy = sampling.temperature <= 0.0
         n = sampling.n_samples_per_prompt
-        prompts, prompt_mask = request.prompt_ids, request.prompt_attention_mask
-        if n > 1:  # the samples of one prompt are adjacent rows
-            prompts, prompt_mask = prompts.repeat_interleave(n, dim=0), prompt_mask.repeat_interleave(n, dim=0)
         if self.use_shared_prefill and n > 1:
             raise NotImplementedError("deepspeed_c: HybridEngineRolloutConfig.use_shared_prefill (one prefill "
                                       "shared by a prompt's samples) is not built; leave it False")
-        greedy = sampling.temperature <= 0.0
+        marks: dict[str, float] = {}
+        accelerator = self._mark(marks, "start")
+        prompts, prompt_mask = request.prompt_ids, request.prompt_attention_mask
+        if n > 1:  # the samples of one prompt are adjacent rows
+            prompts, prompt_mask = prompts.repeat_interleave(n, dim=0), prompt_mask.repeat_interleave(n, dim=0)
+        self._mark(marks, "expanded")
         module = self.engine.module
-        t1 = time.perf_counter()
-        if self.use_graph_capture and greedy:
-            output_ids = self._generate_graph(prompts, prompt_mask, sampling.max_new_tokens, pad, module,
-                                              prompts.device)
-        else:
-            output_ids = module.generate(prompts, **self._generate_kwargs(sampling, prompt_mask, pad))
-        t2 = time.perf_counter()
+        timer = ForwardTimer(accelerator) if accelerator is not None and not (self.use_graph_capture and greedy) \
+            else None
+        with timer if timer is not None else contextlib.nullcontext():
+            if self.use_graph_capture and greedy:
+                output_ids = self._generate_graph(prompts, prompt_mask, sampling.max_new_tokens, pad, module,
+                                                  prompts.device)
+            else:
+                output_ids = module.generate(prompts, **self._generate_kwargs(sampling, prompt_mask, pad))
+        self._mark(marks, "generated")
         prompt_len = request.prompt_ids.shape[1]
         output_ids, response_mask = pad_after_eos(output_ids, prompt_len, self.tokenizer.eos_token_id, pad)
         batch = RolloutBatch(input_ids=output_ids,
                              attention_mask=rollout_attention(output_ids, prompt_mask, response_mask),
                              response_start_idx=torch.full((output_ids.shape[0], ), prompt_len, dtype=torch.long,
                                                            device=prompts.device))
-        if self.enable_profiling:
-            self._last_profile = self._profile(t0, t1, t2, time.perf_counter(), batch, request, n)
+        if accelerator is not None:
+            self._mark(marks, "done")
+            self._last_profile = profile_dict(marks, timer, batch.batch_size, batch.seq_len - prompt_len,
+                                              int(request.prompt_ids.shape[0]), n, prompt_len)
         return batch
+
+    def _mark(self, marks: dict[str, float], name: str) -> Any:
+        """With enable_profiling: waits for the device and records the host time; returns the accelerator."""
+        if not self.enable_profiling:
+            return None
+        from deepspeed_c.accelerator import get_accelerator
+
+        accelerator = get_accelerator()
+        accelerator.synchronize()
+        marks[name] = time.perf_counter()
+        return accelerator
 
     @staticmethod
     def _generate_kwargs(sampling: SamplingConfig, prompt_mask: torch.Tensor, pad: int) -> dict[str, Any]:
@@ -159,25 +178,9 @@ class HybridEngineRollout(RolloutEngine):
     def _sample_top_p(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
         return sample_top_p(logits, temperature, top_p)
 
-    # -- profiling -----------------------------------------------------------------------------------------
-    @staticmethod
-    def _profile(t0: float, t1: float, t2: float, t3: float, batch: RolloutBatch, request: RolloutRequest,
-                 n: int) -> dict[str, Any]:
-        """Host-timer split of the last generate (DeepSpeed's keys; the per-forward prefill/decode split is
-        not measured here: None)."""
-        total_ms = (t3 - t0) * 1000.0
-        response_len = batch.seq_len - int(request.prompt_ids.shape[1])
-        tokens = batch.batch_size * response_len
-        return {"prompt_expansion_ms": (t1 - t0) * 1000.0, "generation_ms": (t2 - t1) * 1000.0,
-                "prefill_forward_ms": None, "decode_forward_ms": None,
-                "generation_overhead_ms": (t2 - t1) * 1000.0, "num_decode_forwards": 0,
-                "post_processing_ms": (t3 - t2) * 1000.0, "total_ms": total_ms, "num_generated_tokens": tokens,
-                "tokens_per_second": tokens / (total_ms / 1000.0) if total_ms > 0 else 0.0,
-                "batch_size": int(request.prompt_ids.shape[0]), "num_samples_per_prompt": n,
-                "prompt_length": int(request.prompt_ids.shape[1]), "response_length": response_len}
-
+    # -- results of the last generate -------------------------------------------------------------------
     def get_last_profile(self) -> Optional[dict[str, Any]]:
-        """The last generate's timing split (enable_profiling), else None."""
+        """The last generate's timing split (enable_profiling; rollout_profile.py), else None."""
         return self._last_profile
 
     def get_last_continuous_stats(self) -> Optional[dict[str, Any]]:
