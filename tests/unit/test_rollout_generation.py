@@ -116,7 +116,34 @@ def test_continuous_batching_equals_per_prompt_greedy(setup: tuple) -> None:
     width = int(mask[:, 6:].sum(dim=1).max())  # the batch is as wide as its longest response
     assert torch.equal(out.input_ids, ids[:, :6 + width]) and torch.equal(out.attention_mask, mask[:, :6 + width])
     stats = rollout.get_last_continuous_stats()
-    assert max(stats["active_batch_sizes"]) == 2 and stats["num_generated_tokens"] == int(mask[:, 6:].sum())
+    lengths = mask[:, 6:].sum(dim=1).tolist()
+    sizes, decode_steps = _simulate(lengths, 2)
+    assert stats["active_batch_sizes"] == sizes and stats["decode_steps"] == decode_steps
+    assert stats["num_generated_tokens"] == sum(lengths) and stats["end_to_end_ms"] is None
+    assert stats["trim_count"] == 0 and stats["peak_cache_length"] == 6 + max(lengths) - 1
+    profiled = HybridEngineRollout(engine, Tok(pad=0, eos=eos), HybridEngineRolloutConfig(enable_profiling=True))
+    again = profiled.generate(req, SamplingConfig(NEW, temperature=0.0, continuous_batch_size=2))
+    assert torch.equal(again.input_ids, out.input_ids)
+    profile = profiled.get_last_profile()
+    assert profile["continuous_batch_size"] == 2 and profile["active_batch_size"] == 2
+    assert profile["num_decode_forwards"] == decode_steps and profile["response_length"] == max(lengths)
+    assert profile["decode_forward_ms"] > 0 and profiled.get_last_continuous_stats()["end_to_end_ms"] > 0
+
+
+def _simulate(lengths: list[int], slots: int) -> tuple[list[int], int]:
+    """FIFO rows of the given response lengths through `slots` rows: the active size of each step, and the
+    number of steps in which some row was already generating (DeepSpeed's decode_steps)."""
+    queue, active, sizes, decode_steps = list(range(len(lengths))), [], [], 0
+    done = {i: 0 for i in queue}
+    while queue or active:
+        while len(active) < slots and queue:
+            active.append(queue.pop(0))
+        sizes.append(len(active))
+        decode_steps += any(done[i] > 0 for i in active)
+        for i in active:
+            done[i] += 1
+        active = [i for i in active if done[i] < lengths[i]]
+    return sizes, decode_steps
 
 
 def test_sampled_tokens_lie_in_the_reference_top_k(setup: tuple) -> None:

@@ -82,13 +82,19 @@ def _step(module: Any, rows: list[tuple[torch.Tensor, torch.Tensor]], penalty: f
 
 def generate(module: Any, request: RolloutRequest, sampling: SamplingConfig, max_batch_size: int,
              eos_ids: Optional[torch.Tensor], pad_token_id: int) -> tuple[RolloutBatch, dict[str, Any]]:
+    """Runs the schedule; returns the batch and counters named as DeepSpeed's: decode_steps (steps that extended
+    rows already generating), num_prefill_forwards (steps that started admitted rows; one forward can be both),
+    peak_cache_length (the widest row sequence a forward saw), active_batch_sizes, prefill_only (per step),
+    num_generated_tokens and response_lengths."""
     prompts, prompt_mask = request.prompt_ids, request.prompt_attention_mask
     penalty = getattr(getattr(module, "generation_config", None), "repetition_penalty", None) or 1.0
     scheduler = ContinuousBatchScheduler(max_batch_size, sampling.max_new_tokens)
     for row in range(prompts.shape[0]):
         scheduler.submit(ContinuousBatchRequest(row))
     responses: dict[int, list[int]] = {row: [] for row in range(prompts.shape[0])}
-    stats: dict[str, Any] = {"decode_steps": 0, "active_batch_sizes": []}
+    stats: dict[str, Any] = {"decode_steps": 0, "num_prefill_forwards": 0, "peak_cache_length": prompts.shape[1],
+                             "active_batch_sizes": [], "prefill_only": []}
+    eos = set() if eos_ids is None else set(eos_ids.tolist())
     update = scheduler.schedule()
     while update.active:
         active = list(update.active_ids)
@@ -98,14 +104,19 @@ def generate(module: Any, request: RolloutRequest, sampling: SamplingConfig, max
             rows.append((torch.cat([prompts[rid], tail]),
                          torch.cat([prompt_mask[rid].long(), torch.ones_like(tail, dtype=torch.long)])))
         tokens = _step(module, rows, float(penalty))
-        stats["decode_steps"] += 1
+        stats["decode_steps"] += int(len(update.admitted) < len(active))
+        stats["num_prefill_forwards"] += int(bool(update.admitted))
+        stats["peak_cache_length"] = max(stats["peak_cache_length"], max(ids.shape[0] for ids, _ in rows))
         stats["active_batch_sizes"].append(len(active))
+        stats["prefill_only"].append(len(update.admitted) == len(active))  # the step decoded no running row
         finished = []
         for rid, token in zip(active, tokens.tolist()):
             responses[rid].append(token)
-            if eos_ids is not None and token in eos_ids.tolist():
+            if token in eos:
                 finished.append(rid)
         update = scheduler.advance(finished)
+    stats["num_generated_tokens"] = sum(len(r) for r in responses.values())
+    stats["response_lengths"] = [len(responses[row]) for row in range(prompts.shape[0])]
     return _assemble(request, responses, pad_token_id), stats
 
 

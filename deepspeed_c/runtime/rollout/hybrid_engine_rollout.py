@@ -19,7 +19,8 @@ import torch
 
 from deepspeed_c.runtime.rollout import continuous_rollout
 from deepspeed_c.runtime.rollout.base import RolloutBatch, RolloutEngine, RolloutRequest, SamplingConfig
-from deepspeed_c.runtime.rollout.rollout_profile import ForwardTimer, profile_dict
+from deepspeed_c.runtime.rollout.rollout_profile import (ForwardTimer, continuous_profile, continuous_stats,
+                                                         profile_dict)
 from deepspeed_c.runtime.rollout.sampling_utils import (pad_after_eos, pad_token_id_of, rollout_attention,
                                                         sample_top_p)
 
@@ -155,17 +156,21 @@ class HybridEngineRollout(RolloutEngine):
                                          self.continuous_cache_capacity)
         eos = self.tokenizer.eos_token_id
         eos_ids = None if eos is None else torch.as_tensor(eos).reshape(-1)
-        t0 = time.perf_counter()
+        marks: dict[str, float] = {}
+        accelerator = self._mark(marks, "start")
         was_training = module.training
-        module.eval()  # DeepSpeed's rollout runs inside the trainer's eval(); no dropout in greedy decode
+        module.eval()  # no dropout in greedy decode; the trainer's mode comes back below
         try:
-            batch, stats = continuous_rollout.generate(module, request, sampling, max_batch_size, eos_ids,
-                                                       pad_token_id_of(self.tokenizer))
+            with ForwardTimer(accelerator) if accelerator is not None else contextlib.nullcontext() as timer:
+                batch, counters = continuous_rollout.generate(module, request, sampling, max_batch_size, eos_ids,
+                                                              pad_token_id_of(self.tokenizer))
         finally:
             module.train(was_training)
-        stats["total_ms"] = (time.perf_counter() - t0) * 1000.0
-        stats["num_generated_tokens"] = int(batch.attention_mask[:, request.prompt_ids.shape[1]:].sum())
-        self._last_continuous_stats = stats
+        self._mark(marks, "generated")
+        self._last_continuous_stats = continuous_stats(counters, marks)
+        if accelerator is not None:
+            self._mark(marks, "done")
+            self._last_profile = continuous_profile(marks, timer, counters, batch, max_batch_size)
         return batch
 
     # -- helpers kept under DeepSpeed's names ------------------------------------------------------------
@@ -184,7 +189,7 @@ class HybridEngineRollout(RolloutEngine):
         return self._last_profile
 
     def get_last_continuous_stats(self) -> Optional[dict[str, Any]]:
-        """Statistics of the last continuous-batching generate (decode steps, active batch sizes), else None."""
+        """Statistics of the last continuous-batching generate (DeepSpeed's keys; rollout_profile.py), else None."""
         return self._last_continuous_stats
 
     def sync_weights(self, step: int) -> None:
