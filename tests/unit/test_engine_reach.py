@@ -12,7 +12,10 @@ ENGINE_PACKAGE = "runtime/engine/"
 # Files exempt from the walk: none. runtime/pipe/executor.py (the pipeline instruction executor, owned by another
 # change) was to be exempt while it still drove the PipelineEngine it was handed; since bd2ac0d it takes narrow
 # inputs built by PipelineEngine._build_executor, so it is walked like every other file.
-ALLOWED_FILES: set[str] = set()
+# runtime/rollout/hybrid_engine_rollout.py is not a collaborator but a client of the engine, as a user's trainer is:
+# DeepSpeed's public signature is HybridEngineRollout(engine, tokenizer, cfg=None) (build_rollout passes engine=),
+# it keeps `rollout.engine`, and it only calls the engine's public face (engine.module.generate).
+ALLOWED_FILES: set[str] = {"runtime/rollout/hybrid_engine_rollout.py"}
 
 
 def _takes_engine(node: ast.AST) -> bool:
