@@ -369,6 +369,8 @@ class EngineCheckpointer:
         schedules = run_state.schedules_state(st.data_schedules)
         if schedules is not None:
             state[run_state.SCHEDULES_KEY] = schedules
+        if st.sparse_names is not None:
+            st.sparse_names.save_into(state)
         if st.has_moe_layers:
             from deepspeed_c.runtime.checkpointing.moe import autoep_layer_infos
 
@@ -487,6 +489,8 @@ class EngineCheckpointer:
             st.train_state.load_state_dict(state, samples_per_step=st.samples_per_step)
             run_state.restore(st.data_loader, state, tag_dir, manifest, *_rank_world())
             run_state.restore_schedules(st.data_schedules, state)
+            if st.sparse_names is not None:
+                st.sparse_names.restore(state, st.module, load_module_strict)
         elif st.has_optimizer and st.stepper is not None and self.options.load_universal:
             self._load_optimizer(st, saved, False)  # the weights are the universal fp32 values
         elif st.has_optimizer and st.stepper is not None:

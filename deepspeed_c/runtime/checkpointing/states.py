@@ -42,6 +42,7 @@ class CheckpointStates:
     mp_world_size: int = 1
     data_loader: Optional[Any] = None  # the training data loader, whose position is saved (run_state.py)
     data_schedules: Optional[Any] = None  # legacy curriculum / PLD state (run_state.py)
+    sparse_names: Optional[Any] = None  # sparse_gradients' names (runtime/sparse_names.py)
 
     @property
     def has_moe_layers(self) -> bool:

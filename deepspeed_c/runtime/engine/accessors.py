@@ -257,6 +257,16 @@ class EngineConfigAccessors:
     def postscale_gradients(self) -> bool:
         return not self._config.prescale_gradients
 
+    @property
+    def sparse_tensor_module_names(self) -> set:
+        """DeepSpeed 0.19.6's set of "<module>.weight" names exchanged as sparse rows (sparse_gradients on),
+        restored by load_checkpoint (runtime/sparse_names.py)."""
+        return self.sparse_names.names
+
+    @sparse_tensor_module_names.setter
+    def sparse_tensor_module_names(self, value: Any) -> None:
+        self.sparse_names.replace(value)
+
     # -- parallel layout (DeepSpeed's engine attributes, read from the one ParallelDims) ---------------
     @property
     def mp_world_size(self) -> int:

@@ -144,6 +144,9 @@ class DeepSpeedEngine(Module, EngineConfigAccessors, EngineIO, TrainStateAttribu
             self._report_progress(0)
         self._configure_zero()
         self._configure_reducer()
+        from deepspeed_c.runtime.sparse_names import SparseTensorNames
+
+        self.sparse_names = SparseTensorNames(self.module, self.sparse_gradients_enabled())
         # OptimizedLinear base weights: LoRAConfig.offload_ratio parks them on the CPU (DeepSpeed's attributes); a
         # model can hold one only once deepspeed_c.linear is imported, so other models do not import it
         self.optimized_linear_lora_enabled = self.optimized_linear_base_weight_sharding = False

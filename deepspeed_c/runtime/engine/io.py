@@ -226,6 +226,7 @@ class EngineIO:
         stepper = stepper if stepper is not None else self.stepper
         return dict(module=self.module, module_state_dict=self.module_state_dict, stepper=stepper,
                     has_optimizer=self.optimizer is not None, lr_scheduler=self.lr_scheduler, reducer=self.reducer,
+                    sparse_names=self.__dict__.get("sparse_names"),
                     train_state=self.train_state, samples_per_step=self.train_batch_size(),
                     dp_world_size=self.dp_world_size, dp_rank=dp_rank, local_rank=int(self.local_rank),
                     **self._checkpoint_model_parallel(),
