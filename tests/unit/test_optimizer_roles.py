@@ -38,8 +38,9 @@ def _roles(opt) -> list[str]:
 
 
 def _step(engine) -> None:
-    x = torch.randn(2, 12, dtype=engine.module.net[0].weight.dtype)
-    engine.backward(loss_fn(engine(x), torch.randn(2, 3, dtype=x.dtype)))
+    w = engine.module.net[0].weight
+    x = torch.randn(2, 12, dtype=w.dtype, device=w.device)
+    engine.backward(loss_fn(engine(x), torch.randn(2, 3, dtype=x.dtype, device=w.device)))
     engine.step()
 
 

@@ -33,7 +33,7 @@ def _engine(sparse: bool):
 def test_names_follow_deepspeed_0_19_6_and_survive_a_checkpoint(tmp_path):
     engine = _engine(True)
     assert engine.sparse_tensor_module_names == {"emb.weight", "inner.0.weight"}
-    ids = torch.tensor([[1, 2, 3], [4, 5, 1]])
+    ids = torch.tensor([[1, 2, 3], [4, 5, 1]], device=engine.module.emb.weight.device)
     loss = engine(ids).square().mean()
     engine.backward(loss)
     engine.step()
