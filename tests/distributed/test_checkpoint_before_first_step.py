@@ -68,6 +68,16 @@ def save_body(rank: int, world: int, path: str, stage: int, client_adam: bool, h
 def load_body(rank: int, world: int, path: str, stage: int, client_adam: bool, hpz: int) -> tuple:
     engine = _engine(2, world, stage, client_adam, hpz)  # other initial weights: the load must replace them
     engine.load_checkpoint(path, tag="init", load_optimizer_states=True)
+    if stage == 3:  # the loaded shards, read as DeepSpeed's TestZeROPPLoadCheckpoint reads them
+        from deepspeed_c.runtime.zero.partition_parameters import ZeroParamStatus
+
+        params = [p for p in engine.module.parameters() if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+        assert params, "stage 3 with persistence threshold 0 leaves every parameter partitioned"
+        params[0].all_gather_coalesced(params).wait()
+        saved = dict(_model(1).named_parameters())
+        for name, p in engine.module.named_parameters():
+            assert torch.equal(p.data.cpu(), saved[name].data), name
+        params[0].partition(params)
     return _train(engine, rank, world), _weights(engine)
 
 
