@@ -88,7 +88,7 @@ def restore_fp32_moments(optimizer: torch.optim.Optimizer, state_dict: dict[str,
     for saved_group, group in zip(state_dict.get("param_groups", []), optimizer.param_groups):
         for pid, p in zip(saved_group["params"], group["params"]):
             src = saved_state.get(pid)
-            if src is None or p not in optimizer.state:
+            if not src or p not in optimizer.state:  # an empty entry (saved before any step) is no state
                 continue
             dst = optimizer.state[p]
             for key in moments:

@@ -108,6 +108,18 @@ def test_eigenvalue_without_moq_warns_no_effect():
     assert c.eigenvalue_enabled and c.eigenvalue_config.max_iter == 5
 
 
+def test_zero3_elastic_checkpoint_is_deprecated_when_the_section_is_built():
+    from deepspeed_c.runtime.zero.config import DeepSpeedZeroConfig
+
+    # DeepSpeed warns from the section's validator, at stage 3 only
+    with pytest.warns(DeepSpeedConfigWarning, match="ZeRO-3 elastic checkpointing is deprecated"):
+        DeepSpeedZeroConfig(stage=3, elastic_checkpoint=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeepSpeedConfigWarning)
+        DeepSpeedZeroConfig(stage=2, elastic_checkpoint=True)
+        DeepSpeedZeroConfig(stage=3)
+
+
 def test_legacy_forms():
     with pytest.warns(DeepSpeedConfigWarning, match="deprecated"):
         c = DeepSpeedConfig(cfg(zero_optimization=False))

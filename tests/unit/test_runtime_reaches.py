@@ -30,7 +30,8 @@ TENSOR_API = {"grad", "data"}
 # tags of the same protocol, kept off DeepSpeed's names.
 PARAM_PROTOCOL_PREFIXES = ("ds_", "_dsc_")
 # (`comm`: MiCS's per-parameter groups, DeepSpeed's MiCS_Init sets param.comm)
-PARAM_PROTOCOL = {"all_gather", "partition", "partition_numel", "comm_dtype", "use_muon", "comm"}
+PARAM_PROTOCOL = {"all_gather", "all_gather_coalesced", "partition", "partition_numel", "comm_dtype", "use_muon",
+                  "comm"}
 # Public DeepSpeed protocol attributes set across objects, as DeepSpeed sets them:
 PROTOCOL_ATTRS = {
     # the engine tells its optimizer (a client's too) whether this micro-step ends accumulation

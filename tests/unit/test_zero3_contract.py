@@ -72,6 +72,14 @@ def test_placeholder_contract_from_the_library_side() -> None:
         p.partition()
         assert p.numel() == 0 and p.ds_status is ZeroParamStatus.NOT_AVAILABLE
         assert p.peft_tag == name
+    # DeepSpeed's coalesced form: called on one parameter, gathers the list it is given; the handle waits
+    params = list(model.parameters())
+    handle = params[0].all_gather_coalesced(params)
+    handle.wait()
+    for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        assert p.ds_status is ZeroParamStatus.AVAILABLE and torch.equal(p.data.cpu(), r.data), name
+    params[0].partition(params)
+    assert all(p.numel() == 0 and p.ds_status is ZeroParamStatus.NOT_AVAILABLE for p in params)
     model.fc1.weight.requires_grad_(False)  # freezing a placeholder works (PEFT)
     assert not model.fc1.weight.requires_grad
 

@@ -90,8 +90,12 @@ def test_offload_with_client_optimizer_needs_ds_cpu_optimizer():
     model = make_model("mlp", 0)
     config = cfg(2, zero_optimization=off)
     del config["optimizer"]
-    with pytest.raises(RuntimeError, match="zero_force_ds_cpu_optimizer"):
+    from deepspeed_c.runtime.zero.utils import ZeRORuntimeException
+
+    # DeepSpeed's exception class, importable from its path, and still a RuntimeError
+    with pytest.raises(ZeRORuntimeException, match="zero_force_ds_cpu_optimizer") as caught:
         deepspeed_c.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=config)
+    assert isinstance(caught.value, RuntimeError)
     model = make_model("mlp", 0)
     engine, *_ = deepspeed_c.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()),
                                         config=dict(config, zero_force_ds_cpu_optimizer=False))

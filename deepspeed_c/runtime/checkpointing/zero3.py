@@ -266,7 +266,8 @@ class Stage3Files:
                     entry[k] = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
                 else:
                     entry[k] = v
-            state[g] = entry
+            if entry:  # saved before the first step: no state, and an empty entry is no state to load
+                state[g] = entry
         base_groups = [dict({k: v for k, v in pg.items() if k != "params"}, params=[g])
                        for g, pg in enumerate(osd["optimizer_state_dict"]["param_groups"])]
         part = {

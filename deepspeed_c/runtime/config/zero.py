@@ -159,6 +159,12 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
         # not only through the config parser, as DeepSpeed's deprecated-field migration does
         if self.stage3_gather_fp16_weights_on_model_save:
             object.__setattr__(self, "gather_16bit_weights_on_model_save", True)
+        if self.stage == ZeroStageEnum.weights and self.elastic_checkpoint:
+            # DeepSpeed warns when the section is built, at stage 3 only (below it initialize names the key as
+            # having no effect, runtime/config/no_effect.py)
+            config_warning(f"Config key '{ZERO_OPTIMIZATION}.elastic_checkpoint': ZeRO-3 elastic checkpointing is "
+                           "deprecated; ZeRO-3 checkpoints reshard on load without it, and universal checkpoints "
+                           "(checkpoint.load_universal) carry them across parallel layouts")
         return self
 
 

@@ -27,11 +27,14 @@ def check_optimizer(basic: torch.optim.Optimizer, *, allow_untested: bool, requi
         from deepspeed_c.ops.cpu_optimizer_base import CPUOptimizerBase
 
         if not isinstance(basic, CPUOptimizerBase):
-            raise RuntimeError(f"You are using ZeRO-Offload with a client provided optimizer ({type(basic).__name__}) "
-                               f"which in most cases will yield poor performance. Please either use "
-                               f"deepspeed_c.ops.adam.DeepSpeedCPUAdam or set an optimizer in your ds-config. If you "
-                               f"really want to use a custom optimizer with ZeRO-Offload, set "
-                               f'<"zero_force_ds_cpu_optimizer": false> in your configuration file.')
+            from deepspeed_c.runtime.zero.utils import ZeRORuntimeException  # utils imports this module
+
+            raise ZeRORuntimeException(f"You are using ZeRO-Offload with a client provided optimizer "
+                                       f"({type(basic).__name__}) which in most cases will yield poor performance. "
+                                       f"Please either use deepspeed_c.ops.adam.DeepSpeedCPUAdam or set an optimizer "
+                                       f"in your ds-config. If you really want to use a custom optimizer with "
+                                       f'ZeRO-Offload, set <"zero_force_ds_cpu_optimizer": false> in your '
+                                       f'configuration file.')
 
 
 def offload_threads(zero_cfg: Any) -> Optional[int]:

@@ -5,10 +5,10 @@ A partitioned parameter stays the same `nn.Parameter` object; its data is an emp
 (`numel() == 0`) except while gathered, and it carries DeepSpeed's attributes: `ds_id`, `ds_numel`,
 `ds_shape`, `ds_status` (ZeroParamStatus), `ds_tensor` (this rank's shard, a view into the flat
 storage of runtime/zero/param_store.ParamStore), `ds_persist`, and the methods `all_gather()`,
-`partition()` and `partition_numel()`. Under `zero.Init` each module's own parameters are partitioned as soon as its
-constructor returns (broadcast from rank 0 first, so every rank holds the same model), so the whole
-model never exists on one rank; `deepspeed_c.initialize` then moves the shards into the engine's
-layout (runtime/zero/stage3.py)."""
+`all_gather_coalesced(params)`, `partition()` and `partition_numel()`. Under `zero.Init` each module's
+own parameters are partitioned as soon as its constructor returns (broadcast from rank 0 first, so every
+rank holds the same model), so the whole model never exists on one rank; `deepspeed_c.initialize` then
+moves the shards into the engine's layout (runtime/zero/stage3.py)."""
 from __future__ import annotations
 
 import functools
@@ -48,6 +48,7 @@ def adopt(store: ParamStore) -> None:
             if not hasattr(p, "ds_id"):
                 p.ds_id = next(_ds_ids)
                 p.all_gather = functools.partial(_param_all_gather, p)
+                p.all_gather_coalesced = functools.partial(_param_all_gather_coalesced, p)
                 p.partition = functools.partial(_param_partition, p)
                 p.partition_numel = functools.partial(_param_partition_numel, p)  # Lightning's model summary
             setattr(p, UNIT_ATTR, (store, u))
@@ -63,6 +64,22 @@ def adopt(store: ParamStore) -> None:
 def _param_all_gather(p: torch.nn.Parameter, param_list: Optional[list] = None, async_op: bool = False,
                       hierarchy: int = 0) -> None:
     _gather(param_list if param_list is not None else [p])
+
+
+class GatheredHandle:
+    """What `all_gather_coalesced` returns: the gather has completed by then (the store waits on it), so
+    wait() has nothing left to do; it is there for code written against DeepSpeed's asynchronous handle."""
+
+    def wait(self, handle_dependency: bool = True) -> None:
+        return None
+
+
+def _param_all_gather_coalesced(p: torch.nn.Parameter, params: Iterable[torch.nn.Parameter], safe_mode: bool = False,
+                                quantize: bool = False) -> GatheredHandle:
+    """DeepSpeed's `param.all_gather_coalesced(params)`: every parameter in `params` gathered (AVAILABLE
+    until `partition()`), whichever parameter the method is called on."""
+    _gather(list(params))
+    return GatheredHandle()
 
 
 def _param_partition_numel(p: torch.nn.Parameter) -> int:
