@@ -135,20 +135,14 @@ class aio_handle:  # noqa: N801  (DeepSpeed's class name)
         which costs nothing here since every buffer is usable)."""
         dtype = example_tensor.dtype
         nbytes = int(num_elem) * torch.empty((), dtype=dtype).element_size()
-        if torch.cuda.is_available():
-            # torch's pinned allocator places small blocks at any offset: O_DIRECT needs the page, so the
-            # block is over-allocated by one alignment and cut at the first aligned byte (zero copy)
-            t = host_empty(int(num_elem), dtype, pin=True)
-            if t.data_ptr() % ALIGNMENT:
-                raw = host_empty(nbytes + ALIGNMENT, torch.uint8, pin=True)
-                skip = (-raw.data_ptr()) % ALIGNMENT
-                t = raw[skip:skip + nbytes].view(dtype)
-            _locked[t.data_ptr()] = True
-            return t
-        raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8)
+        # over-allocated by one alignment and cut at the first aligned byte (zero copy): torch's pinned
+        # allocator, like its CPU one, places small blocks at any offset, and O_DIRECT needs the page
+        pinned = torch.cuda.is_available()
+        raw = host_empty(nbytes + ALIGNMENT, torch.uint8, pin=True) if pinned else \
+            torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8)
         skip = (-raw.data_ptr()) % ALIGNMENT
         t = raw[skip:skip + nbytes].view(dtype)
-        _locked[t.data_ptr()] = bool(_core.lock_memory(t, 1)) if nbytes else True
+        _locked[t.data_ptr()] = True if pinned or not nbytes else bool(_core.lock_memory(t, 1))
         return t
 
     def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> bool:
